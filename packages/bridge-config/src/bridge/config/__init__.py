@@ -1,0 +1,3 @@
+"""bridge.config."""
+
+__all__: list[str] = []

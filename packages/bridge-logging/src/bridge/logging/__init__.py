@@ -1,0 +1,3 @@
+"""bridge.logging."""
+
+__all__: list[str] = []

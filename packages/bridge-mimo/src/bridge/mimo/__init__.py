@@ -1,0 +1,3 @@
+"""bridge.mimo."""
+
+__all__: list[str] = []

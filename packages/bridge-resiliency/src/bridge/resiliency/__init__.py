@@ -1,0 +1,3 @@
+"""bridge.resiliency."""
+
+__all__: list[str] = []

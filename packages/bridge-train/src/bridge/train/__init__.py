@@ -1,0 +1,3 @@
+"""bridge.train."""
+
+__all__: list[str] = []

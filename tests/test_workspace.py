@@ -1,0 +1,126 @@
+"""Guards on the shape of the workspace: namespace, package edges, wheels."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ROOT / "packages"
+VERSION = "0.1.0"
+
+# The only edges allowed between distributions (DESIGN.md, "The packages and their edges").
+ALLOWED_SIBLINGS: dict[str, set[str]] = {
+    "core-utils": set(),
+    "bridge-config": {"core-utils"},
+    "bridge-logging": {"core-utils", "bridge-config"},
+    "bridge-resiliency": {"core-utils", "bridge-config"},
+    "bridge-mimo": {"core-utils", "bridge-config"},
+    "bridge-train": {
+        "core-utils",
+        "bridge-config",
+        "bridge-logging",
+        "bridge-resiliency",
+        "bridge-mimo",
+    },
+}
+IMPORT_NAME = {
+    "core-utils": "core_utils",
+    "bridge-config": "bridge.config",
+    "bridge-logging": "bridge.logging",
+    "bridge-resiliency": "bridge.resiliency",
+    "bridge-mimo": "bridge.mimo",
+    "bridge-train": "bridge.train",
+}
+
+
+def _requirement_name(req: str) -> str:
+    for sep in "[=<>!~; ":
+        req = req.split(sep, 1)[0]
+    return req.strip()
+
+
+def _project(dist: str) -> dict:
+    return tomllib.loads((PACKAGES / dist / "pyproject.toml").read_text())["project"]
+
+
+def test_every_distribution_is_present() -> None:
+    assert sorted(p.name for p in PACKAGES.iterdir() if p.is_dir()) == sorted(ALLOWED_SIBLINGS)
+
+
+def test_bridge_is_a_namespace_package_everywhere() -> None:
+    stray = sorted(str(p.relative_to(ROOT)) for p in PACKAGES.glob("*/src/bridge/__init__.py"))
+    assert not stray, f"bridge/ must stay a PEP 420 namespace; delete {stray}"
+    import bridge
+
+    assert getattr(bridge, "__file__", None) is None
+    assert len(list(bridge.__path__)) == 5
+
+
+@pytest.mark.parametrize("dist", sorted(ALLOWED_SIBLINGS))
+def test_declared_sibling_dependencies_follow_the_package_graph(dist: str) -> None:
+    project = _project(dist)
+    assert project["version"] == VERSION
+    requirements = list(project.get("dependencies", []))
+    siblings = {_requirement_name(r) for r in requirements} & set(ALLOWED_SIBLINGS)
+    assert siblings == ALLOWED_SIBLINGS[dist]
+    for req in requirements:
+        if _requirement_name(req) in ALLOWED_SIBLINGS:
+            assert req.endswith(f"=={VERSION}"), f"{dist}: pin sibling exactly: {req}"
+
+
+@pytest.mark.parametrize("dist", sorted(ALLOWED_SIBLINGS))
+def test_sources_import_only_declared_siblings(dist: str) -> None:
+    """A distribution's code imports no sibling it does not declare (checked statically)."""
+    allowed = {IMPORT_NAME[d] for d in ALLOWED_SIBLINGS[dist] | {dist}}
+    forbidden = set(IMPORT_NAME.values()) - allowed
+    offenders = []
+    for path in (PACKAGES / dist / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_importing_core_utils_loads_no_megatron_or_optional_package() -> None:
+    code = (
+        "import sys, core_utils, bridge.config\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('megatron', 'transformer_engine', 'flash_attn', 'mamba_ssm', 'causal_conv1d', "
+        "'wandb', 'mlflow', 'comet_ml', 'pynvml', 'nvidia_resiliency_ext', 'apex')]\n"
+        "print(bad); assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_each_distribution_builds_a_wheel_with_only_its_leaf(tmp_path: Path) -> None:
+    for dist, import_name in IMPORT_NAME.items():
+        out = tmp_path / dist
+        subprocess.run(
+            [os.environ.get("UV", "uv"), "build", "--wheel", "--package", dist, "--out-dir", str(out), "--quiet"],
+            cwd=ROOT,
+            check=True,
+            timeout=300,
+        )
+        (wheel,) = out.glob("*.whl")
+        names = zipfile.ZipFile(wheel).namelist()
+        leaf = import_name.replace(".", "/") + "/"
+        top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+        assert top_level == {import_name.split(".")[0]}, (dist, top_level)
+        assert any(n.startswith(leaf) for n in names), (dist, leaf)
+        assert "bridge/__init__.py" not in names
+        assert all(n.startswith(leaf) or ".dist-info/" in n for n in names), dist
