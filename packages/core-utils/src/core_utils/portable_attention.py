@@ -1,0 +1,176 @@
+"""A megatron-core core-attention module that runs on any device.
+
+megatron-core's ``DotProductAttention`` takes its score buffer from a global memory buffer
+allocated on ``torch.cuda.current_device()``, so a ``GPTModel`` built from the local layer
+spec cannot run on CPU. :class:`SDPACoreAttention` computes the same attention with
+``torch.nn.functional.scaled_dot_product_attention``, which every torch device supports,
+and accepts the constructor and ``forward`` arguments megatron passes to a core attention.
+:func:`with_sdpa_core_attention` swaps it into a layer spec.
+
+This module needs megatron-core (``pip install megatron-core``); ``import core_utils`` does
+not import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+try:
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError(
+        "core_utils.portable_attention needs megatron-core: pip install megatron-core"
+    ) from exc
+
+__all__ = ["SDPACoreAttention", "with_sdpa_core_attention"]
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention (softmax(QK^T * scale + mask) V) through torch SDPA.
+
+    Tensors follow megatron's layout: query ``[sq, b, np, hn]``, key and value
+    ``[sk, b, ng, hn]`` (``ng`` query groups, repeated for grouped-query attention), and the
+    output is ``[sq, b, np * hn]``. ``attention_mask`` follows megatron's convention: ``True``
+    marks positions that must NOT be attended to. A causal ``attn_mask_type`` adds the causal
+    mask on top of any given mask.
+
+    Args:
+        config: The transformer config; ``kv_channels``, ``num_attention_heads``,
+            ``num_query_groups``, ``attention_dropout`` and ``softmax_scale`` are used.
+        layer_number: 1-based layer index (kept for interface compatibility).
+        attn_mask_type: ``AttnMaskType.causal`` for decoders, ``padding`` / ``no_mask`` for
+            bidirectional encoders.
+        attention_type: Unused; accepted because megatron passes it.
+        attention_dropout: Overrides ``config.attention_dropout`` when given.
+        softmax_scale: Overrides ``1 / sqrt(head_dim)`` when given.
+        cp_comm_type: Accepted for compatibility; context parallelism is not supported.
+        pg_collection: Process groups; ``pg_collection.tp`` gives the tensor-parallel size.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "SDPACoreAttention does not support context parallelism "
+                f"(context_parallel_size={config.context_parallel_size}); use Transformer "
+                "Engine attention on GPU or set context_parallel_size=1"
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(
+                f"SDPACoreAttention supports softmax_type='vanilla' only, got "
+                f"{config.softmax_type!r}"
+            )
+        tp_size = pg_collection.tp.size() if pg_collection is not None else _mpu_tp_size()
+        for name, value in (
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_query_groups", config.num_query_groups),
+        ):
+            if value % tp_size:
+                raise ValueError(
+                    f"{name}={value} is not divisible by tensor_model_parallel_size={tp_size}"
+                )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.heads_per_partition = config.num_attention_heads // tp_size
+        self.groups_per_partition = config.num_query_groups // tp_size
+        head_dim = config.kv_channels
+        if softmax_scale is None:
+            softmax_scale = config.softmax_scale
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any | None = None,
+    ) -> torch.Tensor:
+        """Attend ``query`` to ``key``/``value``; returns ``[sq, b, np * hn]``."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention does not support packed sequences")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention does not support attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+        repeat = self.heads_per_partition // self.groups_per_partition
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=2)
+            value = value.repeat_interleave(repeat, dim=2)
+
+        # [s, b, n, h] -> [b, n, s, h]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        sq, sk = q.size(2), k.size(2)
+        causal = mask_type == AttnMaskType.causal
+        keep: torch.Tensor | None = None
+        if attention_mask is not None:
+            keep = ~attention_mask.to(torch.bool)
+        if causal and keep is not None:
+            keep = keep & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            causal = False
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=keep,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+        )
+        # [b, n, sq, h] -> [sq, b, n * h]
+        b, n, _, h = context.shape
+        return context.permute(2, 0, 1, 3).reshape(sq, b, n * h)
+
+
+def _mpu_tp_size() -> int:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_world_size())
+    return 1
+
+
+def with_sdpa_core_attention(spec: ModuleSpec) -> ModuleSpec:
+    """Return a copy of a transformer-layer spec whose core attention is SDPA.
+
+    Args:
+        spec: A layer spec such as ``get_gpt_layer_local_spec()``, whose
+            ``submodules.self_attention.submodules.core_attention`` is replaced.
+
+    Returns:
+        A deep copy of ``spec``; the given spec is left unchanged.
+
+    Raises:
+        ValueError: The spec has no self-attention core attention to replace.
+    """
+    new_spec = copy.deepcopy(spec)
+    try:
+        attention = new_spec.submodules.self_attention.submodules
+        attention.core_attention  # noqa: B018 - probe the attribute, raising if absent
+    except AttributeError as exc:
+        raise ValueError(
+            "with_sdpa_core_attention expects a transformer-layer ModuleSpec with "
+            "submodules.self_attention.submodules.core_attention"
+        ) from exc
+    attention.core_attention = SDPACoreAttention
+    return new_spec
