@@ -21,7 +21,7 @@ from core_utils.portable_attention import SDPACoreAttention, with_sdpa_core_atte
 
 
 class _TP1:
-    class tp:  # noqa: N801 - mimics ProcessGroupCollection.tp
+    class tp:  # mimics ProcessGroupCollection.tp
         @staticmethod
         def size() -> int:
             return 1

@@ -111,7 +111,16 @@ def test_each_distribution_builds_a_wheel_with_only_its_leaf(tmp_path: Path) -> 
     for dist, import_name in IMPORT_NAME.items():
         out = tmp_path / dist
         subprocess.run(
-            [os.environ.get("UV", "uv"), "build", "--wheel", "--package", dist, "--out-dir", str(out), "--quiet"],
+            [
+                os.environ.get("UV", "uv"),
+                "build",
+                "--wheel",
+                "--package",
+                dist,
+                "--out-dir",
+                str(out),
+                "--quiet",
+            ],
             cwd=ROOT,
             check=True,
             timeout=300,

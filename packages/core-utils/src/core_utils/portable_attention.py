@@ -93,8 +93,12 @@ class SDPACoreAttention(MegatronModule):
         head_dim = config.kv_channels
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
 
     def forward(
         self,

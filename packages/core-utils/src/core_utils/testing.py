@@ -87,11 +87,11 @@ def _worker(
             dist.destroy_process_group()
         try:
             payload = pickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - report, do not hide, unpicklable results
+        except Exception as exc:  # report unpicklable results instead of hiding them
             results.put((rank, False, f"result of rank {rank} is not picklable: {exc!r}"))
             return
         results.put((rank, True, payload))
-    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+    except BaseException:  # every failure is reported to the parent
         results.put((rank, False, traceback.format_exc()))
 
 
