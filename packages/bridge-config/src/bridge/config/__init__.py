@@ -1,3 +1,75 @@
-"""bridge.config."""
+"""Typed training configuration: sections with checks, YAML round-trip and dotted overrides."""
 
-__all__: list[str] = []
+from bridge.config._checkpoint import CheckpointConfig
+from bridge.config._container import ConfigContainer, resolve_world_size
+from bridge.config._convert import convert_dataclass
+from bridge.config._data import (
+    DataloaderConfig,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    MockGPTDatasetConfig,
+    PackedSequenceSpecs,
+    parse_split,
+)
+from bridge.config._ddp import DistributedDataParallelConfig
+from bridge.config._diff import ConfigDiff, diff_from_defaults, format_diff
+from bridge.config._errors import ConfigError
+from bridge.config._fields import FieldInfo, describe_fields
+from bridge.config._logger import LoggerConfig, ProfilingConfig
+from bridge.config._overrides import apply_overrides, load_config, parse_overrides
+from bridge.config._protocols import (
+    CommOverlapConfigProtocol,
+    DDPConfigProtocol,
+    MixedPrecisionConfigProtocol,
+    ModelConfigProtocol,
+    OptimizerConfigProtocol,
+    PEFTProtocol,
+)
+from bridge.config._resiliency import (
+    FaultToleranceConfig,
+    NVRxStragglerDetectionConfig,
+    StragglerDetectionConfig,
+)
+from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
+from bridge.config._tokenizer import TokenizerConfig
+from bridge.config._training import SchedulerConfig, TrainingConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "CommOverlapConfigProtocol",
+    "ConfigContainer",
+    "ConfigDiff",
+    "ConfigError",
+    "DDPConfigProtocol",
+    "DataloaderConfig",
+    "DistributedDataParallelConfig",
+    "DistributedInitConfig",
+    "FaultToleranceConfig",
+    "FieldInfo",
+    "FinetuningDatasetConfig",
+    "GPTDatasetConfig",
+    "LoggerConfig",
+    "MixedPrecisionConfigProtocol",
+    "MockGPTDatasetConfig",
+    "ModelConfigProtocol",
+    "NVRxStragglerDetectionConfig",
+    "OptimizerConfigProtocol",
+    "PEFTProtocol",
+    "PackedSequenceSpecs",
+    "ProfilingConfig",
+    "RNGConfig",
+    "RerunStateMachineConfig",
+    "SchedulerConfig",
+    "StragglerDetectionConfig",
+    "TokenizerConfig",
+    "TrainingConfig",
+    "apply_overrides",
+    "convert_dataclass",
+    "describe_fields",
+    "diff_from_defaults",
+    "format_diff",
+    "load_config",
+    "parse_overrides",
+    "parse_split",
+    "resolve_world_size",
+]

@@ -1,0 +1,635 @@
+"""``ConfigContainer``: every section of a training run, cross-checked and serialisable."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import IO, Any, ClassVar, Self
+
+from bridge.config._checkpoint import CheckpointConfig
+from bridge.config._codec import (
+    DEFAULT_CLASS,
+    TARGET,
+    build_dataclass,
+    encode,
+    import_object,
+    normalize_fields,
+)
+from bridge.config._data import FinetuningDatasetConfig, GPTDatasetConfig
+from bridge.config._ddp import DistributedDataParallelConfig
+from bridge.config._diff import ConfigDiff, diff_from_defaults
+from bridge.config._errors import ConfigError
+from bridge.config._logger import LoggerConfig, ProfilingConfig
+from bridge.config._protocols import (
+    CommOverlapConfigProtocol,
+    DDPConfigProtocol,
+    MixedPrecisionConfigProtocol,
+    ModelConfigProtocol,
+    OptimizerConfigProtocol,
+    PEFTProtocol,
+)
+from bridge.config._resiliency import (
+    FaultToleranceConfig,
+    NVRxStragglerDetectionConfig,
+    StragglerDetectionConfig,
+)
+from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
+from bridge.config._tokenizer import TokenizerConfig
+from bridge.config._training import SchedulerConfig, TrainingConfig
+from bridge.config._yaml import (
+    dump_yaml,
+    escape_interpolations,
+    read_yaml_mapping,
+    resolve_interpolations,
+    write_new_file,
+)
+
+# Sections validate() cannot do without, and how to add each one.
+_REQUIRED_SECTIONS: dict[str, str] = {
+    "train": "add a 'train:' mapping (e.g. train: {micro_batch_size: 1, train_iters: 100})",
+    "model": "add a 'model:' mapping whose _target_ names a model config class (a megatron "
+    "TransformerConfig subclass with seq_length, such as a model provider)",
+    "optimizer": "add an 'optimizer:' mapping with _target_: megatron.core.optimizer.OptimizerConfig",
+    "scheduler": "add a 'scheduler:' mapping ('scheduler: {}' uses the defaults)",
+    "logger": "add a 'logger:' mapping ('logger: {}' uses the defaults)",
+    "checkpoint": "add a 'checkpoint:' mapping ('checkpoint: {}' uses the defaults)",
+}
+
+
+def resolve_world_size(world_size: int | None = None) -> int:
+    """The world size ``validate()`` uses.
+
+    Args:
+        world_size: An explicit size, used as given.
+
+    Returns:
+        ``world_size`` if given; else the size of the initialised default torch.distributed
+        process group; else the ``WORLD_SIZE`` environment variable (set by torchrun); else 1.
+
+    Raises:
+        ConfigError: the size is not a positive integer.
+    """
+    if world_size is None:
+        dist = sys.modules.get("torch.distributed")  # only consulted if torch is in use
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            world_size = int(dist.get_world_size())
+        else:
+            raw = os.environ.get("WORLD_SIZE", "1")
+            try:
+                world_size = int(raw)
+            except ValueError:
+                raise ConfigError(
+                    "WORLD_SIZE", f"got {raw!r}; expected a positive integer"
+                ) from None
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError("world_size", f"got {world_size!r}; expected a positive integer")
+    return world_size
+
+
+def _dtype_family(dtype: Any) -> str | None:
+    text = str(dtype)
+    if "bfloat16" in text:
+        return "bf16"
+    if "float16" in text:
+        return "fp16"
+    return None
+
+
+@dataclass(kw_only=True)
+class ConfigContainer:
+    """Top-level container holding all configuration objects.
+
+    Sections default to ``None`` (``rng``, ``rerun_state_machine``, ``ddp`` and ``dist``
+    to their defaults), so an empty container can be built and filled in; ``validate()``
+    reports a missing required section. Build one in Python, from a dict
+    (``from_dict``) or from YAML (``from_yaml``, ``load_config``).
+    """
+
+    __config_key_noun__: ClassVar[str] = "section"
+
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    """Random seeds and generator trackers."""
+
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    """Result validation by re-running steps."""
+
+    train: TrainingConfig | None = None
+    """Training loop: batch sizes, length, exit conditions, evaluation, engine. Required."""
+
+    model: ModelConfigProtocol | None = None
+    """Model configuration, any object providing ``ModelConfigProtocol`` (a megatron-core
+    ``TransformerConfig`` subclass with ``seq_length``, e.g. a model provider). In YAML its
+    ``_target_`` names the class. Required."""
+
+    optimizer: OptimizerConfigProtocol | None = None
+    """Optimizer configuration, any object providing ``OptimizerConfigProtocol`` (e.g.
+    ``megatron.core.optimizer.OptimizerConfig``). Required."""
+
+    ddp: DDPConfigProtocol = field(
+        default_factory=DistributedDataParallelConfig,
+        metadata={DEFAULT_CLASS: DistributedDataParallelConfig},
+    )
+    """Data-parallel settings: bridge.config's ``DistributedDataParallelConfig`` (megatron's
+    field names, no megatron-core needed) unless ``_target_`` names another class such as
+    ``megatron.core.distributed.DistributedDataParallelConfig``."""
+
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate and weight-decay schedule. Required."""
+
+    dataset: GPTDatasetConfig | FinetuningDatasetConfig | None = None
+    """Training data. Without ``_target_`` a mapping is read as ``GPTDatasetConfig`` (or
+    ``FinetuningDatasetConfig`` if its keys only fit that); use
+    ``_target_: bridge.config.MockGPTDatasetConfig`` for mock data."""
+
+    logger: LoggerConfig | None = None
+    """Console, TensorBoard and Weights & Biases logging. Required."""
+
+    tokenizer: TokenizerConfig | None = None
+    """Tokenizer the trainer builds for datasets and the model."""
+
+    checkpoint: CheckpointConfig | None = None
+    """Checkpoint saving and loading. Required."""
+
+    dist: DistributedInitConfig = field(default_factory=DistributedInitConfig)
+    """torch.distributed initialisation."""
+
+    ft: FaultToleranceConfig | None = None
+    """Fault tolerance with nvidia-resiliency-ext (unset: off)."""
+
+    straggler: StragglerDetectionConfig | None = None
+    """Straggler detection by per-rank throughput (unset: off)."""
+
+    nvrx_straggler: NVRxStragglerDetectionConfig | None = None
+    """nvidia-resiliency-ext straggler detection (unset: off)."""
+
+    profiling: ProfilingConfig | None = None
+    """Profiling with Nsight Systems or the torch profiler (unset: off)."""
+
+    peft: PEFTProtocol | None = None
+    """Parameter-efficient finetuning transform applied to the model (unset: full
+    finetuning). Needs ``checkpoint.pretrained_checkpoint``."""
+
+    comm_overlap: CommOverlapConfigProtocol | None = None
+    """Communication-overlap settings; ``validate()`` sets their ``data_parallel_size``."""
+
+    mixed_precision: MixedPrecisionConfigProtocol | str | None = None
+    """Mixed-precision recipe: an object providing ``MixedPrecisionConfigProtocol`` or a
+    recipe name such as ``"bf16_mixed"`` that the trainer resolves. Checked against the
+    model's ``bf16``/``fp16`` flags."""
+
+    data_parallel_size: int | None = field(init=False, default=None)
+    """Data-parallel size (world size divided by tensor x pipeline x context parallel
+    sizes). Computed by ``validate()``; not settable."""
+
+    def __post_init__(self) -> None:
+        """Check that every section has the expected type (or provides its Protocol)."""
+        normalize_fields(self)
+
+    # ------------------------------------------------------------------ derived values
+
+    def get_data_parallel_size(self, world_size: int) -> int:
+        """Calculate the data parallel size based on the model configuration.
+
+        Args:
+            world_size: Total number of ranks.
+
+        Returns:
+            ``world_size // (tensor x pipeline x context parallel size)`` of the model.
+
+        Raises:
+            ConfigError: there is no model section, a parallel size is not a positive
+                integer, or ``world_size`` is not a multiple of their product.
+        """
+        world_size = resolve_world_size(world_size)
+        if self.model is None:
+            raise ConfigError(
+                "model", "required section is missing; " + _REQUIRED_SECTIONS["model"]
+            )
+        names = (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        )
+        sizes = []
+        for name in names:
+            size = getattr(self.model, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ConfigError(f"model.{name}", f"got {size!r}; expected a positive integer")
+            sizes.append(size)
+        model_parallel = sizes[0] * sizes[1] * sizes[2]
+        if world_size % model_parallel:
+            raise ConfigError(
+                "model",
+                f"world size {world_size} is not divisible by tensor_model_parallel_size ({sizes[0]}) "
+                f"x pipeline_model_parallel_size ({sizes[1]}) x context_parallel_size ({sizes[2]}) "
+                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the "
+                "parallel sizes",
+            )
+        return world_size // model_parallel
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Performs validation checks on the combined configuration.
+
+        Calculates dependent values like data_parallel_size and scheduler steps. Ensures
+        compatibility between different configuration settings. Re-runs every section's own
+        checks first (fields may have been changed since construction), then, in place:
+        fills ``data_parallel_size``, ``train.global_batch_size`` (when unset:
+        ``micro_batch_size`` x data-parallel size), ``scheduler.lr_decay_iters`` (or
+        ``lr_decay_samples``) and the scheduler's ``*_steps`` (counted in samples, as
+        megatron-core's scheduler expects), and ``comm_overlap.data_parallel_size``.
+        Calling it again gives the same result.
+
+        Args:
+            world_size: Number of ranks. When omitted: the initialised torch.distributed
+                world size, else the ``WORLD_SIZE`` environment variable, else 1.
+
+        Raises:
+            ConfigError: a required section is missing or any check fails; the message
+                names the ``section.field`` to change.
+        """
+        for name, hint in _REQUIRED_SECTIONS.items():
+            if getattr(self, name) is None:
+                raise ConfigError(name, f"required section is missing; {hint}")
+        self._recheck_sections()
+        world = resolve_world_size(world_size)
+        dp = self.get_data_parallel_size(world)
+        self.data_parallel_size = dp
+        if self.comm_overlap is not None:
+            self.comm_overlap.data_parallel_size = dp
+        self._check_batch_sizes(dp)
+        self._check_training_length()
+        self._fill_scheduler_steps()
+        self._check_model(world)
+        self._check_data_and_tokenizer()
+        self._check_other_sections(world)
+
+    def _recheck_sections(self) -> None:
+        normalize_fields(self)
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            own = type(section).__module__.startswith("bridge.config")
+            if own and dataclasses.is_dataclass(section) and hasattr(section, "__post_init__"):
+                try:
+                    section.__post_init__()
+                except ConfigError as exc:
+                    raise exc.within(f.name, type(section).__name__) from exc.__cause__
+
+    def _check_batch_sizes(self, dp: int) -> None:
+        train = self.train
+        assert train is not None
+        mbs = train.micro_batch_size
+        if mbs is None:
+            raise ConfigError(
+                "train.micro_batch_size", "is required; set the per-replica batch size, e.g. 1"
+            )
+        unit = mbs * dp
+        per_step = f"micro_batch_size ({mbs}) x data-parallel size ({dp}) = {unit}"
+        if train.global_batch_size is None:
+            train.global_batch_size = unit
+        gbs = train.global_batch_size
+        if gbs < unit:
+            raise ConfigError(
+                "train.global_batch_size", f"got {gbs}; it must be at least {per_step}"
+            )
+        if gbs % unit and not train.decrease_batch_size_if_needed:
+            raise ConfigError(
+                "train.global_batch_size",
+                f"got {gbs}; it must be a multiple of {per_step} (or set "
+                "train.decrease_batch_size_if_needed)",
+            )
+        if train.rampup_batch_size is None:
+            return
+        start, increment, _ = train.rampup_batch_size
+        if train.train_samples is None:
+            raise ConfigError(
+                "train.rampup_batch_size",
+                "batch-size ramp-up needs sample-based training; set train.train_samples "
+                "instead of train.train_iters",
+            )
+        if start > gbs:
+            raise ConfigError(
+                "train.rampup_batch_size",
+                f"the start batch size {start} exceeds global_batch_size {gbs}",
+            )
+        if (gbs - start) % increment:
+            raise ConfigError(
+                "train.rampup_batch_size",
+                f"global_batch_size {gbs} minus the start batch size {start} must be a multiple "
+                f"of the increment {increment}",
+            )
+        if not train.decrease_batch_size_if_needed and (start % unit or increment % unit):
+            raise ConfigError(
+                "train.rampup_batch_size",
+                f"the start batch size ({start}) and increment ({increment}) must be multiples "
+                f"of {per_step}",
+            )
+
+    def _check_training_length(self) -> None:
+        train, scheduler = self.train, self.scheduler
+        assert train is not None and scheduler is not None
+        if train.train_iters is None and train.train_samples is None and not train.skip_train:
+            raise ConfigError(
+                "train.train_iters",
+                "is required (or train.train_samples for sample-based training); set how long to train",
+            )
+        if train.train_samples is not None:
+            wrong = [
+                n
+                for n in ("lr_decay_iters", "lr_wsd_decay_iters")
+                if getattr(scheduler, n) is not None
+            ]
+            wrong += ["lr_warmup_iters"] if scheduler.lr_warmup_iters else []
+            if wrong:
+                raise ConfigError(
+                    f"scheduler.{wrong[0]}",
+                    "counts iterations but train.train_samples selects sample-based training; "
+                    f"use the *_samples field instead (e.g. {wrong[0].replace('_iters', '_samples')})",
+                )
+        else:
+            wrong = [
+                n
+                for n in ("lr_decay_samples", "lr_wsd_decay_samples")
+                if getattr(scheduler, n) is not None
+            ]
+            wrong += ["lr_warmup_samples"] if scheduler.lr_warmup_samples else []
+            if wrong:
+                raise ConfigError(
+                    f"scheduler.{wrong[0]}",
+                    "counts samples but train.train_iters selects iteration-based training; use "
+                    f"the *_iters field instead (e.g. {wrong[0].replace('_samples', '_iters')}) "
+                    "or set train.train_samples",
+                )
+
+    def _fill_scheduler_steps(self) -> None:
+        train, scheduler = self.train, self.scheduler
+        assert train is not None and scheduler is not None and train.global_batch_size is not None
+        gbs = train.global_batch_size
+        if train.train_samples is not None:
+            if scheduler.lr_decay_samples is None:
+                scheduler.lr_decay_samples = train.train_samples
+            decay = scheduler.lr_decay_samples
+            scheduler.wd_incr_steps = train.train_samples
+            scheduler.wsd_decay_steps = scheduler.lr_wsd_decay_samples
+            warmup_length = scheduler.lr_warmup_samples
+            unit, decay_field = "samples", "lr_decay_samples"
+        elif train.train_iters is not None:
+            if scheduler.lr_decay_iters is None:
+                scheduler.lr_decay_iters = train.train_iters
+            decay = scheduler.lr_decay_iters * gbs
+            scheduler.wd_incr_steps = train.train_iters * gbs
+            wsd = scheduler.lr_wsd_decay_iters
+            scheduler.wsd_decay_steps = None if wsd is None else wsd * gbs
+            warmup_length = scheduler.lr_warmup_iters * gbs
+            unit, decay_field = "iterations", "lr_decay_iters"
+        else:  # skip_train without a length: there is no schedule to compute
+            return
+        scheduler.lr_decay_steps = decay
+        if scheduler.lr_warmup_fraction is not None:
+            scheduler.lr_warmup_steps = int(scheduler.lr_warmup_fraction * decay)
+        else:
+            scheduler.lr_warmup_steps = warmup_length
+        if decay <= 0:
+            raise ConfigError(
+                f"scheduler.{decay_field}",
+                f"the learning rate would decay over 0 {unit}; set train.train_iters/train_samples "
+                f"or scheduler.{decay_field} to a positive value",
+            )
+        if scheduler.lr_warmup_steps >= decay:
+            raise ConfigError(
+                "scheduler",
+                f"warmup ({scheduler.lr_warmup_steps} samples) must be shorter than the decay "
+                f"({decay} samples); shorten lr_warmup_* or lengthen {decay_field}",
+            )
+        if scheduler.wsd_decay_steps is not None and scheduler.wsd_decay_steps > decay:
+            raise ConfigError(
+                "scheduler",
+                f"the WSD annealing phase ({scheduler.wsd_decay_steps} samples) is longer than "
+                f"the decay ({decay} samples); shorten lr_wsd_decay_* or lengthen {decay_field}",
+            )
+
+    def _check_model(self, world: int) -> None:
+        model, optimizer, train = self.model, self.optimizer, self.train
+        assert model is not None and optimizer is not None and train is not None
+        tp, pp, cp = (
+            model.tensor_model_parallel_size,
+            model.pipeline_model_parallel_size,
+            model.context_parallel_size,
+        )
+        if model.num_attention_heads % tp:
+            raise ConfigError(
+                "model.num_attention_heads",
+                f"got {model.num_attention_heads}; it must be divisible by tensor_model_parallel_size ({tp})",
+            )
+        if cp > 1 and model.seq_length % (2 * cp):
+            raise ConfigError(
+                "model.seq_length",
+                f"got {model.seq_length}; with context_parallel_size {cp} it must be divisible by "
+                f"2 x {cp} = {2 * cp}",
+            )
+        if train.engine == "portable" and (
+            pp > 1 or model.virtual_pipeline_model_parallel_size is not None
+        ):
+            raise ConfigError(
+                "train.engine",
+                f"the portable engine does not pipeline (model.pipeline_model_parallel_size={pp}, "
+                f"virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}); "
+                "use engine 'megatron' (needs CUDA) or set the pipeline sizes to 1 / null",
+            )
+        if model.bf16 and model.fp16:
+            raise ConfigError("model", "bf16 and fp16 are both true; enable at most one")
+        self._check_precision()
+        ddp_flag = getattr(self.ddp, "use_distributed_optimizer", None)
+        if ddp_flag is not None and ddp_flag != optimizer.use_distributed_optimizer:
+            raise ConfigError(
+                "ddp.use_distributed_optimizer",
+                f"got {ddp_flag} but optimizer.use_distributed_optimizer is "
+                f"{optimizer.use_distributed_optimizer}; set both to the same value",
+            )
+
+    def _check_precision(self) -> None:
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None
+        mp = self.mixed_precision
+        model_mode = "bf16" if model.bf16 else "fp16" if model.fp16 else None
+        if mp is None:
+            optimizer_mode = "bf16" if optimizer.bf16 else "fp16" if optimizer.fp16 else None
+            if optimizer_mode != model_mode:
+                raise ConfigError(
+                    "optimizer",
+                    f"optimizer.bf16={optimizer.bf16}, optimizer.fp16={optimizer.fp16} do not match "
+                    f"model.bf16={model.bf16}, model.fp16={model.fp16}; set the same flags on both "
+                    "(or set mixed_precision, which sets them)",
+                )
+            dtype_mode = _dtype_family(model.params_dtype)
+            if dtype_mode is not None and model_mode is not None and dtype_mode != model_mode:
+                raise ConfigError(
+                    "model.params_dtype",
+                    f"got {model.params_dtype} but model.{model_mode} is true; use the matching dtype",
+                )
+            return
+        if isinstance(mp, str):
+            lowered = mp.lower()
+            mp_mode = "bf16" if "bf16" in lowered else "fp16" if "fp16" in lowered else None
+            label = repr(mp)
+        else:
+            if mp.bf16 and mp.fp16:
+                raise ConfigError(
+                    "mixed_precision", "bf16 and fp16 are both true; enable at most one"
+                )
+            mp_mode = "bf16" if mp.bf16 else "fp16" if mp.fp16 else None
+            label = type(mp).__qualname__
+        if model_mode is not None and model_mode != mp_mode:
+            raise ConfigError(
+                "mixed_precision",
+                f"{label} selects {mp_mode or 'fp32'} but model.{model_mode} is true; drop the "
+                "model's flag (the recipe sets it) or choose a matching recipe",
+            )
+
+    def _check_data_and_tokenizer(self) -> None:
+        model, train = self.model, self.train
+        assert model is not None and train is not None
+        dataset = self.dataset
+        if dataset is not None:
+            if isinstance(dataset, FinetuningDatasetConfig):
+                name, length = "dataset.seq_length", dataset.seq_length
+                specs = dataset.packed_sequence_specs
+                mbs = train.micro_batch_size or 1
+                if specs is not None and specs.packed_sequence_size > 0 and mbs > 1:
+                    raise ConfigError(
+                        "train.micro_batch_size",
+                        f"got {mbs}; packed sequences need micro_batch_size 1 (pack "
+                        f"{mbs} x {specs.packed_sequence_size} tokens per sequence instead)",
+                    )
+            else:
+                name, length = "dataset.sequence_length", dataset.sequence_length
+            if length != model.seq_length:
+                raise ConfigError(
+                    name,
+                    f"got {length} but model.seq_length is {model.seq_length}; they must be equal",
+                )
+        tokenizer = self.tokenizer
+        model_vocab = getattr(model, "vocab_size", None)
+        total = tokenizer.total_vocab_size() if tokenizer is not None else None
+        if (
+            tokenizer is not None
+            and total is not None
+            and isinstance(model_vocab, int)
+            and total > model_vocab
+        ):
+            raise ConfigError(
+                "tokenizer.vocab_size",
+                f"the tokenizer emits {total} ids (vocab_size {tokenizer.vocab_size} + "
+                f"vocab_extra_ids {tokenizer.vocab_extra_ids}) but model.vocab_size is "
+                f"{model_vocab}; raise model.vocab_size to at least {total}",
+            )
+
+    def _check_other_sections(self, world: int) -> None:
+        checkpoint = self.checkpoint
+        assert checkpoint is not None
+        if self.ft is not None:
+            if self.ft.enable_ft_package and checkpoint.save is None:
+                raise ConfigError(
+                    "ft.enable_ft_package",
+                    "fault tolerance restarts training from checkpoints; set checkpoint.save",
+                )
+            rank = self.ft.simulated_fault_rank
+            if rank is not None and rank >= world:
+                raise ConfigError(
+                    "ft.simulated_fault_rank", f"got {rank}; the world has ranks 0 to {world - 1}"
+                )
+        if self.profiling is not None:
+            absent = [r for r in self.profiling.profile_ranks if r >= world]
+            if absent:
+                raise ConfigError(
+                    "profiling.profile_ranks",
+                    f"rank(s) {absent} do not exist; the world has ranks 0 to {world - 1}",
+                )
+        if self.peft is not None and checkpoint.pretrained_checkpoint is None:
+            raise ConfigError(
+                "checkpoint.pretrained_checkpoint",
+                "is required with peft; point it at the model to finetune",
+            )
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as plain data: ``_target_``-tagged nested dicts and scalars.
+
+        Raises:
+            ConfigError: a value cannot be represented so that ``from_dict`` rebuilds it
+                (e.g. a lambda); the message names its path.
+        """
+        data = encode(self)
+        assert isinstance(data, dict)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """Build a container from plain data as ``to_dict`` returns it.
+
+        ``_target_`` keys are optional where the field's type says which class to build (all
+        bridge.config sections); they are required for ``model``, ``optimizer``, ``peft``,
+        ``comm_overlap`` and object-valued ``mixed_precision``. Values are used as they are:
+        OmegaConf interpolations are only resolved when reading YAML.
+
+        Raises:
+            ConfigError: unknown key (with a suggestion), wrong type, out-of-range value,
+                an import that fails, or any section check; the message names the path.
+        """
+        if not isinstance(data, dict):
+            raise ConfigError("", f"expected a mapping of sections, got {type(data).__name__}")
+        target_cls: type = cls
+        if TARGET in data:
+            target_cls = import_object(data[TARGET], TARGET)
+            if not (isinstance(target_cls, type) and issubclass(target_cls, cls)):
+                raise ConfigError(TARGET, f"{data[TARGET]!r} is not a {cls.__qualname__}")
+        return build_dataclass(target_cls, data, "")
+
+    def to_yaml(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        """Save the config as YAML that ``from_yaml`` loads back to an equal container.
+
+        Strings containing ``${`` are escaped so OmegaConf keeps them literal. The file is
+        written atomically.
+
+        Args:
+            path: File to write.
+            overwrite: Replace an existing file (by default an existing file is an error,
+                so nothing saved is lost).
+
+        Raises:
+            ConfigError: the file exists and ``overwrite`` is False, it cannot be written, or
+                a value cannot be represented.
+        """
+        text = dump_yaml(escape_interpolations(self.to_dict()))
+        write_new_file(path, text, overwrite=overwrite)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Self:
+        """Load a container from a YAML file, resolving OmegaConf interpolations.
+
+        Raises:
+            ConfigError: the file is missing or not valid YAML, an interpolation cannot be
+                resolved, or ``from_dict`` rejects the content.
+        """
+        data = resolve_interpolations(read_yaml_mapping(path), str(path))
+        return cls.from_dict(data)
+
+    def format_yaml(self) -> str:
+        """The resolved config as YAML text, for printing (values that cannot be saved are
+        shown as descriptive strings instead of raising)."""
+        return dump_yaml(encode(self, strict=False))
+
+    def print_yaml(self, file: IO[str] | None = None) -> None:
+        """Print the resolved config as YAML to ``file`` (default: standard output)."""
+        print(self.format_yaml(), end="", file=file or sys.stdout)
+
+    def diff_from_defaults(self) -> list[ConfigDiff]:
+        """List every value that differs from its declared default, as ``ConfigDiff`` entries.
+
+        Each section is compared with the defaults of its own class; a section whose class
+        differs from the field's default (or that is set where the default is ``None``) is
+        reported with its ``_target_`` first. Format the result with ``format_diff``.
+        """
+        return diff_from_defaults(self)

@@ -1,0 +1,93 @@
+"""What a config changes relative to the declared defaults, for printing by a CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from bridge.config._codec import TARGET, encode, join
+
+#: Shown as the default of a field that has none (it must always be given).
+REQUIRED = "<required>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigDiff:
+    """One value that differs from its default.
+
+    Attributes:
+        path: Dotted path of the field, e.g. ``train.train_iters`` or ``dataset._target_``.
+        default: The declared default in plain-data form (``"<required>"`` if there is none).
+        value: The current value in plain-data form.
+    """
+
+    path: str
+    default: Any
+    value: Any
+
+
+def _declared_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return REQUIRED
+
+
+def _target(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _diff_object(obj: Any, path: str, out: list[ConfigDiff]) -> None:
+    for f in dataclasses.fields(obj):
+        if f.name.startswith("_"):
+            continue
+        value = getattr(obj, f.name)
+        default = _declared_default(f)
+        where = join(path, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            same_class = type(default) is type(value)
+            if not same_class:
+                default_target = (
+                    encode(default, strict=False).get(TARGET)
+                    if dataclasses.is_dataclass(default)
+                    else default
+                )
+                value_target = encode(value, strict=False).get(TARGET, _target(value))
+                out.append(ConfigDiff(join(where, TARGET), default_target, value_target))
+            _diff_object(value, where, out)
+            continue
+        current = encode(value, where, strict=False)
+        expected = default if default is REQUIRED else encode(default, where, strict=False)
+        if current != expected:
+            out.append(ConfigDiff(where, expected, current))
+
+
+def diff_from_defaults(config: Any) -> list[ConfigDiff]:
+    """List every value of a config dataclass that differs from its declared default.
+
+    Args:
+        config: A ``ConfigContainer`` or any config dataclass.
+
+    Returns:
+        The differences in field order, nested sections included.
+    """
+    out: list[ConfigDiff] = []
+    _diff_object(config, "", out)
+    return out
+
+
+def _inline(value: Any) -> str:
+    if isinstance(value, str):
+        return value if value == REQUIRED else repr(value)
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    text = text.removesuffix("\n...").strip()
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def format_diff(diffs: Sequence[ConfigDiff]) -> str:
+    """Render differences as ``path: default -> value`` lines (empty string if none)."""
+    return "".join(f"{d.path}: {_inline(d.default)} -> {_inline(d.value)}\n" for d in diffs)

@@ -1,0 +1,132 @@
+"""Sections that set up the process: random numbers, distributed init, the rerun machine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bridge.config._checks import at_least, within
+from bridge.config._codec import normalize_fields
+from bridge.config._errors import field_error
+from bridge.config._fields import DEFAULT_DOC
+
+_SEED_LIMIT = 2**32 - 1  # numpy's seed range; torch and random accept it too
+
+
+def _local_rank_from_env() -> int:
+    raw = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise field_error(
+            DistributedInitConfig,
+            "local_rank",
+            raw,
+            "the LOCAL_RANK environment variable must be an integer",
+        ) from None
+
+
+@dataclass(kw_only=True)
+class RNGConfig:
+    """Configuration settings for random number generation."""
+
+    seed: int = 1234
+    """Seed for Python's ``random``, numpy, torch and CUDA generators (0 to 2**32 - 1)."""
+
+    te_rng_tracker: bool = False
+    """Use Transformer Engine's random-number-generator tracker (needed for CUDA graphs)."""
+
+    inference_rng_tracker: bool = False
+    """Use a random-number-generator tracker set up for inference."""
+
+    data_parallel_random_init: bool = False
+    """Initialise parameters differently on each data-parallel rank instead of identically."""
+
+    def __post_init__(self) -> None:
+        """Check the field types and that the seed fits every generator."""
+        normalize_fields(self)
+        within(self, "seed", 0, _SEED_LIMIT, allow_none=False)
+
+
+@dataclass(kw_only=True)
+class DistributedInitConfig:
+    """Configuration settings for distributed training initialization."""
+
+    distributed_backend: Literal["nccl", "gloo"] = "nccl"
+    """torch.distributed backend: ``"nccl"`` on GPUs, ``"gloo"`` on CPU."""
+
+    distributed_timeout_minutes: int = 10
+    """How long a collective may wait before torch.distributed gives up, in minutes."""
+
+    align_grad_reduce: bool = True
+    """When true, each pipeline stage launches its gradient reduction when it is ready;
+    when false, all stages launch their reductions at the same time."""
+
+    local_rank: int = field(
+        default_factory=_local_rank_from_env, metadata={DEFAULT_DOC: "$LOCAL_RANK, else 0"}
+    )
+    """Rank of this process on its node, as the launcher passes it (``LOCAL_RANK``,
+    0 when unset)."""
+
+    lazy_init: bool = False
+    """Skip data-parallel setup during initialisation and hand back a function that completes
+    it, for an external DDP manager; also implies CPU initialisation of parameters."""
+
+    use_torch_fsdp2: bool = False
+    """Shard parameters with torch's FSDP2. Experimental; not compatible with pipeline
+    parallelism."""
+
+    nccl_communicator_config_path: str | None = None
+    """YAML file with per-communicator NCCL settings (``min_ctas``, ``max_ctas``,
+    ``cga_cluster_size``)."""
+
+    use_tp_pp_dp_mapping: bool = False
+    """Order ranks tensor-pipeline-data instead of tensor-data-pipeline. Do not combine with
+    expert or context parallelism."""
+
+    use_gloo_process_groups: bool = True
+    """Also create gloo process groups next to the main backend's groups."""
+
+    use_sharp: bool = False
+    """Use SHARP for data-parallel collectives (runs a barrier in each data-parallel group to
+    select the SHARP target groups)."""
+
+    high_priority_stream_groups: list[str] | None = None
+    """Names of communicator groups whose streams get high priority, so their kernels are
+    scheduled ahead of overlapping compute."""
+
+    external_gpu_device_mapping: bool = False
+    """GPU visibility is managed outside (for example with ``CUDA_VISIBLE_DEVICES`` per
+    process): use device 0 instead of the local rank."""
+
+    enable_megatron_core_experimental: bool = False
+    """Turn on megatron-core's experimental features."""
+
+    def __post_init__(self) -> None:
+        """Check the field types, the timeout and the local rank."""
+        normalize_fields(self)
+        at_least(self, "distributed_timeout_minutes", 1, allow_none=False)
+        at_least(self, "local_rank", 0, allow_none=False)
+
+
+@dataclass(kw_only=True)
+class RerunStateMachineConfig:
+    """Configuration for the rerun state machine used for result validation or stats."""
+
+    error_injection_rate: int = 0
+    """Inject an unexpected result once every this many result validations (0: never)."""
+
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = (
+        "transient_error"
+    )
+    """Kind of error to inject when ``error_injection_rate`` is set."""
+
+    rerun_mode: Literal["disabled", "validate_results", "report_stats"] = "disabled"
+    """``"validate_results"`` re-runs steps to validate results; ``"report_stats"`` reports
+    the variability that non-deterministic kernels cause; ``"disabled"`` does neither."""
+
+    def __post_init__(self) -> None:
+        """Check the field types and the injection rate."""
+        normalize_fields(self)
+        at_least(self, "error_injection_rate", 0, allow_none=False)

@@ -1,0 +1,122 @@
+"""The tokenizer section: which tokenizer the trainer builds and its vocabulary."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from bridge.config._checks import at_least
+from bridge.config._codec import normalize_fields
+from bridge.config._errors import field_error
+
+TokenizerType = Literal[
+    "NullTokenizer",
+    "ByteLevelTokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "TikTokenizer",
+]
+
+_BYTE_VOCAB = 256
+
+# What each tokenizer type cannot be built without.
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "NullTokenizer": ("vocab_size",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+}
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """Configuration of the tokenizer the trainer builds for datasets and the model."""
+
+    tokenizer_type: TokenizerType | None = None
+    """Which tokenizer to build. ``"NullTokenizer"`` (ids only, for mock data; needs
+    ``vocab_size``), ``"ByteLevelTokenizer"`` (UTF-8 bytes, 256 ids plus special tokens),
+    ``"HuggingFaceTokenizer"`` / ``"SentencePieceTokenizer"`` / ``"TikTokenizer"`` (need
+    ``tokenizer_model``), ``"GPT2BPETokenizer"`` (needs ``vocab_file`` and ``merge_file``).
+    Unset: no tokenizer is configured."""
+
+    tokenizer_model: str | None = None
+    """Tokenizer model: a local path (SentencePiece ``.model``, tiktoken vocabulary, Hugging
+    Face directory) or a Hugging Face model name already in the local cache."""
+
+    vocab_file: str | None = None
+    """Vocabulary file (GPT-2 BPE ``vocab.json``)."""
+
+    merge_file: str | None = None
+    """BPE merges file (GPT-2 BPE ``merges.txt``)."""
+
+    vocab_size: int | None = None
+    """Number of token ids. Required for ``NullTokenizer``; for ``ByteLevelTokenizer`` at
+    least 256; for file-based tokenizers it is read from the files when unset."""
+
+    vocab_extra_ids: int = 0
+    """Extra sentinel tokens appended to the vocabulary (as T5-style ``<extra_id_N>``)."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding's vocabulary to a multiple of this value times the tensor-parallel
+    size, for efficient kernels."""
+
+    special_tokens: list[str] | None = None
+    """Additional special tokens to register with the tokenizer."""
+
+    hf_tokenizer_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments for ``AutoTokenizer.from_pretrained`` (Hugging Face only)."""
+
+    def __post_init__(self) -> None:
+        """Check the field types, the sizes and what the chosen tokenizer type needs."""
+        normalize_fields(self)
+        at_least(self, "vocab_size", 1)
+        at_least(self, "vocab_extra_ids", 0, allow_none=False)
+        at_least(self, "make_vocab_size_divisible_by", 1, allow_none=False)
+        kind = self.tokenizer_type
+        if kind is None:
+            return
+        for name in _REQUIRED.get(kind, ()):
+            if getattr(self, name) is None:
+                raise field_error(
+                    self, name, None, f"it is required when tokenizer_type is {kind!r}"
+                )
+        if (
+            kind == "ByteLevelTokenizer"
+            and self.vocab_size is not None
+            and self.vocab_size < _BYTE_VOCAB
+        ):
+            raise field_error(
+                self,
+                "vocab_size",
+                self.vocab_size,
+                f"a byte-level tokenizer needs at least {_BYTE_VOCAB} ids",
+            )
+
+    def total_vocab_size(self) -> int | None:
+        """Ids the tokenizer can emit (``vocab_size`` plus extra ids), or None if not known yet.
+
+        A byte-level tokenizer without ``vocab_size`` has 256 ids plus its special tokens.
+        """
+        base = self.vocab_size
+        if base is None and self.tokenizer_type == "ByteLevelTokenizer":
+            base = _BYTE_VOCAB + len(self.special_tokens or ())
+        return None if base is None else base + self.vocab_extra_ids
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int | None:
+        """The embedding size the vocabulary is padded to, or None if the vocabulary is unknown.
+
+        Args:
+            tensor_model_parallel_size: The model's tensor-parallel size; the padded size is
+                a multiple of ``make_vocab_size_divisible_by`` times this.
+
+        Returns:
+            ``total_vocab_size()`` rounded up to that multiple.
+        """
+        total = self.total_vocab_size()
+        if total is None:
+            return None
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return math.ceil(total / multiple) * multiple

@@ -1,0 +1,167 @@
+"""Reading and writing config YAML files, and OmegaConf interpolation."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bridge.config._errors import ConfigError
+
+# A run of backslashes right before "${": OmegaConf reads "\${" as a literal "${" and "\\"
+# before "${" as one literal backslash, so both need escaping to survive a load.
+_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
+
+
+def escape_interpolations(data: Any) -> Any:
+    """Escape ``${`` in every string so OmegaConf loads it back as literal text."""
+    if isinstance(data, str):
+        if "${" not in data:
+            return data
+        return _INTERPOLATION_START.sub(lambda m: "\\" * (2 * len(m.group(1)) + 1) + "${", data)
+    if isinstance(data, dict):
+        return {key: escape_interpolations(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [escape_interpolations(value) for value in data]
+    return data
+
+
+def _mentions_interpolation(data: Any) -> bool:
+    if isinstance(data, str):
+        return "${" in data
+    if isinstance(data, dict):
+        return any(_mentions_interpolation(v) for v in data.values())
+    if isinstance(data, list):
+        return any(_mentions_interpolation(v) for v in data)
+    return False
+
+
+def resolve_interpolations(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Resolve OmegaConf interpolations (``${model.seq_length}``) and escapes in ``data``.
+
+    Args:
+        data: Plain nested data as loaded from YAML.
+        source: What the data came from, for error messages (a file path or "overrides").
+
+    Returns:
+        The same structure with every interpolation replaced by its value.
+
+    Raises:
+        ConfigError: an interpolation names a key that does not exist or is malformed.
+    """
+    if not _mentions_interpolation(data):
+        return data  # nothing for OmegaConf to do; skipping it keeps loading fast
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or source
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(str(key), f"cannot resolve interpolation: {message}") from None
+    assert isinstance(resolved, dict)
+    return resolved
+
+
+def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML file whose top level is a mapping.
+
+    Raises:
+        ConfigError: the file does not exist, cannot be read, does not parse (the message
+            gives the line and column), or its top level is not a mapping.
+    """
+    file = Path(path)
+    if not file.is_file():
+        what = "is a directory, not a YAML file" if file.is_dir() else "does not exist"
+        raise ConfigError(str(file), f"config file {what}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(file), f"cannot read config file: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(str(file), f"invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            str(file),
+            f"the top level must be a mapping of sections (train:, model:, ...), got {type(data).__name__}",
+        )
+    return data
+
+
+# libyaml's C implementations when PyYAML was built with them (much faster), else pure Python.
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
+    """SafeDumper that double-quotes strings holding Unicode line separators.
+
+    PyYAML may pick a style in which a lone NEL (U+0085) reads back as a space; in double
+    quotes it is escaped, so every string loads back exactly.
+    """
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if any(ch in value for ch in "\x85\u2028\u2029"):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
+    return dumper.represent_str(value)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def dump_yaml(data: Any) -> str:
+    """Render plain data as block-style YAML, keeping key order; strings load back exactly."""
+    return yaml.dump(
+        data,
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
+
+
+def write_new_file(path: str | os.PathLike[str], text: str, *, overwrite: bool) -> None:
+    """Write ``text`` to ``path`` atomically, refusing to replace a file unless told to.
+
+    The text goes to a temporary file in the same directory which is then renamed, so a
+    crash never leaves a half-written config behind.
+
+    Raises:
+        ConfigError: the file exists and ``overwrite`` is False, or writing fails.
+    """
+    file = Path(path)
+    if file.exists() and not overwrite:
+        raise ConfigError(str(file), "file already exists; pass overwrite=True to replace it")
+    if file.is_dir():
+        raise ConfigError(str(file), "is a directory; give a file path")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            if not overwrite and file.exists():
+                raise ConfigError(
+                    str(file), "file already exists; pass overwrite=True to replace it"
+                )
+            os.replace(tmp, file)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        raise ConfigError(str(file), f"cannot write config file: {exc}") from None

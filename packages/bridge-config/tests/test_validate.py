@@ -1,0 +1,188 @@
+"""ConfigContainer.validate(): derived values and cross-section behaviour on valid configs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+import bridge.config as bc
+from bridge.config import ConfigContainer, resolve_world_size
+from bridge.config.testing import ExampleModelConfig, ExampleOptimizerConfig, tiny_container
+from core_utils.testing import run_distributed
+
+
+@dataclass
+class CommOverlap:
+    """Communication-overlap settings, as a trainer would define them."""
+
+    tp_comm_overlap: bool = False
+    data_parallel_size: int | None = None
+
+
+@dataclass
+class MixedPrecision:
+    """A bf16 mixed-precision recipe."""
+
+    bf16: bool = True
+    fp16: bool = False
+    params_dtype: str = "bfloat16"
+
+
+def test_fills_data_parallel_size_global_batch_and_scheduler_steps(
+    container: ConfigContainer,
+) -> None:
+    container.validate(world_size=4)
+    assert container.data_parallel_size == 4
+    assert container.train is not None and container.scheduler is not None
+    assert container.train.global_batch_size == 2 * 4  # micro batch x data-parallel size
+    assert container.scheduler.lr_decay_iters == 10  # defaults to train_iters
+    assert container.scheduler.lr_decay_steps == 10 * 8  # counted in samples
+    assert container.scheduler.wd_incr_steps == 10 * 8
+    assert container.scheduler.lr_warmup_steps == 2 * 8
+    assert container.scheduler.wsd_decay_steps is None
+
+
+def test_validate_is_idempotent(container: ConfigContainer) -> None:
+    container.validate(world_size=2)
+    first = container.to_dict()
+    container.validate(world_size=2)
+    assert container.to_dict() == first
+
+
+def test_model_parallel_sizes_divide_the_world() -> None:
+    model = ExampleModelConfig(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2
+    )
+    cfg = tiny_container(
+        model=model, train=bc.TrainingConfig(micro_batch_size=1, train_iters=10, engine="megatron")
+    )
+    assert cfg.get_data_parallel_size(16) == 2
+    cfg.validate(world_size=16)
+    assert cfg.data_parallel_size == 2
+    assert cfg.train is not None and cfg.train.global_batch_size == 2
+
+
+def test_explicit_global_batch_size_is_kept_and_gives_microbatches() -> None:
+    cfg = tiny_container(
+        train=bc.TrainingConfig(micro_batch_size=2, global_batch_size=16, train_iters=10)
+    )
+    cfg.validate(world_size=2)
+    assert cfg.train is not None and cfg.train.global_batch_size == 16
+    assert cfg.scheduler is not None and cfg.scheduler.lr_decay_steps == 160
+
+
+def test_decrease_batch_size_if_needed_allows_a_non_multiple() -> None:
+    train = bc.TrainingConfig(
+        micro_batch_size=2, global_batch_size=10, train_iters=10, decrease_batch_size_if_needed=True
+    )
+    cfg = tiny_container(train=train)
+    cfg.validate(world_size=2)
+    assert cfg.train is not None and cfg.train.global_batch_size == 10
+
+
+def test_warmup_fraction_and_wsd_and_weight_decay_schedule() -> None:
+    scheduler = bc.SchedulerConfig(
+        lr_decay_style="WSD",
+        lr_wsd_decay_iters=4,
+        lr_warmup_fraction=0.25,
+        lr_decay_iters=8,
+        start_weight_decay=0.0,
+        end_weight_decay=0.1,
+        weight_decay_incr_style="cosine",
+    )
+    cfg = tiny_container(scheduler=scheduler)
+    cfg.validate(world_size=1)
+    assert (scheduler.lr_decay_steps, scheduler.lr_warmup_steps) == (16, 4)
+    assert scheduler.wsd_decay_steps == 8
+    assert scheduler.wd_incr_steps == 20
+
+
+def test_sample_based_training() -> None:
+    train = bc.TrainingConfig(
+        micro_batch_size=2, global_batch_size=8, train_samples=800, rampup_batch_size=[4, 4, 200]
+    )
+    scheduler = bc.SchedulerConfig(
+        lr_warmup_samples=80, lr_decay_style="WSD", lr_wsd_decay_samples=100
+    )
+    cfg = tiny_container(train=train, scheduler=scheduler)
+    cfg.validate(world_size=2)
+    assert scheduler.lr_decay_samples == 800
+    assert (scheduler.lr_decay_steps, scheduler.lr_warmup_steps, scheduler.wd_incr_steps) == (
+        800,
+        80,
+        800,
+    )
+    assert scheduler.wsd_decay_steps == 100
+
+    fraction = bc.SchedulerConfig(lr_warmup_fraction=0.1, lr_decay_samples=500)
+    cfg = tiny_container(
+        train=bc.TrainingConfig(micro_batch_size=2, train_samples=1000), scheduler=fraction
+    )
+    cfg.validate(world_size=1)
+    assert (fraction.lr_decay_steps, fraction.lr_warmup_steps, fraction.wd_incr_steps) == (
+        500,
+        50,
+        1000,
+    )
+
+
+def test_skip_train_needs_no_length() -> None:
+    cfg = tiny_container(train=bc.TrainingConfig(micro_batch_size=1, skip_train=True))
+    cfg.validate(world_size=1)
+    assert cfg.scheduler is not None and cfg.scheduler.lr_decay_steps is None
+
+
+def test_comm_overlap_gets_the_data_parallel_size() -> None:
+    overlap = CommOverlap()
+    cfg = tiny_container(comm_overlap=overlap)
+    cfg.validate(world_size=2)
+    assert overlap.data_parallel_size == 2
+
+
+def test_matching_mixed_precision_and_half_precision_flags_pass() -> None:
+    model = ExampleModelConfig(bf16=True)
+    tiny_container(model=model, mixed_precision=MixedPrecision()).validate(world_size=1)
+    tiny_container(model=model, mixed_precision="bf16_mixed").validate(world_size=1)
+    tiny_container(mixed_precision="fp16_mixed").validate(world_size=1)  # the recipe sets the flags
+    tiny_container(model=model, optimizer=ExampleOptimizerConfig(bf16=True)).validate(world_size=1)
+
+
+def test_byte_level_tokenizer_vocab_and_padding() -> None:
+    tokenizer = bc.TokenizerConfig(
+        tokenizer_type="ByteLevelTokenizer", special_tokens=["<eod>", "<pad>"]
+    )
+    assert tokenizer.total_vocab_size() == 258
+    assert tokenizer.padded_vocab_size(tensor_model_parallel_size=2) == 512
+    assert bc.TokenizerConfig().padded_vocab_size() is None
+    cfg = tiny_container(tokenizer=tokenizer, model=ExampleModelConfig(vocab_size=512))
+    cfg.validate(world_size=1)
+
+
+def test_world_size_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert resolve_world_size() == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_world_size() == 4
+    assert resolve_world_size(2) == 2
+    cfg = tiny_container()
+    cfg.validate()
+    assert cfg.data_parallel_size == 4
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(bc.ConfigError, match="WORLD_SIZE: got 'four'"):
+        resolve_world_size()
+
+
+def _validate_in_process_group(rank: int, world_size: int) -> tuple[int, int | None]:
+    os.environ.pop("WORLD_SIZE", None)  # the process group alone must give the size
+    cfg = tiny_container()
+    cfg.validate()
+    assert cfg.train is not None
+    return cfg.data_parallel_size or 0, cfg.train.global_batch_size
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_world_size_from_torch_distributed() -> None:
+    assert run_distributed(_validate_in_process_group, 2, timeout=90) == [(2, 4), (2, 4)]
