@@ -16,9 +16,12 @@ Two launchers:
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +38,10 @@ __all__ = [
     "run_distributed",
     "run_torchrun",
 ]
+
+
+# A real-time signal no application code here uses (SIGUSR1/2 may be a training exit signal).
+_STACK_DUMP_SIGNAL = signal.SIGRTMIN + 3
 
 
 class DistributedTestError(RuntimeError):
@@ -62,6 +69,12 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # Own process group, so the parent can kill this rank together with any process it
+    # started (a Manager, DataLoader workers) instead of orphaning them.
+    os.setpgid(0, 0)
+    # On a timeout the parent sends _STACK_DUMP_SIGNAL: every thread's stack goes to
+    # stderr, so a hang shows where each rank was stuck.
+    faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -93,6 +106,23 @@ def _worker(
         results.put((rank, True, payload))
     except BaseException:  # every failure is reported to the parent
         results.put((rank, False, traceback.format_exc()))
+
+
+def _dump_stacks(procs: Sequence[Any]) -> None:
+    """Ask hung ranks to print every thread's stack (see ``faulthandler`` in the worker)."""
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, _STACK_DUMP_SIGNAL)
+            time.sleep(0.5)  # one rank at a time, so the dumps do not interleave
+
+
+def _kill_process_group(pid: int | None) -> None:
+    """SIGKILL the process group led by a rank: the rank and whatever it left running."""
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def run_distributed(
@@ -132,12 +162,19 @@ def run_distributed(
         ctx.Process(
             target=_worker,
             args=(rank, world_size, port, backend, fn, args, dict(env or {}), timeout, results),
-            daemon=True,
+            # Not daemonic: ranks may start children of their own (DataLoader workers,
+            # dist_checkpointing's Manager), which daemonic processes may not. The
+            # ``finally`` below kills every rank that is still alive.
+            daemon=False,
         )
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
+        # Also set from the parent, so a kill right after start finds the group.
+        if proc.pid is not None:
+            with contextlib.suppress(OSError):
+                os.setpgid(proc.pid, proc.pid)
 
     outcome: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
@@ -146,9 +183,10 @@ def run_distributed(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outcome))
+                _dump_stacks([procs[r] for r in missing])
                 raise DistributedTestError(
                     f"ranks {missing} did not finish within {timeout:.0f} s (hang?); "
-                    f"finished: {sorted(outcome)}"
+                    f"finished: {sorted(outcome)}; their stacks were written to stderr"
                 )
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 0.5))
@@ -169,6 +207,7 @@ def run_distributed(
                 raise DistributedTestError(f"rank {rank} failed:\n{payload}")
     finally:
         for proc in procs:
+            _kill_process_group(proc.pid)
             if proc.is_alive():
                 proc.kill()
         for proc in procs:
