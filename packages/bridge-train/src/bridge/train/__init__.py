@@ -1,3 +1,138 @@
-"""bridge.train."""
+"""bridge.train: megatron-core training on the portable (CPU/GPU) or megatron (CUDA) engine."""
 
-__all__: list[str] = []
+from bridge.train.bare_loop import BareLoopResult, reduce_loss_dicts, run_bare_loop, train_steps
+from bridge.train.data import (
+    ByteLevelTokenizer,
+    CyclicRandomSampler,
+    HuggingFaceTokenizer,
+    NullTokenizer,
+    PreprocessResult,
+    PretrainingSampler,
+    Tokenizer,
+    build_data_loader,
+    build_gpt_dataset_config,
+    build_tokenizer,
+    build_train_valid_test_data_iterators,
+    build_train_valid_test_data_loaders,
+    build_train_valid_test_datasets,
+    check_data_paths,
+    cyclic_iter,
+    preprocess_data,
+    train_valid_test_num_samples,
+)
+from bridge.train.engines import (
+    ENGINE_NAMES,
+    DynamicLossScaler,
+    Engine,
+    MegatronEngine,
+    PortableDistributedDataParallel,
+    PortableEngine,
+    PortableOptimizer,
+    build_engine,
+    build_portable_optimizer,
+    forward_backward_no_pipelining,
+)
+from bridge.train.flops import num_floating_point_operations
+from bridge.train.gpt_step import forward_step, get_batch, masked_next_token_loss
+from bridge.train.initialize import (
+    destroy_distributed,
+    initialize_distributed,
+    resolve_distributed_backend,
+    set_random_seed,
+    validate_parallel_layout,
+)
+from bridge.train.models import (
+    GPTModelProvider,
+    LayerSpecBackend,
+    build_gpt_layer_spec,
+    calculate_padded_vocab_size,
+    resolve_layer_spec_backend,
+)
+from bridge.train.moe_utils import freeze_moe_router
+from bridge.train.norms import calc_dtensor_params_l2_norm, calc_params_l2_norm, param_is_not_shared
+from bridge.train.reductions import (
+    logical_and_across_model_parallel_group,
+    reduce_max_stat_across_model_parallel_group,
+)
+from bridge.train.scheduler import build_optimizer_param_scheduler, scheduler_steps
+from bridge.train.state import GlobalState, TrainState
+from bridge.train.state_injection import (
+    ForwardStepCallable,
+    maybe_inject_state,
+    needs_global_state_injection,
+    prepare_forward_step_func,
+)
+from bridge.train.value_head import (
+    LinearForLastLayer,
+    ModelHook,
+    ModelList,
+    create_value_head_hook,
+    make_value_model,
+)
+
+__all__ = [
+    "ENGINE_NAMES",
+    "BareLoopResult",
+    "ByteLevelTokenizer",
+    "CyclicRandomSampler",
+    "DynamicLossScaler",
+    "Engine",
+    "ForwardStepCallable",
+    "GPTModelProvider",
+    "GlobalState",
+    "HuggingFaceTokenizer",
+    "LayerSpecBackend",
+    "LinearForLastLayer",
+    "MegatronEngine",
+    "ModelHook",
+    "ModelList",
+    "NullTokenizer",
+    "PortableDistributedDataParallel",
+    "PortableEngine",
+    "PortableOptimizer",
+    "PreprocessResult",
+    "PretrainingSampler",
+    "Tokenizer",
+    "TrainState",
+    "build_data_loader",
+    "build_engine",
+    "build_gpt_dataset_config",
+    "build_gpt_layer_spec",
+    "build_optimizer_param_scheduler",
+    "build_portable_optimizer",
+    "build_tokenizer",
+    "build_train_valid_test_data_iterators",
+    "build_train_valid_test_data_loaders",
+    "build_train_valid_test_datasets",
+    "calc_dtensor_params_l2_norm",
+    "calc_params_l2_norm",
+    "calculate_padded_vocab_size",
+    "check_data_paths",
+    "create_value_head_hook",
+    "cyclic_iter",
+    "destroy_distributed",
+    "forward_backward_no_pipelining",
+    "forward_step",
+    "freeze_moe_router",
+    "get_batch",
+    "initialize_distributed",
+    "logical_and_across_model_parallel_group",
+    "make_value_model",
+    "masked_next_token_loss",
+    "maybe_inject_state",
+    "needs_global_state_injection",
+    "num_floating_point_operations",
+    "param_is_not_shared",
+    "prepare_forward_step_func",
+    "preprocess_data",
+    "reduce_loss_dicts",
+    "reduce_max_stat_across_model_parallel_group",
+    "resolve_distributed_backend",
+    "resolve_layer_spec_backend",
+    "run_bare_loop",
+    "scheduler_steps",
+    "set_random_seed",
+    "train_steps",
+    "train_valid_test_num_samples",
+    "validate_parallel_layout",
+]

@@ -1,0 +1,617 @@
+"""A tiny distributed training loop wired to every bridge.resiliency hook, for fault drills.
+
+It is the reference integration of the package (the order of calls a trainer makes) and a
+fault-injection drill you can run under a launcher to check a setup end to end::
+
+    torchrun --nproc-per-node=2 --max-restarts=2 -m bridge.resiliency.testing \\
+        --save-dir /tmp/drill --train-iters 100 --fault-plan rank_killed --hang-timeout 10
+
+    ft_launcher --nproc-per-node=2 --max-restarts=2 --ft-enable-nic-monitor=false \\
+        --ft-rank-section-timeouts=setup:60,step:10,checkpointing:60 \\
+        --ft-rank-out-of-section-timeout=10 -m bridge.resiliency.testing \\
+        --save-dir /tmp/drill --enable-ft-package --calc-ft-timeouts --fault-plan rank_hung
+
+The model is a two-layer MLP trained with Adam on data that depends only on the iteration
+and the rank, with gradients averaged by an all-reduce (what DDP does), so a run that is
+interrupted and resumed reaches the same weights and losses bit for bit as one that was not.
+Checkpoints are :class:`StepCheckpointer` directories with an atomically written tracker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+import torch.distributed as dist
+
+from bridge.config import FaultToleranceConfig, StragglerDetectionConfig, TrainingConfig
+from bridge.resiliency._dist import current_rank, current_world_size, dist_ready
+from bridge.resiliency.elastic import init_process_group, restart_count
+from bridge.resiliency.errors import ResiliencyError
+from bridge.resiliency.exit_conditions import ExitConditions, ExitDecision
+from bridge.resiliency.fault_tolerance import FaultTolerance
+from bridge.resiliency.straggler import StragglerTiming
+
+__all__ = [
+    "TRACKER_FILENAME",
+    "LoadedCheckpoint",
+    "StepCheckpointer",
+    "TinyRunOptions",
+    "TinyRunResult",
+    "main",
+    "read_events",
+    "run_tiny_training",
+]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier() -> None:
+    if dist_ready() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint read back by :meth:`StepCheckpointer.load`.
+
+    Attributes:
+        iteration: Iterations completed when it was saved.
+        state: What was saved.
+        path: Its directory.
+    """
+
+    iteration: int
+    state: dict[str, Any]
+    path: Path
+
+
+class StepCheckpointer:
+    """One directory per saved iteration plus a tracker file written last, atomically.
+
+    Layout: ``<save_dir>/iter_0000010/state.pt`` and ``<save_dir>/latest_checkpointed_
+    iteration.txt`` holding ``10``. Rank 0 writes the state to a temporary directory, fsyncs
+    it, renames it into place, then replaces the tracker (write temp, fsync, rename). A crash
+    at any point leaves the tracker pointing at the previous complete checkpoint. Saving
+    and loading are collectives (barriers) when torch.distributed is initialised; the state
+    must be identical on every rank (data parallel).
+
+    Args:
+        save_dir: Directory of the checkpoints.
+        rank: Global rank (default: torch.distributed's, else ``$RANK``).
+        on_commit: Called on rank 0 with the iteration right after the tracker names it.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        *,
+        rank: int | None = None,
+        on_commit: Callable[[int], None] | None = None,
+    ) -> None:
+        self.save_dir = Path(save_dir)
+        self.rank = current_rank() if rank is None else rank
+        self.on_commit = on_commit
+
+    @property
+    def tracker(self) -> Path:
+        """The tracker file."""
+        return self.save_dir / TRACKER_FILENAME
+
+    def path_for(self, iteration: int) -> Path:
+        """Directory of the checkpoint of ``iteration``."""
+        return self.save_dir / f"iter_{iteration:07d}"
+
+    def latest_iteration(self) -> int | None:
+        """Iteration named by the tracker, or ``None`` when nothing was saved.
+
+        Raises:
+            ResiliencyError: The tracker exists but does not hold an iteration number.
+        """
+        try:
+            text = self.tracker.read_text().strip()
+        except FileNotFoundError:
+            return None
+        if not text.isdigit():
+            raise ResiliencyError(
+                f"checkpoint tracker {self.tracker} holds {text!r}, not an iteration number"
+            )
+        return int(text)
+
+    def save(
+        self,
+        iteration: int,
+        state: dict[str, Any],
+        *,
+        before_commit: Callable[[Path], None] | None = None,
+    ) -> bool:
+        """Save ``state`` as the checkpoint of ``iteration`` (a collective).
+
+        Args:
+            iteration: Iterations completed.
+            state: What to save (``torch.save``-able); identical on every rank.
+            before_commit: Called on rank 0 with the temporary directory after the state
+                is written and before it is renamed into place (tests interrupt here).
+
+        Returns:
+            False when the tracker already names ``iteration`` (nothing written), else True.
+        """
+        latest = self.latest_iteration()
+        if latest == iteration:
+            return False
+        if self.rank == 0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            final = self.path_for(iteration)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=self.save_dir))
+            with open(tmp / "state.pt", "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _fsync_dir(tmp)
+            if before_commit is not None:
+                before_commit(tmp)
+            if final.exists():
+                # Left by a run that died between rename and tracker: never referenced by the
+                # tracker, so it is not a checkpoint anyone loaded; replace it.
+                stale = self.save_dir / f".{final.name}.stale-{os.getpid()}"
+                final.rename(stale)
+                _remove_tree(stale)
+            tmp.rename(final)
+            _fsync_dir(self.save_dir)
+            tracker_tmp = self.save_dir / f".{TRACKER_FILENAME}.tmp-{os.getpid()}"
+            with open(tracker_tmp, "w") as handle:
+                handle.write(f"{iteration}\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tracker_tmp, self.tracker)
+            _fsync_dir(self.save_dir)
+            if self.on_commit is not None:
+                self.on_commit(iteration)
+        _barrier()
+        return True
+
+    def load(self) -> LoadedCheckpoint | None:
+        """Load the checkpoint the tracker names (``None`` when there is none)."""
+        _barrier()
+        iteration = self.latest_iteration()
+        if iteration is None:
+            return None
+        path = self.path_for(iteration)
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        return LoadedCheckpoint(iteration=iteration, state=state, path=path)
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+@dataclass
+class TinyRunOptions:
+    """Settings of one run of the tiny loop (every field is also a command-line option)."""
+
+    save_dir: str
+    """Checkpoint directory (``checkpoint.save``)."""
+    log_dir: str | None = None
+    """Directory for ``events.jsonl`` (rank 0) and ``rank<r>.pid`` files (unset: none)."""
+    train_iters: int = 40
+    """Iterations to train in total."""
+    save_interval: int = 10
+    """Save every this many iterations (and at the end)."""
+    log_interval: int = 5
+    """Straggler report interval in iterations."""
+    seed: int = 1234
+    """Seed of the model initialisation and the data."""
+    step_sleep: float = 0.0
+    """Seconds each rank sleeps inside the timed part of each step."""
+    slow_rank: int | None = None
+    """A rank that sleeps ``slow_rank_sleep`` more per step (a straggler)."""
+    slow_rank_sleep: float = 0.0
+    """Extra seconds per step on ``slow_rank``."""
+    exit_save_delay: float = 0.0
+    """Seconds rank 0 pauses inside a save requested by an exit decision (before commit)."""
+    kill_during_save_at: int | None = None
+    """In the first attempt, rank 0 SIGKILLs itself in the middle of this iteration's save."""
+    fault_plan: tuple[str, ...] = ()
+    """Simulated fault per launch attempt (``TORCHELASTIC_RESTART_COUNT``): ``rank_hung``,
+    ``rank_killed``, ``random`` or ``none``."""
+    fault_rank: int = 1
+    """``ft.simulated_fault_rank``."""
+    fault_delay: int = 1
+    """``ft.simulated_fault_base_delay`` in seconds."""
+    enable_ft_package: bool = False
+    """``ft.enable_ft_package`` (run under ``ft_launcher``)."""
+    calc_ft_timeouts: bool = False
+    """``ft.calc_ft_timeouts``."""
+    hang_timeout: float | None = None
+    """Built-in hang watchdog step timeout in seconds (without ``enable_ft_package``)."""
+    exit_signal_handler: bool = False
+    """``train.exit_signal_handler`` (SIGTERM)."""
+    exit_interval: int | None = None
+    """``train.exit_interval``."""
+    exit_duration_in_mins: int | None = None
+    """``train.exit_duration_in_mins``."""
+    log_straggler: bool = False
+    """``straggler.log_straggler``."""
+    straggler_port: int = 65535
+    """``straggler.straggler_ctrlr_port``."""
+    pg_timeout: float = 120.0
+    """Process-group timeout in seconds when this loop initialises torch.distributed."""
+
+
+@dataclass
+class TinyRunResult:
+    """What one rank's run did.
+
+    Attributes:
+        rank: Global rank.
+        attempt: Launch attempt (``TORCHELASTIC_RESTART_COUNT``, 0 without a launcher).
+        start_iteration: Iteration resumed from (0 for a fresh start).
+        iteration: Iterations completed at the end.
+        losses: Iteration -> this rank's loss (``float.hex``, exact).
+        decision: The last exit decision.
+        state: Final model parameters.
+        slowest_ranks: Slowest rank of each straggler report.
+        ft_monitor: The fault-tolerance monitor that ran.
+        ft_timeouts: Its timeouts after setup.
+    """
+
+    rank: int
+    attempt: int
+    start_iteration: int
+    iteration: int
+    losses: dict[int, str] = field(default_factory=dict)
+    decision: ExitDecision = field(default_factory=ExitDecision)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    slowest_ranks: list[int] = field(default_factory=list)
+    ft_monitor: str = "none"
+    ft_timeouts: dict[str, Any] = field(default_factory=dict)
+
+
+class _TinyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+class _TinyAdam:
+    """Adam for the tiny model.
+
+    ``torch.optim`` imports ``torch._dynamo`` on first use, which costs seconds per process;
+    fault drills start processes again and again, so the tiny loop updates its few
+    parameters itself. Same update rule as ``torch.optim.Adam`` (no weight decay).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 1e-2) -> None:
+        self.params = params
+        self.lr, self.beta1, self.beta2, self.eps = lr, 0.9, 0.999, 1e-8
+        self.step_count = 0
+        self.exp_avg = [torch.zeros_like(p) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in params]
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_count += 1
+        bias1 = 1 - self.beta1**self.step_count
+        bias2 = 1 - self.beta2**self.step_count
+        for param, avg, avg_sq in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
+            assert param.grad is not None
+            avg.mul_(self.beta1).add_(param.grad, alpha=1 - self.beta1)
+            avg_sq.mul_(self.beta2).addcmul_(param.grad, param.grad, value=1 - self.beta2)
+            denom = (avg_sq / bias2).sqrt_().add_(self.eps)
+            param.addcdiv_(avg, denom, value=-self.lr / bias1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step_count,
+            "exp_avg": [t.clone() for t in self.exp_avg],
+            "exp_avg_sq": [t.clone() for t in self.exp_avg_sq],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step"])
+        for mine, saved in zip(self.exp_avg, state["exp_avg"], strict=True):
+            mine.copy_(saved)
+        for mine, saved in zip(self.exp_avg_sq, state["exp_avg_sq"], strict=True):
+            mine.copy_(saved)
+
+
+def _batch(seed: int, iteration: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + iteration * 1_009 + rank)
+    x = torch.randn(8, 16, generator=generator)
+    y = x[:, :1].sin() + 0.1 * torch.randn(8, 1, generator=generator)
+    return x, y
+
+
+class _EventLog:
+    """Rank 0 appends one JSON object per line; readers use :func:`read_events`."""
+
+    def __init__(self, log_dir: str | None, rank: int, attempt: int) -> None:
+        self.path = None if log_dir is None or rank != 0 else Path(log_dir) / "events.jsonl"
+        self.attempt = attempt
+
+    def write(self, event: str, **data: Any) -> None:
+        if self.path is None:
+            return
+        record = {"event": event, "attempt": self.attempt, "time": time.time(), **data}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def read_events(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The events rank 0 logged in ``log_dir`` (a partial last line is skipped)."""
+    path = Path(log_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def _kill_mid_save(events: _EventLog, iteration: int, tmp: Path) -> None:
+    events.write("killing_mid_save", iteration=iteration, tmp=str(tmp))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause_in_save(events: _EventLog, iteration: int, delay: float, tmp: Path) -> None:
+    events.write("exit_save_in_progress", iteration=iteration, tmp=str(tmp))
+    time.sleep(delay)
+
+
+_FAULT_PLANS = ("rank_hung", "rank_killed", "random", "none")
+
+
+def _fault_config(options: TinyRunOptions, attempt: int) -> FaultToleranceConfig:
+    plan = options.fault_plan[attempt] if attempt < len(options.fault_plan) else "none"
+    if plan not in _FAULT_PLANS:
+        raise ResiliencyError(
+            f"TinyRunOptions.fault_plan: got {plan!r} for attempt {attempt}; expected one of "
+            f"{', '.join(_FAULT_PLANS)}"
+        )
+    fault_type = cast(Literal["rank_hung", "rank_killed", "random"], plan)
+    return FaultToleranceConfig(
+        enable_ft_package=options.enable_ft_package,
+        calc_ft_timeouts=options.calc_ft_timeouts,
+        simulate_fault=plan != "none",
+        simulated_fault_type=fault_type if plan != "none" else "random",
+        simulated_fault_rank=options.fault_rank if plan != "none" else None,
+        simulated_fault_base_delay=options.fault_delay,
+    )
+
+
+def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
+    """Train the tiny model with every resiliency hook in place; resume if a checkpoint exists.
+
+    Uses the default process group when one exists (one process otherwise). The order of
+    the calls is the one a trainer follows (see docs/resiliency.md).
+
+    Args:
+        options: The run settings.
+
+    Returns:
+        This rank's result.
+    """
+    rank, world = current_rank(), current_world_size()
+    attempt = restart_count()
+    events = _EventLog(options.log_dir, rank, attempt)
+    if options.log_dir is not None:
+        Path(options.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(options.log_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
+
+    # 1. Build the resiliency objects from config sections (before the model).
+    ft = FaultTolerance.from_config(
+        _fault_config(options, attempt),
+        checkpoint_dir=options.save_dir,
+        rank=rank,
+        world_size=world,
+        hang_timeout=options.hang_timeout,
+    )
+    exits = ExitConditions.from_config(
+        TrainingConfig(
+            train_iters=options.train_iters,
+            exit_signal_handler=options.exit_signal_handler,
+            exit_interval=options.exit_interval,
+            exit_duration_in_mins=options.exit_duration_in_mins,
+        ),
+        save_enabled=True,
+    )
+    timing = StragglerTiming.from_config(
+        StragglerDetectionConfig(
+            log_straggler=options.log_straggler, straggler_ctrlr_port=options.straggler_port
+        ),
+        world_size=world,
+        rank=rank,
+    )
+    checkpointer = StepCheckpointer(
+        options.save_dir,
+        rank=rank,
+        on_commit=lambda saved_at: events.write("saved", iteration=saved_at),
+    )
+    clean = False
+    result = TinyRunResult(rank=rank, attempt=attempt, start_iteration=0, iteration=0)
+    try:
+        # 2. Setup: monitoring starts, the model is built and the checkpoint loaded.
+        ft.on_setup_start()
+        torch.manual_seed(options.seed)
+        model = _TinyModel()
+        optimizer = _TinyAdam(list(model.parameters()), lr=1e-2)
+        loaded = checkpointer.load()
+        iteration = 0
+        if loaded is not None:
+            model.load_state_dict(loaded.state["model"])
+            optimizer.load_state_dict(loaded.state["optimizer"])
+            iteration = loaded.iteration
+        result.start_iteration = iteration
+        result.ft_monitor = ft.monitor
+        result.ft_timeouts = ft.timeouts()
+        events.write(
+            "start",
+            iteration=iteration,
+            world=world,
+            ft_monitor=ft.monitor,
+            ft_timeouts=result.ft_timeouts,
+        )
+        ft.on_setup_end(checkpoint_loaded=loaded is not None)
+
+        n_params = sum(p.numel() for p in model.parameters())
+        flops_per_iteration = 6.0 * n_params * 8 * world
+        flops_since_report = 0.0
+
+        def state() -> dict[str, Any]:
+            return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+        # 3. The loop.
+        while iteration < options.train_iters:
+            ft.on_step_start()
+            with timing.data():
+                x, y = _batch(options.seed, iteration, rank)
+            with timing.step():
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                pause = options.step_sleep
+                if options.slow_rank == rank:
+                    pause += options.slow_rank_sleep
+                if pause > 0:
+                    time.sleep(pause)
+            if dist_ready() and world > 1:
+                for param in model.parameters():
+                    assert param.grad is not None
+                    dist.all_reduce(param.grad)
+                    param.grad.div_(world)
+            optimizer.step()
+            ft.on_step_end()
+            iteration += 1
+            result.losses[iteration] = float(loss.item()).hex()
+            events.write("step", iteration=iteration, loss=result.losses[iteration])
+
+            flops_since_report += flops_per_iteration
+            timing.maybe_report(iteration, flops_since_report, options.log_interval)
+            if timing.configured and iteration % options.log_interval == 0:
+                slowest = timing.slowest_rank()
+                if slowest is not None:
+                    result.slowest_ranks.append(slowest)
+                flops_since_report = 0.0
+
+            saved = False
+            if iteration % options.save_interval == 0 or iteration == options.train_iters:
+                hook: Callable[[Path], None] | None = None
+                if options.kill_during_save_at == iteration and attempt == 0 and rank == 0:
+                    hook = functools.partial(_kill_mid_save, events, iteration)
+                with ft.checkpointing():
+                    saved = checkpointer.save(iteration, state(), before_commit=hook)
+            decision = exits.check(iteration, saved_this_iteration=saved)
+            if decision.should_save:
+                slow_commit: Callable[[Path], None] | None = None
+                if options.exit_save_delay > 0:
+                    slow_commit = functools.partial(
+                        _pause_in_save, events, iteration, options.exit_save_delay
+                    )
+                with ft.checkpointing():
+                    checkpointer.save(iteration, state(), before_commit=slow_commit)
+            result.decision = decision
+            if decision.should_exit:
+                events.write("exit", iteration=iteration, reason=decision.reason)
+                break
+        result.iteration = iteration
+        result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        events.write("finished", iteration=iteration)
+        clean = True
+    finally:
+        # 4. Teardown: computed timeouts are stored only after a clean finish.
+        ft.shutdown(clean=clean)
+        timing.close()
+        exits.close()
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bridge.resiliency.testing",
+        description="Tiny distributed training loop for fault-tolerance drills.",
+    )
+    for f in dataclasses.fields(TinyRunOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", help=f"set {f.name}")
+        elif f.name == "fault_plan":
+            parser.add_argument(
+                flag,
+                default="",
+                help="comma-separated fault per attempt: rank_hung, rank_killed, random, none",
+            )
+        else:
+            kind: Callable[[str], Any]
+            kind = float if "float" in str(f.type) else int if "int" in str(f.type) else str
+            required = f.default is dataclasses.MISSING
+            parser.add_argument(
+                flag,
+                type=kind,
+                required=required,
+                default=None if required else f.default,
+                help=f"{f.name}",
+            )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the tiny loop under ``torchrun``/``ft_launcher`` (or alone); return the exit code."""
+    args = vars(_parser().parse_args(argv))
+    plan = args.pop("fault_plan")
+    options = TinyRunOptions(**args, fault_plan=tuple(p for p in plan.split(",") if p))
+    torch.set_num_threads(1)
+    owns_group = False
+    if not dist_ready() and "WORLD_SIZE" in os.environ:
+        init_process_group("gloo", timeout=timedelta(seconds=options.pg_timeout))
+        owns_group = True
+    try:
+        result = run_tiny_training(options)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return result.decision.exit_code
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written and closed; skipping interpreter teardown (seconds with torch
+    # loaded) makes every drill restart that much faster.
+    os._exit(exit_code)

@@ -1,0 +1,72 @@
+"""StepCheckpointer: a checkpoint counts only once the tracker names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bridge.resiliency import ResiliencyError
+from bridge.resiliency.testing import TRACKER_FILENAME, StepCheckpointer
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((3,), value)}
+
+
+def test_save_then_load_returns_the_latest(tmp_path: Path) -> None:
+    committed: list[int] = []
+    ckpt = StepCheckpointer(tmp_path, rank=0, on_commit=committed.append)
+    assert ckpt.load() is None and ckpt.latest_iteration() is None
+    assert ckpt.save(10, _state(1.0))
+    assert ckpt.save(20, _state(2.0))
+    assert not ckpt.save(20, _state(9.0))  # already saved: nothing rewritten
+    loaded = ckpt.load()
+    assert loaded is not None and loaded.iteration == 20
+    assert torch.equal(loaded.state["w"], _state(2.0)["w"])
+    assert committed == [10, 20]
+    assert (tmp_path / TRACKER_FILENAME).read_text() == "20\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000010",
+        "iter_0000020",
+        TRACKER_FILENAME,
+    ]
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    ckpt = StepCheckpointer(tmp_path, rank=0)
+    ckpt.save(10, _state(1.0))
+
+    def crash(tmp: Path) -> None:
+        assert (tmp / "state.pt").exists()
+        raise KeyboardInterrupt("killed mid-save")
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(20, _state(2.0), before_commit=crash)
+    loaded = ckpt.load()
+    assert loaded is not None and loaded.iteration == 10
+    assert torch.equal(loaded.state["w"], _state(1.0)["w"])
+    assert not (tmp_path / "iter_0000020").exists()
+    # The next attempt saves iteration 20 for real.
+    assert ckpt.save(20, _state(2.0))
+    assert ckpt.latest_iteration() == 20
+
+
+def test_an_untracked_directory_is_replaced(tmp_path: Path) -> None:
+    ckpt = StepCheckpointer(tmp_path, rank=0)
+    ckpt.save(10, _state(1.0))
+    # A run that died between the rename and the tracker update left iter_0000020 behind.
+    orphan = tmp_path / "iter_0000020"
+    orphan.mkdir()
+    (orphan / "state.pt").write_bytes(b"partial")
+    assert ckpt.latest_iteration() == 10
+    ckpt.save(20, _state(2.0))
+    loaded = ckpt.load()
+    assert loaded is not None and torch.equal(loaded.state["w"], _state(2.0)["w"])
+
+
+def test_a_corrupt_tracker_is_reported(tmp_path: Path) -> None:
+    (tmp_path / TRACKER_FILENAME).write_text("ten\n")
+    with pytest.raises(ResiliencyError, match="holds 'ten', not an iteration number"):
+        StepCheckpointer(tmp_path, rank=0).load()

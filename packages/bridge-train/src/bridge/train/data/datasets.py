@@ -1,0 +1,165 @@
+"""Build GPT datasets with megatron-core's ``BlendedMegatronDatasetBuilder``.
+
+Mock configs give ``MockGPTDataset`` splits; real configs give ``GPTDataset`` over
+``.bin`` / ``.idx`` files, with blends and train/validation/test splits. Every rank builds
+the splits; megatron's builder lets global rank 0 build (and cache) the indices first while
+the others wait at a barrier, then the others load them, so ``path_to_cache`` must be a
+directory every rank sees. ``compile_helpers()`` is never called: the wheel's prebuilt
+helper is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "build_gpt_dataset_config",
+    "build_train_valid_test_datasets",
+    "check_data_paths",
+    "train_valid_test_num_samples",
+]
+
+_SPLIT_NAMES = ("train", "validation", "test")
+
+
+def _as_blend(value: Any) -> tuple[list[str], list[float] | None] | None:
+    if value is None:
+        return None
+    paths, weights = value
+    return [str(p) for p in paths], None if weights is None else [float(w) for w in weights]
+
+
+def check_data_paths(dataset_config: Any) -> None:
+    """Check that every dataset prefix of ``blend`` / ``blend_per_split`` has its files.
+
+    Args:
+        dataset_config: ``GPTDatasetConfig`` (bridge-config's or megatron's).
+
+    Raises:
+        FileNotFoundError: A prefix has no ``.bin`` or ``.idx``; the message names the
+            field, the path and what to do.
+    """
+    checks: list[tuple[str, str]] = []
+    blend = _as_blend(getattr(dataset_config, "blend", None))
+    if blend is not None:
+        checks += [("dataset.blend", p) for p in blend[0]]
+    per_split = getattr(dataset_config, "blend_per_split", None)
+    if per_split is not None:
+        for name, split_blend in zip(_SPLIT_NAMES, per_split, strict=False):
+            split = _as_blend(split_blend)
+            if split is not None:
+                checks += [(f"dataset.blend_per_split[{name}]", p) for p in split[0]]
+    for field, prefix in checks:
+        missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{field}: dataset {prefix!r} has no {' / '.join(prefix + m for m in missing)}; "
+                "give the path prefix of a dataset written by bridge-preprocess-data (without "
+                "the .bin/.idx extension)"
+            )
+
+
+def build_gpt_dataset_config(dataset_config: Any, tokenizer: Any) -> Any:
+    """megatron-core's ``GPTDatasetConfig`` from bridge-config's, with ``tokenizer`` attached.
+
+    Every init field of megatron's class is copied from ``dataset_config`` when it has it
+    (bridge-config mirrors them field for field); blends become megatron's tuples.
+
+    Args:
+        dataset_config: bridge-config ``GPTDatasetConfig`` / ``MockGPTDatasetConfig`` (or
+            megatron's own, returned with the tokenizer set).
+        tokenizer: Tokenizer with ``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``.
+
+    Returns:
+        A megatron ``GPTDatasetConfig``.
+
+    Raises:
+        FileNotFoundError: A data path does not exist (see :func:`check_data_paths`).
+    """
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    check_data_paths(dataset_config)
+    if isinstance(dataset_config, GPTDatasetConfig):
+        return dataclasses.replace(dataset_config, tokenizer=tokenizer)
+    from bridge.config import convert_dataclass
+
+    overrides: dict[str, Any] = {"tokenizer": tokenizer}
+    overrides["blend"] = _as_blend(getattr(dataset_config, "blend", None))
+    per_split = getattr(dataset_config, "blend_per_split", None)
+    if per_split is not None:
+        overrides["blend_per_split"] = [_as_blend(b) for b in per_split]
+    if (
+        overrides["blend"] is None
+        and per_split is None
+        and not getattr(dataset_config, "split", None)
+    ):
+        overrides["split"] = "1,1,1"
+    return convert_dataclass(dataset_config, GPTDatasetConfig, **overrides)
+
+
+def train_valid_test_num_samples(train_config: Any) -> tuple[int, int, int]:
+    """Samples needed per split, as megatron computes them.
+
+    Training needs ``train_iters x global_batch_size`` (or ``train_samples``); validation
+    runs ``eval_iters`` iterations every ``eval_interval`` plus once at the end; test runs
+    ``eval_iters`` iterations once.
+
+    Args:
+        train_config: ``TrainingConfig``.
+
+    Returns:
+        ``(train, valid, test)`` sample counts.
+
+    Raises:
+        ValueError: Neither ``train_iters`` nor ``train_samples`` is set, or
+            ``global_batch_size`` is missing.
+    """
+    gbs = getattr(train_config, "global_batch_size", None)
+    if gbs is None:
+        raise ValueError("train.global_batch_size must be set to size the datasets")
+    train_iters = getattr(train_config, "train_iters", None)
+    train_samples = getattr(train_config, "train_samples", None)
+    if train_samples is None:
+        if train_iters is None:
+            raise ValueError("set train.train_iters (or train.train_samples) to size the datasets")
+        train_samples = train_iters * gbs
+    eval_iters = int(getattr(train_config, "eval_iters", 0) or 0)
+    eval_interval = getattr(train_config, "eval_interval", None)
+    iters = train_iters if train_iters is not None else -(-train_samples // gbs)
+    eval_runs = (iters // eval_interval + 1) if eval_interval else 1
+    return int(train_samples), eval_runs * eval_iters * gbs, eval_iters * gbs
+
+
+def build_train_valid_test_datasets(
+    dataset_config: Any, tokenizer: Any, num_samples: tuple[int, int, int]
+) -> tuple[Any, Any, Any]:
+    """Build the train, validation and test datasets (``None`` for a split without data).
+
+    Must be called on every rank (megatron's builder synchronises ranks with barriers).
+
+    Args:
+        dataset_config: bridge-config (or megatron) ``GPTDatasetConfig``; mock when it has
+            ``mock=True`` or no blend.
+        tokenizer: The tokenizer.
+        num_samples: ``(train, valid, test)`` samples to draw
+            (:func:`train_valid_test_num_samples`).
+
+    Returns:
+        ``(train_ds, valid_ds, test_ds)``.
+
+    Raises:
+        FileNotFoundError: A data path does not exist.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    config = build_gpt_dataset_config(dataset_config, tokenizer)
+    cls = MockGPTDataset if config.mock else GPTDataset
+    sizes = [int(n) for n in num_samples]
+    builder = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config)
+    train_ds, valid_ds, test_ds = builder.build()
+    return train_ds, valid_ds, test_ds

@@ -1,0 +1,233 @@
+"""Data loaders and iterators for the train, validation and test splits.
+
+``dataloader_type`` (``dataset.dataloader_type``, default ``"single"``):
+
+* ``"single"``: the training iterator makes one pass over the training samples
+  (:class:`~bridge.train.data.samplers.PretrainingSampler`); validation and test iterators
+  restart at the end of their split, so evaluation can run any number of times;
+* ``"cyclic"``: every split is an endless sequence of shuffled epochs
+  (:class:`~bridge.train.data.samplers.CyclicRandomSampler`);
+* ``"external"``: the "datasets" are already iterables of batches and are iterated as they
+  are.
+
+All iterators are positioned by the run's :class:`~bridge.train.TrainState`
+(``consumed_train_samples`` / ``consumed_valid_samples``), so a resumed run reads exactly
+the samples the interrupted one would have read next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from bridge.train.data.samplers import CyclicRandomSampler, PretrainingSampler
+
+__all__ = [
+    "build_data_loader",
+    "build_train_valid_test_data_iterators",
+    "build_train_valid_test_data_loaders",
+    "cyclic_iter",
+]
+
+DATALOADER_TYPES = ("single", "cyclic", "external")
+
+
+def cyclic_iter(iterable: Iterable[Any]) -> Iterator[Any]:
+    """Iterate over ``iterable`` again and again (a new pass each time it is exhausted)."""
+    while True:
+        yielded = False
+        for item in iterable:
+            yielded = True
+            yield item
+        if not yielded:
+            raise ValueError("cyclic_iter: the iterable is empty")
+
+
+def _dataloader_type(dataset_config: Any) -> str:
+    kind = getattr(dataset_config, "dataloader_type", None) or "single"
+    if kind not in DATALOADER_TYPES:
+        raise ValueError(f"dataset.dataloader_type={kind!r} is not one of {list(DATALOADER_TYPES)}")
+    return kind
+
+
+def build_data_loader(
+    dataset: Any,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    *,
+    dataloader_type: str = "single",
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    seed: int = 0,
+    drop_last: bool = True,
+) -> DataLoader[Any] | None:
+    """A ``DataLoader`` over ``dataset`` driven by one of this package's batch samplers.
+
+    Args:
+        dataset: A map-style dataset (``__len__`` / ``__getitem__``), or ``None``.
+        consumed_samples: Samples of this split already consumed (over all ranks).
+        micro_batch_size: Samples per rank per micro-batch.
+        data_parallel_rank: This rank's data-parallel index.
+        data_parallel_size: Number of data-parallel ranks.
+        dataloader_type: ``"single"`` or ``"cyclic"``.
+        num_workers: Worker processes (0 loads in this process).
+        pin_memory: Pin batches in host memory (only used when CUDA is available).
+        persistent_workers: Keep workers between passes (only with ``num_workers > 0``).
+        seed: Shuffling seed for ``"cyclic"``.
+        drop_last: Drop a final incomplete chunk (``"single"``).
+
+    Returns:
+        The loader, or ``None`` when ``dataset`` is ``None`` or empty.
+    """
+    if dataset is None or len(dataset) == 0:
+        return None
+    sampler: Any
+    if dataloader_type == "single":
+        sampler = PretrainingSampler(
+            len(dataset),
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+            drop_last=drop_last,
+        )
+    elif dataloader_type == "cyclic":
+        sampler = CyclicRandomSampler(
+            len(dataset),
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+            seed=seed,
+        )
+    else:
+        raise ValueError(
+            f"build_data_loader: dataloader_type={dataloader_type!r} needs 'single' or 'cyclic'"
+        )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=bool(pin_memory and torch.cuda.is_available()),
+        persistent_workers=bool(persistent_workers and num_workers > 0),
+    )
+
+
+def _data_parallel_layout(dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
+    if dp_rank is not None and dp_size is not None:
+        return dp_rank, dp_size
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return (
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+        )
+    return 0, 1
+
+
+def build_train_valid_test_data_loaders(
+    datasets: tuple[Any, Any, Any],
+    dataset_config: Any,
+    train_config: Any,
+    train_state: Any,
+    *,
+    data_parallel_rank: int | None = None,
+    data_parallel_size: int | None = None,
+) -> tuple[Any, Any, Any]:
+    """Loaders for the three splits, positioned at the train state's consumed samples.
+
+    Args:
+        datasets: ``(train_ds, valid_ds, test_ds)``; ``None`` entries give ``None`` loaders.
+        dataset_config: The dataset config (``dataloader_type``, ``num_workers``,
+            ``pin_memory``, ``persistent_workers``, ``random_seed``).
+        train_config: ``TrainingConfig`` (``micro_batch_size``).
+        train_state: ``TrainState``; ``do_train`` / ``do_valid`` / ``do_test`` are set from
+            which splits exist.
+        data_parallel_rank: Defaults to megatron's data-parallel rank.
+        data_parallel_size: Defaults to megatron's data-parallel size.
+
+    Returns:
+        ``(train_loader, valid_loader, test_loader)``; for ``"external"`` the datasets
+        themselves.
+
+    Raises:
+        ValueError: Unknown ``dataloader_type`` or missing ``micro_batch_size``.
+    """
+    kind = _dataloader_type(dataset_config)
+    train_ds, valid_ds, test_ds = datasets
+    train_state.do_train = train_ds is not None and getattr(train_config, "train_iters", 1) != 0
+    train_state.do_valid = (
+        valid_ds is not None and int(getattr(train_config, "eval_iters", 0) or 0) > 0
+    )
+    train_state.do_test = (
+        test_ds is not None and int(getattr(train_config, "eval_iters", 0) or 0) > 0
+    )
+    if kind == "external":
+        return train_ds, valid_ds, test_ds
+    mbs = getattr(train_config, "micro_batch_size", None)
+    if not mbs:
+        raise ValueError("train.micro_batch_size must be set to build data loaders")
+    rank, size = _data_parallel_layout(data_parallel_rank, data_parallel_size)
+    common: dict[str, Any] = {
+        "micro_batch_size": int(mbs),
+        "data_parallel_rank": rank,
+        "data_parallel_size": size,
+        "dataloader_type": kind,
+        "num_workers": int(getattr(dataset_config, "num_workers", 0) or 0),
+        "pin_memory": bool(getattr(dataset_config, "pin_memory", False)),
+        "persistent_workers": bool(getattr(dataset_config, "persistent_workers", False)),
+        "seed": int(getattr(dataset_config, "random_seed", 0) or 0),
+    }
+    train = build_data_loader(train_ds, train_state.consumed_train_samples, **common)
+    valid = build_data_loader(valid_ds, train_state.consumed_valid_samples, **common)
+    test = build_data_loader(test_ds, 0, **common)
+    return train, valid, test
+
+
+def build_train_valid_test_data_iterators(
+    datasets: tuple[Any, Any, Any],
+    dataset_config: Any,
+    train_config: Any,
+    train_state: Any,
+    *,
+    data_parallel_rank: int | None = None,
+    data_parallel_size: int | None = None,
+) -> tuple[Iterator[Any] | None, Iterator[Any] | None, Iterator[Any] | None]:
+    """Iterators over the three splits (see the module docstring for their behaviour).
+
+    Args:
+        datasets: ``(train_ds, valid_ds, test_ds)``.
+        dataset_config: The dataset config.
+        train_config: ``TrainingConfig``.
+        train_state: ``TrainState`` (consumed samples, and ``do_*`` flags it sets).
+        data_parallel_rank: Defaults to megatron's data-parallel rank.
+        data_parallel_size: Defaults to megatron's data-parallel size.
+
+    Returns:
+        ``(train_iterator, valid_iterator, test_iterator)``, ``None`` for a missing split.
+    """
+    kind = _dataloader_type(dataset_config)
+    loaders = build_train_valid_test_data_loaders(
+        datasets,
+        dataset_config,
+        train_config,
+        train_state,
+        data_parallel_rank=data_parallel_rank,
+        data_parallel_size=data_parallel_size,
+    )
+    train, valid, test = loaders
+    train_it = None if train is None else iter(train)
+    if kind == "single":
+        valid_it = None if valid is None else iter(cyclic_iter(valid))
+        test_it = None if test is None else iter(cyclic_iter(test))
+    else:
+        valid_it = None if valid is None else iter(valid)
+        test_it = None if test is None else iter(test)
+    return train_it, valid_it, test_it

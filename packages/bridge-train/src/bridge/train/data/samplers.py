@@ -1,0 +1,160 @@
+"""Deterministic, data-parallel-sharded, resumable batch samplers.
+
+Both samplers define one *global* order of sample indices that does not depend on the
+data-parallel size, and cut it into chunks of ``micro_batch_size x data_parallel_size``
+samples; data-parallel rank ``r`` takes the ``r``-th ``micro_batch_size`` slice of each
+chunk. A global batch of ``B`` samples therefore is the same set of samples (stream
+positions ``[k B, (k + 1) B)``) whatever the data-parallel size and micro-batch size, and
+resuming from ``consumed_samples`` (counted over all ranks) continues the stream exactly.
+
+* :class:`PretrainingSampler` (``dataloader_type="single"``): the stream is
+  ``0, 1, ..., total - 1`` once (megatron's GPT datasets are already shuffled);
+* :class:`CyclicRandomSampler` (``dataloader_type="cyclic"``): the stream is an endless
+  sequence of epochs, each a permutation of the dataset drawn from ``seed + epoch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["CyclicRandomSampler", "PretrainingSampler"]
+
+
+def _check(
+    total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int, size: int
+) -> None:
+    if total_samples <= 0:
+        raise ValueError(f"the dataset has no samples (total_samples={total_samples})")
+    if consumed_samples < 0:
+        raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+    if micro_batch_size <= 0:
+        raise ValueError(f"train.micro_batch_size must be >= 1, got {micro_batch_size}")
+    if size <= 0 or not 0 <= rank < size:
+        raise ValueError(f"data_parallel_rank={rank} is not in [0, data_parallel_size={size})")
+
+
+class PretrainingSampler:
+    """One sequential pass over the dataset, sharded over data-parallel ranks.
+
+    Args:
+        total_samples: Dataset length.
+        consumed_samples: Samples (over all ranks) already consumed; iteration resumes there.
+        micro_batch_size: Samples per rank per micro-batch.
+        data_parallel_rank: This rank's data-parallel index.
+        data_parallel_size: Number of data-parallel ranks.
+        drop_last: Drop a final chunk smaller than ``micro_batch_size x data_parallel_size``
+            (otherwise it is split as evenly as possible; a rank may get fewer samples).
+
+    Raises:
+        ValueError: A size or rank is out of range.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ) -> None:
+        _check(
+            total_samples,
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+        )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.drop_last = drop_last
+        self.chunk = micro_batch_size * data_parallel_size
+
+    def __len__(self) -> int:
+        """Micro-batches this rank yields from ``consumed_samples`` to the end."""
+        remaining = max(self.total_samples - self.consumed_samples, 0)
+        full, rest = divmod(remaining, self.chunk)
+        if rest and not self.drop_last:
+            start = self.data_parallel_rank * self.micro_batch_size
+            full += int(start < rest)
+        return full
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield this rank's index list of every micro-batch, in stream order."""
+        start = self.data_parallel_rank * self.micro_batch_size
+        for chunk_start in range(self.consumed_samples, self.total_samples, self.chunk):
+            chunk_end = min(chunk_start + self.chunk, self.total_samples)
+            if chunk_end - chunk_start < self.chunk and self.drop_last:
+                return
+            indices = list(range(chunk_start, chunk_end))[start : start + self.micro_batch_size]
+            if indices:
+                yield indices
+
+
+class CyclicRandomSampler:
+    """Endless shuffled epochs over the dataset, sharded over data-parallel ranks.
+
+    Epoch ``e`` is ``torch.randperm(total_samples)`` drawn from a generator seeded with
+    ``seed + e``; the global stream is the concatenation of the epochs.
+
+    Args:
+        total_samples: Dataset length.
+        consumed_samples: Samples (over all ranks) already consumed; iteration resumes there.
+        micro_batch_size: Samples per rank per micro-batch.
+        data_parallel_rank: This rank's data-parallel index.
+        data_parallel_size: Number of data-parallel ranks.
+        seed: Base seed of the epoch permutations.
+
+    Raises:
+        ValueError: A size or rank is out of range.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        seed: int = 0,
+    ) -> None:
+        _check(
+            total_samples,
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+        )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.seed = seed
+        self.chunk = micro_batch_size * data_parallel_size
+
+    def _epoch(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.total_samples, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield this rank's index list of every micro-batch, forever."""
+        position = self.consumed_samples
+        epoch, offset = divmod(position, self.total_samples)
+        order = self._epoch(epoch)
+        start = self.data_parallel_rank * self.micro_batch_size
+        while True:
+            chunk: list[int] = []
+            while len(chunk) < self.chunk:
+                take = min(self.chunk - len(chunk), self.total_samples - offset)
+                chunk += order[offset : offset + take]
+                offset += take
+                if offset == self.total_samples:
+                    epoch, offset = epoch + 1, 0
+                    order = self._epoch(epoch)
+            yield chunk[start : start + self.micro_batch_size]

@@ -1,0 +1,347 @@
+"""Tokenizers for megatron datasets: byte-level, Hugging Face (local), and null.
+
+Each tokenizer has what megatron-core's datasets and the trainer use: ``vocab_size``,
+``eod``, ``pad``, ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` and
+``unique_identifiers`` (an ordered dict describing the tokenizer; megatron hashes it into
+dataset cache keys, so two different tokenizers never share a cache).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ByteLevelTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+    "Tokenizer",
+    "build_tokenizer",
+]
+
+_BYTE_IDS = 256
+_DEFAULT_SPECIALS = ("<eod>", "<pad>")
+
+
+class Tokenizer:
+    """Common interface of the trainer's tokenizers.
+
+    Attributes:
+        unique_identifiers: Ordered description of the tokenizer (class and settings).
+    """
+
+    def __init__(self, **identifiers: Any) -> None:
+        self.unique_identifiers: OrderedDict[str, Any] = OrderedDict(
+            [("class", type(self).__name__), *identifiers.items()]
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model must embed."""
+        raise NotImplementedError
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id, appended after every document by preprocessing."""
+        raise NotImplementedError
+
+    @property
+    def pad(self) -> int:
+        """Padding id."""
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text`` to ids (no EOD appended)."""
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decode ids to text."""
+        raise NotImplementedError
+
+
+class ByteLevelTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0-255, then special tokens (EOD and PAD by default).
+
+    Needs no files. ``detokenize`` maps special ids to their names and decodes the bytes
+    with replacement of invalid UTF-8.
+
+    Args:
+        special_tokens: Special tokens after the 256 byte ids; ``"<eod>"`` and ``"<pad>"``
+            are added when missing. Ids follow the given order.
+        vocab_extra_ids: Number of ``<extra_id_N>`` sentinel tokens appended after them.
+        vocab_size: Total vocabulary to report (>= the ids above), leaving unused ids; by
+            default exactly the ids above.
+
+    Raises:
+        ValueError: ``vocab_size`` is smaller than the ids needed, or a special token repeats.
+    """
+
+    def __init__(
+        self,
+        special_tokens: Sequence[str] | None = None,
+        vocab_extra_ids: int = 0,
+        vocab_size: int | None = None,
+    ) -> None:
+        specials = list(special_tokens or ())
+        for token in _DEFAULT_SPECIALS:
+            if token not in specials:
+                specials.append(token)
+        specials += [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        if len(set(specials)) != len(specials):
+            raise ValueError(f"tokenizer.special_tokens has duplicates: {specials}")
+        self._special_ids = {token: _BYTE_IDS + i for i, token in enumerate(specials)}
+        self._id_to_special = {i: t for t, i in self._special_ids.items()}
+        needed = _BYTE_IDS + len(specials)
+        if vocab_size is not None and vocab_size < needed:
+            raise ValueError(
+                f"tokenizer.vocab_size={vocab_size} is too small for the byte-level tokenizer: "
+                f"it needs {needed} ids (256 bytes + {len(specials)} special tokens)"
+            )
+        self._vocab_size = vocab_size if vocab_size is not None else needed
+        super().__init__(special_tokens=tuple(specials), vocab_size=self._vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """256 bytes + special tokens (or the configured size)."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        """Id of ``<eod>``."""
+        return self._special_ids["<eod>"]
+
+    @property
+    def pad(self) -> int:
+        """Id of ``<pad>``."""
+        return self._special_ids["<pad>"]
+
+    def special_token_id(self, token: str) -> int:
+        """Id of a special token.
+
+        Raises:
+            KeyError: ``token`` is not a special token of this tokenizer.
+        """
+        return self._special_ids[token]
+
+    def tokenize(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decode bytes; special ids become their token strings."""
+        out: list[str] = []
+        chunk = bytearray()
+        for raw in ids:
+            token_id = int(raw)
+            if 0 <= token_id < _BYTE_IDS:
+                chunk.append(token_id)
+                continue
+            if chunk:
+                out.append(chunk.decode("utf-8", errors="replace"))
+                chunk = bytearray()
+            out.append(self._id_to_special.get(token_id, f"<unk_{token_id}>"))
+        if chunk:
+            out.append(chunk.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class NullTokenizer(Tokenizer):
+    """Ids only, for mock data: ``tokenize("1 2 3") == [1, 2, 3]``.
+
+    Follows megatron-core's null tokenizer: ids ``0 .. vocab_size - 1``, the last of them
+    (``vocab_size - 1``) is the end-of-document id, and there is no pad token (``pad`` is
+    -1, an id no dataset contains).
+
+    Args:
+        vocab_size: Number of ids, EOD included.
+
+    Raises:
+        ValueError: ``vocab_size`` is smaller than 2.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size is None or int(vocab_size) < 2:
+            raise ValueError(
+                f"tokenizer.vocab_size must be >= 2 for the null tokenizer, got {vocab_size!r}"
+            )
+        self._vocab_size = int(vocab_size)
+        super().__init__(vocab_size=self._vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, EOD included."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        """``vocab_size - 1``."""
+        return self._vocab_size - 1
+
+    @property
+    def pad(self) -> int:
+        """-1: the null tokenizer has no pad token."""
+        return -1
+
+    def tokenize(self, text: str) -> list[int]:
+        """Parse whitespace-separated integers."""
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Join ids with spaces."""
+        return " ".join(str(int(i)) for i in ids)
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a local directory.
+
+    The directory must contain ``tokenizer.json`` (nothing is downloaded). The EOD token
+    is the first of ``eos_token`` from ``tokenizer_config.json`` / ``special_tokens_map.json``,
+    ``"</s>"``, ``"<|endoftext|>"``, ``"<eos>"``, ``"<|end_of_text|>"`` that exists; the
+    pad token likewise from ``pad_token``, ``"<pad>"``, ``"[PAD]"``, else the EOD token.
+
+    Args:
+        path: Directory holding ``tokenizer.json``.
+        special_tokens: Tokens added to the vocabulary as special tokens.
+        vocab_extra_ids: Number of ``<extra_id_N>`` sentinels added.
+
+    Raises:
+        ImportError: The ``tokenizers`` package is missing (``pip install bridge-train[hf]``).
+        FileNotFoundError: ``path`` is not a directory with ``tokenizer.json``.
+        ValueError: No end-of-document token can be found.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        special_tokens: Sequence[str] | None = None,
+        vocab_extra_ids: int = 0,
+    ) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as exc:
+            raise ImportError(
+                "the Hugging Face tokenizer needs the 'tokenizers' package: "
+                "pip install bridge-train[hf]"
+            ) from exc
+        directory = Path(path)
+        file = directory / "tokenizer.json"
+        if not directory.is_dir():
+            raise FileNotFoundError(
+                f"tokenizer.tokenizer_model={str(path)!r} is not a directory; point it to a local "
+                "Hugging Face tokenizer directory containing tokenizer.json"
+            )
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"tokenizer.tokenizer_model={str(path)!r} has no tokenizer.json; save the "
+                "tokenizer there (tokenizer.save_pretrained(dir)) or point to another directory"
+            )
+        self._tokenizer = _HFTokenizer.from_file(str(file))
+        extra = list(special_tokens or ()) + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        if extra:
+            self._tokenizer.add_special_tokens(extra)
+        settings = _read_special_token_settings(directory)
+        eod = self._first_token_id(
+            [settings.get("eos_token"), "</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"]
+        )
+        if eod is None:
+            raise ValueError(
+                f"the tokenizer in {str(path)!r} has no end-of-document token (eos_token, </s>, "
+                "<|endoftext|>); add one with tokenizer.special_tokens"
+            )
+        self._eod: int = eod
+        pad = self._first_token_id([settings.get("pad_token"), "<pad>", "[PAD]"])
+        self._pad: int = eod if pad is None else pad
+        super().__init__(path=str(directory.resolve()), special_tokens=tuple(extra))
+
+    def _first_token_id(self, candidates: Sequence[Any]) -> int | None:
+        for token in candidates:
+            if isinstance(token, dict):
+                token = token.get("content")
+            if token:
+                token_id = self._tokenizer.token_to_id(str(token))
+                if token_id is not None:
+                    return int(token_id)
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size including added tokens."""
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id."""
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        """Padding id."""
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode without adding special tokens."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decode (special tokens skipped)."""
+        return str(self._tokenizer.decode([int(i) for i in ids]))
+
+
+def _read_special_token_settings(directory: Path) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        file = directory / name
+        if file.is_file():
+            try:
+                data = json.loads(file.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            for key in ("eos_token", "pad_token"):
+                if data.get(key) and key not in settings:
+                    settings[key] = data[key]
+    return settings
+
+
+def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
+    """Build the tokenizer a ``TokenizerConfig`` describes.
+
+    Supported ``tokenizer_type`` values: ``"ByteLevelTokenizer"`` (``special_tokens``,
+    ``vocab_extra_ids``, optional ``vocab_size``), ``"HuggingFaceTokenizer"``
+    (``tokenizer_model`` is a local directory), ``"NullTokenizer"`` (``vocab_size``).
+
+    Args:
+        tokenizer_config: ``bridge.config.TokenizerConfig`` (or an object with its fields).
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        ValueError: Unset or unsupported ``tokenizer_type``, or a missing field.
+    """
+    kind = getattr(tokenizer_config, "tokenizer_type", None)
+    specials = getattr(tokenizer_config, "special_tokens", None)
+    extra_ids = int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0)
+    vocab_size = getattr(tokenizer_config, "vocab_size", None)
+    if kind == "ByteLevelTokenizer":
+        return ByteLevelTokenizer(
+            special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size
+        )
+    if kind == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("tokenizer.vocab_size is required for tokenizer_type='NullTokenizer'")
+        return NullTokenizer(int(vocab_size) + extra_ids)
+    if kind == "HuggingFaceTokenizer":
+        model = getattr(tokenizer_config, "tokenizer_model", None)
+        if not model:
+            raise ValueError(
+                "tokenizer.tokenizer_model is required for tokenizer_type='HuggingFaceTokenizer' "
+                "(a local directory with tokenizer.json)"
+            )
+        return HuggingFaceTokenizer(model, special_tokens=specials, vocab_extra_ids=extra_ids)
+    raise ValueError(
+        f"tokenizer.tokenizer_type={kind!r} is not supported by bridge-train; use "
+        "'ByteLevelTokenizer', 'HuggingFaceTokenizer' or 'NullTokenizer'"
+    )

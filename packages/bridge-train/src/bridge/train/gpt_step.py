@@ -1,0 +1,136 @@
+"""Forward step and loss for GPT pre-training batches.
+
+A batch is a dict of ``[micro_batch_size, seq_length]`` tensors as megatron's
+``GPTDataset`` / ``MockGPTDataset`` produce them: ``tokens``, ``labels``, ``loss_mask``,
+``position_ids`` and optionally ``attention_mask`` (``[b, 1, s, s]``, ``True`` = masked).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from bridge.train.state import GlobalState
+
+__all__ = ["forward_step", "get_batch", "masked_next_token_loss"]
+
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def get_batch(
+    data_iterator: Iterator[dict[str, torch.Tensor]] | None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor | None]:
+    """Take the next micro-batch, move it to ``device`` and slice it for context parallelism.
+
+    Args:
+        data_iterator: Iterator over batch dicts.
+        device: Device of the model.
+
+    Returns:
+        ``{"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}`` (the
+        attention mask may be ``None``). With context parallelism > 1 every tensor holds this
+        rank's part of the sequence (``core_utils.get_batch_on_this_cp_rank``).
+
+    Raises:
+        ValueError: No iterator, or the batch lacks a required key.
+    """
+    if data_iterator is None:
+        raise ValueError("forward_step needs a data iterator on this rank, got None")
+    raw = next(data_iterator)
+    missing = [k for k in ("tokens", "labels", "loss_mask", "position_ids") if k not in raw]
+    if missing:
+        raise ValueError(f"GPT batch is missing {missing}; it has {sorted(raw)}")
+    batch: dict[str, torch.Tensor | None] = {}
+    for key in _BATCH_KEYS:
+        value = raw.get(key)
+        batch[key] = (
+            value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else None
+        )
+    from megatron.core import parallel_state
+
+    if (
+        parallel_state.model_parallel_is_initialized()
+        and parallel_state.get_context_parallel_world_size() > 1
+    ):
+        from core_utils import get_batch_on_this_cp_rank
+
+        batch = get_batch_on_this_cp_rank(batch)
+    return batch
+
+
+def masked_next_token_loss(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of per-token losses over unmasked tokens, in megatron's 3-tuple convention.
+
+    Args:
+        loss_mask: ``[b, s]``, 1 where the token counts.
+        output_tensor: Per-token losses ``[b, s]`` from ``GPTModel(..., labels=...)``.
+
+    Returns:
+        ``(loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})``. The schedule
+        divides ``loss_sum`` by ``num_tokens`` and the number of micro-batches (or, with
+        ``calculate_per_token_loss``, the gradients by the global token count); the training
+        loop sums the reported pair over micro-batches and data-parallel ranks and divides.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    reported = torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])
+    return loss, num_tokens, {"lm loss": reported}
+
+
+def forward_step(
+    state: GlobalState | None,
+    data_iterator: Iterator[dict[str, torch.Tensor]] | None,
+    model: torch.nn.Module,
+    return_schedule_plan: bool = False,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    """One GPT forward pass on the next micro-batch.
+
+    The ``state`` parameter makes the trainer inject its :class:`GlobalState` (see
+    :func:`bridge.train.prepare_forward_step_func`); ``None`` is fine when calling it
+    directly. When the state has timers, the batch fetch is timed as ``batch-generator``.
+
+    Args:
+        state: The global state, or ``None``.
+        data_iterator: Iterator over GPT batch dicts.
+        model: The (wrapped) GPT model chunk.
+        return_schedule_plan: Must be false (combined 1F1B schedule plans are not supported).
+
+    Returns:
+        ``(per_token_losses, loss_func)`` where ``loss_func(output)`` is
+        :func:`masked_next_token_loss` bound to the batch's loss mask.
+
+    Raises:
+        NotImplementedError: ``return_schedule_plan`` is true.
+    """
+    if return_schedule_plan:
+        raise NotImplementedError("forward_step: return_schedule_plan=True is not supported")
+    timers = getattr(state, "timers", None) if state is not None else None
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    batch = get_batch(data_iterator, _device_of(model))
+    if timers is not None:
+        timers("batch-generator").stop()
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+    )
+    loss_mask = batch["loss_mask"]
+    if loss_mask is None:  # get_batch guarantees it; a clear error if a subclass does not
+        raise ValueError("forward_step: the batch has no loss_mask")
+    return output, functools.partial(masked_next_token_loss, loss_mask)

@@ -1,0 +1,269 @@
+"""Process-group, model-parallel and RNG initialisation for a training run.
+
+:func:`initialize_distributed` brings up ``torch.distributed`` (gloo on CPU, nccl on GPU,
+as ``DistributedInitConfig.distributed_backend`` says), megatron's model-parallel groups
+(tensor, pipeline, context, expert parallel) and reproducible seeds. It validates the layout
+against the world size and the chosen engine first, so a bad config fails before any
+process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "destroy_distributed",
+    "initialize_distributed",
+    "resolve_distributed_backend",
+    "set_random_seed",
+    "validate_parallel_layout",
+]
+
+_STATE = {"owns_process_group": False}
+
+
+def resolve_distributed_backend(dist_config: Any = None) -> str:
+    """The torch.distributed backend to use: the configured one, checked against the machine.
+
+    Args:
+        dist_config: ``DistributedInitConfig`` (``distributed_backend``: ``"nccl"``,
+            ``"gloo"``, or ``None`` / ``"auto"`` for nccl with CUDA and gloo without).
+
+    Returns:
+        ``"nccl"`` or ``"gloo"``.
+
+    Raises:
+        ValueError: Unknown backend, or nccl requested without CUDA.
+    """
+    backend = getattr(dist_config, "distributed_backend", None)
+    backend = "auto" if backend is None else str(backend).lower()
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"dist.distributed_backend={backend!r} is not one of 'nccl', 'gloo'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "dist.distributed_backend='nccl' requires CUDA, and no GPU is available; set "
+            "dist.distributed_backend='gloo' to train on CPU"
+        )
+    return backend
+
+
+def validate_parallel_layout(model_config: Any, world_size: int, engine: str = "portable") -> None:
+    """Check that the model's parallel sizes fit ``world_size`` and the engine.
+
+    Args:
+        model_config: The model config (``tensor_model_parallel_size``,
+            ``pipeline_model_parallel_size``, ``context_parallel_size``,
+            ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
+            ``virtual_pipeline_model_parallel_size``, ``sequence_parallel``).
+        world_size: Number of ranks.
+        engine: ``"portable"`` or ``"megatron"``.
+
+    Raises:
+        ValueError: A size is not positive, ``world_size`` is not divisible by
+            ``TP x PP x CP``, the expert layout does not fit, or the portable engine is asked
+            for pipeline parallelism (or, without CUDA, sequence parallelism or MoE layers).
+    """
+    tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(model_config, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(model_config, "context_parallel_size", 1) or 1)
+    ep = int(getattr(model_config, "expert_model_parallel_size", 1) or 1)
+    etp = getattr(model_config, "expert_tensor_parallel_size", None) or tp
+    vp = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
+    for name, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+        ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", etp),
+    ):
+        if value < 1:
+            raise ValueError(f"model.{name} must be >= 1, got {value}")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by model.tensor_model_parallel_size ({tp}) "
+            f"x model.pipeline_model_parallel_size ({pp}) x model.context_parallel_size ({cp}) "
+            f"= {model_parallel}; launch a multiple of {model_parallel} ranks or shrink the "
+            "parallel sizes"
+        )
+    if world_size % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by model.expert_tensor_parallel_size "
+            f"({etp}) x model.expert_model_parallel_size ({ep}) x "
+            f"model.pipeline_model_parallel_size ({pp})"
+        )
+    if engine == "portable":
+        if pp > 1 or vp is not None:
+            raise ValueError(
+                f"model.pipeline_model_parallel_size={pp} (virtual: {vp}): pipeline parallelism "
+                "is only available with the megatron engine on CUDA (train.engine='megatron'); "
+                "set pipeline_model_parallel_size=1 for the portable engine"
+            )
+        if getattr(model_config, "num_moe_experts", None) and not torch.cuda.is_available():
+            raise ValueError(
+                f"model.num_moe_experts={model_config.num_moe_experts}: megatron-core's MoE "
+                "layers do not run on CPU (the router places tensors on "
+                "torch.cuda.current_device()); train MoE models on CUDA"
+            )
+        if getattr(model_config, "sequence_parallel", False) and not torch.cuda.is_available():
+            raise ValueError(
+                "model.sequence_parallel=True needs CUDA (gloo has no reduce-scatter and "
+                "megatron forks its CUDA RNG tracker); set model.sequence_parallel=False on CPU"
+            )
+
+
+def _init_process_group(backend: str, timeout_minutes: float) -> None:
+    timeout = timedelta(minutes=timeout_minutes)
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # A bare, non-torchrun launch: a single-rank group on a free local port.
+        from core_utils.testing import find_free_port
+
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{find_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+    _STATE["owns_process_group"] = True
+
+
+def initialize_distributed(
+    model_config: Any,
+    dist_config: Any = None,
+    rng_config: Any = None,
+    *,
+    engine: str = "portable",
+) -> None:
+    """Initialise torch.distributed, megatron's parallel state and the random seeds.
+
+    Under ``torchrun`` the launcher's environment is used; launched bare, a one-rank group
+    is created. An existing default process group is reused. On CUDA with nccl the device
+    is set from ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``).
+
+    Args:
+        model_config: The model config (its parallel sizes are used).
+        dist_config: ``DistributedInitConfig`` (``distributed_backend``,
+            ``distributed_timeout_minutes``, ``use_gloo_process_groups``,
+            ``use_tp_pp_dp_mapping``, ``nccl_communicator_config_path``,
+            ``external_gpu_device_mapping``); defaults when ``None``.
+        rng_config: ``RNGConfig`` (``seed``, ``data_parallel_random_init``,
+            ``te_rng_tracker``, ``inference_rng_tracker``); seed 1234 when ``None``.
+        engine: ``"portable"`` or ``"megatron"`` (the layout is validated for it).
+
+    Raises:
+        ValueError: Invalid backend or parallel layout (raised before any group is built).
+    """
+    from megatron.core import parallel_state
+
+    backend = resolve_distributed_backend(dist_config)
+    world_size = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    validate_parallel_layout(model_config, world_size, engine)
+
+    timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
+    if torch.cuda.is_available() and backend == "nccl":
+        local_rank = (
+            0
+            if getattr(dist_config, "external_gpu_device_mapping", False)
+            else int(os.environ.get("LOCAL_RANK", "0"))
+        )
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        _init_process_group(backend, timeout_minutes)
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    order = "tp-pp-dp" if getattr(dist_config, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=model_config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=model_config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(
+            model_config, "virtual_pipeline_model_parallel_size", None
+        ),
+        context_parallel_size=model_config.context_parallel_size,
+        expert_model_parallel_size=getattr(model_config, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(model_config, "expert_tensor_parallel_size", None),
+        distributed_timeout_minutes=int(timeout_minutes),
+        nccl_communicator_config_path=getattr(dist_config, "nccl_communicator_config_path", None),
+        order=order,
+        # On a gloo world the regular groups already are gloo groups; duplicates cost time.
+        create_gloo_process_groups=bool(getattr(dist_config, "use_gloo_process_groups", True))
+        and backend == "nccl",
+    )
+    set_random_seed(
+        int(getattr(rng_config, "seed", 1234)),
+        data_parallel_random_init=bool(getattr(rng_config, "data_parallel_random_init", False)),
+        te_rng_tracker=bool(getattr(rng_config, "te_rng_tracker", False)),
+        inference_rng_tracker=bool(getattr(rng_config, "inference_rng_tracker", False)),
+    )
+
+
+def set_random_seed(
+    seed: int,
+    data_parallel_random_init: bool = False,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+) -> int:
+    """Seed python, numpy and torch reproducibly for this rank.
+
+    The seed is ``seed + 100 * pipeline_rank`` (+ ``10 * data_parallel_rank`` with
+    ``data_parallel_random_init``), so every data-parallel and tensor-parallel rank of a
+    pipeline stage draws the same parameters (tensor-parallel ranks then slice the same full
+    weights). On CUDA, megatron's ``model_parallel_cuda_manual_seed`` also seeds its
+    tensor-parallel RNG tracker; without CUDA no CUDA state is touched.
+
+    Args:
+        seed: Base seed (must be >= 0).
+        data_parallel_random_init: Give every data-parallel rank different parameters.
+        te_rng_tracker: Use Transformer Engine's RNG tracker (CUDA).
+        inference_rng_tracker: Use megatron's inference RNG tracker (CUDA).
+
+    Returns:
+        The seed used on this rank.
+
+    Raises:
+        ValueError: ``seed`` is negative.
+    """
+    if seed < 0:
+        raise ValueError(f"rng.seed must be >= 0, got {seed}")
+    from megatron.core import parallel_state
+
+    rank_seed = seed
+    if parallel_state.model_parallel_is_initialized():
+        rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
+        if data_parallel_random_init:
+            rank_seed += 10 * parallel_state.get_data_parallel_rank()
+    random.seed(rank_seed)
+    np.random.seed(rank_seed)
+    torch.manual_seed(rank_seed)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            rank_seed, te_rng_tracker=te_rng_tracker, inference_rng_tracker=inference_rng_tracker
+        )
+    return rank_seed
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's parallel state, and the process group if this module created it."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if _STATE["owns_process_group"] and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE["owns_process_group"] = False

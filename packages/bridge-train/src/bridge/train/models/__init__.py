@@ -1,0 +1,16 @@
+"""Model providers: configs that build megatron-core models."""
+
+from bridge.train.models.gpt_provider import GPTModelProvider, calculate_padded_vocab_size
+from bridge.train.models.layer_specs import (
+    LayerSpecBackend,
+    build_gpt_layer_spec,
+    resolve_layer_spec_backend,
+)
+
+__all__ = [
+    "GPTModelProvider",
+    "LayerSpecBackend",
+    "build_gpt_layer_spec",
+    "calculate_padded_vocab_size",
+    "resolve_layer_spec_backend",
+]

@@ -1,0 +1,159 @@
+"""Choose and build the transformer layer spec a GPT model runs with.
+
+Four implementations are selectable (``GPTModelProvider.layer_spec_backend``):
+
+``"portable"``
+    megatron-core's local spec (megatron's own linear layers and norms) with core attention
+    replaced by torch ``scaled_dot_product_attention``
+    (:class:`core_utils.portable_attention.SDPACoreAttention`). Runs on every device,
+    including CPU, with tensor parallelism over gloo. No context parallelism, no
+    multi-latent attention.
+``"local"``
+    megatron-core's local spec unchanged. Its ``DotProductAttention`` takes a buffer from
+    ``torch.cuda.current_device()``: CUDA only.
+``"transformer_engine"``
+    Transformer Engine modules (fused kernels, fp8, context parallelism). CUDA and the ``te``
+    extra (``pip install bridge-train[te]``) required.
+``"auto"`` (default)
+    ``"transformer_engine"`` on CUDA when Transformer Engine is installed, ``"local"`` on
+    CUDA without it, ``"portable"`` without CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from bridge.train.models.gpt_provider import GPTModelProvider
+
+__all__ = ["LayerSpecBackend", "build_gpt_layer_spec", "resolve_layer_spec_backend"]
+
+LayerSpecBackend = Literal["auto", "portable", "local", "transformer_engine"]
+_BACKENDS = ("auto", "portable", "local", "transformer_engine")
+
+
+def _transformer_engine_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_layer_spec_backend(
+    requested: str, *, cuda_available: bool | None = None, te_installed: bool | None = None
+) -> Literal["portable", "local", "transformer_engine"]:
+    """Resolve ``requested`` (possibly ``"auto"``) to the implementation that will be built.
+
+    Args:
+        requested: One of ``"auto"``, ``"portable"``, ``"local"``, ``"transformer_engine"``.
+        cuda_available: Override CUDA detection (defaults to ``torch.cuda.is_available()``).
+        te_installed: Override Transformer Engine detection.
+
+    Returns:
+        The concrete backend.
+
+    Raises:
+        ValueError: ``requested`` is unknown, or it cannot run here (``"local"`` or
+            ``"transformer_engine"`` without CUDA, ``"transformer_engine"`` without the
+            package); the message names the field and the alternative.
+    """
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    te = _transformer_engine_installed() if te_installed is None else te_installed
+    if requested not in _BACKENDS:
+        raise ValueError(f"model.layer_spec_backend={requested!r} is not one of {list(_BACKENDS)}")
+    if requested == "auto":
+        if not cuda:
+            return "portable"
+        return "transformer_engine" if te else "local"
+    if requested in ("local", "transformer_engine") and not cuda:
+        raise ValueError(
+            f"model.layer_spec_backend={requested!r} requires CUDA (megatron's "
+            f"{'DotProductAttention' if requested == 'local' else 'Transformer Engine'} "
+            "allocates on the GPU); set model.layer_spec_backend='portable' (or 'auto') to "
+            "run on CPU"
+        )
+    if requested == "transformer_engine" and not te:
+        raise ValueError(
+            "model.layer_spec_backend='transformer_engine' needs Transformer Engine: "
+            "pip install bridge-train[te] (or set model.layer_spec_backend='local')"
+        )
+    return requested  # type: ignore[return-value]
+
+
+def _portable(spec: Any) -> Any:
+    """Swap SDPA core attention into a layer spec or into every layer of a block spec."""
+    from core_utils.portable_attention import with_sdpa_core_attention
+
+    layer_specs = getattr(spec, "layer_specs", None)
+    if layer_specs is not None:
+        spec.layer_specs = [with_sdpa_core_attention(layer) for layer in layer_specs]
+        return spec
+    return with_sdpa_core_attention(spec)
+
+
+def build_gpt_layer_spec(
+    provider: GPTModelProvider,
+    backend: Literal["portable", "local", "transformer_engine"],
+    vp_stage: int | None = None,
+) -> Any:
+    """Build the megatron layer spec (or block spec, for MoE) for ``provider``.
+
+    Dense models get one layer spec shared by all layers. MoE models get megatron's
+    decoder block spec, which interleaves dense and expert layers per ``moe_layer_freq``
+    and holds only the layers of this pipeline stage.
+
+    Args:
+        provider: The model config.
+        backend: A concrete backend from :func:`resolve_layer_spec_backend`.
+        vp_stage: Virtual pipeline stage (for MoE block specs).
+
+    Returns:
+        A ``ModuleSpec`` (dense) or ``TransformerBlockSubmodules`` (MoE).
+
+    Raises:
+        ValueError: The model uses a feature the portable backend does not support.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    use_te = backend == "transformer_engine"
+    if backend == "portable":
+        if provider.multi_latent_attention:
+            raise ValueError(
+                "model.multi_latent_attention=True is not supported by the portable layer spec "
+                "(SDPA core attention); use model.layer_spec_backend='transformer_engine' on GPU"
+            )
+        if provider.context_parallel_size > 1:
+            raise ValueError(
+                f"model.context_parallel_size={provider.context_parallel_size} needs Transformer "
+                "Engine attention (megatron engine on CUDA); the portable layer spec supports "
+                "context_parallel_size=1 only"
+            )
+        if provider.num_query_groups % provider.tensor_model_parallel_size:
+            raise ValueError(
+                f"model.num_query_groups={provider.num_query_groups} is not divisible by "
+                f"model.tensor_model_parallel_size={provider.tensor_model_parallel_size}; the "
+                "portable layer spec needs whole query groups on every tensor-parallel rank"
+            )
+    if provider.num_moe_experts is not None:
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+            provider,
+            use_transformer_engine=use_te,
+            normalization=provider.normalization,
+            vp_stage=vp_stage,
+        )
+    elif use_te:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=None,
+            moe_grouped_gemm=False,
+            qk_layernorm=provider.qk_layernorm,
+            multi_latent_attention=provider.multi_latent_attention,
+        )
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=None,
+            moe_grouped_gemm=False,
+            qk_layernorm=provider.qk_layernorm,
+            multi_latent_attention=provider.multi_latent_attention,
+            normalization=provider.normalization,
+        )
+    return _portable(spec) if backend == "portable" else spec

@@ -1,0 +1,136 @@
+"""Tiny configs for tests and benchmarks of the trainer (CPU-sized, deterministic).
+
+Every factory takes keyword overrides. The model defaults use a vocabulary of 128 padded to
+a multiple of 64 x TP, so tensor-parallel sizes 1 and 2 build identical full weights, and no
+dropout, so runs are comparable across parallel layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from bridge.config import (
+    DistributedInitConfig,
+    MockGPTDatasetConfig,
+    RNGConfig,
+    SchedulerConfig,
+    TrainingConfig,
+)
+from bridge.train.data.datasets import build_train_valid_test_datasets
+from bridge.train.data.loaders import build_train_valid_test_data_iterators
+from bridge.train.data.tokenizers import NullTokenizer
+from bridge.train.models.gpt_provider import GPTModelProvider
+from bridge.train.state import TrainState
+
+__all__ = [
+    "tiny_dist_config",
+    "tiny_gpt_provider",
+    "tiny_mock_dataset_config",
+    "tiny_mock_iterator",
+    "tiny_optimizer_config",
+    "tiny_rng_config",
+    "tiny_scheduler_config",
+    "tiny_train_config",
+]
+
+TINY_VOCAB = 128
+
+
+def tiny_gpt_provider(**overrides: Any) -> GPTModelProvider:
+    """2 layers, hidden 32, 4 heads, sequence 16, vocabulary 128, no dropout."""
+    values: dict[str, Any] = {
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "seq_length": 16,
+        "vocab_size": TINY_VOCAB,
+        "make_vocab_size_divisible_by": 64,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+    values.update(overrides)
+    return GPTModelProvider(**values)
+
+
+def tiny_optimizer_config(**overrides: Any) -> Any:
+    """megatron ``OptimizerConfig``: Adam, lr 1e-3 (min 1e-4), weight decay 0.1, clip 1.0."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    values: dict[str, Any] = {
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "min_lr": 1e-4,
+        "weight_decay": 0.1,
+        "clip_grad": 1.0,
+        "log_num_zeros_in_grad": True,
+    }
+    values.update(overrides)
+    return OptimizerConfig(**values)
+
+
+def tiny_scheduler_config(**overrides: Any) -> SchedulerConfig:
+    """Cosine decay with one warm-up iteration."""
+    values: dict[str, Any] = {"lr_decay_style": "cosine", "lr_warmup_iters": 1}
+    values.update(overrides)
+    return SchedulerConfig(**values)
+
+
+def tiny_train_config(**overrides: Any) -> TrainingConfig:
+    """5 iterations, global batch 4, micro batch 2, no evaluation."""
+    values: dict[str, Any] = {
+        "train_iters": 5,
+        "global_batch_size": 4,
+        "micro_batch_size": 2,
+        "eval_iters": 0,
+        "eval_interval": None,
+    }
+    values.update(overrides)
+    return TrainingConfig(**values)
+
+
+def tiny_mock_dataset_config(**overrides: Any) -> MockGPTDatasetConfig:
+    """Mock GPT data of sequence 16, single pass, no worker processes."""
+    values: dict[str, Any] = {
+        "random_seed": 1234,
+        "sequence_length": 16,
+        "reset_position_ids": False,
+        "reset_attention_mask": False,
+        "eod_mask_loss": False,
+        "num_workers": 0,
+        "dataloader_type": "single",
+        "create_attention_mask": False,
+    }
+    values.update(overrides)
+    return MockGPTDatasetConfig(**values)
+
+
+def tiny_dist_config(**overrides: Any) -> DistributedInitConfig:
+    """gloo, 2-minute timeout."""
+    values: dict[str, Any] = {"distributed_backend": "gloo", "distributed_timeout_minutes": 2}
+    values.update(overrides)
+    return DistributedInitConfig(**values)
+
+
+def tiny_rng_config(**overrides: Any) -> RNGConfig:
+    """Seed 1234."""
+    return RNGConfig(**{"seed": 1234, **overrides})
+
+
+def tiny_mock_iterator(
+    train_config: Any, dataset_config: Any = None, train_state: TrainState | None = None
+) -> Iterator[Any]:
+    """This rank's training iterator over mock data sized for ``train_config``.
+
+    Needs megatron's parallel state (the data-parallel rank and size are read from it).
+    """
+    dataset_config = dataset_config if dataset_config is not None else tiny_mock_dataset_config()
+    tokenizer = NullTokenizer(TINY_VOCAB)
+    samples = train_config.train_iters * train_config.global_batch_size
+    datasets = build_train_valid_test_datasets(dataset_config, tokenizer, (samples, 0, 0))
+    state = train_state if train_state is not None else TrainState()
+    train_it, _, _ = build_train_valid_test_data_iterators(
+        datasets, dataset_config, train_config, state
+    )
+    assert train_it is not None
+    return train_it

@@ -1,0 +1,102 @@
+"""Engine selection and the refusals that must happen before anything is built."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bridge.config import DistributedDataParallelConfig
+from bridge.train import (
+    Engine,
+    MegatronEngine,
+    PortableDistributedDataParallel,
+    PortableEngine,
+    build_engine,
+    resolve_distributed_backend,
+    validate_parallel_layout,
+)
+from bridge.train.testing import tiny_dist_config, tiny_gpt_provider
+
+
+def test_build_engine_by_name() -> None:
+    engine = build_engine("portable")
+    assert isinstance(engine, PortableEngine) and isinstance(engine, Engine)
+    assert engine.name == "portable" and engine.device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"train.engine='fast'"):
+        build_engine("fast")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_megatron_engine_refuses_without_cuda_before_building_anything() -> None:
+    with pytest.raises(RuntimeError) as info:
+        build_engine("megatron")
+    message = str(info.value)
+    assert "train.engine='megatron' requires CUDA" in message
+    assert "train.engine='portable'" in message
+    with pytest.raises(RuntimeError, match=r"requires CUDA"):
+        MegatronEngine()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_nccl_without_cuda_is_refused_with_the_field_and_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"dist.distributed_backend='nccl' requires CUDA.*'gloo'"):
+        resolve_distributed_backend(tiny_dist_config(distributed_backend="nccl"))
+    assert resolve_distributed_backend(tiny_dist_config()) == "gloo"
+    assert resolve_distributed_backend(None) == "gloo"
+    assert resolve_distributed_backend(SimpleNamespace(distributed_backend="auto")) == "gloo"
+    with pytest.raises(ValueError, match=r"'mpi' is not one of"):
+        resolve_distributed_backend(SimpleNamespace(distributed_backend="mpi"))
+
+
+def test_parallel_layout_is_checked_against_world_size_and_engine() -> None:
+    validate_parallel_layout(tiny_gpt_provider(tensor_model_parallel_size=2), 4)
+    with pytest.raises(
+        ValueError, match=r"world size 3 is not divisible.*tensor_model_parallel_size \(2\)"
+    ):
+        validate_parallel_layout(tiny_gpt_provider(tensor_model_parallel_size=2), 3)
+    pipelined = tiny_gpt_provider(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*megatron engine"):
+        validate_parallel_layout(pipelined, 2, "portable")
+    validate_parallel_layout(pipelined, 2, "megatron")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_cpu_only_features_are_refused_by_the_portable_engine() -> None:
+    with pytest.raises(ValueError, match=r"sequence_parallel=True needs CUDA"):
+        validate_parallel_layout(
+            tiny_gpt_provider(tensor_model_parallel_size=2, sequence_parallel=True), 2, "portable"
+        )
+    with pytest.raises(ValueError, match=r"num_moe_experts=4.*CUDA"):
+        validate_parallel_layout(tiny_gpt_provider(num_moe_experts=4), 1, "portable")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("use_distributed_optimizer", True),
+        ("overlap_param_gather", True),
+        ("num_distributed_optimizer_instances", 2),
+    ],
+)
+def test_portable_ddp_refuses_megatron_only_options(field: str, value) -> None:
+    defaults = {
+        f: getattr(DistributedDataParallelConfig(), f)
+        for f in (
+            "use_distributed_optimizer",
+            "overlap_param_gather",
+            "num_distributed_optimizer_instances",
+        )
+    }
+    ddp = SimpleNamespace(**{**defaults, field: value})
+    with pytest.raises(ValueError, match=f"ddp.{field}.*megatron engine"):
+        PortableDistributedDataParallel(
+            SimpleNamespace(calculate_per_token_loss=False),
+            ddp,
+            torch.nn.Linear(2, 2),
+            data_parallel_group=None,
+            expert_data_parallel_group=None,
+        )

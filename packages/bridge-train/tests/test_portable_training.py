@@ -1,0 +1,428 @@
+"""The portable engine trains correctly: DP=2 and TP=2 equal one process, the optimizer keeps
+megatron's contract, norms are right under tensor parallelism.
+
+One 1-rank launch computes the single-process references and checks the optimizer contract;
+one 2-rank launch runs DP=2, DP=2 with overlapped bucketed reduction, and TP=2 over gloo,
+plus the cross-rank reductions. Each launch re-initialises megatron's parallel state per run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bridge.config import DistributedDataParallelConfig
+from bridge.train import (
+    PortableEngine,
+    build_portable_optimizer,
+    calc_dtensor_params_l2_norm,
+    calc_params_l2_norm,
+    forward_step,
+    logical_and_across_model_parallel_group,
+    prepare_forward_step_func,
+    reduce_max_stat_across_model_parallel_group,
+    train_steps,
+)
+from bridge.train.state import GlobalState
+from bridge.train.testing import (
+    tiny_dist_config,
+    tiny_gpt_provider,
+    tiny_mock_iterator,
+    tiny_optimizer_config,
+    tiny_rng_config,
+    tiny_scheduler_config,
+    tiny_train_config,
+)
+from core_utils.testing import run_distributed
+
+ITERS = 6
+TOL = 1e-5
+
+
+def _setup(tp: int = 1, ddp=None, **provider_overrides):
+    provider = tiny_gpt_provider(tensor_model_parallel_size=tp, **provider_overrides)
+    engine = PortableEngine()
+    engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
+    model = engine.setup_model(provider, ddp)
+    return provider, engine, model
+
+
+def _train(tp: int, mbs: int, gbs: int, ddp=None, **provider_overrides) -> dict:
+    provider, engine, model = _setup(tp, ddp, **provider_overrides)
+    train = tiny_train_config(micro_batch_size=mbs, global_batch_size=gbs, train_iters=ITERS)
+    optimizer, scheduler = engine.setup_optimizer(
+        model, tiny_optimizer_config(bf16=provider.bf16), tiny_scheduler_config(), train
+    )
+    result = train_steps(
+        engine,
+        model,
+        optimizer,
+        scheduler,
+        tiny_mock_iterator(train),
+        train_iters=ITERS,
+        global_batch_size=gbs,
+        micro_batch_size=mbs,
+        seq_length=provider.seq_length,
+    )
+    return {
+        "losses": result.losses,
+        "grad_norms": result.grad_norms,
+        "lrs": result.learning_rates,
+        "ok": result.update_successful,
+        "params_norm": calc_params_l2_norm(model, provider),
+        "dtypes": sorted({str(p.dtype) for p in model[0].parameters()}),
+        "main_dtypes": sorted({str(p.dtype) for p in optimizer.get_parameters()}),
+    }
+
+
+def _optimizer_contract() -> dict:
+    """One step on a fresh model, checked against torch's clip_grad_norm_ on copies."""
+    _, engine, model = _setup()
+    train = tiny_train_config()
+    optimizer, _ = engine.setup_optimizer(
+        model,
+        tiny_optimizer_config(clip_grad=0.05),
+        tiny_scheduler_config(lr_warmup_iters=0),
+        train,
+    )
+    iterator = tiny_mock_iterator(train)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    step = prepare_forward_step_func(forward_step, GlobalState())
+    engine.forward_backward_func(
+        forward_step_func=step,
+        data_iterator=iterator,
+        model=model,
+        num_microbatches=2,
+        seq_length=16,
+        micro_batch_size=2,
+    )
+    params = [p for p in model[0].parameters() if p.requires_grad]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, p in zip(copies, params, strict=True):
+        c.grad = p.main_grad.detach().clone()
+    expected_zeros = sum(int((c.grad == 0).sum()) for c in copies)
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(copies, max_norm=0.05))
+    before = [p.detach().clone() for p in params]
+    ok, grad_norm, num_zeros = optimizer.step()
+    # optimizer order (grouped by weight decay) differs from model order
+    clipped_by_model_param = {
+        id(model_param): main.grad
+        for model_param, main in zip(
+            optimizer.model_params(), optimizer.get_parameters(), strict=True
+        )
+    }
+    clipped = [clipped_by_model_param[id(p)] for p in params]
+    names = optimizer.param_names(model)
+    no_decay = sorted(
+        name
+        for group in optimizer.param_groups
+        if group["wd_mult"] == 0.0
+        for name, p in zip(names, optimizer.get_parameters(), strict=True)
+        if any(p is q for q in group["params"])
+    )
+    decays = sorted({float(group["weight_decay"]) for group in optimizer.param_groups})
+    return {
+        "ok": ok,
+        "grad_norm": grad_norm,
+        "expected_norm": expected_norm,
+        "num_zeros": num_zeros,
+        "expected_zeros": expected_zeros,
+        "clipped_like_torch": all(
+            torch.allclose(a, c.grad, rtol=1e-5, atol=1e-8)
+            for a, c in zip(clipped, copies, strict=True)
+        ),
+        "updated": all(not torch.equal(b, p.detach()) for b, p in zip(before, params, strict=True)),
+        "no_decay": no_decay,
+        "decays": decays,
+        "scheduler_lr": [float(g["lr"]) for g in optimizer.param_groups],
+    }
+
+
+def _state_round_trip() -> bool:
+    """Saving optimizer state and model, stepping, restoring and re-stepping gives the same."""
+    _, engine, model = _setup()
+    train = tiny_train_config()
+    optimizer, scheduler = engine.setup_optimizer(
+        model, tiny_optimizer_config(), tiny_scheduler_config(), train
+    )
+    batches = list(_take(tiny_mock_iterator(train), 6))
+
+    def one_step(batch_pair):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        engine.forward_backward_func(
+            forward_step_func=lambda it, m: forward_step(None, it, m),
+            data_iterator=iter(batch_pair),
+            model=model,
+            num_microbatches=2,
+            seq_length=16,
+            micro_batch_size=2,
+        )
+        optimizer.step()
+        scheduler.step(4)
+
+    one_step(batches[0:2])
+    saved_model = copy.deepcopy(model[0].state_dict())
+    saved_opt = copy.deepcopy(optimizer.state_dict())
+    one_step(batches[2:4])
+    after_first = [p.detach().clone() for p in model[0].parameters()]
+    model[0].load_state_dict(saved_model)
+    optimizer.load_state_dict(saved_opt)
+    one_step(batches[2:4])
+    return all(torch.equal(a, p) for a, p in zip(after_first, model[0].parameters(), strict=True))
+
+
+def _sharded_state_keys() -> list[str]:
+    """Optimizer state mapped onto the model's sharded tensors (for dist_checkpointing)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    _, engine, model = _setup()
+    train = tiny_train_config()
+    optimizer, _ = engine.setup_optimizer(
+        model, tiny_optimizer_config(), tiny_scheduler_config(), train
+    )
+    sharded = optimizer.sharded_state_dict(model[0].sharded_state_dict(), is_loading=True)
+    keys = []
+    for entry in sharded["optimizer"]["state"].values():
+        if isinstance(entry, dict):
+            for tensor in entry.values():
+                if isinstance(tensor, ShardedTensor):
+                    keys.append(tensor.key)
+    return sorted(keys)
+
+
+def _take(iterator, n):
+    for _ in range(n):
+        yield next(iterator)
+
+
+def _fp16_loss_scaling() -> dict:
+    """An overflowing step is skipped and backs the scale off; a clean step updates."""
+    _setup()  # process groups for the optimizer's statistics
+    linear = torch.nn.Linear(4, 3).half()
+    config = tiny_optimizer_config(fp16=True, initial_loss_scale=256.0, hysteresis=1, clip_grad=0.0)
+    optimizer = build_portable_optimizer([linear], config)
+    before = [p.detach().clone() for p in linear.parameters()]
+    linear.weight.grad = torch.full_like(linear.weight, float("inf"))
+    linear.bias.grad = torch.ones_like(linear.bias)
+    skipped = optimizer.step()
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, linear.parameters(), strict=True))
+    scale_after_overflow = float(optimizer.get_loss_scale())
+    optimizer.zero_grad()
+    linear.weight.grad = torch.full_like(linear.weight, 128.0)  # 1.0 after unscaling by 128
+    linear.bias.grad = torch.full_like(linear.bias, 128.0)
+    ok = optimizer.step()
+    main = optimizer.get_parameters()
+    return {
+        "skipped": skipped,
+        "unchanged": unchanged,
+        "scale_after_overflow": scale_after_overflow,
+        "ok": ok[0],
+        "main_fp32": all(m.dtype == torch.float32 for m in main),
+        "model_is_main_in_fp16": all(
+            torch.equal(p, m.half()) for p, m in zip(linear.parameters(), main, strict=True)
+        ),
+        "moved": not torch.equal(before[0], linear.weight.detach()),
+    }
+
+
+def _shared_parameter_counted_once() -> tuple[float, float]:
+    """A parameter marked ``shared`` (a tied embedding's second copy) is left out of the norm."""
+    _setup()
+    first, second = torch.nn.Linear(3, 2, bias=False), torch.nn.Linear(3, 2, bias=False)
+    second.weight.shared = True
+    optimizer = build_portable_optimizer(
+        [torch.nn.ModuleList([first, second])], tiny_optimizer_config()
+    )
+    first.weight.grad = torch.full((2, 3), 2.0)
+    second.weight.grad = torch.full((2, 3), 2.0)
+    optimizer.prepare_grads()
+    return optimizer.get_grad_norm(), math.sqrt(6 * 4.0)
+
+
+def _single_rank(rank: int, world: int) -> dict:
+    return {
+        "shared": _shared_parameter_counted_once(),
+        "mb4": _train(tp=1, mbs=4, gbs=4),
+        "ga2": _train(tp=1, mbs=2, gbs=4),
+        "contract": _optimizer_contract(),
+        "round_trip": _state_round_trip(),
+        "sharded_keys": _sharded_state_keys(),
+        "fp16": _fp16_loss_scaling(),
+        "bf16": _train(tp=1, mbs=2, gbs=4, bf16=True, params_dtype=torch.bfloat16),
+    }
+
+
+def _dtensor_norm() -> tuple[float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full_a = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    full_b = torch.ones(5)
+    a = distribute_tensor(full_a, mesh, [Shard(0)])
+    b = distribute_tensor(full_b, mesh, [Replicate()])
+    expected = math.sqrt(float(full_a.pow(2).sum() + full_b.pow(2).sum()))
+    return calc_dtensor_params_l2_norm([a, b]), expected
+
+
+def _checksum(module: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in module.parameters()))
+
+
+def _data_parallel_init() -> dict:
+    """Same seed on every DP rank by default; data_parallel_random_init differs, then broadcasts."""
+    provider = tiny_gpt_provider()
+    engine = PortableEngine()
+    engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
+    same_seed = _checksum(provider.provide())
+    engine.initialize_distributed(
+        provider, tiny_dist_config(), tiny_rng_config(data_parallel_random_init=True)
+    )
+    own = _checksum(provider.provide())
+    engine.initialize_distributed(
+        provider, tiny_dist_config(), tiny_rng_config(data_parallel_random_init=True)
+    )
+    wrapped = engine.setup_model(provider, data_parallel_random_init=True)
+    return {"same_seed": same_seed, "own": own, "broadcast": _checksum(wrapped[0])}
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    out = {
+        "init": _data_parallel_init(),
+        "dp2": _train(tp=1, mbs=2, gbs=4),
+        "dp2_overlap": _train(
+            tp=1,
+            mbs=1,
+            gbs=4,
+            ddp=DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000),
+        ),
+        "tp2": _train(tp=2, mbs=4, gbs=4),
+    }
+    group = dist.group.WORLD
+    out["max_some_none"] = reduce_max_stat_across_model_parallel_group(
+        None if rank == 0 else 3.0, group
+    )
+    out["max_all_none"] = reduce_max_stat_across_model_parallel_group(None, group)
+    out["and_mixed"] = logical_and_across_model_parallel_group(rank == 0, group)
+    out["and_true"] = logical_and_across_model_parallel_group(True, group)
+    out["dtensor"] = _dtensor_norm()
+    return out
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    (result,) = run_distributed(_single_rank, 1, timeout=400)
+    return result
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    return run_distributed(_two_ranks, 2, timeout=500)
+
+
+def _close(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b) == ITERS
+    assert a == pytest.approx(b, abs=TOL), (a, b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_grad_accumulation_equals_one_micro_batch_of_twice_the_size(single) -> None:
+    _close(single["ga2"]["losses"], single["mb4"]["losses"])
+    _close(single["ga2"]["grad_norms"], single["mb4"]["grad_norms"])
+    assert all(single["mb4"]["ok"])
+    assert all(math.isfinite(x) for x in single["mb4"]["losses"])
+    # warm-up over one iteration, then cosine decay from 1e-3 towards 1e-4
+    lrs = single["mb4"]["lrs"]
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(1e-3) and lrs[1] > lrs[-1] > 1e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(550)
+def test_data_parallel_and_tensor_parallel_match_one_process(single, two) -> None:
+    reference = single["mb4"]
+    for rank_result in two:
+        for run in ("dp2", "dp2_overlap", "tp2"):
+            _close(rank_result[run]["losses"], reference["losses"])
+            _close(rank_result[run]["grad_norms"], reference["grad_norms"])
+        # calc_params_l2_norm: TP shards summed, TP replicas counted once
+        assert rank_result["tp2"]["params_norm"] == pytest.approx(
+            reference["params_norm"], rel=1e-6
+        )
+        assert rank_result["dp2"]["params_norm"] == pytest.approx(
+            reference["params_norm"], rel=1e-6
+        )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_optimizer_contract_against_torch(single) -> None:
+    c = single["contract"]
+    assert c["ok"] is True
+    assert c["grad_norm"] == pytest.approx(c["expected_norm"], rel=1e-6)
+    assert c["grad_norm"] > 0.05  # so clipping did something
+    assert c["clipped_like_torch"] and c["updated"]
+    assert c["num_zeros"] == c["expected_zeros"] > 0  # embedding rows of unseen tokens
+    # megatron's rule: no weight decay on biases and 1-D parameters (norms)
+    assert c["no_decay"] and all(n.endswith(".bias") or "layernorm" in n for n in c["no_decay"])
+    assert c["decays"] == [0.0, 0.1]
+    assert c["scheduler_lr"] == pytest.approx([1e-3] * len(c["scheduler_lr"]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_shared_parameters_are_not_double_counted_in_the_grad_norm(single) -> None:
+    got, expected = single["shared"]
+    assert got == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_optimizer_state_round_trip_and_sharded_state(single) -> None:
+    assert single["round_trip"] is True
+    keys = single["sharded_keys"]
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in keys)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in keys)
+    # megatron stacks layers into one sharded tensor per parameter kind
+    assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in keys
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_fp16_overflow_is_skipped_and_bf16_trains_with_fp32_main_params(single) -> None:
+    fp16 = single["fp16"]
+    assert fp16["skipped"] == (False, None, None)
+    assert fp16["unchanged"] and fp16["scale_after_overflow"] == 128.0
+    assert fp16["ok"] and fp16["moved"] and fp16["main_fp32"] and fp16["model_is_main_in_fp16"]
+    bf16 = single["bf16"]
+    assert bf16["dtypes"] == ["torch.bfloat16"] and bf16["main_dtypes"] == ["torch.float32"]
+    assert all(math.isfinite(x) for x in bf16["losses"]) and all(bf16["ok"])
+    # bf16 follows the fp32 run closely over a few steps
+    assert bf16["losses"] == pytest.approx(single["mb4"]["losses"], abs=0.05)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(550)
+def test_parameters_are_identical_on_data_parallel_ranks(two) -> None:
+    r0, r1 = (r["init"] for r in two)
+    assert r0["same_seed"] == r1["same_seed"]
+    assert r0["own"] != r1["own"]  # data_parallel_random_init draws per rank ...
+    assert r0["broadcast"] == r1["broadcast"] == r0["own"]  # ... then rank 0's are broadcast
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(550)
+def test_cross_rank_reductions(two) -> None:
+    for r in two:
+        assert r["max_some_none"] == 3.0 and r["max_all_none"] is None
+        assert r["and_mixed"] is False and r["and_true"] is True
+        got, expected = r["dtensor"]
+        assert got == pytest.approx(expected, rel=1e-6)

@@ -1,0 +1,81 @@
+"""bridge-preprocess-data: text/JSONL to megatron indexed datasets, with clear errors."""
+
+from __future__ import annotations
+
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from bridge.train import ByteLevelTokenizer, preprocess_data
+from bridge.train.data.preprocess import main
+
+
+def _documents(prefix: str, tok: ByteLevelTokenizer) -> list[str]:
+    dataset = IndexedDataset(prefix)
+    return [tok.detokenize(dataset[i].tolist()) for i in range(len(dataset))]
+
+
+def test_jsonl_documents_are_written_with_eod(tmp_path, corpus_jsonl, corpus_documents) -> None:
+    tok = ByteLevelTokenizer()
+    result = preprocess_data([corpus_jsonl], tmp_path / "out" / "corpus", tok)
+    assert result.num_documents == 8 * len(corpus_documents)
+    docs = _documents(result.output_prefix, tok)
+    assert docs[: len(corpus_documents)] == [d + "<eod>" for d in corpus_documents]
+    assert result.num_tokens == sum(len(d.encode()) + 1 for d in corpus_documents) * 8
+
+
+def test_text_files_are_one_document_each_or_one_per_line(tmp_path) -> None:
+    tok = ByteLevelTokenizer()
+    (tmp_path / "a.txt").write_text("first line\nsecond line\n\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("other file", encoding="utf-8")
+    whole = preprocess_data([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "whole", tok)
+    assert _documents(whole.output_prefix, tok) == [
+        "first line\nsecond line\n\n<eod>",
+        "other file<eod>",
+    ]
+    lines = preprocess_data([tmp_path / "a.txt"], tmp_path / "lines", tok, split_lines=True)
+    assert _documents(lines.output_prefix, tok) == ["first line<eod>", "second line<eod>"]
+
+
+def test_custom_json_key(tmp_path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"content": "abc"}\n{"content": "de"}\n', encoding="utf-8")
+    tok = ByteLevelTokenizer()
+    result = preprocess_data([tmp_path / "d.jsonl"], tmp_path / "k", tok, json_key="content")
+    assert _documents(result.output_prefix, tok) == ["abc<eod>", "de<eod>"]
+    with pytest.raises(ValueError, match=r"d.jsonl:1: no key 'text'.*--json-key"):
+        preprocess_data([tmp_path / "d.jsonl"], tmp_path / "k2", tok)
+
+
+def test_missing_and_empty_inputs_are_refused(tmp_path) -> None:
+    tok = ByteLevelTokenizer()
+    with pytest.raises(FileNotFoundError, match=r"nope.txt"):
+        preprocess_data([tmp_path / "nope.txt"], tmp_path / "x", tok)
+    (tmp_path / "empty.jsonl").write_text("\n\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"holds no document"):
+        preprocess_data([tmp_path / "empty.jsonl"], tmp_path / "x", tok)
+    assert not list(tmp_path.glob("x*")), "nothing may be left behind"
+    with pytest.raises(ValueError, match=r"no input files"):
+        preprocess_data([], tmp_path / "x", tok)
+
+
+def test_existing_output_is_never_overwritten_without_overwrite(tmp_path, corpus_jsonl) -> None:
+    tok = ByteLevelTokenizer()
+    prefix = tmp_path / "corpus"
+    preprocess_data([corpus_jsonl], prefix, tok)
+    before = (tmp_path / "corpus.bin").read_bytes()
+    (tmp_path / "small.jsonl").write_text('{"text": "tiny"}\n', encoding="utf-8")
+    with pytest.raises(FileExistsError, match=r"--overwrite"):
+        preprocess_data([tmp_path / "small.jsonl"], prefix, tok)
+    assert (tmp_path / "corpus.bin").read_bytes() == before
+    preprocess_data([tmp_path / "small.jsonl"], prefix, tok, overwrite=True)
+    assert _documents(str(prefix), tok) == ["tiny<eod>"]
+
+
+def test_command_line(tmp_path, corpus_jsonl, capsys) -> None:
+    prefix = tmp_path / "cli"
+    assert main(["--input", str(corpus_jsonl), "--output-prefix", str(prefix)]) == 0
+    assert "wrote 48 documents" in capsys.readouterr().out
+    assert main(["--input", str(corpus_jsonl), "--output-prefix", str(prefix)]) == 1
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite" in err
+    assert main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(prefix)]) == 1
+    assert "missing.jsonl" in capsys.readouterr().err
