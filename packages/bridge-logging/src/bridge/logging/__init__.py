@@ -1,3 +1,66 @@
-"""bridge.logging."""
+"""Training metrics to the console, TensorBoard, Weights & Biases, MLflow and Comet."""
 
-__all__: list[str] = []
+from bridge.logging.backends import (
+    BackendNotInstalledError,
+    CometWriter,
+    MetricWriter,
+    MlflowWriter,
+    TensorBoardWriter,
+    WandbWriter,
+)
+from bridge.logging.energy import EnergyMonitor
+from bridge.logging.grad_norm import report_l2_norm_grad
+from bridge.logging.memory import (
+    MEMORY_KEYS,
+    reduce_max_memory_across_pp_group,
+    report_memory,
+    start_memory_history_recording,
+)
+from bridge.logging.metric_writers import MetricWriters, build_metric_writers
+from bridge.logging.moe import (
+    MoeMetricFanoutWriter,
+    _build_moe_metric_writer,
+    _MoeMetricFanoutWriter,
+    build_moe_metric_writer,
+)
+from bridge.logging.progress import ProgressReporter
+from bridge.logging.progress_log import append_progress_log
+from bridge.logging.protocols import LoggingState, TrainProgress
+from bridge.logging.python_logging import setup_logging
+from bridge.logging.settings import BackendSettings, ReportSettings
+from bridge.logging.throughput import report_runtime, report_throughput
+from bridge.logging.training_log import build_timers, training_log
+from bridge.logging.validation import log_validation_results
+
+__all__ = [
+    "MEMORY_KEYS",
+    "BackendNotInstalledError",
+    "BackendSettings",
+    "CometWriter",
+    "EnergyMonitor",
+    "LoggingState",
+    "MetricWriter",
+    "MetricWriters",
+    "MlflowWriter",
+    "MoeMetricFanoutWriter",
+    "ProgressReporter",
+    "ReportSettings",
+    "TensorBoardWriter",
+    "TrainProgress",
+    "WandbWriter",
+    "_MoeMetricFanoutWriter",
+    "_build_moe_metric_writer",
+    "append_progress_log",
+    "build_metric_writers",
+    "build_moe_metric_writer",
+    "build_timers",
+    "log_validation_results",
+    "reduce_max_memory_across_pp_group",
+    "report_l2_norm_grad",
+    "report_memory",
+    "report_runtime",
+    "report_throughput",
+    "setup_logging",
+    "start_memory_history_recording",
+    "training_log",
+]

@@ -1,0 +1,99 @@
+"""``setup_logging``: levels and filters of Python's ``logging`` from ``LoggerConfig``."""
+
+from __future__ import annotations
+
+import logging
+
+from bridge.config import LoggerConfig
+
+PROJECT_LOGGERS: tuple[str, ...] = ("bridge", "core_utils")
+"""Logger namespaces of this project; ``logging_level`` applies to them (and their children)."""
+
+_FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
+
+
+class WarningFilter(logging.Filter):
+    """Drops records at exactly WARNING level (``LoggerConfig.filter_warnings``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep every record that is not a warning."""
+        return record.levelno != logging.WARNING
+
+
+class ModuleFilter(logging.Filter):
+    """Drops records from the named loggers and their children (``modules_to_filter``).
+
+    Args:
+        modules: Logger names, e.g. ``["megatron.core.datasets"]``.
+    """
+
+    def __init__(self, modules: list[str]) -> None:
+        super().__init__()
+        self.modules = tuple(modules)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep records whose logger is not one of ``modules`` nor below one."""
+        return not any(record.name == m or record.name.startswith(m + ".") for m in self.modules)
+
+
+def _existing_loggers() -> list[logging.Logger]:
+    # Placeholders stand for namespaces without a logger of their own: skip them.
+    loggers = [
+        v for v in list(logging.root.manager.loggerDict.values()) if isinstance(v, logging.Logger)
+    ]
+    return [logging.getLogger(), *loggers]
+
+
+def _swap_filters(target: logging.Filterer, new: list[logging.Filter]) -> None:
+    for old in [f for f in target.filters if isinstance(f, (WarningFilter, ModuleFilter))]:
+        target.removeFilter(old)
+    for f in new:
+        target.addFilter(f)
+
+
+def setup_logging(logger_cfg: LoggerConfig) -> None:
+    """Apply ``logging_level``, ``set_level_for_all_loggers``, ``filter_warnings`` and
+    ``modules_to_filter`` to Python's logging.
+
+    * ``logging_level`` is set on this project's loggers (``bridge``, ``core_utils`` and
+      their existing children); with ``set_level_for_all_loggers`` also on the root logger
+      and every logger that exists at the time of the call.
+    * ``filter_warnings`` drops WARNING records; ``modules_to_filter`` drops records from
+      those loggers and their children. The filters go on the root logger's handlers
+      (covering every logger that propagates, including ones created later) and on every
+      existing logger and handler.
+    * When the root logger has no handler, one writing to stderr is added so INFO
+      records of this project are shown.
+
+    Calling it again replaces the filters it installed before.
+
+    Args:
+        logger_cfg: The logger section.
+    """
+    level = logger_cfg.logging_level
+    root = logging.getLogger()
+    if not root.handlers:
+        stderr_handler = logging.StreamHandler()
+        stderr_handler.setFormatter(logging.Formatter(_FORMAT))
+        root.addHandler(stderr_handler)
+    loggers = _existing_loggers()
+    if logger_cfg.set_level_for_all_loggers:
+        for log in loggers:
+            log.setLevel(level)
+    else:
+        for name in PROJECT_LOGGERS:
+            logging.getLogger(name).setLevel(level)
+        for log in loggers:
+            if log is not root and any(
+                log.name.startswith(p + ".") or log.name == p for p in PROJECT_LOGGERS
+            ):
+                log.setLevel(level)
+    filters: list[logging.Filter] = []
+    if logger_cfg.filter_warnings:
+        filters.append(WarningFilter())
+    if logger_cfg.modules_to_filter:
+        filters.append(ModuleFilter(list(logger_cfg.modules_to_filter)))
+    for log in loggers:
+        _swap_filters(log, filters)
+        for handler in log.handlers:
+            _swap_filters(handler, filters)

@@ -1,0 +1,467 @@
+"""``training_log``: the per-iteration console line and metrics of the training loop."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import torch
+
+from bridge.config import ConfigContainer, LoggerConfig, TrainingConfig
+from bridge.logging._dist import (
+    find_pg_collection,
+    global_rank,
+    global_world_size,
+    group_rank,
+    notice_once,
+    pg_attr,
+    print_rank_last,
+    reduce_max_stat,
+)
+from bridge.logging.energy import EnergyMonitor
+from bridge.logging.grad_norm import report_l2_norm_grad
+from bridge.logging.memory import (
+    maybe_dump_memory_snapshot,
+    reduce_max_memory_across_pp_group,
+    report_memory,
+)
+from bridge.logging.metric_writers import MetricWriters, _IntervalMarks, tensorboard_only
+from bridge.logging.protocols import LoggingState
+from bridge.logging.throughput import report_runtime, report_throughput
+from core_utils import Timers
+
+ADVANCED_ITERS = "advanced iterations"
+SKIPPED_ITERS = "skipped iterations"
+NAN_ITERS = "nan iterations"
+_COUNTERS = (ADVANCED_ITERS, SKIPPED_ITERS, NAN_ITERS)
+
+TIMERS_LEVEL_1: tuple[str, ...] = (
+    "forward-backward",
+    "layernorm-grads-all-reduce",
+    "embedding-grads-all-reduce",
+    "all-grads-sync",
+    "params-all-gather",
+    "optimizer-copy-to-main-grad",
+    "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad",
+    "optimizer-count-zeros",
+    "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params",
+    "optimizer",
+)
+"""Timers reported (console and ``<name>-time`` tags) at ``timing_log_level >= 1``."""
+
+TIMERS_LEVEL_2: tuple[str, ...] = (
+    "batch-generator",
+    "forward-compute",
+    "backward-compute",
+    "forward-recv",
+    "forward-send",
+    "backward-recv",
+    "backward-send",
+    "forward-send-forward-recv",
+    "forward-send-backward-recv",
+    "backward-send-forward-recv",
+    "backward-send-backward-recv",
+    "forward-backward-send-forward-backward-recv",
+)
+"""Timers added at ``timing_log_level == 2``."""
+
+
+def timers_to_log(timing_log_level: int) -> list[str]:
+    """Names of the timers reported at ``timing_log_level`` (0: none besides the iteration)."""
+    names: list[str] = []
+    if timing_log_level >= 1:
+        names.extend(TIMERS_LEVEL_1)
+    if timing_log_level >= 2:
+        names.extend(TIMERS_LEVEL_2)
+    return names
+
+
+def build_timers(logger_cfg: LoggerConfig) -> Timers:
+    """The run's timers, at ``logger_cfg.timing_log_level`` and ``timing_log_option``.
+
+    Args:
+        logger_cfg: The logger section.
+
+    Returns:
+        A :class:`core_utils.Timers`; start ``timers("interval-time", log_level=0)``
+        before the training loop, as :func:`training_log` reads it.
+    """
+    return Timers(logger_cfg.timing_log_level, logger_cfg.timing_log_option)
+
+
+def loss_value(key: str, value: Any) -> float:
+    """One loss as a float: a number, a one-element tensor, or a ``[sum, count]`` pair.
+
+    Raises:
+        ValueError: Any other shape.
+    """
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().float().reshape(-1)
+        if flat.numel() == 1:
+            return float(flat.item())
+        if flat.numel() == 2:  # megatron's (sum, number of tokens) reporting form
+            return float(flat[0].item() / flat[1].item()) if flat[1].item() else math.nan
+        raise ValueError(
+            f"loss_dict[{key!r}] has shape {tuple(value.shape)}; expected a scalar or a "
+            "[sum, count] pair (reduce it across microbatches first)"
+        )
+    return float(value)
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().sum().item())
+    return float(value)
+
+
+def _accumulate(
+    loss_dict: dict[str, Any], total: dict[str, Any], skipped_iter: int
+) -> dict[str, float]:
+    """Add this iteration to the interval counters; returns the iteration's losses."""
+    losses = {key: loss_value(key, value) for key, value in loss_dict.items()}
+    if skipped_iter:
+        total.setdefault(ADVANCED_ITERS, 0)
+    else:
+        total[ADVANCED_ITERS] = total.get(ADVANCED_ITERS, 0) + 1
+        for key, value in losses.items():
+            total[key] = total.get(key, 0.0) + value
+    total[SKIPPED_ITERS] = total.get(SKIPPED_ITERS, 0) + int(bool(skipped_iter))
+    got_nan = any(not math.isfinite(v) for v in losses.values())
+    total[NAN_ITERS] = total.get(NAN_ITERS, 0) + int(got_nan)
+    return losses
+
+
+def _global_batch_size(config: ConfigContainer, train_cfg: TrainingConfig) -> int:
+    if train_cfg.global_batch_size is not None:
+        return int(train_cfg.global_batch_size)
+    dp = config.data_parallel_size or 1
+    return int(train_cfg.micro_batch_size or 0) * dp
+
+
+def _seq_length(config: ConfigContainer, seq_length: int | None) -> int | None:
+    if seq_length is not None:
+        return seq_length
+    model_len = getattr(config.model, "seq_length", None)
+    if model_len:
+        return int(model_len)
+    data_len = getattr(config.dataset, "sequence_length", None) or getattr(
+        config.dataset, "seq_length", None
+    )
+    return int(data_len) if data_len else None
+
+
+def _track_flops(
+    marks: _IntervalMarks, flops_now: float, iteration: int, loaded_iteration: int
+) -> None:
+    """Record this call's FLOPs delta (unknown for the first call of a resumed job)."""
+    previous = marks.previous_flops
+    if previous is None and loaded_iteration == 0 and iteration == 1:
+        previous = 0.0  # a fresh run's counter starts at zero
+    if previous is not None:
+        marks.known_flops += max(flops_now - previous, 0.0)
+        marks.known_iterations += 1
+    marks.previous_flops = flops_now
+
+
+def _interval_tflops_per_device(
+    marks: _IntervalMarks, iterations: int, elapsed: float, world: int
+) -> float | None:
+    """TFLOP/s per device over the interval; ``None`` when no FLOPs delta is known yet.
+
+    Normally every iteration's delta is known and this is the counter's increase since
+    the previous log divided by the interval time. Only the first interval of a resumed
+    job misses its first iteration's delta, which is then taken as the interval average.
+    """
+    known, count = marks.known_flops, marks.known_iterations
+    marks.known_flops, marks.known_iterations = 0.0, 0
+    if count == 0 or elapsed <= 0:
+        return None
+    interval_flops = known / count * iterations
+    return interval_flops / elapsed / world / 1e12
+
+
+class _Collector:
+    """A writer for ``Timers.write`` that gathers its values into this step's metrics."""
+
+    def __init__(self, metrics: dict[str, float]) -> None:
+        self._metrics = metrics
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._metrics[tag] = float(value)
+
+
+def _format_tflops(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+
+
+def _energy(writers: MetricWriters, logger_cfg: LoggerConfig) -> EnergyMonitor | None:
+    marks = writers.marks
+    if not logger_cfg.log_energy or marks.energy_unavailable:
+        return None
+    if marks.energy_monitor is None:
+        try:
+            marks.energy_monitor = EnergyMonitor()
+        except (RuntimeError, ImportError) as exc:
+            marks.energy_unavailable = True
+            notice_once("energy", f"energy is not logged: {exc}")
+            return None
+    monitor: EnergyMonitor = marks.energy_monitor
+    return monitor
+
+
+def training_log(
+    loss_dict: dict[str, torch.Tensor],
+    total_loss_dict: dict[str, Any],
+    learning_rate: float | None,
+    decoupled_learning_rate: float | None,
+    loss_scale: float,
+    report_memory_flag: bool,
+    skipped_iter: int,
+    grad_norm: float | None,
+    params_norm: float | None,
+    num_zeros_in_grad: int | None,
+    config: ConfigContainer,
+    global_state: LoggingState,
+    history_wct: Sequence[float],
+    model: list[Any],
+    pg_collection: Any | None = None,
+    log_max_attention_logit: float | None = None,
+    loaded_iteration: int = 0,
+    seq_length: int | None = None,
+) -> bool:
+    """Log training stats (losses, learning rate, timings, etc.).
+
+    Call it on every rank after every iteration (after ``train_state.step``,
+    ``consumed_train_samples`` and ``floating_point_operations_so_far`` were advanced);
+    it takes part in collectives (timers, memory and learning-rate reductions). Losses
+    accumulate in ``total_loss_dict`` between console lines.
+
+    Every ``logger.tensorboard_log_interval`` iterations the metric writers (last rank)
+    receive ``learning-rate``, ``batch-size``, each loss, ``loss-scale``, ``grad-norm``,
+    ``num-zeros``, ``params-norm``, ``world-size`` ... as switched on (see
+    docs/logging.md), plus TensorBoard-only ``<name> vs samples`` twins. Every
+    ``logger.log_interval`` iterations the last rank prints Megatron's console line.
+
+    Args:
+        loss_dict: This iteration's losses (reduced across microbatches and DP ranks).
+        total_loss_dict: Interval accumulator, the same dict on every call.
+        learning_rate: Current learning rate (``None`` on ranks without trainable
+            parameters; the maximum over the model-parallel group is used).
+        decoupled_learning_rate: Decoupled learning rate, if used.
+        loss_scale: Current loss scale (1.0 without mixed-precision scaling).
+        report_memory_flag: Print a memory report at the next console line.
+        skipped_iter: 1 if the optimizer skipped this iteration, 0 otherwise.
+        grad_norm: Gradient norm, if computed.
+        params_norm: Parameter norm, if computed (logged when ``log_params_norm``).
+        num_zeros_in_grad: Zeros in the gradient, if counted.
+        config: The run's configuration (``train`` and ``logger`` sections required).
+        global_state: Trainer state (see :class:`bridge.logging.LoggingState`).
+        history_wct: Wall-clock timestamps per iteration (see
+            :func:`bridge.logging.report_throughput`).
+        model: Model chunks (searched for ``pg_collection`` and used for gradient norms).
+        pg_collection: Process groups (``mp``, ``pp``, ``tp``, ``dp``) for the
+            reductions; default: the model's, else no reduction.
+        log_max_attention_logit: Maximum attention logit, if tracked.
+        loaded_iteration: Iteration this job resumed from (0 for a fresh run).
+        seq_length: Tokens per sample (default ``config.model.seq_length``).
+
+    Returns:
+        The updated ``report_memory_flag`` (false once memory was reported after the
+        second iteration of the job).
+
+    Raises:
+        ValueError: ``config`` lacks a ``train`` or ``logger`` section, or a loss has an
+            unexpected shape.
+    """
+    if config.logger is None or config.train is None:
+        missing = "logger" if config.logger is None else "train"
+        raise ValueError(f"training_log: config.{missing} is None; the section is required")
+    logger_cfg: LoggerConfig = config.logger
+    train_cfg: TrainingConfig = config.train
+    writers = global_state.metric_writers
+    timers = global_state.timers
+    train_state = global_state.train_state
+    settings = writers.report_settings
+    iteration = int(train_state.step)
+    consumed = int(train_state.consumed_train_samples)
+    world = global_world_size()
+    pg = pg_collection if pg_collection is not None else find_pg_collection(model)
+
+    losses = _accumulate(loss_dict, total_loss_dict, skipped_iter)
+    _track_flops(
+        writers.marks,
+        float(train_state.floating_point_operations_so_far),
+        iteration,
+        loaded_iteration,
+    )
+    learning_rate = reduce_max_stat(learning_rate, pg_attr(pg, "mp"))
+    timer_names = timers_to_log(logger_cfg.timing_log_level)
+    batch_size = _global_batch_size(config, train_cfg)
+    total_iterations = total_loss_dict[ADVANCED_ITERS] + total_loss_dict[SKIPPED_ITERS]
+    tb_due = iteration % logger_cfg.tensorboard_log_interval == 0
+    show_params_norm = logger_cfg.log_params_norm and params_norm is not None
+    tokens_per_sample = _seq_length(config, seq_length)
+
+    # Everything for this step goes out in one log_metrics call at the end: W&B and
+    # MLflow pay a fixed cost per call.
+    step_metrics: dict[str, float] = {}
+
+    # Collectives first, on every rank, whether or not this rank writes.
+    if logger_cfg.log_timers_to_tensorboard and tb_due:
+        # No reset: the console report at the end of the interval reads the same timers;
+        # the normaliser makes this the running per-iteration average of the interval.
+        timers.write(
+            timer_names,
+            _Collector(step_metrics),
+            iteration,
+            normalizer=max(total_iterations, 1),
+            reset=False,
+        )
+    maybe_dump_memory_snapshot(config.profiling, iteration)
+    memory_metrics: dict[str, int | float] = {}
+    if logger_cfg.log_memory_to_tensorboard and tb_due:
+        report = report_memory(settings.memory_keys)
+        report = reduce_max_memory_across_pp_group(report, pg_attr(pg, "pp"))
+        memory_metrics = {f"memory/{name}": value for name, value in report.items()}
+    grad_norms: dict[str, float] = {}
+    if settings.log_l2_norm_grad and tb_due:
+        grad_norms = report_l2_norm_grad(
+            model, mp_group=pg_attr(pg, "mp"), tp_group=pg_attr(pg, "tp")
+        )
+
+    if writers.enabled and tb_due:
+        vs_samples: dict[str, float] = {}
+        if logger_cfg.log_throughput and tokens_per_sample:
+            window = settings.throughput_window_size or logger_cfg.log_interval
+            step_metrics.update(
+                report_throughput(train_cfg, iteration, tokens_per_sample, history_wct, window)
+            )
+        step_metrics.update(memory_metrics)
+        if settings.log_runtime and train_cfg.train_iters and tokens_per_sample:
+            step_metrics.update(
+                report_runtime(
+                    train_state,
+                    global_state.start_time,
+                    tokens_per_sample,
+                    train_cfg.train_iters,
+                    settings.runtime_time_unit,
+                    start_iteration=loaded_iteration,
+                )
+            )
+        step_metrics.update(grad_norms)
+        step_metrics["samples vs steps"] = float(consumed)
+        if learning_rate is not None:
+            vs_samples["learning-rate"] = learning_rate
+        if decoupled_learning_rate is not None:
+            step_metrics["decoupled-learning-rate"] = float(decoupled_learning_rate)
+        if train_state.skipped_train_samples > 0:
+            step_metrics["skipped-train-samples"] = float(train_state.skipped_train_samples)
+        vs_samples["batch-size"] = float(batch_size)
+        vs_samples.update(losses)
+        if logger_cfg.log_loss_scale_to_tensorboard:
+            vs_samples["loss-scale"] = float(loss_scale)
+        if logger_cfg.log_world_size_to_tensorboard:
+            vs_samples["world-size"] = float(world)
+        if grad_norm is not None:
+            vs_samples["grad-norm"] = _as_float(grad_norm)
+        if num_zeros_in_grad is not None:
+            vs_samples["num-zeros"] = _as_float(num_zeros_in_grad)
+        if show_params_norm:
+            vs_samples["params-norm"] = _as_float(params_norm)
+        if log_max_attention_logit is not None:
+            vs_samples["max-attention-logit"] = _as_float(log_max_attention_logit)
+        step_metrics.update(vs_samples)
+        # Steps in samples would go backwards for W&B, so only TensorBoard gets them.
+        tensorboard_only(writers, {f"{t} vs samples": v for t, v in vs_samples.items()}, consumed)
+
+    if iteration % logger_cfg.log_interval != 0:
+        if writers.enabled:
+            writers.log_metrics(step_metrics, iteration)
+        return report_memory_flag
+
+    elapsed = timers("interval-time", log_level=0).elapsed(barrier=True)
+    if elapsed <= 0:
+        notice_once(
+            "interval-time",
+            "timer 'interval-time' measured nothing; start timers('interval-time', "
+            "log_level=0) before the training loop to get iteration times and throughput",
+        )
+    iterations = max(total_iterations, 1)
+    time_per_iteration = elapsed / iterations
+    tflops = _interval_tflops_per_device(writers.marks, total_iterations, elapsed, world)
+    monitor = _energy(writers, logger_cfg)
+    energy = monitor.lap() / iterations / world if monitor is not None else None
+
+    if tflops is not None and logger_cfg.log_throughput:
+        step_metrics["throughput/tflops/device"] = tflops
+        step_metrics["throughput/tflops"] = tflops * world
+    if logger_cfg.log_timers_to_tensorboard:
+        step_metrics["iteration-time"] = time_per_iteration
+    if energy is not None:
+        step_metrics["iter-energy/gpu"] = energy
+        if time_per_iteration > 0:
+            step_metrics["power/gpu"] = energy / time_per_iteration
+    if writers.enabled:
+        writers.log_metrics(step_metrics, iteration)
+
+    total_iters_text = (
+        f"{train_cfg.train_iters:8d}" if train_cfg.train_iters is not None else "       ?"
+    )
+    parts = [
+        f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{total_iters_text} |",
+        f" consumed samples: {consumed:12d} |",
+    ]
+    if train_state.skipped_train_samples > 0:
+        parts.append(f" skipped samples: {int(train_state.skipped_train_samples):12d} |")
+    parts.append(f" elapsed time per iteration (ms): {time_per_iteration * 1000.0:.1f} |")
+    if tflops is not None and logger_cfg.log_throughput:
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {_format_tflops(tflops)} |")
+    if energy is not None:
+        parts.append(f" energy per GPU (J/iter/GPU): {energy:.1f} |")
+        if time_per_iteration > 0:
+            parts.append(f" power per GPU (W/GPU): {energy / time_per_iteration:.1f} |")
+    parts.append(
+        f" learning rate: {learning_rate:.6E} |"
+        if learning_rate is not None
+        else " learning rate: N/A |"
+    )
+    if decoupled_learning_rate is not None:
+        parts.append(f" decoupled learning rate: {float(decoupled_learning_rate):.6E} |")
+    parts.append(f" global batch size: {batch_size:5d} |")
+    advanced = max(int(total_loss_dict[ADVANCED_ITERS]), 1)
+    for key in [k for k in total_loss_dict if k not in _COUNTERS]:
+        # Negative losses (e.g. rewards) are printed too; the accumulator restarts.
+        parts.append(f" {key}: {_as_float(total_loss_dict.pop(key)) / advanced:.6E} |")
+    parts.append(f" loss scale: {float(loss_scale):.1f} |")
+    if grad_norm is not None:
+        parts.append(f" grad norm: {_as_float(grad_norm):.3f} |")
+    if num_zeros_in_grad is not None:
+        parts.append(f" num zeros: {int(_as_float(num_zeros_in_grad))} |")
+    if show_params_norm:
+        parts.append(f" params norm: {_as_float(params_norm):.3f} |")
+    if log_max_attention_logit is not None:
+        parts.append(f" max attention logit: {_as_float(log_max_attention_logit):.3f} |")
+    parts.append(f" number of skipped iterations: {int(total_loss_dict[SKIPPED_ITERS]):3d} |")
+    parts.append(f" number of nan iterations: {int(total_loss_dict[NAN_ITERS]):3d} |")
+    for counter in _COUNTERS:
+        total_loss_dict[counter] = 0
+    print_rank_last("".join(parts))
+
+    if report_memory_flag:
+        report = report_memory(settings.memory_keys)
+        dp_group = pg_attr(pg, "dp")
+        first_dp = group_rank(dp_group) == 0 if dp_group is not None else global_rank() == 0
+        if report and first_dp:
+            text = " | ".join(f"{name}: {value}" for name, value in report.items())
+            print(
+                f"[Rank {global_rank()}] (after {iteration} iterations) memory (GB) | {text}",
+                flush=True,
+            )
+        if iteration > loaded_iteration + 1:
+            report_memory_flag = False  # the second iteration includes optimizer state
+    timers.log(timer_names, normalizer=iterations)
+    return report_memory_flag

@@ -1,0 +1,80 @@
+"""Evaluation results: the console block and the validation / test metrics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from bridge.logging._dist import print_rank_last
+from bridge.logging.metric_writers import tensorboard_only
+from bridge.logging.protocols import LoggingState
+from bridge.logging.training_log import loss_value
+
+PPL_CAP = 20.0
+"""Losses above this are capped before ``exp`` so perplexity stays finite (as Megatron)."""
+
+
+def perplexity(loss: float) -> float:
+    """``exp(min(20, loss))``."""
+    return math.exp(min(PPL_CAP, loss))
+
+
+def log_validation_results(
+    prefix: str,
+    loss_dict: Mapping[str, Any],
+    iteration: int,
+    state: LoggingState,
+    *,
+    split: str = "validation",
+) -> str:
+    """Print evaluation losses with their perplexities and write them to the metric writers.
+
+    Console (last rank), framed by dashes::
+
+        validation loss at <prefix> | lm loss value: 2.302585E+00 | lm loss PPL: 1.000000E+01 |
+
+    Metrics (last rank; ``<split>`` is ``validation`` or ``test``):
+
+    * ``<loss> <split>`` at ``iteration``; TensorBoard also ``<loss> <split> vs samples``
+      at ``train_state.consumed_train_samples``.
+    * with ``logger.log_validation_ppl_to_tensorboard``: ``<loss> <split> ppl`` (and, on
+      TensorBoard, ``<loss> <split> ppl vs samples``).
+
+    Args:
+        prefix: Where the evaluation happened, e.g. ``"iteration 100"``.
+        loss_dict: Loss name -> value averaged over the evaluation (a number or a
+            one-element tensor).
+        iteration: The training iteration the results belong to.
+        state: Trainer state (see :class:`bridge.logging.LoggingState`).
+        split: Name of the evaluated split, used in the line and the tags.
+
+    Returns:
+        The console line (also on ranks that do not print it).
+
+    Raises:
+        ValueError: ``split`` is empty or a loss is not a single number.
+    """
+    if not split or not split.strip():
+        raise ValueError(f"split must be a non-empty name such as 'validation', got {split!r}")
+    losses = {key: loss_value(key, value) for key, value in loss_dict.items()}
+    line = f" {split} loss at {prefix} | "
+    for key, value in losses.items():
+        line += f"{key} value: {value:.6E} | {key} PPL: {perplexity(value):.6E} | "
+    rule = "-" * (len(line) + 1)
+    print_rank_last(f"{rule}\n{line}\n{rule}")
+
+    writers = state.metric_writers
+    if not writers.enabled:
+        return line
+    logger_cfg = state.cfg.logger
+    with_ppl = bool(logger_cfg is not None and logger_cfg.log_validation_ppl_to_tensorboard)
+    metrics: dict[str, float] = {}
+    for key, value in losses.items():
+        metrics[f"{key} {split}"] = value
+        if with_ppl:
+            metrics[f"{key} {split} ppl"] = perplexity(value)
+    writers.log_metrics(metrics, iteration)
+    samples = int(state.train_state.consumed_train_samples)
+    tensorboard_only(writers, {f"{t} vs samples": v for t, v in metrics.items()}, samples)
+    return line
