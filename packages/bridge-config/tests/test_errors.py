@@ -335,7 +335,7 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     (
         "tok-byte-vocab",
         lambda: bc.TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=100),
-        ["at least 256 ids"],
+        ["at least 258 ids (256 bytes, 2 special tokens"],
     ),
     (
         "tok-type-typo",

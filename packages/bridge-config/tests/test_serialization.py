@@ -120,6 +120,63 @@ def test_enums_callables_partials_and_tuples_round_trip(tmp_path: Path) -> None:
     assert ConfigContainer.from_yaml(path).to_dict() == cfg.to_dict()
 
 
+@dataclasses.dataclass(kw_only=True)
+class DerivingModelConfig(ExampleModelConfig):
+    """A model config that derives a field in ``__post_init__`` and carries runtime hooks,
+    as megatron's ``TransformerConfig`` (and bridge-train's ``GPTModelProvider``) do."""
+
+    ffn_hidden_size: int | None = None
+    no_sync_func: Callable[..., Any] | None = None
+    timers: Any = None
+    step_hook: Callable[..., Any] | None = None
+    runtime_fields = ("step_hook",)
+
+    def __post_init__(self) -> None:
+        self._derived: dict[str, Any] = {}
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+            self._derived["ffn_hidden_size"] = self.ffn_hidden_size
+
+    @property
+    def derived_fields(self) -> frozenset[str]:
+        """Derived fields still holding their derived value."""
+        return frozenset(k for k, v in self._derived.items() if getattr(self, k) == v)
+
+
+class _LiveTimers:
+    def __call__(self, name: str) -> None:
+        return None
+
+
+def test_runtime_hooks_and_derived_fields_are_left_out_of_saved_configs(tmp_path: Path) -> None:
+    model = DerivingModelConfig(hidden_size=64)
+    model.no_sync_func = _LiveTimers().__call__  # a bound method: not importable
+    model.timers = _LiveTimers()
+    model.step_hook = lambda: None  # listed in runtime_fields
+    cfg = tiny_container(model=model)
+    path = tmp_path / "run.yaml"
+    cfg.to_yaml(path)  # would fail on the hooks if they were encoded
+    saved = yaml.safe_load(path.read_text())["model"]
+    for name in ("no_sync_func", "timers", "step_hook", "ffn_hidden_size"):
+        assert name not in saved, name
+    loaded = ConfigContainer.from_yaml(path).model
+    assert isinstance(loaded, DerivingModelConfig)
+    assert loaded.ffn_hidden_size == 256 and loaded.no_sync_func is None
+    # The derived field follows an override of what it is derived from.
+    data = yaml.safe_load(path.read_text())
+    data["model"]["hidden_size"] = 32
+    assert ConfigContainer.from_dict(data).model.ffn_hidden_size == 128  # type: ignore[union-attr]
+    # A value set explicitly (not derived) is saved.
+    explicit = tiny_container(model=DerivingModelConfig(hidden_size=64, ffn_hidden_size=100))
+    assert explicit.to_dict()["model"]["ffn_hidden_size"] == 100
+    # Printing shows derived values but never the hooks; diffs ignore both.
+    printed = yaml.safe_load(cfg.format_yaml())["model"]
+    assert printed["ffn_hidden_size"] == 256
+    assert "timers" not in printed and "no_sync_func" not in printed
+    paths = {d.path for d in cfg.diff_from_defaults()}
+    assert "model.ffn_hidden_size" not in paths and "model.timers" not in paths
+
+
 def test_enum_and_callable_fields_accept_plain_names() -> None:
     changed = apply_overrides(
         tiny_container(model=RichModelConfig()),

@@ -160,6 +160,32 @@ def test_byte_level_tokenizer_vocab_and_padding() -> None:
     cfg.validate(world_size=1)
 
 
+def test_byte_level_total_vocab_matches_the_tokenizer() -> None:
+    """<eod> and <pad> always exist; extra ids and other specials add to them."""
+    assert bc.TokenizerConfig(tokenizer_type="ByteLevelTokenizer").total_vocab_size() == 258
+    with_specials = bc.TokenizerConfig(
+        tokenizer_type="ByteLevelTokenizer", special_tokens=["<bos>", "<eod>"], vocab_extra_ids=3
+    )
+    assert with_specials.total_vocab_size() == 256 + 3 + 3  # <bos>, <eod>, <pad> + 3 extra ids
+    sized = bc.TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=300)
+    assert sized.total_vocab_size() == 300  # vocab_size already includes the specials
+    assert (
+        bc.TokenizerConfig(
+            tokenizer_type="NullTokenizer", vocab_size=10, vocab_extra_ids=2
+        ).total_vocab_size()
+        == 12
+    )
+    with pytest.raises(bc.ConfigError, match="at least 259 ids") as info:
+        bc.TokenizerConfig(tokenizer_type="ByteLevelTokenizer", vocab_size=258, vocab_extra_ids=1)
+    assert "vocab_size" in str(info.value)
+    small_model = tiny_container(
+        tokenizer=bc.TokenizerConfig(tokenizer_type="ByteLevelTokenizer"),
+        model=ExampleModelConfig(vocab_size=257),
+    )
+    with pytest.raises(bc.ConfigError, match="emits 258 ids"):
+        small_model.validate(world_size=1)
+
+
 def test_world_size_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert resolve_world_size() == 1

@@ -24,10 +24,8 @@ from bridge.config import LoggerConfig
 from bridge.logging import (
     BackendNotInstalledError,
     BackendSettings,
-    CometWriter,
     MetricWriter,
     MetricWriters,
-    MlflowWriter,
     build_metric_writers,
     build_moe_metric_writer,
     log_validation_results,
@@ -39,10 +37,15 @@ pytest.importorskip("comet_ml")
 pytest.importorskip("tensorboard")
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory, kit: Any) -> SimpleNamespace:
-    """Write the same metrics to all four backends once; return where they went."""
-    root = tmp_path_factory.mktemp("backends")
+@pytest.fixture(scope="module", params=["process", "inline"])
+def written(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, kit: Any
+) -> SimpleNamespace:
+    """Write the same metrics to all four backends once per writer mode; return where
+    they went. Process mode configures everything through LoggerConfig; inline mode passes
+    the MLflow / Comet settings as BackendSettings overrides (the older spelling)."""
+    mode = request.param
+    root = tmp_path_factory.mktemp(f"backends-{mode}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
         mp.setenv("WANDB_DIR", str(root / "wandb-env"))
@@ -51,35 +54,39 @@ def written(tmp_path_factory: pytest.TempPathFactory, kit: Any) -> SimpleNamespa
         mp.delenv("COMET_API_KEY", raising=False)
         mp.delenv("COMET_MODE", raising=False)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        backends = {
+            "mlflow_experiment": "bridge-tests",
+            "mlflow_tracking_uri": f"file:{root / 'mlruns'}",
+            "mlflow_tags": {"team": "nlp"},
+            "comet_project": "bridge-tests",
+            "comet_offline_dir": str(root / "comet"),
+            "comet_tags": ["smoke"],
+        }
         logger_cfg = LoggerConfig(
             tensorboard_dir=str(root / "tb"),
             wandb_project="bridge-tests",
             wandb_exp_name="run-1",
             wandb_save_dir=str(root / "wandb"),
             log_validation_ppl_to_tensorboard=True,
-        )
-        settings = BackendSettings(
-            mlflow_experiment="bridge-tests",
-            mlflow_tracking_uri=f"file:{root / 'mlruns'}",
-            comet_project="bridge-tests",
-            comet_offline_dir=str(root / "comet"),
+            metrics_writer_mode=mode,
+            **(backends if mode == "process" else {}),
         )
         writers = build_metric_writers(
             logger_cfg,
             rank=0,
             world_size=1,
             run_config={"train": {"lr": 0.1, "iters": 3}, "name": "tiny"},
-            backend_settings=settings,
-            asynchronous=True,  # the backend calls run on the writer thread
+            backend_settings=None if mode == "process" else BackendSettings(**backends),
+            asynchronous=mode == "inline",  # the backend calls run on the writer thread
         )
         kinds = {
             "tensorboard": type(writers.tensorboard).__name__,
             "wandb": type(writers.wandb).__name__,
-            "mlflow": getattr(writers.mlflow, "__name__", None),
+            "mlflow": getattr(writers.mlflow, "__name__", type(writers.mlflow).__name__),
             "comet": type(writers.comet).__name__,
         }
-        (mlflow_writer,) = [w for w in writers.writers if isinstance(w, MlflowWriter)]
-        (comet_writer,) = [w for w in writers.writers if isinstance(w, CometWriter)]
+        info = {writer.kind: writer.info for writer in writers.writers}
+        pids = writers.writer_process_pids
         writers.add_scalar("loss", 1.5, 1)
         writers.log_metrics(
             {
@@ -90,8 +97,10 @@ def written(tmp_path_factory: pytest.TempPathFactory, kit: Any) -> SimpleNamespa
             },
             2,
         )
+        # What megatron's MoE helpers do with the objects the trainer hands them.
         moe = build_moe_metric_writer(writers.tensorboard, writers.comet, writers.mlflow)
         moe.add_scalar("load_balancing_loss", torch.tensor(0.5), 3)
+        writers.wandb.log({"moe/aux_loss": torch.tensor(0.25)}, 3)
         cfg = kit.make_config(
             tensorboard_dir=logger_cfg.tensorboard_dir, log_validation_ppl_to_tensorboard=True
         )
@@ -106,22 +115,28 @@ def written(tmp_path_factory: pytest.TempPathFactory, kit: Any) -> SimpleNamespa
         writers.close()
         writers.close()  # idempotent
     return SimpleNamespace(
+        mode=mode,
         root=root,
         kinds=kinds,
-        mlflow_run_id=mlflow_writer.run_id,
-        mlflow_uri=mlflow_writer.tracking_uri,
-        comet_offline=comet_writer.offline,
+        pids=pids,
+        mlflow_run_id=info["mlflow"]["run_id"],
+        mlflow_uri=info["mlflow"]["tracking_uri"],
+        comet_offline=info["comet"]["offline"],
         closed=writers.closed,
         enabled_after_close=writers.enabled,
     )
 
 
 def test_backend_objects_are_exposed(written: SimpleNamespace) -> None:
+    if written.mode == "process":  # proxies of the objects living in the writer process
+        expected = ["RemoteWandbRun", "RemoteMlflow", "RemoteCometExperiment"]
+        assert len(written.pids) == 1
+    else:
+        expected = ["Run", "mlflow", "OfflineExperiment"]
+        assert written.pids == ()
     assert written.kinds == {
         "tensorboard": "SummaryWriter",
-        "wandb": "Run",
-        "mlflow": "mlflow",
-        "comet": "OfflineExperiment",
+        **dict(zip(["wandb", "mlflow", "comet"], expected, strict=True)),
     }
     assert written.closed and not written.enabled_after_close
     assert written.comet_offline
@@ -146,12 +161,17 @@ def test_wandb_offline_run_holds_the_history(written: SimpleNamespace, kit: Any)
     assert by_step[2]["loss"] == 1.25 and by_step[2]["throughput/tokens_per_sec"] == 100.0
     assert by_step[3]["lm loss validation"] == 2.0
     assert by_step[3]["lm loss validation ppl"] == pytest.approx(7.389056)
+    assert by_step[3]["moe/aux_loss"] == 0.25  # written through writers.wandb.log
     # MoE metrics reach W&B through the run itself, not the fan-out writer.
     assert all("load_balancing_loss" not in row for row in rows)
 
 
-def test_mlflow_file_store_holds_metrics_and_params(written: SimpleNamespace) -> None:
+def test_mlflow_file_store_holds_metrics_and_params(
+    written: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
     client = MlflowClient(tracking_uri=written.mlflow_uri)
     history = client.get_metric_history(written.mlflow_run_id, "loss")
@@ -167,6 +187,7 @@ def test_mlflow_file_store_holds_metrics_and_params(written: SimpleNamespace) ->
     run = client.get_run(written.mlflow_run_id)
     assert run.data.params["train.lr"] == "0.1"
     assert run.data.params["name"] == "tiny"
+    assert run.data.tags["team"] == "nlp"
     assert run.info.run_name == "run-1"
     assert run.info.status == "FINISHED"
 
@@ -179,6 +200,7 @@ def test_comet_offline_archive_holds_metrics_and_params(written: SimpleNamespace
         ]
         experiment = json.loads(zf.read("experiment.json"))
     assert experiment["project_name"] == "bridge-tests"
+    assert "smoke" in experiment["tags"]
     metrics = [
         (
             m["payload"]["metric"]["metricName"],
@@ -210,8 +232,9 @@ def test_moe_writer_is_the_tensorboard_writer_without_mlflow_or_comet() -> None:
     assert build_moe_metric_writer(None, None, None) is None
 
 
+@pytest.mark.parametrize("mode", ["inline", "process"])
 def test_mlflow_logs_into_an_already_active_run_and_leaves_it_open(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     import mlflow
 
@@ -220,11 +243,20 @@ def test_mlflow_logs_into_an_already_active_run_and_leaves_it_open(
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("outer")
     with mlflow.start_run() as outer:
-        writers = MetricWriters([MlflowWriter("ignored", tracking_uri=uri)])
+        writers = build_metric_writers(
+            LoggerConfig(
+                mlflow_experiment="ignored", mlflow_tracking_uri=uri, metrics_writer_mode=mode
+            ),
+            rank=0,
+            world_size=1,
+        )
+        assert writers.writers[0].info["run_id"] == outer.info.run_id
         writers.add_scalar("acc", 0.75, 4)
         writers.close()
         assert mlflow.active_run() is not None
-        history = mlflow.tracking.MlflowClient(uri).get_metric_history(outer.info.run_id, "acc")
+        client = mlflow.tracking.MlflowClient(uri)
+        history = client.get_metric_history(outer.info.run_id, "acc")
+        assert client.get_run(outer.info.run_id).info.status == "RUNNING"
     assert [(m.step, m.value) for m in history] == [(4, 0.75)]
 
 
@@ -234,7 +266,8 @@ def test_missing_tracking_uri_and_comet_key_are_explained(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(
         ValueError,
-        match=r"no tracking URI is set; set BackendSettings.mlflow_tracking_uri or export MLFLOW_TRACKING_URI",
+        match=r"no tracking URI is set; set LoggerConfig.mlflow_tracking_uri \(e.g. bridge-train "
+        r"logger.mlflow_tracking_uri=http://mlflow-server:5000, or file:./mlruns",
     ):
         build_metric_writers(
             LoggerConfig(),

@@ -160,7 +160,19 @@ def _ranks(rank: int, world: int, tb_dir: str) -> dict[str, Any]:
     writers.close()
     result["stdout"] = out.getvalue()
 
-    # A writer that fails to build on the last rank fails every rank.
+    # A writer that fails to build on the last rank fails every rank: here TensorBoard,
+    # whose directory would have to be created inside a regular file.
+    blocker = Path(tb_dir).parent / "not-a-directory"
+    if rank == world - 1:
+        blocker.write_text("")
+    dist.barrier()
+    try:
+        build_metric_writers(
+            LoggerConfig(tensorboard_dir=str(blocker / "tb")), rank=rank, world_size=world
+        )
+    except Exception as exc:
+        result["build_error"] = f"{type(exc).__name__}: {exc}"
+    # A setting every rank can check (no tracking URI) fails every rank before building.
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     try:
         build_metric_writers(
@@ -170,7 +182,7 @@ def _ranks(rank: int, world: int, tb_dir: str) -> dict[str, Any]:
             backend_settings=BackendSettings(mlflow_experiment="e"),
         )
     except Exception as exc:
-        result["build_error"] = f"{type(exc).__name__}: {exc}"
+        result["uri_error"] = f"{type(exc).__name__}: {exc}"
     return result
 
 
@@ -213,7 +225,10 @@ def test_two_ranks(kit: Any, tmp_path: Path) -> None:
     assert tags["world-size"][0][1] == 2.0
     assert "forward-backward-time" in tags
     assert [s for s, _ in tags["lm loss"]] == [1, 2, 3, 4]
-    assert results[1]["build_error"].startswith("ValueError: MLflow logging is on")
+    assert results[1]["build_error"].startswith(("NotADirectoryError", "FileExistsError"))
     assert results[0]["build_error"] == (
         "RuntimeError: building the metric writers failed on rank 1; see its error"
     )
+    for r in results:
+        assert r["uri_error"].startswith("ValueError: MLflow logging is on")
+        assert "LoggerConfig.mlflow_tracking_uri" in r["uri_error"]

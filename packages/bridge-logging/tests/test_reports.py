@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from bridge.config import ConfigError, ProfilingConfig, TrainingConfig
+from bridge.config import ConfigError, LoggerConfig, ProfilingConfig, TrainingConfig
 from bridge.logging import (
     MEMORY_KEYS,
     BackendSettings,
+    MetricWriters,
     ReportSettings,
     reduce_max_memory_across_pp_group,
     report_memory,
@@ -20,6 +21,7 @@ from bridge.logging import (
     start_memory_history_recording,
 )
 from bridge.logging.memory import format_memory_stats, maybe_dump_memory_snapshot
+from bridge.logging.settings import backend_settings_for, report_settings_for
 
 TRAIN = TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=100)
 
@@ -134,9 +136,9 @@ def test_memory_stats_are_converted_like_the_reference_table() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_memory_report_is_empty_on_cpu_with_a_notice(caplog: Any) -> None:
-    from bridge.logging import _dist
+    from bridge.logging import _notices
 
-    _dist._notices_given.discard("memory-cpu")
+    _notices._notices_given.discard("memory-cpu")
     with caplog.at_level(logging.INFO, logger="bridge.logging"):
         assert report_memory() == {}
         assert report_memory() == {}
@@ -151,9 +153,9 @@ def test_pp_reduction_is_a_no_op_without_distributed() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 def test_memory_history_is_a_clear_no_op_on_cpu(caplog: Any, tmp_path: Any) -> None:
-    from bridge.logging import _dist
+    from bridge.logging import _notices
 
-    _dist._notices_given.discard("memory-history-cpu")
+    _notices._notices_given.discard("memory-history-cpu")
     profiling = ProfilingConfig(
         record_memory_history=True,
         profile_ranks=[0],
@@ -187,3 +189,45 @@ def test_settings_reject_bad_values_naming_the_field() -> None:
         ReportSettings(runtime_time_unit="weeks")
     with pytest.raises(ConfigError, match=r"ReportSettings.memory_keys"):
         ReportSettings(memory_keys={})
+
+
+def test_logger_config_fields_configure_backends_and_reports_and_set_overrides_win() -> None:
+    cfg = LoggerConfig(
+        mlflow_experiment="exp",
+        mlflow_tracking_uri="file:./mlruns",
+        mlflow_tags={"team": "nlp"},
+        comet_project="proj",
+        comet_mode="offline",
+        comet_tags=["a"],
+        throughput_window_size=7,
+        log_runtime_to_tensorboard=True,
+        runtime_time_unit="hours",
+        log_l2_norm_grad_to_tensorboard=True,
+        memory_keys={"allocated_bytes.all.peak": "peak"},
+    )
+    backends = backend_settings_for(cfg)
+    assert (backends.mlflow_experiment, backends.mlflow_tracking_uri) == ("exp", "file:./mlruns")
+    assert (backends.mlflow_tags, backends.comet_tags) == ({"team": "nlp"}, ["a"])
+    assert (backends.comet_project, backends.comet_mode) == ("proj", "offline")
+    assert report_settings_for(cfg) == ReportSettings(
+        throughput_window_size=7,
+        log_runtime=True,
+        runtime_time_unit="hours",
+        log_l2_norm_grad=True,
+        memory_keys={"allocated_bytes.all.peak": "peak"},
+    )
+    # Fields set in an override object win; fields left at their default do not.
+    merged = backend_settings_for(cfg, BackendSettings(comet_project="other"))
+    assert (merged.comet_project, merged.mlflow_experiment) == ("other", "exp")
+    reports = report_settings_for(cfg, ReportSettings(throughput_window_size=3))
+    assert (reports.throughput_window_size, reports.log_runtime) == (3, True)
+    # MetricWriters built without overrides report what the config says.
+    assert MetricWriters().reports_for(cfg) == report_settings_for(cfg)
+    with pytest.raises(
+        TypeError, match="backend_settings must be a BackendSettings or None, got dict"
+    ):
+        backend_settings_for(cfg, {"comet_project": "x"})  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match="report_settings must be a ReportSettings or None, got int"
+    ):
+        report_settings_for(cfg, 3)  # type: ignore[arg-type]

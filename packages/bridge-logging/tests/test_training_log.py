@@ -257,9 +257,9 @@ def test_each_switch_is_honoured(
 
 
 def _given_notices() -> set[str]:
-    from bridge.logging import _dist
+    from bridge.logging import _notices
 
-    return _dist._notices_given
+    return _notices._notices_given
 
 
 def test_tensorboard_log_interval_thins_the_writes(kit: Any, tmp_path: Any, capsys: Any) -> None:
@@ -388,11 +388,25 @@ def test_missing_sections_are_reported(kit: Any) -> None:
         training_log({}, {}, None, None, 1.0, False, 0, None, None, None, cfg, state, [], [])
 
 
+@pytest.mark.parametrize("configured_by", ["LoggerConfig", "ReportSettings"])
 def test_l2_norm_and_runtime_reports_reach_the_writers(
-    kit: Any, tmp_path: Any, capsys: Any
+    kit: Any, tmp_path: Any, capsys: Any, configured_by: str
 ) -> None:
-    cfg = kit.make_config(log_interval=2, train_iters=4, tensorboard_dir=str(tmp_path / "tb"))
-    settings = ReportSettings(log_l2_norm_grad=True, log_runtime=True, runtime_time_unit="minutes")
+    switches = {}
+    settings = None
+    if configured_by == "LoggerConfig":
+        switches = {
+            "log_l2_norm_grad_to_tensorboard": True,
+            "log_runtime_to_tensorboard": True,
+            "runtime_time_unit": "minutes",
+        }
+    else:
+        settings = ReportSettings(
+            log_l2_norm_grad=True, log_runtime=True, runtime_time_unit="minutes"
+        )
+    cfg = kit.make_config(
+        log_interval=2, train_iters=4, tensorboard_dir=str(tmp_path / "tb"), **switches
+    )
     writers = tb_writers(tmp_path, cfg, settings)
     driver = Driver(kit, cfg, writers)
     for _ in range(2):

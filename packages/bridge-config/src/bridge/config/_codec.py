@@ -55,6 +55,37 @@ DEFAULT_CLASS = "bridge_config_default_class"
 
 _OWN_PACKAGE = "bridge.config"
 
+#: Fields megatron-core's training code fills with live objects at run time (the schedule's
+#: gradient-sync hooks, the loss-scale function, the timers). They are not configuration:
+#: encoding leaves them out, so saved configs load back with their defaults (``None``).
+RUNTIME_FIELDS = frozenset(
+    {
+        "no_sync_func",
+        "grad_sync_func",
+        "param_sync_func",
+        "finalize_model_grads_func",
+        "grad_scale_func",
+        "timers",
+    }
+)
+
+
+def fields_left_out(obj: Any, *, omit_derived: bool = True) -> frozenset[str]:
+    """Names of the dataclass fields of ``obj`` that encoding leaves out.
+
+    * :data:`RUNTIME_FIELDS` and any names in ``obj.runtime_fields`` (live objects set at
+      run time);
+    * with ``omit_derived``, the names in ``obj.derived_fields``: values the object computed
+      from its other fields in ``__post_init__`` and still holds. Left out, they are derived
+      again when the saved config is loaded, so a loaded config whose ``hidden_size`` is then
+      overridden also gets a matching ``ffn_hidden_size``.
+    """
+    names = set(RUNTIME_FIELDS)
+    names.update(getattr(obj, "runtime_fields", None) or ())
+    if omit_derived:
+        names.update(getattr(obj, "derived_fields", None) or ())
+    return frozenset(names)
+
 
 def join(path: str, key: str) -> str:
     """Join a dotted config path and a field name."""
@@ -156,14 +187,19 @@ def import_object(dotted: Any, path: str) -> Any:
 # ----------------------------------------------------------------------------- encoding
 
 
-def encode(value: Any, path: str = "", *, strict: bool = True) -> Any:
+def encode(value: Any, path: str = "", *, strict: bool = True, omit_derived: bool = True) -> Any:
     """Convert ``value`` to plain data (see the module docstring for the tagged forms).
+
+    Runtime hooks and (with ``omit_derived``) derived fields of dataclasses are left out
+    (see :func:`fields_left_out`).
 
     Args:
         value: A config object or any value a config field holds.
         path: Dotted path of ``value``, used in error messages.
         strict: When False, a value that cannot be represented becomes a descriptive string
             instead of raising (used for printing, never for saving).
+        omit_derived: Leave out fields an object derived from its other fields (True for
+            saving; printing shows them).
 
     Returns:
         Nested dicts, lists and scalars that YAML and OmegaConf can hold.
@@ -172,32 +208,37 @@ def encode(value: Any, path: str = "", *, strict: bool = True) -> Any:
         ConfigError: ``strict`` and a value cannot be represented so that it loads back.
     """
     try:
-        return _encode(value, path)
+        return _encode(value, path, omit_derived)
     except ConfigError:
         if strict:
             raise
-        return _encode_lenient(value, path)
+        return _encode_lenient(value, path, omit_derived)
 
 
-def _encode_lenient(value: Any, path: str) -> Any:
+def _encode_lenient(value: Any, path: str, omit_derived: bool) -> Any:
     try:
-        return _encode(value, path)
+        return _encode(value, path, omit_derived)
     except ConfigError:
         pass
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out: dict[str, Any] = {TARGET: f"{type(value).__module__}.{type(value).__qualname__}"}
+        left_out = fields_left_out(value, omit_derived=omit_derived)
         for f in dataclasses.fields(value):
-            if not f.name.startswith("_"):
-                out[f.name] = _encode_lenient(getattr(value, f.name), join(path, f.name))
+            if not f.name.startswith("_") and f.name not in left_out:
+                out[f.name] = _encode_lenient(
+                    getattr(value, f.name), join(path, f.name), omit_derived
+                )
         return out
     if isinstance(value, (list, tuple)):
-        return [_encode_lenient(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_encode_lenient(v, f"{path}[{i}]", omit_derived) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {str(k): _encode_lenient(v, join(path, str(k))) for k, v in value.items()}
+        return {
+            str(k): _encode_lenient(v, join(path, str(k)), omit_derived) for k, v in value.items()
+        }
     return f"<not serialisable: {_describe(value)}>"
 
 
-def _encode(value: Any, path: str) -> Any:
+def _encode(value: Any, path: str, omit_derived: bool = True) -> Any:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, enum.Enum):
@@ -210,22 +251,27 @@ def _encode(value: Any, path: str) -> Any:
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out: dict[str, Any] = {TARGET: import_path(type(value), path)}
+        left_out = fields_left_out(value, omit_derived=omit_derived)
         for f in dataclasses.fields(value):
-            if not f.name.startswith("_"):
-                out[f.name] = _encode(getattr(value, f.name), join(path, f.name))
+            if not f.name.startswith("_") and f.name not in left_out:
+                out[f.name] = _encode(getattr(value, f.name), join(path, f.name), omit_derived)
         return out
     if isinstance(value, functools.partial):
         out = {TARGET: import_path(value.func, path), PARTIAL: True}
         if value.args:
-            out[ARGS] = [_encode(v, f"{path}.{ARGS}[{i}]") for i, v in enumerate(value.args)]
+            out[ARGS] = [
+                _encode(v, f"{path}.{ARGS}[{i}]", omit_derived) for i, v in enumerate(value.args)
+            ]
         for key, kwarg in value.keywords.items():
-            out[key] = _encode(kwarg, join(path, key))
+            out[key] = _encode(kwarg, join(path, key), omit_derived)
         return out
     if isinstance(value, (list, tuple)):
-        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_encode(v, f"{path}[{i}]", omit_derived) for i, v in enumerate(value)]
     if isinstance(value, (set, frozenset)):
         # Sorted by repr so the same set always gives the same file.
-        return [_encode(v, f"{path}[{i}]") for i, v in enumerate(sorted(value, key=repr))]
+        return [
+            _encode(v, f"{path}[{i}]", omit_derived) for i, v in enumerate(sorted(value, key=repr))
+        ]
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
@@ -238,7 +284,7 @@ def _encode(value: Any, path: str) -> Any:
                     join(path, key),
                     f"{key!r} is reserved for tagged objects and cannot be a dict key",
                 )
-            out[key] = _encode(item, join(path, key))
+            out[key] = _encode(item, join(path, key), omit_derived)
         return out
     if callable(value):
         return {TARGET: import_path(value, path), CALL: False}

@@ -518,11 +518,18 @@ class ConfigContainer:
             and isinstance(model_vocab, int)
             and total > model_vocab
         ):
+            if tokenizer.tokenizer_type == "ByteLevelTokenizer" and tokenizer.vocab_size is None:
+                origin = "256 bytes, special tokens and extra ids"
+            else:
+                origin = (
+                    f"vocab_size {tokenizer.vocab_size} + vocab_extra_ids "
+                    f"{tokenizer.vocab_extra_ids}"
+                )
             raise ConfigError(
                 "tokenizer.vocab_size",
-                f"the tokenizer emits {total} ids (vocab_size {tokenizer.vocab_size} + "
-                f"vocab_extra_ids {tokenizer.vocab_extra_ids}) but model.vocab_size is "
-                f"{model_vocab}; raise model.vocab_size to at least {total}",
+                f"the tokenizer emits {total} ids ({origin}) but model.vocab_size is "
+                f"{model_vocab}; raise model.vocab_size to at least {total} (or leave it unset "
+                "to take it from the tokenizer)",
             )
 
     def _check_other_sections(self, world: int) -> None:
@@ -618,8 +625,10 @@ class ConfigContainer:
 
     def format_yaml(self) -> str:
         """The resolved config as YAML text, for printing (values that cannot be saved are
-        shown as descriptive strings instead of raising)."""
-        return dump_yaml(encode(self, strict=False))
+        shown as descriptive strings instead of raising). Unlike ``to_yaml`` it shows the
+        fields a model config derived from its others (``ffn_hidden_size``, init methods,
+        ...); runtime hooks are left out of both."""
+        return dump_yaml(encode(self, strict=False, omit_derived=False))
 
     def print_yaml(self, file: IO[str] | None = None) -> None:
         """Print the resolved config as YAML to ``file`` (default: standard output)."""

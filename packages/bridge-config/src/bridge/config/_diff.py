@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from bridge.config._codec import TARGET, encode, join
+from bridge.config._codec import TARGET, encode, fields_left_out, join
 
 #: Shown as the default of a field that has none (it must always be given).
 REQUIRED = "<required>"
@@ -42,8 +42,9 @@ def _target(obj: Any) -> str:
 
 
 def _diff_object(obj: Any, path: str, out: list[ConfigDiff]) -> None:
+    left_out = fields_left_out(obj)
     for f in dataclasses.fields(obj):
-        if f.name.startswith("_"):
+        if f.name.startswith("_") or f.name in left_out:
             continue
         value = getattr(obj, f.name)
         default = _declared_default(f)

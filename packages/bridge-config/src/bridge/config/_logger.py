@@ -62,6 +62,26 @@ class LoggerConfig:
     log_world_size_to_tensorboard: bool = False
     """Write the world size to TensorBoard."""
 
+    throughput_window_size: int | None = None
+    """Iterations in the rolling window of the ``throughput/*`` rates (written when
+    ``log_throughput`` is on). Unset: ``log_interval``."""
+
+    log_runtime_to_tensorboard: bool = False
+    """Write ``time/remaining_estimate``, ``time/tokens``, ``time/samples``,
+    ``time/batches`` and ``time/total`` every ``tensorboard_log_interval`` iterations."""
+
+    runtime_time_unit: Literal["seconds", "minutes", "hours", "days"] = "seconds"
+    """Unit of the ``time/*`` durations written by ``log_runtime_to_tensorboard``."""
+
+    log_l2_norm_grad_to_tensorboard: bool = False
+    """Write ``l2_norm/grad/global`` and one ``l2_norm/grad/<parameter>`` per parameter every
+    ``tensorboard_log_interval`` iterations (a collective over the model-parallel group)."""
+
+    memory_keys: dict[str, str] | None = None
+    """``torch.cuda.memory_stats()`` keys written by ``log_memory_to_tensorboard`` and the
+    names they are written under (unset: bridge.logging's ``MEMORY_KEYS``, the
+    ``memory/*`` keys)."""
+
     wandb_project: str | None = None
     """Weights & Biases project (unset: no Weights & Biases logging)."""
 
@@ -73,6 +93,44 @@ class LoggerConfig:
 
     wandb_entity: str | None = None
     """Weights & Biases entity (user or team)."""
+
+    mlflow_experiment: str | None = None
+    """MLflow experiment name (created if missing); setting it turns MLflow logging on
+    (``pip install bridge-logging[mlflow]``)."""
+
+    mlflow_run_name: str | None = None
+    """MLflow run name (unset: ``wandb_exp_name`` if set, else a name MLflow picks)."""
+
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI: ``http://host:5000``, ``databricks``, or ``file:./mlruns`` (a
+    local file store; MLflow 3 needs ``MLFLOW_ALLOW_FILE_STORE=true`` for it). Unset: the
+    ``MLFLOW_TRACKING_URI`` environment variable, which must then be set."""
+
+    mlflow_tags: dict[str, str] | None = None
+    """Tags set on the MLflow run."""
+
+    comet_project: str | None = None
+    """Comet project name; setting it turns Comet logging on
+    (``pip install bridge-logging[comet]``)."""
+
+    comet_experiment_name: str | None = None
+    """Comet experiment name (unset: ``wandb_exp_name`` if set)."""
+
+    comet_workspace: str | None = None
+    """Comet workspace (unset: the API key's default workspace)."""
+
+    comet_tags: list[str] | None = None
+    """Tags added to the Comet experiment."""
+
+    comet_mode: Literal["auto", "online", "offline"] = "auto"
+    """``"online"`` needs an API key (``COMET_API_KEY`` or ``comet login``; keys are never
+    read from the config, which is logged as run parameters). ``"offline"`` writes a zip
+    archive to upload later with ``comet upload``. ``"auto"``: offline when
+    ``COMET_MODE=offline`` is exported or no API key is configured, online otherwise."""
+
+    comet_offline_dir: str | None = None
+    """Directory of Comet's offline archives (unset: ``COMET_OFFLINE_DIRECTORY`` or
+    ``.cometml-runs``)."""
 
     logging_level: int = logging.INFO
     """Level for the Python loggers (``logging.INFO`` is 20, ``DEBUG`` 10, ``WARNING`` 30)."""
@@ -89,13 +147,52 @@ class LoggerConfig:
     log_energy: bool = False
     """Log energy consumption in joules."""
 
+    metrics_writer_mode: Literal["process", "inline"] = "process"
+    """Where the Weights & Biases, MLflow and Comet clients run. ``"process"``: in a writer
+    process started by the last rank, so their I/O stays off the training step (the step
+    only hands one record per call to a pipe). ``"inline"``: in the training process, for
+    environments where a subprocess is not wanted. TensorBoard always writes in-process."""
+
     def __post_init__(self) -> None:
-        """Check the field types, intervals and logging level."""
+        """Check the field types, intervals, logging level and backend names."""
         normalize_fields(self)
         at_least(self, "log_interval", 1, allow_none=False)
         at_least(self, "tensorboard_log_interval", 1, allow_none=False)
         at_least(self, "tensorboard_queue_size", 1, allow_none=False)
         at_least(self, "logging_level", 0, allow_none=False)
+        at_least(self, "throughput_window_size", 1)
+        for name in _NAME_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise field_error(
+                    self, name, value, "expected a non-empty string, or null to leave it unset"
+                )
+        if self.memory_keys is not None and not self.memory_keys:
+            raise field_error(
+                self,
+                "memory_keys",
+                self.memory_keys,
+                "expected a non-empty mapping of torch.cuda.memory_stats() keys to report "
+                "names, or null for the default memory/* keys",
+            )
+        for name in ("mlflow_tags", "comet_tags"):
+            tags = getattr(self, name)
+            keys = tags if isinstance(tags, list) else list(tags or ())
+            if any(not key.strip() for key in keys):
+                raise field_error(self, name, tags, "tags must be non-empty strings")
+
+
+# Optional MLflow / Comet names and locations: unset is null, never an empty string (which
+# would otherwise turn a backend on with a name it rejects).
+_NAME_FIELDS = (
+    "mlflow_experiment",
+    "mlflow_run_name",
+    "mlflow_tracking_uri",
+    "comet_project",
+    "comet_experiment_name",
+    "comet_workspace",
+    "comet_offline_dir",
+)
 
 
 @dataclass(kw_only=True)

@@ -20,6 +20,8 @@ TokenizerType = Literal[
 ]
 
 _BYTE_VOCAB = 256
+# Special tokens the byte-level tokenizer always has (end of document, padding).
+_BYTE_LEVEL_SPECIALS = ("<eod>", "<pad>")
 
 # What each tokenizer type cannot be built without.
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -54,7 +56,9 @@ class TokenizerConfig:
 
     vocab_size: int | None = None
     """Number of token ids. Required for ``NullTokenizer``; for ``ByteLevelTokenizer`` at
-    least 256; for file-based tokenizers it is read from the files when unset."""
+    least 256 plus its special tokens and extra ids (258 by default: ``<eod>``, ``<pad>``),
+    which is also its size when unset; for file-based tokenizers it is read from the files
+    when unset."""
 
     vocab_extra_ids: int = 0
     """Extra sentinel tokens appended to the vocabulary (as T5-style ``<extra_id_N>``)."""
@@ -83,27 +87,38 @@ class TokenizerConfig:
                 raise field_error(
                     self, name, None, f"it is required when tokenizer_type is {kind!r}"
                 )
-        if (
-            kind == "ByteLevelTokenizer"
-            and self.vocab_size is not None
-            and self.vocab_size < _BYTE_VOCAB
-        ):
-            raise field_error(
-                self,
-                "vocab_size",
-                self.vocab_size,
-                f"a byte-level tokenizer needs at least {_BYTE_VOCAB} ids",
-            )
+        if kind == "ByteLevelTokenizer" and self.vocab_size is not None:
+            needed = _BYTE_VOCAB + len(self._byte_level_specials()) + self.vocab_extra_ids
+            if self.vocab_size < needed:
+                raise field_error(
+                    self,
+                    "vocab_size",
+                    self.vocab_size,
+                    f"a byte-level tokenizer needs at least {needed} ids ({_BYTE_VOCAB} bytes, "
+                    f"{len(self._byte_level_specials())} special tokens, "
+                    f"{self.vocab_extra_ids} extra ids); raise it or leave it unset",
+                )
 
     def total_vocab_size(self) -> int | None:
-        """Ids the tokenizer can emit (``vocab_size`` plus extra ids), or None if not known yet.
+        """Ids the tokenizer can emit, or None if not known yet.
 
-        A byte-level tokenizer without ``vocab_size`` has 256 ids plus its special tokens.
+        For a byte-level tokenizer: the 256 byte ids, its special tokens (``<eod>`` and
+        ``<pad>`` always, plus ``special_tokens``) and ``vocab_extra_ids`` sentinels, or
+        ``vocab_size`` when that is set (it then already includes them). For other types:
+        ``vocab_size`` plus ``vocab_extra_ids``.
         """
-        base = self.vocab_size
-        if base is None and self.tokenizer_type == "ByteLevelTokenizer":
-            base = _BYTE_VOCAB + len(self.special_tokens or ())
-        return None if base is None else base + self.vocab_extra_ids
+        if self.tokenizer_type == "ByteLevelTokenizer":
+            if self.vocab_size is not None:
+                return self.vocab_size
+            return _BYTE_VOCAB + len(self._byte_level_specials()) + self.vocab_extra_ids
+        if self.vocab_size is None:
+            return None
+        return self.vocab_size + self.vocab_extra_ids
+
+    def _byte_level_specials(self) -> list[str]:
+        specials = list(self.special_tokens or ())
+        specials += [token for token in _BYTE_LEVEL_SPECIALS if token not in specials]
+        return specials
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int | None:
         """The embedding size the vocabulary is padded to, or None if the vocabulary is unknown.

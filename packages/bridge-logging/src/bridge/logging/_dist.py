@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger("bridge.logging")
-
-_notices_given: set[str] = set()
 
 
 def dist_ready() -> bool:
@@ -38,18 +33,6 @@ def print_rank_last(message: str) -> None:
     """Print ``message`` (flushed) on the last rank only."""
     if is_last_rank():
         print(message, flush=True)
-
-
-def notice_once(key: str, message: str) -> None:
-    """Log ``message`` at INFO level the first time ``key`` is seen in this process.
-
-    INFO rather than WARNING: ``LoggerConfig.filter_warnings`` (on by default) drops
-    WARNING records, and these notices explain why a requested metric is absent.
-    """
-    if key in _notices_given:
-        return
-    _notices_given.add(key)
-    logger.info(message)
 
 
 def group_size(group: Any) -> int:

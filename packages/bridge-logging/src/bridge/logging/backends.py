@@ -3,6 +3,10 @@
 Each backend package is imported only when its writer is built; a missing package raises
 :class:`BackendNotInstalledError` naming the extra to install. Every writer turns values
 into Python floats (0-d and one-element tensors included) before handing them over.
+
+This module does not import torch (``to_scalar`` recognises tensors only once torch is
+loaded), so the metric writer process, which runs the W&B, MLflow and Comet writers, starts
+without it.
 """
 
 from __future__ import annotations
@@ -12,14 +16,13 @@ import importlib
 import importlib.util
 import os
 import re
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
-from bridge.logging._dist import notice_once
+from bridge.logging._notices import notice_once
 
 # backend kind -> (module to import, extra that installs it)
 BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
@@ -69,13 +72,27 @@ def _import_backend(kind: str) -> Any:
         ) from exc
 
 
+def _tensor_type() -> type | None:
+    """``torch.Tensor`` once torch is imported (a value cannot be a tensor before that)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None) if torch is not None else None
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.Tensor`` (without importing torch)."""
+    tensor = _tensor_type()
+    return tensor is not None and isinstance(value, tensor)
+
+
 def to_scalar(tag: str, value: Any) -> float:
     """``value`` as a Python float (tensors with one element included).
 
     Raises:
         ValueError: ``value`` is a tensor with more than one element or not a number.
     """
-    if isinstance(value, torch.Tensor):
+    if type(value) is float:  # the common case, first
+        return value
+    if is_tensor(value):
         if value.numel() != 1:
             raise ValueError(
                 f"metric {tag!r}: got a tensor of shape {tuple(value.shape)}; "
@@ -134,10 +151,41 @@ class MetricWriter(abc.ABC):
     def add_scalar(self, tag: str, value: Any, step: int) -> None:
         """Record one scalar ``value`` under ``tag`` at ``step``."""
 
+    forwarded: ClassVar[frozenset[str]] = frozenset()
+    """Methods of :attr:`backend` that :meth:`forward` may call (used by the writer
+    process to run calls made on the backend proxies, see ``metric_writers_mode``)."""
+
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record every ``tag: value`` of ``metrics`` at ``step``."""
         for tag, value in metrics.items():
             self.add_scalar(tag, value, step)
+
+    def log_records(self, records: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
+        """Record several ``(step, metrics)`` records, oldest first.
+
+        The writer process hands over every record that is waiting at once; backends that
+        can store them in one request override this.
+        """
+        for step, metrics in records:
+            self.log_metrics(metrics, step)
+
+    def forward(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Call ``backend.<method>(*args, **kwargs)`` for one of :attr:`forwarded`.
+
+        Raises:
+            AttributeError: ``method`` is not forwarded by this backend.
+        """
+        if method not in self.forwarded:
+            raise AttributeError(
+                f"the {self.kind} writer does not forward {method!r}; "
+                f"forwarded: {', '.join(sorted(self.forwarded)) or 'nothing'}"
+            )
+        getattr(self.backend, method)(*args, **kwargs)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Plain facts about the run (ids, directories), for the training process."""
+        return {}
 
     @abc.abstractmethod
     def flush(self) -> None:
@@ -173,6 +221,11 @@ class TensorBoardWriter(MetricWriter):
     def backend(self) -> Any:
         """The ``SummaryWriter``."""
         return self._writer
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The event files' ``log_dir``."""
+        return {"log_dir": self.log_dir}
 
     def add_scalar(self, tag: str, value: Any, step: int) -> None:
         """Write one scalar event."""
@@ -246,10 +299,23 @@ class WandbWriter(MetricWriter):
                 "locally and `wandb sync` it later"
             ) from exc
 
+    forwarded = frozenset({"log", "define_metric"})
+
     @property
     def backend(self) -> Any:
         """The ``wandb`` run (``.log(dict, step)``, what megatron's MoE helpers expect)."""
         return self._run
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The run's ``id``, ``name``, ``project`` and local ``dir``."""
+        run = self._run
+        return {
+            "id": run.id,
+            "name": run.name,
+            "project": run.project,
+            "dir": run.dir,
+        }
 
     def add_scalar(self, tag: str, value: Any, step: int) -> None:
         """Log ``{tag: value}`` at ``step``."""
@@ -278,23 +344,42 @@ def _mlflow_params(config: Mapping[str, Any], max_length: int) -> dict[str, str]
     return params
 
 
+def mlflow_tracking_uri(uri: str | None) -> str | None:
+    """The tracking URI MLflow will use: ``uri``, else ``MLFLOW_TRACKING_URI``, else ``None``."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+MLFLOW_NO_URI = (
+    "MLflow logging is on (LoggerConfig.mlflow_experiment={experiment!r}) but no tracking URI "
+    "is set; set LoggerConfig.mlflow_tracking_uri (e.g. bridge-train "
+    "logger.mlflow_tracking_uri=http://mlflow-server:5000, or file:./mlruns with "
+    "MLFLOW_ALLOW_FILE_STORE=true) or export MLFLOW_TRACKING_URI"
+)
+
+# MLflow's limit on the metrics of one log_batch request.
+_MLFLOW_BATCH = 1000
+
+
 class MlflowWriter(MetricWriter):
-    """An MLflow run: started with MLflow's fluent API, so ``mlflow.log_*`` calls of other
-    code (the MoE fan-out, a user's callbacks) reach it too.
+    """An MLflow run, written through one ``MlflowClient``.
 
-    This writer's metrics go through one ``MlflowClient`` with MLflow's asynchronous
-    logging (a background queue, kept in order), so a training step does not wait for
-    the tracking store; :meth:`flush` and :meth:`close` wait for the queue. Metric and parameter names keep letters, digits, ``_ - .`` and
-    spaces; other characters, ``/`` included, become ``_``.
+    Every call stores its values before it returns, so the run holds them in the order
+    they were logged (MLflow's asynchronous logging stores concurrent batches in any
+    order). In the default writer-process mode this happens off the training step.
+    Metric and parameter names keep letters, digits, ``_ - .`` and spaces; other
+    characters, ``/`` included, become ``_``.
 
-    If a run is already active in this process, metrics go to it and it is left running
-    on close; otherwise a run is started in ``experiment`` and ended on close.
+    The run: ``run_id`` if given (left running on close); else the run already active in
+    this process (left running); else a new run in ``experiment``, started with MLflow's
+    fluent API (so ``mlflow.log_*`` calls of other code reach it too) and ended on close.
 
     Args:
         experiment: Experiment name (created if missing).
         tracking_uri: Tracking URI, or ``None`` for ``MLFLOW_TRACKING_URI``.
-        run_name: Run name.
+        run_name: Run name of a new run.
         config: Run configuration, logged as parameters (flattened to dotted keys).
+        tags: Tags set on the run.
+        run_id: Log into this existing run.
 
     Raises:
         ValueError: No tracking URI is set.
@@ -303,6 +388,9 @@ class MlflowWriter(MetricWriter):
     """
 
     kind = "mlflow"
+    forwarded = frozenset(
+        {"log_metric", "log_metrics", "log_param", "log_params", "set_tag", "set_tags"}
+    )
 
     def __init__(
         self,
@@ -311,73 +399,142 @@ class MlflowWriter(MetricWriter):
         tracking_uri: str | None = None,
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None,
+        run_id: str | None = None,
     ) -> None:
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        uri = mlflow_tracking_uri(tracking_uri)
         if not uri:
-            raise ValueError(
-                "MLflow logging is on (BackendSettings.mlflow_experiment="
-                f"{experiment!r}) but no tracking URI is set; set "
-                "BackendSettings.mlflow_tracking_uri or export MLFLOW_TRACKING_URI "
-                "(e.g. http://mlflow-server:5000, or file:/path/to/mlruns with "
-                "MLFLOW_ALLOW_FILE_STORE=true)"
-            )
+            raise ValueError(MLFLOW_NO_URI.format(experiment=experiment))
         mlflow = _import_backend("mlflow")
         self._mlflow = mlflow
         try:
-            mlflow.set_tracking_uri(uri)
-            active = mlflow.active_run()
-            self._owns_run = active is None
-            if active is None:
-                mlflow.set_experiment(experiment)
-                active = mlflow.start_run(run_name=run_name)
-            self.run_id: str = active.info.run_id
-            if config:
-                from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+            from mlflow.entities import Metric, Param, RunTag
+            from mlflow.tracking import MlflowClient
 
-                mlflow.log_params(_mlflow_params(config, MAX_PARAM_VAL_LENGTH))
+            mlflow.set_tracking_uri(uri)
+            self._client = MlflowClient(tracking_uri=uri)
+            self._owns_run = False
+            if run_id is None:
+                active = mlflow.active_run()
+                if active is None:
+                    mlflow.set_experiment(experiment)
+                    active = mlflow.start_run(run_name=run_name)
+                    self._owns_run = True
+                run_id = active.info.run_id
+            else:
+                self._client.get_run(run_id)  # fails early on an unknown run
+            self.run_id: str = run_id
+            params = [
+                Param(k, v) for k, v in _mlflow_params(config or {}, _mlflow_param_limit()).items()
+            ]
+            run_tags = [RunTag(str(k), str(v)) for k, v in (tags or {}).items()]
+            for i in range(0, max(len(params), len(run_tags)), 100):  # MLflow's batch limits
+                self._client.log_batch(
+                    run_id, params=params[i : i + 100], tags=run_tags[i : i + 100]
+                )
         except Exception as exc:
             raise RuntimeError(
                 f"MLflow could not start a run in experiment {experiment!r} at tracking URI "
                 f"{uri!r}: {exc}"
             ) from exc
         self.tracking_uri = uri
-        from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
-
         self._metric_cls = Metric
-        self._client = MlflowClient(tracking_uri=uri)
+        self._ended = False
 
     @property
     def backend(self) -> Any:
-        """The ``mlflow`` module, with this writer's run active."""
+        """The ``mlflow`` module (its active run is this writer's when it started it)."""
         return self._mlflow
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """The ``run_id`` and the ``tracking_uri``."""
+        return {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
+
     def add_scalar(self, tag: str, value: Any, step: int) -> None:
-        """Log one metric value at ``step``."""
+        """Store one metric value at ``step``."""
         self.log_metrics({tag: value}, step)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Queue all of ``metrics`` at ``step`` as one batch."""
-        if not metrics:
-            return
+        """Store all of ``metrics`` at ``step`` in one request."""
+        self.log_records([(step, metrics)])
+
+    def log_records(self, records: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
+        """Store several steps' metrics in as few requests as MLflow allows."""
         timestamp = int(time.time() * 1000)
         batch = [
             self._metric_cls(mlflow_metric_name(t), to_scalar(t, v), timestamp, step)
+            for step, metrics in records
             for t, v in metrics.items()
         ]
-        # One client for the run: the fluent API builds a client (and resolves the
-        # registry URI) on every call, which costs milliseconds per step.
-        self._client.log_batch(self.run_id, metrics=batch, synchronous=False)
+        for i in range(0, len(batch), _MLFLOW_BATCH):
+            self._client.log_batch(self.run_id, metrics=batch[i : i + _MLFLOW_BATCH])
+
+    def forward(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Run ``mlflow.<method>(...)`` (log_metric(s), log_param(s), set_tag(s)) on this run.
+
+        Calls go to this writer's run through the client, like the fluent API would for
+        the active run, so they also work when the run is not active in this process.
+        """
+        if method not in self.forwarded:
+            super().forward(method, args, kwargs)
+        call = dict(zip(_MLFLOW_SIGNATURES[method], args, strict=False), **kwargs)
+        client, run = self._client, self.run_id
+        if method == "log_metric":
+            client.log_metric(
+                run,
+                call["key"],
+                float(call["value"]),
+                timestamp=call.get("timestamp"),
+                step=call.get("step"),
+            )
+        elif method == "log_metrics":
+            timestamp = call.get("timestamp") or int(time.time() * 1000)
+            step = call.get("step") or 0
+            metrics = [
+                self._metric_cls(k, float(v), timestamp, step) for k, v in call["metrics"].items()
+            ]
+            client.log_batch(run, metrics=metrics)
+        elif method == "log_param":
+            client.log_param(run, call["key"], call["value"])
+        elif method == "log_params":
+            for key, value in call["params"].items():
+                client.log_param(run, key, value)
+        elif method == "set_tag":
+            client.set_tag(run, call["key"], call["value"])
+        else:  # set_tags
+            for key, value in call["tags"].items():
+                client.set_tag(run, key, value)
 
     def flush(self) -> None:
-        """Wait until every queued metric is stored."""
-        self._mlflow.flush_async_logging()
+        """Nothing to do: every call stores its values before it returns."""
 
     def close(self) -> None:
-        """Store the queued metrics and end the run if this writer started it."""
-        self.flush()
+        """End the run if this writer started it (idempotent)."""
+        if self._ended:
+            return
+        self._ended = True
         if self._owns_run and self._mlflow.active_run() is not None:
             self._mlflow.end_run()
+
+
+# Positional parameter names of the forwarded fluent functions (mlflow.log_metric, ...).
+_MLFLOW_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "log_metric": ("key", "value", "step", "synchronous", "timestamp"),
+    "log_metrics": ("metrics", "step", "synchronous", "run_id", "timestamp"),
+    "log_param": ("key", "value"),
+    "log_params": ("params",),
+    "set_tag": ("key", "value"),
+    "set_tags": ("tags",),
+}
+
+
+def _mlflow_param_limit() -> int:
+    try:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+    except ImportError:  # moved in a future MLflow: its documented limit
+        return 6000
+    return int(MAX_PARAM_VAL_LENGTH)
 
 
 def _comet_api_key(comet_ml: Any) -> str | None:
@@ -396,15 +553,29 @@ class CometWriter(MetricWriter):
         workspace: Comet workspace.
         name: Experiment name.
         mode: ``"online"``, ``"offline"`` or ``"auto"`` (see
-            :attr:`bridge.logging.BackendSettings.comet_mode`).
+            ``LoggerConfig.comet_mode``).
         offline_dir: Directory of offline archives.
         config: Run configuration, logged as parameters.
+        tags: Tags added to the experiment.
 
     Raises:
         ValueError: ``mode="online"`` (or ``COMET_MODE=online``) without an API key.
     """
 
     kind = "comet"
+    forwarded = frozenset(
+        {
+            "log_metric",
+            "log_metrics",
+            "log_parameter",
+            "log_parameters",
+            "log_other",
+            "log_others",
+            "add_tag",
+            "add_tags",
+            "set_name",
+        }
+    )
 
     def __init__(
         self,
@@ -415,6 +586,7 @@ class CometWriter(MetricWriter):
         mode: str = "auto",
         offline_dir: str | os.PathLike[str] | None = None,
         config: Mapping[str, Any] | None = None,
+        tags: Sequence[str] | None = None,
     ) -> None:
         comet_ml = _import_backend("comet")
         api_key = _comet_api_key(comet_ml)
@@ -424,7 +596,7 @@ class CometWriter(MetricWriter):
         if mode == "online" and api_key is None:
             raise ValueError(
                 f"Comet online mode for project {project!r} needs an API key; export "
-                "COMET_API_KEY (or run `comet login`), or use BackendSettings.comet_mode="
+                "COMET_API_KEY (or run `comet login`), or set LoggerConfig.comet_mode="
                 "'offline' to write an archive to upload later"
             )
         self.offline = mode == "offline" or api_key is None
@@ -464,12 +636,19 @@ class CometWriter(MetricWriter):
             self._experiment.set_name(name)
         if config:
             self._experiment.log_parameters(flatten_config(config))
+        if tags:
+            self._experiment.add_tags(list(tags))
         self._ended = False
 
     @property
     def backend(self) -> Any:
         """The Comet ``Experiment`` (or ``OfflineExperiment``)."""
         return self._experiment
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Whether the experiment is ``offline``, and its ``id``."""
+        return {"offline": self.offline, "id": self._experiment.get_key()}
 
     def add_scalar(self, tag: str, value: Any, step: int) -> None:
         """Log one metric value at ``step``."""

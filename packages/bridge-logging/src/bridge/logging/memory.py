@@ -18,9 +18,8 @@ from bridge.logging._dist import (
     dist_ready,
     global_rank,
     group_size,
-    logger,
-    notice_once,
 )
+from bridge.logging._notices import logger, notice_once
 
 MEMORY_KEYS: dict[str, str] = {
     "allocated_bytes.all.current": "current_allocated_mem",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -13,17 +14,26 @@ import torch.distributed as dist
 
 from bridge.config import LoggerConfig
 from bridge.logging._dist import collective_device, dist_ready
+from bridge.logging._remote import RemoteWriter, remote_writers
 from bridge.logging._worker import WriterThread
+from bridge.logging._writer_process import WriterProcess
 from bridge.logging.backends import (
+    MLFLOW_NO_URI,
     CometWriter,
     MetricWriter,
     MlflowWriter,
     TensorBoardWriter,
     WandbWriter,
+    mlflow_tracking_uri,
     require_backend,
     to_scalar,
 )
-from bridge.logging.settings import BackendSettings, ReportSettings
+from bridge.logging.settings import (
+    BackendSettings,
+    ReportSettings,
+    backend_settings_for,
+    report_settings_for,
+)
 
 logger = logging.getLogger("bridge.logging")
 
@@ -46,20 +56,24 @@ class MetricWriters:
     backends, elsewhere it is empty (``enabled`` is false and writes do nothing), so
     code can call it unconditionally.
 
-    With ``asynchronous=True`` the backend calls run in order on one background thread,
-    so a training step only pays for turning values into floats. It is meant for steps
-    where the training thread mostly waits (on the GPU, on remote backends); in CPU
-    training the thread competes for the GIL and does not shorten the step
-    (``benchmarks/logging_overhead.py`` measures both). Values are converted (and bad
-    ones rejected) in the caller; a backend error surfaces as ``RuntimeError`` at the next
-    call. Reading a backend attribute (``.tensorboard``, ``.wandb``, ``.mlflow``,
+    Writers of a metric writer process (:class:`bridge.logging._remote.RemoteWriter`, see
+    ``LoggerConfig.metrics_writer_mode``) that share a process receive one record per
+    call, not one per backend.
+
+    With ``asynchronous=True`` the writers' calls run in order on one background thread,
+    so a training step only pays for turning values into floats. It helps where the
+    training thread mostly waits (on the GPU); in CPU training the thread competes for
+    the GIL, which is why the default writer-process mode exists. Values are converted (and
+    bad ones rejected) in the caller; a backend error surfaces as ``RuntimeError`` at the
+    next call. Reading a backend attribute (``.tensorboard``, ``.wandb``, ``.mlflow``,
     ``.comet``) first waits for the queued calls, so code that then writes to the backend
     directly (megatron's MoE helpers) stays in step order.
 
     Args:
         writers: The backends to fan out to.
-        report_settings: Optional reports for :func:`bridge.logging.training_log`.
-        asynchronous: Run the backend calls on a background thread.
+        report_settings: Overrides of the ``LoggerConfig`` report fields for
+            :func:`bridge.logging.training_log` (see :class:`ReportSettings`).
+        asynchronous: Run the writers' calls on a background thread.
     """
 
     def __init__(
@@ -75,10 +89,21 @@ class MetricWriters:
                     f"writers must be MetricWriter instances, got {type(writer).__name__}; "
                     "subclass bridge.logging.MetricWriter to add a backend"
                 )
+        if report_settings is not None and not isinstance(report_settings, ReportSettings):
+            raise TypeError(
+                f"report_settings must be a ReportSettings, got {type(report_settings).__name__}"
+            )
         self._writers: tuple[MetricWriter, ...] = tuple(writers)
+        self._local = tuple(w for w in self._writers if not isinstance(w, RemoteWriter))
+        # One entry per writer process: the kinds of its writers that are listed here.
+        processes: dict[WriterProcess, list[str]] = {}
+        for writer in self._writers:
+            if isinstance(writer, RemoteWriter):
+                processes.setdefault(writer.process, []).append(writer.kind)
+        self._processes = tuple((p, tuple(kinds)) for p, kinds in processes.items())
         self._closed = False
         self._worker = WriterThread() if asynchronous and self._writers else None
-        self.report_settings = report_settings or ReportSettings()
+        self._report_settings = report_settings
         self.marks = _IntervalMarks()
 
     def _run(self, fn: Any, *args: Any) -> None:
@@ -101,9 +126,27 @@ class MetricWriters:
         return self._writers
 
     @property
+    def report_settings(self) -> ReportSettings:
+        """The report settings given when built (all defaults when none were)."""
+        return self._report_settings or ReportSettings()
+
+    def reports_for(self, logger_cfg: LoggerConfig) -> ReportSettings:
+        """The reports :func:`bridge.logging.training_log` writes for ``logger_cfg``.
+
+        The ``LoggerConfig`` report fields, overridden by the fields set in the
+        ``report_settings`` these writers were built with.
+        """
+        return report_settings_for(logger_cfg, self._report_settings)
+
+    @property
     def asynchronous(self) -> bool:
         """Whether backend calls run on a background thread."""
         return self._worker is not None
+
+    @property
+    def writer_process_pids(self) -> tuple[int, ...]:
+        """Process ids of the metric writer processes the writers write through."""
+        return tuple(process.pid for process, _ in self._processes)
 
     @property
     def tensorboard(self) -> Any:
@@ -112,17 +155,19 @@ class MetricWriters:
 
     @property
     def wandb(self) -> Any:
-        """The W&B run, or ``None``."""
+        """The W&B run (in process mode a proxy with ``log`` / ``define_metric``), or ``None``."""
         return self._backend("wandb")
 
     @property
     def mlflow(self) -> Any:
-        """The ``mlflow`` module with the run active, or ``None``."""
+        """The ``mlflow`` module with the run active (in process mode a proxy with
+        ``log_metric(s)``, ``log_param(s)``, ``set_tag(s)``), or ``None``."""
         return self._backend("mlflow")
 
     @property
     def comet(self) -> Any:
-        """The Comet experiment, or ``None``."""
+        """The Comet experiment (in process mode a proxy with ``log_metric(s)``,
+        ``log_parameter(s)``, ``log_other(s)``, ``add_tag(s)``, ``set_name``), or ``None``."""
         return self._backend("comet")
 
     @property
@@ -143,7 +188,8 @@ class MetricWriters:
         """Record ``value`` under ``tag`` at iteration ``step`` in every backend.
 
         Raises:
-            RuntimeError: The writers are closed, or a backend failed in the background.
+            RuntimeError: The writers are closed, a backend failed in the background, or
+                the metric writer process died.
             ValueError: ``value`` is not a single number.
         """
         self.log_metrics({tag: value}, step)
@@ -160,27 +206,40 @@ class MetricWriters:
                 step is not the iteration); default: every backend.
 
         Raises:
-            RuntimeError: The writers are closed, or a backend failed in the background.
+            RuntimeError: The writers are closed, a backend failed in the background, or
+                the metric writer process died.
             ValueError: A value is not a single number.
         """
         self._check_open()
         if not metrics or not self._writers:
             return
         values = {tag: to_scalar(tag, value) for tag, value in metrics.items()}
-        for writer in self._writers:
+        for writer in self._local:
             if only is None or writer.kind in only:
                 self._run(writer.log_metrics, values, step)
+        for process, kinds in self._processes:
+            chosen = kinds if only is None else tuple(k for k in kinds if k in only)
+            if chosen:
+                # None: every writer of the process (the common case, a smaller record).
+                target = None if chosen == process.kinds else chosen
+                self._run(process.send_metrics, values, step, target)
 
     def flush(self) -> None:
         """Flush every backend and wait for it (a no-op once closed).
 
+        In process mode this waits until the writer process has written everything
+        recorded so far.
+
         Raises:
-            RuntimeError: A backend failed in the background.
+            RuntimeError: A backend failed in the background, or the metric writer
+                process died.
         """
         if self._closed:
             return
-        for writer in self._writers:
+        for writer in self._local:
             self._run(writer.flush)
+        for process, _ in self._processes:
+            self._run(process.flush)
         if self._worker is not None:
             self._worker.drain()
 
@@ -188,7 +247,9 @@ class MetricWriters:
         """Write what is queued and close every backend. Idempotent and never raises.
 
         A backend that fails (now or earlier in the background) is logged at ERROR level
-        and the others are still closed, so this is safe in a ``finally`` block.
+        and the others are still closed, so this is safe in a ``finally`` block. A metric
+        writer process is closed (drained, its backends closed, joined) once all of its
+        writers are; it is also closed at interpreter exit if never closed.
         """
         if self._closed:
             return
@@ -258,57 +319,120 @@ def _plain_config(run_config: Any) -> Mapping[str, Any] | None:
 
 
 def _check_backends(logger_cfg: LoggerConfig, settings: BackendSettings) -> None:
-    """Fail on every rank, before anything is built, when a configured package is missing."""
+    """Fail on every rank, before anything is built, on a missing package or tracking URI."""
     if logger_cfg.tensorboard_dir is not None:
         require_backend("tensorboard", "LoggerConfig.tensorboard_dir")
     if logger_cfg.wandb_project is not None:
         require_backend("wandb", "LoggerConfig.wandb_project")
     if settings.mlflow_experiment is not None:
-        require_backend("mlflow", "BackendSettings.mlflow_experiment")
+        require_backend("mlflow", "LoggerConfig.mlflow_experiment")
+        if mlflow_tracking_uri(settings.mlflow_tracking_uri) is None:
+            raise ValueError(MLFLOW_NO_URI.format(experiment=settings.mlflow_experiment))
     if settings.comet_project is not None:
-        require_backend("comet", "BackendSettings.comet_project")
+        require_backend("comet", "LoggerConfig.comet_project")
+
+
+def _active_mlflow_run_id() -> str | None:
+    """The MLflow run active in this process, if MLflow is already imported here."""
+    mlflow = sys.modules.get("mlflow")
+    active = getattr(mlflow, "active_run", None)
+    run = active() if callable(active) else None
+    return None if run is None else str(run.info.run_id)
+
+
+_BACKENDS = "bridge.logging.backends"
+
+
+def _writer_specs(
+    logger_cfg: LoggerConfig,
+    settings: BackendSettings,
+    config: Mapping[str, Any] | None,
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(kind, factory, kwargs)`` of the W&B, MLflow and Comet writers that are configured."""
+    specs: list[tuple[str, str, dict[str, Any]]] = []
+    config = None if config is None else dict(config)
+    if logger_cfg.wandb_project is not None:
+        specs.append(
+            (
+                "wandb",
+                f"{_BACKENDS}:WandbWriter",
+                {
+                    "project": logger_cfg.wandb_project,
+                    "name": logger_cfg.wandb_exp_name,
+                    "entity": logger_cfg.wandb_entity,
+                    "save_dir": logger_cfg.wandb_save_dir,
+                    "config": config,
+                },
+            )
+        )
+    if settings.mlflow_experiment is not None:
+        specs.append(
+            (
+                "mlflow",
+                f"{_BACKENDS}:MlflowWriter",
+                {
+                    "experiment": settings.mlflow_experiment,
+                    "tracking_uri": settings.mlflow_tracking_uri,
+                    "run_name": settings.mlflow_run_name or logger_cfg.wandb_exp_name,
+                    "config": config,
+                    "tags": settings.mlflow_tags,
+                    "run_id": _active_mlflow_run_id(),
+                },
+            )
+        )
+    if settings.comet_project is not None:
+        specs.append(
+            (
+                "comet",
+                f"{_BACKENDS}:CometWriter",
+                {
+                    "project": settings.comet_project,
+                    "workspace": settings.comet_workspace,
+                    "name": settings.comet_experiment_name or logger_cfg.wandb_exp_name,
+                    "mode": settings.comet_mode,
+                    "offline_dir": settings.comet_offline_dir,
+                    "config": config,
+                    "tags": settings.comet_tags,
+                },
+            )
+        )
+    return specs
+
+
+_INLINE: dict[str, type[MetricWriter]] = {
+    "wandb": WandbWriter,
+    "mlflow": MlflowWriter,
+    "comet": CometWriter,
+}
 
 
 def _build_backends(
     logger_cfg: LoggerConfig, settings: BackendSettings, config: Mapping[str, Any] | None
 ) -> list[MetricWriter]:
     writers: list[MetricWriter] = []
+    specs = _writer_specs(logger_cfg, settings, config)
+    # The writer process builds its backends while TensorBoard is built here.
+    process = (
+        WriterProcess(specs, wait=False)
+        if specs and logger_cfg.metrics_writer_mode == "process"
+        else None
+    )
     try:
         if logger_cfg.tensorboard_dir is not None:
+            # In-process in both modes: cheap (one event per step, written by its own
+            # thread) and the SummaryWriter stays a real object for megatron's helpers.
             writers.append(
                 TensorBoardWriter(logger_cfg.tensorboard_dir, logger_cfg.tensorboard_queue_size)
             )
-        if logger_cfg.wandb_project is not None:
-            writers.append(
-                WandbWriter(
-                    logger_cfg.wandb_project,
-                    name=logger_cfg.wandb_exp_name,
-                    entity=logger_cfg.wandb_entity,
-                    save_dir=logger_cfg.wandb_save_dir,
-                    config=config,
-                )
-            )
-        if settings.mlflow_experiment is not None:
-            writers.append(
-                MlflowWriter(
-                    settings.mlflow_experiment,
-                    tracking_uri=settings.mlflow_tracking_uri,
-                    run_name=settings.mlflow_run_name or logger_cfg.wandb_exp_name,
-                    config=config,
-                )
-            )
-        if settings.comet_project is not None:
-            writers.append(
-                CometWriter(
-                    settings.comet_project,
-                    workspace=settings.comet_workspace,
-                    name=settings.comet_experiment_name or logger_cfg.wandb_exp_name,
-                    mode=settings.comet_mode,
-                    offline_dir=settings.comet_offline_dir,
-                    config=config,
-                )
-            )
+        if process is not None:
+            process.wait_ready()
+            writers.extend(remote_writers(process))
+        else:
+            for kind, _, kwargs in specs:
+                writers.append(_INLINE[kind](**kwargs))
     except BaseException:
+        if process is not None:
+            process.close()
         for writer in writers:  # do not leave half a set of runs open
             try:
                 writer.close()
@@ -340,50 +464,51 @@ def build_metric_writers(
     """Build the metric writers of a run: backends on the last rank, nothing elsewhere.
 
     TensorBoard is on when ``logger_cfg.tensorboard_dir`` is set, Weights & Biases when
-    ``logger_cfg.wandb_project`` is, MLflow when ``backend_settings.mlflow_experiment``
-    is, Comet when ``backend_settings.comet_project`` is. Backend packages are imported
-    only when configured and only on the last rank.
+    ``wandb_project`` is, MLflow when ``mlflow_experiment`` is, Comet when
+    ``comet_project`` is. Backend packages are imported only when configured and only on
+    the last rank.
+
+    With ``logger_cfg.metrics_writer_mode="process"`` (the default) the W&B, MLflow and
+    Comet clients run in a metric writer process started here; this returns once they are
+    built there, and raises their setup error (missing package, bad tracking URI, no API
+    key) if they are not. TensorBoard writes in-process in both modes.
 
     Call it on every rank. When torch.distributed is initialised with ``world_size``
     ranks, it is a collective: if building fails on the last rank, every rank raises
     (so the others do not wait for it in their next collective).
 
     Args:
-        logger_cfg: Console, TensorBoard and W&B settings.
+        logger_cfg: The logger section: which backends, where, and the reports.
         rank: Global rank of this process.
         world_size: Number of ranks.
         run_config: The run's configuration (a mapping or a ``ConfigContainer``), logged
             as W&B config and MLflow / Comet parameters.
-        backend_settings: MLflow and Comet settings.
-        report_settings: Optional reports written by ``training_log``.
-        asynchronous: Run the backend calls on a background thread (see
-            :class:`MetricWriters`); ``False`` runs them in the caller.
+        backend_settings: Optional overrides of the MLflow / Comet fields of
+            ``logger_cfg`` (fields set to anything but their default win).
+        report_settings: Optional overrides of the report fields of ``logger_cfg``.
+        asynchronous: Also run the writers' calls on a background thread in this process
+            (see :class:`MetricWriters`).
 
     Returns:
         The writers (empty on every rank but the last).
 
     Raises:
-        TypeError: ``logger_cfg`` is not a ``LoggerConfig`` or ``run_config`` has the
-            wrong type.
-        ValueError: ``rank`` / ``world_size`` are invalid.
+        TypeError: ``logger_cfg`` is not a ``LoggerConfig``, or ``run_config`` or a
+            settings override has the wrong type.
+        ValueError: ``rank`` / ``world_size`` are invalid, MLflow is on without a
+            tracking URI, or Comet online mode has no API key.
         BackendNotInstalledError: A configured backend's package is missing (names the
             extra to install); raised on every rank.
-        RuntimeError: Building failed on another rank.
+        RuntimeError: A backend could not start (its message says why), or building
+            failed on another rank.
     """
     if not isinstance(logger_cfg, LoggerConfig):
         raise TypeError(
             f"logger_cfg must be a bridge.config.LoggerConfig, got {type(logger_cfg).__name__}"
         )
     _check_rank(rank, world_size)
-    settings = backend_settings or BackendSettings()
-    if not isinstance(settings, BackendSettings):
-        raise TypeError(
-            f"backend_settings must be a BackendSettings, got {type(settings).__name__}"
-        )
-    if report_settings is not None and not isinstance(report_settings, ReportSettings):
-        raise TypeError(
-            f"report_settings must be a ReportSettings, got {type(report_settings).__name__}"
-        )
+    settings = backend_settings_for(logger_cfg, backend_settings)
+    reports = report_settings_for(logger_cfg, report_settings)
     config = _plain_config(run_config)
     _check_backends(logger_cfg, settings)
 
@@ -402,4 +527,4 @@ def build_metric_writers(
         )
     if error is not None:
         raise error
-    return MetricWriters(writers, report_settings=report_settings, asynchronous=asynchronous)
+    return MetricWriters(writers, report_settings=reports, asynchronous=asynchronous)

@@ -15,11 +15,11 @@ from bridge.logging._dist import (
     global_rank,
     global_world_size,
     group_rank,
-    notice_once,
     pg_attr,
     print_rank_last,
     reduce_max_stat,
 )
+from bridge.logging._notices import notice_once
 from bridge.logging.energy import EnergyMonitor
 from bridge.logging.grad_norm import report_l2_norm_grad
 from bridge.logging.memory import (
@@ -285,7 +285,7 @@ def training_log(
     writers = global_state.metric_writers
     timers = global_state.timers
     train_state = global_state.train_state
-    settings = writers.report_settings
+    settings = writers.reports_for(logger_cfg)
     iteration = int(train_state.step)
     consumed = int(train_state.consumed_train_samples)
     world = global_world_size()
