@@ -6,7 +6,7 @@ bare on one process, and check both runs see the same losses and read the corpus
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
+import os
 import subprocess
 import sys
 import textwrap
@@ -80,28 +80,31 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _bare_main(script: Path, argv: list[str]) -> None:
-    namespace: dict = {"__name__": "train_script"}
-    exec(compile(script.read_text(), str(script), "exec"), namespace)
-    sys.argv = ["train_script.py", *argv]
-    namespace["main"]()
-
-
 def _run_bare(script: Path, config_path: Path, out: Path) -> None:
-    """Run the script's main() launched bare (no torchrun environment) in a forked process.
+    """Run the script as ``python train_script.py`` (no torchrun environment).
 
-    Forking reuses this process's imports; the child has no WORLD_SIZE / MASTER_ADDR, so the
-    trainer creates its own one-rank group, as for ``python train_script.py``.
+    A fresh interpreter rather than a fork of this one: a fork of a process whose OpenMP
+    pool already ran (earlier tests here trained models) can deadlock in the child. Without
+    WORLD_SIZE / MASTER_ADDR the trainer creates its own one-rank group.
     """
-    ctx = mp.get_context("fork")
-    child = ctx.Process(target=_bare_main, args=(script, [str(config_path), str(out)]))
-    child.start()
-    child.join(timeout=300)
-    if child.is_alive():
-        child.kill()
-        child.join()
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), str(config_path), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
         pytest.fail("the bare single-process run did not finish within 300 s")
-    assert child.exitcode == 0, f"the bare run exited with {child.exitcode}"
+    assert done.returncode == 0, f"the bare run exited with {done.returncode}:\n{done.stderr}"
+
+
+_LAUNCHER_VARIABLES = frozenset(
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+)
 
 
 @pytest.mark.multiprocess

@@ -99,7 +99,8 @@ def test_finalize_rederives_derived_fields_but_keeps_user_values() -> None:
     provider.hidden_size = 64
     provider.finalize()
     assert provider.ffn_hidden_size == 256 and provider.kv_channels == 16
-    provider.ffn_hidden_size = 100  # set by the user: kept
+    provider.ffn_hidden_size = 100  # set by the user: kept, and no longer "derived"
+    assert "ffn_hidden_size" not in provider.derived_fields
     provider.hidden_size = 128
     provider.finalize()
     assert provider.ffn_hidden_size == 100 and provider.kv_channels == 32

@@ -51,3 +51,70 @@ def test_all_lists_only_existing_names_without_duplicates() -> None:
     assert len(set(bt.__all__)) == len(bt.__all__)
     missing = [name for name in bt.__all__ if not hasattr(bt, name)]
     assert not missing
+
+
+# Reference 001 (the loop) and the metric/report functions of reference 000 that
+# bridge.logging implements and bridge.train re-exports.
+REFERENCE_001 = [
+    "train",
+    "train_step",
+    "post_training_step_callbacks",
+    "should_disable_forward_pre_hook",
+    "enable_forward_pre_hook",
+    "disable_forward_pre_hook",
+    "get_start_time_from_progress_log",
+    "compute_throughputs_and_append_to_progress_log",
+    "save_checkpoint_and_time",
+    "checkpoint_and_decide_exit",
+]
+REFERENCE_000_LOGGING = [
+    "training_log",
+    "report_memory",
+    "report_l2_norm_grad",
+    "report_runtime",
+    "report_throughput",
+    "reduce_max_memory_across_pp_group",
+    "start_memory_history_recording",
+    "MEMORY_KEYS",
+]
+TRAINER = ["pretrain", "setup", "evaluate", "evaluate_and_print_results", "GlobalState"]
+
+
+def test_loop_and_logging_names_are_exported() -> None:
+    import inspect
+
+    import bridge.logging as bl
+
+    for name in REFERENCE_001 + REFERENCE_000_LOGGING + TRAINER:
+        assert name in bt.__all__, name
+    for name in REFERENCE_000_LOGGING:
+        assert getattr(bt, name) is getattr(bl, name), name
+    params = list(inspect.signature(bt.train).parameters)
+    assert params == [
+        "forward_step_func",
+        "model",
+        "optimizer",
+        "scheduler",
+        "train_data_iterator",
+        "valid_data_iterator",
+        "global_state",
+        "checkpointing_context",
+        "process_non_loss_data_func",
+        "non_loss_data_func",
+    ]
+    callbacks = inspect.signature(bt.post_training_step_callbacks).parameters
+    assert list(callbacks)[:8] == [
+        "model",
+        "num_floating_point_operations_since_last_log_event",
+        "straggler_timer",
+        "iteration",
+        "prof",
+        "config",
+        "should_toggle_forward_pre_hook",
+        "nsys_nvtx_context",
+    ]
+    assert inspect.signature(bt.disable_forward_pre_hook).parameters["param_sync"].default is True
+    save = inspect.signature(bt.save_checkpoint_and_time).parameters
+    assert (
+        save["non_persistent_ckpt"].default is False and save["train_data_iterator"].default is None
+    )

@@ -8,6 +8,7 @@ from typing import Optional
 import pytest
 import torch
 
+from bridge.config import ConfigContainer
 from bridge.train import (
     GlobalState,
     TrainState,
@@ -15,6 +16,7 @@ from bridge.train import (
     needs_global_state_injection,
     prepare_forward_step_func,
 )
+from core_utils import Timers
 
 
 def test_train_state_round_trips_through_tensors_and_torch_save(tmp_path) -> None:
@@ -51,7 +53,11 @@ def test_train_state_load_names_missing_fields() -> None:
 def test_global_state_defaults() -> None:
     state = GlobalState()
     assert state.train_state == TrainState()
-    assert state.cfg is None and state.timers is None
+    assert isinstance(state.cfg, ConfigContainer) and state.cfg.train is None
+    assert isinstance(state.timers, Timers) and state.timers.log_level == 0
+    assert not state.metric_writers.enabled and not state.fault_tolerance.enabled
+    assert not state.straggler_timing.configured and state.signal_handler is None
+    assert state.job_floating_point_operations == 0.0
     assert state.start_time > 0
 
 

@@ -124,7 +124,12 @@ def validate_parallel_layout(model_config: Any, world_size: int, engine: str = "
 def _init_process_group(backend: str, timeout_minutes: float) -> None:
     timeout = timedelta(minutes=timeout_minutes)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        # Restart-safe under torchrun --max-restarts: every restart attempt gets its own key
+        # space in the launcher's store (plain init_process_group makes gloo connect to the
+        # dead attempt's ranks). Outside torchelastic it is init_process_group.
+        from bridge.resiliency import init_process_group
+
+        init_process_group(backend, timeout=timeout)
     else:
         # A bare, non-torchrun launch: a single-rank group on a free local port.
         from core_utils.testing import find_free_port

@@ -4,10 +4,13 @@
 round-trips through ``state_dict`` / ``load_state_dict`` as tensors, so it can be saved with
 ``torch.save``, ``torch.distributed.checkpoint`` or megatron's dist_checkpointing.
 
-:class:`GlobalState` is the object a forward-step function can ask for (by annotating a
-parameter with it, or naming the first parameter ``state``; see
-:func:`bridge.train.needs_global_state_injection`). It carries the config, the
-:class:`TrainState`, the timers and the start time of the job. The training loop extends it.
+:class:`GlobalState` is what the training loop and a forward-step function share (a
+forward step asks for it by annotating a parameter with it, or naming the first parameter
+``state``; see :func:`bridge.train.needs_global_state_injection`). It carries the config,
+the :class:`TrainState`, the timers, the start time of the job, the metric writers
+(bridge.logging) and the resiliency objects (bridge.resiliency). It satisfies
+:class:`bridge.logging.LoggingState`, so it is what :func:`bridge.logging.training_log`
+takes. Components receive only the pieces they use.
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from bridge.config import ConfigContainer
+from bridge.logging import MetricWriters
+from bridge.resiliency import (
+    ExitConditions,
+    ExitSignalHandler,
+    FaultTolerance,
+    NullFaultTolerance,
+    NVRxStragglerMonitor,
+    StragglerTiming,
+)
+from core_utils import Timers
 
 __all__ = ["GlobalState", "TrainState"]
 
@@ -99,18 +114,59 @@ class TrainState:
             setattr(self, f.name, value)
 
 
+def _default_timers() -> Timers:
+    return Timers(0, "minmax")
+
+
 @dataclass
 class GlobalState:
     """State shared by the training loop and forward-step functions.
 
+    Every field has a working default, so ``GlobalState()`` is usable on its own (for a
+    forward step called by hand, or a loop without logging or resiliency features).
+    :func:`bridge.train.pretrain` fills the fields from the config.
+
     Attributes:
-        cfg: The run's configuration (a ``bridge.config.ConfigContainer``), or ``None``.
-        train_state: Progress counters of the run.
-        timers: The run's timers (``core_utils.Timers``), set by the training loop.
+        cfg: The run's configuration.
+        train_state: Progress counters of the run (saved in checkpoints).
+        timers: The run's timers (``logger.timing_log_level`` / ``timing_log_option``).
         start_time: Wall-clock time (``time.time()``) at which the job started.
+        metric_writers: Metric backends (TensorBoard, W&B, ...); empty on every rank but the
+            last, and empty when nothing is configured.
+        fault_tolerance: Fault-tolerance hooks (a no-op object when nothing is on).
+        straggler_timing: Per-rank step timing for straggler reports (inert when off).
+        nvrx_straggler: nvidia-resiliency-ext straggler monitor, when configured.
+        exit_conditions: Early-exit conditions (signal, duration, interval), when built by
+            the trainer; it owns the exit-signal handler.
+        job_start_flops: ``train_state.floating_point_operations_so_far`` when this job
+            started training (after a checkpoint was loaded): the job's own FLOPs are the
+            counter minus this.
+        loaded_iteration: Iteration this job resumed from (0 for a fresh run).
+        last_saved_iteration: Iteration of the last checkpoint this job saved (``None``
+            before the first save).
+        last_evaluated_iteration: Iteration of the last validation run of this job.
     """
 
-    cfg: Any = None
+    cfg: ConfigContainer = field(default_factory=ConfigContainer)
     train_state: TrainState = field(default_factory=TrainState)
-    timers: Any = None
+    timers: Timers = field(default_factory=_default_timers)
     start_time: float = field(default_factory=time.time)
+    metric_writers: MetricWriters = field(default_factory=MetricWriters)
+    fault_tolerance: FaultTolerance = field(default_factory=NullFaultTolerance)
+    straggler_timing: StragglerTiming = field(default_factory=StragglerTiming)
+    nvrx_straggler: NVRxStragglerMonitor | None = None
+    exit_conditions: ExitConditions | None = None
+    job_start_flops: float = 0.0
+    loaded_iteration: int = 0
+    last_saved_iteration: int | None = None
+    last_evaluated_iteration: int | None = None
+
+    @property
+    def signal_handler(self) -> ExitSignalHandler | None:
+        """The exit-signal handler (``train.exit_signal_handler``), if one is installed."""
+        return None if self.exit_conditions is None else self.exit_conditions.signal_handler
+
+    @property
+    def job_floating_point_operations(self) -> float:
+        """FLOPs this job executed (the counter minus its value when the job started)."""
+        return self.train_state.floating_point_operations_so_far - self.job_start_flops

@@ -11,10 +11,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from bridge.config import (
+    CheckpointConfig,
+    ConfigContainer,
     DistributedInitConfig,
+    LoggerConfig,
     MockGPTDatasetConfig,
     RNGConfig,
     SchedulerConfig,
+    TokenizerConfig,
     TrainingConfig,
 )
 from bridge.train.data.datasets import build_train_valid_test_datasets
@@ -24,6 +28,7 @@ from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.state import TrainState
 
 __all__ = [
+    "tiny_config_container",
     "tiny_dist_config",
     "tiny_gpt_provider",
     "tiny_mock_dataset_config",
@@ -134,3 +139,26 @@ def tiny_mock_iterator(
     )
     assert train_it is not None
     return train_it
+
+
+def tiny_config_container(**sections: Any) -> ConfigContainer:
+    """A complete run config for :func:`bridge.train.pretrain` built from the factories above.
+
+    Mock data with the null tokenizer (vocabulary 128), 5 iterations of global batch 4,
+    no evaluation, log every iteration, no checkpoints, gloo. Pass sections to replace
+    (``train=tiny_train_config(train_iters=20)``, ``checkpoint=CheckpointConfig(save=...)``).
+    """
+    values: dict[str, Any] = {
+        "train": tiny_train_config(),
+        "model": tiny_gpt_provider(),
+        "optimizer": tiny_optimizer_config(),
+        "scheduler": tiny_scheduler_config(),
+        "dataset": tiny_mock_dataset_config(),
+        "tokenizer": TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=TINY_VOCAB),
+        "logger": LoggerConfig(log_interval=1),
+        "checkpoint": CheckpointConfig(),
+        "dist": tiny_dist_config(),
+        "rng": tiny_rng_config(),
+    }
+    values.update(sections)
+    return ConfigContainer(**values)

@@ -227,8 +227,17 @@ class GPTModelProvider(TransformerConfig):
 
     @property
     def derived_fields(self) -> frozenset[str]:
-        """Names of the fields ``__post_init__`` derived because they were left unset."""
-        return frozenset(getattr(self, "_derived_values", {}))
+        """Fields ``__post_init__`` derived because they were left unset, and that still
+        hold the derived value (a field set since then is the user's, not derived).
+
+        ``bridge.config`` leaves these out of saved configs, so they are derived again on
+        load (and follow an override of what they are derived from).
+        """
+        return frozenset(
+            name
+            for name, derived in getattr(self, "_derived_values", {}).items()
+            if getattr(self, name) is derived or _same_value(getattr(self, name), derived)
+        )
 
     def apply_tokenizer(self, tokenizer: Any) -> GPTModelProvider:
         """Take ``vocab_size`` from ``tokenizer`` when unset; check it fits otherwise.

@@ -1,0 +1,247 @@
+"""Checkpoint save/load throughput against plain torch.save/torch.load, and the async stall.
+
+The state is a megatron-core GPT (6 layers, hidden 384, vocabulary 8192, sequence 256:
+about 14 M parameters) with its Adam state after one training step: about 165 MB of fp32
+tensors, realistic for a CPU run. In one process (a one-rank gloo group) and in rounds that
+alternate the variants, so machine noise hits all alike, it measures:
+
+* baseline: ``torch.save`` of exactly the same tensors (model parameters, ``exp_avg``,
+  ``exp_avg_sq``) to one file, flushed to disk with ``fsync`` like the checkpoint is, and
+  ``torch.load`` of it;
+* ``save_checkpoint`` (synchronous, torch_dist via dist_checkpointing, marker + tracker)
+  and ``load_checkpoint`` into the same model and optimizer;
+* the training stall of an asynchronous save: the time ``save_checkpoint`` blocks with
+  ``async_save=True`` (persistent CPU writer, and a fork per save), as a fraction of the
+  synchronous save's time. Target: at most 10%.
+
+It prints MB/s for every variant and the ratios; it asserts nothing. Run from the
+repository root::
+
+    uv run python benchmarks/checkpoint_io.py [--rounds 3] [--dir /tmp/ckpt-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _build(directory: Path) -> dict[str, Any]:
+    import torch
+
+    from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
+    from bridge.train import GlobalState, PortableEngine, train_steps
+    from bridge.train.testing import (
+        tiny_dist_config,
+        tiny_gpt_provider,
+        tiny_mock_dataset_config,
+        tiny_mock_iterator,
+        tiny_optimizer_config,
+        tiny_rng_config,
+        tiny_scheduler_config,
+        tiny_train_config,
+    )
+
+    provider = tiny_gpt_provider(
+        num_layers=6,
+        hidden_size=384,
+        num_attention_heads=6,
+        seq_length=256,
+        vocab_size=8192,
+        make_vocab_size_divisible_by=128,
+    )
+    cfg = ConfigContainer(
+        model=provider,
+        optimizer=tiny_optimizer_config(),
+        scheduler=tiny_scheduler_config(),
+        train=tiny_train_config(train_iters=10, global_batch_size=2, micro_batch_size=2),
+        checkpoint=CheckpointConfig(save=str(directory / "sync"), load=str(directory / "sync")),
+        logger=LoggerConfig(),
+        dataset=tiny_mock_dataset_config(sequence_length=256),
+        rng=tiny_rng_config(),
+    )
+    engine = PortableEngine()
+    engine.initialize_distributed(provider, tiny_dist_config(), cfg.rng)
+    model = engine.setup_model(provider)
+    optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
+    state = GlobalState(cfg=cfg)
+    train_steps(
+        engine,
+        model,
+        optimizer,
+        scheduler,
+        tiny_mock_iterator(cfg.train, cfg.dataset),
+        train_iters=1,
+        global_batch_size=2,
+        micro_batch_size=2,
+        seq_length=256,
+        state=state,
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model[0].named_parameters():
+        tensors[f"model.{name}"] = param.detach()
+    for name, main in zip(optimizer.param_names(model), optimizer.get_parameters(), strict=True):
+        for key, value in optimizer.optimizer.state[main].items():
+            if value.dim() > 0:
+                tensors[f"optimizer.{key}.{name}"] = value
+    return {
+        "cfg": cfg,
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "state": state,
+        "tensors": tensors,
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
+
+
+def _timed(fn: Any) -> float:
+    """Seconds ``fn()`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _torch_save(tensors: dict[str, Any], path: Path) -> None:
+    import torch
+
+    with open(path, "wb") as handle:
+        torch.save(tensors, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _torch_load(path: Path) -> None:
+    import torch
+
+    torch.load(path, weights_only=True)
+
+
+def _use(run: dict[str, Any], **checkpoint: Any) -> dict[str, Any]:
+    from bridge.train import init_checkpointing_context
+
+    run["state"].cfg.checkpoint = dataclasses.replace(run["state"].cfg.checkpoint, **checkpoint)
+    return init_checkpointing_context(run["state"].cfg.checkpoint)
+
+
+def _save(run: dict[str, Any], context: dict[str, Any]) -> None:
+    from bridge.train import save_checkpoint
+
+    save_checkpoint(run["state"], run["model"], run["optimizer"], run["scheduler"], 0.0, context)
+
+
+def _load(run: dict[str, Any], context: dict[str, Any]) -> None:
+    from bridge.train import load_checkpoint
+
+    load_checkpoint(
+        run["state"],
+        run["model"],
+        run["optimizer"],
+        run["scheduler"],
+        checkpointing_context=context,
+    )
+
+
+def _measure_saves(
+    run: dict[str, Any], directory: Path, rounds: int, warmup: int, **checkpoint: Any
+) -> tuple[list[float], list[float]]:
+    """Blocking time and time to completion of ``rounds`` saves after ``warmup`` saves.
+
+    One checkpointing context and one directory for all of them, with the iteration
+    advancing between saves, as in a training run.
+    """
+    from bridge.train import finalize_async_saves
+
+    shutil.rmtree(directory, ignore_errors=True)
+    context = _use(run, save=str(directory), load=str(directory), **checkpoint)
+    stalls, totals = [], []
+    for index in range(warmup + rounds):
+        run["state"].train_state.step += 1
+        start = time.perf_counter()
+        _save(run, context)
+        stall = time.perf_counter() - start
+        finalize_async_saves(run["state"], blocking=True)
+        if index >= warmup:
+            stalls.append(stall)
+            totals.append(time.perf_counter() - start)
+    return stalls, totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="measurements per variant")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="scratch directory (default: a temp dir)"
+    )
+    args = parser.parse_args()
+
+    import torch
+
+    from bridge.train import finalize_async_saves
+
+    torch.set_num_threads(1)
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint-io-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    run = _build(scratch)
+    megabytes = run["bytes"] / 1e6
+    print(f"state: {len(run['tensors'])} tensors, {megabytes:.1f} MB (fp32 parameters + Adam)")
+
+    times: dict[str, list[float]] = {}
+    plain = scratch / "plain.pt"
+    _torch_save(run["tensors"], plain)  # warm-up
+    times["torch.save (+fsync)"] = [
+        _timed(functools.partial(_torch_save, run["tensors"], plain)) for _ in range(args.rounds)
+    ]
+    times["torch.load"] = [
+        _timed(functools.partial(_torch_load, plain)) for _ in range(args.rounds)
+    ]
+    times["save_checkpoint"], _ = _measure_saves(run, scratch / "sync", args.rounds, 1)
+    context = _use(run, load=str(scratch / "sync"))
+    _load(run, context)  # warm-up
+    times["load_checkpoint"] = [
+        _timed(functools.partial(_load, run, context)) for _ in range(args.rounds)
+    ]
+    async_variants = {
+        "persistent writer": {"use_persistent_ckpt_worker": True},
+        "fork per save": {"use_persistent_ckpt_worker": False},
+        "persistent + constant structure": {
+            "use_persistent_ckpt_worker": True,
+            "ckpt_assume_constant_structure": True,
+        },
+    }
+    for label, settings in async_variants.items():
+        stalls, totals = _measure_saves(
+            run, scratch / label.replace(" ", "_"), args.rounds, 2, async_save=True, **settings
+        )
+        times[f"async stall ({label})"] = stalls
+        times[f"async to completion ({label})"] = totals
+    finalize_async_saves(run["state"], blocking=True, terminate=True)
+
+    median = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\nmedian of {args.rounds} measurements (after warm-up)")
+    print(f"{'variant':48s} {'seconds':>9s} {'MB/s':>9s}")
+    for key, value in median.items():
+        print(f"{key:48s} {value:9.3f} {megabytes / value:9.1f}")
+    print("\nratios")
+    save_ratio = median["save_checkpoint"] / median["torch.save (+fsync)"]
+    load_ratio = median["load_checkpoint"] / median["torch.load"]
+    print(f"save_checkpoint / torch.save time: {save_ratio:.2f}x")
+    print(f"load_checkpoint / torch.load time: {load_ratio:.2f}x")
+    for label in async_variants:
+        fraction = median[f"async stall ({label})"] / median["save_checkpoint"]
+        verdict = "meets" if fraction <= 0.10 else "misses"
+        print(f"async stall / sync save ({label}): {fraction:.1%} ({verdict} the 10% target)")
+    if args.dir is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":  # dist_checkpointing may start helper processes
+    main()

@@ -1,0 +1,143 @@
+"""Checkpoint settings checks and the per-run checkpointing context."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from bridge.config import ConfigError
+from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing.async_save import (
+    ensure_write_results_queue,
+    get_async_calls_queue,
+)
+from bridge.train.checkpointing.layout import NON_PERSISTENT_SUBDIR, validate_save_dir
+
+__all__ = [
+    "check_checkpoint_config",
+    "checkpoint_config_of",
+    "init_checkpointing_context",
+    "non_persistent_dir",
+]
+
+
+def non_persistent_dir(checkpoint_config: Any, base: str | None = None) -> str | None:
+    """Directory of global non-persistent checkpoints.
+
+    ``non_persistent_global_ckpt_dir`` when set, else ``<base>/non_persistent`` where
+    ``base`` defaults to ``checkpoint.save``.
+    """
+    explicit = getattr(checkpoint_config, "non_persistent_global_ckpt_dir", None)
+    if explicit:
+        return str(explicit)
+    base = base if base is not None else getattr(checkpoint_config, "save", None)
+    return os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None
+
+
+def check_checkpoint_config(checkpoint_config: Any) -> None:
+    """Refuse checkpoint settings this trainer cannot honour, naming the field and the fix.
+
+    Raises:
+        ConfigError: ``ckpt_format='zarr'``; non-persistent type ``local`` or
+            ``in_memory``; ``ckpt_convert_format`` or ``use_checkpoint_args`` set;
+            ``fully_parallel_load`` on a machine without CUDA.
+    """
+    cfg = checkpoint_config
+    if cfg.ckpt_format != "torch_dist":
+        raise ConfigError(
+            "checkpoint.ckpt_format",
+            f"{cfg.ckpt_format!r} is not supported: megatron-core 0.19 has no zarr backend "
+            "(it was removed); use ckpt_format='torch_dist'",
+        )
+    kind = cfg.non_persistent_ckpt_type
+    if kind in ("local", "in_memory"):
+        raise ConfigError(
+            "checkpoint.non_persistent_ckpt_type",
+            f"{kind!r} is not supported: local and in-memory checkpoints need "
+            "nvidia-resiliency-ext's local checkpointing, which cannot be installed next to "
+            "megatron-core 0.19 here; use non_persistent_ckpt_type='global'",
+        )
+    if cfg.ckpt_convert_format is not None:
+        raise ConfigError(
+            "checkpoint.ckpt_convert_format",
+            f"{cfg.ckpt_convert_format!r}: converting checkpoints is not supported; "
+            "bridge-train reads and writes torch_dist only, so unset ckpt_convert_format",
+        )
+    if cfg.use_checkpoint_args:
+        raise ConfigError(
+            "checkpoint.use_checkpoint_args",
+            "True is not supported by the trainer; every checkpoint stores its config as "
+            "run_config.yaml: start from it with ConfigContainer.from_yaml (or "
+            "bridge-train <that file>) instead",
+        )
+    if cfg.fully_parallel_load and not torch.cuda.is_available():
+        raise ConfigError(
+            "checkpoint.fully_parallel_load",
+            "True requires CUDA (megatron-core exchanges the loaded shards through CUDA "
+            "tensors); set fully_parallel_load=False on CPU",
+        )
+
+
+def init_checkpointing_context(checkpoint_config: Any) -> dict[str, Any]:
+    """Check the checkpoint settings and the save directory; prepare saving for this rank.
+
+    Call once per rank after torch.distributed is initialised and before training starts.
+    It refuses unsupported settings and a save directory that holds anything but
+    checkpoints (before anything is trained or written), makes dist_checkpointing's
+    write-results queue by forking this rank (see
+    :func:`~bridge.train.checkpointing.async_save.ensure_write_results_queue`) and, for
+    asynchronous saves with a persistent worker on CPU, starts the worker.
+
+    Args:
+        checkpoint_config: The ``CheckpointConfig`` (``cfg.checkpoint``).
+
+    Returns:
+        The context to pass to ``save_checkpoint`` / ``load_checkpoint``: ``config``, the
+        save strategy kept between saves (``ckpt_assume_constant_structure``) and the
+        fingerprint of the last saved structure.
+
+    Raises:
+        ConfigError: An unsupported setting (see :func:`check_checkpoint_config`).
+        CheckpointError: ``checkpoint.save`` (or the non-persistent directory) holds
+            entries that are not checkpoints, or is a file.
+    """
+    if checkpoint_config is None:
+        raise ConfigError("checkpoint", "init_checkpointing_context needs a CheckpointConfig")
+    check_checkpoint_config(checkpoint_config)
+
+    def validate() -> None:
+        if checkpoint_config.save:
+            validate_save_dir(checkpoint_config.save, "checkpoint.save")
+        if checkpoint_config.non_persistent_ckpt_type == "global":
+            directory = non_persistent_dir(checkpoint_config)
+            if directory:
+                validate_save_dir(directory, "checkpoint.non_persistent_global_ckpt_dir")
+
+    _dist.run_on_rank0(validate)
+    saves = bool(checkpoint_config.save) or checkpoint_config.non_persistent_ckpt_type == "global"
+    # Per-rank helpers exist only once the ranks do (a parent process that forks ranks
+    # later must not create them: each rank needs its own). Saving creates them otherwise.
+    if saves and _dist.ready():
+        ensure_write_results_queue()
+        if checkpoint_config.async_save and checkpoint_config.use_persistent_ckpt_worker:
+            get_async_calls_queue(persistent=True).warmup()
+    return {"config": checkpoint_config, "save_strategy": None, "structure": None}
+
+
+def checkpoint_config_of(state: Any) -> Any:
+    """``state.cfg.checkpoint``, or a clear error when the state carries no checkpoint config.
+
+    Raises:
+        ConfigError: ``state.cfg`` or its ``checkpoint`` section is missing.
+    """
+    cfg = getattr(state, "cfg", None)
+    checkpoint = getattr(cfg, "checkpoint", None)
+    if checkpoint is None:
+        raise ConfigError(
+            "checkpoint",
+            "state.cfg.checkpoint is not set; checkpointing needs the run's ConfigContainer "
+            "with a CheckpointConfig in state.cfg",
+        )
+    return checkpoint

@@ -1,0 +1,291 @@
+"""On-disk layout of a checkpoint directory: names, the tracker, completeness, validation.
+
+A save directory holds::
+
+    <save>/
+      latest_checkpointed_iteration.txt   tracker: the newest committed iteration (written last)
+      iter_0000020/                       one complete checkpoint per saved iteration
+        checkpoint_complete.json          completion marker (written after every shard)
+        run_config.yaml                   the run's configuration
+        metadata.json, .metadata, __*.distcp   megatron-core dist_checkpointing (torch_dist)
+      iter_0000030.tmp/                   a save in progress (never loaded, removed later)
+      non_persistent/                     global non-persistent checkpoints (same layout)
+      progress.txt, run_config.yaml,      written by the training loop and fault tolerance
+      ft_state.json, metrics.jsonl
+
+The tracker is the commit point: a checkpoint counts once its directory carries the marker
+and the tracker names an iteration at least as new as it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bridge.train.checkpointing._fs import atomic_write_text
+from bridge.train.checkpointing.errors import CheckpointError
+
+__all__ = [
+    "MARKER_FILENAME",
+    "NON_PERSISTENT_SUBDIR",
+    "RUN_CONFIG_FILENAME",
+    "RUN_FILES",
+    "TRACKER_FILENAME",
+    "CheckpointLocation",
+    "checkpoint_dir_name",
+    "complete_iterations",
+    "find_latest_checkpoint",
+    "is_complete_checkpoint",
+    "read_marker",
+    "read_tracker",
+    "validate_save_dir",
+    "write_tracker",
+]
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MARKER_FILENAME = "checkpoint_complete.json"
+RUN_CONFIG_FILENAME = "run_config.yaml"
+PROGRESS_FILENAME = "progress.txt"
+NON_PERSISTENT_SUBDIR = "non_persistent"
+STAGING_SUFFIX = ".tmp"
+RETIRED_SUFFIX = ".old"
+
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+# Files a bridge-train run writes next to its checkpoints: the progress log, the config,
+# fault tolerance's computed timeouts and the metrics file.
+RUN_FILES = frozenset({PROGRESS_FILENAME, RUN_CONFIG_FILENAME, "ft_state.json", "metrics.jsonl"})
+_ALLOWED_FILES = RUN_FILES | {TRACKER_FILENAME}
+_ALLOWED_DIRS = {NON_PERSISTENT_SUBDIR}
+
+
+def checkpoint_dir_name(iteration: int) -> str:
+    """``iter_0000020`` for iteration 20 (megatron's naming, zero-padded to 7 digits)."""
+    return f"iter_{iteration:07d}"
+
+
+def parse_iteration(name: str) -> int | None:
+    """The iteration of a checkpoint directory name, or ``None`` for any other name."""
+    match = _ITER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def staging_path(root: str | os.PathLike[str], iteration: int) -> Path:
+    """Where a save of ``iteration`` is written before it is complete."""
+    return Path(root) / (checkpoint_dir_name(iteration) + STAGING_SUFFIX)
+
+
+def retired_path(root: str | os.PathLike[str], iteration: int) -> Path:
+    """Where a complete checkpoint is moved while an equal-iteration replacement takes its place."""
+    return Path(root) / (checkpoint_dir_name(iteration) + RETIRED_SUFFIX)
+
+
+def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The completion marker of the checkpoint directory ``path``, or ``None`` if it has none."""
+    marker = Path(path) / MARKER_FILENAME
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError):
+        return None  # a torn or unreadable marker means "not complete"
+    return data if isinstance(data, dict) else None
+
+
+def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a checkpoint directory whose save completed on every rank."""
+    return read_marker(path) is not None
+
+
+def write_marker(path: str | os.PathLike[str], content: dict[str, Any]) -> None:
+    """Write the completion marker into the checkpoint directory ``path`` (atomically)."""
+    atomic_write_text(Path(path) / MARKER_FILENAME, json.dumps(content, indent=2, sort_keys=True))
+
+
+def read_tracker(root: str | os.PathLike[str]) -> int | None:
+    """The iteration the tracker of ``root`` names, or ``None`` if there is no tracker.
+
+    Raises:
+        CheckpointError: The tracker exists but does not hold an iteration number.
+    """
+    tracker = Path(root) / TRACKER_FILENAME
+    try:
+        text = tracker.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the checkpoint tracker {tracker}: {exc}") from None
+    if text == "release":
+        raise CheckpointError(
+            f"{tracker} says 'release' (a megatron release checkpoint); bridge-train loads "
+            "torch_dist checkpoints saved per iteration: point checkpoint.load at a directory "
+            "written by bridge-train"
+        )
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{tracker} should hold an iteration number but holds {text[:80]!r}; fix or "
+            "delete the file (the iter_* directories next to it are the checkpoints)"
+        ) from None
+    if iteration < 0:
+        raise CheckpointError(f"{tracker} holds a negative iteration ({iteration})")
+    return iteration
+
+
+def write_tracker(root: str | os.PathLike[str], iteration: int) -> None:
+    """Commit ``iteration`` as the newest checkpoint of ``root`` (atomic, durable)."""
+    atomic_write_text(Path(root) / TRACKER_FILENAME, f"{iteration}\n")
+
+
+def complete_iterations(root: str | os.PathLike[str]) -> list[int]:
+    """Iterations of the complete checkpoint directories under ``root``, ascending."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    found = []
+    for entry in base.iterdir():
+        iteration = parse_iteration(entry.name)
+        if iteration is not None and entry.is_dir() and is_complete_checkpoint(entry):
+            found.append(iteration)
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class CheckpointLocation:
+    """A complete checkpoint found on disk.
+
+    Attributes:
+        iteration: The training iteration it was saved at.
+        path: Its directory (``.../iter_0000020``).
+    """
+
+    iteration: int
+    path: str
+
+
+def find_latest_checkpoint(
+    root: str | os.PathLike[str] | None, step: int | None = None
+) -> CheckpointLocation | None:
+    """The checkpoint of ``root`` to resume from.
+
+    ``root`` is a save directory (its tracker names the newest committed iteration) or one
+    checkpoint directory (``iter_*`` with a completion marker). With ``step`` the checkpoint
+    of that iteration is returned. If the tracker names an iteration whose directory is
+    missing or incomplete, the newest complete checkpoint older than it is used and a
+    warning says so. Directories without a completion marker are never returned, and a
+    complete directory newer than the tracker (a save that crashed before its commit) is
+    ignored.
+
+    Args:
+        root: A save directory or a checkpoint directory; ``None`` finds nothing.
+        step: Iteration to load instead of the newest.
+
+    Returns:
+        The location, or ``None`` when ``root`` holds no tracker and no checkpoint.
+
+    Raises:
+        CheckpointError: ``step`` names no complete checkpoint, or the tracker names an
+            iteration and no complete checkpoint at or below it exists.
+    """
+    if root is None:
+        return None
+    base = Path(root)
+    own_iteration = parse_iteration(base.name)
+    if own_iteration is not None and base.is_dir() and (base / MARKER_FILENAME).exists():
+        if not is_complete_checkpoint(base):
+            raise CheckpointError(f"{base} has an unreadable completion marker")
+        if step is not None and step != own_iteration:
+            raise CheckpointError(
+                f"checkpoint.ckpt_step={step} but {base} is the checkpoint of iteration "
+                f"{own_iteration}; point the path at the save directory or drop ckpt_step"
+            )
+        return CheckpointLocation(own_iteration, str(base))
+    if not base.is_dir():
+        return None
+    if step is not None:
+        path = base / checkpoint_dir_name(step)
+        if not is_complete_checkpoint(path):
+            state = "is incomplete (no completion marker)" if path.is_dir() else "does not exist"
+            raise CheckpointError(
+                f"checkpoint.ckpt_step={step}: {path} {state}; complete checkpoints in {base}: "
+                f"{complete_iterations(base) or 'none'}"
+            )
+        return CheckpointLocation(step, str(path))
+    tracked = read_tracker(base)
+    if tracked is None:
+        return None
+    path = base / checkpoint_dir_name(tracked)
+    if is_complete_checkpoint(path):
+        return CheckpointLocation(tracked, str(path))
+    older = [i for i in complete_iterations(base) if i < tracked]
+    state = "is incomplete (no completion marker)" if path.is_dir() else "does not exist"
+    if not older:
+        raise CheckpointError(
+            f"the tracker {base / TRACKER_FILENAME} names iteration {tracked}, but {path} "
+            f"{state} and {base} holds no older complete checkpoint; restore the directory, "
+            "or delete the tracker to start from scratch"
+        )
+    logger.warning(
+        "The tracker %s names iteration %d, but %s %s; loading the newest older complete "
+        "checkpoint, iteration %d, instead.",
+        base / TRACKER_FILENAME,
+        tracked,
+        path,
+        state,
+        older[-1],
+    )
+    return CheckpointLocation(older[-1], str(base / checkpoint_dir_name(older[-1])))
+
+
+def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.save") -> None:
+    """Refuse a save directory that holds anything but checkpoints written here.
+
+    Allowed: ``iter_*`` directories (complete, in progress or left by a crash), the tracker
+    and its temporary files, the run's own files (``progress.txt``, ``run_config.yaml``,
+    ``ft_state.json``, ``metrics.jsonl``) and ``non_persistent/``.
+    A missing or empty directory is fine (it is created on the first save).
+
+    Args:
+        root: The directory checkpoints will be saved to.
+        field: Config field that names it (for the message).
+
+    Raises:
+        CheckpointError: ``root`` is a file, or holds other entries; the message lists them.
+    """
+    base = Path(root)
+    if base.exists() and not base.is_dir():
+        raise CheckpointError(
+            f"{field}={str(root)!r} is a file, not a directory; point {field} at a directory "
+            "for checkpoints"
+        )
+    if not base.exists():
+        return
+    foreign = []
+    for entry in sorted(base.iterdir(), key=lambda e: e.name):
+        name = entry.name
+        if entry.is_dir() and (name.startswith("iter_") or name in _ALLOWED_DIRS):
+            continue
+        if entry.is_file() and (
+            name in _ALLOWED_FILES
+            or (name.startswith(f".{TRACKER_FILENAME}.") and name.endswith(".tmp"))
+        ):
+            continue
+        foreign.append(name + ("/" if entry.is_dir() else ""))
+    if foreign:
+        shown = ", ".join(foreign[:10]) + (
+            f" and {len(foreign) - 10} more" if len(foreign) > 10 else ""
+        )
+        raise CheckpointError(
+            f"{field}={str(root)!r} holds entries that are not bridge-train checkpoints: "
+            f"{shown}. A save directory may only hold iter_* directories, "
+            f"{TRACKER_FILENAME}, {', '.join(sorted(RUN_FILES))} and "
+            f"{NON_PERSISTENT_SUBDIR}/; choose an empty or new directory for {field} (nothing "
+            "there is touched)"
+        )

@@ -1,0 +1,494 @@
+"""Loading a checkpoint: choose it, check it against the model, restore what was asked for.
+
+Which checkpoint (decided on rank 0 and shared, so every rank loads the same one):
+
+* ``checkpoint.load`` with ``ckpt_step``: that iteration (an error if it is not complete);
+* ``checkpoint.load``: the iteration its tracker names (see
+  :func:`~bridge.train.checkpointing.layout.find_latest_checkpoint` for the fallback when
+  that directory is missing); with ``non_persistent_ckpt_type='global'`` the newer of it
+  and the newest non-persistent checkpoint;
+* otherwise ``checkpoint.pretrained_checkpoint`` (model weights only, as ``finetune``);
+* otherwise nothing: ``(0, 0.0)``, or an error with ``exit_on_missing_checkpoint``.
+
+What is restored: the model always; optimizer and scheduler with ``load_optim`` (and not
+``finetune``); this rank's RNG state with ``load_rng`` (and not ``finetune``, and only when
+the parallel layout matches the one saved); the train state unless ``finetune`` (which
+restarts at iteration 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing.context import (
+    check_checkpoint_config,
+    checkpoint_config_of,
+    non_persistent_dir,
+)
+from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.layout import (
+    TRACKER_FILENAME,
+    CheckpointLocation,
+    find_latest_checkpoint,
+    is_complete_checkpoint,
+    parse_iteration,
+)
+from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
+from bridge.train.checkpointing.state_dict import (
+    FORMAT_VERSION,
+    META_KEY,
+    build_load_template,
+    model_sharded_state_dict,
+    model_state_keys,
+    parallel_layout,
+)
+
+__all__ = ["checkpoint_exists", "load_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+# Scheduler settings megatron's OptimizerParamScheduler checks against a checkpoint.
+_SCHEDULER_SETTINGS = (
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+)
+
+
+def checkpoint_exists(path: str | os.PathLike[str] | None) -> bool:
+    """Whether ``path`` holds a checkpoint to resume from.
+
+    True for a save directory with a tracker (``latest_checkpointed_iteration.txt``) or for
+    a complete checkpoint directory (``iter_*`` with its completion marker).
+
+    Args:
+        path: A directory, or ``None`` (False).
+    """
+    if path is None:
+        return False
+    base = Path(path)
+    if (base / TRACKER_FILENAME).is_file():
+        return True
+    return parse_iteration(base.name) is not None and is_complete_checkpoint(base)
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    path: str
+    iteration: int
+    finetune: bool
+    source: str
+
+
+def _plan_load(cfg: Any) -> _LoadPlan | None:
+    load, step = cfg.load, cfg.ckpt_step
+    persistent: CheckpointLocation | None = None
+    if load:
+        persistent = find_latest_checkpoint(load, step)
+        if persistent is None and step is not None:
+            raise CheckpointError(
+                f"checkpoint.ckpt_step={step}: checkpoint.load={str(load)!r} "
+                f"{'holds no checkpoints' if os.path.isdir(load) else 'does not exist'}"
+            )
+    if step is None and cfg.non_persistent_ckpt_type == "global":
+        explicit = cfg.non_persistent_global_ckpt_dir
+        np_root = explicit or (non_persistent_dir(cfg, base=str(load)) if load else None)
+        latest_np = find_latest_checkpoint(np_root) if np_root else None
+        if latest_np is not None and (
+            persistent is None or latest_np.iteration >= persistent.iteration
+        ):
+            return _LoadPlan(
+                latest_np.path, latest_np.iteration, bool(cfg.finetune), "non-persistent"
+            )
+    if persistent is not None:
+        return _LoadPlan(
+            persistent.path, persistent.iteration, bool(cfg.finetune), "checkpoint.load"
+        )
+    if cfg.pretrained_checkpoint:
+        pretrained = find_latest_checkpoint(cfg.pretrained_checkpoint)
+        if pretrained is None:
+            what = (
+                "holds no checkpoint (no tracker and no complete iter_* directory)"
+                if os.path.isdir(cfg.pretrained_checkpoint)
+                else "does not exist"
+            )
+            raise CheckpointError(
+                f"checkpoint.pretrained_checkpoint={str(cfg.pretrained_checkpoint)!r} {what}; "
+                "point it at a directory saved by bridge-train"
+            )
+        return _LoadPlan(
+            pretrained.path, pretrained.iteration, True, "checkpoint.pretrained_checkpoint"
+        )
+    if load and cfg.exit_on_missing_checkpoint:
+        what = (
+            f"holds no checkpoint (no {TRACKER_FILENAME})"
+            if os.path.isdir(load)
+            else "does not exist"
+        )
+        raise CheckpointError(
+            f"checkpoint.load={str(load)!r} {what} and checkpoint.exit_on_missing_checkpoint="
+            "True; fix the path, or unset exit_on_missing_checkpoint to start from a random "
+            "initialisation"
+        )
+    return None
+
+
+def _read_common(path: str) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            # Reading the common part is deliberately a single-process read on each rank.
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+            warnings.filterwarnings("ignore", message=r"The argument order of load")
+            common = load_common_state_dict(path)
+    except (CheckpointException, CheckpointingException, OSError) as exc:
+        raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
+    meta = common.get(META_KEY)
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"{path} is a dist_checkpointing checkpoint but not one saved by bridge-train "
+            f"(no {META_KEY!r} entry)"
+        )
+    if int(meta.get("version", -1)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} was saved in checkpoint format {meta.get('version')}, newer than this "
+            f"bridge-train reads ({FORMAT_VERSION}); upgrade bridge-train"
+        )
+    return common
+
+
+def _sharded_tensors(tree: Any) -> list[Any]:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [value for value in nested_values(tree) if isinstance(value, ShardedTensor)]
+
+
+def _check_against_checkpoint(
+    template: dict[str, Any], path: str, model_keys: list[str], strict: bool
+) -> None:
+    """Compare the template's tensors with the checkpoint's before loading anything.
+
+    Raises ``CheckpointError`` naming mismatched keys (global shapes differ) and, unless
+    ``strict`` is False for model tensors, keys the checkpoint lacks. Missing model tensors
+    are dropped from the template when not strict.
+    """
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = load_tensors_metadata(path)
+    mismatched: dict[str, str] = {}
+    model_tensors = [t for key in model_keys for t in _sharded_tensors(template[key])]
+    optimizer_tensors = _sharded_tensors(template.get("optimizer", {}))
+    for tensor in model_tensors + optimizer_tensors:
+        found = saved.get(tensor.key)
+        if found is None or tensor.key in mismatched:
+            continue
+        saved_shape, shape = tuple(found.global_shape), tuple(tensor.global_shape)
+        # Embedding and output tables may differ in their padded vocabulary (axis 0) only.
+        compared = (
+            (saved_shape[1:], shape[1:]) if tensor.allow_shape_mismatch else (saved_shape, shape)
+        )
+        if compared[0] != compared[1]:
+            mismatched[tensor.key] = f"{tensor.key} (checkpoint {saved_shape}, model {shape})"
+    if mismatched:
+        listed = list(mismatched.values())
+        raise CheckpointError(
+            f"{path} was saved from a model of a different shape: "
+            + "; ".join(listed[:5])
+            + (f"; and {len(listed) - 5} more" if len(listed) > 5 else "")
+            + ". Load it into a model built with the same configuration (run_config.yaml in "
+            "the checkpoint directory holds it)"
+        )
+    missing_model = []
+    for key in model_keys:
+        chunk = template[key]
+        for name, value in list(chunk.items()):
+            if isinstance(value, ShardedTensor) and value.key not in saved:
+                missing_model.append(value.key)
+                if not strict:
+                    del chunk[name]
+    if missing_model and strict:
+        raise CheckpointError(
+            f"{path} lacks model tensors {sorted(missing_model)[:5]}"
+            + (f" and {len(missing_model) - 5} more" if len(missing_model) > 5 else "")
+            + "; it was saved from a different model (or load with strict=False to keep "
+            "their initial values)"
+        )
+    if missing_model:
+        logger.warning(
+            "%s lacks model tensors %s; they keep their initial values (strict=False)",
+            path,
+            sorted(missing_model),
+        )
+    missing_optimizer = [
+        t.key for t in _sharded_tensors(template.get("optimizer", {})) if t.key not in saved
+    ]
+    if missing_optimizer:
+        raise CheckpointError(
+            f"{path} lacks optimizer state {sorted(missing_optimizer)[:5]}; it was saved with "
+            "another optimizer or model: set checkpoint.load_optim=False to start the "
+            "optimizer afresh"
+        )
+
+
+def _dist_load(template: dict[str, Any], path: str, cfg: Any) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    strategy: Any = TorchDistLoadShardedStrategy()
+    if cfg.fully_parallel_load and parallel_state.model_parallel_is_initialized():
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
+
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+    try:
+        loaded = dist_checkpointing.load(template, path, strategy, strict=cfg.dist_ckpt_strictness)
+    except (CheckpointException, CheckpointingException) as exc:
+        raise CheckpointError(f"loading {path} failed: {exc}") from None
+    if isinstance(loaded, tuple):  # strictness "return_*": (state, missing, unexpected)
+        loaded, missing, unexpected = loaded
+        if missing or unexpected:
+            logger.warning("%s: missing keys %s, unexpected keys %s", path, missing, unexpected)
+    return loaded
+
+
+def _load_scheduler(scheduler: Any, saved: dict[str, Any], path: str) -> None:
+    """Restore megatron's OptimizerParamScheduler exactly (not on top of its current steps)."""
+    override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
+    from_checkpoint = bool(getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
+    if not override and not from_checkpoint:
+        differing = [
+            f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
+            for name in _SCHEDULER_SETTINGS
+            if name in saved
+            and hasattr(scheduler, name)
+            and getattr(scheduler, name) != saved[name]
+        ]
+        if differing:
+            raise CheckpointError(
+                f"the scheduler settings differ from those saved in {path}: "
+                + "; ".join(differing)
+                + ". Set scheduler.override_opt_param_scheduler=True to keep the config's "
+                "values, or scheduler.use_checkpoint_opt_param_scheduler=True to take the "
+                "checkpoint's"
+            )
+    # megatron's load_state_dict advances by the saved step count from the current one.
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(saved)
+
+
+def _load_model_chunk(chunk: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
+    from bridge.train.engines.portable_ddp import PortableDistributedDataParallel
+
+    if isinstance(chunk, PortableDistributedDataParallel):
+        # The wrapper's state dict is its module's (no prefix). Its load_state_dict passes
+        # ``assign=`` on, which megatron's Float16Module (bf16/fp16 models) does not take.
+        chunk.module.load_state_dict(state, strict=strict)
+    else:
+        chunk.load_state_dict(state, strict=strict)
+
+
+# Learning-rate bounds megatron's scheduler reads from each parameter group.
+_GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr")
+
+
+def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> None:
+    """Restore the optimizer state; with ``override_opt_param_scheduler`` the config's
+    per-group learning-rate bounds stay (torch's load would take the checkpoint's)."""
+    keep = bool(getattr(scheduler, "override_opt_param_scheduler", False))
+    bounds = [
+        {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
+        for group in optimizer.param_groups
+    ]
+    optimizer.load_state_dict(state)
+    if keep:
+        for group, saved in zip(optimizer.param_groups, bounds, strict=True):
+            group.update(saved)
+
+
+def _load_main_params(optimizer: Any, model: list[torch.nn.Module], path: str, cfg: Any) -> None:
+    """Restore the optimizer's fp32 main parameters from the checkpoint's copies."""
+    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(model))
+    groups = sharded.get("fp32_from_fp16_params") if isinstance(sharded, dict) else None
+    if not groups:
+        raise CheckpointError(
+            "checkpoint.load_main_params_from_ckpt=True, but the optimizer keeps no separate "
+            "fp32 main parameters (the model is not bf16/fp16); unset load_main_params_from_ckpt"
+        )
+    template = {"bridge_main_params": groups}
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    saved = load_tensors_metadata(path)
+    absent = [t.key for t in _sharded_tensors(template) if t.key not in saved]
+    if absent:
+        raise CheckpointError(
+            f"checkpoint.load_main_params_from_ckpt=True, but {path} holds no fp32 main "
+            f"parameters (e.g. {absent[0]}); it was saved without optimizer state or from an "
+            "fp32 model: unset load_main_params_from_ckpt"
+        )
+    live = [t.data for t in _sharded_tensors(template)]
+    loaded = _dist_load(template, path, cfg)
+    with torch.no_grad():
+        for target, value in zip(live, _leaves(loaded["bridge_main_params"]), strict=True):
+            target.copy_(value)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """Leaves of nested dicts, lists and tuples, in order."""
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for value in tree for leaf in _leaves(value)]
+    return [tree]
+
+
+def load_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    strict: bool = True,
+    checkpointing_context: dict[str, Any] | None = None,
+    skip_load_to_model_and_opt: bool = False,
+) -> tuple[int, float]:
+    """Load the configured checkpoint into the model, optimizer, scheduler and state.
+
+    Collective: every rank calls it. See the module docstring for which checkpoint is
+    chosen and what is restored. Tensor-parallel layouts may differ from the saved one
+    (dist_checkpointing reshards); RNG state is restored only for the same layout.
+
+    Args:
+        state: The run's ``GlobalState``; ``state.train_state`` is restored in place.
+        model: Model chunks, built like the saved ones.
+        optimizer: The optimizer, or None.
+        opt_param_scheduler: The scheduler (megatron ``OptimizerParamScheduler``), or None.
+            It is restored exactly, also if it was stepped before.
+        strict: Model tensors missing from the checkpoint are an error (else they keep
+            their values).
+        checkpointing_context: From :func:`init_checkpointing_context` (unused by loading).
+        skip_load_to_model_and_opt: Read the checkpoint and restore scheduler, RNG and
+            train state, but do not copy into the model and optimizer.
+
+    Returns:
+        ``(iteration, num_floating_point_operations_so_far)`` of the loaded checkpoint;
+        ``(0, 0.0)`` when nothing was loaded or for ``finetune`` / a pretrained checkpoint.
+
+    Raises:
+        CheckpointError: ``exit_on_missing_checkpoint`` with nothing to load; a missing
+            ``pretrained_checkpoint`` or ``ckpt_step``; a checkpoint of another model shape
+            (the message names the key); state requested that was not saved.
+        ConfigError: An unsupported checkpoint setting.
+    """
+    del checkpointing_context
+    cfg = checkpoint_config_of(state)
+    check_checkpoint_config(cfg)
+    model = list(model) if isinstance(model, (list, tuple)) else [model]
+    plan: _LoadPlan | None = _dist.run_on_rank0(_plan_load, cfg)
+    if plan is None:
+        if cfg.load and _dist.rank() == 0:
+            logger.warning(
+                "no checkpoint found in checkpoint.load=%s; starting from a random initialisation",
+                cfg.load,
+            )
+        return 0, 0.0
+    started = time.monotonic()
+    common = _read_common(plan.path)
+    meta = common[META_KEY]
+    finetune = plan.finetune
+    load_optim = bool(cfg.load_optim) and not finetune and optimizer is not None
+    load_rng = bool(cfg.load_rng) and not finetune
+    if load_optim and not meta.get("optimizer"):
+        raise CheckpointError(
+            f"{plan.path} was saved without optimizer state (checkpoint.save_optim=False); "
+            "set checkpoint.load_optim=False (or finetune=True) to load the model alone"
+        )
+    if load_rng and not meta.get("rng"):
+        raise CheckpointError(
+            f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
+            "checkpoint.load_rng=False to keep this run's seeds"
+        )
+    if meta.get("model_chunks", 1) != len(model):
+        raise CheckpointError(
+            f"{plan.path} holds {meta.get('model_chunks')} model chunk(s) but the model has "
+            f"{len(model)}; use the same virtual pipeline layout as the saved run"
+        )
+    layout = parallel_layout()
+    if load_rng and meta.get("parallel_layout") != layout:
+        if _dist.rank() == 0:
+            logger.warning(
+                "not restoring RNG state: %s was saved with parallel layout %s, this run has %s",
+                plan.path,
+                meta.get("parallel_layout"),
+                layout,
+            )
+        load_rng = False
+
+    keys = model_state_keys(len(model))
+    template = build_load_template(model, optimizer, load_optim=load_optim, load_rng=load_rng)
+    _check_against_checkpoint(template, plan.path, keys, strict)
+    loaded = _dist_load(template, plan.path, cfg)
+
+    if not skip_load_to_model_and_opt:
+        for key, chunk in zip(keys, model, strict=True):
+            _load_model_chunk(chunk, loaded[key], strict)
+        if load_optim:
+            _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
+        elif optimizer is not None:
+            if cfg.load_main_params_from_ckpt and not finetune:
+                _load_main_params(optimizer, model, plan.path, cfg)
+            else:
+                optimizer.reload_model_params()
+    if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in common:
+        _load_scheduler(opt_param_scheduler, common["opt_param_scheduler"], plan.path)
+    if load_rng:
+        restore_rng_state(loaded[RNG_STATE_KEY])
+
+    train_state = state.train_state
+    if finetune:
+        iteration, flops = 0, 0.0
+        train_state.step = 0
+        train_state.consumed_train_samples = 0
+        train_state.skipped_train_samples = 0
+        train_state.consumed_valid_samples = 0
+        train_state.floating_point_operations_so_far = 0.0
+    else:
+        train_state.load_state_dict(common["train_state"])
+        iteration = int(common["iteration"])
+        flops = float(common["num_floating_point_operations_so_far"])
+    _dist.barrier()
+    if _dist.rank() == 0:
+        logger.info(
+            "loaded %s checkpoint of iteration %d from %s (%s; %.2f s)",
+            plan.source,
+            plan.iteration,
+            plan.path,
+            "model only"
+            if finetune
+            else ("with optimizer" if load_optim else "model, no optimizer"),
+            time.monotonic() - started,
+        )
+    return iteration, flops

@@ -1,0 +1,428 @@
+"""Saving a checkpoint: write every shard, then commit (marker, rename, tracker) on rank 0.
+
+A save of iteration ``N`` into ``root``:
+
+1. rank 0 creates ``root/iter_000000N.tmp`` (removing leftovers of crashed saves);
+2. every rank writes its shards there with megatron-core dist_checkpointing (inside the
+   CPU compatibility layer), synchronously or in a background process;
+3. once all ranks have finished (for async saves: when ``finalize_async_saves`` sees it),
+   rank 0 writes ``run_config.yaml``, flushes the directory, writes the completion marker,
+   renames it to ``root/iter_000000N`` and only then rewrites the tracker
+   ``latest_checkpointed_iteration.txt`` (temp file, fsync, rename, fsync of the directory).
+   For non-persistent checkpoints, older ones are removed after that.
+
+A crash before step 3 completes leaves the previous checkpoint as the newest: loading
+follows the tracker and never counts a directory without its marker.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.config import ConfigError
+from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing._fs import fsync_dir, fsync_tree, remove_tree
+from bridge.train.checkpointing.async_save import (
+    ensure_write_results_queue,
+    finalize_async_saves,
+    get_async_calls_queue,
+)
+from bridge.train.checkpointing.context import (
+    check_checkpoint_config,
+    checkpoint_config_of,
+    init_checkpointing_context,
+    non_persistent_dir,
+)
+from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.layout import (
+    RETIRED_SUFFIX,
+    RUN_CONFIG_FILENAME,
+    STAGING_SUFFIX,
+    checkpoint_dir_name,
+    is_complete_checkpoint,
+    parse_iteration,
+    retired_path,
+    staging_path,
+    write_marker,
+    write_tracker,
+)
+from bridge.train.checkpointing.state_dict import (
+    FORMAT_VERSION,
+    build_save_state_dict,
+    parallel_layout,
+)
+from core_utils import cpu_cuda_compat
+
+__all__ = ["save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+# Staging directories of this process's saves not yet committed (tracked on every rank).
+_PENDING: dict[int, set[str]] = {}
+
+
+def _pending() -> set[str]:
+    return _PENDING.setdefault(os.getpid(), set())
+
+
+@dataclass(frozen=True)
+class _Commit:
+    root: str
+    staging: str
+    iteration: int
+    non_persistent: bool
+    marker: dict[str, Any]
+    config: Any
+    started: float
+
+
+def _save_root(checkpoint_config: Any, non_persistent: bool) -> str:
+    if non_persistent:
+        if checkpoint_config.non_persistent_ckpt_type != "global":
+            raise ConfigError(
+                "checkpoint.non_persistent_ckpt_type",
+                f"is {checkpoint_config.non_persistent_ckpt_type!r} but a non-persistent "
+                "checkpoint was requested; set it to 'global'",
+            )
+        directory = non_persistent_dir(checkpoint_config)
+        if directory is None:
+            raise ConfigError(
+                "checkpoint.non_persistent_global_ckpt_dir",
+                "is not set and neither is checkpoint.save; set one of them",
+            )
+        return directory
+    if not checkpoint_config.save:
+        raise ConfigError(
+            "checkpoint.save", "is not set; set it to the directory checkpoints are saved to"
+        )
+    return str(checkpoint_config.save)
+
+
+def _recover_and_clean(root: Path) -> None:
+    """Remove leftovers of crashed saves in ``root`` (never a complete, committed checkpoint).
+
+    Staging directories not being written by this process are incomplete by construction
+    and are deleted. A retired directory (``iter_N.old``) exists only between the two
+    renames that replace a checkpoint by a new save of the same iteration: if the new one
+    did not arrive, the old one is moved back, else it is deleted.
+    """
+    pending = _pending()
+    for entry in list(root.iterdir()):
+        name = entry.name
+        if not entry.is_dir() or not name.startswith("iter_"):
+            continue
+        if name.endswith(STAGING_SUFFIX) and str(entry) not in pending:
+            remove_tree(entry)
+        elif name.endswith(RETIRED_SUFFIX):
+            iteration = parse_iteration(name[: -len(RETIRED_SUFFIX)])
+            if iteration is None:
+                continue
+            final = root / checkpoint_dir_name(iteration)
+            if not final.exists() and is_complete_checkpoint(entry):
+                os.rename(entry, final)
+                fsync_dir(root)
+            else:
+                remove_tree(entry)
+
+
+def _prepare_staging(root: str, iteration: int) -> str:
+    base = Path(root)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        _recover_and_clean(base)
+        staging = staging_path(base, iteration)
+        remove_tree(staging)  # an earlier save of this iteration that never completed
+        staging.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot create checkpoint directory under {root}: {exc}") from None
+    return str(staging)
+
+
+def _write_run_config(config: Any, directory: Path) -> None:
+    """Save the run's config beside the checkpoint (runtime hooks left out)."""
+    if config is None or not hasattr(config, "to_yaml"):
+        return
+    try:
+        _config_without_runtime_hooks(config).to_yaml(directory / RUN_CONFIG_FILENAME)
+    except ConfigError as exc:  # a value YAML cannot hold; the weights matter more
+        logger.warning(
+            "checkpoint %s: run_config.yaml not written (%s); the checkpoint itself is complete",
+            directory.name,
+            exc,
+        )
+
+
+# Fields megatron's training code fills with live callables at run time (not configuration).
+_RUNTIME_HOOK_FIELDS = (
+    "no_sync_func",
+    "grad_sync_func",
+    "param_sync_func",
+    "finalize_model_grads_func",
+    "grad_scale_func",
+    "timers",
+)
+
+
+def _config_without_runtime_hooks(config: Any) -> Any:
+    import copy
+
+    model = getattr(config, "model", None)
+    hooks = [name for name in _RUNTIME_HOOK_FIELDS if getattr(model, name, None) is not None]
+    if not hooks:
+        return config
+    clean_model = copy.copy(model)
+    for name in hooks:
+        object.__setattr__(clean_model, name, None)
+    clean = copy.copy(config)
+    object.__setattr__(clean, "model", clean_model)
+    return clean
+
+
+def _commit_on_rank0(commit: _Commit) -> None:
+    root = Path(commit.root)
+    staging = Path(commit.staging)
+    final = root / checkpoint_dir_name(commit.iteration)
+    retired = retired_path(root, commit.iteration)
+    try:
+        _write_run_config(commit.config, staging)
+        fsync_tree(staging)
+        write_marker(staging, commit.marker)
+        if final.exists():
+            # A checkpoint of the same iteration exists: keep it until the new one is in place.
+            remove_tree(retired)
+            os.rename(final, retired)
+        os.rename(staging, final)
+        fsync_dir(root)
+        write_tracker(root, commit.iteration)
+        remove_tree(retired)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot commit the checkpoint of iteration {commit.iteration} in {root}: {exc}"
+        ) from None
+    if commit.non_persistent:
+        for entry in list(root.iterdir()):
+            iteration = parse_iteration(entry.name)
+            if iteration is not None and iteration != commit.iteration and entry.is_dir():
+                remove_tree(entry)
+
+
+def _commit(commit: _Commit) -> None:
+    """Make a written checkpoint count (every rank calls it; rank 0 does the work)."""
+    try:
+        _dist.run_on_rank0(_commit_on_rank0, commit)
+    finally:
+        _pending().discard(commit.staging)
+    if _dist.rank() == 0:
+        kind = "non-persistent checkpoint" if commit.non_persistent else "checkpoint"
+        logger.info(
+            "saved %s of iteration %d to %s (%.2f s)",
+            kind,
+            commit.iteration,
+            os.path.join(commit.root, checkpoint_dir_name(commit.iteration)),
+            time.monotonic() - commit.started,
+        )
+
+
+def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool:
+    """Whether the sharded structure differs from the previous save of this context (any rank).
+
+    The structure is every sharded tensor's key, dtype, shapes, offsets and replica id and
+    every sharded object's key; values do not matter. Collective over the world, so every
+    rank takes the same decision.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    items: list[Any] = []
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedTensor):
+            items.append(
+                (
+                    value.key,
+                    str(value.dtype),
+                    tuple(value.global_shape),
+                    tuple(value.local_shape),
+                    tuple(value.global_offset),
+                    tuple(value.axis_fragmentations),
+                    value.replica_id,
+                    value.flattened_range,
+                )
+            )
+        elif isinstance(value, ShardedObject):
+            items.append((value.unique_key, value.replica_id))
+        elif isinstance(value, ShardedTensorFactory):
+            items.append((value.key, str(value.data.dtype), tuple(value.data.shape)))
+    fingerprint = hash(tuple(repr(item) for item in items))
+    changed = fingerprint != context.get("structure")
+    context["structure"] = fingerprint
+    if _dist.world_size() > 1:
+        from bridge.train._distributed_utils import collective_device
+
+        flag = torch.tensor([int(changed)], device=collective_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        changed = bool(flag.item())
+    return changed
+
+
+def _save_strategy(checkpoint_config: Any, context: dict[str, Any], changed: bool) -> Any:
+    """dist_checkpointing's save strategy (kept between saves while the structure holds).
+
+    With ``ckpt_assume_constant_structure`` the strategy caches its save plans and global
+    metadata between saves; a structure change (which the setting promises not to happen)
+    starts a fresh strategy instead of reusing stale plans.
+    """
+    constant = bool(checkpoint_config.ckpt_assume_constant_structure)
+    cached = context.get("save_strategy")
+    if cached is not None and constant and not changed:
+        return cached
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy: Any = TorchDistSaveShardedStrategy(cached_metadata=constant)
+    if checkpoint_config.fully_parallel_save and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if torch.distributed.get_world_size(group) > 1:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, group, do_cache_distribution=constant
+            )
+    context["save_strategy"] = strategy if constant else None
+    return strategy
+
+
+def save_checkpoint(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: dict[str, Any] | None = None,
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Any = None,
+) -> None:
+    """Save a checkpoint of iteration ``state.train_state.step``.
+
+    Collective: every rank calls it. Writes model (sharded like its parameters), optimizer
+    state (``checkpoint.save_optim``; sharded like each parameter), scheduler, per-rank RNG
+    state (``checkpoint.save_rng``), the train state and the config. With
+    ``checkpoint.async_save`` the shards are written in the background and the checkpoint
+    counts once :func:`finalize_async_saves` has finalized it; otherwise it counts when this
+    returns. The tracker is updated last, atomically, so a crash keeps the previous
+    checkpoint as the newest; a complete checkpoint is never deleted before its replacement
+    is complete.
+
+    Args:
+        state: The run's ``GlobalState`` (``cfg.checkpoint``, ``train_state``).
+        model: Model chunks.
+        optimizer: The optimizer (``sharded_state_dict``), or None.
+        opt_param_scheduler: The scheduler (``state_dict``), or None.
+        num_floating_point_operations_so_far: FLOPs so far (stored with the train state).
+        checkpointing_context: From :func:`init_checkpointing_context` (made when None).
+        non_persistent_ckpt: Save a global non-persistent checkpoint (into
+            ``non_persistent_global_ckpt_dir`` or ``<save>/non_persistent``; only the newest
+            is kept).
+        train_data_iterator: Accepted for megatron compatibility; the data samplers resume
+            from ``train_state.consumed_train_samples``, so nothing else is stored.
+
+    Raises:
+        ConfigError: No directory to save to, or an unsupported setting.
+        CheckpointError: The directory cannot be written, or dist_checkpointing failed.
+    """
+    del train_data_iterator
+    checkpoint_config = checkpoint_config_of(state)
+    check_checkpoint_config(checkpoint_config)
+    context = checkpointing_context
+    if context is None:
+        context = init_checkpointing_context(checkpoint_config)
+    root = _save_root(checkpoint_config, non_persistent_ckpt)
+    model = list(model) if isinstance(model, (list, tuple)) else [model]
+    iteration = int(state.train_state.step)
+    started = time.monotonic()
+    ensure_write_results_queue()
+    if checkpoint_config.async_save:
+        # Commit earlier saves that have finished (collective, like the save itself); a save
+        # of this very iteration still in flight is waited for.
+        in_flight = str(staging_path(root, iteration)) in _pending()
+        finalize_async_saves(state, blocking=in_flight)
+
+    staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
+    _pending().add(staging)
+    sharded = build_save_state_dict(
+        model,
+        optimizer,
+        opt_param_scheduler,
+        state.train_state,
+        num_floating_point_operations_so_far,
+        save_optim=bool(checkpoint_config.save_optim),
+        save_rng=bool(checkpoint_config.save_rng),
+    )
+    meta = sharded["bridge_checkpoint"]
+    marker = {
+        "iteration": iteration,
+        "format": checkpoint_config.ckpt_format,
+        "bridge_checkpoint_version": FORMAT_VERSION,
+        "non_persistent": bool(non_persistent_ckpt),
+        "async_save": bool(checkpoint_config.async_save),
+        "parallel_layout": parallel_layout(),
+        "optimizer": meta["optimizer"],
+        "rng": meta["rng"],
+        "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    commit = _Commit(
+        root=root,
+        staging=staging,
+        iteration=iteration,
+        non_persistent=bool(non_persistent_ckpt),
+        marker=marker,
+        config=getattr(state, "cfg", None),
+        started=started,
+    )
+    # Sharding integrity is checked (a collective) whenever the structure is new; a save of
+    # an unchanged structure skips it, as megatron does with a constant structure.
+    changed = _structure_changed(sharded, context)
+    strategy = _save_strategy(checkpoint_config, context, changed)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with cpu_cuda_compat():
+            if checkpoint_config.async_save:
+                request = dist_checkpointing.save(
+                    sharded,
+                    staging,
+                    strategy,
+                    validate_access_integrity=changed,
+                    async_sharded_save=True,
+                    async_strategy="mcore",
+                )
+                request.add_finalize_fn(functools.partial(_commit, commit))
+                queue = get_async_calls_queue(bool(checkpoint_config.use_persistent_ckpt_worker))
+                queue.schedule_async_request(request)
+                if _dist.rank() == 0:
+                    logger.info(
+                        "scheduled asynchronous save of iteration %d to %s", iteration, root
+                    )
+                return
+            dist_checkpointing.save(sharded, staging, strategy, validate_access_integrity=changed)
+    except (CheckpointException, CheckpointingException) as exc:
+        _pending().discard(staging)
+        raise CheckpointError(
+            f"saving the checkpoint of iteration {iteration} to {root} failed: {exc}"
+        ) from exc
+    _commit(commit)

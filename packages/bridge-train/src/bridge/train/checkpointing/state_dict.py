@@ -1,0 +1,159 @@
+"""What a checkpoint holds: the sharded state dict saved and the template it is loaded into.
+
+A checkpoint's state dict (megatron-core dist_checkpointing) is::
+
+    model (model0, model1, ... with several chunks)   model.sharded_state_dict()
+    optimizer                                         optimizer.sharded_state_dict(model ...)
+    rng_state                                         one ShardedObject per global rank
+    iteration, num_floating_point_operations_so_far   plain values (the "common" state)
+    train_state, opt_param_scheduler                  plain values
+    bridge_checkpoint                                 format version, parallel layout, content
+
+Sharded tensors follow each parameter's tensor/pipeline-parallel sharding, so
+dist_checkpointing reshards on load (TP=2 -> TP=1 and back); optimizer state is wrapped
+with its parameter's sharding, never stored as a plain per-rank tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing.rng import RNG_STATE_KEY, capture_rng_state, rng_sharded_object
+from bridge.train.state import TrainState
+
+__all__ = [
+    "FORMAT_VERSION",
+    "build_load_template",
+    "build_save_state_dict",
+    "model_state_keys",
+    "parallel_layout",
+]
+
+# Version of the checkpoint content written by this module.
+FORMAT_VERSION = 1
+META_KEY = "bridge_checkpoint"
+
+
+def model_state_keys(num_chunks: int) -> list[str]:
+    """``["model"]`` for one chunk, else ``["model0", "model1", ...]`` (megatron's keys)."""
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
+
+
+def parallel_layout() -> dict[str, int]:
+    """World size and model-parallel sizes of the running job."""
+    from megatron.core import parallel_state
+
+    layout = {"world_size": _dist.world_size()}
+    if parallel_state.model_parallel_is_initialized():
+        layout.update(
+            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            context_parallel_size=parallel_state.get_context_parallel_world_size(),
+            data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        )
+    return layout
+
+
+def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
+    """``{"model": chunk.sharded_state_dict()}`` (one key per chunk with several chunks)."""
+    from megatron.core import parallel_state
+
+    keys = model_state_keys(len(model))
+    result: dict[str, Any] = {}
+    for index, (key, chunk) in enumerate(zip(keys, model, strict=True)):
+        if len(model) > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(index)
+        sharded = getattr(chunk, "sharded_state_dict", None)
+        if sharded is None:
+            raise TypeError(
+                f"model chunk {index} ({type(chunk).__name__}) has no sharded_state_dict(); "
+                "checkpoints need megatron-core modules (MegatronModule) or a wrapper that "
+                "forwards sharded_state_dict"
+            )
+        result[key] = sharded()
+    if len(model) > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return result
+
+
+def build_save_state_dict(
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    train_state: TrainState,
+    num_floating_point_operations_so_far: float,
+    *,
+    save_optim: bool,
+    save_rng: bool,
+) -> dict[str, Any]:
+    """The sharded state dict one rank contributes to a checkpoint.
+
+    Args:
+        model: Model chunks.
+        optimizer: Optimizer with ``sharded_state_dict(model_sharded_state_dict)``, or None.
+        opt_param_scheduler: Scheduler with ``state_dict()``, or None.
+        train_state: Progress counters to store.
+        num_floating_point_operations_so_far: FLOPs so far (also stored in the train state).
+        save_optim: Include optimizer (and scheduler) state.
+        save_rng: Include this rank's generator states.
+
+    Returns:
+        A state dict accepted by ``megatron.core.dist_checkpointing.save``.
+    """
+    models = model_sharded_state_dict(model)
+    state: dict[str, Any] = dict(models)
+    train = train_state.state_dict()
+    train["floating_point_operations_so_far"] = torch.tensor(
+        float(num_floating_point_operations_so_far), dtype=torch.float64
+    )
+    has_optimizer = bool(save_optim and optimizer is not None)
+    if has_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(models)
+    if opt_param_scheduler is not None:
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if save_rng:
+        state[RNG_STATE_KEY] = rng_sharded_object(
+            _dist.rank(), _dist.world_size(), capture_rng_state()
+        )
+    state["iteration"] = int(train_state.step)
+    state["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
+    state["train_state"] = train
+    state[META_KEY] = {
+        "version": FORMAT_VERSION,
+        "parallel_layout": parallel_layout(),
+        "model_chunks": len(model),
+        "optimizer": has_optimizer,
+        "opt_param_scheduler": opt_param_scheduler is not None,
+        "rng": bool(save_rng),
+    }
+    return state
+
+
+def build_load_template(
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    *,
+    load_optim: bool,
+    load_rng: bool,
+) -> dict[str, Any]:
+    """The sharded state dict to load a checkpoint into (shapes and shardings of this job).
+
+    Args:
+        model: Model chunks to load into.
+        optimizer: Optimizer (its state is initialised so there is state to load into).
+        load_optim: Request the optimizer state.
+        load_rng: Request this rank's generator states.
+
+    Returns:
+        A state dict accepted by ``megatron.core.dist_checkpointing.load``.
+    """
+    models = model_sharded_state_dict(model)
+    template: dict[str, Any] = dict(models)
+    if load_optim and optimizer is not None:
+        template["optimizer"] = optimizer.sharded_state_dict(models, is_loading=True)
+    if load_rng:
+        template[RNG_STATE_KEY] = rng_sharded_object(_dist.rank(), _dist.world_size(), None)
+    return template

@@ -1,0 +1,75 @@
+"""Built-in recipes of the ``bridge-train`` command (YAML files shipped with the package).
+
+* ``tiny_gpt`` (the default): a tiny GPT on megatron-core's mock data, CPU, about a minute;
+* ``text_corpus``: a small GPT on a local text corpus preprocessed with
+  ``bridge-preprocess-data`` (byte-level tokenizer, ``.bin``/``.idx`` files);
+* ``mimo``: a vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs,
+  every module on its own ranks.
+
+``bridge-train --recipe NAME [overrides]`` runs one; :func:`recipe_path` gives its file,
+which you can copy and edit (``bridge-train --config my_recipe.yaml``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["DEFAULT_RECIPE", "RECIPES", "Recipe", "recipe_path"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A built-in recipe.
+
+    Attributes:
+        name: What ``--recipe`` takes.
+        filename: The YAML file inside ``bridge.train.recipes``.
+        summary: One line for ``bridge-train --help``.
+    """
+
+    name: str
+    filename: str
+    summary: str
+
+
+RECIPES: dict[str, Recipe] = {
+    recipe.name: recipe
+    for recipe in (
+        Recipe(
+            "tiny_gpt",
+            "tiny_gpt.yaml",
+            "4-layer GPT on mock data, CPU, about a minute (the default)",
+        ),
+        Recipe(
+            "text_corpus",
+            "text_corpus.yaml",
+            "small GPT on a local text corpus (byte-level tokenizer; set dataset.blend to "
+            "the prefix written by bridge-preprocess-data)",
+        ),
+        Recipe(
+            "mimo",
+            "mimo.yaml",
+            "vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs; "
+            "1, 2 or 4 ranks",
+        ),
+    )
+}
+
+DEFAULT_RECIPE = "tiny_gpt"
+
+
+def recipe_path(name: str) -> Path:
+    """The YAML file of the built-in recipe ``name``.
+
+    Raises:
+        KeyError: Unknown name (the message lists the recipes).
+    """
+    if name not in RECIPES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(RECIPES), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}.{hint}")
+    return Path(str(resources.files(__name__).joinpath(RECIPES[name].filename)))

@@ -1,0 +1,429 @@
+"""The ``mimo`` recipe: a vision-language MIMO model trained with bridge.mimo's loop.
+
+``bridge-train --recipe mimo`` trains bridge.mimo's tiny vision-language model (a patch
+encoder feeding a megatron GPT) on synthetic image-caption pairs whose captions name the
+image's class, so the caption loss can only fall below the *text-only floor* (printed at the
+start) when the language model uses the encoder. The loop is :func:`bridge.mimo.train_mimo`;
+bridge-train plugs its logging into the loop's callback (console line, TensorBoard / W&B /
+... metric writers, ``--metrics-file``).
+
+Where each module runs (``model.layout``):
+
+* ``auto`` (default): one rank: both modules colocated; an even number ``W >= 2`` of ranks:
+  the vision encoder data-parallel on ranks ``0 .. W/2-1`` and the language model on ranks
+  ``W/2 .. W-1`` (tensor parallel 2 when ``model.language_parallel=tp`` and ``W/2`` is even,
+  else data parallel);
+* ``colocated``: both modules on every rank, data parallel over all of them;
+* ``split``: the non-colocated layout above (needs an even world size).
+
+The ``train``, ``optimizer`` (AdamW: ``lr``, ``weight_decay``, ``adam_beta1/2``,
+``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng`` and ``dist`` sections
+work as for the GPT recipes. Checkpoints are not supported by this recipe
+(``checkpoint.save`` must stay unset).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from bridge.config import ConfigContainer, ConfigError
+
+__all__ = ["MimoModelConfig", "check_mimo_config", "mimo_layout", "pretrain_mimo"]
+
+
+@dataclass(kw_only=True)
+class MimoModelConfig:
+    """Model and layout of the ``mimo`` recipe (satisfies ``ModelConfigProtocol``).
+
+    The protocol's sizes (``num_layers``, ``hidden_size``, ``num_attention_heads``,
+    ``seq_length``) describe the language model. Per-module parallelism comes from
+    ``layout`` / ``language_parallel``; the container-wide parallel sizes must stay 1.
+    """
+
+    num_layers: int = 2
+    """Language-model transformer layers."""
+
+    hidden_size: int = 64
+    """Language-model width."""
+
+    num_attention_heads: int = 4
+    """Language-model attention heads."""
+
+    seq_length: int = 24
+    """Language-model sequence length (image tokens plus caption)."""
+
+    vocab_size: int = 32
+    """Language-model vocabulary size."""
+
+    encoder_hidden_size: int = 64
+    """Vision-encoder width."""
+
+    encoder_layers: int = 2
+    """Vision-encoder transformer layers."""
+
+    encoder_heads: int = 4
+    """Vision-encoder attention heads."""
+
+    image_size: int = 16
+    """Side of the square synthetic images."""
+
+    patch_size: int = 4
+    """Side of a patch (one image token per patch)."""
+
+    channels: int = 3
+    """Image channels."""
+
+    num_classes: int = 8
+    """Image classes of the synthetic data (each has a two-token name in the caption)."""
+
+    num_samples: int = 4096
+    """Size of the synthetic dataset (epochs are reshuffled)."""
+
+    layout: Literal["auto", "colocated", "split"] = "auto"
+    """Where the modules run (see the module docstring)."""
+
+    language_parallel: Literal["tp", "dp"] = "tp"
+    """Parallelism of the language model in the split layout: tensor parallel 2 (when its
+    rank count is even) or data parallel."""
+
+    communicator: Literal["p2p", "megatron"] = "p2p"
+    """Cross-module data path: ``p2p`` (CPU and GPU) or megatron-core's (CUDA only)."""
+
+    tensor_model_parallel_size: int = 1
+    """Must be 1: per-module tensor parallelism comes from ``language_parallel``."""
+
+    pipeline_model_parallel_size: int = 1
+    """Must be 1 (bridge.mimo does not pipeline)."""
+
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Must be unset."""
+
+    context_parallel_size: int = 1
+    """Must be 1."""
+
+    expert_model_parallel_size: int = 1
+    """Must be 1."""
+
+    params_dtype: torch.dtype = torch.float32
+    """Parameter dtype (fp32; the tiny VLM is trained in full precision)."""
+
+    bf16: bool = False
+    """Must be false."""
+
+    fp16: bool = False
+    """Must be false."""
+
+    def __post_init__(self) -> None:
+        """Check the sizes and that the container-wide parallel settings are unused."""
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "vocab_size",
+            "encoder_hidden_size",
+            "encoder_layers",
+            "encoder_heads",
+            "image_size",
+            "patch_size",
+            "channels",
+            "num_classes",
+            "num_samples",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            if getattr(self, name) != 1:
+                raise ValueError(
+                    f"model.{name}={getattr(self, name)}: the mimo recipe sets parallelism per "
+                    "module; use model.layout and model.language_parallel instead"
+                )
+        if self.virtual_pipeline_model_parallel_size is not None:
+            raise ValueError("model.virtual_pipeline_model_parallel_size must be unset")
+        if self.bf16 or self.fp16 or self.params_dtype != torch.float32:
+            raise ValueError("the mimo recipe trains in fp32: unset model.bf16 / model.fp16")
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"model.image_size={self.image_size} is not a multiple of "
+                f"model.patch_size={self.patch_size}"
+            )
+
+    def tiny_vlm_config(self) -> Any:
+        """bridge.mimo's ``TinyVLMConfig`` with these sizes."""
+        import bridge.mimo as mimo
+
+        return mimo.TinyVLMConfig(
+            vocab_size=self.vocab_size,
+            seq_length=self.seq_length,
+            language_hidden_size=self.hidden_size,
+            language_layers=self.num_layers,
+            language_heads=self.num_attention_heads,
+            encoder_hidden_size=self.encoder_hidden_size,
+            encoder_layers=self.encoder_layers,
+            encoder_heads=self.encoder_heads,
+            image_size=self.image_size,
+            patch_size=self.patch_size,
+            channels=self.channels,
+        )
+
+
+def mimo_layout(model: MimoModelConfig, world_size: int) -> Any:
+    """The ``bridge.mimo.MimoLayout`` of ``model.layout`` for ``world_size`` ranks.
+
+    Raises:
+        ConfigError: The layout cannot be built for this world size.
+    """
+    import bridge.mimo as mimo
+
+    kind = model.layout
+    if kind == "auto":
+        kind = "colocated" if world_size == 1 else "split"
+    if kind == "colocated":
+        ranks = range(world_size)
+        return mimo.MimoLayout(
+            {
+                "vision": mimo.ModulePlacement(ranks=ranks, dp=world_size),
+                "language": mimo.ModulePlacement(ranks=ranks, dp=world_size),
+            }
+        )
+    if world_size < 2 or world_size % 2:
+        raise ConfigError(
+            "model.layout",
+            f"the split layout puts the encoder and the language model on half of the ranks "
+            f"each and needs an even world size >= 2, got {world_size}; use "
+            "model.layout=colocated or launch an even number of ranks",
+        )
+    half = world_size // 2
+    tp = 2 if model.language_parallel == "tp" and half % 2 == 0 else 1
+    return mimo.MimoLayout(
+        {
+            "vision": mimo.ModulePlacement(ranks=range(0, half), dp=half),
+            "language": mimo.ModulePlacement(ranks=range(half, world_size), tp=tp),
+        }
+    )
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
+    """Check a ``mimo`` recipe config before anything distributed starts.
+
+    Raises:
+        ConfigError: A missing section or length, a checkpoint directory (not supported),
+            batch sizes that do not fit the layout, or a layout that does not fit the world.
+    """
+    for name in ("train", "optimizer", "scheduler", "logger", "checkpoint"):
+        if getattr(cfg, name) is None:
+            raise ConfigError(name, "required section is missing")
+    assert cfg.train is not None and cfg.checkpoint is not None and cfg.optimizer is not None
+    if not isinstance(cfg.model, MimoModelConfig):
+        raise ConfigError(
+            "model._target_", "the mimo recipe needs bridge.train.recipes.mimo.MimoModelConfig"
+        )
+    if cfg.train.train_iters is None or cfg.train.train_iters < 1:
+        raise ConfigError("train.train_iters", "set how many iterations to train (>= 1)")
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if gbs is None or mbs is None:
+        raise ConfigError(
+            "train.global_batch_size",
+            "the mimo recipe needs train.global_batch_size and train.micro_batch_size (both "
+            "count samples over all replicas of a module)",
+        )
+    if cfg.checkpoint.save is not None or cfg.checkpoint.load is not None:
+        raise ConfigError(
+            "checkpoint.save",
+            "the mimo recipe does not save or load checkpoints; unset checkpoint.save and "
+            "checkpoint.load",
+        )
+    if cfg.optimizer.lr is None:
+        raise ConfigError("optimizer.lr", "is required")
+    world = world_size if world_size is not None else _world_size()
+    layout = mimo_layout(cfg.model, world)
+    try:
+        layout.validate(world)
+        layout.validate_batch_sizes(gbs, mbs)
+        cfg.model.tiny_vlm_config()
+    except ValueError as exc:
+        raise ConfigError("train", str(exc)) from None
+    from bridge.train.initialize import resolve_distributed_backend
+    from bridge.train.scheduler import scheduler_steps
+
+    try:
+        scheduler_steps(cfg.scheduler, cfg.train)
+    except ValueError as exc:
+        raise ConfigError("scheduler", str(exc).removeprefix("scheduler: ")) from None
+    try:
+        resolve_distributed_backend(cfg.dist)
+    except ValueError as exc:
+        raise ConfigError("dist.distributed_backend", str(exc)) from None
+
+
+def _init_process_group(cfg: ConfigContainer) -> bool:
+    """Initialise torch.distributed (restart-safe); True if this call created it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    from bridge.resiliency import init_process_group
+    from bridge.train.initialize import resolve_distributed_backend
+
+    backend = resolve_distributed_backend(cfg.dist)
+    timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+    if "MASTER_ADDR" not in os.environ:
+        from core_utils.testing import find_free_port
+
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{find_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+    else:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        init_process_group(backend, timeout=timeout)
+    return True
+
+
+def pretrain_mimo(cfg: ConfigContainer, *, metrics_file: str | Path | None = None) -> int:
+    """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
+
+    Args:
+        cfg: The recipe's config (checked by :func:`check_mimo_config`).
+        metrics_file: Also write every metric record as JSON lines (last rank).
+
+    Returns:
+        The exit code (0).
+
+    Raises:
+        ConfigError: See :func:`check_mimo_config`.
+    """
+    import torch.distributed as dist
+
+    import bridge.mimo as mimo
+    from bridge.logging import MetricWriters, build_metric_writers, setup_logging
+    from bridge.train.scheduler import build_optimizer_param_scheduler
+    from bridge.train.training.metrics_file import JsonlMetricWriter
+
+    check_mimo_config(cfg)
+    assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
+    assert isinstance(cfg.model, MimoModelConfig)
+    setup_logging(cfg.logger)
+    owns_group = _init_process_group(cfg)
+    writers = MetricWriters()
+    infra = step = None
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        seed = cfg.rng.seed
+        torch.manual_seed(seed)
+        layout = mimo_layout(cfg.model, world)
+        infra = mimo.build_megatron_mimo_infra(layout)
+        vlm = cfg.model.tiny_vlm_config()
+        dataset = mimo.SyntheticImageCaptionDataset(
+            cfg.model.num_samples,
+            image_tokens=vlm.image_tokens,
+            seq_length=vlm.seq_length,
+            num_classes=cfg.model.num_classes,
+            image_size=vlm.image_size,
+            channels=vlm.channels,
+            seed=seed,
+        )
+        if dataset.vocab_size > vlm.vocab_size:
+            raise ConfigError(
+                "model.vocab_size",
+                f"got {vlm.vocab_size}; the synthetic captions need {dataset.vocab_size} ids",
+            )
+        model = mimo.build_mimo_model(infra, init_seed=seed, **mimo.tiny_vlm_specs(vlm, infra))
+        if torch.cuda.is_available():
+            model.cuda()
+        opt_cfg = cfg.optimizer
+        lr = float(opt_cfg.lr or 0.0)  # check_mimo_config made sure it is set
+        optimizer = mimo.build_multimodule_optimizer(
+            model,
+            infra,
+            lambda name, params: torch.optim.AdamW(
+                params,
+                lr=lr,
+                weight_decay=opt_cfg.weight_decay,
+                betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
+                eps=opt_cfg.adam_eps,
+            ),
+            clip_grad=opt_cfg.clip_grad,
+        )
+        scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, cfg.train)
+        gbs, mbs = int(cfg.train.global_batch_size or 0), int(cfg.train.micro_batch_size or 0)
+        step = mimo.MimoTrainStep(
+            model,
+            infra,
+            optimizer,
+            global_batch_size=gbs,
+            micro_batch_size=mbs,
+            communicator=cfg.model.communicator,
+        )
+        data = mimo.MimoDataLoader.for_infra(
+            dataset, infra, global_batch_size=gbs, micro_batch_size=mbs, seed=seed
+        )
+        last = rank == world - 1
+        base = build_metric_writers(
+            cfg.logger, rank=rank, world_size=world, asynchronous=not (metrics_file and last)
+        )
+        writers = base
+        if metrics_file is not None and last:
+            writers = MetricWriters(
+                [*base.writers, JsonlMetricWriter(metrics_file)], asynchronous=True
+            )
+        if rank == 0:
+            print(
+                f"[bridge-train] mimo layout: {layout}\n[bridge-train] text-only loss floor "
+                f"(a model ignoring the images): {dataset.text_only_loss_floor():.4f}",
+                flush=True,
+            )
+
+        def log(record: mimo.MimoLogRecord) -> None:
+            if last:
+                print(record.format(), flush=True)
+            writers.log_metrics(record.as_metrics(), record.iteration)
+
+        result = mimo.train_mimo(
+            step,
+            data,
+            train_iters=int(cfg.train.train_iters or 0),
+            scheduler=scheduler,
+            log_fn=log,
+            log_interval=cfg.logger.log_interval,
+        )
+        if last:
+            print(
+                f"[bridge-train] mimo: {result.iteration} iterations, final loss "
+                f"{result.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
+                flush=True,
+            )
+        writers.flush()
+        return 0
+    finally:
+        writers.close()
+        if step is not None:
+            step.close()
+        if infra is not None:
+            infra.destroy()
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Global batch size per iteration: constant, or ramped up with ``train.rampup_batch_size``.
+
+megatron-core's ``num_microbatches_calculator`` decides how many micro-batches an iteration
+runs. In megatron-core 0.19.2 its ``rampup_batch_size`` argument is ignored (deprecated);
+ramp-up is spelled as a step schedule ``"<samples>:<batch size> ..."``. This module turns
+the config's ``[start, increment, ramp-up samples]`` into that schedule with the classic
+ramp-up semantics: the batch starts at ``start`` and grows by ``increment`` every
+``ramp-up samples / ((global_batch_size - start) / increment)`` consumed samples until it
+reaches ``global_batch_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bridge.config import ConfigError
+
+__all__ = [
+    "current_global_batch_size",
+    "ensure_num_microbatches_calculator",
+    "get_num_microbatches",
+    "rampup_to_step_schedule",
+    "release_num_microbatches_calculator",
+    "update_num_microbatches",
+]
+
+
+def rampup_to_step_schedule(rampup_batch_size: list[int], global_batch_size: int) -> str:
+    """megatron-core's step schedule for a classic batch-size ramp-up.
+
+    Args:
+        rampup_batch_size: ``[start batch size, increment, ramp-up samples]``.
+        global_batch_size: The batch size at the end of the ramp-up.
+
+    Returns:
+        ``"0:<start> <t1>:<start + increment> ... <tn>:<global_batch_size>"`` with thresholds
+        in consumed samples.
+
+    Raises:
+        ConfigError: The values do not describe a ramp-up to ``global_batch_size``.
+    """
+    if len(rampup_batch_size) != 3:
+        raise ConfigError(
+            "train.rampup_batch_size",
+            f"got {rampup_batch_size!r}; expected [start batch size, increment, ramp-up samples]",
+        )
+    start, increment, samples = (int(v) for v in rampup_batch_size)
+    if start < 1 or increment < 1 or samples < 0:
+        raise ConfigError(
+            "train.rampup_batch_size", f"got {rampup_batch_size!r}; values must be positive"
+        )
+    if start > global_batch_size or (global_batch_size - start) % increment:
+        raise ConfigError(
+            "train.rampup_batch_size",
+            f"global_batch_size {global_batch_size} must be start ({start}) plus a whole number "
+            f"of increments ({increment})",
+        )
+    steps = (global_batch_size - start) // increment
+    entries = [(0, start)]
+    if steps:
+        per_step = samples / steps
+        previous = 0
+        for k in range(1, steps + 1):
+            # Classic ramp-up: the k-th increment applies once k * per_step samples are
+            # consumed; thresholds must increase strictly.
+            threshold = max(math.ceil(k * per_step), previous + 1)
+            entries.append((threshold, start + k * increment))
+            previous = threshold
+    return " ".join(f"{t}:{b}" for t, b in entries)
+
+
+def ensure_num_microbatches_calculator(train_config: Any, data_parallel_size: int) -> bool:
+    """Initialise megatron's global micro-batch calculator from ``train_config`` if needed.
+
+    Args:
+        train_config: ``TrainingConfig`` (``global_batch_size``, ``micro_batch_size``,
+            ``rampup_batch_size``, ``decrease_batch_size_if_needed``).
+        data_parallel_size: Data-parallel size.
+
+    Returns:
+        True if this call created the calculator (the caller then releases it with
+        :func:`release_num_microbatches_calculator`), False if one existed.
+
+    Raises:
+        ConfigError: Ramp-up combined with ``decrease_batch_size_if_needed``, which
+            megatron-core 0.19.2's step schedules do not support.
+    """
+    from megatron.core import num_microbatches_calculator as nmc
+
+    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        return False
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    schedule = None
+    if train_config.rampup_batch_size is not None:
+        if train_config.decrease_batch_size_if_needed:
+            raise ConfigError(
+                "train.rampup_batch_size",
+                "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
+                "step batch-size schedules do not support it); unset one of them",
+            )
+        schedule = rampup_to_step_schedule(
+            train_config.rampup_batch_size, train_config.global_batch_size
+        )
+    nmc.init_num_microbatches_calculator(
+        rank,
+        None,
+        train_config.global_batch_size,
+        train_config.micro_batch_size,
+        data_parallel_size,
+        train_config.decrease_batch_size_if_needed,
+        step_batch_size_schedule=schedule,
+    )
+    return True
+
+
+def release_num_microbatches_calculator() -> None:
+    """Destroy megatron's global micro-batch calculator (so another run can configure it)."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    nmc.destroy_num_microbatches_calculator()
+
+
+def update_num_microbatches(consumed_samples: int) -> None:
+    """Advance the calculator to ``consumed_samples`` (changes the batch during ramp-up)."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    nmc.update_num_microbatches(consumed_samples, consistency_check=True)
+
+
+def get_num_microbatches() -> int:
+    """Micro-batches each data-parallel rank runs this iteration."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    return int(nmc.get_num_microbatches())
+
+
+def current_global_batch_size(micro_batch_size: int, data_parallel_size: int) -> int:
+    """Samples this iteration consumes over all data-parallel ranks."""
+    return get_num_microbatches() * micro_batch_size * data_parallel_size

@@ -1,0 +1,128 @@
+"""Profiling of the steps between ``profiling.profile_step_start`` and ``profile_step_end``.
+
+Two profilers, on the ranks in ``profiling.profile_ranks`` only:
+
+* ``use_pytorch_profiler``: torch's profiler records from the start of iteration
+  ``profile_step_start + 1`` (i.e. once ``train_state.step == profile_step_start``) to the
+  end of iteration ``profile_step_end``, marking every iteration as a profiler step, and
+  writes a trace that TensorBoard's profiler plugin (or ``chrome://tracing`` / Perfetto)
+  opens, to ``logger.tensorboard_dir`` or, without it, ``<checkpoint.save>/profile``.
+* ``use_nsys_profiler``: ``cudaProfilerStart`` / ``cudaProfilerStop`` around the same
+  iterations, with NVTX ranges per iteration, for ``nsys profile
+  --capture-range=cudaProfilerApi``. CUDA only: on a machine without CUDA the trainer
+  refuses to start with a message saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TNvtxContext",
+    "nsys_unavailable_reason",
+    "profile_trace_dir",
+    "should_profile_rank",
+    "start_profiler",
+    "stop_profiler",
+]
+
+TNvtxContext = contextlib.AbstractContextManager[Any]
+"""The NVTX range open around the profiled iterations (``None`` when nsys is off)."""
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(os.environ.get("RANK", "0"))
+
+
+def should_profile_rank(profiling: Any) -> bool:
+    """Whether this rank profiles (a profiler is on and the rank is in ``profile_ranks``)."""
+    if profiling is None:
+        return False
+    if not (profiling.use_pytorch_profiler or profiling.use_nsys_profiler):
+        return False
+    return _rank() in set(profiling.profile_ranks)
+
+
+def nsys_unavailable_reason() -> str | None:
+    """Why nsys profiling cannot run here, or ``None`` when it can (CUDA is available)."""
+    if not torch.cuda.is_available():
+        return (
+            "profiling.use_nsys_profiler requires CUDA (it brackets the profiled iterations "
+            "with cudaProfilerStart/Stop for nsys); use profiling.use_pytorch_profiler on CPU"
+        )
+    return None
+
+
+def profile_trace_dir(cfg: Any) -> Path | None:
+    """Where the torch profiler writes: ``logger.tensorboard_dir``, else ``<save>/profile``."""
+    tensorboard_dir = getattr(cfg.logger, "tensorboard_dir", None) if cfg.logger else None
+    if tensorboard_dir:
+        return Path(tensorboard_dir)
+    save = getattr(cfg.checkpoint, "save", None) if cfg.checkpoint else None
+    return Path(save) / "profile" if save else None
+
+
+def start_profiler(cfg: Any) -> tuple[torch.profiler.profile | None, TNvtxContext | None]:
+    """Start the configured profiler on this rank (call when ``step == profile_step_start``).
+
+    Args:
+        cfg: The config (``profiling``, ``logger``, ``checkpoint`` are read).
+
+    Returns:
+        ``(torch profiler or None, NVTX context or None)``.
+
+    Raises:
+        RuntimeError: nsys profiling without CUDA, or the torch profiler without a
+            directory for its trace.
+    """
+    profiling = cfg.profiling
+    if not should_profile_rank(profiling):
+        return None, None
+    if profiling.use_nsys_profiler:
+        reason = nsys_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+        context: TNvtxContext = torch.autograd.profiler.emit_nvtx(
+            record_shapes=profiling.record_shapes
+        )
+        context.__enter__()
+        return None, context
+    trace_dir = profile_trace_dir(cfg)
+    if trace_dir is None:
+        raise RuntimeError(
+            "profiling.use_pytorch_profiler needs logger.tensorboard_dir or checkpoint.save "
+            "for its trace"
+        )
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(
+        activities=activities,
+        record_shapes=profiling.record_shapes,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(
+            str(trace_dir), worker_name=f"rank{_rank()}"
+        ),
+    )
+    prof.start()
+    return prof, None
+
+
+def stop_profiler(
+    prof: torch.profiler.profile | None, nsys_nvtx_context: TNvtxContext | None
+) -> None:
+    """Stop whichever profiler :func:`start_profiler` started (writes the torch trace)."""
+    if prof is not None:
+        prof.stop()
+    if nsys_nvtx_context is not None:
+        nsys_nvtx_context.__exit__(None, None, None)
+        torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())

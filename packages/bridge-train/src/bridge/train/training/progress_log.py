@@ -1,0 +1,179 @@
+"""``progress.txt``: one line per launch and per saved checkpoint, with throughput.
+
+With ``logger.log_progress`` and ``checkpoint.save`` set, the trainer appends to
+``<checkpoint.save>/progress.txt`` (through :func:`bridge.logging.append_progress_log`,
+which writes ``<date time>\\tJob ID: <id>\\t# GPUs: <world size>\\t<message>`` on rank 0):
+
+* ``Starting job`` when a launch begins training;
+* after each persistent checkpoint::
+
+    Saved checkpoint\\tIteration: 40\\tJob throughput: 0.0123 TFLOP/s/GPU\\t
+    Cumulative throughput: 0.0119 TFLOP/s/GPU\\tFloating-point operations: 1.23e+12\\t
+    Tokens (in billions): 0.000164
+
+The job throughput is this launch's FLOPs (the FLOP counter minus its value when the launch
+started training, after loading a checkpoint) over this launch's wall-clock time, per rank.
+The cumulative throughput covers every launch with the same world size since the earliest
+one that follows a launch of a different size: FLOPs since that launch started over the time
+since then (restarts and queueing included), per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bridge.logging import append_progress_log
+
+__all__ = [
+    "PROGRESS_FILE",
+    "append_starting_job",
+    "compute_throughputs_and_append_to_progress_log",
+    "get_start_time_from_progress_log",
+]
+
+PROGRESS_FILE = "progress.txt"
+STARTING_JOB = "Starting job"
+SAVED_CHECKPOINT = "Saved checkpoint"
+SAVING_ASYNC_CHECKPOINT = "Saving async checkpoint"
+_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _fields(line: str) -> tuple[str, int, str, dict[str, str]] | None:
+    """``(time, world size, kind, {name: value})`` of a progress line, or None if malformed."""
+    parts = line.rstrip("\n").split("\t")
+    if len(parts) < 4 or not parts[2].startswith("# GPUs:"):
+        return None
+    try:
+        world = int(parts[2].split(":", 1)[1])
+    except ValueError:
+        return None
+    values = {}
+    for part in parts[4:]:
+        if ":" in part:
+            name, value = part.split(":", 1)
+            values[name.strip()] = value.strip()
+    return parts[0], world, parts[3], values
+
+
+def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
+    """Gets start time of earliest job with same world size. Also returns the number of
+    floating-point operations completed in last saved checkpoint.
+
+    The earliest job is the first ``Starting job`` line of the most recent run of lines
+    with this world size (a launch with another world size restarts the search). The
+    FLOPs are those of the last checkpoint saved before that job started, so the
+    cumulative throughput counts only work done by jobs of this world size.
+
+    Args:
+        cfg: The config (``checkpoint.save`` locates ``progress.txt``).
+
+    Returns:
+        ``(start time of that job, FLOPs already done when it started)``.
+
+    Raises:
+        ValueError: ``checkpoint.save`` is not set.
+        FileNotFoundError: There is no ``progress.txt``.
+        RuntimeError: No ``Starting job`` line with this world size exists.
+    """
+    save = getattr(getattr(cfg, "checkpoint", None), "save", None)
+    if save is None:
+        raise ValueError("get_start_time_from_progress_log: checkpoint.save is not set")
+    path = Path(save) / PROGRESS_FILE
+    world = _world_size()
+    start_time: str | None = None
+    start_flops: float | None = None
+    latest_flops = 0.0
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            parsed = _fields(line)
+            if parsed is None:
+                continue
+            stamp, line_world, kind, values = parsed
+            if kind in (SAVED_CHECKPOINT, SAVING_ASYNC_CHECKPOINT):
+                raw = values.get("Floating-point operations")
+                if raw is not None:
+                    latest_flops = float(raw)
+            if line_world != world:
+                start_time, start_flops = None, None
+                continue
+            if kind == STARTING_JOB and start_time is None:
+                start_time, start_flops = stamp, latest_flops
+    if start_time is None or start_flops is None:
+        raise RuntimeError(
+            f"{path} has no 'Starting job' line for world size {world}; the trainer writes "
+            "one at the start of every launch with logger.log_progress"
+        )
+    return datetime.strptime(start_time, _TIME_FORMAT), start_flops
+
+
+def append_starting_job(state: Any) -> None:
+    """Append ``Starting job`` (call on every rank when a launch starts training).
+
+    Does nothing unless ``logger.log_progress`` and ``checkpoint.save`` are set.
+    """
+    cfg = state.cfg
+    if not (cfg.logger is not None and cfg.logger.log_progress and cfg.checkpoint.save):
+        return
+    append_progress_log(cfg.checkpoint.save, STARTING_JOB)
+
+
+def _tflops_per_device(flops: float, seconds: float, world: int) -> float:
+    return flops / max(seconds, 1e-9) / 1e12 / world
+
+
+def compute_throughputs_and_append_to_progress_log(
+    state: Any, num_floating_point_operations_so_far: float
+) -> None:
+    """Computes job and cumulative throughputs and appends to progress log.
+
+    Calculates TFLOP/s/GPU based on floating-point operations and elapsed time. Appends the
+    computed throughputs, total FLOPs, and processed tokens to the progress log file. A
+    collective (a barrier before rank 0 writes): call it on every rank. Does nothing when
+    ``checkpoint.save`` is not set.
+
+    Args:
+        state: The GlobalState object (``cfg``, ``train_state``, ``start_time`` and
+            ``job_start_flops`` are read).
+        num_floating_point_operations_so_far: Total floating-point operations completed.
+    """
+    cfg = state.cfg
+    save = cfg.checkpoint.save if cfg.checkpoint is not None else None
+    if save is None:
+        return
+    world = _world_size()
+    job_flops = num_floating_point_operations_so_far - state.job_start_flops
+    job_throughput = _tflops_per_device(job_flops, time.time() - state.start_time, world)
+    try:
+        first_start, first_flops = get_start_time_from_progress_log(cfg)
+    except (FileNotFoundError, RuntimeError):
+        # No "Starting job" line of this world size (log_progress was switched on now):
+        # this job is the earliest one known.
+        first_start = datetime.fromtimestamp(state.start_time)
+        first_flops = state.job_start_flops
+    elapsed = (datetime.now() - first_start).total_seconds()
+    cumulative = _tflops_per_device(
+        num_floating_point_operations_so_far - first_flops, elapsed, world
+    )
+    seq_length = getattr(cfg.model, "seq_length", 0) or 0
+    tokens = state.train_state.consumed_train_samples * seq_length
+    kind = SAVING_ASYNC_CHECKPOINT if cfg.checkpoint.async_save else SAVED_CHECKPOINT
+    append_progress_log(
+        save,
+        f"{kind}\tIteration: {state.train_state.step}\t"
+        f"Job throughput: {job_throughput:.6g} TFLOP/s/GPU\t"
+        f"Cumulative throughput: {cumulative:.6g} TFLOP/s/GPU\t"
+        f"Floating-point operations: {num_floating_point_operations_so_far:.6e}\t"
+        f"Tokens (in billions): {tokens / 1e9:.6g}",
+    )

@@ -1,0 +1,282 @@
+"""Checkpoint layout, tracker and settings checks that need no process group.
+
+The on-disk rules (tracker written last, completion marker, fallback when the tracker names
+a missing iteration, what a save directory may hold) and every refusal that happens before
+a model exists are checked here on plain directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
+from bridge.train import (
+    CheckpointError,
+    GlobalState,
+    checkpoint_exists,
+    find_latest_checkpoint,
+    init_checkpointing_context,
+    load_checkpoint,
+    save_checkpoint,
+)
+from bridge.train.checkpointing import read_tracker
+from bridge.train.checkpointing.layout import (
+    MARKER_FILENAME,
+    TRACKER_FILENAME,
+    validate_save_dir,
+    write_marker,
+    write_tracker,
+)
+
+
+def _complete(root: Path, iteration: int) -> Path:
+    path = root / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"shards")
+    write_marker(path, {"iteration": iteration})
+    return path
+
+
+def _state(**checkpoint: object) -> GlobalState:
+    return GlobalState(cfg=ConfigContainer(checkpoint=CheckpointConfig(**checkpoint)))
+
+
+# ---------------------------------------------------------------------------- tracker, marker
+
+
+def test_tracker_round_trips_and_is_replaced_atomically(tmp_path: Path) -> None:
+    assert read_tracker(tmp_path) is None
+    write_tracker(tmp_path, 20)
+    write_tracker(tmp_path, 30)
+    assert read_tracker(tmp_path) == 30
+    assert (tmp_path / TRACKER_FILENAME).read_text() == "30\n"
+    # The temporary file of the atomic write is gone.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [TRACKER_FILENAME]
+
+
+def test_malformed_tracker_is_named(tmp_path: Path) -> None:
+    (tmp_path / TRACKER_FILENAME).write_text("twenty\n")
+    with pytest.raises(
+        CheckpointError, match=r"should hold an iteration number but holds 'twenty'"
+    ):
+        read_tracker(tmp_path)
+    (tmp_path / TRACKER_FILENAME).write_text("release\n")
+    with pytest.raises(CheckpointError, match="release checkpoint"):
+        read_tracker(tmp_path)
+
+
+def test_latest_follows_the_tracker_not_the_newest_directory(tmp_path: Path) -> None:
+    _complete(tmp_path, 10)
+    _complete(tmp_path, 20)
+    _complete(tmp_path, 30)  # complete but never committed (crash before the tracker)
+    write_tracker(tmp_path, 20)
+    found = find_latest_checkpoint(tmp_path)
+    assert found is not None and found.iteration == 20
+    assert found.path == str(tmp_path / "iter_0000020")
+    assert checkpoint_exists(tmp_path)
+
+
+def test_directory_without_marker_is_never_loaded(tmp_path: Path, caplog) -> None:
+    _complete(tmp_path, 10)
+    torn = tmp_path / "iter_0000020"
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"half")
+    (torn / MARKER_FILENAME).write_text('{"iter')  # a torn marker counts as no marker
+    write_tracker(tmp_path, 20)
+    with caplog.at_level(logging.WARNING):
+        found = find_latest_checkpoint(tmp_path)
+    assert found is not None and found.iteration == 10
+    assert "names iteration 20" in caplog.text and "is incomplete" in caplog.text
+    assert "iteration 10, instead" in caplog.text
+
+
+def test_tracker_pointing_at_a_missing_iteration_with_nothing_older(tmp_path: Path) -> None:
+    _complete(tmp_path, 40)  # newer than the tracker: not committed
+    write_tracker(tmp_path, 30)
+    with pytest.raises(CheckpointError) as info:
+        find_latest_checkpoint(tmp_path)
+    message = str(info.value)
+    assert "names iteration 30" in message and "iter_0000030 does not exist" in message
+    assert "no older complete checkpoint" in message
+
+
+def test_ckpt_step_and_checkpoint_directories(tmp_path: Path) -> None:
+    _complete(tmp_path, 10)
+    _complete(tmp_path, 20)
+    write_tracker(tmp_path, 20)
+    step = find_latest_checkpoint(tmp_path, step=10)
+    assert step is not None and step.iteration == 10
+    with pytest.raises(
+        CheckpointError,
+        match=r"ckpt_step=15: .*iter_0000015 does not exist; complete checkpoints in .*: \[10, 20\]",
+    ):
+        find_latest_checkpoint(tmp_path, step=15)
+    # A path naming one checkpoint directory is that checkpoint.
+    direct = find_latest_checkpoint(tmp_path / "iter_0000010")
+    assert direct is not None and direct.iteration == 10
+    assert checkpoint_exists(tmp_path / "iter_0000010")
+    assert not checkpoint_exists(tmp_path / "missing")
+    assert not checkpoint_exists(None)
+
+
+# ---------------------------------------------------------------------------- save directory
+
+
+def test_save_directory_with_foreign_entries_is_refused(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    _complete(save, 10)
+    write_tracker(save, 10)
+    for name in ("progress.txt", "run_config.yaml", "ft_state.json", "metrics.jsonl"):
+        (save / name).write_text("")
+    (save / "non_persistent").mkdir()
+    validate_save_dir(save)  # a previous run of ours is fine
+    (save / "model.safetensors").write_bytes(b"")
+    (save / "notes").mkdir()
+    with pytest.raises(CheckpointError) as info:
+        init_checkpointing_context(CheckpointConfig(save=str(save)))
+    message = str(info.value)
+    assert f"checkpoint.save={str(save)!r}" in message
+    assert "model.safetensors, notes/" in message
+    assert "choose an empty or new directory" in message
+    # Nothing was touched.
+    assert (save / "model.safetensors").exists() and (save / "iter_0000010").exists()
+
+
+def test_save_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(CheckpointError, match="is a file, not a directory"):
+        init_checkpointing_context(CheckpointConfig(save=str(target)))
+
+
+def test_context_for_a_fresh_directory(tmp_path: Path) -> None:
+    context = init_checkpointing_context(CheckpointConfig(save=str(tmp_path / "new")))
+    assert context["config"].save == str(tmp_path / "new")
+    assert not (tmp_path / "new").exists()  # created by the first save, not before
+
+
+# ---------------------------------------------------------------------------- refused settings
+
+
+@pytest.mark.parametrize(
+    ("fields", "location", "fragment"),
+    [
+        ({"ckpt_format": "zarr"}, "checkpoint.ckpt_format", "use ckpt_format='torch_dist'"),
+        (
+            {"non_persistent_ckpt_type": "local", "non_persistent_local_ckpt_dir": "/tmp/x"},
+            "checkpoint.non_persistent_ckpt_type",
+            "'local' is not supported",
+        ),
+        (
+            {"non_persistent_ckpt_type": "in_memory"},
+            "checkpoint.non_persistent_ckpt_type",
+            "'in_memory' is not supported",
+        ),
+        ({"ckpt_convert_format": "torch"}, "checkpoint.ckpt_convert_format", "unset"),
+        ({"use_checkpoint_args": True}, "checkpoint.use_checkpoint_args", "run_config.yaml"),
+        (
+            {"fully_parallel_load": True},
+            "checkpoint.fully_parallel_load",
+            "requires CUDA",
+        ),
+    ],
+)
+def test_unsupported_settings_are_refused_at_setup(
+    tmp_path: Path, fields: dict, location: str, fragment: str
+) -> None:
+    import torch
+
+    if "requires CUDA" in fragment and torch.cuda.is_available():
+        pytest.skip("these settings are allowed on a GPU machine")
+    config = CheckpointConfig(save=str(tmp_path / "run"), **fields)
+    with pytest.raises(ConfigError) as info:
+        init_checkpointing_context(config)
+    assert str(info.value).startswith(location + ":")
+    assert fragment in str(info.value)
+
+
+def test_save_needs_a_directory() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint.save: is not set"):
+        save_checkpoint(_state(), [], None, None, 0.0)
+    with pytest.raises(
+        ConfigError, match=r"non_persistent_ckpt_type: is None but a non-persistent"
+    ):
+        save_checkpoint(_state(save="/tmp/unused"), [], None, None, 0.0, non_persistent_ckpt=True)
+    with pytest.raises(ConfigError, match=r"^checkpoint: state.cfg.checkpoint is not set"):
+        save_checkpoint(GlobalState(), [], None, None, 0.0)
+
+
+# ---------------------------------------------------------------------------- what load picks
+
+
+def test_missing_load_path_with_exit_on_missing_checkpoint(tmp_path: Path) -> None:
+    missing = tmp_path / "typo"
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(_state(load=str(missing), exit_on_missing_checkpoint=True), [], None, None)
+    message = str(info.value)
+    assert f"checkpoint.load={str(missing)!r} does not exist" in message
+    assert "exit_on_missing_checkpoint" in message
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        load_checkpoint(
+            _state(load=str(tmp_path / "empty"), exit_on_missing_checkpoint=True), [], None, None
+        )
+
+
+def test_nothing_to_load_starts_from_scratch(tmp_path: Path, caplog) -> None:
+    state = _state(load=str(tmp_path / "fresh"))
+    with caplog.at_level(logging.WARNING):
+        assert load_checkpoint(state, [], None, None) == (0, 0.0)
+    assert "starting from a random initialisation" in caplog.text
+    assert load_checkpoint(_state(), [], None, None) == (0, 0.0)
+
+
+def test_missing_pretrained_checkpoint_and_step_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"pretrained_checkpoint='.*nope' does not exist"):
+        load_checkpoint(
+            _state(pretrained_checkpoint=str(tmp_path / "nope"), finetune=True), [], None, None
+        )
+    _complete(tmp_path / "run", 10)
+    write_tracker(tmp_path / "run", 10)
+    with pytest.raises(CheckpointError, match=r"ckpt_step=7: .*iter_0000007 does not exist"):
+        load_checkpoint(_state(load=str(tmp_path / "run"), ckpt_step=7), [], None, None)
+    with pytest.raises(
+        CheckpointError, match=r"ckpt_step=7: checkpoint.load='.*absent' does not exist"
+    ):
+        load_checkpoint(_state(load=str(tmp_path / "absent"), ckpt_step=7), [], None, None)
+
+
+def test_non_persistent_directory_newer_than_the_persistent_one_wins(tmp_path: Path) -> None:
+    from bridge.train.checkpointing.load import _plan_load
+
+    run = tmp_path / "run"
+    _complete(run, 10)
+    write_tracker(run, 10)
+    _complete(run / "non_persistent", 15)
+    write_tracker(run / "non_persistent", 15)
+    config = CheckpointConfig(load=str(run), save=str(run), non_persistent_ckpt_type="global")
+    plan = _plan_load(config)
+    assert plan is not None and plan.iteration == 15 and plan.source == "non-persistent"
+    # Without the non-persistent type configured, only the persistent tracker counts.
+    plan = _plan_load(dataclasses.replace(config, non_persistent_ckpt_type=None))
+    assert plan is not None and plan.iteration == 10
+    # A newer persistent checkpoint wins.
+    _complete(run, 20)
+    write_tracker(run, 20)
+    plan = _plan_load(config)
+    assert plan is not None and plan.iteration == 20 and plan.source == "checkpoint.load"
+    # pretrained_checkpoint is used only when load holds nothing, and always as finetune.
+    pretrained = _plan_load(
+        CheckpointConfig(load=str(tmp_path / "empty"), pretrained_checkpoint=str(run))
+    )
+    assert pretrained is not None and pretrained.finetune and pretrained.iteration == 20
+
+
+def test_marker_content_is_json(tmp_path: Path) -> None:
+    path = _complete(tmp_path, 3)
+    assert json.loads((path / MARKER_FILENAME).read_text()) == {"iteration": 3}

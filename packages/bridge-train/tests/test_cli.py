@@ -1,0 +1,174 @@
+"""The ``bridge-train`` command: help, bad input, the default run, the mimo recipe.
+
+Bad input goes through ``bridge.train.cli.main`` in this process (it fails before anything
+distributed starts) and once through the real console script, to see the exit code and
+that no traceback is printed. The default recipe runs once as a subprocess, shortened by
+overrides; the mimo recipe runs on one forked rank.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bridge.config import ConfigContainer
+from bridge.train import read_metrics_file
+from bridge.train.cli import EXIT_CONFIG_ERROR, main, run
+from bridge.train.recipes import RECIPES, recipe_path
+from core_utils.testing import run_distributed
+
+
+def _console_script() -> list[str]:
+    script = Path(sys.executable).with_name("bridge-train")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "bridge.train"]
+
+
+def _fails_with(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("bridge-train: error: ") and "Traceback" not in err
+    assert err.count("\n") == 1, err  # one line
+    return err
+
+
+def test_help_lists_recipes_and_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for name in RECIPES:
+        assert f"  {name} " in out
+    for section in ("train", "model", "optimizer", "dataset", "checkpoint", "logger", "ft"):
+        assert f"\n  {section} " in out
+    assert "section.field=value" in out and "torchrun --nproc_per_node=2" in out
+
+
+def test_recipes_load_and_validate() -> None:
+    for name in ("tiny_gpt", "text_corpus"):
+        cfg = ConfigContainer.from_yaml(recipe_path(name))
+        cfg.validate(world_size=1)
+        assert cfg.dist.distributed_backend == "gloo"  # CPU recipes say so explicitly
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--recipe", "text_corpus", "dataset.blend=[[/no/such/corpus],null]"],
+            "dataset.blend: dataset '/no/such/corpus' has no /no/such/corpus.bin",
+        ),
+        (
+            ["model.tensor_model_parallel_size=3"],
+            "model.tensor_model_parallel_size=3 does not divide model.num_attention_heads=4",
+        ),
+        (["train.engine=megatron"], "train.engine: train.engine='megatron' requires CUDA"),
+        (["profiling.use_nsys_profiler=true"], "profiling.use_nsys_profiler: "),
+        (
+            ["rerun_state_machine.rerun_mode=validate_results"],
+            "rerun_state_machine.rerun_mode: 'validate_results' requires CUDA",
+        ),
+        (["--recipe", "tiny"], "--recipe: unknown recipe 'tiny'"),
+        (["trian.train_iters=5"], "Did you mean 'train'?"),
+        (["dist.distributed_backend=nccl"], "nccl' requires CUDA"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    assert expected in _fails_with(capsys, ["--no-print-config", *argv])
+
+
+def test_checkpoint_directory_holding_something_else(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "notes.txt").write_text("my notes")
+    err = _fails_with(capsys, [f"checkpoint.save={tmp_path}"])
+    assert "checkpoint.save: " in err and "notes.txt" in err
+    assert (tmp_path / "notes.txt").read_text() == "my notes"  # untouched
+    (tmp_path / "notes.txt").unlink()
+    (tmp_path / "foreign").write_text("x")
+    err = _fails_with(capsys, [f"checkpoint.load={tmp_path}"])
+    assert "checkpoint.load: " in err and "foreign" in err
+
+
+@pytest.mark.timeout(120)
+def test_console_script_exit_code_without_traceback() -> None:
+    proc = subprocess.run(
+        [*_console_script(), "model.tensor_model_parallel_size=3"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "bridge-train: error: model:" in proc.stderr
+    assert "use a tensor_model_parallel_size in [1, 2, 4]" in proc.stderr.lower()
+
+
+@pytest.mark.timeout(240)
+def test_default_recipe_trains_prints_and_saves_its_config(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            *_console_script(),
+            "--metrics-file",
+            str(tmp_path / "metrics.jsonl"),
+            "train.train_iters=20",
+            "train.eval_interval=10",
+            f"checkpoint.save={save}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    # The resolved config and what the overrides changed, before training.
+    assert "[bridge-train] resolved config:" in out
+    assert "  train.train_iters: 200 -> 20" in out
+    assert f"  checkpoint.save: None -> '{save}'" in out
+    assert out.index("resolved config") < out.index("iteration       10/      20")
+    assert "iteration       20/      20" in out and "validation loss at iteration 10" in out
+    # Saved beside the checkpoints, loadable, with the overrides applied.
+    saved = ConfigContainer.from_yaml(save / "run_config.yaml")
+    assert saved.train is not None and saved.train.train_iters == 20
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    assert "Starting job" in (save / "progress.txt").read_text()
+    model = yaml.safe_load((save / "run_config.yaml").read_text())["model"]
+    assert "no_sync_func" not in model and "ffn_hidden_size" not in model  # hooks, derived
+    losses = [r["lm loss"] for r in read_metrics_file(tmp_path / "metrics.jsonl") if "lm loss" in r]
+    assert len(losses) == 20 and losses[-1] < losses[0]
+
+
+def _mimo_run(rank: int, world: int) -> int:
+    overrides = ["train.train_iters=6", "scheduler.lr_warmup_iters=1", "logger.log_interval=3"]
+    return run(["--recipe", "mimo", "--no-print-config", *overrides])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+def test_mimo_recipe_trains_with_bridge_mimo(capfd: pytest.CaptureFixture[str], world: int) -> None:
+    assert run_distributed(_mimo_run, world, timeout=150) == [0] * world
+    out = capfd.readouterr().out
+    assert "text-only loss floor" in out
+    # Colocated on one rank; with two, the encoder on rank 0 and the language model on rank 1.
+    language = "range(0, 1)" if world == 1 else "range(1, 2)"
+    assert f"'language': ModulePlacement(ranks={language}" in out
+    assert "iteration      6 |" in out and "[bridge-train] mimo: 6 iterations" in out
+
+
+def test_mimo_recipe_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails_with(capsys, ["--recipe", "mimo", "checkpoint.save=/tmp/x"])
+    assert "checkpoint.save: the mimo recipe does not save or load checkpoints" in err
+    err = _fails_with(capsys, ["--recipe", "mimo", "train.train_iters=5"])
+    assert "scheduler: warm-up (160 samples) must be shorter than the decay (80 samples)" in err
+    err = _fails_with(capsys, ["--recipe", "mimo", "model.layout=split"])
+    assert "model.layout: the split layout" in err and "got 1" in err
