@@ -35,6 +35,13 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 
 PYTEST_ARGS = ("-c", "pyproject.toml", "--durations=10")
 
+# Distributions whose tests/ directory the lint session type-checks. Test directories have
+# no __init__.py and repeat module names (conftest.py, test_public_api.py), which one mypy
+# run rejects as duplicates, so each gets a run of its own; everything else, including the
+# top-level tests/, is in [tool.mypy] files. A distribution joins this list once
+# `mypy packages/<dist>/tests` is clean.
+TYPE_CHECKED_TESTS: tuple[str, ...] = ("core-utils",)
+
 
 def _uv() -> str:
     # `uv run` exports the path of the running uv binary; fall back to PATH.
@@ -78,5 +85,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+    for dist in TYPE_CHECKED_TESTS:
+        session.run("mypy", f"packages/{dist}/tests")
     # Sibling pins and resolved versions agree with every declared requirement.
     session.run(_uv(), "pip", "check", "--python", session.virtualenv.location, external=True)

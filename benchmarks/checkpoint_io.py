@@ -10,9 +10,12 @@ alternate the variants, so machine noise hits all alike, it measures:
   ``torch.load`` of it;
 * ``save_checkpoint`` (synchronous, torch_dist via dist_checkpointing, marker + tracker)
   and ``load_checkpoint`` into the same model and optimizer;
-* the training stall of an asynchronous save: the time ``save_checkpoint`` blocks with
-  ``async_save=True`` (persistent CPU writer, and a fork per save), as a fraction of the
-  synchronous save's time. Target: at most 10%.
+* the training stall of an asynchronous save, as a fraction of the synchronous save's
+  time (target: at most 10%): the time ``save_checkpoint`` blocks with ``async_save=True``
+  (persistent CPU writer, and a fork per save), plus the time training steps run slower
+  while the background writer competes with them for the CPU (training steps run until
+  the save is committed, each compared with the median step time without a save pending,
+  and the per-iteration ``finalize_async_saves`` polls included).
 
 It prints MB/s for every variant and the ratios; it asserts nothing. Run from the
 repository root::
@@ -62,7 +65,7 @@ def _build(directory: Path) -> dict[str, Any]:
         model=provider,
         optimizer=tiny_optimizer_config(),
         scheduler=tiny_scheduler_config(),
-        train=tiny_train_config(train_iters=10, global_batch_size=2, micro_batch_size=2),
+        train=tiny_train_config(train_iters=2000, global_batch_size=2, micro_batch_size=2),
         checkpoint=CheckpointConfig(save=str(directory / "sync"), load=str(directory / "sync")),
         logger=LoggerConfig(),
         dataset=tiny_mock_dataset_config(sequence_length=256),
@@ -73,18 +76,23 @@ def _build(directory: Path) -> dict[str, Any]:
     model = engine.setup_model(provider)
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
     state = GlobalState(cfg=cfg)
-    train_steps(
-        engine,
-        model,
-        optimizer,
-        scheduler,
-        tiny_mock_iterator(cfg.train, cfg.dataset),
-        train_iters=1,
-        global_batch_size=2,
-        micro_batch_size=2,
-        seq_length=256,
-        state=state,
-    )
+    iterator = tiny_mock_iterator(cfg.train, cfg.dataset)
+
+    def step() -> None:
+        train_steps(
+            engine,
+            model,
+            optimizer,
+            scheduler,
+            iterator,
+            train_iters=1,
+            global_batch_size=2,
+            micro_batch_size=2,
+            seq_length=256,
+            state=state,
+        )
+
+    step()
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model[0].named_parameters():
         tensors[f"model.{name}"] = param.detach()
@@ -100,6 +108,7 @@ def _build(directory: Path) -> dict[str, Any]:
         "state": state,
         "tensors": tensors,
         "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "step": step,
     }
 
 
@@ -150,29 +159,54 @@ def _load(run: dict[str, Any], context: dict[str, Any]) -> None:
     )
 
 
+def _step_time(run: dict[str, Any], steps: int) -> float:
+    """Median seconds of one training step with no save pending."""
+    times = [_timed(run["step"]) for _ in range(steps)]
+    return statistics.median(times)
+
+
 def _measure_saves(
-    run: dict[str, Any], directory: Path, rounds: int, warmup: int, **checkpoint: Any
-) -> tuple[list[float], list[float]]:
-    """Blocking time and time to completion of ``rounds`` saves after ``warmup`` saves.
+    run: dict[str, Any],
+    directory: Path,
+    rounds: int,
+    warmup: int,
+    step_time: float | None = None,
+    **checkpoint: Any,
+) -> tuple[list[float], list[float], list[float]]:
+    """Blocking time, time to completion and training slowdown of ``rounds`` saves.
 
     One checkpointing context and one directory for all of them, with the iteration
-    advancing between saves, as in a training run.
+    advancing between saves, as in a training run. With ``step_time`` (async saves) the
+    training goes on while the save is pending, as in the trainer (a step, then a
+    non-blocking finalization poll); the slowdown is the time those steps and polls took
+    beyond ``step_time`` per step. Without it the save is waited for at once.
     """
     from bridge.train import finalize_async_saves
+    from bridge.train.checkpointing.async_save import pending_async_saves
 
     shutil.rmtree(directory, ignore_errors=True)
     context = _use(run, save=str(directory), load=str(directory), **checkpoint)
-    stalls, totals = [], []
+    stalls, totals, slowdowns = [], [], []
     for index in range(warmup + rounds):
         run["state"].train_state.step += 1
         start = time.perf_counter()
         _save(run, context)
         stall = time.perf_counter() - start
+        slowdown = 0.0
+        if step_time is not None:
+            overlapped_start, steps = time.perf_counter(), 0
+            while pending_async_saves():
+                run["step"]()
+                steps += 1
+                finalize_async_saves(run["state"], blocking=False)
+            overlapped = time.perf_counter() - overlapped_start
+            slowdown = max(overlapped - steps * step_time, 0.0)
         finalize_async_saves(run["state"], blocking=True)
         if index >= warmup:
             stalls.append(stall)
             totals.append(time.perf_counter() - start)
-    return stalls, totals
+            slowdowns.append(slowdown)
+    return stalls, totals, slowdowns
 
 
 def main() -> None:
@@ -203,7 +237,7 @@ def main() -> None:
     times["torch.load"] = [
         _timed(functools.partial(_torch_load, plain)) for _ in range(args.rounds)
     ]
-    times["save_checkpoint"], _ = _measure_saves(run, scratch / "sync", args.rounds, 1)
+    times["save_checkpoint"], _, _ = _measure_saves(run, scratch / "sync", args.rounds, 1)
     context = _use(run, load=str(scratch / "sync"))
     _load(run, context)  # warm-up
     times["load_checkpoint"] = [
@@ -217,11 +251,21 @@ def main() -> None:
             "ckpt_assume_constant_structure": True,
         },
     }
+    step_time = _step_time(run, 10)
+    times["training step (no save pending)"] = [step_time]
     for label, settings in async_variants.items():
-        stalls, totals = _measure_saves(
-            run, scratch / label.replace(" ", "_"), args.rounds, 2, async_save=True, **settings
+        stalls, totals, slowdowns = _measure_saves(
+            run,
+            scratch / label.replace(" ", "_"),
+            args.rounds,
+            2,
+            step_time=step_time,
+            async_save=True,
+            **settings,
         )
-        times[f"async stall ({label})"] = stalls
+        times[f"async blocking ({label})"] = stalls
+        times[f"async slower steps ({label})"] = slowdowns
+        times[f"async stall ({label})"] = [a + b for a, b in zip(stalls, slowdowns, strict=True)]
         times[f"async to completion ({label})"] = totals
     finalize_async_saves(run["state"], blocking=True, terminate=True)
 
@@ -229,7 +273,10 @@ def main() -> None:
     print(f"\nmedian of {args.rounds} measurements (after warm-up)")
     print(f"{'variant':48s} {'seconds':>9s} {'MB/s':>9s}")
     for key, value in median.items():
-        print(f"{key:48s} {value:9.3f} {megabytes / value:9.1f}")
+        # A transfer rate only for rows that move the whole state.
+        moves_state = key.startswith(("torch.", "save_", "load_", "async to"))
+        rate = f"{megabytes / value:9.1f}" if moves_state and value > 0 else ""
+        print(f"{key:48s} {value:9.3f} {rate}")
     print("\nratios")
     save_ratio = median["save_checkpoint"] / median["torch.save (+fsync)"]
     load_ratio = median["load_checkpoint"] / median["torch.load"]
@@ -238,7 +285,10 @@ def main() -> None:
     for label in async_variants:
         fraction = median[f"async stall ({label})"] / median["save_checkpoint"]
         verdict = "meets" if fraction <= 0.10 else "misses"
-        print(f"async stall / sync save ({label}): {fraction:.1%} ({verdict} the 10% target)")
+        print(
+            f"async stall / sync save ({label}): {fraction:.1%} ({verdict} the 10% target; "
+            "blocking + slower steps)"
+        )
     if args.dir is None:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -17,6 +17,7 @@ import inspect
 import re
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 import bridge.config as bc
@@ -40,6 +41,7 @@ SECTIONS: list[tuple[str, type]] = [
     ("dataset.packed_sequence_specs", bc.PackedSequenceSpecs),
     ("logger", bc.LoggerConfig),
     ("tokenizer", bc.TokenizerConfig),
+    ("tokenizer", bc.TokenizerConfigProtocol),
     ("checkpoint", bc.CheckpointConfig),
     ("dist", bc.DistributedInitConfig),
     ("ft", bc.FaultToleranceConfig),
@@ -62,10 +64,39 @@ YAML is a section below; each section is a dataclass whose fields are listed wit
 default and meaning. `required` marks a field without a default; *computed* fields are filled
 in by the class or by `ConfigContainer.validate()` and cannot be set.
 
-Sections typed by a Protocol (`model`, `optimizer`, `peft`, `comm_overlap`,
-`mixed_precision`) accept any object with the listed attributes, such as megatron-core's
-`TransformerConfig` subclasses, `OptimizerConfig` and `DistributedDataParallelConfig`; in YAML
-their `_target_` names the class. bridge.config itself never imports megatron-core.
+Sections typed by a Protocol (`model`, `optimizer`, `ddp`, `peft`, `comm_overlap`,
+`mixed_precision`, and `tokenizer` next to `TokenizerConfig`) accept any object with the
+listed attributes, such as megatron-core's `TransformerConfig` subclasses, `OptimizerConfig`
+and `DistributedDataParallelConfig`, or Megatron-Bridge's own `TokenizerConfig`; in YAML their
+`_target_` names the class. bridge.config itself never imports megatron-core.
+
+Building a section in Python checks its arguments like YAML input: an unknown or misspelt
+field (`TrainingConfig(train_iter=1)`), a missing required one or a computed one raises a
+`ConfigError` naming `Class.field` with a did-you-mean hint; it is also a `TypeError`.
+
+## Differences from the reference
+
+Every class, field, type and default of the API reference (002) exists as documented, with
+these deliberate exceptions:
+
+- `TrainingConfig.exit_signal` defaults to `signal.SIGTERM` (15), where the reference page
+  shows `None`. The page renders non-literal defaults as `None`; the field is an `int`, which
+  `None` is not, and the save-and-exit handler it configures is documented to react to
+  SIGTERM (bridge-resiliency installs its handler for this signal).
+- `LoggerConfig.logging_level` defaults to `logging.INFO` (20), where the reference page shows
+  `None`, for the same reason: the field is an `int` Python logging level, and `None` is
+  neither an `int` nor a level.
+- `GPTDatasetConfig` does not subclass megatron-core's `GPTDatasetConfig` (bridge.config
+  never imports megatron-core): it has the same fields, except the runtime `tokenizer` object
+  the trainer passes in, and `convert_dataclass` builds megatron's class from it. Likewise
+  the sections the reference types with megatron-core or Megatron-Bridge classes are typed by
+  the Protocols above, which those classes provide.
+
+Spelling only: fields the reference writes as `x: T = None` are typed `Optional[T]` here
+(for example `FinetuningDatasetConfig.seq_length`, which `ConfigContainer.validate()` then
+requires), and `CheckpointConfig.non_persistent_ckpt_type` is
+`Optional[Literal["global", "local", "in_memory", None]]` as in the reference (`null` in
+YAML, not the string `"None"`).
 """
 
 
@@ -73,7 +104,7 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _signature(function: object) -> str:
+def _signature(function: Callable[..., typing.Any]) -> str:
     text = str(inspect.signature(function, eval_str=True))
     return re.sub(r"bridge\.config\._\w+\.", "", text).replace("typing.", "")
 

@@ -10,8 +10,12 @@
 # Run it again to resume; NPROC=2 trains with two data-parallel processes.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-corpus="${1:-$here/data/tiny_corpus.txt}"
-shift || true
+corpus="$here/data/tiny_corpus.txt"
+# The first argument is the corpus unless it is an override (a=b) or an option (--x).
+if [[ $# -gt 0 && "$1" != *=* && "$1" != -* ]]; then
+    corpus="$1"
+    shift
+fi
 prefix="data/$(basename "${corpus%.*}")"
 
 if [[ ! -f "$prefix.bin" ]]; then

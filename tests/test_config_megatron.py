@@ -145,10 +145,10 @@ def test_yaml_round_trip_of_megatron_objects(tmp_path: Path) -> None:
     assert type(loaded.optimizer) is OptimizerConfig
     assert type(loaded.ddp) is MegatronDDPConfig
     assert loaded.model.params_dtype is torch.bfloat16
-    assert loaded.model.attention_backend is AttnBackend.local  # type: ignore[union-attr]
+    assert loaded.model.attention_backend is AttnBackend.local
     # Callables survive: a builtin activation and init-method partials.
     assert loaded.model.activation_func is cfg.model.activation_func  # type: ignore[union-attr]
-    init = loaded.model.init_method  # type: ignore[union-attr]
+    init = loaded.model.init_method
     assert isinstance(init, functools.partial)
     assert init.func is torch.nn.init.normal_
     assert init.keywords == cfg.model.init_method.keywords  # type: ignore[union-attr]
@@ -176,7 +176,7 @@ def test_overrides_on_megatron_objects(tmp_path: Path) -> None:
     )
     assert changed.model.num_layers == 4  # type: ignore[union-attr]
     assert changed.optimizer.lr == pytest.approx(1e-4)  # type: ignore[union-attr]
-    assert changed.model.params_dtype is torch.bfloat16
+    assert changed.model.params_dtype is torch.bfloat16  # type: ignore[union-attr]
     assert changed.ddp.overlap_grad_reduce is True
     assert cfg.model.num_layers == 2  # type: ignore[union-attr]
     with pytest.raises(
@@ -247,3 +247,49 @@ def test_local_ddp_config_mirrors_megatron() -> None:
     local = bc.DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=1000)
     built = convert_dataclass(local, MegatronDDPConfig)
     assert built.grad_reduce_in_fp32 is True and built.bucket_size == 1000
+
+
+def test_expert_parallel_layout_of_a_megatron_moe_config() -> None:
+    """DP stays world / (TP x PP x CP); the expert layout must fit the world and the experts."""
+    moe = _model(num_moe_experts=8, expert_model_parallel_size=2, moe_ffn_hidden_size=128)
+    assert moe.expert_tensor_parallel_size == 1  # megatron fills it from the TP size
+    cfg = _container(model=moe, train=TrainingConfig(micro_batch_size=2, train_iters=20))
+    cfg.validate(world_size=4)
+    assert cfg.data_parallel_size == 4
+    assert cfg.train is not None and cfg.train.global_batch_size == 8
+
+    # megatron accepts 6 experts with EP=4 at construction; the layout check does not.
+    uneven = _model(num_moe_experts=6, expert_model_parallel_size=4, moe_ffn_hidden_size=128)
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.expert_model_parallel_size: got 4; num_moe_experts \(6\) is not divisible "
+        r"by it; valid expert_model_parallel_size values for 4 ranks: 1, 2$",
+    ):
+        _container(model=uneven).validate(world_size=4)
+    with pytest.raises(
+        ConfigError,
+        match=r"model.expert_model_parallel_size: got 2; world size 3 is not divisible by "
+        r"expert_tensor_parallel_size \(1\) x expert_model_parallel_size \(2\)",
+    ):
+        _container(model=moe).validate(world_size=3)
+    # An override bypasses megatron's own __post_init__ check; validate() still catches it.
+    dense = apply_overrides(_container(), ["model.expert_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"model.num_moe_experts: is unset"):
+        dense.validate(world_size=2)
+
+
+def test_saved_megatron_run_derives_its_schedule_again(tmp_path: Path) -> None:
+    cfg = _container(train=TrainingConfig(micro_batch_size=2, train_iters=20))
+    cfg.validate(world_size=2)
+    assert cfg.train is not None and cfg.scheduler is not None
+    assert (cfg.train.global_batch_size, cfg.scheduler.lr_decay_iters) == (4, 20)
+    path = tmp_path / "run.yaml"
+    cfg.to_yaml(path)
+
+    loaded = load_config(path, ["train.train_iters=100"])
+    loaded.validate(world_size=4)
+    assert loaded.train is not None and loaded.scheduler is not None
+    assert loaded.train.global_batch_size == 8
+    assert loaded.scheduler.lr_decay_iters == 100
+    assert loaded.scheduler.lr_decay_steps == 100 * 8
+    assert type(loaded.model) is TinyGPTProvider and loaded.optimizer == cfg.optimizer

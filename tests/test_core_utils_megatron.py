@@ -52,7 +52,29 @@ FULL_WEIGHT = torch.arange(12, dtype=torch.float32).reshape(4, 3)
 BIAS = torch.tensor([1.0, 2.0, 3.0])
 
 
+def _default_tp_group_before_initialisation(out: dict[str, Any]) -> None:
+    """torch.distributed is up but megatron's parallel_state is not: no default group."""
+    assert not parallel_state.is_initialized()
+    try:
+        core_utils.get_tensor_model_parallel_group_if_none(None)
+        out["uninitialised_error"] = None
+    except RuntimeError as exc:
+        out["uninitialised_error"] = str(exc)
+    out["uninitialised_unchecked"] = (
+        core_utils.get_tensor_model_parallel_group_if_none(None, check_initialized=False),
+        core_utils.get_tensor_model_parallel_group_if_none(
+            None, is_expert=True, check_initialized=False
+        ),
+    )
+    explicit = dist.new_group([0, 1])
+    assert isinstance(explicit, dist.ProcessGroup)  # both ranks are members
+    out["uninitialised_explicit"] = (
+        core_utils.get_tensor_model_parallel_group_if_none(explicit) is explicit
+    )
+
+
 def _tensor_parallel_checks(rank: int, ckpt_dir: str, out: dict[str, Any]) -> None:
+    _default_tp_group_before_initialisation(out)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
         shard = FULL_WEIGHT.chunk(2, dim=0)[rank].clone()
@@ -94,6 +116,19 @@ def _tensor_parallel_checks(rank: int, ckpt_dir: str, out: dict[str, Any]) -> No
             group = core_utils.get_tensor_model_parallel_group_if_none(None)
         out["default_tp_group"] = group is parallel_state.get_tensor_model_parallel_group()
         out["tp_warning"] = any(issubclass(w.category, DeprecationWarning) for w in caught)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            expert = core_utils.get_tensor_model_parallel_group_if_none(None, is_expert=True)
+            unchecked = core_utils.get_tensor_model_parallel_group_if_none(
+                None, check_initialized=False
+            )
+        out["default_expert_tp_group"] = (
+            expert is parallel_state.get_expert_tensor_parallel_group()
+            and dist.get_process_group_ranks(expert) == [0, 1]
+        )
+        out["default_tp_group_unchecked"] = (
+            unchecked is parallel_state.get_tensor_model_parallel_group()
+        )
 
         handler = _ListHandler()
         log = logging.getLogger(f"test.core_utils.megatron.{rank}")
@@ -150,7 +185,14 @@ def test_megatron_backed_helpers_on_two_gloo_ranks(tmp_path: Path) -> None:
         assert out["prepended_shape"] == (1, 4, 3)
         assert out["loaded_weight"] == FULL_WEIGHT.chunk(2, dim=0)[rank].tolist()
         assert out["loaded_bias"] == BIAS.tolist()
+        assert out["uninitialised_error"] is not None
+        assert "initialize_model_parallel" in out["uninitialised_error"]
+        assert "tp_group=" in out["uninitialised_error"]
+        assert out["uninitialised_unchecked"] == (None, None)
+        assert out["uninitialised_explicit"] is True
         assert out["default_tp_group"] is True
+        assert out["default_expert_tp_group"] is True
+        assert out["default_tp_group_unchecked"] is True
         assert out["tp_warning"] is (rank == 0)
         assert out["dp_same"] is True and out["dp_diverged"] is False
     assert results[0]["stage_logged"] == ["stage"] and results[1]["stage_logged"] == []

@@ -83,7 +83,7 @@ def test_with_sdpa_core_attention_copies_the_spec() -> None:
     assert new.submodules.self_attention.submodules.core_attention is SDPACoreAttention
     assert spec.submodules.self_attention.submodules.core_attention is before
     with pytest.raises(ValueError, match="core_attention"):
-        with_sdpa_core_attention(object())  # type: ignore[arg-type]
+        with_sdpa_core_attention(object())
 
 
 def test_context_parallel_is_refused_with_a_clear_message() -> None:

@@ -144,7 +144,7 @@ def test_preprocess_cli_then_train_from_yaml_with_two_ranks_and_bare(tmp_path: P
         dataset=GPTDatasetConfig(
             random_seed=3,
             sequence_length=16,
-            blend=[[str(prefix)], None],
+            blend=([str(prefix)], None),
             split="9,1,0",
             reset_position_ids=False,
             reset_attention_mask=False,

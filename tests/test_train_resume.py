@@ -7,15 +7,20 @@ Runs (``pretrain`` on two forked gloo ranks, checkpoints every 10 iterations):
 * interrupted: stops at iteration 20 (``train.exit_interval``), resumes, and every rank is
   killed with SIGKILL during iteration 35 (after the checkpoint of 30); the next launch
   resumes from 30 and trains 31-40 again.
+
+And ``bridge-train`` under ``torchrun --max-restarts=1`` with one rank SIGKILLed: the
+restart resumes exactly (launch helpers and reference run: tests/test_train_fault_drills.py).
 """
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
 import signal
+import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -88,107 +93,66 @@ def test_resume_and_kill_between_checkpoints_are_exact(tmp_path: Path) -> None:
     assert all("# GPUs: 2" in line for line in progress)
 
 
+def _drill_kit() -> ModuleType:
+    """``tests/test_train_fault_drills.py``: the torchrun launch helpers and the shared
+    uninterrupted reference run of the drill config.
+
+    tests/ is not a package: use the module pytest imported, else import it by path (under
+    the name pytest gives it, so it is imported once and the reference is computed once).
+    """
+    path = Path(__file__).resolve().with_name("test_train_fault_drills.py")
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if file is not None and Path(file).resolve() == path:
+            return module
+    name = "tests.test_train_fault_drills"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_torchrun_restarts_a_killed_rank_and_finishes(tmp_path: Path) -> None:
-    """``torchrun --max-restarts=1``: SIGKILL one rank after the checkpoint of iteration 10;
-    the launcher restarts both ranks, which resume from the last checkpoint (the trainer's
-    process group set-up is restart-safe) and finish; retrained steps match bit for bit."""
-    import subprocess
-    import sys
-
-    import psutil
-
-    from core_utils.testing import find_free_port
-
+    """``torchrun --max-restarts=1``: SIGKILL rank 1 right after the checkpoint of iteration
+    10; the launcher restarts both ranks, which resume from the last complete checkpoint (the
+    trainer's process group set-up is restart-safe) and finish. The restart's first step is
+    the one after the checkpoint the tracker named at the kill, no step is missing, and every
+    logged loss (retrained steps included) equals the uninterrupted run's, bit for bit."""
+    kit = _drill_kit()
+    reference = kit.reference_losses()
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={find_free_port()}",
-        "-m",
-        "bridge.train",
-        "--no-print-config",
+    args = [
         "--metrics-file",
         str(metrics),
-        "train.train_iters=60",
-        "train.eval_interval=null",
-        "train.eval_iters=0",
-        "model.num_layers=2",
-        "model.hidden_size=64",
-        "model.seq_length=64",
-        "scheduler.lr_warmup_iters=2",
+        *kit.DRILL_OVERRIDES,
         f"checkpoint.save={save}",
         "checkpoint.save_interval=10",
     ]
     log = tmp_path / "torchrun.log"
-    tracker = save / "latest_checkpointed_iteration.txt"
-    killed = None
-    # Output goes to a file: a process the killed rank forked may outlive it and would hold
-    # a pipe open. The new session lets the end of the test kill everything the launch left.
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            cwd=tmp_path,
-            start_new_session=True,
+    with kit.launched(kit.torchrun_command(args, max_restarts=1), log=log, cwd=tmp_path) as proc:
+        kit.wait_until(
+            lambda: (kit.tracker_iteration(save) or 0) >= 10,
+            proc,
+            300,
+            "checkpoint of iteration 10",
+            log,
         )
-        try:
-            deadline = time.monotonic() + 300
-            while killed is None and time.monotonic() < deadline and proc.poll() is None:
-                if tracker.exists() and int(tracker.read_text().strip() or 0) >= 10:
-                    for child in psutil.Process(proc.pid).children():
-                        if child.environ().get("RANK") == "1":
-                            killed = child.pid
-                            child.kill()
-                time.sleep(0.05)
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        finally:
-            _kill_group(proc.pid)
-            _kill_processes_mentioning(str(tmp_path))
+        rank1 = kit.rank_processes(proc)[1]
+        rank1.kill()  # the next save is 10 iterations away: none is in progress
+        tracker_at_kill = kit.tracker_iteration(save)
+        returncode = kit.wait_for_exit(proc, 300, log)
     output = log.read_text()
-    assert killed is not None, "the job finished before a rank could be killed"
-    assert proc.returncode == 0, output[-4000:]
-    assert f"(pid: {killed})" in output  # torchrun saw the failure and restarted
-    assert tracker.read_text().strip() == "60"
-    records = [r for r in read_metrics_file(metrics) if "lm loss" in r]
-    first_seen: dict[int, float] = {}
-    for record in records:  # a retrained step must repeat the first attempt exactly
-        step = int(record["step"])
-        assert first_seen.setdefault(step, record["lm loss"]) == record["lm loss"], step
-    assert sorted(first_seen) == list(range(1, 61))
+    assert returncode == 0, kit.tail(log)
+    assert f"(pid: {rank1.pid})" in output  # torchrun saw the failure and restarted
+    assert kit.loaded_message(save, tracker_at_kill) in output
+    records = kit.loss_records(metrics)
+    kit.assert_restarted_from([step for step, _ in records], tracker_at_kill)
+    kit.assert_losses_match(records, reference)
+    assert kit.tracker_iteration(save) == kit.TRAIN_ITERS
     progress = (save / "progress.txt").read_text()
     assert progress.count("Starting job") == 2
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL every process left in the launch's process group and wait until it is empty."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-
-
-def _kill_processes_mentioning(marker: str) -> None:
-    """SIGKILL processes of this launch that outlived it (found by a path unique to the test).
-
-    A process a rank forked (dist_checkpointing's write-results helper) is re-parented when
-    the rank is killed and lives in the rank's process group, not the launcher's.
-    """
-    import psutil
-
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = process.info.get("cmdline") or []
-        if process.pid != os.getpid() and any(marker in part for part in cmdline):
-            with contextlib.suppress(psutil.Error):
-                process.kill()

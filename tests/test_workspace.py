@@ -84,6 +84,8 @@ def test_sources_import_only_declared_siblings(dist: str) -> None:
     offenders = []
     for path in (PACKAGES / dist / "src").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
             names: list[str] = []
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

@@ -9,7 +9,9 @@ parallelism 2 (or data parallelism 2 with ``--language-parallel dp``). The data 
 synthetic image-caption pairs whose captions name the image's class, so the caption's class
 tokens can only be predicted from the image: a loss below the text-only floor printed at the
 start means the language model uses the encoder's embeddings. Runs on CPU (gloo) and GPU
-(nccl).
+(nccl). The cross-module data path is chosen automatically (megatron-core's
+BridgeCommunicator on CUDA, torch.distributed point-to-point on CPU) and printed at the start;
+``--communicator`` forces one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -42,9 +45,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--communicator",
-        choices=("p2p", "megatron"),
-        default="p2p",
-        help="cross-module data path (megatron needs CUDA)",
+        choices=("auto", "p2p", "megatron"),
+        default="auto",
+        help="cross-module data path: auto picks megatron-core's BridgeCommunicator on CUDA "
+        "when the layout fits it, else torch.distributed point-to-point (megatron needs CUDA)",
     )
     parser.add_argument(
         "--result-json", default=None, help="write the per-step losses to this file (rank 0)"
@@ -52,23 +56,35 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def build_layout(language_parallel: str) -> mimo.MimoLayout:
+    """Vision encoder DP 2 on ranks 0-1; the language model on ranks 2-3 (TP 2 or DP 2)."""
+    language = (
+        mimo.ModulePlacement(ranks=range(2, 4), tp=2)
+        if language_parallel == "tp"
+        else mimo.ModulePlacement(ranks=range(2, 4), dp=2)
+    )
+    return mimo.MimoLayout(
+        {"vision": mimo.ModulePlacement(ranks=range(0, 2), dp=2), "language": language}
+    )
+
+
 def main() -> None:
     args = parse_args()
+    layout = build_layout(args.language_parallel)
+    # Check the layout and the batch sizes before any process group or model exists, so a
+    # bad launch fails at once with the module and sizes in the message.
+    try:
+        layout.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        layout.validate_batch_sizes(args.global_batch_size, args.micro_batch_size)
+    except ValueError as exc:
+        sys.exit(f"train_mimo.py: error: {exc}")
+
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-
-    language = (
-        mimo.ModulePlacement(ranks=range(2, 4), tp=2)
-        if args.language_parallel == "tp"
-        else mimo.ModulePlacement(ranks=range(2, 4), dp=2)
-    )
-    layout = mimo.MimoLayout(
-        {"vision": mimo.ModulePlacement(ranks=range(0, 2), dp=2), "language": language}
-    )
     infra = mimo.build_megatron_mimo_infra(layout)
 
     config = mimo.TinyVLMConfig(vocab_size=32, seq_length=24)
@@ -123,7 +139,8 @@ def main() -> None:
 
     if rank == 0:
         print(
-            f"layout: {layout}\ntext-only loss floor (a model ignoring the images): "
+            f"layout: {layout}\ncommunicator: {step.communicator_choice.describe()}\n"
+            f"text-only loss floor (a model ignoring the images): "
             f"{dataset.text_only_loss_floor():.4f}",
             flush=True,
         )

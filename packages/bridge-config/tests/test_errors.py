@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,26 @@ class IdentityPEFT:
 
 def validate(world_size: int = 1, **sections: Any) -> Callable[[], None]:
     return lambda: tiny_container(**sections).validate(world_size=world_size)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEModelConfig(ExampleModelConfig):
+    """A mixture-of-experts model: megatron's expert fields next to the protocol's."""
+
+    num_moe_experts: int | None = None
+    expert_tensor_parallel_size: int | None = None
+
+
+def moe(**kwargs: Any) -> MoEModelConfig:
+    return MoEModelConfig(**kwargs)
+
+
+@dataclasses.dataclass
+class CommOverlap:
+    """Communication-overlap settings, as a trainer would define them."""
+
+    tp_comm_overlap: bool = False
+    data_parallel_size: int | None = None
 
 
 # Each case: a call that must fail, and substrings its message must contain.
@@ -363,6 +385,122 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
         ["PackedSequenceSpecs.packed_sequence_size: got -2"],
     ),
     (
+        "sched-zero-fraction-with-iters",
+        lambda: bc.SchedulerConfig(lr_warmup_fraction=0.0, lr_warmup_iters=5),
+        [
+            "SchedulerConfig: lr_warmup_fraction and lr_warmup_iters are mutually exclusive",
+            "lr_warmup_fraction=0.0, lr_warmup_iters=5",
+        ],
+    ),
+    (
+        "sched-zero-fraction-with-samples",
+        lambda: bc.SchedulerConfig(lr_warmup_fraction=0.0, lr_warmup_samples=50),
+        ["lr_warmup_fraction and lr_warmup_samples are mutually exclusive"],
+    ),
+    (
+        "sched-iters-and-samples-warmup",
+        lambda: bc.SchedulerConfig(lr_warmup_iters=5, lr_warmup_samples=50),
+        ["lr_warmup_iters and lr_warmup_samples are mutually exclusive"],
+    ),
+    (
+        "nvrx-interval-nan",
+        lambda: bc.NVRxStragglerDetectionConfig(report_time_interval=math.nan),
+        ["NVRxStragglerDetectionConfig.report_time_interval: got nan", "finite number"],
+    ),
+    (
+        "nvrx-interval-inf",
+        lambda: bc.NVRxStragglerDetectionConfig(report_time_interval=math.inf),
+        ["NVRxStragglerDetectionConfig.report_time_interval: got inf", "finite number"],
+    ),
+    (
+        "nvrx-threshold-nan",
+        lambda: bc.NVRxStragglerDetectionConfig(gpu_relative_perf_threshold=math.nan),
+        ["NVRxStragglerDetectionConfig.gpu_relative_perf_threshold: got nan"],
+    ),
+    (
+        "sched-warmup-init-nan",
+        lambda: bc.SchedulerConfig(lr_warmup_init=math.nan),
+        ["SchedulerConfig.lr_warmup_init: got nan", "finite number"],
+    ),
+    (
+        "sched-warmup-fraction-nan",
+        lambda: bc.SchedulerConfig(lr_warmup_fraction=math.nan),
+        ["SchedulerConfig.lr_warmup_fraction: got nan"],
+    ),
+    (
+        "sched-start-wd-nan",
+        lambda: bc.SchedulerConfig(start_weight_decay=math.nan, end_weight_decay=0.1),
+        ["SchedulerConfig.start_weight_decay: got nan", "finite number"],
+    ),
+    (
+        "sched-end-wd-inf",
+        lambda: bc.SchedulerConfig(
+            start_weight_decay=0.0, end_weight_decay=math.inf, weight_decay_incr_style="linear"
+        ),
+        ["SchedulerConfig.end_weight_decay: got inf", "finite number"],
+    ),
+    (
+        "data-surplus-inf",
+        lambda: gpt(mid_level_dataset_surplus=-math.inf),
+        ["GPTDatasetConfig.mid_level_dataset_surplus: got -inf", "finite number"],
+    ),
+    (
+        "data-blend-weight-nan",
+        lambda: gpt(blend=(["a", "b"], [1.0, math.nan]), split="1"),
+        ["GPTDatasetConfig.blend[1][1]: got nan", "finite number"],
+    ),
+    (
+        "ckpt-none-string",
+        lambda: bc.CheckpointConfig(non_persistent_ckpt_type="None"),  # type: ignore[arg-type]
+        [
+            "CheckpointConfig.non_persistent_ckpt_type: got 'None'",
+            "write null in YAML (None in Python)",
+        ],
+    ),
+    (
+        "kwarg-unknown",
+        lambda: bc.TrainingConfig(train_iter=1),  # type: ignore[call-arg]
+        [
+            "TrainingConfig.train_iter: unknown field of TrainingConfig.",
+            "Did you mean 'train_iters'?",
+        ],
+    ),
+    (
+        "kwarg-unknown-section",
+        lambda: ConfigContainer(foo=1),  # type: ignore[call-arg]
+        ["ConfigContainer.foo: unknown section of ConfigContainer.", "Valid sections: rng,"],
+    ),
+    (
+        "kwarg-misspelt-section",
+        lambda: ConfigContainer(trian=bc.TrainingConfig()),  # type: ignore[call-arg]
+        ["ConfigContainer.trian: unknown section", "Did you mean 'train'?"],
+    ),
+    (
+        "kwarg-missing",
+        lambda: bc.GPTDatasetConfig(  # type: ignore[call-arg]
+            sequence_length=8,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+        ),
+        ["GPTDatasetConfig.random_seed: required field of GPTDatasetConfig is missing (int)"],
+    ),
+    (
+        "kwarg-missing-several",
+        lambda: bc.MockGPTDatasetConfig(),  # type: ignore[call-arg]
+        ["MockGPTDatasetConfig.random_seed: required field", "also missing: sequence_length"],
+    ),
+    (
+        "kwarg-computed",
+        lambda: bc.SchedulerConfig(lr_decay_steps=10),  # type: ignore[call-arg]
+        ["SchedulerConfig.lr_decay_steps: cannot be set", "computed by SchedulerConfig"],
+    ),
+    (
+        "kwarg-positional",
+        lambda: bc.LoggerConfig(10),  # type: ignore[call-arg]
+        ["LoggerConfig: takes keyword arguments only (got positional 10)"],
+    ),
+    (
         "container-model-type",
         lambda: ConfigContainer(model=bc.TrainingConfig()),
         [
@@ -437,8 +575,8 @@ DICT_CASES: list[tuple[str, Any, list[str]]] = [
     ),
     (
         "required-field",
-        {"dataset": {"_target_": "bridge.config.FinetuningDatasetConfig"}},
-        ["dataset.seq_length: required field of FinetuningDatasetConfig is missing"],
+        {"dataset": {"_target_": "bridge.config.GPTDatasetConfig", "sequence_length": 8}},
+        ["dataset.random_seed: required field of GPTDatasetConfig is missing (int)"],
     ),
     (
         "mock-blend-fixed",
@@ -902,6 +1040,70 @@ VALIDATE_CASES: list[tuple[str, Callable[[], None], list[str]]] = [
         validate(1, peft=IdentityPEFT()),
         ["checkpoint.pretrained_checkpoint: is required with peft"],
     ),
+    (
+        "ep-world",
+        validate(6, model=ExampleModelConfig(expert_model_parallel_size=4)),
+        [
+            "model.expert_model_parallel_size: got 4; world size 6 is not divisible by "
+            "expert_tensor_parallel_size (1) x expert_model_parallel_size (4) x "
+            "pipeline_model_parallel_size (1) = 4",
+            "valid expert_model_parallel_size values for 6 ranks: 1, 2, 3, 6",
+        ],
+    ),
+    (
+        "ep-world-with-tp",
+        validate(
+            4,
+            model=ExampleModelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=4),
+        ),
+        [
+            "model.expert_model_parallel_size: got 4; world size 4 is not divisible by "
+            "expert_tensor_parallel_size (2) x expert_model_parallel_size (4)",
+            "values for 4 ranks: 1, 2 (or launch a multiple of 8 ranks)",
+        ],
+    ),
+    (
+        "ep-experts",
+        validate(6, model=moe(expert_model_parallel_size=3, num_moe_experts=8)),
+        [
+            "model.expert_model_parallel_size: got 3; num_moe_experts (8) is not divisible by it",
+            "valid expert_model_parallel_size values for 6 ranks: 1, 2",
+        ],
+    ),
+    (
+        "ep-needs-experts",
+        validate(2, model=moe(expert_model_parallel_size=2)),
+        ["model.num_moe_experts: is unset but expert_model_parallel_size is 2"],
+    ),
+    (
+        "etp-world",
+        validate(
+            4,
+            model=moe(
+                expert_model_parallel_size=2, num_moe_experts=8, expert_tensor_parallel_size=3
+            ),
+        ),
+        [
+            "model.expert_tensor_parallel_size: got 3; world size 4 is not divisible by "
+            "expert_tensor_parallel_size (3) x expert_model_parallel_size (2)",
+            "expert_tensor_parallel_size values for 4 ranks: 1, 2 (or leave it unset",
+        ],
+    ),
+    (
+        "ep-not-an-int",
+        validate(2, model=ExampleModelConfig(expert_model_parallel_size=0)),
+        ["model.expert_model_parallel_size: got 0; expected a positive integer"],
+    ),
+    (
+        "finetune-seq-length-unset",
+        validate(1, dataset=bc.FinetuningDatasetConfig()),
+        ["dataset.seq_length: is required for a finetuning dataset", "model.seq_length (32)"],
+    ),
+    (
+        "comm-overlap-dp",
+        validate(2, comm_overlap=CommOverlap(data_parallel_size=4)),
+        ["comm_overlap.data_parallel_size: got 4 but the data-parallel size is 2"],
+    ),
 ]
 
 
@@ -922,6 +1124,35 @@ def test_validate_rechecks_sections_changed_after_construction(container: Config
         ConfigError, match=r"^train.micro_batch_size: got -1; expected a positive integer$"
     ):
         container.validate(world_size=1)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: bc.TrainingConfig(train_iter=1),  # type: ignore[call-arg]
+        lambda: ConfigContainer(foo=1),  # type: ignore[call-arg]
+        lambda: bc.FinetuningDatasetConfig(seq_len=8),  # type: ignore[call-arg]
+        lambda: bc.GPTDatasetConfig(random_seed=1),  # type: ignore[call-arg]
+        lambda: bc.RNGConfig(1),  # type: ignore[call-arg]
+    ],
+    ids=["unknown", "unknown-section", "unknown-subclass-field", "missing", "positional"],
+)
+def test_bad_keyword_arguments_are_type_errors_too(call: Callable[[], Any]) -> None:
+    """Code that catches the TypeError a bad call raises keeps working."""
+    with pytest.raises(TypeError) as info:
+        call()
+    assert isinstance(info.value, ConfigError)
+
+
+def test_keyword_checks_leave_valid_calls_and_copies_alone() -> None:
+    import copy
+    import pickle
+
+    train = bc.TrainingConfig(micro_batch_size=2, train_iters=10)
+    assert copy.deepcopy(train) == train and pickle.loads(pickle.dumps(train)) == train
+    assert dataclasses.replace(train, train_iters=20).train_iters == 20
+    with pytest.raises(ConfigError, match=r"TrainingConfig.train_itres: unknown field"):
+        dataclasses.replace(train, train_itres=20)  # type: ignore[call-arg]
 
 
 def test_config_error_is_a_value_error() -> None:

@@ -66,7 +66,9 @@ REFERENCE: dict[type, list[tuple[str, Any, Any]]] = {
     ],
     bc.FinetuningDatasetConfig: [
         ("dataset_root", Optional[Union[str, Path]], None),
-        ("seq_length", int, REQUIRED),
+        # The reference's `int = None`, spelt Optional like every other None default here;
+        # validate() requires it (dataset.seq_length).
+        ("seq_length", Optional[int], None),
         ("seed", int, 1234),
         ("memmap_workers", int, 1),
         ("max_train_samples", Optional[int], None),
@@ -109,8 +111,8 @@ REFERENCE: dict[type, list[tuple[str, Any, Any]]] = {
         ("exit_interval", Optional[int], None),
         ("exit_duration_in_mins", Optional[int], None),
         ("exit_signal_handler", bool, False),
-        # The reference page renders this non-literal default as "None"; the source it
-        # documents (and the handler) use SIGTERM.
+        # The reference page renders this non-literal default as "None"; kept as SIGTERM
+        # (see "Differences from the reference" in docs/configuration.md).
         ("exit_signal", int, signal.SIGTERM),
         ("exit_signal_handler_for_dataloader", bool, False),
         ("manual_gc", bool, False),
@@ -135,7 +137,7 @@ REFERENCE: dict[type, list[tuple[str, Any, Any]]] = {
         ("non_persistent_save_interval", Optional[int], None),
         (
             "non_persistent_ckpt_type",
-            Optional[Literal["global", "local", "in_memory", "None"]],
+            Optional[Literal["global", "local", "in_memory", None]],
             None,
         ),
         ("non_persistent_global_ckpt_dir", Optional[str], None),
@@ -191,7 +193,8 @@ REFERENCE: dict[type, list[tuple[str, Any, Any]]] = {
         ("wandb_exp_name", Optional[str], None),
         ("wandb_save_dir", Optional[str], None),
         ("wandb_entity", Optional[str], None),
-        # Rendered as "None" by the reference page; the documented source uses logging.INFO.
+        # Rendered as "None" by the reference page; kept as logging.INFO (see "Differences
+        # from the reference" in docs/configuration.md).
         ("logging_level", int, logging.INFO),
         ("filter_warnings", bool, True),
         ("modules_to_filter", Optional[list[str]], None),
@@ -246,7 +249,8 @@ REFERENCE: dict[type, list[tuple[str, Any, Any]]] = {
         ("scheduler", Optional[bc.SchedulerConfig], None),
         ("dataset", Optional[Union[bc.GPTDatasetConfig, bc.FinetuningDatasetConfig]], None),
         ("logger", Optional[bc.LoggerConfig], None),
-        ("tokenizer", Optional[bc.TokenizerConfig], None),
+        # The reference's TokenizerConfig, or any object with its fields.
+        ("tokenizer", Optional[Union[bc.TokenizerConfig, bc.TokenizerConfigProtocol]], None),
         ("checkpoint", Optional[bc.CheckpointConfig], None),
         ("dist", bc.DistributedInitConfig, FACTORY),
         ("ft", Optional[bc.FaultToleranceConfig], None),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -184,6 +185,83 @@ def test_byte_level_total_vocab_matches_the_tokenizer() -> None:
     )
     with pytest.raises(bc.ConfigError, match="emits 258 ids"):
         small_model.validate(world_size=1)
+
+
+@dataclass
+class OtherTokenizerConfig:
+    """A tokenizer config of another package with the fields of bridge.config's (no methods)."""
+
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None
+    vocab_extra_ids: int = 0
+    special_tokens: list[str] | None = None
+
+
+@dataclass
+class TokenizerWithoutExtraIds:
+    """Lacks ``vocab_extra_ids``, so it does not provide TokenizerConfigProtocol."""
+
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None
+
+
+def test_tokenizer_section_accepts_another_class_with_the_same_fields(tmp_path: Path) -> None:
+    other = OtherTokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100, vocab_extra_ids=4)
+    assert isinstance(other, bc.TokenizerConfigProtocol)
+    cfg = tiny_container(tokenizer=other)
+    assert cfg.tokenizer is other
+    cfg.validate(world_size=1)  # 104 ids fit the model's 128
+
+    path = tmp_path / "run.yaml"
+    cfg.to_yaml(path)
+    loaded = ConfigContainer.from_yaml(path)
+    assert type(loaded.tokenizer) is OtherTokenizerConfig and loaded.tokenizer == other
+
+    too_many = tiny_container(
+        tokenizer=OtherTokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=200)
+    )
+    with pytest.raises(bc.ConfigError, match=r"tokenizer.vocab_size: the tokenizer emits 200 ids"):
+        too_many.validate(world_size=1)
+    # A byte-level tokenizer's size comes from its special tokens, read when present.
+    byte_level = OtherTokenizerConfig(tokenizer_type="ByteLevelTokenizer", special_tokens=["<bos>"])
+    assert (
+        bc.TokenizerConfig(
+            tokenizer_type="ByteLevelTokenizer", special_tokens=["<bos>"]
+        ).total_vocab_size()
+        == 259
+    )
+    with pytest.raises(bc.ConfigError, match=r"emits 259 ids"):
+        tiny_container(tokenizer=byte_level).validate(world_size=1)
+    tiny_container(tokenizer=byte_level, model=ExampleModelConfig(vocab_size=512)).validate(
+        world_size=1
+    )
+
+
+def test_tokenizer_section_rejects_a_class_without_the_protocol() -> None:
+    with pytest.raises(
+        bc.ConfigError,
+        match=r"ConfigContainer.tokenizer: TokenizerWithoutExtraIds does not provide "
+        r"TokenizerConfigProtocol: it lacks vocab_extra_ids",
+    ):
+        ConfigContainer(tokenizer=TokenizerWithoutExtraIds())  # type: ignore[arg-type]
+    target = f"{TokenizerWithoutExtraIds.__module__}.TokenizerWithoutExtraIds"
+    with pytest.raises(bc.ConfigError, match=r"tokenizer._target_: .* it lacks vocab_extra_ids"):
+        ConfigContainer.from_dict({"tokenizer": {"_target_": target}})
+    # Without _target_ a mapping is bridge.config's own TokenizerConfig.
+    built = ConfigContainer.from_dict({"tokenizer": {"tokenizer_type": "ByteLevelTokenizer"}})
+    assert type(built.tokenizer) is bc.TokenizerConfig
+
+
+def test_expert_parallelism_keeps_the_data_parallel_size() -> None:
+    """DP = world / (TP x PP x CP), as in megatron; the expert layout only has to fit."""
+    model = ExampleModelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    cfg = tiny_container(model=model)
+    assert cfg.get_data_parallel_size(8) == 4
+    cfg.validate(world_size=8)
+    assert cfg.data_parallel_size == 4
+    assert cfg.train is not None and cfg.train.global_batch_size == 2 * 4
 
 
 def test_world_size_resolution(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,13 +66,20 @@ def test_reference_signatures() -> None:
     ]
     assert params["pg_collection"].default is None
     assert params["loaded_iteration"].default == 0
-    assert list(inspect.signature(bl.report_throughput).parameters) == [
+    throughput = inspect.signature(bl.report_throughput).parameters
+    assert [p.name for p in throughput.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == [
         "train_config",
         "iteration",
         "seq_length",
         "history_wct",
         "window_size",
     ]
+    # The extension is keyword-only with a default, so reference calls are unaffected.
+    assert throughput["samples_in_window"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert throughput["samples_in_window"].default is None
+    grad_norm = inspect.signature(bl.report_l2_norm_grad).parameters
+    assert next(iter(grad_norm)) == "model"
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is None for p in list(grad_norm.values())[1:])
     runtime = inspect.signature(bl.report_runtime).parameters
     assert list(runtime)[:5] == [
         "train_state",

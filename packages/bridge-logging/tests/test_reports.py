@@ -60,6 +60,27 @@ def test_throughput_waits_for_a_full_window_and_skips_bad_windows() -> None:
         report_throughput(TrainingConfig(micro_batch_size=2), 3, 16, [0.0] * 5, window_size=1)
 
 
+def test_throughput_uses_the_samples_of_the_window_and_needs_seq_length_for_tokens() -> None:
+    history = [0.0, 2.0, 4.0]
+    # A ramp-up: the two iterations of the window consumed 6 samples, not 2 x 8.
+    ramped = report_throughput(TRAIN, 2, 16, history, 2, samples_in_window=6)
+    assert ramped["throughput/batches_per_sec"] == pytest.approx(0.5)
+    assert ramped["throughput/samples_per_sec"] == pytest.approx(1.5)
+    assert ramped["throughput/tokens_per_sec"] == pytest.approx(1.5 * 16)
+    # Without global_batch_size, the samples of the window are enough.
+    unset = TrainingConfig(micro_batch_size=2)
+    assert report_throughput(unset, 2, 16, history, 2, samples_in_window=6) == ramped
+    no_tokens = report_throughput(TRAIN, 2, None, history, 2)
+    assert no_tokens == {
+        "throughput/batches_per_sec": pytest.approx(0.5),
+        "throughput/samples_per_sec": pytest.approx(4.0),
+        "throughput/device/batches_per_sec": pytest.approx(0.5),
+        "throughput/device/samples_per_sec": pytest.approx(4.0),
+    }
+    with pytest.raises(ValueError, match="samples_in_window must not be negative, got -1"):
+        report_throughput(TRAIN, 2, 16, history, 2, samples_in_window=-1)
+
+
 class _Progress:
     def __init__(self, step: int, samples: int) -> None:
         self.step = step
@@ -91,6 +112,16 @@ def test_runtime_estimate_in_each_unit() -> None:
     assert "time/remaining_estimate" not in report_runtime(
         _Progress(0, 0), 100.0, 16, 10, now=120.0
     )
+
+
+def test_runtime_without_seq_length_or_train_iters_keeps_the_other_metrics() -> None:
+    progress = _Progress(step=4, samples=32)
+    report = report_runtime(
+        progress, start_time=100.0, seq_length=None, train_iters=None, now=120.0
+    )
+    assert report == {"time/samples": 32.0, "time/batches": 4.0, "time/total": 20.0}
+    with_iters = report_runtime(progress, 100.0, None, 10, now=120.0)
+    assert with_iters["time/remaining_estimate"] == 30.0 and "time/tokens" not in with_iters
 
 
 def test_runtime_rejects_bad_units_and_lengths() -> None:

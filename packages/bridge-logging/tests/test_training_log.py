@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from bridge.config import LoggerConfig, SchedulerConfig, TrainingConfig
 from bridge.config.testing import tiny_container
 from bridge.logging import (
     MetricWriters,
@@ -48,7 +49,9 @@ class Driver:
         self.model = self.kit.TinyModel()
         self.generator = torch.Generator().manual_seed(1)
 
-    def step(self, *, loss: float | None = None, skipped: int = 0, **kwargs: Any) -> float:
+    def step(
+        self, *, loss: float | None = None, skipped: int = 0, batch: int = GBS, **kwargs: Any
+    ) -> float:
         ts = self.state.train_state
         x = torch.randn(GBS, 8, generator=self.generator)
         y = torch.randn(GBS, 1, generator=self.generator)
@@ -64,7 +67,7 @@ class Driver:
                     p -= 1e-3 * p.grad
         value = float(real.detach()) if loss is None else loss
         ts.step += 1
-        ts.consumed_train_samples += GBS
+        ts.consumed_train_samples += batch
         ts.floating_point_operations_so_far += self.flops_per_iteration
         self.history.append(float(ts.step - self.loaded_iteration))  # 1 s per iteration
         assert self.cfg.logger is not None
@@ -438,3 +441,115 @@ def test_writer_of_a_custom_backend_receives_the_metrics(
     Driver(kit, cfg, writers).step()
     writers.close()
     assert "lm loss" in kit.read_tensorboard(tmp_path / "direct")
+
+
+def rampup_config(tmp_path: Any, *, ramp_samples: int, **logger: Any) -> Any:
+    """Sample-based training whose batch ramps from 2 to 8 by 2 over ``ramp_samples``."""
+    cfg = tiny_container(
+        train=TrainingConfig(
+            micro_batch_size=2,
+            global_batch_size=8,
+            train_samples=1000,
+            rampup_batch_size=[2, 2, ramp_samples],
+            eval_interval=None,
+        ),
+        scheduler=SchedulerConfig(lr_warmup_samples=8),
+        logger=LoggerConfig(tensorboard_dir=str(tmp_path / "tb"), **logger),
+    )
+    cfg.validate(world_size=1)
+    return cfg
+
+
+def test_batch_size_and_throughput_follow_a_rampup(kit: Any, tmp_path: Any, capsys: Any) -> None:
+    cfg = rampup_config(tmp_path, ramp_samples=12, log_interval=2, log_throughput=True)
+    writers = tb_writers(tmp_path, cfg)
+    driver = Driver(kit, cfg, writers)
+    batches = [2, 2, 4, 6, 8, 8]  # what the trainer ran (its consumed-sample increments)
+    for batch in batches:
+        driver.step(batch=batch)
+    writers.close()
+    printed = lines(capsys.readouterr().out)
+    # Each console line shows the batch of the iteration it is printed at.
+    assert [field_value(line, "global batch size") for line in printed] == ["2", "6", "8"]
+    tags = kit.read_tensorboard(tmp_path / "tb")
+    assert tags["batch-size"] == [(i, float(b)) for i, b in enumerate(batches, start=1)]
+    consumed = [sum(batches[:i]) for i in range(1, 7)]
+    assert tags["batch-size vs samples"] == [
+        (c, float(b)) for c, b in zip(consumed, batches, strict=True)
+    ]
+    # Window of 2 iterations (log_interval), 1 s per iteration: the samples of the last two
+    # iterations over 2 s, not 2 x global_batch_size.
+    samples_per_sec = [(i, (batches[i - 2] + batches[i - 1]) / 2) for i in range(2, 7)]
+    assert tags["throughput/samples_per_sec"] == [(i, pytest.approx(v)) for i, v in samples_per_sec]
+    assert tags["throughput/tokens_per_sec"] == [
+        (i, pytest.approx(v * SEQ)) for i, v in samples_per_sec
+    ]
+    assert tags["throughput/batches_per_sec"] == [(i, pytest.approx(1.0)) for i in range(2, 7)]
+
+
+def test_a_job_resumed_during_the_rampup_does_not_guess_its_first_batch(
+    kit: Any, tmp_path: Any, capsys: Any
+) -> None:
+    cfg = rampup_config(tmp_path, ramp_samples=100, log_interval=1, log_throughput=True)
+    writers = tb_writers(tmp_path, cfg)
+    driver = Driver(kit, cfg, writers, loaded_iteration=10)
+    driver.state.train_state.consumed_train_samples = 20
+    for _ in range(3):
+        driver.step(batch=4)
+    writers.close()
+    printed = lines(capsys.readouterr().out)
+    # Iteration 11's batch is unknown (the counter before it was not seen, and the batch
+    # was still ramping); later ones are the counter's increments.
+    assert [field_value(line, "global batch size") for line in printed] == ["N/A", "4", "4"]
+    tags = kit.read_tensorboard(tmp_path / "tb")
+    assert tags["batch-size"] == [(12, 4.0), (13, 4.0)]
+    # The window of iteration 12 holds the unknown iteration: it counts at the known average.
+    assert tags["throughput/samples_per_sec"] == [(12, pytest.approx(4.0)), (13, 4.0)]
+
+
+def test_a_job_resumed_without_rampup_knows_its_first_batch(
+    kit: Any, tmp_path: Any, capsys: Any
+) -> None:
+    cfg = kit.make_config(log_interval=1, train_iters=20, tensorboard_dir=str(tmp_path / "tb"))
+    writers = tb_writers(tmp_path, cfg)
+    driver = Driver(kit, cfg, writers, loaded_iteration=10)
+    driver.state.train_state.consumed_train_samples = 10 * GBS
+    driver.step()
+    writers.close()
+    assert field_value(lines(capsys.readouterr().out)[0], "global batch size") == str(GBS)
+    assert kit.read_tensorboard(tmp_path / "tb")["batch-size"] == [(11, float(GBS))]
+
+
+def test_unknown_sequence_length_leaves_out_only_the_token_metrics(
+    kit: Any, tmp_path: Any, capsys: Any
+) -> None:
+    cfg = kit.make_config(
+        log_interval=2,
+        train_iters=4,
+        tensorboard_dir=str(tmp_path / "tb"),
+        log_throughput=True,
+        log_runtime_to_tensorboard=True,
+    )
+    cfg.model.seq_length = None  # e.g. a model config without one, and no dataset
+    cfg.dataset = None
+    writers = tb_writers(tmp_path, cfg)
+    driver = Driver(kit, cfg, writers)
+    for _ in range(4):
+        driver.step()
+    writers.close()
+    tags = kit.read_tensorboard(tmp_path / "tb")
+    for name in (
+        "throughput/batches_per_sec",
+        "throughput/samples_per_sec",
+        "throughput/device/batches_per_sec",
+        "throughput/device/samples_per_sec",
+        "throughput/tflops/device",
+        "time/remaining_estimate",
+        "time/samples",
+        "time/batches",
+        "time/total",
+    ):
+        assert name in tags, name
+    assert tags["throughput/samples_per_sec"][-1] == (4, pytest.approx(GBS))
+    assert tags["time/samples"][-1] == (4, float(4 * GBS))
+    assert not [t for t in tags if "tokens" in t]

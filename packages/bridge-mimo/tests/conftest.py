@@ -86,6 +86,7 @@ def full_parameters(model: Any, infra: mimo.MegatronMIMOInfra) -> dict[str, torc
             infra.language_module_name if name.startswith("language_model") else name.split(".")[1]
         )
         pgs = infra.pg_collections[module]
+        assert pgs is not None  # this rank holds the parameter, so it runs the module
         tensor = param.detach()
         if getattr(param, "tensor_model_parallel", False) and pgs.tp.size() > 1:
             parts = [torch.empty_like(tensor) for _ in range(pgs.tp.size())]
@@ -99,7 +100,7 @@ def build_run(
     desc: Mapping[str, Mapping[str, Any]],
     *,
     per_token_loss: bool = False,
-    communicator: Any = "p2p",
+    communicator: Any = "auto",
     global_batch: int = GLOBAL_BATCH,
     micro_batch: int = MICRO_BATCH,
     optimizer_factory: Any = sgd,

@@ -9,6 +9,7 @@ sample, a missing encoder rescale) moves the parameters by ~1e-3 after these ste
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -103,6 +104,10 @@ def per_token_reference(harness: SimpleNamespace) -> dict[str, Any]:
     return result
 
 
+def _mismatch(rank: int, name: str, message: str) -> str:
+    return f"rank {rank} {name}: {message}"
+
+
 def _assert_matches(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> None:
     ref_losses = torch.tensor(reference["losses"], dtype=torch.float64)
     ref_params: dict[str, torch.Tensor] = reference["params"]
@@ -120,7 +125,7 @@ def _assert_matches(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> N
                 expected,
                 rtol=0,
                 atol=TOL,
-                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+                msg=functools.partial(_mismatch, rank, name),
             )
             compared.add(name)
     assert compared == set(ref_params), f"parameters never compared: {set(ref_params) - compared}"

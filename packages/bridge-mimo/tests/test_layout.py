@@ -75,12 +75,45 @@ def test_rank_in_no_module_is_named() -> None:
         layout.validate(world_size=4)
 
 
-def test_grids_must_cover_the_world() -> None:
-    layout = _layout(vision=ModulePlacement(ranks=[0]), language=ModulePlacement(ranks=[1]))
-    with pytest.raises(
-        ValueError, match=r"rank 2 is not in any module \(ranks without a module: \[2, 3\]\)"
-    ):
+def test_uncovered_rank_between_modules_is_fixed_by_extending_a_module() -> None:
+    # Modules on {0, 1} and {3} in a world of 4: launching 3 ranks would drop rank 3.
+    layout = _layout(
+        vision=ModulePlacement(ranks=range(0, 2), dp=2), language=ModulePlacement(ranks=[3])
+    )
+    with pytest.raises(ValueError) as info:
         layout.validate(world_size=4)
+    message = str(info.value)
+    assert message == (
+        "rank 2 is not in any module (ranks without a module: [2]); every rank must run a "
+        "module: rank 2 comes before the last module rank (3, module 'language'), so launching "
+        "fewer ranks would drop module ranks; extend a module's rank range to cover rank 2 (or "
+        "shift the modules above it down)"
+    )
+    assert "launch" not in message.replace("launching fewer", "")
+
+
+def test_grids_must_cover_the_world() -> None:
+    # Only trailing ranks are idle: launching fewer ranks is the fix.
+    layout = _layout(vision=ModulePlacement(ranks=[0]), language=ModulePlacement(ranks=[1]))
+    with pytest.raises(ValueError) as info:
+        layout.validate(world_size=4)
+    assert str(info.value) == (
+        "rank 2 is not in any module (ranks without a module: [2, 3]); every rank must run a "
+        "module: launch 2 ranks (the modules use ranks 0-1) or extend a module's ranks to "
+        "cover ranks [2, 3]"
+    )
+
+
+def test_gap_and_trailing_ranks_get_both_fixes() -> None:
+    layout = _layout(
+        vision=ModulePlacement(ranks=[0]), language=ModulePlacement(ranks=range(2, 4), dp=2)
+    )
+    with pytest.raises(ValueError) as info:
+        layout.validate(world_size=5)
+    message = str(info.value)
+    assert "ranks without a module: [1, 4]" in message
+    assert "extend a module's rank range to cover rank 1" in message
+    assert message.endswith("and launch 4 ranks or also cover rank 4")
 
 
 def test_module_beyond_the_world_is_refused() -> None:

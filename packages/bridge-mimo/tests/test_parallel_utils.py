@@ -149,18 +149,21 @@ def _utilities_on_ranks(rank: int, world_size: int, harness: SimpleNamespace) ->
 
     set_grads(rank + 1.0)
     mimo.finalize_model_grads_multimodule([module], infra=infra, module_to_grid_tuple=pair)
+    assert module.weight.grad is not None
     out["mean_mode"] = float(module.weight.grad[0, 0])
     set_grads(rank + 1.0)
     tokens = torch.tensor(0 if name == "vision" else 10 + rank)  # only the TP leader counts
     mimo.finalize_model_grads_multimodule(
         [module], tokens, None, True, infra=infra, module_to_grid_tuple=pair
     )
+    assert module.weight.grad is not None
     out["per_token"] = float(module.weight.grad[0, 0])
 
     # Unused parameters still reduce (a zero gradient is materialised on every replica).
     module.bias.grad = None
     module.weight.grad = torch.ones_like(module.weight)
     mimo.finalize_model_grads_multimodule([module], infra=infra, module_to_grid_tuple=pair)
+    assert module.bias.grad is not None
     out["unused_bias_grad"] = module.bias.grad.abs().sum().item()
 
     # Gradient buffers.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,7 +56,21 @@ def _setup_errors(rank: int, world_size: int, harness: SimpleNamespace) -> dict[
             communicator="megatron",
         ),
     )
+    log_records: list[logging.LogRecord] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log_records.append(record)
+
+    handler = Capture(logging.INFO)
+    step_logger = logging.getLogger("bridge.mimo.training")
+    step_logger.addHandler(handler)
+    step_logger.setLevel(logging.INFO)
     step = mimo.MimoTrainStep(model, infra, optimizer, global_batch_size=4, micro_batch_size=2)
+    step_logger.removeHandler(handler)
+    messages["log"] = "\n".join(r.getMessage() for r in log_records)
+    # The default, communicator="auto", takes point-to-point without CUDA.
+    messages["auto"] = f"{step.communicator_choice.kind} {type(step.communicator).__name__}"
     capture("microbatches", ValueError, lambda: step([{}]))
     specs = mimo.tiny_vlm_specs(harness.CONFIG, infra)
     capture(
@@ -84,16 +99,22 @@ def _setup_errors(rank: int, world_size: int, harness: SimpleNamespace) -> dict[
     capture(
         "factory",
         TypeError,
-        lambda: mimo.build_multimodule_optimizer(model, infra, lambda name, params: object()),
+        lambda: mimo.build_multimodule_optimizer(
+            model,
+            infra,
+            lambda name, params: object(),  # type: ignore[arg-type, return-value]
+        ),
     )
     if rank == 0:
         # An encoder output of the wrong shape is refused before anything is sent (the
         # language rank would otherwise wait for rows that never come).
         counts = torch.tensor([16])
+        assert step.communicator is not None
+        communicator = step.communicator
         capture(
             "rows",
             ValueError,
-            lambda: step.communicator.send_forward("vision", torch.zeros(15, 32), counts, 0),
+            lambda: communicator.send_forward("vision", torch.zeros(15, 32), counts, 0),
         )
     step.close()
     infra.destroy()
@@ -110,9 +131,10 @@ def test_setup_errors_are_clear(harness: SimpleNamespace) -> None:
             "use a multiple of 2"
         )
         assert (
-            "communicator must be 'p2p', 'megatron' or a ModuleCommunicator, got 'nccl'"
+            "communicator must be 'auto', 'p2p', 'megatron' or a ModuleCommunicator, got 'nccl'"
             in messages["communicator"]
         )
+        assert messages["auto"] == "p2p P2PModuleCommunicator"
         assert "BridgeCommunicator requires CUDA" in messages["megatron_without_cuda"]
         assert "use communicator='p2p'" in messages["megatron_without_cuda"]
         assert messages["microbatches"].startswith("expected 2 micro-batches")
@@ -129,6 +151,12 @@ def test_setup_errors_are_clear(harness: SimpleNamespace) -> None:
             "layout gives the module tp=1"
         )
     assert "output of encoder 'vision' has shape (15, 32), expected [16, 32]" in results[0]["rows"]
+    # Rank 0 logs the choice and why.
+    assert results[0]["log"] == (
+        "bridge.mimo communicator: p2p (no CUDA in use: megatron-core's BridgeCommunicator "
+        "needs nccl groups and CUDA buffers)"
+    )
+    assert all(out["log"] == "" for out in results[1:])
 
 
 def _adamw(_name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

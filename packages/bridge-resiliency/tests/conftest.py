@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +29,20 @@ from bridge.resiliency.testing import (
 from core_utils.testing import find_free_port, run_distributed
 
 HAS_NVRX = importlib.util.find_spec("nvidia_resiliency_ext") is not None
+
+_FAULT_BANNER = re.compile(
+    r"simulating fault '(?P<type>\w+)' on rank (?P<rank>\d+) \(pid (?P<pid>\d+)\) after "
+    r"[\d.]+ s, at unix time (?P<time>[\d.]+)"
+)
+_WATCHDOG_KILL = re.compile(
+    r"HangWatchdog: rank (?P<rank>\d+) \(pid (?P<pid>\d+)\) made no progress for "
+    r"(?P<timeout>[\d.]+) s in phase '(?P<phase>[^']+)'; .*\(at unix time (?P<time>[\d.]+)\)"
+)
+_RANK_MONITOR_TIMEOUT = re.compile(
+    r"\[(?P<asctime>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[WARNING\] \[[^\]]+\] "
+    r"(?:Section '\w+' has been open|Was out of section) for [\d.]+ seconds\. "
+    r"Timeout is (?P<timeout>[\d.]+) seconds\."
+)
 
 
 @pytest.fixture
@@ -181,6 +197,57 @@ class Drill:
                     f"timed out waiting for {what}" + (f"; log:\n{Drill.tail(log)}" if log else "")
                 )
             time.sleep(0.05)
+
+    option_args = staticmethod(option_args)
+
+    detection_slack = 5.0
+    """How much later than the timeout in force a hang may be detected. The rank monitor
+    checks every ``--ft-workload-check-interval`` (1 s in these drills, added separately),
+    the watchdog wakes at its deadline; the rest covers scheduling delays on a loaded
+    2-core machine."""
+
+    @staticmethod
+    def faults(output: str, fault_type: str) -> list[dict[str, Any]]:
+        """The simulated faults of ``fault_type`` in a launch log: rank, pid and the unix
+        time at which the rank stopped (each banner is printed to stdout and stderr)."""
+        found: dict[int, dict[str, Any]] = {}
+        for match in _FAULT_BANNER.finditer(output):
+            if match["type"] == fault_type:
+                found[int(match["pid"])] = {
+                    "rank": int(match["rank"]),
+                    "pid": int(match["pid"]),
+                    "time": float(match["time"]),
+                }
+        return sorted(found.values(), key=lambda fault: fault["time"])
+
+    @staticmethod
+    def watchdog_kills(output: str) -> list[dict[str, Any]]:
+        """The HangWatchdog detections in a launch log: rank, pid, phase, timeout, time."""
+        return [
+            {
+                "rank": int(m["rank"]),
+                "pid": int(m["pid"]),
+                "phase": m["phase"],
+                "timeout": float(m["timeout"]),
+                "time": float(m["time"]),
+            }
+            for m in _WATCHDOG_KILL.finditer(output)
+        ]
+
+    @staticmethod
+    def rank_monitor_timeouts(output: str) -> list[dict[str, float]]:
+        """The timeouts nvidia-resiliency-ext's rank monitors reported (they then kill the
+        rank): the unix time of the report and the timeout that elapsed."""
+        return [
+            {
+                # The monitor logs local time, like datetime.timestamp() reads it.
+                "time": datetime.datetime.strptime(
+                    m["asctime"], "%Y-%m-%d %H:%M:%S,%f"
+                ).timestamp(),
+                "timeout": float(m["timeout"]),
+            }
+            for m in _RANK_MONITOR_TIMEOUT.finditer(output)
+        ]
 
     @staticmethod
     def tail(log: Path, chars: int = 6000) -> str:

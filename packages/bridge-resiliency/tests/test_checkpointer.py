@@ -53,6 +53,34 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path: Path) -> N
     assert ckpt.latest_iteration() == 20
 
 
+def test_a_kill_between_rename_and_tracker_leaves_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    ckpt = StepCheckpointer(tmp_path, rank=0)
+    ckpt.save(10, _state(1.0))
+    renamed: list[Path] = []
+
+    def crash(final: Path) -> None:
+        renamed.append(final)
+        raise KeyboardInterrupt("killed after the rename, before the tracker")
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(20, _state(2.0), before_tracker=crash)
+    # The directory is complete and in place, but the tracker does not name it.
+    assert renamed == [tmp_path / "iter_0000020"]
+    assert (tmp_path / "iter_0000020" / "state.pt").stat().st_size > 0
+    assert (tmp_path / TRACKER_FILENAME).read_text() == "10\n"
+    loaded = ckpt.load()
+    assert loaded is not None and loaded.iteration == 10
+    assert torch.equal(loaded.state["w"], _state(1.0)["w"])
+    # Resumed training saves iteration 20 again: the half-committed directory is replaced.
+    assert ckpt.save(20, _state(3.0))
+    loaded = ckpt.load()
+    assert loaded is not None and loaded.iteration == 20
+    assert torch.equal(loaded.state["w"], _state(3.0)["w"])
+    assert not list(tmp_path.glob(".*")), "temporary or stale entries were left behind"
+
+
 def test_an_untracked_directory_is_replaced(tmp_path: Path) -> None:
     ckpt = StepCheckpointer(tmp_path, rank=0)
     ckpt.save(10, _state(1.0))

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +23,7 @@ from bridge.resiliency import (
     WatchdogTimeouts,
 )
 from bridge.resiliency._ft_state import ft_state_path, read_ft_state, write_ft_state
+from core_utils.testing import run_distributed
 
 
 def test_everything_off_gives_the_null_object() -> None:
@@ -80,6 +86,170 @@ def test_watchdog_runs_and_stops_cleanly_through_the_hooks() -> None:
     assert not ft.watchdog.running
     with pytest.raises(ResiliencyError, match="already called"):
         ft.on_setup_start()
+
+
+def test_watchdog_hooks_warm_up_and_nested_checkpointing_sections() -> None:
+    timeouts = WatchdogTimeouts(step=60, setup=120, checkpointing=90)
+    ft = FaultTolerance.from_config(None, rank=0, world_size=1, hang_timeout=timeouts)
+    assert isinstance(ft, ActiveFaultTolerance) and ft.watchdog is not None
+    watchdog = ft.watchdog
+
+    def armed() -> tuple[str | None, float | None]:
+        assert watchdog.phase is not None
+        return watchdog.phase, watchdog.timeout_of(watchdog.phase, warmup=watchdog.warmup)
+
+    try:
+        ft.on_setup_start()
+        ft.on_setup_end()
+        # The first training step (warm-up) runs under the setup timeout, later ones not.
+        ft.on_step_start()
+        assert armed() == ("step", 120) and watchdog.warmup
+        ft.on_step_end()
+        assert armed() == ("out_of_section", 60)
+        ft.on_step_start()
+        assert armed() == ("step", 60) and not watchdog.warmup
+        # A wait for an async save inside a step: checkpointing, then back to the step.
+        with ft.checkpointing(async_finalization=True):
+            assert armed() == ("checkpointing", 90)
+        assert armed() == ("step", 60)
+        ft.on_step_end()
+        # A save that first waits for the previous async save: one checkpointing section.
+        with ft.checkpointing():
+            with ft.checkpointing(async_finalization=True):
+                assert armed() == ("checkpointing", 90)
+            assert armed() == ("checkpointing", 90)
+        assert armed() == ("out_of_section", 60)
+        # Evaluation has its own warm-up step.
+        ft.on_eval_step_start()
+        assert armed() == ("step", 120)
+        ft.on_eval_step_end()
+        ft.on_eval_step_start()
+        assert armed() == ("step", 60)
+        ft.on_eval_step_end()
+        with pytest.raises(ResiliencyError, match="no checkpointing section is open"):
+            ft.on_checkpoint_end()
+        assert watchdog.running
+    finally:
+        ft.shutdown()
+    assert not watchdog.running
+
+
+# Rank-monitor timeouts and the durations the hooks below produce; computed timeouts are
+# observed maxima times _SAFETY, so comparing them with _SAFETY * duration tells which
+# section (or heartbeat interval) a duration was measured in.
+_SAFETY = 5.0
+_WARMUP_STEP = 1.0
+_FINALIZATION = 0.3
+
+
+def _state_snapshot(path: Path) -> tuple[int, dict[str, Any]] | None:
+    if not path.exists():
+        return None
+    return path.stat().st_ino, json.loads(path.read_text())
+
+
+def _nvrx_hooks_rank(rank: int, world: int, save_dir: str, socket_dir: str, mode: str) -> Any:
+    """Drive the hooks against a real rank monitor; snapshot ft_state.json after each phase."""
+    from nvidia_resiliency_ext.fault_tolerance.config import (
+        FaultToleranceConfig as RankMonitorConfig,
+    )
+    from nvidia_resiliency_ext.fault_tolerance.rank_monitor_server import RankMonitorServer
+
+    sections = {"setup": 60.0, "step": 60.0, "checkpointing": 60.0}
+    config = RankMonitorConfig(
+        rank_section_timeouts=sections if mode == "sections" else {},
+        rank_out_of_section_timeout=60.0 if mode == "sections" else None,
+        initial_rank_heartbeat_timeout=60.0,
+        rank_heartbeat_timeout=60.0,
+        safety_factor=_SAFETY,
+        workload_check_interval=1.0,
+        enable_nic_monitor=False,
+    )
+    socket = os.path.join(socket_dir, f"rank{rank}.socket")
+    server = RankMonitorServer.run_in_subprocess(config, socket)
+    os.environ["FT_RANK_MONITOR_IPC_SOCKET"] = socket
+    state = ft_state_path(save_dir)
+    snapshots: dict[str, Any] = {}
+    ft = FaultTolerance.from_config(
+        FaultToleranceConfig(enable_ft_package=True, calc_ft_timeouts=True),
+        checkpoint_dir=save_dir,
+        rank=rank,
+        world_size=world,
+    )
+    try:
+        ft.on_setup_start()
+        snapshots["monitor"] = ft.monitor
+        ft.on_setup_end(checkpoint_loaded=True)
+        for step in range(17):
+            ft.on_step_start()
+            time.sleep(_WARMUP_STEP if step == 0 else 0.01)
+            ft.on_step_end()
+        with ft.checkpointing(async_finalization=True):
+            time.sleep(_FINALIZATION)
+        snapshots["after_finalization"] = _state_snapshot(state)
+        with ft.checkpointing():
+            time.sleep(0.02)
+        snapshots["after_save"] = _state_snapshot(state)
+        with ft.checkpointing(), ft.checkpointing(async_finalization=True):
+            time.sleep(0.02)
+        snapshots["after_nested_save"] = _state_snapshot(state)
+        with ft.checkpointing(async_finalization=True):
+            pass
+        snapshots["after_second_finalization"] = _state_snapshot(state)
+        ft.shutdown(clean=True)
+        snapshots["after_shutdown"] = _state_snapshot(state)
+    finally:
+        ft.shutdown(clean=False)
+        server.kill()
+        server.join(timeout=30)
+    return snapshots
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sections", "heartbeats"])
+def test_nvrx_hooks_saves_async_finalizations_and_warm_up(
+    nvrx: None, tmp_path: Path, mode: str
+) -> None:
+    """Against nvidia-resiliency-ext's real rank monitor: a save is a checkpointing section
+    after which computed timeouts are stored; an async finalisation is a checkpointing
+    section too but stores nothing; nested, they are one save; the warm-up step is kept out
+    of the step timeout (sections) or inside the initial heartbeat interval (heartbeats)."""
+    # AF_UNIX socket paths are limited to ~100 characters: not under pytest's tmp_path.
+    socket_dir = tempfile.mkdtemp(prefix="bridge-rmon-")
+    try:
+        (snaps,) = run_distributed(
+            _nvrx_hooks_rank, 1, str(tmp_path), socket_dir, mode, timeout=100
+        )
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    assert snaps["monitor"] == f"nvrx-{mode}"
+    # 17 steps observed, but no save yet: the finalisation updates no timeout.
+    assert snaps["after_finalization"] is None
+    inode, saved = snaps["after_save"]
+    timeouts = saved["current_timeouts"]
+    if mode == "sections":
+        section = timeouts["section"]
+        assert section["calculated_sections"] == ["checkpointing", "setup", "step"]
+        # The finalisation was measured as checkpointing, and the warm-up step not as a step.
+        assert section["section"]["checkpointing"] >= _SAFETY * _FINALIZATION
+        assert section["section"]["step"] < _SAFETY * _WARMUP_STEP
+        assert not section["is_out_of_section_calculated"]
+    else:
+        heartbeat = timeouts["heartbeat"]
+        assert heartbeat["were_calculated"]
+        # No heartbeat at the end of setup: the first interval spans setup and the warm-up.
+        assert heartbeat["initial"] >= _SAFETY * _WARMUP_STEP > heartbeat["subsequent"]
+    nested_inode, _ = snaps["after_nested_save"]
+    assert nested_inode != inode  # the nested section counted as a save: stored again
+    assert snaps["after_second_finalization"][0] == nested_inode  # nothing stored
+    final_inode, final = snaps["after_shutdown"]
+    assert final_inode != nested_inode
+    if mode == "sections":
+        section = final["current_timeouts"]["section"]
+        assert section["is_out_of_section_calculated"]
+        # The warm-up step ran out of section (as in megatron's integration).
+        assert section["out_of_section"] >= _SAFETY * _WARMUP_STEP
 
 
 def test_enable_ft_package_needs_a_checkpoint_dir() -> None:

@@ -12,6 +12,8 @@ import pytest
 
 from bridge.config import FaultToleranceConfig
 from bridge.resiliency import (
+    ActiveFaultTolerance,
+    FaultTolerance,
     HangWatchdog,
     ResiliencyError,
     SimulatedFault,
@@ -123,6 +125,72 @@ def test_watchdog_timeouts_are_checked() -> None:
     assert timeouts.for_phase("out_of_section") == 2 and timeouts.for_phase("setup") is None
     with pytest.raises(ResiliencyError, match="phase: got 'eval'"):
         timeouts.for_phase("eval")
+
+
+def test_watchdog_timeouts_parse_command_line_values() -> None:
+    assert WatchdogTimeouts.parse("45") == WatchdogTimeouts(step=45.0)
+    full = WatchdogTimeouts.parse(" step:60, setup:900,checkpointing:600,out_of_section:30 ")
+    assert full == WatchdogTimeouts(step=60, setup=900, checkpointing=600, out_of_section=30)
+    assert WatchdogTimeouts.parse("step:2.5,setup:none") == WatchdogTimeouts(step=2.5)
+    for timeouts in (full, WatchdogTimeouts(step=0.25, checkpointing=1e6)):
+        assert WatchdogTimeouts.parse(str(timeouts)) == timeouts
+    assert str(full) == "step:60,setup:900,checkpointing:600,out_of_section:30"
+    for bad, message in [
+        ("fast", r"step got 'fast', not a number of seconds > 0"),
+        ("setup:900", "a step timeout in seconds is required"),
+        ("step:none", "a step timeout in seconds is required"),
+        ("step:60,eval:5", r"'eval:5' is not phase:seconds with a phase among step, setup"),
+        ("step:60,step:30", "phase 'step' given twice"),
+        ("step:60,checkpointing:-1", r"checkpointing got '-1', not a number of seconds > 0"),
+    ]:
+        with pytest.raises(ResiliencyError, match=message):
+            WatchdogTimeouts.parse(bad)
+
+
+def _slow_first_step_then_hang(timeouts: WatchdogTimeouts, first_step: float, done: Any) -> None:
+    ft = FaultTolerance.from_config(None, rank=2, world_size=4, hang_timeout=timeouts)
+    assert isinstance(ft, ActiveFaultTolerance)
+    ft.on_setup_start()
+    ft.on_setup_end()
+    for step in range(1, 4):
+        ft.on_step_start()
+        time.sleep(first_step if step == 1 else 0.01)
+        ft.on_step_end()
+        done.value = step
+    ft.on_step_start()
+    SimulatedFault(fault_type="rank_hung", target_rank=0, delay=0.0, rank=0).start()
+    time.sleep(120)  # never reached: the process is stopped, then killed
+
+
+@pytest.mark.timeout(90)
+def test_watchdog_spares_a_slow_warm_up_step_and_kills_a_later_hang(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # The first step takes 2.5 step timeouts: the warm-up runs under the setup timeout.
+    done = _FORK.Value("i", 0)
+    timeouts = WatchdogTimeouts(step=1.0, setup=8.0)
+    proc = _FORK.Process(target=_slow_first_step_then_hang, args=(timeouts, 2.5, done))
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert done.value == 3  # the slow first step and two more finished; step 4 hung
+    err = capfd.readouterr().err
+    assert "HangWatchdog: rank 2" in err and "no progress for 1.0 s in phase 'step'" in err
+    assert "warm-up" not in err
+
+
+@pytest.mark.timeout(90)
+def test_watchdog_holds_the_warm_up_step_to_the_setup_timeout(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    done = _FORK.Value("i", 0)
+    timeouts = WatchdogTimeouts(step=30.0, setup=1.0)
+    proc = _FORK.Process(target=_slow_first_step_then_hang, args=(timeouts, 60.0, done))
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL and done.value == 0
+    err = capfd.readouterr().err
+    assert "no progress for 1.0 s in phase 'step (warm-up)'" in err
 
 
 def _hang_under_watchdog(step_timeout: float, watchdog_pid: Any) -> None:

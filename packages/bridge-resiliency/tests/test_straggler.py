@@ -132,6 +132,29 @@ def test_scores_are_printed_only_as_configured() -> None:
     assert len(assess_straggler_report(healthy, loud).lines) == 2 + 2 * 2
 
 
+def test_with_nothing_to_print_only_stragglers_and_the_best_rank_are_listed() -> None:
+    # 8 ranks, two relative stragglers, none by the individual score.
+    relative = {r: 1.0 - r / 100 for r in range(8)} | {3: 0.4, 6: 0.3}
+    report = _Report(relative, {r: 0.99 for r in range(8)}, {r: f"n{r}" for r in range(8)})
+    quiet = NVRxStragglerDetectionConfig(enabled=True, num_gpu_perf_scores_to_print=0)
+    assessment = assess_straggler_report(report, quiet)
+    assert assessment.relative_stragglers == (3, 6) and assessment.individual_stragglers == ()
+    listed = [line for line in assessment.lines if line.startswith("  rank=")]
+    assert listed == [
+        "  rank=6 node=n6 score=0.300",  # the worst rank, a straggler
+        "  rank=3 node=n3 score=0.400",
+        "  rank=0 node=n0 score=1.000",  # the best rank
+    ]
+    assert " stragglers 2/8 ranks, worst first:" in assessment.lines
+    assert " best rank:" in assessment.lines
+    # The individual score found no straggler: its scores are not printed at all.
+    assert "GPU individual performance scores:" not in assessment.lines
+    # A configured count still lists the worst and best N of every computed score.
+    loud = dataclasses.replace(quiet, num_gpu_perf_scores_to_print=2)
+    lines = assess_straggler_report(report, loud).lines
+    assert sum(line.startswith("  rank=") for line in lines) == 2 * 2 * 2
+
+
 def test_best_and_worst_scores_are_listed() -> None:
     scores = {r: 1.0 - r / 10 for r in range(8)}
     lines = format_perf_scores(scores, {}, 2)

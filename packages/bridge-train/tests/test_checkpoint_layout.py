@@ -134,6 +134,8 @@ def test_save_directory_with_foreign_entries_is_refused(tmp_path: Path) -> None:
     for name in ("progress.txt", "run_config.yaml", "ft_state.json", "metrics.jsonl"):
         (save / name).write_text("")
     (save / "non_persistent").mkdir()
+    (save / "profile").mkdir()  # torch profiler traces without a TensorBoard directory
+    (save / "run_config.yaml.tmp").write_text("")  # a rewrite interrupted by a crash
     validate_save_dir(save)  # a previous run of ours is fine
     (save / "model.safetensors").write_bytes(b"")
     (save / "notes").mkdir()

@@ -37,6 +37,31 @@ def _fails_with(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err
 
 
+def test_hang_timeout_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from bridge.resiliency import WatchdogTimeouts
+    from bridge.train.cli import _hang_timeouts, build_parser
+
+    parser = build_parser()
+
+    def timeouts(*argv: str) -> object:
+        return _hang_timeouts(parser.parse_intermixed_args(list(argv)), parser)
+
+    assert timeouts() is None
+    assert timeouts("--hang-timeout", "30") == 30.0
+    assert timeouts(
+        "--hang-timeout", "30", "--hang-setup-timeout", "600", "--hang-checkpoint-timeout", "90"
+    ) == WatchdogTimeouts(step=30.0, setup=600.0, checkpointing=90.0)
+    for argv, message in [
+        (["--hang-setup-timeout", "5"], "--hang-setup-timeout needs --hang-timeout"),
+        (["--hang-timeout", "0"], "expected a number of seconds > 0, got '0'"),
+        (["--hang-timeout", "soon"], "expected a number of seconds, got 'soon'"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_help_lists_recipes_and_sections(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--help"])

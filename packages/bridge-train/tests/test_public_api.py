@@ -21,6 +21,7 @@ REFERENCE_000 = [
     "maybe_inject_state",
     "ModelList",
     "ModelHook",
+    "logger",
 ]
 
 ENGINE_AND_DATA = [
@@ -45,6 +46,13 @@ def test_reference_and_engine_names_are_exported() -> None:
     for name in REFERENCE_000 + ENGINE_AND_DATA:
         assert name in bt.__all__, name
         assert getattr(bt, name) is not None
+
+
+def test_logger_is_the_parent_of_every_trainer_module_logger() -> None:
+    import logging
+
+    assert bt.logger is logging.getLogger("bridge.train")
+    assert logging.getLogger("bridge.train.training.train").parent is bt.logger
 
 
 def test_all_lists_only_existing_names_without_duplicates() -> None:

@@ -99,3 +99,37 @@ def _has_tokenizers() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("tokenizers") is not None
+
+
+def test_preprocess_command_with_a_hugging_face_tokenizer_directory(tmp_path, capsys) -> None:
+    pytest.importorskip("tokenizers", reason="the hf extra (pip install bridge-train[hf])")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from bridge.train.data.preprocess import main
+
+    _save_word_level_tokenizer(tmp_path / "tok")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        json.dumps({"text": "hello bridge world"}) + "\n" + json.dumps({"text": "world"}) + "\n",
+        encoding="utf-8",
+    )
+    prefix = tmp_path / "data" / "corpus"
+    argv = ["--input", str(corpus), "--output-prefix", str(prefix)]
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok")]
+    assert main([*argv, *hf]) == 0
+    assert "wrote 2 documents" in capsys.readouterr().out
+    dataset = IndexedDataset(str(prefix))
+    # word ids from the saved vocabulary, each document closed by the tokenizer's eos (1)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [[3, 5, 4, 1], [4, 1]]
+    # a directory without tokenizer.json is named before anything is written
+    (tmp_path / "empty").mkdir()
+    other = ["--output-prefix", str(tmp_path / "other")]
+    hf_empty = [
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(tmp_path / "empty"),
+    ]
+    assert main(["--input", str(corpus), *other, *hf_empty]) == 1
+    assert "has no tokenizer.json" in capsys.readouterr().err
+    assert not list(tmp_path.glob("other*"))

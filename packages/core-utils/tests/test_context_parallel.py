@@ -25,13 +25,13 @@ def test_cp2_slicing_by_hand() -> None:
     batch = _batch()
     rank0 = core_utils.get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=0)
     rank1 = core_utils.get_batch_on_this_cp_rank(batch, cp_size=2, cp_rank=1)
-    assert rank0["tokens"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]  # type: ignore[attr-defined]
-    assert rank1["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]  # type: ignore[attr-defined]
-    assert rank0["position_ids"].tolist() == [[0, 1, 6, 7]] * 2  # type: ignore[attr-defined]
-    assert rank1["labels"].tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]  # type: ignore[attr-defined]
+    assert rank0["tokens"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+    assert rank1["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert rank0["position_ids"].tolist() == [[0, 1, 6, 7]] * 2
+    assert rank1["labels"].tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
     # attention_mask: query rows (dim 2) are split, key columns (dim 3) kept whole.
     mask0 = rank0["attention_mask"]
-    assert mask0.shape == (1, 1, 4, 8)  # type: ignore[attr-defined]
+    assert mask0.shape == (1, 1, 4, 8)
     full = batch["attention_mask"]
     assert torch.equal(mask0[0, 0], full[0, 0, [0, 1, 6, 7]])  # type: ignore[index]
     # Non-tensors, None and tensors without a sequence dimension pass through.

@@ -30,11 +30,16 @@ class _ListHandler(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _group(ranks: list[int]) -> dist.ProcessGroup | None:
+    """``dist.new_group`` (every rank must call it); None on ranks outside ``ranks``."""
+    group = dist.new_group(ranks)
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
 def _process_groups(rank: int, out: dict[str, Any]) -> None:
-    world = dist.new_group([0, 1])
+    world = _group([0, 1])
     # Every rank takes part in creating every group, member or not.
-    singles = [dist.new_group([0]), dist.new_group([1])]
-    solo = singles[0] if rank == 0 else None
+    singles = [_group([0]), _group([1])]
     out["pg"] = (
         core_utils.get_pg_size(world),
         core_utils.get_pg_rank(world),
@@ -42,13 +47,19 @@ def _process_groups(rank: int, out: dict[str, Any]) -> None:
         core_utils.get_pg_size(None),
         core_utils.get_pg_rank(None),
     )
-    if solo is not None:
-        out["solo"] = (core_utils.get_pg_size(solo), core_utils.get_pg_src_rank(solo))
+    # Each rank's own one-member group: its source is that rank's global rank (1 on rank 1).
+    mine = singles[rank]
+    out["solo"] = (
+        core_utils.get_pg_size(mine),
+        core_utils.get_pg_rank(mine),
+        core_utils.get_pg_src_rank(mine),
+    )
 
 
 def _param_hashes(rank: int, out: dict[str, Any]) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    first, last = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    model = torch.nn.Sequential(first, last)
     expert = torch.nn.Linear(2, 2)
     expert.weight.allreduce = False  # type: ignore[attr-defined]
     out["same"] = core_utils.check_param_hashes_across_dp_replicas([model, expert])
@@ -57,10 +68,10 @@ def _param_hashes(rank: int, out: dict[str, Any]) -> None:
     )
     if rank == 1:  # a replica drifts
         with torch.no_grad():
-            model[1].bias[0] += 1e-3
+            last.bias[0] += 1e-3
     out["diverged"] = core_utils.check_param_hashes_across_dp_replicas([model])
     out["diverged_cross"] = core_utils.check_param_hashes_across_dp_replicas(
-        [model], cross_check=True, dp_group=dist.new_group([0, 1])
+        [model], cross_check=True, dp_group=_group([0, 1])
     )
 
 
@@ -78,7 +89,7 @@ def _dtensors(rank: int, out: dict[str, Any]) -> None:
     group = core_utils.get_data_parallel_group_if_dtensor(sharded)
     out["group_ranks"] = dist.get_process_group_ranks(group)
     assert core_utils.get_data_parallel_group_if_dtensor(sharded, group) is group
-    other = dist.new_group([0, 1])
+    other = _group([0, 1])
     try:
         core_utils.get_data_parallel_group_if_dtensor(sharded, other)
         out["mismatch"] = None
@@ -110,12 +121,12 @@ def _logging_and_cp(rank: int, out: dict[str, Any]) -> None:
     core_utils.log_single_rank(log, logging.INFO, "only rank 1", rank=1)
     core_utils.log_single_rank(log, logging.INFO, "only rank 0")
     # Two pipeline "stages" of one rank each: both are the first rank of their stage.
-    singles = [dist.new_group([r]) for r in range(2)]
+    singles = [_group([r]) for r in range(2)]
     core_utils.log_on_each_pipeline_stage(
         log, logging.INFO, "stage head", tp_group=singles[rank], dp_cp_group=singles[rank]
     )
     # Both ranks in one data-parallel group: only DP rank 0 logs.
-    both = dist.new_group([0, 1])
+    both = _group([0, 1])
     core_utils.log_on_each_pipeline_stage(
         log, logging.INFO, "dp head", tp_group=singles[rank], dp_cp_group=both
     )
@@ -157,7 +168,7 @@ def test_distributed_helpers_on_two_gloo_ranks() -> None:
         assert out["mismatch"] is not None and "is not data_parallel_group" in out["mismatch"]
         assert out["wgrad_error"] < 1e-5 and out["buffers_drained"]
         assert out["symmetric"] is None or torch.cuda.is_available()
-    assert results[0]["solo"] == (1, 0)
+    assert results[0]["solo"] == (1, 0, 0) and results[1]["solo"] == (1, 0, 1)
     # Rank 0 compares with itself; rank 1 (the drifted one) does not match DP rank 0.
     assert results[0]["diverged"] is True and results[1]["diverged"] is False
     assert results[0]["logged"] == ["only rank 0", "stage head", "dp head"]

@@ -37,7 +37,7 @@ def test_get_attr_wrapped_model_walks_through_wrappers() -> None:
     assert core_utils.get_attr_wrapped_model(wrapped, "linear", return_model_obj=True) is inner
     with pytest.raises(RuntimeError, match=r"no attribute 'missing'.*_Wrapper"):
         core_utils.get_attr_wrapped_model(wrapped, "missing")
-    with pytest.raises(TypeError, match="got a list of 1"):
+    with pytest.raises(RuntimeError, match="got a list of 1"):
         core_utils.get_attr_wrapped_model([wrapped], "config")
     assert core_utils.get_model_xattn(torch.nn.Linear(1, 1)) is False
 

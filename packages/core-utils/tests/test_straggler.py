@@ -10,8 +10,18 @@ from typing import Any
 import pytest
 
 import core_utils
+import core_utils.straggler as straggler_module
 from core_utils.straggler import StragglerDetector, _StragglerData, _ValueWithRank
 from core_utils.testing import find_free_port, run_distributed
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def test_value_with_rank() -> None:
@@ -82,7 +92,79 @@ def test_single_process_timing_and_report(
     assert not stimer.configured and stimer.control_port is None
 
 
+def test_explicit_start_stop_elapsed_and_reset(straggler_detector: StragglerDetector) -> None:
+    stimer = straggler_detector
+    stimer.configure(1, 0, port=0, enabled=True)
+    # Lower bounds only: time.sleep guarantees at least the requested time.
+    stimer.start()
+    time.sleep(0.02)
+    stimer.stop()
+    stimer.start()
+    time.sleep(0.01)
+    stimer.stop()
+    delta, batch_delta, temp, power, util, clock = stimer.elapsed()
+    assert delta >= 30.0  # the two regions add up
+    assert batch_delta == 0.0  # no data-loading region
+    assert (temp, power, util, clock) == (None, None, None, None)  # no GPU metrics on CPU
+    # elapsed() resets: nothing collected since.
+    assert stimer.start_gemm_tm == [] and stimer.elapsed()[:2] == (0.0, 0.0)
+
+    # A data-loading region nested in a timed one: stop() closes the data region first.
+    stimer.start()
+    stimer(bdata=True)
+    stimer.start()
+    time.sleep(0.02)
+    stimer.stop()
+    assert stimer.stop_data_tm[-1] != 0 and stimer.stop_gemm_tm[-1] == 0
+    stimer.stop()
+    assert stimer.stop_gemm_tm[-1] != 0
+    for _ in range(2):  # batch time is the longest single load, not the sum
+        stimer(bdata=True)
+        stimer.start()
+        stimer.stop()
+    delta, batch_delta = stimer.elapsed()[:2]
+    assert batch_delta >= 20.0 and delta >= batch_delta
+
+    # reset() drops what was collected; collection continues afterwards.
+    stimer.start()
+    time.sleep(0.01)
+    stimer.stop()
+    stimer(bdata=True)
+    stimer.start()
+    stimer.stop()
+    stimer.reset()
+    assert stimer.start_gemm_tm == [] and stimer.start_data_tm == []
+    assert stimer.elapsed()[:2] == (0.0, 0.0)
+    assert stimer.enabled
+    stimer.start()
+    stimer.stop()
+    assert len(stimer.start_gemm_tm) == 1
+
+    # Once closed (disabled), start/stop are no-ops and elapsed() reports zeros.
+    stimer.close()
+    stimer.start()
+    stimer.stop()
+    assert stimer.start_gemm_tm == []
+    assert stimer.elapsed() == (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+# Per-rank GPU metrics, chosen so the minimum and maximum of each sit on different ranks.
+_FAKE_GPU = {
+    "temp": (60.0, 80.0, 70.0),  # min rank 0, max rank 1
+    "power": (300.0, 250.0, 200.0),  # min rank 2, max rank 0
+    "util": (50.0, 99.0, 10.0),  # min rank 2, max rank 1
+    "clock": (1400.0, 1300.0, 1500.0),  # min rank 1, max rank 2
+}
+
+
 def _straggler_on_ranks(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    # This CPU machine has no GPU for NVML to read: each rank's metrics source reports
+    # its own fixed values, so the cross-rank min/max/rank logic of the report is checked.
+    gpu = {name: values[rank] for name, values in _FAKE_GPU.items()}
+    straggler_module._gpu_metrics = lambda: dict(gpu)
+    handler = _ListHandler()
+    logging.getLogger("core_utils.straggler").addHandler(handler)
+    logging.getLogger("core_utils.straggler").setLevel(logging.INFO)
     stimer = StragglerDetector()
     stimer.configure(world_size, rank, mmcnt=2, port=port, enabled=True)
     slow_rank = 2
@@ -101,6 +183,14 @@ def _straggler_on_ranks(rank: int, world_size: int, port: int) -> dict[str, Any]
         out["max_btime"] = data.max_btime()
         out["slowest_flops_rank"] = data.aflops[0].rank if data.aflops else None
         out["ranks_seen"] = [row["rank"] for row in stimer.last_report_ranks or []]
+        out["gpu_extremes"] = {
+            name: (getattr(data, f"min_{name}")(), getattr(data, f"max_{name}")())
+            for name in _FAKE_GPU
+        }
+        out["gpu_rows"] = [
+            {name: row[name] for name in _FAKE_GPU} for row in stimer.last_report_ranks or []
+        ]
+        out["logged"] = list(handler.messages)
         # rank 0 asks its own control port to toggle collection off.
         if rank == 0:
             assert stimer.control_port == port
@@ -143,3 +233,26 @@ def test_report_names_the_slow_rank_and_the_control_port_toggles() -> None:
         assert out["report_while_off"] is False
         assert out["enabled_after_second_toggle"] is True
     assert "Will turn StragglerDetector OFF" in results[0]["reply"]
+    units = {"temp": "C", "power": "W", "util": "%", "clock": "MHz"}
+    for out in results:
+        for name, values in _FAKE_GPU.items():
+            low, high = out["gpu_extremes"][name]
+            assert low == (min(values), values.index(min(values)), units[name])
+            assert high == (max(values), values.index(max(values)), units[name])
+        assert out["gpu_rows"] == [
+            {name: values[r] for name, values in _FAKE_GPU.items()} for r in range(3)
+        ]
+    # Rank 0's log line names each extreme with its rank.
+    line = next(m for m in results[0]["logged"] if "MnRtt/Rnk" in m)
+    for expected in (
+        "MnTmp/Rnk: 60.00C/0",
+        "MxTmp/Rnk: 80.00C/1",
+        "MnPwr/Rnk: 200.00W/2",
+        "MxPwr/Rnk: 300.00W/0",
+        "MnUtl/Rnk: 10.00%/2",
+        "MxUtl/Rnk: 99.00%/1",
+        "MnClk/Rnk: 1300.00MHz/1",
+        "MxClk/Rnk: 1500.00MHz/2",
+    ):
+        assert expected in line
+    assert not any("MnRtt/Rnk" in m for m in results[1]["logged"] + results[2]["logged"])

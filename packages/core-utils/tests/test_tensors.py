@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def test_global_memory_buffer_reuses_and_grows() -> None:
     entered: list[bool] = []
 
     @contextlib.contextmanager
-    def pool() -> object:
+    def pool() -> Iterator[None]:
         entered.append(True)
         yield
 
@@ -114,6 +115,18 @@ def test_global_memory_buffer_reuses_and_grows() -> None:
     assert cpu.device.type == "cpu"
     with pytest.raises(ValueError, match="negative sizes"):
         buffers.get_tensor((-1, 2), torch.float32, "act")
+
+
+def test_global_memory_buffer_scalar_shape() -> None:
+    buffers = core_utils.GlobalMemoryBuffer()
+    vector = buffers.get_tensor((3,), torch.float32, "loss", device="cpu")
+    vector.copy_(torch.tensor([7.0, 8.0, 9.0]))
+    scalar = buffers.get_tensor((), torch.float32, "loss", device="cpu")
+    # A 0-d view of the first element of the same storage.
+    assert scalar.shape == () and scalar.dim() == 0
+    assert scalar.data_ptr() == vector.data_ptr() and scalar.item() == 7.0
+    fresh = buffers.get_tensor([], torch.int64, "count", device="cpu")
+    assert fresh.shape == () and buffers.buffer[("count", torch.int64)].numel() == 1
 
 
 def test_global_symmetric_memory_buffer_without_cuda() -> None:
@@ -130,6 +143,23 @@ def test_global_symmetric_memory_buffer_without_cuda() -> None:
         core_utils.GlobalSymmetricMemoryBuffer(size_in_mb=0, process_group=None)
 
 
+def test_global_symmetric_memory_buffer_without_a_process_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """process_group=None without a default group: unavailable, not an exception.
+
+    CUDA is reported as available so that construction gets past the CUDA check, as it
+    would on a GPU machine where torch.distributed was not initialised.
+    """
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    buffer = core_utils.GlobalSymmetricMemoryBuffer(size_in_mb=1, process_group=None)
+    assert buffer.symm_buffer is None and buffer.symm_mem_hdl is None
+    assert buffer.unavailable_reason is not None
+    assert "torch.distributed is not initialised" in buffer.unavailable_reason
+    assert buffer.maybe_get_tensor((4, 4), torch.float32) is None
+
+
 def test_symmetric_buffer_views_when_memory_exists() -> None:
     """The sub-tensor arithmetic, on a buffer as rendezvous would have produced it."""
     buffer = core_utils.GlobalSymmetricMemoryBuffer.__new__(core_utils.GlobalSymmetricMemoryBuffer)
@@ -141,6 +171,8 @@ def test_symmetric_buffer_views_when_memory_exists() -> None:
     assert view.data_ptr() == buffer.symm_buffer.data_ptr()
     assert buffer.maybe_get_tensor((17,), torch.float32) is None  # 68 bytes do not fit
     assert buffer.maybe_get_tensor((32,), torch.bfloat16) is not None
+    scalar = buffer.maybe_get_tensor((), torch.float32)
+    assert scalar is not None and scalar.shape == () and scalar.data_ptr() == view.data_ptr()
 
 
 def test_init_methods() -> None:

@@ -92,7 +92,7 @@ def test_bad_arguments_are_rejected_with_the_field_name() -> None:
     with pytest.raises(ValueError, match="normalizer must be > 0"):
         timers.log(["a"], normalizer=0.0)
     with pytest.raises(TypeError, match="list of timer names"):
-        timers.log("a")  # type: ignore[arg-type]
+        timers.log("a")
 
 
 def test_single_process_log_and_write_without_distributed(
@@ -175,5 +175,5 @@ def test_log_options_across_three_gloo_ranks() -> None:
             ("work-time", pytest.approx(0.3), 5),
             ("only-rank-0-time", pytest.approx(0.3), 5),
         ]
-    mn, mx = results[0]["minmax_dict"]["barrier-timer"]  # type: ignore[index]
+    mn, mx = results[0]["minmax_dict"]["barrier-timer"]
     assert 0.0 < mn <= mx

@@ -41,7 +41,7 @@ def test_torch_version_is_cached_and_compares() -> None:
 
 
 @pytest.mark.parametrize(("package", "get_version", "is_min_version"), ABSENT)
-def test_absent_optional_package(package: str, get_version, is_min_version) -> None:  # type: ignore[no-untyped-def]
+def test_absent_optional_package(package: str, get_version, is_min_version) -> None:
     if _installed(package):
         pytest.skip(f"{package} is installed in this environment")
     with pytest.raises(MissingPackageError, match=rf"{package} is not installed.*pip install"):

@@ -15,7 +15,9 @@ def test_process_group_helpers_uninitialised() -> None:
     assert core_utils.get_pg_size() == 1
     assert core_utils.get_pg_rank() == 0
     assert core_utils.get_pg_src_rank() == 0
+    # No torch.distributed: no tensor parallelism, whatever check_initialized says.
     assert core_utils.get_tensor_model_parallel_group_if_none(None) is None
+    assert core_utils.get_tensor_model_parallel_group_if_none(None, check_initialized=False) is None
 
 
 def test_logging_on_a_single_process(caplog: pytest.LogCaptureFixture) -> None:
@@ -114,7 +116,19 @@ def test_megatron_functions_name_megatron_when_it_is_missing(without_megatron: N
             match=r"get_tensor_model_parallel_group_if_none\(tp_group=None\) needs megatron-core",
         ):
             core_utils.get_tensor_model_parallel_group_if_none(None)
+        # Without megatron-core there is no default group; check_initialized=False accepts that.
+        assert (
+            core_utils.get_tensor_model_parallel_group_if_none(None, check_initialized=False)
+            is None
+        )
+        assert (
+            core_utils.get_tensor_model_parallel_group_if_none(
+                None, is_expert=True, check_initialized=False
+            )
+            is None
+        )
         group = dist.new_group([0])
+        assert isinstance(group, dist.ProcessGroup)
         assert core_utils.get_tensor_model_parallel_group_if_none(group) is group
     finally:
         dist.destroy_process_group()

@@ -7,7 +7,7 @@ experimental mode is on. Turn it on either way:
 * in code: ``core_utils.set_experimental_enabled(True)`` (bridge-config's
   ``DistributedInitConfig.enable_megatron_core_experimental`` calls this);
 * in the environment: ``CORE_UTILS_EXPERIMENTAL=1`` (also ``true``, ``yes``, ``on``),
-  read when the flag is first queried.
+  read again every time the flag is queried (a change applies at the next call).
 
 The setter wins over the environment once called. The check happens at call time, so
 decorating at import time and enabling later works.

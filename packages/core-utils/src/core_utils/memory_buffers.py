@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from core_utils._distributed import dist_ready
+
 __all__ = ["GlobalMemoryBuffer", "GlobalSymmetricMemoryBuffer"]
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,12 @@ def _numel(tensor_shape: Sequence[int], caller: str) -> int:
     if any(d < 0 for d in shape):
         raise ValueError(f"{caller}: tensor_shape must not have negative sizes, got {shape}")
     return math.prod(shape)
+
+
+def _shape(tensor_shape: Sequence[int]) -> tuple[int, ...]:
+    # A tuple, not unpacked arguments: ``view(*())`` would be ``view()``, which torch rejects,
+    # while ``view(())`` gives the 0-d tensor a scalar shape asks for.
+    return tuple(int(d) for d in tensor_shape)
 
 
 class GlobalMemoryBuffer:
@@ -74,7 +82,7 @@ class GlobalMemoryBuffer:
                 self.buffer[key] = torch.empty(
                     required, dtype=dtype, device=target, requires_grad=False
                 )
-        return self.buffer[key][:required].view(*tensor_shape)
+        return self.buffer[key][:required].view(_shape(tensor_shape))
 
 
 class GlobalSymmetricMemoryBuffer:
@@ -82,14 +90,15 @@ class GlobalSymmetricMemoryBuffer:
 
     Symmetric memory (``torch.distributed._symmetric_memory``) lets kernels read and write
     peer GPUs' buffers directly (low-latency all-gather / reduce-scatter). It needs CUDA
-    and a backend supporting it; where it is unavailable (CPU, old torch, no NVLink) the
-    buffer is simply absent: :meth:`maybe_get_tensor` returns ``None`` and callers use their
-    regular path. :attr:`unavailable_reason` says why.
+    and a backend supporting it; where it is unavailable (CPU, old torch, no NVLink, no
+    process group) the buffer is simply absent: :meth:`maybe_get_tensor` returns ``None`` and
+    callers use their regular path. :attr:`unavailable_reason` says why.
 
     Args:
         size_in_mb: Buffer size in MiB.
         process_group: Group the memory is shared with (collective: every member must
-            construct the buffer).
+            construct the buffer); ``None`` means the default group, and without one the
+            buffer is unavailable.
 
     Raises:
         ValueError: ``size_in_mb`` is not positive.
@@ -112,12 +121,18 @@ class GlobalSymmetricMemoryBuffer:
         except ImportError as exc:  # pragma: no cover - every supported torch has it
             self.unavailable_reason = f"torch has no symmetric memory support: {exc}"
             return
-        group = (
-            process_group
-            if process_group is not None
-            else dist.distributed_c10d._get_default_group()
-        )
+        if process_group is None and not dist_ready():
+            self.unavailable_reason = (
+                "symmetric memory is shared with a process group: process_group is None and "
+                "torch.distributed is not initialised (call init_process_group first)"
+            )
+            return
         try:
+            group = (
+                process_group
+                if process_group is not None
+                else dist.distributed_c10d._get_default_group()
+            )
             buffer = symm_mem.empty(self.size_in_bytes, dtype=torch.uint8, device=_default_device())
             self.symm_mem_hdl = symm_mem.rendezvous(buffer, group)
             self.symm_buffer = buffer
@@ -149,4 +164,4 @@ class GlobalSymmetricMemoryBuffer:
         numel = _numel(tensor_shape, "GlobalSymmetricMemoryBuffer.maybe_get_tensor")
         if not self._can_allocate(numel, dtype):
             return None
-        return self._allocate(numel, dtype).view(*tensor_shape)
+        return self._allocate(numel, dtype).view(_shape(tensor_shape))

@@ -43,12 +43,12 @@ def get_attr_wrapped_model(
         The attribute value, or the object that holds it.
 
     Raises:
-        TypeError: ``model`` is a list (pass one model chunk).
-        RuntimeError: No wrapper level has ``attr`` (RuntimeError, as in megatron-core, so
-            existing ``except RuntimeError`` callers keep working).
+        RuntimeError: ``model`` is a list (pass one model chunk), or no wrapper level has
+            ``attr`` (RuntimeError for both, as in megatron-core, so existing
+            ``except RuntimeError`` callers keep working).
     """
     if isinstance(model, list):
-        raise TypeError(
+        raise RuntimeError(
             f"get_attr_wrapped_model expects one model, got a list of {len(model)}; "
             "pass a single model chunk (e.g. model[0])"
         )

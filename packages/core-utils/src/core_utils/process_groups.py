@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
+from types import ModuleType
 
 import torch.distributed as dist
 
@@ -62,26 +64,45 @@ def get_tensor_model_parallel_group_if_none(
     Args:
         tp_group: The tensor-parallel group to use; returned unchanged when given.
         is_expert: Fall back to the expert tensor-parallel group instead.
-        check_initialized: Passed to megatron's group getter (raise if the group is unset).
+        check_initialized: Require megatron's default group when ``tp_group`` is None: raise
+            if megatron's model parallelism is not initialised. When False, return ``None``
+            in that case (and pass ``check_initialized=False`` to megatron's group getter).
 
     Returns:
-        ``None`` when torch.distributed is not initialised; ``tp_group`` when it is given or
-        megatron's model parallelism is not initialised; else the default group (with a
-        ``DeprecationWarning`` on rank 0: passing the group explicitly will be required).
+        ``None`` when torch.distributed is not initialised (a single process has no
+        tensor parallelism); ``tp_group`` when it is given; else megatron's default group
+        (with a ``DeprecationWarning`` on rank 0: passing the group explicitly will be
+        required), or ``None`` when that does not exist and ``check_initialized`` is False.
 
     Raises:
-        ImportError: ``tp_group`` is None under torch.distributed and megatron-core, which
-            owns the default group, is not installed.
+        RuntimeError: ``tp_group`` is None, ``check_initialized`` is True and megatron's
+            model parallelism is not initialised.
+        ImportError: ``tp_group`` is None, ``check_initialized`` is True and megatron-core,
+            which owns the default group, is not installed.
     """
     if not dist_ready():
         return None
     if tp_group is not None:
         return tp_group
-    parallel_state = import_megatron(
-        "megatron.core.parallel_state", "get_tensor_model_parallel_group_if_none(tp_group=None)"
-    )
+    caller = "get_tensor_model_parallel_group_if_none(tp_group=None)"
+    parallel_state: ModuleType | None
+    if check_initialized:
+        parallel_state = import_megatron("megatron.core.parallel_state", caller)
+    else:
+        # Groups can only have been initialised by code that imported parallel_state:
+        # a module that is not loaded means "no default group", without importing it.
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is None:
+            return None
     if not parallel_state.is_initialized():
-        return tp_group
+        if check_initialized:
+            raise RuntimeError(
+                f"{caller}: megatron's model parallelism is not initialised, so there is no "
+                "default tensor-parallel group; call "
+                "megatron.core.parallel_state.initialize_model_parallel(...) first or pass "
+                "tp_group= explicitly (check_initialized=False returns None instead)"
+            )
+        return None
     if dist.get_rank() == 0:
         warnings.warn(
             "tp_group is None, using megatron's default tensor-parallel group; "

@@ -672,6 +672,12 @@ class StragglerDetector:
         ex_val: BaseException | None,
         ex_tb: TracebackType | None,
     ) -> Literal[False]:
+        """Stop the region; an exception raised in it is logged and then propagates.
+
+        Returns:
+            False always: the exception is never swallowed (as in megatron-core 0.19.2's
+            code, whose docstring says it returns True when the exception was handled).
+        """
         if ex_type is not None:
             logger.warning(
                 "exception in a StragglerDetector region: %s\n%s",

@@ -24,6 +24,7 @@ from bridge.config._protocols import (
     ModelConfigProtocol,
     OptimizerConfigProtocol,
     PEFTProtocol,
+    TokenizerConfigProtocol,
 )
 from bridge.config._resiliency import (
     FaultToleranceConfig,
@@ -62,6 +63,7 @@ __all__ = [
     "SchedulerConfig",
     "StragglerDetectionConfig",
     "TokenizerConfig",
+    "TokenizerConfigProtocol",
     "TrainingConfig",
     "apply_overrides",
     "convert_dataclass",

@@ -8,8 +8,10 @@ from typing import Literal
 from bridge.config._checks import at_least
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error, section_error
+from bridge.config._section import config_section
 
 
+@config_section
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Configuration settings for model checkpointing (saving and loading)."""
@@ -44,11 +46,11 @@ class CheckpointConfig:
     """Save a non-persistent checkpoint every this many iterations (needs
     ``non_persistent_ckpt_type``)."""
 
-    non_persistent_ckpt_type: Literal["global", "local", "in_memory", "None"] | None = None
+    non_persistent_ckpt_type: Literal["global", "local", "in_memory", None] | None = None
     """Kind of non-persistent checkpoint: ``"global"`` is a normal checkpoint in shared
     storage where only the newest is kept; ``"local"`` has each rank save its part to local
-    storage; ``"in_memory"`` keeps it in memory without serialising. Unset (or ``"None"``):
-    no non-persistent checkpoints."""
+    storage; ``"in_memory"`` keeps it in memory without serialising. Unset (``null`` in
+    YAML): no non-persistent checkpoints."""
 
     non_persistent_global_ckpt_dir: str | None = None
     """Directory of global non-persistent checkpoints (default: under ``save``)."""
@@ -131,8 +133,6 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         """Check the field types, intervals, async save and non-persistent checkpoint settings."""
         normalize_fields(self)
-        if self.non_persistent_ckpt_type == "None":
-            self.non_persistent_ckpt_type = None
         for name in ("save_interval", "non_persistent_save_interval", "replication_jump"):
             at_least(self, name, 1)
         at_least(self, "ckpt_step", 0)

@@ -24,12 +24,14 @@ import dataclasses
 import enum
 import functools
 import importlib
+import math
 import pathlib
 import sys
 import typing
 from typing import Any, Literal
 
 from bridge.config._errors import ConfigError, suggest
+from bridge.config._section import filled_fields, unknown_key_detail
 from bridge.config._typing import (
     field_types,
     is_protocol,
@@ -78,13 +80,37 @@ def fields_left_out(obj: Any, *, omit_derived: bool = True) -> frozenset[str]:
     * with ``omit_derived``, the names in ``obj.derived_fields``: values the object computed
       from its other fields in ``__post_init__`` and still holds. Left out, they are derived
       again when the saved config is loaded, so a loaded config whose ``hidden_size`` is then
-      overridden also gets a matching ``ffn_hidden_size``.
+      overridden also gets a matching ``ffn_hidden_size``;
+    * with ``omit_derived``, the fields ``ConfigContainer.validate()`` filled in and that
+      still hold that value (``train.global_batch_size`` the user left unset, the scheduler
+      steps, ...): derived again by the next ``validate()``. Encoding writes them as
+      ``None`` (unset) rather than leaving them out.
     """
     names = set(RUNTIME_FIELDS)
     names.update(getattr(obj, "runtime_fields", None) or ())
     if omit_derived:
         names.update(getattr(obj, "derived_fields", None) or ())
+        names.update(filled_fields(obj))
     return frozenset(names)
+
+
+def _encoded_fields(value: Any, omit_derived: bool) -> list[tuple[str, bool]]:
+    """``(field name, encode its value?)`` for each field of a dataclass that is written.
+
+    A field ``validate()`` filled in is written as ``None`` (encode: False), the unset value
+    the user left, so a reloaded and re-validated config saves the same file again.
+    """
+    left_out = fields_left_out(value, omit_derived=omit_derived)
+    filled = filled_fields(value) if omit_derived else {}
+    written = []
+    for f in dataclasses.fields(value):
+        if f.name.startswith("_"):
+            continue
+        if f.name in filled:
+            written.append((f.name, False))
+        elif f.name not in left_out:
+            written.append((f.name, True))
+    return written
 
 
 def join(path: str, key: str) -> str:
@@ -190,16 +216,17 @@ def import_object(dotted: Any, path: str) -> Any:
 def encode(value: Any, path: str = "", *, strict: bool = True, omit_derived: bool = True) -> Any:
     """Convert ``value`` to plain data (see the module docstring for the tagged forms).
 
-    Runtime hooks and (with ``omit_derived``) derived fields of dataclasses are left out
-    (see :func:`fields_left_out`).
+    Runtime hooks and (with ``omit_derived``) derived fields of dataclasses are left out,
+    and fields ``validate()`` filled in are written as ``None`` (see
+    :func:`fields_left_out`).
 
     Args:
         value: A config object or any value a config field holds.
         path: Dotted path of ``value``, used in error messages.
         strict: When False, a value that cannot be represented becomes a descriptive string
             instead of raising (used for printing, never for saving).
-        omit_derived: Leave out fields an object derived from its other fields (True for
-            saving; printing shows them).
+        omit_derived: Leave out (or write as ``None``) values derived from other fields, by
+            the object itself or by ``validate()`` (True for saving; printing shows them).
 
     Returns:
         Nested dicts, lists and scalars that YAML and OmegaConf can hold.
@@ -222,12 +249,12 @@ def _encode_lenient(value: Any, path: str, omit_derived: bool) -> Any:
         pass
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out: dict[str, Any] = {TARGET: f"{type(value).__module__}.{type(value).__qualname__}"}
-        left_out = fields_left_out(value, omit_derived=omit_derived)
-        for f in dataclasses.fields(value):
-            if not f.name.startswith("_") and f.name not in left_out:
-                out[f.name] = _encode_lenient(
-                    getattr(value, f.name), join(path, f.name), omit_derived
-                )
+        for name, written in _encoded_fields(value, omit_derived):
+            out[name] = (
+                _encode_lenient(getattr(value, name), join(path, name), omit_derived)
+                if written
+                else None
+            )
         return out
     if isinstance(value, (list, tuple)):
         return [_encode_lenient(v, f"{path}[{i}]", omit_derived) for i, v in enumerate(value)]
@@ -251,10 +278,10 @@ def _encode(value: Any, path: str, omit_derived: bool = True) -> Any:
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out: dict[str, Any] = {TARGET: import_path(type(value), path)}
-        left_out = fields_left_out(value, omit_derived=omit_derived)
-        for f in dataclasses.fields(value):
-            if not f.name.startswith("_") and f.name not in left_out:
-                out[f.name] = _encode(getattr(value, f.name), join(path, f.name), omit_derived)
+        for name, written in _encoded_fields(value, omit_derived):
+            out[name] = (
+                _encode(getattr(value, name), join(path, name), omit_derived) if written else None
+            )
         return out
     if isinstance(value, functools.partial):
         out = {TARGET: import_path(value.func, path), PARTIAL: True}
@@ -386,15 +413,20 @@ def _decode_union(data: Any, tp: Any, path: str, default_class: type | None) -> 
         fitting = [c for c in classes if set(data) <= {f.name for f in dataclasses.fields(c)}]
         if fitting:
             return decode(data, fitting[0], path)
-    errors: list[ConfigError] = []
+    errors: list[tuple[Any, ConfigError]] = []
     for candidate in candidates:
         try:
             return decode(data, candidate, path, default_class=default_class)
         except ConfigError as exc:
-            errors.append(exc)
-    relevant = [e for e in errors if e.location != path]
+            errors.append((candidate, exc))
+    relevant = [e for _, e in errors if e.location != path]
     if len(relevant) == 1:
         raise relevant[0]
+    if not isinstance(data, (dict, list, tuple, str, int, float, bool)):
+        # An object of another class: what it lacks of the Protocol is the useful message.
+        from_protocol = [e for candidate, e in errors if is_protocol(candidate)]
+        if len(from_protocol) == 1:
+            raise from_protocol[0]
     raise _type_error(path, data, type_name(tp))
 
 
@@ -406,6 +438,8 @@ def _decode_literal(data: Any, tp: Any, path: str) -> Any:
     hint = (
         suggest(data, [a for a in allowed if isinstance(a, str)]) if isinstance(data, str) else ""
     )
+    if data == "None" and None in allowed:  # YAML reads a bare None as this string
+        hint = " For no value write null in YAML (None in Python)."
     raise ConfigError(
         path, f"got {_describe(data)}; expected one of {', '.join(repr(a) for a in allowed)}.{hint}"
     )
@@ -675,13 +709,7 @@ def build_dataclass(cls: type, data: dict[str, Any], path: str) -> Any:
             continue
         field = fields.get(key) if isinstance(key, str) and not key.startswith("_") else None
         if field is None:
-            visible = [name for name in fields if not name.startswith("_")]
-            listing = f" Valid fields: {', '.join(visible)}." if len(visible) <= 40 else ""
-            noun = getattr(cls, "__config_key_noun__", "field")
-            raise ConfigError(
-                join(path, str(key)),
-                f"unknown {noun} of {cls.__qualname__}.{suggest(str(key), visible)}{listing}",
-            )
+            raise ConfigError(join(path, str(key)), unknown_key_detail(cls, str(key), fields))
         try:
             value = decode(
                 raw,
@@ -736,20 +764,60 @@ def normalize_fields(obj: Any) -> None:
 
     Values are converted where that is lossless (``1`` to ``1.0`` for a float field, a list
     to a tuple, a string to a ``Path``), so a section built in Python holds the same values
-    as one loaded from YAML.
+    as one loaded from YAML. Float fields (also inside lists, tuples and dicts typed as
+    holding floats) must be finite: comparisons with NaN are always false, so a NaN would
+    pass every range check, and no section documents infinity as a valid value.
 
     Raises:
-        ConfigError: a field holds a value its annotation does not allow.
+        ConfigError: a field holds a value its annotation does not allow, or NaN or an
+            infinity where a float is expected.
     """
     cls = type(obj)
     hints = field_types(cls)
     for field in dataclasses.fields(obj):
         current = getattr(obj, field.name)
-        value = decode(
-            current,
-            hints.get(field.name, Any),
-            f"{cls.__name__}.{field.name}",
-            default_class=field.metadata.get(DEFAULT_CLASS),
-        )
+        path = f"{cls.__name__}.{field.name}"
+        hint = hints.get(field.name, Any)
+        value = decode(current, hint, path, default_class=field.metadata.get(DEFAULT_CLASS))
+        where = _non_finite(value, hint)
+        if where is not None:
+            suffix, bad = where
+            raise ConfigError(
+                path + suffix,
+                f"got {bad!r}; expected a finite number (NaN and infinity are not valid here)",
+            )
         if value is not current:
             object.__setattr__(obj, field.name, value)
+
+
+def _non_finite(value: Any, tp: Any) -> tuple[str, float] | None:
+    """Where a float-typed part of ``value`` is NaN or infinite: (path suffix, value)."""
+    if tp is float:
+        if isinstance(value, float) and not math.isfinite(value):
+            return "", value
+        return None
+    if is_union(tp):
+        for option in typing.get_args(tp):
+            found = _non_finite(value, option)
+            if found is not None:
+                return found
+        return None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _non_finite(value, args[0])
+    items: list[tuple[str, Any, Any]] = []
+    if isinstance(value, dict) and origin in (dict, collections.abc.Mapping) and len(args) == 2:
+        items = [(f".{key}", item, args[1]) for key, item in value.items()]
+    elif isinstance(value, (list, tuple, set, frozenset)) and args:
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            kinds = list(args)
+        else:
+            kinds = [args[0]] * len(value)
+        items = [
+            (f"[{i}]", item, kind) for i, (item, kind) in enumerate(zip(value, kinds, strict=False))
+        ]
+    for suffix, item, kind in items:
+        found = _non_finite(item, kind)
+        if found is not None:
+            return suffix + found[0], found[1]
+    return None

@@ -29,6 +29,7 @@ from bridge.config._protocols import (
     ModelConfigProtocol,
     OptimizerConfigProtocol,
     PEFTProtocol,
+    TokenizerConfigProtocol,
 )
 from bridge.config._resiliency import (
     FaultToleranceConfig,
@@ -36,7 +37,8 @@ from bridge.config._resiliency import (
     StragglerDetectionConfig,
 )
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
-from bridge.config._tokenizer import TokenizerConfig
+from bridge.config._section import clear_fill_ins, config_section, fill_in, restore_fill_ins
+from bridge.config._tokenizer import TokenizerConfig, total_vocab_size
 from bridge.config._training import SchedulerConfig, TrainingConfig
 from bridge.config._yaml import (
     dump_yaml,
@@ -97,6 +99,74 @@ def _dtype_family(dtype: Any) -> str | None:
     return None
 
 
+def _parallel_size(model: Any, name: str, default: int) -> int:
+    size = getattr(model, name, default)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"model.{name}", f"got {size!r}; expected a positive integer")
+    return size
+
+
+def _check_expert_layout(model: Any, world: int, tp: int, pp: int) -> None:
+    """Megatron's expert-parallel rules (see ``ConfigContainer.get_data_parallel_size``)."""
+    ep = _parallel_size(model, "expert_model_parallel_size", 1)
+    etp = tp
+    if getattr(model, "expert_tensor_parallel_size", None) is not None:
+        etp = _parallel_size(model, "expert_tensor_parallel_size", tp)
+    experts = getattr(model, "num_moe_experts", None)
+    if experts is not None and (
+        isinstance(experts, bool) or not isinstance(experts, int) or experts < 1
+    ):
+        raise ConfigError(
+            "model.num_moe_experts",
+            f"got {experts!r}; expected a positive integer (or null for a dense model)",
+        )
+    if ep > 1 and experts is None and hasattr(model, "num_moe_experts"):
+        raise ConfigError(
+            "model.num_moe_experts",
+            f"is unset but expert_model_parallel_size is {ep}; expert parallelism splits the "
+            f"MoE experts across ranks: set num_moe_experts (a multiple of {ep}) or set "
+            "expert_model_parallel_size to 1",
+        )
+    unit = etp * ep * pp
+    layout = (
+        f"expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) x "
+        f"pipeline_model_parallel_size ({pp}) = {unit}"
+    )
+    if world % (etp * pp):  # no expert-parallel size can fit: the expert TP size is at fault
+        valid = [t for t in range(1, world + 1) if world % (t * ep * pp) == 0] or [
+            t for t in range(1, world + 1) if world % (t * pp) == 0
+        ]
+        raise ConfigError(
+            "model.expert_tensor_parallel_size",
+            f"got {etp}; world size {world} is not divisible by {layout}; valid "
+            f"expert_tensor_parallel_size values for {world} ranks: {_listing(valid)} (or "
+            f"leave it unset to use tensor_model_parallel_size, {tp})",
+        )
+    valid = [
+        e
+        for e in range(1, world // (etp * pp) + 1)
+        if world % (etp * e * pp) == 0 and (experts is None or experts % e == 0)
+    ]
+    if experts is not None and experts % ep:
+        raise ConfigError(
+            "model.expert_model_parallel_size",
+            f"got {ep}; num_moe_experts ({experts}) is not divisible by it; valid "
+            f"expert_model_parallel_size values for {world} ranks: {_listing(valid)}",
+        )
+    if world % unit:
+        raise ConfigError(
+            "model.expert_model_parallel_size",
+            f"got {ep}; world size {world} is not divisible by {layout}; valid "
+            f"expert_model_parallel_size values for {world} ranks: {_listing(valid)} (or "
+            f"launch a multiple of {unit} ranks)",
+        )
+
+
+def _listing(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+@config_section
 @dataclass(kw_only=True)
 class ConfigContainer:
     """Top-level container holding all configuration objects.
@@ -146,8 +216,9 @@ class ConfigContainer:
     logger: LoggerConfig | None = None
     """Console, TensorBoard and Weights & Biases logging. Required."""
 
-    tokenizer: TokenizerConfig | None = None
-    """Tokenizer the trainer builds for datasets and the model."""
+    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None = None
+    """Tokenizer the trainer builds for datasets and the model: a ``TokenizerConfig``, or
+    any object providing ``TokenizerConfigProtocol`` (in YAML, with a ``_target_``)."""
 
     checkpoint: CheckpointConfig | None = None
     """Checkpoint saving and loading. Required."""
@@ -172,7 +243,8 @@ class ConfigContainer:
     finetuning). Needs ``checkpoint.pretrained_checkpoint``."""
 
     comm_overlap: CommOverlapConfigProtocol | None = None
-    """Communication-overlap settings; ``validate()`` sets their ``data_parallel_size``."""
+    """Communication-overlap settings; ``validate()`` fills in their ``data_parallel_size``
+    when it is unset."""
 
     mixed_precision: MixedPrecisionConfigProtocol | str | None = None
     """Mixed-precision recipe: an object providing ``MixedPrecisionConfigProtocol`` or a
@@ -181,7 +253,8 @@ class ConfigContainer:
 
     data_parallel_size: int | None = field(init=False, default=None)
     """Data-parallel size (world size divided by tensor x pipeline x context parallel
-    sizes). Computed by ``validate()``; not settable."""
+    sizes; expert parallelism does not change it). Computed by ``validate()``; not
+    settable."""
 
     def __post_init__(self) -> None:
         """Check that every section has the expected type (or provides its Protocol)."""
@@ -192,6 +265,14 @@ class ConfigContainer:
     def get_data_parallel_size(self, world_size: int) -> int:
         """Calculate the data parallel size based on the model configuration.
 
+        As in megatron-core, the data-parallel size is ``world_size // (tensor x pipeline x
+        context parallel size)``; expert parallelism splits the experts within those ranks
+        and does not change it. The expert layout must still fit: ``world_size`` must be a
+        multiple of ``expert_tensor_parallel_size`` (default: the tensor-parallel size) x
+        ``expert_model_parallel_size`` x pipeline-parallel size, and ``num_moe_experts``
+        (when set) a multiple of ``expert_model_parallel_size``. A model without these
+        fields has no expert parallelism.
+
         Args:
             world_size: Total number of ranks.
 
@@ -200,33 +281,33 @@ class ConfigContainer:
 
         Raises:
             ConfigError: there is no model section, a parallel size is not a positive
-                integer, or ``world_size`` is not a multiple of their product.
+                integer, ``world_size`` is not a multiple of their product, or the expert
+                layout does not fit (the message lists valid choices).
         """
         world_size = resolve_world_size(world_size)
-        if self.model is None:
+        model = self.model
+        if model is None:
             raise ConfigError(
                 "model", "required section is missing; " + _REQUIRED_SECTIONS["model"]
             )
-        names = (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
+        tp, pp, cp = (
+            _parallel_size(model, name, 1)
+            for name in (
+                "tensor_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "context_parallel_size",
+            )
         )
-        sizes = []
-        for name in names:
-            size = getattr(self.model, name)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ConfigError(f"model.{name}", f"got {size!r}; expected a positive integer")
-            sizes.append(size)
-        model_parallel = sizes[0] * sizes[1] * sizes[2]
+        model_parallel = tp * pp * cp
         if world_size % model_parallel:
             raise ConfigError(
                 "model",
-                f"world size {world_size} is not divisible by tensor_model_parallel_size ({sizes[0]}) "
-                f"x pipeline_model_parallel_size ({sizes[1]}) x context_parallel_size ({sizes[2]}) "
+                f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) "
+                f"x pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) "
                 f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the "
                 "parallel sizes",
             )
+        _check_expert_layout(model, world_size, tp, pp)
         return world_size // model_parallel
 
     def validate(self, world_size: int | None = None) -> None:
@@ -238,8 +319,15 @@ class ConfigContainer:
         fills ``data_parallel_size``, ``train.global_batch_size`` (when unset:
         ``micro_batch_size`` x data-parallel size), ``scheduler.lr_decay_iters`` (or
         ``lr_decay_samples``) and the scheduler's ``*_steps`` (counted in samples, as
-        megatron-core's scheduler expects), and ``comm_overlap.data_parallel_size``.
-        Calling it again gives the same result.
+        megatron-core's scheduler expects), and ``comm_overlap.data_parallel_size`` (when
+        unset).
+
+        Values filled into fields the user left unset stay marked as derived: ``to_yaml``
+        and ``to_dict`` save them as unset (``null``), ``apply_overrides`` clears them in
+        its copy, and the next ``validate()`` derives them again from the current values
+        and world size. Assigning such a field makes it the user's value, which is then
+        kept and checked. Calling it again gives the same result; if it fails, the values
+        derived by the last successful call are kept.
 
         Args:
             world_size: Number of ranks. When omitted: the initialised torch.distributed
@@ -252,12 +340,35 @@ class ConfigContainer:
         for name, hint in _REQUIRED_SECTIONS.items():
             if getattr(self, name) is None:
                 raise ConfigError(name, f"required section is missing; {hint}")
+        # Derive afresh: values an earlier call filled in may be stale (other world size,
+        # overridden train_iters).
+        cleared = self._clear_derived_values()
+        try:
+            self._validate(resolve_world_size(world_size))
+        except BaseException:
+            for obj, values in cleared:
+                restore_fill_ins(obj, values)
+            raise
+
+    def _clear_derived_values(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Unset every value a previous ``validate()`` filled in (see ``validate``).
+
+        Returns:
+            ``(object, {field: value})`` for each object that had derived values, in case
+            they must be put back.
+        """
+        cleared = []
+        for obj in (self, *(getattr(self, f.name) for f in dataclasses.fields(self))):
+            values = clear_fill_ins(obj) if obj is not None else {}
+            if values:
+                cleared.append((obj, values))
+        return cleared
+
+    def _validate(self, world: int) -> None:
         self._recheck_sections()
-        world = resolve_world_size(world_size)
         dp = self.get_data_parallel_size(world)
-        self.data_parallel_size = dp
-        if self.comm_overlap is not None:
-            self.comm_overlap.data_parallel_size = dp
+        fill_in(self, "data_parallel_size", dp)
+        self._fill_comm_overlap(dp)
         self._check_batch_sizes(dp)
         self._check_training_length()
         self._fill_scheduler_steps()
@@ -276,6 +387,20 @@ class ConfigContainer:
                 except ConfigError as exc:
                     raise exc.within(f.name, type(section).__name__) from exc.__cause__
 
+    def _fill_comm_overlap(self, dp: int) -> None:
+        overlap = self.comm_overlap
+        if overlap is None:
+            return
+        current = overlap.data_parallel_size
+        if current is None:
+            fill_in(overlap, "data_parallel_size", dp)
+        elif current != dp:
+            raise ConfigError(
+                "comm_overlap.data_parallel_size",
+                f"got {current!r} but the data-parallel size is {dp}; leave it unset "
+                "(validate() fills it in) or set it to the actual size",
+            )
+
     def _check_batch_sizes(self, dp: int) -> None:
         train = self.train
         assert train is not None
@@ -287,8 +412,9 @@ class ConfigContainer:
         unit = mbs * dp
         per_step = f"micro_batch_size ({mbs}) x data-parallel size ({dp}) = {unit}"
         if train.global_batch_size is None:
-            train.global_batch_size = unit
+            fill_in(train, "global_batch_size", unit)
         gbs = train.global_batch_size
+        assert gbs is not None
         if gbs < unit:
             raise ConfigError(
                 "train.global_batch_size", f"got {gbs}; it must be at least {per_step}"
@@ -368,28 +494,31 @@ class ConfigContainer:
         gbs = train.global_batch_size
         if train.train_samples is not None:
             if scheduler.lr_decay_samples is None:
-                scheduler.lr_decay_samples = train.train_samples
+                fill_in(scheduler, "lr_decay_samples", train.train_samples)
+            assert scheduler.lr_decay_samples is not None
             decay = scheduler.lr_decay_samples
-            scheduler.wd_incr_steps = train.train_samples
-            scheduler.wsd_decay_steps = scheduler.lr_wsd_decay_samples
+            fill_in(scheduler, "wd_incr_steps", train.train_samples)
+            fill_in(scheduler, "wsd_decay_steps", scheduler.lr_wsd_decay_samples)
             warmup_length = scheduler.lr_warmup_samples
             unit, decay_field = "samples", "lr_decay_samples"
         elif train.train_iters is not None:
             if scheduler.lr_decay_iters is None:
-                scheduler.lr_decay_iters = train.train_iters
+                fill_in(scheduler, "lr_decay_iters", train.train_iters)
+            assert scheduler.lr_decay_iters is not None
             decay = scheduler.lr_decay_iters * gbs
-            scheduler.wd_incr_steps = train.train_iters * gbs
+            fill_in(scheduler, "wd_incr_steps", train.train_iters * gbs)
             wsd = scheduler.lr_wsd_decay_iters
-            scheduler.wsd_decay_steps = None if wsd is None else wsd * gbs
+            fill_in(scheduler, "wsd_decay_steps", None if wsd is None else wsd * gbs)
             warmup_length = scheduler.lr_warmup_iters * gbs
             unit, decay_field = "iterations", "lr_decay_iters"
         else:  # skip_train without a length: there is no schedule to compute
             return
-        scheduler.lr_decay_steps = decay
+        fill_in(scheduler, "lr_decay_steps", decay)
         if scheduler.lr_warmup_fraction is not None:
-            scheduler.lr_warmup_steps = int(scheduler.lr_warmup_fraction * decay)
+            fill_in(scheduler, "lr_warmup_steps", int(scheduler.lr_warmup_fraction * decay))
         else:
-            scheduler.lr_warmup_steps = warmup_length
+            fill_in(scheduler, "lr_warmup_steps", warmup_length)
+        assert scheduler.lr_warmup_steps is not None
         if decay <= 0:
             raise ConfigError(
                 f"scheduler.{decay_field}",
@@ -492,8 +621,15 @@ class ConfigContainer:
         assert model is not None and train is not None
         dataset = self.dataset
         if dataset is not None:
+            length: int | None
             if isinstance(dataset, FinetuningDatasetConfig):
                 name, length = "dataset.seq_length", dataset.seq_length
+                if length is None:
+                    raise ConfigError(
+                        name,
+                        "is required for a finetuning dataset (tokens per sample); set it to "
+                        f"model.seq_length ({model.seq_length})",
+                    )
                 specs = dataset.packed_sequence_specs
                 mbs = train.micro_batch_size or 1
                 if specs is not None and specs.packed_sequence_size > 0 and mbs > 1:
@@ -511,7 +647,7 @@ class ConfigContainer:
                 )
         tokenizer = self.tokenizer
         model_vocab = getattr(model, "vocab_size", None)
-        total = tokenizer.total_vocab_size() if tokenizer is not None else None
+        total = total_vocab_size(tokenizer) if tokenizer is not None else None
         if (
             tokenizer is not None
             and total is not None

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from bridge.config._checks import at_least
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error, section_error
+from bridge.config._section import config_section
 
 #: The dataset splits megatron-core builds, in the order ``split`` and ``blend_per_split`` use.
 SPLITS = ("train", "validation", "test")
@@ -59,6 +60,7 @@ def _check_blend(owner: Any, name: str, blend: Blend) -> None:
         raise field_error(owner, name, blend, "weights must be non-negative with a positive sum")
 
 
+@config_section
 @dataclass(kw_only=True)
 class DataloaderConfig:
     """Base configuration for data loading."""
@@ -95,6 +97,7 @@ class DataloaderConfig:
             )
 
 
+@config_section
 @dataclass(kw_only=True)
 class GPTDatasetConfig(DataloaderConfig):
     """Configuration specific to GPT datasets, inheriting from MCore and base DataloaderConfig.
@@ -288,6 +291,7 @@ class GPTDatasetConfig(DataloaderConfig):
             raise field_error(self, "split", self.split, str(exc)) from None
 
 
+@config_section
 @dataclass(kw_only=True)
 class MockGPTDatasetConfig(GPTDatasetConfig):
     """Modifies GPTDatasetConfig to enforce necessary options for creating a mock dataset."""
@@ -321,6 +325,7 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
         super().__post_init__()
 
 
+@config_section
 @dataclass(kw_only=True)
 class PackedSequenceSpecs:
     """Where packed finetuning data lives and how long a packed sequence is."""
@@ -349,6 +354,7 @@ class PackedSequenceSpecs:
         at_least(self, "packed_sequence_size", -1, allow_none=False)
 
 
+@config_section
 @dataclass(kw_only=True)
 class FinetuningDatasetConfig(DataloaderConfig):
     """Configuration specific to finetuning datasets, inheriting from DataloaderConfig."""
@@ -356,8 +362,10 @@ class FinetuningDatasetConfig(DataloaderConfig):
     dataset_root: str | Path | None = None
     """Directory holding the finetuning data files (stored as a ``Path``)."""
 
-    seq_length: int
-    """Tokens per sample. Must equal the model's ``seq_length``."""
+    seq_length: int | None = None
+    """Tokens per sample. Must equal the model's ``seq_length``; required by
+    ``ConfigContainer.validate()`` (unset, as the reference's default, only while the
+    config is being assembled)."""
 
     seed: int = 1234
     """Seed for shuffling and sampling the finetuning data."""
@@ -386,7 +394,7 @@ class FinetuningDatasetConfig(DataloaderConfig):
         self._check_dataloader()
         if isinstance(self.dataset_root, str):
             self.dataset_root = Path(self.dataset_root)
-        at_least(self, "seq_length", 1, allow_none=False)
+        at_least(self, "seq_length", 1)
         if not 0 <= self.seed <= 2**32 - 1:
             raise field_error(self, "seed", self.seed, "expected a value in [0, 4294967295]")
         at_least(self, "memmap_workers", 1, allow_none=False)

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from bridge.config._checks import at_least, at_most_one
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error
+from bridge.config._section import config_section
 
 
+@config_section
 @dataclass(kw_only=True)
 class DistributedDataParallelConfig:
     """Data-parallel settings with megatron-core's field names and defaults (a subset).

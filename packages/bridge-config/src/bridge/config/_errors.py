@@ -18,6 +18,10 @@ class ConfigError(ValueError):
     once the section is known, ``TrainingConfig.micro_batch_size`` when a section is built on
     its own), the offending value and what would be valid.
 
+    Building a section in Python with an unknown, missing, computed or positional argument
+    raises a ConfigError that is also a ``TypeError`` (as Python raises for a bad call), so
+    code catching either keeps working.
+
     Attributes:
         location: Where the problem is: a dotted path such as ``train.micro_batch_size``,
             ``TrainingConfig.micro_batch_size``, or a file path.
@@ -48,9 +52,13 @@ class ConfigError(ValueError):
         elif location == prefix or location.startswith(prefix + "."):
             return self
         joined = f"{prefix}.{location}" if prefix and location else (prefix or location)
-        error = ConfigError(joined, self.detail)
+        error = type(self)(joined, self.detail)
         error.__cause__ = self.__cause__
         return error
+
+
+class ConfigArgumentError(ConfigError, TypeError):
+    """A section was called with arguments its constructor does not take (see ConfigError)."""
 
 
 def suggest(name: str, choices: Iterable[str]) -> str:

@@ -9,8 +9,10 @@ from typing import Literal
 from bridge.config._checks import at_least
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error, section_error
+from bridge.config._section import config_section
 
 
+@config_section
 @dataclass(kw_only=True)
 class LoggerConfig:
     """Configuration settings for logging, including TensorBoard and WandB."""
@@ -132,6 +134,9 @@ class LoggerConfig:
     """Directory of Comet's offline archives (unset: ``COMET_OFFLINE_DIRECTORY`` or
     ``.cometml-runs``)."""
 
+    # Differs from the reference page, which renders this non-literal default as None: the
+    # field is an int logging level, and None is neither. Listed under "Differences from
+    # the reference" in docs/configuration.md.
     logging_level: int = logging.INFO
     """Level for the Python loggers (``logging.INFO`` is 20, ``DEBUG`` 10, ``WARNING`` 30)."""
 
@@ -148,10 +153,10 @@ class LoggerConfig:
     """Log energy consumption in joules."""
 
     metrics_writer_mode: Literal["process", "inline"] = "process"
-    """Where the Weights & Biases, MLflow and Comet clients run. ``"process"``: in a writer
-    process started by the last rank, so their I/O stays off the training step (the step
-    only hands one record per call to a pipe). ``"inline"``: in the training process, for
-    environments where a subprocess is not wanted. TensorBoard always writes in-process."""
+    """Where the metric backends (TensorBoard, Weights & Biases, MLflow, Comet) write.
+    ``"process"``: in a writer process started by the last rank, so their I/O stays off the
+    training step (the step hands one message per step to a pipe). ``"inline"``: in the
+    training process, for environments where a subprocess is not wanted."""
 
     def __post_init__(self) -> None:
         """Check the field types, intervals, logging level and backend names."""
@@ -195,6 +200,7 @@ _NAME_FIELDS = (
 )
 
 
+@config_section
 @dataclass(kw_only=True)
 class ProfilingConfig:
     """Configuration settings for profiling the training process."""

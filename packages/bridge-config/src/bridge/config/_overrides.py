@@ -109,13 +109,16 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
 def apply_overrides[C: ConfigContainer](container: C, overrides: Sequence[str]) -> C:
     """Apply dotted overrides to a built container, checking each value against its field.
 
-    The input is left unchanged; a modified deep copy is returned. A section that is unset
-    (``None``) is created with its defaults before a field of it is set. Every changed
-    bridge.config section re-runs its checks on the final values. Objects from other
-    packages (a megatron-core model config) get the new field values as they are, without
-    re-running their own ``__post_init__``: values they derive from others (e.g.
-    ``ffn_hidden_size`` from ``hidden_size``) are not recomputed, so set those explicitly
-    or override in the YAML with ``load_config``.
+    The input is left unchanged; a modified deep copy is returned. Values a previous
+    ``validate()`` filled in (``train.global_batch_size`` left unset, ``lr_decay_iters``,
+    the scheduler steps, ...) are unset in the copy, as in a config saved and loaded
+    again, so the next ``validate()`` derives them from the overridden values. A section
+    that is unset (``None``) is created with its defaults before a field of it is set.
+    Every changed bridge.config section re-runs its checks on the final values. Objects
+    from other packages (a megatron-core model config) get the new field values as they
+    are, without re-running their own ``__post_init__``: values they derive from others
+    (e.g. ``ffn_hidden_size`` from ``hidden_size``) are not recomputed, so set those
+    explicitly or override in the YAML with ``load_config``.
 
     Args:
         container: The config to start from.
@@ -136,6 +139,7 @@ def apply_overrides[C: ConfigContainer](container: C, overrides: Sequence[str]) 
         resolved = resolve_interpolations(snapshot, "overrides")
         pairs = [(key, _lookup(resolved, key)) for key, _ in pairs]
     result = copy.deepcopy(container)
+    result._clear_derived_values()
     touched: dict[str, Any] = {}
     for key, value in pairs:
         _set_path(result, key, value, touched)

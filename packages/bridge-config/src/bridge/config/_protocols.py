@@ -3,7 +3,9 @@
 bridge.config never imports megatron-core. The ``model``, ``optimizer``, ``ddp``, ``peft``,
 ``comm_overlap`` and ``mixed_precision`` sections accept any object with these attributes:
 megatron-core's ``TransformerConfig`` subclasses (model providers), ``OptimizerConfig``,
-``DistributedDataParallelConfig``, or small dataclasses of one's own.
+``DistributedDataParallelConfig``, or small dataclasses of one's own. The ``tokenizer``
+section accepts bridge.config's ``TokenizerConfig`` or any object with the attributes of
+``TokenizerConfigProtocol`` (such as Megatron-Bridge's own ``TokenizerConfig``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ class ModelConfigProtocol(Protocol):
 
     A plain ``TransformerConfig`` has no ``seq_length``; model providers (subclasses that
     also build the model) add it, and usually ``vocab_size``, which ``validate()`` checks
-    against the tokenizer when present.
+    against the tokenizer when present. ``validate()`` also reads, when present,
+    ``expert_tensor_parallel_size`` (unset: the tensor-parallel size) and
+    ``num_moe_experts`` to check the expert-parallel layout.
     """
 
     tensor_model_parallel_size: int
@@ -88,3 +92,19 @@ class MixedPrecisionConfigProtocol(Protocol):
     bf16: bool
     fp16: bool
     params_dtype: Any
+
+
+@runtime_checkable
+class TokenizerConfigProtocol(Protocol):
+    """A tokenizer configuration: what ``validate()`` and the trainer read of it.
+
+    ``validate()`` checks the vocabulary (``vocab_size`` plus ``vocab_extra_ids``, or for
+    ``"ByteLevelTokenizer"`` the 256 byte ids plus special tokens, read from an optional
+    ``special_tokens`` list) against ``model.vocab_size``; the trainer builds the tokenizer
+    from ``tokenizer_type`` and ``tokenizer_model``.
+    """
+
+    tokenizer_type: str | None
+    tokenizer_model: str | None
+    vocab_size: int | None
+    vocab_extra_ids: int

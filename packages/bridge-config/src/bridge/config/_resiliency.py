@@ -8,8 +8,10 @@ from typing import Literal
 from bridge.config._checks import at_least, greater_than, within
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error, section_error
+from bridge.config._section import config_section
 
 
+@config_section
 @dataclass(kw_only=True)
 class FaultToleranceConfig:
     """Configuration settings related to fault tolerance mechanisms (NVIDIA internal use)."""
@@ -42,6 +44,7 @@ class FaultToleranceConfig:
         at_least(self, "simulated_fault_base_delay", 0, allow_none=False)
 
 
+@config_section
 @dataclass(kw_only=True)
 class StragglerDetectionConfig:
     """Configuration settings for detecting and logging GPU stragglers."""
@@ -70,6 +73,7 @@ class StragglerDetectionConfig:
         at_least(self, "straggler_minmax_count", 1, allow_none=False)
 
 
+@config_section
 @dataclass(kw_only=True)
 class NVRxStragglerDetectionConfig:
     """Configuration settings for NVIDIA Resiliency Extension straggler detection."""

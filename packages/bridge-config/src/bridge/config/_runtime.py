@@ -10,6 +10,7 @@ from bridge.config._checks import at_least, within
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error
 from bridge.config._fields import DEFAULT_DOC
+from bridge.config._section import config_section
 
 _SEED_LIMIT = 2**32 - 1  # numpy's seed range; torch and random accept it too
 
@@ -27,6 +28,7 @@ def _local_rank_from_env() -> int:
         ) from None
 
 
+@config_section
 @dataclass(kw_only=True)
 class RNGConfig:
     """Configuration settings for random number generation."""
@@ -49,6 +51,7 @@ class RNGConfig:
         within(self, "seed", 0, _SEED_LIMIT, allow_none=False)
 
 
+@config_section
 @dataclass(kw_only=True)
 class DistributedInitConfig:
     """Configuration settings for distributed training initialization."""
@@ -110,6 +113,7 @@ class DistributedInitConfig:
         at_least(self, "local_rank", 0, allow_none=False)
 
 
+@config_section
 @dataclass(kw_only=True)
 class RerunStateMachineConfig:
     """Configuration for the rerun state machine used for result validation or stats."""

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from bridge.config._checks import at_least
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error
+from bridge.config._section import config_section
 
 TokenizerType = Literal[
     "NullTokenizer",
@@ -33,6 +34,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+@config_section
 @dataclass(kw_only=True)
 class TokenizerConfig:
     """Configuration of the tokenizer the trainer builds for datasets and the model."""
@@ -107,18 +109,10 @@ class TokenizerConfig:
         ``vocab_size`` when that is set (it then already includes them). For other types:
         ``vocab_size`` plus ``vocab_extra_ids``.
         """
-        if self.tokenizer_type == "ByteLevelTokenizer":
-            if self.vocab_size is not None:
-                return self.vocab_size
-            return _BYTE_VOCAB + len(self._byte_level_specials()) + self.vocab_extra_ids
-        if self.vocab_size is None:
-            return None
-        return self.vocab_size + self.vocab_extra_ids
+        return total_vocab_size(self)
 
     def _byte_level_specials(self) -> list[str]:
-        specials = list(self.special_tokens or ())
-        specials += [token for token in _BYTE_LEVEL_SPECIALS if token not in specials]
-        return specials
+        return _byte_level_specials(self.special_tokens)
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int | None:
         """The embedding size the vocabulary is padded to, or None if the vocabulary is unknown.
@@ -135,3 +129,27 @@ class TokenizerConfig:
             return None
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return math.ceil(total / multiple) * multiple
+
+
+def _byte_level_specials(special_tokens: list[str] | None) -> list[str]:
+    specials = list(special_tokens or ())
+    specials += [token for token in _BYTE_LEVEL_SPECIALS if token not in specials]
+    return specials
+
+
+def total_vocab_size(tokenizer: Any) -> int | None:
+    """Ids a tokenizer configuration can emit, or None if not known yet.
+
+    Works on any object providing ``TokenizerConfigProtocol`` (``special_tokens`` is read
+    when present); see ``TokenizerConfig.total_vocab_size``.
+    """
+    vocab_size = tokenizer.vocab_size
+    extra_ids = tokenizer.vocab_extra_ids or 0
+    if tokenizer.tokenizer_type == "ByteLevelTokenizer":
+        if vocab_size is not None:
+            return int(vocab_size)
+        specials = _byte_level_specials(getattr(tokenizer, "special_tokens", None))
+        return _BYTE_VOCAB + len(specials) + extra_ids
+    if vocab_size is None:
+        return None
+    return int(vocab_size) + extra_ids

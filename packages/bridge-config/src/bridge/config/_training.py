@@ -9,8 +9,10 @@ from typing import Literal
 from bridge.config._checks import at_least, at_most_one, within
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error, section_error
+from bridge.config._section import config_section
 
 
+@config_section
 @dataclass(kw_only=True)
 class SchedulerConfig:
     """Configuration settings for the learning rate scheduler and weight decay."""
@@ -31,7 +33,8 @@ class SchedulerConfig:
 
     lr_warmup_fraction: float | None = None
     """Warmup length as a fraction (0 to 1) of the decay length. Exclusive with
-    ``lr_warmup_iters`` and ``lr_warmup_samples``."""
+    ``lr_warmup_iters`` and ``lr_warmup_samples``: any value, 0.0 included, counts as set,
+    so leave those at 0."""
 
     lr_warmup_iters: int = 0
     """Iterations of linear learning-rate warmup."""
@@ -96,8 +99,18 @@ class SchedulerConfig:
         at_least(self, "lr_warmup_samples", 0, allow_none=False)
         at_least(self, "lr_warmup_init", 0.0, allow_none=False)
         within(self, "lr_warmup_fraction", 0.0, 1.0)
+        # A fraction counts as set whenever it is not None (0.0 means "no warmup"), as in
+        # megatron, which requires lr_warmup_iters == 0 once a fraction is given.
         at_most_one(
-            self, "lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples", unset=(None, 0)
+            self,
+            "lr_warmup_fraction",
+            "lr_warmup_iters",
+            "lr_warmup_samples",
+            unset={
+                "lr_warmup_fraction": (None,),
+                "lr_warmup_iters": (0,),
+                "lr_warmup_samples": (0,),
+            },
         )
         iteration_fields = [
             n for n in ("lr_decay_iters", "lr_wsd_decay_iters") if getattr(self, n) is not None
@@ -165,6 +178,7 @@ class SchedulerConfig:
             )
 
 
+@config_section
 @dataclass(kw_only=True)
 class TrainingConfig:
     """Configuration settings related to the training loop and validation."""
@@ -217,6 +231,9 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     """On ``exit_signal``, save a checkpoint and shut down cleanly."""
 
+    # Differs from the reference page, which renders this non-literal default as None: the
+    # field is an int (None is not one) and the handler is documented to react to SIGTERM.
+    # Listed under "Differences from the reference" in docs/configuration.md.
     exit_signal: int = signal.SIGTERM
     """Signal that triggers the save-and-exit handler (stored as a ``signal.Signals``)."""
 

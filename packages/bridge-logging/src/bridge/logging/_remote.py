@@ -246,6 +246,10 @@ class RemoteWriter(MetricWriter):
     def flush(self) -> None:
         """Wait until the writer process has written and flushed everything sent so far."""
         self.process.flush()
+        self.flush_local()
+
+    def flush_local(self) -> None:
+        """Flush what this writer holds in the training process (nothing, by default)."""
 
     def close(self) -> None:
         """Stop writing to this backend; the process closes with its last writer."""
@@ -257,8 +261,53 @@ class RemoteWriter(MetricWriter):
         return f"{type(self).__name__}({self.process!r})"
 
 
+class RemoteTensorBoardWriter(RemoteWriter):
+    """The TensorBoard writer of a writer process, seen from the training process.
+
+    Records are written to the event files by the writer process. :attr:`backend` is a
+    real ``torch.utils.tensorboard.SummaryWriter`` of the same directory, made in this
+    process on first access, for code that writes to it directly (megatron-core's MoE
+    helpers, ``process_non_loss_data_func``): its events go to a file of their own in that
+    directory, which TensorBoard reads together with the writer process's.
+    """
+
+    kind = "tensorboard"
+
+    def __init__(self, process: WriterProcess) -> None:
+        super().__init__(process)
+        self._summary_writer: Any = None
+
+    @property
+    def backend(self) -> Any:
+        """The in-process ``SummaryWriter`` (``None`` once closed)."""
+        if self._summary_writer is None and not self._closed:
+            from torch.utils.tensorboard import SummaryWriter
+
+            info = self.info
+            self._summary_writer = SummaryWriter(
+                log_dir=info["log_dir"], max_queue=int(info.get("queue_size", 1000))
+            )
+        return self._summary_writer
+
+    def flush_local(self) -> None:
+        """Flush the in-process ``SummaryWriter``, if it was made."""
+        if self._summary_writer is not None:
+            self._summary_writer.flush()
+
+    def close(self) -> None:
+        """Close the in-process ``SummaryWriter``, then stop writing to this backend."""
+        if self._summary_writer is not None and not self._closed:
+            self._summary_writer.close()
+        super().close()
+
+
+_SPECIAL: dict[str, type[RemoteWriter]] = {"tensorboard": RemoteTensorBoardWriter}
+
+
 @functools.cache
 def _remote_class(kind: str) -> type[RemoteWriter]:
+    if kind in _SPECIAL:
+        return _SPECIAL[kind]
     name = f"Remote{kind.title().replace('_', '')}Writer"
     return type(name, (RemoteWriter,), {"kind": kind, "__module__": __name__})
 

@@ -18,6 +18,10 @@ Guarantees:
 * order: one pipe, read by one loop, so every backend sees its calls in the order made;
 * :meth:`WriterProcess.flush` returns once everything sent before it is written and
   flushed;
+* latency: records reach the backends within ``LINGER_S`` (0.5 s) of being sent, or at
+  the next flush. The writer process sleeps on a timer, not on the command pipe, so a
+  record costs the training process a pipe write without waking anything; a flush or a
+  close writes a byte to a third pipe that wakes it at once;
 * bounded: the pipe holds 1 MiB (several hundred steps of metrics); when the writer
   process falls that far behind, the training process blocks in the send until it catches
   up; nothing is dropped;
@@ -70,7 +74,7 @@ package = types.ModuleType("bridge.logging")
 package.__path__ = [{package_dir!r}]
 sys.modules["bridge.logging"] = bridge.logging = package
 from bridge.logging._writer_child import main
-main(int(sys.argv[1]), int(sys.argv[2]))
+main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
 """
 
 # Exception types a setup error keeps when it is raised again in the training process.
@@ -165,6 +169,9 @@ class WriterProcess:
 
         command_read, command_write = os.pipe()
         answer_read, answer_write = os.pipe()
+        wake_read, wake_write = os.pipe()
+        # A wake-up that finds the pipe full is redundant: one is already pending.
+        os.set_blocking(wake_write, False)
         with contextlib.suppress(OSError, AttributeError):  # Linux only; the default works
             import fcntl
 
@@ -172,19 +179,30 @@ class WriterProcess:
         code = _BOOTSTRAP.format(path=list(sys.path), package_dir=str(Path(__file__).parent))
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", code, str(command_read), str(answer_write)],
-                pass_fds=(command_read, answer_write),
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(command_read),
+                    str(answer_write),
+                    str(wake_read),
+                ],
+                pass_fds=(command_read, answer_write, wake_read),
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         except BaseException:
             for fd in (command_read, command_write, answer_read, answer_write):
                 os.close(fd)
+            os.close(wake_read)
+            os.close(wake_write)
             raise
         # Only the writer process keeps these ends: its exit closes the answer pipe (our
         # recv sees EOF) and our exit closes the command pipe (its recv sees EOF).
         os.close(command_read)
         os.close(answer_write)
+        os.close(wake_read)
+        self._wake_fd: int | None = wake_write
         self._out = Connection(command_write, readable=False)
         self._in = Connection(answer_read, writable=False)
         # One registered poll object: checking for answers on every send is then a single
@@ -330,6 +348,24 @@ class WriterProcess:
         except (BrokenPipeError, ConnectionResetError):
             self._died()
 
+    def _wake(self) -> None:
+        """Have the writer process handle what was sent now instead of within LINGER_S."""
+        if self._wake_fd is None:
+            return
+        # Full: a wake-up is already pending. Broken: the process is gone, which the
+        # command pipe reports.
+        with contextlib.suppress(BlockingIOError, BrokenPipeError, OSError):
+            os.write(self._wake_fd, b"w")
+
+    def _close_pipes(self) -> None:
+        for conn in (self._out, self._in):
+            with contextlib.suppress(OSError):
+                conn.close()
+        if self._wake_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._wake_fd)
+            self._wake_fd = None
+
     # ---------------------------------------------------------------- commands
 
     def send_metrics(
@@ -347,6 +383,24 @@ class WriterProcess:
             self._check_usable()
             self._read_answers()
             self._send(("m", step, values, kinds))
+            self._raise_errors()
+
+    def send_records(
+        self, records: Sequence[tuple[Mapping[str, float], int, tuple[str, ...] | None]]
+    ) -> None:
+        """Queue several ``(values, step, kinds)`` records, in order, in one message.
+
+        Raises:
+            RuntimeError: As :meth:`send_metrics`.
+        """
+        if len(records) == 1:
+            values, step, kinds = records[0]
+            self.send_metrics(values, step, kinds)
+            return
+        with self._lock:
+            self._check_usable()
+            self._read_answers()
+            self._send(("M", [("m", step, values, kinds) for values, step, kinds in records]))
             self._raise_errors()
 
     def call(self, kind: str, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -386,6 +440,7 @@ class WriterProcess:
             self._check_usable()
             token = next(self._tokens)
             self._send(("f", token))
+            self._wake()
             try:
                 while True:
                     message = self._in.recv()
@@ -421,15 +476,14 @@ class WriterProcess:
             except Exception:
                 logger.exception("closing the metric writer process failed")
             finally:
-                for conn in (self._out, self._in):
-                    with contextlib.suppress(OSError):
-                        conn.close()
+                self._close_pipes()
 
     def _close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         if self._dead_message is None:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 self._out.send(("x",))
+            self._wake()
             try:
                 while (remaining := deadline - time.monotonic()) > 0:
                     if not self._in.poll(min(remaining, 1.0)):
@@ -465,9 +519,7 @@ class WriterProcess:
         """After a failed start: end the process without waiting for writers."""
         self._closed = True
         _live.discard(self)
-        for conn in (self._out, self._in):
-            with contextlib.suppress(OSError):
-                conn.close()
+        self._close_pipes()
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -236,14 +236,84 @@ class TensorBoardWriter(MetricWriter):
 
         TensorBoard reads it exactly like separate ``add_scalar`` events, but the event
         file is appended to once instead of once per tag (without TensorFlow installed,
-        TensorBoard reopens the file for every record).
+        TensorBoard reopens the file for every record). That needs the ``SummaryWriter``'s
+        private ``_get_file_writer()``; a torch without it gets one ``add_scalar`` per tag.
         """
+        if not metrics:
+            return
+        file_writer = getattr(self._writer, "_get_file_writer", None)
+        if not callable(file_writer):
+            for tag, value in metrics.items():
+                self._writer.add_scalar(tag, to_scalar(tag, value), step)
+            return
+        values = [
+            self._summary_cls.Value(tag=t, simple_value=to_scalar(t, v)) for t, v in metrics.items()
+        ]
+        file_writer().add_summary(self._summary_cls(value=values), step)
+
+    def flush(self) -> None:
+        """Write pending events to disk."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
+
+
+class TensorBoardEventWriter(MetricWriter):
+    """TensorBoard event files written with the ``tensorboard`` package alone (no torch).
+
+    What the metric writer process runs for TensorBoard (``metrics_writer_mode="process"``):
+    it starts without torch, and the per-record work of TensorBoard (serialising, a
+    checksum computed in Python, appending to the file) leaves the training process. Each
+    record becomes one event holding one value per tag, which TensorBoard reads exactly
+    like separate ``add_scalar`` events.
+
+    Args:
+        log_dir: Directory of the event files (created if missing; existing files are
+            kept, new events go to a new file).
+        queue_size: Events held in memory before a write forces a flush.
+    """
+
+    kind = "tensorboard"
+
+    def __init__(self, log_dir: str | os.PathLike[str], queue_size: int = 1000) -> None:
+        _import_backend("tensorboard")
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self._event_cls, self._summary_cls = Event, Summary
+        self._writer = EventFileWriter(str(log_dir), max_queue_size=queue_size)
+        self.log_dir = str(log_dir)
+        self.queue_size = queue_size
+
+    @property
+    def backend(self) -> Any:
+        """The ``tensorboard`` ``EventFileWriter``."""
+        return self._writer
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The event files' ``log_dir`` and the ``queue_size``."""
+        return {"log_dir": self.log_dir, "queue_size": self.queue_size}
+
+    def add_scalar(self, tag: str, value: Any, step: int) -> None:
+        """Write one scalar event."""
+        self.log_metrics({tag: value}, step)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Write all of ``metrics`` as one event holding one value per tag."""
         if not metrics:
             return
         values = [
             self._summary_cls.Value(tag=t, simple_value=to_scalar(t, v)) for t, v in metrics.items()
         ]
-        self._writer._get_file_writer().add_summary(self._summary_cls(value=values), step)
+        event = self._event_cls(
+            wall_time=time.time(), step=int(step), summary=self._summary_cls(value=values)
+        )
+        self._writer.add_event(event)
 
     def flush(self) -> None:
         """Write pending events to disk."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.config import LoggerConfig
+from bridge.logging._batches import BatchHistory
 from bridge.logging._dist import collective_device, dist_ready
 from bridge.logging._remote import RemoteWriter, remote_writers
 from bridge.logging._worker import WriterThread
@@ -29,6 +31,7 @@ from bridge.logging.backends import (
     to_scalar,
 )
 from bridge.logging.settings import (
+    REPORT_SOURCE_FIELDS,
     BackendSettings,
     ReportSettings,
     backend_settings_for,
@@ -47,6 +50,7 @@ class _IntervalMarks:
     known_iterations: int = 0
     energy_monitor: Any = None
     energy_unavailable: bool = False
+    batches: BatchHistory = field(default_factory=BatchHistory)
 
 
 class MetricWriters:
@@ -104,6 +108,7 @@ class MetricWriters:
         self._closed = False
         self._worker = WriterThread() if asynchronous and self._writers else None
         self._report_settings = report_settings
+        self._reports: tuple[tuple[int, list[Any]], ReportSettings] | None = None
         self.marks = _IntervalMarks()
 
     def _run(self, fn: Any, *args: Any) -> None:
@@ -136,7 +141,11 @@ class MetricWriters:
         The ``LoggerConfig`` report fields, overridden by the fields set in the
         ``report_settings`` these writers were built with.
         """
-        return report_settings_for(logger_cfg, self._report_settings)
+        # Called every step: merge again only when the fields it reads have changed.
+        key = (id(logger_cfg), [getattr(logger_cfg, name) for name in REPORT_SOURCE_FIELDS])
+        if self._reports is None or self._reports[0] != key:
+            self._reports = (key, report_settings_for(logger_cfg, self._report_settings))
+        return self._reports[1]
 
     @property
     def asynchronous(self) -> bool:
@@ -210,19 +219,43 @@ class MetricWriters:
                 the metric writer process died.
             ValueError: A value is not a single number.
         """
+        self.log_many([(metrics, step, only)])
+
+    def log_many(
+        self, records: Sequence[tuple[Mapping[str, Any], int, Collection[str] | None]]
+    ) -> None:
+        """Record several ``(metrics, step, only)`` at once, in order (see :meth:`log_metrics`).
+
+        A metric writer process receives them in one message, so logging a step's metrics
+        and their TensorBoard-only ``vs samples`` twins costs one pipe write.
+
+        Raises:
+            RuntimeError: As :meth:`log_metrics`.
+            ValueError: A value is not a single number.
+        """
         self._check_open()
-        if not metrics or not self._writers:
+        if not self._writers:
             return
-        values = {tag: to_scalar(tag, value) for tag, value in metrics.items()}
+        converted = [
+            ({tag: to_scalar(tag, value) for tag, value in metrics.items()}, step, only)
+            for metrics, step, only in records
+            if metrics
+        ]
+        if not converted:
+            return
         for writer in self._local:
-            if only is None or writer.kind in only:
-                self._run(writer.log_metrics, values, step)
+            for values, step, only in converted:
+                if only is None or writer.kind in only:
+                    self._run(writer.log_metrics, values, step)
         for process, kinds in self._processes:
-            chosen = kinds if only is None else tuple(k for k in kinds if k in only)
-            if chosen:
-                # None: every writer of the process (the common case, a smaller record).
-                target = None if chosen == process.kinds else chosen
-                self._run(process.send_metrics, values, step, target)
+            batch = []
+            for values, step, only in converted:
+                chosen = kinds if only is None else tuple(k for k in kinds if k in only)
+                if chosen:
+                    # None: every writer of the process (the common case, a smaller record).
+                    batch.append((values, step, None if chosen == process.kinds else chosen))
+            if batch:
+                self._run(process.send_records, batch)
 
     def flush(self) -> None:
         """Flush every backend and wait for it (a no-op once closed).
@@ -240,6 +273,9 @@ class MetricWriters:
             self._run(writer.flush)
         for process, _ in self._processes:
             self._run(process.flush)
+        for writer in self._writers:
+            if isinstance(writer, RemoteWriter):
+                self._run(writer.flush_local)
         if self._worker is not None:
             self._worker.drain()
 
@@ -411,28 +447,31 @@ def _build_backends(
 ) -> list[MetricWriter]:
     writers: list[MetricWriter] = []
     specs = _writer_specs(logger_cfg, settings, config)
-    # The writer process builds its backends while TensorBoard is built here.
-    process = (
-        WriterProcess(specs, wait=False)
-        if specs and logger_cfg.metrics_writer_mode == "process"
-        else None
-    )
-    try:
-        if logger_cfg.tensorboard_dir is not None:
-            # In-process in both modes: cheap (one event per step, written by its own
-            # thread) and the SummaryWriter stays a real object for megatron's helpers.
-            writers.append(
-                TensorBoardWriter(logger_cfg.tensorboard_dir, logger_cfg.tensorboard_queue_size)
-            )
-        if process is not None:
-            process.wait_ready()
-            writers.extend(remote_writers(process))
-        else:
-            for kind, _, kwargs in specs:
-                writers.append(_INLINE[kind](**kwargs))
-    except BaseException:
-        if process is not None:
+    tb_dir = logger_cfg.tensorboard_dir
+    if logger_cfg.metrics_writer_mode == "process":
+        if tb_dir is not None:
+            # Made here, so that a bad path fails in this process with the OS's own error.
+            Path(tb_dir).mkdir(parents=True, exist_ok=True)
+            # TensorBoard writes in the writer process too: serialising an event and its
+            # checksum (pure Python without TensorFlow) would otherwise cost the training
+            # process about a millisecond per step. Its `.backend` in this process is still
+            # a real SummaryWriter of the same directory, made on first use.
+            tb_spec = {"log_dir": str(tb_dir), "queue_size": logger_cfg.tensorboard_queue_size}
+            specs.insert(0, ("tensorboard", f"{_BACKENDS}:TensorBoardEventWriter", tb_spec))
+        if not specs:
+            return writers
+        process = WriterProcess(specs)
+        try:
+            return list(remote_writers(process))
+        except BaseException:
             process.close()
+            raise
+    try:
+        if tb_dir is not None:
+            writers.append(TensorBoardWriter(tb_dir, logger_cfg.tensorboard_queue_size))
+        for kind, _, kwargs in specs:
+            writers.append(_INLINE[kind](**kwargs))
+    except BaseException:
         for writer in writers:  # do not leave half a set of runs open
             try:
                 writer.close()
@@ -468,10 +507,11 @@ def build_metric_writers(
     ``comet_project`` is. Backend packages are imported only when configured and only on
     the last rank.
 
-    With ``logger_cfg.metrics_writer_mode="process"`` (the default) the W&B, MLflow and
-    Comet clients run in a metric writer process started here; this returns once they are
-    built there, and raises their setup error (missing package, bad tracking URI, no API
-    key) if they are not. TensorBoard writes in-process in both modes.
+    With ``logger_cfg.metrics_writer_mode="process"`` (the default) the TensorBoard, W&B,
+    MLflow and Comet writers run in a metric writer process started here; this returns once
+    they are built there, and raises their setup error (missing package, bad tracking URI,
+    no API key) if they are not. The ``SummaryWriter`` that ``.tensorboard`` returns is
+    made in this process on first access (for code that writes to it directly).
 
     Call it on every rank. When torch.distributed is initialised with ``world_size``
     ranks, it is a collective: if building fails on the last rank, every rank raises

@@ -168,6 +168,10 @@ _REPORT_FIELDS = {
 }
 
 
+REPORT_SOURCE_FIELDS: tuple[str, ...] = tuple(_REPORT_FIELDS.values())
+"""The ``LoggerConfig`` fields :func:`report_settings_for` reads."""
+
+
 def _merge[Settings: (BackendSettings, ReportSettings)](
     cls: type[Settings],
     logger_cfg: LoggerConfig,

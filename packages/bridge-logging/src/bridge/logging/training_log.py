@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -27,7 +28,7 @@ from bridge.logging.memory import (
     reduce_max_memory_across_pp_group,
     report_memory,
 )
-from bridge.logging.metric_writers import MetricWriters, _IntervalMarks, tensorboard_only
+from bridge.logging.metric_writers import MetricWriters, _IntervalMarks
 from bridge.logging.protocols import LoggingState
 from bridge.logging.throughput import report_runtime, report_throughput
 from core_utils import Timers
@@ -135,11 +136,35 @@ def _accumulate(
     return losses
 
 
-def _global_batch_size(config: ConfigContainer, train_cfg: TrainingConfig) -> int:
+def _configured_batch_size(config: ConfigContainer, train_cfg: TrainingConfig) -> int:
     if train_cfg.global_batch_size is not None:
         return int(train_cfg.global_batch_size)
     dp = config.data_parallel_size or 1
     return int(train_cfg.micro_batch_size or 0) * dp
+
+
+def _batch_size_if_certain(
+    config: ConfigContainer, train_cfg: TrainingConfig, consumed: int
+) -> int | None:
+    """The configured batch size when the iteration that ended at ``consumed`` samples
+    must have run it (no ramp-up, or past it, and no shrinking to fit), else ``None``."""
+    if train_cfg.decrease_batch_size_if_needed:
+        return None
+    configured = _configured_batch_size(config, train_cfg)
+    rampup = train_cfg.rampup_batch_size
+    # The batch is at most the configured one, so the ramp-up was over before this
+    # iteration if it was over even counting the largest batch.
+    if rampup is None or consumed - configured >= int(rampup[2]):
+        return configured
+    return None
+
+
+def _format_batch_size(batch_size: float | None) -> str:
+    if batch_size is None:
+        return "  N/A"
+    if float(batch_size).is_integer():
+        return f"{int(batch_size):5d}"
+    return f"{batch_size:7.1f}"  # an average over iterations not logged one by one
 
 
 def _seq_length(config: ConfigContainer, seq_length: int | None) -> int | None:
@@ -194,6 +219,17 @@ class _Collector:
         self._metrics[tag] = float(value)
 
 
+_STAMP: list[Any] = [None, ""]  # the second the last timestamp was made for, and its text
+
+
+def _timestamp() -> str:
+    """The console line's local time, formatted once per second."""
+    second = int(time.time())
+    if second != _STAMP[0]:
+        _STAMP[:] = [second, datetime.fromtimestamp(second).strftime("%Y-%m-%d %H:%M:%S")]
+    return str(_STAMP[1])
+
+
 def _format_tflops(value: float) -> str:
     return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
 
@@ -246,6 +282,14 @@ def training_log(
     docs/logging.md), plus TensorBoard-only ``<name> vs samples`` twins. Every
     ``logger.log_interval`` iterations the last rank prints Megatron's console line.
 
+    The batch size (console, ``batch-size``, samples and tokens per second) is the one
+    the iteration ran: the increase of ``consumed_train_samples`` since the previous
+    call, so it follows a batch-size ramp-up. Only the first call of a resumed job cannot
+    derive it; it then uses ``train.global_batch_size`` when that is certain (no ramp-up
+    or past it) and otherwise leaves ``batch-size`` out and prints ``N/A``. Without a
+    sequence length (``seq_length``, ``model.seq_length``, ``dataset.sequence_length``)
+    only the token metrics are left out.
+
     Args:
         loss_dict: This iteration's losses (reduced across microbatches and DP ranks).
         total_loss_dict: Interval accumulator, the same dict on every call.
@@ -263,19 +307,22 @@ def training_log(
         history_wct: Wall-clock timestamps per iteration (see
             :func:`bridge.logging.report_throughput`).
         model: Model chunks (searched for ``pg_collection`` and used for gradient norms).
-        pg_collection: Process groups (``mp``, ``pp``, ``tp``, ``dp``) for the
-            reductions; default: the model's, else no reduction.
+        pg_collection: Process groups (``mp``, ``pp``, ``tp``, ``dp``, and ``expt_tp`` /
+            ``tp_ep_pp`` for expert gradient norms) for the reductions; default: the
+            model's, else no reduction.
         log_max_attention_logit: Maximum attention logit, if tracked.
         loaded_iteration: Iteration this job resumed from (0 for a fresh run).
-        seq_length: Tokens per sample (default ``config.model.seq_length``).
+        seq_length: Tokens per sample (default ``config.model.seq_length``, else the
+            dataset's sequence length; unknown: no token metrics).
 
     Returns:
         The updated ``report_memory_flag`` (false once memory was reported after the
         second iteration of the job).
 
     Raises:
-        ValueError: ``config`` lacks a ``train`` or ``logger`` section, or a loss has an
-            unexpected shape.
+        ValueError: ``config`` lacks a ``train`` or ``logger`` section, a loss has an
+            unexpected shape, or gradient norms are on and a process group they need is
+            missing (see :func:`bridge.logging.report_l2_norm_grad`).
     """
     if config.logger is None or config.train is None:
         missing = "logger" if config.logger is None else "train"
@@ -300,15 +347,23 @@ def training_log(
     )
     learning_rate = reduce_max_stat(learning_rate, pg_attr(pg, "mp"))
     timer_names = timers_to_log(logger_cfg.timing_log_level)
-    batch_size = _global_batch_size(config, train_cfg)
+    window = settings.throughput_window_size or logger_cfg.log_interval
+    batch_size = writers.marks.batches.record(
+        iteration,
+        consumed,
+        loaded_iteration=loaded_iteration,
+        fallback=_batch_size_if_certain(config, train_cfg, consumed),
+        keep=window,
+    )
     total_iterations = total_loss_dict[ADVANCED_ITERS] + total_loss_dict[SKIPPED_ITERS]
     tb_due = iteration % logger_cfg.tensorboard_log_interval == 0
     show_params_norm = logger_cfg.log_params_norm and params_norm is not None
     tokens_per_sample = _seq_length(config, seq_length)
 
-    # Everything for this step goes out in one log_metrics call at the end: W&B and
-    # MLflow pay a fixed cost per call.
+    # Everything for this step goes out in one log_many call at the end: W&B and MLflow
+    # pay a fixed cost per call, and a metric writer process gets one message.
     step_metrics: dict[str, float] = {}
+    twins: dict[str, float] = {}
 
     # Collectives first, on every rank, whether or not this rank writes.
     if logger_cfg.log_timers_to_tensorboard and tb_due:
@@ -329,19 +384,25 @@ def training_log(
         memory_metrics = {f"memory/{name}": value for name, value in report.items()}
     grad_norms: dict[str, float] = {}
     if settings.log_l2_norm_grad and tb_due:
-        grad_norms = report_l2_norm_grad(
-            model, mp_group=pg_attr(pg, "mp"), tp_group=pg_attr(pg, "tp")
-        )
+        grad_norms = report_l2_norm_grad(model, pg_collection=pg)
 
     if writers.enabled and tb_due:
         vs_samples: dict[str, float] = {}
-        if logger_cfg.log_throughput and tokens_per_sample:
-            window = settings.throughput_window_size or logger_cfg.log_interval
-            step_metrics.update(
-                report_throughput(train_cfg, iteration, tokens_per_sample, history_wct, window)
+        if logger_cfg.log_throughput:
+            samples = writers.marks.batches.samples_in_window(iteration, window)
+            throughput = report_throughput(
+                train_cfg,
+                iteration,
+                tokens_per_sample,
+                history_wct,
+                window,
+                samples_in_window=samples if samples is not None else 0.0,
             )
+            if samples is None:  # no batch size of the window is known: batches only
+                throughput = {k: v for k, v in throughput.items() if "/batches_" in k}
+            step_metrics.update(throughput)
         step_metrics.update(memory_metrics)
-        if settings.log_runtime and train_cfg.train_iters and tokens_per_sample:
+        if settings.log_runtime:
             step_metrics.update(
                 report_runtime(
                     train_state,
@@ -360,7 +421,8 @@ def training_log(
             step_metrics["decoupled-learning-rate"] = float(decoupled_learning_rate)
         if train_state.skipped_train_samples > 0:
             step_metrics["skipped-train-samples"] = float(train_state.skipped_train_samples)
-        vs_samples["batch-size"] = float(batch_size)
+        if batch_size is not None:
+            vs_samples["batch-size"] = float(batch_size)
         vs_samples.update(losses)
         if logger_cfg.log_loss_scale_to_tensorboard:
             vs_samples["loss-scale"] = float(loss_scale)
@@ -375,12 +437,14 @@ def training_log(
         if log_max_attention_logit is not None:
             vs_samples["max-attention-logit"] = _as_float(log_max_attention_logit)
         step_metrics.update(vs_samples)
-        # Steps in samples would go backwards for W&B, so only TensorBoard gets them.
-        tensorboard_only(writers, {f"{t} vs samples": v for t, v in vs_samples.items()}, consumed)
+        twins = {f"{t} vs samples": v for t, v in vs_samples.items()}
 
+    # Steps in samples would go backwards for W&B, so only TensorBoard gets the twins; both
+    # go out in one call (one message to a metric writer process).
+    records = [(twins, consumed, ("tensorboard",)), (step_metrics, iteration, None)]
     if iteration % logger_cfg.log_interval != 0:
         if writers.enabled:
-            writers.log_metrics(step_metrics, iteration)
+            writers.log_many(records)
         return report_memory_flag
 
     elapsed = timers("interval-time", log_level=0).elapsed(barrier=True)
@@ -406,13 +470,13 @@ def training_log(
         if time_per_iteration > 0:
             step_metrics["power/gpu"] = energy / time_per_iteration
     if writers.enabled:
-        writers.log_metrics(step_metrics, iteration)
+        writers.log_many(records)
 
     total_iters_text = (
         f"{train_cfg.train_iters:8d}" if train_cfg.train_iters is not None else "       ?"
     )
     parts = [
-        f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{total_iters_text} |",
+        f" [{_timestamp()}] iteration {iteration:8d}/{total_iters_text} |",
         f" consumed samples: {consumed:12d} |",
     ]
     if train_state.skipped_train_samples > 0:
@@ -431,7 +495,7 @@ def training_log(
     )
     if decoupled_learning_rate is not None:
         parts.append(f" decoupled learning rate: {float(decoupled_learning_rate):.6E} |")
-    parts.append(f" global batch size: {batch_size:5d} |")
+    parts.append(f" global batch size: {_format_batch_size(batch_size)} |")
     advanced = max(int(total_loss_dict[ADVANCED_ITERS]), 1)
     for key in [k for k in total_loss_dict if k not in _COUNTERS]:
         # Negative losses (e.g. rewards) are printed too; the accumulator restarts.

@@ -13,6 +13,11 @@ from bridge.mimo.communicator import (
     P2PModuleCommunicator,
     PendingSends,
 )
+from bridge.mimo.communicator_choice import (
+    CommunicatorChoice,
+    CommunicatorKind,
+    choose_communicator,
+)
 from bridge.mimo.data import MapDataset, MimoDataLoader
 from bridge.mimo.flops import StepFlopsMeter
 from bridge.mimo.infra import MegatronMIMOInfra, build_megatron_mimo_infra
@@ -46,6 +51,7 @@ from bridge.mimo.training import (
     MimoTrainResult,
     MimoTrainStep,
     ParamScheduler,
+    ShouldStop,
     masked_token_loss,
     train_mimo,
 )
@@ -53,6 +59,8 @@ from bridge.mimo.vision import PatchEncoder, ProjectionMLP
 
 __all__ = [
     "LANGUAGE_MODULE_KEY",
+    "CommunicatorChoice",
+    "CommunicatorKind",
     "CrossModulePlan",
     "LossFn",
     "MapDataset",
@@ -75,6 +83,7 @@ __all__ = [
     "PendingSends",
     "ProjectionMLP",
     "SampleTransfer",
+    "ShouldStop",
     "StepFlopsMeter",
     "SyntheticImageCaptionDataset",
     "TinyVLMConfig",
@@ -83,6 +92,7 @@ __all__ = [
     "build_mimo_model",
     "build_multimodule_optimizer",
     "build_pg_collection_for_schedule",
+    "choose_communicator",
     "finalize_model_grads_multimodule",
     "get_active_module_pg",
     "get_module_to_grid_tuple",

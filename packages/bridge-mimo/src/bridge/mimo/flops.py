@@ -6,11 +6,15 @@ backward, including inside megatron-core's tensor-parallel autograd functions. E
 counts its own work; the per-module totals are summed over the world, so they include
 every data-parallel replica and tensor-parallel shard. torch has no formula for CPU flash
 attention, so one is registered here (same counting as torch's CUDA attention formulas).
+
+Which steps are measured is decided collectively: the FLOPs are summed over the world, so
+every rank must measure (and reduce) in the same steps, whatever its own batch shapes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,11 +69,14 @@ def _claimed_flops(by_path: dict[str, float], marker: str) -> float:
 
 
 class StepFlopsMeter:
-    """Counts the FLOPs of training steps, once per distinct batch shape.
+    """Counts the FLOPs of training steps, once per distinct combination of batch shapes.
 
     Counting slows a step down (every op goes through Python), so a step is measured only
-    when its batch shapes (``signature``) were not seen before; later steps of the same shape
-    reuse the count.
+    when the batch shapes of *every* rank form a combination not seen before; later steps
+    with the same combination reuse the count. Ranks agree on that (:meth:`needs_measurement`
+    is one all-reduce), so every rank makes the same collectives even when only some ranks'
+    shapes change (for example encoder ranks fed images of a new resolution while the
+    language-model ranks see the same token shapes).
 
     On a rank that runs one module every counted FLOP is that module's. On a colocated rank
     (all modules in one forward) the forward FLOPs are attributed to modules by the module
@@ -82,14 +89,39 @@ class StepFlopsMeter:
 
     def __init__(self, module_names: list[str]) -> None:
         self.module_names = list(module_names)
-        self._cache: dict[Any, dict[str, float]] = {}
+        self._local_ids: dict[Any, int] = {}
+        self._cache: dict[tuple[int, ...], dict[str, float]] = {}
+        self._step_key: tuple[int, ...] | None = None
+        self._warned: set[str] = set()
         self._total = 0.0
         self._forward_by_path: dict[str, float] = {}
         self._forward_total = 0.0
 
+    @property
+    def measured_combinations(self) -> int:
+        """How many distinct job-wide shape combinations were measured so far."""
+        return len(self._cache)
+
     def needs_measurement(self, signature: Any) -> bool:
-        """Whether a step with these batch shapes has not been measured yet."""
-        return signature not in self._cache
+        """Whether this step must be measured, agreed over the world. Collective.
+
+        Every rank calls it once per step, before the step, with the shapes of its own
+        batches. The ranks exchange a small id of their shapes (one all-reduce of
+        ``world_size`` integers), so the answer, and the key the step's FLOPs are cached
+        under, are the same on every rank.
+
+        Args:
+            signature: A hashable description of this rank's batch shapes.
+
+        Returns:
+            True when the combination of every rank's shapes has not been measured yet.
+        """
+        local_id = self._local_ids.setdefault(signature, len(self._local_ids))
+        ids = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device())
+        ids[dist.get_rank()] = local_id
+        dist.all_reduce(ids)
+        self._step_key = tuple(int(v) for v in ids.tolist())
+        return self._step_key not in self._cache
 
     def reset(self) -> None:
         """Forget the counts of the previous measured step."""
@@ -137,35 +169,58 @@ class StepFlopsMeter:
             return {language: self._total}
         return {name: self._total * value / forward_total for name, value in share.items()}
 
-    def record(self, signature: Any, local_flops_by_module: dict[str, float]) -> dict[str, float]:
+    def record(self, local_flops_by_module: dict[str, float]) -> dict[str, float]:
         """Sum this rank's per-module FLOPs over the world and cache them. Collective.
 
+        Call it on every rank after a step for which :meth:`needs_measurement` returned
+        True. A module that counted no FLOPs at all (one without matrix multiplications,
+        say) is reported with 0 and a one-time warning; training goes on.
+
         Args:
-            signature: The step's batch-shape signature.
             local_flops_by_module: FLOPs this rank executed, per module it runs.
 
         Returns:
             Module name -> FLOPs of one step over the whole job.
 
         Raises:
-            RuntimeError: No FLOPs were counted for a module (nothing was measured).
+            RuntimeError: :meth:`needs_measurement` was not called for this step.
         """
-        nccl = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        totals = torch.zeros(len(self.module_names), dtype=torch.float64, device=device)
+        if self._step_key is None:
+            raise RuntimeError("StepFlopsMeter.record() called before needs_measurement()")
+        totals = torch.zeros(len(self.module_names), dtype=torch.float64, device=_device())
         for index, name in enumerate(self.module_names):
             totals[index] = float(local_flops_by_module.get(name, 0.0))
         dist.all_reduce(totals)
         result = {name: float(totals[i]) for i, name in enumerate(self.module_names)}
-        empty = [name for name, value in result.items() if value <= 0]
+        empty = [name for name, value in result.items() if value <= 0 and name not in self._warned]
         if empty:
-            raise RuntimeError(
-                f"no FLOPs were counted for module(s) {empty}; the step ran no matrix "
-                f"multiplication for them under the FLOP counter"
+            self._warned.update(empty)
+            warnings.warn(
+                f"no FLOPs were counted for module(s) {empty}: they ran no matrix "
+                f"multiplication or attention under torch's FLOP counter, so their FLOPs are "
+                f"reported as 0 (warned once per module)",
+                RuntimeWarning,
+                stacklevel=2,
             )
-        self._cache[signature] = result
+        self._cache[self._step_key] = result
         return result
 
-    def cached(self, signature: Any) -> dict[str, float]:
-        """The job-wide FLOPs per module of a measured signature."""
-        return self._cache[signature]
+    def cached(self) -> dict[str, float]:
+        """The job-wide FLOPs per module of the current step's (measured) shape combination.
+
+        Raises:
+            RuntimeError: The current combination was never measured.
+        """
+        if self._step_key is None or self._step_key not in self._cache:
+            raise RuntimeError(
+                "StepFlopsMeter.cached(): the current step's shapes were not measured; call "
+                "needs_measurement() first and record() when it returns True"
+            )
+        return self._cache[self._step_key]
+
+
+def _device() -> torch.device:
+    """Device of collective buffers: nccl needs CUDA tensors, gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

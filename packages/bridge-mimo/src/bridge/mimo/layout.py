@@ -30,6 +30,10 @@ __all__ = ["LANGUAGE_MODULE_KEY", "MimoLayout", "ModulePlacement"]
 LANGUAGE_MODULE_KEY = "language"
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
 def _as_rank_range(ranks: Iterable[int] | range) -> range:
     values = list(ranks)
     if not values:
@@ -270,13 +274,7 @@ class MimoLayout:
                     )
         uncovered = [r for r in range(world_size) if not self.modules_of_rank(r)]
         if uncovered:
-            raise ValueError(
-                f"rank {uncovered[0]} is not in any module (ranks without a module: "
-                f"{uncovered}); every rank must run a module: extend a module's ranks or "
-                f"launch {world_size - len(uncovered)} ranks"
-                if len(uncovered) < world_size
-                else f"no rank of the world 0-{world_size - 1} is in any module"
-            )
+            raise ValueError(self._uncovered_message(uncovered, world_size))
         if self.is_colocated:
             shapes = {name: (p.tp, p.dp_size) for name, p in self.modules.items()}
             if len(set(shapes.values())) != 1:
@@ -300,6 +298,35 @@ class MimoLayout:
                     f"rank runs exactly one module (grids must not overlap); give the modules "
                     f"disjoint rank ranges, or put every module on the same ranks (colocated)"
                 )
+
+    def _uncovered_message(self, uncovered: list[int], world_size: int) -> str:
+        """The error for ranks that run no module, with a fix that keeps every module."""
+        covered = [r for r in range(world_size) if r not in uncovered]
+        if not covered:
+            return f"no rank of the world 0-{world_size - 1} is in any module"
+        last = max(covered)
+        inner = [r for r in uncovered if r < last]
+        trailing = [r for r in uncovered if r > last]
+        head = (
+            f"rank {uncovered[0]} is not in any module (ranks without a module: {uncovered}); "
+            f"every rank must run a module"
+        )
+        if not inner:
+            # Only the highest ranks are idle: a smaller world keeps every module whole.
+            return (
+                f"{head}: launch {last + 1} ranks (the modules use ranks 0-{last}) or extend "
+                f"a module's ranks to cover {_ranks_text(trailing)}"
+            )
+        # Launching fewer ranks cannot help: it would cut off the modules above the gap.
+        fix = (
+            f"{head}: {_ranks_text(inner)} {'comes' if len(inner) == 1 else 'come'} before "
+            f"the last module rank ({last}, module {self.modules_of_rank(last)[0]!r}), so "
+            f"launching fewer ranks would drop module ranks; extend a module's rank range to "
+            f"cover {_ranks_text(inner)} (or shift the modules above it down)"
+        )
+        if trailing:
+            fix += f", and launch {last + 1} ranks or also cover {_ranks_text(trailing)}"
+        return fix
 
     def validate_batch_sizes(self, global_batch_size: int, micro_batch_size: int) -> int:
         """Check batch sizes against every module's data-parallel size.

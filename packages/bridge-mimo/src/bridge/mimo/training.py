@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from bridge.mimo.communicator import (
     P2PModuleCommunicator,
     PendingSends,
 )
+from bridge.mimo.communicator_choice import CommunicatorChoice, choose_communicator
 from bridge.mimo.data import MimoDataLoader
 from bridge.mimo.flops import StepFlopsMeter
 from bridge.mimo.infra import MegatronMIMOInfra
@@ -61,9 +63,12 @@ __all__ = [
     "MimoTrainResult",
     "MimoTrainStep",
     "ParamScheduler",
+    "ShouldStop",
     "masked_token_loss",
     "train_mimo",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class LossFn(Protocol):
@@ -146,8 +151,10 @@ class MimoTrainStep:
     """A MIMO training step bound to a model, its infra and its optimizer.
 
     Construction validates the setup (no stub ranks, batch sizes divisible by every
-    module's data-parallel size, a supported model) and builds the communicator; with
-    ``communicator="megatron"`` that is collective, so construct the step on every rank.
+    module's data-parallel size, a supported model) and builds the communicator; megatron's
+    communicator is built collectively, so construct the step on every rank. The chosen
+    communicator is in :attr:`communicator_choice` and logged (``bridge.mimo.training``
+    logger, INFO, rank 0).
 
     Args:
         model: The (possibly wrapped) MimoModel built for ``infra``.
@@ -159,10 +166,14 @@ class MimoTrainStep:
             mask) instead of averaging per-replica means (megatron's default; exact when
             every sample has as many loss tokens).
         loss_fn: See :class:`LossFn`.
-        communicator: ``"p2p"`` (torch.distributed point-to-point; CPU and GPU),
-            ``"megatron"`` (megatron-core's BridgeCommunicator; CUDA) or an object
-            implementing :class:`~bridge.mimo.ModuleCommunicator`.
-        measure_flops: Count FLOPs on the first step of each batch shape.
+        communicator: ``"auto"`` (megatron-core's BridgeCommunicator when CUDA is in use
+            and the layout fits it, else point-to-point; see
+            :func:`~bridge.mimo.choose_communicator`), ``"p2p"`` (torch.distributed
+            point-to-point; CPU and GPU), ``"megatron"`` (megatron-core's
+            BridgeCommunicator; CUDA) or an object implementing
+            :class:`~bridge.mimo.ModuleCommunicator`.
+        measure_flops: Count FLOPs on the first step of each combination of batch shapes
+            over the ranks (decided collectively, see :class:`~bridge.mimo.StepFlopsMeter`).
 
     Raises:
         ValueError: A check of the setup fails (the message names the module or size).
@@ -178,7 +189,7 @@ class MimoTrainStep:
         micro_batch_size: int,
         per_token_loss: bool = False,
         loss_fn: LossFn = masked_token_loss,
-        communicator: str | ModuleCommunicator = "p2p",
+        communicator: str | ModuleCommunicator = "auto",
         measure_flops: bool = True,
     ) -> None:
         validate_no_stub_ranks(infra.module_to_grid_map, dist.get_world_size())
@@ -228,25 +239,38 @@ class MimoTrainStep:
             else torch.device("cpu")
         )
         self.communicator: ModuleCommunicator | None = None
+        self.communicator_choice = self._choose(communicator)
         if not infra.is_colocated:
             if isinstance(communicator, str):
-                self.communicator = self._build_communicator(communicator)
+                self.communicator = self._build_communicator(self.communicator_choice.kind)
             else:
                 self.communicator = communicator
+        if dist.get_rank() == 0:
+            logger.info("bridge.mimo communicator: %s", self.communicator_choice.describe())
         self.flops_meter = StepFlopsMeter(list(infra.module_to_grid_map)) if measure_flops else None
         self._measuring = False
 
-    def _build_communicator(self, kind: str) -> ModuleCommunicator:
-        if kind == "p2p":
-            return P2PModuleCommunicator(
-                self.infra, self.micro_batch_size, self.hidden_size, self.dtype
+    def _choose(self, communicator: str | ModuleCommunicator) -> CommunicatorChoice:
+        if isinstance(communicator, str) and communicator not in ("auto", "p2p", "megatron"):
+            raise ValueError(
+                f"communicator must be 'auto', 'p2p', 'megatron' or a ModuleCommunicator, got "
+                f"{communicator!r}"
             )
+        if communicator == "auto" or self.infra.is_colocated:
+            return choose_communicator(self.device.type == "cuda", self.infra.layout)
+        if not isinstance(communicator, str):
+            return CommunicatorChoice("custom", f"given: {type(communicator).__name__}")
+        if communicator == "megatron":
+            return CommunicatorChoice("megatron", "asked for explicitly")
+        return CommunicatorChoice("p2p", "asked for explicitly")
+
+    def _build_communicator(self, kind: str) -> ModuleCommunicator:
         if kind == "megatron":
             return MegatronBridgeModuleCommunicator(
                 self.infra, self.micro_batch_size, self.hidden_size, self.dtype
             )
-        raise ValueError(
-            f"communicator must be 'p2p', 'megatron' or a ModuleCommunicator, got {kind!r}"
+        return P2PModuleCommunicator(
+            self.infra, self.micro_batch_size, self.hidden_size, self.dtype
         )
 
     # -- one micro-batch at a time -------------------------------------------------------
@@ -401,8 +425,11 @@ class MimoTrainStep:
             )
         start = time.perf_counter()
         batches = [_to_device(b, self.device) for b in microbatches]
-        signature = _signature(batches)
-        measure = self.flops_meter is not None and self.flops_meter.needs_measurement(signature)
+        # Collective (every rank, every step): FLOPs are summed over the world, so all ranks
+        # must measure the same steps even when only some ranks' shapes changed.
+        measure = self.flops_meter is not None and self.flops_meter.needs_measurement(
+            _signature(batches)
+        )
         zero_grad_buffer_for_multimodule(self.module_to_grid_tuple)
         self.optimizer.zero_grad()
 
@@ -436,9 +463,9 @@ class MimoTrainStep:
         flops: dict[str, float] = {}
         if self.flops_meter is not None:
             if measure:
-                flops = self.flops_meter.record(signature, self._local_flops_by_module())
+                flops = self.flops_meter.record(self._local_flops_by_module())
             else:
-                flops = self.flops_meter.cached(signature)
+                flops = self.flops_meter.cached()
         return MimoStepResult(
             loss=loss,
             update_successful=ok,
@@ -578,12 +605,14 @@ class MimoTrainResult:
         consumed_samples: Samples consumed so far.
         losses: Global-batch loss of every iteration run by this call.
         skipped_iterations: Iterations whose update was skipped.
+        stopped_early: ``should_stop`` ended the run before ``train_iters``.
     """
 
     iteration: int
     consumed_samples: int
     losses: list[float] = field(default_factory=list)
     skipped_iterations: int = 0
+    stopped_early: bool = False
 
 
 class ParamScheduler(Protocol):
@@ -591,6 +620,24 @@ class ParamScheduler(Protocol):
     ``OptimizerParamScheduler`` fits): ``step(increment)`` after every successful update."""
 
     def step(self, increment: int) -> None: ...
+
+
+class ShouldStop(Protocol):
+    """Asked after every iteration, on every rank, whether training should stop now.
+
+    Called as ``should_stop(iteration)`` with the number of iterations completed. bridge-train
+    passes its exit conditions here (``train.exit_interval``, ``train.exit_duration_in_mins``).
+    :func:`train_mimo` stops when any rank's answer is True (it reduces the answers over the
+    world), so a rank-local clock cannot make ranks disagree.
+    """
+
+    def __call__(self, iteration: int) -> bool: ...
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def train_mimo(
@@ -602,13 +649,16 @@ def train_mimo(
     log_fn: MimoLogFn | Callable[[MimoLogRecord], None] | None = None,
     log_interval: int = 1,
     start_iteration: int = 0,
+    should_stop: ShouldStop | Callable[[int], bool] | None = None,
 ) -> MimoTrainResult:
     """Train until ``train_iters`` iterations are done. Collective: call on every rank.
 
     Each iteration takes this rank's micro-batches from ``data``, runs ``step``, advances the
     scheduler by the global batch size (megatron's convention: warmup and decay counted in
     samples), and every ``log_interval`` iterations calls ``log_fn`` with a
-    :class:`MimoLogRecord`.
+    :class:`MimoLogRecord`. With ``should_stop``, the loop also ends after the first
+    iteration for which any rank's ``should_stop`` says so (the partial logging interval is
+    logged first).
 
     Args:
         step: The bound training step (model, infra, optimizer, loss normalisation).
@@ -619,9 +669,12 @@ def train_mimo(
         log_fn: Optional callback for log records.
         log_interval: Iterations per log record.
         start_iteration: Iterations already done (when resuming).
+        should_stop: Optional early-exit check (see :class:`ShouldStop`); one all-reduce
+            per iteration when given.
 
     Returns:
-        The iterations done, the samples consumed and the per-iteration losses.
+        The iterations done, the samples consumed, the per-iteration losses and whether
+        ``should_stop`` ended the run.
 
     Raises:
         ValueError: Batch sizes of ``data`` and ``step`` differ, or an interval is invalid.
@@ -652,8 +705,12 @@ def train_mimo(
         if scheduler is not None and outcome.update_successful:
             scheduler.step(increment=data.global_batch_size)
         window.append(outcome)
+        if should_stop is not None and _any_rank(should_stop(result.iteration), step.device):
+            result.stopped_early = result.iteration < train_iters
         if log_fn is not None and (
-            result.iteration % log_interval == 0 or result.iteration == train_iters
+            result.iteration % log_interval == 0
+            or result.iteration == train_iters
+            or result.stopped_early
         ):
             elapsed = sum(o.step_time_s for o in window)
             samples = data.global_batch_size * len(window)
@@ -680,4 +737,6 @@ def train_mimo(
             )
             log_fn(record)
             window = []
+        if result.stopped_early:
+            break
     return result

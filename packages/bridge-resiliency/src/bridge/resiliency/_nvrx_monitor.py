@@ -6,8 +6,11 @@ Two modes, chosen from the configuration ``ft_launcher`` hands the rank:
   ``checkpointing`` (``--ft-rank-section-timeouts=setup:600,step:180,checkpointing:420``):
   setup, each step (after the first, which warms up) and each checkpoint save are wrapped
   in their section; everything else counts as "out of section".
-* **heartbeats** otherwise: a heartbeat at the end of setup, of every step and around
-  every checkpoint save (``--ft-rank-heartbeat-timeout`` must then cover a save).
+* **heartbeats** otherwise: a heartbeat at the end of every step and around every
+  checkpoint save (``--ft-rank-heartbeat-timeout`` must then cover a save). None at the end
+  of setup: the first heartbeat comes after the first (warm-up) step, so the monitor's
+  initial timeout (``--ft-initial-rank-heartbeat-timeout``) covers setup and the warm-up
+  step, and the subsequent timeout only steady steps.
 
 With ``calc_ft_timeouts`` the client computes timeouts from what it observed (times its
 safety factor), after each synchronous checkpoint and at shutdown, and rank 0 stores them in
@@ -142,12 +145,11 @@ class NVRxMonitor:
 
     def setup_end(self, checkpoint_loaded: bool) -> None:
         self.checkpoint_loaded = self.checkpoint_loaded or checkpoint_loaded
-        if self.mode == "sections":
-            if self.setup_open:
-                self.client.end_section("setup")
-                self.setup_open = False
-        else:
-            self.client.send_heartbeat()
+        # Heartbeats mode sends nothing here: the initial heartbeat timeout runs on through
+        # the warm-up step (see the module documentation).
+        if self.mode == "sections" and self.setup_open:
+            self.client.end_section("setup")
+            self.setup_open = False
 
     def step_start(self, evaluation: bool) -> None:
         if self.setup_open:

@@ -11,8 +11,9 @@ Protocol, one line per message on stdin:
 * ``DISARM``: no deadline until the next ``ARM``.
 * ``STOP``: exit.
 
-When a deadline passes, the watchdog writes a line to stderr naming the rank, the phase and
-the timeout, sends the signal to the rank and exits. It also exits when stdin closes (the
+When a deadline passes, the watchdog writes a line to stderr naming the rank, the phase, the
+timeout and the wall-clock time (``at unix time <seconds>``, so logs can be matched against
+other events), sends the signal to the rank and exits. It also exits when stdin closes (the
 rank exited or died) or when the rank is no longer its parent.
 """
 
@@ -39,7 +40,8 @@ def _watch(target_pid: int, rank: int, kill_signal: int) -> int:
             sys.stderr.write(
                 f"bridge.resiliency.HangWatchdog: rank {rank} (pid {target_pid}) made no "
                 f"progress for {timeout:.1f} s in phase {phase!r}; sending "
-                f"{signal.Signals(kill_signal).name} so the launcher can restart the job\n"
+                f"{signal.Signals(kill_signal).name} so the launcher can restart the job "
+                f"(at unix time {time.time():.3f})\n"
             )
             sys.stderr.flush()
             try:

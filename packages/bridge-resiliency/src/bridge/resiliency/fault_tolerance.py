@@ -29,12 +29,26 @@ Order of the hooks in a loop (every rank, same order)::
         ft.on_step_start()
         train_step(...)
         ft.on_step_end()
+        if async saves are pending:
+            with ft.checkpointing(async_finalization=True):
+                finalize_async_saves(...)
         if saving:
             with ft.checkpointing():     # = on_checkpoint_start() / on_checkpoint_end()
-                save_checkpoint(...)
+                save_checkpoint(...)     # an async save's synchronous part included
         if evaluating:
             for each eval step: ft.on_eval_step_start(); eval_step(...); ft.on_eval_step_end()
     ft.shutdown()                        # in a ``finally``; ft.shutdown(clean=False) on errors
+
+Warm-up: the first training step and the first evaluation step compile, allocate and fill
+caches, so neither is held to the step timeout: the NVRx rank monitor sees them out of its
+``step`` section (sections mode) or before its first heartbeat (heartbeats mode, where the
+initial timeout covers setup and the first step); the built-in watchdog times them with its
+``setup`` timeout (:class:`~bridge.resiliency.WatchdogTimeouts`).
+
+Checkpointing sections nest: a save that first waits for the previous asynchronous save
+(``checkpointing(async_finalization=True)`` inside ``checkpointing()``) is one section to
+the monitors, which ends with the outer block. A section counts as a save (computed timeouts
+are updated when it ends) unless every block in it was an ``async_finalization`` one.
 """
 
 from __future__ import annotations
@@ -47,7 +61,7 @@ from typing import Any
 
 from bridge.config import FaultToleranceConfig
 from bridge.resiliency._dist import current_rank, current_world_size
-from bridge.resiliency._nvrx_monitor import NVRxMonitor
+from bridge.resiliency._nvrx_monitor import WARMUP_STEPS, NVRxMonitor
 from bridge.resiliency.errors import ResiliencyError
 from bridge.resiliency.hang_watchdog import HangWatchdog, WatchdogTimeouts
 from bridge.resiliency.simulated_fault import SimulatedFault
@@ -91,8 +105,10 @@ class FaultTolerance:
             world_size: World size (default: torch.distributed's, else ``$WORLD_SIZE``).
             async_save: ``checkpoint.async_save``: checkpointing timeouts are then not
                 computed (async save times vary too much).
-            hang_timeout: Seconds a step may take (or per-phase :class:`WatchdogTimeouts`)
-                before the built-in watchdog kills the rank. Used when
+            hang_timeout: Seconds a step may take (or per-phase :class:`WatchdogTimeouts`,
+                e.g. ``WatchdogTimeouts.parse("step:60,setup:900,checkpointing:600")``)
+                before the built-in watchdog kills the rank; seconds alone leave setup,
+                the warm-up step and checkpointing untimed. Used when
                 ``enable_ft_package`` is off (e.g. next to megatron-core 0.19, which
                 cannot share an environment with nvidia-resiliency-ext 0.4); ignored with
                 a warning when it is on (the rank monitor then detects hangs).
@@ -192,21 +208,36 @@ class FaultTolerance:
         return None
 
     def on_checkpoint_start(self) -> None:
-        """A checkpoint save (or an async save's finalisation) begins."""
+        """A checkpoint save (or a wait for an async save to finish) begins.
+
+        Calls nest: only the outermost start and end delimit the checkpointing section.
+        """
         return None
 
     def on_checkpoint_end(self, async_finalization: bool = False) -> None:
-        """The checkpoint save ended (a collective when ``calc_ft_timeouts`` is on).
+        """The checkpoint save ended.
+
+        When this ends the outermost section of a save, computed timeouts are updated
+        (a collective when ``calc_ft_timeouts`` is on: every rank must make the same calls).
 
         Args:
-            async_finalization: This ended the finalisation of an async save rather than
-                a save (no timeout update then).
+            async_finalization: This ended a wait for an earlier async save to finish
+                rather than a save (no timeout update for it).
         """
         return None
 
     @contextmanager
     def checkpointing(self, async_finalization: bool = False) -> Iterator[None]:
-        """Wrap a checkpoint save: ``on_checkpoint_start`` / ``on_checkpoint_end``."""
+        """Wrap a checkpoint save (``on_checkpoint_start`` / ``on_checkpoint_end``).
+
+        Use ``checkpointing()`` around the save call (for an async save: its synchronous
+        part) and ``checkpointing(async_finalization=True)`` around a wait for async saves
+        to finish. When the block raises, the end hook is not called (it may be a
+        collective the other ranks never reach); call ``shutdown(clean=False)``.
+
+        Args:
+            async_finalization: The block finalises earlier async saves.
+        """
         self.on_checkpoint_start()
         yield
         self.on_checkpoint_end(async_finalization=async_finalization)
@@ -266,6 +297,13 @@ class ActiveFaultTolerance(FaultTolerance):
         self._started = False
         self._setup_done = False
         self._closed = False
+        self._steps_started = 0
+        self._eval_steps_started = 0
+        # Nesting depth of checkpointing sections, whether one of the nested blocks was a
+        # save, and the watchdog phase the outermost one interrupted.
+        self._checkpoint_depth = 0
+        self._checkpoint_saved = False
+        self._phase_before_checkpoint: tuple[str, bool] | None = None
 
     @property
     def monitor(self) -> str:
@@ -280,7 +318,10 @@ class ActiveFaultTolerance(FaultTolerance):
         return str(self.nvrx.state_path) if self.nvrx is not None else None
 
     def timeouts(self) -> dict[str, Any]:
-        """The timeouts in force: NVRx's (after setup start) or the watchdog's."""
+        """The timeouts in force: NVRx's (after setup start) or the watchdog's.
+
+        The watchdog's warm-up step runs under its ``setup`` timeout.
+        """
         if self.nvrx is not None:
             return self.nvrx.timeouts()
         if self.watchdog is not None:
@@ -339,13 +380,17 @@ class ActiveFaultTolerance(FaultTolerance):
             self.simulated_fault.start()
 
     def on_step_start(self) -> None:
-        """A training step begins (ends setup if :meth:`on_setup_end` was not called)."""
+        """A training step begins (ends setup if :meth:`on_setup_end` was not called).
+
+        The first one is the warm-up step (see the module documentation).
+        """
         if not self._setup_done:
             self.on_setup_end()
         if self.nvrx is not None:
             self.nvrx.step_start(evaluation=False)
         if self.watchdog is not None:
-            self.watchdog.enter("step")
+            self.watchdog.enter("step", warmup=self._steps_started < WARMUP_STEPS)
+        self._steps_started += 1
 
     def on_step_end(self) -> None:
         """The training step ended."""
@@ -355,13 +400,14 @@ class ActiveFaultTolerance(FaultTolerance):
             self.watchdog.enter("out_of_section")
 
     def on_eval_step_start(self) -> None:
-        """An evaluation step begins."""
+        """An evaluation step begins (the first one is a warm-up step)."""
         if not self._setup_done:
             self.on_setup_end()
         if self.nvrx is not None:
             self.nvrx.step_start(evaluation=True)
         if self.watchdog is not None:
-            self.watchdog.enter("step")
+            self.watchdog.enter("step", warmup=self._eval_steps_started < WARMUP_STEPS)
+        self._eval_steps_started += 1
 
     def on_eval_step_end(self) -> None:
         """The evaluation step ended."""
@@ -371,18 +417,45 @@ class ActiveFaultTolerance(FaultTolerance):
             self.watchdog.enter("out_of_section")
 
     def on_checkpoint_start(self) -> None:
-        """A checkpoint save begins."""
+        """A checkpoint save or an async save's finalisation begins (calls may nest)."""
+        self._checkpoint_depth += 1
+        if self._checkpoint_depth > 1:
+            return
+        self._checkpoint_saved = False
         if self.nvrx is not None:
             self.nvrx.checkpoint_start()
         if self.watchdog is not None:
+            if self.watchdog.phase is not None:
+                self._phase_before_checkpoint = (self.watchdog.phase, self.watchdog.warmup)
             self.watchdog.enter("checkpointing")
 
     def on_checkpoint_end(self, async_finalization: bool = False) -> None:
-        """The checkpoint save ended (a collective with ``calc_ft_timeouts``)."""
+        """End a block opened by :meth:`on_checkpoint_start`.
+
+        The outermost end closes the checkpointing section; if any block in it was a save
+        (``async_finalization=False``) it counts as a save, so computed timeouts are
+        updated (a collective with ``calc_ft_timeouts``). The watchdog returns to the
+        phase the section interrupted (between steps, setup, or the step it ran in), with
+        a fresh deadline.
+
+        Raises:
+            ResiliencyError: No checkpointing section is open.
+        """
+        if self._checkpoint_depth == 0:
+            raise ResiliencyError(
+                "FaultTolerance.on_checkpoint_end: no checkpointing section is open; call "
+                "on_checkpoint_start() first (or use `with ft.checkpointing(): ...`)"
+            )
+        self._checkpoint_depth -= 1
+        self._checkpoint_saved = self._checkpoint_saved or not async_finalization
+        if self._checkpoint_depth > 0:
+            return
         if self.nvrx is not None:
-            self.nvrx.checkpoint_end(async_finalization)
+            self.nvrx.checkpoint_end(async_finalization=not self._checkpoint_saved)
         if self.watchdog is not None:
-            self.watchdog.enter("out_of_section")
+            phase, warmup = self._phase_before_checkpoint or ("out_of_section", False)
+            self._phase_before_checkpoint = None
+            self.watchdog.enter(phase, warmup=warmup)
 
     def shutdown(self, clean: bool = True) -> None:
         """Update and store computed timeouts (if ``clean``), then stop monitoring."""

@@ -32,19 +32,30 @@ logger = logging.getLogger(__name__)
 _PROCESS_SCRIPT = Path(__file__).with_name("_watchdog_process.py")
 
 
+_PHASES = ("step", "setup", "checkpointing", "out_of_section")
+
+
 @dataclass(frozen=True)
 class WatchdogTimeouts:
     """How long each phase of a training job may run before its rank counts as hung.
 
-    ``None`` switches detection off for that phase.
+    ``None`` switches detection off for that phase. The first training step and the first
+    evaluation step (the warm-up steps, which compile, allocate and build caches) run under
+    the ``setup`` timeout, not the ``step`` one, like nvidia-resiliency-ext's rank monitor
+    keeps them out of its ``step`` section; with ``setup=None`` they are not timed at all.
+
+    Build one from a command-line value with :meth:`parse`
+    (``"step:60,setup:900,checkpointing:600"``); ``str()`` gives that form back.
 
     Attributes:
         step: Seconds one training or evaluation step may take.
         setup: Seconds from :meth:`HangWatchdog.start` to the end of setup (model build,
-            checkpoint load); ``None``: unlimited.
-        checkpointing: Seconds one checkpoint save may take; ``None``: unlimited.
-        out_of_section: Seconds the loop may spend between steps (logging, exit checks);
-            ``None``: the ``step`` timeout.
+            checkpoint load), and, counted afresh, seconds the warm-up step may take;
+            ``None``: unlimited.
+        checkpointing: Seconds one checkpoint save, or one wait for an asynchronous save
+            to finish, may take; ``None``: unlimited.
+        out_of_section: Seconds the loop may spend between steps (logging, exit checks,
+            evaluation set-up); ``None``: the ``step`` timeout.
     """
 
     step: float
@@ -53,13 +64,65 @@ class WatchdogTimeouts:
     out_of_section: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("step", "setup", "checkpointing", "out_of_section"):
+        for name in _PHASES:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ResiliencyError(
                     f"WatchdogTimeouts.{name}: got {value!r}; expected a number of seconds "
                     "> 0" + ("" if name == "step" else " or None to switch it off")
                 )
+
+    @classmethod
+    def parse(cls, text: str) -> WatchdogTimeouts:
+        """Read timeouts written as on a command line.
+
+        Accepted forms: a number of seconds (the ``step`` timeout, every other phase at its
+        default), or comma-separated ``phase:seconds`` pairs with the phases ``step``
+        (required), ``setup``, ``checkpointing`` and ``out_of_section``, where ``none``
+        switches a phase off: ``"step:60,setup:900,checkpointing:600"``.
+
+        Args:
+            text: The value to read.
+
+        Returns:
+            The timeouts.
+
+        Raises:
+            ResiliencyError: An unknown phase, a repeated phase, a value that is not a
+                positive number, or no ``step`` timeout (the message names the bad part).
+        """
+        spec = text.strip()
+        hint = (
+            "write seconds for the step timeout (e.g. '60') or phase:seconds pairs "
+            "(e.g. 'step:60,setup:900,checkpointing:600,out_of_section:60'; 'none' "
+            "switches a phase off)"
+        )
+        if ":" not in spec:
+            return cls(step=_seconds(spec, "step", text, hint))
+        values: dict[str, float | None] = {}
+        for part in spec.split(","):
+            phase, sep, value = part.strip().partition(":")
+            phase = phase.strip()
+            if not sep or phase not in _PHASES:
+                raise ResiliencyError(
+                    f"hang timeouts {text!r}: {part.strip()!r} is not phase:seconds with a "
+                    f"phase among {', '.join(_PHASES)}; {hint}"
+                )
+            if phase in values:
+                raise ResiliencyError(f"hang timeouts {text!r}: phase {phase!r} given twice")
+            values[phase] = (
+                None if value.strip().lower() == "none" else _seconds(value, phase, text, hint)
+            )
+        step = values.pop("step", None)
+        if step is None:
+            raise ResiliencyError(
+                f"hang timeouts {text!r}: a step timeout in seconds is required; {hint}"
+            )
+        return cls(step=step, **values)
+
+    def __str__(self) -> str:
+        """The :meth:`parse` form, e.g. ``step:60,setup:900,checkpointing:none,...``."""
+        return ",".join(f"{name}:{_format_seconds(getattr(self, name))}" for name in _PHASES)
 
     def for_phase(self, phase: str) -> float | None:
         """Timeout of ``phase`` (``setup``, ``step``, ``checkpointing``, ``out_of_section``)."""
@@ -74,16 +137,39 @@ class WatchdogTimeouts:
         return value
 
 
+def _format_seconds(value: float | None) -> str:
+    if value is None:
+        return "none"
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def _seconds(value: str, phase: str, text: str, hint: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ResiliencyError(
+            f"hang timeouts {text!r}: {phase} got {value.strip()!r}, not a number of seconds "
+            f"> 0; {hint}"
+        )
+    return seconds
+
+
 class HangWatchdog:
     """Kill this rank when it stops making progress, so an elastic launcher can restart it.
 
     Use::
 
-        watchdog = HangWatchdog(WatchdogTimeouts(step=60.0, checkpointing=600.0))
-        watchdog.start()            # arms the setup phase
-        watchdog.enter("step")      # before each step
-        watchdog.enter("out_of_section")  # after each step
-        watchdog.stop()             # at the end (also on exceptions)
+        watchdog = HangWatchdog(WatchdogTimeouts(step=60.0, setup=900.0, checkpointing=600.0))
+        watchdog.start()                        # arms the setup phase
+        watchdog.enter("step", warmup=True)     # before the first step: the setup timeout
+        watchdog.enter("out_of_section")        # after each step
+        watchdog.enter("step")                  # before each later step
+        watchdog.stop()                         # at the end (also on exceptions)
+
+    :class:`~bridge.resiliency.FaultTolerance` makes these calls from its hooks, warm-up
+    rule included.
 
     Args:
         timeouts: Timeout per phase.
@@ -105,6 +191,7 @@ class HangWatchdog:
         self._process: subprocess.Popen[bytes] | None = None
         self._broken = False
         self.phase: str | None = None
+        self.warmup = False
 
     @property
     def running(self) -> bool:
@@ -138,15 +225,33 @@ class HangWatchdog:
         os.set_inheritable(self._process.stdin.fileno(), False)
         self.enter("setup")
 
-    def enter(self, phase: str) -> None:
+    def timeout_of(self, phase: str, *, warmup: bool = False) -> float | None:
+        """The timeout :meth:`enter` arms for ``phase`` (``None``: not timed).
+
+        Raises:
+            ResiliencyError: An unknown phase, or ``warmup`` with a phase other than
+                ``"step"``.
+        """
+        if warmup:
+            if phase != "step":
+                raise ResiliencyError(
+                    f"HangWatchdog.enter: warmup applies to the 'step' phase, not {phase!r}"
+                )
+            return self.timeouts.setup
+        return self.timeouts.for_phase(phase)
+
+    def enter(self, phase: str, *, warmup: bool = False) -> None:
         """Tell the watchdog this rank enters ``phase``; its timeout starts now.
 
         Args:
             phase: ``"setup"``, ``"step"``, ``"checkpointing"`` or ``"out_of_section"``.
+            warmup: This step is a warm-up step (the first training or evaluation step):
+                it runs under the ``setup`` timeout instead of the ``step`` one.
         """
-        timeout = self.timeouts.for_phase(phase)
-        self.phase = phase
-        self._send(b"DISARM\n" if timeout is None else f"ARM {timeout} {phase}\n".encode())
+        timeout = self.timeout_of(phase, warmup=warmup)
+        self.phase, self.warmup = phase, warmup
+        label = f"{phase} (warm-up)" if warmup else phase
+        self._send(b"DISARM\n" if timeout is None else f"ARM {timeout} {label}\n".encode())
 
     def stop(self) -> None:
         """Stop the watchdog process (idempotent)."""

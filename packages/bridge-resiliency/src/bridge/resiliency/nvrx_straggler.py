@@ -9,7 +9,8 @@ step) with CUPTI and, every ``report_time_interval`` seconds, scores each GPU:
 A rank whose score falls under ``gpu_relative_perf_threshold`` /
 ``gpu_individual_perf_threshold`` is a straggler. :class:`NVRxStragglerMonitor` wires this
 to ``NVRxStragglerDetectionConfig``: it prints the best and worst
-``num_gpu_perf_scores_to_print`` scores, logs min/median/max, and with
+``num_gpu_perf_scores_to_print`` scores (with 0: the stragglers and the best rank, only
+when there are stragglers), logs min/median/max, and with
 ``stop_if_detected`` asks the loop to end cleanly with a checkpoint (it is a
 :class:`~bridge.resiliency.StopRequester` for :class:`~bridge.resiliency.ExitConditions`).
 
@@ -102,17 +103,33 @@ def format_perf_scores(
         One line per listed rank, worst first, with headers when the list is cut.
     """
     ordered = sorted(scores.items(), key=lambda item: (item[1], item[0]))
-
-    def line(rank: int, score: float) -> str:
-        return f"  rank={rank} node={rank_to_node.get(rank, '?')} score={score:.3f}"
-
     if len(ordered) <= 2 * count:
-        return [line(r, s) for r, s in ordered]
+        return [_score_line(r, s, rank_to_node) for r, s in ordered]
     lines = [f" worst {count}/{len(ordered)} ranks:"]
-    lines += [line(r, s) for r, s in ordered[:count]]
+    lines += [_score_line(r, s, rank_to_node) for r, s in ordered[:count]]
     lines.append(f" best {count}/{len(ordered)} ranks:")
-    lines += [line(r, s) for r, s in reversed(ordered[-count:])]
+    lines += [_score_line(r, s, rank_to_node) for r, s in reversed(ordered[-count:])]
     return lines
+
+
+def _straggler_score_lines(
+    scores: Mapping[int, float], rank_to_node: Mapping[int, str], stragglers: tuple[int, ...]
+) -> list[str]:
+    """Lines listing the straggler ranks (worst first, the worst rank of all among them)
+    and the best rank."""
+    ordered = sorted(scores.items(), key=lambda item: (item[1], item[0]))
+    flagged = set(stragglers)
+    best_rank, best_score = ordered[-1]
+    lines = [f" stragglers {len(flagged)}/{len(ordered)} ranks, worst first:"]
+    lines += [_score_line(r, s, rank_to_node) for r, s in ordered if r in flagged]
+    if best_rank not in flagged:
+        lines.append(" best rank:")
+        lines.append(_score_line(best_rank, best_score, rank_to_node))
+    return lines
+
+
+def _score_line(rank: int, score: float, rank_to_node: Mapping[int, str]) -> str:
+    return f"  rank={rank} node={rank_to_node.get(rank, '?')} score={score:.3f}"
 
 
 def _summary(prefix: str, scores: Mapping[int, float]) -> dict[str, float]:
@@ -133,8 +150,11 @@ def assess_straggler_report(
     """Find the stragglers in ``report`` and build the text to print, as configured.
 
     Only the scores the config computes (``calc_relative_gpu_perf``,
-    ``calc_individual_gpu_perf``) are judged and printed. Scores are listed when
-    ``num_gpu_perf_scores_to_print > 0``, or (with 0) only when a straggler is found.
+    ``calc_individual_gpu_perf``) are judged and printed. With
+    ``num_gpu_perf_scores_to_print = N > 0`` the worst and best ``N`` ranks of each score
+    are listed after every report. With 0, scores are listed only for a score that found
+    stragglers, and then only the stragglers (the worst rank is always one of them) and
+    the best rank, however large the job.
 
     Args:
         report: A straggler report (on rank 0 it holds every rank's scores).
@@ -169,11 +189,13 @@ def assess_straggler_report(
                 f"performance score below {threshold}"
             )
     show = config.num_gpu_perf_scores_to_print
-    if show > 0 or any(found.values()):
-        count = show if show > 0 else len(report.rank_to_node) or 1
-        for kind, scores, _ in kinds:
+    for kind, scores, _ in kinds:
+        if show > 0:
             lines.append(f"GPU {kind} performance scores:")
-            lines += format_perf_scores(scores, report.rank_to_node, count)
+            lines += format_perf_scores(scores, report.rank_to_node, show)
+        elif found[kind]:
+            lines.append(f"GPU {kind} performance scores:")
+            lines += _straggler_score_lines(scores, report.rank_to_node, found[kind])
     return StragglerAssessment(
         relative_stragglers=found["relative"],
         individual_stragglers=found["individual"],

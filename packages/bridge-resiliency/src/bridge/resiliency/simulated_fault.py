@@ -9,6 +9,9 @@ the chosen rank either
   sockets and memory but makes no progress, exactly like a rank stuck in a kernel or a
   deadlock).
 
+Just before, it prints a banner to stdout and stderr naming the fault, the rank and the
+wall-clock time (``at unix time <seconds>``).
+
 A killed rank is noticed by the launcher (``torchrun``/``ft_launcher`` restart the workers
 when ``--max-restarts`` allows). A hung rank is noticed only by a progress monitor: the
 nvidia-resiliency-ext rank monitor, the built-in :class:`~bridge.resiliency.HangWatchdog`,
@@ -148,9 +151,12 @@ class SimulatedFault:
 
     def _inject(self) -> None:
         time.sleep(self.delay)
+        # The wall-clock time is when the rank stops making progress: detection latencies
+        # (rank monitor, watchdog, launcher) are measured from it.
         banner = (
             f"\n#### bridge.resiliency: simulating fault {self.fault_type!r} on rank "
-            f"{self.rank} (pid {os.getpid()}) after {self.delay:.2f} s ####\n"
+            f"{self.rank} (pid {os.getpid()}) after {self.delay:.2f} s, at unix time "
+            f"{time.time():.3f} ####\n"
         )
         for stream in (sys.stdout, sys.stderr):
             print(banner, file=stream, flush=True)

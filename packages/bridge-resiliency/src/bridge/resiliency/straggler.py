@@ -95,11 +95,17 @@ class StragglerTiming:
         return self.detector is not None and self.detector.enabled
 
     def step(self) -> contextlib.AbstractContextManager[Any]:
-        """Context manager timing the compute part of a step (forward-backward)."""
+        """Context manager timing the model's forward of a microbatch.
+
+        As in megatron's ``forward_step`` (``stimer``): the backward and its gradient
+        all-reduce, where fast ranks wait for slow ones, are left out, so the slow rank is
+        the one that stands out (hence ``amp=3.0``: the forward is a third of the FLOPs).
+        """
         return _NO_TIMING if self.detector is None else self.detector(bdata=False)
 
     def data(self) -> contextlib.AbstractContextManager[Any]:
-        """Context manager timing data loading (``next(data_iterator)``)."""
+        """Context manager timing data loading (``next(data_iterator)``, megatron's
+        ``stimer(bdata=True)`` around ``get_batch``)."""
         return _NO_TIMING if self.detector is None else self.detector(bdata=True)
 
     def maybe_report(self, iteration: int, total_flops: float, log_interval: int) -> bool:

@@ -4,7 +4,8 @@ It is the reference integration of the package (the order of calls a trainer mak
 fault-injection drill you can run under a launcher to check a setup end to end::
 
     torchrun --nproc-per-node=2 --max-restarts=2 -m bridge.resiliency.testing \\
-        --save-dir /tmp/drill --train-iters 100 --fault-plan rank_killed --hang-timeout 10
+        --save-dir /tmp/drill --train-iters 100 --fault-plan rank_killed,rank_hung \\
+        --hang-timeout step:10,setup:60,checkpointing:60
 
     ft_launcher --nproc-per-node=2 --max-restarts=2 --ft-enable-nic-monitor=false \\
         --ft-rank-section-timeouts=setup:60,step:10,checkpointing:60 \\
@@ -37,12 +38,19 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 
-from bridge.config import FaultToleranceConfig, StragglerDetectionConfig, TrainingConfig
+from bridge.config import (
+    FaultToleranceConfig,
+    NVRxStragglerDetectionConfig,
+    StragglerDetectionConfig,
+    TrainingConfig,
+)
 from bridge.resiliency._dist import current_rank, current_world_size, dist_ready
 from bridge.resiliency.elastic import init_process_group, restart_count
 from bridge.resiliency.errors import ResiliencyError
 from bridge.resiliency.exit_conditions import ExitConditions, ExitDecision
 from bridge.resiliency.fault_tolerance import FaultTolerance
+from bridge.resiliency.hang_watchdog import WatchdogTimeouts
+from bridge.resiliency.nvrx_straggler import NVRxStragglerMonitor
 from bridge.resiliency.straggler import StragglerTiming
 
 __all__ = [
@@ -93,7 +101,9 @@ class StepCheckpointer:
     Layout: ``<save_dir>/iter_0000010/state.pt`` and ``<save_dir>/latest_checkpointed_
     iteration.txt`` holding ``10``. Rank 0 writes the state to a temporary directory, fsyncs
     it, renames it into place, then replaces the tracker (write temp, fsync, rename). A crash
-    at any point leaves the tracker pointing at the previous complete checkpoint. Saving
+    at any point leaves the tracker pointing at the previous complete checkpoint, even a
+    crash after the rename (the directory is then complete but not named by the tracker: it
+    is never loaded, and the next save of that iteration replaces it). Saving
     and loading are collectives (barriers) when torch.distributed is initialised; the state
     must be identical on every rank (data parallel).
 
@@ -145,6 +155,7 @@ class StepCheckpointer:
         state: dict[str, Any],
         *,
         before_commit: Callable[[Path], None] | None = None,
+        before_tracker: Callable[[Path], None] | None = None,
     ) -> bool:
         """Save ``state`` as the checkpoint of ``iteration`` (a collective).
 
@@ -153,6 +164,8 @@ class StepCheckpointer:
             state: What to save (``torch.save``-able); identical on every rank.
             before_commit: Called on rank 0 with the temporary directory after the state
                 is written and before it is renamed into place (tests interrupt here).
+            before_tracker: Called on rank 0 with the checkpoint directory after it was
+                renamed into place and before the tracker names it (tests interrupt here).
 
         Returns:
             False when the tracker already names ``iteration`` (nothing written), else True.
@@ -179,6 +192,8 @@ class StepCheckpointer:
                 _remove_tree(stale)
             tmp.rename(final)
             _fsync_dir(self.save_dir)
+            if before_tracker is not None:
+                before_tracker(final)
             tracker_tmp = self.save_dir / f".{TRACKER_FILENAME}.tmp-{os.getpid()}"
             with open(tracker_tmp, "w") as handle:
                 handle.write(f"{iteration}\n")
@@ -235,8 +250,11 @@ class TinyRunOptions:
     kill_during_save_at: int | None = None
     """In the first attempt, rank 0 SIGKILLs itself in the middle of this iteration's save."""
     fault_plan: tuple[str, ...] = ()
-    """Simulated fault per launch attempt (``TORCHELASTIC_RESTART_COUNT``): ``rank_hung``,
-    ``rank_killed``, ``random`` or ``none``."""
+    """Fault per launch attempt (``TORCHELASTIC_RESTART_COUNT``): a simulated fault
+    (``rank_hung``, ``rank_killed``, ``random``), ``kill_mid_save`` (rank 0 SIGKILLs itself
+    in the attempt's first save, state written, directory not yet renamed into place),
+    ``kill_before_tracker`` (the same, after the rename and before the tracker names the
+    checkpoint) or ``none``."""
     fault_rank: int = 1
     """``ft.simulated_fault_rank``."""
     fault_delay: int = 1
@@ -245,8 +263,10 @@ class TinyRunOptions:
     """``ft.enable_ft_package`` (run under ``ft_launcher``)."""
     calc_ft_timeouts: bool = False
     """``ft.calc_ft_timeouts``."""
-    hang_timeout: float | None = None
-    """Built-in hang watchdog step timeout in seconds (without ``enable_ft_package``)."""
+    hang_timeout: float | WatchdogTimeouts | None = None
+    """Built-in hang watchdog timeouts: seconds per step, or per phase (on the command line
+    ``step:4,setup:60,checkpointing:60``; see ``WatchdogTimeouts.parse``). Without
+    ``enable_ft_package``."""
     exit_signal_handler: bool = False
     """``train.exit_signal_handler`` (SIGTERM)."""
     exit_interval: int | None = None
@@ -257,6 +277,11 @@ class TinyRunOptions:
     """``straggler.log_straggler``."""
     straggler_port: int = 65535
     """``straggler.straggler_ctrlr_port``."""
+    nvrx_straggler_report_at: int | None = None
+    """``nvrx_straggler.enabled`` with ``stop_if_detected``: after this iteration rank 0's
+    monitor evaluates a straggler report in which the last rank scores 0.3 (so it asks the
+    job to stop; every rank saves and exits 0). The report is built here: NVRx's detector
+    that would produce it needs CUDA and CUPTI."""
     pg_timeout: float = 120.0
     """Process-group timeout in seconds when this loop initialises torch.distributed."""
 
@@ -384,8 +409,8 @@ def read_events(log_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return events
 
 
-def _kill_mid_save(events: _EventLog, iteration: int, tmp: Path) -> None:
-    events.write("killing_mid_save", iteration=iteration, tmp=str(tmp))
+def _kill_in_save(events: _EventLog, event: str, iteration: int, path: Path) -> None:
+    events.write(event, iteration=iteration, path=str(path))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -394,24 +419,49 @@ def _pause_in_save(events: _EventLog, iteration: int, delay: float, tmp: Path) -
     time.sleep(delay)
 
 
-_FAULT_PLANS = ("rank_hung", "rank_killed", "random", "none")
+_SIMULATED_FAULTS = ("rank_hung", "rank_killed", "random")
+_FAULT_PLANS = (*_SIMULATED_FAULTS, "kill_mid_save", "kill_before_tracker", "none")
 
 
-def _fault_config(options: TinyRunOptions, attempt: int) -> FaultToleranceConfig:
+def _attempt_plan(options: TinyRunOptions, attempt: int) -> str:
     plan = options.fault_plan[attempt] if attempt < len(options.fault_plan) else "none"
     if plan not in _FAULT_PLANS:
         raise ResiliencyError(
             f"TinyRunOptions.fault_plan: got {plan!r} for attempt {attempt}; expected one of "
             f"{', '.join(_FAULT_PLANS)}"
         )
+    return plan
+
+
+def _fault_config(options: TinyRunOptions, plan: str) -> FaultToleranceConfig:
+    simulate = plan in _SIMULATED_FAULTS
     fault_type = cast(Literal["rank_hung", "rank_killed", "random"], plan)
     return FaultToleranceConfig(
         enable_ft_package=options.enable_ft_package,
         calc_ft_timeouts=options.calc_ft_timeouts,
-        simulate_fault=plan != "none",
-        simulated_fault_type=fault_type if plan != "none" else "random",
-        simulated_fault_rank=options.fault_rank if plan != "none" else None,
+        simulate_fault=simulate,
+        simulated_fault_type=fault_type if simulate else "random",
+        simulated_fault_rank=options.fault_rank if simulate else None,
         simulated_fault_base_delay=options.fault_delay,
+    )
+
+
+@dataclass(frozen=True)
+class _StragglerReport:
+    """The fields of ``nvidia_resiliency_ext.straggler.Report`` that are evaluated."""
+
+    gpu_relative_perf_scores: dict[int, float]
+    gpu_individual_perf_scores: dict[int, float]
+    rank_to_node: dict[int, str]
+
+
+def _report_naming_last_rank(world: int) -> _StragglerReport:
+    relative = {r: 1.0 for r in range(world)}
+    relative[world - 1] = 0.3
+    return _StragglerReport(
+        gpu_relative_perf_scores=relative,
+        gpu_individual_perf_scores={r: 1.0 for r in range(world)},
+        rank_to_node={r: "localhost" for r in range(world)},
     )
 
 
@@ -434,13 +484,21 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
         Path(options.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(options.log_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
 
+    plan = _attempt_plan(options, attempt)
+
     # 1. Build the resiliency objects from config sections (before the model).
     ft = FaultTolerance.from_config(
-        _fault_config(options, attempt),
+        _fault_config(options, plan),
         checkpoint_dir=options.save_dir,
         rank=rank,
         world_size=world,
         hang_timeout=options.hang_timeout,
+    )
+    nvrx_stragglers = NVRxStragglerMonitor.from_config(
+        NVRxStragglerDetectionConfig(
+            enabled=options.nvrx_straggler_report_at is not None, stop_if_detected=True
+        ),
+        rank=rank,
     )
     exits = ExitConditions.from_config(
         TrainingConfig(
@@ -450,6 +508,7 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
             exit_duration_in_mins=options.exit_duration_in_mins,
         ),
         save_enabled=True,
+        stop_requesters=[nvrx_stragglers],
     )
     timing = StragglerTiming.from_config(
         StragglerDetectionConfig(
@@ -496,20 +555,23 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
         def state() -> dict[str, Any]:
             return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
+        saves_this_attempt = 0
         # 3. The loop.
         while iteration < options.train_iters:
             ft.on_step_start()
+            optimizer.zero_grad()
+            # Straggler timing covers data loading and the forward (megatron's stimer): the
+            # backward's gradient all-reduce is where fast ranks wait for slow ones.
             with timing.data():
                 x, y = _batch(options.seed, iteration, rank)
             with timing.step():
-                optimizer.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
                 pause = options.step_sleep
                 if options.slow_rank == rank:
                     pause += options.slow_rank_sleep
                 if pause > 0:
                     time.sleep(pause)
+            loss.backward()
             if dist_ready() and world > 1:
                 for param in model.parameters():
                     assert param.grad is not None
@@ -528,14 +590,35 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
                 if slowest is not None:
                     result.slowest_ranks.append(slowest)
                 flops_since_report = 0.0
+            nvrx_stragglers.poll()
+            if rank == 0 and iteration == options.nvrx_straggler_report_at:
+                nvrx_stragglers.evaluate(_report_naming_last_rank(world))
+                events.write("straggler_report", iteration=iteration)
 
             saved = False
             if iteration % options.save_interval == 0 or iteration == options.train_iters:
-                hook: Callable[[Path], None] | None = None
-                if options.kill_during_save_at == iteration and attempt == 0 and rank == 0:
-                    hook = functools.partial(_kill_mid_save, events, iteration)
+                before_commit: Callable[[Path], None] | None = None
+                before_tracker: Callable[[Path], None] | None = None
+                first_save = saves_this_attempt == 0
+                if rank == 0 and (
+                    (plan == "kill_mid_save" and first_save)
+                    or (options.kill_during_save_at == iteration and attempt == 0)
+                ):
+                    before_commit = functools.partial(
+                        _kill_in_save, events, "killing_mid_save", iteration
+                    )
+                elif rank == 0 and plan == "kill_before_tracker" and first_save:
+                    before_tracker = functools.partial(
+                        _kill_in_save, events, "killing_before_tracker", iteration
+                    )
                 with ft.checkpointing():
-                    saved = checkpointer.save(iteration, state(), before_commit=hook)
+                    saved = checkpointer.save(
+                        iteration,
+                        state(),
+                        before_commit=before_commit,
+                        before_tracker=before_tracker,
+                    )
+                saves_this_attempt += int(saved)
             decision = exits.check(iteration, saved_this_iteration=saved)
             if decision.should_save:
                 slow_commit: Callable[[Path], None] | None = None
@@ -556,9 +639,17 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
     finally:
         # 4. Teardown: computed timeouts are stored only after a clean finish.
         ft.shutdown(clean=clean)
+        nvrx_stragglers.shutdown()
         timing.close()
         exits.close()
     return result
+
+
+def _hang_timeouts_argument(text: str) -> WatchdogTimeouts:
+    try:
+        return WatchdogTimeouts.parse(text)
+    except ResiliencyError as exc:  # argparse reports only its own error types cleanly
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -574,7 +665,14 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(
                 flag,
                 default="",
-                help="comma-separated fault per attempt: rank_hung, rank_killed, random, none",
+                help=f"comma-separated fault per attempt: {', '.join(_FAULT_PLANS)}",
+            )
+        elif f.name == "hang_timeout":
+            parser.add_argument(
+                flag,
+                type=_hang_timeouts_argument,
+                default=None,
+                help="seconds per step, or step:S,setup:S,checkpointing:S,out_of_section:S",
             )
         else:
             kind: Callable[[str], Any]

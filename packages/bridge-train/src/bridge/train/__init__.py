@@ -1,5 +1,7 @@
 """bridge.train: megatron-core training on the portable (CPU/GPU) or megatron (CUDA) engine."""
 
+import logging
+
 from bridge.logging import (
     MEMORY_KEYS,
     _build_moe_metric_writer,
@@ -115,6 +117,10 @@ from bridge.train.value_head import (
     make_value_model,
 )
 
+logger = logging.getLogger(__name__)
+"""The trainer's logger (``bridge.train``): every module of the package logs below it, so
+its level and handlers govern all of the trainer's log records."""
+
 __all__ = [
     "ENGINE_NAMES",
     "MEMORY_KEYS",
@@ -182,6 +188,7 @@ __all__ = [
     "init_checkpointing_context",
     "initialize_distributed",
     "load_checkpoint",
+    "logger",
     "logical_and_across_model_parallel_group",
     "make_value_model",
     "masked_next_token_loss",

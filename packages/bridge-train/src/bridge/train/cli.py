@@ -3,7 +3,8 @@
 ::
 
     bridge-train [--config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
-                 [--hang-timeout SECONDS] [section.field=value ...]
+                 [--hang-timeout SECONDS [--hang-setup-timeout SECONDS]
+                  [--hang-checkpoint-timeout SECONDS]] [section.field=value ...]
 
 With no arguments it trains the built-in ``tiny_gpt`` recipe. Launched bare it runs one
 process; under ``torchrun`` every rank runs it. The resolved config (after overrides and
@@ -127,9 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hang-timeout",
         metavar="SECONDS",
-        type=float,
+        type=_positive_seconds,
         help="kill a rank whose training step takes longer than this (built-in watchdog, "
         "for torchrun --max-restarts)",
+    )
+    parser.add_argument(
+        "--hang-setup-timeout",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        help="with --hang-timeout: limit for setup (model build, checkpoint load) and the "
+        "first step (default: unlimited)",
+    )
+    parser.add_argument(
+        "--hang-checkpoint-timeout",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        help="with --hang-timeout: limit for one checkpoint save (default: unlimited)",
     )
     parser.add_argument(
         "--no-print-config",
@@ -143,6 +157,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="dotted overrides applied to the recipe",
     )
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _hang_timeouts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """``--hang-*`` options as what ``pretrain(hang_timeout=...)`` takes (None: no watchdog)."""
+    phases = {"setup": args.hang_setup_timeout, "checkpointing": args.hang_checkpoint_timeout}
+    if args.hang_timeout is None:
+        options = {"setup": "--hang-setup-timeout", "checkpointing": "--hang-checkpoint-timeout"}
+        given = [options[phase] for phase, value in phases.items() if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)} needs --hang-timeout (the step limit)")
+        return None
+    if not any(phases.values()):
+        return args.hang_timeout
+    from bridge.resiliency import WatchdogTimeouts
+
+    return WatchdogTimeouts(step=args.hang_timeout, **phases)
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -237,7 +277,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         bridge.config.ConfigError: (and the other configuration errors) for :func:`main`
             to report.
     """
-    args = build_parser().parse_intermixed_args(argv)
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    hang_timeout = _hang_timeouts(args, parser)
     cfg, path, recipe_cfg = _load(args)
     if _is_mimo(cfg):
         from bridge.train.recipes.mimo import check_mimo_config, pretrain_mimo
@@ -253,7 +295,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     check_config_before_launch(cfg)
     if _rank() == 0 and not args.no_print_config:
         _print_config(cfg, path, recipe_cfg)
-    return pretrain(cfg, metrics_file=args.metrics_file, hang_timeout=args.hang_timeout)
+    return pretrain(cfg, metrics_file=args.metrics_file, hang_timeout=hang_timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -7,6 +7,7 @@ A batch is a dict of ``[micro_batch_size, seq_length]`` tensors as megatron's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -100,7 +101,9 @@ def forward_step(
 
     The ``state`` parameter makes the trainer inject its :class:`GlobalState` (see
     :func:`bridge.train.prepare_forward_step_func`); ``None`` is fine when calling it
-    directly. When the state has timers, the batch fetch is timed as ``batch-generator``.
+    directly. When the state has timers, the batch fetch is timed as ``batch-generator``;
+    with straggler detection on, the batch fetch and the model's forward pass are timed
+    for the straggler report (``state.straggler_timing``).
 
     Args:
         state: The global state, or ``None``.
@@ -118,18 +121,24 @@ def forward_step(
     if return_schedule_plan:
         raise NotImplementedError("forward_step: return_schedule_plan=True is not supported")
     timers = getattr(state, "timers", None) if state is not None else None
+    straggler = getattr(state, "straggler_timing", None) if state is not None else None
     if timers is not None:
         timers("batch-generator", log_level=2).start()
-    batch = get_batch(data_iterator, _device_of(model))
+    with straggler.data() if straggler is not None else contextlib.nullcontext():
+        batch = get_batch(data_iterator, _device_of(model))
     if timers is not None:
         timers("batch-generator").stop()
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        batch["attention_mask"],
-        labels=batch["labels"],
-        loss_mask=batch["loss_mask"],
-    )
+    # Straggler detection times the model's forward pass only (as megatron does): the
+    # backward pass ends in gradient all-reduces where fast ranks wait for slow ones,
+    # which would make every rank look equally slow.
+    with straggler.step() if straggler is not None else contextlib.nullcontext():
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch["attention_mask"],
+            labels=batch["labels"],
+            loss_mask=batch["loss_mask"],
+        )
     loss_mask = batch["loss_mask"]
     if loss_mask is None:  # get_batch guarantees it; a clear error if a subclass does not
         raise ValueError("forward_step: the batch has no loss_mask")

@@ -16,8 +16,9 @@ takes. Components receive only the pieces they use.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from bridge.resiliency import (
     StragglerTiming,
 )
 from core_utils import Timers
+
+if TYPE_CHECKING:
+    from bridge.train.engines.base import Engine
 
 __all__ = ["GlobalState", "TrainState"]
 
@@ -142,8 +146,14 @@ class GlobalState:
             started training (after a checkpoint was loaded): the job's own FLOPs are the
             counter minus this.
         loaded_iteration: Iteration this job resumed from (0 for a fresh run).
-        last_saved_iteration: Iteration of the last checkpoint this job saved (``None``
-            before the first save).
+        last_saved_iteration: Iteration of the last checkpoint (persistent or not) this job
+            saved (``None`` before the first save).
+        last_persistent_save_iteration: Iteration of the last persistent checkpoint this job
+            saved (``None`` before the first one); the end of training saves one unless it
+            is the final iteration.
+        engine: The engine the model was built with (:func:`bridge.train.pretrain` sets it).
+            The loop takes its forward-backward schedule from it; ``None`` means the engine
+            named by ``cfg.train.engine``.
         last_evaluated_iteration: Iteration of the last validation run of this job.
     """
 
@@ -159,7 +169,20 @@ class GlobalState:
     job_start_flops: float = 0.0
     loaded_iteration: int = 0
     last_saved_iteration: int | None = None
+    last_persistent_save_iteration: int | None = None
     last_evaluated_iteration: int | None = None
+    engine: Engine | None = None
+
+    @property
+    def forward_backward_func(self) -> Callable[..., list[Any]]:
+        """The engine's forward-backward schedule (megatron's ``forward_backward_func``
+        signature). Without an engine set, the one named by ``cfg.train.engine`` is built."""
+        if self.engine is None:
+            from bridge.train.engines.base import build_engine
+
+            train = self.cfg.train
+            self.engine = build_engine(train.engine if train is not None else "portable")
+        return self.engine.forward_backward_func
 
     @property
     def signal_handler(self) -> ExitSignalHandler | None:

@@ -28,6 +28,7 @@ from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.state import TrainState
 
 __all__ = [
+    "TINY_VOCAB",
     "tiny_config_container",
     "tiny_dist_config",
     "tiny_gpt_provider",
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 TINY_VOCAB = 128
+"""Vocabulary size of the tiny model and of the null tokenizer of its mock data."""
 
 
 def tiny_gpt_provider(**overrides: Any) -> GPTModelProvider:

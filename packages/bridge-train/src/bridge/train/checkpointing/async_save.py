@@ -359,8 +359,13 @@ def finalize_async_saves(
     save gets its global metadata, completion marker and tracker; until then the previous
     checkpoint stays the newest.
 
+    While a save is pending, finalizing it is a fault-tolerance checkpointing section
+    marked as an asynchronous finalization (``state.fault_tolerance``), so a long wait at
+    exit is timed against the checkpointing timeout, not the step timeout, and does not
+    feed the computed step timeouts.
+
     Args:
-        state: The run's ``GlobalState`` (unused; the queue belongs to the process).
+        state: The run's ``GlobalState`` (its ``fault_tolerance`` hooks), or ``None``.
         blocking: Wait for every pending save to finish, then finalize it.
         terminate: Also stop the background writer (implies ``blocking``); call at exit.
 
@@ -368,10 +373,20 @@ def finalize_async_saves(
         CheckpointError: A background write or its finalization failed (on every rank);
             the previous checkpoint stays the newest. The queue is discarded.
     """
-    del state
     current = _current_queue()
     if current is None:
         return
+    fault_tolerance = getattr(state, "fault_tolerance", None)
+    section: contextlib.AbstractContextManager[Any] = (
+        fault_tolerance.checkpointing(async_finalization=True)
+        if fault_tolerance is not None and current.get_num_unfinalized_calls() > 0
+        else contextlib.nullcontext()
+    )
+    with section:
+        _finalize(current, blocking=blocking, terminate=terminate)
+
+
+def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from bridge.train.checkpointing.errors import CheckpointError

@@ -33,6 +33,7 @@ from bridge.train.checkpointing.errors import CheckpointError
 __all__ = [
     "MARKER_FILENAME",
     "NON_PERSISTENT_SUBDIR",
+    "PROFILE_SUBDIR",
     "RUN_CONFIG_FILENAME",
     "RUN_FILES",
     "TRACKER_FILENAME",
@@ -62,7 +63,9 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # fault tolerance's computed timeouts and the metrics file.
 RUN_FILES = frozenset({PROGRESS_FILENAME, RUN_CONFIG_FILENAME, "ft_state.json", "metrics.jsonl"})
 _ALLOWED_FILES = RUN_FILES | {TRACKER_FILENAME}
-_ALLOWED_DIRS = {NON_PERSISTENT_SUBDIR}
+#: Where the torch profiler writes its traces when no TensorBoard directory is set.
+PROFILE_SUBDIR = "profile"
+_ALLOWED_DIRS = {NON_PERSISTENT_SUBDIR, PROFILE_SUBDIR}
 
 
 def checkpoint_dir_name(iteration: int) -> str:
@@ -249,7 +252,8 @@ def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.sav
 
     Allowed: ``iter_*`` directories (complete, in progress or left by a crash), the tracker
     and its temporary files, the run's own files (``progress.txt``, ``run_config.yaml``,
-    ``ft_state.json``, ``metrics.jsonl``) and ``non_persistent/``.
+    ``ft_state.json``, ``metrics.jsonl``) and their ``.tmp`` twins, ``non_persistent/`` and
+    ``profile/`` (torch profiler traces).
     A missing or empty directory is fine (it is created on the first save).
 
     Args:
@@ -275,6 +279,8 @@ def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.sav
         if entry.is_file() and (
             name in _ALLOWED_FILES
             or (name.startswith(f".{TRACKER_FILENAME}.") and name.endswith(".tmp"))
+            # a run file's temporary twin, left if a crash interrupted its atomic rewrite
+            or name.removesuffix(".tmp") in RUN_FILES
         ):
             continue
         foreign.append(name + ("/" if entry.is_dir() else ""))
@@ -286,6 +292,6 @@ def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.sav
             f"{field}={str(root)!r} holds entries that are not bridge-train checkpoints: "
             f"{shown}. A save directory may only hold iter_* directories, "
             f"{TRACKER_FILENAME}, {', '.join(sorted(RUN_FILES))} and "
-            f"{NON_PERSISTENT_SUBDIR}/; choose an empty or new directory for {field} (nothing "
+            f"{NON_PERSISTENT_SUBDIR}/ and {PROFILE_SUBDIR}/; choose an empty or new directory for {field} (nothing "
             "there is touched)"
         )

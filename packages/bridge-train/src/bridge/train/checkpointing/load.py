@@ -301,17 +301,6 @@ def _load_scheduler(scheduler: Any, saved: dict[str, Any], path: str) -> None:
     scheduler.load_state_dict(saved)
 
 
-def _load_model_chunk(chunk: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
-    from bridge.train.engines.portable_ddp import PortableDistributedDataParallel
-
-    if isinstance(chunk, PortableDistributedDataParallel):
-        # The wrapper's state dict is its module's (no prefix). Its load_state_dict passes
-        # ``assign=`` on, which megatron's Float16Module (bf16/fp16 models) does not take.
-        chunk.module.load_state_dict(state, strict=strict)
-    else:
-        chunk.load_state_dict(state, strict=strict)
-
-
 # Learning-rate bounds megatron's scheduler reads from each parameter group.
 _GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr")
 
@@ -389,7 +378,9 @@ def load_checkpoint(
             It is restored exactly, also if it was stepped before.
         strict: Model tensors missing from the checkpoint are an error (else they keep
             their values).
-        checkpointing_context: From :func:`init_checkpointing_context` (unused by loading).
+        checkpointing_context: From :func:`init_checkpointing_context`; when given, its
+            ``"loaded_checkpoint"`` entry is set to the directory loaded (``None`` when
+            nothing was loaded).
         skip_load_to_model_and_opt: Read the checkpoint and restore scheduler, RNG and
             train state, but do not copy into the model and optimizer.
 
@@ -403,11 +394,12 @@ def load_checkpoint(
             (the message names the key); state requested that was not saved.
         ConfigError: An unsupported checkpoint setting.
     """
-    del checkpointing_context
     cfg = checkpoint_config_of(state)
     check_checkpoint_config(cfg)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     plan: _LoadPlan | None = _dist.run_on_rank0(_plan_load, cfg)
+    if checkpointing_context is not None:
+        checkpointing_context["loaded_checkpoint"] = None if plan is None else plan.path
     if plan is None:
         if cfg.load and _dist.rank() == 0:
             logger.warning(
@@ -454,7 +446,7 @@ def load_checkpoint(
 
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(keys, model, strict=True):
-            _load_model_chunk(chunk, loaded[key], strict)
+            chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
             _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
         elif optimizer is not None:

@@ -17,7 +17,8 @@ the samples the interrupted one would have read next.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import signal
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -66,6 +67,7 @@ def build_data_loader(
     persistent_workers: bool = False,
     seed: int = 0,
     drop_last: bool = True,
+    worker_init_fn: Callable[[int], Any] | None = None,
 ) -> DataLoader[Any] | None:
     """A ``DataLoader`` over ``dataset`` driven by one of this package's batch samplers.
 
@@ -81,6 +83,7 @@ def build_data_loader(
         persistent_workers: Keep workers between passes (only with ``num_workers > 0``).
         seed: Shuffling seed for ``"cyclic"``.
         drop_last: Drop a final incomplete chunk (``"single"``).
+        worker_init_fn: Called in each worker process when it starts.
 
     Returns:
         The loader, or ``None`` when ``dataset`` is ``None`` or empty.
@@ -116,6 +119,7 @@ def build_data_loader(
         num_workers=num_workers,
         pin_memory=bool(pin_memory and torch.cuda.is_available()),
         persistent_workers=bool(persistent_workers and num_workers > 0),
+        worker_init_fn=worker_init_fn if num_workers > 0 else None,
     )
 
 
@@ -130,6 +134,19 @@ def _data_parallel_layout(dp_rank: int | None, dp_size: int | None) -> tuple[int
             parallel_state.get_data_parallel_world_size(),
         )
     return 0, 1
+
+
+def _worker_init_fn(train_config: Any) -> Callable[[int], Any] | None:
+    """Signal guard for DataLoader workers (``train.exit_signal_handler_for_dataloader``).
+
+    Workers share the rank's process group, so a launcher's SIGTERM reaches them too; a
+    worker dying of it would break the next batch before the exit checkpoint is saved.
+    """
+    if not getattr(train_config, "exit_signal_handler_for_dataloader", False):
+        return None
+    from bridge.resiliency import DataloaderSignalGuard
+
+    return DataloaderSignalGuard(getattr(train_config, "exit_signal", signal.SIGTERM))
 
 
 def build_train_valid_test_data_loaders(
@@ -147,7 +164,9 @@ def build_train_valid_test_data_loaders(
         datasets: ``(train_ds, valid_ds, test_ds)``; ``None`` entries give ``None`` loaders.
         dataset_config: The dataset config (``dataloader_type``, ``num_workers``,
             ``pin_memory``, ``persistent_workers``, ``random_seed``).
-        train_config: ``TrainingConfig`` (``micro_batch_size``).
+        train_config: ``TrainingConfig`` (``micro_batch_size``; with
+            ``exit_signal_handler_for_dataloader`` the workers keep serving batches when the
+            exit signal arrives, so the exit checkpoint can still be written).
         train_state: ``TrainState``; ``do_train`` / ``do_valid`` / ``do_test`` are set from
             which splits exist.
         data_parallel_rank: Defaults to megatron's data-parallel rank.
@@ -184,6 +203,7 @@ def build_train_valid_test_data_loaders(
         "pin_memory": bool(getattr(dataset_config, "pin_memory", False)),
         "persistent_workers": bool(getattr(dataset_config, "persistent_workers", False)),
         "seed": int(getattr(dataset_config, "random_seed", 0) or 0),
+        "worker_init_fn": _worker_init_fn(train_config),
     }
     train = build_data_loader(train_ds, train_state.consumed_train_samples, **common)
     valid = build_data_loader(valid_ds, train_state.consumed_valid_samples, **common)

@@ -56,6 +56,7 @@ class Engine(Protocol):
         wrap_with_ddp: bool = True,
         pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
         data_parallel_random_init: bool = False,
+        optimizer_config: Any = None,
     ) -> list[torch.nn.Module]:
         """Build the model chunks of this rank, move them to the device, wrap them for DP.
 

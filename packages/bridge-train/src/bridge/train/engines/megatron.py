@@ -63,6 +63,7 @@ class MegatronEngine:
         wrap_with_ddp: bool = True,
         pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
         data_parallel_random_init: bool = False,
+        optimizer_config: Any = None,
     ) -> list[torch.nn.Module]:
         """Build one chunk per virtual pipeline stage and wrap them in megatron's DDP.
 
@@ -96,8 +97,12 @@ class MegatronEngine:
                 config=model_provider,
                 ddp_config=ddp_config,
                 module=chunk,
-                # Only the first chunk is bucketed; later chunks' grads are ready last.
-                disable_bucketing=(index > 0) or ddp_config.overlap_param_gather,
+                # As megatron's training: only the first chunk is bucketed, and not at all
+                # when the parameter all-gather overlaps the optimizer step.
+                disable_bucketing=(index > 0)
+                or bool(
+                    getattr(optimizer_config, "overlap_param_gather_with_optimizer_step", False)
+                ),
             )
             for index, chunk in enumerate(chunks)
         ]

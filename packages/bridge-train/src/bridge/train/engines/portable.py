@@ -57,6 +57,7 @@ class PortableEngine:
         wrap_with_ddp: bool = True,
         pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
         data_parallel_random_init: bool = False,
+        optimizer_config: Any = None,
     ) -> list[torch.nn.Module]:
         """Build this rank's model chunk and wrap it for data parallelism.
 
@@ -70,6 +71,8 @@ class PortableEngine:
                 :func:`~bridge.train.create_value_head_hook`); a hook may return a new list.
             data_parallel_random_init: Parameters differ per data-parallel rank; they are
                 broadcast from data-parallel rank 0 after wrapping.
+            optimizer_config: The optimizer config; unused here (the megatron engine reads
+                its parameter-gather overlap setting).
 
         Returns:
             A one-element list of model chunks.

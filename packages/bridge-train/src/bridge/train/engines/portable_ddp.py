@@ -247,8 +247,11 @@ class PortableDistributedDataParallel(torch.nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load into the wrapped module."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load into the wrapped module (same keys as :meth:`state_dict`)."""
+        if assign:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=True)
+        # megatron's Float16Module (bf16/fp16 models) has no ``assign`` parameter.
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's megatron ``sharded_state_dict`` (for dist_checkpointing)."""

@@ -16,15 +16,24 @@ Where each module runs (``model.layout``):
 * ``colocated``: both modules on every rank, data parallel over all of them;
 * ``split``: the non-colocated layout above (needs an even world size).
 
+The cross-module data path (``model.communicator``) is ``auto`` by default: megatron-core's
+BridgeCommunicator when the job runs on CUDA and the layout fits it, torch.distributed
+point-to-point otherwise; the choice is printed at the start.
+
 The ``train``, ``optimizer`` (AdamW: ``lr``, ``weight_decay``, ``adam_beta1/2``,
 ``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng`` and ``dist`` sections
-work as for the GPT recipes. Checkpoints are not supported by this recipe
-(``checkpoint.save`` must stay unset).
+work as for the GPT recipes, and ``train.exit_interval`` / ``train.exit_duration_in_mins``
+end the run early as they do there. What this recipe does not implement is refused by
+:func:`check_mimo_config` instead of being ignored: checkpoints (``checkpoint.save`` /
+``checkpoint.load``), evaluation (``train.eval_interval`` with ``train.eval_iters > 0``),
+``train.exit_signal_handler`` (it exists to save a checkpoint before exiting) and
+``train.skip_train``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -92,8 +101,10 @@ class MimoModelConfig:
     """Parallelism of the language model in the split layout: tensor parallel 2 (when its
     rank count is even) or data parallel."""
 
-    communicator: Literal["p2p", "megatron"] = "p2p"
-    """Cross-module data path: ``p2p`` (CPU and GPU) or megatron-core's (CUDA only)."""
+    communicator: Literal["auto", "p2p", "megatron"] = "auto"
+    """Cross-module data path: ``auto`` (megatron-core's BridgeCommunicator when the job runs
+    on CUDA and the layout fits it, else ``p2p``), ``p2p`` (torch.distributed point-to-point;
+    CPU and GPU) or ``megatron`` (megatron-core's; CUDA only)."""
 
     tensor_model_parallel_size: int = 1
     """Must be 1: per-module tensor parallelism comes from ``language_parallel``."""
@@ -223,12 +234,39 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _refuse_unsupported_train_settings(cfg: ConfigContainer) -> None:
+    """Refuse ``train`` settings the mimo loop does not implement (never ignore them)."""
+    train = cfg.train
+    assert train is not None
+    if train.eval_interval is not None and train.eval_iters > 0:
+        raise ConfigError(
+            "train.eval_interval",
+            f"got {train.eval_interval} with train.eval_iters={train.eval_iters}; the MIMO "
+            "recipe does not support evaluation: set train.eval_interval=null (or "
+            "train.eval_iters=0)",
+        )
+    if train.exit_signal_handler:
+        raise ConfigError(
+            "train.exit_signal_handler",
+            "got true; the MIMO recipe does not support it (the handler saves a checkpoint "
+            "before exiting and this recipe saves none): set train.exit_signal_handler=false; "
+            "train.exit_interval and train.exit_duration_in_mins are supported",
+        )
+    if train.skip_train:
+        raise ConfigError(
+            "train.skip_train",
+            "got true; the MIMO recipe does not support it (it only trains): set "
+            "train.skip_train=false",
+        )
+
+
 def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
     """Check a ``mimo`` recipe config before anything distributed starts.
 
     Raises:
-        ConfigError: A missing section or length, a checkpoint directory (not supported),
-            batch sizes that do not fit the layout, or a layout that does not fit the world.
+        ConfigError: A missing section or length, a checkpoint directory, evaluation, the
+            exit signal handler or ``skip_train`` (not supported by this recipe), batch sizes
+            that do not fit the layout, or a layout that does not fit the world.
     """
     for name in ("train", "optimizer", "scheduler", "logger", "checkpoint"):
         if getattr(cfg, name) is None:
@@ -253,6 +291,7 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
             "the mimo recipe does not save or load checkpoints; unset checkpoint.save and "
             "checkpoint.load",
         )
+    _refuse_unsupported_train_settings(cfg)
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr", "is required")
     world = world_size if world_size is not None else _world_size()
@@ -304,12 +343,19 @@ def _init_process_group(cfg: ConfigContainer) -> bool:
     return True
 
 
-def pretrain_mimo(cfg: ConfigContainer, *, metrics_file: str | Path | None = None) -> int:
+def pretrain_mimo(
+    cfg: ConfigContainer,
+    *,
+    metrics_file: str | Path | None = None,
+    start_time: float | None = None,
+) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
 
     Args:
         cfg: The recipe's config (checked by :func:`check_mimo_config`).
         metrics_file: Also write every metric record as JSON lines (last rank).
+        start_time: ``time.time()`` at which the job started, for
+            ``train.exit_duration_in_mins`` (default: when this call starts).
 
     Returns:
         The exit code (0).
@@ -321,9 +367,11 @@ def pretrain_mimo(cfg: ConfigContainer, *, metrics_file: str | Path | None = Non
 
     import bridge.mimo as mimo
     from bridge.logging import MetricWriters, build_metric_writers, setup_logging
+    from bridge.resiliency import ExitConditions
     from bridge.train.scheduler import build_optimizer_param_scheduler
     from bridge.train.training.metrics_file import JsonlMetricWriter
 
+    start_time = time.time() if start_time is None else start_time
     check_mimo_config(cfg)
     assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
     assert isinstance(cfg.model, MimoModelConfig)
@@ -353,7 +401,8 @@ def pretrain_mimo(cfg: ConfigContainer, *, metrics_file: str | Path | None = Non
                 f"got {vlm.vocab_size}; the synthetic captions need {dataset.vocab_size} ids",
             )
         model = mimo.build_mimo_model(infra, init_seed=seed, **mimo.tiny_vlm_specs(vlm, infra))
-        if torch.cuda.is_available():
+        if dist.get_backend() == "nccl":
+            # The step keeps batches where the process group's backend works: gloo -> CPU.
             model.cuda()
         opt_cfg = cfg.optimizer
         lr = float(opt_cfg.lr or 0.0)  # check_mimo_config made sure it is set
@@ -393,10 +442,17 @@ def pretrain_mimo(cfg: ConfigContainer, *, metrics_file: str | Path | None = Non
             )
         if rank == 0:
             print(
-                f"[bridge-train] mimo layout: {layout}\n[bridge-train] text-only loss floor "
+                f"[bridge-train] mimo layout: {layout}\n[bridge-train] mimo communicator: "
+                f"{step.communicator_choice.describe()}\n[bridge-train] text-only loss floor "
                 f"(a model ignoring the images): {dataset.text_only_loss_floor():.4f}",
                 flush=True,
             )
+        # exit_signal_handler is refused by check_mimo_config, so no handler is installed
+        # here; the interval and duration conditions agree over the ranks.
+        exits = ExitConditions.from_config(cfg.train, save_enabled=False, start_time=start_time)
+
+        def should_stop(iteration: int) -> bool:
+            return exits.check(iteration).should_exit
 
         def log(record: mimo.MimoLogRecord) -> None:
             if last:
@@ -410,7 +466,10 @@ def pretrain_mimo(cfg: ConfigContainer, *, metrics_file: str | Path | None = Non
             scheduler=scheduler,
             log_fn=log,
             log_interval=cfg.logger.log_interval,
+            should_stop=should_stop if exits.exit_interval or exits.exit_duration_in_mins else None,
         )
+        if last and result.stopped_early:
+            print(f"[bridge-train] mimo: {exits.last_decision.message}", flush=True)
         if last:
             print(
                 f"[bridge-train] mimo: {result.iteration} iterations, final loss "

@@ -26,16 +26,6 @@ from bridge.train.state_injection import ForwardStepCallable, prepare_forward_st
 __all__ = ["evaluate", "evaluate_and_print_results"]
 
 
-def _forward_backward_func(config: Any) -> Callable[..., Any]:
-    if config.train is not None and config.train.engine == "megatron":
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return get_forward_backward_func()
-    from bridge.train.engines.portable_schedule import forward_backward_no_pipelining
-
-    return forward_backward_no_pipelining
-
-
 def _data_parallel_layout() -> tuple[int, Any, bool]:
     from megatron.core import parallel_state as ps
 
@@ -100,7 +90,7 @@ def evaluate(
     num_microbatches = max(gbs // (train.micro_batch_size * dp_size), 1)
     seq_length = int(getattr(config.model, "seq_length", 0) or 0)
     step_func = prepare_forward_step_func(forward_step_func, state)
-    forward_backward_func = _forward_backward_func(config)
+    forward_backward_func = state.forward_backward_func
     manual_gc = bool(train.manual_gc and train.manual_gc_eval)
 
     for chunk in model:

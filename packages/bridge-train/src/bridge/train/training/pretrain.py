@@ -176,36 +176,57 @@ def _checkpointing_context(cfg: ConfigContainer) -> dict[str, Any]:
     return init_checkpointing_context(cfg.checkpoint)
 
 
+def _save_dir_holds_checkpoint(checkpoint: Any) -> bool:
+    """Whether ``checkpoint.save`` holds a checkpoint of an earlier run to resume.
+
+    Persistent checkpoints (tracker or complete ``iter_*``) count, and so do global
+    non-persistent ones: a run killed before its first persistent save resumes from them.
+    """
+    from bridge.train.checkpointing import checkpoint_exists
+    from bridge.train.checkpointing.context import non_persistent_dir
+
+    if checkpoint_exists(checkpoint.save):
+        return True
+    if checkpoint.non_persistent_ckpt_type != "global":
+        return False
+    return checkpoint_exists(non_persistent_dir(checkpoint, base=str(checkpoint.save)))
+
+
 def _load_checkpoint(setup_out: SetupOutput) -> bool:
-    """Load ``checkpoint.load`` (else an earlier run in ``checkpoint.save``) if it holds one."""
+    """Load what the checkpoint section asks for; True when a checkpoint was loaded.
+
+    ``checkpoint.load`` left unset resumes the run that owns ``checkpoint.save`` when that
+    directory holds a checkpoint (torchrun restarts rely on this). Which checkpoint is then
+    loaded (``ckpt_step``, non-persistent ones, ``pretrained_checkpoint`` when ``load``
+    holds nothing, ``exit_on_missing_checkpoint``) is decided by ``load_checkpoint``.
+    """
     cfg = setup_out.state.cfg
     checkpoint = cfg.checkpoint
     assert checkpoint is not None
     if not _uses_checkpoints(cfg):
         return False
-    from bridge.train.checkpointing import checkpoint_exists, load_checkpoint
+    from bridge.train.checkpointing import load_checkpoint
 
     if (
         checkpoint.load is None
         and checkpoint.save is not None
-        and checkpoint_exists(checkpoint.save)
+        and _save_dir_holds_checkpoint(checkpoint)
     ):
-        # Resume the run that owns the save directory (torchrun restarts rely on this).
         checkpoint.load = checkpoint.save
-    source = checkpoint.load or checkpoint.pretrained_checkpoint
-    if source is None or not checkpoint_exists(source):
+    if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return False
+    context = setup_out.checkpointing_context
     iteration, flops = load_checkpoint(
         setup_out.state,
         setup_out.model,
         setup_out.optimizer,
         setup_out.scheduler,
-        checkpointing_context=setup_out.checkpointing_context,
+        checkpointing_context=context,
     )
     train_state = setup_out.state.train_state
     train_state.step = int(iteration)
     train_state.floating_point_operations_so_far = float(flops)
-    return True
+    return context.get("loaded_checkpoint") is not None
 
 
 def setup(
@@ -240,6 +261,7 @@ def setup(
     setup_logging(cfg.logger)
     start_memory_history_recording(cfg.profiling)
     engine = build_engine(cfg.train.engine)
+    state.engine = engine
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
     world = _world_size()
     cfg.validate(world)
@@ -270,7 +292,10 @@ def setup(
     if apply_tokenizer is not None:
         apply_tokenizer(tokenizer)
     model = engine.setup_model(
-        cfg.model, cfg.ddp, data_parallel_random_init=cfg.rng.data_parallel_random_init
+        cfg.model,
+        cfg.ddp,
+        data_parallel_random_init=cfg.rng.data_parallel_random_init,
+        optimizer_config=cfg.optimizer,
     )
     from megatron.core.utils import get_model_config
 

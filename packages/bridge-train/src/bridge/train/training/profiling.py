@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from bridge.train.checkpointing.layout import PROFILE_SUBDIR
+
 __all__ = [
     "TNvtxContext",
     "nsys_unavailable_reason",
@@ -68,7 +70,7 @@ def profile_trace_dir(cfg: Any) -> Path | None:
     if tensorboard_dir:
         return Path(tensorboard_dir)
     save = getattr(cfg.checkpoint, "save", None) if cfg.checkpoint else None
-    return Path(save) / "profile" if save else None
+    return Path(save) / PROFILE_SUBDIR if save else None
 
 
 def start_profiler(cfg: Any) -> tuple[torch.profiler.profile | None, TNvtxContext | None]:

@@ -103,17 +103,6 @@ def _model_config(model: list[torch.nn.Module]) -> Any:
     return get_model_config(model[0])
 
 
-def _forward_backward_func(model: list[torch.nn.Module], cfg: Any) -> Callable[..., Any]:
-    """The engine's schedule: the portable one for portable-engine chunks, else megatron's."""
-    if cfg.train is not None and cfg.train.engine == "megatron":
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return get_forward_backward_func()
-    from bridge.train.engines.portable_schedule import forward_backward_no_pipelining
-
-    return forward_backward_no_pipelining
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -276,7 +265,7 @@ def train_step(
     assert train is not None and train.micro_batch_size is not None
     timers = global_state.timers
     rerun_state_machine = get_rerun_state_machine()
-    forward_backward_func = _forward_backward_func(model, cfg)
+    forward_backward_func = global_state.forward_backward_func
     seq_length = int(getattr(cfg.model, "seq_length", 0) or 0)
     ddp = cfg.ddp
     num_microbatches = get_num_microbatches()
@@ -435,8 +424,9 @@ def save_checkpoint_and_time(
     Wraps the ``save_checkpoint`` function with timers and potentially disables/ enables
     forward pre-hooks if distributed optimizer with overlapped parameter gather is used. The
     save is a fault-tolerance checkpointing section; ``interval-time`` is paused so the save
-    does not count as iteration time. After a persistent save with ``logger.log_progress``
-    the throughputs are appended to ``progress.txt``; the metric writers are flushed.
+    does not count as iteration time. The metric writers are flushed before the save; after
+    a persistent save with ``logger.log_progress`` the throughputs are appended to
+    ``progress.txt``.
 
     Args:
         state: The global state object.
@@ -454,12 +444,16 @@ def save_checkpoint_and_time(
     cfg = state.cfg
     timers = state.timers
     timers("interval-time").stop()
+    # Metrics up to this iteration reach disk before the checkpoint commits, so a crash
+    # after the commit cannot lose the records of the steps the checkpoint holds.
+    state.metric_writers.flush()
     toggle = _should_toggle_forward_pre_hook(cfg)
     if toggle:
         disable_forward_pre_hook(model)
     timers("save-checkpoint", log_level=0).start(barrier=True)
-    async_save = bool(cfg.checkpoint is not None and cfg.checkpoint.async_save)
-    with state.fault_tolerance.checkpointing(async_finalization=async_save):
+    # The save call itself (synchronous part of an async save included) is an ordinary
+    # checkpointing section; finalizing async saves later is its own section.
+    with state.fault_tolerance.checkpointing():
         save_checkpoint(
             state,
             model,
@@ -475,10 +469,10 @@ def save_checkpoint_and_time(
     if toggle:
         enable_forward_pre_hook(model)
     state.last_saved_iteration = state.train_state.step
+    if not non_persistent_ckpt:
+        state.last_persistent_save_iteration = state.train_state.step
     if not non_persistent_ckpt and cfg.logger is not None and cfg.logger.log_progress:
         compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
-    # Metrics up to a checkpoint are on disk with it: a crash later loses neither.
-    state.metric_writers.flush()
     timers("interval-time", log_level=0).start(barrier=True)
 
 
@@ -690,18 +684,17 @@ def train(
                 ):
                     prof, nsys_context = start_profiler(cfg)
                 state.fault_tolerance.on_step_start()
-                with straggler.step():
-                    (
-                        loss_dict,
-                        skipped_iter,
-                        should_checkpoint,
-                        should_exit,
-                        step_exit_code,
-                        grad_norm,
-                        num_zeros_in_grad,
-                    ) = timed_step(
-                        step_func, train_data_iterator, model, optimizer, scheduler, state
-                    )
+                # Straggler timing of the step happens inside the forward step (see
+                # bridge.train.forward_step), where the gradient all-reduce is not.
+                (
+                    loss_dict,
+                    skipped_iter,
+                    should_checkpoint,
+                    should_exit,
+                    step_exit_code,
+                    grad_norm,
+                    num_zeros_in_grad,
+                ) = timed_step(step_func, train_data_iterator, model, optimizer, scheduler, state)
                 if should_checkpoint and cfg.checkpoint is not None and cfg.checkpoint.save:
                     save_checkpoint_and_time(
                         state,
@@ -783,6 +776,10 @@ def train(
                     and valid_data_iterator is not None
                 ):
                     timers("interval-time").stop()
+                    # Evaluation must see whole parameters, not ones a pending overlapped
+                    # all-gather would still overwrite.
+                    if toggle_hooks:
+                        disable_forward_pre_hook(model)
                     evaluate_and_print_results(
                         state,
                         f"iteration {train_state.step}",
@@ -795,6 +792,8 @@ def train(
                         process_non_loss_data_func=process_non_loss_data_func,
                         non_loss_data_func=non_loss_data_func,
                     )
+                    if toggle_hooks:
+                        enable_forward_pre_hook(model)
                     state.last_evaluated_iteration = train_state.step
                     timers("interval-time", log_level=0).start(barrier=True)
 
@@ -818,7 +817,7 @@ def train(
             and checkpoint is not None
             and checkpoint.save is not None
             and train_state.step > 0
-            and state.last_saved_iteration != train_state.step
+            and state.last_persistent_save_iteration != train_state.step
         ):
             save_checkpoint_and_time(
                 state,

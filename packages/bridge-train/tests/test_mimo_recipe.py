@@ -1,0 +1,121 @@
+"""The ``mimo`` recipe: its 4-rank split layout, the trainer settings it honours or refuses.
+
+(The recipe's 1- and 2-rank runs and its first refusals are in test_cli.py.)
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bridge.config import ConfigContainer, ConfigError, load_config
+from bridge.train.cli import run
+from bridge.train.recipes import recipe_path
+from bridge.train.recipes.mimo import MimoModelConfig, check_mimo_config, mimo_layout, pretrain_mimo
+from core_utils.testing import run_distributed
+
+SHORT = ["train.train_iters=6", "scheduler.lr_warmup_iters=1"]
+
+
+def _config(*overrides: str) -> ConfigContainer:
+    return load_config(recipe_path("mimo"), [*SHORT, *overrides])
+
+
+def _spans(layout: object) -> dict[str, tuple[range, int, int]]:
+    modules = layout.modules  # type: ignore[attr-defined]
+    return {name: (p.rank_range, p.tp, p.dp_size) for name, p in modules.items()}
+
+
+def test_split_layout_of_four_ranks() -> None:
+    cfg = _config()
+    assert isinstance(cfg.model, MimoModelConfig)
+    assert cfg.model.layout == "auto" and cfg.model.communicator == "auto"
+    # The recipe's default on 4 ranks: encoder DP 2 on ranks 0-1, language TP 2 on 2-3.
+    layout = mimo_layout(cfg.model, 4)
+    assert _spans(layout) == {"vision": (range(0, 2), 1, 2), "language": (range(2, 4), 2, 1)}
+    assert not layout.is_colocated
+    check_mimo_config(cfg, world_size=4)  # batch sizes 16 / 8 divide both DP sizes
+    dp = _config("model.language_parallel=dp")
+    assert isinstance(dp.model, MimoModelConfig)
+    assert _spans(mimo_layout(dp.model, 4)) == {
+        "vision": (range(0, 2), 1, 2),
+        "language": (range(2, 4), 1, 2),
+    }
+    # Eight ranks: the language model keeps TP 2 and gets DP 2.
+    assert _spans(mimo_layout(cfg.model, 8))["language"] == (range(4, 8), 2, 2)
+    # A language half of odd size cannot be split in two for TP: it runs data parallel.
+    assert _spans(mimo_layout(cfg.model, 6))["language"] == (range(3, 6), 1, 3)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.eval_interval=10", "train.eval_iters=5"],
+            "train.eval_interval: got 10 with train.eval_iters=5; the MIMO recipe does not "
+            "support evaluation: set train.eval_interval=null (or train.eval_iters=0)",
+        ),
+        (
+            ["train.exit_signal_handler=true"],
+            "train.exit_signal_handler: got true; the MIMO recipe does not support it",
+        ),
+        (
+            ["train.skip_train=true"],
+            "train.skip_train: got true; the MIMO recipe does not support it",
+        ),
+    ],
+)
+def test_unsupported_train_settings_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_mimo_config(_config(*overrides), world_size=1)
+    assert str(info.value).startswith(message)
+
+
+def test_supported_or_inactive_train_settings_pass() -> None:
+    check_mimo_config(
+        _config("train.exit_interval=3", "train.exit_duration_in_mins=5"), world_size=1
+    )
+    # An interval without evaluation batches evaluates nothing: nothing to refuse.
+    check_mimo_config(_config("train.eval_interval=10", "train.eval_iters=0"), world_size=1)
+
+
+def _four_rank_run(rank: int, world: int) -> int:
+    overrides = ["train.exit_interval=4", "logger.log_interval=3"]
+    return run(["--recipe", "mimo", "--no-print-config", *SHORT, *overrides])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_four_rank_split_run_stops_at_the_exit_interval(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_distributed(_four_rank_run, 4, timeout=120) == [0] * 4
+    out = capfd.readouterr().out
+    assert "'vision': ModulePlacement(ranks=range(0, 2), tp=1, dp=2" in out
+    assert "'language': ModulePlacement(ranks=range(2, 4), tp=2, dp=1" in out
+    assert "[bridge-train] mimo communicator: p2p (no CUDA in use" in out
+    # Logged at 3, then the partial window at the exit; iteration 5 and 6 never run.
+    assert "iteration      3 |" in out and "iteration      4 |" in out
+    assert "iteration      5 |" not in out
+    assert (
+        "[bridge-train] mimo: exiting after iteration 4: iteration 4 is a multiple of "
+        "exit_interval=4" in out
+    )
+    assert "[bridge-train] mimo: 4 iterations" in out
+
+
+def _duration_run(rank: int, world: int) -> int:
+    cfg = _config("train.exit_duration_in_mins=1", "logger.log_interval=3")
+    check_mimo_config(cfg)
+    # The job started two minutes ago: the first check ends the run.
+    return pretrain_mimo(cfg, start_time=time.time() - 120)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_exit_duration_ends_the_run(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_distributed(_duration_run, 1, timeout=120) == [0]
+    out = capfd.readouterr().out
+    assert "exiting after iteration 1: the run lasted 2.0" in out
+    assert "> exit_duration_in_mins=1" in out
+    assert "iteration      1 |" in out and "iteration      2 |" not in out
+    assert "[bridge-train] mimo: 1 iterations" in out
