@@ -40,7 +40,14 @@ PYTEST_ARGS = ("-c", "pyproject.toml", "--durations=10")
 # run rejects as duplicates, so each gets a run of its own; everything else, including the
 # top-level tests/, is in [tool.mypy] files. A distribution joins this list once
 # `mypy packages/<dist>/tests` is clean.
-TYPE_CHECKED_TESTS: tuple[str, ...] = ("core-utils",)
+TYPE_CHECKED_TESTS: tuple[str, ...] = (
+    "core-utils",
+    "bridge-config",
+    "bridge-logging",
+    "bridge-resiliency",
+    "bridge-mimo",
+    "bridge-train",
+)
 
 
 def _uv() -> str:

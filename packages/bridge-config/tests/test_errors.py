@@ -15,7 +15,11 @@ import bridge.config as bc
 from bridge.config import ConfigContainer, ConfigError, apply_overrides, load_config
 from bridge.config.testing import ExampleModelConfig, ExampleOptimizerConfig, tiny_container
 
-GPT_FLAGS = {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False}
+GPT_FLAGS: dict[str, Any] = {
+    "reset_position_ids": False,
+    "reset_attention_mask": False,
+    "eod_mask_loss": False,
+}
 
 
 def gpt(**kwargs: Any) -> bc.GPTDatasetConfig:
@@ -79,12 +83,12 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     ),
     (
         "train-engine-literal",
-        lambda: bc.TrainingConfig(engine="fast"),
+        lambda: bc.TrainingConfig(engine="fast"),  # type: ignore[arg-type]
         ["TrainingConfig.engine: got 'fast'", "expected one of 'portable', 'megatron'"],
     ),
     (
         "train-mbs-string",
-        lambda: bc.TrainingConfig(micro_batch_size="4"),
+        lambda: bc.TrainingConfig(micro_batch_size="4"),  # type: ignore[arg-type]
         ["TrainingConfig.micro_batch_size: got '4' (str); expected an integer"],
     ),
     (
@@ -153,7 +157,7 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     ),
     (
         "sched-style-typo",
-        lambda: bc.SchedulerConfig(lr_decay_style="cosnie"),
+        lambda: bc.SchedulerConfig(lr_decay_style="cosnie"),  # type: ignore[arg-type]
         ["SchedulerConfig.lr_decay_style: got 'cosnie'", "Did you mean 'cosine'?"],
     ),
     (
@@ -255,7 +259,7 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     ),
     (
         "ft-fault-type",
-        lambda: bc.FaultToleranceConfig(simulated_fault_type="rank_hang"),
+        lambda: bc.FaultToleranceConfig(simulated_fault_type="rank_hang"),  # type: ignore[arg-type]
         ["simulated_fault_type: got 'rank_hang'", "Did you mean 'rank_hung'?"],
     ),
     (
@@ -271,7 +275,7 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     ("rng-seed", lambda: bc.RNGConfig(seed=-1), ["RNGConfig.seed: got -1", "[0, 4294967295]"]),
     (
         "dist-backend",
-        lambda: bc.DistributedInitConfig(distributed_backend="mpi"),
+        lambda: bc.DistributedInitConfig(distributed_backend="mpi"),  # type: ignore[arg-type]
         ["distributed_backend: got 'mpi'", "'nccl', 'gloo'"],
     ),
     (
@@ -361,7 +365,7 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     ),
     (
         "tok-type-typo",
-        lambda: bc.TokenizerConfig(tokenizer_type="NullTokeniser"),
+        lambda: bc.TokenizerConfig(tokenizer_type="NullTokeniser"),  # type: ignore[arg-type]
         ["Did you mean 'NullTokenizer'?"],
     ),
     (
@@ -502,7 +506,7 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     ),
     (
         "container-model-type",
-        lambda: ConfigContainer(model=bc.TrainingConfig()),
+        lambda: ConfigContainer(model=bc.TrainingConfig()),  # type: ignore[arg-type]
         [
             "ConfigContainer.model: TrainingConfig does not provide ModelConfigProtocol",
             "seq_length",
@@ -510,7 +514,7 @@ SECTION_CASES: list[tuple[str, Callable[[], Any], list[str]]] = [
     ),
     (
         "container-section-type",
-        lambda: ConfigContainer(train=bc.LoggerConfig()),
+        lambda: ConfigContainer(train=bc.LoggerConfig()),  # type: ignore[arg-type]
         ["ConfigContainer.train: got LoggerConfig"],
     ),
 ]

@@ -189,9 +189,11 @@ def test_enum_and_callable_fields_accept_plain_names() -> None:
             "model.params_dtype=torch.bfloat16",
         ],
     )
-    assert changed.model.activation is Activation.SWIGLU  # type: ignore[union-attr]
-    assert changed.model.activation_func is torch.nn.functional.silu  # type: ignore[union-attr]
-    assert changed.model.params_dtype is torch.bfloat16
+    model = changed.model
+    assert isinstance(model, RichModelConfig)
+    assert model.activation is Activation.SWIGLU
+    assert model.activation_func is torch.nn.functional.silu
+    assert model.params_dtype is torch.bfloat16
     with pytest.raises(
         ConfigError,
         match=r"model.activation: got 'SWIGLUE'; expected a member of Activation: GELU, SWIGLU. Did you mean 'SWIGLU'\?",

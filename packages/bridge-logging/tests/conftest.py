@@ -155,9 +155,9 @@ def restore_logging() -> Iterator[None]:
         lg.handlers[:] = handlers
     for h, filters in handler_filters.values():
         h.filters[:] = filters
-    for lg in logging.root.manager.loggerDict.values():
-        if isinstance(lg, logging.Logger) and id(lg) not in saved:
-            lg.filters.clear()
+    for entry in logging.root.manager.loggerDict.values():  # loggers and placeholders
+        if isinstance(entry, logging.Logger) and id(entry) not in saved:
+            entry.filters.clear()
 
 
 class Kit:

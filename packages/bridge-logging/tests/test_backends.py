@@ -15,7 +15,7 @@ import time
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -54,7 +54,7 @@ def written(
         mp.delenv("COMET_API_KEY", raising=False)
         mp.delenv("COMET_MODE", raising=False)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        backends = {
+        backends: dict[str, Any] = {
             "mlflow_experiment": "bridge-tests",
             "mlflow_tracking_uri": f"file:{root / 'mlruns'}",
             "mlflow_tags": {"team": "nlp"},
@@ -99,6 +99,7 @@ def written(
         )
         # What megatron's MoE helpers do with the objects the trainer hands them.
         moe = build_moe_metric_writer(writers.tensorboard, writers.comet, writers.mlflow)
+        assert moe is not None  # MLflow and Comet are configured: the fan-out writer
         moe.add_scalar("load_balancing_loss", torch.tensor(0.5), 3)
         writers.wandb.log({"moe/aux_loss": torch.tensor(0.25)}, 3)
         cfg = kit.make_config(
@@ -234,7 +235,7 @@ def test_moe_writer_is_the_tensorboard_writer_without_mlflow_or_comet() -> None:
 
 @pytest.mark.parametrize("mode", ["inline", "process"])
 def test_mlflow_logs_into_an_already_active_run_and_leaves_it_open(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Literal["inline", "process"]
 ) -> None:
     import mlflow
 
@@ -301,8 +302,8 @@ def test_missing_tracking_uri_and_comet_key_are_explained(
 )
 def test_missing_backend_package_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
-    logger: dict[str, str],
-    settings: dict[str, str],
+    logger: dict[str, Any],
+    settings: dict[str, Any],
     module: str,
     extra: str,
 ) -> None:

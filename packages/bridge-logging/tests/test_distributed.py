@@ -48,6 +48,8 @@ def _full_grads() -> dict[str, torch.Tensor]:
 class _TPBlock(torch.nn.Module):
     """A column-parallel linear (rows split across ranks) plus replicated parameters."""
 
+    pg_collection: SimpleNamespace  # attached by a test, as megatron models carry it
+
     def __init__(self, rank: int, world: int) -> None:
         super().__init__()
         grads = _full_grads()

@@ -11,7 +11,7 @@ import torch
 from bridge.logging import report_l2_norm_grad
 
 
-def _with_grads(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+def _with_grads[M: torch.nn.Module](module: M, seed: int = 0) -> M:
     generator = torch.Generator().manual_seed(seed)
     for p in module.parameters():
         p.grad = torch.randn(p.shape, generator=generator)
@@ -36,20 +36,20 @@ def test_global_and_per_parameter_norms(kit: Any) -> None:
 
 def test_main_grad_wins_and_frozen_or_gradless_parameters_are_left_out(kit: Any) -> None:
     model = _with_grads(kit.TinyModel())
-    model.fc1.weight.main_grad = torch.full_like(model.fc1.weight, 2.0)  # type: ignore[attr-defined]
+    model.fc1.weight.main_grad = torch.full_like(model.fc1.weight, 2.0)
     model.fc2.bias.requires_grad_(False)
     model.fc2.weight.grad = None
     report = report_l2_norm_grad(model)
     assert report["l2_norm/grad/fc1.weight"] == pytest.approx(2.0 * math.sqrt(16 * 8))
     assert "l2_norm/grad/fc2.bias" not in report and "l2_norm/grad/fc2.weight" not in report
-    expected = _norm(model.fc1.weight.main_grad, model.fc1.bias.grad)  # type: ignore[attr-defined]
+    expected = _norm(model.fc1.weight.main_grad, model.fc1.bias.grad)
     assert report["l2_norm/grad/global"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_shared_parameters_and_repeated_chunks_count_once(kit: Any) -> None:
     first = _with_grads(kit.TinyModel(), seed=1)
     second = _with_grads(kit.TinyModel(), seed=2)
-    second.fc2.weight.shared = True  # type: ignore[attr-defined]  # a tied copy
+    second.fc2.weight.shared = True  # a tied copy
     report = report_l2_norm_grad([first, second, first])
     counted = [p.grad for p in first.parameters()] + [
         p.grad for n, p in second.named_parameters() if n != "fc2.weight"

@@ -60,9 +60,16 @@ def _rows(tensor: torch.Tensor, tp_rank: int) -> torch.Tensor:
     return tensor[tp_rank * size : (tp_rank + 1) * size]
 
 
-def _dense_chunk(v: int, tp_rank: int, grads: dict[str, torch.Tensor]) -> torch.nn.Module:
+class _Chunk(torch.nn.Module):
+    """A model chunk; declares the ``pg_collection`` a test may attach, as megatron models
+    carry it (torch types undeclared module attributes as tensors or modules)."""
+
+    pg_collection: SimpleNamespace
+
+
+def _dense_chunk(v: int, tp_rank: int, grads: dict[str, torch.Tensor]) -> _Chunk:
     """Virtual stage ``v`` as tensor-parallel rank ``tp_rank`` holds it."""
-    chunk = torch.nn.Module()
+    chunk = _Chunk()
     chunk.weight = _param(_rows(grads[f"weight{v}"], tp_rank), tensor_model_parallel=True)
     chunk.norm = _param(grads[f"norm{v}"])
     if v == 0:

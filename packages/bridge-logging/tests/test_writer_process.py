@@ -207,11 +207,12 @@ def test_proxy_calls_run_in_order_with_records_and_explain_what_is_not_forwarded
         proxy = writers.mlflow
         assert isinstance(proxy, RemoteMlflow)
         writers.add_scalar("loss", 2.0, 1)
-        proxy.log_metrics({"moe/aux": torch.tensor(0.5)}, step=1)  # tensors become floats
+        # Tensors become floats, though the mlflow signature says float.
+        proxy.log_metrics({"moe/aux": torch.tensor(0.5)}, step=1)  # type: ignore[dict-item]
         writers.add_scalar("loss", 1.0, 2)
         writers.flush()
         with pytest.raises(TypeError, match=r"mlflow.log_metrics\(\): an argument cannot be sent"):
-            proxy.log_metrics({"bad": lambda: 1}, step=3)
+            proxy.log_metrics({"bad": lambda: 1}, step=3)  # type: ignore[dict-item]
         with pytest.raises(
             AttributeError,
             match=r"Set logger.metrics_writer_mode=inline to use the mlflow module itself",

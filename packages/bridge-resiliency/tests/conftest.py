@@ -111,7 +111,11 @@ def reference(
 ) -> Callable[[int, int], tuple[TinyRunResult, ...]]:
     """``reference(train_iters, world)``: per-rank results of an uninterrupted run."""
     root = str(tmp_path_factory.mktemp("reference"))
-    return lambda train_iters, world=2: _reference(train_iters, world, root)
+
+    def run(train_iters: int, world: int = 2) -> tuple[TinyRunResult, ...]:
+        return _reference(train_iters, world, root)
+
+    return run
 
 
 class Drill:

@@ -159,7 +159,7 @@ def _agree_across_ranks(rank: int, world: int) -> list[tuple[int, str | None]]:
     # Rank 1 gets the signal at iteration 3 and started its clock earlier; every rank must
     # reach the same decisions at the same iterations.
     start = time.time() - (120.0 if rank == 1 else 0.0)
-    decisions = []
+    decisions: list[tuple[int, str | None]] = []
     exits = ExitConditions(exit_signal=signal.SIGUSR1, start_time=start)
     try:
         for iteration in range(1, 4):

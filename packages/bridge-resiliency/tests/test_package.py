@@ -39,10 +39,12 @@ def test_optional_backends_are_imported_only_inside_functions() -> None:
         for top in module_level:
             for node in ast.walk(top):
                 for name in _imports(node):
+                    assert isinstance(node, ast.Import | ast.ImportFrom)  # for mypy: has lineno
                     if name.split(".")[0] in NOT_AT_MODULE_LEVEL:
                         offenders.append(f"{path.name}:{node.lineno} imports {name} at import time")
         for node in ast.walk(tree):
             for name in _imports(node):
+                assert isinstance(node, ast.Import | ast.ImportFrom)  # for mypy: has lineno
                 if any(name == n or name.startswith(n + ".") for n in NEVER):
                     offenders.append(f"{path.name}:{node.lineno} imports {name}")
     assert not offenders, "\n".join(offenders)

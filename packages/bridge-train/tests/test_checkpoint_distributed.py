@@ -121,7 +121,9 @@ class _Run:
 
     def use(self, **checkpoint: Any) -> None:
         """Switch the checkpoint settings (a new context, as a new run would have)."""
-        self.state.cfg.checkpoint = dataclasses.replace(self.state.cfg.checkpoint, **checkpoint)
+        current = self.state.cfg.checkpoint
+        assert current is not None
+        self.state.cfg.checkpoint = dataclasses.replace(current, **checkpoint)
         self.context = init_checkpointing_context(self.state.cfg.checkpoint)
 
     def snapshot(self) -> dict[str, Any]:
@@ -129,7 +131,10 @@ class _Run:
         params = {
             name: (
                 p.detach().clone(),
-                p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
+                # megatron sets partition_dim on tensor-parallel parameters (torch does not declare it)
+                p.partition_dim  # type: ignore[attr-defined]
+                if getattr(p, "tensor_model_parallel", False)
+                else None,
             )
             for name, p in self.model[0].named_parameters()
         }
@@ -369,9 +374,9 @@ def _single_a(rank: int, world: int, root: str, tp2_full: dict[str, Any]) -> dic
     seen_at_commit: list[tuple[str, list[str]]] = []
     original = save_module.write_tracker
 
-    def recording_tracker(directory: Any, iteration: int) -> None:
-        seen_at_commit.append((str(directory), sorted(os.listdir(directory))))
-        original(directory, iteration)
+    def recording_tracker(root: str | os.PathLike[str], iteration: int) -> None:
+        seen_at_commit.append((str(root), sorted(os.listdir(root))))
+        original(root, iteration)
 
     save_module.write_tracker = recording_tracker
     try:
@@ -413,7 +418,8 @@ def _crash_before_tracker(rank: int, world: int, root: str) -> None:
     torch.save(run.snapshot(), Path(root) / "crash_sync_expected.pt")
     run.train(K)
 
-    def die(*_: Any) -> None:  # every shard, the marker and the rename are done
+    # every shard, the marker and the rename are done
+    def die(root: str | os.PathLike[str], iteration: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     save_module.write_tracker = die
@@ -701,6 +707,7 @@ def test_checkpoint_directory_holds_its_config_and_marker(
     assert marker["parallel_layout"]["tensor_model_parallel_size"] == 2
     assert marker["optimizer"] and marker["rng"] and not marker["non_persistent"]
     config = ConfigContainer.from_yaml(directory / "run_config.yaml")
+    assert config.model is not None and config.checkpoint is not None
     assert config.model.tensor_model_parallel_size == 2
     assert config.checkpoint.save == f"{root}/tp2"
     assert (directory / "metadata.json").exists() and (directory / ".metadata").exists()

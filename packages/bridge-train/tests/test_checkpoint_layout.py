@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ def _complete(root: Path, iteration: int) -> Path:
     return path
 
 
-def _state(**checkpoint: object) -> GlobalState:
+def _state(**checkpoint: Any) -> GlobalState:
     return GlobalState(cfg=ConfigContainer(checkpoint=CheckpointConfig(**checkpoint)))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from core_utils.testing import run_distributed
 
 
 def _real_config(blend=None, blend_per_split=None, **overrides) -> GPTDatasetConfig:
-    values = {
+    values: dict[str, Any] = {
         "random_seed": 7,
         "sequence_length": 16,
         "reset_position_ids": False,
@@ -87,6 +88,7 @@ def _single_rank(
     datasets = build_train_valid_test_datasets(mock, tok, train_valid_test_num_samples(train))
     state = TrainState()
     its = build_train_valid_test_data_iterators(datasets, mock, train, state)
+    assert its[0] is not None and its[1] is not None
     batch = next(its[0])
     out["mock_keys"] = sorted(batch)
     out["mock_shape"] = tuple(batch["tokens"].shape)
@@ -99,6 +101,7 @@ def _single_rank(
         TrainState(),
     )
     again = build_train_valid_test_data_iterators(datasets, mock, train, TrainState())
+    assert workers[0] is not None and again[0] is not None
     out["workers_same"] = all(
         torch.equal(a["tokens"], b["tokens"])
         for a, b in zip(itertools.islice(workers[0], 5), itertools.islice(again[0], 5), strict=True)
@@ -116,6 +119,7 @@ def _single_rank(
         datasets, config, train, state
     )
     out["test_it"] = test_it is None
+    assert train_it is not None and valid_it is not None
     texts, shifted = [], True
     for batch in itertools.islice(train_it, 4):
         tokens, labels = batch["tokens"], batch["labels"]
@@ -142,10 +146,11 @@ def _single_rank(
     optimizer, scheduler = engine.setup_optimizer(
         model, tiny_optimizer_config(lr=3e-3), tiny_scheduler_config(lr_warmup_iters=0), train
     )
-    state = GlobalState()
+    global_state = GlobalState()
     train_it, _, _ = build_train_valid_test_data_iterators(
-        datasets, config, train, state.train_state
+        datasets, config, train, global_state.train_state
     )
+    assert train_it is not None
     result = train_steps(
         engine,
         model,
@@ -156,7 +161,7 @@ def _single_rank(
         global_batch_size=4,
         micro_batch_size=2,
         seq_length=16,
-        state=state,
+        state=global_state,
     )
     out["losses"] = result.losses
     out["tokens_per_step"] = result.num_tokens
@@ -238,6 +243,7 @@ def _shared_cache(rank: int, world: int, prefix: str, cache: str) -> dict:
     first = datasets[0][0]["tokens"].tolist()
     train = tiny_train_config(train_iters=2, global_batch_size=4, micro_batch_size=1)
     its = build_train_valid_test_data_iterators(datasets, config, train, TrainState())
+    assert its[0] is not None
     mine = [next(its[0])["tokens"][0].tolist() for _ in range(4)]
     return {
         "first": first,

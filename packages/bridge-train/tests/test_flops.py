@@ -115,6 +115,7 @@ def _count_with_torch(rank: int, world: int, provider: GPTModelProvider, batch: 
     initialize_distributed(provider, tiny_dist_config())
     model = provider.provide()
     s = provider.seq_length
+    assert provider.vocab_size is not None
     tokens = torch.randint(0, provider.vocab_size, (batch, s))
     positions = torch.arange(s).expand(batch, s)
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:

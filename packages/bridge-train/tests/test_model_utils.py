@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 import torch
 
@@ -31,9 +33,9 @@ def test_linear_for_last_layer_accepts_megatron_output_layer_arguments() -> None
 def test_param_is_not_shared() -> None:
     p = torch.nn.Parameter(torch.zeros(1))
     assert param_is_not_shared(p)
-    p.shared = False
+    p.shared = False  # type: ignore[attr-defined]  # megatron's mark, undeclared in torch
     assert param_is_not_shared(p)
-    p.shared = True
+    p.shared = True  # type: ignore[attr-defined]
     assert not param_is_not_shared(p)
 
 
@@ -52,7 +54,7 @@ def _hooks_and_freezing(rank: int, world: int) -> dict:
     model = engine.setup_model(
         provider, pre_wrap_hooks=[make_value_model(provider.hidden_size, False)]
     )
-    chunk = model[0].module
+    chunk: Any = model[0].module  # megatron's GPTModel, untyped here (megatron is not checked)
     s = provider.seq_length
     tokens = torch.randint(0, 128, (2, s))
     values = model[0](tokens, torch.arange(s).expand(2, s), None)
@@ -64,7 +66,8 @@ def _hooks_and_freezing(rank: int, world: int) -> dict:
         "head_grad": float(head.weight.main_grad.abs().sum()),
     }
     two = create_value_head_hook(provider.hidden_size, False, output_size=2)(provider.provide())
-    out["two_outputs"] = two[0].output_layer.weight.shape[0]
+    assert two is not None  # the hook returns the chunks it changed
+    out["two_outputs"] = cast(LinearForLastLayer, two[0].output_layer).weight.shape[0]
 
     # MoE model (built, not run: megatron's router needs CUDA at forward time)
     moe = tiny_gpt_provider(

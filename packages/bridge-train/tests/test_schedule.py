@@ -85,6 +85,7 @@ def test_three_tuple_loss_is_divided_by_tokens_and_microbatches() -> None:
     reported = _run(model, _three_tuple_step)
     # d/dw of sum_i (sum(x_i * w * m_i) / n_i) / M
     expected = ((1 + 2) / 2 + (4 + 5 + 6) / 3) / 2
+    assert model.w.grad is not None
     assert model.w.grad.item() == pytest.approx(expected)
     assert [r["lm loss"].tolist() for r in reported] == [[6.0, 2.0], [30.0, 3.0]]
 
@@ -93,6 +94,7 @@ def test_two_tuple_loss_is_divided_by_microbatches() -> None:
     model = OneWeight()
     reported = _run(model, _two_tuple_step)
     expected = ((1 + 2) / 2 + (4 + 5 + 6) / 3) / 2
+    assert model.w.grad is not None
     assert model.w.grad.item() == pytest.approx(expected)
     # megatron divides the loss in place; a report made with ``detach()`` shares that
     # storage, so it arrives divided by the number of micro-batches, exactly as in megatron.
@@ -106,6 +108,7 @@ def test_per_token_loss_is_not_divided_and_finalize_gets_the_token_count() -> No
         (chunks, num_tokens, kw)
     )
     _run(model, _three_tuple_step)
+    assert model.w.grad is not None
     assert model.w.grad.item() == pytest.approx(1 + 2 + 4 + 5 + 6)
     ((chunks, num_tokens, kwargs),) = calls
     assert chunks == [model] and int(num_tokens) == 5
@@ -148,6 +151,7 @@ def test_grad_scale_func_scales_the_loss_before_backward() -> None:
     model = OneWeight()
     model.config.grad_scale_func = lambda loss: loss * 8.0
     _run(model, _three_tuple_step)
+    assert model.w.grad is not None
     assert model.w.grad.item() == pytest.approx(8.0 * ((1 + 2) / 2 + (4 + 5 + 6) / 3) / 2)
 
 

@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -311,7 +311,12 @@ def _skip_train_run(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return {"code": code, "step": _CAPTURED["state"].train_state.step}
 
 
-def _fault_run(rank: int, world: int, kind: str, hang_timeout: float | None) -> int:
+def _fault_run(
+    rank: int,
+    world: int,
+    kind: Literal["rank_hung", "rank_killed", "random"],
+    hang_timeout: float | None,
+) -> int:
     from bridge.config import FaultToleranceConfig
 
     cfg = tiny_config_container(

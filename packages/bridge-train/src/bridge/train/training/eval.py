@@ -11,6 +11,7 @@ metrics).
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 from collections.abc import Callable
@@ -97,6 +98,17 @@ def evaluate(
         chunk.eval()
     if manual_gc:
         gc.collect()
+    run_forward = functools.partial(
+        forward_backward_func,
+        forward_step_func=step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=train.micro_batch_size,
+        decoder_seq_length=seq_length,
+        forward_only=True,
+    )
     totals: dict[str, list[float]] = {}
     collected: Any = None
     try:
@@ -105,16 +117,7 @@ def evaluate(
                 if verbose and torch.distributed.get_rank() == 0:
                     print(f"Evaluating iter {iteration + 1}/{train.eval_iters}", flush=True)
                 state.fault_tolerance.on_eval_step_start()
-                loss_dicts = forward_backward_func(
-                    forward_step_func=step_func,
-                    data_iterator=data_iterator,
-                    model=model,
-                    num_microbatches=num_microbatches,
-                    seq_length=seq_length,
-                    micro_batch_size=train.micro_batch_size,
-                    decoder_seq_length=seq_length,
-                    forward_only=True,
-                )
+                loss_dicts = run_forward()
                 state.fault_tolerance.on_eval_step_end()
                 if last_stage:
                     for name, (value, count) in reduce_loss_dicts(loss_dicts, dp_cp_group).items():
@@ -128,17 +131,7 @@ def evaluate(
             if non_loss_data_func is not None:
                 collected = non_loss_data_func(model)
             elif process_non_loss_data_func is not None and last_stage:
-                collected = forward_backward_func(
-                    forward_step_func=step_func,
-                    data_iterator=data_iterator,
-                    model=model,
-                    num_microbatches=num_microbatches,
-                    seq_length=seq_length,
-                    micro_batch_size=train.micro_batch_size,
-                    decoder_seq_length=seq_length,
-                    forward_only=True,
-                    collect_non_loss_data=True,
-                )
+                collected = run_forward(collect_non_loss_data=True)
     finally:
         for chunk in model:
             chunk.train()

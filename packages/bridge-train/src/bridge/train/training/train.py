@@ -668,6 +668,17 @@ def train(
     if async_saves:
         from bridge.train.checkpointing import finalize_async_saves
 
+    def save_now() -> None:
+        save_checkpoint_and_time(
+            state,
+            model,
+            optimizer,
+            scheduler,
+            train_state.floating_point_operations_so_far,
+            checkpointing_context,
+            train_data_iterator=train_data_iterator,
+        )
+
     timers("interval-time", log_level=0).start(barrier=True)
     try:
         with progress:
@@ -696,15 +707,7 @@ def train(
                     num_zeros_in_grad,
                 ) = timed_step(step_func, train_data_iterator, model, optimizer, scheduler, state)
                 if should_checkpoint and cfg.checkpoint is not None and cfg.checkpoint.save:
-                    save_checkpoint_and_time(
-                        state,
-                        model,
-                        optimizer,
-                        scheduler,
-                        train_state.floating_point_operations_so_far,
-                        checkpointing_context,
-                        train_data_iterator=train_data_iterator,
-                    )
+                    save_now()
                 if should_exit:
                     exit_code = step_exit_code
                     state.fault_tolerance.on_step_end()
@@ -819,15 +822,7 @@ def train(
             and train_state.step > 0
             and state.last_persistent_save_iteration != train_state.step
         ):
-            save_checkpoint_and_time(
-                state,
-                model,
-                optimizer,
-                scheduler,
-                train_state.floating_point_operations_so_far,
-                checkpointing_context,
-                train_data_iterator=train_data_iterator,
-            )
+            save_now()
         timers("interval-time").stop()
         _finish_train(state)
     finally:
