@@ -146,11 +146,9 @@ class GlobalState:
             started training (after a checkpoint was loaded): the job's own FLOPs are the
             counter minus this.
         loaded_iteration: Iteration this job resumed from (0 for a fresh run).
-        last_saved_iteration: Iteration of the last checkpoint (persistent or not) this job
-            saved (``None`` before the first save).
-        last_persistent_save_iteration: Iteration of the last persistent checkpoint this job
-            saved (``None`` before the first one); the end of training saves one unless it
-            is the final iteration.
+        last_saved_iteration: Iteration of the last persistent checkpoint this job saved
+            (``None`` before the first one); the end of training saves one unless it is the
+            final iteration (a non-persistent checkpoint does not count).
         engine: The engine the model was built with (:func:`bridge.train.pretrain` sets it).
             The loop takes its forward-backward schedule from it; ``None`` means the engine
             named by ``cfg.train.engine``.
@@ -169,7 +167,6 @@ class GlobalState:
     job_start_flops: float = 0.0
     loaded_iteration: int = 0
     last_saved_iteration: int | None = None
-    last_persistent_save_iteration: int | None = None
     last_evaluated_iteration: int | None = None
     engine: Engine | None = None
 

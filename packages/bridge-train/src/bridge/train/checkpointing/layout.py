@@ -292,6 +292,6 @@ def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.sav
             f"{field}={str(root)!r} holds entries that are not bridge-train checkpoints: "
             f"{shown}. A save directory may only hold iter_* directories, "
             f"{TRACKER_FILENAME}, {', '.join(sorted(RUN_FILES))} and "
-            f"{NON_PERSISTENT_SUBDIR}/ and {PROFILE_SUBDIR}/; choose an empty or new directory for {field} (nothing "
-            "there is touched)"
+            f"{NON_PERSISTENT_SUBDIR}/ and {PROFILE_SUBDIR}/; choose an empty or new directory "
+            f"for {field} (nothing there is touched)"
         )

@@ -468,9 +468,8 @@ def save_checkpoint_and_time(
     timers.log(["save-checkpoint"])
     if toggle:
         enable_forward_pre_hook(model)
-    state.last_saved_iteration = state.train_state.step
     if not non_persistent_ckpt:
-        state.last_persistent_save_iteration = state.train_state.step
+        state.last_saved_iteration = state.train_state.step
     if not non_persistent_ckpt and cfg.logger is not None and cfg.logger.log_progress:
         compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
     timers("interval-time", log_level=0).start(barrier=True)
@@ -820,7 +819,7 @@ def train(
             and checkpoint is not None
             and checkpoint.save is not None
             and train_state.step > 0
-            and state.last_persistent_save_iteration != train_state.step
+            and state.last_saved_iteration != train_state.step
         ):
             save_now()
         timers("interval-time").stop()
