@@ -85,6 +85,15 @@ def integration(session: nox.Session) -> None:
     session.run("pytest", "tests", *PYTEST_ARGS, *session.posargs)
 
 
+@nox.session(default=False)
+def extended(session: nox.Session) -> None:
+    """The long tiers left out of CI: every test marked ``extended``, in every directory."""
+    _sync(session, "--all-packages")
+    # bridge-resiliency's tests need the nvrx extra, which cannot share this venv.
+    paths = ["tests", *(f"packages/{d}/tests" for d in DISTRIBUTIONS if d != "bridge-resiliency")]
+    session.run("pytest", *paths, *PYTEST_ARGS, "-m", "extended", *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (lint and format) and mypy over the whole workspace."""
