@@ -166,6 +166,38 @@ def _utilities_on_ranks(rank: int, world_size: int, harness: SimpleNamespace) ->
     assert module.bias.grad is not None
     out["unused_bias_grad"] = module.bias.grad.abs().sum().item()
 
+    # An infra with only the reference's fields (Megatron-Bridge's MegatronMIMOInfra): no
+    # language_module_name, so the language module is found under MIMO_LANGUAGE_MODULE_KEY.
+    reference_infra = SimpleNamespace(
+        module_to_grid_map=infra.module_to_grid_map,
+        topology=infra.topology,
+        pg_collections=infra.pg_collections,
+        participating_modules=infra.participating_modules,
+        module_output_ndim={n: 3 for n in infra.module_to_grid_map},
+    )
+    set_grads(rank + 1.0)
+    mimo.finalize_model_grads_multimodule(
+        [module], infra=reference_infra, module_to_grid_tuple=pair
+    )
+    assert float(module.weight.grad[0, 0]) == out["mean_mode"]
+    set_grads(rank + 1.0)
+    mimo.finalize_model_grads_multimodule(
+        [module], tokens, None, True, infra=reference_infra, module_to_grid_tuple=pair
+    )
+    assert float(module.weight.grad[0, 0]) == out["per_token"]
+    assert [g for _, g in mimo.get_module_to_grid_tuple(ddp, reference_infra)] == [grids[name]]
+    reference_pgs = mimo.build_pg_collection_for_schedule(reference_infra)
+    assert reference_pgs.has_language_model() == (name == "language")
+    mimo.validate_data_loader_contract(reference_infra, 8, 4, 2)
+    unnamed = SimpleNamespace(
+        module_to_grid_map={"vision": grids["vision"], "llm": grids["language"]},
+        pg_collections={},
+    )
+    with pytest.raises(
+        ValueError, match=r"no 'language' module .* set infra\.language_module_name"
+    ):
+        mimo.build_pg_collection_for_schedule(unnamed)
+
     # Gradient buffers.
     buffered = _BufferedModule()
     buffered.linear.weight.grad = torch.ones_like(buffered.linear.weight)

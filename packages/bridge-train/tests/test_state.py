@@ -97,6 +97,52 @@ def state_not_first(data_iterator, state, model):
     return data_iterator, state, model
 
 
+class _ForeignModule:
+    """Stands in for ``megatron.bridge.training.state``: a GlobalState of another package."""
+
+    class GlobalState:
+        pass
+
+
+ForeignGlobalState = _ForeignModule.GlobalState
+
+
+class ForeignStateSubclass(ForeignGlobalState):
+    pass
+
+
+def foreign_annotated(s: ForeignGlobalState, data_iterator, model):
+    return s, data_iterator, model
+
+
+def foreign_subclass_annotated(s: ForeignStateSubclass, data_iterator, model):
+    return s, data_iterator, model
+
+
+def foreign_qualified_string(
+    s: "megatron.bridge.training.state.GlobalState",  # type: ignore[name-defined] # noqa: F821, UP037
+    data_iterator,
+    model,
+):
+    return s, data_iterator, model
+
+
+def foreign_optional_string(
+    s: "mbridge_state.GlobalState | None",  # type: ignore[name-defined] # noqa: F821, UP037
+    data_iterator,
+    model,
+):
+    return s, data_iterator, model
+
+
+class NotTheState:
+    pass
+
+
+def other_class_annotated(s: NotTheState, data_iterator, model):
+    return s, data_iterator, model
+
+
 class Functor:
     def __init__(self) -> None:
         self.calls = 0
@@ -122,6 +168,11 @@ class PlainFunctor:
         (named_state, True),
         (named_global_state, True),
         (string_annotation, True),
+        (foreign_annotated, True),
+        (foreign_subclass_annotated, True),
+        (foreign_qualified_string, True),
+        (foreign_optional_string, True),
+        (other_class_annotated, False),
         (state_not_first, False),
         (Functor(), True),
         (PlainFunctor(), False),

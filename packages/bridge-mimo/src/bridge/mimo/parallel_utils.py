@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,35 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class _InfraFields(Protocol):
+    """What these helpers read of an infra object: the reference's fields.
+
+    :class:`MegatronMIMOInfra` has them, and so has Megatron-Bridge's own
+    ``MegatronMIMOInfra`` (``module_to_grid_map``, ``topology``, ``pg_collections``,
+    ``participating_modules``, ``module_output_ndim``), so code ported from it can pass its
+    infra unchanged. ``language_module_name`` is optional (see :func:`_language_module`).
+    """
+
+    module_to_grid_map: dict[str, HyperCommGrid]
+    pg_collections: dict[str, ProcessGroupCollection | None]
+
+
+def _language_module(infra: _InfraFields) -> str:
+    """The language module's name: the infra's own, else megatron-core's MIMO key."""
+    name = getattr(infra, "language_module_name", None)
+    if name:
+        return str(name)
+    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
+
+    if MIMO_LANGUAGE_MODULE_KEY not in infra.module_to_grid_map:
+        raise ValueError(
+            f"the infra names no language module and has no {MIMO_LANGUAGE_MODULE_KEY!r} "
+            f"module (megatron-core's MIMO_LANGUAGE_MODULE_KEY); modules: "
+            f"{list(infra.module_to_grid_map)}; set infra.language_module_name"
+        )
+    return MIMO_LANGUAGE_MODULE_KEY
 
 
 def _get_dp_size_from_grid(grid: HyperCommGrid) -> int:
@@ -113,7 +142,7 @@ def is_current_rank_in_grid(grid: HyperCommGrid) -> bool:
 
 
 def get_active_module_pg(
-    megatron_mimo_infra: MegatronMIMOInfra,
+    megatron_mimo_infra: MegatronMIMOInfra | _InfraFields | _InfraFields,
 ) -> tuple[str, ProcessGroupCollection]:
     """Return the (module_name, pg_collection) for the single active module on this rank.
 
@@ -142,13 +171,13 @@ def _module_of(model: MimoModel, name: str, language: str) -> torch.nn.Module | 
 
 
 def get_module_to_grid_tuple(
-    megatron_mimo_model: Any, infra: MegatronMIMOInfra
+    megatron_mimo_model: Any, infra: MegatronMIMOInfra | _InfraFields
 ) -> list[tuple[torch.nn.Module, HyperCommGrid]]:
     """Build list of (module, grid) tuples for all modules the current rank participates in.
 
     Args:
         megatron_mimo_model: The MimoModel instance (wrappers are unwrapped).
-        infra: MegatronMIMOInfra containing module_to_grid_map.
+        infra: MegatronMIMOInfra | _InfraFields containing module_to_grid_map.
 
     Returns:
         List of (module, grid) tuples for modules this rank participates in, in the infra's
@@ -162,7 +191,7 @@ def get_module_to_grid_tuple(
     for name, grid in infra.module_to_grid_map.items():
         if not is_current_rank_in_grid(grid):
             continue
-        module = _module_of(model, name, infra.language_module_name)
+        module = _module_of(model, name, _language_module(infra))
         if module is None:
             raise RuntimeError(
                 f"rank {dist.get_rank()} runs module {name!r} but the MimoModel built no "
@@ -172,7 +201,7 @@ def get_module_to_grid_tuple(
     return pairs
 
 
-def build_pg_collection_for_schedule(infra: MegatronMIMOInfra) -> Any:
+def build_pg_collection_for_schedule(infra: MegatronMIMOInfra | _InfraFields) -> Any:
     """Build pg_collection compatible with schedule.
 
     Primary: a ``MultiModuleProcessGroupCollection`` of the modules this rank runs, whose
@@ -182,7 +211,7 @@ def build_pg_collection_for_schedule(infra: MegatronMIMOInfra) -> Any:
     rebuilt.
 
     Args:
-        infra: MegatronMIMOInfra with pg_collections for each module.
+        infra: MegatronMIMOInfra | _InfraFields with pg_collections for each module.
 
     Returns:
         MultiModuleProcessGroupCollection or list of ProcessGroupCollections.
@@ -192,7 +221,7 @@ def build_pg_collection_for_schedule(infra: MegatronMIMOInfra) -> Any:
         from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
     except ImportError:  # pragma: no cover - megatron-core < 0.16
         return list(module_pgs.values())
-    language = infra.language_module_name
+    language = _language_module(infra)
     return MultiModuleProcessGroupCollection(
         module_pgs=module_pgs,
         language_model_module_name=language if language in module_pgs else None,
@@ -259,20 +288,21 @@ def _all_reduce_sum(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None
             grad.copy_(synced)
 
 
-def _name_of_grid(infra: MegatronMIMOInfra, grid: HyperCommGrid) -> str:
+def _name_of_grid(infra: MegatronMIMOInfra | _InfraFields, grid: HyperCommGrid) -> str:
     for name, candidate in infra.module_to_grid_map.items():
         if candidate is grid:
             return name
     raise ValueError("module_to_grid_tuple holds a grid that is not in infra.module_to_grid_map")
 
 
-def _global_num_tokens(infra: MegatronMIMOInfra, num_tokens: torch.Tensor | int) -> float:
+def _global_num_tokens(infra: MegatronMIMOInfra | _InfraFields, num_tokens: torch.Tensor | int) -> float:
     """Sum of the language model's loss tokens over the whole job (collective on the world)."""
-    language = infra.language_module_name
+    language = _language_module(infra)
     counts = False
-    if infra.pg_collections.get(language) is not None:
+    language_pgs = infra.pg_collections.get(language)
+    if language_pgs is not None:
         # Every tensor-parallel rank of a replica saw the same tokens: count one of them.
-        counts = infra.tp_rank(language) == 0
+        counts = dist.get_rank(group=language_pgs.tp) == 0
     local = torch.as_tensor(num_tokens, dtype=torch.float64).detach().cpu().reshape(())
     contribution = local if counts else torch.zeros((), dtype=torch.float64)
     if dist.get_backend() == "nccl":
@@ -294,7 +324,7 @@ def finalize_model_grads_multimodule(
     pg_collection: Any = None,
     force_all_reduce: bool | None = None,
     *,
-    infra: MegatronMIMOInfra,
+    infra: MegatronMIMOInfra | _InfraFields,
     module_to_grid_tuple: Sequence[tuple[torch.nn.Module, HyperCommGrid]],
 ) -> None:
     """Finalize gradients for each module using infra.pg_collections.
@@ -325,7 +355,7 @@ def finalize_model_grads_multimodule(
         num_tokens: This rank's loss-token count for per-token normalisation, or None.
         pg_collection: Schedule-provided PG (ignored - we use per-module PGs).
         force_all_reduce: Schedule-provided flag (ignored - per-module PGs control sync).
-        infra: MegatronMIMOInfra with per-module pg_collections (keyword-only, bound via
+        infra: MegatronMIMOInfra | _InfraFields with per-module pg_collections (keyword-only, bound via
             partial).
         module_to_grid_tuple: List of (module, grid) tuples (keyword-only, bound via
             partial).
@@ -336,8 +366,8 @@ def finalize_model_grads_multimodule(
     del model, pg_collection, force_all_reduce  # per-module groups decide (see docstring)
     per_token = num_tokens is not None
     total_tokens = _global_num_tokens(infra, num_tokens) if num_tokens is not None else 1.0
-    language = infra.language_module_name
-    llm_dp = infra.dp_size(language)
+    language = _language_module(infra)
+    llm_dp = _get_dp_size_from_grid(infra.module_to_grid_map[language])
 
     for module, grid in module_to_grid_tuple:
         name = _name_of_grid(infra, grid)
@@ -420,7 +450,7 @@ def validate_no_stub_ranks(module_to_grid_map: dict[str, HyperCommGrid], world_s
 
 
 def validate_data_loader_contract(
-    infra: MegatronMIMOInfra,
+    infra: MegatronMIMOInfra | _InfraFields,
     global_batch_size: int,
     micro_batch_size: int,
     num_microbatches: int,
@@ -431,7 +461,7 @@ def validate_data_loader_contract(
     module's DP size, and that ``num_microbatches * micro_batch_size == global_batch_size``.
 
     Args:
-        infra: MegatronMIMOInfra with module_to_grid_map.
+        infra: MegatronMIMOInfra | _InfraFields with module_to_grid_map.
         global_batch_size: Total MIMO batch size per optimizer step.
         micro_batch_size: Global MIMO batch size per microbatch before module-local DP
             slicing.

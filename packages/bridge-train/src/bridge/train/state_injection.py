@@ -38,11 +38,16 @@ def _is_global_state_annotation(annotation: Any) -> bool:
     if annotation is GlobalState:
         return True
     if isinstance(annotation, type):
-        return issubclass(annotation, GlobalState)
+        # Megatron-Bridge's own GlobalState (or any class of that name, or a subclass of
+        # one) asks for the state too: code ported from it keeps its annotations.
+        return any(klass.__name__ == "GlobalState" for klass in annotation.__mro__)
+    if isinstance(annotation, typing.ForwardRef):
+        return _is_global_state_annotation(annotation.__forward_arg__)
     if isinstance(annotation, str):
         # Postponed annotations (``from __future__ import annotations``) that could not be
         # resolved: match the class name, optionally qualified or wrapped in Optional.
-        text = annotation.replace(" ", "")
+        # Quotes stay in when a quoted annotation meets ``from __future__ import annotations``.
+        text = annotation.replace(" ", "").replace("'", "").replace('"', "")
         return any(
             part.split(".")[-1] == "GlobalState"
             for part in text.replace("|", ",").replace("[", ",").replace("]", ",").split(",")
@@ -67,8 +72,9 @@ def _signature(func: Callable[..., Any]) -> tuple[inspect.Signature, dict[str, A
 def needs_global_state_injection(forward_step_func: ForwardStepCallable) -> bool:
     """Whether ``forward_step_func`` expects the global state as its first argument.
 
-    Detection: any parameter annotated with :class:`GlobalState` (also inside
-    ``Optional[...]`` / ``X | None``, and as a string annotation); otherwise, the first
+    Detection: any parameter annotated with :class:`GlobalState` or another class named
+    ``GlobalState`` (Megatron-Bridge's, so ported code keeps working), also inside
+    ``Optional[...]`` / ``X | None`` and as a string annotation; otherwise, the first
     parameter being named ``state`` or ``global_state``.
 
     Args:
