@@ -1,0 +1,164 @@
+"""Device-to-host synchronisations per training iteration of ``bridge.train.pretrain``.
+
+On a GPU every ``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``, ``int(t)``, ``bool(t)``
+(a tensor truth test: ``if t:``), ``.numpy()`` or ``.to("cpu")`` of a device tensor makes
+the host wait until the device has finished all queued work, so the framework cannot run
+ahead of the kernels. Megatron-LM brought its count from 142 to 38 per iteration; this
+project's goal (issue 13) is at most 5 on an iteration that does not log, with the loss and
+grad norm kept on the device until a log line needs them.
+
+The count is taken on CPU, where nothing actually waits, by the operations themselves: a
+``TorchFunctionMode`` is entered when an iteration's first micro-batch is fetched and left
+when the next iteration's first micro-batch is fetched, so the window covers the whole
+iteration (forward, backward, optimizer step) and everything the loop does after it
+(metrics, logging, checkpoint and exit decisions, callbacks). Two windows are reported: a
+steady-state iteration that does not log, and one that writes the console log line. The
+call sites (the innermost frame outside torch) are listed with their counts.
+
+    uv run python benchmarks/host_syncs.py [--log-interval 10]
+
+It prints the counts and never asserts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from bridge.config import LoggerConfig
+from bridge.train import forward_step, pretrain
+from bridge.train.testing import tiny_config_container, tiny_train_config
+
+# Tensor methods whose result needs the tensor's value on the host.
+_SYNCING = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__format__,
+}
+
+
+def _is_host_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if func in _SYNCING:
+        return True
+    if func is torch.Tensor.to:
+        targets = [*args[1:], kwargs.get("device")]
+        return any(
+            isinstance(t, str | torch.device) and torch.device(t).type == "cpu" for t in targets
+        )
+    return False
+
+
+def _call_site() -> str:
+    """The innermost frame that is not torch or this script: who asked for the value."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = frame.filename
+        if "/torch/" in path or path == __file__:
+            continue
+        short = path.split("site-packages/")[-1].split("/src/")[-1]
+        return f"{short}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts host-value requests on tensors, by call site."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _is_host_copy(func, args, kwargs):
+            self.sites[_call_site()] += 1
+        return func(*args, **kwargs)
+
+
+class _IterationWindows:
+    """Wraps the forward step; counts syncs over chosen whole iterations."""
+
+    def __init__(self, num_microbatches: int, windows: dict[str, int]) -> None:
+        self.num_microbatches = num_microbatches
+        self.windows = windows  # label -> completed steps when the window opens
+        self.calls = 0
+        self.open: tuple[str, SyncCounter] | None = None
+        self.counts: dict[str, collections.Counter[str]] = {}
+
+    def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(state: Any, data_iterator: Any, model: Any) -> Any:
+            if model.training and self.calls % self.num_microbatches == 0:
+                self._iteration_starts(state.train_state.step)
+            if model.training:
+                self.calls += 1
+            return step(state, data_iterator, model)
+
+        return counted
+
+    def _iteration_starts(self, completed: int) -> None:
+        if self.open is not None:
+            label, counter = self.open
+            counter.__exit__(None, None, None)
+            self.counts[label] = counter.sites
+            self.open = None
+        for label, at in self.windows.items():
+            if at == completed:
+                counter = SyncCounter()
+                counter.__enter__()
+                self.open = (label, counter)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-interval", type=int, default=10)
+    args = parser.parse_args()
+    interval = args.log_interval
+    # Window "n" opens when n steps are complete and covers step n+1 and the work after it.
+    windows = {
+        "iteration without a log line": 2 * interval + 2,
+        "iteration with a log line": 3 * interval - 1,
+    }
+    steps = 3 * interval + 2
+    micro, global_batch = 2, 4
+    cfg = tiny_config_container(
+        train=tiny_train_config(
+            train_iters=steps, micro_batch_size=micro, global_batch_size=global_batch
+        ),
+        logger=LoggerConfig(log_interval=interval),
+    )
+    counter = _IterationWindows(global_batch // micro, windows)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        code = pretrain(cfg, counter.wrap(forward_step), metrics_file=Path(tmp) / "metrics.jsonl")
+    if code != 0:
+        sys.exit(f"pretrain exited with {code}")
+    for label in windows:
+        sites = counter.counts.get(label, collections.Counter())
+        print(f"{label}: {sum(sites.values())} host synchronisations")
+        for site, n in sites.most_common():
+            print(f"  {n:4d}  {site}")
+    print("goal (issue 13): <= 5 on an iteration without a log line; Megatron-LM: 38")
+
+
+if __name__ == "__main__":
+    main()
