@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ROOT / "packages"
 VERSION = "0.1.0"
 
-# The only edges allowed between distributions (DESIGN.md, "The packages and their edges").
+# The only edges allowed between distributions (docs/architecture.md, "The package graph").
 ALLOWED_SIBLINGS: dict[str, set[str]] = {
     "core-utils": set(),
     "bridge-config": {"core-utils"},

@@ -10,7 +10,7 @@ import bridge.resiliency
 
 SOURCE = Path(bridge.resiliency.__file__).parent
 # Optional or forbidden at import time: the extra is imported where a switched-on feature
-# needs it; megatron-core and the sibling packages are never imported (DESIGN.md).
+# needs it; megatron-core and the sibling packages are never imported (docs/architecture.md).
 NOT_AT_MODULE_LEVEL = ("nvidia_resiliency_ext", "megatron")
 NEVER = ("bridge.train", "bridge.logging", "bridge.mimo", "megatron")
 
