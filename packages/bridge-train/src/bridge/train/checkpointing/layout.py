@@ -228,7 +228,11 @@ def find_latest_checkpoint(
     if is_complete_checkpoint(path):
         return CheckpointLocation(tracked, str(path))
     older = [i for i in complete_iterations(base) if i < tracked]
-    state = "is incomplete (no completion marker)" if path.is_dir() else "does not exist"
+    state = (
+        "is incomplete (its completion marker is missing or unreadable)"
+        if path.is_dir()
+        else "does not exist"
+    )
     if not older:
         raise CheckpointError(
             f"the tracker {base / TRACKER_FILENAME} names iteration {tracked}, but {path} "
@@ -237,7 +241,7 @@ def find_latest_checkpoint(
         )
     logger.warning(
         "The tracker %s names iteration %d, but %s %s; loading the newest older complete "
-        "checkpoint, iteration %d, instead.",
+        "checkpoint, iteration %d, instead (nothing was deleted).",
         base / TRACKER_FILENAME,
         tracked,
         path,

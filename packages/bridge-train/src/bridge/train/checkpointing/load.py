@@ -35,12 +35,17 @@ from bridge.train.checkpointing.context import (
     non_persistent_dir,
 )
 from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.integrity import CHECKSUM_ALGORITHM, verify_files
 from bridge.train.checkpointing.layout import (
+    MARKER_FILENAME,
     TRACKER_FILENAME,
     CheckpointLocation,
+    checkpoint_dir_name,
+    complete_iterations,
     find_latest_checkpoint,
     is_complete_checkpoint,
     parse_iteration,
+    read_marker,
 )
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
@@ -93,13 +98,31 @@ class _LoadPlan:
     iteration: int
     finetune: bool
     source: str
+    # Older complete checkpoints to use, newest first, if this one fails verification (only
+    # for "the newest checkpoint" of a save directory, never for an explicitly named one).
+    fallbacks: tuple[CheckpointLocation, ...] = ()
+    explicit: bool = False  # named by ckpt_step, an iter_* path or pretrained_checkpoint
+
+
+def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[CheckpointLocation, ...]:
+    base = Path(root)
+    return tuple(
+        CheckpointLocation(i, str(base / checkpoint_dir_name(i)))
+        for i in reversed(complete_iterations(base))
+        if i < below
+    )
 
 
 def _plan_load(cfg: Any) -> _LoadPlan | None:
     load, step = cfg.load, cfg.ckpt_step
     persistent: CheckpointLocation | None = None
+    # Resuming "the newest checkpoint" of a save directory may fall back to an older one
+    # that verifies; an explicitly named one (ckpt_step, an iter_* path) may not.
+    may_fall_back = step is None
     if load:
         persistent = find_latest_checkpoint(load, step)
+        if persistent is not None and Path(persistent.path) == Path(load):
+            may_fall_back = False
         if persistent is None and step is not None:
             raise CheckpointError(
                 f"checkpoint.ckpt_step={step}: checkpoint.load={str(load)!r} "
@@ -112,12 +135,31 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
+            fallbacks = _older_complete(np_root, latest_np.iteration)
+            if persistent is not None:
+                fallbacks = tuple(
+                    sorted(
+                        fallbacks
+                        + (persistent,)
+                        + (_older_complete(load, persistent.iteration) if may_fall_back else ()),
+                        key=lambda location: -location.iteration,
+                    )
+                )
             return _LoadPlan(
-                latest_np.path, latest_np.iteration, bool(cfg.finetune), "non-persistent"
+                latest_np.path,
+                latest_np.iteration,
+                bool(cfg.finetune),
+                "non-persistent",
+                fallbacks,
             )
     if persistent is not None:
         return _LoadPlan(
-            persistent.path, persistent.iteration, bool(cfg.finetune), "checkpoint.load"
+            persistent.path,
+            persistent.iteration,
+            bool(cfg.finetune),
+            "checkpoint.load",
+            _older_complete(load, persistent.iteration) if may_fall_back else (),
+            explicit=not may_fall_back,
         )
     if cfg.pretrained_checkpoint:
         pretrained = find_latest_checkpoint(cfg.pretrained_checkpoint)
@@ -132,7 +174,11 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
                 "point it at a directory saved by bridge-train"
             )
         return _LoadPlan(
-            pretrained.path, pretrained.iteration, True, "checkpoint.pretrained_checkpoint"
+            pretrained.path,
+            pretrained.iteration,
+            True,
+            "checkpoint.pretrained_checkpoint",
+            explicit=True,
         )
     if load and cfg.exit_on_missing_checkpoint:
         what = (
@@ -146,6 +192,69 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
             "initialisation"
         )
     return None
+
+
+def _damage(path: str) -> list[str]:
+    """What is wrong with the files of the checkpoint ``path`` (collective; empty if intact)."""
+    marker = read_marker(path)
+    files = None if marker is None else marker.get("files")
+    if marker is not None and "files" not in marker:
+        if _dist.rank() == 0:
+            logger.warning(
+                "%s was saved without content checksums (by an older bridge-train); loading it "
+                "unverified",
+                path,
+            )
+        return []
+    if not isinstance(files, dict) or marker.get("checksum") != CHECKSUM_ALGORITHM:
+        return [f"{Path(path) / MARKER_FILENAME} is unreadable or holds no file checksums"]
+    return verify_files(path, files)
+
+
+def _verified_plan(plan: _LoadPlan) -> _LoadPlan:
+    """``plan``, or the newest fallback whose files match their checksums (collective).
+
+    Raises:
+        CheckpointError: The checkpoint is damaged and no allowed fallback verifies. Nothing
+            is deleted.
+    """
+    candidates = [
+        CheckpointLocation(plan.iteration, plan.path),
+        *plan.fallbacks,
+    ]
+    first_problem = ""
+    for index, candidate in enumerate(candidates):
+        problems = _damage(candidate.path)
+        if not problems:
+            if index and _dist.rank() == 0:
+                logger.warning(
+                    "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
+                    "older checkpoint whose files verify, instead (nothing was deleted)",
+                    plan.path,
+                    first_problem,
+                    f"; {len(skipped)} more" if (skipped := candidates[1:index]) else "",
+                    candidate.iteration,
+                    candidate.path,
+                )
+            return _LoadPlan(candidate.path, candidate.iteration, plan.finetune, plan.source)
+        if not index:
+            first_problem = problems[0] + (
+                f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+            )
+    if plan.fallbacks:
+        why = "and no older checkpoint's files verify either"
+    elif plan.explicit:
+        why = (
+            "and it was named explicitly (checkpoint.ckpt_step, an iter_* path or "
+            "checkpoint.pretrained_checkpoint), so no other checkpoint is loaded in its place"
+        )
+    else:
+        why = "and there is no older complete checkpoint"
+    raise CheckpointError(
+        f"{first_problem}: the checkpoint {plan.path} is damaged and is not loaded, {why}; "
+        "restore the directory from a copy, or point checkpoint.load / checkpoint.ckpt_step "
+        "at another checkpoint (nothing was deleted)"
+    )
 
 
 def _read_common(path: str) -> dict[str, Any]:
@@ -408,6 +517,9 @@ def load_checkpoint(
             )
         return 0, 0.0
     started = time.monotonic()
+    plan = _verified_plan(plan)
+    if checkpointing_context is not None:
+        checkpointing_context["loaded_checkpoint"] = plan.path
     common = _read_common(plan.path)
     meta = common[META_KEY]
     finetune = plan.finetune

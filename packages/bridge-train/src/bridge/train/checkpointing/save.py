@@ -43,13 +43,20 @@ from bridge.train.checkpointing.context import (
     non_persistent_dir,
 )
 from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.integrity import (
+    CHECKSUM_ALGORITHM,
+    checksum_file,
+    checksum_files,
+)
 from bridge.train.checkpointing.layout import (
+    MARKER_FILENAME,
     RETIRED_SUFFIX,
     RUN_CONFIG_FILENAME,
     STAGING_SUFFIX,
     checkpoint_dir_name,
     is_complete_checkpoint,
     parse_iteration,
+    read_tracker,
     retired_path,
     staging_path,
     write_marker,
@@ -134,6 +141,35 @@ def _recover_and_clean(root: Path) -> None:
                 remove_tree(entry)
 
 
+def _os_reason(exc: OSError) -> str:
+    """``No space left on device (/runs/a/iter_0000020.tmp/__0_0.distcp)``: the reason and path."""
+    reason = exc.strerror or str(exc)
+    path = exc.filename
+    return f"{reason} ({path})" if path else reason
+
+
+def describe_save_failure(exc: BaseException) -> str:
+    """One line for a failed write: the first OS error inside ``exc`` (any rank), else its text.
+
+    torch.distributed.checkpoint wraps per-rank failures (``CheckpointException.failures``)
+    with their tracebacks; the user needs the reason and the path.
+    """
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return _os_reason(current)
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(item[0] if isinstance(item, tuple) else item for item in failures.values())
+        todo.extend([current.__cause__, current.__context__])
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def _prepare_staging(root: str, iteration: int) -> str:
     base = Path(root)
     try:
@@ -143,7 +179,10 @@ def _prepare_staging(root: str, iteration: int) -> str:
         remove_tree(staging)  # an earlier save of this iteration that never completed
         staging.mkdir()
     except OSError as exc:
-        raise CheckpointError(f"cannot create checkpoint directory under {root}: {exc}") from None
+        raise CheckpointError(
+            f"cannot create the checkpoint directory of iteration {iteration} under {root}: "
+            f"{_os_reason(exc)}; {intact_note(root)}"
+        ) from None
     return str(staging)
 
 
@@ -187,15 +226,30 @@ def _config_without_runtime_hooks(config: Any) -> Any:
     return clean
 
 
-def _commit_on_rank0(commit: _Commit) -> None:
+def intact_note(root: str | os.PathLike[str]) -> str:
+    """What a failed save left: which checkpoint of ``root`` is still the newest complete one."""
+    try:
+        tracked = read_tracker(root)
+    except CheckpointError:
+        tracked = None
+    if tracked is not None:
+        path = Path(root) / checkpoint_dir_name(tracked)
+        if is_complete_checkpoint(path):
+            return f"the last complete checkpoint, iteration {tracked} ({path}), is intact"
+    return f"{root} holds no earlier complete checkpoint"
+
+
+def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
     root = Path(commit.root)
     staging = Path(commit.staging)
     final = root / checkpoint_dir_name(commit.iteration)
     retired = retired_path(root, commit.iteration)
     try:
         _write_run_config(commit.config, staging)
+        if (staging / RUN_CONFIG_FILENAME).is_file():
+            files = {**files, RUN_CONFIG_FILENAME: checksum_file(staging / RUN_CONFIG_FILENAME)}
         fsync_tree(staging)
-        write_marker(staging, commit.marker)
+        write_marker(staging, {**commit.marker, "checksum": CHECKSUM_ALGORITHM, "files": files})
         if final.exists():
             # A checkpoint of the same iteration exists: keep it until the new one is in place.
             remove_tree(retired)
@@ -206,7 +260,8 @@ def _commit_on_rank0(commit: _Commit) -> None:
         remove_tree(retired)
     except OSError as exc:
         raise CheckpointError(
-            f"cannot commit the checkpoint of iteration {commit.iteration} in {root}: {exc}"
+            f"cannot commit the checkpoint of iteration {commit.iteration} in {root}: "
+            f"{_os_reason(exc)}; {intact_note(root)}"
         ) from None
     if commit.non_persistent:
         for entry in list(root.iterdir()):
@@ -218,7 +273,14 @@ def _commit_on_rank0(commit: _Commit) -> None:
 def _commit(commit: _Commit) -> None:
     """Make a written checkpoint count (every rank calls it; rank 0 does the work)."""
     try:
-        _dist.run_on_rank0(_commit_on_rank0, commit)
+        files = checksum_files(commit.staging, exclude=(RUN_CONFIG_FILENAME, MARKER_FILENAME))
+        unreadable = [entry["error"] for entry in files.values() if "error" in entry]
+        if unreadable:
+            raise CheckpointError(
+                f"cannot read back the checkpoint of iteration {commit.iteration}: "
+                f"{unreadable[0]}; {intact_note(commit.root)}"
+            )
+        _dist.run_on_rank0(_commit_on_rank0, commit, files)
     finally:
         _pending().discard(commit.staging)
     if _dist.rank() == 0:
@@ -420,9 +482,10 @@ def save_checkpoint(
                     )
                 return
             dist_checkpointing.save(sharded, staging, strategy, validate_access_integrity=changed)
-    except (CheckpointException, CheckpointingException) as exc:
+    except (CheckpointException, CheckpointingException, OSError) as exc:
         _pending().discard(staging)
         raise CheckpointError(
-            f"saving the checkpoint of iteration {iteration} to {root} failed: {exc}"
-        ) from exc
+            f"saving the checkpoint of iteration {iteration} to {root} failed: "
+            f"{describe_save_failure(exc)}; {intact_note(root)}"
+        ) from None
     _commit(commit)
