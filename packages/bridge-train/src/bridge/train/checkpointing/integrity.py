@@ -31,6 +31,7 @@ __all__ = [
 #: Name recorded in the marker next to the per-file values.
 CHECKSUM_ALGORITHM = "crc32"
 _CHUNK = 8 << 20
+_MARKER = "checkpoint_complete.json"  # layout.MARKER_FILENAME (layout imports this module's users)
 
 
 def checksum_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -120,22 +121,34 @@ def _problem(base: Path, name: str, expected: dict[str, Any]) -> str | None:
     return None
 
 
-def verify_files(directory: str | os.PathLike[str], recorded: dict[str, Any]) -> list[str]:
-    """Check every file ``recorded`` lists against ``directory`` (collective).
+def verify_files(
+    directory: str | os.PathLike[str], recorded: dict[str, Any], collective: bool = True
+) -> list[str]:
+    """Check every file ``recorded`` lists against ``directory``.
 
     Args:
         directory: The checkpoint directory.
         recorded: The marker's ``files`` entry.
+        collective: Split the files over the ranks (every rank calls it); else this rank
+            checks them all.
 
     Returns:
-        One line per damaged file (missing, of another size, other content), sorted; the
-        same list on every rank. Empty when everything matches.
+        One line per damaged file (missing, of another size, other content, or present but
+        not recorded), sorted; the same list on every rank. Empty when everything matches.
     """
     base = Path(directory)
     part = {}
-    for name in _my_share(recorded):
+    for name in _my_share(recorded) if collective else sorted(recorded):
         expected = recorded[name]
         problem = _problem(base, name, expected if isinstance(expected, dict) else {})
         if problem is not None:
             part[name] = problem
-    return [line for _, line in sorted(_gather(part).items())]
+    if not collective or _dist.rank() == 0:
+        # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
+        for entry in base.iterdir():
+            if entry.name not in recorded and entry.name != _MARKER and entry.is_file():
+                part[entry.name] = (
+                    f"{entry} is not part of the checkpoint as saved (a file added later)"
+                )
+    merged = _gather(part) if collective else part
+    return [line for _, line in sorted(merged.items())]

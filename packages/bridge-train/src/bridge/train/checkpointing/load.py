@@ -227,7 +227,7 @@ def _verified_plan(plan: _LoadPlan) -> _LoadPlan:
         problems = _damage(candidate.path)
         if not problems:
             if index and _dist.rank() == 0:
-                logger.warning(
+                logger.error(  # a data-loss event: not hidden by filter_warnings
                     "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
                     "older checkpoint whose files verify, instead (nothing was deleted)",
                     plan.path,

@@ -17,10 +17,12 @@ follows the tracker and never counts a directory without its marker.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +49,10 @@ from bridge.train.checkpointing.integrity import (
     CHECKSUM_ALGORITHM,
     checksum_file,
     checksum_files,
+    verify_files,
 )
 from bridge.train.checkpointing.layout import (
+    DAMAGED_SUFFIX,
     MARKER_FILENAME,
     RETIRED_SUFFIX,
     RUN_CONFIG_FILENAME,
@@ -56,6 +60,7 @@ from bridge.train.checkpointing.layout import (
     checkpoint_dir_name,
     is_complete_checkpoint,
     parse_iteration,
+    read_marker,
     read_tracker,
     retired_path,
     staging_path,
@@ -148,7 +153,7 @@ def _os_reason(exc: OSError) -> str:
     return f"{reason} ({path})" if path else reason
 
 
-def describe_save_failure(exc: BaseException) -> str:
+def describe_save_failure(exc: BaseException, root: str | None = None) -> str:
     """One line for a failed write: the first OS error inside ``exc`` (any rank), else its text.
 
     torch.distributed.checkpoint wraps per-rank failures (``CheckpointException.failures``)
@@ -156,6 +161,7 @@ def describe_save_failure(exc: BaseException) -> str:
     """
     seen: set[int] = set()
     todo: list[Any] = [exc]
+    leaf = ""
     while todo:
         current = todo.pop(0)
         if current is None or id(current) in seen:
@@ -166,8 +172,19 @@ def describe_save_failure(exc: BaseException) -> str:
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             todo.extend(item[0] if isinstance(item, tuple) else item for item in failures.values())
+        elif not leaf and str(current).strip():
+            # A worker's error crosses a process boundary as text ("Worker failure: [Errno
+            # 28] No space left on device: '<path>'"): its first line is the reason.
+            leaf = str(current).strip().splitlines()[0]
         todo.extend([current.__cause__, current.__context__])
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if root is not None and "Errno" not in leaf:
+        # megatron's writer threads report some OS errors by class only; a full disk is the
+        # common one and the file system says so itself.
+        with contextlib.suppress(OSError):
+            usage = shutil.disk_usage(root)
+            if usage.free < min(1 << 20, usage.total // 100 + 1) or usage.free < 1 << 16:
+                return f"No space left on device ({root}: {usage.free} bytes free)"
+    return leaf or type(exc).__name__
 
 
 def _prepare_staging(root: str, iteration: int) -> str:
@@ -226,6 +243,26 @@ def _config_without_runtime_hooks(config: Any) -> Any:
     return clean
 
 
+def _is_damaged(path: Path) -> bool:
+    """Whether a checkpoint directory about to be replaced fails its own checks (rank 0)."""
+    marker = read_marker(path)
+    if marker is None:
+        return True  # incomplete: a staging leftover renamed by hand, or a torn marker
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return False  # saved before checksums existed: nothing to check against
+    return bool(verify_files(path, files, collective=False))
+
+
+def _damaged_path(path: Path) -> Path:
+    candidate = path.with_name(path.name + DAMAGED_SUFFIX)
+    number = 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{number}")
+    return candidate
+
+
 def intact_note(root: str | os.PathLike[str]) -> str:
     """What a failed save left: which checkpoint of ``root`` is still the newest complete one."""
     try:
@@ -250,6 +287,16 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             files = {**files, RUN_CONFIG_FILENAME: checksum_file(staging / RUN_CONFIG_FILENAME)}
         fsync_tree(staging)
         write_marker(staging, {**commit.marker, "checksum": CHECKSUM_ALGORITHM, "files": files})
+        if final.exists() and _is_damaged(final):
+            # Nothing damaged is deleted: it stays for the user to inspect or restore.
+            aside = _damaged_path(final)
+            os.rename(final, aside)
+            logger.error(  # a data-loss event: not hidden by filter_warnings
+                "%s is damaged; it was moved to %s (not deleted) and iteration %d is saved anew",
+                final,
+                aside,
+                commit.iteration,
+            )
         if final.exists():
             # A checkpoint of the same iteration exists: keep it until the new one is in place.
             remove_tree(retired)
@@ -486,6 +533,6 @@ def save_checkpoint(
         _pending().discard(staging)
         raise CheckpointError(
             f"saving the checkpoint of iteration {iteration} to {root} failed: "
-            f"{describe_save_failure(exc)}; {intact_note(root)}"
+            f"{describe_save_failure(exc, root)}; {intact_note(root)}"
         ) from None
     _commit(commit)
