@@ -243,6 +243,17 @@ def main() -> None:
     times["load_checkpoint"] = [
         _timed(functools.partial(_load, run, context)) for _ in range(args.rounds)
     ]
+    from bridge.train.checkpointing.integrity import checksum_files, verify_files
+    from bridge.train.checkpointing.layout import read_marker
+
+    saved = max((scratch / "sync").glob("iter_*"))
+    recorded = read_marker(saved)["files"]  # type: ignore[index]
+    times["checksums at save"] = [
+        _timed(functools.partial(checksum_files, saved)) for _ in range(args.rounds)
+    ]
+    times["checksums verified at load"] = [
+        _timed(functools.partial(verify_files, saved, recorded)) for _ in range(args.rounds)
+    ]
     async_variants = {
         "persistent writer": {"use_persistent_ckpt_worker": True},
         "fork per save": {"use_persistent_ckpt_worker": False},
@@ -282,6 +293,11 @@ def main() -> None:
     load_ratio = median["load_checkpoint"] / median["torch.load"]
     print(f"save_checkpoint / torch.save time: {save_ratio:.2f}x")
     print(f"load_checkpoint / torch.load time: {load_ratio:.2f}x")
+    for what, whole in (("save", "save_checkpoint"), ("load", "load_checkpoint")):
+        fraction = median[f"checksums {'at save' if what == 'save' else 'verified at load'}"]
+        fraction /= median[whole]
+        verdict = "meets" if fraction <= 0.05 else "misses"
+        print(f"checksum cost / {whole}: {fraction:.1%} ({verdict} the 5% target)")
     for label in async_variants:
         fraction = median[f"async stall ({label})"] / median["save_checkpoint"]
         verdict = "meets" if fraction <= 0.10 else "misses"

@@ -141,6 +141,11 @@ def _damage_cases(rank: int, world: int, root: str) -> dict[str, Any]:
         "all_damaged",
         lambda d: (_flip_byte(_shard(d / it4)), _flip_byte(_shard(d / it2))),
     )
+    # Same tensor shapes, another architecture: refused on resume, allowed for finetuning.
+    nothing = lambda d: None  # noqa: E731
+    case("arch_heads", nothing, "model.num_attention_heads=8")
+    case("arch_vocab", nothing, "tokenizer.vocab_size=250")
+    case("arch_finetune", nothing, "model.num_attention_heads=8", "checkpoint.finetune=True")
     _lock_cases(Path(root), base, out)
     _save_fault_cases(Path(root), base, out)
     return out
@@ -358,3 +363,29 @@ def test_save_time_faults_stop_the_run_and_keep_the_last_checkpoint(
     reload = result["reload"]
     _assert_clean(reload)
     assert reload["code"] == 0, reload
+
+
+@pytest.mark.parametrize(
+    ("name", "diff"),
+    [
+        ("arch_heads", "num_attention_heads (checkpoint 4, this run 8)"),
+        ("arch_vocab", "vocab_size (checkpoint 256, this run 250)"),
+    ],
+)
+def test_resume_into_another_architecture_is_refused(
+    damage: dict[str, Any], name: str, diff: str
+) -> None:
+    result = damage[name]
+    _assert_clean(result)
+    assert result["code"] == 2, result
+    assert len(result["errors"]) == 1, result
+    line = result["errors"][0]
+    assert diff in line and "run_config.yaml" in line, line
+    assert "checkpoint.finetune=True" in line, line
+    assert all(result["kept"].values())
+
+
+def test_finetune_loads_weights_into_another_architecture(damage: dict[str, Any]) -> None:
+    result = damage["arch_finetune"]
+    _assert_clean(result)
+    assert result["code"] == 0, result

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
     check_checkpoint_config,
     checkpoint_config_of,
@@ -499,8 +500,12 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: ``exit_on_missing_checkpoint`` with nothing to load; a missing
-            ``pretrained_checkpoint`` or ``ckpt_step``; a checkpoint of another model shape
-            (the message names the key); state requested that was not saved.
+            ``pretrained_checkpoint`` or ``ckpt_step``; a damaged checkpoint (its files do
+            not match their checksums) with no allowed fallback; a checkpoint of another
+            model shape (the message names the key) or, when resuming (not ``finetune``),
+            of another architecture than ``state.cfg.model`` (see
+            :mod:`~bridge.train.checkpointing.architecture`); state requested that was not
+            saved.
         ConfigError: An unsupported checkpoint setting.
     """
     cfg = checkpoint_config_of(state)
@@ -520,6 +525,8 @@ def load_checkpoint(
     plan = _verified_plan(plan)
     if checkpointing_context is not None:
         checkpointing_context["loaded_checkpoint"] = plan.path
+    if not plan.finetune:
+        check_same_architecture(getattr(getattr(state, "cfg", None), "model", None), plan.path)
     common = _read_common(plan.path)
     meta = common[META_KEY]
     finetune = plan.finetune
