@@ -136,11 +136,13 @@ def _damage_cases(rank: int, world: int, root: str) -> dict[str, Any]:
     )
     case("garbage_common", lambda d: (d / it4 / "common.pt").write_bytes(b"garbage" * 9))
     case("iter_path", lambda d: _flip_byte(_shard(d / it4)), sub=it4)
+
     # Every checkpoint damaged: nothing is loaded, nothing is trained.
-    case(
-        "all_damaged",
-        lambda d: (_flip_byte(_shard(d / it4)), _flip_byte(_shard(d / it2))),
-    )
+    def damage_both(directory: Path) -> None:
+        _flip_byte(_shard(directory / it4))
+        _flip_byte(_shard(directory / it2))
+
+    case("all_damaged", damage_both)
     # Same tensor shapes, another architecture: refused on resume, allowed for finetuning.
     nothing = lambda d: None  # noqa: E731
     case("arch_heads", nothing, "model.num_attention_heads=8")

@@ -62,7 +62,7 @@ def _big_token(path: Path) -> None:
     tokens.tofile(path)
 
 
-CASES: dict[str, tuple[Callable[[Path], None], str, str]] = {
+CASES: dict[str, tuple[Callable[[Path], object], str, str]] = {
     "truncated_bin": (
         lambda p: _truncate(p.with_suffix(".bin")),
         "corpus.bin is truncated",

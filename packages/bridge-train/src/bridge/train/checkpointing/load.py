@@ -136,7 +136,7 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
-            fallbacks = _older_complete(np_root, latest_np.iteration)
+            fallbacks = _older_complete(str(np_root), latest_np.iteration)
             if persistent is not None:
                 fallbacks = tuple(
                     sorted(
@@ -207,7 +207,11 @@ def _damage(path: str) -> list[str]:
                 path,
             )
         return []
-    if not isinstance(files, dict) or marker.get("checksum") != CHECKSUM_ALGORITHM:
+    if (
+        marker is None
+        or not isinstance(files, dict)
+        or marker.get("checksum") != CHECKSUM_ALGORITHM
+    ):
         return [f"{Path(path) / MARKER_FILENAME} is unreadable or holds no file checksums"]
     return verify_files(path, files)
 
