@@ -25,6 +25,8 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "checksum_file",
     "checksum_files",
+    "gather_problems",
+    "local_problems",
     "verify_files",
 ]
 
@@ -121,6 +123,44 @@ def _problem(base: Path, name: str, expected: dict[str, Any]) -> str | None:
     return None
 
 
+def local_problems(
+    directory: str | os.PathLike[str], recorded: dict[str, Any], share: bool = True
+) -> dict[str, str]:
+    """This rank's part of the check of ``directory`` against ``recorded`` (no collective).
+
+    Safe to run in a thread beside other work (it reads files and hashes them; CRC-32 and
+    file reads release the GIL); merge the parts with :func:`gather_problems`.
+
+    Args:
+        directory: The checkpoint directory.
+        recorded: The marker's ``files`` entry.
+        share: Check only this rank's round-robin share (else every file).
+
+    Returns:
+        ``{file name: one line saying what is wrong}`` for the damaged files checked here.
+    """
+    base = Path(directory)
+    part = {}
+    for name in _my_share(recorded) if share else sorted(recorded):
+        expected = recorded[name]
+        problem = _problem(base, name, expected if isinstance(expected, dict) else {})
+        if problem is not None:
+            part[name] = problem
+    if not share or _dist.rank() == 0:
+        # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
+        for entry in base.iterdir():
+            if entry.name not in recorded and entry.name != _MARKER and entry.is_file():
+                part[entry.name] = (
+                    f"{entry} is not part of the checkpoint as saved (a file added later)"
+                )
+    return part
+
+
+def gather_problems(part: dict[str, str]) -> list[str]:
+    """Every rank's :func:`local_problems`, one line per damaged file, sorted (collective)."""
+    return [line for _, line in sorted(_gather(part).items())]
+
+
 def verify_files(
     directory: str | os.PathLike[str], recorded: dict[str, Any], collective: bool = True
 ) -> list[str]:
@@ -136,19 +176,7 @@ def verify_files(
         One line per damaged file (missing, of another size, other content, or present but
         not recorded), sorted; the same list on every rank. Empty when everything matches.
     """
-    base = Path(directory)
-    part = {}
-    for name in _my_share(recorded) if collective else sorted(recorded):
-        expected = recorded[name]
-        problem = _problem(base, name, expected if isinstance(expected, dict) else {})
-        if problem is not None:
-            part[name] = problem
-    if not collective or _dist.rank() == 0:
-        # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
-        for entry in base.iterdir():
-            if entry.name not in recorded and entry.name != _MARKER and entry.is_file():
-                part[entry.name] = (
-                    f"{entry} is not part of the checkpoint as saved (a file added later)"
-                )
-    merged = _gather(part) if collective else part
-    return [line for _, line in sorted(merged.items())]
+    part = local_problems(directory, recorded, share=collective)
+    if collective:
+        return gather_problems(part)
+    return [line for _, line in sorted(part.items())]

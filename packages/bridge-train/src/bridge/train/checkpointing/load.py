@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,11 @@ from bridge.train.checkpointing.context import (
     non_persistent_dir,
 )
 from bridge.train.checkpointing.errors import CheckpointError
-from bridge.train.checkpointing.integrity import CHECKSUM_ALGORITHM, verify_files
+from bridge.train.checkpointing.integrity import (
+    CHECKSUM_ALGORITHM,
+    gather_problems,
+    local_problems,
+)
 from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
     TRACKER_FILENAME,
@@ -195,11 +200,31 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
     return None
 
 
-def _damage(path: str) -> list[str]:
-    """What is wrong with the files of the checkpoint ``path`` (collective; empty if intact)."""
+def _local_damage(path: str) -> dict[str, str] | None:
+    """This rank's share of the check of ``path`` (no collective; may run in a thread).
+
+    ``None`` for a checkpoint saved before checksums existed (nothing to check against).
+    """
     marker = read_marker(path)
-    files = None if marker is None else marker.get("files")
     if marker is not None and "files" not in marker:
+        return None
+    files = None if marker is None else marker.get("files")
+    if (
+        marker is None
+        or not isinstance(files, dict)
+        or marker.get("checksum") != CHECKSUM_ALGORITHM
+    ):
+        name = str(Path(path) / MARKER_FILENAME)
+        return {name: f"{name} is unreadable or holds no file checksums"}
+    try:
+        return local_problems(path, files)
+    except OSError as exc:
+        return {path: f"{path} cannot be read ({exc.strerror or exc})"}
+
+
+def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
+    """Every rank's :func:`_local_damage` of ``path`` (collective; empty if intact)."""
+    if part is None:
         if _dist.rank() == 0:
             logger.warning(
                 "%s was saved without content checksums (by an older bridge-train); loading it "
@@ -207,17 +232,18 @@ def _damage(path: str) -> list[str]:
                 path,
             )
         return []
-    if (
-        marker is None
-        or not isinstance(files, dict)
-        or marker.get("checksum") != CHECKSUM_ALGORITHM
-    ):
-        return [f"{Path(path) / MARKER_FILENAME} is unreadable or holds no file checksums"]
-    return verify_files(path, files)
+    return gather_problems(part)
 
 
-def _verified_plan(plan: _LoadPlan) -> _LoadPlan:
+def _damage(path: str) -> list[str]:
+    """What is wrong with the files of the checkpoint ``path`` (collective; empty if intact)."""
+    return _gather_damage(path, _local_damage(path))
+
+
+def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan:
     """``plan``, or the newest fallback whose files match their checksums (collective).
+
+    ``first``: the problems of ``plan``'s own checkpoint when they are already known.
 
     Raises:
         CheckpointError: The checkpoint is damaged and no allowed fallback verifies. Nothing
@@ -229,7 +255,7 @@ def _verified_plan(plan: _LoadPlan) -> _LoadPlan:
     ]
     first_problem = ""
     for index, candidate in enumerate(candidates):
-        problems = _damage(candidate.path)
+        problems = first if (index == 0 and first is not None) else _damage(candidate.path)
         if not problems:
             if index and _dist.rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
@@ -469,6 +495,59 @@ def _leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
+def _read_checkpoint(
+    plan: _LoadPlan,
+    cfg: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    strict: bool,
+    state: Any,
+) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, bool]:
+    """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
+
+    Returns ``(common, loaded, model keys, finetune, load_optim, load_rng)``.
+    """
+    common = _read_common(plan.path)
+    meta = common[META_KEY]
+    finetune = plan.finetune
+    load_optim = bool(cfg.load_optim) and not finetune and optimizer is not None
+    load_rng = bool(cfg.load_rng) and not finetune
+    if load_optim and not meta.get("optimizer"):
+        raise CheckpointError(
+            f"{plan.path} was saved without optimizer state (checkpoint.save_optim=False); "
+            "set checkpoint.load_optim=False (or finetune=True) to load the model alone"
+        )
+    if load_rng and not meta.get("rng"):
+        raise CheckpointError(
+            f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
+            "checkpoint.load_rng=False to keep this run's seeds"
+        )
+    if meta.get("model_chunks", 1) != len(model):
+        raise CheckpointError(
+            f"{plan.path} holds {meta.get('model_chunks')} model chunk(s) but the model has "
+            f"{len(model)}; use the same virtual pipeline layout as the saved run"
+        )
+    layout = parallel_layout()
+    if load_rng and meta.get("parallel_layout") != layout:
+        if _dist.rank() == 0:
+            logger.warning(
+                "not restoring RNG state: %s was saved with parallel layout %s, this run has %s",
+                plan.path,
+                meta.get("parallel_layout"),
+                layout,
+            )
+        load_rng = False
+
+    keys = model_state_keys(len(model))
+    template = build_load_template(model, optimizer, load_optim=load_optim, load_rng=load_rng)
+    _check_against_checkpoint(template, plan.path, keys, strict)
+    if not finetune:  # shapes fit: the architecture must be the saved one too
+        check_same_architecture(getattr(getattr(state, "cfg", None), "model", None), plan.path)
+    loaded = _dist_load(template, plan.path, cfg)
+
+    return common, loaded, keys, finetune, load_optim, load_rng
+
+
 def load_checkpoint(
     state: Any,
     model: list[torch.nn.Module],
@@ -526,46 +605,25 @@ def load_checkpoint(
             )
         return 0, 0.0
     started = time.monotonic()
-    plan = _verified_plan(plan)
+    # The checksums are verified in a thread while the checkpoint is read (file reads and
+    # CRC-32 release the GIL), and the verdict is taken before anything is copied into the
+    # model or optimizer: a damaged checkpoint is never used, and its cost mostly hides.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
+        local = pool.submit(_local_damage, plan.path)
+        failure: Exception | None = None
+        try:
+            read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
+        except Exception as exc:  # damage can surface as any error of the readers
+            failure = exc
+        problems = _gather_damage(plan.path, local.result())
+    if problems:
+        plan = _verified_plan(plan, problems)
+        read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
+    elif failure is not None:
+        raise failure
     if checkpointing_context is not None:
         checkpointing_context["loaded_checkpoint"] = plan.path
-    if not plan.finetune:
-        check_same_architecture(getattr(getattr(state, "cfg", None), "model", None), plan.path)
-    common = _read_common(plan.path)
-    meta = common[META_KEY]
-    finetune = plan.finetune
-    load_optim = bool(cfg.load_optim) and not finetune and optimizer is not None
-    load_rng = bool(cfg.load_rng) and not finetune
-    if load_optim and not meta.get("optimizer"):
-        raise CheckpointError(
-            f"{plan.path} was saved without optimizer state (checkpoint.save_optim=False); "
-            "set checkpoint.load_optim=False (or finetune=True) to load the model alone"
-        )
-    if load_rng and not meta.get("rng"):
-        raise CheckpointError(
-            f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
-            "checkpoint.load_rng=False to keep this run's seeds"
-        )
-    if meta.get("model_chunks", 1) != len(model):
-        raise CheckpointError(
-            f"{plan.path} holds {meta.get('model_chunks')} model chunk(s) but the model has "
-            f"{len(model)}; use the same virtual pipeline layout as the saved run"
-        )
-    layout = parallel_layout()
-    if load_rng and meta.get("parallel_layout") != layout:
-        if _dist.rank() == 0:
-            logger.warning(
-                "not restoring RNG state: %s was saved with parallel layout %s, this run has %s",
-                plan.path,
-                meta.get("parallel_layout"),
-                layout,
-            )
-        load_rng = False
-
-    keys = model_state_keys(len(model))
-    template = build_load_template(model, optimizer, load_optim=load_optim, load_rng=load_rng)
-    _check_against_checkpoint(template, plan.path, keys, strict)
-    loaded = _dist_load(template, plan.path, cfg)
+    common, loaded, keys, finetune, load_optim, load_rng = read
 
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(keys, model, strict=True):
