@@ -186,9 +186,9 @@ def find_latest_checkpoint(
     ``root`` is a save directory (its tracker names the newest committed iteration) or one
     checkpoint directory (``iter_*`` with a completion marker). With ``step`` the checkpoint
     of that iteration is returned. If the tracker names an iteration whose directory is
-    missing or incomplete, the newest complete checkpoint older than it is used and a
-    warning says so. Directories without a completion marker are never returned, and a
-    complete directory newer than the tracker (a save that crashed before its commit) is
+    missing or incomplete, the newest complete checkpoint older than it is used and a line
+    logged at error level says so. Directories without a completion marker are never
+    returned, and a complete directory newer than the tracker (a save that crashed before its commit) is
     ignored.
 
     Args:
