@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import statistics
@@ -243,6 +244,37 @@ def main() -> None:
     times["load_checkpoint"] = [
         _timed(functools.partial(_load, run, context)) for _ in range(args.rounds)
     ]
+    # The checksums' cost: the same save and load with them switched off, interleaved.
+    import bridge.train.checkpointing.load as load_module
+    import bridge.train.checkpointing.save as save_module
+
+    real_checksums, real_damage = save_module.checksum_files, load_module._local_damage
+
+    def unchecked(on: bool) -> None:
+        save_module.checksum_files = real_checksums if on else (lambda *a, **k: {})
+        load_module._local_damage = real_damage if on else (lambda path: None)
+
+    logging_level = logging.getLogger("bridge.train.checkpointing.load").level
+    logging.getLogger("bridge.train.checkpointing.load").setLevel(logging.ERROR)
+    pairs: dict[str, list[float]] = {k: [] for k in ("save on", "save off", "load on", "load off")}
+    directory = scratch / "checksums"
+    shutil.rmtree(directory, ignore_errors=True)
+    context = _use(run, save=str(directory), load=str(directory))
+    for index in range(args.rounds + 1):
+        for on in (True, False):
+            unchecked(on)
+            run["state"].train_state.step += 1
+            save = _timed(functools.partial(_save, run, context))
+            load = _timed(functools.partial(_load, run, context))
+            if index:  # the first round warms up
+                pairs[f"save {'on' if on else 'off'}"].append(save)
+                pairs[f"load {'on' if on else 'off'}"].append(load)
+    unchecked(True)
+    logging.getLogger("bridge.train.checkpointing.load").setLevel(logging_level)
+    times["save_checkpoint without checksums"] = pairs["save off"]
+    times["save_checkpoint with checksums"] = pairs["save on"]
+    times["load_checkpoint without checksums"] = pairs["load off"]
+    times["load_checkpoint with checksums"] = pairs["load on"]
     async_variants = {
         "persistent writer": {"use_persistent_ckpt_worker": True},
         "fork per save": {"use_persistent_ckpt_worker": False},
@@ -282,6 +314,12 @@ def main() -> None:
     load_ratio = median["load_checkpoint"] / median["torch.load"]
     print(f"save_checkpoint / torch.save time: {save_ratio:.2f}x")
     print(f"load_checkpoint / torch.load time: {load_ratio:.2f}x")
+    for what in ("save", "load"):
+        with_sums = median[f"{what}_checkpoint with checksums"]
+        without = median[f"{what}_checkpoint without checksums"]
+        fraction = (with_sums - without) / with_sums
+        verdict = "meets" if fraction <= 0.05 else "misses"
+        print(f"checksum cost / {what}_checkpoint: {fraction:.1%} ({verdict} the 5% target)")
     for label in async_variants:
         fraction = median[f"async stall ({label})"] / median["save_checkpoint"]
         verdict = "meets" if fraction <= 0.10 else "misses"

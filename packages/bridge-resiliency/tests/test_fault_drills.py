@@ -299,8 +299,14 @@ def test_ft_launcher_detects_a_hang_and_a_kill_and_keeps_computed_timeouts(
             "--max-restarts=3",
             "--ft-rank-section-timeouts=setup:120,step:6,checkpointing:10",
             "--ft-rank-out-of-section-timeout=6",
-            # Computed timeouts are observed maxima times this factor; CI timing is noisy.
-            "--ft-safety-factor=40",
+            # Computed timeouts are observed maxima times this factor, with no floor in
+            # nvidia-resiliency-ext. Attempt 0 observes 0.05 s steps, so a factor of 40 gave
+            # attempt 1 a ~2.4 s step timeout: on a loaded machine a rank descheduled that
+            # long was "hung", an unplanned restart shifted the per-attempt fault plan, and
+            # the planned rank_killed never fired. 400 puts the computed timeouts (~20 s)
+            # above any scheduling stall while detection in attempt 0 still uses the
+            # configured 6 s (nothing is computed before a first attempt ends).
+            "--ft-safety-factor=400",
         ],
         options,
     )

@@ -551,10 +551,12 @@ def test_async_save_lets_training_continue_and_matches(
         iteration = out[f"{name}_iteration"]
         assert out[f"{name}_pending"] == 1
         # Until finalized, nothing counts: no checkpoint directory, no tracker.
-        assert out[f"{name}_listing_before"] == [f"iter_{iteration:07d}.tmp"]
+        # (checkpoint.lock is the run's lock on the directory, taken at setup.)
+        assert out[f"{name}_listing_before"] == ["checkpoint.lock", f"iter_{iteration:07d}.tmp"]
         assert len(out[f"{name}_losses_meanwhile"]) == 1
         assert out[f"{name}_changed_meanwhile"]  # training moved the weights meanwhile
         assert out[f"{name}_listing_after"] == [
+            "checkpoint.lock",
             f"iter_{iteration:07d}",
             "latest_checkpointed_iteration.txt",
         ]

@@ -160,7 +160,8 @@ def test_save_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
 def test_context_for_a_fresh_directory(tmp_path: Path) -> None:
     context = init_checkpointing_context(CheckpointConfig(save=str(tmp_path / "new")))
     assert context["config"].save == str(tmp_path / "new")
-    assert not (tmp_path / "new").exists()  # created by the first save, not before
+    # Created at setup holding only the run's lock (nothing else until the first save).
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["checkpoint.lock"]
 
 
 # ---------------------------------------------------------------------------- refused settings

@@ -14,6 +14,7 @@ from bridge.train.checkpointing.async_save import (
     get_async_calls_queue,
 )
 from bridge.train.checkpointing.layout import NON_PERSISTENT_SUBDIR, validate_save_dir
+from bridge.train.checkpointing.lock import hold_save_dir_lock
 
 __all__ = [
     "check_checkpoint_config",
@@ -85,7 +86,9 @@ def init_checkpointing_context(checkpoint_config: Any) -> dict[str, Any]:
 
     Call once per rank after torch.distributed is initialised and before training starts.
     It refuses unsupported settings and a save directory that holds anything but
-    checkpoints (before anything is trained or written), makes dist_checkpointing's
+    checkpoints (before anything is trained or written), takes the save directory's lock
+    for the life of the process on rank 0 (a second run writing there is refused, see
+    :mod:`~bridge.train.checkpointing.lock`), makes dist_checkpointing's
     write-results queue by forking this rank (see
     :func:`~bridge.train.checkpointing.async_save.ensure_write_results_queue`) and, for
     asynchronous saves with a persistent worker on CPU, starts the worker.
@@ -101,7 +104,7 @@ def init_checkpointing_context(checkpoint_config: Any) -> dict[str, Any]:
     Raises:
         ConfigError: An unsupported setting (see :func:`check_checkpoint_config`).
         CheckpointError: ``checkpoint.save`` (or the non-persistent directory) holds
-            entries that are not checkpoints, or is a file.
+            entries that are not checkpoints, is a file, or is locked by another run.
     """
     if checkpoint_config is None:
         raise ConfigError("checkpoint", "init_checkpointing_context needs a CheckpointConfig")
@@ -110,10 +113,14 @@ def init_checkpointing_context(checkpoint_config: Any) -> dict[str, Any]:
     def validate() -> None:
         if checkpoint_config.save:
             validate_save_dir(checkpoint_config.save, "checkpoint.save")
+            hold_save_dir_lock(checkpoint_config.save, "checkpoint.save")
         if checkpoint_config.non_persistent_ckpt_type == "global":
             directory = non_persistent_dir(checkpoint_config)
             if directory:
                 validate_save_dir(directory, "checkpoint.non_persistent_global_ckpt_dir")
+                if checkpoint_config.non_persistent_global_ckpt_dir:
+                    field = "checkpoint.non_persistent_global_ckpt_dir"
+                    hold_save_dir_lock(directory, field)
 
     _dist.run_on_rank0(validate)
     saves = bool(checkpoint_config.save) or checkpoint_config.non_persistent_ckpt_type == "global"

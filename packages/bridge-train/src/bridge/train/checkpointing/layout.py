@@ -4,11 +4,13 @@ A save directory holds::
 
     <save>/
       latest_checkpointed_iteration.txt   tracker: the newest committed iteration (written last)
+      checkpoint.lock                     flock of the run writing here (see lock.py)
       iter_0000020/                       one complete checkpoint per saved iteration
         checkpoint_complete.json          completion marker (written after every shard)
         run_config.yaml                   the run's configuration
         metadata.json, .metadata, __*.distcp   megatron-core dist_checkpointing (torch_dist)
       iter_0000030.tmp/                   a save in progress (never loaded, removed later)
+      iter_0000010.damaged/               a damaged checkpoint moved aside by a re-save (kept)
       non_persistent/                     global non-persistent checkpoints (same layout)
       progress.txt, run_config.yaml,      written by the training loop and fault tolerance
       ft_state.json, metrics.jsonl
@@ -29,6 +31,7 @@ from typing import Any
 
 from bridge.train.checkpointing._fs import atomic_write_text
 from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.lock import LOCK_FILENAME
 
 __all__ = [
     "MARKER_FILENAME",
@@ -57,12 +60,14 @@ PROGRESS_FILENAME = "progress.txt"
 NON_PERSISTENT_SUBDIR = "non_persistent"
 STAGING_SUFFIX = ".tmp"
 RETIRED_SUFFIX = ".old"
+#: Suffix of a damaged checkpoint moved aside when its iteration is saved again (kept).
+DAMAGED_SUFFIX = ".damaged"
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # Files a bridge-train run writes next to its checkpoints: the progress log, the config,
 # fault tolerance's computed timeouts and the metrics file.
 RUN_FILES = frozenset({PROGRESS_FILENAME, RUN_CONFIG_FILENAME, "ft_state.json", "metrics.jsonl"})
-_ALLOWED_FILES = RUN_FILES | {TRACKER_FILENAME}
+_ALLOWED_FILES = RUN_FILES | {TRACKER_FILENAME, LOCK_FILENAME}
 #: Where the torch profiler writes its traces when no TensorBoard directory is set.
 PROFILE_SUBDIR = "profile"
 _ALLOWED_DIRS = {NON_PERSISTENT_SUBDIR, PROFILE_SUBDIR}
@@ -181,9 +186,9 @@ def find_latest_checkpoint(
     ``root`` is a save directory (its tracker names the newest committed iteration) or one
     checkpoint directory (``iter_*`` with a completion marker). With ``step`` the checkpoint
     of that iteration is returned. If the tracker names an iteration whose directory is
-    missing or incomplete, the newest complete checkpoint older than it is used and a
-    warning says so. Directories without a completion marker are never returned, and a
-    complete directory newer than the tracker (a save that crashed before its commit) is
+    missing or incomplete, the newest complete checkpoint older than it is used and a line
+    logged at error level says so. Directories without a completion marker are never
+    returned, and a complete directory newer than the tracker (a save that crashed before its commit) is
     ignored.
 
     Args:
@@ -228,16 +233,20 @@ def find_latest_checkpoint(
     if is_complete_checkpoint(path):
         return CheckpointLocation(tracked, str(path))
     older = [i for i in complete_iterations(base) if i < tracked]
-    state = "is incomplete (no completion marker)" if path.is_dir() else "does not exist"
+    state = (
+        "is incomplete (its completion marker is missing or unreadable)"
+        if path.is_dir()
+        else "does not exist"
+    )
     if not older:
         raise CheckpointError(
             f"the tracker {base / TRACKER_FILENAME} names iteration {tracked}, but {path} "
             f"{state} and {base} holds no older complete checkpoint; restore the directory, "
             "or delete the tracker to start from scratch"
         )
-    logger.warning(
+    logger.error(  # a data-loss event: not hidden by filter_warnings
         "The tracker %s names iteration %d, but %s %s; loading the newest older complete "
-        "checkpoint, iteration %d, instead.",
+        "checkpoint, iteration %d, instead (nothing was deleted).",
         base / TRACKER_FILENAME,
         tracked,
         path,
@@ -291,7 +300,7 @@ def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.sav
         raise CheckpointError(
             f"{field}={str(root)!r} holds entries that are not bridge-train checkpoints: "
             f"{shown}. A save directory may only hold iter_* directories, "
-            f"{TRACKER_FILENAME}, {', '.join(sorted(RUN_FILES))} and "
+            f"{TRACKER_FILENAME}, {LOCK_FILENAME}, {', '.join(sorted(RUN_FILES))} and "
             f"{NON_PERSISTENT_SUBDIR}/ and {PROFILE_SUBDIR}/; choose an empty or new directory "
             f"for {field} (nothing there is touched)"
         )

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,18 +30,28 @@ from typing import Any
 import torch
 
 from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
     check_checkpoint_config,
     checkpoint_config_of,
     non_persistent_dir,
 )
 from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.integrity import (
+    CHECKSUM_ALGORITHM,
+    gather_problems,
+    local_problems,
+)
 from bridge.train.checkpointing.layout import (
+    MARKER_FILENAME,
     TRACKER_FILENAME,
     CheckpointLocation,
+    checkpoint_dir_name,
+    complete_iterations,
     find_latest_checkpoint,
     is_complete_checkpoint,
     parse_iteration,
+    read_marker,
 )
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
@@ -93,13 +104,31 @@ class _LoadPlan:
     iteration: int
     finetune: bool
     source: str
+    # Older complete checkpoints to use, newest first, if this one fails verification (only
+    # for "the newest checkpoint" of a save directory, never for an explicitly named one).
+    fallbacks: tuple[CheckpointLocation, ...] = ()
+    explicit: bool = False  # named by ckpt_step, an iter_* path or pretrained_checkpoint
+
+
+def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[CheckpointLocation, ...]:
+    base = Path(root)
+    return tuple(
+        CheckpointLocation(i, str(base / checkpoint_dir_name(i)))
+        for i in reversed(complete_iterations(base))
+        if i < below
+    )
 
 
 def _plan_load(cfg: Any) -> _LoadPlan | None:
     load, step = cfg.load, cfg.ckpt_step
     persistent: CheckpointLocation | None = None
+    # Resuming "the newest checkpoint" of a save directory may fall back to an older one
+    # that verifies; an explicitly named one (ckpt_step, an iter_* path) may not.
+    may_fall_back = step is None
     if load:
         persistent = find_latest_checkpoint(load, step)
+        if persistent is not None and Path(persistent.path) == Path(load):
+            may_fall_back = False
         if persistent is None and step is not None:
             raise CheckpointError(
                 f"checkpoint.ckpt_step={step}: checkpoint.load={str(load)!r} "
@@ -112,12 +141,31 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
+            fallbacks = _older_complete(str(np_root), latest_np.iteration)
+            if persistent is not None:
+                fallbacks = tuple(
+                    sorted(
+                        fallbacks
+                        + (persistent,)
+                        + (_older_complete(load, persistent.iteration) if may_fall_back else ()),
+                        key=lambda location: -location.iteration,
+                    )
+                )
             return _LoadPlan(
-                latest_np.path, latest_np.iteration, bool(cfg.finetune), "non-persistent"
+                latest_np.path,
+                latest_np.iteration,
+                bool(cfg.finetune),
+                "non-persistent",
+                fallbacks,
             )
     if persistent is not None:
         return _LoadPlan(
-            persistent.path, persistent.iteration, bool(cfg.finetune), "checkpoint.load"
+            persistent.path,
+            persistent.iteration,
+            bool(cfg.finetune),
+            "checkpoint.load",
+            _older_complete(load, persistent.iteration) if may_fall_back else (),
+            explicit=not may_fall_back,
         )
     if cfg.pretrained_checkpoint:
         pretrained = find_latest_checkpoint(cfg.pretrained_checkpoint)
@@ -132,7 +180,11 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
                 "point it at a directory saved by bridge-train"
             )
         return _LoadPlan(
-            pretrained.path, pretrained.iteration, True, "checkpoint.pretrained_checkpoint"
+            pretrained.path,
+            pretrained.iteration,
+            True,
+            "checkpoint.pretrained_checkpoint",
+            explicit=True,
         )
     if load and cfg.exit_on_missing_checkpoint:
         what = (
@@ -146,6 +198,94 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
             "initialisation"
         )
     return None
+
+
+def _local_damage(path: str) -> dict[str, str] | None:
+    """This rank's share of the check of ``path`` (no collective; may run in a thread).
+
+    ``None`` for a checkpoint saved before checksums existed (nothing to check against).
+    """
+    marker = read_marker(path)
+    if marker is not None and "files" not in marker:
+        return None
+    files = None if marker is None else marker.get("files")
+    if (
+        marker is None
+        or not isinstance(files, dict)
+        or marker.get("checksum") != CHECKSUM_ALGORITHM
+    ):
+        name = str(Path(path) / MARKER_FILENAME)
+        return {name: f"{name} is unreadable or holds no file checksums"}
+    try:
+        return local_problems(path, files)
+    except OSError as exc:
+        return {path: f"{path} cannot be read ({exc.strerror or exc})"}
+
+
+def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
+    """Every rank's :func:`_local_damage` of ``path`` (collective; empty if intact)."""
+    if part is None:
+        if _dist.rank() == 0:
+            logger.warning(
+                "%s was saved without content checksums (by an older bridge-train); loading it "
+                "unverified",
+                path,
+            )
+        return []
+    return gather_problems(part)
+
+
+def _damage(path: str) -> list[str]:
+    """What is wrong with the files of the checkpoint ``path`` (collective; empty if intact)."""
+    return _gather_damage(path, _local_damage(path))
+
+
+def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan:
+    """``plan``, or the newest fallback whose files match their checksums (collective).
+
+    ``first``: the problems of ``plan``'s own checkpoint when they are already known.
+
+    Raises:
+        CheckpointError: The checkpoint is damaged and no allowed fallback verifies. Nothing
+            is deleted.
+    """
+    candidates = [
+        CheckpointLocation(plan.iteration, plan.path),
+        *plan.fallbacks,
+    ]
+    first_problem = ""
+    for index, candidate in enumerate(candidates):
+        problems = first if (index == 0 and first is not None) else _damage(candidate.path)
+        if not problems:
+            if index and _dist.rank() == 0:
+                logger.error(  # a data-loss event: not hidden by filter_warnings
+                    "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
+                    "older checkpoint whose files verify, instead (nothing was deleted)",
+                    plan.path,
+                    first_problem,
+                    f"; {len(skipped)} more" if (skipped := candidates[1:index]) else "",
+                    candidate.iteration,
+                    candidate.path,
+                )
+            return _LoadPlan(candidate.path, candidate.iteration, plan.finetune, plan.source)
+        if not index:
+            first_problem = problems[0] + (
+                f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+            )
+    if plan.fallbacks:
+        why = "and no older checkpoint's files verify either"
+    elif plan.explicit:
+        why = (
+            "and it was named explicitly (checkpoint.ckpt_step, an iter_* path or "
+            "checkpoint.pretrained_checkpoint), so no other checkpoint is loaded in its place"
+        )
+    else:
+        why = "and there is no older complete checkpoint"
+    raise CheckpointError(
+        f"{first_problem}: the checkpoint {plan.path} is damaged and is not loaded, {why}; "
+        "restore the directory from a copy, or point checkpoint.load / checkpoint.ckpt_step "
+        "at another checkpoint (nothing was deleted)"
+    )
 
 
 def _read_common(path: str) -> dict[str, Any]:
@@ -355,6 +495,59 @@ def _leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
+def _read_checkpoint(
+    plan: _LoadPlan,
+    cfg: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    strict: bool,
+    state: Any,
+) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, bool]:
+    """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
+
+    Returns ``(common, loaded, model keys, finetune, load_optim, load_rng)``.
+    """
+    common = _read_common(plan.path)
+    meta = common[META_KEY]
+    finetune = plan.finetune
+    load_optim = bool(cfg.load_optim) and not finetune and optimizer is not None
+    load_rng = bool(cfg.load_rng) and not finetune
+    if load_optim and not meta.get("optimizer"):
+        raise CheckpointError(
+            f"{plan.path} was saved without optimizer state (checkpoint.save_optim=False); "
+            "set checkpoint.load_optim=False (or finetune=True) to load the model alone"
+        )
+    if load_rng and not meta.get("rng"):
+        raise CheckpointError(
+            f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
+            "checkpoint.load_rng=False to keep this run's seeds"
+        )
+    if meta.get("model_chunks", 1) != len(model):
+        raise CheckpointError(
+            f"{plan.path} holds {meta.get('model_chunks')} model chunk(s) but the model has "
+            f"{len(model)}; use the same virtual pipeline layout as the saved run"
+        )
+    layout = parallel_layout()
+    if load_rng and meta.get("parallel_layout") != layout:
+        if _dist.rank() == 0:
+            logger.warning(
+                "not restoring RNG state: %s was saved with parallel layout %s, this run has %s",
+                plan.path,
+                meta.get("parallel_layout"),
+                layout,
+            )
+        load_rng = False
+
+    keys = model_state_keys(len(model))
+    template = build_load_template(model, optimizer, load_optim=load_optim, load_rng=load_rng)
+    _check_against_checkpoint(template, plan.path, keys, strict)
+    if not finetune:  # shapes fit: the architecture must be the saved one too
+        check_same_architecture(getattr(getattr(state, "cfg", None), "model", None), plan.path)
+    loaded = _dist_load(template, plan.path, cfg)
+
+    return common, loaded, keys, finetune, load_optim, load_rng
+
+
 def load_checkpoint(
     state: Any,
     model: list[torch.nn.Module],
@@ -390,8 +583,12 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: ``exit_on_missing_checkpoint`` with nothing to load; a missing
-            ``pretrained_checkpoint`` or ``ckpt_step``; a checkpoint of another model shape
-            (the message names the key); state requested that was not saved.
+            ``pretrained_checkpoint`` or ``ckpt_step``; a damaged checkpoint (its files do
+            not match their checksums) with no allowed fallback; a checkpoint of another
+            model shape (the message names the key) or, when resuming (not ``finetune``),
+            of another architecture than ``state.cfg.model`` (see
+            :mod:`~bridge.train.checkpointing.architecture`); state requested that was not
+            saved.
         ConfigError: An unsupported checkpoint setting.
     """
     cfg = checkpoint_config_of(state)
@@ -408,41 +605,25 @@ def load_checkpoint(
             )
         return 0, 0.0
     started = time.monotonic()
-    common = _read_common(plan.path)
-    meta = common[META_KEY]
-    finetune = plan.finetune
-    load_optim = bool(cfg.load_optim) and not finetune and optimizer is not None
-    load_rng = bool(cfg.load_rng) and not finetune
-    if load_optim and not meta.get("optimizer"):
-        raise CheckpointError(
-            f"{plan.path} was saved without optimizer state (checkpoint.save_optim=False); "
-            "set checkpoint.load_optim=False (or finetune=True) to load the model alone"
-        )
-    if load_rng and not meta.get("rng"):
-        raise CheckpointError(
-            f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
-            "checkpoint.load_rng=False to keep this run's seeds"
-        )
-    if meta.get("model_chunks", 1) != len(model):
-        raise CheckpointError(
-            f"{plan.path} holds {meta.get('model_chunks')} model chunk(s) but the model has "
-            f"{len(model)}; use the same virtual pipeline layout as the saved run"
-        )
-    layout = parallel_layout()
-    if load_rng and meta.get("parallel_layout") != layout:
-        if _dist.rank() == 0:
-            logger.warning(
-                "not restoring RNG state: %s was saved with parallel layout %s, this run has %s",
-                plan.path,
-                meta.get("parallel_layout"),
-                layout,
-            )
-        load_rng = False
-
-    keys = model_state_keys(len(model))
-    template = build_load_template(model, optimizer, load_optim=load_optim, load_rng=load_rng)
-    _check_against_checkpoint(template, plan.path, keys, strict)
-    loaded = _dist_load(template, plan.path, cfg)
+    # The checksums are verified in a thread while the checkpoint is read (file reads and
+    # CRC-32 release the GIL), and the verdict is taken before anything is copied into the
+    # model or optimizer: a damaged checkpoint is never used, and its cost mostly hides.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
+        local = pool.submit(_local_damage, plan.path)
+        failure: Exception | None = None
+        try:
+            read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
+        except Exception as exc:  # damage can surface as any error of the readers
+            failure = exc
+        problems = _gather_damage(plan.path, local.result())
+    if problems:
+        plan = _verified_plan(plan, problems)
+        read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
+    elif failure is not None:
+        raise failure
+    if checkpointing_context is not None:
+        checkpointing_context["loaded_checkpoint"] = plan.path
+    common, loaded, keys, finetune, load_optim, load_rng = read
 
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(keys, model, strict=True):

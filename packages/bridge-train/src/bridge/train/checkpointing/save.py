@@ -17,10 +17,12 @@ follows the tracker and never counts a directory without its marker.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +45,23 @@ from bridge.train.checkpointing.context import (
     non_persistent_dir,
 )
 from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.integrity import (
+    CHECKSUM_ALGORITHM,
+    checksum_file,
+    checksum_files,
+    verify_files,
+)
 from bridge.train.checkpointing.layout import (
+    DAMAGED_SUFFIX,
+    MARKER_FILENAME,
     RETIRED_SUFFIX,
     RUN_CONFIG_FILENAME,
     STAGING_SUFFIX,
     checkpoint_dir_name,
     is_complete_checkpoint,
     parse_iteration,
+    read_marker,
+    read_tracker,
     retired_path,
     staging_path,
     write_marker,
@@ -134,6 +146,47 @@ def _recover_and_clean(root: Path) -> None:
                 remove_tree(entry)
 
 
+def _os_reason(exc: OSError) -> str:
+    """``No space left on device (/runs/a/iter_0000020.tmp/__0_0.distcp)``: the reason and path."""
+    reason = exc.strerror or str(exc)
+    path = exc.filename
+    return f"{reason} ({path})" if path else reason
+
+
+def describe_save_failure(exc: BaseException, root: str | None = None) -> str:
+    """One line for a failed write: the first OS error inside ``exc`` (any rank), else its text.
+
+    torch.distributed.checkpoint wraps per-rank failures (``CheckpointException.failures``)
+    with their tracebacks; the user needs the reason and the path.
+    """
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    leaf = ""
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return _os_reason(current)
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(item[0] if isinstance(item, tuple) else item for item in failures.values())
+        elif not leaf and str(current).strip():
+            # A worker's error crosses a process boundary as text ("Worker failure: [Errno
+            # 28] No space left on device: '<path>'"): its first line is the reason.
+            leaf = str(current).strip().splitlines()[0]
+        todo.extend([current.__cause__, current.__context__])
+    if root is not None and "Errno" not in leaf:
+        # megatron's writer threads report some OS errors by class only; a full disk is the
+        # common one and the file system says so itself.
+        with contextlib.suppress(OSError):
+            usage = shutil.disk_usage(root)
+            if usage.free < min(1 << 20, usage.total // 100 + 1) or usage.free < 1 << 16:
+                return f"No space left on device ({root}: {usage.free} bytes free)"
+    return leaf or type(exc).__name__
+
+
 def _prepare_staging(root: str, iteration: int) -> str:
     base = Path(root)
     try:
@@ -143,7 +196,10 @@ def _prepare_staging(root: str, iteration: int) -> str:
         remove_tree(staging)  # an earlier save of this iteration that never completed
         staging.mkdir()
     except OSError as exc:
-        raise CheckpointError(f"cannot create checkpoint directory under {root}: {exc}") from None
+        raise CheckpointError(
+            f"cannot create the checkpoint directory of iteration {iteration} under {root}: "
+            f"{_os_reason(exc)}; {intact_note(root)}"
+        ) from None
     return str(staging)
 
 
@@ -187,15 +243,60 @@ def _config_without_runtime_hooks(config: Any) -> Any:
     return clean
 
 
-def _commit_on_rank0(commit: _Commit) -> None:
+def _is_damaged(path: Path) -> bool:
+    """Whether a checkpoint directory about to be replaced fails its own checks (rank 0)."""
+    marker = read_marker(path)
+    if marker is None:
+        return True  # incomplete: a staging leftover renamed by hand, or a torn marker
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return False  # saved before checksums existed: nothing to check against
+    return bool(verify_files(path, files, collective=False))
+
+
+def _damaged_path(path: Path) -> Path:
+    candidate = path.with_name(path.name + DAMAGED_SUFFIX)
+    number = 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{number}")
+    return candidate
+
+
+def intact_note(root: str | os.PathLike[str]) -> str:
+    """What a failed save left: which checkpoint of ``root`` is still the newest complete one."""
+    try:
+        tracked = read_tracker(root)
+    except CheckpointError:
+        tracked = None
+    if tracked is not None:
+        path = Path(root) / checkpoint_dir_name(tracked)
+        if is_complete_checkpoint(path):
+            return f"the last complete checkpoint, iteration {tracked} ({path}), is intact"
+    return f"{root} holds no earlier complete checkpoint"
+
+
+def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
     root = Path(commit.root)
     staging = Path(commit.staging)
     final = root / checkpoint_dir_name(commit.iteration)
     retired = retired_path(root, commit.iteration)
     try:
         _write_run_config(commit.config, staging)
+        if (staging / RUN_CONFIG_FILENAME).is_file():
+            files = {**files, RUN_CONFIG_FILENAME: checksum_file(staging / RUN_CONFIG_FILENAME)}
         fsync_tree(staging)
-        write_marker(staging, commit.marker)
+        write_marker(staging, {**commit.marker, "checksum": CHECKSUM_ALGORITHM, "files": files})
+        if final.exists() and _is_damaged(final):
+            # Nothing damaged is deleted: it stays for the user to inspect or restore.
+            aside = _damaged_path(final)
+            os.rename(final, aside)
+            logger.error(  # a data-loss event: not hidden by filter_warnings
+                "%s is damaged; it was moved to %s (not deleted) and iteration %d is saved anew",
+                final,
+                aside,
+                commit.iteration,
+            )
         if final.exists():
             # A checkpoint of the same iteration exists: keep it until the new one is in place.
             remove_tree(retired)
@@ -206,7 +307,8 @@ def _commit_on_rank0(commit: _Commit) -> None:
         remove_tree(retired)
     except OSError as exc:
         raise CheckpointError(
-            f"cannot commit the checkpoint of iteration {commit.iteration} in {root}: {exc}"
+            f"cannot commit the checkpoint of iteration {commit.iteration} in {root}: "
+            f"{_os_reason(exc)}; {intact_note(root)}"
         ) from None
     if commit.non_persistent:
         for entry in list(root.iterdir()):
@@ -218,7 +320,14 @@ def _commit_on_rank0(commit: _Commit) -> None:
 def _commit(commit: _Commit) -> None:
     """Make a written checkpoint count (every rank calls it; rank 0 does the work)."""
     try:
-        _dist.run_on_rank0(_commit_on_rank0, commit)
+        files = checksum_files(commit.staging, exclude=(RUN_CONFIG_FILENAME, MARKER_FILENAME))
+        unreadable = [entry["error"] for entry in files.values() if "error" in entry]
+        if unreadable:
+            raise CheckpointError(
+                f"cannot read back the checkpoint of iteration {commit.iteration}: "
+                f"{unreadable[0]}; {intact_note(commit.root)}"
+            )
+        _dist.run_on_rank0(_commit_on_rank0, commit, files)
     finally:
         _pending().discard(commit.staging)
     if _dist.rank() == 0:
@@ -420,9 +529,10 @@ def save_checkpoint(
                     )
                 return
             dist_checkpointing.save(sharded, staging, strategy, validate_access_integrity=changed)
-    except (CheckpointException, CheckpointingException) as exc:
+    except (CheckpointException, CheckpointingException, OSError) as exc:
         _pending().discard(staging)
         raise CheckpointError(
-            f"saving the checkpoint of iteration {iteration} to {root} failed: {exc}"
-        ) from exc
+            f"saving the checkpoint of iteration {iteration} to {root} failed: "
+            f"{describe_save_failure(exc, root)}; {intact_note(root)}"
+        ) from None
     _commit(commit)

@@ -18,6 +18,7 @@ __all__ = [
     "build_gpt_dataset_config",
     "build_train_valid_test_datasets",
     "check_data_paths",
+    "dataset_prefixes",
     "train_valid_test_num_samples",
 ]
 
@@ -31,16 +32,8 @@ def _as_blend(value: Any) -> tuple[list[str], list[float] | None] | None:
     return [str(p) for p in paths], None if weights is None else [float(w) for w in weights]
 
 
-def check_data_paths(dataset_config: Any) -> None:
-    """Check that every dataset prefix of ``blend`` / ``blend_per_split`` has its files.
-
-    Args:
-        dataset_config: ``GPTDatasetConfig`` (bridge-config's or megatron's).
-
-    Raises:
-        FileNotFoundError: A prefix has no ``.bin`` or ``.idx``; the message names the
-            field, the path and what to do.
-    """
+def dataset_prefixes(dataset_config: Any) -> list[tuple[str, str]]:
+    """``(field, prefix)`` for every dataset prefix of ``blend`` / ``blend_per_split``."""
     checks: list[tuple[str, str]] = []
     blend = _as_blend(getattr(dataset_config, "blend", None))
     if blend is not None:
@@ -51,7 +44,20 @@ def check_data_paths(dataset_config: Any) -> None:
             split = _as_blend(split_blend)
             if split is not None:
                 checks += [(f"dataset.blend_per_split[{name}]", p) for p in split[0]]
-    for field, prefix in checks:
+    return checks
+
+
+def check_data_paths(dataset_config: Any) -> None:
+    """Check that every dataset prefix of ``blend`` / ``blend_per_split`` has its files.
+
+    Args:
+        dataset_config: ``GPTDatasetConfig`` (bridge-config's or megatron's).
+
+    Raises:
+        FileNotFoundError: A prefix has no ``.bin`` or ``.idx``; the message names the
+            field, the path and what to do.
+    """
+    for field, prefix in dataset_prefixes(dataset_config):
         missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
         if missing:
             raise FileNotFoundError(

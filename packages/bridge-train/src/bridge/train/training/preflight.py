@@ -135,6 +135,7 @@ def _check_data(cfg: ConfigContainer) -> None:
         text = str(exc)
         location, _, detail = text.partition(": ")
         raise ConfigError(location or "dataset", detail or text) from None
+    _check_data_files(cfg)
     tokenizer = cfg.tokenizer
     if tokenizer is not None and tokenizer.tokenizer_type == "HuggingFaceTokenizer":
         model_path = tokenizer.tokenizer_model
@@ -144,6 +145,27 @@ def _check_data(cfg: ConfigContainer) -> None:
                 f"{model_path!r} does not exist; give a local directory with tokenizer.json "
                 "(nothing is downloaded at run time)",
             )
+
+
+def _check_data_files(cfg: ConfigContainer) -> None:
+    """Damaged ``.bin``/``.idx`` files and token ids beyond the vocabulary, named with the fix."""
+    from bridge.train.data.datasets import dataset_prefixes
+    from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
+
+    vocab = getattr(cfg.tokenizer, "vocab_size", None) or getattr(cfg.model, "vocab_size", None)
+    prefixes = dataset_prefixes(cfg.dataset)
+    if vocab is None and prefixes and cfg.tokenizer is not None:
+        from bridge.train.data.tokenizers import build_tokenizer
+
+        try:  # the tokenizer knows its size (byte-level: 256 + specials)
+            vocab = int(build_tokenizer(cfg.tokenizer).vocab_size)
+        except Exception:  # a tokenizer that cannot be built is reported when it is built
+            vocab = None
+    for field, prefix in prefixes:
+        try:
+            check_indexed_dataset(prefix, vocab, field)
+        except DataFileError as exc:
+            raise ConfigError(field, str(exc)) from None
 
 
 def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
