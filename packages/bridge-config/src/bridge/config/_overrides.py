@@ -33,11 +33,13 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
         overrides: The strings, typically the command-line arguments after the config path.
 
     Returns:
-        The pairs in the given order (a later pair for the same key wins when applied).
+        The pairs in the given order.
 
     Raises:
-        ConfigError: an item has no ``=``, its key is not a dotted identifier path, or its
-            value does not parse.
+        ConfigError: an item has no ``=``, its key is not a dotted identifier path, its
+            value does not parse, or a key is given twice (also as part of a section given
+            whole, ``train={...}`` with ``train.train_iters=5``): which one was meant is
+            not clear, so neither is used.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -66,8 +68,16 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
         for part in key.split("."):
             assert isinstance(value, dict)
             value = value[part]
+        _refuse_repeat(parsed, key, item)
         parsed.append((key, value))
     return parsed
+
+
+def _refuse_repeat(parsed: list[tuple[str, Any]], key: str, item: str) -> None:
+    for earlier, _ in parsed:
+        if earlier == key or key.startswith(earlier + ".") or earlier.startswith(key + "."):
+            same = "is given twice" if earlier == key else f"overlaps the override of {earlier}"
+            raise ConfigError(key, f"{same} in the overrides ({item!r}); give each field once")
 
 
 def _merge(data: dict[str, Any], key: str, value: Any) -> None:
