@@ -20,6 +20,7 @@ dotted path of the field.
 from __future__ import annotations
 
 import collections.abc
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -689,6 +690,13 @@ def instantiate(data: dict[str, Any], path: str, expected: Any = None) -> Any:
         raise ConfigError(path, f"{data[TARGET]} rejected these values: {exc}") from exc
 
 
+#: Set by ``load_config`` (recipes and command-line overrides: what a user types): a value
+#: for a field ``validate()`` computes is refused there. ``from_dict``/``from_yaml`` of a
+#: config saved from Python keep accepting such values, so those round-trip.
+REFUSE_DERIVED_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "REFUSE_DERIVED_VALUES", default=False
+)
+
 #: What the user sets instead of each field ``ConfigContainer.validate()`` computes.
 DERIVED_FROM = {
     "data_parallel_size": "it is the world size divided by the model-parallel sizes; launch "
@@ -736,7 +744,12 @@ def build_dataclass(cls: type, data: dict[str, Any], path: str) -> Any:
                 exc.location,
                 f"is fixed by {cls.__qualname__} and cannot be set to {_describe(raw)}",
             ) from None
-        if not field.init and value is not None and cls.__module__.startswith(_OWN_PACKAGE):
+        if (
+            REFUSE_DERIVED_VALUES.get()
+            and not field.init
+            and value is not None
+            and cls.__module__.startswith(_OWN_PACKAGE)
+        ):
             # A saved config writes these as null; a value here was typed by a user.
             raise ConfigError(
                 join(path, key),

@@ -12,7 +12,14 @@ from typing import Any
 
 import yaml
 
-from bridge.config._codec import DEFAULT_CLASS, TARGET, decode, encode, join
+from bridge.config._codec import (
+    DEFAULT_CLASS,
+    REFUSE_DERIVED_VALUES,
+    TARGET,
+    decode,
+    encode,
+    join,
+)
 from bridge.config._container import ConfigContainer
 from bridge.config._errors import ConfigError, suggest
 from bridge.config._typing import field_types, is_union
@@ -108,12 +115,17 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         The built container (not yet validated: call ``validate()``).
 
     Raises:
-        ConfigError: for any problem with the file, an override or a value.
+        ConfigError: for any problem with the file, an override or a value, including a
+            value for a field `validate()` computes (`scheduler.lr_decay_steps`).
     """
     data = read_yaml_mapping(path)
     for key, value in parse_overrides(overrides):
         _merge(data, key, value)
-    return ConfigContainer.from_dict(resolve_interpolations(data, str(path)))
+    token = REFUSE_DERIVED_VALUES.set(True)
+    try:
+        return ConfigContainer.from_dict(resolve_interpolations(data, str(path)))
+    finally:
+        REFUSE_DERIVED_VALUES.reset(token)
 
 
 def apply_overrides[C: ConfigContainer](container: C, overrides: Sequence[str]) -> C:

@@ -8,7 +8,10 @@ Each check turns a value that would otherwise cost a user hours into one
 * evaluation switched on (``train.eval_iters`` > 0) while the data has no validation part
   (``dataset.split`` with a validation weight of 0, or no validation blend);
 * a training length whose dataset index cannot be built on this machine
-  (``train.train_iters=10**23`` spins for hours in megatron-core's index building).
+  (``train.train_iters=10**23`` spins for hours in megatron-core's index building);
+* a ``tokenizer.tokenizer_type`` the config accepts but this installation cannot build
+  (a type bridge-train does not build yet, or a missing optional package), which would
+  otherwise fail after the process groups are up.
 """
 
 from __future__ import annotations
@@ -109,6 +112,37 @@ def _check_dataset_size(cfg: Any) -> None:
     )
 
 
+# Tokenizer types bridge-train builds, and the optional package (extra) each one needs.
+_TOKENIZER_PACKAGES: dict[str, tuple[str, str] | None] = {
+    "NullTokenizer": None,
+    "ByteLevelTokenizer": None,
+    "HuggingFaceTokenizer": ("tokenizers", "bridge-train[hf]"),
+}
+
+
+def _check_tokenizer(cfg: Any) -> None:
+    import importlib.util
+
+    kind = getattr(cfg.tokenizer, "tokenizer_type", None) if cfg.tokenizer is not None else None
+    if kind is None:
+        return
+    if kind not in _TOKENIZER_PACKAGES:
+        raise ConfigError(
+            "tokenizer.tokenizer_type",
+            f"{kind!r} is not built by bridge-train yet; use 'HuggingFaceTokenizer' with a "
+            "local directory holding tokenizer.json (a GPT-2 BPE, SentencePiece or tiktoken "
+            "vocabulary converted with Hugging Face tokenizers), 'ByteLevelTokenizer' or "
+            "'NullTokenizer'",
+        )
+    needs = _TOKENIZER_PACKAGES[kind]
+    if needs is not None and importlib.util.find_spec(needs[0]) is None:
+        raise ConfigError(
+            "tokenizer.tokenizer_type",
+            f"{kind!r} needs the {needs[0]!r} package, which is not installed; "
+            f"pip install '{needs[1]}'",
+        )
+
+
 def check_run_inputs(cfg: Any) -> None:
     """Run the checks of this module on a validated config (see the module docstring).
 
@@ -122,3 +156,4 @@ def check_run_inputs(cfg: Any) -> None:
         _check_load_directory(cfg.checkpoint)
     _check_evaluation_data(cfg)
     _check_dataset_size(cfg)
+    _check_tokenizer(cfg)
