@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -172,10 +173,10 @@ def test_stale_distributed_environment_is_refused(
     line = _fails_with(capsys, [])
     assert "WORLD_SIZE: environment variable is 4 but this is not a torchrun launch" in line
     assert "MASTER_ADDR, MASTER_PORT are not set" in line and "--nproc_per_node=4" in line
-    monkeypatch.setenv("RANK", "7")
-    assert "RANK: environment variable is 7, outside [0, WORLD_SIZE=4)" in _fails_with(capsys, [])
     monkeypatch.setenv("WORLD_SIZE", "two")
     assert "WORLD_SIZE: environment variable holds 'two'" in _fails_with(capsys, [])
+    with pytest.raises(ConfigError, match=r"RANK: environment variable is 7, outside \[0, WORLD"):
+        check_launch_environment({"WORLD_SIZE": "4", "RANK": "7"})
 
 
 def test_launch_environment_rule() -> None:
@@ -221,17 +222,17 @@ def test_recipes_validate_for_any_train_iters(recipe: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_documented_extend_a_run_command_resumes_and_keeps_the_schedule(
-    capfd: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # docs/quickstart.md: bridge-train checkpoint.save=runs/a, then the same with more iters.
     monkeypatch.chdir(tmp_path)
     common = ["--metrics-file", "m.jsonl", "checkpoint.save=runs/a", "logger.log_interval=1"]
     assert run([*common, "train.train_iters=4", "train.eval_iters=0"]) == 0
-    capfd.readouterr()
-    assert run([*common, "train.train_iters=6", "train.eval_iters=0"]) == 0
-    captured = capfd.readouterr()
-    assert "loaded checkpoint.load checkpoint of iteration 4" in captured.err + captured.out
-    assert "keeping the checkpoint's schedule" in captured.err + captured.out
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="bridge.train"):
+        assert run([*common, "train.train_iters=6", "train.eval_iters=0"]) == 0
+    assert "checkpoint of iteration 4" in caplog.text
+    assert "keeping the checkpoint's schedule" in caplog.text
     assert (tmp_path / "runs/a/latest_checkpointed_iteration.txt").read_text().strip() == "6"
     records = [json.loads(line) for line in Path("m.jsonl").read_text().splitlines()]
     rates = [r["learning-rate"] for r in records if "learning-rate" in r]
@@ -301,3 +302,19 @@ def test_a_burst_of_sigterms_during_training_ends_with_one_line(tmp_path: Path) 
     assert proc.returncode == 143, err[-2000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == "bridge-train: stopped by SIGTERM"
+
+
+def test_world_size_the_layout_cannot_use_is_named_once_by_rank_0(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As torchrun --nproc_per_node=3 sets it up; the check runs before any process group.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    line = _fails_with(capsys, ["--dry-run", "model.tensor_model_parallel_size=2"])
+    assert "3" in line and "tensor_model_parallel_size" in line, line
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as info:
+        main(["--dry-run", "model.tensor_model_parallel_size=2"])
+    assert info.value.code == EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err == ""  # only rank 0 reports it

@@ -113,7 +113,7 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[mi
         for key_node, _ in node.value:
             if key_node.tag == _MERGE_TAG:
                 continue
-            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=True)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 first = seen[key].start_mark.line + 1
                 raise yaml.constructor.ConstructorError(
@@ -123,7 +123,7 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[mi
                     key_node.start_mark,
                 )
             seen[key] = key_node
-        return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+        return super().construct_mapping(node, deep=deep)
 
 
 class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]

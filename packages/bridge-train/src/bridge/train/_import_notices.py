@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["HeldNotices", "held_notices"]
+__all__ = ["HeldNotices", "held_notices", "silence_known_fallback_notices"]
 
 # Loggers that write notices while torch is imported (torch formats them itself, "W1124 ...").
 _NOISY_LOGGERS = ("torch.utils.cpp_extension",)
@@ -110,3 +110,17 @@ def held_notices() -> Iterator[HeldNotices]:
             log.removeFilter(recorder)
     for item in own:
         warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+
+
+# megatron-core repeats its "not installed, falling back" notice where a layer spec or an
+# optimizer is built, after the imports; the held-back summary already said it.
+_FALLBACK_NOTICE = r"(Transformer Engine and )?Apex is not installed"
+
+
+def silence_known_fallback_notices() -> None:
+    """Ignore, for the rest of the process, megatron-core's repeated TE/Apex fallback notice.
+
+    Called by the command after it reported the held-back notices (not at DEBUG level),
+    so the same notice does not reappear when the model and optimizer are built.
+    """
+    warnings.filterwarnings("ignore", message=_FALLBACK_NOTICE, category=UserWarning)

@@ -260,8 +260,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
             from bridge.config import ConfigError
 
             raise ConfigError("--recipe", str(exc.args[0])) from None
+    cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
-    cfg = load_config(path, args.overrides)
     return cfg, path, recipe_cfg
 
 
@@ -306,11 +306,19 @@ def _is_user_error(exc: BaseException) -> bool:
 
 
 def _report_notices(held: Any, cfg: Any) -> None:
-    """Rank 0: one line about the held-back import notices, or all of them at DEBUG level."""
-    if _rank() != 0 or not held.lines:
-        return
+    """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
+
+    Other ranks print none of them. Unless the level is DEBUG, megatron-core's TE/Apex fallback notice,
+    which it repeats when the model is built, is silenced on every rank.
+    """
+    from bridge.train._import_notices import silence_known_fallback_notices
+
     logger_cfg = getattr(cfg, "logger", None)
     level = getattr(logger_cfg, "logging_level", logging.INFO)
+    if level > logging.DEBUG:
+        silence_known_fallback_notices()
+    if _rank() != 0 or not held.lines:
+        return
     if level <= logging.DEBUG:
         for line in held.lines:
             print(f"[bridge-train] notice: {line}", file=sys.stderr, flush=True)

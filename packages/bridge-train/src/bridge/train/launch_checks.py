@@ -203,5 +203,11 @@ def interrupt_handlers() -> Iterator[None]:
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if stopping:
+            # The process is on its way out after a signal: more SIGTERMs of the same burst
+            # must not kill it before it reports and exits with its own code.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
