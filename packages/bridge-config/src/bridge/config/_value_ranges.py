@@ -13,9 +13,9 @@ import dataclasses
 import math
 from typing import Any
 
-from bridge.config._errors import ConfigError
+from bridge.config._errors import ConfigError, suggest
 
-# field: (low, high, low is open, high is open, what it means). None: unbounded.
+# field: (low, high, low end open, high end open); a bound of None: unbounded.
 _OPTIMIZER_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "lr": (0.0, None, False, False),
     "min_lr": (0.0, None, False, False),
@@ -103,8 +103,6 @@ def check_value_ranges(optimizer: Any, model: Any, engine: str | None) -> None:
         name = getattr(optimizer, "optimizer", None)
         allowed = _OPTIMIZERS.get(engine or "portable", _OPTIMIZERS["megatron"])
         if isinstance(name, str) and name not in allowed:
-            from bridge.config._errors import suggest
-
             raise ConfigError(
                 "optimizer.optimizer",
                 f"got {name!r}; the {engine or 'portable'} engine builds "
