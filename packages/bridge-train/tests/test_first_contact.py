@@ -218,6 +218,13 @@ def test_recipes_validate_for_any_train_iters(recipe: str) -> None:
         assert cfg.scheduler is not None and cfg.scheduler.lr_warmup_steps is not None
         assert cfg.scheduler.lr_decay_steps is not None
         assert cfg.scheduler.lr_warmup_steps < cfg.scheduler.lr_decay_steps
+    # An override of another warm-up field replaces the recipe's fraction.
+    cfg = load_config(recipe_path(recipe), ["scheduler.lr_warmup_iters=2", "train.train_iters=9"])
+    cfg.validate(world_size=1)
+    assert cfg.scheduler is not None and cfg.scheduler.lr_warmup_fraction is None
+    assert (
+        cfg.train is not None and cfg.scheduler.lr_warmup_steps == 2 * cfg.train.global_batch_size
+    )
 
 
 @pytest.mark.timeout(300)

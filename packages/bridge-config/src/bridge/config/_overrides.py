@@ -99,8 +99,33 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# Fields of which a config sets at most one: an override of one replaces the recipe's choice
+# (the built-in recipes warm up by lr_warmup_fraction; scheduler.lr_warmup_iters=5 on the
+# command line means "warm up 5 iterations instead", not a conflict).
+_ALTERNATIVES = (
+    ("scheduler.lr_warmup_fraction", "scheduler.lr_warmup_iters", "scheduler.lr_warmup_samples"),
+)
+
+
+def _drop_replaced_alternatives(data: dict[str, Any], override_keys: list[str]) -> None:
+    for group in _ALTERNATIVES:
+        chosen = [key for key in override_keys if key in group]
+        if not chosen:
+            continue
+        for other in group:
+            if other in chosen:
+                continue
+            section, _, name = other.rpartition(".")
+            node = data.get(section)
+            if isinstance(node, dict):
+                node.pop(name, None)
+
+
 def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ConfigContainer:
     """Read a YAML recipe, apply dotted overrides, resolve interpolations and build the config.
+
+    An override of one of a set of alternative fields (``scheduler.lr_warmup_iters``,
+    ``lr_warmup_fraction``, ``lr_warmup_samples``) replaces the one the YAML chose.
 
     Overrides are merged into the YAML data before anything is built, so they can add or
     replace whole sections (``ft.enable_ft_package=true`` creates the ``ft`` section,
@@ -119,7 +144,9 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
             value for a field `validate()` computes (`scheduler.lr_decay_steps`).
     """
     data = read_yaml_mapping(path)
-    for key, value in parse_overrides(overrides):
+    pairs = parse_overrides(overrides)
+    _drop_replaced_alternatives(data, [key for key, _ in pairs])
+    for key, value in pairs:
         _merge(data, key, value)
     token = REFUSE_DERIVED_VALUES.set(True)
     try:
