@@ -20,6 +20,7 @@ dotted path of the field.
 from __future__ import annotations
 
 import collections.abc
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -689,6 +690,25 @@ def instantiate(data: dict[str, Any], path: str, expected: Any = None) -> Any:
         raise ConfigError(path, f"{data[TARGET]} rejected these values: {exc}") from exc
 
 
+#: Set by ``load_config`` (recipes and command-line overrides: what a user types): a value
+#: for a field ``validate()`` computes is refused there. ``from_dict``/``from_yaml`` of a
+#: config saved from Python keep accepting such values, so those round-trip.
+REFUSE_DERIVED_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "REFUSE_DERIVED_VALUES", default=False
+)
+
+#: What the user sets instead of each field ``ConfigContainer.validate()`` computes.
+DERIVED_FROM = {
+    "data_parallel_size": "it is the world size divided by the model-parallel sizes; launch "
+    "more or fewer ranks or change model.tensor_model_parallel_size / "
+    "pipeline_model_parallel_size / context_parallel_size",
+    "lr_decay_steps": "set scheduler.lr_decay_iters (or lr_decay_samples) instead",
+    "lr_warmup_steps": "set scheduler.lr_warmup_iters, lr_warmup_samples or lr_warmup_fraction",
+    "wd_incr_steps": "it follows train.train_iters (or train.train_samples)",
+    "wsd_decay_steps": "set scheduler.lr_wsd_decay_iters (or lr_wsd_decay_samples) instead",
+}
+
+
 def build_dataclass(cls: type, data: dict[str, Any], path: str) -> Any:
     """Build dataclass ``cls`` from a dict of field values, checking every value's type.
 
@@ -724,6 +744,18 @@ def build_dataclass(cls: type, data: dict[str, Any], path: str) -> Any:
                 exc.location,
                 f"is fixed by {cls.__qualname__} and cannot be set to {_describe(raw)}",
             ) from None
+        if (
+            REFUSE_DERIVED_VALUES.get()
+            and not field.init
+            and value is not None
+            and cls.__module__.startswith(_OWN_PACKAGE)
+        ):
+            # A saved config writes these as null; a value here was typed by a user.
+            raise ConfigError(
+                join(path, key),
+                f"got {_describe(raw)}; it is computed by validate() and cannot be set: "
+                f"{DERIVED_FROM.get(key, 'remove it')}",
+            )
         (kwargs if field.init else derived)[key] = value
     for field in fields.values():
         required = (

@@ -21,6 +21,7 @@ from bridge.config._data import FinetuningDatasetConfig, GPTDatasetConfig
 from bridge.config._ddp import DistributedDataParallelConfig
 from bridge.config._diff import ConfigDiff, diff_from_defaults
 from bridge.config._errors import ConfigError
+from bridge.config._load_order import sections_needing_no_import_first
 from bridge.config._logger import LoggerConfig, ProfilingConfig
 from bridge.config._protocols import (
     CommOverlapConfigProtocol,
@@ -40,6 +41,7 @@ from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfi
 from bridge.config._section import clear_fill_ins, config_section, fill_in, restore_fill_ins
 from bridge.config._tokenizer import TokenizerConfig, total_vocab_size
 from bridge.config._training import SchedulerConfig, TrainingConfig
+from bridge.config._value_ranges import check_value_ranges
 from bridge.config._yaml import (
     dump_yaml,
     escape_interpolations,
@@ -366,6 +368,7 @@ class ConfigContainer:
 
     def _validate(self, world: int) -> None:
         self._recheck_sections()
+        check_value_ranges(self.optimizer, self.model, getattr(self.train, "engine", None))
         dp = self.get_data_parallel_size(world)
         fill_in(self, "data_parallel_size", dp)
         self._fill_comm_overlap(dp)
@@ -728,7 +731,7 @@ class ConfigContainer:
             target_cls = import_object(data[TARGET], TARGET)
             if not (isinstance(target_cls, type) and issubclass(target_cls, cls)):
                 raise ConfigError(TARGET, f"{data[TARGET]!r} is not a {cls.__qualname__}")
-        return build_dataclass(target_cls, data, "")
+        return build_dataclass(target_cls, sections_needing_no_import_first(data), "")
 
     def to_yaml(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         """Save the config as YAML that ``from_yaml`` loads back to an equal container.

@@ -12,7 +12,14 @@ from typing import Any
 
 import yaml
 
-from bridge.config._codec import DEFAULT_CLASS, TARGET, decode, encode, join
+from bridge.config._codec import (
+    DEFAULT_CLASS,
+    REFUSE_DERIVED_VALUES,
+    TARGET,
+    decode,
+    encode,
+    join,
+)
 from bridge.config._container import ConfigContainer
 from bridge.config._errors import ConfigError, suggest
 from bridge.config._typing import field_types, is_union
@@ -33,11 +40,13 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
         overrides: The strings, typically the command-line arguments after the config path.
 
     Returns:
-        The pairs in the given order (a later pair for the same key wins when applied).
+        The pairs in the given order.
 
     Raises:
-        ConfigError: an item has no ``=``, its key is not a dotted identifier path, or its
-            value does not parse.
+        ConfigError: an item has no ``=``, its key is not a dotted identifier path, its
+            value does not parse, or a key is given twice (also as part of a section given
+            whole, ``train={...}`` with ``train.train_iters=5``): which one was meant is
+            not clear, so neither is used.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -66,8 +75,16 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
         for part in key.split("."):
             assert isinstance(value, dict)
             value = value[part]
+        _refuse_repeat(parsed, key, item)
         parsed.append((key, value))
     return parsed
+
+
+def _refuse_repeat(parsed: list[tuple[str, Any]], key: str, item: str) -> None:
+    for earlier, _ in parsed:
+        if earlier == key or key.startswith(earlier + ".") or earlier.startswith(key + "."):
+            same = "is given twice" if earlier == key else f"overlaps the override of {earlier}"
+            raise ConfigError(key, f"{same} in the overrides ({item!r}); give each field once")
 
 
 def _merge(data: dict[str, Any], key: str, value: Any) -> None:
@@ -82,8 +99,33 @@ def _merge(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# Fields of which a config sets at most one: an override of one replaces the recipe's choice
+# (the built-in recipes warm up by lr_warmup_fraction; scheduler.lr_warmup_iters=5 on the
+# command line means "warm up 5 iterations instead", not a conflict).
+_ALTERNATIVES = (
+    ("scheduler.lr_warmup_fraction", "scheduler.lr_warmup_iters", "scheduler.lr_warmup_samples"),
+)
+
+
+def _drop_replaced_alternatives(data: dict[str, Any], override_keys: list[str]) -> None:
+    for group in _ALTERNATIVES:
+        chosen = [key for key in override_keys if key in group]
+        if not chosen:
+            continue
+        for other in group:
+            if other in chosen:
+                continue
+            section, _, name = other.rpartition(".")
+            node = data.get(section)
+            if isinstance(node, dict):
+                node.pop(name, None)
+
+
 def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ConfigContainer:
     """Read a YAML recipe, apply dotted overrides, resolve interpolations and build the config.
+
+    An override of one of a set of alternative fields (``scheduler.lr_warmup_iters``,
+    ``lr_warmup_fraction``, ``lr_warmup_samples``) replaces the one the YAML chose.
 
     Overrides are merged into the YAML data before anything is built, so they can add or
     replace whole sections (``ft.enable_ft_package=true`` creates the ``ft`` section,
@@ -98,12 +140,19 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         The built container (not yet validated: call ``validate()``).
 
     Raises:
-        ConfigError: for any problem with the file, an override or a value.
+        ConfigError: for any problem with the file, an override or a value, including a
+            value for a field `validate()` computes (`scheduler.lr_decay_steps`).
     """
     data = read_yaml_mapping(path)
-    for key, value in parse_overrides(overrides):
+    pairs = parse_overrides(overrides)
+    _drop_replaced_alternatives(data, [key for key, _ in pairs])
+    for key, value in pairs:
         _merge(data, key, value)
-    return ConfigContainer.from_dict(resolve_interpolations(data, str(path)))
+    token = REFUSE_DERIVED_VALUES.set(True)
+    try:
+        return ConfigContainer.from_dict(resolve_interpolations(data, str(path)))
+    finally:
+        REFUSE_DERIVED_VALUES.reset(token)
 
 
 def apply_overrides[C: ConfigContainer](container: C, overrides: Sequence[str]) -> C:

@@ -1,121 +1,251 @@
 """bridge.train: megatron-core training on the portable (CPU/GPU) or megatron (CUDA) engine."""
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
-from bridge.logging import (
-    MEMORY_KEYS,
-    _build_moe_metric_writer,
-    _MoeMetricFanoutWriter,
-    reduce_max_memory_across_pp_group,
-    report_l2_norm_grad,
-    report_memory,
-    report_runtime,
-    report_throughput,
-    start_memory_history_recording,
-    training_log,
-)
-from bridge.train.bare_loop import BareLoopResult, reduce_loss_dicts, run_bare_loop, train_steps
-from bridge.train.checkpointing import (
-    CheckpointError,
-    checkpoint_exists,
-    finalize_async_saves,
-    find_latest_checkpoint,
-    init_checkpointing_context,
-    load_checkpoint,
-    save_checkpoint,
-)
-from bridge.train.data import (
-    ByteLevelTokenizer,
-    CyclicRandomSampler,
-    HuggingFaceTokenizer,
-    NullTokenizer,
-    PreprocessResult,
-    PretrainingSampler,
-    Tokenizer,
-    build_data_loader,
-    build_gpt_dataset_config,
-    build_tokenizer,
-    build_train_valid_test_data_iterators,
-    build_train_valid_test_data_loaders,
-    build_train_valid_test_datasets,
-    check_data_paths,
-    cyclic_iter,
-    preprocess_data,
-    train_valid_test_num_samples,
-)
-from bridge.train.engines import (
-    ENGINE_NAMES,
-    DynamicLossScaler,
-    Engine,
-    MegatronEngine,
-    PortableDistributedDataParallel,
-    PortableEngine,
-    PortableOptimizer,
-    build_engine,
-    build_portable_optimizer,
-    forward_backward_no_pipelining,
-)
-from bridge.train.flops import num_floating_point_operations
-from bridge.train.gpt_step import forward_step, get_batch, masked_next_token_loss
-from bridge.train.initialize import (
-    destroy_distributed,
-    initialize_distributed,
-    resolve_distributed_backend,
-    set_random_seed,
-    validate_parallel_layout,
-)
-from bridge.train.models import (
-    GPTModelProvider,
-    LayerSpecBackend,
-    build_gpt_layer_spec,
-    calculate_padded_vocab_size,
-    resolve_layer_spec_backend,
-)
-from bridge.train.moe_utils import freeze_moe_router
-from bridge.train.norms import calc_dtensor_params_l2_norm, calc_params_l2_norm, param_is_not_shared
-from bridge.train.reductions import (
-    logical_and_across_model_parallel_group,
-    reduce_max_stat_across_model_parallel_group,
-)
-from bridge.train.scheduler import build_optimizer_param_scheduler, scheduler_steps
-from bridge.train.state import GlobalState, TrainState
-from bridge.train.state_injection import (
-    ForwardStepCallable,
-    maybe_inject_state,
-    needs_global_state_injection,
-    prepare_forward_step_func,
-)
-from bridge.train.training import (
-    JsonlMetricWriter,
-    SetupOutput,
-    TNvtxContext,
-    WeightHashMismatchError,
-    check_config_before_launch,
-    checkpoint_and_decide_exit,
-    compute_throughputs_and_append_to_progress_log,
-    disable_forward_pre_hook,
-    enable_forward_pre_hook,
-    evaluate,
-    evaluate_and_print_results,
-    get_start_time_from_progress_log,
-    post_training_step_callbacks,
-    pretrain,
-    rampup_to_step_schedule,
-    read_metrics_file,
-    save_checkpoint_and_time,
-    save_run_config,
-    setup,
-    should_disable_forward_pre_hook,
-    train,
-    train_step,
-)
-from bridge.train.value_head import (
-    LinearForLastLayer,
-    ModelHook,
-    ModelList,
-    create_value_head_hook,
-    make_value_model,
-)
+if TYPE_CHECKING:
+    from bridge.logging import (
+        MEMORY_KEYS,
+        _build_moe_metric_writer,
+        _MoeMetricFanoutWriter,
+        reduce_max_memory_across_pp_group,
+        report_l2_norm_grad,
+        report_memory,
+        report_runtime,
+        report_throughput,
+        start_memory_history_recording,
+        training_log,
+    )
+    from bridge.train.bare_loop import BareLoopResult, reduce_loss_dicts, run_bare_loop, train_steps
+    from bridge.train.checkpointing import (
+        CheckpointError,
+        checkpoint_exists,
+        finalize_async_saves,
+        find_latest_checkpoint,
+        init_checkpointing_context,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from bridge.train.data import (
+        ByteLevelTokenizer,
+        CyclicRandomSampler,
+        HuggingFaceTokenizer,
+        NullTokenizer,
+        PreprocessResult,
+        PretrainingSampler,
+        Tokenizer,
+        build_data_loader,
+        build_gpt_dataset_config,
+        build_tokenizer,
+        build_train_valid_test_data_iterators,
+        build_train_valid_test_data_loaders,
+        build_train_valid_test_datasets,
+        check_data_paths,
+        cyclic_iter,
+        preprocess_data,
+        train_valid_test_num_samples,
+    )
+    from bridge.train.engines import (
+        ENGINE_NAMES,
+        DynamicLossScaler,
+        Engine,
+        MegatronEngine,
+        PortableDistributedDataParallel,
+        PortableEngine,
+        PortableOptimizer,
+        build_engine,
+        build_portable_optimizer,
+        forward_backward_no_pipelining,
+    )
+    from bridge.train.flops import num_floating_point_operations
+    from bridge.train.gpt_step import forward_step, get_batch, masked_next_token_loss
+    from bridge.train.initialize import (
+        destroy_distributed,
+        initialize_distributed,
+        resolve_distributed_backend,
+        set_random_seed,
+        validate_parallel_layout,
+    )
+    from bridge.train.models import (
+        GPTModelProvider,
+        LayerSpecBackend,
+        build_gpt_layer_spec,
+        calculate_padded_vocab_size,
+        resolve_layer_spec_backend,
+    )
+    from bridge.train.moe_utils import freeze_moe_router
+    from bridge.train.norms import (
+        calc_dtensor_params_l2_norm,
+        calc_params_l2_norm,
+        param_is_not_shared,
+    )
+    from bridge.train.reductions import (
+        logical_and_across_model_parallel_group,
+        reduce_max_stat_across_model_parallel_group,
+    )
+    from bridge.train.scheduler import build_optimizer_param_scheduler, scheduler_steps
+    from bridge.train.state import GlobalState, TrainState
+    from bridge.train.state_injection import (
+        ForwardStepCallable,
+        maybe_inject_state,
+        needs_global_state_injection,
+        prepare_forward_step_func,
+    )
+    from bridge.train.training import (
+        JsonlMetricWriter,
+        SetupOutput,
+        TNvtxContext,
+        WeightHashMismatchError,
+        check_config_before_launch,
+        checkpoint_and_decide_exit,
+        compute_throughputs_and_append_to_progress_log,
+        disable_forward_pre_hook,
+        enable_forward_pre_hook,
+        evaluate,
+        evaluate_and_print_results,
+        get_start_time_from_progress_log,
+        post_training_step_callbacks,
+        pretrain,
+        rampup_to_step_schedule,
+        read_metrics_file,
+        save_checkpoint_and_time,
+        save_run_config,
+        setup,
+        should_disable_forward_pre_hook,
+        train,
+        train_step,
+    )
+    from bridge.train.value_head import (
+        LinearForLastLayer,
+        ModelHook,
+        ModelList,
+        create_value_head_hook,
+        make_value_model,
+    )
+
+# Every public name is imported on first use, not with the package: the ``bridge-train``
+# command answers --help, --version and configuration errors without importing torch or
+# megatron-core (about ten seconds), and ``import bridge.train`` stays cheap.
+_LAZY_NAMES: dict[str, str] = {
+    "MEMORY_KEYS": "bridge.logging",
+    "_build_moe_metric_writer": "bridge.logging",
+    "_MoeMetricFanoutWriter": "bridge.logging",
+    "reduce_max_memory_across_pp_group": "bridge.logging",
+    "report_l2_norm_grad": "bridge.logging",
+    "report_memory": "bridge.logging",
+    "report_runtime": "bridge.logging",
+    "report_throughput": "bridge.logging",
+    "start_memory_history_recording": "bridge.logging",
+    "training_log": "bridge.logging",
+    "BareLoopResult": "bridge.train.bare_loop",
+    "reduce_loss_dicts": "bridge.train.bare_loop",
+    "run_bare_loop": "bridge.train.bare_loop",
+    "train_steps": "bridge.train.bare_loop",
+    "CheckpointError": "bridge.train.checkpointing",
+    "checkpoint_exists": "bridge.train.checkpointing",
+    "finalize_async_saves": "bridge.train.checkpointing",
+    "find_latest_checkpoint": "bridge.train.checkpointing",
+    "init_checkpointing_context": "bridge.train.checkpointing",
+    "load_checkpoint": "bridge.train.checkpointing",
+    "save_checkpoint": "bridge.train.checkpointing",
+    "ByteLevelTokenizer": "bridge.train.data",
+    "CyclicRandomSampler": "bridge.train.data",
+    "HuggingFaceTokenizer": "bridge.train.data",
+    "NullTokenizer": "bridge.train.data",
+    "PreprocessResult": "bridge.train.data",
+    "PretrainingSampler": "bridge.train.data",
+    "Tokenizer": "bridge.train.data",
+    "build_data_loader": "bridge.train.data",
+    "build_gpt_dataset_config": "bridge.train.data",
+    "build_tokenizer": "bridge.train.data",
+    "build_train_valid_test_data_iterators": "bridge.train.data",
+    "build_train_valid_test_data_loaders": "bridge.train.data",
+    "build_train_valid_test_datasets": "bridge.train.data",
+    "check_data_paths": "bridge.train.data",
+    "cyclic_iter": "bridge.train.data",
+    "preprocess_data": "bridge.train.data",
+    "train_valid_test_num_samples": "bridge.train.data",
+    "ENGINE_NAMES": "bridge.train.engines",
+    "DynamicLossScaler": "bridge.train.engines",
+    "Engine": "bridge.train.engines",
+    "MegatronEngine": "bridge.train.engines",
+    "PortableDistributedDataParallel": "bridge.train.engines",
+    "PortableEngine": "bridge.train.engines",
+    "PortableOptimizer": "bridge.train.engines",
+    "build_engine": "bridge.train.engines",
+    "build_portable_optimizer": "bridge.train.engines",
+    "forward_backward_no_pipelining": "bridge.train.engines",
+    "num_floating_point_operations": "bridge.train.flops",
+    "forward_step": "bridge.train.gpt_step",
+    "get_batch": "bridge.train.gpt_step",
+    "masked_next_token_loss": "bridge.train.gpt_step",
+    "destroy_distributed": "bridge.train.initialize",
+    "initialize_distributed": "bridge.train.initialize",
+    "resolve_distributed_backend": "bridge.train.initialize",
+    "set_random_seed": "bridge.train.initialize",
+    "validate_parallel_layout": "bridge.train.initialize",
+    "GPTModelProvider": "bridge.train.models",
+    "LayerSpecBackend": "bridge.train.models",
+    "build_gpt_layer_spec": "bridge.train.models",
+    "calculate_padded_vocab_size": "bridge.train.models",
+    "resolve_layer_spec_backend": "bridge.train.models",
+    "freeze_moe_router": "bridge.train.moe_utils",
+    "calc_dtensor_params_l2_norm": "bridge.train.norms",
+    "calc_params_l2_norm": "bridge.train.norms",
+    "param_is_not_shared": "bridge.train.norms",
+    "logical_and_across_model_parallel_group": "bridge.train.reductions",
+    "reduce_max_stat_across_model_parallel_group": "bridge.train.reductions",
+    "build_optimizer_param_scheduler": "bridge.train.scheduler",
+    "scheduler_steps": "bridge.train.scheduler",
+    "GlobalState": "bridge.train.state",
+    "TrainState": "bridge.train.state",
+    "ForwardStepCallable": "bridge.train.state_injection",
+    "maybe_inject_state": "bridge.train.state_injection",
+    "needs_global_state_injection": "bridge.train.state_injection",
+    "prepare_forward_step_func": "bridge.train.state_injection",
+    "JsonlMetricWriter": "bridge.train.training",
+    "SetupOutput": "bridge.train.training",
+    "TNvtxContext": "bridge.train.training",
+    "WeightHashMismatchError": "bridge.train.training",
+    "check_config_before_launch": "bridge.train.training",
+    "checkpoint_and_decide_exit": "bridge.train.training",
+    "compute_throughputs_and_append_to_progress_log": "bridge.train.training",
+    "disable_forward_pre_hook": "bridge.train.training",
+    "enable_forward_pre_hook": "bridge.train.training",
+    "evaluate": "bridge.train.training",
+    "evaluate_and_print_results": "bridge.train.training",
+    "get_start_time_from_progress_log": "bridge.train.training",
+    "post_training_step_callbacks": "bridge.train.training",
+    "pretrain": "bridge.train.training",
+    "rampup_to_step_schedule": "bridge.train.training",
+    "read_metrics_file": "bridge.train.training",
+    "save_checkpoint_and_time": "bridge.train.training",
+    "save_run_config": "bridge.train.training",
+    "setup": "bridge.train.training",
+    "should_disable_forward_pre_hook": "bridge.train.training",
+    "train": "bridge.train.training",
+    "train_step": "bridge.train.training",
+    "LinearForLastLayer": "bridge.train.value_head",
+    "ModelHook": "bridge.train.value_head",
+    "ModelList": "bridge.train.value_head",
+    "create_value_head_hook": "bridge.train.value_head",
+    "make_value_model": "bridge.train.value_head",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_NAMES))
+
 
 logger = logging.getLogger(__name__)
 """The trainer's logger (``bridge.train``): every module of the package logs below it, so

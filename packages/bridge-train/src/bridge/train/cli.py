@@ -3,13 +3,20 @@
 ::
 
     bridge-train [--config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
+                 [--print-config | --dry-run] [--version]
                  [--hang-timeout SECONDS [--hang-setup-timeout SECONDS]
                   [--hang-checkpoint-timeout SECONDS]] [section.field=value ...]
 
 With no arguments it trains the built-in ``tiny_gpt`` recipe. Launched bare it runs one
-process; under ``torchrun`` every rank runs it. The resolved config (after overrides and
-validation) and what the overrides changed are printed by rank 0 before training; the
-config is also saved as ``<checkpoint.save>/run_config.yaml``.
+process; under ``torchrun`` every rank runs it. Rank 0 prints what the overrides changed
+against the recipe before training; the whole resolved config is saved as
+``<checkpoint.save>/run_config.yaml`` and printed by ``--print-config``. ``--dry-run``
+checks everything a launch checks, prints the parallel layout and exits.
+
+``--help``, ``--version`` and errors found while reading the YAML and the overrides
+(unknown section or field of a bridge.config section, wrong type, bad YAML, missing file,
+duplicate key) answer without importing torch or megatron-core: nothing heavy is
+imported before the config names a class that needs it.
 
 Exit codes: 0 when training finished or stopped on purpose (exit signal, duration,
 interval); 2 for a configuration problem (printed as one line, without a traceback,
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import textwrap
@@ -27,9 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXIT_CONFIG_ERROR", "build_parser", "main"]
+__all__ = ["EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "build_parser", "main"]
 
 EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 _USAGE = "bridge-train [--config FILE | --recipe NAME] [options] [section.field=value ...]"
 
@@ -102,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "examples:\n"
         "  bridge-train                                   # tiny GPT on mock data, ~1 min on CPU\n"
         "  bridge-train train.train_iters=300 optimizer.lr=1e-3\n"
+        "  bridge-train --dry-run model.num_layers=8      # check and show the plan, no training\n"
         "  bridge-train --config recipe.yaml checkpoint.save=runs/a\n"
         "  torchrun --nproc_per_node=2 -m bridge.train    # 2 data-parallel ranks\n"
         "  torchrun --nproc_per_node=2 -m bridge.train model.tensor_model_parallel_size=2\n\n"
@@ -146,9 +156,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --hang-timeout: limit for one checkpoint save (default: unlimited)",
     )
     parser.add_argument(
+        "--version",
+        action="version",
+        version=_version_text(),
+        help="show the versions of bridge-train, megatron-core and torch and exit",
+    )
+    show = parser.add_mutually_exclusive_group()
+    show.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the whole resolved config (recipe + overrides, validated) and exit",
+    )
+    show.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything a launch checks (data files, checkpoint directories, layout "
+        "for this world size), print the parallel layout and exit; no process group starts",
+    )
+    parser.add_argument(
         "--no-print-config",
         action="store_true",
-        help="do not print the resolved config at start",
+        help="do not print what the overrides changed at start",
     )
     parser.add_argument(
         "overrides",
@@ -232,8 +260,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
             from bridge.config import ConfigError
 
             raise ConfigError("--recipe", str(exc.args[0])) from None
+    cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
-    cfg = load_config(path, args.overrides)
     return cfg, path, recipe_cfg
 
 
@@ -243,30 +271,95 @@ def _is_mimo(cfg: Any) -> bool:
     return isinstance(cfg.model, MimoModelConfig)
 
 
-def _print_config(cfg: Any, path: Path, recipe_cfg: Any) -> None:
-    print(f"[bridge-train] recipe: {path}", flush=True)
-    print("[bridge-train] resolved config:", flush=True)
-    print(cfg.format_yaml(), end="", flush=True)
-    if recipe_cfg is not None:
-        diff = _override_diff(recipe_cfg, cfg)
-        print("[bridge-train] overrides (recipe -> this run):", flush=True)
-        print("\n".join(diff) if diff else "  (none)", flush=True)
+def _version_text() -> str:
+    """``bridge-train X (megatron-core Y, torch Z)`` from the installed metadata (no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"bridge-train {of('bridge-train')} (megatron-core {of('megatron-core')}, torch {of('torch')})"
+
+
+# Error types of sibling packages that mean "fix your input" (module, class name). They are
+# looked up only when their module is already imported: an exception cannot be an instance
+# of a class whose module was never loaded, and importing them would cost the start-up time.
+_USER_ERROR_TYPES = (
+    ("bridge.config", "ConfigError"),
+    ("bridge.logging", "BackendNotInstalledError"),
+    ("bridge.resiliency", "MissingExtraError"),
+    ("bridge.resiliency", "ResiliencyError"),
+    ("bridge.train.checkpointing", "CheckpointError"),
+)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    for module_name, name in _USER_ERROR_TYPES:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, name, None) if module is not None else None
+        if isinstance(cls, type) and isinstance(exc, cls):
+            return True
+    return False
+
+
+def _report_notices(held: Any, cfg: Any) -> None:
+    """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
+
+    Other ranks print none of them. Unless the level is DEBUG, megatron-core's TE/Apex fallback notice,
+    which it repeats when the model is built, is silenced on every rank.
+    """
+    from bridge.train._import_notices import silence_known_fallback_notices
+
+    logger_cfg = getattr(cfg, "logger", None)
+    level = getattr(logger_cfg, "logging_level", logging.INFO)
+    if level > logging.DEBUG:
+        silence_known_fallback_notices()
+    if _rank() != 0 or not held.lines:
+        return
+    if level <= logging.DEBUG:
+        for line in held.lines:
+            print(f"[bridge-train] notice: {line}", file=sys.stderr, flush=True)
     else:
-        print("[bridge-train] overrides (recipe -> this run): (none)", flush=True)
+        print(f"[bridge-train] {held.summary()}", file=sys.stderr, flush=True)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from bridge.config import ConfigError
-    from bridge.logging import BackendNotInstalledError
-    from bridge.resiliency import MissingExtraError, ResiliencyError
-    from bridge.train.checkpointing import CheckpointError
+def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any) -> None:
+    print(f"[bridge-train] recipe: {path}", flush=True)
+    diff = _override_diff(recipe_cfg, cfg) if recipe_cfg is not None else []
+    print("[bridge-train] overrides (recipe -> this run):", flush=True)
+    print("\n".join(diff) if diff else "  (none)", flush=True)
+    save = getattr(getattr(cfg, "checkpoint", None), "save", None)
+    where = f"{save}/run_config.yaml" if save else "--print-config"
+    print(f"[bridge-train] full resolved config: {where}", flush=True)
 
-    return (
-        ConfigError,
-        BackendNotInstalledError,
-        MissingExtraError,
-        ResiliencyError,
-        CheckpointError,
+
+def _print_layout(cfg: Any, world: int) -> None:
+    """The parallel layout and batch plan ``--dry-run`` reports."""
+    model, train = cfg.model, cfg.train
+    sizes = {
+        "tensor": getattr(model, "tensor_model_parallel_size", 1),
+        "pipeline": getattr(model, "pipeline_model_parallel_size", 1),
+        "context": getattr(model, "context_parallel_size", 1),
+        "data": cfg.data_parallel_size,
+    }
+    print(f"[bridge-train] dry run: world size {world}", flush=True)
+    print(
+        "[bridge-train] parallel layout: " + ", ".join(f"{k} {v}" for k, v in sizes.items()),
+        flush=True,
+    )
+    mbs, gbs = train.micro_batch_size, train.global_batch_size
+    micro = gbs // (mbs * cfg.data_parallel_size) if gbs and mbs else None
+    print(
+        f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {sizes['data']} "
+        f"= global {gbs}; train_iters {train.train_iters}, engine {train.engine}",
+        flush=True,
+    )
+    print(
+        "[bridge-train] dry run: the config is valid for this launch; nothing was trained",
+        flush=True,
     )
 
 
@@ -280,21 +373,48 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     hang_timeout = _hang_timeouts(args, parser)
-    cfg, path, recipe_cfg = _load(args)
-    if _is_mimo(cfg):
-        from bridge.train.recipes.mimo import check_mimo_config, pretrain_mimo
+    from bridge.train.launch_checks import (
+        check_launch_environment,
+        check_output_directories,
+        check_output_file,
+    )
 
-        check_mimo_config(cfg)
-        if _rank() == 0 and not args.no_print_config:
-            _print_config(cfg, path, recipe_cfg)
-        return pretrain_mimo(cfg, metrics_file=args.metrics_file)
+    check_launch_environment(os.environ)
+    if args.metrics_file is not None:
+        check_output_file(args.metrics_file, "--metrics-file")
+    from bridge.train._import_notices import held_notices
 
-    from bridge.train.training.preflight import check_config_before_launch
-    from bridge.train.training.pretrain import pretrain
+    with held_notices() as held:
+        cfg, path, recipe_cfg = _load(args)
+        mimo = _is_mimo(cfg)
+        if mimo:
+            from bridge.train.recipes.mimo import check_mimo_config, pretrain_mimo
 
-    check_config_before_launch(cfg)
+            check_mimo_config(cfg)
+        else:
+            from bridge.train.training.preflight import check_config_before_launch
+            from bridge.train.training.pretrain import pretrain
+
+            check_config_before_launch(cfg)
+            check_output_directories(cfg)
+    if args.print_config:
+        if _rank() == 0:
+            # The text run_config.yaml holds: it loads back (--config) as this same run.
+            from bridge.train.training.run_config import run_config_text
+
+            print(run_config_text(cfg), end="", flush=True)
+        return 0
+    _report_notices(held, cfg)
+    if args.dry_run:
+        if _rank() == 0:
+            _print_overrides(path, recipe_cfg, cfg)
+            if not mimo:
+                _print_layout(cfg, _world_size())
+        return 0
     if _rank() == 0 and not args.no_print_config:
-        _print_config(cfg, path, recipe_cfg)
+        _print_overrides(path, recipe_cfg, cfg)
+    if mimo:
+        return pretrain_mimo(cfg, metrics_file=args.metrics_file)
     return pretrain(cfg, metrics_file=args.metrics_file, hang_timeout=hang_timeout)
 
 
@@ -302,11 +422,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``bridge-train``: exits with the code of :func:`run`.
 
     Configuration problems are printed (by rank 0) as ``bridge-train: error: ...`` without a
-    traceback and exit with code 2.
+    traceback and exit with code 2. Ctrl-C (SIGINT) and SIGTERM end the run with one line
+    and exit codes 130 and 143 (128 + the signal number); further signals while the run
+    closes are ignored, except a second Ctrl-C, which exits at once.
     """
+    from bridge.train.launch_checks import Terminated, interrupt_handlers
+
     try:
-        code = run(argv)
-    except _user_errors() as exc:
+        with interrupt_handlers():
+            code = run(argv)
+    except (KeyboardInterrupt, Terminated) as exc:
+        signal_name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT (Ctrl-C)"
+        if _rank() == 0:
+            print(f"bridge-train: stopped by {signal_name}", file=sys.stderr, flush=True)
+        sys.exit(143 if isinstance(exc, Terminated) else EXIT_INTERRUPTED)
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
         if _rank() == 0:
             print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)

@@ -428,6 +428,30 @@ def _load_scheduler(scheduler: Any, saved: dict[str, Any], path: str) -> None:
             and hasattr(scheduler, name)
             and getattr(scheduler, name) != saved[name]
         ]
+        lengths = {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}
+        changed = [
+            name
+            for name in _SCHEDULER_SETTINGS
+            if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
+        ]
+        if differing and set(changed) <= lengths:
+            # Only the schedule's lengths differ: the run was extended (or shortened) with
+            # train.train_iters. The checkpoint's schedule keeps the learning rate
+            # continuous (after its decay ends it stays at min_lr); stretching it to the new
+            # length would jump the learning rate back up, so that is left to an explicit
+            # scheduler.override_opt_param_scheduler=true.
+            # INFO: logger.filter_warnings (on by default) would drop a WARNING record.
+            log = logger.info if _dist.rank() == 0 else logger.debug
+            log(
+                "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
+                "(the learning rate stays at min_lr once its decay ends); set "
+                "scheduler.override_opt_param_scheduler=true to stretch it to this run's length",
+                path,
+                "; ".join(differing),
+            )
+            for name in changed:
+                setattr(scheduler, name, saved[name])
+            differing = []
         if differing:
             raise CheckpointError(
                 f"the scheduler settings differ from those saved in {path}: "

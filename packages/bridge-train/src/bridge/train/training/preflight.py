@@ -204,6 +204,9 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     """
     world = world_size if world_size is not None else _launch_world_size()
     cfg.validate(world)
+    from bridge.train.training.input_checks import check_run_inputs
+
+    check_run_inputs(cfg)
     _check_engine_and_layout(cfg, world)
     _check_cuda_features(cfg)
     _check_data(cfg)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from bridge.config import ConfigContainer
 
-__all__ = ["RUN_CONFIG_FILE", "save_run_config"]
+__all__ = ["RUN_CONFIG_FILE", "run_config_text", "save_run_config"]
 
 RUN_CONFIG_FILE = "run_config.yaml"
 
@@ -42,7 +42,7 @@ def save_run_config(config: ConfigContainer, *, barrier: bool = True) -> Path | 
         directory = Path(save)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / RUN_CONFIG_FILE
-        text = _yaml_text(config)
+        text = run_config_text(config)
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             tmp = path.with_suffix(".yaml.tmp")
             with tmp.open("w", encoding="utf-8") as handle:
@@ -55,8 +55,9 @@ def save_run_config(config: ConfigContainer, *, barrier: bool = True) -> Path | 
     return path
 
 
-def _yaml_text(config: ConfigContainer) -> str:
-    """The text ``ConfigContainer.to_yaml`` writes (loads back with ``from_yaml``)."""
+def run_config_text(config: ConfigContainer) -> str:
+    """The text ``ConfigContainer.to_yaml`` writes (loads back with ``from_yaml``): what
+    ``run_config.yaml`` holds and ``bridge-train --print-config`` prints."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,213 @@
+"""Checks of the launch itself, run by ``bridge-train`` before anything is built.
+
+* :func:`check_launch_environment`: a ``WORLD_SIZE``/``RANK`` left in the environment by
+  an earlier shell session would make a bare launch wait at rendezvous for ranks that never
+  come; it is refused with one line instead.
+* :func:`check_output_file` / :func:`check_output_directories`: every file or directory
+  the run will write (``--metrics-file``, ``logger.tensorboard_dir``, ``checkpoint.save``,
+  ...) must be writable, so a typo or a read-only mount fails at start, not after the first
+  hour of training.
+* :func:`interrupt_handlers`: Ctrl-C and SIGTERM end the run as an exception the command
+  reports in one line; signals that follow while the run closes do not interrupt the
+  closing (a second Ctrl-C exits at once).
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from bridge.config import ConfigError
+
+__all__ = [
+    "Terminated",
+    "check_launch_environment",
+    "check_output_directories",
+    "check_output_file",
+    "interrupt_handlers",
+]
+
+# Variables torchrun's agent sets for every worker it starts.
+_TORCHRUN_MARKERS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+# What any launcher of several processes must provide for torch's env:// rendezvous.
+_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK")
+
+
+def _int_variable(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            name, f"environment variable holds {raw!r}, not an integer; unset it or fix it"
+        ) from None
+
+
+def check_launch_environment(environ: Mapping[str, str]) -> None:
+    """Refuse a launch whose distributed environment variables cannot be a real launch.
+
+    The rule: with ``WORLD_SIZE`` > 1 and no torchrun agent (``TORCHELASTIC_RUN_ID``,
+    ``GROUP_RANK`` or ``LOCAL_WORLD_SIZE`` absent), every one of ``MASTER_ADDR``,
+    ``MASTER_PORT`` and ``RANK`` must be set (another launcher, e.g. srun or mpirun with
+    exported variables, provides them all); otherwise the variables are left over from an
+    earlier session and the run would wait forever for the other ranks. ``RANK`` must be
+    in ``[0, WORLD_SIZE)``.
+
+    Args:
+        environ: The process environment (``os.environ``).
+
+    Raises:
+        ConfigError: naming the variable and the fix.
+    """
+    world = _int_variable(environ, "WORLD_SIZE")
+    rank = _int_variable(environ, "RANK")
+    if world is not None and world < 1:
+        raise ConfigError("WORLD_SIZE", f"environment variable is {world}; it must be >= 1")
+    if rank is not None and not 0 <= rank < (world or 1):
+        raise ConfigError(
+            "RANK",
+            f"environment variable is {rank}, outside [0, WORLD_SIZE={world or 1}); unset "
+            "RANK and WORLD_SIZE for a one-process run, or launch with torchrun",
+        )
+    if world is None or world == 1 or any(name in environ for name in _TORCHRUN_MARKERS):
+        return
+    missing = [name for name in _RENDEZVOUS_VARIABLES if not environ.get(name)]
+    if missing:
+        raise ConfigError(
+            "WORLD_SIZE",
+            f"environment variable is {world} but this is not a torchrun launch and "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so the "
+            "other ranks would never join; unset WORLD_SIZE and RANK for a one-process run "
+            f"(env -u WORLD_SIZE -u RANK bridge-train ...), or launch with torchrun "
+            f"--nproc_per_node={world}",
+        )
+
+
+def _writable_directory(directory: Path, what: str) -> None:
+    """Require that ``directory`` exists as a writable directory or can be created."""
+    probe = directory
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            what,
+            f"{str(directory)!r} cannot be created: {str(probe)!r} is a file, not a "
+            "directory; choose another path",
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        reason = "is on a read-only filesystem or not writable by this user"
+        raise ConfigError(
+            what,
+            f"{str(directory)!r} cannot be written: {str(probe)!r} {reason}; choose a "
+            "writable path",
+        )
+
+
+def check_output_file(path: str | os.PathLike[str], what: str) -> None:
+    """Require that the file ``path`` can be created or appended to.
+
+    Args:
+        path: The file the run will write.
+        what: The option or field that names it (``--metrics-file``), for the message.
+
+    Raises:
+        ConfigError: the path is a directory, its directory cannot be created or written,
+            or the file exists and is not writable.
+    """
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(what, f"{str(file)!r} is a directory; give a file path")
+    if file.exists():
+        if not os.access(file, os.W_OK):
+            raise ConfigError(what, f"{str(file)!r} is not writable; choose a writable path")
+        return
+    _writable_directory(file.parent if str(file.parent) else Path("."), what)
+
+
+# Directory fields of the config a run writes to (section, field).
+_OUTPUT_DIRECTORIES = (
+    ("checkpoint", "save"),
+    ("logger", "tensorboard_dir"),
+    ("logger", "wandb_save_dir"),
+    ("logger", "comet_offline_dir"),
+)
+
+
+def check_output_directories(cfg: Any) -> None:
+    """Require that every output directory the config names can be created and written.
+
+    Args:
+        cfg: The run's ``ConfigContainer``.
+
+    Raises:
+        ConfigError: naming the field (``logger.tensorboard_dir``) and the path.
+    """
+    for section_name, name in _OUTPUT_DIRECTORIES:
+        section = getattr(cfg, section_name, None)
+        value = getattr(section, name, None) if section is not None else None
+        if value is None:
+            continue
+        directory = Path(value)
+        where = f"{section_name}.{name}"
+        if directory.exists() and not directory.is_dir():
+            raise ConfigError(where, f"{str(directory)!r} is a file, not a directory")
+        _writable_directory(directory, where)
+
+
+class Terminated(Exception):
+    """The run received SIGTERM (raised in the main thread by :func:`interrupt_handlers`)."""
+
+
+@contextmanager
+def interrupt_handlers() -> Iterator[None]:
+    """Turn the first SIGINT/SIGTERM into an exception; keep later ones from breaking teardown.
+
+    The first SIGINT raises ``KeyboardInterrupt`` and the first SIGTERM :class:`Terminated`
+    in the main thread. After that, SIGTERM is ignored (a scheduler often sends several)
+    and a second SIGINT ends the process at once with code 130. Handlers the run installs
+    itself (the exit-signal handler of ``train.exit_signal_handler``) take precedence
+    while they are installed. The previous handlers are restored on exit.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            if signum == signal.SIGINT:
+                print("bridge-train: interrupted again; exiting now", file=sys.stderr, flush=True)
+                os._exit(130)
+            return
+        stopping = True
+        if signum == signal.SIGTERM:
+            raise Terminated()
+        raise KeyboardInterrupt()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        if stopping:
+            # The process is on its way out after a signal: more SIGTERMs of the same burst
+            # must not kill it before it reports and exits with its own code.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
