@@ -67,6 +67,7 @@ from bridge.train.initialize import (
 from bridge.train.models import (
     GPTModelProvider,
     LayerSpecBackend,
+    MambaProvider,
     build_gpt_layer_spec,
     calculate_padded_vocab_size,
     resolve_layer_spec_backend,
@@ -137,6 +138,7 @@ __all__ = [
     "JsonlMetricWriter",
     "LayerSpecBackend",
     "LinearForLastLayer",
+    "MambaProvider",
     "MegatronEngine",
     "ModelHook",
     "ModelList",
