@@ -57,6 +57,7 @@ from bridge.train.engines import (
 )
 from bridge.train.flops import num_floating_point_operations
 from bridge.train.gpt_step import forward_step, get_batch, masked_next_token_loss
+from bridge.train.t5_step import t5_forward_step
 from bridge.train.initialize import (
     destroy_distributed,
     initialize_distributed,
@@ -68,6 +69,7 @@ from bridge.train.models import (
     GPTModelProvider,
     LayerSpecBackend,
     MambaProvider,
+    T5ModelProvider,
     build_gpt_layer_spec,
     calculate_padded_vocab_size,
     resolve_layer_spec_backend,
@@ -139,6 +141,7 @@ __all__ = [
     "LayerSpecBackend",
     "LinearForLastLayer",
     "MambaProvider",
+    "T5ModelProvider",
     "MegatronEngine",
     "ModelHook",
     "ModelList",
@@ -219,6 +222,7 @@ __all__ = [
     "save_run_config",
     "scheduler_steps",
     "set_random_seed",
+    "t5_forward_step",
     "setup",
     "should_disable_forward_pre_hook",
     "start_memory_history_recording",

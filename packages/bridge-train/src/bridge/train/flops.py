@@ -46,11 +46,17 @@ def _moe_layer_pattern(model: Any) -> list[int]:
 
 
 def _model_family_flops(model: Any, batch_size: int, seq_length: int) -> float | None:
-    """FLOPs of the non-GPT providers (hybrid Mamba), or None for a GPT model."""
+    """FLOPs of the non-GPT providers (hybrid Mamba, T5), or None for a GPT model."""
     from bridge.train.models.mamba_provider import MambaProvider
+    from bridge.train.models.t5_provider import T5ModelProvider
+
+    if isinstance(model, T5ModelProvider):
+        from bridge.train.flops_models import t5_floating_point_operations
+
+        return t5_floating_point_operations(model, batch_size, model.padded_vocab_size)
 
     if isinstance(model, MambaProvider):
-        from bridge.train.flops_hybrid import hybrid_floating_point_operations
+        from bridge.train.flops_models import hybrid_floating_point_operations
 
         return hybrid_floating_point_operations(
             model, batch_size, seq_length, model.padded_vocab_size

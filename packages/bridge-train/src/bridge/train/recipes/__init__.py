@@ -5,6 +5,8 @@
   ``bridge-preprocess-data`` (byte-level tokenizer, ``.bin``/``.idx`` files);
 * ``tiny_hybrid``: a tiny hybrid Mamba / attention / MLP model (``MambaProvider``) on mock
   data, CPU, about a minute;
+* ``tiny_t5``: a tiny T5 encoder-decoder (``T5ModelProvider``) on generated
+  span-corruption data, CPU, about a minute;
 * ``mimo``: a vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs,
   every module on its own ranks.
 
@@ -54,6 +56,12 @@ RECIPES: dict[str, Recipe] = {
             "tiny_hybrid",
             "tiny_hybrid.yaml",
             "4-layer hybrid Mamba model (pattern M*M-) on mock data, CPU, about a minute",
+        ),
+        Recipe(
+            "tiny_t5",
+            "tiny_t5.yaml",
+            "T5 encoder-decoder (2 + 2 layers) on generated span-corruption data, CPU, about "
+            "a minute",
         ),
         Recipe(
             "mimo",

@@ -1,4 +1,4 @@
-"""Model FLOPs of one training step of a hybrid Mamba model (megatron-LM's formulas).
+"""Model FLOPs of one training step of hybrid Mamba and T5 models.
 
 Megatron-LM counts a hybrid model per layer kind, forward only, and multiplies by 3 for
 forward + backward:
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["hybrid_floating_point_operations"]
+__all__ = ["hybrid_floating_point_operations", "t5_floating_point_operations"]
 
 
 def hybrid_floating_point_operations(
@@ -73,3 +73,47 @@ def hybrid_floating_point_operations(
         + logits
     )
     return float(3 * forward)
+
+
+def t5_floating_point_operations(model: Any, batch_size: int, padded_vocab: int) -> float:
+    """Training FLOPs of a T5 model (a ``T5ModelProvider``) for ``batch_size`` samples.
+
+    megatron-LM has no T5-specific count; this one applies its per-layer conventions to an
+    encoder-decoder: encoder layers attend to all ``s_enc`` keys (no causal halving),
+    decoder self-attention is causal (``s_dec / 2``), decoder cross-attention projects Q and
+    the output on ``s_dec`` tokens and K, V on ``s_enc`` tokens and scores all ``s_enc``
+    keys; MLPs as above; logits on ``s_dec`` tokens; times 3 for forward + backward.
+
+    Args:
+        model: The provider (``seq_length`` encoder, ``seq_length_dec`` decoder).
+        batch_size: Number of samples.
+        padded_vocab: Padded vocabulary size.
+
+    Returns:
+        The FLOP count.
+    """
+    b, h = batch_size, model.hidden_size
+    s_enc, s_dec = model.seq_length, model.seq_length_dec
+    heads = model.num_attention_heads
+    q = (model.kv_channels or h // heads) * heads
+    kv = (model.kv_channels or h // heads) * (model.num_query_groups or heads)
+    ffn = model.ffn_hidden_size or 4 * h
+    gated = 1.5 if getattr(model, "gated_linear_unit", False) else 1.0
+
+    def mlp(tokens: int) -> float:
+        return 4 * gated * b * tokens * h * ffn
+
+    def self_attention(tokens: int, keys: float) -> float:
+        projections = 2 * b * tokens * h * (q + 2 * kv) + 2 * b * tokens * q * h
+        return projections + 4 * b * tokens * q * keys
+
+    cross = (
+        2 * b * s_dec * h * q  # Q
+        + 2 * b * s_enc * h * 2 * q  # K, V (one head per query head)
+        + 2 * b * s_dec * q * h  # output projection
+        + 4 * b * s_dec * q * s_enc  # scores and weighted values over all encoder keys
+    )
+    encoder = model.encoder_layers * (self_attention(s_enc, s_enc) + mlp(s_enc))
+    decoder = model.num_layers * (self_attention(s_dec, s_dec / 2) + cross + mlp(s_dec))
+    logits = 2 * b * s_dec * h * padded_vocab
+    return float(3 * (encoder + decoder + logits))
