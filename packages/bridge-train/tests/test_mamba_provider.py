@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from core_utils.testing import run_distributed
 
 
 def _tiny(**overrides):
-    values = {
+    values: dict[str, Any] = {
         "num_layers": 4,
         "hybrid_override_pattern": "M*M-",
         "hidden_size": 32,
@@ -54,9 +56,7 @@ def test_backend_choice_and_refusals() -> None:
     assert resolve_hybrid_backend("auto", cuda_available=True, missing=["mamba_ssm"]) == (
         "portable"
     )
-    assert resolve_hybrid_backend("auto", cuda_available=True, missing=[]) == (
-        "transformer_engine"
-    )
+    assert resolve_hybrid_backend("auto", cuda_available=True, missing=[]) == ("transformer_engine")
     with pytest.raises(ValueError, match="needs CUDA"):
         resolve_hybrid_backend("transformer_engine", cuda_available=False, missing=[])
     with pytest.raises(ValueError, match="pip install mamba-ssm causal-conv1d"):

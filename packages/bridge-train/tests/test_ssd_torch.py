@@ -56,7 +56,7 @@ def test_chunked_scan_equals_the_sequential_recurrence_with_gradients(seq, chunk
     upstream = torch.randn(got.shape, generator=gen, dtype=torch.float64)
     grads_got = torch.autograd.grad(got, inputs, upstream)
     grads_want = torch.autograd.grad(want, inputs, upstream)
-    for name, g, w in zip("x dt A B C D".split(), grads_got, grads_want, strict=True):
+    for name, g, w in zip(["x", "dt", "A", "B", "C", "D"], grads_got, grads_want, strict=True):
         assert g is not None and torch.isfinite(g).all(), name
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=f"gradient of {name}")
 
@@ -95,5 +95,6 @@ def test_causal_conv_sees_only_the_past_and_matches_a_loop() -> None:
 
 def test_bad_shapes_are_refused() -> None:
     x = torch.zeros(1, 4, 3, 2)
+    B = C = torch.zeros(1, 4, 2, 1)  # 2 groups do not divide 3 heads
     with pytest.raises(ValueError, match="incompatible shapes"):
-        ssd_chunked_scan(x, torch.zeros(1, 4, 3), torch.zeros(3), *torch.zeros(2, 1, 4, 2, 1), 4)
+        ssd_chunked_scan(x, torch.zeros(1, 4, 3), torch.zeros(3), B, C, 4)

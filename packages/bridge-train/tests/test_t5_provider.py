@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from core_utils.testing import run_distributed
 
 
 def _tiny(**overrides):
-    values = {
+    values: dict[str, Any] = {
         "num_layers": 2,
         "encoder_num_layers": 1,
         "hidden_size": 32,
@@ -31,7 +33,7 @@ def _tiny(**overrides):
 
 
 def _data(**overrides):
-    values = {"random_seed": 7, "sequence_length": 24, "sequence_length_dec": 12}
+    values: dict[str, Any] = {"random_seed": 7, "sequence_length": 24, "sequence_length_dec": 12}
     values.update(overrides)
     return T5DatasetConfig(**values)
 
@@ -81,7 +83,8 @@ def test_generated_samples_are_span_corruption_in_megatron_layout() -> None:
         assert used == [t for t in s["text_dec"][:n_dec] if t in sentinels]
         saw_span |= bool(used)
         # Putting the spans back gives the original counting sequence.
-        spans, current = {}, None
+        spans: dict[Any, list[Any]] = {}
+        current = None
         for t in s["text_dec"][1:n_dec]:
             if t in sentinels:
                 current = t
@@ -96,11 +99,11 @@ def test_generated_samples_are_span_corruption_in_megatron_layout() -> None:
 
 
 def test_data_config_refuses_what_it_does_not_read() -> None:
-    with pytest.raises(ConfigError, match="dataset.blend"):
+    with pytest.raises(ConfigError, match=r"dataset\.blend"):
         _data(blend=(["/nonexistent"], None))
-    with pytest.raises(ConfigError, match="dataset.eod_mask_loss"):
+    with pytest.raises(ConfigError, match=r"dataset\.eod_mask_loss"):
         _data(eod_mask_loss=True)
-    with pytest.raises(ConfigError, match="dataset.masking_probability"):
+    with pytest.raises(ConfigError, match=r"dataset\.masking_probability"):
         _data(masking_probability=1.5)
 
 

@@ -57,7 +57,6 @@ from bridge.train.engines import (
 )
 from bridge.train.flops import num_floating_point_operations
 from bridge.train.gpt_step import forward_step, get_batch, masked_next_token_loss
-from bridge.train.t5_step import t5_forward_step
 from bridge.train.initialize import (
     destroy_distributed,
     initialize_distributed,
@@ -88,6 +87,7 @@ from bridge.train.state_injection import (
     needs_global_state_injection,
     prepare_forward_step_func,
 )
+from bridge.train.t5_step import t5_forward_step
 from bridge.train.training import (
     JsonlMetricWriter,
     SetupOutput,
@@ -141,7 +141,6 @@ __all__ = [
     "LayerSpecBackend",
     "LinearForLastLayer",
     "MambaProvider",
-    "T5ModelProvider",
     "MegatronEngine",
     "ModelHook",
     "ModelList",
@@ -152,6 +151,7 @@ __all__ = [
     "PreprocessResult",
     "PretrainingSampler",
     "SetupOutput",
+    "T5ModelProvider",
     "TNvtxContext",
     "Tokenizer",
     "TrainState",
@@ -222,10 +222,10 @@ __all__ = [
     "save_run_config",
     "scheduler_steps",
     "set_random_seed",
-    "t5_forward_step",
     "setup",
     "should_disable_forward_pre_hook",
     "start_memory_history_recording",
+    "t5_forward_step",
     "train",
     "train_step",
     "train_steps",

@@ -65,11 +65,13 @@ class T5DatasetConfig(GPTDatasetConfig):
             )
         if not isinstance(self.sequence_length_dec, int) or self.sequence_length_dec < 4:
             raise ConfigError(
-                "dataset.sequence_length_dec", f"must be an integer >= 4, got {self.sequence_length_dec!r}"
+                "dataset.sequence_length_dec",
+                f"must be an integer >= 4, got {self.sequence_length_dec!r}",
             )
         if not 0.0 < float(self.masking_probability) < 1.0:
             raise ConfigError(
-                "dataset.masking_probability", f"must be in (0, 1), got {self.masking_probability!r}"
+                "dataset.masking_probability",
+                f"must be in (0, 1), got {self.masking_probability!r}",
             )
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
             if getattr(self, name):

@@ -216,9 +216,7 @@ class MambaProvider(GPTModelProvider):
         from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
 
         return str(
-            pattern_from_ratios(
-                self.num_layers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio
-            )
+            pattern_from_ratios(self.num_layers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio)
         )
 
     def resolved_layer_spec_backend(self) -> Any:

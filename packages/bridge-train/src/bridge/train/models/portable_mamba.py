@@ -34,6 +34,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -65,8 +66,7 @@ class GatedGroupRMSNorm(torch.nn.Module):
         self.group_size = group_size
         self.eps = eps
         self.tp_group = tp_group
-        setattr(self.weight, "tensor_model_parallel", True)
-        setattr(self.weight, "partition_dim", 0)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gate ``y`` [..., size] with ``silu(z)`` and normalise per group."""
@@ -202,17 +202,13 @@ class PortableMambaMixer(MegatronModule):
             tp_group=self.tp_group,
         )
         local_group_state = self.ngroups_local_tp * self.d_state
-        setattr(
-            self.in_proj.weight,
-            "partition_sizes",
-            [
-                self.d_inner_local_tp,
-                self.d_inner_local_tp,
-                local_group_state,
-                local_group_state,
-                self.nheads_local_tp,
-            ],
-        )
+        self.in_proj.weight.partition_sizes = [
+            self.d_inner_local_tp,
+            self.d_inner_local_tp,
+            local_group_state,
+            local_group_state,
+            self.nheads_local_tp,
+        ]
         dtype = config.params_dtype
         conv_parts = [self.d_inner, group_state, group_state]
         conv_dim_local = self.d_inner_local_tp + 2 * local_group_state
@@ -224,11 +220,12 @@ class PortableMambaMixer(MegatronModule):
             torch.ones(self.d_inner_local_tp if D_has_hdim else self.nheads_local_tp)
         )
         for param in (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A_log, self.D):
-            setattr(param, "tensor_model_parallel", True)
-            setattr(param, "partition_dim", 0)
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
+        # partition_sizes: the per-rank blocks of the packed components (megatron's
+        # resharding reads it).
         local_conv_parts = [self.d_inner_local_tp, local_group_state, local_group_state]
-        setattr(self.conv1d_weight, "partition_sizes", local_conv_parts)
-        setattr(self.conv1d_bias, "partition_sizes", local_conv_parts)
+        self.conv1d_weight.partition_sizes = local_conv_parts  # type: ignore[attr-defined]
+        self.conv1d_bias.partition_sizes = local_conv_parts  # type: ignore[attr-defined]
 
         if config.perform_initialization:
             # Full tensors on the CPU generator, then this rank's part of each component:

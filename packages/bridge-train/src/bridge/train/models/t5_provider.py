@@ -155,7 +155,6 @@ class T5ModelProvider(GPTModelProvider):
             )
         encoder_spec, decoder_spec = self.layer_spec(vp_stage)
         if self.transformer_layer_spec is None:
-            backend = self.resolved_layer_spec_backend()
             self.transformer_impl = "local"
         if not torch.cuda.is_available():
             self.use_cpu_initialization = True
