@@ -40,8 +40,8 @@ class SDPACoreAttention(MegatronModule):
     output is ``[sq, b, np * hn]``. ``attention_mask`` follows megatron's convention: ``True``
     marks positions that must NOT be attended to (``[b, 1, sq, sk]`` or broadcastable, for
     self- and cross-attention alike). A causal ``attn_mask_type`` adds the causal mask on
-    top of any given mask. A query row with every key masked attends to all keys, as in
-    megatron's masked softmax (no NaN).
+    top of any given mask. A query row with every key masked gets the mean of the values,
+    as megatron's masked softmax gives it (no NaN).
 
     Args:
         config: The transformer config; ``kv_channels``, ``num_attention_heads``,
@@ -137,10 +137,13 @@ class SDPACoreAttention(MegatronModule):
             keep = keep & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
             causal = False
         if keep is not None:
-            # A query that may attend to nothing (a padding position) attends to every key,
-            # as megatron's masked softmax (fill -10000, then softmax) makes it do; SDPA
-            # would return NaN there, which the loss mask cannot remove (NaN * 0 = NaN).
-            keep = keep | ~keep.any(dim=-1, keepdim=True)
+            # A query that may attend to nothing (a padding position) gets the mean of all
+            # values, as megatron's masked softmax (fill -10000, then softmax) gives it, and
+            # no gradient through its scores; SDPA would return NaN there, which the loss
+            # mask cannot remove (NaN * 0 = NaN). A zero query scores every key equally.
+            empty = ~keep.any(dim=-1, keepdim=True)
+            keep = keep | empty
+            q = q.masked_fill(empty, 0.0)
         context = torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
