@@ -61,7 +61,9 @@ class T5DatasetConfig(GPTDatasetConfig):
         if self.blend is not None or self.blend_per_split is not None:
             raise ConfigError(
                 "dataset.blend",
-                "indexed T5 data is not supported yet; use generated data (no blend)",
+                "indexed T5 data is not supported yet (megatron's T5 dataset needs a tokenizer "
+                "with sentinel tokens, cls/sep/mask ids and inv_vocab, which the project's "
+                "tokenizers lack); leave blend unset for generated data",
             )
         if not isinstance(self.sequence_length_dec, int) or self.sequence_length_dec < 4:
             raise ConfigError(
