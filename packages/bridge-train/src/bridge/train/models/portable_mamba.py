@@ -101,7 +101,8 @@ class PortableMambaMixer(MegatronModule):
     Accepts the constructor arguments of megatron's ``MambaMixer`` (which megatron's
     ``MambaLayer`` passes) and has its parameters (``in_proj``, ``conv1d_weight``,
     ``conv1d_bias``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``) and its
-    sharded checkpoint layout, so checkpoints move between this mixer and megatron's.
+    sharded checkpoint layout (megatron's keys; loading into megatron's mixer on GPU is
+    untested here).
 
     Raises:
         ValueError: A size does not divide (heads by groups, heads or groups by the
