@@ -76,6 +76,34 @@ def test_sdpa_core_attention_matches_explicit_attention(causal: bool, with_mask:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_cross_attention_with_padding_and_fully_masked_rows_matches_megatron_softmax() -> None:
+    # Decoder queries (5) attend to encoder keys (7) with one head per query head even though
+    # self-attention groups queries; padded query rows (all keys masked) attend uniformly, as
+    # megatron's masked softmax (fill -10000) does, instead of giving NaN.
+    torch.manual_seed(1)
+    cfg = _config()
+    attn = SDPACoreAttention(cfg, 1, AttnMaskType.arbitrary, "cross", pg_collection=_TP1())
+    sq, sk, b, n, h = 5, 7, 2, 4, 8
+    q, k, v = torch.randn(sq, b, n, h), torch.randn(sk, b, n, h), torch.randn(sk, b, n, h)
+    masked = torch.zeros(b, 1, sq, sk, dtype=torch.bool)
+    masked[0, :, :, -3:] = True  # padded encoder positions
+    masked[1, :, -2:, :] = True  # padded decoder positions: nothing to attend to
+    got = attn(q, k, v, masked)
+    scores = torch.einsum("qbnh,kbnh->bnqk", q, k) / math.sqrt(h)
+    probs = scores.masked_fill(masked, -10000.0).softmax(-1)
+    want = torch.einsum("bnqk,kbnh->qbnh", probs, v).reshape(sq, b, n * h)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_with_sdpa_core_attention_also_swaps_cross_attention() -> None:
+    from megatron.core.models.T5.t5_spec import decoder_model_with_local_spec
+
+    new = with_sdpa_core_attention(decoder_model_with_local_spec())
+    assert new.submodules.self_attention.submodules.core_attention is SDPACoreAttention
+    assert new.submodules.cross_attention.submodules.core_attention is SDPACoreAttention
+
+
 def test_with_sdpa_core_attention_copies_the_spec() -> None:
     spec = get_gpt_layer_local_spec()
     before = spec.submodules.self_attention.submodules.core_attention

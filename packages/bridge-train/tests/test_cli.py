@@ -75,7 +75,7 @@ def test_help_lists_recipes_and_sections(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_recipes_load_and_validate() -> None:
-    for name in ("tiny_gpt", "text_corpus"):
+    for name in ("tiny_gpt", "text_corpus", "tiny_hybrid", "tiny_t5"):
         cfg = ConfigContainer.from_yaml(recipe_path(name))
         cfg.validate(world_size=1)
         assert cfg.dist.distributed_backend == "gloo"  # CPU recipes say so explicitly

@@ -38,8 +38,10 @@ class SDPACoreAttention(MegatronModule):
     Tensors follow megatron's layout: query ``[sq, b, np, hn]``, key and value
     ``[sk, b, ng, hn]`` (``ng`` query groups, repeated for grouped-query attention), and the
     output is ``[sq, b, np * hn]``. ``attention_mask`` follows megatron's convention: ``True``
-    marks positions that must NOT be attended to. A causal ``attn_mask_type`` adds the causal
-    mask on top of any given mask.
+    marks positions that must NOT be attended to (``[b, 1, sq, sk]`` or broadcastable, for
+    self- and cross-attention alike). A causal ``attn_mask_type`` adds the causal mask on
+    top of any given mask. A query row with every key masked gets the mean of the values,
+    as megatron's masked softmax gives it (no NaN).
 
     Args:
         config: The transformer config; ``kv_channels``, ``num_attention_heads``,
@@ -117,7 +119,9 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("SDPACoreAttention does not support attention_bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
 
-        repeat = self.heads_per_partition // self.groups_per_partition
+        # From the tensors, not the config: cross-attention keys have one head per query
+        # head even when self-attention uses grouped queries.
+        repeat = query.size(2) // key.size(2)
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
@@ -132,6 +136,14 @@ class SDPACoreAttention(MegatronModule):
         if causal and keep is not None:
             keep = keep & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
             causal = False
+        if keep is not None:
+            # A query that may attend to nothing (a padding position) gets the mean of all
+            # values, as megatron's masked softmax (fill -10000, then softmax) gives it, and
+            # no gradient through its scores; SDPA would return NaN there, which the loss
+            # mask cannot remove (NaN * 0 = NaN). A zero query scores every key equally.
+            empty = ~keep.any(dim=-1, keepdim=True)
+            keep = keep | empty
+            q = q.masked_fill(empty, 0.0)
         context = torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
@@ -159,7 +171,8 @@ def with_sdpa_core_attention(spec: ModuleSpec) -> ModuleSpec:
 
     Args:
         spec: A layer spec such as ``get_gpt_layer_local_spec()``, whose
-            ``submodules.self_attention.submodules.core_attention`` is replaced.
+            ``submodules.self_attention.submodules.core_attention`` is replaced (and the
+            cross-attention's core attention too, in an encoder-decoder decoder layer).
 
     Returns:
         A deep copy of ``spec``; the given spec is left unchanged.
@@ -177,4 +190,8 @@ def with_sdpa_core_attention(spec: ModuleSpec) -> ModuleSpec:
             "submodules.self_attention.submodules.core_attention"
         ) from exc
     attention.core_attention = SDPACoreAttention
+    cross = getattr(new_spec.submodules, "cross_attention", None)
+    cross_submodules = getattr(cross, "submodules", None)
+    if cross_submodules is not None and hasattr(cross_submodules, "core_attention"):
+        cross_submodules.core_attention = SDPACoreAttention
     return new_spec

@@ -70,6 +70,8 @@ if TYPE_CHECKING:
     from bridge.train.models import (
         GPTModelProvider,
         LayerSpecBackend,
+        MambaProvider,
+        T5ModelProvider,
         build_gpt_layer_spec,
         calculate_padded_vocab_size,
         resolve_layer_spec_backend,
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
         needs_global_state_injection,
         prepare_forward_step_func,
     )
+    from bridge.train.t5_step import t5_forward_step
     from bridge.train.training import (
         JsonlMetricWriter,
         SetupOutput,
@@ -187,6 +190,9 @@ _LAZY_NAMES: dict[str, str] = {
     "validate_parallel_layout": "bridge.train.initialize",
     "GPTModelProvider": "bridge.train.models",
     "LayerSpecBackend": "bridge.train.models",
+    "MambaProvider": "bridge.train.models",
+    "T5ModelProvider": "bridge.train.models",
+    "t5_forward_step": "bridge.train.t5_step",
     "build_gpt_layer_spec": "bridge.train.models",
     "calculate_padded_vocab_size": "bridge.train.models",
     "resolve_layer_spec_backend": "bridge.train.models",
@@ -267,6 +273,7 @@ __all__ = [
     "JsonlMetricWriter",
     "LayerSpecBackend",
     "LinearForLastLayer",
+    "MambaProvider",
     "MegatronEngine",
     "ModelHook",
     "ModelList",
@@ -277,6 +284,7 @@ __all__ = [
     "PreprocessResult",
     "PretrainingSampler",
     "SetupOutput",
+    "T5ModelProvider",
     "TNvtxContext",
     "Tokenizer",
     "TrainState",
@@ -350,6 +358,7 @@ __all__ = [
     "setup",
     "should_disable_forward_pre_hook",
     "start_memory_history_recording",
+    "t5_forward_step",
     "train",
     "train_step",
     "train_steps",

@@ -45,6 +45,25 @@ def _moe_layer_pattern(model: Any) -> list[int]:
     raise ValueError(f"model.moe_layer_freq must be an int or a list, got {freq!r}")
 
 
+def _model_family_flops(model: Any, batch_size: int, seq_length: int) -> float | None:
+    """FLOPs of the non-GPT providers (hybrid Mamba, T5), or None for a GPT model."""
+    from bridge.train.models.mamba_provider import MambaProvider
+    from bridge.train.models.t5_provider import T5ModelProvider
+
+    if isinstance(model, T5ModelProvider):
+        from bridge.train.flops_models import t5_floating_point_operations
+
+        return t5_floating_point_operations(model, batch_size, model.padded_vocab_size)
+
+    if isinstance(model, MambaProvider):
+        from bridge.train.flops_models import hybrid_floating_point_operations
+
+        return hybrid_floating_point_operations(
+            model, batch_size, seq_length, model.padded_vocab_size
+        )
+    return None
+
+
 def num_floating_point_operations(
     model_config: Any, batch_size: int, seq_length: int | None = None
 ) -> float:
@@ -74,6 +93,9 @@ def num_floating_point_operations(
         raise ValueError("num_floating_point_operations does not count multi-latent attention")
     if getattr(model, "vocab_size", None) is None:
         raise ValueError("model.vocab_size must be set to count the logit FLOPs")
+    family = _model_family_flops(model, batch_size, s)
+    if family is not None:
+        return family
     h = model.hidden_size
     heads = model.num_attention_heads
     kv_channels = model.kv_channels or h // heads

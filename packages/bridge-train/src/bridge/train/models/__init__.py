@@ -6,10 +6,14 @@ from bridge.train.models.layer_specs import (
     build_gpt_layer_spec,
     resolve_layer_spec_backend,
 )
+from bridge.train.models.mamba_provider import MambaProvider
+from bridge.train.models.t5_provider import T5ModelProvider
 
 __all__ = [
     "GPTModelProvider",
     "LayerSpecBackend",
+    "MambaProvider",
+    "T5ModelProvider",
     "build_gpt_layer_spec",
     "calculate_padded_vocab_size",
     "resolve_layer_spec_backend",

@@ -3,6 +3,10 @@
 * ``tiny_gpt`` (the default): a tiny GPT on megatron-core's mock data, CPU, about a minute;
 * ``text_corpus``: a small GPT on a local text corpus preprocessed with
   ``bridge-preprocess-data`` (byte-level tokenizer, ``.bin``/``.idx`` files);
+* ``tiny_hybrid``: a tiny hybrid Mamba / attention / MLP model (``MambaProvider``) on mock
+  data, CPU, about a minute;
+* ``tiny_t5``: a tiny T5 encoder-decoder (``T5ModelProvider``) on generated
+  span-corruption data, CPU, about a minute;
 * ``mimo``: a vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs,
   every module on its own ranks.
 
@@ -47,6 +51,17 @@ RECIPES: dict[str, Recipe] = {
             "text_corpus.yaml",
             "small GPT on a local text corpus (byte-level tokenizer; set dataset.blend to "
             "the prefix written by bridge-preprocess-data)",
+        ),
+        Recipe(
+            "tiny_hybrid",
+            "tiny_hybrid.yaml",
+            "4-layer hybrid Mamba model (pattern M*M-) on mock data, CPU, about a minute",
+        ),
+        Recipe(
+            "tiny_t5",
+            "tiny_t5.yaml",
+            "T5 encoder-decoder (2 + 2 layers) on generated span-corruption data, CPU, about "
+            "a minute",
         ),
         Recipe(
             "mimo",

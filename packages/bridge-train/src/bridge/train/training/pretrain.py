@@ -47,10 +47,7 @@ from bridge.resiliency import (
     StragglerTiming,
     WatchdogTimeouts,
 )
-from bridge.train.data.datasets import (
-    build_train_valid_test_datasets,
-    train_valid_test_num_samples,
-)
+from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.engines.base import Engine, build_engine
@@ -61,6 +58,7 @@ from bridge.train.state_injection import ForwardStepCallable
 from bridge.train.training.batch_size import release_num_microbatches_calculator
 from bridge.train.training.eval import evaluate_and_print_results
 from bridge.train.training.metrics_file import JsonlMetricWriter
+from bridge.train.training.model_family import build_family_datasets, default_forward_step
 from bridge.train.training.preflight import check_config_before_launch
 from bridge.train.training.progress_log import append_starting_job
 from bridge.train.training.run_config import save_run_config
@@ -320,8 +318,8 @@ def setup(
     state.job_start_flops = state.train_state.floating_point_operations_so_far
 
     assert cfg.dataset is not None
-    datasets = build_train_valid_test_datasets(
-        cfg.dataset, tokenizer, train_valid_test_num_samples(cfg.train)
+    datasets = build_family_datasets(
+        cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(cfg.train)
     )
     iterators = build_train_valid_test_data_iterators(
         datasets, cfg.dataset, cfg.train, state.train_state
@@ -454,8 +452,9 @@ def pretrain(
     Args:
         config: The run's configuration (validated and completed in place).
         forward_step_func: ``(data_iterator, model)`` or ``(state, data_iterator, model)``
-            returning ``(output, loss_func)``; default: GPT pre-training
-            (:func:`bridge.train.forward_step`).
+            returning ``(output, loss_func)``; default: the model family's step (GPT and
+            Mamba: :func:`bridge.train.forward_step`; T5:
+            :func:`bridge.train.t5_step.t5_forward_step`).
         metrics_file: Also write every metric to this JSON-lines file (last rank).
         hang_timeout: Seconds (or :class:`bridge.resiliency.WatchdogTimeouts`) after which
             the built-in watchdog kills a rank that stopped making progress, so that
@@ -474,6 +473,8 @@ def pretrain(
             group exists).
     """
     check_config_before_launch(config)
+    if forward_step_func is forward_step:  # the default: the model family's own step
+        forward_step_func = default_forward_step(config.model)
     state = GlobalState(cfg=config)
     clean = False
     try:

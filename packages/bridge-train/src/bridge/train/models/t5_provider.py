@@ -1,0 +1,178 @@
+"""``T5ModelProvider``: encoder-decoder models (megatron-core ``T5Model``).
+
+The layer implementation follows ``layer_spec_backend`` as for GPT
+(:mod:`bridge.train.models.layer_specs`): ``"portable"`` builds megatron's local T5
+encoder and decoder layers with SDPA core attention for the encoder's padding-masked
+self-attention, the decoder's causal self-attention and its cross-attention
+(:class:`core_utils.portable_attention.SDPACoreAttention`), and a torch final norm;
+``"local"`` keeps megatron's ``DotProductAttention`` (CUDA); ``"transformer_engine"`` is
+refused (the T5 forward step builds megatron's local ``[b, 1, q, k]`` masks).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bridge.train.models.gpt_provider import GPTModelProvider
+
+__all__ = ["T5ModelProvider"]
+
+
+@dataclass
+class T5ModelProvider(GPTModelProvider):
+    """A T5 (encoder-decoder) config that builds megatron-core's ``T5Model``.
+
+    ``num_layers`` is the decoder depth, ``encoder_num_layers`` the encoder depth (``None``:
+    the same); ``seq_length`` is the encoder's sequence length and ``seq_length_dec`` the
+    decoder's. Defaults describe a tiny model that trains on a laptop CPU.
+
+    Attributes:
+        encoder_num_layers: Encoder layers (``None``: ``num_layers``).
+        seq_length_dec: Decoder sequence length.
+        max_position_embeddings: Length of the learned position table (``None``: the longer
+            of the two sequence lengths).
+    """
+
+    encoder_num_layers: int | None = None
+    seq_length_dec: int = 32
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        """Validate the encoder-decoder fields, then the GPT and megatron checks.
+
+        Raises:
+            ValueError: A size is not positive, or the position table is shorter than a
+                sequence.
+        """
+        for name in ("encoder_num_layers", "seq_length_dec", "max_position_embeddings"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        longest = max(self.seq_length, self.seq_length_dec)
+        if self.max_position_embeddings is not None and self.max_position_embeddings < longest:
+            raise ValueError(
+                f"model.max_position_embeddings={self.max_position_embeddings} is shorter than "
+                f"the longest sequence ({longest}: seq_length / seq_length_dec)"
+            )
+        if self.rope_scaling or self.rotary_base != 10000:
+            raise ValueError(
+                "model.rope_scaling / model.rotary_base are not read by megatron's T5Model; "
+                "leave them at False / 10000"
+            )
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "model.pipeline_model_parallel_size > 1 is not supported for T5 models (megatron "
+                "core's T5 pipeline split is not wired); use tensor or data parallelism"
+            )
+        super().__post_init__()
+
+    def resolved_layer_spec_backend(self) -> Any:
+        """``"portable"`` or ``"local"`` (``"auto"``: local on CUDA, portable without).
+
+        Raises:
+            ValueError: ``"transformer_engine"`` (the T5 forward step builds megatron's
+                local ``[b, 1, q, k]`` masks, not Transformer Engine's padding masks), or a
+                backend that cannot run here.
+        """
+        requested = self.layer_spec_backend
+        if requested == "transformer_engine":
+            raise ValueError(
+                "model.layer_spec_backend='transformer_engine' is not supported for T5 models "
+                "(the T5 forward step builds megatron's local attention masks); use 'local' on "
+                "GPU or 'portable'"
+            )
+        if requested == "auto":
+            return "local" if torch.cuda.is_available() else "portable"
+        return super().resolved_layer_spec_backend()
+
+    @property
+    def encoder_layers(self) -> int:
+        """Number of encoder layers."""
+        return self.encoder_num_layers if self.encoder_num_layers is not None else self.num_layers
+
+    @property
+    def position_table_length(self) -> int:
+        """Length of the learned position embedding table."""
+        if self.max_position_embeddings is not None:
+            return self.max_position_embeddings
+        return max(self.seq_length, self.seq_length_dec)
+
+    def layer_spec(self, vp_stage: int | None = None) -> Any:
+        """``(encoder_block_spec, decoder_block_spec)`` (``transformer_layer_spec`` when set)."""
+        if self.transformer_layer_spec is not None:
+            spec = self.transformer_layer_spec
+            return spec(self) if callable(spec) else spec
+        from megatron.core.models.T5 import t5_spec
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        backend = self.resolved_layer_spec_backend()
+        encoder = t5_spec.encoder_model_with_local_spec()
+        decoder = t5_spec.decoder_model_with_local_spec()
+        if backend == "portable":
+            from core_utils.portable_attention import with_sdpa_core_attention
+
+            encoder = with_sdpa_core_attention(encoder)
+            decoder = with_sdpa_core_attention(decoder)
+        # megatron's local block specs end in a Transformer Engine norm; use the local one.
+        return (
+            TransformerBlockSubmodules([encoder] * self.encoder_layers, layer_norm=t5_spec.LNImpl),
+            TransformerBlockSubmodules([decoder] * self.num_layers, layer_norm=t5_spec.LNImpl),
+        )
+
+    def provide(
+        self,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+        vp_stage: int | None = None,
+    ) -> Any:
+        """Build megatron's ``T5Model`` for this rank.
+
+        Returns:
+            The model.
+
+        Raises:
+            ValueError: ``vocab_size`` is unset or the backend cannot run here.
+            RuntimeError: Megatron's parallel state is missing or has another TP size.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.models.T5 import T5Model
+
+        vocab = self.padded_vocab_size
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError(
+                "T5ModelProvider.provide() needs megatron's parallel state: call "
+                "bridge.train.initialize_distributed(...) first"
+            )
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if tp != self.tensor_model_parallel_size:
+            raise RuntimeError(
+                f"model.tensor_model_parallel_size={self.tensor_model_parallel_size} but the "
+                f"initialised tensor-parallel group has {tp} ranks"
+            )
+        encoder_spec, decoder_spec = self.layer_spec(vp_stage)
+        if self.transformer_layer_spec is None:
+            self.transformer_impl = "local"
+        if not torch.cuda.is_available():
+            self.use_cpu_initialization = True
+        encoder_config = copy.deepcopy(self)
+        encoder_config.num_layers = self.encoder_layers
+        return T5Model(
+            config=self,
+            encoder_config=encoder_config,
+            transformer_encoder_layer_spec=encoder_spec,
+            transformer_decoder_layer_spec=decoder_spec,
+            vocab_size=vocab,
+            max_sequence_length=self.position_table_length,
+            pre_process=True if pre_process is None else pre_process,
+            post_process=True if post_process is None else post_process,
+            fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
+            parallel_output=self.parallel_output,
+            share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
+            position_embedding_type=self.position_embedding_type,
+            rotary_percent=self.rotary_percent,
+            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+        )
