@@ -49,6 +49,7 @@ from bridge.train.checkpointing.state_dict import (
     build_load_template,
     model_sharded_state_dict,
     model_state_keys,
+    optimizer_sharded_state_dict,
     parallel_layout,
 )
 
@@ -173,6 +174,71 @@ def _read_common(path: str) -> dict[str, Any]:
             f"bridge-train reads ({FORMAT_VERSION}); upgrade bridge-train"
         )
     return common
+
+
+def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None) -> str:
+    sizes = " x ".join(
+        f"{short}{layout[name]}"
+        for short, name in (
+            ("TP", "tensor_model_parallel_size"),
+            ("PP", "pipeline_model_parallel_size"),
+            ("CP", "context_parallel_size"),
+            ("DP", "data_parallel_size"),
+        )
+        if name in layout
+    )
+    details = [f"world {layout.get('world_size')}", f"{chunks} model chunk(s)"]
+    if optimizer:
+        details.append(f"{optimizer} optimizer")
+    return f"{sizes or 'no model parallelism'} ({', '.join(details)})"
+
+
+def _optimizer_family(fmt: str | None) -> str | None:
+    """portable and megatron optimizers store different non-tensor state."""
+    if fmt is None:
+        return None
+    return "portable" if fmt == "portable" else "megatron"
+
+
+def _check_reshardable(
+    path: str, meta: dict[str, Any], layout: dict[str, Any], chunks: int, optimizer: Any
+) -> None:
+    """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
+
+    dist_checkpointing reshards model tensors and the optimizer state (saved in megatron's
+    fully sharded model-space format, see ``state_dict.OPTIMIZER_SHARDING_METADATA``) across
+    TP, PP and DP sizes. Refused: another number of virtual pipeline chunks, and optimizer
+    state of the other optimizer family (portable vs megatron-core: different non-tensor
+    state).
+    """
+    saved_layout = meta.get("parallel_layout") or {}
+    saved_chunks = meta.get("model_chunks", 1)
+    saved_fmt = meta.get("optimizer_format")
+    this_fmt = None
+    if optimizer is not None:
+        from bridge.train.checkpointing.state_dict import optimizer_format
+
+        this_fmt = optimizer_format(optimizer)
+
+    def refuse(reason: str, fix: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path} was saved as {_describe_layout(saved_layout, saved_chunks, saved_fmt)}, "
+            f"this run is {_describe_layout(layout, chunks, this_fmt)}: {reason}; {fix}"
+        )
+
+    if saved_chunks != chunks:
+        raise refuse(
+            "the number of virtual pipeline chunks differs",
+            "use the saved model.virtual_pipeline_model_parallel_size",
+        )
+    if optimizer is None or saved_fmt is None:
+        return
+    if _optimizer_family(saved_fmt) != _optimizer_family(this_fmt):
+        raise refuse(
+            "optimizer state of another engine's optimizer cannot be loaded",
+            "use the saved train.engine, or set checkpoint.load_optim=False to load the model "
+            "(and train state) alone",
+        )
 
 
 def _sharded_tensors(tree: Any) -> list[Any]:
@@ -321,7 +387,7 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> No
 
 def _load_main_params(optimizer: Any, model: list[torch.nn.Module], path: str, cfg: Any) -> None:
     """Restore the optimizer's fp32 main parameters from the checkpoint's copies."""
-    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(model))
+    sharded = optimizer_sharded_state_dict(optimizer, model_sharded_state_dict(model))
     groups = sharded.get("fp32_from_fp16_params") if isinstance(sharded, dict) else None
     if not groups:
         raise CheckpointError(
@@ -423,12 +489,8 @@ def load_checkpoint(
             f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
             "checkpoint.load_rng=False to keep this run's seeds"
         )
-    if meta.get("model_chunks", 1) != len(model):
-        raise CheckpointError(
-            f"{plan.path} holds {meta.get('model_chunks')} model chunk(s) but the model has "
-            f"{len(model)}; use the same virtual pipeline layout as the saved run"
-        )
     layout = parallel_layout()
+    _check_reshardable(plan.path, meta, layout, len(model), optimizer if load_optim else None)
     if load_rng and meta.get("parallel_layout") != layout:
         if _dist.rank() == 0:
             logger.warning(

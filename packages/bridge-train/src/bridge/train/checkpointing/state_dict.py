@@ -26,9 +26,12 @@ from bridge.train.state import TrainState
 
 __all__ = [
     "FORMAT_VERSION",
+    "OPTIMIZER_SHARDING_METADATA",
     "build_load_template",
     "build_save_state_dict",
     "model_state_keys",
+    "optimizer_format",
+    "optimizer_sharded_state_dict",
     "parallel_layout",
 ]
 
@@ -79,6 +82,49 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     return result
 
 
+# megatron optimizers: the distributed optimizer's state as one flattened slice of each
+# parameter's canonical state (megatron's "fully_sharded_model_space"), which dist_checkpointing
+# reshards across tensor, pipeline and data parallel sizes; chained optimizers without a
+# per-optimizer key prefix, so the keys do not depend on how parameters were split among them.
+OPTIMIZER_SHARDING_METADATA: dict[str, Any] = {
+    "distrib_optim_sharding_type": "fully_sharded_model_space",
+    "chained_optim_avoid_prefix": True,
+}
+
+
+def optimizer_sharded_state_dict(
+    optimizer: Any, model_state: dict[str, Any], *, is_loading: bool = False
+) -> Any:
+    """``optimizer.sharded_state_dict`` with :data:`OPTIMIZER_SHARDING_METADATA`.
+
+    Args:
+        optimizer: A megatron-contract optimizer (megatron-core's or the portable one).
+        model_state: The model's sharded state dict (see :func:`model_sharded_state_dict`).
+        is_loading: Build the template to load into.
+
+    Returns:
+        The optimizer's sharded state dict.
+    """
+    return optimizer.sharded_state_dict(
+        model_state, is_loading, metadata=dict(OPTIMIZER_SHARDING_METADATA)
+    )
+
+
+def optimizer_format(optimizer: Any) -> str:
+    """How the optimizer's state is laid out in a checkpoint, for the resharding rules.
+
+    ``"distributed:<sharding type>"`` for megatron's distributed optimizer (also chained),
+    ``"megatron"`` for megatron's other optimizers, ``"portable"`` for the portable one.
+    """
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    names = {type(o).__name__ for o in inner}
+    if "DistributedOptimizer" in names:
+        return f"distributed:{OPTIMIZER_SHARDING_METADATA['distrib_optim_sharding_type']}"
+    if "PortableOptimizer" in names:
+        return "portable"
+    return "megatron"
+
+
 def build_save_state_dict(
     model: list[torch.nn.Module],
     optimizer: Any,
@@ -111,7 +157,7 @@ def build_save_state_dict(
     )
     has_optimizer = bool(save_optim and optimizer is not None)
     if has_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(models)
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, models)
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if save_rng:
@@ -126,6 +172,7 @@ def build_save_state_dict(
         "parallel_layout": parallel_layout(),
         "model_chunks": len(model),
         "optimizer": has_optimizer,
+        "optimizer_format": optimizer_format(optimizer) if has_optimizer else None,
         "opt_param_scheduler": opt_param_scheduler is not None,
         "rng": bool(save_rng),
     }
@@ -153,7 +200,7 @@ def build_load_template(
     models = model_sharded_state_dict(model)
     template: dict[str, Any] = dict(models)
     if load_optim and optimizer is not None:
-        template["optimizer"] = optimizer.sharded_state_dict(models, is_loading=True)
+        template["optimizer"] = optimizer_sharded_state_dict(optimizer, models, is_loading=True)
     if load_rng:
         template[RNG_STATE_KEY] = rng_sharded_object(_dist.rank(), _dist.world_size(), None)
     return template
