@@ -51,6 +51,7 @@ from bridge.train.checkpointing.state_dict import (
     model_state_keys,
     optimizer_sharded_state_dict,
     parallel_layout,
+    unwrapped_chunks,
 )
 
 __all__ = ["checkpoint_exists", "load_checkpoint"]
@@ -379,10 +380,39 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> No
         {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
         for group in optimizer.param_groups
     ]
-    optimizer.load_state_dict(state)
+    # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
+    # only some of its formats' loaders disable autograd themselves.
+    with torch.no_grad():
+        optimizer.load_state_dict(state)
+    _restore_distributed_optimizer_steps(optimizer)
     if keep:
         for group, saved in zip(optimizer.param_groups, bounds, strict=True):
             group.update(saved)
+
+
+def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
+    """Set every parameter's Adam ``step`` of a megatron distributed optimizer from the load.
+
+    With torch's Adam (no Apex / Transformer Engine, as on CPU) megatron-core 0.19's
+    ``DistributedOptimizer`` keeps the iteration count in its saved parameter groups
+    (``step``), but its ``load_state_dict`` leaves the per-parameter ``step`` state of an
+    already allocated optimizer at its old value and, when it does set it, stores one shared
+    tensor in every parameter's state, which torch's Adam then increments once per
+    parameter. Either way the bias correction after a resume would be wrong: each parameter
+    gets its own tensor holding the loaded count.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if type(inner).__name__ != "DistributedOptimizer":
+            continue
+        torch_optimizer = inner.optimizer
+        for group in torch_optimizer.param_groups:
+            step = group.get("step")
+            if step is None:
+                continue
+            for param in group["params"]:
+                param_state = torch_optimizer.state[param]
+                if "step" in param_state:
+                    param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
 def _load_main_params(optimizer: Any, model: list[torch.nn.Module], path: str, cfg: Any) -> None:
@@ -507,7 +537,7 @@ def load_checkpoint(
     loaded = _dist_load(template, plan.path, cfg)
 
     if not skip_load_to_model_and_opt:
-        for key, chunk in zip(keys, model, strict=True):
+        for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
             _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)

@@ -33,6 +33,7 @@ __all__ = [
     "optimizer_format",
     "optimizer_sharded_state_dict",
     "parallel_layout",
+    "unwrapped_chunks",
 ]
 
 # Version of the checkpoint content written by this module.
@@ -60,9 +61,24 @@ def parallel_layout() -> dict[str, int]:
     return layout
 
 
+def unwrapped_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The model chunks without megatron's DDP / FSDP / ``Float16Module`` wrappers.
+
+    megatron's ``DistributedDataParallel`` has no ``sharded_state_dict`` of its own (the
+    generic one would prefix every key with ``module.``) and its ``load_state_dict``
+    forwards to the wrapped module, so checkpoints read and write the unwrapped chunks, as
+    Megatron-LM does. Other wrappers (the portable engine's) are left as they are.
+    """
+    from megatron.core.utils import unwrap_model
+
+    return [unwrap_model(chunk) for chunk in model]
+
+
 def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     """``{"model": chunk.sharded_state_dict()}`` (one key per chunk with several chunks)."""
     from megatron.core import parallel_state
+
+    model = unwrapped_chunks(model)
 
     keys = model_state_keys(len(model))
     result: dict[str, Any] = {}
@@ -82,12 +98,14 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     return result
 
 
-# megatron optimizers: the distributed optimizer's state as one flattened slice of each
-# parameter's canonical state (megatron's "fully_sharded_model_space"), which dist_checkpointing
-# reshards across tensor, pipeline and data parallel sizes; chained optimizers without a
-# per-optimizer key prefix, so the keys do not depend on how parameters were split among them.
+# megatron optimizers: the distributed optimizer's state in megatron's "fully_reshardable"
+# format (gathered over the data-parallel group at save into one tensor per parameter and
+# state, so dist_checkpointing reshards it across tensor, pipeline and data parallel sizes;
+# megatron-core 0.19 no longer supports the flattened "fully_sharded_model_space" tensors,
+# and "dp_reshardable" reshards across data parallel ranks only); chained optimizers without
+# a per-optimizer key prefix, so keys do not depend on how parameters were split among them.
 OPTIMIZER_SHARDING_METADATA: dict[str, Any] = {
-    "distrib_optim_sharding_type": "fully_sharded_model_space",
+    "distrib_optim_sharding_type": "dp_reshardable",
     "chained_optim_avoid_prefix": True,
 }
 
@@ -108,6 +126,31 @@ def optimizer_sharded_state_dict(
     return optimizer.sharded_state_dict(
         model_state, is_loading, metadata=dict(OPTIMIZER_SHARDING_METADATA)
     )
+
+
+def allocate_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh megatron distributed optimizer the state tensors a load overwrites.
+
+    megatron's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` reads its own
+    ``state_dict()``, which with torch's optimizers (no Apex / Transformer Engine, as on
+    CPU) asserts that every parameter's state has a ``step``; a freshly built optimizer has
+    no state at all. This allocates zero state (megatron's ``init_state_fn``) and step 0,
+    the values a load then replaces; an optimizer that already has state is left alone.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if type(inner).__name__ != "DistributedOptimizer":
+            continue
+        torch_optimizer = inner.optimizer
+        if len(torch_optimizer.state) > 0:
+            continue
+        init_state_fn = getattr(inner, "init_state_fn", None)
+        if init_state_fn is not None:
+            init_state_fn(torch_optimizer, inner.config)
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                torch_optimizer.state[param].setdefault(
+                    "step", torch.tensor(0.0, dtype=torch.float32)
+                )
 
 
 def optimizer_format(optimizer: Any) -> str:
@@ -200,6 +243,7 @@ def build_load_template(
     models = model_sharded_state_dict(model)
     template: dict[str, Any] = dict(models)
     if load_optim and optimizer is not None:
+        allocate_optimizer_state(optimizer)
         template["optimizer"] = optimizer_sharded_state_dict(optimizer, models, is_loading=True)
     if load_rng:
         template[RNG_STATE_KEY] = rng_sharded_object(_dist.rank(), _dist.world_size(), None)
