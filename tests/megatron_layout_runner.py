@@ -74,6 +74,10 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         },
         {"use_distributed_optimizer": True},
     ),
+    # MoE: megatron's SequentialMLP experts (local spec). add_bias_linear=False: with biases,
+    # megatron-core 0.19.2's expert MLP adds the bias in place to the output of a
+    # tensor-parallel reduce that (at expert TP=1) returns its input as a view, which
+    # autograd forbids, on any device.
     "moe": ({"num_moe_experts": 4, "moe_router_topk": 2, "add_bias_linear": False}, {}, {}),
     "moe_ep2": (
         {
@@ -81,6 +85,17 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
             "moe_router_topk": 2,
             "add_bias_linear": False,
             "expert_model_parallel_size": 2,
+        },
+        {},
+        {},
+    ),
+    "moe_ep2_alltoall": (
+        {
+            "num_moe_experts": 4,
+            "moe_router_topk": 2,
+            "add_bias_linear": False,
+            "expert_model_parallel_size": 2,
+            "moe_token_dispatcher_type": "alltoall",
         },
         {},
         {},
@@ -120,7 +135,8 @@ def layout_independent_init(chunks: list[torch.nn.Module]) -> None:
 
     seen = 0
     for chunk in chunks:
-        for sharded in nested_values(chunk.sharded_state_dict()):
+        sharded_state: Any = chunk.sharded_state_dict  # a megatron module's method
+        for sharded in nested_values(sharded_state()):
             if not isinstance(sharded, ShardedTensor) or sharded.data is None:
                 continue
             if "_extra_state" in sharded.key or not sharded.data.is_floating_point():

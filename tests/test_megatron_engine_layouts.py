@@ -75,7 +75,9 @@ def _max_rel(got: list[float], want: list[float]) -> float:
 def _assert_matches(results: dict[str, Any], references: dict[str, Any]) -> None:
     for name, run in results.items():
         bf16 = "bf16" in name
-        reference = references["single_bf16" if bf16 else "single"]
+        reference = references[
+            "moe" if name.startswith("moe") else "single_bf16" if bf16 else "single"
+        ]
         tolerance = BF16_RTOL if bf16 else FP32_RTOL
         for metric in ("losses", "grad_norms"):
             error = _max_rel(run[metric], reference[metric])
@@ -88,7 +90,9 @@ def _assert_matches(results: dict[str, Any], references: dict[str, Any]) -> None
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The one-process fp32 and bf16 runs (launched bare), computed once per module."""
-    results = _run_bare(tmp_path_factory.mktemp("single") / "out.json", "single", "single_bf16")
+    results = _run_bare(
+        tmp_path_factory.mktemp("single") / "out.json", "single", "single_bf16", "moe"
+    )
     fp32 = results["single"]["losses"]
     assert fp32[-1] < fp32[0], "the reference run does not learn"
     return results
@@ -122,6 +126,8 @@ def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
         "pp2_vpp2",
         "dp2_bf16",
         "pp2_bf16",
+        "moe_ep2",
+        "moe_ep2_alltoall",
         timeout=1200,
     )
     _assert_matches(results, references)
