@@ -11,9 +11,11 @@ Exactness: a run of 20 iterations saves at 10 and 20; a second run loads the che
 and gradient norms equal the uninterrupted run's bit for bit: model, distributed-optimizer
 state, scheduler, RNG and data position are all restored.
 
-Cross-layout: the checkpoint of 10 saved with one layout is loaded with another and the
-losses of 11-20 match the saved layout's own continuation within 1e-5 relative (fp32; the
-layouts sum in different orders, so not bit for bit).
+Cross-layout: the checkpoint of 10 saved with PP=2 is loaded with DP=2 and the losses of
+11-20 match the saved layout's own continuation within 1e-5 relative (fp32; the layouts sum
+in different orders, so not bit for bit). Distributed-optimizer state reshards across DP
+sizes only: loading it under another PP size, or per-parameter state into the distributed
+optimizer, is refused with one message naming both layouts.
 """
 
 from __future__ import annotations
@@ -150,13 +152,43 @@ def test_resume_is_exact_with_pp2_and_with_dp2_distributed_optimizer_and_across_
         {
             "save": str(tmp_path / "pp2-as-dp2"),
             "metrics": str(tmp_path / "pp2-as-dp2"),
-            "distributed_optimizer": True,
             "dropout": False,
             "load": str(tmp_path / "pp2-nodrop"),
             "ckpt_step": SAVE_AT,
         },
+        # Per-parameter optimizer state into the distributed optimizer: refused, naming both.
+        {
+            "save": str(tmp_path / "refused"),
+            "metrics": str(tmp_path / "refused"),
+            "distributed_optimizer": True,
+            "dropout": False,
+            "load": str(tmp_path / "pp2-nodrop"),
+            "ckpt_step": SAVE_AT,
+            "expect_error": True,
+        },
+        # Distributed-optimizer state (DP=2) under PP=2: refused, naming both layouts.
+        {
+            "save": str(tmp_path / "refused-pp"),
+            "metrics": str(tmp_path / "refused-pp"),
+            "distributed_optimizer": True,
+            "layout": pp2,
+            "load": str(tmp_path / "dp2"),
+            "ckpt_step": SAVE_AT,
+            "expect_error": True,
+        },
     ]
-    assert run_distributed(_jobs, 2, jobs, timeout=540) == [[0] * len(jobs)] * 2
+    outcomes = run_distributed(_jobs, 2, jobs, timeout=540)
+    for rank_outcomes in outcomes:
+        assert rank_outcomes[:-2] == [0] * (len(jobs) - 2)
+        per_parameter, pipeline = rank_outcomes[-2:]
+        assert (
+            "saved as TP1 x PP2 x CP1 x DP1 (world 2, 1 model chunk(s), megatron optimizer)"
+            in (per_parameter)
+            and "this run is TP1 x PP1 x CP1 x DP2" in per_parameter
+        ), per_parameter
+        assert "do not convert into each other" in per_parameter
+        assert "saved as TP1 x PP1 x CP1 x DP2" in pipeline and "TP1 x PP2" in pipeline
+        assert "reshards across data-parallel sizes only" in pipeline, pipeline
     pp2_ref = _last_rank_records(tmp_path / "pp2", 2)
     dp2_ref = _last_rank_records(tmp_path / "dp2", 2)
     assert sorted(pp2_ref) == sorted(dp2_ref) == list(range(1, ITERS + 1))

@@ -206,11 +206,13 @@ def _check_reshardable(
 ) -> None:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
-    dist_checkpointing reshards model tensors and the optimizer state (saved in megatron's
-    fully sharded model-space format, see ``state_dict.OPTIMIZER_SHARDING_METADATA``) across
-    TP, PP and DP sizes. Refused: another number of virtual pipeline chunks, and optimizer
-    state of the other optimizer family (portable vs megatron-core: different non-tensor
-    state).
+    dist_checkpointing reshards model tensors across TP, PP and DP sizes, and per-parameter
+    optimizer state (portable optimizer, megatron's non-distributed optimizers) with them.
+    megatron's distributed optimizer state is saved per data-parallel bucket
+    (``dp_reshardable``, see ``state_dict.OPTIMIZER_SHARDING_METADATA``): it reshards across
+    DP sizes only. Refused: another number of virtual pipeline chunks; optimizer state of
+    the other engine's optimizer family; distributed <-> per-parameter optimizer state; and
+    distributed-optimizer state under other TP or PP sizes.
     """
     saved_layout = meta.get("parallel_layout") or {}
     saved_chunks = meta.get("model_chunks", 1)
@@ -239,6 +241,21 @@ def _check_reshardable(
             "optimizer state of another engine's optimizer cannot be loaded",
             "use the saved train.engine, or set checkpoint.load_optim=False to load the model "
             "(and train state) alone",
+        )
+    saved_distributed = saved_fmt.startswith("distributed:")
+    if saved_distributed != (this_fmt or "").startswith("distributed:"):
+        raise refuse(
+            "distributed-optimizer state (kept per data-parallel bucket) and per-parameter "
+            "optimizer state do not convert into each other",
+            "set optimizer.use_distributed_optimizer (and ddp.use_distributed_optimizer) as "
+            "saved, or checkpoint.load_optim=False to load the model (and train state) alone",
+        )
+    model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    if saved_distributed and any(saved_layout.get(k) != layout.get(k) for k in model_parallel):
+        raise refuse(
+            "distributed-optimizer state reshards across data-parallel sizes only",
+            "load it with the saved tensor and pipeline parallel sizes, or set "
+            "checkpoint.load_optim=False to load the model (and train state) alone",
         )
 
 

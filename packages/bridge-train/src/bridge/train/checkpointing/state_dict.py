@@ -98,12 +98,12 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     return result
 
 
-# megatron optimizers: the distributed optimizer's state in megatron's "fully_reshardable"
-# format (gathered over the data-parallel group at save into one tensor per parameter and
-# state, so dist_checkpointing reshards it across tensor, pipeline and data parallel sizes;
-# megatron-core 0.19 no longer supports the flattened "fully_sharded_model_space" tensors,
-# and "dp_reshardable" reshards across data parallel ranks only); chained optimizers without
-# a per-optimizer key prefix, so keys do not depend on how parameters were split among them.
+# megatron's distributed optimizer: its state per data-parallel bucket ("dp_reshardable",
+# Megatron-LM's default: written fully in parallel, no gather), which reshards across
+# data-parallel sizes only. megatron-core 0.19 refuses the flattened tensors of
+# "fully_sharded_model_space", and loading "fully_reshardable" with torch's Adam (no Apex /
+# Transformer Engine, as on CPU) fails on its per-parameter step. Chained optimizers add no
+# per-optimizer key prefix.
 OPTIMIZER_SHARDING_METADATA: dict[str, Any] = {
     "distrib_optim_sharding_type": "dp_reshardable",
     "chained_optim_avoid_prefix": True,

@@ -28,7 +28,9 @@ still a configuration, each with one line naming the field and the fix
   and fusions, context parallelism (Transformer Engine attention), tensor-parallel
   communication overlap (userbuffers), activation offloading (CUDA streams), gradient
   accumulation fusion (an Apex CUDA extension), megatron FSDP and the precision-aware
-  optimizer (Transformer Engine's fused Adam).
+  optimizer (Transformer Engine's fused Adam); and what the CPU layer spec cannot build:
+  sequence parallelism (megatron's ``WrappedTorchNorm`` asserts against it) and MoE layers
+  with linear biases (megatron-core 0.19's local experts add the bias in place to a view).
 """
 
 from __future__ import annotations
@@ -134,6 +136,22 @@ def _check_megatron_on_cpu(model_config: Any, ddp_config: Any, optimizer_config:
         value = getattr(model_config, name, fine)
         if value is not None and value != fine:
             raise ConfigError(f"model.{name}", f"got {value!r}: {reason}")
+    if getattr(model_config, "sequence_parallel", False):
+        raise ConfigError(
+            "model.sequence_parallel",
+            "True needs a GPU layer spec: on CPU the norms are megatron's WrappedTorchNorm, "
+            "which asserts sequence_parallel=False when the layer is built; set "
+            "model.sequence_parallel=false on CPU",
+        )
+    if getattr(model_config, "num_moe_experts", None) and getattr(
+        model_config, "add_bias_linear", False
+    ):
+        raise ConfigError(
+            "model.add_bias_linear",
+            "True with MoE layers fails in megatron-core 0.19's local experts (the expert "
+            "MLP adds its bias in place to a view autograd refuses); set "
+            "model.add_bias_linear=false for MoE models on CPU",
+        )
     cp = _int(model_config, "context_parallel_size", 1)
     if cp > 1:
         raise ConfigError(
