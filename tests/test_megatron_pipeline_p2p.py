@@ -5,6 +5,11 @@ any error on swapped activations and gradients. ``bridge-train`` refuses it at c
 (``packages/bridge-train/tests/test_layout_checks.py``); here it is forced through the
 engine API and compared with one process: its losses are far off, while the accepted p2p
 modes (``overlap_p2p_comm=True``; ``batch_p2p_comm=False``) match within 1e-5.
+
+Extended tier (a bare run and a 2-rank launch); the default run keeps the config-time
+refusal and the accepted PP=2 x VPP=2 layout of ``tests/test_megatron_engine_layouts.py``::
+
+    uv run pytest tests/test_megatron_pipeline_p2p.py -m extended
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ def _max_rel(got: list[float], want: list[float]) -> float:
     return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
