@@ -35,11 +35,19 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from framework_overhead import GLOBAL_BATCH, MICRO_BATCH, MODEL, _StepClock, run_bare
+
+# A sibling script (benchmarks/ is on sys.path when this file runs), not an installed module.
+from framework_overhead import (  # type: ignore[import-not-found]
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    MODEL,
+    _StepClock,
+    run_bare,
+)
 
 from bridge.config import LoggerConfig
 from bridge.train import forward_step, pretrain, read_metrics_file
@@ -53,7 +61,7 @@ from bridge.train.testing import (
 from core_utils.testing import find_free_port, run_distributed
 
 # side name -> (train.engine, optimizer.use_distributed_optimizer)
-SIDES = {
+SIDES: dict[str, tuple[Literal["portable", "megatron"], bool]] = {
     "portable": ("portable", False),
     "megatron": ("megatron", False),
     "megatron+dist-opt": ("megatron", True),

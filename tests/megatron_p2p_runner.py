@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import megatron_layout_runner as runner
+# A sibling script (its directory is put on sys.path above), not an installed module.
+import megatron_layout_runner as runner  # type: ignore[import-not-found]
 
 _PP2_VPP2 = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
 runner.LAYOUTS["pp2_vpp2_batched"] = (

@@ -89,7 +89,7 @@ def _jobs(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[Any]:
     return outcomes
 
 
-def _records(path: Path) -> dict[int, tuple[float, float]]:
+def _records(path: Path) -> dict[int, tuple[float, Any]]:
     """``{step: (lm loss, grad norm)}`` from a metrics file."""
     records = {}
     for record in read_metrics_file(path):
@@ -98,7 +98,7 @@ def _records(path: Path) -> dict[int, tuple[float, float]]:
     return records
 
 
-def _last_rank_records(metrics: Path, world: int) -> dict[int, tuple[float, float]]:
+def _last_rank_records(metrics: Path, world: int) -> dict[int, tuple[float, Any]]:
     return _records(Path(f"{metrics}.{world - 1}"))
 
 
