@@ -1,6 +1,7 @@
 """End to end over the engine seam: preprocess a corpus with the command line, write a YAML
 config with bridge.config, train it under torchrun with 2 data-parallel ranks and launched
 bare on one process, and check both runs see the same losses and read the corpus' tokens.
+Once per engine (the megatron engine on CPU runs under ``core_utils.cuda_emulation``).
 """
 
 from __future__ import annotations
@@ -109,8 +110,11 @@ _LAUNCHER_VARIABLES = frozenset(
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_preprocess_cli_then_train_from_yaml_with_two_ranks_and_bare(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine", ["portable", "megatron"])
+def test_preprocess_cli_then_train_from_yaml_with_two_ranks_and_bare(
+    tmp_path: Path, engine: str
+) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(
         "".join(json.dumps({"body": d}) + "\n" for d in DOCUMENTS * 20), encoding="utf-8"
@@ -137,7 +141,9 @@ def test_preprocess_cli_then_train_from_yaml_with_two_ranks_and_bare(tmp_path: P
     assert "wrote 100 documents" in done.stdout
 
     cfg = ConfigContainer(
-        train=tiny_train_config(train_iters=4, global_batch_size=4, micro_batch_size=2),
+        train=tiny_train_config(
+            train_iters=4, global_batch_size=4, micro_batch_size=2, engine=engine
+        ),
         model=tiny_gpt_provider(vocab_size=None),
         optimizer=tiny_optimizer_config(lr=3e-3),
         scheduler=tiny_scheduler_config(lr_warmup_iters=0),

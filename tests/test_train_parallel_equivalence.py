@@ -3,7 +3,9 @@
 ``python -m bridge.train`` runs the default recipe (shrunk by overrides) bare on one process
 and under ``torchrun --nproc-per-node=2`` with data parallelism 2 and with tensor parallelism
 2; all three see the same global batch per step, so the per-step losses (read from
-``--metrics-file``, full precision) agree within 1e-5 in fp32.
+``--metrics-file``, full precision) agree within 1e-5 in fp32. Once with each engine: the
+megatron engine runs megatron-core's DDP, optimizer and schedule on CPU under
+``core_utils.cuda_emulation``.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ def _losses(path: Path) -> list[float]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_dp2_and_tp2_match_one_process(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["portable", "megatron"])
+def test_dp2_and_tp2_match_one_process(tmp_path: Path, engine: str) -> None:
+    overrides = [*OVERRIDES, f"train.engine={engine}"]
     single = subprocess.run(
         [
             sys.executable,
@@ -50,7 +54,7 @@ def test_dp2_and_tp2_match_one_process(tmp_path: Path) -> None:
             "bridge.train",
             "--metrics-file",
             str(tmp_path / "single.jsonl"),
-            *OVERRIDES,
+            *overrides,
         ],
         capture_output=True,
         text=True,
@@ -64,7 +68,7 @@ def test_dp2_and_tp2_match_one_process(tmp_path: Path) -> None:
         proc = run_torchrun(
             "bridge.train",
             2,
-            ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *OVERRIDES, *extra],
+            ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *overrides, *extra],
             torchrun_args=["-m"],
             timeout=200,
             cwd=tmp_path,

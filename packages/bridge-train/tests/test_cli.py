@@ -92,7 +92,6 @@ def test_recipes_load_and_validate() -> None:
             ["model.tensor_model_parallel_size=3"],
             "model.tensor_model_parallel_size=3 does not divide model.num_attention_heads=4",
         ),
-        (["train.engine=megatron"], "train.engine: train.engine='megatron' requires CUDA"),
         (["profiling.use_nsys_profiler=true"], "profiling.use_nsys_profiler: "),
         (
             ["rerun_state_machine.rerun_mode=validate_results"],

@@ -2,7 +2,8 @@
 
 Everything megatron-core's ``megatron.core.utils`` offers (parallel-group helpers, viewless
 tensors, memory buffers, version checks, straggler detection, ...) plus CPU-capable
-:class:`Timers` and the :func:`cpu_cuda_compat` layer. Importing this package never imports
+:class:`Timers`, the :func:`cpu_cuda_compat` layer and the :func:`cuda_emulation` that runs
+megatron-core's training machinery on CPU. Importing this package never imports
 megatron-core or an optional package; the few functions that need megatron-core import it
 when called.
 """
@@ -11,6 +12,7 @@ from core_utils.arithmetic import divide, ensure_divisibility
 from core_utils.async_utils import get_asyncio_loop, trace_async_exceptions
 from core_utils.context_parallel import get_batch_on_this_cp_rank
 from core_utils.cuda_compat import cpu_cuda_compat, cuda_compat_active
+from core_utils.cuda_emulation import CudaEmulationError, cuda_emulation, cuda_emulation_active
 from core_utils.decorators import (
     deprecate_inference_params,
     deprecated,
@@ -93,6 +95,7 @@ from core_utils.wgrad import drain_embedding_wgrad_compute, prepare_input_tensor
 __straggler__ = StragglerDetector()
 
 __all__ = [
+    "CudaEmulationError",
     "ExperimentalNotEnabledError",
     "GlobalMemoryBuffer",
     "GlobalSymmetricMemoryBuffer",
@@ -108,6 +111,8 @@ __all__ = [
     "configure_nvtx_profiling",
     "cpu_cuda_compat",
     "cuda_compat_active",
+    "cuda_emulation",
+    "cuda_emulation_active",
     "deprecate_inference_params",
     "deprecated",
     "divide",

@@ -29,9 +29,13 @@ Scope and threads
     ``__enter__`` to the matching ``__exit__``; nesting is counted, so inner uses neither
     re-patch nor undo early. The counter is lock-protected, so a background thread (e.g. an
     async checkpoint saver) may enter the context itself to keep the patches alive until it
-    finishes, even if the thread that started it has left. Code that bound a patched function
-    to a local name before the context started (``from torch.cuda import synchronize``) keeps
-    the original; code that calls ``torch.cuda.synchronize()`` sees the patch.
+    finishes, even if the thread that started it has left. Modules that bound a patched
+    function under its own name (``from torch.cuda import synchronize``) are rebound for the
+    scope too, and set back on exit; a binding under another name keeps the original.
+
+Wider scope
+    :mod:`core_utils.cuda_emulation` builds on these patches (same machinery) to run
+    megatron-core's DDP, optimizers and pipeline schedules on CPU.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterator
-from types import ModuleType
+from types import BuiltinFunctionType, FunctionType, ModuleType
 from typing import Any
 
 import torch
@@ -50,9 +55,114 @@ import torch.distributed as dist
 __all__ = ["cpu_cuda_compat", "cuda_compat_active", "gloo_backend_for"]
 
 _lock = threading.RLock()
-_depth = 0
-_active = False
-_saved: list[tuple[ModuleType, str, Any]] = []
+
+# Modules whose own references to the originals must never be rewritten by the rebinding scan.
+# Only plain functions are rebound elsewhere (a class rebound would break isinstance checks).
+_FUNCTION_TYPES = (FunctionType, BuiltinFunctionType)
+_NEVER_REBIND = ("core_utils.cuda_compat", "core_utils.cuda_emulation")
+
+
+class _ScopedPatchSet:
+    """A set of attribute patches installed by the outermost scope entry, undone by its exit.
+
+    One implementation for every CPU compatibility scope in core-utils (this module's
+    :func:`cpu_cuda_compat` and :func:`core_utils.cuda_emulation.cuda_emulation`).
+
+    ``build`` returns ``(owner, name, replacement)`` triples. For each triple whose owner is a
+    module, other modules that bound the same original function to a name of their own
+    (``from torch.cuda import synchronize``, megatron's ``from torch.cuda import _lazy_call``)
+    under the same name are rebound too, and on exit any module that imported a replacement
+    while the scope was open is set back to the original: nothing outlives the scope.
+
+    Args:
+        build: Returns the patches (called at each outermost entry).
+        requires: A patch set entered (counted) around this one.
+        on_install: Called after installing, under the lock.
+        on_uninstall: Called after uninstalling, under the lock.
+    """
+
+    def __init__(
+        self,
+        build: Callable[[], list[tuple[Any, str, Any]]],
+        *,
+        requires: _ScopedPatchSet | None = None,
+        on_install: Callable[[], None] | None = None,
+        on_uninstall: Callable[[], None] | None = None,
+    ) -> None:
+        self._build = build
+        self._requires = requires
+        self._on_install = on_install
+        self._on_uninstall = on_uninstall
+        self._depth = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._rebound: dict[str, list[tuple[Any, Any]]] = {}
+        self.active = False
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[bool]:
+        """Enter the patch set (counted); yields whether it is active (False with CUDA)."""
+        with contextlib.ExitStack() as stack:
+            if self._requires is not None:
+                stack.enter_context(self._requires.scope())
+            with _lock:
+                if self._depth == 0 and not torch.cuda.is_available():
+                    self._install()
+                self._depth += 1
+                active = self.active
+            try:
+                yield active
+            finally:
+                with _lock:
+                    self._depth -= 1
+                    if self._depth == 0 and self.active:
+                        self._uninstall()
+
+    def _install(self) -> None:
+        # name -> [(original, replacement)]: other modules' bindings under the same name.
+        rebind: dict[str, list[tuple[Any, Any]]] = {}
+        for owner, name, replacement in self._build():
+            original = getattr(owner, name)
+            self._saved.append((owner, name, original))
+            setattr(owner, name, replacement)
+            if isinstance(owner, ModuleType) and isinstance(original, _FUNCTION_TYPES):
+                rebind.setdefault(name, []).append((original, replacement))
+        for module in _scannable_modules():
+            namespace = vars(module)
+            for name, pairs in rebind.items():
+                value = namespace.get(name)
+                for original, replacement in pairs:
+                    if value is original:
+                        self._saved.append((module, name, original))
+                        setattr(module, name, replacement)
+        self._rebound = {name: [(new, old) for old, new in pairs] for name, pairs in rebind.items()}
+        self.active = True
+        if self._on_install is not None:
+            self._on_install()
+
+    def _uninstall(self) -> None:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)
+        # Modules imported inside the scope bound a replacement: give them the original.
+        for module in _scannable_modules():
+            namespace = vars(module)
+            for name, pairs in self._rebound.items():
+                value = namespace.get(name)
+                for replacement, original in pairs:
+                    if value is replacement:
+                        setattr(module, name, original)
+        self._rebound = {}
+        self.active = False
+        if self._on_uninstall is not None:
+            self._on_uninstall()
+
+
+def _scannable_modules() -> list[ModuleType]:
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if isinstance(module, ModuleType) and not name.startswith(_NEVER_REBIND)
+    ]
 
 
 def gloo_backend_for(backend: Any) -> Any:
@@ -108,9 +218,9 @@ def _no_synchronize(device: Any = None) -> None:
     return None
 
 
-def _patches() -> list[tuple[ModuleType, str, Any]]:
+def _patches() -> list[tuple[Any, str, Any]]:
     c10d = dist.distributed_c10d
-    patches: list[tuple[ModuleType, str, Any]] = [
+    patches: list[tuple[Any, str, Any]] = [
         (torch.cuda, "synchronize", _no_synchronize),
         (torch.cuda, "current_device", _cpu_current_device),
     ]
@@ -134,25 +244,12 @@ def _patches() -> list[tuple[ModuleType, str, Any]]:
     return patches
 
 
-def _install() -> None:
-    global _active
-    for module, name, replacement in _patches():
-        _saved.append((module, name, getattr(module, name)))
-        setattr(module, name, replacement)
-    _active = True
-
-
-def _uninstall() -> None:
-    global _active
-    while _saved:
-        module, name, original = _saved.pop()
-        setattr(module, name, original)
-    _active = False
+_COMPAT = _ScopedPatchSet(_patches)
 
 
 def cuda_compat_active() -> bool:
     """Return whether the CPU compatibility patches are currently installed."""
-    return _active
+    return _COMPAT.active
 
 
 @contextlib.contextmanager
@@ -166,16 +263,5 @@ def cpu_cuda_compat() -> Iterator[bool]:
         ``True`` when the patches are active, ``False`` when CUDA is available and the
         context does nothing.
     """
-    global _depth
-    with _lock:
-        if _depth == 0 and not torch.cuda.is_available():
-            _install()
-        _depth += 1
-        active = _active
-    try:
+    with _COMPAT.scope() as active:
         yield active
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _active:
-                _uninstall()

@@ -567,7 +567,7 @@ class ConfigContainer:
                 "train.engine",
                 f"the portable engine does not pipeline (model.pipeline_model_parallel_size={pp}, "
                 f"virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}); "
-                "use engine 'megatron' (needs CUDA) or set the pipeline sizes to 1 / null",
+                "use engine 'megatron' (train.engine=megatron) or set the pipeline sizes to 1 / null",
             )
         if model.bf16 and model.fp16:
             raise ConfigError("model", "bf16 and fp16 are both true; enable at most one")

@@ -5,10 +5,16 @@ as ``DistributedInitConfig.distributed_backend`` says), megatron's model-paralle
 (tensor, pipeline, context, expert parallel) and reproducible seeds. It validates the layout
 against the world size and the chosen engine first, so a bad config fails before any
 process group exists.
+
+For the megatron engine on a machine without CUDA it also enters
+:func:`core_utils.cuda_emulation` (megatron-core's DDP, optimizers, pipeline schedules and
+RNG tracker assume CUDA); :func:`destroy_distributed` exits it, so the emulation lasts
+exactly as long as the training run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from datetime import timedelta
@@ -26,7 +32,7 @@ __all__ = [
     "validate_parallel_layout",
 ]
 
-_STATE = {"owns_process_group": False}
+_STATE: dict[str, Any] = {"owns_process_group": False, "emulation": None}
 
 
 def resolve_distributed_backend(dist_config: Any = None) -> str:
@@ -116,8 +122,9 @@ def validate_parallel_layout(model_config: Any, world_size: int, engine: str = "
             )
         if getattr(model_config, "sequence_parallel", False) and not torch.cuda.is_available():
             raise ValueError(
-                "model.sequence_parallel=True needs CUDA (gloo has no reduce-scatter and "
-                "megatron forks its CUDA RNG tracker); set model.sequence_parallel=False on CPU"
+                "model.sequence_parallel=True needs CUDA with the portable engine (its CPU layer "
+                "spec's WrappedTorchNorm does not support sequence parallelism); set "
+                "model.sequence_parallel=False on CPU"
             )
 
 
@@ -177,6 +184,8 @@ def initialize_distributed(
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )
     validate_parallel_layout(model_config, world_size, engine)
+    if engine == "megatron":
+        _enter_cuda_emulation()
 
     timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
     if torch.cuda.is_available() and backend == "nccl":
@@ -204,7 +213,9 @@ def initialize_distributed(
         distributed_timeout_minutes=int(timeout_minutes),
         nccl_communicator_config_path=getattr(dist_config, "nccl_communicator_config_path", None),
         order=order,
-        # On a gloo world the regular groups already are gloo groups; duplicates cost time.
+        # On a gloo world the regular groups already are gloo groups (gloo has every
+        # collective megatron-core uses: reduce-scatter, all-gather into a tensor, coalescing,
+        # batched isend/irecv); duplicates would only cost time.
         create_gloo_process_groups=bool(getattr(dist_config, "use_gloo_process_groups", True))
         and backend == "nccl",
     )
@@ -227,8 +238,10 @@ def set_random_seed(
     The seed is ``seed + 100 * pipeline_rank`` (+ ``10 * data_parallel_rank`` with
     ``data_parallel_random_init``), so every data-parallel and tensor-parallel rank of a
     pipeline stage draws the same parameters (tensor-parallel ranks then slice the same full
-    weights). On CUDA, megatron's ``model_parallel_cuda_manual_seed`` also seeds its
-    tensor-parallel RNG tracker; without CUDA no CUDA state is touched.
+    weights). On CUDA, and on CPU under :func:`core_utils.cuda_emulation` (the megatron
+    engine), megatron's ``model_parallel_cuda_manual_seed`` also seeds its tensor-parallel
+    RNG tracker (under the emulation its "CUDA" generator is the CPU generator); otherwise no
+    CUDA state is touched.
 
     Args:
         seed: Base seed (must be >= 0).
@@ -254,7 +267,9 @@ def set_random_seed(
     random.seed(rank_seed)
     np.random.seed(rank_seed)
     torch.manual_seed(rank_seed)
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+    from core_utils import cuda_emulation_active
+
+    if (torch.cuda.is_available() and torch.cuda.device_count() > 0) or cuda_emulation_active():
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(
@@ -263,12 +278,38 @@ def set_random_seed(
     return rank_seed
 
 
+def _enter_cuda_emulation() -> bool:
+    """Enter :func:`core_utils.cuda_emulation` until :func:`destroy_distributed` (once).
+
+    Called by :func:`initialize_distributed` for the megatron engine. A no-op with CUDA.
+
+    Returns:
+        Whether the emulation is active (``False`` with CUDA).
+    """
+    if _STATE["emulation"] is None:
+        from core_utils import cuda_emulation
+
+        stack = contextlib.ExitStack()
+        active = stack.enter_context(cuda_emulation())
+        _STATE["emulation"] = stack
+        return bool(active)
+    from core_utils import cuda_emulation_active
+
+    return cuda_emulation_active()
+
+
 def destroy_distributed() -> None:
-    """Tear down megatron's parallel state, and the process group if this module created it."""
+    """Tear down megatron's parallel state, the process group if this module created it, and
+    the CUDA emulation if :func:`initialize_distributed` entered it."""
     from megatron.core import parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if _STATE["owns_process_group"] and dist.is_initialized():
-        dist.destroy_process_group()
-    _STATE["owns_process_group"] = False
+    try:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if _STATE["owns_process_group"] and dist.is_initialized():
+            dist.destroy_process_group()
+        _STATE["owns_process_group"] = False
+    finally:
+        stack, _STATE["emulation"] = _STATE["emulation"], None
+        if stack is not None:
+            stack.close()

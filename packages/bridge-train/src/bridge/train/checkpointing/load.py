@@ -60,7 +60,9 @@ from bridge.train.checkpointing.state_dict import (
     build_load_template,
     model_sharded_state_dict,
     model_state_keys,
+    optimizer_sharded_state_dict,
     parallel_layout,
+    unwrapped_chunks,
 )
 
 __all__ = ["checkpoint_exists", "load_checkpoint"]
@@ -315,6 +317,88 @@ def _read_common(path: str) -> dict[str, Any]:
     return common
 
 
+def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None) -> str:
+    sizes = " x ".join(
+        f"{short}{layout[name]}"
+        for short, name in (
+            ("TP", "tensor_model_parallel_size"),
+            ("PP", "pipeline_model_parallel_size"),
+            ("CP", "context_parallel_size"),
+            ("DP", "data_parallel_size"),
+        )
+        if name in layout
+    )
+    details = [f"world {layout.get('world_size')}", f"{chunks} model chunk(s)"]
+    if optimizer:
+        details.append(f"{optimizer} optimizer")
+    return f"{sizes or 'no model parallelism'} ({', '.join(details)})"
+
+
+def _optimizer_family(fmt: str | None) -> str | None:
+    """portable and megatron optimizers store different non-tensor state."""
+    if fmt is None:
+        return None
+    return "portable" if fmt == "portable" else "megatron"
+
+
+def _check_reshardable(
+    path: str, meta: dict[str, Any], layout: dict[str, Any], chunks: int, optimizer: Any
+) -> None:
+    """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
+
+    dist_checkpointing reshards model tensors across TP, PP and DP sizes, and per-parameter
+    optimizer state (portable optimizer, megatron's non-distributed optimizers) with them.
+    megatron's distributed optimizer state is saved per data-parallel bucket
+    (``dp_reshardable``, see ``state_dict.OPTIMIZER_SHARDING_METADATA``): it reshards across
+    DP sizes only. Refused: another number of virtual pipeline chunks; optimizer state of
+    the other engine's optimizer family; distributed <-> per-parameter optimizer state; and
+    distributed-optimizer state under other TP or PP sizes.
+    """
+    saved_layout = meta.get("parallel_layout") or {}
+    saved_chunks = meta.get("model_chunks", 1)
+    saved_fmt = meta.get("optimizer_format")
+    this_fmt = None
+    if optimizer is not None:
+        from bridge.train.checkpointing.state_dict import optimizer_format
+
+        this_fmt = optimizer_format(optimizer)
+
+    def refuse(reason: str, fix: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path} was saved as {_describe_layout(saved_layout, saved_chunks, saved_fmt)}, "
+            f"this run is {_describe_layout(layout, chunks, this_fmt)}: {reason}; {fix}"
+        )
+
+    if saved_chunks != chunks:
+        raise refuse(
+            "the number of virtual pipeline chunks differs",
+            "use the saved model.virtual_pipeline_model_parallel_size",
+        )
+    if optimizer is None or saved_fmt is None:
+        return
+    if _optimizer_family(saved_fmt) != _optimizer_family(this_fmt):
+        raise refuse(
+            "optimizer state of another engine's optimizer cannot be loaded",
+            "use the saved train.engine, or set checkpoint.load_optim=False to load the model "
+            "(and train state) alone",
+        )
+    saved_distributed = saved_fmt.startswith("distributed:")
+    if saved_distributed != (this_fmt or "").startswith("distributed:"):
+        raise refuse(
+            "distributed-optimizer state (kept per data-parallel bucket) and per-parameter "
+            "optimizer state do not convert into each other",
+            "set optimizer.use_distributed_optimizer (and ddp.use_distributed_optimizer) as "
+            "saved, or checkpoint.load_optim=False to load the model (and train state) alone",
+        )
+    model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    if saved_distributed and any(saved_layout.get(k) != layout.get(k) for k in model_parallel):
+        raise refuse(
+            "distributed-optimizer state reshards across data-parallel sizes only",
+            "load it with the saved tensor and pipeline parallel sizes, or set "
+            "checkpoint.load_optim=False to load the model (and train state) alone",
+        )
+
+
 def _sharded_tensors(tree: Any) -> list[Any]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -477,15 +561,44 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> No
         {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
         for group in optimizer.param_groups
     ]
-    optimizer.load_state_dict(state)
+    # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
+    # only some of its formats' loaders disable autograd themselves.
+    with torch.no_grad():
+        optimizer.load_state_dict(state)
+    _restore_distributed_optimizer_steps(optimizer)
     if keep:
         for group, saved in zip(optimizer.param_groups, bounds, strict=True):
             group.update(saved)
 
 
+def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
+    """Set every parameter's Adam ``step`` of a megatron distributed optimizer from the load.
+
+    With torch's Adam (no Apex / Transformer Engine, as on CPU) megatron-core 0.19's
+    ``DistributedOptimizer`` keeps the iteration count in its saved parameter groups
+    (``step``), but its ``load_state_dict`` leaves the per-parameter ``step`` state of an
+    already allocated optimizer at its old value and, when it does set it, stores one shared
+    tensor in every parameter's state, which torch's Adam then increments once per
+    parameter. Either way the bias correction after a resume would be wrong: each parameter
+    gets its own tensor holding the loaded count.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if type(inner).__name__ != "DistributedOptimizer":
+            continue
+        torch_optimizer = inner.optimizer
+        for group in torch_optimizer.param_groups:
+            step = group.get("step")
+            if step is None:
+                continue
+            for param in group["params"]:
+                param_state = torch_optimizer.state[param]
+                if "step" in param_state:
+                    param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
 def _load_main_params(optimizer: Any, model: list[torch.nn.Module], path: str, cfg: Any) -> None:
     """Restore the optimizer's fp32 main parameters from the checkpoint's copies."""
-    sharded = optimizer.sharded_state_dict(model_sharded_state_dict(model))
+    sharded = optimizer_sharded_state_dict(optimizer, model_sharded_state_dict(model))
     groups = sharded.get("fp32_from_fp16_params") if isinstance(sharded, dict) else None
     if not groups:
         raise CheckpointError(
@@ -546,12 +659,8 @@ def _read_checkpoint(
             f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
             "checkpoint.load_rng=False to keep this run's seeds"
         )
-    if meta.get("model_chunks", 1) != len(model):
-        raise CheckpointError(
-            f"{plan.path} holds {meta.get('model_chunks')} model chunk(s) but the model has "
-            f"{len(model)}; use the same virtual pipeline layout as the saved run"
-        )
     layout = parallel_layout()
+    _check_reshardable(plan.path, meta, layout, len(model), optimizer if load_optim else None)
     if load_rng and meta.get("parallel_layout") != layout:
         if _dist.rank() == 0:
             logger.warning(
@@ -650,7 +759,7 @@ def load_checkpoint(
     common, loaded, keys, finetune, load_optim, load_rng = read
 
     if not skip_load_to_model_and_opt:
-        for key, chunk in zip(keys, model, strict=True):
+        for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
             _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)

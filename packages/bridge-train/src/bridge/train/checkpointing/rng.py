@@ -1,13 +1,14 @@
 """Random-number-generator state of one rank, saved per rank and restored on request.
 
 Each rank stores its own generators (Python ``random``, NumPy's global generator, torch's
-CPU generator and, with CUDA, every device generator plus megatron's tensor-parallel RNG
-tracker) as a megatron ``ShardedObject`` at its global rank. The content is tensors and
+CPU generator, with CUDA every device generator, and megatron's tensor-parallel RNG
+tracker when it is seeded, with CUDA or under the CUDA emulation on CPU) as a megatron ``ShardedObject`` at its global rank. The content is tensors and
 plain Python values only, so it loads with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 __all__ = ["RNG_STATE_KEY", "capture_rng_state", "restore_rng_state", "rng_sharded_object"]
 
 RNG_STATE_KEY = "rng_state"
+
+logger = logging.getLogger(__name__)
 
 
 def _numpy_state() -> dict[str, Any]:
@@ -59,19 +62,44 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
-        from megatron.core import tensor_parallel
-
-        tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker = _initialized_rng_tracker()
+    if tracker is not None:
+        # Also without CUDA: under core-utils' CUDA emulation (the megatron engine on CPU)
+        # the tracker holds CPU generator states, which dropout in tensor-parallel regions
+        # draws from, so a resume is exact only with them.
         state["rng_tracker_states"] = {
             name: value.cpu() for name, value in tracker.get_states().items()
         }
+        state["rng_tracker_device"] = _tracker_device()
     return state
+
+
+def _tracker_device() -> str:
+    """Which generators the tracker's states belong to: CUDA's (Philox) or the CPU's."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _initialized_rng_tracker() -> Any:
+    """megatron's tensor-parallel RNG tracker when it has states, else None."""
+    import sys
+
+    if "megatron.core.tensor_parallel.random" not in sys.modules:
+        return None  # never imported: nothing seeded it
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    is_initialized = getattr(tracker, "is_initialized", None)
+    if callable(is_initialized) and not is_initialized():
+        return None
+    return tracker if tracker.get_states() else None
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Set this process's generators to ``state`` (from :func:`capture_rng_state`).
 
-    CUDA generators are restored only when the state has them and CUDA is available.
+    CUDA generators are restored only when the state has them and CUDA is available;
+    megatron's tensor-parallel RNG tracker when the state has it and it was saved with the
+    same kind of generators (CUDA, or CPU under the CUDA emulation).
     """
     saved_random = state["random_rng_state"]
     random.setstate(
@@ -85,10 +113,21 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch_rng_state"].to(torch.uint8).cpu())
     if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state_all(state["cuda_rng_state"])
-        if state.get("rng_tracker_states") is not None:
-            from megatron.core import tensor_parallel
+    tracker_states = state.get("rng_tracker_states")
+    if tracker_states is not None:
+        # Checkpoints from before the device was recorded hold CUDA states.
+        saved_device = state.get("rng_tracker_device", "cuda")
+        if saved_device != _tracker_device():
+            logger.warning(
+                "not restoring megatron's tensor-parallel RNG tracker: it was saved with %s "
+                "generators and this run uses %s generators",
+                saved_device.upper(),
+                _tracker_device().upper(),
+            )
+            return
+        from megatron.core import tensor_parallel
 
-            tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker_states))
 
 
 def rng_sharded_object(rank: int, world_size: int, state: dict[str, Any] | None) -> Any:

@@ -365,7 +365,7 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
                     tuple(value.global_shape),
                     tuple(value.local_shape),
                     tuple(value.global_offset),
-                    tuple(value.axis_fragmentations),
+                    tuple(value.axis_fragmentations or ()),
                     value.replica_id,
                     value.flattened_range,
                 )

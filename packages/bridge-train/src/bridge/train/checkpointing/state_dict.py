@@ -26,10 +26,14 @@ from bridge.train.state import TrainState
 
 __all__ = [
     "FORMAT_VERSION",
+    "OPTIMIZER_SHARDING_METADATA",
     "build_load_template",
     "build_save_state_dict",
     "model_state_keys",
+    "optimizer_format",
+    "optimizer_sharded_state_dict",
     "parallel_layout",
+    "unwrapped_chunks",
 ]
 
 # Version of the checkpoint content written by this module.
@@ -57,9 +61,24 @@ def parallel_layout() -> dict[str, int]:
     return layout
 
 
+def unwrapped_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The model chunks without megatron's DDP / FSDP / ``Float16Module`` wrappers.
+
+    megatron's ``DistributedDataParallel`` has no ``sharded_state_dict`` of its own (the
+    generic one would prefix every key with ``module.``) and its ``load_state_dict``
+    forwards to the wrapped module, so checkpoints read and write the unwrapped chunks, as
+    Megatron-LM does. Other wrappers (the portable engine's) are left as they are.
+    """
+    from megatron.core.utils import unwrap_model
+
+    return [unwrap_model(chunk) for chunk in model]
+
+
 def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     """``{"model": chunk.sharded_state_dict()}`` (one key per chunk with several chunks)."""
     from megatron.core import parallel_state
+
+    model = unwrapped_chunks(model)
 
     keys = model_state_keys(len(model))
     result: dict[str, Any] = {}
@@ -77,6 +96,76 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     if len(model) > 1:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return result
+
+
+# megatron's distributed optimizer: its state per data-parallel bucket ("dp_reshardable",
+# Megatron-LM's default: written fully in parallel, no gather), which reshards across
+# data-parallel sizes only. megatron-core 0.19 refuses the flattened tensors of
+# "fully_sharded_model_space", and loading "fully_reshardable" with torch's Adam (no Apex /
+# Transformer Engine, as on CPU) fails on its per-parameter step. Chained optimizers add no
+# per-optimizer key prefix.
+OPTIMIZER_SHARDING_METADATA: dict[str, Any] = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
+
+
+def optimizer_sharded_state_dict(
+    optimizer: Any, model_state: dict[str, Any], *, is_loading: bool = False
+) -> Any:
+    """``optimizer.sharded_state_dict`` with :data:`OPTIMIZER_SHARDING_METADATA`.
+
+    Args:
+        optimizer: A megatron-contract optimizer (megatron-core's or the portable one).
+        model_state: The model's sharded state dict (see :func:`model_sharded_state_dict`).
+        is_loading: Build the template to load into.
+
+    Returns:
+        The optimizer's sharded state dict.
+    """
+    return optimizer.sharded_state_dict(
+        model_state, is_loading, metadata=dict(OPTIMIZER_SHARDING_METADATA)
+    )
+
+
+def allocate_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh megatron distributed optimizer the state tensors a load overwrites.
+
+    megatron's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` reads its own
+    ``state_dict()``, which with torch's optimizers (no Apex / Transformer Engine, as on
+    CPU) asserts that every parameter's state has a ``step``; a freshly built optimizer has
+    no state at all. This allocates zero state (megatron's ``init_state_fn``) and step 0,
+    the values a load then replaces; an optimizer that already has state is left alone.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if type(inner).__name__ != "DistributedOptimizer":
+            continue
+        torch_optimizer = inner.optimizer
+        if len(torch_optimizer.state) > 0:
+            continue
+        init_state_fn = getattr(inner, "init_state_fn", None)
+        if init_state_fn is not None:
+            init_state_fn(torch_optimizer, inner.config)
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                torch_optimizer.state[param].setdefault(
+                    "step", torch.tensor(0.0, dtype=torch.float32)
+                )
+
+
+def optimizer_format(optimizer: Any) -> str:
+    """How the optimizer's state is laid out in a checkpoint, for the resharding rules.
+
+    ``"distributed:<sharding type>"`` for megatron's distributed optimizer (also chained),
+    ``"megatron"`` for megatron's other optimizers, ``"portable"`` for the portable one.
+    """
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    names = {type(o).__name__ for o in inner}
+    if "DistributedOptimizer" in names:
+        return f"distributed:{OPTIMIZER_SHARDING_METADATA['distrib_optim_sharding_type']}"
+    if "PortableOptimizer" in names:
+        return "portable"
+    return "megatron"
 
 
 def build_save_state_dict(
@@ -111,7 +200,7 @@ def build_save_state_dict(
     )
     has_optimizer = bool(save_optim and optimizer is not None)
     if has_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(models)
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, models)
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if save_rng:
@@ -126,6 +215,7 @@ def build_save_state_dict(
         "parallel_layout": parallel_layout(),
         "model_chunks": len(model),
         "optimizer": has_optimizer,
+        "optimizer_format": optimizer_format(optimizer) if has_optimizer else None,
         "opt_param_scheduler": opt_param_scheduler is not None,
         "rng": bool(save_rng),
     }
@@ -153,7 +243,8 @@ def build_load_template(
     models = model_sharded_state_dict(model)
     template: dict[str, Any] = dict(models)
     if load_optim and optimizer is not None:
-        template["optimizer"] = optimizer.sharded_state_dict(models, is_loading=True)
+        allocate_optimizer_state(optimizer)
+        template["optimizer"] = optimizer_sharded_state_dict(optimizer, models, is_loading=True)
     if load_rng:
         template[RNG_STATE_KEY] = rng_sharded_object(_dist.rank(), _dist.world_size(), None)
     return template

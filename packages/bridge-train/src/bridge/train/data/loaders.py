@@ -120,6 +120,10 @@ def build_data_loader(
         pin_memory=bool(pin_memory and torch.cuda.is_available()),
         persistent_workers=bool(persistent_workers and num_workers > 0),
         worker_init_fn=worker_init_fn if num_workers > 0 else None,
+        # Its own generator: a DataLoader iterator otherwise draws its workers' base seed from
+        # torch's global generator, so building the iterators after a checkpoint's RNG state
+        # was restored would shift dropout (and every other draw) against the uninterrupted run.
+        generator=torch.Generator().manual_seed(int(seed)),
     )
 
 

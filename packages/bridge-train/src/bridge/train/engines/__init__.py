@@ -1,4 +1,4 @@
-"""Execution engines behind one seam: portable (CPU/GPU) and megatron (CUDA)."""
+"""Execution engines behind one seam: portable (CPU/GPU) and megatron (CUDA, and CPU under emulation)."""
 
 from bridge.train.engines.base import ENGINE_NAMES, Engine, build_engine
 from bridge.train.engines.megatron import MegatronEngine

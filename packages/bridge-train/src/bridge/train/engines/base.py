@@ -6,7 +6,8 @@ The loop never imports a concrete engine. It asks :func:`build_engine` for one b
 * :class:`~bridge.train.engines.portable.PortableEngine` (``"portable"``, the default):
   CPU with gloo and GPU with nccl;
 * :class:`~bridge.train.engines.megatron.MegatronEngine` (``"megatron"``): megatron-core's
-  DDP, distributed optimizer and pipeline schedules; CUDA only.
+  DDP, distributed optimizer and pipeline schedules; on CUDA, and on CPU (gloo) under
+  :func:`core_utils.cuda_emulation`.
 
 See ``docs/engines.md``.
 """
@@ -85,8 +86,8 @@ class Engine(Protocol):
 def build_engine(name: str) -> Engine:
     """Create the engine called ``name``.
 
-    The megatron engine checks for CUDA here, so a CPU machine fails before any process
-    group or model is built.
+    Building an engine changes no process state; the megatron engine enters the CUDA
+    emulation (without CUDA) only in ``initialize_distributed``.
 
     Args:
         name: ``"portable"`` or ``"megatron"`` (``train.engine``).
@@ -96,7 +97,6 @@ def build_engine(name: str) -> Engine:
 
     Raises:
         ValueError: Unknown name.
-        RuntimeError: ``"megatron"`` without CUDA.
     """
     if name == "portable":
         from bridge.train.engines.portable import PortableEngine

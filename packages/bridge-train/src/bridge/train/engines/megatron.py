@@ -1,4 +1,4 @@
-"""The megatron engine: megatron-core's own training stack, for CUDA.
+"""The megatron engine: megatron-core's own training stack, on CUDA and on CPU.
 
 * data parallelism: megatron-core ``DistributedDataParallel`` (grad buffers, overlapped
   reduce-scatter / all-reduce, optional distributed optimizer and parameter all-gather);
@@ -8,13 +8,17 @@
 * layer specs: Transformer Engine when the ``te`` extra is installed (see
   ``GPTModelProvider.layer_spec_backend``).
 
-Every one of these allocates on CUDA, so the engine refuses to start without it, before any
-process group or model exists. This module cannot be exercised on a CPU-only machine beyond
-that refusal; its construction code follows megatron-core 0.19's APIs.
+Every one of these assumes CUDA. Without a GPU, :func:`~bridge.train.initialize_distributed`
+enters :func:`core_utils.cuda_emulation` for this engine (until
+:func:`~bridge.train.destroy_distributed`), which redirects megatron-core's CUDA use to the
+CPU and gloo; the same code path then runs on a CPU-only machine, where the layer spec is the
+portable one (SDPA core attention) and weights are initialised on the CPU. See
+``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,31 +32,26 @@ __all__ = ["MegatronEngine"]
 
 
 class MegatronEngine:
-    """Engine on megatron-core's DDP, distributed optimizer and pipeline schedules (CUDA).
+    """Engine on megatron-core's DDP, distributed optimizer and pipeline schedules.
 
-    Raises:
-        RuntimeError: CUDA is not available (raised by the constructor).
+    On CUDA with nccl; without CUDA on the CPU with gloo, under
+    :func:`core_utils.cuda_emulation` (entered by :meth:`initialize_distributed`).
     """
 
     name = "megatron"
 
-    def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "train.engine='megatron' requires CUDA (megatron-core's DDP, optimizer and "
-                "pipeline schedules allocate on the GPU), and no GPU is available; use the "
-                "portable engine on CPU: train.engine='portable'"
-            )
-
     @property
     def device(self) -> torch.device:
-        """The current CUDA device."""
-        return torch.device("cuda", torch.cuda.current_device())
+        """The current CUDA device, or ``cpu`` without CUDA (under the emulation)."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def initialize_distributed(
         self, model_config: Any, dist_config: Any = None, rng_config: Any = None
     ) -> None:
-        """See :func:`bridge.train.initialize_distributed` (nccl, all parallelisms)."""
+        """See :func:`bridge.train.initialize_distributed` (all parallelisms); without CUDA
+        it also enters the CUDA emulation for the rest of the run."""
         initialize_distributed(model_config, dist_config, rng_config, engine=self.name)
 
     def setup_model(
@@ -88,6 +87,7 @@ class MegatronEngine:
             ddp_config = convert_dataclass(ddp_config, DistributedDataParallelConfig)
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
         chunks = build_model_chunks(model_provider, vp_size, pre_wrap_hooks)
+        # Under the CUDA emulation .cuda() keeps the CPU tensors where they are.
         chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
         chunks = cast_for_precision(chunks, model_provider)
         if not wrap_with_ddp:
@@ -132,7 +132,9 @@ class MegatronEngine:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.utils import get_model_config
 
-        optimizer = get_megatron_optimizer(optimizer_config, model)
+        optimizer = get_megatron_optimizer(
+            optimizer_config, model, use_gloo_process_groups=_gloo_groups_exist()
+        )
         scheduler = build_optimizer_param_scheduler(
             optimizer, optimizer_config, scheduler_config, train_config
         )
@@ -141,7 +143,38 @@ class MegatronEngine:
 
     @property
     def forward_backward_func(self) -> Callable[..., list[Any]]:
-        """megatron-core's schedule for the current pipeline layout."""
+        """megatron-core's schedule for the current pipeline layout.
+
+        With a virtual pipeline megatron's interleaved schedule wants one data iterator per
+        model chunk; a single iterator is split (``itertools.tee``) so that every chunk sees
+        the same micro-batches and the iterator advances by ``num_microbatches`` per call,
+        as without a virtual pipeline.
+        """
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        return get_forward_backward_func()
+        schedule = get_forward_backward_func()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if not vp_size or vp_size <= 1:
+            return schedule
+
+        def forward_backward_per_chunk(*, data_iterator: Any = None, **kwargs: Any) -> list[Any]:
+            if data_iterator is not None and not isinstance(data_iterator, list):
+                data_iterator = list(itertools.tee(data_iterator, vp_size))
+            return schedule(data_iterator=data_iterator, **kwargs)
+
+        return forward_backward_per_chunk
+
+
+def _gloo_groups_exist() -> bool:
+    """Whether megatron's parallel state built gloo duplicates of the data-parallel groups.
+
+    :func:`~bridge.train.initialize_distributed` builds them only on an nccl world (on a
+    gloo world the regular groups already are gloo groups).
+    """
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_data_parallel_group_gloo(with_context_parallel=True) is not None
+    except AssertionError:
+        return False

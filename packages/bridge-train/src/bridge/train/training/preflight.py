@@ -170,9 +170,14 @@ def _check_data_files(cfg: ConfigContainer) -> None:
 
 def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
     from bridge.train.engines.base import build_engine
+    from bridge.train.engines.layout_checks import check_engine_config
     from bridge.train.initialize import resolve_distributed_backend, validate_parallel_layout
 
     assert cfg.train is not None
+    # Wrong on every device (the p2p rule) or unsupported here: the most specific reason first.
+    check_engine_config(
+        cfg.model, cfg.train.engine, ddp_config=cfg.ddp, optimizer_config=cfg.optimizer
+    )
     try:
         build_engine(cfg.train.engine)
     except (RuntimeError, ValueError) as exc:

@@ -1,0 +1,212 @@
+"""Step time of the megatron engine on CPU against the portable engine and a bare loop.
+
+The same megatron-core GPT (the model of ``benchmarks/framework_overhead.py``), optimizer
+settings, learning-rate schedule, mock data, seed and number of steps, trained by:
+
+* ``bare``: the framework-free loop of ``framework_overhead.py`` (``torch.optim.AdamW``
+  over megatron's parameter groups, a ``DataLoader``, gradient accumulation; one rank only,
+  it has no data parallelism);
+* ``portable``: ``bridge.train.pretrain`` with ``train.engine=portable`` (own DDP wrapper,
+  optimizer wrapper and no-pipelining schedule);
+* ``megatron``: ``pretrain`` with ``train.engine=megatron`` (megatron-core's
+  ``DistributedDataParallel``, ``get_megatron_optimizer`` and ``get_forward_backward_func``
+  under core-utils' CUDA emulation).
+
+Both engine runs are the full trainer, so their ratio is the cost of the engine alone.
+With two ranks both engines run data parallel (DP=2, same global batch) on two forked gloo
+ranks, and the megatron engine also with its distributed optimizer (``megatron+dist-opt``).
+Timing as in ``framework_overhead.py``: a timestamp when an iteration's first micro-batch
+is fetched, the mean interval after a warm-up, runs alternating in ABBA order within one
+process (group), medians compared; CPU time per step is reported too.
+
+    uv run python benchmarks/engine_overhead.py [--steps 40] [--rounds 3] [--ranks 1 2]
+
+The decision rule (docs/engines.md, "Engine decision") is megatron / portable <= 1.03; the
+script prints the ratios and never asserts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+# A sibling script (benchmarks/ is on sys.path when this file runs), not an installed module.
+from framework_overhead import (  # type: ignore[import-not-found]
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    MODEL,
+    _StepClock,
+    run_bare,
+)
+
+from bridge.config import LoggerConfig
+from bridge.train import forward_step, pretrain, read_metrics_file
+from bridge.train.testing import (
+    tiny_config_container,
+    tiny_gpt_provider,
+    tiny_mock_dataset_config,
+    tiny_optimizer_config,
+    tiny_train_config,
+)
+from core_utils.testing import find_free_port, run_distributed
+
+# side name -> (train.engine, optimizer.use_distributed_optimizer)
+SIDES: dict[str, tuple[Literal["portable", "megatron"], bool]] = {
+    "portable": ("portable", False),
+    "megatron": ("megatron", False),
+    "megatron+dist-opt": ("megatron", True),
+}
+
+
+def run_engine(
+    side: str, steps: int, warmup: int, workdir: Path, threads: int
+) -> tuple[float, float, list[float]]:
+    """``pretrain`` with one engine on the current process group: (wall, CPU, losses)."""
+    torch.set_num_threads(threads)
+    engine, distributed_optimizer = SIDES[side]
+    train = tiny_train_config(
+        train_iters=steps, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH
+    )
+    train.engine = engine
+    optimizer = tiny_optimizer_config()
+    optimizer.use_distributed_optimizer = distributed_optimizer
+    cfg = tiny_config_container(
+        train=train,
+        model=tiny_gpt_provider(**MODEL),
+        optimizer=optimizer,
+        dataset=tiny_mock_dataset_config(sequence_length=MODEL["seq_length"]),
+        logger=LoggerConfig(log_interval=10),
+    )
+    if distributed_optimizer and cfg.ddp is not None:
+        cfg.ddp.use_distributed_optimizer = True
+    metrics = workdir / f"metrics-{side}-{time.monotonic_ns()}.jsonl"
+    clock = _StepClock(GLOBAL_BATCH // (MICRO_BATCH * dist.get_world_size()))
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = pretrain(cfg, clock.wrap(forward_step), metrics_file=metrics)
+    assert code == 0, f"{side}: pretrain exited with {code}"
+    # The last rank writes the metrics file (it holds the loss under pipelining).
+    last = dist.get_rank() == dist.get_world_size() - 1
+    losses = [r["lm loss"] for r in read_metrics_file(metrics) if "lm loss" in r] if last else []
+    wall, cpu = clock.per_step(warmup)
+    return wall, cpu, losses
+
+
+def _order(sides: list[str], rounds: int) -> list[str]:
+    """A B C, C B A, ...: each side sees the machine in every position alike."""
+    order: list[str] = []
+    for r in range(rounds):
+        order += sides if r % 2 == 0 else list(reversed(sides))
+    return order
+
+
+def _rank_main(
+    rank: int, world: int, sides: list[str], rounds: int, steps: int, warmup: int, threads: int
+) -> dict[str, Any]:
+    results: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    losses: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in _order(sides, rounds):
+            wall, cpu, side_losses = run_engine(side, steps, warmup, Path(tmp), threads)
+            results[side].append((wall, cpu))
+            losses[side] = side_losses
+    return {"results": results, "losses": losses}
+
+
+def _report(title: str, results: dict[str, list[tuple[float, float]]], losses: Any) -> None:
+    med = {
+        side: (
+            statistics.median(r[0] for r in runs),
+            statistics.median(r[1] for r in runs),
+        )
+        for side, runs in results.items()
+    }
+    print(f"\n{title}")
+    for side, (wall, cpu) in med.items():
+        print(f"  {side:18s} {wall * 1e3:8.2f} ms/step wall  {cpu * 1e3:8.2f} ms/step CPU")
+    base = med["portable"]
+    for side, (wall, cpu) in med.items():
+        if side != "portable":
+            print(f"  ratio {side} / portable: wall {wall / base[0]:.3f}, CPU {cpu / base[1]:.3f}")
+    if "bare" in med:
+        for side in ("portable", "megatron"):
+            wall, cpu = med[side]
+            print(
+                f"  ratio {side} / bare: wall {wall / med['bare'][0]:.3f}, "
+                f"CPU {cpu / med['bare'][1]:.3f}"
+            )
+    reference = losses["portable"]
+    for side, side_losses in losses.items():
+        if side != "portable":
+            diff = max(abs(a - b) for a, b in zip(reference, side_losses, strict=True))
+            print(f"  max |loss difference| {side} vs portable: {diff:.3g}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="iterations per run")
+    parser.add_argument("--warmup", type=int, default=5, help="iterations not timed per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per side (ABC/CBA order)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    args = parser.parse_args()
+    print(
+        f"model {MODEL}, micro batch {MICRO_BATCH}, global batch {GLOBAL_BATCH}, "
+        f"{args.steps} steps per run ({args.warmup} warm-up), {args.rounds} rounds, "
+        f"{args.threads} thread(s) per rank"
+    )
+    if 2 in args.ranks:
+        # Forked before this process runs anything heavy (a fork of a process whose OpenMP
+        # pool ran can deadlock).
+        sides = ["portable", "megatron", "megatron+dist-opt"]
+        per_rank = run_distributed(
+            _rank_main,
+            2,
+            sides,
+            args.rounds,
+            args.steps,
+            args.warmup,
+            args.threads,
+            timeout=3600,
+        )
+        _report("2 ranks (DP=2), rank 1:", per_rank[1]["results"], per_rank[1]["losses"])
+    if 1 in args.ranks:
+        torch.set_num_threads(args.threads)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{find_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(minutes=10),
+        )
+        sides = ["bare", "portable", "megatron"]
+        results: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+        losses: dict[str, list[float]] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for side in _order(sides, args.rounds):
+                if side == "bare":
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        wall, cpu, side_losses = run_bare(args.steps, args.warmup)
+                else:
+                    wall, cpu, side_losses = run_engine(
+                        side, args.steps, args.warmup, Path(tmp), args.threads
+                    )
+                results[side].append((wall, cpu))
+                losses[side] = side_losses
+                print(f"  1 rank {side:10s} {wall * 1e3:8.2f} ms/step", flush=True)
+        dist.destroy_process_group()
+        _report("1 rank:", results, losses)
+    print("\ndecision rule: megatron / portable <= 1.03 (wall, 1 and 2 ranks)")
+
+
+if __name__ == "__main__":
+    main()

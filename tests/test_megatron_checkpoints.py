@@ -1,0 +1,198 @@
+"""Checkpoints under the megatron engine on CPU: exact resume, cross-layout resume, refusals.
+
+Every run is ``pretrain`` with ``train.engine=megatron`` (megatron-core DDP, optimizer and
+pipeline schedules under core-utils' CUDA emulation). Same-layout runs use dropout, so the
+RNG state (torch's generator and megatron's tensor-parallel RNG tracker) matters. One
+process group of two forked ranks runs every job of a test in sequence, so the cost of
+starting processes is paid once.
+
+Exactness: a run of 20 iterations saves at 10 and 20; a second run loads the checkpoint of
+10 (``checkpoint.ckpt_step``) into a new directory and trains 11-20. Its per-step losses
+and gradient norms equal the uninterrupted run's bit for bit: model, distributed-optimizer
+state, scheduler, RNG and data position are all restored.
+
+Cross-layout: the checkpoint of 10 saved with PP=2 is loaded with DP=2 and the losses of
+11-20 match the saved layout's own continuation within 1e-5 relative (fp32; the layouts sum
+in different orders, so not bit for bit). Distributed-optimizer state reshards across DP
+sizes only: loading it under another PP size, or per-parameter state into the distributed
+optimizer, is refused with one message naming both layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.config import CheckpointConfig, DistributedDataParallelConfig, LoggerConfig
+from bridge.train import forward_step, pretrain, read_metrics_file
+from bridge.train.testing import (
+    tiny_config_container,
+    tiny_gpt_provider,
+    tiny_optimizer_config,
+    tiny_train_config,
+)
+from core_utils.testing import run_distributed
+
+ITERS, SAVE_AT = 20, 10
+
+
+def _config(job: dict[str, Any]) -> Any:
+    import torch
+
+    layout = job.get("layout", {})
+    dropout = 0.1 if job.get("dropout", True) else 0.0
+    model = tiny_gpt_provider(
+        num_layers=4,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        pipeline_dtype=torch.float32,
+        **layout,
+    )
+    if layout.get("virtual_pipeline_model_parallel_size"):
+        model.batch_p2p_comm = False
+        model.overlap_p2p_comm = True
+    distributed = bool(job.get("distributed_optimizer", False))
+    train = tiny_train_config(train_iters=ITERS, global_batch_size=8, micro_batch_size=1)
+    train.engine = "megatron"
+    return tiny_config_container(
+        train=train,
+        model=model,
+        optimizer=tiny_optimizer_config(use_distributed_optimizer=distributed),
+        ddp=DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed, overlap_grad_reduce=distributed
+        ),
+        logger=LoggerConfig(log_interval=1),
+        checkpoint=CheckpointConfig(
+            save=job["save"],
+            save_interval=SAVE_AT,
+            load=job.get("load"),
+            ckpt_step=job.get("ckpt_step"),
+            exit_on_missing_checkpoint=job.get("load") is not None,
+        ),
+    )
+
+
+def _jobs(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[Any]:
+    """Run each job's ``pretrain`` in turn; a job with ``expect_error`` returns the message."""
+    outcomes: list[Any] = []
+    for job in jobs:
+        metrics = f"{job['metrics']}.{rank}"
+        try:
+            outcomes.append(pretrain(_config(job), forward_step, metrics_file=metrics))
+        except Exception as exc:
+            if not job.get("expect_error"):
+                raise
+            outcomes.append(str(exc))
+    return outcomes
+
+
+def _records(path: Path) -> dict[int, tuple[float, Any]]:
+    """``{step: (lm loss, grad norm)}`` from a metrics file."""
+    records = {}
+    for record in read_metrics_file(path):
+        if "lm loss" in record:
+            records[int(record["step"])] = (record["lm loss"], record.get("grad-norm"))
+    return records
+
+
+def _last_rank_records(metrics: Path, world: int) -> dict[int, tuple[float, Any]]:
+    return _records(Path(f"{metrics}.{world - 1}"))
+
+
+def _assert_close(resumed: dict[int, Any], reference: dict[int, Any], rtol: float) -> None:
+    assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1)), sorted(resumed)
+    for step, (loss, norm) in resumed.items():
+        ref_loss, ref_norm = reference[step]
+        if rtol == 0:
+            assert (loss, norm) == (ref_loss, ref_norm), f"step {step}"
+        else:
+            assert math.isclose(loss, ref_loss, rel_tol=rtol), f"step {step}: {loss} {ref_loss}"
+            assert math.isclose(norm, ref_norm, rel_tol=rtol * 10), f"step {step}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_is_exact_with_pp2_and_with_dp2_distributed_optimizer_and_across_layouts(
+    tmp_path: Path,
+) -> None:
+    pp2 = {"pipeline_model_parallel_size": 2}
+    jobs = [
+        {"save": str(tmp_path / "pp2"), "metrics": str(tmp_path / "pp2"), "layout": pp2},
+        {
+            "save": str(tmp_path / "pp2-resumed"),
+            "metrics": str(tmp_path / "pp2-resumed"),
+            "layout": pp2,
+            "load": str(tmp_path / "pp2"),
+            "ckpt_step": SAVE_AT,
+        },
+        {
+            "save": str(tmp_path / "dp2"),
+            "metrics": str(tmp_path / "dp2"),
+            "distributed_optimizer": True,
+        },
+        {
+            "save": str(tmp_path / "dp2-resumed"),
+            "metrics": str(tmp_path / "dp2-resumed"),
+            "distributed_optimizer": True,
+            "load": str(tmp_path / "dp2"),
+            "ckpt_step": SAVE_AT,
+        },
+        # PP=2 (no distributed optimizer) saved, DP=2 with the distributed optimizer loaded;
+        # without dropout (the RNG is per layout and not restored across layouts).
+        {
+            "save": str(tmp_path / "pp2-nodrop"),
+            "metrics": str(tmp_path / "pp2-nodrop"),
+            "layout": pp2,
+            "dropout": False,
+        },
+        {
+            "save": str(tmp_path / "pp2-as-dp2"),
+            "metrics": str(tmp_path / "pp2-as-dp2"),
+            "dropout": False,
+            "load": str(tmp_path / "pp2-nodrop"),
+            "ckpt_step": SAVE_AT,
+        },
+        # Per-parameter optimizer state into the distributed optimizer: refused, naming both.
+        {
+            "save": str(tmp_path / "refused"),
+            "metrics": str(tmp_path / "refused"),
+            "distributed_optimizer": True,
+            "dropout": False,
+            "load": str(tmp_path / "pp2-nodrop"),
+            "ckpt_step": SAVE_AT,
+            "expect_error": True,
+        },
+        # Distributed-optimizer state (DP=2) under PP=2: refused, naming both layouts.
+        {
+            "save": str(tmp_path / "refused-pp"),
+            "metrics": str(tmp_path / "refused-pp"),
+            "distributed_optimizer": True,
+            "layout": pp2,
+            "load": str(tmp_path / "dp2"),
+            "ckpt_step": SAVE_AT,
+            "expect_error": True,
+        },
+    ]
+    outcomes = run_distributed(_jobs, 2, jobs, timeout=540)
+    for rank_outcomes in outcomes:
+        assert rank_outcomes[:-2] == [0] * (len(jobs) - 2)
+        per_parameter, pipeline = rank_outcomes[-2:]
+        assert (
+            "saved as TP1 x PP2 x CP1 x DP1 (world 2, 1 model chunk(s), megatron optimizer)"
+            in (per_parameter)
+            and "this run is TP1 x PP1 x CP1 x DP2" in per_parameter
+        ), per_parameter
+        assert "do not convert into each other" in per_parameter
+        assert "saved as TP1 x PP1 x CP1 x DP2" in pipeline and "TP1 x PP2" in pipeline
+        assert "reshards across data-parallel sizes only" in pipeline, pipeline
+    pp2_ref = _last_rank_records(tmp_path / "pp2", 2)
+    dp2_ref = _last_rank_records(tmp_path / "dp2", 2)
+    assert sorted(pp2_ref) == sorted(dp2_ref) == list(range(1, ITERS + 1))
+    _assert_close(_last_rank_records(tmp_path / "pp2-resumed", 2), pp2_ref, rtol=0)
+    _assert_close(_last_rank_records(tmp_path / "dp2-resumed", 2), dp2_ref, rtol=0)
+    nodrop_ref = _last_rank_records(tmp_path / "pp2-nodrop", 2)
+    _assert_close(_last_rank_records(tmp_path / "pp2-as-dp2", 2), nodrop_ref, rtol=1e-5)
