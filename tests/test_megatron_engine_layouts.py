@@ -52,12 +52,12 @@ def _run_bare(out: Path, *layouts: str) -> dict[str, Any]:
             [sys.executable, str(RUNNER), str(out), *layouts],
             capture_output=True,
             text=True,
-            timeout=400,
+            timeout=1200,
             env=env,
             check=False,
         )
     except subprocess.TimeoutExpired:
-        pytest.fail("the one-process reference run did not finish within 400 s")
+        pytest.fail("the one-process reference runs did not finish within 1200 s")
     assert done.returncode == 0, done.stderr[-4000:]
     return dict(json.loads(out.read_text()))
 
@@ -100,12 +100,12 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)
 def test_fast_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) -> None:
     """Distributed optimizer with overlapped grad reduce and param gather, interleaved
     1F1B over PP=2 x VPP=2, and bf16 mixed precision over PP=2: one launch."""
     results = _run_ranks(
-        tmp_path / "out.json", 2, "dp2_distopt", "pp2_vpp2", "pp2_bf16", timeout=600
+        tmp_path / "out.json", 2, "dp2_distopt", "pp2_vpp2", "pp2_bf16", timeout=1000
     )
     _assert_matches(results, references)
 
@@ -113,7 +113,7 @@ def test_fast_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
 @pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3000)
 def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) -> None:
     results = _run_ranks(
         tmp_path / "out.json",
@@ -128,7 +128,7 @@ def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
         "pp2_bf16",
         "moe_ep2",
         "moe_ep2_alltoall",
-        timeout=1200,
+        timeout=1700,
     )
     _assert_matches(results, references)
 
@@ -136,7 +136,7 @@ def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
 @pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3000)
 def test_full_matrix_on_four_ranks(tmp_path: Path, references: dict[str, Any]) -> None:
     results = _run_ranks(
         tmp_path / "out.json",
@@ -144,6 +144,6 @@ def test_full_matrix_on_four_ranks(tmp_path: Path, references: dict[str, Any]) -
         "tp2_pp2",
         "dp2_pp2_distopt",
         "tp2_pp2_vpp2",
-        timeout=1200,
+        timeout=1700,
     )
     _assert_matches(results, references)

@@ -43,7 +43,7 @@ def _losses(path: Path) -> list[float]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1300)
 @pytest.mark.parametrize("engine", ["portable", "megatron"])
 def test_dp2_and_tp2_match_one_process(tmp_path: Path, engine: str) -> None:
     overrides = [*OVERRIDES, f"train.engine={engine}"]
@@ -58,7 +58,7 @@ def test_dp2_and_tp2_match_one_process(tmp_path: Path, engine: str) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=400,
         cwd=tmp_path,
     )
     assert single.returncode == 0, single.stderr[-3000:]
@@ -70,7 +70,7 @@ def test_dp2_and_tp2_match_one_process(tmp_path: Path, engine: str) -> None:
             2,
             ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *overrides, *extra],
             torchrun_args=["-m"],
-            timeout=200,
+            timeout=400,
             cwd=tmp_path,
         )
         assert proc.returncode == 0

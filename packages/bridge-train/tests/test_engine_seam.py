@@ -41,6 +41,44 @@ def test_megatron_engine_builds_on_cpu_without_touching_process_state() -> None:
     assert not cuda_emulation_active() and not dist.is_initialized()
 
 
+def _megatron_engine_lifetime(rank: int, world_size: int) -> dict[str, object]:
+    from megatron.core import tensor_parallel
+
+    from bridge.train import destroy_distributed
+    from core_utils import cuda_emulation_active
+
+    original_stream = torch.cuda.current_stream
+    engine = build_engine("megatron")
+    engine.initialize_distributed(tiny_gpt_provider(), tiny_dist_config())
+    out: dict[str, object] = {
+        "active_after_init": cuda_emulation_active(),
+        "tracker_seeded": tensor_parallel.get_cuda_rng_tracker().is_initialized(),
+        "device": str(engine.device),
+        "cuda_tensor": str(torch.zeros(1, device="cuda").device),
+    }
+    destroy_distributed()
+    out["active_after_destroy"] = cuda_emulation_active()
+    out["restored"] = torch.cuda.current_stream is original_stream
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU emulation path")
+def test_megatron_engine_enters_the_emulation_for_the_run_and_teardown_exits_it() -> None:
+    from core_utils.testing import run_distributed
+
+    (out,) = run_distributed(_megatron_engine_lifetime, 1, timeout=280)
+    assert out == {
+        "active_after_init": True,
+        "tracker_seeded": True,
+        "device": "cpu",
+        "cuda_tensor": "cpu",
+        "active_after_destroy": False,
+        "restored": True,
+    }
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 def test_nccl_without_cuda_is_refused_with_the_field_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"dist.distributed_backend='nccl' requires CUDA.*'gloo'"):

@@ -51,6 +51,8 @@ def _originals() -> dict[str, object]:
             "torch.amp.autocast": torch.amp.autocast,
             "torch.cuda.amp.autocast": torch.cuda.amp.autocast,
             "Thread.start": threading.Thread.start,
+            "dist.all_to_all_single": dist.all_to_all_single,
+            "c10d.all_to_all_single": dist.distributed_c10d.all_to_all_single,
             "Tensor.record_stream": torch.Tensor.record_stream,
             "dist.new_group": dist.new_group,
             "dist.init_process_group": dist.init_process_group,
@@ -293,6 +295,25 @@ def test_uncovered_cuda_calls_fail_loudly_naming_the_call(no_cuda: None) -> None
         assert isinstance(torch.autocast("cpu", enabled=False), torch.amp.autocast_mode.autocast)
 
 
+class _CudaInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        torch.zeros(1, device="cuda")
+        return grad * 2
+
+
+def test_a_cuda_device_in_backward_fails_loudly(no_cuda: None) -> None:
+    """Documented limit: autograd does not carry the TorchFunctionMode into backward."""
+    with cuda_emulation():
+        x = torch.ones(2, requires_grad=True)
+        with pytest.raises(CudaEmulationError, match=r"outside the device-rewriting mode"):
+            _CudaInBackward.apply(x).sum().backward()
+
+
 # -- threads (silent trap 2) ---------------------------------------------------------------
 
 
@@ -348,3 +369,30 @@ def test_threads_started_before_the_scope_are_not_covered(no_cuda: None) -> None
     thread.join(timeout=60)
     assert len(results) == 1 and isinstance(results[0], CudaEmulationError)
     assert "a CUDA tensor created at" in str(results[0]) and "_device_in_thread" in str(results[0])
+
+
+def _all_to_all_with_tensor_splits(rank: int, world_size: int) -> list[float]:
+    with cuda_emulation():
+        # Rank 0 sends [0] to itself and [1, 2] to rank 1; rank 1 sends [10, 11] to rank 0
+        # and [12] to itself. Split sizes as tensors, as megatron's dispatcher has them.
+        data = torch.arange(3.0) + 10 * rank
+        splits = torch.tensor([1, 2]) if rank == 0 else torch.tensor([2, 1])
+        received = torch.tensor([1, 2]) if rank == 0 else torch.tensor([2, 1])
+        out = torch.empty(int(received.sum()))
+        dist.all_to_all_single(
+            out,
+            data,
+            output_split_sizes=received,  # type: ignore[arg-type]
+            input_split_sizes=splits,  # type: ignore[arg-type]
+        )
+    return out.tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_all_to_all_single_accepts_tensor_split_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from core_utils.testing import run_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results = run_distributed(_all_to_all_with_tensor_splits, 2, timeout=100)
+    assert results == [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]

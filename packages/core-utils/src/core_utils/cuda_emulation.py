@@ -20,6 +20,8 @@ What it covers (inside ``with cuda_emulation():``)
       tensor; and makes ``Tensor.type()`` report CUDA
       type names (``'torch.cuda.FloatTensor'``) for CPU tensors, as megatron's optimizers
       assert them (``Tensor.type('torch.cuda.HalfTensor')`` converts to the CPU type);
+    * ``torch.distributed.all_to_all_single`` takes tensor split sizes (megatron's MoE
+      alltoall dispatcher makes them numpy arrays only for CUDA tensors);
     * streams and events: ``torch.cuda.Stream``, ``Event``, ``current_stream``,
       ``default_stream``, the ``torch.cuda.stream(...)`` context and
       ``Tensor.record_stream`` on an emulated stream (a no-op). CPU kernels run in
@@ -48,7 +50,11 @@ What fails loudly instead (:class:`CudaEmulationError`, naming the call and its 
       it is refused rather than substituted; megatron's bf16/fp16 path (``Float16Module``
       and the mixed-precision optimizer) needs no autocast and runs;
     * a thread covered by the emulation (below) that reaches a CUDA device after the scope
-      has ended.
+      has ended;
+    * a CUDA device requested inside autograd's backward pass (a custom
+      ``autograd.Function.backward`` or a gradient hook): torch does not carry
+      TorchFunctionModes into the autograd engine, so the device rewriting does not apply
+      there. The process-wide patches (streams, RNG, ``current_device``...) do.
 
 What it cannot cover
     CUDA kernels (Transformer Engine, Apex, fused/Triton kernels, flash attention), CUDA
@@ -79,6 +85,7 @@ Scope
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -165,6 +172,30 @@ def _tensor_to(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}
     return func(*args, **kwargs)
+
+
+def _all_to_all_single(original: Callable[..., Any]) -> Callable[..., Any]:
+    # megatron's MoE alltoall dispatcher turns its split sizes into numpy arrays only when
+    # they are CUDA tensors (moe_utils.maybe_move_tensor_to_cpu checks is_cuda); CPU tensors
+    # stay tensors, which the process group's all_to_all_single rejects. A process-wide patch,
+    # not a mode handler: megatron also calls it from autograd backward, where no
+    # TorchFunctionMode is active.
+    @functools.wraps(original)
+    def all_to_all_single(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    return all_to_all_single
 
 
 _HANDLERS: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {
@@ -448,6 +479,7 @@ _RNG_FILTER = _DropSameGeneratorWarning()
 
 def _patches() -> list[tuple[Any, str, Any]]:
     cuda = torch.cuda
+    c10d_a2a = torch.distributed.distributed_c10d.all_to_all_single
     patches: list[tuple[Any, str, Any]] = [
         (cuda, "Stream", _EmulatedStream),
         (cuda, "Event", _EmulatedEvent),
@@ -470,6 +502,8 @@ def _patches() -> list[tuple[Any, str, Any]]:
         (torch.amp, "autocast", _EmulatedAutocast),
         (cuda.amp, "autocast", _cuda_amp_autocast),
         (torch.Tensor, "record_stream", _record_stream(torch.Tensor.record_stream)),
+        (torch.distributed, "all_to_all_single", a2a := _all_to_all_single(c10d_a2a)),
+        (torch.distributed.distributed_c10d, "all_to_all_single", a2a),
         (threading.Thread, "start", _covered_thread_start(threading.Thread.start)),
     ]
     # cpu_cuda_compat owns torch.cuda.synchronize / current_device; other modules' own
