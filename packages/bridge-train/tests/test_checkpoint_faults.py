@@ -61,6 +61,12 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _with(args: list[str]) -> list[str]:
+    """OVERRIDES with ``args`` replacing the same fields (a field may be given only once)."""
+    given = {arg.split("=", 1)[0] for arg in args}
+    return [o for o in OVERRIDES if o.split("=", 1)[0] not in given] + list(args)
+
+
 def cli(args: list[str]) -> dict[str, Any]:
     """Run ``bridge-train`` in this process: exit code, stderr, warnings, escaped exception."""
     from bridge.train.cli import main
@@ -72,7 +78,7 @@ def cli(args: list[str]) -> dict[str, Any]:
     escaped = ""
     try:
         with contextlib.redirect_stderr(err):
-            main([f"--config={recipe_path('tiny_gpt')}", "--no-print-config", *OVERRIDES, *args])
+            main([f"--config={recipe_path('tiny_gpt')}", "--no-print-config", *_with(args)])
     except SystemExit as exc:
         code = exc.code
     except BaseException as exc:  # what the command would print as a traceback
