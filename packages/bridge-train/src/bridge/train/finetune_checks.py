@@ -34,12 +34,19 @@ def check_finetuning_config(cfg: ConfigContainer) -> None:
         check_finetuning_dataset(dataset)
         check_packed_sequence_specs(dataset.packed_sequence_specs, dataset.seq_length, cfg.model)
     if cfg.peft is not None:
-        _check_peft(cfg.peft)
+        _check_peft(cfg.peft, cfg)
 
 
-def _check_peft(peft: Any) -> None:
-    raise ConfigError(
-        "peft",
-        f"{type(peft).__qualname__} cannot be applied yet: parameter-efficient finetuning is "
-        "not implemented in this trainer; remove the peft section",
-    )
+def _check_peft(peft: Any, cfg: ConfigContainer) -> None:
+    if not callable(peft):
+        raise ConfigError(
+            "peft",
+            f"{type(peft).__qualname__} is not a PEFT transform: it must be callable as "
+            "peft(model, training=True) -> model (e.g. _target_: bridge.train.peft.LoRA)",
+        )
+    model = cfg.model
+    if getattr(model, "sequence_parallel", False):
+        raise ConfigError(
+            "model.sequence_parallel",
+            "adapters are applied without sequence parallelism; set it to false with peft",
+        )
