@@ -194,33 +194,63 @@ def _one_rank(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[st
     for name, argv in refusals.items():
         out["refusals"][name] = _capture([*argv, "--quiet"])
     run_config = base / "ckpt_llama" / "iter_0000000" / "run_config.yaml"
-    exit_code: Any = None
-    try:
-        bridge_train(
-            [
-                "--config",
-                str(run_config),
-                f"checkpoint.save={base / 'finetuned'}",
-                "checkpoint.save_interval=2",
-                "model.tensor_model_parallel_size=1",
-                "model.make_vocab_size_divisible_by=256",
-                "train.train_iters=2",
-                "train.micro_batch_size=2",
-                "train.global_batch_size=2",
-                "train.eval_iters=0",
-                "scheduler.lr_warmup_iters=0",
-                "model.seq_length=16",
-                "dataset.sequence_length=16",
-            ]
+    for run, extra in (
+        ("finetuned", []),
+        ("lora", ["peft._target_=bridge.train.peft.LoRA", "peft.dim=4", "peft.alpha=8"]),
+    ):
+        exit_code: Any = None
+        try:
+            bridge_train(
+                [
+                    "--config",
+                    str(run_config),
+                    f"checkpoint.save={base / run}",
+                    "checkpoint.save_interval=2",
+                    "model.tensor_model_parallel_size=1",
+                    "model.make_vocab_size_divisible_by=256",
+                    "train.train_iters=2",
+                    "train.micro_batch_size=2",
+                    "train.global_batch_size=2",
+                    "train.eval_iters=0",
+                    "scheduler.lr_warmup_iters=0",
+                    "model.seq_length=16",
+                    "dataset.sequence_length=16",
+                    *extra,
+                ]
+            )
+        except SystemExit as exc:  # the command's main exits with the run's code
+            exit_code = exc.code
+        out[run] = exit_code
+        # Exported through the run config's pretrained_checkpoint (hf/ of the import); the
+        # LoRA run merged.
+        out[f"{run}_export"] = _capture(
+            ["export", str(base / run), str(base / f"export_{run}"), "--quiet"]
         )
-    except SystemExit as exc:  # the command's main exits with the run's code
-        exit_code = exc.code
-    out["finetune"] = exit_code
-    # The finetuned checkpoint exports through its run config's pretrained_checkpoint.
-    out["finetuned_export"] = _capture(
-        ["export", str(base / "finetuned"), str(base / "export_finetuned"), "--quiet"]
-    )
+    if out["lora"] == 0:
+        out["lora_logits"] = _unmerged_lora_logits(base / "lora", tokens)
     return out
+
+
+def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of base + adapters as trained (not merged)."""
+    from bridge.config import ConfigContainer
+    from bridge.train.checkpointing import find_latest_checkpoint
+    from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
+    from bridge.train.convert.exporter import load_model_for_export
+    from bridge.train.peft import LoRAAdapter
+
+    location = find_latest_checkpoint(str(run_dir))
+    assert location is not None
+    iteration_dir = Path(location.path)
+    run_config = ConfigContainer.from_yaml(iteration_dir / "run_config.yaml")
+    single = single_rank_copy(run_config.model)
+    with single_process_megatron(single):
+        model = load_model_for_export(iteration_dir, run_config, single, merge=False)
+        assert any(isinstance(m, LoRAAdapter) for m in model.modules())
+        model.eval()
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        with torch.no_grad():
+            return model(tokens, positions, None)[..., :VOCAB].clone()
 
 
 def _two_ranks(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[str, Any]:
@@ -289,7 +319,7 @@ def test_export_of_import_is_bit_identical_and_loads(
 
 def test_finetune_step_through_bridge_train_and_export(converted: dict[str, Any]) -> None:
     root: Path = converted["root"]
-    assert converted["one"]["finetune"] == 0
+    assert converted["one"]["finetuned"] == 0
     assert (root / "finetuned" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     code, err = converted["one"]["finetuned_export"]
     assert code == 0, err
@@ -297,6 +327,23 @@ def test_finetune_step_through_bridge_train_and_export(converted: dict[str, Any]
     assert sorted(tuned) == sorted(source)
     assert any(not torch.equal(tuned[n], source[n]) for n in source)  # it trained
     transformers.AutoModelForCausalLM.from_pretrained(root / "export_finetuned")
+
+
+def test_lora_finetune_exports_merged(converted: dict[str, Any]) -> None:
+    root: Path = converted["root"]
+    assert converted["one"]["lora"] == 0
+    code, err = converted["one"]["lora_export"]
+    assert code == 0, err
+    merged, source = _tensors(root / "export_lora"), _tensors(root / "llama")
+    assert sorted(merged) == sorted(source)  # plain Hugging Face names, no adapter tensors
+    changed = {n for n in source if not torch.equal(merged[n], source[n])}
+    assert "model.layers.0.self_attn.q_proj.weight" in changed  # adapters were folded in
+    assert "model.embed_tokens.weight" not in changed  # LoRA leaves the embedding alone
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "export_lora").eval()
+    with torch.no_grad():
+        logits = model(converted["tokens"]).logits
+    expected = converted["one"]["lora_logits"]
+    assert torch.allclose(logits, expected, atol=1e-5, rtol=0), (logits - expected).abs().max()
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
 from bridge.train.convert.mapping import param_mappings
 from bridge.train.convert.safetensors_io import ShardedSafetensorsWriter
 
-__all__ = ["export_hf_checkpoint"]
+__all__ = ["export_hf_checkpoint", "load_model_for_export"]
 
 _ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -93,6 +93,54 @@ def _check_architecture(provider: Any, config: dict[str, Any], side: Path) -> No
             )
 
 
+def load_model_for_export(
+    iteration_dir: Path, run_config: Any, single: Any, *, merge: bool = True
+) -> Any:
+    """Build ``single`` (a one-rank provider) and load the checkpoint into it.
+
+    A run with a ``peft`` section saved adapters only: the base weights come from its
+    ``checkpoint.pretrained_checkpoint``, the adapters from ``iteration_dir``, and with
+    ``merge`` they are folded into the base weights (``bridge.train.peft.merge_adapters``),
+    leaving a plain model. Needs megatron's parallel state (one rank).
+    """
+    from bridge.config import CheckpointConfig
+    from bridge.train.checkpointing import CheckpointError, load_checkpoint
+    from bridge.train.state import TrainState
+
+    model = single.provide(pre_process=True, post_process=True)
+    peft = getattr(run_config, "peft", None)
+    pretrained = getattr(run_config.checkpoint, "pretrained_checkpoint", None)
+    if peft is not None and not pretrained:
+        raise ConversionError(
+            f"{iteration_dir} holds adapters (the run has a peft section) but its run config "
+            "names no checkpoint.pretrained_checkpoint to take the base weights from"
+        )
+    state = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(
+            checkpoint=CheckpointConfig(
+                load=str(iteration_dir),
+                pretrained_checkpoint=str(pretrained) if peft is not None else None,
+                finetune=peft is None,
+                load_optim=False,
+                load_rng=False,
+            )
+        ),
+        train_state=TrainState(),
+    )
+    try:
+        if peft is None:
+            load_checkpoint(state, [model], None, None)
+            return model
+        from bridge.train.peft import apply_peft, merge_adapters
+        from bridge.train.peft.checkpoint import load_peft_checkpoints
+
+        (model,) = apply_peft(peft, [model])
+        load_peft_checkpoints(state, [model], None, None, {})
+    except CheckpointError as exc:
+        raise ConversionError(str(exc).splitlines()[0]) from None
+    return merge_adapters(model) if merge else model
+
+
 def export_hf_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     hf_dir: str | os.PathLike[str],
@@ -103,6 +151,9 @@ def export_hf_checkpoint(
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Write the model of a bridge-train checkpoint as a Hugging Face model directory.
+
+    A LoRA run (``peft`` in its run config) is exported merged: base weights from its
+    ``pretrained_checkpoint`` plus the adapters folded in.
 
     Args:
         ckpt_dir: A checkpoint directory (its newest checkpoint is exported) or one
@@ -122,10 +173,8 @@ def export_hf_checkpoint(
         ConversionError: No checkpoint, no run config, no Hugging Face config, a config of
             another architecture, or an existing non-empty ``hf_dir``.
     """
-    from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
-    from bridge.train.checkpointing import CheckpointError, load_checkpoint
+    from bridge.config import ConfigContainer, ConfigError
     from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
-    from bridge.train.state import TrainState
 
     report = progress or (lambda message: None)
     root, iteration_dir = _locate(Path(ckpt_dir))
@@ -139,11 +188,6 @@ def export_hf_checkpoint(
     except ConfigError as exc:
         raise ConversionError(f"{run_config_file}: {exc}") from None
     provider = run_config.model
-    if getattr(run_config, "peft", None) is not None:
-        raise ConversionError(
-            f"{run_config_file} has a peft section: exporting adapter checkpoints merged is not "
-            "supported yet"
-        )
     side = _side_dir(root, run_config, hf_config_dir)
     config = read_hf_config(side)
     _check_architecture(provider, config, side)
@@ -164,23 +208,8 @@ def export_hf_checkpoint(
     single.perform_initialization = False
     try:
         with single_process_megatron(single):
-            model = single.provide(pre_process=True, post_process=True)
-            state = types.SimpleNamespace(
-                cfg=types.SimpleNamespace(
-                    checkpoint=CheckpointConfig(
-                        load=str(iteration_dir),
-                        finetune=True,
-                        load_optim=False,
-                        load_rng=False,
-                    )
-                ),
-                train_state=TrainState(),
-            )
             report(f"loading {iteration_dir}")
-            try:
-                load_checkpoint(state, [model], None, None)
-            except CheckpointError as exc:
-                raise ConversionError(str(exc).splitlines()[0]) from None
+            model = load_model_for_export(iteration_dir, run_config, single, merge=True)
             params = dict(model.named_parameters())
             mappings = param_mappings(config, single.padded_vocab_size, prefix)
             writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
@@ -196,6 +225,12 @@ def export_hf_checkpoint(
         for item in sorted(side.iterdir()):
             if item.is_file() and item.name != IMPORT_RECORD:
                 shutil.copy2(item, staging / item.name)
+        if dtype is not None:  # the config says what the weights are stored as
+            name = str(out_dtype).removeprefix("torch.")
+            written = {**config, "dtype": name}
+            if "torch_dtype" in written:
+                written["torch_dtype"] = name
+            (staging / "config.json").write_text(json.dumps(written, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
