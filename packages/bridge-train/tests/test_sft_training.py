@@ -9,6 +9,7 @@ One forked 1-rank process runs all checks (pretrain re-creates its process group
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from bridge.train import pretrain, read_metrics_file
 from bridge.train.data.packing import PackedSFTDataset
 from bridge.train.data.sft import SFTDataset, load_tokenized_examples, sft_settings
 from bridge.train.data.tokenizers import ByteLevelTokenizer
+from bridge.train.peft import LoRA
 from bridge.train.testing import (
     tiny_config_container,
     tiny_gpt_provider,
@@ -46,10 +48,29 @@ def write_addition_task(root: Path, train: int = 64, valid: int = 8) -> None:
         (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _sft_config(root: Path, save: str | None, **train: Any) -> Any:
+@dataclass
+class TrainFinalNorm:
+    """A PEFT transform of one's own: train only the final layer norm."""
+
+    def __call__(self, model: Any, training: bool = True) -> Any:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("decoder.final_layernorm"))
+        return model
+
+
+def _sft_config(
+    root: Path,
+    save: str | None,
+    *,
+    pretrained: str | None = None,
+    peft: Any = None,
+    hidden: int = 32,
+    **train: Any,
+) -> Any:
     return tiny_config_container(
         train=tiny_train_config(**{"train_iters": 6, "global_batch_size": 4, **train}),
-        model=tiny_gpt_provider(vocab_size=258, seq_length=SEQ),
+        model=tiny_gpt_provider(vocab_size=258, seq_length=SEQ, hidden_size=hidden),
+        peft=peft,
         tokenizer=TokenizerConfig(tokenizer_type="ByteLevelTokenizer"),
         dataset=FinetuningDatasetConfig(
             dataset_root=root,
@@ -61,7 +82,7 @@ def _sft_config(root: Path, save: str | None, **train: Any) -> Any:
             do_test=False,
         ),
         logger=LoggerConfig(log_interval=1),
-        checkpoint=CheckpointConfig(save=save, save_interval=3),
+        checkpoint=CheckpointConfig(save=save, save_interval=3, pretrained_checkpoint=pretrained),
     )
 
 
@@ -155,7 +176,47 @@ def _checks(rank: int, world: int, root: str) -> dict[str, Any]:
         ),
         pretrain(_sft_config(Path(root), str(base / "run_ckpt")), metrics_file=metrics["resume"]),
     ]
+    # Finetuning from the SFT run's checkpoint: full (weights only, from iteration 0), LoRA
+    # (uninterrupted, and stopped at 3 then resumed from its adapter-only checkpoint), and a
+    # PEFT object of one's own.
+    base_ckpt = str(base / "ref_ckpt")
+    lora = LoRA(dim=4, alpha=8.0)
+    for name in ("full_ft", "lora_ref", "lora_stop", "lora_resume", "own"):
+        metrics[name] = str(base / f"{name}.jsonl")
+    out["codes"] += [
+        pretrain(
+            _sft_config(Path(root), str(base / "full_ft_ckpt"), pretrained=base_ckpt),
+            metrics_file=metrics["full_ft"],
+        ),
+        pretrain(
+            _sft_config(Path(root), str(base / "lora_ref"), pretrained=base_ckpt, peft=lora),
+            metrics_file=metrics["lora_ref"],
+        ),
+        pretrain(
+            _sft_config(
+                Path(root), str(base / "lora_run"), pretrained=base_ckpt, peft=lora, exit_interval=3
+            ),
+            metrics_file=metrics["lora_stop"],
+        ),
+        pretrain(
+            _sft_config(Path(root), str(base / "lora_run"), pretrained=base_ckpt, peft=lora),
+            metrics_file=metrics["lora_resume"],
+        ),
+        pretrain(
+            _sft_config(Path(root), str(base / "own"), pretrained=base_ckpt, peft=TrainFinalNorm()),
+            metrics_file=metrics["own"],
+        ),
+    ]
     out["losses"] = {name: _losses(Path(path)) for name, path in metrics.items()}
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    out["lora_keys"] = sorted(load_tensors_metadata(str(base / "lora_run" / "iter_0000006")))
+    out["own_keys"] = sorted(load_tensors_metadata(str(base / "own" / "iter_0000006")))
+    try:
+        pretrain(_sft_config(Path(root), None, pretrained=base_ckpt, hidden=64))
+        out["other_architecture"] = "loaded"
+    except Exception as exc:
+        out["other_architecture"] = str(exc)
     return out
 
 
@@ -171,10 +232,28 @@ def test_sft_masking_packing_and_resume(tmp_path: Path) -> None:
     assert result["examples_in_first_pack"] >= 4
     assert result["packed_vs_unpacked"] < 1e-5
     assert result["others_changed"] == 0.0 and result["first_changed"] > 0.0
-    assert result["codes"] == [0, 0, 0]
+    assert result["codes"][:3] == [0, 0, 0]
     losses = result["losses"]
     assert sorted(losses["ref"]) == [1, 2, 3, 4, 5, 6]
     assert sorted(losses["stop"]) == [1, 2, 3] and sorted(losses["resume"]) == [4, 5, 6]
     for name in ("stop", "resume"):
         for step, loss in losses[name].items():
             assert loss == losses["ref"][step], (name, step)
+
+    # Finetune loads: weights only, from iteration 0; LoRA starts from the same base exactly
+    # (B = 0), then trains differently; its resume is exact.
+    assert result["codes"][3:] == [0, 0, 0, 0, 0]
+    assert sorted(losses["full_ft"]) == [1, 2, 3, 4, 5, 6]
+    assert losses["full_ft"][1] < losses["ref"][1]  # the trained base was loaded
+    assert losses["lora_ref"][1] == losses["full_ft"][1]
+    assert losses["lora_ref"][6] != losses["full_ft"][6]
+    assert sorted(losses["lora_stop"]) == [1, 2, 3] and sorted(losses["lora_resume"]) == [4, 5, 6]
+    for name in ("lora_stop", "lora_resume"):
+        for step, loss in losses[name].items():
+            assert loss == losses["lora_ref"][step], (name, step)
+    model_keys = [k for k in result["lora_keys"] if not k.startswith("optimizer")]
+    assert model_keys and all(".adapter." in k for k in model_keys)  # adapter-only
+    own_model_keys = [k for k in result["own_keys"] if not k.startswith("optimizer")]
+    assert own_model_keys and all("final_layernorm" in k for k in own_model_keys)
+    assert losses["own"][1] == losses["full_ft"][1] and losses["own"][6] != losses["own"][1]
+    assert "different shape" in result["other_architecture"]

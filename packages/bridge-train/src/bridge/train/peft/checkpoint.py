@@ -21,6 +21,7 @@ import torch
 __all__ = ["install_adapter_checkpointing", "load_peft_checkpoints", "peft_checkpoint_mode"]
 
 _MODE_ATTR = "_bridge_peft_checkpoint_mode"
+_AVAILABLE_ATTR = "_bridge_peft_base_keys"
 
 
 def _strip(key: str, prefix: str) -> str:
@@ -32,16 +33,33 @@ def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozens
     :func:`peft_checkpoint_mode`); see the module docstring."""
     setattr(chunk, _MODE_ATTR, "adapters")
     cls = type(chunk)
+    # Modules holding adapter parameters only: their non-parameter state (megatron's
+    # ``_extra_state``) belongs to the adapters too.
+    adapter_modules = {
+        name
+        for name, module in chunk.named_modules()
+        if name
+        and (params := [f"{name}.{p}" for p, _ in module.named_parameters()])
+        and all(p in adapter_names for p in params)
+    }
+
+    def is_adapter(key: str) -> bool:
+        return key in adapter_names or key.rpartition(".")[0] in adapter_modules
 
     def sharded_state_dict(
         prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
     ) -> dict[str, Any]:
         full = cls.sharded_state_dict(chunk, prefix, sharded_offsets, metadata)  # type: ignore[attr-defined]
-        want_adapters = getattr(chunk, _MODE_ATTR) == "adapters"
+        mode = getattr(chunk, _MODE_ATTR)
+        if mode == "adapters":
+            return {k: v for k, v in full.items() if is_adapter(_strip(k, prefix))}
+        # Base: every base tensor, and those adapter tensors the base checkpoint holds (a
+        # transform may train parameters the base has, such as norms).
+        available: frozenset[str] = getattr(chunk, _AVAILABLE_ATTR, frozenset())
         return {
-            key: value
-            for key, value in full.items()
-            if (_strip(key, prefix) in adapter_names) == want_adapters
+            k: v
+            for k, v in full.items()
+            if not is_adapter(_strip(k, prefix)) or getattr(v, "key", None) in available
         }
 
     def load_state_dict(state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -51,7 +69,7 @@ def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozens
             missing = [
                 k
                 for k in result.missing_keys
-                if (k in adapter_names) == want_adapters and not k.endswith("_extra_state")
+                if is_adapter(k) == want_adapters and not k.endswith("_extra_state")
             ]
             if missing or result.unexpected_keys:
                 raise RuntimeError(
@@ -77,17 +95,28 @@ def _peft_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def peft_checkpoint_mode(model: list[torch.nn.Module], mode: str) -> Iterator[None]:
-    """Within the block, state dicts of PEFT chunks hold ``"base"`` or ``"adapters"``."""
+def peft_checkpoint_mode(
+    model: list[torch.nn.Module], mode: str, base_keys: frozenset[str] = frozenset()
+) -> Iterator[None]:
+    """Within the block, state dicts of PEFT chunks hold ``"base"`` or ``"adapters"``.
+
+    Args:
+        model: Model chunks.
+        mode: ``"base"`` or ``"adapters"``.
+        base_keys: In ``"base"`` mode, the checkpoint keys of the base checkpoint: adapter
+            parameters found there are loaded with the base.
+    """
     chunks = _peft_chunks(model)
     previous = [getattr(c, _MODE_ATTR) for c in chunks]
     for chunk in chunks:
         setattr(chunk, _MODE_ATTR, mode)
+        setattr(chunk, _AVAILABLE_ATTR, base_keys)
     try:
         yield
     finally:
         for chunk, old in zip(chunks, previous, strict=True):
             setattr(chunk, _MODE_ATTR, old)
+            setattr(chunk, _AVAILABLE_ATTR, frozenset())
 
 
 @contextlib.contextmanager
@@ -121,11 +150,15 @@ def load_peft_checkpoints(
         bridge.train.checkpointing.CheckpointError: The base checkpoint lacks a tensor of
             the model or holds one of another shape (another architecture).
     """
-    from bridge.train.checkpointing import load_checkpoint
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    from bridge.train.checkpointing import find_latest_checkpoint, load_checkpoint
 
     checkpoint = state.cfg.checkpoint
+    base = find_latest_checkpoint(checkpoint.pretrained_checkpoint)
+    base_keys = frozenset(load_tensors_metadata(base.path)) if base is not None else frozenset()
     with (
-        peft_checkpoint_mode(model, "base"),
+        peft_checkpoint_mode(model, "base", base_keys),
         _checkpoint_fields(checkpoint, load=None, ckpt_step=None, non_persistent_ckpt_type=None),
     ):
         load_checkpoint(
