@@ -7,7 +7,8 @@ memory is its own:
 
 * baseline read: ``safe_open`` + ``get_tensor`` of every tensor, copied into memory (what
   any loader must do);
-* baseline write: ``safetensors.torch.save_file`` of the same tensors;
+* baseline write: ``safetensors.torch.save_file`` of the same tensors, flushed with ``fsync``
+  (as the checkpoint save and, here, the export are);
 * import: ``bridge.train.convert.import_hf_checkpoint`` (read, re-layout, and a
   ``torch_dist`` save through ``save_checkpoint``);
 * export: ``bridge.train.convert.export_hf_checkpoint`` (``load_checkpoint``, re-layout,
@@ -134,6 +135,16 @@ def _write_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[
     return {"total_bytes": total, "largest_bytes": largest}
 
 
+def _fsync_files(directory: Path) -> None:
+    """Flush every file of ``directory`` to disk (not the whole system's dirty pages)."""
+    for file in directory.iterdir():
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _child(op: str, src: str, dst: str) -> dict[str, float]:
     """One measured operation in this (fresh) process."""
     if op in ("import", "export"):
@@ -175,12 +186,12 @@ def _child(op: str, src: str, dst: str) -> dict[str, float]:
         Path(dst).mkdir()
         for file, tensors in by_file.items():
             save_file(tensors, str(Path(dst) / file), metadata={"format": "pt"})
-            os.sync()
+        _fsync_files(Path(dst))
     elif op == "import":
         convert.import_hf_checkpoint(src, dst)
     elif op == "export":
         convert.export_hf_checkpoint(src, dst, max_shard_bytes=256 * 1024**2)
-        os.sync()
+        _fsync_files(Path(dst))  # the import's save_checkpoint flushes its files too
     seconds = time.perf_counter() - started
     sampler.__exit__()
     return {"seconds": seconds, "peak_added_bytes": max(0, sampler.peak - before)}
