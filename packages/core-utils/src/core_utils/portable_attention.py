@@ -101,6 +101,16 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        if getattr(config, "window_attn_skip_freq", None) is not None:
+            raise ValueError(
+                "SDPACoreAttention does not support window_attn_skip_freq (sliding windows on "
+                "some layers only); use Transformer Engine attention on GPU"
+            )
+        # (left, right) tokens each query may see around its own position; -1 is unlimited.
+        window = getattr(config, "window_size", None)
+        self.window_size: tuple[int, int] | None = (
+            None if window is None else (int(window[0]), int(window[1]))
+        )
 
     def forward(
         self,
@@ -133,6 +143,16 @@ class SDPACoreAttention(MegatronModule):
         keep: torch.Tensor | None = None
         if attention_mask is not None:
             keep = ~attention_mask.to(torch.bool)
+        if self.window_size is not None:
+            left, right = self.window_size
+            offset = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+            distance = offset - torch.arange(sk, device=q.device)[None, :]
+            band = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+            if left >= 0:
+                band &= distance <= left
+            if right >= 0:
+                band &= -distance <= right
+            keep = band if keep is None else keep & band
         if causal and keep is not None:
             keep = keep & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
             causal = False

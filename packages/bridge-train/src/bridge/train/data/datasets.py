@@ -147,7 +147,8 @@ def build_train_valid_test_datasets(
 
     Args:
         dataset_config: bridge-config (or megatron) ``GPTDatasetConfig``; mock when it has
-            ``mock=True`` or no blend.
+            ``mock=True`` or no blend. A ``FinetuningDatasetConfig`` gives SFT datasets
+            (:func:`bridge.train.data.sft.build_sft_datasets`).
         tokenizer: The tokenizer.
         num_samples: ``(train, valid, test)`` samples to draw
             (:func:`train_valid_test_num_samples`).
@@ -158,6 +159,12 @@ def build_train_valid_test_datasets(
     Raises:
         FileNotFoundError: A data path does not exist.
     """
+    from bridge.config import FinetuningDatasetConfig
+
+    if isinstance(dataset_config, FinetuningDatasetConfig):
+        from bridge.train.data.sft import build_sft_datasets
+
+        return build_sft_datasets(dataset_config, tokenizer, num_samples)
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )

@@ -206,7 +206,10 @@ def build_train_valid_test_data_loaders(
         "num_workers": int(getattr(dataset_config, "num_workers", 0) or 0),
         "pin_memory": bool(getattr(dataset_config, "pin_memory", False)),
         "persistent_workers": bool(getattr(dataset_config, "persistent_workers", False)),
-        "seed": int(getattr(dataset_config, "random_seed", 0) or 0),
+        # GPT configs name the seed random_seed, finetuning configs seed.
+        "seed": int(
+            getattr(dataset_config, "random_seed", None) or getattr(dataset_config, "seed", 0) or 0
+        ),
         "worker_init_fn": _worker_init_fn(train_config),
     }
     train = build_data_loader(train_ds, train_state.consumed_train_samples, **common)

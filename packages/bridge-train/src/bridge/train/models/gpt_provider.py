@@ -367,7 +367,7 @@ class GPTModelProvider(TransformerConfig):
             post_process = parallel_state.is_pipeline_last_stage(
                 ignore_virtual=False, vp_stage=vp_stage
             )
-        return GPTModel(
+        model = GPTModel(
             config=self,
             transformer_layer_spec=spec,
             vocab_size=vocab,
@@ -386,3 +386,8 @@ class GPTModelProvider(TransformerConfig):
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             vp_stage=vp_stage,
         )
+        if self.position_embedding_type == "rope":
+            from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
+
+            keep_rotary_on_cpu(model)
+        return model

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from bridge.config import ConfigContainer, ConfigError
+from bridge.train.finetune_checks import check_finetuning_config
 
 __all__ = ["check_checkpoint_directories", "check_config_before_launch"]
 
@@ -215,6 +216,7 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     _check_engine_and_layout(cfg, world)
     _check_cuda_features(cfg)
     _check_data(cfg)
+    check_finetuning_config(cfg)
     assert cfg.checkpoint is not None
     check_checkpoint_directories(cfg.checkpoint)
     _check_profiler_output(cfg)

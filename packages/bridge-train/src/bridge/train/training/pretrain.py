@@ -214,7 +214,14 @@ def _load_checkpoint(setup_out: SetupOutput) -> bool:
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return False
     context = setup_out.checkpointing_context
-    iteration, flops = load_checkpoint(
+    if cfg.peft is not None:
+        # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
+        from bridge.train.peft.checkpoint import load_peft_checkpoints
+
+        load: Callable[..., tuple[int, float]] = load_peft_checkpoints
+    else:
+        load = load_checkpoint
+    iteration, flops = load(
         setup_out.state,
         setup_out.model,
         setup_out.optimizer,
@@ -225,6 +232,16 @@ def _load_checkpoint(setup_out: SetupOutput) -> bool:
     train_state.step = int(iteration)
     train_state.floating_point_operations_so_far = float(flops)
     return context.get("loaded_checkpoint") is not None
+
+
+def _peft_hooks(cfg: ConfigContainer) -> list[Callable[[list[torch.nn.Module]], Any]]:
+    """``cfg.peft`` applied to the built chunks before wrapping (none without peft)."""
+    peft = cfg.peft
+    if peft is None:
+        return []
+    from bridge.train.peft.base import apply_peft
+
+    return [lambda chunks: apply_peft(peft, chunks)]
 
 
 def setup(
@@ -292,6 +309,7 @@ def setup(
     model = engine.setup_model(
         cfg.model,
         cfg.ddp,
+        pre_wrap_hooks=_peft_hooks(cfg),
         data_parallel_random_init=cfg.rng.data_parallel_random_init,
         optimizer_config=cfg.optimizer,
     )

@@ -1,0 +1,70 @@
+"""One-process megatron runtime for conversions (internal)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from bridge.train.convert.errors import ConversionError
+
+__all__ = ["single_process_megatron", "single_rank_copy"]
+
+
+def single_rank_copy(provider: Any) -> Any:
+    """``provider`` laid out on one rank with the same padded vocabulary.
+
+    The tensors a checkpoint stores are global (dist_checkpointing reshards them at load),
+    but the vocabulary padding depends on the tensor-parallel size: the copy pads to
+    ``make_vocab_size_divisible_by * TP`` of the original, so its embedding has exactly the
+    rows a model of the original layout has.
+    """
+    import copy
+
+    single = copy.copy(provider)
+    single.make_vocab_size_divisible_by = (
+        provider.make_vocab_size_divisible_by * provider.tensor_model_parallel_size
+    )
+    single.tensor_model_parallel_size = 1
+    single.pipeline_model_parallel_size = 1
+    single.virtual_pipeline_model_parallel_size = None
+    single.sequence_parallel = False
+    single.parallel_output = False
+    single.finalize()
+    return single
+
+
+@contextlib.contextmanager
+def single_process_megatron(provider: Any) -> Iterator[None]:
+    """Megatron's parallel state for one rank (TP=PP=1), created and torn down here.
+
+    Reuses an existing one-rank default process group; refuses a larger one (conversions
+    run in one process and the checkpoint is resharded at load).
+    """
+    from megatron.core import parallel_state
+
+    from bridge.train.initialize import initialize_distributed
+
+    created = not dist.is_initialized()
+    if not created and dist.get_world_size() != 1:
+        raise ConversionError(
+            f"Hugging Face conversion runs in one process, but torch.distributed has "
+            f"{dist.get_world_size()} ranks; run bridge-convert without torchrun"
+        )
+    had_parallel_state = parallel_state.model_parallel_is_initialized()
+    if had_parallel_state:
+        raise ConversionError(
+            "megatron's parallel state is already initialised in this process; run the "
+            "conversion in a fresh process (bridge-convert)"
+        )
+    from bridge.config import DistributedInitConfig
+
+    initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,240 @@
+"""bridge-train checkpoint -> Hugging Face model directory.
+
+The checkpoint (any tensor/pipeline-parallel layout it was saved with) is loaded into a
+one-process model built from its ``run_config.yaml`` (dist_checkpointing reshards), and
+written tensor by tensor into safetensors shards with the Hugging Face names, in the
+source's dtype. The Hugging Face ``config.json``, tokenizer and generation files come from
+the ``hf/`` directory an import left (found through ``checkpoint.pretrained_checkpoint``
+of a finetuned run's config), or from ``hf_config_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
+from bridge.train.convert.errors import ConversionError
+from bridge.train.convert.hf_config import (
+    provider_kwargs_from_hf_config,
+    read_hf_config,
+    torch_dtype_of,
+)
+from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
+from bridge.train.convert.mapping import param_mappings
+from bridge.train.convert.safetensors_io import ShardedSafetensorsWriter
+
+__all__ = ["export_hf_checkpoint", "load_model_for_export"]
+
+_ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "gated_linear_unit",
+    "normalization",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "share_embeddings_and_output_weights",
+    "position_embedding_type",
+)
+
+
+def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
+    """``(checkpoint root, iteration directory)`` for a root or an ``iter_*`` directory."""
+    from bridge.train.checkpointing import find_latest_checkpoint
+    from bridge.train.checkpointing.layout import is_complete_checkpoint
+
+    if not ckpt_dir.exists():
+        raise ConversionError(f"{ckpt_dir} does not exist")
+    if is_complete_checkpoint(ckpt_dir):
+        return ckpt_dir.parent, ckpt_dir
+    location = find_latest_checkpoint(str(ckpt_dir))
+    if location is None:
+        raise ConversionError(
+            f"{ckpt_dir} holds no complete bridge-train checkpoint (no tracker and no complete "
+            "iter_* directory)"
+        )
+    return ckpt_dir, Path(location.path)
+
+
+def _side_dir(root: Path, run_config: Any, hf_config_dir: str | os.PathLike[str] | None) -> Path:
+    if hf_config_dir is not None:
+        return Path(hf_config_dir)
+    candidates = [root / HF_SUBDIR]
+    pretrained = getattr(getattr(run_config, "checkpoint", None), "pretrained_checkpoint", None)
+    if pretrained:
+        candidates.append(Path(pretrained) / HF_SUBDIR)
+    for candidate in candidates:
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ConversionError(
+        f"{root} has no {HF_SUBDIR}/config.json and its run config names no imported "
+        "pretrained_checkpoint that has one; pass the Hugging Face config with --hf-config DIR"
+    )
+
+
+def _check_architecture(provider: Any, config: dict[str, Any], side: Path) -> None:
+    expected = provider_kwargs_from_hf_config(config)
+    for name in _ARCHITECTURE_FIELDS:
+        if name in expected and getattr(provider, name) != expected[name]:
+            raise ConversionError(
+                f"{side / 'config.json'} describes another model: {name}={expected[name]!r} "
+                f"there, {getattr(provider, name)!r} in the checkpoint"
+            )
+
+
+def load_model_for_export(
+    iteration_dir: Path, run_config: Any, single: Any, *, merge: bool = True
+) -> Any:
+    """Build ``single`` (a one-rank provider) and load the checkpoint into it.
+
+    A run with a ``peft`` section saved adapters only: the base weights come from its
+    ``checkpoint.pretrained_checkpoint``, the adapters from ``iteration_dir``, and with
+    ``merge`` they are folded into the base weights (``bridge.train.peft.merge_adapters``),
+    leaving a plain model. Needs megatron's parallel state (one rank).
+    """
+    from bridge.config import CheckpointConfig
+    from bridge.train.checkpointing import CheckpointError, load_checkpoint
+    from bridge.train.state import TrainState
+
+    model = single.provide(pre_process=True, post_process=True)
+    peft = getattr(run_config, "peft", None)
+    pretrained = getattr(run_config.checkpoint, "pretrained_checkpoint", None)
+    if peft is not None and not pretrained:
+        raise ConversionError(
+            f"{iteration_dir} holds adapters (the run has a peft section) but its run config "
+            "names no checkpoint.pretrained_checkpoint to take the base weights from"
+        )
+    state = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(
+            checkpoint=CheckpointConfig(
+                load=str(iteration_dir),
+                pretrained_checkpoint=str(pretrained) if peft is not None else None,
+                finetune=peft is None,
+                load_optim=False,
+                load_rng=False,
+            )
+        ),
+        train_state=TrainState(),
+    )
+    try:
+        if peft is None:
+            load_checkpoint(state, [model], None, None)
+            return model
+        from bridge.train.peft import apply_peft, merge_adapters
+        from bridge.train.peft.checkpoint import load_peft_checkpoints
+
+        (model,) = apply_peft(peft, [model])
+        load_peft_checkpoints(state, [model], None, None, {})
+    except CheckpointError as exc:
+        raise ConversionError(str(exc).splitlines()[0]) from None
+    return merge_adapters(model) if merge else model
+
+
+def export_hf_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    hf_dir: str | os.PathLike[str],
+    *,
+    hf_config_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write the model of a bridge-train checkpoint as a Hugging Face model directory.
+
+    A LoRA run (``peft`` in its run config) is exported merged: base weights from its
+    ``pretrained_checkpoint`` plus the adapters folded in.
+
+    Args:
+        ckpt_dir: A checkpoint directory (its newest checkpoint is exported) or one
+            ``iter_*`` directory.
+        hf_dir: New (or empty) output directory.
+        hf_config_dir: Where ``config.json`` and tokenizer files come from (default: the
+            ``hf/`` directory of an imported checkpoint or of the run's
+            ``checkpoint.pretrained_checkpoint``).
+        dtype: dtype of the written weights (default: the source's ``dtype`` in config.json).
+        max_shard_bytes: Size of each safetensors shard.
+        progress: Called with a short message per written tensor group.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ConversionError: No checkpoint, no run config, no Hugging Face config, a config of
+            another architecture, or an existing non-empty ``hf_dir``.
+    """
+    from bridge.config import ConfigContainer, ConfigError
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+
+    report = progress or (lambda message: None)
+    root, iteration_dir = _locate(Path(ckpt_dir))
+    run_config_file = iteration_dir / RUN_CONFIG_FILENAME
+    if not run_config_file.is_file():
+        raise ConversionError(
+            f"{iteration_dir} has no {RUN_CONFIG_FILENAME}; the model's shape cannot be known"
+        )
+    try:
+        run_config = ConfigContainer.from_yaml(run_config_file)
+    except ConfigError as exc:
+        raise ConversionError(f"{run_config_file}: {exc}") from None
+    provider = run_config.model
+    side = _side_dir(root, run_config, hf_config_dir)
+    config = read_hf_config(side)
+    _check_architecture(provider, config, side)
+    record_file = side / IMPORT_RECORD
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    out_dtype = dtype or torch_dtype_of(config)
+    default_prefix = "model." if config["model_type"] != "gpt2" else "transformer."
+    prefix = record.get("prefix", default_prefix)
+
+    out = Path(hf_dir).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"{out} already exists and is not empty; export into a new directory")
+    staging = out.with_name(out.name + ".exporting")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    single = single_rank_copy(provider)
+    single.perform_initialization = False
+    try:
+        with single_process_megatron(single):
+            report(f"loading {iteration_dir}")
+            model = load_model_for_export(iteration_dir, run_config, single, merge=True)
+            params = dict(model.named_parameters())
+            mappings = param_mappings(config, single.padded_vocab_size, prefix)
+            writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
+            with torch.no_grad():
+                for count, mapping in enumerate(mappings, start=1):
+                    tensors = mapping.to_hf(params[mapping.megatron].detach())
+                    for name, tensor in zip(mapping.hf, tensors, strict=True):
+                        writer.add(name, tensor.to(out_dtype).contiguous())
+                    report(f"[{count}/{len(mappings)}] {mapping.megatron}")
+                files = writer.close()
+            del model, params
+        report(f"wrote {len(files)} file(s), {writer.total_bytes / 1e9:.3f} GB")
+        for item in sorted(side.iterdir()):
+            if item.is_file() and item.name != IMPORT_RECORD:
+                shutil.copy2(item, staging / item.name)
+        if dtype is not None:  # the config says what the weights are stored as
+            name = str(out_dtype).removeprefix("torch.")
+            written = {**config, "dtype": name}
+            if "torch_dtype" in written:
+                written["torch_dtype"] = name
+            (staging / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,305 @@
+"""Hugging Face model directory -> bridge-train checkpoint.
+
+How the layout is written: the model is built once on one process (tensor and pipeline
+parallel size 1, but with the vocabulary padded for the requested tensor-parallel size),
+filled from the safetensors files one tensor at a time, and saved through bridge-train's
+own ``save_checkpoint``. A ``torch_dist`` checkpoint stores every tensor with its global
+shape and sharding, and dist_checkpointing reshards at load, so this checkpoint loads into
+any TP x PP layout whose padded vocabulary matches (the one given at import; the
+``run_config.yaml`` written with it carries that layout). Peak memory is therefore the
+model in fp32 plus the few Hugging Face tensors of one parameter, not two copies of the
+model; ``benchmarks/hf_conversion.py`` measures it.
+
+The checkpoint directory::
+
+    CKPT_DIR/
+      latest_checkpointed_iteration.txt       "0"
+      iter_0000000/                           the weights (model only), run_config.yaml
+      hf/                                     config.json, tokenizer and generation files of
+                                              the source, bridge_import.json (for export)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
+from bridge.train.convert.errors import ConversionError
+from bridge.train.convert.hf_config import (
+    LLAMA_LIKE_MODEL_TYPES,
+    provider_from_hf_config,
+    read_hf_config,
+    torch_dtype_of,
+)
+from bridge.train.convert.mapping import ParamMapping, hf_tensors_to_ignore, param_mappings
+from bridge.train.convert.safetensors_io import SafetensorsReader
+
+__all__ = ["HF_SUBDIR", "IMPORT_RECORD", "import_hf_checkpoint"]
+
+HF_SUBDIR = "hf"
+IMPORT_RECORD = "bridge_import.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+
+Progress = Callable[[str], None]
+
+
+def _detect_prefix(config: dict[str, Any], names: set[str]) -> str:
+    if config["model_type"] in LLAMA_LIKE_MODEL_TYPES:
+        return "model." if "model.embed_tokens.weight" in names else ""
+    return "transformer." if "transformer.wte.weight" in names else ""
+
+
+def _tokenizer_vocab(hf_dir: Path) -> int | None:
+    file = hf_dir / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConversionError(
+            "reading tokenizer.json needs the 'tokenizers' package: pip install bridge-train[hf]"
+        ) from None
+    try:
+        return int(Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True))
+    except Exception as exc:  # the tokenizers library raises its own exception type
+        raise ConversionError(f"{file} cannot be read: {exc}") from None
+
+
+def _check_target_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(
+            f"{out} already exists and is not empty; import into a new directory (nothing "
+            "there is overwritten)"
+        )
+
+
+def _check_shapes(
+    mappings: list[ParamMapping], reader: SafetensorsReader, params: dict[str, torch.Tensor]
+) -> None:
+    """Every mapping produces its parameter's shape (checked on meta tensors, no data read)."""
+    for mapping in mappings:
+        shapes = [reader.shape(name) for name in mapping.hf]
+        if mapping.megatron not in params:
+            raise ConversionError(
+                f"internal: the megatron model has no parameter {mapping.megatron!r}"
+            )
+        expected = tuple(params[mapping.megatron].shape)
+        try:
+            produced = tuple(
+                mapping.to_megatron(*(torch.empty(s, device="meta") for s in shapes)).shape
+            )
+        except RuntimeError:
+            produced = None
+        if produced != expected:
+            listed = ", ".join(
+                f"{n} {list(s)} in {reader.file_of(n)}"
+                for n, s in zip(mapping.hf, shapes, strict=True)
+            )
+            raise ConversionError(
+                f"shape mismatch: {listed} do not make {mapping.megatron} of shape "
+                f"{list(expected)} for this config.json"
+            )
+
+
+class _SaveConfig:
+    """What ``save_checkpoint`` reads from ``state.cfg``: where to write, and the recipe."""
+
+    def __init__(self, checkpoint: Any, recipe: Any) -> None:
+        self.checkpoint = checkpoint
+        self.model = recipe.model
+        self._recipe = recipe
+
+    def to_yaml(self, path: str | os.PathLike[str]) -> None:
+        self._recipe.to_yaml(path)
+
+
+def _recipe(provider: Any, out: Path, tokenizer_dir: Path | None) -> Any:
+    """The run config saved with the checkpoint: a finetuning starting point."""
+    from bridge.config import (
+        CheckpointConfig,
+        ConfigContainer,
+        GPTDatasetConfig,
+        TokenizerConfig,
+    )
+    from bridge.train.recipes import recipe_path
+
+    recipe = ConfigContainer.from_yaml(recipe_path("tiny_gpt"))
+    recipe.model = provider
+    if tokenizer_dir is not None:
+        recipe.tokenizer = TokenizerConfig(
+            tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tokenizer_dir)
+        )
+    else:
+        recipe.tokenizer = TokenizerConfig(
+            tokenizer_type="NullTokenizer", vocab_size=int(provider.vocab_size)
+        )
+    recipe.checkpoint = CheckpointConfig(pretrained_checkpoint=str(out))
+    if isinstance(recipe.dataset, GPTDatasetConfig):  # the recipe's mock data
+        recipe.dataset.sequence_length = provider.seq_length
+    return recipe
+
+
+def import_hf_checkpoint(
+    hf_dir: str | os.PathLike[str],
+    ckpt_dir: str | os.PathLike[str],
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    seq_length: int | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert a local Hugging Face model directory into a bridge-train checkpoint.
+
+    The result is a normal checkpoint directory: ``checkpoint.pretrained_checkpoint`` loads
+    it (model weights, iteration 0) into a model built from its ``run_config.yaml``
+    (``CKPT_DIR/iter_0000000/run_config.yaml``, which is also a runnable finetuning recipe:
+    the imported model, its tokenizer, mock data).
+
+    Args:
+        hf_dir: Directory with ``config.json``, safetensors weights (one file, or shards
+            with ``model.safetensors.index.json``) and optionally tokenizer files.
+        ckpt_dir: New (or empty) directory to write.
+        tensor_model_parallel_size: Tensor-parallel size the model will be trained with
+            (decides the vocabulary padding and is validated against the architecture).
+        pipeline_model_parallel_size: Pipeline-parallel size it will be trained with.
+        make_vocab_size_divisible_by: Vocabulary padding per tensor-parallel rank.
+        seq_length: Training sequence length recorded in the run config (see
+            :func:`~bridge.train.convert.provider_from_hf_config`).
+        progress: Called with a short message per converted tensor group.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ConversionError: Unsupported architecture, missing shard or tensor, shape mismatch,
+            a tokenizer larger than the embedding, a layout the model does not divide into,
+            or an existing non-empty ``ckpt_dir``.
+    """
+    from bridge.config import CheckpointConfig
+    from bridge.train.checkpointing import save_checkpoint
+    from bridge.train.state import TrainState
+
+    hf = Path(hf_dir)
+    out = Path(ckpt_dir).resolve()
+    report = progress or (lambda message: None)
+    config = read_hf_config(hf)
+    dtype = torch_dtype_of(config)
+    target = provider_from_hf_config(
+        config,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        seq_length=seq_length,
+    )
+    if target.num_layers % pipeline_model_parallel_size:
+        raise ConversionError(
+            f"--pp {pipeline_model_parallel_size} does not divide the model's "
+            f"{target.num_layers} layers; choose a pipeline size that does"
+        )
+    groups = target.num_query_groups
+    if groups % tensor_model_parallel_size:
+        raise ConversionError(
+            f"--tp {tensor_model_parallel_size} does not divide the model's {groups} key/value "
+            "heads (num_key_value_heads); megatron-core needs whole query groups on every "
+            "tensor-parallel rank"
+        )
+    _check_target_dir(out)
+    reader = SafetensorsReader(hf)
+    tokenizer_vocab = _tokenizer_vocab(hf)
+    if tokenizer_vocab is not None and tokenizer_vocab > target.vocab_size:
+        raise ConversionError(
+            f"{hf / 'tokenizer.json'} has {tokenizer_vocab} tokens but the model's embedding "
+            f"has {target.vocab_size} rows (config.json vocab_size); token ids would fall "
+            "outside the embedding: use the tokenizer this model was trained with"
+        )
+    names = set(reader.names())
+    prefix = _detect_prefix(config, names)
+    mappings = param_mappings(config, target.padded_vocab_size, prefix)
+    wanted = {name for mapping in mappings for name in mapping.hf}
+    missing = sorted(wanted - names)
+    if missing:
+        raise ConversionError(
+            f"{hf}: the checkpoint lacks {len(missing)} tensor(s) this config.json needs, "
+            f"first {missing[0]!r}; the weights do not belong to this config"
+        )
+    unexpected = sorted(n for n in names - wanted if not hf_tensors_to_ignore(n))
+    if unexpected:
+        raise ConversionError(
+            f"{hf}: {len(unexpected)} tensor(s) this converter does not map, first "
+            f"{unexpected[0]!r} (in {reader.file_of(unexpected[0])}); the architecture differs "
+            f"from model_type={config['model_type']!r}"
+        )
+
+    staging = out.with_name(out.name + ".importing")
+    if staging.exists():
+        shutil.rmtree(staging)  # our own leftover of an interrupted import
+    staging.mkdir(parents=True)
+    single = single_rank_copy(target)
+    single.perform_initialization = False  # every parameter is overwritten below
+    tokenizer_dir = out / HF_SUBDIR if tokenizer_vocab is not None else None
+    try:
+        with single_process_megatron(single):
+            model = single.provide(pre_process=True, post_process=True)
+            params = dict(model.named_parameters())
+            _check_shapes(mappings, reader, params)
+            filled: set[str] = set()
+            with torch.no_grad():
+                for count, mapping in enumerate(mappings, start=1):
+                    sources = [reader.get(name) for name in mapping.hf]
+                    params[mapping.megatron].copy_(mapping.to_megatron(*sources))
+                    del sources
+                    filled.add(mapping.megatron)
+                    report(f"[{count}/{len(mappings)}] {mapping.megatron}")
+            left = sorted(set(params) - filled)
+            if left:
+                raise ConversionError(f"internal: no Hugging Face source for {left[0]!r}")
+            reader.close()
+            state = types.SimpleNamespace(
+                cfg=_SaveConfig(
+                    CheckpointConfig(
+                        save=str(staging), save_optim=False, save_rng=False, async_save=False
+                    ),
+                    _recipe(target, out, tokenizer_dir),
+                ),
+                train_state=TrainState(),
+            )
+            report(f"saving {out}")
+            save_checkpoint(state, [model], None, None, 0.0)
+            del model, params
+        _copy_side_files(hf, staging / HF_SUBDIR)
+        record = {
+            "source": str(hf.resolve()),
+            "model_type": config["model_type"],
+            "prefix": prefix,
+            "dtype": str(dtype).removeprefix("torch."),
+            "tensor_names": reader.names(),
+            "tensor_model_parallel_size": tensor_model_parallel_size,
+            "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        }
+        (staging / HF_SUBDIR / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # checked empty above
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _copy_side_files(hf: Path, dest: Path) -> None:
+    """config.json, tokenizer, generation config, ...: every file that is not weights."""
+    dest.mkdir()
+    for item in sorted(hf.iterdir()):
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+            if item.name.endswith(".index.json"):
+                continue
+            shutil.copy2(item, dest / item.name)

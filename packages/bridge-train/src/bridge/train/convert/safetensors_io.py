@@ -1,0 +1,169 @@
+"""Read a Hugging Face safetensors checkpoint one tensor at a time, and write one in shards."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.train.convert.errors import ConversionError
+
+__all__ = ["INDEX_FILENAME", "SINGLE_FILENAME", "SafetensorsReader", "ShardedSafetensorsWriter"]
+
+INDEX_FILENAME = "model.safetensors.index.json"
+SINGLE_FILENAME = "model.safetensors"
+
+
+def _safe_open() -> Any:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ConversionError(
+            "Hugging Face conversion needs the 'safetensors' package: pip install bridge-train[hf]"
+        ) from None
+    return safe_open
+
+
+class SafetensorsReader:
+    """The tensors of a model directory, sharded (``model.safetensors.index.json``) or not.
+
+    Files are memory-mapped by ``safetensors``; :meth:`get` copies one tensor out, so only
+    the tensors a caller holds are resident.
+
+    Args:
+        model_dir: A Hugging Face model directory.
+
+    Raises:
+        ConversionError: No safetensors weights, an unreadable index, or a shard the index
+            names that is missing.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        safe_open = _safe_open()
+        index = self.model_dir / INDEX_FILENAME
+        single = self.model_dir / SINGLE_FILENAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ConversionError(f"{index} is not a safetensors index: {exc}") from None
+            self._file_of: dict[str, str] = {str(k): str(v) for k, v in weight_map.items()}
+        elif single.is_file():
+            with safe_open(str(single), framework="pt") as handle:
+                self._file_of = {name: SINGLE_FILENAME for name in handle.keys()}  # noqa: SIM118
+        else:
+            raise ConversionError(
+                f"{self.model_dir} has neither {SINGLE_FILENAME} nor {INDEX_FILENAME}; only "
+                "safetensors checkpoints are supported (save with safe_serialization=True)"
+            )
+        for file in sorted(set(self._file_of.values())):
+            if not (self.model_dir / file).is_file():
+                raise ConversionError(
+                    f"{self.model_dir / file} is missing: {INDEX_FILENAME} lists it as a shard; "
+                    "download the complete checkpoint"
+                )
+        self._handles: dict[str, Any] = {}
+        self._safe_open = safe_open
+
+    def names(self) -> list[str]:
+        """Every tensor name, in the order of the index."""
+        return list(self._file_of)
+
+    def file_of(self, name: str) -> str:
+        """The shard file holding ``name``."""
+        return self._file_of[name]
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._file_of:
+            raise ConversionError(
+                f"{self.model_dir}: the checkpoint has no tensor {name!r}, which the config "
+                "requires; the weights do not belong to this config.json"
+            )
+        file = self._file_of[name]
+        if file not in self._handles:
+            self._handles[file] = self._safe_open(str(self.model_dir / file), framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of ``name`` without reading its data."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """A copy of the tensor ``name``."""
+        try:
+            return self._handle(name).get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types
+            if isinstance(exc, ConversionError):
+                raise
+            raise ConversionError(
+                f"{self.model_dir / self._file_of[name]}: cannot read {name!r}: {exc}"
+            ) from None
+
+    def close(self) -> None:
+        """Release the memory maps."""
+        self._handles.clear()
+
+
+class ShardedSafetensorsWriter:
+    """Write tensors into ``model-0000i-of-0000n.safetensors`` shards of bounded size.
+
+    Tensors are buffered until a shard is full, then written; :meth:`close` writes the last
+    shard and the index (or ``model.safetensors`` alone when everything fit in one shard).
+
+    Args:
+        out_dir: Directory to write into.
+        max_shard_bytes: Bytes per shard (a larger tensor gets a shard of its own).
+    """
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3) -> None:
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = int(max_shard_bytes)
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffered = 0
+        self._shards: list[dict[str, torch.Tensor] | str] = []
+        self._weight_map: dict[str, int] = {}
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor`` under ``name`` (written when its shard is full)."""
+        size = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffered + size > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = tensor.contiguous()
+        self._buffered += size
+        self.total_bytes += size
+        self._weight_map[name] = len(self._shards)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out_dir / f"shard-{len(self._shards):05d}.tmp"
+        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        self._shards.append(str(path))
+        self._buffer, self._buffered = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write the last shard and the index; returns the files written."""
+        if self._buffer or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        if count == 1:
+            final = [self.out_dir / SINGLE_FILENAME]
+        else:
+            final = [
+                self.out_dir / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)
+            ]
+        for temp, path in zip(self._shards, final, strict=True):
+            os.replace(str(temp), path)
+        if count > 1:
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": {name: final[i].name for name, i in self._weight_map.items()},
+            }
+            (self.out_dir / INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
+            final.append(self.out_dir / INDEX_FILENAME)
+        return final

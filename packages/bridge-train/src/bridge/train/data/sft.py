@@ -1,0 +1,625 @@
+"""Supervised finetuning (SFT) datasets from ``FinetuningDatasetConfig``.
+
+``dataset.dataset_root`` holds ``training.jsonl`` and, as ``do_validation`` / ``do_test``
+ask, ``validation.jsonl`` / ``test.jsonl``. A line is one example, either
+
+* a prompt/answer record: ``{"input": "...", "output": "..."}`` (keys set by
+  ``dataset_kwargs.prompt_key`` / ``answer_key``; the prompt text is
+  ``dataset_kwargs.prompt_template`` formatted with the record's fields, default
+  ``"{input}"``), or
+* a chat record: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, rendered with
+  the tokenizer's ``apply_chat_template`` when it has one, else as
+  ``"<|role|>\\n" + content + "\\n"`` per message.
+
+Loss is on answer tokens only (the answer and the end-of-document token after it; every
+assistant message of a chat): ``loss_mask`` is 0 on prompt tokens and padding, so they
+carry neither loss nor gradient.
+
+A sample is ``seq_length`` tokens (``tokens`` = ids[:-1], ``labels`` = ids[1:]); shorter
+examples are padded at the end (causal attention never sees the padding). Longer ones follow
+``dataset_kwargs.truncation``: ``"left"`` (default) drops tokens from the start, so the
+answer survives; ``"right"`` drops the end; ``"drop"`` skips the example. An example left
+without any answer token is skipped (and counted in the log).
+
+Order: the training split is shuffled with ``dataset.seed``, a new permutation per epoch;
+the dataset is as long as the run needs (whole epochs), so sample ``i`` is always the same
+example and a resumed run continues at its consumed-samples count with nothing replayed.
+``max_train_samples`` keeps the first that many training records (file order). Validation
+and test keep file order.
+
+Tokenized records are cached next to the data (``<dataset_root>/.sft_cache``, or
+``dataset_kwargs.cache_dir``) under a key of the file's bytes, the tokenizer and the
+rendering settings, so a second run does not tokenize again; ``memmap_workers`` processes
+tokenize a file when it is not cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "SFT_SPLIT_FILES",
+    "SFTDataset",
+    "SFTSettings",
+    "TokenizedExamples",
+    "build_sft_datasets",
+    "check_finetuning_dataset",
+    "load_tokenized_examples",
+    "sft_settings",
+]
+
+logger = logging.getLogger(__name__)
+
+SFT_SPLIT_FILES = ("training.jsonl", "validation.jsonl", "test.jsonl")
+"""File names of the train, validation and test splits under ``dataset_root``."""
+
+TRUNCATION_POLICIES = ("left", "right", "drop")
+
+_KWARGS_DEFAULTS: dict[str, Any] = {
+    "prompt_key": "input",
+    "answer_key": "output",
+    "prompt_template": None,
+    "truncation": "left",
+    "add_eod": True,
+    "cache_dir": None,
+}
+
+
+@dataclass(frozen=True)
+class SFTSettings:
+    """How records are rendered, tokenized and cut (from ``dataset.dataset_kwargs``).
+
+    Attributes:
+        prompt_key: Record key of the prompt.
+        answer_key: Record key of the answer.
+        prompt_template: ``str.format`` template over the record's fields giving the prompt
+            text (default ``"{<prompt_key>}"``).
+        truncation: ``"left"``, ``"right"`` or ``"drop"`` for examples longer than a sample.
+        add_eod: Append the end-of-document token to every answer (it gets loss, so the
+            model learns where an answer stops).
+        cache_dir: Directory of the tokenized cache (``None``: ``<dataset_root>/.sft_cache``).
+    """
+
+    prompt_key: str = "input"
+    answer_key: str = "output"
+    prompt_template: str | None = None
+    truncation: str = "left"
+    add_eod: bool = True
+    cache_dir: str | None = None
+
+    @property
+    def template(self) -> str:
+        """The prompt template in effect."""
+        return self.prompt_template or "{" + self.prompt_key + "}"
+
+
+def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
+    """Read ``dataset.dataset_kwargs`` into :class:`SFTSettings`.
+
+    Raises:
+        bridge.config.ConfigError: An unknown key or a bad value (named
+            ``dataset.dataset_kwargs.<key>``).
+    """
+    from bridge.config import ConfigError
+
+    values = dict(_KWARGS_DEFAULTS)
+    for key, value in (dataset_kwargs or {}).items():
+        if key not in values:
+            raise ConfigError(
+                f"dataset.dataset_kwargs.{key}",
+                f"is not a finetuning dataset option; known options: {sorted(values)}",
+            )
+        values[key] = value
+    if values["truncation"] not in TRUNCATION_POLICIES:
+        raise ConfigError(
+            "dataset.dataset_kwargs.truncation",
+            f"got {values['truncation']!r}; use one of {list(TRUNCATION_POLICIES)}",
+        )
+    for key in ("prompt_key", "answer_key"):
+        if not isinstance(values[key], str) or not values[key]:
+            raise ConfigError(f"dataset.dataset_kwargs.{key}", "must be a non-empty string")
+    if values["prompt_template"] is not None and not isinstance(values["prompt_template"], str):
+        raise ConfigError("dataset.dataset_kwargs.prompt_template", "must be a string")
+    if not isinstance(values["add_eod"], bool):
+        raise ConfigError("dataset.dataset_kwargs.add_eod", "must be true or false")
+    return SFTSettings(**values)
+
+
+def _split_paths(dataset_config: Any) -> list[tuple[str, Path | None]]:
+    """``(field, path or None)`` per split: the flag that asks for it and its file."""
+    root = Path(dataset_config.dataset_root)
+    wanted = (True, dataset_config.do_validation, dataset_config.do_test)
+    fields = ("dataset.dataset_root", "dataset.do_validation", "dataset.do_test")
+    return [
+        (field, root / name if want else None)
+        for field, name, want in zip(fields, SFT_SPLIT_FILES, wanted, strict=True)
+    ]
+
+
+def check_finetuning_dataset(dataset_config: Any) -> None:
+    """Refuse a ``FinetuningDatasetConfig`` the trainer cannot honour, before anything runs.
+
+    Raises:
+        bridge.config.ConfigError: Missing ``dataset_root`` or split files, unknown
+            ``dataset_kwargs``, ``dataloader_type: external``, ``data_sharding: false``; the
+            message names the field and the fix.
+    """
+    from bridge.config import ConfigError
+
+    if dataset_config.dataset_root is None:
+        raise ConfigError(
+            "dataset.dataset_root",
+            "is required for finetuning; point it at a directory holding training.jsonl",
+        )
+    root = Path(dataset_config.dataset_root)
+    if not root.is_dir():
+        raise ConfigError("dataset.dataset_root", f"{str(root)!r} is not a directory")
+    for field, path in _split_paths(dataset_config):
+        if path is not None and not path.is_file():
+            fix = (
+                f"add {path.name} there"
+                if field == "dataset.dataset_root"
+                else f"add {path.name} or set {field}=false"
+            )
+            raise ConfigError(field, f"{str(path)!r} does not exist; {fix}")
+    sft_settings(dataset_config.dataset_kwargs)
+    if dataset_config.dataloader_type == "external":
+        raise ConfigError(
+            "dataset.dataloader_type",
+            "'external' means the caller supplies iterators, but a finetuning dataset is built "
+            "from dataset_root; use 'single' or 'cyclic'",
+        )
+    if not dataset_config.data_sharding:
+        raise ConfigError(
+            "dataset.data_sharding",
+            "false is not supported: every data-parallel rank reads its own part of each "
+            "global batch; set it to true",
+        )
+
+
+# ---------------------------------------------------------------------------- tokenizing
+
+
+@dataclass
+class TokenizedExamples:
+    """Tokenized records of one file: ids and a loss flag per token, concatenated.
+
+    Attributes:
+        tokens: All token ids (int32), record after record.
+        loss_flags: 1 where the token is part of an answer (uint8), same length.
+        offsets: ``offsets[i]:offsets[i+1]`` is record ``i`` (int64, length records + 1).
+    """
+
+    tokens: np.ndarray
+    loss_flags: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def example(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, loss_flags)`` of record ``index``."""
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.tokens[start:end], self.loss_flags[start:end]
+
+    def head(self, count: int) -> TokenizedExamples:
+        """The first ``count`` records."""
+        if count >= len(self):
+            return self
+        end = int(self.offsets[count])
+        return TokenizedExamples(
+            self.tokens[:end], self.loss_flags[:end], self.offsets[: count + 1].copy()
+        )
+
+
+def _render_chat(tokenizer: Any, messages: Any, where: str) -> tuple[list[int], list[int]]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+    ids: list[int] = []
+    flags: list[int] = []
+    apply_template = getattr(tokenizer, "apply_chat_template", None)
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"{where}: message {turn} needs 'role' and 'content'")
+        role, content = str(message["role"]), str(message["content"])
+        if apply_template is not None:
+            # Render the conversation up to this message and keep only the new tokens, so
+            # each message's tokens can be flagged by role.
+            text = apply_template(messages[: turn + 1], tokenize=False)
+            previous = apply_template(messages[:turn], tokenize=False) if turn else ""
+            new = tokenizer.tokenize(text[len(previous) :])
+        else:
+            header = tokenizer.tokenize(f"<|{role}|>\n")
+            ids += header
+            flags += [0] * len(header)
+            new = tokenizer.tokenize(content + "\n")
+        ids += new
+        flags += [1 if role == "assistant" else 0] * len(new)
+    return ids, flags
+
+
+def _tokenize_record(
+    tokenizer: Any, settings: SFTSettings, record: Any, where: str
+) -> tuple[list[int], list[int]]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        ids, flags = _render_chat(tokenizer, record["messages"], where)
+    else:
+        if settings.answer_key not in record:
+            raise ValueError(
+                f"{where}: no {settings.answer_key!r} key (the answer); set "
+                "dataset.dataset_kwargs.answer_key, or give chat records with 'messages'"
+            )
+        try:
+            prompt = settings.template.format(**record)
+        except KeyError as exc:
+            raise ValueError(
+                f"{where}: the prompt template {settings.template!r} needs key {exc}; set "
+                "dataset.dataset_kwargs.prompt_key or prompt_template"
+            ) from None
+        prompt_ids = tokenizer.tokenize(prompt)
+        answer_ids = tokenizer.tokenize(str(record[settings.answer_key]))
+        ids = prompt_ids + answer_ids
+        flags = [0] * len(prompt_ids) + [1] * len(answer_ids)
+    if settings.add_eod:
+        ids.append(int(tokenizer.eod))
+        flags.append(1)
+    return ids, flags
+
+
+def _tokenize_lines(
+    args: tuple[Any, SFTSettings, str, int, list[str]],
+) -> list[tuple[list[int], list[int]]]:
+    tokenizer, settings, name, first_line, lines = args
+    out = []
+    for number, line in enumerate(lines, start=first_line):
+        where = f"{name} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+        out.append(_tokenize_record(tokenizer, settings, record, where))
+    return out
+
+
+def _tokenize_file(
+    path: Path, tokenizer: Any, settings: SFTSettings, workers: int
+) -> TokenizedExamples:
+    numbered = [
+        (number, line)
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if line.strip()
+    ]
+    if not numbered:
+        raise ValueError(f"{path}: no records")
+    lines = [line for _, line in numbered]
+    # Chunks keep their first line number; blank lines are skipped, so number by record.
+    chunk = max(1, math.ceil(len(lines) / max(1, workers)))
+    jobs = [
+        (tokenizer, settings, str(path), numbered[i][0], lines[i : i + chunk])
+        for i in range(0, len(lines), chunk)
+    ]
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            results = [r for part in pool.map(_tokenize_lines, jobs) for r in part]
+    else:
+        results = [r for job in jobs for r in _tokenize_lines(job)]
+    lengths = [len(ids) for ids, _ in results]
+    offsets = np.zeros(len(results) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.fromiter((t for ids, _ in results for t in ids), dtype=np.int32, count=offsets[-1])
+    flags = np.fromiter((f for _, fl in results for f in fl), dtype=np.uint8, count=offsets[-1])
+    return TokenizedExamples(tokens, flags, offsets)
+
+
+def _cache_key(path: Path, tokenizer: Any, settings: SFTSettings) -> str:
+    digest = hashlib.sha256()
+    digest.update(path.read_bytes())
+    identifiers = getattr(tokenizer, "unique_identifiers", None) or {"class": type(tokenizer)}
+    digest.update(repr(sorted((str(k), repr(v)) for k, v in identifiers.items())).encode())
+    digest.update(
+        repr(
+            (settings.prompt_key, settings.answer_key, settings.template, settings.add_eod)
+        ).encode()
+    )
+    digest.update(b"sft-cache-v1")
+    return digest.hexdigest()[:24]
+
+
+def load_tokenized_examples(
+    path: str | Path,
+    tokenizer: Any,
+    settings: SFTSettings,
+    *,
+    cache_dir: str | Path | None = None,
+    workers: int = 1,
+) -> TokenizedExamples:
+    """Tokenize a JSONL file of SFT records, or load its tokenized cache.
+
+    The cache file name holds a hash of the file's bytes, the tokenizer's
+    ``unique_identifiers`` and the rendering settings; it is written atomically, so ranks
+    tokenizing the same file at once both leave a complete cache. A cache that cannot be
+    read is tokenized again (and rewritten); a directory that cannot be written only costs
+    the cache.
+
+    Args:
+        path: The JSONL file.
+        tokenizer: Tokenizer with ``tokenize`` and ``eod``.
+        settings: Rendering settings.
+        cache_dir: Directory of the cache (``None``: no cache).
+        workers: Processes tokenizing an uncached file.
+
+    Returns:
+        The tokenized records.
+
+    Raises:
+        ValueError: A line is not JSON or lacks the answer; the message names file and line.
+    """
+    path = Path(path)
+    cache_file = None
+    if cache_dir is not None:
+        cache_file = Path(cache_dir) / f"{path.stem}-{_cache_key(path, tokenizer, settings)}.npz"
+        if cache_file.is_file():
+            try:
+                with np.load(cache_file) as data:
+                    return TokenizedExamples(data["tokens"], data["loss_flags"], data["offsets"])
+            except (OSError, ValueError, KeyError) as exc:
+                logger.warning("SFT cache %s is unreadable (%s); tokenizing again", cache_file, exc)
+    examples = _tokenize_file(path, tokenizer, settings, workers)
+    if cache_file is not None:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_file.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as handle:
+                np.savez(
+                    handle,
+                    tokens=examples.tokens,
+                    loss_flags=examples.loss_flags,
+                    offsets=examples.offsets,
+                )
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, cache_file)
+        except OSError as exc:
+            logger.warning("SFT cache not written to %s: %s", cache_file.parent, exc)
+    return examples
+
+
+# ---------------------------------------------------------------------------- samples
+
+
+def fit_example(
+    ids: np.ndarray, flags: np.ndarray, max_tokens: int, truncation: str
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Cut an example to at most ``max_tokens`` ids by ``truncation``; ``None`` to skip it.
+
+    An example is skipped under ``"drop"`` when too long, and under any policy when no
+    answer token is left after cutting (its sample would carry no loss).
+    """
+    if len(ids) > max_tokens:
+        if truncation == "drop":
+            return None
+        if truncation == "left":
+            ids, flags = ids[-max_tokens:], flags[-max_tokens:]
+        else:
+            ids, flags = ids[:max_tokens], flags[:max_tokens]
+    # flags[0] never reaches a label (labels are ids[1:]).
+    if not flags[1:].any():
+        return None
+    return ids, flags
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, or its end-of-document id when it has none."""
+    pad = int(getattr(tokenizer, "pad", -1))
+    return pad if pad >= 0 else int(tokenizer.eod)
+
+
+class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Map-style dataset of SFT samples in the trainer's GPT batch format.
+
+    ``dataset[i]`` is ``{"tokens", "labels", "loss_mask", "position_ids"}``, each of
+    ``seq_length`` entries; ``loss_mask`` is 1 exactly on answer labels.
+
+    Args:
+        examples: Tokenized records.
+        seq_length: Tokens per sample.
+        pad_token: Id used for padding.
+        truncation: ``"left"``, ``"right"`` or ``"drop"``.
+        num_samples: Length of the dataset (whole epochs over the examples, at least one).
+        shuffle_seed: Shuffle each epoch with ``seed + epoch``; ``None`` keeps file order.
+        name: Split name for log lines.
+
+    Raises:
+        ValueError: No example fits (all skipped).
+    """
+
+    def __init__(
+        self,
+        examples: TokenizedExamples,
+        seq_length: int,
+        pad_token: int,
+        truncation: str = "left",
+        *,
+        num_samples: int = 0,
+        shuffle_seed: int | None = None,
+        name: str = "train",
+    ) -> None:
+        self.seq_length = int(seq_length)
+        self.pad_token = int(pad_token)
+        kept: list[tuple[np.ndarray, np.ndarray]] = []
+        for index in range(len(examples)):
+            fitted = fit_example(*examples.example(index), self.seq_length + 1, truncation)
+            if fitted is not None:
+                kept.append(fitted)
+        skipped = len(examples) - len(kept)
+        if skipped:
+            logger.warning(
+                "SFT %s split: %d of %d examples skipped (too long with truncation=%r, or no "
+                "answer token left)",
+                name,
+                skipped,
+                len(examples),
+                truncation,
+            )
+        if not kept:
+            raise ValueError(f"SFT {name} split: no example fits seq_length {seq_length}")
+        self.examples = kept
+        self.skipped = skipped
+        count = len(kept)
+        epochs = max(1, math.ceil(num_samples / count))
+        if shuffle_seed is None:
+            self._order = np.tile(np.arange(count, dtype=np.int64), epochs)
+        else:
+            self._order = np.concatenate(
+                [
+                    np.random.default_rng(int(shuffle_seed) + epoch).permutation(count)
+                    for epoch in range(epochs)
+                ]
+            )
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def example_index(self, index: int) -> int:
+        """Which kept example sample ``index`` holds."""
+        return int(self._order[index])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, flags = self.examples[self.example_index(index)]
+        return build_sample([(ids, flags)], self.seq_length, self.pad_token, packed=False)
+
+
+def build_sample(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]],
+    seq_length: int,
+    pad_token: int,
+    *,
+    packed: bool,
+) -> dict[str, torch.Tensor]:
+    """One sample of ``seq_length`` tokens from one or several examples placed end to end.
+
+    Each example of ``n`` ids contributes ``n - 1`` positions (inputs ``ids[:-1]``, labels
+    ``ids[1:]``), positions restarting at 0. With ``packed``, the sample also holds
+    ``attention_mask`` (``[1, s, s]``, ``True`` = masked) confining attention to each
+    example (block-diagonal causal) and ``cu_seqlens`` (example boundaries, padded with
+    the total length to ``seq_length + 1`` entries so batches collate).
+    """
+    tokens = np.full(seq_length, pad_token, dtype=np.int64)
+    labels = np.full(seq_length, pad_token, dtype=np.int64)
+    loss_mask = np.zeros(seq_length, dtype=np.float32)
+    position_ids = np.arange(seq_length, dtype=np.int64)
+    segment = np.full(seq_length, -1, dtype=np.int64)
+    start = 0
+    bounds = [0]
+    for number, (ids, flags) in enumerate(parts):
+        length = len(ids) - 1
+        if start + length > seq_length:
+            raise ValueError(f"examples of {start + length} tokens exceed seq_length {seq_length}")
+        tokens[start : start + length] = ids[:-1]
+        labels[start : start + length] = ids[1:]
+        loss_mask[start : start + length] = flags[1:]
+        position_ids[start : start + length] = np.arange(length)
+        segment[start : start + length] = number
+        start += length
+        bounds.append(start)
+    sample = {
+        "tokens": torch.from_numpy(tokens),
+        "labels": torch.from_numpy(labels),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "position_ids": torch.from_numpy(position_ids),
+    }
+    if packed:
+        # Padding is its own segment so its rows still attend to something (no NaN rows).
+        seg = torch.from_numpy(np.where(segment < 0, len(parts), segment))
+        causal = torch.ones(seq_length, seq_length, dtype=torch.bool).tril()
+        allowed = (seg[:, None] == seg[None, :]) & causal
+        sample["attention_mask"] = (~allowed).unsqueeze(0)
+        cu = np.full(seq_length + 1, start, dtype=np.int32)
+        cu[: len(bounds)] = bounds
+        sample["cu_seqlens"] = torch.from_numpy(cu)
+    return sample
+
+
+def build_sft_datasets(
+    dataset_config: Any, tokenizer: Any, num_samples: tuple[int, int, int]
+) -> tuple[Any, Any, Any]:
+    """Train, validation and test datasets of a ``FinetuningDatasetConfig``.
+
+    Packed datasets (``packed_sequence_specs.packed_sequence_size > 0``) come from
+    :mod:`bridge.train.data.packing`.
+
+    Args:
+        dataset_config: ``FinetuningDatasetConfig`` (checked by
+            :func:`check_finetuning_dataset`).
+        tokenizer: The run's tokenizer.
+        num_samples: ``(train, valid, test)`` samples the run draws.
+
+    Returns:
+        ``(train_ds, valid_ds, test_ds)``; ``None`` for a split not asked for.
+    """
+    check_finetuning_dataset(dataset_config)
+    settings = sft_settings(dataset_config.dataset_kwargs)
+    root = Path(dataset_config.dataset_root)
+    cache_dir = Path(settings.cache_dir) if settings.cache_dir else root / ".sft_cache"
+    specs = dataset_config.packed_sequence_specs
+    packed_size = specs.packed_sequence_size if specs is not None else -1
+    out: list[Any] = []
+    for split, ((_, path), wanted) in enumerate(
+        zip(_split_paths(dataset_config), num_samples, strict=True)
+    ):
+        if path is None:
+            out.append(None)
+            continue
+        examples = load_tokenized_examples(
+            path,
+            tokenizer,
+            settings,
+            cache_dir=cache_dir,
+            workers=int(dataset_config.memmap_workers),
+        )
+        if split == 0 and dataset_config.max_train_samples is not None:
+            examples = examples.head(int(dataset_config.max_train_samples))
+        name = SFT_SPLIT_FILES[split].removesuffix(".jsonl")
+        seed = int(dataset_config.seed) if split == 0 else None
+        if packed_size is not None and packed_size > 0:
+            from bridge.train.data.packing import PackedSFTDataset
+
+            out.append(
+                PackedSFTDataset(
+                    examples,
+                    int(packed_size),
+                    pad_id(tokenizer),
+                    settings.truncation,
+                    num_samples=int(wanted),
+                    shuffle_seed=seed,
+                    name=name,
+                )
+            )
+        else:
+            out.append(
+                SFTDataset(
+                    examples,
+                    int(dataset_config.seq_length),
+                    pad_id(tokenizer),
+                    settings.truncation,
+                    num_samples=int(wanted),
+                    shuffle_seed=seed,
+                    name=name,
+                )
+            )
+    return out[0], out[1], out[2]

@@ -1,0 +1,115 @@
+"""The PEFT contract: a transform applied to the built model before it is wrapped.
+
+``ConfigContainer.peft`` accepts any object meeting :class:`bridge.config.PEFTProtocol`
+(``peft(model, training=True) -> model``). The trainer applies it to every model chunk
+before data-parallel wrapping (:func:`apply_peft`), then treats the parameters left
+trainable as the adapters: only they reach the optimizer, and checkpoints hold only them
+(the base comes from ``checkpoint.pretrained_checkpoint``). :class:`PEFT` is a base class
+for transforms that act module by module (:class:`~bridge.train.peft.lora.LoRA` is one).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+__all__ = ["PEFT", "adapter_parameter_names", "apply_peft"]
+
+_ADAPTER_NAMES_ATTR = "_bridge_peft_adapter_names"
+
+
+class PEFT(ABC):
+    """A module-by-module parameter-efficient transform.
+
+    Calling it freezes every parameter of the model, then calls :meth:`transform` on every
+    submodule (parents before children; modules added by a transform are not visited);
+    parameters a transform adds stay trainable.
+    """
+
+    @abstractmethod
+    def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
+        """Adapt one module (in place or by returning a replacement).
+
+        Args:
+            module: The module.
+            name: Its attribute name in its parent (``"linear_qkv"``).
+            prefix: Its dotted path in the model (``"decoder.layers.0.self_attention.linear_qkv"``).
+
+        Returns:
+            The module to keep in its place.
+        """
+
+    def __call__(self, model: Any, training: bool = True) -> Any:
+        """Freeze ``model`` (a module or a list of chunks) and adapt its submodules."""
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.requires_grad_(False)
+            for prefix, module in list(chunk.named_modules()):
+                if not prefix:
+                    continue
+                parent_name, _, name = prefix.rpartition(".")
+                parent = chunk.get_submodule(parent_name) if parent_name else chunk
+                replacement = self.transform(module, name, prefix)
+                if replacement is not module:
+                    setattr(parent, name, replacement)
+            if not training:
+                chunk.eval()
+        return model
+
+
+def apply_peft(peft: Any, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Apply ``peft`` to every chunk and record which parameters are adapters.
+
+    Adapter parameters are those left trainable by the transform; the names are recorded on
+    each chunk for :func:`adapter_parameter_names` (and adapter-only checkpoints).
+
+    Args:
+        peft: An object meeting ``bridge.config.PEFTProtocol``.
+        chunks: Unwrapped model chunks.
+
+    Returns:
+        The transformed chunks.
+
+    Raises:
+        ValueError: The transform left no trainable parameter, or left every parameter
+            trainable (nothing would be frozen: that is full finetuning, not PEFT).
+    """
+    out: list[torch.nn.Module] = []
+    for index, chunk in enumerate(chunks):
+        result = peft(chunk, training=True)
+        chunk = result if isinstance(result, torch.nn.Module) else chunk
+        names = [n for n, p in chunk.named_parameters() if p.requires_grad]
+        total = sum(1 for _ in chunk.parameters())
+        if not names:
+            raise ValueError(
+                f"peft: {type(peft).__qualname__} left no trainable parameter in model chunk "
+                f"{index}; check its target_modules"
+            )
+        if len(names) == total:
+            raise ValueError(
+                f"peft: {type(peft).__qualname__} froze no parameter of model chunk {index}; a "
+                "PEFT transform trains adapters on a frozen base (remove peft for full "
+                "finetuning)"
+            )
+        setattr(chunk, _ADAPTER_NAMES_ATTR, frozenset(names))
+        from bridge.train.peft.checkpoint import install_adapter_checkpointing
+
+        install_adapter_checkpointing(chunk, frozenset(names))
+        out.append(chunk)
+    return out
+
+
+def adapter_parameter_names(chunk: torch.nn.Module) -> frozenset[str] | None:
+    """Names of the adapter parameters of a chunk :func:`apply_peft` transformed, else None."""
+    inner = chunk
+    while True:
+        names = getattr(inner, _ADAPTER_NAMES_ATTR, None)
+        if names is not None:
+            return frozenset(names)
+        nested = getattr(inner, "module", None)
+        if not isinstance(nested, torch.nn.Module):
+            return None
+        inner = nested

@@ -1,0 +1,176 @@
+"""Adapter-only checkpoints of a PEFT model, and loading base + adapters.
+
+After :func:`~bridge.train.peft.base.apply_peft`, a chunk's ``sharded_state_dict`` holds
+its adapter tensors only (so every checkpoint the run saves is adapter-only, with the
+optimizer state of the adapters, the scheduler, RNG and train state as usual), and its
+``load_state_dict`` accepts a state without base tensors. :func:`load_peft_checkpoints`
+loads, in order: the base weights from ``checkpoint.pretrained_checkpoint`` (model only,
+every base tensor required and checked for shape), then, when the run resumes
+(``checkpoint.load``, or an earlier run's checkpoint in ``checkpoint.save``), the adapters,
+optimizer, scheduler, RNG and train state from that adapter-only checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["install_adapter_checkpointing", "load_peft_checkpoints", "peft_checkpoint_mode"]
+
+_MODE_ATTR = "_bridge_peft_checkpoint_mode"
+_AVAILABLE_ATTR = "_bridge_peft_base_keys"
+
+
+def _strip(key: str, prefix: str) -> str:
+    return key[len(prefix) :] if prefix and key.startswith(prefix) else key
+
+
+def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozenset[str]) -> None:
+    """Make ``chunk``'s state dicts adapter-only (or base-only inside
+    :func:`peft_checkpoint_mode`); see the module docstring."""
+    setattr(chunk, _MODE_ATTR, "adapters")
+    cls = type(chunk)
+    # Modules holding adapter parameters only: their non-parameter state (megatron's
+    # ``_extra_state``) belongs to the adapters too.
+    adapter_modules = {
+        name
+        for name, module in chunk.named_modules()
+        if name
+        and (params := [f"{name}.{p}" for p, _ in module.named_parameters()])
+        and all(p in adapter_names for p in params)
+    }
+
+    def is_adapter(key: str) -> bool:
+        return key in adapter_names or key.rpartition(".")[0] in adapter_modules
+
+    def sharded_state_dict(
+        prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
+    ) -> dict[str, Any]:
+        full = cls.sharded_state_dict(chunk, prefix, sharded_offsets, metadata)  # type: ignore[attr-defined]
+        mode = getattr(chunk, _MODE_ATTR)
+        if mode == "adapters":
+            return {k: v for k, v in full.items() if is_adapter(_strip(k, prefix))}
+        # Base: every base tensor, and those adapter tensors the base checkpoint holds (a
+        # transform may train parameters the base has, such as norms).
+        available: frozenset[str] = getattr(chunk, _AVAILABLE_ATTR, frozenset())
+        return {
+            k: v
+            for k, v in full.items()
+            if not is_adapter(_strip(k, prefix)) or getattr(v, "key", None) in available
+        }
+
+    def load_state_dict(state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        result = cls.load_state_dict(chunk, state_dict, strict=False, assign=assign)
+        if strict:
+            want_adapters = getattr(chunk, _MODE_ATTR) == "adapters"
+            missing = [
+                k
+                for k in result.missing_keys
+                if is_adapter(k) == want_adapters and not k.endswith("_extra_state")
+            ]
+            if missing or result.unexpected_keys:
+                raise RuntimeError(
+                    f"loading {'adapters' if want_adapters else 'the base model'}: missing "
+                    f"{sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}"
+                )
+        return result
+
+    # Instance attributes shadow the class's methods for this chunk only.
+    setattr(chunk, "sharded_state_dict", sharded_state_dict)  # noqa: B010
+    setattr(chunk, "load_state_dict", load_state_dict)  # noqa: B010
+
+
+def _peft_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    found = []
+    for chunk in model:
+        inner: Any = chunk
+        while isinstance(inner, torch.nn.Module) and not hasattr(inner, _MODE_ATTR):
+            inner = getattr(inner, "module", None)
+        if isinstance(inner, torch.nn.Module):
+            found.append(inner)
+    return found
+
+
+@contextlib.contextmanager
+def peft_checkpoint_mode(
+    model: list[torch.nn.Module], mode: str, base_keys: frozenset[str] = frozenset()
+) -> Iterator[None]:
+    """Within the block, state dicts of PEFT chunks hold ``"base"`` or ``"adapters"``.
+
+    Args:
+        model: Model chunks.
+        mode: ``"base"`` or ``"adapters"``.
+        base_keys: In ``"base"`` mode, the checkpoint keys of the base checkpoint: adapter
+            parameters found there are loaded with the base.
+    """
+    chunks = _peft_chunks(model)
+    previous = [getattr(c, _MODE_ATTR) for c in chunks]
+    for chunk in chunks:
+        setattr(chunk, _MODE_ATTR, mode)
+        setattr(chunk, _AVAILABLE_ATTR, base_keys)
+    try:
+        yield
+    finally:
+        for chunk, old in zip(chunks, previous, strict=True):
+            setattr(chunk, _MODE_ATTR, old)
+            setattr(chunk, _AVAILABLE_ATTR, frozenset())
+
+
+@contextlib.contextmanager
+def _checkpoint_fields(checkpoint: Any, **values: Any) -> Iterator[None]:
+    old = {name: getattr(checkpoint, name) for name in values}
+    for name, value in values.items():
+        setattr(checkpoint, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(checkpoint, name, value)
+
+
+def load_peft_checkpoints(
+    state: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    checkpointing_context: dict[str, Any],
+) -> tuple[int, float]:
+    """Load the base from ``pretrained_checkpoint``, then resume adapters if there are any.
+
+    ``state.cfg.checkpoint.load`` names the run to resume (``None``: start adapters afresh
+    at iteration 0).
+
+    Returns:
+        ``(iteration, floating_point_operations_so_far)`` of the resumed run, else ``(0, 0.0)``.
+
+    Raises:
+        bridge.train.checkpointing.CheckpointError: The base checkpoint lacks a tensor of
+            the model or holds one of another shape (another architecture).
+    """
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    from bridge.train.checkpointing import find_latest_checkpoint, load_checkpoint
+
+    checkpoint = state.cfg.checkpoint
+    base = find_latest_checkpoint(checkpoint.pretrained_checkpoint)
+    base_keys = frozenset(load_tensors_metadata(base.path)) if base is not None else frozenset()
+    with (
+        peft_checkpoint_mode(model, "base", base_keys),
+        _checkpoint_fields(checkpoint, load=None, ckpt_step=None, non_persistent_ckpt_type=None),
+    ):
+        load_checkpoint(
+            state, model, optimizer, scheduler, checkpointing_context=checkpointing_context
+        )
+    if checkpoint.load is None:
+        return 0, 0.0
+    with (
+        peft_checkpoint_mode(model, "adapters"),
+        _checkpoint_fields(checkpoint, pretrained_checkpoint=None),
+    ):
+        iteration, flops = load_checkpoint(
+            state, model, optimizer, scheduler, checkpointing_context=checkpointing_context
+        )
+    return int(iteration), float(flops)

@@ -1,0 +1,176 @@
+"""LoRA on megatron's parallel linears: only adapters train and reach the optimizer, TP=2
+and DP=2 equal one process (losses and the full adapters), and merging the adapters into
+the base weights gives the logits of base + adapters.
+
+One 1-rank launch computes the reference and the single-process checks; one 2-rank launch
+runs TP=2 and DP=2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from bridge.train import PortableEngine, train_steps
+from bridge.train.peft import LoRA, LoRAAdapter, apply_peft, merge_adapters
+from bridge.train.testing import (
+    tiny_dist_config,
+    tiny_gpt_provider,
+    tiny_mock_iterator,
+    tiny_optimizer_config,
+    tiny_rng_config,
+    tiny_scheduler_config,
+    tiny_train_config,
+)
+from core_utils.testing import run_distributed
+
+ITERS = 5
+TOL = 1e-5
+LORA = {"dim": 4, "alpha": 8.0}
+
+
+def _build(tp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
+    provider = tiny_gpt_provider(tensor_model_parallel_size=tp)
+    engine = PortableEngine()
+    engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
+    lora = LoRA(**LORA)  # type: ignore[arg-type]
+    model = engine.setup_model(provider, pre_wrap_hooks=[lambda c: apply_peft(lora, c)])
+    return provider, engine, model
+
+
+def _full_adapters(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Every adapter's full A and B (shards gathered over the tensor-parallel group)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model[0].named_modules():
+        if not isinstance(module, LoRAAdapter):
+            continue
+        group = module.tp_group
+        for part, layer in (("A", module.linear_in), ("B", module.linear_out)):
+            weight = layer.weight.detach()
+            split_dim = None
+            if module.kind == "column" and part == "B":
+                split_dim = 0
+            elif module.kind == "row" and part == "A":
+                split_dim = 1
+            if split_dim is not None and group.size() > 1:
+                parts = [torch.empty_like(weight) for _ in range(group.size())]
+                torch.distributed.all_gather(parts, weight.contiguous(), group=group)
+                weight = torch.cat(parts, dim=split_dim)
+            out[f"{name}.{part}"] = weight.clone()
+    return out
+
+
+def _train(tp: int, mbs: int, gbs: int) -> dict[str, Any]:
+    provider, engine, model = _build(tp)
+    train = tiny_train_config(micro_batch_size=mbs, global_batch_size=gbs, train_iters=ITERS)
+    optimizer, scheduler = engine.setup_optimizer(
+        model, tiny_optimizer_config(), tiny_scheduler_config(), train
+    )
+    trainable = {n for n, p in model[0].named_parameters() if p.requires_grad}
+    in_optimizer = {n for n in optimizer.param_names(model) if n is not None}
+    base_before = {
+        n: p.detach().clone() for n, p in model[0].named_parameters() if not p.requires_grad
+    }
+    result = train_steps(
+        engine,
+        model,
+        optimizer,
+        scheduler,
+        tiny_mock_iterator(train),
+        train_iters=ITERS,
+        global_batch_size=gbs,
+        micro_batch_size=mbs,
+        seq_length=provider.seq_length,
+    )
+    base_same = all(
+        torch.equal(p.detach(), base_before[n])
+        for n, p in model[0].named_parameters()
+        if n in base_before
+    )
+    return {
+        "losses": result.losses,
+        "adapters": _full_adapters(model),
+        "trainable": trainable,
+        "in_optimizer": in_optimizer,
+        "base_same": base_same,
+        "model": model,
+        "provider": provider,
+        "train": train,
+    }
+
+
+def _single(rank: int, world: int) -> dict[str, Any]:
+    from bridge.train.initialize import destroy_distributed
+
+    out = _train(1, 2, 4)
+    model = out.pop("model")
+    train = out.pop("train")
+    out.pop("provider")
+    # Merge: the plain model gives the logits base + adapters gave.
+    batch = next(tiny_mock_iterator(train))
+    inner = model[0].module
+    inner.eval()
+    with torch.no_grad():
+        before = inner(batch["tokens"], batch["position_ids"], None)
+        merge_adapters(model)
+        after = inner(batch["tokens"], batch["position_ids"], None)
+    out["merge_diff"] = float((before - after).abs().max())
+    out["adapters_left"] = sum(isinstance(m, LoRAAdapter) for m in inner.modules())
+    out["merged_keys"] = sorted(inner.state_dict())
+    out["adapter_count"] = len(out["adapters"]) // 2
+    destroy_distributed()
+    # The plain model's parameter names are those a LoRA-free model has.
+    provider = tiny_gpt_provider()
+    engine = PortableEngine()
+    engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
+    plain = engine.setup_model(provider, wrap_with_ddp=False)[0]
+    out["plain_keys"] = sorted(plain.state_dict())
+    destroy_distributed()
+    return out
+
+
+def _parallel(rank: int, world: int) -> dict[str, Any]:
+    from bridge.train.initialize import destroy_distributed
+
+    results = {}
+    for name, tp, mbs, gbs in (("tp2", 2, 2, 4), ("dp2", 1, 1, 4)):
+        out = _train(tp, mbs, gbs)
+        for key in ("model", "provider", "train", "trainable", "in_optimizer"):
+            out.pop(key)
+        results[name] = out
+        destroy_distributed()
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_lora_trains_adapters_only_equal_in_every_layout_and_merges() -> None:
+    (single,) = run_distributed(_single, 1, timeout=200)
+    # 2 layers x (qkv, proj, fc1, fc2)
+    assert single["adapter_count"] == 8
+    assert single["trainable"] == single["in_optimizer"]
+    assert single["trainable"] and all(".adapter." in n for n in single["trainable"])
+    assert single["base_same"]
+    assert single["merge_diff"] < TOL
+    assert single["adapters_left"] == 0 and single["merged_keys"] == single["plain_keys"]
+    assert all(b.abs().sum() > 0 for k, b in single["adapters"].items() if k.endswith(".B"))
+
+    results = run_distributed(_parallel, 2, timeout=300)
+    for name in ("tp2", "dp2"):
+        for rank_result in results:
+            got = rank_result[name]
+            assert got["base_same"]
+            for step, (a, b) in enumerate(zip(got["losses"], single["losses"], strict=True)):
+                assert abs(a - b) < TOL, (name, step, a, b)
+            for key, ref in single["adapters"].items():
+                diff = float((got["adapters"][key] - ref).abs().max())
+                assert diff < TOL, (name, key, diff)
+
+
+def test_lora_config_errors() -> None:
+    with pytest.raises(ValueError, match=r"peft\.dim"):
+        LoRA(dim=0)
+    with pytest.raises(ValueError, match=r"peft\.lora_B_init_method"):
+        LoRA(lora_B_init_method="xavier")  # type: ignore[arg-type]
