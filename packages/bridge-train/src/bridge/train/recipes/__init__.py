@@ -3,6 +3,8 @@
 * ``tiny_gpt`` (the default): a tiny GPT on megatron-core's mock data, CPU, about a minute;
 * ``text_corpus``: a small GPT on a local text corpus preprocessed with
   ``bridge-preprocess-data`` (byte-level tokenizer, ``.bin``/``.idx`` files);
+* ``sft`` / ``sft_lora``: supervised finetuning on a JSONL prompt/answer task, full or
+  with LoRA adapters on a frozen base;
 * ``mimo``: a vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs,
   every module on its own ranks.
 
@@ -47,6 +49,18 @@ RECIPES: dict[str, Recipe] = {
             "text_corpus.yaml",
             "small GPT on a local text corpus (byte-level tokenizer; set dataset.blend to "
             "the prefix written by bridge-preprocess-data)",
+        ),
+        Recipe(
+            "sft",
+            "sft.yaml",
+            "supervised finetuning on a JSONL prompt/answer task (examples/data/sft_addition), "
+            "answer-only loss",
+        ),
+        Recipe(
+            "sft_lora",
+            "sft_lora.yaml",
+            "the sft recipe with LoRA adapters on a frozen base (checkpoint."
+            "pretrained_checkpoint, default runs/gpt_text_corpus)",
         ),
         Recipe(
             "mimo",
