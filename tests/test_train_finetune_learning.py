@@ -1,8 +1,8 @@
 """The sft recipe learns the shipped task: on examples/data/sft_addition (single-digit
 addition, answer-only loss), the validation answer loss falls well below its starting
 value. The sft_lora recipe runs on the same base (exit code 0); its learning is not
-asserted: on this nearly untrained base, LoRA moved the validation loss only from 5.07 to
-4.91 in 80 iterations (open question, see docs/finetuning.md).
+asserted: on this base LoRA moved the validation loss only from 5.07 to 4.91 in 80
+iterations, cause not found yet (see docs/finetuning.md).
 
 The recipes are loaded as ``bridge-train --recipe ...`` loads them, with overrides that
 shrink the model so the test runs in seconds on a busy CPU. The LoRA base is the SFT
