@@ -1,13 +1,17 @@
-"""The sft recipe learns the shipped task: on examples/data/sft_addition (single-digit
-addition, answer-only loss), the validation answer loss falls well below its starting
-value. The sft_lora recipe runs on the same base (exit code 0); its learning is not
-asserted: on this base LoRA moved the validation loss only from 5.07 to 4.91 in 80
-iterations, cause not found yet (see docs/finetuning.md).
+"""The sft and sft_lora recipes learn the shipped task: on examples/data/sft_addition
+(single-digit addition, answer-only loss), from the same base, the validation answer loss
+falls well below its starting value with full SFT and with LoRA.
 
 The recipes are loaded as ``bridge-train --recipe ...`` loads them, with overrides that
-shrink the model so the test runs in seconds on a busy CPU. The LoRA base is the SFT
-run's checkpoint after a few iterations (the recipe's default base, the text-corpus
-example's checkpoint, takes minutes to train).
+shrink the model so the test runs in seconds on a busy CPU. The base is an SFT run of a
+few iterations (the recipe's default base, the text-corpus example's checkpoint, takes
+minutes to train), initialised with ``model.init_method_std=0.2``. LoRA leaves the tied
+embedding / output layer and the final layernorm frozen, so every logit is bounded by
+``max|gamma| * sqrt(hidden) * max|embedding row|``: for a 5-iteration base at megatron's
+default init std 0.02 that is 1.0 * 8 * 0.21 = 1.65 over a 320-entry vocabulary, and no
+adapter can make the answer tokens likely (measured: 5.07 -> 4.91 in 80 iterations, and
+no better at lr 2e-2). With init std 0.2 the bound is 16.6, as for a trained base; the
+engine itself updates adapters exactly as plain Adam does (tests/test_lora.py).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
             f"checkpoint.save={base}",
             "checkpoint.save_interval=5",
             "dataset.do_test=false",
+            "model.init_method_std=0.2",
         ],
     )
     _cache_in(cfg, tmp)
@@ -92,11 +97,13 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sft_recipe_learns_the_answer_and_sft_lora_runs(tmp_path: Path) -> None:
+def test_sft_and_sft_lora_recipes_learn_the_answer(tmp_path: Path) -> None:
     (result,) = run_distributed(_run, 1, str(tmp_path), timeout=500)
     assert result["base_code"] == 0 and result["sft_code"] == 0 and result["lora_code"] == 0
     start = result["base"][5]  # the base both runs start from, on the validation answers
     assert start > 2.0, start
     final = result["sft"][80]
     assert final < 0.5 * start, (start, result["sft"])
-    assert sorted(result["lora"]) == [40, 80]  # sft_lora trained and evaluated
+    assert sorted(result["lora"]) == [40, 80]
+    lora_final = result["lora"][80]
+    assert lora_final < 0.5 * start, (start, result["lora"])
