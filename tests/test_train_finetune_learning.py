@@ -10,7 +10,7 @@ embedding / output layer and the final layernorm frozen, so every logit is bound
 ``max|gamma| * sqrt(hidden) * max|embedding row|``: for a 5-iteration base at megatron's
 default init std 0.02 that is 1.0 * 8 * 0.21 = 1.65 over a 320-entry vocabulary, and no
 adapter can make the answer tokens likely (measured: 5.07 -> 4.91 in 80 iterations, and
-no better at lr 2e-2). With init std 0.2 the bound is 16.6, as for a trained base; the
+no better at lr 2e-2). With init std 0.2 the bound is 16.6 and LoRA learns; the
 engine itself updates adapters exactly as plain Adam does (tests/test_lora.py).
 """
 
