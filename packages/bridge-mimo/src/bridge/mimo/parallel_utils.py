@@ -295,7 +295,9 @@ def _name_of_grid(infra: MegatronMIMOInfra | _InfraFields, grid: HyperCommGrid) 
     raise ValueError("module_to_grid_tuple holds a grid that is not in infra.module_to_grid_map")
 
 
-def _global_num_tokens(infra: MegatronMIMOInfra | _InfraFields, num_tokens: torch.Tensor | int) -> float:
+def _global_num_tokens(
+    infra: MegatronMIMOInfra | _InfraFields, num_tokens: torch.Tensor | int
+) -> float:
     """Sum of the language model's loss tokens over the whole job (collective on the world)."""
     language = _language_module(infra)
     counts = False

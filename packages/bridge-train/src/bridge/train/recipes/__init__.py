@@ -7,6 +7,8 @@
   data, CPU, about a minute;
 * ``tiny_t5``: a tiny T5 encoder-decoder (``T5ModelProvider``) on generated
   span-corruption data, CPU, about a minute;
+* ``sft`` / ``sft_lora``: supervised finetuning on a JSONL prompt/answer task, full or
+  with LoRA adapters on a frozen base;
 * ``mimo``: a vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs,
   every module on its own ranks.
 
@@ -62,6 +64,18 @@ RECIPES: dict[str, Recipe] = {
             "tiny_t5.yaml",
             "T5 encoder-decoder (2 + 2 layers) on generated span-corruption data, CPU, about "
             "a minute",
+        ),
+        Recipe(
+            "sft",
+            "sft.yaml",
+            "supervised finetuning on a JSONL prompt/answer task (examples/data/sft_addition), "
+            "answer-only loss",
+        ),
+        Recipe(
+            "sft_lora",
+            "sft_lora.yaml",
+            "the sft recipe with LoRA adapters on a frozen base (checkpoint."
+            "pretrained_checkpoint, default runs/gpt_text_corpus)",
         ),
         Recipe(
             "mimo",
