@@ -27,7 +27,7 @@ import pytest
 from bridge.config import ConfigContainer, ConfigError
 from bridge.train.cli import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, main, run
 from bridge.train.launch_checks import check_launch_environment
-from bridge.train.recipes import recipe_path
+from bridge.train.recipes import RECIPES, recipe_path
 
 _NO_TORCH_PROBE = textwrap.dedent(
     """
@@ -208,7 +208,7 @@ def test_dry_run_prints_the_plan_and_print_config_a_loadable_config(
     loaded.validate(world_size=1)
 
 
-@pytest.mark.parametrize("recipe", ["tiny_gpt", "text_corpus", "mimo"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipes_validate_for_any_train_iters(recipe: str) -> None:
     from bridge.config import load_config
 
