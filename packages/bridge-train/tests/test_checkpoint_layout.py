@@ -204,13 +204,15 @@ def test_unsupported_settings_are_refused_at_setup(
     assert fragment in str(info.value)
 
 
-def test_save_needs_a_directory() -> None:
+def test_save_needs_a_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"checkpoint.save: is not set"):
         save_checkpoint(_state(), [], None, None, 0.0)
     with pytest.raises(
         ConfigError, match=r"non_persistent_ckpt_type: is None but a non-persistent"
     ):
-        save_checkpoint(_state(save="/tmp/unused"), [], None, None, 0.0, non_persistent_ckpt=True)
+        save_checkpoint(
+            _state(save=str(tmp_path / "unused")), [], None, None, 0.0, non_persistent_ckpt=True
+        )
     with pytest.raises(ConfigError, match=r"^checkpoint: state.cfg.checkpoint is not set"):
         save_checkpoint(GlobalState(), [], None, None, 0.0)
 
