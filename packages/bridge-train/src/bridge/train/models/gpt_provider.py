@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from bridge.train.models._provide import prepare_to_build
 from bridge.train.models.layer_specs import (
     LayerSpecBackend,
     build_gpt_layer_spec,
@@ -335,37 +335,14 @@ class GPTModelProvider(TransformerConfig):
             RuntimeError: Megatron's parallel state is not initialised, or its
                 tensor-parallel size differs from ``tensor_model_parallel_size``.
         """
-        from megatron.core import parallel_state
 
         vocab = self.padded_vocab_size
-        if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError(
-                "GPTModelProvider.provide() needs megatron's parallel state: call "
-                "bridge.train.initialize_distributed(...) (or megatron.core.parallel_state."
-                "initialize_model_parallel) first"
-            )
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        if tp != self.tensor_model_parallel_size:
-            raise RuntimeError(
-                f"model.tensor_model_parallel_size={self.tensor_model_parallel_size} but the "
-                f"initialised tensor-parallel group has {tp} ranks; initialise the parallel "
-                "state from this config"
-            )
+        pre_process, post_process = prepare_to_build(self, pre_process, post_process, vp_stage)
         spec = self.layer_spec(vp_stage)
         if self.transformer_layer_spec is None:
             backend = self.resolved_layer_spec_backend()
             self.transformer_impl = (
                 "transformer_engine" if backend == "transformer_engine" else "local"
-            )
-        if not torch.cuda.is_available():
-            self.use_cpu_initialization = True
-        if pre_process is None:
-            pre_process = parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            )
-        if post_process is None:
-            post_process = parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=vp_stage
             )
         model = GPTModel(
             config=self,

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from bridge.train.models._provide import prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
 
 __all__ = ["MambaProvider", "resolve_hybrid_backend"]
@@ -273,36 +274,15 @@ class MambaProvider(GPTModelProvider):
             ValueError: ``vocab_size`` is unset, or the backend cannot run here.
             RuntimeError: Megatron's parallel state is missing or has another TP size.
         """
-        from megatron.core import parallel_state
         from megatron.core.models.hybrid.hybrid_model import HybridModel
 
         vocab = self.padded_vocab_size
-        if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError(
-                "MambaProvider.provide() needs megatron's parallel state: call "
-                "bridge.train.initialize_distributed(...) first"
-            )
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        if tp != self.tensor_model_parallel_size:
-            raise RuntimeError(
-                f"model.tensor_model_parallel_size={self.tensor_model_parallel_size} but the "
-                f"initialised tensor-parallel group has {tp} ranks"
-            )
+        pre_process, post_process = prepare_to_build(self, pre_process, post_process, vp_stage)
         spec = self.layer_spec(vp_stage)
         if self.mamba_stack_spec is None:
             backend = self.resolved_layer_spec_backend()
             self.transformer_impl = (
                 "transformer_engine" if backend == "transformer_engine" else "local"
-            )
-        if not torch.cuda.is_available():
-            self.use_cpu_initialization = True
-        if pre_process is None:
-            pre_process = parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            )
-        if post_process is None:
-            post_process = parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=vp_stage
             )
         return HybridModel(
             config=self,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from bridge.train.models._provide import prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
 
 __all__ = ["T5ModelProvider"]
@@ -138,26 +139,19 @@ class T5ModelProvider(GPTModelProvider):
             ValueError: ``vocab_size`` is unset or the backend cannot run here.
             RuntimeError: Megatron's parallel state is missing or has another TP size.
         """
-        from megatron.core import parallel_state
         from megatron.core.models.T5 import T5Model
 
         vocab = self.padded_vocab_size
-        if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError(
-                "T5ModelProvider.provide() needs megatron's parallel state: call "
-                "bridge.train.initialize_distributed(...) first"
-            )
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        if tp != self.tensor_model_parallel_size:
-            raise RuntimeError(
-                f"model.tensor_model_parallel_size={self.tensor_model_parallel_size} but the "
-                f"initialised tensor-parallel group has {tp} ranks"
-            )
+        # One pipeline stage (T5 refuses pipeline parallelism): both ends unless told.
+        pre_process, post_process = prepare_to_build(
+            self,
+            True if pre_process is None else pre_process,
+            True if post_process is None else post_process,
+            vp_stage,
+        )
         encoder_spec, decoder_spec = self.layer_spec(vp_stage)
         if self.transformer_layer_spec is None:
             self.transformer_impl = "local"
-        if not torch.cuda.is_available():
-            self.use_cpu_initialization = True
         encoder_config = copy.deepcopy(self)
         encoder_config.num_layers = self.encoder_layers
         return T5Model(
@@ -167,8 +161,8 @@ class T5ModelProvider(GPTModelProvider):
             transformer_decoder_layer_spec=decoder_spec,
             vocab_size=vocab,
             max_sequence_length=self.position_table_length,
-            pre_process=True if pre_process is None else pre_process,
-            post_process=True if post_process is None else post_process,
+            pre_process=pre_process,
+            post_process=post_process,
             fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
             parallel_output=self.parallel_output,
             share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
