@@ -193,15 +193,15 @@ def test_missing_package_is_refused_at_config_time(
         build_tokenizer(config)
 
 
-def test_missing_tokenizer_files_are_refused_at_config_time(
+def test_missing_tokenizer_files_and_unused_fields_are_refused_at_config_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from bridge.train.cli import EXIT_CONFIG_ERROR, main
 
-    for argv, field in [
+    for argv, expected in [
         (
             ["tokenizer.tokenizer_type=TikTokenizer", "tokenizer.tokenizer_model=x.json"],
-            "tokenizer_model",
+            "tokenizer.tokenizer_model: 'x.json' does not exist or is not a file",
         ),
         (
             [
@@ -209,15 +209,19 @@ def test_missing_tokenizer_files_are_refused_at_config_time(
                 f"tokenizer.vocab_file={_write_gpt2(tmp_path)[0]}",
                 f"tokenizer.merge_file={tmp_path / 'nope.txt'}",
             ],
-            "merge_file",
+            f"tokenizer.merge_file: '{tmp_path / 'nope.txt'}' does not exist",
+        ),
+        (
+            ["tokenizer.hf_tokenizer_kwargs={use_fast: true}"],
+            "tokenizer.hf_tokenizer_kwargs: is not used",
         ),
     ]:
         with pytest.raises(SystemExit) as info:
             main(["--dry-run", *argv])
         assert info.value.code == EXIT_CONFIG_ERROR
         err = capsys.readouterr().err
-        assert f"bridge-train: error: tokenizer.{field}" in err
-        assert "does not exist" in err and "Traceback" not in err
+        assert f"bridge-train: error: {expected}" in err, err
+        assert "Traceback" not in err
 
 
 def _preprocess(kind: str, directory: Path, corpus: Path) -> tuple[str, TokenizerConfig]:

@@ -11,7 +11,8 @@ Each check turns a value that would otherwise cost a user hours into one
   (``train.train_iters=10**23`` spins for hours in megatron-core's index building);
 * a ``tokenizer.tokenizer_type`` the config accepts but this installation cannot build
   (its optional package is missing, or a vocabulary file it reads is missing), which would
-  otherwise fail after the process groups are up.
+  otherwise fail after the process groups are up, and ``tokenizer.hf_tokenizer_kwargs``
+  (no ``AutoTokenizer`` is involved, so it would be ignored).
 """
 
 from __future__ import annotations
@@ -123,7 +124,15 @@ _TOKENIZER_FILES: dict[str, tuple[str, ...]] = {
 def _check_tokenizer(cfg: Any) -> None:
     from bridge.train.tokenizer_packages import missing_tokenizer_package
 
-    kind = getattr(cfg.tokenizer, "tokenizer_type", None) if cfg.tokenizer is not None else None
+    if cfg.tokenizer is None:
+        return
+    if getattr(cfg.tokenizer, "hf_tokenizer_kwargs", None):
+        raise ConfigError(
+            "tokenizer.hf_tokenizer_kwargs",
+            "is not used: bridge-train reads tokenizer.json with Hugging Face tokenizers, not "
+            "AutoTokenizer.from_pretrained; remove it (add tokens with tokenizer.special_tokens)",
+        )
+    kind = getattr(cfg.tokenizer, "tokenizer_type", None)
     if kind is None:
         return
     message = missing_tokenizer_package(kind)
