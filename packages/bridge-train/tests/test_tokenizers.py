@@ -90,7 +90,7 @@ def test_hugging_face_tokenizer_errors_name_the_directory_and_the_extra(
         with pytest.raises(FileNotFoundError, match=r"is not a directory"):
             HuggingFaceTokenizer(tmp_path / "missing")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the extra were not installed
-    with pytest.raises(ImportError, match=r"pip install bridge-train\[hf\]"):
+    with pytest.raises(ImportError, match=r"pip install 'bridge-train\[hf\]'"):
         HuggingFaceTokenizer(tmp_path / "empty")
 
 

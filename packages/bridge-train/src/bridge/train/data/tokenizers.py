@@ -210,7 +210,7 @@ class HuggingFaceTokenizer(Tokenizer):
         vocab_extra_ids: Number of ``<extra_id_N>`` sentinels added.
 
     Raises:
-        ImportError: The ``tokenizers`` package is missing (``pip install bridge-train[hf]``).
+        ImportError: The ``tokenizers`` package is missing (``pip install 'bridge-train[hf]'``).
         FileNotFoundError: ``path`` is not a directory with ``tokenizer.json``.
         ValueError: No end-of-document token can be found.
     """
@@ -221,13 +221,13 @@ class HuggingFaceTokenizer(Tokenizer):
         special_tokens: Sequence[str] | None = None,
         vocab_extra_ids: int = 0,
     ) -> None:
-        try:
-            from tokenizers import Tokenizer as _HFTokenizer
-        except ImportError as exc:
-            raise ImportError(
-                "the Hugging Face tokenizer needs the 'tokenizers' package: "
-                "pip install bridge-train[hf]"
-            ) from exc
+        from bridge.train.tokenizer_packages import missing_tokenizer_package
+
+        missing = missing_tokenizer_package("HuggingFaceTokenizer")
+        if missing is not None:
+            raise ImportError(missing)
+        from tokenizers import Tokenizer as _HFTokenizer
+
         directory = Path(path)
         file = directory / "tokenizer.json"
         if not directory.is_dir():
