@@ -30,7 +30,7 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "bridge-logging": ("tensorboard", "wandb", "mlflow", "comet"),
     "bridge-resiliency": ("nvrx",),
     "bridge-mimo": (),
-    "bridge-train": ("hf",),
+    "bridge-train": ("hf", "sentencepiece", "tiktoken"),
 }
 
 PYTEST_ARGS = ("-c", "pyproject.toml", "--durations=10")

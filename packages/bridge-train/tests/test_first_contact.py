@@ -125,7 +125,7 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
         (["train.train_iters=100000000000000000000000"], "train.train_iters: got 1000000000000"),
         (
             ["tokenizer.tokenizer_type=SentencePieceTokenizer", "tokenizer.tokenizer_model=x"],
-            "tokenizer.tokenizer_type: 'SentencePieceTokenizer' is not built by bridge-train",
+            "tokenizer.tokenizer_model: 'x' does not exist or is not a file",
         ),
         (
             [
@@ -133,7 +133,7 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
                 "tokenizer.vocab_file=v",
                 "tokenizer.merge_file=m",
             ],
-            "use 'HuggingFaceTokenizer' with a local directory",
+            "tokenizer.vocab_file: 'v' does not exist or is not a file",
         ),
     ],
 )

@@ -47,8 +47,9 @@ class TokenizerConfig:
     Unset: no tokenizer is configured."""
 
     tokenizer_model: str | None = None
-    """Tokenizer model: a local path (SentencePiece ``.model``, tiktoken vocabulary, Hugging
-    Face directory) or a Hugging Face model name already in the local cache."""
+    """Tokenizer model, a local path: a SentencePiece ``.model`` file, a tiktoken vocabulary
+    (megatron-core's ``.json`` list of ranks) or a Hugging Face directory holding
+    ``tokenizer.json``. Nothing is downloaded."""
 
     vocab_file: str | None = None
     """Vocabulary file (GPT-2 BPE ``vocab.json``)."""
@@ -73,7 +74,9 @@ class TokenizerConfig:
     """Additional special tokens to register with the tokenizer."""
 
     hf_tokenizer_kwargs: dict[str, Any] | None = None
-    """Extra keyword arguments for ``AutoTokenizer.from_pretrained`` (Hugging Face only)."""
+    """Extra keyword arguments for ``AutoTokenizer.from_pretrained``. bridge-train reads
+    ``tokenizer.json`` with Hugging Face ``tokenizers`` (no ``transformers``) and refuses a
+    run that sets this field."""
 
     def __post_init__(self) -> None:
         """Check the field types, the sizes and what the chosen tokenizer type needs."""

@@ -49,6 +49,8 @@ class PreprocessResult:
 class _TokenizerSpec:
     tokenizer_type: str
     tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
     vocab_size: int | None = None
     special_tokens: list[str] | None = None
     vocab_extra_ids: int = 0
@@ -191,9 +193,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer-type",
         default="ByteLevelTokenizer",
-        choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"],
+        choices=[
+            "ByteLevelTokenizer",
+            "HuggingFaceTokenizer",
+            "NullTokenizer",
+            "SentencePieceTokenizer",
+            "TikTokenizer",
+            "GPT2BPETokenizer",
+        ],
     )
-    parser.add_argument("--tokenizer-model", help="local Hugging Face tokenizer directory")
+    parser.add_argument(
+        "--tokenizer-model",
+        help="local Hugging Face tokenizer directory, SentencePiece .model or tiktoken .json",
+    )
+    parser.add_argument("--vocab-file", help="GPT-2 BPE vocab.json (GPT2BPETokenizer)")
+    parser.add_argument("--merge-file", help="GPT-2 BPE merges.txt (GPT2BPETokenizer)")
     parser.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer)")
     parser.add_argument("--special-tokens", nargs="*", help="extra special tokens")
     parser.add_argument(
@@ -216,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec: Any = _TokenizerSpec(
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
         vocab_size=args.vocab_size,
         special_tokens=args.special_tokens,
     )

@@ -1,4 +1,6 @@
-"""Tokenizers for megatron datasets: byte-level, Hugging Face (local), and null.
+"""Tokenizers for megatron datasets: byte-level, Hugging Face (local), null, and
+``build_tokenizer`` for every ``tokenizer_type`` (the file-based ones are in
+``bridge.train.data.file_tokenizers``).
 
 Each tokenizer has what megatron-core's datasets and the trainer use: ``vocab_size``,
 ``eod``, ``pad``, ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` and
@@ -208,7 +210,7 @@ class HuggingFaceTokenizer(Tokenizer):
         vocab_extra_ids: Number of ``<extra_id_N>`` sentinels added.
 
     Raises:
-        ImportError: The ``tokenizers`` package is missing (``pip install bridge-train[hf]``).
+        ImportError: The ``tokenizers`` package is missing (``pip install 'bridge-train[hf]'``).
         FileNotFoundError: ``path`` is not a directory with ``tokenizer.json``.
         ValueError: No end-of-document token can be found.
     """
@@ -219,13 +221,13 @@ class HuggingFaceTokenizer(Tokenizer):
         special_tokens: Sequence[str] | None = None,
         vocab_extra_ids: int = 0,
     ) -> None:
-        try:
-            from tokenizers import Tokenizer as _HFTokenizer
-        except ImportError as exc:
-            raise ImportError(
-                "the Hugging Face tokenizer needs the 'tokenizers' package: "
-                "pip install bridge-train[hf]"
-            ) from exc
+        from bridge.train.tokenizer_packages import missing_tokenizer_package
+
+        missing = missing_tokenizer_package("HuggingFaceTokenizer")
+        if missing is not None:
+            raise ImportError(missing)
+        from tokenizers import Tokenizer as _HFTokenizer
+
         directory = Path(path)
         file = directory / "tokenizer.json"
         if not directory.is_dir():
@@ -308,9 +310,12 @@ def _read_special_token_settings(directory: Path) -> dict[str, Any]:
 def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
     """Build the tokenizer a ``TokenizerConfig`` describes.
 
-    Supported ``tokenizer_type`` values: ``"ByteLevelTokenizer"`` (``special_tokens``,
-    ``vocab_extra_ids``, optional ``vocab_size``), ``"HuggingFaceTokenizer"``
-    (``tokenizer_model`` is a local directory), ``"NullTokenizer"`` (``vocab_size``).
+    Every ``TokenizerConfig.tokenizer_type`` is built: ``"ByteLevelTokenizer"``
+    (``special_tokens``, ``vocab_extra_ids``, optional ``vocab_size``),
+    ``"HuggingFaceTokenizer"`` (``tokenizer_model`` is a local directory),
+    ``"NullTokenizer"`` (``vocab_size``), ``"SentencePieceTokenizer"`` and ``"TikTokenizer"``
+    (``tokenizer_model`` is the model / vocabulary file) and ``"GPT2BPETokenizer"``
+    (``vocab_file``, ``merge_file``).
 
     Args:
         tokenizer_config: ``bridge.config.TokenizerConfig`` (or an object with its fields).
@@ -319,7 +324,8 @@ def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
         The tokenizer.
 
     Raises:
-        ValueError: Unset or unsupported ``tokenizer_type``, or a missing field.
+        ValueError: Unset or unknown ``tokenizer_type``, or a missing field.
+        ImportError: The type's optional package is missing (names the extra to install).
     """
     kind = getattr(tokenizer_config, "tokenizer_type", None)
     specials = getattr(tokenizer_config, "special_tokens", None)
@@ -341,7 +347,43 @@ def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
                 "(a local directory with tokenizer.json)"
             )
         return HuggingFaceTokenizer(model, special_tokens=specials, vocab_extra_ids=extra_ids)
+    if kind in ("SentencePieceTokenizer", "TikTokenizer", "GPT2BPETokenizer"):
+        return _build_file_tokenizer(tokenizer_config, kind, specials, extra_ids, vocab_size)
     raise ValueError(
-        f"tokenizer.tokenizer_type={kind!r} is not supported by bridge-train; use "
-        "'ByteLevelTokenizer', 'HuggingFaceTokenizer' or 'NullTokenizer'"
+        f"tokenizer.tokenizer_type={kind!r} is not a tokenizer type; use one of "
+        "'ByteLevelTokenizer', 'HuggingFaceTokenizer', 'NullTokenizer', "
+        "'SentencePieceTokenizer', 'TikTokenizer', 'GPT2BPETokenizer'"
     )
+
+
+def _build_file_tokenizer(
+    tokenizer_config: Any,
+    kind: str,
+    specials: Sequence[str] | None,
+    extra_ids: int,
+    vocab_size: int | None,
+) -> Tokenizer:
+    from bridge.train.data import file_tokenizers
+
+    if kind == "GPT2BPETokenizer":
+        vocab_file = getattr(tokenizer_config, "vocab_file", None)
+        merge_file = getattr(tokenizer_config, "merge_file", None)
+        if not vocab_file or not merge_file:
+            missing = "vocab_file" if not vocab_file else "merge_file"
+            raise ValueError(f"tokenizer.{missing} is required for tokenizer_type={kind!r}")
+        return file_tokenizers.GPT2BPETokenizer(
+            vocab_file,
+            merge_file,
+            special_tokens=specials,
+            vocab_extra_ids=extra_ids,
+            vocab_size=vocab_size,
+        )
+    model = getattr(tokenizer_config, "tokenizer_model", None)
+    if not model:
+        raise ValueError(f"tokenizer.tokenizer_model is required for tokenizer_type={kind!r}")
+    cls = (
+        file_tokenizers.SentencePieceTokenizer
+        if kind == "SentencePieceTokenizer"
+        else file_tokenizers.TikTokenizer
+    )
+    return cls(model, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)

@@ -10,8 +10,9 @@ Each check turns a value that would otherwise cost a user hours into one
 * a training length whose dataset index cannot be built on this machine
   (``train.train_iters=10**23`` spins for hours in megatron-core's index building);
 * a ``tokenizer.tokenizer_type`` the config accepts but this installation cannot build
-  (a type bridge-train does not build yet, or a missing optional package), which would
-  otherwise fail after the process groups are up.
+  (its optional package is missing, or a vocabulary file it reads is missing), which would
+  otherwise fail after the process groups are up, and ``tokenizer.hf_tokenizer_kwargs``
+  (no ``AutoTokenizer`` is involved, so it would be ignored).
 """
 
 from __future__ import annotations
@@ -112,35 +113,38 @@ def _check_dataset_size(cfg: Any) -> None:
     )
 
 
-# Tokenizer types bridge-train builds, and the optional package (extra) each one needs.
-_TOKENIZER_PACKAGES: dict[str, tuple[str, str] | None] = {
-    "NullTokenizer": None,
-    "ByteLevelTokenizer": None,
-    "HuggingFaceTokenizer": ("tokenizers", "bridge-train[hf]"),
+# The files each file-based tokenizer type reads (all must exist before the run starts).
+_TOKENIZER_FILES: dict[str, tuple[str, ...]] = {
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
 }
 
 
 def _check_tokenizer(cfg: Any) -> None:
-    import importlib.util
+    from bridge.train.tokenizer_packages import missing_tokenizer_package
 
-    kind = getattr(cfg.tokenizer, "tokenizer_type", None) if cfg.tokenizer is not None else None
+    if cfg.tokenizer is None:
+        return
+    if getattr(cfg.tokenizer, "hf_tokenizer_kwargs", None):
+        raise ConfigError(
+            "tokenizer.hf_tokenizer_kwargs",
+            "is not used: bridge-train reads tokenizer.json with Hugging Face tokenizers, not "
+            "AutoTokenizer.from_pretrained; remove it (add tokens with tokenizer.special_tokens)",
+        )
+    kind = getattr(cfg.tokenizer, "tokenizer_type", None)
     if kind is None:
         return
-    if kind not in _TOKENIZER_PACKAGES:
-        raise ConfigError(
-            "tokenizer.tokenizer_type",
-            f"{kind!r} is not built by bridge-train yet; use 'HuggingFaceTokenizer' with a "
-            "local directory holding tokenizer.json (a GPT-2 BPE, SentencePiece or tiktoken "
-            "vocabulary converted with Hugging Face tokenizers), 'ByteLevelTokenizer' or "
-            "'NullTokenizer'",
-        )
-    needs = _TOKENIZER_PACKAGES[kind]
-    if needs is not None and importlib.util.find_spec(needs[0]) is None:
-        raise ConfigError(
-            "tokenizer.tokenizer_type",
-            f"{kind!r} needs the {needs[0]!r} package, which is not installed; "
-            f"pip install '{needs[1]}'",
-        )
+    message = missing_tokenizer_package(kind)
+    if message is not None:
+        raise ConfigError("tokenizer.tokenizer_type", message)
+    for name in _TOKENIZER_FILES.get(kind, ()):
+        path = getattr(cfg.tokenizer, name, None)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(
+                f"tokenizer.{name}",
+                f"{str(path)!r} does not exist or is not a file; point it to the {kind} file",
+            )
 
 
 def check_run_inputs(cfg: Any) -> None:
