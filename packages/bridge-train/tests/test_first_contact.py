@@ -222,9 +222,8 @@ def test_recipes_validate_for_any_train_iters(recipe: str) -> None:
     cfg = load_config(recipe_path(recipe), ["scheduler.lr_warmup_iters=2", "train.train_iters=9"])
     cfg.validate(world_size=1)
     assert cfg.scheduler is not None and cfg.scheduler.lr_warmup_fraction is None
-    assert (
-        cfg.train is not None and cfg.scheduler.lr_warmup_steps == 2 * cfg.train.global_batch_size
-    )
+    assert cfg.train is not None and cfg.train.global_batch_size is not None
+    assert cfg.scheduler.lr_warmup_steps == 2 * cfg.train.global_batch_size
 
 
 @pytest.mark.timeout(300)
