@@ -275,8 +275,17 @@ def test_ctrl_c_ends_with_one_line(
         return 0
 
     monkeypatch.setattr(cli, "run", interrupted)
-    with pytest.raises(SystemExit) as info:
-        main([])
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as info:
+            main([])
+        # The process is on its way out: further signals of a burst stay ignored.
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        # main() is a process entry point; this test process continues, and the processes
+        # later tests fork from it must see the default handlers.
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     assert info.value.code == EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert err == "bridge-train: stopped by SIGINT (Ctrl-C)\n"

@@ -147,7 +147,15 @@ def test_bridge_train_exits_2_naming_the_field(
     engine: str,
     expected: str,
 ) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    # A torchrun-like environment of two ranks; the layout check refuses before any
+    # process group is created.
+    for name, value in {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as info:
         main(
             [
