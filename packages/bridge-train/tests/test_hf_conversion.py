@@ -5,7 +5,8 @@ embeddings, Mistral with a sliding window shorter than the sequence, GPT-2): the
 checkpoint's logits equal the Hugging Face model's at TP=1 and TP=2; the export of the
 import is bit-identical to the source tensors and loads in ``transformers``; a finetune
 step runs through ``bridge-train`` from ``checkpoint.pretrained_checkpoint``; bad inputs are
-refused with one line and exit code 2. PP=2 is not checked here (see docs/models.md).
+refused with one line and exit code 2. PP=2 x TP=1 logits are checked on the megatron
+engine with megatron-core's forward-only pipeline schedule.
 
 One 1-rank and one 2-rank process group are forked for everything.
 """
@@ -253,8 +254,75 @@ def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
             return model(tokens, positions, None)[..., :VOCAB].clone()
 
 
+def _pipeline_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Load the checkpoint at PP=2 x TP=1 through the megatron engine's model setup and
+    ``load_checkpoint`` (the finetuning path), and run megatron-core's forward-only pipeline
+    schedule on ``tokens`` (one micro-batch per row). The last stage returns the logits, the
+    first stage ``None``."""
+    import types
+
+    from megatron.core import parallel_state
+
+    from bridge.config import CheckpointConfig, ConfigContainer, DistributedInitConfig
+    from bridge.train import build_engine
+    from bridge.train.checkpointing import load_checkpoint
+    from bridge.train.initialize import destroy_distributed
+    from bridge.train.state import TrainState
+
+    cfg = ConfigContainer.from_yaml(Path(ckpt) / "iter_0000000" / "run_config.yaml")
+    provider: Any = cfg.model
+    provider.make_vocab_size_divisible_by *= provider.tensor_model_parallel_size
+    provider.tensor_model_parallel_size = 1
+    provider.pipeline_model_parallel_size = 2
+    provider.pipeline_dtype = torch.float32
+    provider.finalize()
+    engine = build_engine("megatron")
+    engine.initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
+    try:
+        chunks = engine.setup_model(provider, wrap_with_ddp=False)
+        state = types.SimpleNamespace(
+            cfg=types.SimpleNamespace(checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt)),
+            train_state=TrainState(),
+        )
+        load_checkpoint(state, chunks, None, None)
+        for chunk in chunks:
+            chunk.eval()
+        rows = iter(tokens.split(1))
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            row = next(data_iterator)
+            positions = torch.arange(row.shape[1]).expand_as(row)
+            output = model(row, positions, None)
+
+            def collect(output_tensor: torch.Tensor, non_loss_data: bool = False) -> Any:
+                assert non_loss_data
+                return output_tensor.detach().clone()
+
+            return output, collect
+
+        with torch.no_grad():
+            collected = engine.forward_backward_func(
+                forward_step_func=forward_step,
+                data_iterator=rows,
+                model=chunks,
+                num_microbatches=tokens.shape[0],
+                seq_length=tokens.shape[1],
+                micro_batch_size=1,
+                decoder_seq_length=tokens.shape[1],
+                forward_only=True,
+                collect_non_loss_data=True,
+            )
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        return torch.cat(list(collected))[..., :VOCAB]
+    finally:
+        destroy_distributed()
+
+
 def _two_ranks(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[str, Any]:
-    return {f: _megatron_logits(f"{root}/ckpt_{f}", tokens, 2) for f in FAMILIES}
+    out: dict[str, Any] = {f: _megatron_logits(f"{root}/ckpt_{f}", tokens, 2) for f in FAMILIES}
+    out["pp2"] = {f: _pipeline_logits(f"{root}/ckpt_{f}", tokens) for f in FAMILIES}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +366,16 @@ def test_imported_logits_match_hf_at_tp1_and_tp2(converted: dict[str, Any], fami
     for rank_result in converted["two"]:
         tp2 = rank_result[family]
         assert torch.allclose(tp2, expected, atol=1e-5, rtol=0), (tp2 - expected).abs().max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imported_logits_match_hf_at_pp2(converted: dict[str, Any], family: str) -> None:
+    """PP=2 on the megatron engine: only the last stage (rank 1) holds logits."""
+    expected = converted["reference"][family]
+    first, last = (rank_result["pp2"][family] for rank_result in converted["two"])
+    assert first is None
+    assert last.shape == expected.shape
+    assert torch.allclose(last, expected, atol=1e-5, rtol=0), (last - expected).abs().max()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
