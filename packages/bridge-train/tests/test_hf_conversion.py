@@ -5,7 +5,9 @@ embeddings, Mistral with a sliding window shorter than the sequence, GPT-2): the
 checkpoint's logits equal the Hugging Face model's at TP=1 and TP=2; the export of the
 import is bit-identical to the source tensors and loads in ``transformers``; a finetune
 step runs through ``bridge-train`` from ``checkpoint.pretrained_checkpoint``; bad inputs are
-refused with one line and exit code 2. PP=2 is not checked here (see docs/models.md).
+refused with one line and exit code 2. PP=2 x TP=1 logits are checked on the megatron
+engine with megatron-core's forward-only pipeline schedule, and a save made at PP=2
+exports bit for bit like the import.
 
 One 1-rank and one 2-rank process group are forked for everything.
 """
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -36,6 +39,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 VOCAB = 300  # tokenizer has fewer tokens than the embedding; megatron pads to 512 at TP=2
 SEQ = 12
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+PP2_SAVED = ("llama", "qwen2")  # saved at PP=2 after loading, then exported
 
 
 def _hf_model(family: str) -> Any:
@@ -253,8 +257,89 @@ def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
             return model(tokens, positions, None)[..., :VOCAB].clone()
 
 
+def _pipeline_logits(
+    ckpt: str, tokens: torch.Tensor, save: str | None = None
+) -> torch.Tensor | None:
+    """Load the checkpoint at PP=2 x TP=1 through the megatron engine's model setup and
+    ``load_checkpoint`` (the finetuning path), and run megatron-core's forward-only pipeline
+    schedule on ``tokens`` (one micro-batch per row). The last stage returns the logits, the
+    first stage ``None``. With ``save``, the loaded model is first saved there at PP=2."""
+    import types
+
+    from megatron.core import parallel_state
+
+    from bridge.config import CheckpointConfig, ConfigContainer, DistributedInitConfig
+    from bridge.train import build_engine
+    from bridge.train.checkpointing import load_checkpoint, save_checkpoint
+    from bridge.train.initialize import destroy_distributed
+    from bridge.train.state import TrainState
+
+    cfg = ConfigContainer.from_yaml(Path(ckpt) / "iter_0000000" / "run_config.yaml")
+    provider: Any = cfg.model
+    provider.make_vocab_size_divisible_by *= provider.tensor_model_parallel_size
+    provider.tensor_model_parallel_size = 1
+    provider.pipeline_model_parallel_size = 2
+    provider.pipeline_dtype = torch.float32
+    provider.finalize()
+    engine = build_engine("megatron")
+    engine.initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
+    try:
+        chunks = engine.setup_model(provider, wrap_with_ddp=False)
+        state = types.SimpleNamespace(
+            cfg=types.SimpleNamespace(checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt)),
+            train_state=TrainState(),
+        )
+        load_checkpoint(state, chunks, None, None)
+        if save is not None:  # as a finetune at PP=2 would save it (model only)
+            cfg.checkpoint = CheckpointConfig(
+                save=save, pretrained_checkpoint=ckpt, save_optim=False, save_rng=False
+            )
+            save_checkpoint(
+                types.SimpleNamespace(cfg=cfg, train_state=TrainState()), chunks, None, None, 0.0
+            )
+        for chunk in chunks:
+            chunk.eval()
+        rows = iter(tokens.split(1))
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            row = next(data_iterator)
+            positions = torch.arange(row.shape[1]).expand_as(row)
+            output = model(row, positions, None)
+
+            def collect(output_tensor: torch.Tensor, non_loss_data: bool = False) -> Any:
+                assert non_loss_data
+                return output_tensor.detach().clone()
+
+            return output, collect
+
+        with torch.no_grad():
+            collected = engine.forward_backward_func(
+                forward_step_func=forward_step,
+                data_iterator=rows,
+                model=chunks,
+                num_microbatches=tokens.shape[0],
+                seq_length=tokens.shape[1],
+                micro_batch_size=1,
+                decoder_seq_length=tokens.shape[1],
+                forward_only=True,
+                collect_non_loss_data=True,
+            )
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        return torch.cat(list(collected))[..., :VOCAB]
+    finally:
+        destroy_distributed()
+
+
 def _two_ranks(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[str, Any]:
-    return {f: _megatron_logits(f"{root}/ckpt_{f}", tokens, 2) for f in FAMILIES}
+    out: dict[str, Any] = {f: _megatron_logits(f"{root}/ckpt_{f}", tokens, 2) for f in FAMILIES}
+    out["pp2"] = {
+        f: _pipeline_logits(
+            f"{root}/ckpt_{f}", tokens, f"{root}/pp2_{f}" if f in PP2_SAVED else None
+        )
+        for f in FAMILIES
+    }
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +386,16 @@ def test_imported_logits_match_hf_at_tp1_and_tp2(converted: dict[str, Any], fami
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_imported_logits_match_hf_at_pp2(converted: dict[str, Any], family: str) -> None:
+    """PP=2 on the megatron engine: only the last stage (rank 1) holds logits."""
+    expected = converted["reference"][family]
+    first, last = (rank_result["pp2"][family] for rank_result in converted["two"])
+    assert first is None
+    assert last.shape == expected.shape
+    assert torch.allclose(last, expected, atol=1e-5, rtol=0), (last - expected).abs().max()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_export_of_import_is_bit_identical_and_loads(
     converted: dict[str, Any], family: str
 ) -> None:
@@ -344,6 +439,38 @@ def test_lora_finetune_exports_merged(converted: dict[str, Any]) -> None:
         logits = model(converted["tokens"]).logits
     expected = converted["one"]["lora_logits"]
     assert torch.allclose(logits, expected, atol=1e-5, rtol=0), (logits - expected).abs().max()
+
+
+def _export_pp2_saves(rank: int, world: int, root: str) -> dict[str, tuple[int, str]]:
+    base = Path(root)
+    return {
+        f: _capture(["export", str(base / f"pp2_{f}"), str(base / f"export_pp2_{f}"), "--quiet"])
+        for f in PP2_SAVED
+    }
+
+
+def test_export_of_a_pp2_save_equals_the_single_process_export(
+    converted: dict[str, Any],
+) -> None:
+    """The import loaded at PP=2 x TP=1 and saved by the two stages exports bit for bit
+    like the import itself (exported in one process)."""
+    root: Path = converted["root"]
+    (codes,) = run_distributed(_export_pp2_saves, 1, str(root), timeout=300)
+    for family in PP2_SAVED:
+        saved = yaml.safe_load(
+            (root / f"pp2_{family}" / "iter_0000000" / "run_config.yaml").read_text()
+        )
+        assert saved["model"]["pipeline_model_parallel_size"] == 2
+        code, err = codes[family]
+        assert code == 0, err
+        expected, exported = (
+            _tensors(root / f"export_{family}"),
+            _tensors(root / f"export_pp2_{family}"),
+        )
+        assert sorted(exported) == sorted(expected)
+        for name, tensor in expected.items():
+            assert exported[name].dtype == tensor.dtype, name
+            assert torch.equal(exported[name], tensor), name
 
 
 @pytest.mark.parametrize(
