@@ -196,3 +196,61 @@ def test_resume_is_exact_with_pp2_and_with_dp2_distributed_optimizer_and_across_
     _assert_close(_last_rank_records(tmp_path / "dp2-resumed", 2), dp2_ref, rtol=0)
     nodrop_ref = _last_rank_records(tmp_path / "pp2-nodrop", 2)
     _assert_close(_last_rank_records(tmp_path / "pp2-as-dp2", 2), nodrop_ref, rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(2400)
+def test_cross_layout_resume_at_four_ranks(tmp_path: Path) -> None:
+    """TP=2 x PP=2 saved with per-parameter optimizer state, loaded under DP=4 and under one
+    process; DP=4 saved with the distributed optimizer, loaded under DP=2; each continuation
+    matches the saved layout's own within 1e-5 relative. The distributed optimizer's DP=4
+    state under TP=2 x PP=2 is refused with one message naming both layouts.
+
+    Without dropout: the RNG state is per layout and not restored across layouts.
+    """
+    tp2pp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+
+    def job(name: str, **fields: Any) -> dict[str, Any]:
+        paths = {"save": str(tmp_path / name), "metrics": str(tmp_path / name)}
+        return {**paths, "dropout": False, **fields}
+
+    four_ranks = [
+        job("tp2pp2", layout=tp2pp2),
+        job("tp2pp2-as-dp4", load=str(tmp_path / "tp2pp2"), ckpt_step=SAVE_AT),
+        job("dp4-distopt", distributed_optimizer=True),
+        job(
+            "refused",
+            layout=tp2pp2,
+            distributed_optimizer=True,
+            load=str(tmp_path / "dp4-distopt"),
+            ckpt_step=SAVE_AT,
+            expect_error=True,
+        ),
+    ]
+    for outcomes in run_distributed(_jobs, 4, four_ranks, timeout=2000):
+        assert outcomes[:-1] == [0, 0, 0], outcomes
+        refusal = outcomes[-1]
+        assert "\n" not in refusal.strip(), refusal
+        assert "saved as TP1 x PP1 x CP1 x DP4" in refusal, refusal
+        assert "this run is TP2 x PP2 x CP1 x DP1" in refusal, refusal
+        assert "reshards across data-parallel sizes only" in refusal, refusal
+    two_ranks = [
+        job(
+            "dp4-as-dp2",
+            distributed_optimizer=True,
+            load=str(tmp_path / "dp4-distopt"),
+            ckpt_step=SAVE_AT,
+        )
+    ]
+    assert run_distributed(_jobs, 2, two_ranks, timeout=900) == [[0], [0]]
+    one_rank = [job("tp2pp2-as-single", load=str(tmp_path / "tp2pp2"), ckpt_step=SAVE_AT)]
+    assert run_distributed(_jobs, 1, one_rank, timeout=900) == [[0]]
+
+    tp2pp2_ref = _last_rank_records(tmp_path / "tp2pp2", 4)
+    dp4_ref = _last_rank_records(tmp_path / "dp4-distopt", 4)
+    assert sorted(tp2pp2_ref) == sorted(dp4_ref) == list(range(1, ITERS + 1))
+    _assert_close(_last_rank_records(tmp_path / "tp2pp2-as-dp4", 4), tp2pp2_ref, rtol=1e-5)
+    _assert_close(_last_rank_records(tmp_path / "tp2pp2-as-single", 1), tp2pp2_ref, rtol=1e-5)
+    _assert_close(_last_rank_records(tmp_path / "dp4-as-dp2", 2), dp4_ref, rtol=1e-5)
