@@ -23,21 +23,18 @@ Engine needs megatron-core's ``PackedSeqParams``, which this trainer does not bu
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 import torch
 
-from bridge.train.data.sft import TokenizedExamples, build_sample, fit_example
+from bridge.train.data.sft import TokenizedExamples, build_sample, fit_examples
 
 __all__ = [
     "PackedSFTDataset",
     "check_packed_sequence_specs",
     "first_fit_bins",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def check_packed_sequence_specs(specs: Any, seq_length: int | None, model: Any = None) -> None:
@@ -146,18 +143,9 @@ class PackedSFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     ) -> None:
         self.seq_length = int(seq_length)
         self.pad_token = int(pad_token)
-        kept = []
-        for index in range(len(examples)):
-            fitted = fit_example(*examples.example(index), self.seq_length + 1, truncation)
-            if fitted is not None:
-                kept.append(fitted)
-        if not kept:
-            raise ValueError(f"packed SFT {name} split: no example fits seq_length {seq_length}")
-        self.skipped = len(examples) - len(kept)
-        if self.skipped:
-            logger.warning(
-                "packed SFT %s split: %d of %d examples skipped", name, self.skipped, len(examples)
-            )
+        kept, self.skipped = fit_examples(
+            examples, self.seq_length, truncation, f"packed SFT {name} split"
+        )
         self.examples = kept
         # An example of n ids fills n - 1 positions.
         sizes = [len(ids) - 1 for ids, _ in kept]

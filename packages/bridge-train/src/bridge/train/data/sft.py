@@ -461,26 +461,10 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     ) -> None:
         self.seq_length = int(seq_length)
         self.pad_token = int(pad_token)
-        kept: list[tuple[np.ndarray, np.ndarray]] = []
-        for index in range(len(examples)):
-            fitted = fit_example(*examples.example(index), self.seq_length + 1, truncation)
-            if fitted is not None:
-                kept.append(fitted)
-        skipped = len(examples) - len(kept)
-        if skipped:
-            logger.warning(
-                "SFT %s split: %d of %d examples skipped (too long with truncation=%r, or no "
-                "answer token left)",
-                name,
-                skipped,
-                len(examples),
-                truncation,
-            )
-        if not kept:
-            raise ValueError(f"SFT {name} split: no example fits seq_length {seq_length}")
-        self.examples = kept
-        self.skipped = skipped
-        count = len(kept)
+        self.examples, self.skipped = fit_examples(
+            examples, self.seq_length, truncation, f"SFT {name} split"
+        )
+        count = len(self.examples)
         epochs = max(1, math.ceil(num_samples / count))
         if shuffle_seed is None:
             self._order = np.tile(np.arange(count, dtype=np.int64), epochs)
@@ -502,6 +486,36 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids, flags = self.examples[self.example_index(index)]
         return build_sample([(ids, flags)], self.seq_length, self.pad_token, packed=False)
+
+
+def fit_examples(
+    examples: TokenizedExamples, seq_length: int, truncation: str, label: str
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """Every example fitted to ``seq_length`` positions (:func:`fit_example`).
+
+    Returns:
+        ``(kept examples, number skipped)``; skips are logged once, naming ``label``.
+
+    Raises:
+        ValueError: No example fits.
+    """
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
+    for index in range(len(examples)):
+        fitted = fit_example(*examples.example(index), seq_length + 1, truncation)
+        if fitted is not None:
+            kept.append(fitted)
+    skipped = len(examples) - len(kept)
+    if skipped:
+        logger.warning(
+            "%s: %d of %d examples skipped (too long with truncation=%r, or no answer token left)",
+            label,
+            skipped,
+            len(examples),
+            truncation,
+        )
+    if not kept:
+        raise ValueError(f"{label}: no example fits seq_length {seq_length}")
+    return kept, skipped
 
 
 def build_sample(
