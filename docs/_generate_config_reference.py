@@ -153,8 +153,8 @@ def _protocol_section(key: str, proto: type) -> list[str]:
     lines = [f"## `{key}`: any `{proto.__name__}`", "", _cell(inspect.getdoc(proto) or ""), ""]
     lines += ["| attribute | type |", "| --- | --- |"]
     for name in protocol_members(proto):
-        if name == "__call__":
-            lines.append(f"| `__call__` | `{_signature(proto.__call__)}` |")
+        if name not in hints:  # a method
+            lines.append(f"| `{name}` | `{_signature(getattr(proto, name))}` |")
         else:
             lines.append(f"| `{name}` | `{_cell(type_name(hints[name]))}` |")
     return [*lines, ""]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,19 +10,11 @@ import yaml
 
 import bridge.config as bc
 from bridge.config import ConfigContainer, ConfigError, apply_overrides, load_config
-from bridge.config.testing import ExampleModelConfig, tiny_container
-
-
-@dataclass
-class CommOverlap:
-    """Communication-overlap settings, as a trainer would define them."""
-
-    tp_comm_overlap: bool = False
-    data_parallel_size: int | None = None
+from bridge.config.testing import ExampleCommOverlapConfig, ExampleModelConfig, tiny_container
 
 
 def test_filled_values_are_in_memory_but_saved_unset(tmp_path: Path) -> None:
-    cfg = tiny_container(comm_overlap=CommOverlap())
+    cfg = tiny_container(comm_overlap=ExampleCommOverlapConfig())
     cfg.validate(world_size=2)
     assert cfg.train is not None and cfg.scheduler is not None
     # What the trainer reads after validate() is there, as before.

@@ -13,7 +13,12 @@ import torch
 
 import bridge.config as bc
 from bridge.config import ConfigContainer, ConfigError, apply_overrides, load_config
-from bridge.config.testing import ExampleModelConfig, ExampleOptimizerConfig, tiny_container
+from bridge.config.testing import (
+    ExampleCommOverlapConfig,
+    ExampleModelConfig,
+    ExampleOptimizerConfig,
+    tiny_container,
+)
 
 GPT_FLAGS: dict[str, Any] = {
     "reset_position_ids": False,
@@ -49,14 +54,6 @@ class MoEModelConfig(ExampleModelConfig):
 
 def moe(**kwargs: Any) -> MoEModelConfig:
     return MoEModelConfig(**kwargs)
-
-
-@dataclasses.dataclass
-class CommOverlap:
-    """Communication-overlap settings, as a trainer would define them."""
-
-    tp_comm_overlap: bool = False
-    data_parallel_size: int | None = None
 
 
 # Each case: a call that must fail, and substrings its message must contain.
@@ -1105,7 +1102,7 @@ VALIDATE_CASES: list[tuple[str, Callable[[], None], list[str]]] = [
     ),
     (
         "comm-overlap-dp",
-        validate(2, comm_overlap=CommOverlap(data_parallel_size=4)),
+        validate(2, comm_overlap=ExampleCommOverlapConfig(data_parallel_size=4)),
         ["comm_overlap.data_parallel_size: got 4 but the data-parallel size is 2"],
     ),
 ]

@@ -9,17 +9,14 @@ from pathlib import Path
 import pytest
 
 import bridge.config as bc
-from bridge.config import ConfigContainer, resolve_world_size
-from bridge.config.testing import ExampleModelConfig, ExampleOptimizerConfig, tiny_container
+from bridge.config import ConfigContainer, ConfigError, resolve_world_size
+from bridge.config.testing import (
+    ExampleCommOverlapConfig,
+    ExampleModelConfig,
+    ExampleOptimizerConfig,
+    tiny_container,
+)
 from core_utils.testing import run_distributed
-
-
-@dataclass
-class CommOverlap:
-    """Communication-overlap settings, as a trainer would define them."""
-
-    tp_comm_overlap: bool = False
-    data_parallel_size: int | None = None
 
 
 @dataclass
@@ -135,11 +132,22 @@ def test_skip_train_needs_no_length() -> None:
     assert cfg.scheduler is not None and cfg.scheduler.lr_decay_steps is None
 
 
-def test_comm_overlap_gets_the_data_parallel_size() -> None:
-    overlap = CommOverlap()
+def test_comm_overlap_gets_the_data_parallel_size_then_sets_up_the_sections() -> None:
+    overlap = ExampleCommOverlapConfig()
     cfg = tiny_container(comm_overlap=overlap)
     cfg.validate(world_size=2)
     assert overlap.data_parallel_size == 2
+    assert overlap.setup_calls == [(cfg.model, cfg.optimizer, cfg.ddp)]
+
+
+def test_comm_overlap_without_setup_is_refused() -> None:
+    @dataclass
+    class NoSetup:
+        tp_comm_overlap: bool = False
+        data_parallel_size: int | None = None
+
+    with pytest.raises(ConfigError, match="it lacks setup"):
+        tiny_container(comm_overlap=NoSetup())
 
 
 def test_matching_mixed_precision_and_half_precision_flags_pass() -> None:

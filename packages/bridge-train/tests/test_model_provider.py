@@ -106,6 +106,18 @@ def test_finalize_rederives_derived_fields_but_keeps_user_values() -> None:
     assert provider.ffn_hidden_size == 100 and provider.kv_channels == 32
 
 
+def test_pipeline_dtype_is_derived_from_params_dtype_for_pipeline_layouts() -> None:
+    assert tiny_gpt_provider().pipeline_dtype is None  # one stage: nothing crosses stages
+    provider = tiny_gpt_provider(pipeline_model_parallel_size=2)
+    assert provider.pipeline_dtype == torch.float32 and "pipeline_dtype" in provider.derived_fields
+    provider.params_dtype = torch.bfloat16
+    provider.bf16 = True
+    provider.finalize()
+    assert provider.pipeline_dtype == torch.bfloat16
+    explicit = tiny_gpt_provider(pipeline_model_parallel_size=2, pipeline_dtype=torch.float16)
+    assert explicit.pipeline_dtype == torch.float16
+
+
 def test_layer_spec_backend_resolution() -> None:
     assert resolve_layer_spec_backend("auto", cuda_available=False, te_installed=True) == "portable"
     assert (

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from core_utils import HOOKS, Callback, CallbackError, CallbackList
+from core_utils import Callback, CallbackError, CallbackList
+from core_utils.callbacks import HOOKS
 
 
 @dataclass

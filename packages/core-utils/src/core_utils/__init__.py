@@ -10,7 +10,7 @@ when called.
 
 from core_utils.arithmetic import divide, ensure_divisibility
 from core_utils.async_utils import get_asyncio_loop, trace_async_exceptions
-from core_utils.callbacks import HOOKS, Callback, CallbackError, CallbackList
+from core_utils.callbacks import Callback, CallbackError, CallbackList
 from core_utils.context_parallel import get_batch_on_this_cp_rank
 from core_utils.cuda_compat import cpu_cuda_compat, cuda_compat_active
 from core_utils.cuda_emulation import CudaEmulationError, cuda_emulation, cuda_emulation_active
@@ -103,7 +103,6 @@ __all__ = [
     "ExperimentalNotEnabledError",
     "GlobalMemoryBuffer",
     "GlobalSymmetricMemoryBuffer",
-    "HOOKS",
     "MakeViewlessTensor",
     "MissingPackageError",
     "StragglerDetector",

@@ -322,7 +322,8 @@ class ConfigContainer:
         ``micro_batch_size`` x data-parallel size), ``scheduler.lr_decay_iters`` (or
         ``lr_decay_samples``) and the scheduler's ``*_steps`` (counted in samples, as
         megatron-core's scheduler expects), and ``comm_overlap.data_parallel_size`` (when
-        unset).
+        unset); then ``comm_overlap.setup(model, optimizer, ddp)`` writes the overlap
+        settings into those sections.
 
         Values filled into fields the user left unset stay marked as derived: ``to_yaml``
         and ``to_dict`` save them as unset (``null``), ``apply_overrides`` clears them in
@@ -403,6 +404,7 @@ class ConfigContainer:
                 f"got {current!r} but the data-parallel size is {dp}; leave it unset "
                 "(validate() fills it in) or set it to the actual size",
             )
+        overlap.setup(self.model, self.optimizer, self.ddp)
 
     def _check_batch_sizes(self, dp: int) -> None:
         train = self.train

@@ -79,10 +79,18 @@ class PEFTProtocol(Protocol):
 
 @runtime_checkable
 class CommOverlapConfigProtocol(Protocol):
-    """Communication-overlap settings; ``validate()`` fills in ``data_parallel_size``."""
+    """Communication-overlap settings (``bridge.train.comm_overlap.CommOverlapConfig``).
+
+    ``validate()`` fills in ``data_parallel_size``, then calls ``setup`` to write the overlap
+    settings into the model, optimizer and ddp sections.
+    """
 
     tp_comm_overlap: bool
     data_parallel_size: int | None
+
+    def setup(self, model: Any, optimizer: Any, ddp: Any) -> None:
+        """Write the overlap settings into the sections (raise ``ConfigError`` on a conflict)."""
+        ...
 
 
 @runtime_checkable

@@ -22,7 +22,12 @@ from bridge.config._logger import LoggerConfig
 from bridge.config._tokenizer import TokenizerConfig
 from bridge.config._training import SchedulerConfig, TrainingConfig
 
-__all__ = ["ExampleModelConfig", "ExampleOptimizerConfig", "tiny_container"]
+__all__ = [
+    "ExampleCommOverlapConfig",
+    "ExampleModelConfig",
+    "ExampleOptimizerConfig",
+    "tiny_container",
+]
 
 
 @dataclass(kw_only=True)
@@ -105,6 +110,28 @@ class ExampleOptimizerConfig:
 
     fp16: bool = False
     """Run in fp16."""
+
+
+@dataclass(kw_only=True)
+class ExampleCommOverlapConfig:
+    """Communication-overlap settings with the fields ``validate()`` reads.
+
+    ``setup`` records the sections it was given instead of changing them (the trainer's
+    ``bridge.train.comm_overlap.CommOverlapConfig`` writes the overlap fields).
+    """
+
+    tp_comm_overlap: bool = False
+    """Tensor-parallel communication overlap."""
+
+    data_parallel_size: int | None = None
+    """Filled in by ``validate()``."""
+
+    def __post_init__(self) -> None:
+        self.setup_calls: list[tuple[Any, Any, Any]] = []
+
+    def setup(self, model: Any, optimizer: Any, ddp: Any) -> None:
+        """Record the call."""
+        self.setup_calls.append((model, optimizer, ddp))
 
 
 def tiny_container(**sections: Any) -> ConfigContainer:

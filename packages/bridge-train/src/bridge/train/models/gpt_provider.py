@@ -132,6 +132,9 @@ class GPTModelProvider(TransformerConfig):
     def __post_init__(self) -> None:
         """Validate the parallel layout and GPT fields, then run megatron's checks.
 
+        ``pipeline_dtype`` left unset with more than one pipeline stage is derived from
+        ``params_dtype``.
+
         Raises:
             ValueError: A size is not positive, or a tensor-parallel size that does not divide
                 the attention heads, query groups or FFN width (the message names the fields
@@ -140,6 +143,10 @@ class GPTModelProvider(TransformerConfig):
         self._check_gpt_fields()
         self._check_tensor_parallel_divisibility()
         unset = {f.name for f in fields(TransformerConfig) if getattr(self, f.name) is None}
+        if self.pipeline_model_parallel_size > 1 and "pipeline_dtype" in unset:
+            # Activations cross stages in the parameters' dtype (as Megatron-LM derives it);
+            # megatron-core would otherwise refuse every pipeline layout not naming a dtype.
+            self.pipeline_dtype = self.params_dtype
         super().__post_init__()
         # Values megatron derived here; finalize() re-derives those still holding them.
         self._derived_values: dict[str, Any] = {
