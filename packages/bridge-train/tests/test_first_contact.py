@@ -122,6 +122,14 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
         (["model.attention_dropout=-1"], "model.attention_dropout: got -1"),
         (["checkpoint.load=/no/such/run"], "checkpoint.load: '/no/such/run' does not exist"),
         (["dataset.split=1,0,0"], "train.eval_iters: is 2, so the run evaluates, but"),
+        (["dataset.data_sharding=false"], "dataset.data_sharding: false is not supported"),
+        (
+            [
+                "comm_overlap._target_=bridge.train.comm_overlap.CommOverlapConfig",
+                "comm_overlap.overlap_param_gather=true",
+            ],
+            "comm_overlap.overlap_param_gather: got true; the parameter all-gather exists only",
+        ),
         (["train.train_iters=100000000000000000000000"], "train.train_iters: got 1000000000000"),
         (
             ["tokenizer.tokenizer_type=SentencePieceTokenizer", "tokenizer.tokenizer_model=x"],

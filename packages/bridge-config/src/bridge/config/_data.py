@@ -73,7 +73,8 @@ class DataloaderConfig:
     """Number of dataloader worker processes (0: load in the main process)."""
 
     data_sharding: bool = True
-    """Shard the data across data-parallel ranks (set false to disable)."""
+    """Each data-parallel rank reads only its own part of every global batch. bridge-train's
+    samplers always shard; it refuses false."""
 
     pin_memory: bool = True
     """Pin host memory of loaded batches for faster copies to the GPU."""

@@ -154,8 +154,9 @@ def check_finetuning_dataset(dataset_config: Any) -> None:
 
     Raises:
         bridge.config.ConfigError: Missing ``dataset_root`` or split files, unknown
-            ``dataset_kwargs``, ``dataloader_type: external``, ``data_sharding: false``; the
-            message names the field and the fix.
+            ``dataset_kwargs``, ``dataloader_type: external``; the message names the field
+            and the fix. (``data_sharding: false`` is refused for every dataset by the
+            launch checks.)
     """
     from bridge.config import ConfigError
 
@@ -181,12 +182,6 @@ def check_finetuning_dataset(dataset_config: Any) -> None:
             "dataset.dataloader_type",
             "'external' means the caller supplies iterators, but a finetuning dataset is built "
             "from dataset_root; use 'single' or 'cyclic'",
-        )
-    if not dataset_config.data_sharding:
-        raise ConfigError(
-            "dataset.data_sharding",
-            "false is not supported: every data-parallel rank reads its own part of each "
-            "global batch; set it to true",
         )
 
 

@@ -128,6 +128,12 @@ def _check_data(cfg: ConfigContainer) -> None:
             "for data from bridge-preprocess-data, or _target_: "
             "bridge.config.MockGPTDatasetConfig for mock data)",
         )
+    if not getattr(cfg.dataset, "data_sharding", True):
+        raise ConfigError(
+            "dataset.data_sharding",
+            "false is not supported: every data-parallel rank reads only its own part of "
+            "each global batch (the samplers shard by construction); set it to true",
+        )
     from bridge.train.data.datasets import check_data_paths
 
     try:
