@@ -185,7 +185,9 @@ def import_hf_checkpoint(
             or an existing non-empty ``ckpt_dir``.
     """
     from bridge.config import CheckpointConfig
-    from bridge.train.checkpointing import save_checkpoint
+    from bridge.train.checkpointing import init_checkpointing_context, save_checkpoint
+    from bridge.train.checkpointing.save import SUPPLIED_SAVE_STRATEGY
+    from bridge.train.convert.streaming import StreamingSaveStrategy
     from bridge.train.state import TrainState
 
     hf = Path(hf_dir)
@@ -244,36 +246,41 @@ def import_hf_checkpoint(
         shutil.rmtree(staging)  # our own leftover of an interrupted import
     staging.mkdir(parents=True)
     single = single_rank_copy(target)
-    single.perform_initialization = False  # every parameter is overwritten below
+    single.perform_initialization = False  # the model is built on the meta device
     tokenizer_dir = out / HF_SUBDIR if tokenizer_vocab is not None else None
     try:
         with single_process_megatron(single):
-            model = single.provide(pre_process=True, post_process=True)
+            with torch.device("meta"):  # shapes and sharding only: no parameter memory
+                model = single.provide(pre_process=True, post_process=True)
             params = dict(model.named_parameters())
             _check_shapes(mappings, reader, params)
-            filled: set[str] = set()
-            with torch.no_grad():
-                for count, mapping in enumerate(mappings, start=1):
-                    sources = [reader.get(name) for name in mapping.hf]
-                    params[mapping.megatron].copy_(mapping.to_megatron(*sources))
-                    del sources
-                    filled.add(mapping.megatron)
-                    report(f"[{count}/{len(mappings)}] {mapping.megatron}")
-            left = sorted(set(params) - filled)
+            by_name = {mapping.megatron: mapping for mapping in mappings}
+            left = sorted(set(params) - set(by_name))
             if left:
                 raise ConversionError(f"internal: no Hugging Face source for {left[0]!r}")
-            reader.close()
+            done: set[str] = set()
+
+            def produce(name: str) -> torch.Tensor:
+                mapping = by_name[name]
+                with torch.no_grad():
+                    tensor = mapping.to_megatron(*(reader.get(hf) for hf in mapping.hf))
+                if name not in done:
+                    done.add(name)
+                    report(f"[{len(done)}/{len(mappings)}] {name}")
+                return tensor
+
+            save_config = CheckpointConfig(
+                save=str(staging), save_optim=False, save_rng=False, async_save=False
+            )
             state = types.SimpleNamespace(
-                cfg=_SaveConfig(
-                    CheckpointConfig(
-                        save=str(staging), save_optim=False, save_rng=False, async_save=False
-                    ),
-                    _recipe(target, out, tokenizer_dir),
-                ),
+                cfg=_SaveConfig(save_config, _recipe(target, out, tokenizer_dir)),
                 train_state=TrainState(),
             )
-            report(f"saving {out}")
-            save_checkpoint(state, [model], None, None, 0.0)
+            context = init_checkpointing_context(save_config)
+            context[SUPPLIED_SAVE_STRATEGY] = StreamingSaveStrategy(model, produce)
+            report(f"writing {out}")
+            save_checkpoint(state, [model], None, None, 0.0, checkpointing_context=context)
+            reader.close()
             del model, params
         _copy_side_files(hf, staging / HF_SUBDIR)
         record = {
