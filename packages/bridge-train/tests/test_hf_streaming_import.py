@@ -218,10 +218,10 @@ def test_streaming_import_peak_memory_and_identical_checkpoint(tmp_path: Path) -
     assert r["metadata_equal"] and r["keys_equal"], r
     assert r["tensor_count"] > 0 and r["differing"] == [], r
     assert any(key.startswith("common_state") for key in r["objects"]), r
-    # Measured: about 2x the largest tensor (its Hugging Face sources and the assembled
-    # parameter, or a padded embedding and its source). The in-memory import's peak was
-    # the whole model plus that.
-    assert r["peak_added"] <= 4 * largest, (r["peak_added"] / largest, r)
+    # Measured: 3.0 to 3.3 times the largest parameter (its Hugging Face sources and the
+    # assembled parameter, then the piece being written and the writer's copy), plus a few
+    # MB of planning; an import that held the model would add over 9 times it.
+    assert r["peak_added"] <= 5 * largest, (r["peak_added"] / largest, r)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """Hugging Face model directory -> bridge-train checkpoint.
 
 How the layout is written: the model is built once on one process (tensor and pipeline
-parallel size 1, but with the vocabulary padded for the requested tensor-parallel size),
-filled from the safetensors files one tensor at a time, and saved through bridge-train's
-own ``save_checkpoint``. A ``torch_dist`` checkpoint stores every tensor with its global
-shape and sharding, and dist_checkpointing reshards at load, so this checkpoint loads into
-any TP x PP layout whose padded vocabulary matches (the one given at import; the
-``run_config.yaml`` written with it carries that layout). Peak memory is therefore the
-model in fp32 plus the few Hugging Face tensors of one parameter, not two copies of the
-model; ``benchmarks/hf_conversion.py`` measures it.
+parallel size 1, but with the vocabulary padded for the requested tensor-parallel size) on
+the meta device, and saved through bridge-train's own ``save_checkpoint`` with a save
+strategy that produces each parameter from the safetensors files when the checkpoint
+writer asks for it (:mod:`bridge.train.convert.streaming`). A ``torch_dist`` checkpoint
+stores every tensor with its global shape and sharding, and dist_checkpointing reshards at
+load, so this checkpoint loads into any TP x PP layout whose padded vocabulary matches (the
+one given at import; the ``run_config.yaml`` written with it carries that layout). Peak
+memory is about one parameter (its Hugging Face sources, then the assembled tensor and the
+piece being written), not the model; ``benchmarks/hf_conversion.py`` measures it.
 
 The checkpoint directory::
 
@@ -247,12 +248,18 @@ def import_hf_checkpoint(
     staging.mkdir(parents=True)
     single = single_rank_copy(target)
     single.perform_initialization = False  # the model is built on the meta device
+    # megatron places weights on the GPU explicitly unless they are initialised on the CPU;
+    # with CPU initialisation it leaves the device to the meta-device context below.
+    single.use_cpu_initialization = True
     tokenizer_dir = out / HF_SUBDIR if tokenizer_vocab is not None else None
     try:
         with single_process_megatron(single):
             with torch.device("meta"):  # shapes and sharding only: no parameter memory
                 model = single.provide(pre_process=True, post_process=True)
             params = dict(model.named_parameters())
+            real = [name for name, param in params.items() if not param.is_meta]
+            if real:  # its data would be written instead of the Hugging Face tensors
+                raise ConversionError(f"internal: {real[0]} was not built on the meta device")
             _check_shapes(mappings, reader, params)
             by_name = {mapping.megatron: mapping for mapping in mappings}
             left = sorted(set(params) - set(by_name))
