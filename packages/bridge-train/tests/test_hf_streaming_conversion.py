@@ -1,15 +1,18 @@
-"""The Hugging Face import streams: it never holds the model, and writes what an in-memory import writes.
+"""Hugging Face import and export stream: neither holds the model, and the import writes
+what an in-memory import writes.
 
-One fresh process (so its resident memory is its own) writes a Llama-style safetensors
-model whose total size is about ten times its largest tensor, imports it with
-``import_hf_checkpoint`` (for TP=2 x PP=2, which pads the vocabulary) while sampling its
-anonymous resident memory (``RssAnon``: tensors and heap, not the memory-mapped safetensors
-pages), and then writes the reference the way the importer did before it streamed: the
-model built with real parameters, filled from the same file, saved by ``save_checkpoint``.
-The test checks the peak against a bound tied to the largest tensor, and that both
-checkpoints have the same entries (names, shapes, chunks, tensor values bit for bit,
-and the same common state and per-layer objects). Logits of imports against ``transformers`` are in
-``test_hf_conversion.py``.
+One fresh process (so its resident memory is its own) converts a tiny model both ways
+first (so module code is loaded before measuring), then writes a Llama-style safetensors
+model whose total size is about ten times its largest parameter, imports it with
+``import_hf_checkpoint`` (for TP=2 x PP=2, which pads the vocabulary) and exports the
+result with ``export_hf_checkpoint`` (into several shards), sampling its anonymous resident
+memory (``RssAnon``: tensors and heap, not memory-mapped file pages) during each; then it
+writes the reference the way the importer did before it streamed: the model built with
+real parameters, filled from the same file, saved by ``save_checkpoint``. The test checks
+both peaks against a bound tied to the largest parameter, that the export is bit-identical
+to the source, and that both checkpoints have the same entries (names, shapes, chunks,
+tensor values bit for bit, and the same common state and per-layer objects). Logits of
+imports against ``transformers`` are in ``test_hf_conversion.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import threading
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +138,43 @@ def _checkpoint_contents(iteration_dir: Path) -> tuple[Any, dict[str, Any]]:
     return metadata, torch.load(converted, weights_only=False)
 
 
+def _peak_added(operation: Callable[[], Any]) -> int:
+    """The most anonymous resident memory ``operation`` adds (sampled every millisecond)."""
+    before = _rss_anon()
+    peak = before
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.wait(0.001):
+            peak = max(peak, _rss_anon())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        operation()
+    finally:
+        stop.set()
+        sampler.join()
+    return max(peak, _rss_anon()) - before
+
+
+def _same_safetensors(source: Path, exported: Path) -> bool:
+    """Same names, dtypes and values (bit for bit) in two safetensors model directories."""
+    from safetensors.torch import load_file
+
+    def read(directory: Path) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        return tensors
+
+    a, b = read(source), read(exported)
+    return sorted(a) == sorted(b) and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a
+    )
+
+
 def _child(root: str) -> dict[str, Any]:
     import bridge.train.convert as convert
 
@@ -147,29 +188,21 @@ def _child(root: str) -> dict[str, Any]:
         tensor_model_parallel_size=2,
         pipeline_model_parallel_size=2,
     )
+    convert.export_hf_checkpoint(base / "warm-up-ckpt", base / "warm-up-out")
     _write_llama(base / "hf", SIZES)
-    before = _rss_anon()
-    peak = before
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.wait(0.001):
-            peak = max(peak, _rss_anon())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        convert.import_hf_checkpoint(
+    import_peak = _peak_added(
+        lambda: convert.import_hf_checkpoint(
             base / "hf",
             base / "streamed",
             tensor_model_parallel_size=2,
             pipeline_model_parallel_size=2,
         )
-    finally:
-        stop.set()
-        sampler.join()
-    peak = max(peak, _rss_anon())
+    )
+    export_peak = _peak_added(
+        lambda: convert.export_hf_checkpoint(
+            base / "streamed", base / "exported", max_shard_bytes=64 * 1024**2
+        )
+    )
     _reference_import(base / "hf", base / "reference", tp=2, pp=2)
 
     streamed = _checkpoint_contents(base / "streamed" / "iter_0000000")
@@ -181,7 +214,10 @@ def _child(root: str) -> dict[str, Any]:
         for k, v in tensors.items()
     ]
     return {
-        "peak_added": peak - before,
+        "import_peak_added": import_peak,
+        "export_peak_added": export_peak,
+        "export_shards": len(list((base / "exported").glob("*.safetensors"))),
+        "export_identical": _same_safetensors(base / "hf", base / "exported"),
         "largest": max(parameter_bytes),
         "total": sum(v.numel() * v.element_size() for v in tensors.values()),
         "metadata_equal": streamed[0] == reference[0],
@@ -200,7 +236,7 @@ def _child(root: str) -> dict[str, Any]:
     }
 
 
-def test_streaming_import_peak_memory_and_identical_checkpoint(tmp_path: Path) -> None:
+def test_streaming_import_and_export_peak_memory_and_identical_results(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(
         [sys.executable, __file__, str(tmp_path)],
@@ -221,7 +257,10 @@ def test_streaming_import_peak_memory_and_identical_checkpoint(tmp_path: Path) -
     # Measured: 3.0 to 3.3 times the largest parameter (its Hugging Face sources and the
     # assembled parameter, then the piece being written and the writer's copy), plus a few
     # MB of planning; an import that held the model would add over 9 times it.
-    assert r["peak_added"] <= 5 * largest, (r["peak_added"] / largest, r)
+    assert r["import_peak_added"] <= 5 * largest, (r["import_peak_added"] / largest, r)
+    # Export loads one parameter at a time and writes each as it is loaded (three shards).
+    assert r["export_identical"] and r["export_shards"] == 3, r
+    assert r["export_peak_added"] <= 5 * largest, (r["export_peak_added"] / largest, r)
 
 
 if __name__ == "__main__":
