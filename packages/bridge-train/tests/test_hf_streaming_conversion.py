@@ -237,7 +237,11 @@ def _child(root: str) -> dict[str, Any]:
 
 
 def test_streaming_import_and_export_peak_memory_and_identical_results(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # glibc raises its mmap threshold (up to 32 MiB) after freeing a large block, and later
+    # blocks below it come from the heap, which keeps freed memory resident: a fixed
+    # threshold makes the resident memory what the conversion holds, not what the
+    # allocator kept (docs/models.md gives both).
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "1048576"}
     result = subprocess.run(
         [sys.executable, __file__, str(tmp_path)],
         capture_output=True,
@@ -254,11 +258,12 @@ def test_streaming_import_and_export_peak_memory_and_identical_results(tmp_path:
     assert r["metadata_equal"] and r["keys_equal"], r
     assert r["tensor_count"] > 0 and r["differing"] == [], r
     assert any(key.startswith("common_state") for key in r["objects"]), r
-    # Measured: 3.0 to 3.3 times the largest parameter (its Hugging Face sources and the
+    # Measured: 2.9 times the largest parameter (its Hugging Face sources and the
     # assembled parameter, then the piece being written and the writer's copy), plus a few
     # MB of planning; an import that held the model would add over 9 times it.
     assert r["import_peak_added"] <= 5 * largest, (r["import_peak_added"] / largest, r)
-    # Export loads one parameter at a time and writes each as it is loaded (three shards).
+    # Export loads one parameter at a time and writes each as it is loaded (three shards);
+    # measured 2.0 times.
     assert r["export_identical"] and r["export_shards"] == 3, r
     assert r["export_peak_added"] <= 5 * largest, (r["export_peak_added"] / largest, r)
 

@@ -153,10 +153,18 @@ def _verify(iteration_dir: Path) -> None:
     from bridge.train.checkpointing.integrity import CHECKSUM_ALGORITHM, verify_files
     from bridge.train.checkpointing.layout import read_marker
 
-    marker = read_marker(iteration_dir) or {}
-    files = marker.get("files")
-    if not isinstance(files, dict) or marker.get("checksum") != CHECKSUM_ALGORITHM:
+    marker = read_marker(iteration_dir)
+    if marker is not None and "files" not in marker:
         return  # saved before checksums existed: nothing to check against
+    files = None if marker is None else marker.get("files")
+    if (
+        not isinstance(files, dict)
+        or marker is None
+        or marker.get("checksum") != CHECKSUM_ALGORITHM
+    ):
+        raise ConversionError(
+            f"{iteration_dir}: its completion marker is unreadable or holds no file checksums"
+        )
     damaged = verify_files(iteration_dir, files, collective=False)
     if damaged:
         raise ConversionError(f"{iteration_dir} is damaged: {damaged[0]}")
