@@ -23,6 +23,7 @@ just before the operation; memory-mapped file pages are page cache and not count
 multiple of the largest tensor and of the whole model. It asserts nothing. Run from the repository root::
 
     uv run python benchmarks/hf_conversion.py [--hidden 1024] [--layers 8] [--dir /tmp/hfb]
+        [--malloc-mmap-threshold 1048576]
 """
 
 from __future__ import annotations
@@ -206,8 +207,10 @@ def _child(op: str, src: str, dst: str) -> dict[str, float]:
     return {"seconds": seconds, "peak_added_bytes": max(0, sampler.peak - before)}
 
 
-def _run(op: str, src: Path, dst: Path) -> dict[str, float]:
+def _run(op: str, src: Path, dst: Path, mmap_threshold: int | None) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     result = subprocess.run(
         [sys.executable, __file__, "--child", op, str(src), str(dst)],
         capture_output=True,
@@ -226,6 +229,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="run each measurement with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed "
+        "threshold: freed tensors leave the resident memory, so the peak is what the "
+        "operation holds, not what the allocator kept)",
+    )
     parser.add_argument("--child", nargs=3, metavar=("OP", "SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -242,10 +254,14 @@ def main() -> None:
             f"(hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab})"
         )
         results = {
-            "safetensors read": _run("read", root / "hf", root / "unused"),
-            "safetensors write": _run("write", root / "hf", root / "rewritten"),
-            "import": _run("import", root / "hf", root / "ckpt"),
-            "export": _run("export", root / "ckpt", root / "exported"),
+            "safetensors read": _run(
+                "read", root / "hf", root / "unused", args.malloc_mmap_threshold
+            ),
+            "safetensors write": _run(
+                "write", root / "hf", root / "rewritten", args.malloc_mmap_threshold
+            ),
+            "import": _run("import", root / "hf", root / "ckpt", args.malloc_mmap_threshold),
+            "export": _run("export", root / "ckpt", root / "exported", args.malloc_mmap_threshold),
         }
         # A conversion reads one format and writes the other: its baseline is both.
         base_seconds = (
