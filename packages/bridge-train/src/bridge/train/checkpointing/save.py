@@ -74,7 +74,12 @@ from bridge.train.checkpointing.state_dict import (
 )
 from core_utils import cpu_cuda_compat
 
-__all__ = ["save_checkpoint"]
+__all__ = ["SUPPLIED_SAVE_STRATEGY", "save_checkpoint"]
+
+# Checkpointing-context key of a dist_checkpointing save strategy that replaces the default
+# one (synchronous saves only); everything else about the save (staging, checksums, marker,
+# commit) is unchanged.
+SUPPLIED_SAVE_STRATEGY = "supplied_save_strategy"
 
 logger = logging.getLogger(__name__)
 
@@ -393,6 +398,9 @@ def _save_strategy(checkpoint_config: Any, context: dict[str, Any], changed: boo
     metadata between saves; a structure change (which the setting promises not to happen)
     starts a fresh strategy instead of reusing stale plans.
     """
+    supplied = context.get(SUPPLIED_SAVE_STRATEGY)
+    if supplied is not None:  # a caller with its own way of writing (the streaming HF import)
+        return supplied
     constant = bool(checkpoint_config.ckpt_assume_constant_structure)
     cached = context.get("save_strategy")
     if cached is not None and constant and not changed:

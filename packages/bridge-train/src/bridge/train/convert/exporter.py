@@ -1,11 +1,15 @@
 """bridge-train checkpoint -> Hugging Face model directory.
 
-The checkpoint (any tensor/pipeline-parallel layout it was saved with) is loaded into a
-one-process model built from its ``run_config.yaml`` (dist_checkpointing reshards), and
-written tensor by tensor into safetensors shards with the Hugging Face names, in the
-source's dtype. The Hugging Face ``config.json``, tokenizer and generation files come from
-the ``hf/`` directory an import left (found through ``checkpoint.pretrained_checkpoint``
-of a finetuned run's config), or from ``hf_config_dir``.
+The checkpoint (any tensor/pipeline-parallel layout it was saved with) is read one parameter
+at a time into a one-process model built on the meta device from its ``run_config.yaml``
+(dist_checkpointing reshards), and each parameter is written as soon as it is read, with
+the Hugging Face names and in the source's dtype, into safetensors shards whose headers are
+computed first: peak memory is about one parameter, not the model. A LoRA run is loaded
+whole instead (its adapters are merged into the base weights) and written shard by shard.
+
+The Hugging Face ``config.json``, tokenizer and generation files come from the ``hf/``
+directory an import left (found through ``checkpoint.pretrained_checkpoint`` of a finetuned
+run's config), or from ``hf_config_dir``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from bridge.train.convert.hf_config import (
 )
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
 from bridge.train.convert.mapping import param_mappings
-from bridge.train.convert.safetensors_io import ShardedSafetensorsWriter
+from bridge.train.convert.safetensors_io import (
+    ShardedSafetensorsWriter,
+    StreamingSafetensorsWriter,
+)
 
 __all__ = ["export_hf_checkpoint", "load_model_for_export"]
 
@@ -141,6 +148,147 @@ def load_model_for_export(
     return merge_adapters(model) if merge else model
 
 
+def _verify(iteration_dir: Path) -> None:
+    """The checks a load makes first: the saved files match the marker's checksums."""
+    from bridge.train.checkpointing.integrity import CHECKSUM_ALGORITHM, verify_files
+    from bridge.train.checkpointing.layout import read_marker
+
+    marker = read_marker(iteration_dir)
+    if marker is not None and "files" not in marker:
+        return  # saved before checksums existed: nothing to check against
+    files = None if marker is None else marker.get("files")
+    if (
+        not isinstance(files, dict)
+        or marker is None
+        or marker.get("checksum") != CHECKSUM_ALGORITHM
+    ):
+        raise ConversionError(
+            f"{iteration_dir}: its completion marker is unreadable or holds no file checksums"
+        )
+    damaged = verify_files(iteration_dir, files, collective=False)
+    if damaged:
+        raise ConversionError(f"{iteration_dir} is damaged: {damaged[0]}")
+
+
+def _tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _tree_map(fn, value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_tree_map(fn, value) for value in tree]
+    return fn(tree)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """The leaves of nested dicts and lists, in order."""
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    if isinstance(tree, list):
+        return [leaf for value in tree for leaf in _leaves(value)]
+    return [tree]
+
+
+def _whole_axes(item: Any) -> Any:
+    """``item`` with its prepended (stacked-layer) axes as ordinary axes of length 1.
+
+    megatron turns a tensor with prepended axes into a torch ``ShardedTensor`` that must
+    list every layer's chunk as local in a one-process load; as an ordinary chunk of the
+    same global tensor it is read alone (the stored chunks are the same).
+    """
+    import dataclasses
+
+    count = item.prepend_axis_num
+    if not count:
+        return item
+    shape = (1,) * count + tuple(item.local_shape)
+    return dataclasses.replace(
+        item, data=item.data.reshape(shape), local_shape=shape, prepend_axis_num=0
+    )
+
+
+def _stream_export(
+    iteration_dir: Path,
+    single: Any,
+    mappings: list[Any],
+    out_dtype: torch.dtype,
+    staging: Path,
+    max_shard_bytes: int,
+    report: Callable[[str], None],
+) -> tuple[list[Path], int]:
+    """Load the checkpoint one parameter at a time and write each as it is loaded.
+
+    The model is built on the meta device for its sharded state dict (keys, shapes,
+    sharding); for each parameter, dist_checkpointing loads only that parameter's entries
+    into a real tensor, which is converted and written out before the next is loaded.
+    """
+    import dataclasses
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factories,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _verify(iteration_dir)
+    single.use_cpu_initialization = True  # weights on the meta device, not a GPU
+    with torch.device("meta"):
+        model = single.provide(pre_process=True, post_process=True)
+    params = dict(model.named_parameters())
+    name_of = {id(param): name for name, param in params.items()}
+    entries: dict[str, dict[str, Any]] = {}
+    for key, item in model.sharded_state_dict().items():
+        if not isinstance(item, (ShardedTensor, ShardedTensorFactory)):
+            continue
+        data = item.data
+        root = data._base if data._base is not None else data
+        if root.is_meta and id(root) in name_of:
+            entries.setdefault(name_of[id(root)], {})[key] = item
+    declared = []
+    for mapping in mappings:
+        meta = mapping.to_hf(params[mapping.megatron])
+        for name, tensor in zip(mapping.hf, meta, strict=True):
+            declared.append((name, tuple(tensor.shape), out_dtype))
+    writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
+    strategy = TorchDistLoadShardedStrategy()
+    for count, mapping in enumerate(mappings, start=1):
+        meta = params[mapping.megatron]
+        items = entries.get(mapping.megatron)
+        if not items:
+            raise ConversionError(f"internal: {mapping.megatron} has no checkpoint entry")
+        real = torch.empty(meta.shape, dtype=meta.dtype)
+        template: dict[str, Any] = {}
+        for key, item in items.items():
+            data = item.data
+            view = real.as_strided(data.shape, data.stride(), data.storage_offset())
+            template[key] = dataclasses.replace(item, data=view)
+        apply_factories(template)  # a gated fc1's halves: views of ``real`` too
+        template = {key: _tree_map(_whole_axes, value) for key, value in template.items()}
+        targets = _leaves(template)
+        try:
+            # One layer's parameter is part of a key stacked over the layers: the
+            # whole-key access check does not apply to a partial load.
+            loaded = dist_checkpointing.load(
+                template, str(iteration_dir), strategy, validate_access_integrity=False
+            )
+        except (CheckpointException, CheckpointingException) as exc:
+            raise ConversionError(f"loading {iteration_dir} failed: {exc}") from None
+        results = _leaves({key: loaded[key] for key in template})
+        with torch.no_grad():
+            for target, value in zip(targets, results, strict=True):
+                if value.data_ptr() != target.data.data_ptr():  # loaded in place, or copied
+                    target.data.copy_(value)
+            tensors = mapping.to_hf(real)
+        del loaded, template, targets, results, real
+        for name, tensor in zip(mapping.hf, tensors, strict=True):
+            writer.write(name, tensor.to(out_dtype).contiguous())
+        del tensors
+        report(f"[{count}/{len(mappings)}] {mapping.megatron}")
+    return writer.close(), writer.total_bytes
+
+
 def export_hf_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     hf_dir: str | os.PathLike[str],
@@ -208,20 +356,26 @@ def export_hf_checkpoint(
     single.perform_initialization = False
     try:
         with single_process_megatron(single):
-            report(f"loading {iteration_dir}")
-            model = load_model_for_export(iteration_dir, run_config, single, merge=True)
-            params = dict(model.named_parameters())
             mappings = param_mappings(config, single.padded_vocab_size, prefix)
-            writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
-            with torch.no_grad():
-                for count, mapping in enumerate(mappings, start=1):
-                    tensors = mapping.to_hf(params[mapping.megatron].detach())
-                    for name, tensor in zip(mapping.hf, tensors, strict=True):
-                        writer.add(name, tensor.to(out_dtype).contiguous())
-                    report(f"[{count}/{len(mappings)}] {mapping.megatron}")
-                files = writer.close()
-            del model, params
-        report(f"wrote {len(files)} file(s), {writer.total_bytes / 1e9:.3f} GB")
+            if getattr(run_config, "peft", None) is None:
+                files, total = _stream_export(
+                    iteration_dir, single, mappings, out_dtype, staging, max_shard_bytes, report
+                )
+            else:  # adapters are merged into the loaded base model
+                report(f"loading {iteration_dir}")
+                model = load_model_for_export(iteration_dir, run_config, single, merge=True)
+                params = dict(model.named_parameters())
+                writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
+                with torch.no_grad():
+                    for count, mapping in enumerate(mappings, start=1):
+                        tensors = mapping.to_hf(params[mapping.megatron].detach())
+                        for name, tensor in zip(mapping.hf, tensors, strict=True):
+                            writer.add(name, tensor.to(out_dtype).contiguous())
+                        report(f"[{count}/{len(mappings)}] {mapping.megatron}")
+                    files = writer.close()
+                total = writer.total_bytes
+                del model, params
+        report(f"wrote {len(files)} file(s), {total / 1e9:.3f} GB")
         for item in sorted(side.iterdir()):
             if item.is_file() and item.name != IMPORT_RECORD:
                 shutil.copy2(item, staging / item.name)

@@ -304,6 +304,10 @@ def provider_from_hf_config(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
+    if pipeline_model_parallel_size > 1:
+        # megatron refuses pipeline parallelism without the dtype of the tensors the stages
+        # exchange: the activations' dtype, i.e. the parameters' unless overridden.
+        kwargs["pipeline_dtype"] = kwargs.get("params_dtype", torch.float32)
     kwargs.update(overrides)
     try:
         return GPTModelProvider(**kwargs)

@@ -1,14 +1,15 @@
 """Hugging Face model directory -> bridge-train checkpoint.
 
 How the layout is written: the model is built once on one process (tensor and pipeline
-parallel size 1, but with the vocabulary padded for the requested tensor-parallel size),
-filled from the safetensors files one tensor at a time, and saved through bridge-train's
-own ``save_checkpoint``. A ``torch_dist`` checkpoint stores every tensor with its global
-shape and sharding, and dist_checkpointing reshards at load, so this checkpoint loads into
-any TP x PP layout whose padded vocabulary matches (the one given at import; the
-``run_config.yaml`` written with it carries that layout). Peak memory is therefore the
-model in fp32 plus the few Hugging Face tensors of one parameter, not two copies of the
-model; ``benchmarks/hf_conversion.py`` measures it.
+parallel size 1, but with the vocabulary padded for the requested tensor-parallel size) on
+the meta device, and saved through bridge-train's own ``save_checkpoint`` with a save
+strategy that produces each parameter from the safetensors files when the checkpoint
+writer asks for it (:mod:`bridge.train.convert.streaming`). A ``torch_dist`` checkpoint
+stores every tensor with its global shape and sharding, and dist_checkpointing reshards at
+load, so this checkpoint loads into any TP x PP layout whose padded vocabulary matches (the
+one given at import; the ``run_config.yaml`` written with it carries that layout). Peak
+memory is about one parameter (its Hugging Face sources, then the assembled tensor and the
+piece being written), not the model; ``benchmarks/hf_conversion.py`` measures it.
 
 The checkpoint directory::
 
@@ -185,7 +186,9 @@ def import_hf_checkpoint(
             or an existing non-empty ``ckpt_dir``.
     """
     from bridge.config import CheckpointConfig
-    from bridge.train.checkpointing import save_checkpoint
+    from bridge.train.checkpointing import init_checkpointing_context, save_checkpoint
+    from bridge.train.checkpointing.save import SUPPLIED_SAVE_STRATEGY
+    from bridge.train.convert.streaming import StreamingSaveStrategy
     from bridge.train.state import TrainState
 
     hf = Path(hf_dir)
@@ -244,36 +247,47 @@ def import_hf_checkpoint(
         shutil.rmtree(staging)  # our own leftover of an interrupted import
     staging.mkdir(parents=True)
     single = single_rank_copy(target)
-    single.perform_initialization = False  # every parameter is overwritten below
+    single.perform_initialization = False  # the model is built on the meta device
+    # megatron places weights on the GPU explicitly unless they are initialised on the CPU;
+    # with CPU initialisation it leaves the device to the meta-device context below.
+    single.use_cpu_initialization = True
     tokenizer_dir = out / HF_SUBDIR if tokenizer_vocab is not None else None
     try:
         with single_process_megatron(single):
-            model = single.provide(pre_process=True, post_process=True)
+            with torch.device("meta"):  # shapes and sharding only: no parameter memory
+                model = single.provide(pre_process=True, post_process=True)
             params = dict(model.named_parameters())
+            real = [name for name, param in params.items() if not param.is_meta]
+            if real:  # its data would be written instead of the Hugging Face tensors
+                raise ConversionError(f"internal: {real[0]} was not built on the meta device")
             _check_shapes(mappings, reader, params)
-            filled: set[str] = set()
-            with torch.no_grad():
-                for count, mapping in enumerate(mappings, start=1):
-                    sources = [reader.get(name) for name in mapping.hf]
-                    params[mapping.megatron].copy_(mapping.to_megatron(*sources))
-                    del sources
-                    filled.add(mapping.megatron)
-                    report(f"[{count}/{len(mappings)}] {mapping.megatron}")
-            left = sorted(set(params) - filled)
+            by_name = {mapping.megatron: mapping for mapping in mappings}
+            left = sorted(set(params) - set(by_name))
             if left:
                 raise ConversionError(f"internal: no Hugging Face source for {left[0]!r}")
-            reader.close()
+            done: set[str] = set()
+
+            def produce(name: str) -> torch.Tensor:
+                mapping = by_name[name]
+                with torch.no_grad():
+                    tensor = mapping.to_megatron(*(reader.get(hf) for hf in mapping.hf))
+                if name not in done:
+                    done.add(name)
+                    report(f"[{len(done)}/{len(mappings)}] {name}")
+                return tensor
+
+            save_config = CheckpointConfig(
+                save=str(staging), save_optim=False, save_rng=False, async_save=False
+            )
             state = types.SimpleNamespace(
-                cfg=_SaveConfig(
-                    CheckpointConfig(
-                        save=str(staging), save_optim=False, save_rng=False, async_save=False
-                    ),
-                    _recipe(target, out, tokenizer_dir),
-                ),
+                cfg=_SaveConfig(save_config, _recipe(target, out, tokenizer_dir)),
                 train_state=TrainState(),
             )
-            report(f"saving {out}")
-            save_checkpoint(state, [model], None, None, 0.0)
+            context = init_checkpointing_context(save_config)
+            context[SUPPLIED_SAVE_STRATEGY] = StreamingSaveStrategy(model, produce)
+            report(f"writing {out}")
+            save_checkpoint(state, [model], None, None, 0.0, checkpointing_context=context)
+            reader.close()
             del model, params
         _copy_side_files(hf, staging / HF_SUBDIR)
         record = {

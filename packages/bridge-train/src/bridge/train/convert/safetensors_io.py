@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,13 @@ import torch
 
 from bridge.train.convert.errors import ConversionError
 
-__all__ = ["INDEX_FILENAME", "SINGLE_FILENAME", "SafetensorsReader", "ShardedSafetensorsWriter"]
+__all__ = [
+    "INDEX_FILENAME",
+    "SINGLE_FILENAME",
+    "SafetensorsReader",
+    "ShardedSafetensorsWriter",
+    "StreamingSafetensorsWriter",
+]
 
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
@@ -164,6 +171,124 @@ class ShardedSafetensorsWriter:
                 "metadata": {"total_size": self.total_bytes},
                 "weight_map": {name: final[i].name for name, i in self._weight_map.items()},
             }
+            (self.out_dir / INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
+            final.append(self.out_dir / INDEX_FILENAME)
+        return final
+
+
+# safetensors' names of the dtypes a converted model is written in.
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+}
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILENAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+class StreamingSafetensorsWriter:
+    """Write tensors into safetensors shards one at a time, each written as it arrives.
+
+    The safetensors header (names, dtypes, shapes, offsets) comes first in a file, so the
+    tensors are declared up front (``entries``, in the order :meth:`write` will get them)
+    and split into shards as :class:`ShardedSafetensorsWriter` splits them; each tensor's
+    bytes go to disk when it is written, so only the tensor in hand is resident. The files
+    are what ``safetensors.torch.save_file`` writes (header padded to 8 bytes, data in
+    header order, ``{"format": "pt"}`` metadata); ``safetensors`` and ``transformers`` read
+    them.
+
+    Args:
+        out_dir: Directory to write into.
+        entries: ``(name, shape, dtype)`` of every tensor, in writing order.
+        max_shard_bytes: Bytes per shard (a larger tensor gets a shard of its own).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+        max_shard_bytes: int = 5 * 1024**3,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self._shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = []
+        filled = 0
+        for name, shape, dtype in entries:
+            if dtype not in _SAFETENSORS_DTYPES:
+                raise ConversionError(f"{name}: dtype {dtype} cannot be written to safetensors")
+            size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            if not self._shards or (filled and filled + size > max_shard_bytes):
+                self._shards.append([])
+                filled = 0
+            self._shards[-1].append((name, tuple(shape), dtype, size))
+            filled += size
+        self.total_bytes = sum(e[3] for shard in self._shards for e in shard)
+        self._order = [(i, e) for i, shard in enumerate(self._shards) for e in shard]
+        self._next = 0
+        self._file: Any = None
+        self._temps: list[Path] = []
+
+    def _open(self, index: int) -> None:
+        if self._file is not None:
+            self._finish_file()
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype, size in self._shards[index]:
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        temp = self.out_dir / f"shard-{index:05d}.tmp"
+        self._temps.append(temp)
+        self._file = open(temp, "wb")  # noqa: SIM115 (closed in _finish_file)
+        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def _finish_file(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next declared tensor (same name, shape and dtype as declared)."""
+        if self._next >= len(self._order):
+            raise ConversionError(f"internal: {name} was not declared to the writer")
+        index, (expected, shape, dtype, _) = self._order[self._next]
+        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ConversionError(
+                f"internal: writer expected {expected} {list(shape)} {dtype}, got {name} "
+                f"{list(tensor.shape)} {tensor.dtype}"
+            )
+        if self._file is None or index != len(self._temps) - 1:
+            self._open(index)
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+        self._next += 1
+
+    def close(self) -> list[Path]:
+        """Finish the last shard, give the shards their names and write the index."""
+        if self._next != len(self._order):
+            raise ConversionError(
+                f"internal: {self._order[self._next][1][0]} was declared but never written"
+            )
+        if self._file is not None:
+            self._finish_file()
+        final = [self.out_dir / name for name in _shard_names(len(self._shards))]
+        for temp, path in zip(self._temps, final, strict=True):
+            os.replace(temp, path)
+        if len(final) > 1:
+            weight_map = {
+                e[0]: final[i].name for i, shard in enumerate(self._shards) for e in shard
+            }
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.out_dir / INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
             final.append(self.out_dir / INDEX_FILENAME)
         return final
