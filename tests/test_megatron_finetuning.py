@@ -131,9 +131,11 @@ def _frozen_base_check(rank: int, world: int, distributed: bool) -> dict[str, An
             tiny_scheduler_config(),
             tiny_train_config(),
         )
-        names = {id(p): n for n, p in model[0].module.named_parameters()}
-        trainable = {n for n, p in model[0].module.named_parameters() if p.requires_grad}
-        in_buffers = {names[id(p)] for buffer in model[0].buffers for p in buffer.params}
+        ddp_chunk: Any = model[0]
+        inner: torch.nn.Module = ddp_chunk.module
+        names = {id(p): n for n, p in inner.named_parameters()}
+        trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
+        in_buffers = {names[id(p)] for buffer in ddp_chunk.buffers for p in buffer.params}
         in_optimizer = {names[i] for i in _optimized_params(optimizer) if i in names}
         return {
             "trainable": trainable,
@@ -142,10 +144,8 @@ def _frozen_base_check(rank: int, world: int, distributed: bool) -> dict[str, An
             "optimizer_types": [
                 type(sub).__name__ for sub in getattr(optimizer, "chained_optimizers", [optimizer])
             ],
-            "buffer_numel": sum(b.numel for b in model[0].buffers),
-            "trainable_numel": sum(
-                p.numel() for p in model[0].module.parameters() if p.requires_grad
-            ),
+            "buffer_numel": sum(b.numel for b in ddp_chunk.buffers),
+            "trainable_numel": sum(p.numel() for p in inner.parameters() if p.requires_grad),
         }
     finally:
         destroy_distributed()
@@ -286,14 +286,14 @@ def test_megatron_sft_and_lora_match_portable_resume_and_layouts(tmp_path: Path)
 @pytest.mark.timeout(1800)
 def test_megatron_finetuning_resume_matrix(tmp_path: Path) -> None:
     base = tmp_path / "sft"
-    single = [
+    single: list[dict[str, Any]] = [
         {"name": "sft"},
         {"name": "packed", "packed": True},
         *_stop_and_resume({"name": "packed", "packed": True}),
         _lora("lora-packed", base, packed=True),
         _lora("lora-packed-portable", base, packed=True, engine="portable"),
     ]
-    pair = [
+    pair: list[dict[str, Any]] = [
         *_stop_and_resume(_lora("lora-tp2", base, tp=2)),
         _lora("lora-tp2", base, tp=2),
         *_stop_and_resume(_lora("lora-dp2-distopt", base, distributed_optimizer=True)),
