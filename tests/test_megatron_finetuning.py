@@ -71,6 +71,8 @@ def _config(root: Path, job: dict[str, Any]) -> Any:
             make_vocab_size_divisible_by=160,
             seq_length=SEQ,
             tensor_model_parallel_size=job.get("tp", 1),
+            pipeline_model_parallel_size=job.get("pp", 1),
+            pipeline_dtype=torch.float32,
         ),
         optimizer=tiny_optimizer_config(use_distributed_optimizer=distributed),
         ddp=DistributedDataParallelConfig(
@@ -292,12 +294,15 @@ def test_megatron_finetuning_resume_matrix(tmp_path: Path) -> None:
         *_stop_and_resume({"name": "packed", "packed": True}),
         _lora("lora-packed", base, packed=True),
         _lora("lora-packed-portable", base, packed=True, engine="portable"),
+        _lora("lora", base),
     ]
     pair: list[dict[str, Any]] = [
         *_stop_and_resume(_lora("lora-tp2", base, tp=2)),
         _lora("lora-tp2", base, tp=2),
         *_stop_and_resume(_lora("lora-dp2-distopt", base, distributed_optimizer=True)),
         _lora("lora-dp2-distopt", base, distributed_optimizer=True),
+        _lora("lora-pp2", base, pp=2),
+        {"name": "packed-pp2", "packed": True, "pp": 2},
         {"name": "sft-dp2-distopt", "distributed_optimizer": True},
         *_stop_and_resume({"name": "sft-dp2-distopt", "distributed_optimizer": True}),
     ]
@@ -313,3 +318,6 @@ def test_megatron_finetuning_resume_matrix(tmp_path: Path) -> None:
     for name in ("lora-tp2", "lora-dp2-distopt", "sft-dp2-distopt"):
         assert _resumed(tmp_path, f"{name}-resumed", 1) == _losses(tmp_path, name, rank=1)
     _assert_close(_losses(tmp_path, "sft-dp2-distopt", rank=1), _losses(tmp_path, "sft"), "dp2")
+    # Pipeline parallelism (megatron's 1F1B schedule): one process's losses.
+    _assert_close(_losses(tmp_path, "packed-pp2", rank=1), _losses(tmp_path, "packed"), "pp2")
+    _assert_close(_losses(tmp_path, "lora-pp2", rank=1), _losses(tmp_path, "lora"), "lora-pp2")

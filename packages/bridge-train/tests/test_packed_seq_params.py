@@ -23,6 +23,7 @@ from bridge.train.data.packing import packed_seq_params as build_params
 from bridge.train.data.sft import load_tokenized_examples, sft_settings
 from bridge.train.data.tokenizers import ByteLevelTokenizer
 from bridge.train.finetune_checks import check_finetuning_config
+from bridge.train.models.mamba_provider import MambaProvider
 from bridge.train.testing import (
     tiny_config_container,
     tiny_gpt_provider,
@@ -147,6 +148,12 @@ def test_packed_launch_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(local, "resolved_layer_spec_backend", lambda: "local")
     with pytest.raises(ConfigError, match="bridge-train\\[te\\]"):
         check_packed_sequence_specs(specs, SEQ, local)
+    # Hybrid Mamba: the mask reaches attention layers only; SSM state would cross examples.
+    hybrid = MambaProvider(
+        num_layers=2, hybrid_override_pattern="M*", hidden_size=32, seq_length=SEQ, vocab_size=258
+    )
+    with pytest.raises(ConfigError, match="hybrid Mamba"):
+        check_packed_sequence_specs(specs, SEQ, hybrid)
     # The portable spec reads the mask, not cu_seqlens: pad_cu_seqlens would do nothing.
     padded_specs = PackedSequenceSpecs(packed_sequence_size=SEQ, pad_cu_seqlens=True)
     with pytest.raises(ConfigError, match=r"packed_sequence_specs\.pad_cu_seqlens"):

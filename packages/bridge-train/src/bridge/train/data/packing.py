@@ -63,7 +63,8 @@ def check_packed_sequence_specs(specs: Any, seq_length: int | None, model: Any =
         bridge.config.ConfigError: Pre-packed file paths or a tokenizer name for them are
             set (packing is done in memory), the packed size differs from
             ``dataset.seq_length``, the model's attention cannot confine itself to each
-            example, ``pad_cu_seqlens`` is set for the portable spec (which does not read
+            example (also any hybrid Mamba model), ``pad_cu_seqlens`` is set for the
+            portable spec (which does not read
             ``cu_seqlens``), or Transformer Engine packing is asked for with context
             parallelism.
     """
@@ -71,6 +72,15 @@ def check_packed_sequence_specs(specs: Any, seq_length: int | None, model: Any =
 
     if specs is None or specs.packed_sequence_size <= 0:
         return
+    from bridge.train.models.mamba_provider import MambaProvider
+
+    if isinstance(model, MambaProvider):
+        raise ConfigError(
+            "dataset.packed_sequence_specs.packed_sequence_size",
+            "packed sequences are not supported for hybrid Mamba models: the per-example "
+            "mask confines attention layers only, and the Mamba layers' state would run "
+            "from one example into the next; unset dataset.packed_sequence_specs",
+        )
     resolve = getattr(model, "resolved_layer_spec_backend", None)
     try:
         backend = resolve() if resolve is not None else None
