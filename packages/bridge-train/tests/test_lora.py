@@ -246,3 +246,34 @@ def test_lora_config_errors() -> None:
         LoRA(dim=0)
     with pytest.raises(ValueError, match=r"peft\.lora_B_init_method"):
         LoRA(lora_B_init_method="xavier")  # type: ignore[arg-type]
+
+
+def test_peft_transforms_see_global_layer_numbers() -> None:
+    """A pipeline stage numbers its layers from 0; transforms get the global numbers."""
+    from bridge.train.peft import PEFT
+
+    class Layer(torch.nn.Module):
+        def __init__(self, layer_number: int) -> None:
+            super().__init__()
+            self.layer_number = layer_number  # megatron's: global and 1-based
+            self.linear_qkv = torch.nn.Linear(2, 2)
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList([Layer(3), Layer(4)])  # second stage
+
+    class Record(PEFT):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
+            self.seen.append(prefix)
+            return module
+
+    record = Record()
+    record(Stage())
+    assert "decoder.layers.2.linear_qkv" in record.seen
+    assert "decoder.layers.3.linear_qkv" in record.seen
+    assert not any(p.startswith(("decoder.layers.0", "decoder.layers.1")) for p in record.seen)

@@ -8,7 +8,6 @@ One forked 1-rank process runs all checks (pretrain re-creates its process group
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,21 +30,12 @@ from bridge.train.testing import (
     tiny_config_container,
     tiny_gpt_provider,
     tiny_train_config,
+    write_tiny_sft_task,
 )
 from core_utils.testing import run_distributed
 
 SEQ = 32
 TOKENIZER = ByteLevelTokenizer()
-
-
-def write_addition_task(root: Path, train: int = 64, valid: int = 8) -> None:
-    """``{"input": "3+4=", "output": "7"}`` records (a learnable answer)."""
-    root.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(0)
-    for name, count in (("training", train), ("validation", valid), ("test", valid)):
-        pairs = torch.randint(0, 10, (count, 2), generator=generator).tolist()
-        lines = [json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) for a, b in pairs]
-        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 @dataclass
@@ -224,7 +214,7 @@ def _checks(rank: int, world: int, root: str) -> dict[str, Any]:
 @pytest.mark.timeout(300)
 def test_sft_masking_packing_and_resume(tmp_path: Path) -> None:
     root = tmp_path / "data"
-    write_addition_task(root)
+    write_tiny_sft_task(root)
     (result,) = run_distributed(_checks, 1, str(root), timeout=240)
     assert result["prompt_grad_max"] == 0.0  # no gradient reaches a prompt position
     assert result["answer_grad_min"] > 0.0  # every answer position gets one

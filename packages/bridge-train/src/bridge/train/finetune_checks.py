@@ -32,9 +32,27 @@ def check_finetuning_config(cfg: ConfigContainer) -> None:
         from bridge.train.data.sft import check_finetuning_dataset
 
         check_finetuning_dataset(dataset)
-        check_packed_sequence_specs(dataset.packed_sequence_specs, dataset.seq_length, cfg.model)
+        specs = dataset.packed_sequence_specs
+        check_packed_sequence_specs(specs, dataset.seq_length, cfg.model)
+        if specs is not None and specs.packed_sequence_size > 0:
+            _check_packed_micro_batch(cfg)
     if cfg.peft is not None:
         _check_peft(cfg.peft, cfg)
+
+
+def _check_packed_micro_batch(cfg: ConfigContainer) -> None:
+    # Transformer Engine's thd layout is one sequence of packed examples per micro-batch.
+    resolve = getattr(cfg.model, "resolved_layer_spec_backend", None)
+    if resolve is None or resolve() != "transformer_engine":
+        return
+    micro_batch_size = getattr(cfg.train, "micro_batch_size", 1)
+    if micro_batch_size != 1:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"got {micro_batch_size}; packed sequences with Transformer Engine take "
+            "one packed sequence per micro-batch (PackedSeqParams, thd layout): set it to 1 "
+            "(a packed sequence already holds several examples)",
+        )
 
 
 def _check_peft(peft: Any, cfg: ConfigContainer) -> None:

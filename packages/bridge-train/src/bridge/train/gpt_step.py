@@ -3,6 +3,10 @@
 A batch is a dict of ``[micro_batch_size, seq_length]`` tensors as megatron's
 ``GPTDataset`` / ``MockGPTDataset`` produce them: ``tokens``, ``labels``, ``loss_mask``,
 ``position_ids`` and optionally ``attention_mask`` (``[b, 1, s, s]``, ``True`` = masked).
+A packed SFT batch also holds ``cu_seqlens``, ``cu_seqlens_count`` and ``max_seqlen``
+(:mod:`bridge.train.data.packing`): a model built with the Transformer Engine layer spec
+gets them as megatron's ``PackedSeqParams``; the portable spec reads the block-diagonal
+attention mask instead.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from bridge.train.state import GlobalState
 __all__ = ["forward_step", "get_batch", "masked_next_token_loss"]
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+# Per-sample packing metadata: moved with the batch, never sliced along the sequence.
+_PACKED_KEYS = ("cu_seqlens", "cu_seqlens_count", "max_seqlen")
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -38,8 +44,9 @@ def get_batch(
 
     Returns:
         ``{"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}`` (the
-        attention mask may be ``None``). With context parallelism > 1 every tensor holds this
-        rank's part of the sequence (``core_utils.get_batch_on_this_cp_rank``).
+        attention mask may be ``None``), plus the packing keys of a packed batch. With
+        context parallelism > 1 every sequence tensor holds this rank's part of the sequence
+        (``core_utils.get_batch_on_this_cp_rank``).
 
     Raises:
         ValueError: No iterator, or the batch lacks a required key.
@@ -56,6 +63,11 @@ def get_batch(
         batch[key] = (
             value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else None
         )
+    packing = {
+        key: raw[key].to(device, non_blocking=True)
+        for key in _PACKED_KEYS
+        if isinstance(raw.get(key), torch.Tensor)
+    }
     from megatron.core import parallel_state
 
     if (
@@ -65,7 +77,16 @@ def get_batch(
         from core_utils import get_batch_on_this_cp_rank
 
         batch = get_batch_on_this_cp_rank(batch)
+    batch.update(packing)
     return batch
+
+
+def _reads_packed_seq_params(model: torch.nn.Module) -> bool:
+    """Whether the model's attention takes ``PackedSeqParams`` (the Transformer Engine spec)."""
+    from megatron.core.utils import get_model_config
+
+    resolve = getattr(get_model_config(model), "resolved_layer_spec_backend", None)
+    return resolve is not None and resolve() == "transformer_engine"
 
 
 def masked_next_token_loss(
@@ -131,13 +152,22 @@ def forward_step(
     # Straggler detection times the model's forward pass only (as megatron does): the
     # backward pass ends in gradient all-reduces where fast ranks wait for slow ones,
     # which would make every rank look equally slow.
+    attention_mask = batch["attention_mask"]
+    extra: dict[str, Any] = {}
+    if batch.get("cu_seqlens") is not None and _reads_packed_seq_params(model):
+        from bridge.train.data.packing import packed_seq_params
+
+        # Transformer Engine confines attention to each example through cu_seqlens.
+        extra["packed_seq_params"] = packed_seq_params(batch)
+        attention_mask = None
     with straggler.step() if straggler is not None else contextlib.nullcontext():
         output = model(
             batch["tokens"],
             batch["position_ids"],
-            batch["attention_mask"],
+            attention_mask,
             labels=batch["labels"],
             loss_mask=batch["loss_mask"],
+            **extra,
         )
     loss_mask = batch["loss_mask"]
     if loss_mask is None:  # get_batch guarantees it; a clear error if a subclass does not

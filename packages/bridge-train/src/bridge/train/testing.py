@@ -7,7 +7,9 @@ dropout, so runs are comparable across parallel layouts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from bridge.config import (
@@ -38,6 +40,7 @@ __all__ = [
     "tiny_rng_config",
     "tiny_scheduler_config",
     "tiny_train_config",
+    "write_tiny_sft_task",
 ]
 
 TINY_VOCAB = 128
@@ -164,3 +167,24 @@ def tiny_config_container(**sections: Any) -> ConfigContainer:
     }
     values.update(sections)
     return ConfigContainer(**values)
+
+
+def write_tiny_sft_task(root: str | Path, train: int = 64, valid: int = 8) -> Path:
+    """Write a learnable SFT task: ``{"input": "3+4=", "output": "7"}`` records.
+
+    ``training.jsonl`` (``train`` records), ``validation.jsonl`` and ``test.jsonl``
+    (``valid`` each) under ``root``, drawn from a fixed seed (the same files every time).
+
+    Returns:
+        ``root`` as a ``Path``.
+    """
+    import torch
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    for name, count in (("training", train), ("validation", valid), ("test", valid)):
+        pairs = torch.randint(0, 10, (count, 2), generator=generator).tolist()
+        lines = [json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) for a, b in pairs]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return root

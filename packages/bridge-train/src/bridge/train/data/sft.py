@@ -617,6 +617,7 @@ def build_sft_datasets(
                     num_samples=int(wanted),
                     shuffle_seed=seed,
                     name=name,
+                    pad_cu_seqlens=bool(specs.pad_cu_seqlens),
                 )
             )
         else:

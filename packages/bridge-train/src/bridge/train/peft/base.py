@@ -35,7 +35,11 @@ class PEFT(ABC):
         Args:
             module: The module.
             name: Its attribute name in its parent (``"linear_qkv"``).
-            prefix: Its dotted path in the model (``"decoder.layers.0.self_attention.linear_qkv"``).
+            prefix: Its dotted path in the model (``"decoder.layers.0.self_attention.linear_qkv"``),
+                with global layer numbers: under pipeline parallelism a stage's first layer
+                is named by its number in the whole model, so a path (and anything derived
+                from it, such as LoRA's initialisation seed) means the same layer in every
+                layout.
 
         Returns:
             The module to keep in its place.
@@ -47,17 +51,41 @@ class PEFT(ABC):
         for chunk in chunks:
             for param in chunk.parameters():
                 param.requires_grad_(False)
+            global_paths = _global_layer_paths(chunk)
             for prefix, module in list(chunk.named_modules()):
                 if not prefix:
                     continue
                 parent_name, _, name = prefix.rpartition(".")
                 parent = chunk.get_submodule(parent_name) if parent_name else chunk
-                replacement = self.transform(module, name, prefix)
+                replacement = self.transform(module, name, global_paths.get(prefix, prefix))
                 if replacement is not module:
                     setattr(parent, name, replacement)
             if not training:
                 chunk.eval()
         return model
+
+
+def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
+    """Module paths of ``chunk`` with each layer index replaced by its global number.
+
+    megatron numbers a pipeline stage's layers from 0 in module paths and keeps the global
+    1-based number in the layer's ``layer_number`` (its checkpoint keys use the global one).
+    """
+    renamed: dict[str, str] = {}
+    for path, module in chunk.named_modules():
+        number = getattr(module, "layer_number", None)
+        parent, _, index = path.rpartition(".")
+        if isinstance(number, int) and index.isdigit() and int(index) != number - 1:
+            renamed[path] = f"{parent}.{number - 1}" if parent else str(number - 1)
+    if not renamed:
+        return {}
+    out: dict[str, str] = {}
+    for path, _ in chunk.named_modules():
+        for local, global_path in renamed.items():
+            if path == local or path.startswith(local + "."):
+                out[path] = global_path + path[len(local) :]
+                break
+    return out
 
 
 def apply_peft(peft: Any, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
