@@ -267,6 +267,7 @@ def test_two_node_launch_survives_a_lost_node_and_resumes_exactly(
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
     output = "\n".join(log.read_text(errors="replace") for log in logs)
     assert codes == [0, 0], output[-8000:]
+    assert "rendezvous store shared" not in output  # a store per round: no warning
     assert kit.loaded_message(save, tracker_at_loss) in output, output[-8000:]
 
     records = kit.loss_records(metrics)

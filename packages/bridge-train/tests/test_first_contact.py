@@ -26,7 +26,7 @@ import pytest
 
 from bridge.config import ConfigContainer, ConfigError
 from bridge.train.cli import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, main, run
-from bridge.train.launch_checks import check_launch_environment
+from bridge.train.launch_checks import check_launch_environment, shared_store_restart_notice
 from bridge.train.recipes import RECIPES, recipe_path
 
 _NO_TORCH_PROBE = textwrap.dedent(
@@ -188,6 +188,41 @@ def test_launch_environment_rule() -> None:
     check_launch_environment({})
     with pytest.raises(ConfigError, match="RANK is not set"):
         check_launch_environment({"WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+
+
+def test_several_nodes_with_a_shared_rendezvous_store_are_warned_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=2 gives rank 0 by default.
+    agent = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "WORLD_SIZE": "4",
+        "RANK": "0",
+        "GROUP_WORLD_SIZE": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    for name, value in agent.items():
+        monkeypatch.setenv(name, value)
+    assert run(["--dry-run", "train.micro_batch_size=2"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "rendezvous" in line]
+    assert warnings == [
+        "[bridge-train] warning: torchrun runs 2 nodes with --max-restarts=2 and one rendezvous "
+        "store shared by all rounds (torch's default): a node started to replace a lost one "
+        "cannot join it (the agents fail after 60 s); start every agent with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/resiliency.md, 'Several nodes')"
+    ]
+    monkeypatch.setenv("RANK", "1")
+    assert run(["--dry-run", "train.micro_batch_size=2"]) == 0
+    assert "rendezvous" not in capsys.readouterr().err  # rank 0 only
+    # Not affected: a store per round, one node, or no restarts.
+    for change in (
+        {"TORCHELASTIC_USE_AGENT_STORE": "False"},
+        {"GROUP_WORLD_SIZE": "1"},
+        {"TORCHELASTIC_MAX_RESTARTS": "0"},
+    ):
+        assert shared_store_restart_notice({**agent, **change}) is None, change
+    assert shared_store_restart_notice({}) is None
 
 
 def test_dry_run_prints_the_plan_and_print_config_a_loadable_config(
