@@ -326,6 +326,27 @@ def test_ctrl_c_ends_with_one_line(
     assert err == "bridge-train: stopped by SIGINT (Ctrl-C)\n"
 
 
+def test_sigterm_while_a_config_target_imports_is_not_reported_as_a_config_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The import of a `_target_` module (megatron-core, for the built-in providers) can take
+    # many seconds; a scheduler's SIGTERM then lands inside it.
+    (tmp_path / "h14_slow_provider.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["--dry-run", "model._target_=h14_slow_provider.Provider"])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        sys.modules.pop("h14_slow_provider", None)
+    assert info.value.code == 143
+    assert capsys.readouterr().err == "bridge-train: stopped by SIGTERM\n"
+
+
 @pytest.mark.timeout(240)
 def test_a_burst_of_sigterms_during_training_ends_with_one_line(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("bridge-train")

@@ -203,8 +203,13 @@ def check_output_directories(cfg: Any) -> None:
         _writable_directory(directory, where)
 
 
-class Terminated(Exception):
-    """The run received SIGTERM (raised in the main thread by :func:`interrupt_handlers`)."""
+class Terminated(BaseException):
+    """The run received SIGTERM (raised in the main thread by :func:`interrupt_handlers`).
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: code that reports any ``Exception``
+    in its own words (a config ``_target_`` import, a data loader, megatron-core) must not
+    turn the signal into an error of its own (it did: "model._target_: importing ... failed").
+    """
 
 
 @contextmanager
