@@ -571,8 +571,11 @@ def test_hung_rank_is_killed_by_the_watchdog_and_the_restart_resumes_exactly(
     assert progress.count(None) == 2, progress
     restart = progress.index(None, 1)
     saved_before = [it for it in progress[:restart] if it is not None]
-    last_complete = saved_before[-1]
-    assert last_complete == stopped_after, (progress, stopped_after)
+    # The tracker named it at the stop; its progress line may be missing (rank 0 writes that
+    # line after a collective the stopped rank 1 never joined).
+    assert stopped_after is not None
+    last_complete = stopped_after
+    assert saved_before in ([], [last_complete]), (progress, last_complete)
     assert loaded_message(save, last_complete) in output
     records = loss_records(metrics)
     assert_restarted_from([step for step, _ in records], last_complete)
