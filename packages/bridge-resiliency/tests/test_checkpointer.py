@@ -9,6 +9,7 @@ import torch
 
 from bridge.resiliency import ResiliencyError
 from bridge.resiliency.testing import TRACKER_FILENAME, StepCheckpointer
+from core_utils.testing import run_distributed
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
@@ -98,3 +99,21 @@ def test_a_corrupt_tracker_is_reported(tmp_path: Path) -> None:
     (tmp_path / TRACKER_FILENAME).write_text("ten\n")
     with pytest.raises(ResiliencyError, match="holds 'ten', not an iteration number"):
         StepCheckpointer(tmp_path, rank=0).load()
+
+
+def _lagging_rank_saves(rank: int, world: int, save_dir: str) -> bool:
+    ckpt = StepCheckpointer(save_dir, rank=rank)
+    if rank == 1:
+        # Rank 1 reads the tracker only after rank 0 committed iteration 10, as a rank that
+        # lags a whole save behind does on a loaded machine.
+        ckpt.latest_iteration = lambda: 10  # type: ignore[method-assign]
+    return ckpt.save(10, {"w": torch.ones(2)})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_rank_that_reads_the_tracker_late_still_saves_with_the_others(tmp_path: Path) -> None:
+    """The "already saved" decision is rank 0's for every rank: a lagging rank that sees the
+    tracker rank 0 just wrote does not skip the save's closing barrier (which deadlocked)."""
+    assert run_distributed(_lagging_rank_saves, 2, str(tmp_path), timeout=90) == [True, True]
+    assert (tmp_path / TRACKER_FILENAME).read_text().strip() == "10"

@@ -136,7 +136,9 @@ def test_torchrun_restarts_after_kills_and_a_hang_without_losing_a_step(
     """
     train_iters = 100
     save_dir, log_dir = tmp_path / "ckpt", tmp_path / "log"
-    timeouts = WatchdogTimeouts(step=4.0, setup=30.0, checkpointing=4.0)
+    # Room for a loaded machine: with a 4 s step timeout, beside two CPU hogs and other jobs
+    # (load average 31 on 2 cores), a healthy rank's step stalled past it and was killed.
+    timeouts = WatchdogTimeouts(step=10.0, setup=30.0, checkpointing=20.0, out_of_section=20.0)
     options = TinyRunOptions(
         save_dir=str(save_dir),
         log_dir=str(log_dir),
@@ -182,7 +184,7 @@ def test_a_hung_rank_without_restarts_tears_the_job_down(tmp_path: Path, drill) 
     """``--max-restarts=0``: the watchdog kills the hung rank within its timeout, torchrun
     stops the other rank and exits non-zero; nothing is left running or hanging."""
     save_dir, log_dir = tmp_path / "ckpt", tmp_path / "log"
-    timeouts = WatchdogTimeouts(step=3.0, setup=30.0, checkpointing=3.0)
+    timeouts = WatchdogTimeouts(step=10.0, setup=30.0, checkpointing=20.0, out_of_section=20.0)
     options = TinyRunOptions(
         save_dir=str(save_dir),
         log_dir=str(log_dir),
@@ -298,7 +300,12 @@ def test_ft_launcher_detects_a_hang_and_a_kill_and_keeps_computed_timeouts(
         [
             "--max-restarts=3",
             "--ft-rank-section-timeouts=setup:120,step:6,checkpointing:10",
-            "--ft-rank-out-of-section-timeout=6",
+            # Out of section: the warm-up step, the pauses between steps and the end of the
+            # run (shutdown, writing ft_state.json). With 6 s, a run beside two CPU hogs and
+            # other jobs ended with an unplanned attempt that had no step left to train (so
+            # no out-of-section timeout was computed): a healthy rank taken for hung after
+            # its last save, by all signs (that log was not kept).
+            "--ft-rank-out-of-section-timeout=30",
             # Computed timeouts are observed maxima times this factor, with no floor in
             # nvidia-resiliency-ext. Attempt 0 observes 0.05 s steps, so a factor of 40 gave
             # attempt 1 a ~2.4 s step timeout: on a loaded machine a rank descheduled that

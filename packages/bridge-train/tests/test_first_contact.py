@@ -26,7 +26,7 @@ import pytest
 
 from bridge.config import ConfigContainer, ConfigError
 from bridge.train.cli import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, main, run
-from bridge.train.launch_checks import check_launch_environment
+from bridge.train.launch_checks import check_launch_environment, shared_store_restart_notice
 from bridge.train.recipes import RECIPES, recipe_path
 
 _NO_TORCH_PROBE = textwrap.dedent(
@@ -198,6 +198,41 @@ def test_launch_environment_rule() -> None:
         check_launch_environment({"WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
 
 
+def test_several_nodes_with_a_shared_rendezvous_store_are_warned_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=2 gives rank 0 by default.
+    agent = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "WORLD_SIZE": "4",
+        "RANK": "0",
+        "GROUP_WORLD_SIZE": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    for name, value in agent.items():
+        monkeypatch.setenv(name, value)
+    assert run(["--dry-run", "train.micro_batch_size=2"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "rendezvous" in line]
+    assert warnings == [
+        "[bridge-train] warning: torchrun runs 2 nodes with --max-restarts=2 and one rendezvous "
+        "store shared by all rounds (torch's default): a node started to replace a lost one "
+        "cannot join it (the agents fail after 60 s); start every agent with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/resiliency.md, 'Several nodes')"
+    ]
+    monkeypatch.setenv("RANK", "1")
+    assert run(["--dry-run", "train.micro_batch_size=2"]) == 0
+    assert "rendezvous" not in capsys.readouterr().err  # rank 0 only
+    # Not affected: a store per round, one node, or no restarts.
+    for change in (
+        {"TORCHELASTIC_USE_AGENT_STORE": "False"},
+        {"GROUP_WORLD_SIZE": "1"},
+        {"TORCHELASTIC_MAX_RESTARTS": "0"},
+    ):
+        assert shared_store_restart_notice({**agent, **change}) is None, change
+    assert shared_store_restart_notice({}) is None
+
+
 def test_dry_run_prints_the_plan_and_print_config_a_loadable_config(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -297,6 +332,27 @@ def test_ctrl_c_ends_with_one_line(
     assert info.value.code == EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert err == "bridge-train: stopped by SIGINT (Ctrl-C)\n"
+
+
+def test_sigterm_while_a_config_target_imports_is_not_reported_as_a_config_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The import of a `_target_` module (megatron-core, for the built-in providers) can take
+    # many seconds; a scheduler's SIGTERM then lands inside it.
+    (tmp_path / "h14_slow_provider.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["--dry-run", "model._target_=h14_slow_provider.Provider"])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        sys.modules.pop("h14_slow_provider", None)
+    assert info.value.code == 143
+    assert capsys.readouterr().err == "bridge-train: stopped by SIGTERM\n"
 
 
 @pytest.mark.timeout(240)

@@ -80,6 +80,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _from_rank_0(value: Any) -> Any:
+    """``value`` as rank 0 has it, on every rank (a collective when several ranks run)."""
+    if dist_ready() and dist.get_world_size() > 1:
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+    return value
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """A checkpoint read back by :meth:`StepCheckpointer.load`.
@@ -170,7 +179,11 @@ class StepCheckpointer:
         Returns:
             False when the tracker already names ``iteration`` (nothing written), else True.
         """
-        latest = self.latest_iteration()
+        # Rank 0's view, read before it writes anything, decides for every rank: a rank that
+        # read the tracker itself could arrive after rank 0 committed this very iteration,
+        # return early and skip the closing barrier rank 0 waits in (a deadlock seen on a
+        # loaded machine, where one rank lags a whole save behind the other).
+        latest = _from_rank_0(self.latest_iteration() if self.rank == 0 else None)
         if latest == iteration:
             return False
         if self.rank == 0:

@@ -377,9 +377,13 @@ def run(argv: Sequence[str] | None = None) -> int:
         check_launch_environment,
         check_output_directories,
         check_output_file,
+        shared_store_restart_notice,
     )
 
     check_launch_environment(os.environ)
+    notice = shared_store_restart_notice(os.environ)
+    if notice is not None and _rank() == 0:
+        print(f"[bridge-train] warning: {notice}", file=sys.stderr, flush=True)
     if args.metrics_file is not None:
         check_output_file(args.metrics_file, "--metrics-file")
     from bridge.train._import_notices import held_notices

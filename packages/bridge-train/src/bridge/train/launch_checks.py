@@ -3,6 +3,9 @@
 * :func:`check_launch_environment`: a ``WORLD_SIZE``/``RANK`` left in the environment by
   an earlier shell session would make a bare launch wait at rendezvous for ranks that never
   come; it is refused with one line instead.
+* :func:`shared_store_restart_notice`: torchrun on several nodes with restarts and the
+  rendezvous store shared by all rounds (torch's default) cannot take a replacement node;
+  the command says so, once, before training.
 * :func:`check_output_file` / :func:`check_output_directories`: every file or directory
   the run will write (``--metrics-file``, ``logger.tensorboard_dir``, ``checkpoint.save``,
   ...) must be writable, so a typo or a read-only mount fails at start, not after the first
@@ -33,6 +36,7 @@ __all__ = [
     "check_output_directories",
     "check_output_file",
     "interrupt_handlers",
+    "shared_store_restart_notice",
 ]
 
 # Variables torchrun's agent sets for every worker it starts.
@@ -91,6 +95,39 @@ def check_launch_environment(environ: Mapping[str, str]) -> None:
             f"(env -u WORLD_SIZE -u RANK bridge-train ...), or launch with torchrun "
             f"--nproc_per_node={world}",
         )
+
+
+def shared_store_restart_notice(environ: Mapping[str, str]) -> str | None:
+    """The warning for a torchrun launch on several nodes whose lost node cannot be replaced.
+
+    With ``--max-restarts`` and torch's default of one rendezvous store shared by every
+    round (``TORCHELASTIC_USE_AGENT_STORE=True``), a node that joins in a later round (a
+    replacement for a lost one) waits for the store's address, which node 0's agent
+    publishes in the first round only: the agents fail after 60 s instead of resuming (torch
+    2.14, measured). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every agent avoids it.
+
+    Args:
+        environ: The process environment (``os.environ``).
+
+    Returns:
+        One line naming the sizes and the fix, or ``None`` when the launch is not affected.
+    """
+    nodes = environ.get("GROUP_WORLD_SIZE", "1")
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if (
+        environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or not nodes.isdigit()
+        or int(nodes) < 2
+        or not restarts.isdigit()
+        or int(restarts) < 1
+    ):
+        return None
+    return (
+        f"torchrun runs {nodes} nodes with --max-restarts={restarts} and one rendezvous store "
+        "shared by all rounds (torch's default): a node started to replace a lost one cannot "
+        "join it (the agents fail after 60 s); start every agent with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/resiliency.md, 'Several nodes')"
+    )
 
 
 def _writable_directory(directory: Path, what: str) -> None:
@@ -166,8 +203,13 @@ def check_output_directories(cfg: Any) -> None:
         _writable_directory(directory, where)
 
 
-class Terminated(Exception):
-    """The run received SIGTERM (raised in the main thread by :func:`interrupt_handlers`)."""
+class Terminated(BaseException):
+    """The run received SIGTERM (raised in the main thread by :func:`interrupt_handlers`).
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: code that reports any ``Exception``
+    in its own words (a config ``_target_`` import, a data loader, megatron-core) must not
+    turn the signal into an error of its own (it did: "model._target_: importing ... failed").
+    """
 
 
 @contextmanager
