@@ -87,9 +87,7 @@ class T5Tokenizer(Tokenizer):
         self._pad = base_pad if base_pad >= 0 else token_id("<pad>")
         self._vocab_size = next_id
         self._inv_vocab: dict[int, str] | None = None
-        super().__init__(
-            base=dict(base.unique_identifiers), num_sentinels=int(num_sentinels)
-        )
+        super().__init__(base=dict(base.unique_identifiers), num_sentinels=int(num_sentinels))
 
     @property
     def vocab_size(self) -> int:
