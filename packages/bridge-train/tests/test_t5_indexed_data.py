@@ -201,3 +201,24 @@ def test_megatron_samples_are_well_formed_span_corruption(corpus: str) -> None:
         rebuilt = [x for t in enc[:n_enc].tolist() for x in (spans[t] if t in sentinels else [t])]
         np.testing.assert_array_equal(rebuilt, s["original"])
     assert masked_any
+
+
+def test_sentinel_tokenizer_on_a_hugging_face_wordpiece_vocabulary(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers", reason="the hf extra (pip install bridge-train[hf])")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bridge.train.data.tokenizers import HuggingFaceTokenizer
+
+    vocab = {"[UNK]": 0, "</s>": 1, "<pad>": 2, "<mask>": 3, "jump": 4, "##ing": 5, "fox": 6}
+    hf = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["</s>", "<pad>", "<mask>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    base = HuggingFaceTokenizer(tmp_path, vocab_extra_ids=2)  # adds <extra_id_0>, <extra_id_1>
+    tok = T5Tokenizer(base, 2)
+    assert tok.additional_special_tokens_ids == [7, 8]  # the vocabulary's own sentinels
+    assert tok.mask == 3 and (tok.eos, tok.pad) == (1, 2)
+    assert (tok.bos, tok.cls, tok.sep, tok.vocab_size) == (9, 10, 11, 12)
+    # word pieces keep megatron's "##" marker, so whole-word masking keeps "jump ##ing" together
+    assert tok.inv_vocab[5] == "##ing" and tok.inv_vocab[4] == "jump"
+    assert base.tokenize("jumping fox") == [4, 5, 6]
