@@ -109,6 +109,12 @@ class T5DatasetConfig(GPTDatasetConfig):
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
             if getattr(self, name):
                 raise ConfigError(f"dataset.{name}", "is a GPT option; T5 data does not read it")
+        for name, default in _GPT_ONLY.items():
+            if getattr(self, name) != default:
+                raise ConfigError(
+                    f"dataset.{name}",
+                    f"is a GPT data option; T5 data does not read it (leave it at {default!r})",
+                )
         super().__post_init__()
         if self.mock:
             for name, default in _INDEXED_ONLY.items():
@@ -124,6 +130,20 @@ class T5DatasetConfig(GPTDatasetConfig):
         """Whether samples come from indexed files (``blend`` / ``blend_per_split``)."""
         return not self.mock
 
+
+# GPTDatasetConfig fields that megatron's T5 dataset (and the generated one) never read.
+_GPT_ONLY: dict[str, Any] = {
+    "create_attention_mask": False,
+    "add_extra_token_to_sequence": True,
+    "drop_last_partial_validation_sequence": True,
+    "inter_document_masking": False,
+    "context_parallel_size": None,
+    "sequence_parallel_size": 0,
+    "hybrid_context_parallel": False,
+    "data_parallel_size": 1,
+    "object_storage_cache_path": None,
+    "sequences_per_dataset": None,
+}
 
 _INDEXED_ONLY = {
     "short_sequence_probability": 0.1,
