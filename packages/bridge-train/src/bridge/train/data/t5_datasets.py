@@ -1,4 +1,4 @@
-"""T5 span-corruption data: the config and a generated (mock) dataset.
+"""T5 span-corruption data: the config, a generated (mock) dataset and megatron's over files.
 
 Samples have the keys and layout of megatron-core's ``T5MaskedWordPieceDataset``:
 ``text_enc`` (encoder input with each corrupted span replaced by one sentinel token),
@@ -11,6 +11,7 @@ modulo the content vocabulary, like megatron's mock GPT data, so a model can lea
 corrupts spans with ``masking_probability`` per position (span lengths 1-3) while the
 decoder side fits ``sequence_length_dec``. Token ids: 0 pad, 1 bos, 2 eos, the top
 :data:`MOCK_SENTINELS` ids of the vocabulary are the sentinels, the rest is content.
+
 With ``blend`` or ``blend_per_split`` the samples come from megatron-core's own
 ``T5MaskedWordPieceDataset`` over indexed (``.bin``/``.idx``) data written by
 ``bridge-preprocess-data``, through ``BlendedMegatronDatasetBuilder`` (splits, blends, the
@@ -51,9 +52,21 @@ sequence longer than this many tokens."""
 class T5DatasetConfig(GPTDatasetConfig):
     """T5 span-corruption data: ``sequence_length`` is the encoder length.
 
+    Generated data without ``blend`` / ``blend_per_split``; megatron's
+    ``T5MaskedWordPieceDataset`` over indexed files with them.
+
     Attributes:
         sequence_length_dec: Decoder length (``model.seq_length_dec``).
-        masking_probability: Share of positions that start a corrupted span.
+        masking_probability: Generated data: share of positions that start a corrupted
+            span. Indexed data: share of tokens masked (megatron's meaning).
+        short_sequence_probability: Indexed data: probability of a sample shorter than
+            ``sequence_length`` (megatron).
+        masking_max_ngram: Indexed data: longest masked n-gram.
+        masking_do_full_word: Indexed data: mask whole words (WordPiece ``##`` pieces).
+        masking_do_permutation: Refused when true (megatron's permutation is not seeded).
+        masking_use_longer_ngrams: Indexed data: favour longer n-grams.
+        masking_use_geometric_distribution: Indexed data: n-gram lengths from SpanBERT's
+            geometric distribution.
     """
 
     sequence_length_dec: int = 32
