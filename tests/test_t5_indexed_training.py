@@ -107,12 +107,13 @@ def test_tiny_t5_learns_on_indexed_data_and_resumes_exactly(tmp_path: Path, corp
 def test_indexed_t5_dp2_and_tp2_match_one_process(tmp_path: Path, corpus: str, engine: str) -> None:
     args = [*_args(corpus), f"train.engine={engine}"]
     reference = _learns_and_resumes(tmp_path, args)
-    tp2 = ["model.tensor_model_parallel_size=2", "model.make_vocab_size_divisible_by=64"]
-    for name, extra in (("dp2", []), ("tp2", tp2)):
+    tp2 = [a for a in args if not a.startswith("model.make_vocab_size_divisible_by=")]
+    tp2 += ["model.tensor_model_parallel_size=2", "model.make_vocab_size_divisible_by=64"]
+    for name, run_args in (("dp2", args), ("tp2", tp2)):
         proc = run_torchrun(
             "bridge.train",
             2,
-            ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *args, *extra],
+            ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *run_args],
             torchrun_args=["-m"],
             timeout=900,
             cwd=tmp_path,
