@@ -99,8 +99,12 @@ def test_generated_samples_are_span_corruption_in_megatron_layout() -> None:
 
 
 def test_data_config_refuses_what_it_does_not_read() -> None:
-    with pytest.raises(ConfigError, match=r"dataset\.blend"):
-        _data(blend=(["/nonexistent"], None))
+    with pytest.raises(ConfigError, match=r"dataset\.masking_max_ngram: is read only with"):
+        _data(masking_max_ngram=3)  # generated data: an indexed-data option
+    with pytest.raises(ConfigError, match=r"dataset\.masking_do_permutation"):
+        _data(masking_do_permutation=True)
+    with pytest.raises(ConfigError, match=r"dataset\.add_extra_token_to_sequence: is a GPT"):
+        _data(add_extra_token_to_sequence=False)
     with pytest.raises(ConfigError, match=r"dataset\.eod_mask_loss"):
         _data(eod_mask_loss=True)
     with pytest.raises(ConfigError, match=r"dataset\.masking_probability"):

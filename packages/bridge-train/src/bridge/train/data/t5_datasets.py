@@ -1,4 +1,4 @@
-"""T5 span-corruption data: the config and a generated (mock) dataset.
+"""T5 span-corruption data: the config, a generated (mock) dataset and megatron's over files.
 
 Samples have the keys and layout of megatron-core's ``T5MaskedWordPieceDataset``:
 ``text_enc`` (encoder input with each corrupted span replaced by one sentinel token),
@@ -11,8 +11,13 @@ modulo the content vocabulary, like megatron's mock GPT data, so a model can lea
 corrupts spans with ``masking_probability`` per position (span lengths 1-3) while the
 decoder side fits ``sequence_length_dec``. Token ids: 0 pad, 1 bos, 2 eos, the top
 :data:`MOCK_SENTINELS` ids of the vocabulary are the sentinels, the rest is content.
-Reading indexed (``.bin``/``.idx``) data through megatron's T5 dataset is not implemented
-here: a config with ``blend`` is refused.
+
+With ``blend`` or ``blend_per_split`` the samples come from megatron-core's own
+``T5MaskedWordPieceDataset`` over indexed (``.bin``/``.idx``) data written by
+``bridge-preprocess-data``, through ``BlendedMegatronDatasetBuilder`` (splits, blends, the
+index cache), with the tokenizer wrapped by :class:`~bridge.train.data.t5_tokenizer.T5Tokenizer`
+(sentinels, ``bos``, ``cls``/``sep``/``mask``). What megatron's dataset would get wrong is
+refused by :func:`check_t5_data_config` before anything runs.
 """
 
 from __future__ import annotations
@@ -25,24 +30,53 @@ import torch
 
 from bridge.config import GPTDatasetConfig
 
-__all__ = ["MOCK_SENTINELS", "MockT5Dataset", "T5DatasetConfig", "build_t5_datasets"]
+__all__ = [
+    "LONG_SENTENCE_TOKENS",
+    "MOCK_SENTINELS",
+    "MockT5Dataset",
+    "T5DatasetConfig",
+    "build_t5_datasets",
+    "check_t5_data_config",
+    "max_t5_spans",
+]
 
 MOCK_SENTINELS = 10
 """Sentinel tokens of the mock data (the top ids of the vocabulary)."""
 _PAD, _BOS, _EOS = 0, 1, 2
+LONG_SENTENCE_TOKENS = 512
+"""megatron's sample index (``helpers.build_mapping``) skips every document holding a
+sequence longer than this many tokens."""
 
 
 @dataclass(kw_only=True)
 class T5DatasetConfig(GPTDatasetConfig):
     """T5 span-corruption data: ``sequence_length`` is the encoder length.
 
+    Generated data without ``blend`` / ``blend_per_split``; megatron's
+    ``T5MaskedWordPieceDataset`` over indexed files with them.
+
     Attributes:
         sequence_length_dec: Decoder length (``model.seq_length_dec``).
-        masking_probability: Share of positions that start a corrupted span.
+        masking_probability: Generated data: share of positions that start a corrupted
+            span. Indexed data: share of tokens masked (megatron's meaning).
+        short_sequence_probability: Indexed data: probability of a sample shorter than
+            ``sequence_length`` (megatron).
+        masking_max_ngram: Indexed data: longest masked n-gram.
+        masking_do_full_word: Indexed data: mask whole words (WordPiece ``##`` pieces).
+        masking_do_permutation: Refused when true (megatron's permutation is not seeded).
+        masking_use_longer_ngrams: Indexed data: favour longer n-grams.
+        masking_use_geometric_distribution: Indexed data: n-gram lengths from SpanBERT's
+            geometric distribution.
     """
 
     sequence_length_dec: int = 32
     masking_probability: float = 0.15
+    short_sequence_probability: float = 0.1
+    masking_max_ngram: int = 10
+    masking_do_full_word: bool = True
+    masking_do_permutation: bool = False
+    masking_use_longer_ngrams: bool = False
+    masking_use_geometric_distribution: bool = False
     # GPT-only options, fixed off (T5 samples carry their own masks).
     reset_position_ids: bool | None = False
     reset_attention_mask: bool | None = False
@@ -53,18 +87,11 @@ class T5DatasetConfig(GPTDatasetConfig):
         """Check the T5 fields and refuse what the T5 data does not read.
 
         Raises:
-            ValueError: A bad size or probability, indexed data (``blend``), or a GPT-only
-                option set.
+            ValueError: A bad size or probability, a GPT-only option set, or a masking
+                option that megatron's dataset cannot honour.
         """
         from bridge.config import ConfigError
 
-        if self.blend is not None or self.blend_per_split is not None:
-            raise ConfigError(
-                "dataset.blend",
-                "indexed T5 data is not supported yet (megatron's T5 dataset needs a tokenizer "
-                "with sentinel tokens, cls/sep/mask ids and inv_vocab, which the project's "
-                "tokenizers lack); leave blend unset for generated data",
-            )
         if not isinstance(self.sequence_length_dec, int) or self.sequence_length_dec < 4:
             raise ConfigError(
                 "dataset.sequence_length_dec",
@@ -75,11 +102,123 @@ class T5DatasetConfig(GPTDatasetConfig):
                 "dataset.masking_probability",
                 f"must be in (0, 1), got {self.masking_probability!r}",
             )
+        if not 0.0 <= float(self.short_sequence_probability) <= 1.0:
+            raise ConfigError(
+                "dataset.short_sequence_probability",
+                f"must be in [0, 1], got {self.short_sequence_probability!r}",
+            )
+        if not isinstance(self.masking_max_ngram, int) or self.masking_max_ngram < 1:
+            raise ConfigError(
+                "dataset.masking_max_ngram",
+                f"must be an integer >= 1, got {self.masking_max_ngram!r}",
+            )
+        if self.masking_do_permutation:
+            raise ConfigError(
+                "dataset.masking_do_permutation",
+                "is not supported: megatron draws the permutation from numpy's global random "
+                "state, not the sample's seed, so samples would differ between runs and a "
+                "resume would not be exact; leave it false",
+            )
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
             if getattr(self, name):
                 raise ConfigError(f"dataset.{name}", "is a GPT option; T5 data does not read it")
-        self.mock = True
+        for name, default in _GPT_ONLY.items():
+            if getattr(self, name) != default:
+                raise ConfigError(
+                    f"dataset.{name}",
+                    f"is a GPT data option; T5 data does not read it (leave it at {default!r})",
+                )
         super().__post_init__()
+        if self.mock:
+            for name, default in _INDEXED_ONLY.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(
+                        f"dataset.{name}",
+                        "is read only with indexed data (blend / blend_per_split); the "
+                        f"generated data does not use it (leave it at {default!r})",
+                    )
+
+    @property
+    def is_indexed(self) -> bool:
+        """Whether samples come from indexed files (``blend`` / ``blend_per_split``)."""
+        return not self.mock
+
+
+# GPTDatasetConfig fields that megatron's T5 dataset (and the generated one) never read.
+_GPT_ONLY: dict[str, Any] = {
+    "create_attention_mask": False,
+    "add_extra_token_to_sequence": True,
+    "drop_last_partial_validation_sequence": True,
+    "inter_document_masking": False,
+    "context_parallel_size": None,
+    "sequence_parallel_size": 0,
+    "hybrid_context_parallel": False,
+    "data_parallel_size": 1,
+    "object_storage_cache_path": None,
+    "sequences_per_dataset": None,
+}
+
+_INDEXED_ONLY = {
+    "short_sequence_probability": 0.1,
+    "masking_max_ngram": 10,
+    "masking_do_full_word": True,
+    "masking_use_longer_ngrams": False,
+    "masking_use_geometric_distribution": False,
+}
+
+
+def max_t5_spans(sequence_length: int, masking_probability: float) -> int:
+    """The most spans (and masked tokens) megatron's T5 dataset corrupts in one sample.
+
+    megatron masks at most ``masking_probability x (sequence_length - 2)`` tokens (the
+    sample index leaves room for ``bos`` and ``eos``), each span at least one token.
+    """
+    return int(float(masking_probability) * (int(sequence_length) - 2))
+
+
+def check_t5_data_config(dataset_config: Any, tokenizer_config: Any) -> None:
+    """Refuse an indexed T5 data config that megatron's T5 dataset cannot serve.
+
+    Checks, for indexed data: a tokenizer is configured with enough sentinels
+    (``tokenizer.vocab_extra_ids`` >= the most spans of a sample, else megatron runs out of
+    sentinels mid-epoch) and the decoder is long enough for the worst case (``bos`` plus a
+    sentinel and a token per masked token, else megatron's sample assertion fails).
+
+    Args:
+        dataset_config: The run's dataset section.
+        tokenizer_config: The run's tokenizer section (or None).
+
+    Raises:
+        bridge.config.ConfigError: The field to change and the value that works.
+    """
+    from bridge.config import ConfigError
+
+    if not isinstance(dataset_config, T5DatasetConfig) or not dataset_config.is_indexed:
+        return
+    kind = getattr(tokenizer_config, "tokenizer_type", None)
+    if kind is None:
+        raise ConfigError(
+            "tokenizer.tokenizer_type",
+            "indexed T5 data needs the tokenizer the data was written with (e.g. "
+            "ByteLevelTokenizer for bridge-preprocess-data's default)",
+        )
+    spans = max_t5_spans(dataset_config.sequence_length, dataset_config.masking_probability)
+    sentinels = int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0)
+    if sentinels < max(1, spans):
+        raise ConfigError(
+            "tokenizer.vocab_extra_ids",
+            f"is {sentinels} but T5 data with sequence_length={dataset_config.sequence_length} "
+            f"and masking_probability={dataset_config.masking_probability} corrupts up to "
+            f"{spans} spans per sample, one sentinel each; set it to at least {max(1, spans)}",
+        )
+    needed = 1 + 2 * spans
+    if dataset_config.sequence_length_dec < needed:
+        raise ConfigError(
+            "dataset.sequence_length_dec",
+            f"is {dataset_config.sequence_length_dec} but a sample can need {needed} decoder "
+            f"tokens (bos, then a sentinel and a token for each of up to {spans} masked "
+            "tokens); raise it (and model.seq_length_dec) or lower masking_probability",
+        )
 
 
 class MockT5Dataset(torch.utils.data.Dataset):
@@ -164,16 +303,78 @@ def build_t5_datasets(
 ) -> tuple[Any, Any, Any]:
     """The train, validation and test T5 datasets (``None`` for an empty split).
 
+    Generated data without ``blend``; with it, megatron's ``T5MaskedWordPieceDataset``
+    through ``BlendedMegatronDatasetBuilder`` (call it on every rank: megatron's builder lets
+    rank 0 build the index cache first).
+
     Args:
         dataset_config: The T5 dataset config.
-        tokenizer: The tokenizer (its ``vocab_size`` bounds the generated ids).
+        tokenizer: The tokenizer (its ``vocab_size`` bounds the generated ids); for indexed
+            data a :class:`~bridge.train.data.t5_tokenizer.T5Tokenizer`.
         num_samples: Samples per split.
 
     Returns:
         ``(train, valid, test)``.
+
+    Raises:
+        TypeError: Indexed data with a tokenizer that has no sentinel tokens.
+        FileNotFoundError: A data path does not exist.
     """
+    if dataset_config.is_indexed:
+        return _build_indexed(dataset_config, tokenizer, num_samples)
     vocab = int(tokenizer.vocab_size)
     return tuple(  # type: ignore[return-value]
         MockT5Dataset(int(n), dataset_config, vocab, i) if n else None
         for i, n in enumerate(num_samples)
     )
+
+
+def _build_indexed(
+    dataset_config: T5DatasetConfig, tokenizer: Any, num_samples: tuple[int, int, int]
+) -> tuple[Any, Any, Any]:
+    import warnings
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.t5_dataset import (
+        T5MaskedWordPieceDataset,
+        T5MaskedWordPieceDatasetConfig,
+    )
+
+    from bridge.config import convert_dataclass
+    from bridge.train.data.datasets import _as_blend, check_data_paths, dataset_prefixes
+
+    if not hasattr(tokenizer, "additional_special_tokens_ids"):
+        raise TypeError(
+            "indexed T5 data needs a tokenizer with sentinel tokens "
+            "(bridge.train.data.t5_tokenizer.T5Tokenizer); pretrain wraps the configured one"
+        )
+    check_data_paths(dataset_config)
+    for field, prefix in dataset_prefixes(dataset_config):
+        # Counted while the dataset (and its memory map) is alive: its arrays are views.
+        indexed = IndexedDataset(prefix)
+        lengths = indexed.sequence_lengths
+        long = int((lengths > LONG_SENTENCE_TOKENS).sum())
+        total = len(lengths)
+        del lengths, indexed
+        if long:
+            warnings.warn(
+                f"{field}: {long} of {total} sequences in {prefix!r} are longer than "
+                f"{LONG_SENTENCE_TOKENS} tokens; megatron's T5 sample index skips the documents "
+                "holding them. Write shorter documents (e.g. one sentence or line each)",
+                stacklevel=2,
+            )
+    overrides: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "sequence_length_decoder": dataset_config.sequence_length_dec,
+        "blend": _as_blend(dataset_config.blend),
+    }
+    if dataset_config.blend_per_split is not None:
+        overrides["blend_per_split"] = [_as_blend(b) for b in dataset_config.blend_per_split]
+    config = convert_dataclass(dataset_config, T5MaskedWordPieceDatasetConfig, **overrides)
+    sizes = [int(n) for n in num_samples]
+    builder = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, sizes, lambda: True, config)
+    train_ds, valid_ds, test_ds = builder.build()
+    return train_ds, valid_ds, test_ds

@@ -13,7 +13,7 @@ from typing import Any
 from bridge.train.gpt_step import forward_step
 from bridge.train.state_injection import ForwardStepCallable
 
-__all__ = ["build_family_datasets", "default_forward_step", "is_t5"]
+__all__ = ["build_family_datasets", "default_forward_step", "family_tokenizer", "is_t5"]
 
 
 def is_t5(model_config: Any) -> bool:
@@ -30,6 +30,19 @@ def default_forward_step(model_config: Any) -> ForwardStepCallable:
 
         return t5_forward_step
     return forward_step
+
+
+def family_tokenizer(dataset_config: Any, tokenizer_config: Any, tokenizer: Any) -> Any:
+    """The tokenizer the model family's data reads: for indexed T5 data, ``tokenizer`` with
+    the T5 sentinel and special tokens (:class:`bridge.train.data.t5_tokenizer.T5Tokenizer`,
+    ``tokenizer.vocab_extra_ids`` sentinels); otherwise ``tokenizer`` itself."""
+    from bridge.train.data.t5_datasets import T5DatasetConfig
+
+    if isinstance(dataset_config, T5DatasetConfig) and dataset_config.is_indexed:
+        from bridge.train.data.t5_tokenizer import T5Tokenizer
+
+        return T5Tokenizer(tokenizer, int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0))
+    return tokenizer
 
 
 def build_family_datasets(

@@ -143,6 +143,9 @@ def _check_data(cfg: ConfigContainer) -> None:
         location, _, detail = text.partition(": ")
         raise ConfigError(location or "dataset", detail or text) from None
     _check_data_files(cfg)
+    from bridge.train.data.t5_datasets import check_t5_data_config
+
+    check_t5_data_config(cfg.dataset, cfg.tokenizer)
     tokenizer = cfg.tokenizer
     if tokenizer is not None and tokenizer.tokenizer_type == "HuggingFaceTokenizer":
         model_path = tokenizer.tokenizer_model

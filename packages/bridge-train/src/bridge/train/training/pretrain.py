@@ -58,7 +58,11 @@ from bridge.train.state_injection import ForwardStepCallable
 from bridge.train.training.batch_size import release_num_microbatches_calculator
 from bridge.train.training.eval import evaluate_and_print_results
 from bridge.train.training.metrics_file import JsonlMetricWriter
-from bridge.train.training.model_family import build_family_datasets, default_forward_step
+from bridge.train.training.model_family import (
+    build_family_datasets,
+    default_forward_step,
+    family_tokenizer,
+)
 from bridge.train.training.preflight import check_config_before_launch
 from bridge.train.training.progress_log import append_starting_job
 from bridge.train.training.run_config import save_run_config
@@ -302,7 +306,7 @@ def setup(
         cfg, metrics_file, backend_settings, report_settings
     )
 
-    tokenizer = _build_tokenizer(cfg)
+    tokenizer = family_tokenizer(cfg.dataset, cfg.tokenizer, _build_tokenizer(cfg))
     apply_tokenizer = getattr(cfg.model, "apply_tokenizer", None)
     if apply_tokenizer is not None:
         apply_tokenizer(tokenizer)

@@ -1,0 +1,180 @@
+"""The tokenizer interface megatron-core's T5 dataset reads, on any of the trainer's tokenizers.
+
+megatron's ``T5MaskedWordPieceDataset`` (and its masked-LM base) needs more than the GPT
+datasets: ``additional_special_tokens_ids`` (the sentinels that replace corrupted spans),
+``bos`` / ``eos`` (decoder start and end), ``cls`` / ``sep`` (never masked), ``mask`` and
+``inv_vocab`` (id -> token string; a piece starting with ``##`` continues a word, which
+whole-word masking keeps together). :class:`T5Tokenizer` adds these to a trainer tokenizer:
+
+* sentinels ``<extra_id_0>`` ... ``<extra_id_{N-1}>``, N = ``tokenizer.vocab_extra_ids``;
+* ``<bos>``, ``<cls>``, ``<sep>``, ``<mask>``;
+* ``eos`` is the tokenizer's end-of-document id (the token preprocessing writes after every
+  document), ``pad`` the tokenizer's pad id (a new ``<pad>`` when it has none).
+
+A token the base tokenizer already has (a byte-level special token, or one a Hugging Face,
+GPT-2, SentencePiece or tiktoken vocabulary gives as a single id, e.g. the ``<extra_id_N>``
+that ``vocab_extra_ids`` adds to it) keeps its id; the others get new ids after the base
+vocabulary, so data written by ``bridge-preprocess-data`` with the base tokenizer is read
+unchanged. ``vocab_size`` counts the added ids, and the model's vocabulary follows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bridge.train.data.tokenizers import ByteLevelTokenizer, Tokenizer
+
+__all__ = ["T5Tokenizer", "sentinel_tokens"]
+
+_ROLES = (("bos", "<bos>"), ("cls", "<cls>"), ("sep", "<sep>"), ("mask", "<mask>"))
+
+
+def sentinel_tokens(count: int) -> list[str]:
+    """The T5 sentinel token strings ``<extra_id_0>`` ... ``<extra_id_{count-1}>``."""
+    return [f"<extra_id_{i}>" for i in range(count)]
+
+
+def _existing_id(base: Tokenizer, token: str) -> int | None:
+    """The id ``base`` gives ``token`` as one token, or None."""
+    if isinstance(base, ByteLevelTokenizer):
+        try:
+            return base.special_token_id(token)
+        except KeyError:
+            return None
+    try:
+        ids = base.tokenize(token)
+    except (ValueError, TypeError):  # the null tokenizer parses integers only
+        return None
+    if len(ids) == 1 and 0 <= int(ids[0]) < base.vocab_size:
+        return int(ids[0])
+    return None
+
+
+class T5Tokenizer(Tokenizer):
+    """A trainer tokenizer with the sentinel and special tokens of T5 span corruption.
+
+    Args:
+        base: The tokenizer the data was written with.
+        num_sentinels: Number of sentinel tokens (``tokenizer.vocab_extra_ids``).
+
+    Raises:
+        ValueError: ``num_sentinels`` < 1.
+    """
+
+    def __init__(self, base: Tokenizer, num_sentinels: int) -> None:
+        if int(num_sentinels) < 1:
+            raise ValueError(
+                "tokenizer.vocab_extra_ids must be >= 1 for T5 data (the sentinel tokens), got "
+                f"{num_sentinels!r}"
+            )
+        self.base = base
+        next_id = int(base.vocab_size)
+        self._added: dict[int, str] = {}
+
+        def token_id(token: str) -> int:
+            nonlocal next_id
+            found = _existing_id(base, token)
+            if found is not None:
+                return found
+            self._added[next_id] = token
+            next_id += 1
+            return next_id - 1
+
+        self._sentinel_ids = [token_id(t) for t in sentinel_tokens(int(num_sentinels))]
+        self._role_ids = {role: token_id(token) for role, token in _ROLES}
+        base_pad = int(base.pad)
+        self._pad = base_pad if base_pad >= 0 else token_id("<pad>")
+        self._vocab_size = next_id
+        self._inv_vocab: dict[int, str] | None = None
+        super().__init__(base=dict(base.unique_identifiers), num_sentinels=int(num_sentinels))
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary plus the added tokens."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        """The base tokenizer's end-of-document id."""
+        return int(self.base.eod)
+
+    @property
+    def eos(self) -> int:
+        """End of the decoder target: the end-of-document id."""
+        return int(self.base.eod)
+
+    @property
+    def pad(self) -> int:
+        """The base pad id, or the added ``<pad>``."""
+        return self._pad
+
+    @property
+    def bos(self) -> int:
+        """Decoder start token."""
+        return self._role_ids["bos"]
+
+    @property
+    def cls(self) -> int:
+        """``<cls>`` (never masked)."""
+        return self._role_ids["cls"]
+
+    @property
+    def sep(self) -> int:
+        """``<sep>`` (never masked)."""
+        return self._role_ids["sep"]
+
+    @property
+    def mask(self) -> int:
+        """``<mask>``."""
+        return self._role_ids["mask"]
+
+    @property
+    def additional_special_tokens_ids(self) -> list[int]:
+        """Sentinel ids, in the order spans take them (``<extra_id_0>`` first)."""
+        return list(self._sentinel_ids)
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        """Id -> token string for every id (built on first use)."""
+        if self._inv_vocab is None:
+            inner = getattr(self.base, "_tokenizer", None)
+            id_to_token = getattr(inner, "id_to_token", None)  # Hugging Face tokenizers
+            table: dict[int, str] = {}
+            for i in range(int(self.base.vocab_size)):
+                piece = id_to_token(i) if callable(id_to_token) else None
+                table[i] = piece if isinstance(piece, str) else self.base.detokenize([i])
+            table.update(self._added)
+            self._inv_vocab = table
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        """The base tokenizer's ids (added tokens are not parsed from text)."""
+        return self.base.tokenize(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decode, writing added tokens by name."""
+        out: list[str] = []
+        run: list[int] = []
+        for raw in ids:
+            token_id = int(raw)
+            if token_id in self._added:
+                if run:
+                    out.append(self.base.detokenize(run))
+                    run = []
+                out.append(self._added[token_id])
+            else:
+                run.append(token_id)
+        if run:
+            out.append(self.base.detokenize(run))
+        return "".join(out)
+
+    def describe(self) -> dict[str, Any]:
+        """The special ids, for logs and tests."""
+        return {
+            "vocab_size": self.vocab_size,
+            "eos": self.eos,
+            "pad": self.pad,
+            **self._role_ids,
+            "sentinels": self.additional_special_tokens_ids,
+        }
