@@ -4,16 +4,14 @@ Without processes: the driver (``run_loop``) with a scripted step (hook order, t
 callback sees, stop requests, the rerun state machine's stop, a failing callback named) and
 the ``Checkpointer``'s decisions with a recording save function. With one forked rank: a
 real ``pretrain`` run with a recording callback and the documented example callback
-(docs/training.md, executed from the page). As a subprocess: ``bridge-train`` with
-callbacks from YAML (``_target_``), one of which raises (exit code 1, one line).
+(docs/training.md, executed from the page); ``bridge-train``'s ``main`` with callbacks from
+YAML (``_target_``), one of which raises (exit code 1, one line).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,7 @@ from bridge.train import (
     pretrain,
     read_metrics_file,
 )
-from bridge.train.cli import EXIT_CALLBACK_ERROR, EXIT_CONFIG_ERROR
+from bridge.train.cli import EXIT_CALLBACK_ERROR, EXIT_CONFIG_ERROR, main
 from bridge.train.recipes import DEFAULT_RECIPE, recipe_path
 from bridge.train.testing import tiny_config_container, tiny_train_config
 from bridge.train.training.components import Checkpointer
@@ -327,11 +325,6 @@ class Explodes(Callback):
 """
 
 
-def _console_script() -> list[str]:
-    script = Path(sys.executable).with_name("bridge-train")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "bridge.train"]
-
-
 def _recipe_with_callbacks(tmp_path: Path, callbacks: list[dict[str, Any]]) -> Path:
     recipe = yaml.safe_load(recipe_path(DEFAULT_RECIPE).read_text())
     recipe["callbacks"] = callbacks
@@ -340,13 +333,22 @@ def _recipe_with_callbacks(tmp_path: Path, callbacks: list[dict[str, Any]]) -> P
     return path
 
 
-@pytest.mark.timeout(240)
+def _cli_run(rank: int, world: int, argv: list[str], path: str) -> Any:
+    sys.path.insert(0, path)
+    try:
+        main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
 def test_bridge_train_runs_yaml_callbacks_and_names_a_failing_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "my_callbacks.py").write_text(_CALLBACK_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = tmp_path / "hooks.jsonl"
     recipe = _recipe_with_callbacks(
         tmp_path,
@@ -356,24 +358,14 @@ def test_bridge_train_runs_yaml_callbacks_and_names_a_failing_one(
         ],
     )
     save = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            *_console_script(),
-            "--config",
-            str(recipe),
-            "--no-print-config",
-            "train.train_iters=6",
-            f"checkpoint.save={save}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=220,
-        cwd=tmp_path,
-        env=env,
+    argv = ["--config", str(recipe), "--no-print-config", "train.train_iters=6"]
+    (code,) = run_distributed(
+        _cli_run, 1, [*argv, f"checkpoint.save={save}"], str(tmp_path), timeout=150
     )
-    assert proc.returncode == EXIT_CALLBACK_ERROR, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
+    err = capfd.readouterr().err
+    assert code == EXIT_CALLBACK_ERROR, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
         "bridge-train: error: callback Explodes.on_step_end raised at iteration 3: "
         "ValueError: exploded on purpose"
     )
@@ -389,16 +381,12 @@ def test_bridge_train_runs_yaml_callbacks_and_names_a_failing_one(
         tmp_path,
         [{"_target_": "my_callbacks.HookLog", "path": "x"}, {"_target_": "json.JSONDecoder"}],
     )
-    proc = subprocess.run(
-        [*_console_script(), "--config", str(recipe), "--no-print-config"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
+    with pytest.raises(SystemExit) as info:
+        main(["--config", str(recipe), "--no-print-config"])
+    assert info.value.code == EXIT_CONFIG_ERROR
     assert (
-        proc.stderr.strip()
+        capfd.readouterr()
+        .err.strip()
         .splitlines()[-1]
         .startswith(
             "bridge-train: error: callbacks[1]._target_: 'json.JSONDecoder' is not a Callback"
