@@ -6,7 +6,9 @@ the optimizer, advance the scheduler by the global batch size (megatron counts s
 and average the reported loss over tokens of all micro-batches and data-parallel ranks.
 :func:`run_bare_loop` builds everything it needs from configs first. The full trainer
 (``bridge.train.train``) adds evaluation, checkpoints, logging and exit handling around the
-same calls; benchmarks time this loop as their baseline.
+same calls; benchmarks time this loop as their baseline. It shares the step's pieces with
+the trainer (:func:`zero_grad_buffers`, :func:`reduce_losses`' sums, the
+:class:`~bridge.train.training.loop.StepResult` and the ``train_state`` update).
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from bridge.train.gpt_step import forward_step
 from bridge.train.state import GlobalState
 from bridge.train.state_injection import prepare_forward_step_func
 
-__all__ = ["BareLoopResult", "reduce_loss_dicts", "reduce_losses", "run_bare_loop", "train_steps"]
+__all__ = [
+    "BareLoopResult",
+    "reduce_loss_dicts",
+    "reduce_losses",
+    "run_bare_loop",
+    "train_steps",
+    "zero_grad_buffers",
+]
 
 
 @dataclass
@@ -104,6 +113,15 @@ def reduce_loss_dicts(
     }
 
 
+def zero_grad_buffers(model: list[torch.nn.Module], optimizer: Any) -> None:
+    """Zero the gradients before a step: the DDP wrappers' buffers and the optimizer's."""
+    for chunk in model:
+        zero = getattr(chunk, "zero_grad_buffer", None)
+        if zero is not None:
+            zero()
+    optimizer.zero_grad()
+
+
 def train_steps(
     engine: Engine,
     model: list[torch.nn.Module],
@@ -144,6 +162,9 @@ def train_steps(
     """
     from megatron.core import parallel_state
 
+    # Imported here: bridge.train.training imports this module (the loss reductions).
+    from bridge.train.training.loop import StepResult, advance_train_state
+
     dp_size = parallel_state.get_data_parallel_world_size()
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(
@@ -156,11 +177,7 @@ def train_steps(
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     result = BareLoopResult()
     for _ in range(train_iters):
-        for chunk in model:
-            zero = getattr(chunk, "zero_grad_buffer", None)
-            if zero is not None:
-                zero()
-        optimizer.zero_grad()
+        zero_grad_buffers(model, optimizer)
         loss_dicts = engine.forward_backward_func(
             forward_step_func=step_func,
             data_iterator=data_iterator,
@@ -172,20 +189,24 @@ def train_steps(
             forward_only=False,
         )
         learning_rate = float(optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = optimizer.step()
+        ok, grad_norm, num_zeros = optimizer.step()
         if ok:
             scheduler.step(increment=global_batch_size)
-        reduced = reduce_loss_dicts(loss_dicts, dp_cp_group)
-        loss_sum, count = reduced.get("lm loss", (float("nan"), 1.0))
-        result.losses.append(loss_sum / max(count, 1.0))
-        result.num_tokens.append(int(count))
+        pairs = _sum_loss_pairs(loss_dicts, dp_cp_group)
+        step = StepResult(
+            losses={name: pair[0] / pair[1].clamp(min=1.0) for name, pair in pairs.items()},
+            skipped=not ok,
+            grad_norm=grad_norm,
+            num_zeros_in_grad=num_zeros,
+            num_samples=global_batch_size,
+        )
+        loss = step.losses.get("lm loss")
+        result.losses.append(float("nan") if loss is None else float(loss))
+        result.num_tokens.append(int(pairs["lm loss"][1]) if "lm loss" in pairs else 1)
         result.grad_norms.append(None if grad_norm is None else float(grad_norm))
         result.learning_rates.append(learning_rate)
         result.update_successful.append(bool(ok))
-        state.train_state.step += 1
-        state.train_state.consumed_train_samples += global_batch_size
-        if not ok:
-            state.train_state.skipped_train_samples += global_batch_size
+        advance_train_state(state.train_state, step)
         if on_step is not None:
             on_step(state.train_state.step, result)
     return result

@@ -30,7 +30,7 @@ import torch
 from bridge.train.state import GlobalState, TrainState
 from core_utils.callbacks import CallbackList
 
-__all__ = ["LoopContext", "StepFunction", "StepResult", "run_loop"]
+__all__ = ["LoopContext", "StepFunction", "StepResult", "advance_train_state", "run_loop"]
 
 
 @dataclass
@@ -178,7 +178,8 @@ class LoopContext:
 StepFunction = Callable[[LoopContext], StepResult]
 
 
-def _advance(train_state: TrainState, result: StepResult) -> None:
+def advance_train_state(train_state: TrainState, result: StepResult) -> None:
+    """Count a completed iteration: step, consumed (and skipped) samples, FLOPs."""
     train_state.step += 1
     train_state.consumed_train_samples += result.num_samples
     if result.skipped:
@@ -209,7 +210,7 @@ def run_loop(
         result = step(context)
         context.step_result = result
         if result.completed:
-            _advance(context.state.train_state, result)
+            advance_train_state(context.state.train_state, result)
         else:
             context.request_stop("the rerun state machine stopped the job", result.exit_code)
         callbacks.on_step_end(context)

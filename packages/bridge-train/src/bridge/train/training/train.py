@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bridge.train.bare_loop import reduce_losses
+from bridge.train.bare_loop import reduce_losses, zero_grad_buffers
 from bridge.train.flops import num_floating_point_operations
 from bridge.train.state import GlobalState
 from bridge.train.state_injection import ForwardStepCallable, prepare_forward_step_func
@@ -169,11 +169,7 @@ def run_train_step(
 
     losses_reduced: list[Any] = []
     while rerun_state_machine.should_run_forward_backward(data_iterator):
-        for chunk in model:
-            zero_grad_buffer = getattr(chunk, "zero_grad_buffer", None)
-            if zero_grad_buffer is not None:
-                zero_grad_buffer()
-        optimizer.zero_grad()
+        zero_grad_buffers(model, optimizer)
         _handle_mxfp8_param_buffer_copy(
             optimizer,
             bool(getattr(ddp, "reuse_grad_buf_for_mxfp8_param_ag", False)),
