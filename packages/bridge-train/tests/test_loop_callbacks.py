@@ -389,6 +389,7 @@ def test_bridge_train_runs_yaml_callbacks_and_names_a_failing_one(
         .err.strip()
         .splitlines()[-1]
         .startswith(
-            "bridge-train: error: callbacks[1]._target_: 'json.JSONDecoder' is not a Callback"
+            "bridge-train: error: callbacks[1]: got JSONDecoder, which is not a training-loop "
+            "callback"
         )
     )
