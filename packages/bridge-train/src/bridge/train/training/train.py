@@ -62,6 +62,7 @@ __all__ = [
     "checkpoint_and_decide_exit",
     "disable_forward_pre_hook",
     "enable_forward_pre_hook",
+    "gpt_save_function",
     "gpt_step_function",
     "post_training_step_callbacks",
     "run_train_step",
