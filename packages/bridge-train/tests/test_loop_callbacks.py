@@ -149,7 +149,8 @@ def test_rerun_stop_does_not_advance_and_keeps_its_exit_code() -> None:
     assert context.step_result is not None and not context.step_result.completed
     # A later request cannot turn the failure into success; a failure replaces success.
     context.request_stop("other", exit_code=0)
-    assert context.exit_code == 17 and context.stop_reason.startswith("the rerun")
+    assert context.exit_code == 17
+    assert context.stop_reason is not None and context.stop_reason.startswith("the rerun")
 
 
 def test_a_failing_callback_is_named_with_hook_and_iteration() -> None:
