@@ -266,6 +266,13 @@ def _encode_lenient(value: Any, path: str, omit_derived: bool) -> Any:
     return f"<not serialisable: {_describe(value)}>"
 
 
+def _is_stateless_callback(value: Any) -> bool:
+    # A Callback's module is loaded whenever one exists: no import (and no torch) needed.
+    module = sys.modules.get("core_utils.callbacks")
+    callback = getattr(module, "Callback", None) if module is not None else None
+    return isinstance(callback, type) and isinstance(value, callback) and not vars(value)
+
+
 def _encode(value: Any, path: str, omit_derived: bool = True) -> Any:
     if value is None or isinstance(value, bool):
         return value
@@ -316,6 +323,9 @@ def _encode(value: Any, path: str, omit_derived: bool = True) -> Any:
         return out
     if callable(value):
         return {TARGET: import_path(value, path), CALL: False}
+    if _is_stateless_callback(value):
+        # A stateless training-loop callback is rebuilt by calling its class.
+        return {TARGET: import_path(type(value), path)}
     raise ConfigError(
         path,
         f"cannot serialise {_describe(value)} of type {type(value).__qualname__}: only scalars, "

@@ -253,6 +253,14 @@ class ConfigContainer:
     recipe name such as ``"bf16_mixed"`` that the trainer resolves. Checked against the
     model's ``bf16``/``fp16`` flags."""
 
+    callbacks: list[Any] = field(default_factory=list)
+    """Training-loop callbacks: instances of ``bridge.train.Callback``
+    (``core_utils.Callback``) subclasses, run in this order at every hook of the loop
+    (``validate()`` refuses anything else). In YAML a list of
+    ``{_target_: package.module.Class, <argument>: <value>, ...}`` entries; a dataclass
+    callback is saved with its fields in ``run_config.yaml``, any other class only when it
+    has no instance state. (Typed ``Any`` so that bridge.config does not import torch.)"""
+
     data_parallel_size: int | None = field(init=False, default=None)
     """Data-parallel size (world size divided by tensor x pipeline x context parallel
     sizes; expert parallelism does not change it). Computed by ``validate()``; not
@@ -693,6 +701,16 @@ class ConfigContainer:
                 raise ConfigError(
                     "profiling.profile_ranks",
                     f"rank(s) {absent} do not exist; the world has ranks 0 to {world - 1}",
+                )
+        if self.callbacks:
+            # Only here: core_utils imports torch, which a config without callbacks never needs.
+            from core_utils.callbacks import Callback
+        for index, callback in enumerate(self.callbacks):
+            if not isinstance(callback, Callback):
+                raise ConfigError(
+                    f"callbacks[{index}]",
+                    f"got {type(callback).__qualname__}, which is not a training-loop callback; "
+                    "name a subclass of bridge.train.Callback (core_utils.Callback) in _target_",
                 )
         if self.peft is not None and checkpoint.pretrained_checkpoint is None:
             raise ConfigError(

@@ -1,4 +1,5 @@
-"""Fault tolerance, straggler detection, exit signals and exit conditions for training loops."""
+"""Fault tolerance, straggler detection, exit signals and exit conditions for training loops
+(and the loop components that run them: :mod:`bridge.resiliency.loop_components`)."""
 
 from bridge.resiliency.elastic import init_process_group, restart_count
 from bridge.resiliency.errors import MissingExtraError, ResiliencyError
@@ -16,6 +17,12 @@ from bridge.resiliency.fault_tolerance import (
     NullFaultTolerance,
 )
 from bridge.resiliency.hang_watchdog import HangWatchdog, WatchdogTimeouts
+from bridge.resiliency.loop_components import (
+    FaultToleranceHeartbeat,
+    LoopProgress,
+    NVRxStragglerPoll,
+    StragglerReporter,
+)
 from bridge.resiliency.nvrx_straggler import (
     NVRxStragglerMonitor,
     PerfReport,
@@ -35,16 +42,20 @@ __all__ = [
     "ExitReason",
     "ExitSignalHandler",
     "FaultTolerance",
+    "FaultToleranceHeartbeat",
     "FaultType",
     "HangWatchdog",
+    "LoopProgress",
     "MissingExtraError",
     "NVRxStragglerMonitor",
+    "NVRxStragglerPoll",
     "NullFaultTolerance",
     "PerfReport",
     "ResiliencyError",
     "SimulatedFault",
     "StopRequester",
     "StragglerAssessment",
+    "StragglerReporter",
     "StragglerTiming",
     "WatchdogTimeouts",
     "assess_straggler_report",

@@ -12,6 +12,8 @@ fault-injection drill you can run under a launcher to check a setup end to end::
         --ft-rank-out-of-section-timeout=10 -m bridge.resiliency.testing \\
         --save-dir /tmp/drill --enable-ft-package --calc-ft-timeouts --fault-plan rank_hung
 
+Fault-tolerance heartbeats, straggler reports and NVRx straggler polls are the components
+of :mod:`bridge.resiliency.loop_components`, the same objects bridge-train's loop runs.
 The model is a two-layer MLP trained with Adam on data that depends only on the iteration
 and the rank, with gradients averaged by an all-reduce (what DDP does), so a run that is
 interrupted and resumed reaches the same weights and losses bit for bit as one that was not.
@@ -50,8 +52,14 @@ from bridge.resiliency.errors import ResiliencyError
 from bridge.resiliency.exit_conditions import ExitConditions, ExitDecision
 from bridge.resiliency.fault_tolerance import FaultTolerance
 from bridge.resiliency.hang_watchdog import WatchdogTimeouts
+from bridge.resiliency.loop_components import (
+    FaultToleranceHeartbeat,
+    NVRxStragglerPoll,
+    StragglerReporter,
+)
 from bridge.resiliency.nvrx_straggler import NVRxStragglerMonitor
 from bridge.resiliency.straggler import StragglerTiming
+from core_utils.callbacks import CallbackList
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -478,6 +486,18 @@ def _report_naming_last_rank(world: int) -> _StragglerReport:
     )
 
 
+@dataclass
+class _DrillProgress:
+    """The loop context the resiliency components read (:class:`LoopProgress`)."""
+
+    flops_per_iteration: float
+    iteration: int = 0
+
+    @property
+    def step_flops(self) -> float:
+        return self.flops_per_iteration
+
+
 def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
     """Train the tiny model with every resiliency hook in place; resume if a checkpoint exists.
 
@@ -562,8 +582,13 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
         ft.on_setup_end(checkpoint_loaded=loaded is not None)
 
         n_params = sum(p.numel() for p in model.parameters())
-        flops_per_iteration = 6.0 * n_params * 8 * world
-        flops_since_report = 0.0
+        progress = _DrillProgress(flops_per_iteration=6.0 * n_params * 8 * world)
+        stragglers = StragglerReporter(timing, options.log_interval)
+        result.slowest_ranks = stragglers.slowest_ranks  # the reporter appends to it
+        # The same components bridge-train's loop runs, in its order.
+        components = CallbackList(
+            [FaultToleranceHeartbeat(ft), stragglers, NVRxStragglerPoll(nvrx_stragglers)]
+        )
 
         def state() -> dict[str, Any]:
             return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -571,7 +596,8 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
         saves_this_attempt = 0
         # 3. The loop.
         while iteration < options.train_iters:
-            ft.on_step_start()
+            progress.iteration = iteration
+            components.on_step_start(progress)
             optimizer.zero_grad()
             # Straggler timing covers data loading and the forward (megatron's stimer): the
             # backward's gradient all-reduce is where fast ranks wait for slow ones.
@@ -591,19 +617,12 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
                     dist.all_reduce(param.grad)
                     param.grad.div_(world)
             optimizer.step()
-            ft.on_step_end()
             iteration += 1
+            progress.iteration = iteration
+            # Heartbeat, straggler report every log_interval, NVRx assessments.
+            components.on_step_end(progress)
             result.losses[iteration] = float(loss.item()).hex()
             events.write("step", iteration=iteration, loss=result.losses[iteration])
-
-            flops_since_report += flops_per_iteration
-            timing.maybe_report(iteration, flops_since_report, options.log_interval)
-            if timing.configured and iteration % options.log_interval == 0:
-                slowest = timing.slowest_rank()
-                if slowest is not None:
-                    result.slowest_ranks.append(slowest)
-                flops_since_report = 0.0
-            nvrx_stragglers.poll()
             if rank == 0 and iteration == options.nvrx_straggler_report_at:
                 nvrx_stragglers.evaluate(_report_naming_last_rank(world))
                 events.write("straggler_report", iteration=iteration)

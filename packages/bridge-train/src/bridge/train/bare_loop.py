@@ -6,7 +6,9 @@ the optimizer, advance the scheduler by the global batch size (megatron counts s
 and average the reported loss over tokens of all micro-batches and data-parallel ranks.
 :func:`run_bare_loop` builds everything it needs from configs first. The full trainer
 (``bridge.train.train``) adds evaluation, checkpoints, logging and exit handling around the
-same calls; benchmarks time this loop as their baseline.
+same calls; benchmarks time this loop as their baseline. It shares the step's pieces with
+the trainer (:func:`zero_grad_buffers`, :func:`reduce_losses`' sums, the
+:class:`~bridge.train.training.loop.StepResult` and the ``train_state`` update).
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from bridge.train.gpt_step import forward_step
 from bridge.train.state import GlobalState
 from bridge.train.state_injection import prepare_forward_step_func
 
-__all__ = ["BareLoopResult", "reduce_loss_dicts", "run_bare_loop", "train_steps"]
+__all__ = [
+    "BareLoopResult",
+    "reduce_loss_dicts",
+    "reduce_losses",
+    "run_bare_loop",
+    "train_steps",
+    "zero_grad_buffers",
+]
 
 
 @dataclass
@@ -45,6 +54,47 @@ class BareLoopResult:
     num_tokens: list[int] = field(default_factory=list)
 
 
+def _sum_loss_pairs(
+    loss_dicts: list[dict[str, torch.Tensor]], group: Any
+) -> dict[str, torch.Tensor]:
+    """``{name: tensor([value_sum, count])}`` (float64, on the losses' device) summed over
+    micro-batches and, with ``group``, over its ranks (one all-reduce for all names)."""
+    totals: dict[str, torch.Tensor] = {}
+    for entry in loss_dicts:
+        for name, value in entry.items():
+            pair = value.detach().to(torch.float64).reshape(-1)
+            if pair.numel() == 1:  # (loss, dict) convention: a per-micro-batch average
+                pair = torch.cat([pair, pair.new_ones(1)])
+            totals[name] = totals[name] + pair if name in totals else pair
+    if group is not None and dist.is_initialized() and totals:
+        from bridge.train._distributed_utils import collective_device
+
+        names = sorted(totals)
+        stacked = torch.stack([totals[name] for name in names]).to(collective_device(group))
+        dist.all_reduce(stacked, group=group)
+        totals = {name: stacked[i] for i, name in enumerate(names)}
+    return totals
+
+
+def reduce_losses(
+    loss_dicts: list[dict[str, torch.Tensor]], group: Any = None
+) -> dict[str, torch.Tensor]:
+    """Token-averaged losses of megatron-style ``{name: tensor([value_sum, count])}`` reports,
+    kept on the device (no host synchronisation).
+
+    Args:
+        loss_dicts: What ``forward_backward_func`` returned on this rank.
+        group: Data-parallel (x context-parallel) group to sum over; ``None`` = no reduction.
+
+    Returns:
+        ``{name: value_sum / max(count, 1)}`` as 0-d float64 tensors.
+    """
+    return {
+        name: pair[0] / pair[1].clamp(min=1.0)
+        for name, pair in _sum_loss_pairs(loss_dicts, group).items()
+    }
+
+
 def reduce_loss_dicts(
     loss_dicts: list[dict[str, torch.Tensor]], group: Any = None
 ) -> dict[str, tuple[float, float]]:
@@ -57,22 +107,19 @@ def reduce_loss_dicts(
     Returns:
         ``{name: (value_sum, count)}``; the averaged loss is ``value_sum / count``.
     """
-    totals: dict[str, torch.Tensor] = {}
-    for entry in loss_dicts:
-        for name, value in entry.items():
-            pair = value.detach().double().reshape(-1)
-            if pair.numel() == 1:  # (loss, dict) convention: a per-micro-batch average
-                pair = torch.cat([pair, pair.new_ones(1)])
-            totals[name] = totals.get(name, torch.zeros(2, dtype=torch.float64)) + pair.cpu()
-    if group is not None and dist.is_initialized():
-        from bridge.train._distributed_utils import collective_device
+    return {
+        name: (float(pair[0]), float(pair[1]))
+        for name, pair in _sum_loss_pairs(loss_dicts, group).items()
+    }
 
-        device = collective_device(group)
-        for name in sorted(totals):
-            tensor = totals[name].to(device)
-            dist.all_reduce(tensor, group=group)
-            totals[name] = tensor.cpu()
-    return {name: (float(t[0]), float(t[1])) for name, t in totals.items()}
+
+def zero_grad_buffers(model: list[torch.nn.Module], optimizer: Any) -> None:
+    """Zero the gradients before a step: the DDP wrappers' buffers and the optimizer's."""
+    for chunk in model:
+        zero = getattr(chunk, "zero_grad_buffer", None)
+        if zero is not None:
+            zero()
+    optimizer.zero_grad()
 
 
 def train_steps(
@@ -115,6 +162,9 @@ def train_steps(
     """
     from megatron.core import parallel_state
 
+    # Imported here: bridge.train.training imports this module (the loss reductions).
+    from bridge.train.training.loop import StepResult, advance_train_state
+
     dp_size = parallel_state.get_data_parallel_world_size()
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(
@@ -127,11 +177,7 @@ def train_steps(
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     result = BareLoopResult()
     for _ in range(train_iters):
-        for chunk in model:
-            zero = getattr(chunk, "zero_grad_buffer", None)
-            if zero is not None:
-                zero()
-        optimizer.zero_grad()
+        zero_grad_buffers(model, optimizer)
         loss_dicts = engine.forward_backward_func(
             forward_step_func=step_func,
             data_iterator=data_iterator,
@@ -143,20 +189,24 @@ def train_steps(
             forward_only=False,
         )
         learning_rate = float(optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = optimizer.step()
+        ok, grad_norm, num_zeros = optimizer.step()
         if ok:
             scheduler.step(increment=global_batch_size)
-        reduced = reduce_loss_dicts(loss_dicts, dp_cp_group)
-        loss_sum, count = reduced.get("lm loss", (float("nan"), 1.0))
-        result.losses.append(loss_sum / max(count, 1.0))
-        result.num_tokens.append(int(count))
+        pairs = _sum_loss_pairs(loss_dicts, dp_cp_group)
+        step = StepResult(
+            losses={name: pair[0] / pair[1].clamp(min=1.0) for name, pair in pairs.items()},
+            skipped=not ok,
+            grad_norm=grad_norm,
+            num_zeros_in_grad=num_zeros,
+            num_samples=global_batch_size,
+        )
+        loss = step.losses.get("lm loss")
+        result.losses.append(float("nan") if loss is None else float(loss))
+        result.num_tokens.append(int(pairs["lm loss"][1]) if "lm loss" in pairs else 1)
         result.grad_norms.append(None if grad_norm is None else float(grad_norm))
         result.learning_rates.append(learning_rate)
         result.update_successful.append(bool(ok))
-        state.train_state.step += 1
-        state.train_state.consumed_train_samples += global_batch_size
-        if not ok:
-            state.train_state.skipped_train_samples += global_batch_size
+        advance_train_state(state.train_state, step)
         if on_step is not None:
             on_step(state.train_state.step, result)
     return result
