@@ -21,13 +21,14 @@ BridgeCommunicator when the job runs on CUDA and the layout fits it, torch.distr
 point-to-point otherwise; the choice is printed at the start.
 
 The ``train``, ``optimizer`` (AdamW: ``lr``, ``weight_decay``, ``adam_beta1/2``,
-``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng`` and ``dist`` sections
-work as for the GPT recipes, and ``train.exit_interval`` / ``train.exit_duration_in_mins``
-end the run early as they do there. What this recipe does not implement is refused by
-:func:`check_mimo_config` instead of being ignored: checkpoints (``checkpoint.save`` /
-``checkpoint.load``), evaluation (``train.eval_interval`` with ``train.eval_iters > 0``),
-``train.exit_signal_handler`` (it exists to save a checkpoint before exiting) and
-``train.skip_train``.
+``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng``, ``dist`` and
+``checkpoint`` sections work as for the GPT recipes: checkpoints are saved and resumed with
+bridge-train's checkpoint functions (see :mod:`bridge.train.recipes.mimo_checkpoint`),
+``train.exit_interval`` / ``train.exit_duration_in_mins`` / ``train.exit_signal_handler``
+end the run early (saving first when ``checkpoint.save`` is set) as they do there. What
+this recipe does not implement is refused by :func:`check_mimo_config` instead of being
+ignored: evaluation (``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic
+data has no validation split) and ``train.skip_train``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from bridge.config import ConfigContainer, ConfigError
+from core_utils.callbacks import Callback
 
 __all__ = ["MimoModelConfig", "check_mimo_config", "mimo_layout", "pretrain_mimo"]
 
@@ -245,13 +247,6 @@ def _refuse_unsupported_train_settings(cfg: ConfigContainer) -> None:
             "recipe does not support evaluation: set train.eval_interval=null (or "
             "train.eval_iters=0)",
         )
-    if train.exit_signal_handler:
-        raise ConfigError(
-            "train.exit_signal_handler",
-            "got true; the MIMO recipe does not support it (the handler saves a checkpoint "
-            "before exiting and this recipe saves none): set train.exit_signal_handler=false; "
-            "train.exit_interval and train.exit_duration_in_mins are supported",
-        )
     if train.skip_train:
         raise ConfigError(
             "train.skip_train",
@@ -264,9 +259,9 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
     """Check a ``mimo`` recipe config before anything distributed starts.
 
     Raises:
-        ConfigError: A missing section or length, a checkpoint directory, evaluation, the
-            exit signal handler or ``skip_train`` (not supported by this recipe), batch sizes
-            that do not fit the layout, or a layout that does not fit the world.
+        ConfigError: A missing section or length, evaluation or ``skip_train`` (not
+            supported by this recipe), an unsupported checkpoint setting, batch sizes that
+            do not fit the layout, or a layout that does not fit the world.
     """
     for name in ("train", "optimizer", "scheduler", "logger", "checkpoint"):
         if getattr(cfg, name) is None:
@@ -285,12 +280,9 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
             "the mimo recipe needs train.global_batch_size and train.micro_batch_size (both "
             "count samples over all replicas of a module)",
         )
-    if cfg.checkpoint.save is not None or cfg.checkpoint.load is not None:
-        raise ConfigError(
-            "checkpoint.save",
-            "the mimo recipe does not save or load checkpoints; unset checkpoint.save and "
-            "checkpoint.load",
-        )
+    from bridge.train.checkpointing.context import check_checkpoint_config
+
+    check_checkpoint_config(cfg.checkpoint)
     _refuse_unsupported_train_settings(cfg)
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr", "is required")
@@ -313,6 +305,18 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
         resolve_distributed_backend(cfg.dist)
     except ValueError as exc:
         raise ConfigError("dist.distributed_backend", str(exc)) from None
+
+
+class _ExitWithoutSaving(Callback):
+    """Ends a MIMO run without checkpoints on ``train.exit_interval`` / duration."""
+
+    def __init__(self, exits: Any) -> None:
+        self.exits = exits
+
+    def on_step_end(self, context: Any) -> None:
+        decision = self.exits.check(context.iteration)
+        if decision.should_exit:
+            context.request_stop(decision.message)
 
 
 def _init_process_group(cfg: ConfigContainer) -> bool:
@@ -368,17 +372,21 @@ def pretrain_mimo(
     import bridge.mimo as mimo
     from bridge.logging import MetricWriters, build_metric_writers, setup_logging
     from bridge.resiliency import ExitConditions
+    from bridge.train.recipes.mimo_checkpoint import MimoCheckpointer, MimoCheckpointModel
     from bridge.train.scheduler import build_optimizer_param_scheduler
+    from bridge.train.state import GlobalState
     from bridge.train.training.metrics_file import JsonlMetricWriter
 
     start_time = time.time() if start_time is None else start_time
     check_mimo_config(cfg)
     assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
+    assert cfg.checkpoint is not None
     assert isinstance(cfg.model, MimoModelConfig)
     setup_logging(cfg.logger)
     owns_group = _init_process_group(cfg)
     writers = MetricWriters()
-    infra = step = None
+    infra = step = checkpointer = None
+    exits: ExitConditions | None = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         seed = cfg.rng.seed
@@ -419,6 +427,27 @@ def pretrain_mimo(
             clip_grad=opt_cfg.clip_grad,
         )
         scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, cfg.train)
+        # The exit conditions (and the exit-signal handler) exist before the checkpoint is
+        # loaded, so a signal that arrives while loading is not lost.
+        exits = ExitConditions.from_config(
+            cfg.train, save_enabled=cfg.checkpoint.save is not None, start_time=start_time
+        )
+        state = GlobalState(cfg=cfg, start_time=start_time, exit_conditions=exits)
+        start_iteration = 0
+        callbacks = []
+        checkpoint = cfg.checkpoint
+        if checkpoint.save or checkpoint.load or checkpoint.pretrained_checkpoint:
+            from bridge.train.checkpointing import init_checkpointing_context
+
+            checkpointer = MimoCheckpointer(
+                state,
+                MimoCheckpointModel(model, layout),
+                optimizer,
+                scheduler,
+                init_checkpointing_context(checkpoint),
+            )
+            start_iteration = checkpointer.load()
+            callbacks.append(checkpointer)
         gbs, mbs = int(cfg.train.global_batch_size or 0), int(cfg.train.micro_batch_size or 0)
         step = mimo.MimoTrainStep(
             model,
@@ -428,8 +457,14 @@ def pretrain_mimo(
             micro_batch_size=mbs,
             communicator=cfg.model.communicator,
         )
+        # A resumed run continues the sample order where the checkpoint left it.
         data = mimo.MimoDataLoader.for_infra(
-            dataset, infra, global_batch_size=gbs, micro_batch_size=mbs, seed=seed
+            dataset,
+            infra,
+            global_batch_size=gbs,
+            micro_batch_size=mbs,
+            seed=seed,
+            consumed_samples=state.train_state.consumed_train_samples,
         )
         last = rank == world - 1
         base = build_metric_writers(
@@ -447,18 +482,21 @@ def pretrain_mimo(
                 f"(a model ignoring the images): {dataset.text_only_loss_floor():.4f}",
                 flush=True,
             )
-        # exit_signal_handler is refused by check_mimo_config, so no handler is installed
-        # here; the interval and duration conditions agree over the ranks.
-        exits = ExitConditions.from_config(cfg.train, save_enabled=False, start_time=start_time)
-
-        def should_stop(iteration: int) -> bool:
-            return exits.check(iteration).should_exit
+        if checkpointer is None:
+            # Without checkpoints the exit conditions still end the run (nothing to save).
+            callbacks.append(_ExitWithoutSaving(exits))
 
         def log(record: mimo.MimoLogRecord) -> None:
             if last:
                 print(record.format(), flush=True)
             writers.log_metrics(record.as_metrics(), record.iteration)
 
+        if rank == 0 and start_iteration:
+            print(
+                f"[bridge-train] mimo: resumed at iteration {start_iteration} (consumed samples "
+                f"{data.consumed_samples})",
+                flush=True,
+            )
         result = mimo.train_mimo(
             step,
             data,
@@ -466,11 +504,12 @@ def pretrain_mimo(
             scheduler=scheduler,
             log_fn=log,
             log_interval=cfg.logger.log_interval,
-            should_stop=should_stop if exits.exit_interval or exits.exit_duration_in_mins else None,
+            start_iteration=min(start_iteration, int(cfg.train.train_iters or 0)),
+            callbacks=callbacks,
         )
         if last and result.stopped_early:
             print(f"[bridge-train] mimo: {exits.last_decision.message}", flush=True)
-        if last:
+        if last and result.losses:
             print(
                 f"[bridge-train] mimo: {result.iteration} iterations, final loss "
                 f"{result.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
@@ -479,6 +518,10 @@ def pretrain_mimo(
         writers.flush()
         return 0
     finally:
+        if checkpointer is not None:
+            checkpointer.close()
+        if exits is not None:
+            exits.close()
         writers.close()
         if step is not None:
             step.close()
