@@ -209,6 +209,6 @@ def _bind_module_groups(model: MimoModel, infra: MegatronMIMOInfra) -> None:
         for part in module.modules():
             if hasattr(part, "pg_collection") and part.pg_collection is None:
                 part.pg_collection = pgs
-            if isinstance(part, MegatronModule) or hasattr(part, "tp_group"):
-                if getattr(part, "tp_group", None) is None:
-                    part.tp_group = pgs.tp
+            takes_group = isinstance(part, MegatronModule) or hasattr(part, "tp_group")
+            if takes_group and getattr(part, "tp_group", None) is None:
+                part.tp_group = pgs.tp

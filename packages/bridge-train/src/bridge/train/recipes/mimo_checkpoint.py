@@ -120,10 +120,9 @@ class MimoCheckpointer(Callback):
         from bridge.train.checkpointing import checkpoint_exists, load_checkpoint
 
         checkpoint = self.checkpoint
-        if checkpoint.load is None and checkpoint.save is not None:
-            if checkpoint_exists(checkpoint.save):
-                # The run owning the save directory resumes (torchrun restarts rely on it).
-                checkpoint.load = checkpoint.save
+        if checkpoint.load is None and checkpoint_exists(checkpoint.save):
+            # The run owning the save directory resumes (torchrun restarts rely on it).
+            checkpoint.load = checkpoint.save
         if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
             return 0
         iteration, _ = load_checkpoint(
