@@ -434,7 +434,7 @@ def pretrain_mimo(
         )
         state = GlobalState(cfg=cfg, start_time=start_time, exit_conditions=exits)
         start_iteration = 0
-        callbacks = []
+        callbacks: list[Callback] = []
         checkpoint = cfg.checkpoint
         if checkpoint.save or checkpoint.load or checkpoint.pretrained_checkpoint:
             from bridge.train.checkpointing import init_checkpointing_context

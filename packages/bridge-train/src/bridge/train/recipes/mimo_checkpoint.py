@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bridge.config import CheckpointConfig
 from bridge.train.state import GlobalState
 from core_utils.callbacks import Callback
 
@@ -104,8 +105,9 @@ class MimoCheckpointer(Callback):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.context = context
-        self.checkpoint = state.cfg.checkpoint
-        assert self.checkpoint is not None
+        checkpoint = state.cfg.checkpoint
+        assert checkpoint is not None
+        self.checkpoint: CheckpointConfig = checkpoint
 
     @property
     def _saves(self) -> bool:
