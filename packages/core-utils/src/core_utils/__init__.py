@@ -96,6 +96,7 @@ from core_utils.wgrad import drain_embedding_wgrad_compute, prepare_input_tensor
 __straggler__ = StragglerDetector()
 
 __all__ = [
+    "HOOKS",
     "Callback",
     "CallbackError",
     "CallbackList",
@@ -103,7 +104,6 @@ __all__ = [
     "ExperimentalNotEnabledError",
     "GlobalMemoryBuffer",
     "GlobalSymmetricMemoryBuffer",
-    "HOOKS",
     "MakeViewlessTensor",
     "MissingPackageError",
     "StragglerDetector",

@@ -119,11 +119,34 @@ def _as_float(value: Any) -> float:
     return float(value)
 
 
+def _loss_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
+    """:func:`loss_value` as a 0-d float64 tensor on the loss's device (no host sync); the
+    same value, rounded through float32 as :func:`loss_value` rounds it."""
+    flat = value.detach().float().reshape(-1)
+    if flat.numel() == 1:
+        return flat[0].double()
+    if flat.numel() == 2:  # megatron's (sum, number of tokens) reporting form
+        count = flat[1].double()
+        return torch.where(count != 0, flat[0].double() / count, torch.nan)
+    raise ValueError(
+        f"loss_dict[{key!r}] has shape {tuple(value.shape)}; expected a scalar or a "
+        "[sum, count] pair (reduce it across microbatches first)"
+    )
+
+
 def _accumulate(
     loss_dict: dict[str, Any], total: dict[str, Any], skipped_iter: int
-) -> dict[str, float]:
-    """Add this iteration to the interval counters; returns the iteration's losses."""
-    losses = {key: loss_value(key, value) for key, value in loss_dict.items()}
+) -> dict[str, Any]:
+    """Add this iteration to the interval counters; returns the iteration's losses.
+
+    Tensor losses stay tensors on their device (the sums and the non-finite count too), so
+    an iteration that writes no metric and no console line does not wait for the device;
+    ``float()`` of a returned value reads it.
+    """
+    losses: dict[str, Any] = {
+        key: _loss_tensor(key, value) if isinstance(value, torch.Tensor) else float(value)
+        for key, value in loss_dict.items()
+    }
     if skipped_iter:
         total.setdefault(ADVANCED_ITERS, 0)
     else:
@@ -131,8 +154,13 @@ def _accumulate(
         for key, value in losses.items():
             total[key] = total.get(key, 0.0) + value
     total[SKIPPED_ITERS] = total.get(SKIPPED_ITERS, 0) + int(bool(skipped_iter))
-    got_nan = any(not math.isfinite(v) for v in losses.values())
-    total[NAN_ITERS] = total.get(NAN_ITERS, 0) + int(got_nan)
+    on_device = [v for v in losses.values() if isinstance(v, torch.Tensor)]
+    non_finite: Any = int(
+        any(not math.isfinite(v) for v in losses.values() if isinstance(v, float))
+    )
+    if on_device:
+        non_finite = (~torch.isfinite(torch.stack(on_device))).any().to(torch.int64) | non_finite
+    total[NAN_ITERS] = total.get(NAN_ITERS, 0) + non_finite
     return losses
 
 
@@ -254,12 +282,12 @@ def training_log(
     total_loss_dict: dict[str, Any],
     learning_rate: float | None,
     decoupled_learning_rate: float | None,
-    loss_scale: float,
+    loss_scale: float | torch.Tensor,
     report_memory_flag: bool,
     skipped_iter: int,
-    grad_norm: float | None,
+    grad_norm: float | torch.Tensor | None,
     params_norm: float | None,
-    num_zeros_in_grad: int | None,
+    num_zeros_in_grad: int | float | torch.Tensor | None,
     config: ConfigContainer,
     global_state: LoggingState,
     history_wct: Sequence[float],
@@ -423,7 +451,7 @@ def training_log(
             step_metrics["skipped-train-samples"] = float(train_state.skipped_train_samples)
         if batch_size is not None:
             vs_samples["batch-size"] = float(batch_size)
-        vs_samples.update(losses)
+        vs_samples.update({key: float(value) for key, value in losses.items()})
         if logger_cfg.log_loss_scale_to_tensorboard:
             vs_samples["loss-scale"] = float(loss_scale)
         if logger_cfg.log_world_size_to_tensorboard:

@@ -23,7 +23,7 @@ from bridge.train.gpt_step import forward_step
 from bridge.train.state import GlobalState
 from bridge.train.state_injection import prepare_forward_step_func
 
-__all__ = ["BareLoopResult", "reduce_loss_dicts", "run_bare_loop", "train_steps"]
+__all__ = ["BareLoopResult", "reduce_loss_dicts", "reduce_losses", "run_bare_loop", "train_steps"]
 
 
 @dataclass
@@ -45,6 +45,47 @@ class BareLoopResult:
     num_tokens: list[int] = field(default_factory=list)
 
 
+def _sum_loss_pairs(
+    loss_dicts: list[dict[str, torch.Tensor]], group: Any
+) -> dict[str, torch.Tensor]:
+    """``{name: tensor([value_sum, count])}`` (float64, on the losses' device) summed over
+    micro-batches and, with ``group``, over its ranks (one all-reduce for all names)."""
+    totals: dict[str, torch.Tensor] = {}
+    for entry in loss_dicts:
+        for name, value in entry.items():
+            pair = value.detach().to(torch.float64).reshape(-1)
+            if pair.numel() == 1:  # (loss, dict) convention: a per-micro-batch average
+                pair = torch.cat([pair, pair.new_ones(1)])
+            totals[name] = totals[name] + pair if name in totals else pair
+    if group is not None and dist.is_initialized() and totals:
+        from bridge.train._distributed_utils import collective_device
+
+        names = sorted(totals)
+        stacked = torch.stack([totals[name] for name in names]).to(collective_device(group))
+        dist.all_reduce(stacked, group=group)
+        totals = {name: stacked[i] for i, name in enumerate(names)}
+    return totals
+
+
+def reduce_losses(
+    loss_dicts: list[dict[str, torch.Tensor]], group: Any = None
+) -> dict[str, torch.Tensor]:
+    """Token-averaged losses of megatron-style ``{name: tensor([value_sum, count])}`` reports,
+    kept on the device (no host synchronisation).
+
+    Args:
+        loss_dicts: What ``forward_backward_func`` returned on this rank.
+        group: Data-parallel (x context-parallel) group to sum over; ``None`` = no reduction.
+
+    Returns:
+        ``{name: value_sum / max(count, 1)}`` as 0-d float64 tensors.
+    """
+    return {
+        name: pair[0] / pair[1].clamp(min=1.0)
+        for name, pair in _sum_loss_pairs(loss_dicts, group).items()
+    }
+
+
 def reduce_loss_dicts(
     loss_dicts: list[dict[str, torch.Tensor]], group: Any = None
 ) -> dict[str, tuple[float, float]]:
@@ -57,22 +98,10 @@ def reduce_loss_dicts(
     Returns:
         ``{name: (value_sum, count)}``; the averaged loss is ``value_sum / count``.
     """
-    totals: dict[str, torch.Tensor] = {}
-    for entry in loss_dicts:
-        for name, value in entry.items():
-            pair = value.detach().double().reshape(-1)
-            if pair.numel() == 1:  # (loss, dict) convention: a per-micro-batch average
-                pair = torch.cat([pair, pair.new_ones(1)])
-            totals[name] = totals.get(name, torch.zeros(2, dtype=torch.float64)) + pair.cpu()
-    if group is not None and dist.is_initialized():
-        from bridge.train._distributed_utils import collective_device
-
-        device = collective_device(group)
-        for name in sorted(totals):
-            tensor = totals[name].to(device)
-            dist.all_reduce(tensor, group=group)
-            totals[name] = tensor.cpu()
-    return {name: (float(t[0]), float(t[1])) for name, t in totals.items()}
+    return {
+        name: (float(pair[0]), float(pair[1]))
+        for name, pair in _sum_loss_pairs(loss_dicts, group).items()
+    }
 
 
 def train_steps(

@@ -1,38 +1,30 @@
-"""The training loop: :func:`train` runs :func:`train_step` per iteration, logs, evaluates,
-saves and decides when to stop.
+"""The training loop: :func:`train` runs :func:`train_step` per iteration, then its components.
 
-Shape of :func:`train` (every rank runs it; the engine underneath does not matter)::
+:func:`train` is the loop a reader needs: it builds the run's components
+(:func:`bridge.train.training.components.standard_components`: metrics, fault-tolerance
+heartbeat, straggler report, weight-hash check, profiler, GC, evaluation, checkpointer), puts
+the user's callbacks after them, and hands a step function to the model-agnostic driver
+:func:`bridge.train.training.loop.run_loop`. Every save decision lives in the
+:class:`~bridge.train.training.components.Checkpointer`; every log line in the
+:class:`~bridge.train.training.components.MetricsProcessor`.
 
-    set up: forward-step state injection, micro-batch calculator, manual GC, timers
-    while the run is not done:
-        profiler start (at profiling.profile_step_start)
-        train_step                         (fault-tolerance step section around it)
-        advance train_state (step, samples, FLOPs); training_log
-        post_training_step_callbacks       (straggler report, weight hashes, profiler, GC)
-        evaluate every train.eval_interval
-        checkpoint_and_decide_exit         (save interval, exit signal/duration/interval)
-    final checkpoint (when the last iteration was not saved); _finish_train
-
+The reference's functions (``train_step``'s 7-tuple, ``post_training_step_callbacks``,
+``checkpoint_and_decide_exit``, ``save_checkpoint_and_time``) stay here with their
+documented behaviour; the first three are adapters over the step result and the components.
 ``train()`` returns the process exit code (0 unless the rerun state machine asks for
 another). Checkpoints are written by :mod:`bridge.train.checkpointing`.
 """
 
 from __future__ import annotations
 
-import collections
-import gc
 import logging
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from bridge.logging import ProgressReporter, training_log
-from bridge.train.bare_loop import reduce_loss_dicts
+from bridge.train.bare_loop import reduce_losses
 from bridge.train.flops import num_floating_point_operations
-from bridge.train.norms import calc_params_l2_norm
 from bridge.train.state import GlobalState
 from bridge.train.state_injection import ForwardStepCallable, prepare_forward_step_func
 from bridge.train.training.batch_size import (
@@ -41,21 +33,38 @@ from bridge.train.training.batch_size import (
     release_num_microbatches_calculator,
     update_num_microbatches,
 )
-from bridge.train.training.eval import evaluate_and_print_results
-from bridge.train.training.profiling import (
-    TNvtxContext,
-    should_profile_rank,
-    start_profiler,
-    stop_profiler,
+from bridge.train.training.components import (
+    Checkpointer,
+    WeightHashMismatchError,
+    standard_components,
 )
+from bridge.train.training.components.maintenance import (
+    check_weight_hash,
+    collect_garbage,
+    synchronize_device,
+)
+from bridge.train.training.components.profiler import step_profiler
+from bridge.train.training.eval import evaluate_and_print_results
+from bridge.train.training.forward_pre_hooks import (
+    disable_forward_pre_hook,
+    enable_forward_pre_hook,
+    should_disable_forward_pre_hook,
+    should_toggle_forward_pre_hook,
+)
+from bridge.train.training.loop import LoopContext, StepFunction, StepResult, run_loop
+from bridge.train.training.profiling import TNvtxContext
 from bridge.train.training.progress_log import compute_throughputs_and_append_to_progress_log
+from core_utils.callbacks import Callback, CallbackList
 
 __all__ = [
     "WeightHashMismatchError",
     "checkpoint_and_decide_exit",
     "disable_forward_pre_hook",
     "enable_forward_pre_hook",
+    "gpt_step_function",
     "post_training_step_callbacks",
+    "run_train_step",
+    "run_training",
     "save_checkpoint_and_time",
     "should_disable_forward_pre_hook",
     "train",
@@ -63,10 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class WeightHashMismatchError(RuntimeError):
-    """Data-parallel replicas hold different weights (``check_weight_hash_...``)."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -97,113 +102,11 @@ def _is_last_pipeline_stage() -> bool:
     return bool(ps.is_pipeline_last_stage(ignore_virtual=True))
 
 
-def _model_config(model: list[torch.nn.Module]) -> Any:
-    from megatron.core.utils import get_model_config
-
-    return get_model_config(model[0])
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _learning_rates(optimizer: Any) -> tuple[float | None, float | None]:
-    """``(learning rate, decoupled learning rate)`` of the optimizer's parameter groups."""
-    learning_rate: float | None = None
-    decoupled: float | None = None
-    for group in optimizer.param_groups:
-        if len(group["params"]) == 0:
-            continue
-        if group.get("is_decoupled_lr", False):
-            decoupled = float(group["lr"])
-        else:
-            learning_rate = float(group["lr"])
-    return learning_rate, decoupled
-
-
 def _run_is_done(cfg: Any, train_state: Any) -> bool:
     train = cfg.train
     if train.train_samples is not None:
         return train_state.consumed_train_samples >= train.train_samples
     return train_state.step >= (train.train_iters or 0)
-
-
-def _total_iterations(cfg: Any) -> int | None:
-    """Iterations of the whole run (estimated for sample-based runs with ramp-up)."""
-    train = cfg.train
-    if train.train_iters is not None:
-        return int(train.train_iters)
-    if train.train_samples is not None and train.global_batch_size:
-        return -(-int(train.train_samples) // int(train.global_batch_size))
-    return None
-
-
-# ----------------------------------------------------------------------------- hooks
-
-
-def should_disable_forward_pre_hook(
-    use_megatron_fsdp: bool, use_distributed_optimizer: bool, overlap_param_gather: bool
-) -> bool:
-    """Determine if forward pre-hooks should be disabled during checkpointing.
-
-    Forward pre-hooks need to be disabled during checkpoint saving when using distributed
-    optimizer with overlapped parameter gathering (megatron DDP gathers a bucket's parameters
-    in the hook of the next forward; a save in between must see complete parameters).
-
-    Args:
-        use_megatron_fsdp: Whether Megatron FSDP is enabled.
-        use_distributed_optimizer: Whether distributed optimizer is enabled.
-        overlap_param_gather: Whether parameter gathering is overlapped.
-
-    Returns:
-        True if forward pre-hooks should be disabled, False otherwise.
-    """
-    return bool(not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather)
-
-
-def enable_forward_pre_hook(model: list[Any]) -> None:
-    """Enable forward pre-hook for all model chunks.
-
-    Chunks without forward pre-hooks (the portable engine's data-parallel wrapper, plain
-    modules) are left as they are.
-
-    Args:
-        model: list of model chunks wrapped in DDP
-    """
-    for chunk in model:
-        enable = getattr(chunk, "enable_forward_pre_hook", None)
-        if enable is not None:
-            enable()
-
-
-def disable_forward_pre_hook(model: list[Any], param_sync: bool = True) -> None:
-    """Disable forward pre-hook for all model chunks.
-
-    Chunks without forward pre-hooks (the portable engine's data-parallel wrapper, plain
-    modules) are left as they are.
-
-    Args:
-        model: list of model chunks wrapped in DDP
-        param_sync: Whether to synchronize parameters across model chunks (finish the
-            pending overlapped parameter all-gather first)
-    """
-    for chunk in model:
-        disable = getattr(chunk, "disable_forward_pre_hook", None)
-        if disable is not None:
-            disable(param_sync=param_sync)
-
-
-def _should_toggle_forward_pre_hook(cfg: Any) -> bool:
-    ddp = cfg.ddp
-    return should_disable_forward_pre_hook(
-        bool(getattr(ddp, "use_megatron_fsdp", False)),
-        bool(getattr(cfg.optimizer, "use_distributed_optimizer", False)),
-        bool(getattr(ddp, "overlap_param_gather", False)),
-    )
 
 
 def _handle_mxfp8_param_buffer_copy(
@@ -224,21 +127,21 @@ def _handle_mxfp8_param_buffer_copy(
 # ----------------------------------------------------------------------------- the step
 
 
-def train_step(
+def run_train_step(
     forward_step_func: ForwardStepCallable,
     data_iterator: Any,
     model: list[torch.nn.Module],
     optimizer: Any,
     scheduler: Any,
     global_state: GlobalState,
-) -> tuple[dict[str, torch.Tensor], int, bool, bool, int, float | None, int | None]:
-    """Single training step.
+) -> StepResult:
+    """One training iteration, as a :class:`~bridge.train.training.loop.StepResult`.
 
     Zeroes the gradient buffers, runs the engine's forward-backward schedule over this
     iteration's micro-batches (megatron's rerun state machine may repeat it), steps the
     optimizer and, if the update was applied, the scheduler (by the global batch size in
     samples), and averages the reported losses over tokens of all micro-batches and
-    data-parallel ranks.
+    data-parallel ranks. The averaged losses stay on the device (no host synchronisation).
 
     Args:
         forward_step_func: Function that performs a forward step (already wrapped if needed)
@@ -249,14 +152,7 @@ def train_step(
         global_state: Global training state
 
     Returns:
-        tuple containing
-            loss_dict: Dictionary of reduced losses (empty except on the last pipeline stage)
-            skipped_iter: Whether the iteration was skipped (1) or not (0)
-            should_checkpoint: Whether a checkpoint should be saved
-            should_exit: Whether training should exit
-            exit_code: Exit code if should_exit is True
-            grad_norm: Gradient norm if available, None otherwise
-            num_zeros_in_grad: Number of zeros in gradient if available, None otherwise
+        The iteration's result (``train_state`` is not advanced here).
     """
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
@@ -294,7 +190,9 @@ def train_step(
         )
     should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:
-        return {}, 1, should_checkpoint, should_exit, exit_code, None, None
+        return StepResult(
+            skipped=True, should_checkpoint=should_checkpoint, should_exit=True, exit_code=exit_code
+        )
 
     if train.empty_unused_memory_level >= 1 and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -303,29 +201,91 @@ def train_step(
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer").stop()
 
+    batch_size = num_microbatches * train.micro_batch_size * _data_parallel_size()
     if update_successful:
-        increment = num_microbatches * train.micro_batch_size * _data_parallel_size()
-        scheduler.step(increment=increment)
-        skipped_iter = 0
-    else:
-        skipped_iter = 1
+        scheduler.step(increment=batch_size)
 
     if train.empty_unused_memory_level >= 2 and torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    loss_dict: dict[str, torch.Tensor] = {}
-    if _is_last_pipeline_stage():
-        for name, (value_sum, count) in reduce_loss_dicts(losses_reduced, _dp_cp_group()).items():
-            loss_dict[name] = torch.tensor(value_sum / max(count, 1.0), dtype=torch.float64)
-    return (
-        loss_dict,
-        skipped_iter,
-        should_checkpoint,
-        should_exit,
-        exit_code,
-        None if grad_norm is None else float(grad_norm),
-        None if num_zeros_in_grad is None else int(num_zeros_in_grad),
+    losses = reduce_losses(losses_reduced, _dp_cp_group()) if _is_last_pipeline_stage() else {}
+    return StepResult(
+        losses=losses,
+        skipped=not update_successful,
+        grad_norm=grad_norm,
+        num_zeros_in_grad=num_zeros_in_grad,
+        should_checkpoint=should_checkpoint,
+        num_samples=batch_size,
+        flops=num_floating_point_operations(cfg.model, batch_size),
     )
+
+
+def train_step(
+    forward_step_func: ForwardStepCallable,
+    data_iterator: Any,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    global_state: GlobalState,
+) -> tuple[dict[str, torch.Tensor], int, bool, bool, int, float | None, int | None]:
+    """Single training step.
+
+    The reference's form of :func:`run_train_step` (which the loop calls): the same work,
+    its result as a tuple.
+
+    Args:
+        forward_step_func: Function that performs a forward step (already wrapped if needed)
+        data_iterator: Iterator over training data
+        model: list of model chunks
+        optimizer: Optimizer for model parameters
+        scheduler: Learning rate scheduler
+        global_state: Global training state
+
+    Returns:
+        tuple containing
+            loss_dict: Dictionary of reduced losses (empty except on the last pipeline stage)
+            skipped_iter: Whether the iteration was skipped (1) or not (0)
+            should_checkpoint: Whether a checkpoint should be saved
+            should_exit: Whether training should exit
+            exit_code: Exit code if should_exit is True
+            grad_norm: Gradient norm if available, None otherwise
+            num_zeros_in_grad: Number of zeros in gradient if available, None otherwise
+    """
+    return run_train_step(
+        forward_step_func, data_iterator, model, optimizer, scheduler, global_state
+    ).as_tuple()
+
+
+def gpt_step_function(forward_step_func: ForwardStepCallable, state: GlobalState) -> StepFunction:
+    """The loop's step for megatron-style models: :func:`run_train_step` on the context.
+
+    The number of micro-batches follows the batch-size ramp-up; with nvidia-resiliency-ext
+    straggler detection the step is timed by its monitor.
+
+    Args:
+        forward_step_func: ``(data_iterator, model)`` or ``(state, data_iterator, model)``.
+        state: The run's global state (injected into the forward step when it asks).
+
+    Returns:
+        A :data:`~bridge.train.training.loop.StepFunction`.
+    """
+    step_func = prepare_forward_step_func(forward_step_func, state)
+    nvrx = state.nvrx_straggler
+    run = nvrx.wrap(run_train_step) if nvrx is not None else run_train_step
+
+    def step(context: LoopContext) -> StepResult:
+        update_num_microbatches(context.train_state.consumed_train_samples)
+        result: StepResult = run(
+            step_func,
+            context.train_data_iterator,
+            context.model,
+            context.optimizer,
+            context.scheduler,
+            state,
+        )
+        return result
+
+    return step
 
 
 def post_training_step_callbacks(
@@ -348,7 +308,8 @@ def post_training_step_callbacks(
     ``train.check_weight_hash_across_dp_replicas_interval`` (forward pre-hooks toggled
     around it when needed), the profiler step (and stop at ``profiling.profile_step_end``),
     and manual garbage collection every ``train.manual_gc_interval``. Collective wherever
-    the features it runs are (every rank must call it after every step).
+    the features it runs are (every rank must call it after every step). The loop itself
+    runs the same functions through its components.
 
     Args:
         model: list of model chunks wrapped in DDP
@@ -368,42 +329,21 @@ def post_training_step_callbacks(
     train = config.train
     if fault_tolerance is not None:
         fault_tolerance.on_step_end()
-    if (
-        train.train_sync_interval
-        and iteration % train.train_sync_interval == 0
-        and torch.cuda.is_available()
-    ):
-        torch.cuda.synchronize()
+    synchronize_device(train.train_sync_interval, iteration)
     if straggler_timer is not None:
         straggler_timer.maybe_report(
             iteration,
             num_floating_point_operations_since_last_log_event,
             config.logger.log_interval,
         )
-    interval = train.check_weight_hash_across_dp_replicas_interval
-    if interval and iteration % interval == 0:
-        from core_utils import check_param_hashes_across_dp_replicas
-
-        if should_toggle_forward_pre_hook:
-            disable_forward_pre_hook(model)
-        matching = check_param_hashes_across_dp_replicas(model, cross_check=True)
-        if should_toggle_forward_pre_hook:
-            enable_forward_pre_hook(model)
-        if not matching:
-            raise WeightHashMismatchError(
-                f"iteration {iteration}: the model weights differ across data-parallel "
-                "replicas (the differing parameters are logged above); training stopped. "
-                "Check for non-deterministic updates or a faulty rank, and resume from the "
-                "last checkpoint (train.check_weight_hash_across_dp_replicas_interval)"
-            )
-    profiling = config.profiling
-    if profiling is not None and (prof is not None or nsys_nvtx_context is not None):
-        if prof is not None:
-            prof.step()
-        if iteration >= profiling.profile_step_end:
-            stop_profiler(prof, nsys_nvtx_context)
-    if train.manual_gc and train.manual_gc_interval and iteration % train.manual_gc_interval == 0:
-        gc.collect()
+    check_weight_hash(
+        model,
+        train.check_weight_hash_across_dp_replicas_interval,
+        iteration,
+        should_toggle_forward_pre_hook,
+    )
+    step_profiler(prof, nsys_nvtx_context, iteration, config.profiling)
+    collect_garbage(train.manual_gc, train.manual_gc_interval, iteration)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -447,7 +387,7 @@ def save_checkpoint_and_time(
     # Metrics up to this iteration reach disk before the checkpoint commits, so a crash
     # after the commit cannot lose the records of the steps the checkpoint holds.
     state.metric_writers.flush()
-    toggle = _should_toggle_forward_pre_hook(cfg)
+    toggle = should_toggle_forward_pre_hook(cfg)
     if toggle:
         disable_forward_pre_hook(model)
     timers("save-checkpoint", log_level=0).start(barrier=True)
@@ -475,6 +415,34 @@ def save_checkpoint_and_time(
     timers("interval-time", log_level=0).start(barrier=True)
 
 
+def gpt_save_function(checkpointing_context: dict[str, Any]) -> Any:
+    """The :data:`~bridge.train.training.components.SaveFunction` of GPT-style training:
+    :func:`save_checkpoint_and_time` with the run's FLOPs so far."""
+
+    def save(context: LoopContext, non_persistent: bool) -> None:
+        state = context.state
+        save_checkpoint_and_time(
+            state,
+            context.model,
+            context.optimizer,
+            context.scheduler,
+            state.train_state.floating_point_operations_so_far,
+            checkpointing_context,
+            non_persistent_ckpt=non_persistent,
+            train_data_iterator=context.train_data_iterator,
+        )
+
+    return save
+
+
+def _finalize_async_saves(context: LoopContext, blocking: bool) -> int:
+    from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
+
+    before = pending_async_saves()
+    finalize_async_saves(context.state, blocking=blocking, terminate=blocking)
+    return before - pending_async_saves()
+
+
 def checkpoint_and_decide_exit(
     state: GlobalState,
     model: list[torch.nn.Module],
@@ -492,7 +460,8 @@ def checkpoint_and_decide_exit(
     ``checkpoint.save_interval`` iterations and a non-persistent one every
     ``checkpoint.non_persistent_save_interval``; an early exit saves exactly one checkpoint
     (none if this iteration was just saved). Collective: every rank agrees on the decision
-    (:meth:`bridge.resiliency.ExitConditions.check`).
+    (:meth:`bridge.resiliency.ExitConditions.check`). The loop makes the same decisions in
+    its :class:`~bridge.train.training.components.Checkpointer`, which this calls.
 
     Args:
         state: The global state object.
@@ -506,47 +475,33 @@ def checkpoint_and_decide_exit(
     Returns:
         True if the training loop should exit, False otherwise.
     """
-    cfg = state.cfg
-    checkpoint = cfg.checkpoint
-    iteration = state.train_state.step
-    saved = False
-    save_enabled = checkpoint is not None and checkpoint.save is not None
-    args = (
-        state,
-        model,
-        optimizer,
-        opt_param_scheduler,
-        num_floating_point_operations_so_far,
-        checkpointing_context,
-    )
-    if (
-        save_enabled
-        and checkpoint is not None
-        and checkpoint.save_interval
-        and iteration % checkpoint.save_interval == 0
-    ):
-        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
-        saved = True
-    elif (
-        checkpoint is not None
-        and checkpoint.non_persistent_save_interval
-        and iteration % checkpoint.non_persistent_save_interval == 0
-    ):
+
+    def save(context: LoopContext, non_persistent: bool) -> None:
         save_checkpoint_and_time(
-            *args, non_persistent_ckpt=True, train_data_iterator=train_data_iterator
+            state,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            num_floating_point_operations_so_far,
+            checkpointing_context,
+            non_persistent_ckpt=non_persistent,
+            train_data_iterator=train_data_iterator,
         )
-        saved = True
-    exits = state.exit_conditions
-    if exits is None:
+
+    context = LoopContext(state, model, optimizer, opt_param_scheduler, train_data_iterator)
+    checkpointer = Checkpointer(save, state.cfg.checkpoint, exit_conditions=state.exit_conditions)
+    decision = checkpointer.save_and_decide(context)
+    if decision is None or not decision.should_exit:
         return False
-    decision = exits.check(iteration, saved_this_iteration=saved)
-    if decision.should_save and save_enabled:
-        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
-    if decision.should_exit:
-        if _rank() == 0:
-            print(f"[bridge-train] {decision.message}", flush=True)
-        return True
-    return False
+    if _rank() == 0:
+        print(f"[bridge-train] {decision.message}", flush=True)
+    return True
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _finish_train(global_state: GlobalState) -> None:
@@ -610,234 +565,121 @@ def train(
         The exit code for the process: 0, or the rerun state machine's code when it stops
         the job.
 
+    Raises:
+        core_utils.CallbackError: A user callback raised (names callback, hook, iteration).
+
     .. warning::
         This is an experimental API and is subject to change in backwards incompatible
         ways without notice.
     """
-    state = global_state
-    cfg = state.cfg
-    train_cfg = cfg.train
-    logger_cfg = cfg.logger
-    assert train_cfg is not None and logger_cfg is not None, "train and logger sections required"
-    timers = state.timers
-    train_state = state.train_state
-    micro_batch_size = int(train_cfg.micro_batch_size or 1)
-    dp_size = _data_parallel_size()
-    owns_calculator = ensure_num_microbatches_calculator(train_cfg, dp_size)
-    step_func = prepare_forward_step_func(forward_step_func, state)
+    return run_training(
+        forward_step_func,
+        model,
+        optimizer,
+        scheduler,
+        train_data_iterator,
+        valid_data_iterator,
+        global_state,
+        checkpointing_context,
+        process_non_loss_data_func,
+        non_loss_data_func,
+    )
+
+
+def run_training(
+    forward_step_func: ForwardStepCallable,
+    model: list[torch.nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    train_data_iterator: Any,
+    valid_data_iterator: Any,
+    global_state: GlobalState,
+    checkpointing_context: dict[str, Any],
+    process_non_loss_data_func: Callable[..., Any] | None = None,
+    non_loss_data_func: Callable[..., Any] | None = None,
+    *,
+    callbacks: Sequence[Callback] = (),
+) -> int:
+    """:func:`train` with user callbacks (what :func:`bridge.train.pretrain` calls).
+
+    Args:
+        forward_step_func: See :func:`train`.
+        model: See :func:`train`.
+        optimizer: See :func:`train`.
+        scheduler: See :func:`train`.
+        train_data_iterator: See :func:`train`.
+        valid_data_iterator: See :func:`train`.
+        global_state: See :func:`train`.
+        checkpointing_context: See :func:`train`.
+        process_non_loss_data_func: See :func:`train`.
+        non_loss_data_func: See :func:`train`.
+        callbacks: User callbacks (:class:`bridge.train.Callback`), run after the loop's
+            components and after the config's ``callbacks``.
+
+    Returns:
+        The process exit code (see :func:`train`).
+
+    Raises:
+        core_utils.CallbackError: A user callback raised (names callback, hook, iteration).
+    """
+    state, cfg = global_state, global_state.cfg
+    assert cfg.train is not None and cfg.logger is not None, "train and logger sections required"
+    owns_calculator = ensure_num_microbatches_calculator(cfg.train, _data_parallel_size())
     for chunk in model:
         chunk.train()
+    toggle_hooks = should_toggle_forward_pre_hook(cfg)
 
-    toggle_hooks = _should_toggle_forward_pre_hook(cfg)
-    gc_was_enabled = gc.isenabled()
-    if train_cfg.manual_gc:
-        # Collect at fixed points on every rank instead of whenever allocation counts say.
-        gc.disable()
-        gc.collect()
-
-    # Timestamps for the rolling throughput window (bridge.logging reads at most window + 1).
-    window = max(
-        state.metric_writers.report_settings.throughput_window_size or 0,
-        getattr(logger_cfg, "throughput_window_size", None) or 0,
-        logger_cfg.log_interval,
-    )
-    history_wct: collections.deque[float] = collections.deque(maxlen=window + 1)
-    total_loss_dict: dict[str, Any] = {}
-    report_memory_flag = True
-    flops_since_last_log = 0.0
-    exit_code = 0
-    prof: torch.profiler.profile | None = None
-    nsys_context: TNvtxContext | None = None
-    profiling = cfg.profiling
-    profile_here = should_profile_rank(profiling)
-    seq_length = int(getattr(cfg.model, "seq_length", 0) or 0)
-    total_iters = _total_iterations(cfg)
-    straggler = state.straggler_timing
-    nvrx = state.nvrx_straggler
-    timed_step = nvrx.wrap(train_step) if nvrx is not None else train_step
-    progress = ProgressReporter(
-        max(total_iters or 1, train_state.step, 1),
-        start=min(train_state.step, max(total_iters or 1, 1)),
-        enabled=_rank() == _world_size() - 1 and _stdout_is_terminal(),
-    )
-
-    async_saves = bool(
-        cfg.checkpoint is not None and cfg.checkpoint.save and cfg.checkpoint.async_save
-    )
-    if async_saves:
-        from bridge.train.checkpointing import finalize_async_saves
-
-    def save_now() -> None:
-        save_checkpoint_and_time(
+    def evaluate(context: LoopContext) -> None:
+        # Evaluation must see whole parameters, not ones a pending overlapped all-gather
+        # would still overwrite.
+        if toggle_hooks:
+            disable_forward_pre_hook(model)
+        evaluate_and_print_results(
             state,
+            f"iteration {context.iteration}",
+            forward_step_func,
+            valid_data_iterator,
             model,
-            optimizer,
-            scheduler,
-            train_state.floating_point_operations_so_far,
-            checkpointing_context,
-            train_data_iterator=train_data_iterator,
+            cfg,
+            verbose=False,
+            write_to_tensorboard=True,
+            process_non_loss_data_func=process_non_loss_data_func,
+            non_loss_data_func=non_loss_data_func,
         )
+        if toggle_hooks:
+            enable_forward_pre_hook(model)
 
-    timers("interval-time", log_level=0).start(barrier=True)
+    async_saves = bool(cfg.checkpoint and cfg.checkpoint.save and cfg.checkpoint.async_save)
+    components = standard_components(
+        state,
+        save=gpt_save_function(checkpointing_context),
+        finalize=_finalize_async_saves if async_saves else None,
+        evaluate=evaluate,
+        toggle_forward_pre_hooks=toggle_hooks,
+    )
+    context = LoopContext(
+        state,
+        model,
+        optimizer,
+        scheduler,
+        train_data_iterator,
+        valid_data_iterator,
+        callbacks=CallbackList(components, [*getattr(cfg, "callbacks", ()), *callbacks]),
+    )
+    state.timers("interval-time", log_level=0).start(barrier=True)
     try:
-        with progress:
-            while not _run_is_done(cfg, train_state):
-                update_num_microbatches(train_state.consumed_train_samples)
-                if (
-                    profile_here
-                    and profiling is not None
-                    and prof is None
-                    and nsys_context is None
-                    and profiling.profile_step_start
-                    <= train_state.step
-                    < profiling.profile_step_end
-                ):
-                    prof, nsys_context = start_profiler(cfg)
-                state.fault_tolerance.on_step_start()
-                # Straggler timing of the step happens inside the forward step (see
-                # bridge.train.forward_step), where the gradient all-reduce is not.
-                (
-                    loss_dict,
-                    skipped_iter,
-                    should_checkpoint,
-                    should_exit,
-                    step_exit_code,
-                    grad_norm,
-                    num_zeros_in_grad,
-                ) = timed_step(step_func, train_data_iterator, model, optimizer, scheduler, state)
-                if should_checkpoint and cfg.checkpoint is not None and cfg.checkpoint.save:
-                    save_now()
-                if should_exit:
-                    exit_code = step_exit_code
-                    state.fault_tolerance.on_step_end()
-                    break
-
-                batch_size = get_num_microbatches() * micro_batch_size * dp_size
-                step_flops = num_floating_point_operations(cfg.model, batch_size)
-                train_state.step += 1
-                train_state.consumed_train_samples += batch_size
-                if skipped_iter:
-                    train_state.skipped_train_samples += batch_size
-                train_state.floating_point_operations_so_far += step_flops
-                flops_since_last_log += step_flops
-                history_wct.append(time.time() - state.start_time)
-
-                learning_rate, decoupled_learning_rate = _learning_rates(optimizer)
-                params_norm = (
-                    calc_params_l2_norm(model, cfg.model) if logger_cfg.log_params_norm else None
-                )
-                report_memory_flag = training_log(
-                    loss_dict,
-                    total_loss_dict,
-                    learning_rate,
-                    decoupled_learning_rate,
-                    float(optimizer.get_loss_scale()),
-                    report_memory_flag,
-                    skipped_iter,
-                    grad_norm,
-                    params_norm,
-                    num_zeros_in_grad,
-                    cfg,
-                    state,
-                    history_wct,
-                    model,
-                    loaded_iteration=state.loaded_iteration,
-                    seq_length=seq_length or None,
-                )
-                if "lm loss" in loss_dict:
-                    progress.update(train_state.step, {"lm loss": float(loss_dict["lm loss"])})
-                else:
-                    progress.update(train_state.step)
-
-                post_training_step_callbacks(
-                    model,
-                    flops_since_last_log,
-                    straggler,
-                    train_state.step,
-                    prof,
-                    cfg,
-                    toggle_hooks,
-                    nsys_context,
-                    fault_tolerance=state.fault_tolerance,
-                )
-                if train_state.step % logger_cfg.log_interval == 0:
-                    flops_since_last_log = 0.0
-                if profiling is not None and train_state.step >= profiling.profile_step_end:
-                    prof, nsys_context = None, None
-                if nvrx is not None:
-                    nvrx.poll()
-
-                if async_saves:
-                    # Commit background saves that finished (collective, non-blocking).
-                    finalize_async_saves(state, blocking=False)
-
-                if (
-                    train_cfg.eval_interval
-                    and train_state.step % train_cfg.eval_interval == 0
-                    and train_state.do_valid
-                    and valid_data_iterator is not None
-                ):
-                    timers("interval-time").stop()
-                    # Evaluation must see whole parameters, not ones a pending overlapped
-                    # all-gather would still overwrite.
-                    if toggle_hooks:
-                        disable_forward_pre_hook(model)
-                    evaluate_and_print_results(
-                        state,
-                        f"iteration {train_state.step}",
-                        forward_step_func,
-                        valid_data_iterator,
-                        model,
-                        cfg,
-                        verbose=False,
-                        write_to_tensorboard=True,
-                        process_non_loss_data_func=process_non_loss_data_func,
-                        non_loss_data_func=non_loss_data_func,
-                    )
-                    if toggle_hooks:
-                        enable_forward_pre_hook(model)
-                    state.last_evaluated_iteration = train_state.step
-                    timers("interval-time", log_level=0).start(barrier=True)
-
-                if checkpoint_and_decide_exit(
-                    state,
-                    model,
-                    optimizer,
-                    scheduler,
-                    train_state.floating_point_operations_so_far,
-                    checkpointing_context,
-                    train_data_iterator,
-                ):
-                    break
-
-        if prof is not None or nsys_context is not None:
-            stop_profiler(prof, nsys_context)
-            prof, nsys_context = None, None
-        checkpoint = cfg.checkpoint
-        if (
-            exit_code == 0
-            and checkpoint is not None
-            and checkpoint.save is not None
-            and train_state.step > 0
-            and state.last_saved_iteration != train_state.step
-        ):
-            save_now()
-        timers("interval-time").stop()
+        exit_code = run_loop(
+            context,
+            gpt_step_function(forward_step_func, state),
+            is_done=lambda c: _run_is_done(cfg, c.train_state),
+        )
+        state.timers("interval-time").stop()
         _finish_train(state)
     finally:
-        if prof is not None or nsys_context is not None:
-            stop_profiler(prof, nsys_context)
-        if train_cfg.manual_gc and gc_was_enabled:
-            gc.enable()
+        for component in components:
+            close = getattr(component, "close", None)
+            if close is not None:
+                close()
         if owns_calculator:
             release_num_microbatches_calculator()
     return exit_code
-
-
-def _stdout_is_terminal() -> bool:
-    import sys
-
-    try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):
-        return False

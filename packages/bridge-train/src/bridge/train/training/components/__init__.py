@@ -1,0 +1,37 @@
+"""The components of the training loop (:class:`core_utils.Callback` subclasses).
+
+Each owns one concern and its state; :func:`standard_components` lists the ones a run's
+config switches on, in order. Fault-tolerance heartbeats and straggler timing live in
+:mod:`bridge.resiliency.loop_components` so loops outside bridge-train can use them.
+"""
+
+from bridge.train.training.components.checkpointer import (
+    Checkpointer,
+    FinalizeFunction,
+    SaveFunction,
+)
+from bridge.train.training.components.evaluation import EvaluateFunction, Evaluator
+from bridge.train.training.components.maintenance import (
+    DeviceSync,
+    GarbageCollection,
+    WeightHashCheck,
+    WeightHashMismatchError,
+)
+from bridge.train.training.components.metrics import MetricsProcessor
+from bridge.train.training.components.profiler import Profiler
+from bridge.train.training.components.standard import standard_components
+
+__all__ = [
+    "Checkpointer",
+    "DeviceSync",
+    "EvaluateFunction",
+    "Evaluator",
+    "FinalizeFunction",
+    "GarbageCollection",
+    "MetricsProcessor",
+    "Profiler",
+    "SaveFunction",
+    "WeightHashCheck",
+    "WeightHashMismatchError",
+    "standard_components",
+]
