@@ -54,6 +54,7 @@ from bridge.mimo.training import (
     ParamScheduler,
     ShouldStop,
     masked_token_loss,
+    mimo_log_record,
     train_mimo,
 )
 from bridge.mimo.vision import PatchEncoder, ProjectionMLP
@@ -100,6 +101,7 @@ __all__ = [
     "get_module_to_grid_tuple",
     "is_current_rank_in_grid",
     "masked_token_loss",
+    "mimo_log_record",
     "module_init_seed",
     "multimodule_no_sync",
     "tiny_vlm_specs",

@@ -67,6 +67,7 @@ __all__ = [
     "ParamScheduler",
     "ShouldStop",
     "masked_token_loss",
+    "mimo_log_record",
     "train_mimo",
 ]
 
@@ -636,6 +637,50 @@ class ShouldStop(Protocol):
     def __call__(self, iteration: int) -> bool: ...
 
 
+def mimo_log_record(
+    window: Sequence[MimoStepResult],
+    *,
+    iteration: int,
+    consumed_samples: int,
+    global_batch_size: int,
+    optimizer: Any,
+    world_size: int,
+) -> MimoLogRecord:
+    """The :class:`MimoLogRecord` of the steps in ``window`` (the last logging interval).
+
+    Args:
+        window: Results of the interval's steps, oldest first (at least one).
+        iteration: Iterations completed.
+        consumed_samples: Samples consumed so far.
+        global_batch_size: Samples per step.
+        optimizer: Its first parameter group's learning rate is reported.
+        world_size: Number of ranks.
+    """
+    last = window[-1]
+    elapsed = sum(o.step_time_s for o in window)
+    samples = global_batch_size * len(window)
+    tokens = sum(o.num_tokens for o in window)
+    flops_total = sum(sum(o.flops.values()) for o in window)
+    groups = optimizer.param_groups
+    return MimoLogRecord(
+        iteration=iteration,
+        consumed_samples=consumed_samples,
+        loss=sum(o.loss for o in window) / len(window),
+        learning_rate=float(groups[0]["lr"]) if groups else None,
+        grad_norm=last.grad_norm,
+        iteration_time_s=elapsed / len(window),
+        samples_per_sec=samples / elapsed if elapsed > 0 else math.inf,
+        tokens_per_sec=tokens / elapsed if elapsed > 0 else math.inf,
+        flops_per_iteration=dict(last.flops),
+        tflops_per_sec=flops_total / elapsed / 1e12 if elapsed > 0 else math.inf,
+        tflops_per_sec_per_rank=(
+            flops_total / elapsed / 1e12 / world_size if elapsed > 0 else math.inf
+        ),
+        skipped_iterations=sum(not o.update_successful for o in window),
+        world_size=world_size,
+    )
+
+
 @dataclass
 class MimoLoopContext:
     """What :func:`train_mimo` hands to every callback hook (``core_utils.Callback``).
@@ -768,30 +813,16 @@ def train_mimo(
             or result.iteration == train_iters
             or result.stopped_early
         ):
-            elapsed = sum(o.step_time_s for o in window)
-            samples = data.global_batch_size * len(window)
-            tokens = sum(o.num_tokens for o in window)
-            flops = outcome.flops
-            flops_total = sum(sum(o.flops.values()) for o in window)
-            groups = step.optimizer.param_groups
-            record = MimoLogRecord(
-                iteration=result.iteration,
-                consumed_samples=result.consumed_samples,
-                loss=sum(o.loss for o in window) / len(window),
-                learning_rate=float(groups[0]["lr"]) if groups else None,
-                grad_norm=outcome.grad_norm,
-                iteration_time_s=elapsed / len(window),
-                samples_per_sec=samples / elapsed if elapsed > 0 else math.inf,
-                tokens_per_sec=tokens / elapsed if elapsed > 0 else math.inf,
-                flops_per_iteration=dict(flops),
-                tflops_per_sec=flops_total / elapsed / 1e12 if elapsed > 0 else math.inf,
-                tflops_per_sec_per_rank=(
-                    flops_total / elapsed / 1e12 / world_size if elapsed > 0 else math.inf
-                ),
-                skipped_iterations=sum(not o.update_successful for o in window),
-                world_size=world_size,
+            log_fn(
+                mimo_log_record(
+                    window,
+                    iteration=result.iteration,
+                    consumed_samples=result.consumed_samples,
+                    global_batch_size=data.global_batch_size,
+                    optimizer=step.optimizer,
+                    world_size=world_size,
+                )
             )
-            log_fn(record)
             window = []
         if result.stopped_early:
             break

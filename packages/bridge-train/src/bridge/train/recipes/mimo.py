@@ -307,18 +307,6 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
         raise ConfigError("dist.distributed_backend", str(exc)) from None
 
 
-class _ExitWithoutSaving(Callback):
-    """Ends a MIMO run without checkpoints on ``train.exit_interval`` / duration."""
-
-    def __init__(self, exits: Any) -> None:
-        self.exits = exits
-
-    def on_step_end(self, context: Any) -> None:
-        decision = self.exits.check(context.iteration)
-        if decision.should_exit:
-            context.request_stop(decision.message)
-
-
 def _init_process_group(cfg: ConfigContainer) -> bool:
     """Initialise torch.distributed (restart-safe); True if this call created it."""
     import torch.distributed as dist
@@ -347,6 +335,79 @@ def _init_process_group(cfg: ConfigContainer) -> bool:
     return True
 
 
+class _MimoStep:
+    """One MIMO iteration as the shared loop's step function (``LoopContext -> StepResult``).
+
+    Runs bridge.mimo's step on the next micro-batches, steps the scheduler by the global
+    batch (megatron's sample-based schedule), and keeps the step's own result for the MIMO
+    metrics component.
+    """
+
+    def __init__(self, step: Any, data: Any, scheduler: Any) -> None:
+        self.step = step
+        self.data = data
+        self.scheduler = scheduler
+        self.outcome: Any = None
+
+    def __call__(self, context: Any) -> Any:
+        from bridge.train.training.loop import StepResult
+
+        outcome = self.step(next(self.data))
+        self.outcome = outcome
+        if self.scheduler is not None and outcome.update_successful:
+            self.scheduler.step(increment=self.data.global_batch_size)
+        return StepResult(
+            losses={"lm loss": torch.tensor(outcome.loss, dtype=torch.float64)},
+            skipped=not outcome.update_successful,
+            grad_norm=outcome.grad_norm,
+            num_samples=self.data.global_batch_size,
+            flops=float(sum(outcome.flops.values())),
+        )
+
+
+class _MimoMetrics(Callback):
+    """The MIMO metrics component: a :class:`bridge.mimo.MimoLogRecord` every
+    ``log_interval`` iterations (and for the partial interval when the run ends), printed by
+    the last rank and written to the metric writers."""
+
+    def __init__(self, step: _MimoStep, log_interval: int, train_iters: int, log: Any) -> None:
+        self.step = step
+        self.log_interval = log_interval
+        self.train_iters = train_iters
+        self.log = log
+        self.window: list[Any] = []
+        self.losses: list[float] = []
+
+    def _emit(self, context: Any) -> None:
+        import torch.distributed as dist
+
+        import bridge.mimo as mimo
+
+        self.log(
+            mimo.mimo_log_record(
+                self.window,
+                iteration=context.iteration,
+                consumed_samples=self.step.data.consumed_samples,
+                global_batch_size=self.step.data.global_batch_size,
+                optimizer=context.optimizer,
+                world_size=dist.get_world_size(),
+            )
+        )
+        self.window = []
+
+    def on_step_end(self, context: Any) -> None:
+        outcome = self.step.outcome
+        self.window.append(outcome)
+        self.losses.append(outcome.loss)
+        iteration = context.iteration
+        if iteration % self.log_interval == 0 or iteration == self.train_iters:
+            self._emit(context)
+
+    def on_train_end(self, context: Any) -> None:
+        if self.window:  # stopped early: the partial interval
+            self._emit(context)
+
+
 def pretrain_mimo(
     cfg: ConfigContainer,
     *,
@@ -355,6 +416,13 @@ def pretrain_mimo(
 ) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
 
+    The run goes through bridge-train's shared loop (:func:`bridge.train.training.loop.run_loop`)
+    with a MIMO step function and the loop's components: the MIMO metrics, fault-tolerance
+    heartbeats and straggler reports when configured, garbage collection, and the
+    :class:`~bridge.train.training.components.Checkpointer` (interval / exit / final saves
+    through :func:`~bridge.train.recipes.mimo_checkpoint.mimo_save_function`, exit
+    conditions including ``train.exit_signal_handler``).
+
     Args:
         cfg: The recipe's config (checked by :func:`check_mimo_config`).
         metrics_file: Also write every metric record as JSON lines (last rank).
@@ -362,20 +430,40 @@ def pretrain_mimo(
             ``train.exit_duration_in_mins`` (default: when this call starts).
 
     Returns:
-        The exit code (0).
+        The exit code: 0, also after an exit condition (exit signal, duration, interval)
+        ended the run, as for GPT.
 
     Raises:
         ConfigError: See :func:`check_mimo_config`.
+        CheckpointError: A checkpoint cannot be loaded or saved (see docs/checkpoints.md).
     """
     import torch.distributed as dist
 
     import bridge.mimo as mimo
     from bridge.logging import MetricWriters, build_metric_writers, setup_logging
-    from bridge.resiliency import ExitConditions
-    from bridge.train.recipes.mimo_checkpoint import MimoCheckpointer, MimoCheckpointModel
+    from bridge.resiliency import (
+        ExitConditions,
+        FaultTolerance,
+        NullFaultTolerance,
+        NVRxStragglerMonitor,
+        StragglerTiming,
+    )
+    from bridge.resiliency.loop_components import (
+        FaultToleranceHeartbeat,
+        NVRxStragglerPoll,
+        StragglerReporter,
+    )
+    from bridge.train.recipes.mimo_checkpoint import (
+        MimoCheckpointModel,
+        load_mimo_checkpoint,
+        mimo_save_function,
+    )
     from bridge.train.scheduler import build_optimizer_param_scheduler
     from bridge.train.state import GlobalState
+    from bridge.train.training.components import Checkpointer, GarbageCollection
+    from bridge.train.training.loop import LoopContext, run_loop
     from bridge.train.training.metrics_file import JsonlMetricWriter
+    from core_utils.callbacks import CallbackList
 
     start_time = time.time() if start_time is None else start_time
     check_mimo_config(cfg)
@@ -384,11 +472,27 @@ def pretrain_mimo(
     assert isinstance(cfg.model, MimoModelConfig)
     setup_logging(cfg.logger)
     owns_group = _init_process_group(cfg)
-    writers = MetricWriters()
-    infra = step = checkpointer = None
-    exits: ExitConditions | None = None
+    state = GlobalState(cfg=cfg, start_time=start_time)
+    infra = step = None
+    clean = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        checkpoint = cfg.checkpoint
+        state.fault_tolerance = FaultTolerance.from_config(
+            cfg.ft, checkpoint_dir=checkpoint.save, async_save=checkpoint.async_save
+        )
+        state.fault_tolerance.on_setup_start()
+        state.nvrx_straggler = NVRxStragglerMonitor.from_config(cfg.nvrx_straggler)
+        state.nvrx_straggler.initialize()
+        state.straggler_timing = StragglerTiming.from_config(cfg.straggler)
+        # The exit conditions (and the exit-signal handler) exist before the checkpoint is
+        # loaded, so a signal that arrives while loading is not lost.
+        state.exit_conditions = ExitConditions.from_config(
+            cfg.train,
+            save_enabled=checkpoint.save is not None,
+            start_time=start_time,
+            stop_requesters=[state.nvrx_straggler],
+        )
         seed = cfg.rng.seed
         torch.manual_seed(seed)
         layout = mimo_layout(cfg.model, world)
@@ -427,27 +531,18 @@ def pretrain_mimo(
             clip_grad=opt_cfg.clip_grad,
         )
         scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, cfg.train)
-        # The exit conditions (and the exit-signal handler) exist before the checkpoint is
-        # loaded, so a signal that arrives while loading is not lost.
-        exits = ExitConditions.from_config(
-            cfg.train, save_enabled=cfg.checkpoint.save is not None, start_time=start_time
+        chunk = MimoCheckpointModel(model, layout)
+        uses_checkpoints = bool(
+            checkpoint.save or checkpoint.load or checkpoint.pretrained_checkpoint
         )
-        state = GlobalState(cfg=cfg, start_time=start_time, exit_conditions=exits)
-        start_iteration = 0
-        callbacks: list[Callback] = []
-        checkpoint = cfg.checkpoint
-        if checkpoint.save or checkpoint.load or checkpoint.pretrained_checkpoint:
+        checkpointing_context: dict[str, Any] = {}
+        loaded = 0
+        if uses_checkpoints:
             from bridge.train.checkpointing import init_checkpointing_context
 
-            checkpointer = MimoCheckpointer(
-                state,
-                MimoCheckpointModel(model, layout),
-                optimizer,
-                scheduler,
-                init_checkpointing_context(checkpoint),
-            )
-            start_iteration = checkpointer.load()
-            callbacks.append(checkpointer)
+            checkpointing_context = init_checkpointing_context(checkpoint)
+            loaded = load_mimo_checkpoint(state, chunk, optimizer, scheduler, checkpointing_context)
+        state.fault_tolerance.on_setup_end(checkpoint_loaded=loaded > 0)
         gbs, mbs = int(cfg.train.global_batch_size or 0), int(cfg.train.micro_batch_size or 0)
         step = mimo.MimoTrainStep(
             model,
@@ -470,9 +565,9 @@ def pretrain_mimo(
         base = build_metric_writers(
             cfg.logger, rank=rank, world_size=world, asynchronous=not (metrics_file and last)
         )
-        writers = base
+        state.metric_writers = base
         if metrics_file is not None and last:
-            writers = MetricWriters(
+            state.metric_writers = MetricWriters(
                 [*base.writers, JsonlMetricWriter(metrics_file)], asynchronous=True
             )
         if rank == 0:
@@ -482,50 +577,103 @@ def pretrain_mimo(
                 f"(a model ignoring the images): {dataset.text_only_loss_floor():.4f}",
                 flush=True,
             )
-        if checkpointer is None:
-            # Without checkpoints the exit conditions still end the run (nothing to save).
-            callbacks.append(_ExitWithoutSaving(exits))
+            if loaded:
+                print(
+                    f"[bridge-train] mimo: resumed at iteration {loaded} (consumed samples "
+                    f"{data.consumed_samples})",
+                    flush=True,
+                )
 
         def log(record: mimo.MimoLogRecord) -> None:
             if last:
                 print(record.format(), flush=True)
-            writers.log_metrics(record.as_metrics(), record.iteration)
+            state.metric_writers.log_metrics(record.as_metrics(), record.iteration)
 
-        if rank == 0 and start_iteration:
-            print(
-                f"[bridge-train] mimo: resumed at iteration {start_iteration} (consumed samples "
-                f"{data.consumed_samples})",
-                flush=True,
+        train_iters = int(cfg.train.train_iters or 0)
+        step_function = _MimoStep(step, data, scheduler)
+        metrics = _MimoMetrics(step_function, cfg.logger.log_interval, train_iters, log)
+        components: list[Callback] = [metrics]
+        if not isinstance(state.fault_tolerance, NullFaultTolerance):
+            components.append(FaultToleranceHeartbeat(state.fault_tolerance))
+        if state.straggler_timing.configured:
+            components.append(StragglerReporter(state.straggler_timing, cfg.logger.log_interval))
+        if cfg.train.manual_gc:
+            components.append(GarbageCollection(cfg.train.manual_gc_interval))
+        if state.nvrx_straggler is not None:
+            components.append(NVRxStragglerPoll(state.nvrx_straggler))
+        finalize = None
+        if checkpoint.save is not None and checkpoint.async_save:
+            from bridge.train.training.train import _finalize_async_saves
+
+            finalize = _finalize_async_saves
+        components.append(
+            Checkpointer(
+                mimo_save_function(checkpointing_context),
+                checkpoint,
+                exit_conditions=state.exit_conditions,
+                finalize=finalize,
             )
-        result = mimo.train_mimo(
-            step,
-            data,
-            train_iters=int(cfg.train.train_iters or 0),
-            scheduler=scheduler,
-            log_fn=log,
-            log_interval=cfg.logger.log_interval,
-            start_iteration=min(start_iteration, int(cfg.train.train_iters or 0)),
-            callbacks=callbacks,
         )
-        if last and result.stopped_early:
-            print(f"[bridge-train] mimo: {exits.last_decision.message}", flush=True)
-        if last and result.losses:
+        context = LoopContext(
+            state=state,
+            model=[chunk],
+            optimizer=optimizer,
+            scheduler=scheduler,
+            train_data_iterator=data,
+            callbacks=CallbackList(components),
+        )
+        exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
+        if last and context.stop_requested:
+            print(f"[bridge-train] mimo: {context.stop_reason}", flush=True)
+        if last and metrics.losses:
             print(
-                f"[bridge-train] mimo: {result.iteration} iterations, final loss "
-                f"{result.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
+                f"[bridge-train] mimo: {context.iteration} iterations, final loss "
+                f"{metrics.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
                 flush=True,
             )
-        writers.flush()
-        return 0
+        state.metric_writers.flush()
+        clean = exit_code == 0
+        return exit_code
     finally:
-        if checkpointer is not None:
-            checkpointer.close()
-        if exits is not None:
-            exits.close()
-        writers.close()
+        _close_mimo(state, clean)
         if step is not None:
             step.close()
         if infra is not None:
             infra.destroy()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _close_mimo(state: Any, clean: bool) -> None:
+    """Release what :func:`pretrain_mimo` started, in order; a failure is logged, not raised
+    over the error that may already be propagating."""
+    import logging
+
+    cfg = state.cfg
+
+    def finalize() -> None:
+        from bridge.train.checkpointing import finalize_async_saves
+
+        finalize_async_saves(state, blocking=True, terminate=True)
+
+    steps: list[tuple[str, Any]] = []
+    if cfg.checkpoint is not None and cfg.checkpoint.save is not None:
+        steps.append(("finishing asynchronous checkpoint saves", finalize))
+    steps += [
+        ("shutting down fault tolerance", lambda: state.fault_tolerance.shutdown(clean=clean)),
+        (
+            "stopping the NVRx straggler monitor",
+            lambda: state.nvrx_straggler.shutdown() if state.nvrx_straggler else None,
+        ),
+        ("stopping straggler detection", state.straggler_timing.close),
+        (
+            "restoring the exit-signal handler",
+            lambda: state.exit_conditions.close() if state.exit_conditions else None,
+        ),
+        ("closing the metric writers", state.metric_writers.close),
+    ]
+    for what, action in steps:
+        try:
+            action()
+        except Exception:
+            logging.getLogger(__name__).exception("mimo: %s failed", what)

@@ -17,10 +17,10 @@ checkpoints are handled exactly as for GPT. What is MIMO-specific is small:
 * the data position is the train state's ``consumed_train_samples``, which the MIMO loader
   resumes from (the same order, neither restarted nor replayed).
 
-:class:`MimoCheckpointer` is the loop component (a ``core_utils.Callback`` for
-``bridge.mimo.train_mimo``) that owns the save decisions: ``checkpoint.save_interval``,
-``checkpoint.non_persistent_save_interval``, an early exit (exit signal, duration, interval:
-one save, then stop) and the end of training, and the commit of asynchronous saves.
+The save decisions (``checkpoint.save_interval``, ``non_persistent_save_interval``, an
+early exit: exit signal, duration, ``train.exit_interval``; the end of training; committing
+asynchronous saves) are the shared loop's :class:`~bridge.train.training.components.Checkpointer`,
+as for GPT; :func:`mimo_save_function` is the writer it is given.
 """
 
 from __future__ import annotations
@@ -30,11 +30,16 @@ from typing import Any
 
 import torch
 
-from bridge.config import CheckpointConfig
 from bridge.train.state import GlobalState
-from core_utils.callbacks import Callback
+from bridge.train.training.components import SaveFunction
+from bridge.train.training.loop import LoopContext
 
-__all__ = ["MimoCheckpointModel", "MimoCheckpointer", "describe_mimo_layout"]
+__all__ = [
+    "MimoCheckpointModel",
+    "describe_mimo_layout",
+    "load_mimo_checkpoint",
+    "mimo_save_function",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,128 +85,60 @@ class MimoCheckpointModel(torch.nn.Module):
         return {"mimo_layout": describe_mimo_layout(self._layout)}
 
 
-class MimoCheckpointer(Callback):
-    """Loads the run's checkpoint and owns every save decision of a MIMO run.
+def load_mimo_checkpoint(
+    state: GlobalState,
+    chunk: MimoCheckpointModel,
+    optimizer: Any,
+    scheduler: Any,
+    checkpointing_context: dict[str, Any],
+) -> int:
+    """Load what ``checkpoint.load`` names, or resume the run owning ``checkpoint.save``.
 
-    Args:
-        state: The run's state (``cfg`` with the checkpoint and train sections,
-            ``train_state``, ``exit_conditions``).
-        chunk: The model as :class:`MimoCheckpointModel`.
-        optimizer: The ``MultiModuleOptimizer``.
-        scheduler: The learning-rate scheduler, or None.
-        context: From ``init_checkpointing_context``.
+    Everything else (which checkpoint, ``ckpt_step``, damaged or absent checkpoints,
+    ``finetune``, ``load_optim``, ``load_rng``, the architecture check) is
+    :func:`~bridge.train.checkpointing.load_checkpoint`'s, exactly as for GPT.
+
+    Returns:
+        The iteration to continue from (0 when nothing was loaded); ``state.train_state``
+        holds the loaded counters (``consumed_train_samples`` is the data position).
     """
+    from bridge.train.checkpointing import checkpoint_exists, load_checkpoint
 
-    def __init__(
-        self,
-        state: GlobalState,
-        chunk: MimoCheckpointModel,
-        optimizer: Any,
-        scheduler: Any,
-        context: dict[str, Any],
-    ) -> None:
-        self.state = state
-        self.chunk = chunk
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.context = context
-        checkpoint = state.cfg.checkpoint
-        assert checkpoint is not None
-        self.checkpoint: CheckpointConfig = checkpoint
+    checkpoint = state.cfg.checkpoint
+    assert checkpoint is not None
+    if checkpoint.load is None and checkpoint_exists(checkpoint.save):
+        # The run owning the save directory resumes (torchrun restarts rely on it).
+        checkpoint.load = checkpoint.save
+    if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
+        return 0
+    iteration, _ = load_checkpoint(
+        state, [chunk], optimizer, scheduler, checkpointing_context=checkpointing_context
+    )
+    state.loaded_iteration = iteration
+    state.job_start_flops = state.train_state.floating_point_operations_so_far
+    return iteration
 
-    @property
-    def _saves(self) -> bool:
-        return self.checkpoint.save is not None
 
-    def load(self) -> int:
-        """Load what ``checkpoint.load`` (or a save directory holding a checkpoint) names.
+def mimo_save_function(checkpointing_context: dict[str, Any]) -> SaveFunction:
+    """The loop's :data:`~bridge.train.training.components.SaveFunction` for a MIMO run:
+    :func:`~bridge.train.checkpointing.save_checkpoint` of the context's
+    :class:`MimoCheckpointModel`, multi-module optimizer and scheduler."""
 
-        Returns:
-            The iteration to continue from (0 when nothing was loaded).
-        """
-        from bridge.train.checkpointing import checkpoint_exists, load_checkpoint
-
-        checkpoint = self.checkpoint
-        if checkpoint.load is None and checkpoint_exists(checkpoint.save):
-            # The run owning the save directory resumes (torchrun restarts rely on it).
-            checkpoint.load = checkpoint.save
-        if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
-            return 0
-        iteration, _ = load_checkpoint(
-            self.state,
-            [self.chunk],
-            self.optimizer,
-            self.scheduler,
-            checkpointing_context=self.context,
-        )
-        self.state.loaded_iteration = iteration
-        self.state.job_start_flops = self.state.train_state.floating_point_operations_so_far
-        return iteration
-
-    def _save(self, *, non_persistent: bool = False) -> None:
+    def save(context: LoopContext, non_persistent: bool) -> None:
         from bridge.train.checkpointing import save_checkpoint
 
-        save_checkpoint(
-            self.state,
-            [self.chunk],
-            self.optimizer,
-            self.scheduler,
-            self.state.train_state.floating_point_operations_so_far,
-            self.context,
-            non_persistent_ckpt=non_persistent,
-        )
-        if not non_persistent:
-            self.state.last_saved_iteration = self.state.train_state.step
+        state = context.state
+        # Metrics up to this iteration reach disk before the checkpoint commits.
+        state.metric_writers.flush()
+        with state.fault_tolerance.checkpointing():
+            save_checkpoint(
+                state,
+                context.model,
+                context.optimizer,
+                context.scheduler,
+                state.train_state.floating_point_operations_so_far,
+                checkpointing_context,
+                non_persistent_ckpt=non_persistent,
+            )
 
-    def _advance(self, context: Any) -> None:
-        train_state = self.state.train_state
-        train_state.step = context.iteration
-        train_state.consumed_train_samples = context.consumed_samples
-        outcome = context.outcome
-        if outcome is not None:
-            if not outcome.update_successful:
-                train_state.skipped_train_samples += context.data.global_batch_size
-            train_state.floating_point_operations_so_far += sum(outcome.flops.values())
-
-    def on_step_end(self, context: Any) -> None:
-        """Count the step, commit finished async saves, save on interval or exit."""
-        self._advance(context)
-        iteration = context.iteration
-        checkpoint = self.checkpoint
-        if self._saves and checkpoint.async_save:
-            from bridge.train.checkpointing import finalize_async_saves
-
-            finalize_async_saves(self.state)
-        saved = False
-        if self._saves and checkpoint.save_interval and iteration % checkpoint.save_interval == 0:
-            self._save()
-            saved = True
-        elif (
-            checkpoint.non_persistent_ckpt_type == "global"
-            and checkpoint.non_persistent_save_interval
-            and iteration % checkpoint.non_persistent_save_interval == 0
-        ):
-            self._save(non_persistent=True)
-        exits = self.state.exit_conditions
-        if exits is None:
-            return
-        decision = exits.check(iteration, saved_this_iteration=saved)
-        if decision.should_save:
-            self._save()
-        if decision.should_exit:
-            context.request_stop(decision.message)
-
-    def on_train_end(self, context: Any) -> None:
-        """Save the final iteration (unless just saved) and commit every pending save."""
-        if self._saves and context.iteration > 0:
-            already = (self.state.last_saved_iteration, self.state.loaded_iteration)
-            if context.iteration not in already:
-                self._save()
-        self.close()
-
-    def close(self) -> None:
-        """Wait for and commit pending asynchronous saves, stop the writer (idempotent)."""
-        if self._saves and self.checkpoint.async_save:
-            from bridge.train.checkpointing import finalize_async_saves
-
-            finalize_async_saves(self.state, blocking=True, terminate=True)
+    return save
