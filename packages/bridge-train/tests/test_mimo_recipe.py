@@ -100,7 +100,7 @@ def test_four_rank_split_run_stops_at_the_exit_interval(capfd: pytest.CaptureFix
     assert "iteration      3 |" in out and "iteration      4 |" in out
     assert "iteration      5 |" not in out
     assert (
-        "[bridge-train] mimo: exiting after iteration 4: iteration 4 is a multiple of "
+        "[bridge-train] exiting after iteration 4: iteration 4 is a multiple of "
         "exit_interval=4" in out
     )
     assert "[bridge-train] mimo: 4 iterations" in out

@@ -623,8 +623,7 @@ def pretrain_mimo(
             callbacks=CallbackList(components),
         )
         exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
-        if last and context.stop_requested:
-            print(f"[bridge-train] mimo: {context.stop_reason}", flush=True)
+        # The loop's Checkpointer printed why it stopped early (rank 0).
         if last and metrics.losses:
             print(
                 f"[bridge-train] mimo: {context.iteration} iterations, final loss "
