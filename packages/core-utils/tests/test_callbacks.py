@@ -60,6 +60,15 @@ def test_components_run_before_callbacks_in_registration_order() -> None:
     ]
 
 
+def test_after_components_run_after_the_callbacks_and_keep_their_errors() -> None:
+    hooks = CallbackList([Recorder("a")], [Recorder("user")], after=[Recorder("save")])
+    context = Context(iteration=2)
+    hooks.on_step_end(context)
+    assert context.calls == ["a.step_end@2", "user.step_end@2", "save.step_end@2"]
+    with pytest.raises(ComponentFailure):  # a component's error is not wrapped
+        CallbackList((), [Recorder("user")], after=[BrokenComponent()]).on_step_end(context)
+
+
 def test_hooks_nobody_overrides_are_not_dispatched() -> None:
     hooks = CallbackList([], [OnlyEnd()])
     assert [hook for hook in HOOKS if hooks.has(hook)] == ["on_train_end"]

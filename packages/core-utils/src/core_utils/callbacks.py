@@ -84,7 +84,7 @@ def _overrides(callback: Callback, hook: str) -> bool:
 
 
 class CallbackList:
-    """The loop's ordered callbacks; ``components`` first, then the user's ``callbacks``.
+    """The loop's ordered callbacks: ``components``, the user's ``callbacks``, then ``after``.
 
     An exception from a user callback is re-raised as :class:`CallbackError` (chained to the
     original) so the user sees which of their hooks failed; an exception from one of the
@@ -94,15 +94,25 @@ class CallbackList:
     Args:
         components: The loop's own parts, in the order they must run.
         callbacks: The user's callbacks, run after the components at every hook.
+        after: Parts of the loop that run after the user's callbacks at every hook (for
+            example evaluation and checkpointing, so a callback's ``on_step_end`` sees the
+            step before the iteration is evaluated and saved).
 
     Raises:
         TypeError: An entry is not a :class:`Callback`.
     """
 
     def __init__(
-        self, components: Iterable[Callback] = (), callbacks: Iterable[Callback] = ()
+        self,
+        components: Iterable[Callback] = (),
+        callbacks: Iterable[Callback] = (),
+        after: Iterable[Callback] = (),
     ) -> None:
-        entries = [(c, False) for c in components] + [(c, True) for c in callbacks]
+        entries = (
+            [(c, False) for c in components]
+            + [(c, True) for c in callbacks]
+            + [(c, False) for c in after]
+        )
         for callback, _ in entries:
             if not isinstance(callback, Callback):
                 raise TypeError(

@@ -43,6 +43,7 @@ from bridge.config._typing import (
     protocol_members,
     type_name,
 )
+from core_utils.callbacks import Callback
 
 TARGET = "_target_"
 CALL = "_call_"
@@ -316,6 +317,9 @@ def _encode(value: Any, path: str, omit_derived: bool = True) -> Any:
         return out
     if callable(value):
         return {TARGET: import_path(value, path), CALL: False}
+    if isinstance(value, Callback) and not vars(value):
+        # A stateless training-loop callback is rebuilt by calling its class.
+        return {TARGET: import_path(type(value), path)}
     raise ConfigError(
         path,
         f"cannot serialise {_describe(value)} of type {type(value).__qualname__}: only scalars, "

@@ -49,6 +49,7 @@ from bridge.config._yaml import (
     resolve_interpolations,
     write_new_file,
 )
+from core_utils.callbacks import Callback
 
 # Sections validate() cannot do without, and how to add each one.
 _REQUIRED_SECTIONS: dict[str, str] = {
@@ -252,6 +253,13 @@ class ConfigContainer:
     """Mixed-precision recipe: an object providing ``MixedPrecisionConfigProtocol`` or a
     recipe name such as ``"bf16_mixed"`` that the trainer resolves. Checked against the
     model's ``bf16``/``fp16`` flags."""
+
+    callbacks: list[Callback] = field(default_factory=list)
+    """Training-loop callbacks (``bridge.train.Callback`` subclasses), run in this order
+    after the loop's own components at every hook. In YAML a list of
+    ``{_target_: package.module.Class, <argument>: <value>, ...}`` entries; a dataclass
+    callback is saved with its fields in ``run_config.yaml``, any other class only when it
+    has no instance state."""
 
     data_parallel_size: int | None = field(init=False, default=None)
     """Data-parallel size (world size divided by tensor x pipeline x context parallel
@@ -691,6 +699,13 @@ class ConfigContainer:
                 raise ConfigError(
                     "profiling.profile_ranks",
                     f"rank(s) {absent} do not exist; the world has ranks 0 to {world - 1}",
+                )
+        for index, callback in enumerate(self.callbacks):
+            if not isinstance(callback, Callback):
+                raise ConfigError(
+                    f"callbacks[{index}]",
+                    f"got {type(callback).__qualname__}, which is not a training-loop callback; "
+                    "name a subclass of bridge.train.Callback (core_utils.Callback) in _target_",
                 )
         if self.peft is not None and checkpoint.pretrained_checkpoint is None:
             raise ConfigError(

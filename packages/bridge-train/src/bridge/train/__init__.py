@@ -119,6 +119,7 @@ if TYPE_CHECKING:
         train,
         train_step,
     )
+    from bridge.train.training.loop import LoopContext, StepResult
     from bridge.train.value_head import (
         LinearForLastLayer,
         ModelHook,
@@ -126,11 +127,16 @@ if TYPE_CHECKING:
         create_value_head_hook,
         make_value_model,
     )
+    from core_utils.callbacks import Callback, CallbackError
 
 # Every public name is imported on first use, not with the package: the ``bridge-train``
 # command answers --help, --version and configuration errors without importing torch or
 # megatron-core (about ten seconds), and ``import bridge.train`` stays cheap.
 _LAZY_NAMES: dict[str, str] = {
+    "Callback": "core_utils.callbacks",
+    "CallbackError": "core_utils.callbacks",
+    "LoopContext": "bridge.train.training.loop",
+    "StepResult": "bridge.train.training.loop",
     "MEMORY_KEYS": "bridge.logging",
     "_build_moe_metric_writer": "bridge.logging",
     "_MoeMetricFanoutWriter": "bridge.logging",
@@ -262,6 +268,8 @@ __all__ = [
     "MEMORY_KEYS",
     "BareLoopResult",
     "ByteLevelTokenizer",
+    "Callback",
+    "CallbackError",
     "CheckpointError",
     "CyclicRandomSampler",
     "DynamicLossScaler",
@@ -273,6 +281,7 @@ __all__ = [
     "JsonlMetricWriter",
     "LayerSpecBackend",
     "LinearForLastLayer",
+    "LoopContext",
     "MambaProvider",
     "MegatronEngine",
     "ModelHook",
@@ -284,6 +293,7 @@ __all__ = [
     "PreprocessResult",
     "PretrainingSampler",
     "SetupOutput",
+    "StepResult",
     "T5ModelProvider",
     "TNvtxContext",
     "Tokenizer",

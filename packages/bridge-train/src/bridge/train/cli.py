@@ -20,7 +20,8 @@ imported before the config names a class that needs it.
 
 Exit codes: 0 when training finished or stopped on purpose (exit signal, duration,
 interval); 2 for a configuration problem (printed as one line, without a traceback,
-before anything is started); 1 for any other failure (with its traceback).
+before anything is started); 1 when a training-loop callback raised (one line naming the
+callback, hook and iteration) and for any other failure (with its traceback).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "build_parser", "main"]
+__all__ = ["EXIT_CALLBACK_ERROR", "EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "build_parser", "main"]
 
 EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+EXIT_CALLBACK_ERROR = 1
 
 _USAGE = "bridge-train [--config FILE | --recipe NAME] [options] [section.field=value ...]"
 
@@ -305,6 +307,12 @@ def _is_user_error(exc: BaseException) -> bool:
     return False
 
 
+def _is_callback_error(exc: BaseException) -> bool:
+    module = sys.modules.get("core_utils.callbacks")
+    cls = getattr(module, "CallbackError", None) if module is not None else None
+    return isinstance(cls, type) and isinstance(exc, cls)
+
+
 def _report_notices(held: Any, cfg: Any) -> None:
     """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
 
@@ -437,6 +445,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"bridge-train: stopped by {signal_name}", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(exc, Terminated) else EXIT_INTERRUPTED)
     except Exception as exc:
+        if _is_callback_error(exc):
+            # The user's own code failed, not the trainer: say which callback, hook and
+            # iteration, on every rank where it happened.
+            prefix = f"[rank {_rank()}] " if _world_size() > 1 else ""
+            print(f"bridge-train: error: {prefix}{exc}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_CALLBACK_ERROR)
         if not _is_user_error(exc):
             raise
         if _rank() == 0:

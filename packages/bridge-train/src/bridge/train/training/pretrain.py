@@ -11,7 +11,7 @@ Order of work (every rank)::
     load the checkpoint (checkpoint.load, else an earlier run in checkpoint.save)
     datasets and iterators positioned at the loaded counters; fault tolerance setup ends
     progress.txt "Starting job"; run_config.yaml
-    train(); final validation and test evaluation (when training was not stopped early)
+    train() (with the callbacks); final validation and test evaluation (when training was not stopped early)
     close: async saves finished, resiliency stopped, writers flushed and closed, rerun
       machine and micro-batch calculator released, process group destroyed
     (closing always runs, also after an error)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,8 @@ from bridge.train.training.model_family import build_family_datasets, default_fo
 from bridge.train.training.preflight import check_config_before_launch
 from bridge.train.training.progress_log import append_starting_job
 from bridge.train.training.run_config import save_run_config
-from bridge.train.training.train import train
+from bridge.train.training.train import run_training
+from core_utils.callbacks import Callback, CallbackList
 
 __all__ = ["SetupOutput", "pretrain", "setup"]
 
@@ -455,6 +456,7 @@ def pretrain(
     report_settings: ReportSettings | None = None,
     process_non_loss_data_func: Callable[..., Any] | None = None,
     non_loss_data_func: Callable[..., Any] | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> int:
     """Train a model as ``config`` says, from scratch or from its last checkpoint.
 
@@ -481,6 +483,8 @@ def pretrain(
         report_settings: Extra reports of bridge.logging.
         process_non_loss_data_func: See :func:`bridge.train.evaluate`.
         non_loss_data_func: See :func:`bridge.train.evaluate`.
+        callbacks: Training-loop callbacks (:class:`bridge.train.Callback`), run after the
+            loop's components and after ``config.callbacks``, in this order.
 
     Returns:
         The process exit code: 0 when training finished or stopped on purpose (signal,
@@ -489,7 +493,10 @@ def pretrain(
     Raises:
         bridge.config.ConfigError: The config cannot run here (raised before any process
             group exists).
+        TypeError: An entry of ``callbacks`` is not a :class:`bridge.train.Callback`.
+        core_utils.CallbackError: A callback raised (names the callback, hook and iteration).
     """
+    CallbackList((), callbacks)  # refuse a non-callback before anything is built
     check_config_before_launch(config)
     if forward_step_func is forward_step:  # the default: the model family's own step
         forward_step_func = default_forward_step(config.model)
@@ -509,7 +516,7 @@ def pretrain(
         save_run_config(config)
         exit_code = 0
         if not config.train.skip_train and not _run_completed(config, state):
-            exit_code = train(
+            exit_code = run_training(
                 forward_step_func,
                 out.model,
                 out.optimizer,
@@ -520,6 +527,7 @@ def pretrain(
                 out.checkpointing_context,
                 process_non_loss_data_func=process_non_loss_data_func,
                 non_loss_data_func=non_loss_data_func,
+                callbacks=callbacks,
             )
         if exit_code == 0 and (config.train.skip_train or _run_completed(config, state)):
             _final_evaluation(

@@ -36,6 +36,7 @@ from bridge.train.training.batch_size import (
 from bridge.train.training.components import (
     Checkpointer,
     WeightHashMismatchError,
+    loop_callback_list,
     standard_components,
 )
 from bridge.train.training.components.maintenance import (
@@ -54,7 +55,7 @@ from bridge.train.training.forward_pre_hooks import (
 from bridge.train.training.loop import LoopContext, StepFunction, StepResult, run_loop
 from bridge.train.training.profiling import TNvtxContext
 from bridge.train.training.progress_log import compute_throughputs_and_append_to_progress_log
-from core_utils.callbacks import Callback, CallbackList
+from core_utils.callbacks import Callback
 
 __all__ = [
     "WeightHashMismatchError",
@@ -664,7 +665,7 @@ def run_training(
         scheduler,
         train_data_iterator,
         valid_data_iterator,
-        callbacks=CallbackList(components, [*getattr(cfg, "callbacks", ()), *callbacks]),
+        callbacks=loop_callback_list(components, [*cfg.callbacks, *callbacks]),
     )
     state.timers("interval-time", log_level=0).start(barrier=True)
     try:

@@ -19,7 +19,7 @@ from bridge.train.training.components.maintenance import (
 )
 from bridge.train.training.components.metrics import MetricsProcessor
 from bridge.train.training.components.profiler import Profiler
-from bridge.train.training.components.standard import standard_components
+from bridge.train.training.components.standard import loop_callback_list, standard_components
 
 __all__ = [
     "Checkpointer",
@@ -33,5 +33,6 @@ __all__ = [
     "SaveFunction",
     "WeightHashCheck",
     "WeightHashMismatchError",
+    "loop_callback_list",
     "standard_components",
 ]

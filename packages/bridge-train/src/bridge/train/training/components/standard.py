@@ -26,9 +26,9 @@ from bridge.train.training.components.maintenance import (
 from bridge.train.training.components.metrics import MetricsProcessor
 from bridge.train.training.components.profiler import Profiler
 from bridge.train.training.profiling import should_profile_rank
-from core_utils.callbacks import Callback
+from core_utils.callbacks import Callback, CallbackList
 
-__all__ = ["standard_components"]
+__all__ = ["loop_callback_list", "standard_components"]
 
 
 def standard_components(
@@ -46,7 +46,8 @@ def standard_components(
     fault-tolerance heartbeat, device sync, straggler report, weight-hash check, profiler,
     garbage collection, NVRx straggler poll, evaluation, checkpointer (saves and exit
     decisions last, so a checkpoint holds everything the step did). A feature that is off
-    adds no component, so it costs nothing per step.
+    adds no component, so it costs nothing per step. :func:`loop_callback_list` puts the
+    user's callbacks between the two groups.
 
     Args:
         state: The run's ``GlobalState`` (config sections, resiliency objects).
@@ -86,3 +87,28 @@ def standard_components(
         Checkpointer(save, cfg.checkpoint, exit_conditions=state.exit_conditions, finalize=finalize)
     )
     return components
+
+
+#: Components that act on a finished iteration (evaluate it, save it, decide to stop): they
+#: run after the user's callbacks, whose ``on_step_end`` thus sees the step first.
+_AFTER_CALLBACKS = (Evaluator, Checkpointer)
+
+
+def loop_callback_list(components: list[Callback], callbacks: list[Callback]) -> CallbackList:
+    """The loop's :class:`core_utils.CallbackList`: ``components`` with the user's
+    ``callbacks`` placed before evaluation and the checkpointer.
+
+    So at every step: metrics, heartbeat, ..., then the user's ``on_step_end``, then
+    evaluation (``on_validation_start``/``_end``) and the checkpointer (``on_save``). At the
+    end: the user's ``on_train_end``, then the final save (``on_save``).
+
+    Args:
+        components: From :func:`standard_components` (or a loop's own list).
+        callbacks: The user's callbacks, in order.
+
+    Returns:
+        The list to put on the :class:`~bridge.train.training.loop.LoopContext`.
+    """
+    before = [c for c in components if not isinstance(c, _AFTER_CALLBACKS)]
+    after = [c for c in components if isinstance(c, _AFTER_CALLBACKS)]
+    return CallbackList(before, callbacks, after=after)
