@@ -19,6 +19,7 @@ from bridge.config import load_config
 from bridge.train.checkpointing import CheckpointError, read_tracker
 from bridge.train.recipes import recipe_path
 from bridge.train.recipes.mimo import pretrain_mimo
+from core_utils.callbacks import Callback
 from core_utils.testing import run_distributed
 
 BASE = [
@@ -31,9 +32,22 @@ BASE = [
 ]
 
 
-def _run(tmp: Path, metrics: str, *overrides: str) -> int:
+def _run(tmp: Path, metrics: str, *overrides: str, callbacks: tuple[Callback, ...] = ()) -> int:
     cfg = load_config(recipe_path("mimo"), [*BASE, *overrides])
-    return pretrain_mimo(cfg, metrics_file=tmp / f"{metrics}.jsonl")
+    return pretrain_mimo(cfg, metrics_file=tmp / f"{metrics}.jsonl", callbacks=callbacks)
+
+
+class _Events(Callback):
+    """A user callback on the MIMO loop: which steps ended and which saves were committed."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def on_step_end(self, context: Any) -> None:
+        self.events.append(("step", context.iteration))
+
+    def on_save(self, context: Any) -> None:
+        self.events.append(("save", context.iteration))
 
 
 def _losses(tmp: Path, metrics: str) -> dict[int, float]:
@@ -74,6 +88,7 @@ def _two_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     # SIGTERM reaches rank 1 during iteration 3: every rank saves iteration 3, then exits
     # with the code GPT uses (0: ended on purpose, resumable). Iteration 2 is the interval's.
     original = _sigterm_at_step(1, 3)
+    events = _Events()
     try:
         out["signal_exit"] = _run(
             tmp,
@@ -81,9 +96,11 @@ def _two_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
             f"checkpoint.save={ckpt}",
             "checkpoint.save_interval=2",
             "train.exit_signal_handler=true",
+            callbacks=(events,),
         )
     finally:
         mimo.MimoTrainStep.__call__ = original  # type: ignore[method-assign]
+    out["events"] = events.events
     out["after_signal"] = _iterations(ckpt)
     # Resumes the save directory's newest checkpoint (3), and its data position.
     assert _run(tmp, "resumed", f"checkpoint.save={ckpt}") == 0
@@ -122,6 +139,8 @@ def test_two_rank_resume_signal_and_damage(tmp_path: Path) -> None:
     # SIGTERM: exit code 0, the interval's checkpoint and exactly one for the signal.
     assert out["signal_exit"] == 0
     assert out["after_signal"] == ["iter_0000002", "iter_0000003"]
+    # A user callback runs in the MIMO loop too (the save at 2 is seen before step 3 ends).
+    assert out["events"] == [("step", 1), ("step", 2), ("save", 2), ("step", 3), ("save", 3)]
     assert read_tracker(tmp_path / "ckpt") == 6
     signalled = _losses(tmp_path, "signalled")
     assert sorted(signalled) == [1, 2, 3]

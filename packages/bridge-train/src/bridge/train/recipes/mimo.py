@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -413,6 +414,7 @@ def pretrain_mimo(
     *,
     metrics_file: str | Path | None = None,
     start_time: float | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
 
@@ -428,6 +430,10 @@ def pretrain_mimo(
         metrics_file: Also write every metric record as JSON lines (last rank).
         start_time: ``time.time()`` at which the job started, for
             ``train.exit_duration_in_mins`` (default: when this call starts).
+        callbacks: Training-loop callbacks (:class:`bridge.train.Callback`), run after
+            ``cfg.callbacks``, both after the loop's components and before the checkpointer
+            (as for GPT); they see the loop's ``LoopContext`` (``model`` is
+            ``[MimoCheckpointModel]``, ``optimizer`` the ``MultiModuleOptimizer``).
 
     Returns:
         The exit code: 0, also after an exit condition (exit signal, duration, interval)
@@ -460,12 +466,18 @@ def pretrain_mimo(
     )
     from bridge.train.scheduler import build_optimizer_param_scheduler
     from bridge.train.state import GlobalState
-    from bridge.train.training.components import Checkpointer, GarbageCollection
+    from bridge.train.training.components import (
+        Checkpointer,
+        GarbageCollection,
+        loop_callback_list,
+    )
     from bridge.train.training.loop import LoopContext, run_loop
     from bridge.train.training.metrics_file import JsonlMetricWriter
     from core_utils.callbacks import CallbackList
 
     start_time = time.time() if start_time is None else start_time
+    user_callbacks = [*cfg.callbacks, *callbacks]
+    CallbackList((), user_callbacks)  # refuse a non-callback before anything is built
     check_mimo_config(cfg)
     assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
     assert cfg.checkpoint is not None
@@ -620,7 +632,7 @@ def pretrain_mimo(
             optimizer=optimizer,
             scheduler=scheduler,
             train_data_iterator=data,
-            callbacks=CallbackList(components),
+            callbacks=loop_callback_list(components, user_callbacks),
         )
         exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
         # The loop's Checkpointer printed why it stopped early (rank 0).
