@@ -202,3 +202,27 @@ def test_four_rank_resume_and_layout_change(tmp_path: Path) -> None:
     assert sorted(relaid) == [4, 5, 6]
     for iteration, loss in relaid.items():
         assert loss == pytest.approx(straight[iteration], rel=1e-5, abs=1e-6)
+
+
+def _save_at_three_of_six(rank: int, world: int, tmp: Path) -> None:
+    assert _run(tmp, "straight") == 0
+    assert _run(tmp, "first", f"checkpoint.save={tmp / 'ckpt'}", "train.exit_interval=3") == 0
+
+
+def _continue_from_three(rank: int, world: int, tmp: Path) -> None:
+    assert _run(tmp, "continued", f"checkpoint.load={tmp / 'ckpt'}") == 0
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_four_rank_checkpoint_continues_on_two_ranks(tmp_path: Path) -> None:
+    """Another world size: encoder DP 2 | language TP 2 (4 ranks) saved, encoder on rank 0 |
+    language on rank 1 (2 ranks) loaded: DP 2 -> 1 and TP 2 -> 1 resharded."""
+    run_distributed(_save_at_three_of_six, 4, tmp_path, timeout=420)
+    run_distributed(_continue_from_three, 2, tmp_path, timeout=420)
+    straight = _losses(tmp_path, "straight")
+    continued = _losses(tmp_path, "continued")
+    assert sorted(continued) == [4, 5, 6]
+    for iteration, loss in continued.items():
+        assert loss == pytest.approx(straight[iteration], rel=1e-5, abs=1e-6)

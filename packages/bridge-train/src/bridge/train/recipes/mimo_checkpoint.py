@@ -102,12 +102,18 @@ def load_mimo_checkpoint(
         The iteration to continue from (0 when nothing was loaded); ``state.train_state``
         holds the loaded counters (``consumed_train_samples`` is the data position).
     """
-    from bridge.train.checkpointing import checkpoint_exists, load_checkpoint
+    from bridge.train.checkpointing import load_checkpoint
+    from bridge.train.training.pretrain import _save_dir_holds_checkpoint
 
     checkpoint = state.cfg.checkpoint
     assert checkpoint is not None
-    if checkpoint.load is None and checkpoint_exists(checkpoint.save):
-        # The run owning the save directory resumes (torchrun restarts rely on it).
+    if (
+        checkpoint.load is None
+        and checkpoint.save is not None
+        and _save_dir_holds_checkpoint(checkpoint)
+    ):
+        # The run owning the save directory resumes (torchrun restarts rely on it), also
+        # from global non-persistent checkpoints only, as pretrain does.
         checkpoint.load = checkpoint.save
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0
