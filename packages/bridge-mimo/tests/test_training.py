@@ -12,6 +12,7 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 import bridge.mimo as mimo
+from core_utils.callbacks import Callback
 from core_utils.testing import run_distributed
 
 FAN_IN = {"vision": {"ranks": range(0, 2), "dp": 2}, "language": {"ranks": range(2, 4), "tp": 2}}
@@ -179,6 +180,29 @@ def _scheduler(optimizer: mimo.MultiModuleOptimizer, gbs: int) -> OptimizerParam
     )
 
 
+class _StopAfterTwo(Callback):
+    """Records what every hook sees and stops the loop after iteration 2."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, ...]] = []
+
+    def on_train_start(self, context: mimo.MimoLoopContext) -> None:
+        self.seen.append(("start", context.iteration, context.outcome))
+
+    def on_step_start(self, context: mimo.MimoLoopContext) -> None:
+        self.seen.append(("step_start", context.iteration))
+
+    def on_step_end(self, context: mimo.MimoLoopContext) -> None:
+        assert context.outcome is not None
+        same = context.outcome.loss == context.result.losses[-1]
+        self.seen.append(("step_end", context.iteration, context.consumed_samples, same))
+        if context.iteration == 2:
+            context.request_stop("two steps")
+
+    def on_train_end(self, context: mimo.MimoLoopContext) -> None:
+        self.seen.append(("end", context.iteration, context.stop_reason))
+
+
 def _train_log_resume(rank: int, world_size: int, harness: SimpleNamespace, desc: dict) -> dict:
     gbs = harness.GLOBAL_BATCH
     out: dict[str, Any] = {}
@@ -207,7 +231,13 @@ def _train_log_resume(rank: int, world_size: int, harness: SimpleNamespace, desc
     # Two steps, keep every state, rebuild from scratch, load, two more steps.
     first = harness.build_run(desc, optimizer_factory=_adamw)
     first_scheduler = _scheduler(first.optimizer, gbs)
-    head = mimo.train_mimo(first.step, first.data, train_iters=2, scheduler=first_scheduler)
+    # A callback ends the run after two of four iterations (request_stop).
+    recorder = _StopAfterTwo()
+    head = mimo.train_mimo(
+        first.step, first.data, train_iters=4, scheduler=first_scheduler, callbacks=[recorder]
+    )
+    out["hooks"] = recorder.seen
+    out["stopped_early"] = head.stopped_early
     saved = {
         "model": copy.deepcopy(first.model.state_dict()),
         "optimizer": first.optimizer.state_dict(),
@@ -244,6 +274,16 @@ def test_logging_flops_scheduler_and_resume(harness: SimpleNamespace) -> None:
             torch.tensor(out["resumed"]), torch.tensor(reference["straight"]), rtol=0, atol=1e-6
         )
         assert out["resumed_iteration"] == (4, 4 * harness.GLOBAL_BATCH)
+        gbs = harness.GLOBAL_BATCH
+        assert out["stopped_early"]
+        assert out["hooks"] == [
+            ("start", 0, None),
+            ("step_start", 0),
+            ("step_end", 1, gbs, True),
+            ("step_start", 1),
+            ("step_end", 2, 2 * gbs, True),
+            ("end", 2, "two steps"),
+        ]
     iterations = [r[0] for r in reference["records"]]
     assert iterations == [2, 4]
     assert [r[1] for r in reference["records"]] == [16, 32]

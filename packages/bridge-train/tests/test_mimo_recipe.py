@@ -57,10 +57,6 @@ def test_split_layout_of_four_ranks() -> None:
             "support evaluation: set train.eval_interval=null (or train.eval_iters=0)",
         ),
         (
-            ["train.exit_signal_handler=true"],
-            "train.exit_signal_handler: got true; the MIMO recipe does not support it",
-        ),
-        (
             ["train.skip_train=true"],
             "train.skip_train: got true; the MIMO recipe does not support it",
         ),
@@ -74,7 +70,14 @@ def test_unsupported_train_settings_are_refused(overrides: list[str], message: s
 
 def test_supported_or_inactive_train_settings_pass() -> None:
     check_mimo_config(
-        _config("train.exit_interval=3", "train.exit_duration_in_mins=5"), world_size=1
+        _config(
+            "train.exit_interval=3",
+            "train.exit_duration_in_mins=5",
+            "train.exit_signal_handler=true",
+            "checkpoint.save=/tmp/unused",
+            "checkpoint.load=/tmp/unused",
+        ),
+        world_size=1,
     )
     # An interval without evaluation batches evaluates nothing: nothing to refuse.
     check_mimo_config(_config("train.eval_interval=10", "train.eval_iters=0"), world_size=1)
@@ -97,7 +100,7 @@ def test_four_rank_split_run_stops_at_the_exit_interval(capfd: pytest.CaptureFix
     assert "iteration      3 |" in out and "iteration      4 |" in out
     assert "iteration      5 |" not in out
     assert (
-        "[bridge-train] mimo: exiting after iteration 4: iteration 4 is a multiple of "
+        "[bridge-train] exiting after iteration 4: iteration 4 is a multiple of "
         "exit_interval=4" in out
     )
     assert "[bridge-train] mimo: 4 iterations" in out

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from megatron.core.models.mimo import MimoModel, MimoModelConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -181,4 +182,33 @@ def build_mimo_model(
         module_to_grid_map=None if infra.is_colocated else dict(infra.module_to_grid_map),
         kv_format=kv_format,
     )
-    return MimoModel(config)
+    model = MimoModel(config)
+    _bind_module_groups(model, infra)
+    return model
+
+
+def _bind_module_groups(model: MimoModel, infra: MegatronMIMOInfra) -> None:
+    """Give every part of each module this rank runs its own grid's groups.
+
+    megatron-core's ``sharded_state_dict`` falls back to megatron's *global* parallel state
+    for a module without a ``tp_group`` (or a modality submodule without a
+    ``pg_collection``), which a MIMO job never initialises: each module has its own grid.
+    Checkpoints therefore need every such module bound to its grid's tensor-parallel and
+    data-parallel groups, so TP shards get their offsets and DP replicas their replica ids.
+    """
+    modules: dict[str, torch.nn.Module] = {}
+    language = getattr(model, "language_model", None)
+    if language is not None:
+        modules[infra.language_module_name] = language
+    for name, submodule in getattr(model, "modality_submodules", {}).items():
+        modules[name] = submodule
+    for name, module in modules.items():
+        pgs = infra.pg_collections.get(name)
+        if pgs is None:
+            continue
+        for part in module.modules():
+            if hasattr(part, "pg_collection") and part.pg_collection is None:
+                part.pg_collection = pgs
+            takes_group = isinstance(part, MegatronModule) or hasattr(part, "tp_group")
+            if takes_group and getattr(part, "tp_group", None) is None:
+                part.tp_group = pgs.tp

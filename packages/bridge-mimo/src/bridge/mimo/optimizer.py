@@ -152,7 +152,8 @@ class MultiModuleOptimizer:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`state_dict` output saved by a rank that ran the same modules.
+        """Load :meth:`state_dict` output saved by a rank that ran the same modules, or
+        what megatron's ``dist_checkpointing.load`` returns for :meth:`sharded_state_dict`.
 
         Raises:
             KeyError: The state dict lacks one of this rank's modules.
@@ -163,7 +164,142 @@ class MultiModuleOptimizer:
                     f"optimizer state dict has no entry for module {name!r} (has "
                     f"{sorted(state_dict)}); it was saved by a rank running other modules"
                 )
-            opt.load_state_dict(state_dict[name])
+            saved = state_dict[name]
+            if _COMMON_KEY in saved:
+                saved = _torch_state_from_sharded(opt, saved)
+            opt.load_state_dict(saved)
+
+    def reload_model_params(self) -> None:
+        """Nothing to refresh: the module optimizers update the model parameters directly
+        (megatron's contract, called when a checkpoint is loaded without optimizer state)."""
+
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: Mapping[str, Any],
+        is_loading: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """This rank's optimizer state as megatron-core sharded state (for dist_checkpointing).
+
+        Every per-parameter state tensor (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
+        ...) is a ``ShardedTensor`` with its parameter's sharding from
+        ``model_sharded_state_dict`` (tensor-parallel offsets, data-parallel replica ids of
+        the module's own grid), so it reshards with the model when the layout changes. What
+        is not shaped like its parameter (Adam's ``step``, hyper-parameters of the groups) is
+        one ``ShardedObject`` per module, written by the module's first rank: ranks of other
+        modules hold other groups, so it cannot be the checkpoint's common state.
+
+        Args:
+            model_sharded_state_dict: The model's ``sharded_state_dict()`` on this rank.
+            is_loading: Build the template to load into (creates state first when the
+                optimizers have none yet).
+            metadata: Unused; accepted for megatron's optimizer contract.
+
+        Returns:
+            Module name -> ``{"state": ..., "common": ShardedObject}``.
+
+        Raises:
+            ValueError: An optimizer parameter is not in ``model_sharded_state_dict``.
+        """
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
+        )
+
+        del metadata
+        result: dict[str, Any] = {}
+        rank = dist.get_rank()
+        for name, opt in self.optimizers.items():
+            if is_loading:
+                _create_state(opt)
+            torch_state = opt.state_dict()
+            params = list(self._params(name))
+            id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
+            sharded: dict[int, dict[str, Any]] = {}
+            per_param: dict[int, dict[str, Any]] = {}
+            for param_id, param_state in torch_state["state"].items():
+                if param_id not in id_to_sharded:
+                    raise ValueError(
+                        f"module {name!r}: optimizer parameter {param_id} is not in the model's "
+                        "sharded state dict; build the optimizer over the model's own parameters"
+                    )
+                model_param = id_to_sharded[param_id]
+                for key, value in param_state.items():
+                    if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(
+                        model_param.local_shape
+                    ):
+                        sharded.setdefault(param_id, {})[key] = make_sharded_optimizer_tensor(
+                            model_param, value, prefix=f"optimizer.state.{key}"
+                        )
+                    else:
+                        per_param.setdefault(param_id, {})[key] = value
+            groups = [
+                {k: v for k, v in group.items() if k != "params"}
+                for group in torch_state["param_groups"]
+            ]
+            placement = self.infra.layout.modules[name]
+            common = {"param_groups": groups, "per_param": per_param}
+            result[name] = {
+                "state": sharded,
+                _COMMON_KEY: ShardedObject(
+                    f"optimizer.module_state.{name}",
+                    common,
+                    (1,),
+                    (0,),
+                    # Every rank of the module holds the same values: its first rank writes.
+                    replica_id=rank - placement.rank_offset,
+                ),
+            }
+        return result
+
+
+_COMMON_KEY = "common"
+
+
+def _torch_state_from_sharded(
+    optimizer: torch.optim.Optimizer, loaded: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A torch optimizer state dict from a loaded :meth:`MultiModuleOptimizer.sharded_state_dict`."""
+    common = loaded[_COMMON_KEY]
+    current = optimizer.state_dict()["param_groups"]
+    if len(common["param_groups"]) != len(current):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(common['param_groups'])} parameter groups, "
+            f"this one {len(current)}; build the optimizer as the saved run did"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    for param_id, values in loaded["state"].items():
+        state.setdefault(int(param_id), {}).update(values)
+    for param_id, values in common["per_param"].items():
+        state.setdefault(int(param_id), {}).update(values)
+    groups = [
+        {**saved, "params": list(group["params"])}
+        for saved, group in zip(common["param_groups"], current, strict=True)
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its per-parameter state (a zero-gradient step with lr 0), so
+    there are tensors for a checkpoint load to fill; parameters and gradients are kept."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(len(optimizer.state.get(p, {})) > 0 for p in params):
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    values = [p.detach().clone() for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for param, value, grad in zip(params, values, grads, strict=True):
+        param.copy_(value)  # exact even where lr 0 is not a no-op (e.g. float noise)
+        param.grad = grad
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
 
 
 def build_multimodule_optimizer(

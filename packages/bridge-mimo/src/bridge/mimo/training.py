@@ -54,17 +54,20 @@ from bridge.mimo.parallel_utils import (
     validate_no_stub_ranks,
     zero_grad_buffer_for_multimodule,
 )
+from core_utils.callbacks import Callback, CallbackList
 
 __all__ = [
     "LossFn",
     "MimoLogFn",
     "MimoLogRecord",
+    "MimoLoopContext",
     "MimoStepResult",
     "MimoTrainResult",
     "MimoTrainStep",
     "ParamScheduler",
     "ShouldStop",
     "masked_token_loss",
+    "mimo_log_record",
     "train_mimo",
 ]
 
@@ -634,6 +637,81 @@ class ShouldStop(Protocol):
     def __call__(self, iteration: int) -> bool: ...
 
 
+def mimo_log_record(
+    window: Sequence[MimoStepResult],
+    *,
+    iteration: int,
+    consumed_samples: int,
+    global_batch_size: int,
+    optimizer: Any,
+    world_size: int,
+) -> MimoLogRecord:
+    """The :class:`MimoLogRecord` of the steps in ``window`` (the last logging interval).
+
+    Args:
+        window: Results of the interval's steps, oldest first (at least one).
+        iteration: Iterations completed.
+        consumed_samples: Samples consumed so far.
+        global_batch_size: Samples per step.
+        optimizer: Its first parameter group's learning rate is reported.
+        world_size: Number of ranks.
+    """
+    last = window[-1]
+    elapsed = sum(o.step_time_s for o in window)
+    samples = global_batch_size * len(window)
+    tokens = sum(o.num_tokens for o in window)
+    flops_total = sum(sum(o.flops.values()) for o in window)
+    groups = optimizer.param_groups
+    return MimoLogRecord(
+        iteration=iteration,
+        consumed_samples=consumed_samples,
+        loss=sum(o.loss for o in window) / len(window),
+        learning_rate=float(groups[0]["lr"]) if groups else None,
+        grad_norm=last.grad_norm,
+        iteration_time_s=elapsed / len(window),
+        samples_per_sec=samples / elapsed if elapsed > 0 else math.inf,
+        tokens_per_sec=tokens / elapsed if elapsed > 0 else math.inf,
+        flops_per_iteration=dict(last.flops),
+        tflops_per_sec=flops_total / elapsed / 1e12 if elapsed > 0 else math.inf,
+        tflops_per_sec_per_rank=(
+            flops_total / elapsed / 1e12 / world_size if elapsed > 0 else math.inf
+        ),
+        skipped_iterations=sum(not o.update_successful for o in window),
+        world_size=world_size,
+    )
+
+
+@dataclass
+class MimoLoopContext:
+    """What :func:`train_mimo` hands to every callback hook (``core_utils.Callback``).
+
+    Attributes:
+        step: The bound training step (model, infra, optimizer).
+        data: The rank's loader (its ``consumed_samples`` is the resume position).
+        iteration: Iterations completed (including the start iteration).
+        consumed_samples: Samples consumed so far.
+        train_iters: Iteration the loop stops at.
+        outcome: The last step's result (``None`` before the first step).
+        result: The running :class:`MimoTrainResult`.
+        stop_reason: Set by :meth:`request_stop`: the loop ends after this step's hooks.
+    """
+
+    step: MimoTrainStep
+    data: MimoDataLoader
+    iteration: int
+    consumed_samples: int
+    train_iters: int
+    result: MimoTrainResult
+    outcome: MimoStepResult | None = None
+    stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """End the loop after the current step. Callbacks that call it must decide the same
+        on every rank (e.g. from an all-reduced exit decision)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+
 def _any_rank(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -650,6 +728,7 @@ def train_mimo(
     log_interval: int = 1,
     start_iteration: int = 0,
     should_stop: ShouldStop | Callable[[int], bool] | None = None,
+    callbacks: Sequence[Callback] | CallbackList | None = None,
 ) -> MimoTrainResult:
     """Train until ``train_iters`` iterations are done. Collective: call on every rank.
 
@@ -671,6 +750,12 @@ def train_mimo(
         start_iteration: Iterations already done (when resuming).
         should_stop: Optional early-exit check (see :class:`ShouldStop`); one all-reduce
             per iteration when given.
+        callbacks: ``core_utils.Callback`` objects called in order with a
+            :class:`MimoLoopContext`: ``on_train_start``, ``on_step_start`` /
+            ``on_step_end`` around every step (after the scheduler step, before
+            ``should_stop``), ``on_train_end`` when the loop ends (not on an error). A
+            callback ends the run with ``context.request_stop(reason)`` (bridge-train's
+            checkpointer does, after its save on an exit signal).
 
     Returns:
         The iterations done, the samples consumed, the per-iteration losses and whether
@@ -693,9 +778,20 @@ def train_mimo(
     if train_iters < start_iteration:
         raise ValueError(f"train_iters={train_iters} is below start_iteration={start_iteration}")
     result = MimoTrainResult(iteration=start_iteration, consumed_samples=data.consumed_samples)
+    hooks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks or ())
+    context = MimoLoopContext(
+        step=step,
+        data=data,
+        iteration=start_iteration,
+        consumed_samples=data.consumed_samples,
+        train_iters=train_iters,
+        result=result,
+    )
+    hooks.on_train_start(context)
     window: list[MimoStepResult] = []
     world_size = dist.get_world_size()
     while result.iteration < train_iters:
+        hooks.on_step_start(context)
         outcome = step(next(data))
         result.iteration += 1
         result.consumed_samples = data.consumed_samples
@@ -705,6 +801,11 @@ def train_mimo(
         if scheduler is not None and outcome.update_successful:
             scheduler.step(increment=data.global_batch_size)
         window.append(outcome)
+        context.iteration, context.consumed_samples = result.iteration, result.consumed_samples
+        context.outcome = outcome
+        hooks.on_step_end(context)
+        if context.stop_reason is not None:
+            result.stopped_early = result.iteration < train_iters
         if should_stop is not None and _any_rank(should_stop(result.iteration), step.device):
             result.stopped_early = result.iteration < train_iters
         if log_fn is not None and (
@@ -712,31 +813,18 @@ def train_mimo(
             or result.iteration == train_iters
             or result.stopped_early
         ):
-            elapsed = sum(o.step_time_s for o in window)
-            samples = data.global_batch_size * len(window)
-            tokens = sum(o.num_tokens for o in window)
-            flops = outcome.flops
-            flops_total = sum(sum(o.flops.values()) for o in window)
-            groups = step.optimizer.param_groups
-            record = MimoLogRecord(
-                iteration=result.iteration,
-                consumed_samples=result.consumed_samples,
-                loss=sum(o.loss for o in window) / len(window),
-                learning_rate=float(groups[0]["lr"]) if groups else None,
-                grad_norm=outcome.grad_norm,
-                iteration_time_s=elapsed / len(window),
-                samples_per_sec=samples / elapsed if elapsed > 0 else math.inf,
-                tokens_per_sec=tokens / elapsed if elapsed > 0 else math.inf,
-                flops_per_iteration=dict(flops),
-                tflops_per_sec=flops_total / elapsed / 1e12 if elapsed > 0 else math.inf,
-                tflops_per_sec_per_rank=(
-                    flops_total / elapsed / 1e12 / world_size if elapsed > 0 else math.inf
-                ),
-                skipped_iterations=sum(not o.update_successful for o in window),
-                world_size=world_size,
+            log_fn(
+                mimo_log_record(
+                    window,
+                    iteration=result.iteration,
+                    consumed_samples=result.consumed_samples,
+                    global_batch_size=data.global_batch_size,
+                    optimizer=step.optimizer,
+                    world_size=world_size,
+                )
             )
-            log_fn(record)
             window = []
         if result.stopped_early:
             break
+    hooks.on_train_end(context)
     return result

@@ -11,6 +11,8 @@ the language model's width).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -107,6 +109,32 @@ class ProjectionMLP(torch.nn.Module):
         width = hidden_size or output_size
         self.fc1 = torch.nn.Linear(input_size, width)
         self.fc2 = torch.nn.Linear(width, output_size)
+        # The module's tensor-parallel group (set by build_mimo_model): the projection is
+        # replicated over it, and checkpoints must know which copy is the main one.
+        self.tp_group: torch.distributed.ProcessGroup | None = None
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The weights as megatron ``ShardedTensor`` s replicated over the TP and DP groups.
+
+        megatron's default for a plain module would take tensor-parallel rank 0 on every
+        rank when it is given no group, so every TP rank would claim the main copy.
+        """
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=dp_cp_group,
+        )
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Project ``[..., input_size]`` to ``[..., output_size]``."""

@@ -659,7 +659,7 @@ def _read_checkpoint(
             f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
             "checkpoint.load_rng=False to keep this run's seeds"
         )
-    layout = parallel_layout()
+    layout = parallel_layout(model)
     _check_reshardable(plan.path, meta, layout, len(model), optimizer if load_optim else None)
     if load_rng and meta.get("parallel_layout") != layout:
         if _dist.rank() == 0:

@@ -70,7 +70,6 @@ from bridge.train.checkpointing.layout import (
 from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
     build_save_state_dict,
-    parallel_layout,
 )
 from core_utils import cpu_cuda_compat
 
@@ -495,7 +494,7 @@ def save_checkpoint(
         "bridge_checkpoint_version": FORMAT_VERSION,
         "non_persistent": bool(non_persistent_ckpt),
         "async_save": bool(checkpoint_config.async_save),
-        "parallel_layout": parallel_layout(),
+        "parallel_layout": meta["parallel_layout"],
         "optimizer": meta["optimizer"],
         "rng": meta["rng"],
         "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

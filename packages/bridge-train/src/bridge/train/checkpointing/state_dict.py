@@ -46,11 +46,16 @@ def model_state_keys(num_chunks: int) -> list[str]:
     return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
 
 
-def parallel_layout() -> dict[str, int]:
-    """World size and model-parallel sizes of the running job."""
+def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any]:
+    """World size and model-parallel sizes of the running job.
+
+    A model chunk whose parallelism is not megatron's global parallel state (a MIMO model:
+    one grid per module) describes itself through a ``checkpoint_parallel_layout()`` method
+    returning JSON-able entries, which are added.
+    """
     from megatron.core import parallel_state
 
-    layout = {"world_size": _dist.world_size()}
+    layout: dict[str, Any] = {"world_size": _dist.world_size()}
     if parallel_state.model_parallel_is_initialized():
         layout.update(
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -58,6 +63,10 @@ def parallel_layout() -> dict[str, int]:
             context_parallel_size=parallel_state.get_context_parallel_world_size(),
             data_parallel_size=parallel_state.get_data_parallel_world_size(),
         )
+    for chunk in unwrapped_chunks(model or []):
+        describe = getattr(chunk, "checkpoint_parallel_layout", None)
+        if callable(describe):
+            layout.update(describe())
     return layout
 
 
@@ -212,7 +221,7 @@ def build_save_state_dict(
     state["train_state"] = train
     state[META_KEY] = {
         "version": FORMAT_VERSION,
-        "parallel_layout": parallel_layout(),
+        "parallel_layout": parallel_layout(model),
         "model_chunks": len(model),
         "optimizer": has_optimizer,
         "optimizer_format": optimizer_format(optimizer) if has_optimizer else None,

@@ -21,19 +21,21 @@ BridgeCommunicator when the job runs on CUDA and the layout fits it, torch.distr
 point-to-point otherwise; the choice is printed at the start.
 
 The ``train``, ``optimizer`` (AdamW: ``lr``, ``weight_decay``, ``adam_beta1/2``,
-``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng`` and ``dist`` sections
-work as for the GPT recipes, and ``train.exit_interval`` / ``train.exit_duration_in_mins``
-end the run early as they do there. What this recipe does not implement is refused by
-:func:`check_mimo_config` instead of being ignored: checkpoints (``checkpoint.save`` /
-``checkpoint.load``), evaluation (``train.eval_interval`` with ``train.eval_iters > 0``),
-``train.exit_signal_handler`` (it exists to save a checkpoint before exiting) and
-``train.skip_train``.
+``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng``, ``dist`` and
+``checkpoint`` sections work as for the GPT recipes: checkpoints are saved and resumed with
+bridge-train's checkpoint functions (see :mod:`bridge.train.recipes.mimo_checkpoint`),
+``train.exit_interval`` / ``train.exit_duration_in_mins`` / ``train.exit_signal_handler``
+end the run early (saving first when ``checkpoint.save`` is set) as they do there. What
+this recipe does not implement is refused by :func:`check_mimo_config` instead of being
+ignored: evaluation (``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic
+data has no validation split) and ``train.skip_train``.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +44,7 @@ from typing import Any, Literal
 import torch
 
 from bridge.config import ConfigContainer, ConfigError
+from core_utils.callbacks import Callback
 
 __all__ = ["MimoModelConfig", "check_mimo_config", "mimo_layout", "pretrain_mimo"]
 
@@ -245,13 +248,6 @@ def _refuse_unsupported_train_settings(cfg: ConfigContainer) -> None:
             "recipe does not support evaluation: set train.eval_interval=null (or "
             "train.eval_iters=0)",
         )
-    if train.exit_signal_handler:
-        raise ConfigError(
-            "train.exit_signal_handler",
-            "got true; the MIMO recipe does not support it (the handler saves a checkpoint "
-            "before exiting and this recipe saves none): set train.exit_signal_handler=false; "
-            "train.exit_interval and train.exit_duration_in_mins are supported",
-        )
     if train.skip_train:
         raise ConfigError(
             "train.skip_train",
@@ -264,9 +260,9 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
     """Check a ``mimo`` recipe config before anything distributed starts.
 
     Raises:
-        ConfigError: A missing section or length, a checkpoint directory, evaluation, the
-            exit signal handler or ``skip_train`` (not supported by this recipe), batch sizes
-            that do not fit the layout, or a layout that does not fit the world.
+        ConfigError: A missing section or length, evaluation or ``skip_train`` (not
+            supported by this recipe), an unsupported checkpoint setting, batch sizes that
+            do not fit the layout, or a layout that does not fit the world.
     """
     for name in ("train", "optimizer", "scheduler", "logger", "checkpoint"):
         if getattr(cfg, name) is None:
@@ -285,12 +281,9 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
             "the mimo recipe needs train.global_batch_size and train.micro_batch_size (both "
             "count samples over all replicas of a module)",
         )
-    if cfg.checkpoint.save is not None or cfg.checkpoint.load is not None:
-        raise ConfigError(
-            "checkpoint.save",
-            "the mimo recipe does not save or load checkpoints; unset checkpoint.save and "
-            "checkpoint.load",
-        )
+    from bridge.train.checkpointing.context import check_checkpoint_config
+
+    check_checkpoint_config(cfg.checkpoint)
     _refuse_unsupported_train_settings(cfg)
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr", "is required")
@@ -343,44 +336,175 @@ def _init_process_group(cfg: ConfigContainer) -> bool:
     return True
 
 
+class _MimoStep:
+    """One MIMO iteration as the shared loop's step function (``LoopContext -> StepResult``).
+
+    Runs bridge.mimo's step on the next micro-batches, steps the scheduler by the global
+    batch (megatron's sample-based schedule), and keeps the step's own result for the MIMO
+    metrics component.
+    """
+
+    def __init__(self, step: Any, data: Any, scheduler: Any) -> None:
+        self.step = step
+        self.data = data
+        self.scheduler = scheduler
+        self.outcome: Any = None
+
+    def __call__(self, context: Any) -> Any:
+        from bridge.train.training.loop import StepResult
+
+        outcome = self.step(next(self.data))
+        self.outcome = outcome
+        if self.scheduler is not None and outcome.update_successful:
+            self.scheduler.step(increment=self.data.global_batch_size)
+        return StepResult(
+            losses={"lm loss": torch.tensor(outcome.loss, dtype=torch.float64)},
+            skipped=not outcome.update_successful,
+            grad_norm=outcome.grad_norm,
+            num_samples=self.data.global_batch_size,
+            flops=float(sum(outcome.flops.values())),
+        )
+
+
+class _MimoMetrics(Callback):
+    """The MIMO metrics component: a :class:`bridge.mimo.MimoLogRecord` every
+    ``log_interval`` iterations (and for the partial interval when the run ends), printed by
+    the last rank and written to the metric writers."""
+
+    def __init__(self, step: _MimoStep, log_interval: int, train_iters: int, log: Any) -> None:
+        self.step = step
+        self.log_interval = log_interval
+        self.train_iters = train_iters
+        self.log = log
+        self.window: list[Any] = []
+        self.losses: list[float] = []
+
+    def _emit(self, context: Any) -> None:
+        import torch.distributed as dist
+
+        import bridge.mimo as mimo
+
+        self.log(
+            mimo.mimo_log_record(
+                self.window,
+                iteration=context.iteration,
+                consumed_samples=self.step.data.consumed_samples,
+                global_batch_size=self.step.data.global_batch_size,
+                optimizer=context.optimizer,
+                world_size=dist.get_world_size(),
+            )
+        )
+        self.window = []
+
+    def on_step_end(self, context: Any) -> None:
+        outcome = self.step.outcome
+        self.window.append(outcome)
+        self.losses.append(outcome.loss)
+        iteration = context.iteration
+        if iteration % self.log_interval == 0 or iteration == self.train_iters:
+            self._emit(context)
+
+    def on_train_end(self, context: Any) -> None:
+        if self.window:  # stopped early: the partial interval
+            self._emit(context)
+
+
 def pretrain_mimo(
     cfg: ConfigContainer,
     *,
     metrics_file: str | Path | None = None,
     start_time: float | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
+
+    The run goes through bridge-train's shared loop (:func:`bridge.train.training.loop.run_loop`)
+    with a MIMO step function and the loop's components: the MIMO metrics, fault-tolerance
+    heartbeats and straggler reports when configured, garbage collection, and the
+    :class:`~bridge.train.training.components.Checkpointer` (interval / exit / final saves
+    through :func:`~bridge.train.recipes.mimo_checkpoint.mimo_save_function`, exit
+    conditions including ``train.exit_signal_handler``).
 
     Args:
         cfg: The recipe's config (checked by :func:`check_mimo_config`).
         metrics_file: Also write every metric record as JSON lines (last rank).
         start_time: ``time.time()`` at which the job started, for
             ``train.exit_duration_in_mins`` (default: when this call starts).
+        callbacks: Training-loop callbacks (:class:`bridge.train.Callback`), run after
+            ``cfg.callbacks``, both after the loop's components and before the checkpointer
+            (as for GPT); they see the loop's ``LoopContext`` (``model`` is
+            ``[MimoCheckpointModel]``, ``optimizer`` the ``MultiModuleOptimizer``).
 
     Returns:
-        The exit code (0).
+        The exit code: 0, also after an exit condition (exit signal, duration, interval)
+        ended the run, as for GPT.
 
     Raises:
         ConfigError: See :func:`check_mimo_config`.
+        CheckpointError: A checkpoint cannot be loaded or saved (see docs/checkpoints.md).
     """
     import torch.distributed as dist
 
     import bridge.mimo as mimo
     from bridge.logging import MetricWriters, build_metric_writers, setup_logging
-    from bridge.resiliency import ExitConditions
+    from bridge.resiliency import (
+        ExitConditions,
+        FaultTolerance,
+        NullFaultTolerance,
+        NVRxStragglerMonitor,
+        StragglerTiming,
+    )
+    from bridge.resiliency.loop_components import (
+        FaultToleranceHeartbeat,
+        NVRxStragglerPoll,
+        StragglerReporter,
+    )
+    from bridge.train.recipes.mimo_checkpoint import (
+        MimoCheckpointModel,
+        load_mimo_checkpoint,
+        mimo_save_function,
+    )
     from bridge.train.scheduler import build_optimizer_param_scheduler
+    from bridge.train.state import GlobalState
+    from bridge.train.training.components import (
+        Checkpointer,
+        GarbageCollection,
+        loop_callback_list,
+    )
+    from bridge.train.training.loop import LoopContext, run_loop
     from bridge.train.training.metrics_file import JsonlMetricWriter
+    from core_utils.callbacks import CallbackList
 
     start_time = time.time() if start_time is None else start_time
+    user_callbacks = [*cfg.callbacks, *callbacks]
+    CallbackList((), user_callbacks)  # refuse a non-callback before anything is built
     check_mimo_config(cfg)
     assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
+    assert cfg.checkpoint is not None
     assert isinstance(cfg.model, MimoModelConfig)
     setup_logging(cfg.logger)
     owns_group = _init_process_group(cfg)
-    writers = MetricWriters()
+    state = GlobalState(cfg=cfg, start_time=start_time)
     infra = step = None
+    clean = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        checkpoint = cfg.checkpoint
+        state.fault_tolerance = FaultTolerance.from_config(
+            cfg.ft, checkpoint_dir=checkpoint.save, async_save=checkpoint.async_save
+        )
+        state.fault_tolerance.on_setup_start()
+        state.nvrx_straggler = NVRxStragglerMonitor.from_config(cfg.nvrx_straggler)
+        state.nvrx_straggler.initialize()
+        state.straggler_timing = StragglerTiming.from_config(cfg.straggler)
+        # The exit conditions (and the exit-signal handler) exist before the checkpoint is
+        # loaded, so a signal that arrives while loading is not lost.
+        state.exit_conditions = ExitConditions.from_config(
+            cfg.train,
+            save_enabled=checkpoint.save is not None,
+            start_time=start_time,
+            stop_requesters=[state.nvrx_straggler],
+        )
         seed = cfg.rng.seed
         torch.manual_seed(seed)
         layout = mimo_layout(cfg.model, world)
@@ -419,6 +543,18 @@ def pretrain_mimo(
             clip_grad=opt_cfg.clip_grad,
         )
         scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, cfg.train)
+        chunk = MimoCheckpointModel(model, layout)
+        uses_checkpoints = bool(
+            checkpoint.save or checkpoint.load or checkpoint.pretrained_checkpoint
+        )
+        checkpointing_context: dict[str, Any] = {}
+        loaded = 0
+        if uses_checkpoints:
+            from bridge.train.checkpointing import init_checkpointing_context
+
+            checkpointing_context = init_checkpointing_context(checkpoint)
+            loaded = load_mimo_checkpoint(state, chunk, optimizer, scheduler, checkpointing_context)
+        state.fault_tolerance.on_setup_end(checkpoint_loaded=loaded > 0)
         gbs, mbs = int(cfg.train.global_batch_size or 0), int(cfg.train.micro_batch_size or 0)
         step = mimo.MimoTrainStep(
             model,
@@ -428,16 +564,22 @@ def pretrain_mimo(
             micro_batch_size=mbs,
             communicator=cfg.model.communicator,
         )
+        # A resumed run continues the sample order where the checkpoint left it.
         data = mimo.MimoDataLoader.for_infra(
-            dataset, infra, global_batch_size=gbs, micro_batch_size=mbs, seed=seed
+            dataset,
+            infra,
+            global_batch_size=gbs,
+            micro_batch_size=mbs,
+            seed=seed,
+            consumed_samples=state.train_state.consumed_train_samples,
         )
         last = rank == world - 1
         base = build_metric_writers(
             cfg.logger, rank=rank, world_size=world, asynchronous=not (metrics_file and last)
         )
-        writers = base
+        state.metric_writers = base
         if metrics_file is not None and last:
-            writers = MetricWriters(
+            state.metric_writers = MetricWriters(
                 [*base.writers, JsonlMetricWriter(metrics_file)], asynchronous=True
             )
         if rank == 0:
@@ -447,42 +589,102 @@ def pretrain_mimo(
                 f"(a model ignoring the images): {dataset.text_only_loss_floor():.4f}",
                 flush=True,
             )
-        # exit_signal_handler is refused by check_mimo_config, so no handler is installed
-        # here; the interval and duration conditions agree over the ranks.
-        exits = ExitConditions.from_config(cfg.train, save_enabled=False, start_time=start_time)
-
-        def should_stop(iteration: int) -> bool:
-            return exits.check(iteration).should_exit
+            if loaded:
+                print(
+                    f"[bridge-train] mimo: resumed at iteration {loaded} (consumed samples "
+                    f"{data.consumed_samples})",
+                    flush=True,
+                )
 
         def log(record: mimo.MimoLogRecord) -> None:
             if last:
                 print(record.format(), flush=True)
-            writers.log_metrics(record.as_metrics(), record.iteration)
+            state.metric_writers.log_metrics(record.as_metrics(), record.iteration)
 
-        result = mimo.train_mimo(
-            step,
-            data,
-            train_iters=int(cfg.train.train_iters or 0),
-            scheduler=scheduler,
-            log_fn=log,
-            log_interval=cfg.logger.log_interval,
-            should_stop=should_stop if exits.exit_interval or exits.exit_duration_in_mins else None,
+        train_iters = int(cfg.train.train_iters or 0)
+        step_function = _MimoStep(step, data, scheduler)
+        metrics = _MimoMetrics(step_function, cfg.logger.log_interval, train_iters, log)
+        components: list[Callback] = [metrics]
+        if not isinstance(state.fault_tolerance, NullFaultTolerance):
+            components.append(FaultToleranceHeartbeat(state.fault_tolerance))
+        if state.straggler_timing.configured:
+            components.append(StragglerReporter(state.straggler_timing, cfg.logger.log_interval))
+        if cfg.train.manual_gc:
+            components.append(GarbageCollection(cfg.train.manual_gc_interval))
+        if state.nvrx_straggler is not None:
+            components.append(NVRxStragglerPoll(state.nvrx_straggler))
+        finalize = None
+        if checkpoint.save is not None and checkpoint.async_save:
+            from bridge.train.training.train import _finalize_async_saves
+
+            finalize = _finalize_async_saves
+        components.append(
+            Checkpointer(
+                mimo_save_function(checkpointing_context),
+                checkpoint,
+                exit_conditions=state.exit_conditions,
+                finalize=finalize,
+            )
         )
-        if last and result.stopped_early:
-            print(f"[bridge-train] mimo: {exits.last_decision.message}", flush=True)
-        if last:
+        context = LoopContext(
+            state=state,
+            model=[chunk],
+            optimizer=optimizer,
+            scheduler=scheduler,
+            train_data_iterator=data,
+            callbacks=loop_callback_list(components, user_callbacks),
+        )
+        exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
+        # The loop's Checkpointer printed why it stopped early (rank 0).
+        if last and metrics.losses:
             print(
-                f"[bridge-train] mimo: {result.iteration} iterations, final loss "
-                f"{result.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
+                f"[bridge-train] mimo: {context.iteration} iterations, final loss "
+                f"{metrics.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
                 flush=True,
             )
-        writers.flush()
-        return 0
+        state.metric_writers.flush()
+        clean = exit_code == 0
+        return exit_code
     finally:
-        writers.close()
+        _close_mimo(state, clean)
         if step is not None:
             step.close()
         if infra is not None:
             infra.destroy()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _close_mimo(state: Any, clean: bool) -> None:
+    """Release what :func:`pretrain_mimo` started, in order; a failure is logged, not raised
+    over the error that may already be propagating."""
+    import logging
+
+    cfg = state.cfg
+
+    def finalize() -> None:
+        from bridge.train.checkpointing import finalize_async_saves
+
+        finalize_async_saves(state, blocking=True, terminate=True)
+
+    steps: list[tuple[str, Any]] = []
+    if cfg.checkpoint is not None and cfg.checkpoint.save is not None:
+        steps.append(("finishing asynchronous checkpoint saves", finalize))
+    steps += [
+        ("shutting down fault tolerance", lambda: state.fault_tolerance.shutdown(clean=clean)),
+        (
+            "stopping the NVRx straggler monitor",
+            lambda: state.nvrx_straggler.shutdown() if state.nvrx_straggler else None,
+        ),
+        ("stopping straggler detection", state.straggler_timing.close),
+        (
+            "restoring the exit-signal handler",
+            lambda: state.exit_conditions.close() if state.exit_conditions else None,
+        ),
+        ("closing the metric writers", state.metric_writers.close),
+    ]
+    for what, action in steps:
+        try:
+            action()
+        except Exception:
+            logging.getLogger(__name__).exception("mimo: %s failed", what)
