@@ -46,7 +46,7 @@ class PortableEngine:
     def initialize_distributed(
         self, model_config: Any, dist_config: Any = None, rng_config: Any = None
     ) -> None:
-        """See :func:`bridge.train.initialize_distributed` (validated for this engine)."""
+        """See :func:`bridge.train.initialize.initialize_distributed` (validated for this engine)."""
         initialize_distributed(model_config, dist_config, rng_config, engine=self.name)
 
     def setup_model(
