@@ -135,3 +135,62 @@ def test_each_distribution_builds_a_wheel_with_only_its_leaf(tmp_path: Path) -> 
         assert any(n.startswith(leaf) for n in names), (dist, leaf)
         assert "bridge/__init__.py" not in names
         assert all(n.startswith(leaf) or ".dist-info/" in n for n in names), dist
+
+
+def _distribution_sources(dist: str) -> list[Path]:
+    return sorted((PACKAGES / dist / "src").rglob("*.py")) + sorted(
+        (PACKAGES / dist / "tests").rglob("*.py")
+    )
+
+
+def _owner(module: str) -> str | None:
+    for dist, import_name in IMPORT_NAME.items():
+        if module == import_name or module.startswith(import_name + "."):
+            return dist
+    return None
+
+
+def _is_private(name: str) -> bool:
+    # A dunder (``__straggler__``, ``__version__``) is a protocol name, not a private one.
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_all_lists_a_private_name() -> None:
+    """``__all__`` is the public API: a ``_``-name in it is a contradiction (DESIGN's rule)."""
+    offenders = []
+    for dist in sorted(ALLOWED_SIBLINGS):
+        for path in sorted((PACKAGES / dist / "src").rglob("*.py")):
+            for node in ast.parse(path.read_text(), filename=str(path)).body:
+                if not (
+                    isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                ):
+                    continue
+                for name in ast.literal_eval(node.value):
+                    if name.startswith("_"):
+                        offenders.append(f"{path.relative_to(ROOT)}: __all__ lists {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("dist", sorted(ALLOWED_SIBLINGS))
+def test_no_distribution_uses_a_private_name_of_another(dist: str) -> None:
+    """``from x._y import``, ``from x import _name`` and ``x._name`` stay inside x's owner."""
+    offenders = []
+    for path in _distribution_sources(dist):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            used: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if _owner(node.module) not in (None, dist):
+                    parts = node.module.split(".") + [a.name for a in node.names]
+                    used = [f"{node.module}: {p}" for p in parts if _is_private(p)]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if _owner(alias.name) not in (None, dist):
+                        used += [alias.name for p in alias.name.split(".") if _is_private(p)]
+            elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+                owner = _owner(ast.unparse(node.value))
+                if owner not in (None, dist):
+                    used = [f"{ast.unparse(node.value)}.{node.attr}"]
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} uses {u}" for u in used]
+    assert not offenders, "\n".join(offenders)

@@ -104,7 +104,6 @@ __all__ = [
     "StragglerDetector",
     "Timers",
     "WrappedTensor",
-    "__straggler__",
     "assert_viewless_tensor",
     "check_mamba_sequence_packing_support",
     "check_param_hashes_across_dp_replicas",

@@ -16,7 +16,7 @@ from bridge.config import StragglerDetectionConfig
 from bridge.resiliency._dist import current_rank, current_world_size
 from bridge.resiliency.errors import ResiliencyError
 from core_utils import StragglerDetector
-from core_utils.straggler import _StragglerData
+from core_utils.straggler import StragglerData
 
 __all__ = ["StragglerTiming"]
 
@@ -136,7 +136,7 @@ class StragglerTiming:
         return self.detector.report(total_flops=total_flops, log_interval=log_interval)
 
     @property
-    def last_report(self) -> _StragglerData | None:
+    def last_report(self) -> StragglerData | None:
         """Minima/maxima with their ranks from the last report (every rank has it)."""
         return None if self.detector is None else self.detector.last_report
 
