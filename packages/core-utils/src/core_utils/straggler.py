@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from core_utils._distributed import collective_device, dist_ready
+from core_utils.distributed import collective_device, dist_ready
 
 __all__ = ["StragglerData", "StragglerDetector", "ValueWithRank"]
 

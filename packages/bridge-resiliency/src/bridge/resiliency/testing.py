@@ -44,7 +44,6 @@ from bridge.config import (
     StragglerDetectionConfig,
     TrainingConfig,
 )
-from bridge.resiliency._dist import current_rank, current_world_size, dist_ready
 from bridge.resiliency.elastic import init_process_group, restart_count
 from bridge.resiliency.errors import ResiliencyError
 from bridge.resiliency.exit_conditions import ExitConditions, ExitDecision
@@ -52,6 +51,7 @@ from bridge.resiliency.fault_tolerance import FaultTolerance
 from bridge.resiliency.hang_watchdog import WatchdogTimeouts
 from bridge.resiliency.nvrx_straggler import NVRxStragglerMonitor
 from bridge.resiliency.straggler import StragglerTiming
+from core_utils.distributed import dist_ready, global_rank, global_world_size
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -121,7 +121,7 @@ class StepCheckpointer:
         on_commit: Callable[[int], None] | None = None,
     ) -> None:
         self.save_dir = Path(save_dir)
-        self.rank = current_rank() if rank is None else rank
+        self.rank = global_rank(launcher_fallback=True) if rank is None else rank
         self.on_commit = on_commit
 
     @property
@@ -477,7 +477,7 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
     Returns:
         This rank's result.
     """
-    rank, world = current_rank(), current_world_size()
+    rank, world = global_rank(launcher_fallback=True), global_world_size(launcher_fallback=True)
     attempt = restart_count()
     events = _EventLog(options.log_dir, rank, attempt)
     if options.log_dir is not None:

@@ -5,22 +5,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-
-def collective_device(group: Any = None) -> torch.device:
-    """Device a tensor must live on for a collective over ``group``.
-
-    NCCL groups need CUDA tensors; gloo groups need CPU tensors. Without an initialised
-    process group the answer is the CPU.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+# Re-exported for the modules that still import it from here (bare_loop); one implementation,
+# in core_utils.
+from core_utils.distributed import collective_device as collective_device
 
 
 def group_size(group: Any) -> int:

@@ -378,7 +378,7 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     changed = fingerprint != context.get("structure")
     context["structure"] = fingerprint
     if _dist.world_size() > 1:
-        from bridge.train._distributed_utils import collective_device
+        from core_utils.distributed import collective_device
 
         flag = torch.tensor([int(changed)], device=collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

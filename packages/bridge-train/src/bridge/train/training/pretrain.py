@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 
 from bridge.config import ConfigContainer
@@ -63,6 +62,7 @@ from bridge.train.training.preflight import check_config_before_launch
 from bridge.train.training.progress_log import append_starting_job
 from bridge.train.training.run_config import save_run_config
 from bridge.train.training.train import train
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = ["SetupOutput", "pretrain", "setup"]
 
@@ -100,14 +100,6 @@ class SetupOutput:
     checkpoint_loaded: bool = False
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _build_tokenizer(cfg: ConfigContainer) -> Tokenizer:
     tokenizer_cfg = cfg.tokenizer
     if tokenizer_cfg is not None and tokenizer_cfg.tokenizer_type is not None:
@@ -137,7 +129,7 @@ def _build_metric_writers(
     report_settings: ReportSettings | None,
 ) -> MetricWriters:
     assert cfg.logger is not None
-    rank, world = _rank(), _world_size()
+    rank, world = global_rank(), global_world_size()
     extra = metrics_file is not None and rank == world - 1
     writers = build_metric_writers(
         cfg.logger,
@@ -278,7 +270,7 @@ def setup(
     engine = build_engine(cfg.train.engine)
     state.engine = engine
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
-    world = _world_size()
+    world = global_world_size()
     cfg.validate(world)
     state.timers = build_timers(cfg.logger)
 
