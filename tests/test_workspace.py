@@ -192,5 +192,7 @@ def test_no_distribution_uses_a_private_name_of_another(dist: str) -> None:
                 owner = _owner(ast.unparse(node.value))
                 if owner not in (None, dist):
                     used = [f"{ast.unparse(node.value)}.{node.attr}"]
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} uses {u}" for u in used]
+            offenders += [
+                f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)} uses {u}" for u in used
+            ]
     assert not offenders, "\n".join(offenders)

@@ -44,6 +44,7 @@ from bridge.config import (
     StragglerDetectionConfig,
     TrainingConfig,
 )
+from bridge.config.atomic_files import atomic_write, fsync_directory
 from bridge.resiliency.elastic import init_process_group, restart_count
 from bridge.resiliency.errors import ResiliencyError
 from bridge.resiliency.exit_conditions import ExitConditions, ExitDecision
@@ -65,14 +66,6 @@ __all__ = [
 ]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _barrier() -> None:
@@ -181,7 +174,7 @@ class StepCheckpointer:
                 torch.save(state, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
-            _fsync_dir(tmp)
+            fsync_directory(tmp)
             if before_commit is not None:
                 before_commit(tmp)
             if final.exists():
@@ -191,16 +184,10 @@ class StepCheckpointer:
                 final.rename(stale)
                 _remove_tree(stale)
             tmp.rename(final)
-            _fsync_dir(self.save_dir)
+            fsync_directory(self.save_dir)
             if before_tracker is not None:
                 before_tracker(final)
-            tracker_tmp = self.save_dir / f".{TRACKER_FILENAME}.tmp-{os.getpid()}"
-            with open(tracker_tmp, "w") as handle:
-                handle.write(f"{iteration}\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tracker_tmp, self.tracker)
-            _fsync_dir(self.save_dir)
+            atomic_write(self.tracker, f"{iteration}\n")
             if self.on_commit is not None:
                 self.on_commit(iteration)
         _barrier()

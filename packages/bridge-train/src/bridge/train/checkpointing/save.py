@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from bridge.config import ConfigError
+from bridge.config.atomic_files import fsync_directory
 from bridge.train.checkpointing import _dist
-from bridge.train.checkpointing._fs import fsync_dir, fsync_tree, remove_tree
+from bridge.train.checkpointing._fs import fsync_tree, remove_tree
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
     finalize_async_saves,
@@ -141,7 +142,7 @@ def _recover_and_clean(root: Path) -> None:
             final = root / checkpoint_dir_name(iteration)
             if not final.exists() and is_complete_checkpoint(entry):
                 os.rename(entry, final)
-                fsync_dir(root)
+                fsync_directory(root)
             else:
                 remove_tree(entry)
 
@@ -302,7 +303,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             remove_tree(retired)
             os.rename(final, retired)
         os.rename(staging, final)
-        fsync_dir(root)
+        fsync_directory(root)
         write_tracker(root, commit.iteration)
         remove_tree(retired)
     except OSError as exc:
