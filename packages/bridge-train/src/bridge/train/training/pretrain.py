@@ -61,6 +61,7 @@ from bridge.train.training.model_family import build_family_datasets, default_fo
 from bridge.train.training.preflight import check_config_before_launch
 from bridge.train.training.progress_log import append_starting_job
 from bridge.train.training.run_config import save_run_config
+from bridge.train.training.run_length import run_is_done
 from bridge.train.training.train import train
 from core_utils.distributed import global_rank, global_world_size
 
@@ -357,14 +358,6 @@ def _initialize_rerun_state_machine(cfg: ConfigContainer) -> None:
     )
 
 
-def _run_completed(cfg: ConfigContainer, state: GlobalState) -> bool:
-    train = cfg.train
-    assert train is not None
-    if train.train_samples is not None:
-        return state.train_state.consumed_train_samples >= train.train_samples
-    return state.train_state.step >= (train.train_iters or 0)
-
-
 def _final_evaluation(
     out: SetupOutput,
     forward_step_func: ForwardStepCallable,
@@ -500,7 +493,7 @@ def pretrain(
         append_starting_job(state)
         save_run_config(config)
         exit_code = 0
-        if not config.train.skip_train and not _run_completed(config, state):
+        if not config.train.skip_train and not run_is_done(config.train, state.train_state):
             exit_code = train(
                 forward_step_func,
                 out.model,
@@ -513,7 +506,9 @@ def pretrain(
                 process_non_loss_data_func=process_non_loss_data_func,
                 non_loss_data_func=non_loss_data_func,
             )
-        if exit_code == 0 and (config.train.skip_train or _run_completed(config, state)):
+        if exit_code == 0 and (
+            config.train.skip_train or run_is_done(config.train, state.train_state)
+        ):
             _final_evaluation(
                 out, forward_step_func, process_non_loss_data_func, non_loss_data_func
             )
