@@ -156,7 +156,10 @@ def _is_private(name: str) -> bool:
 
 
 def test_no_all_lists_a_private_name() -> None:
-    """``__all__`` is the public API: a ``_``-name in it is a contradiction (DESIGN's rule)."""
+    """``__all__`` is the public API: a ``_``-name in it is a contradiction.
+
+    (docs/architecture.md, "Public API".)
+    """
     offenders = []
     for dist in sorted(ALLOWED_SIBLINGS):
         for path in sorted((PACKAGES / dist / "src").rglob("*.py")):
