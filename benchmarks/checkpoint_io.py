@@ -42,7 +42,9 @@ def _build(directory: Path) -> dict[str, Any]:
     import torch
 
     from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
-    from bridge.train import GlobalState, PortableEngine, train_steps
+    from bridge.train import GlobalState
+    from bridge.train.bare_loop import train_steps
+    from bridge.train.engines import PortableEngine
     from bridge.train.testing import (
         tiny_dist_config,
         tiny_gpt_provider,
@@ -136,20 +138,20 @@ def _torch_load(path: Path) -> None:
 
 
 def _use(run: dict[str, Any], **checkpoint: Any) -> dict[str, Any]:
-    from bridge.train import init_checkpointing_context
+    from bridge.train.checkpointing import init_checkpointing_context
 
     run["state"].cfg.checkpoint = dataclasses.replace(run["state"].cfg.checkpoint, **checkpoint)
     return init_checkpointing_context(run["state"].cfg.checkpoint)
 
 
 def _save(run: dict[str, Any], context: dict[str, Any]) -> None:
-    from bridge.train import save_checkpoint
+    from bridge.train.checkpointing import save_checkpoint
 
     save_checkpoint(run["state"], run["model"], run["optimizer"], run["scheduler"], 0.0, context)
 
 
 def _load(run: dict[str, Any], context: dict[str, Any]) -> None:
-    from bridge.train import load_checkpoint
+    from bridge.train.checkpointing import load_checkpoint
 
     load_checkpoint(
         run["state"],
@@ -182,7 +184,7 @@ def _measure_saves(
     non-blocking finalization poll); the slowdown is the time those steps and polls took
     beyond ``step_time`` per step. Without it the save is waited for at once.
     """
-    from bridge.train import finalize_async_saves
+    from bridge.train.checkpointing import finalize_async_saves
     from bridge.train.checkpointing.async_save import pending_async_saves
 
     shutil.rmtree(directory, ignore_errors=True)
@@ -220,7 +222,7 @@ def main() -> None:
 
     import torch
 
-    from bridge.train import finalize_async_saves
+    from bridge.train.checkpointing import finalize_async_saves
 
     torch.set_num_threads(1)
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint-io-"))

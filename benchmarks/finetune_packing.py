@@ -66,7 +66,7 @@ def _step_time(
 
 
 def _build(seq: int, peft: Any = None) -> tuple[Any, Any, Any]:
-    from bridge.train import PortableEngine, build_portable_optimizer
+    from bridge.train.engines import PortableEngine, build_portable_optimizer
     from bridge.train.peft import apply_peft
     from bridge.train.testing import (
         tiny_dist_config,

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.config import LoggerConfig
-from bridge.train import Callback, forward_step, pretrain, read_metrics_file
+from bridge.train import Callback, forward_step, pretrain
 from bridge.train.testing import (
     TINY_VOCAB,
     tiny_config_container,
@@ -57,6 +57,7 @@ from bridge.train.testing import (
     tiny_scheduler_config,
     tiny_train_config,
 )
+from bridge.train.training import read_metrics_file
 from core_utils.testing import find_free_port
 
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 256}
@@ -118,7 +119,7 @@ def run_bare(steps: int, warmup: int) -> tuple[float, float, list[float]]:
     from megatron.core import parallel_state
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from bridge.train import NullTokenizer, build_train_valid_test_datasets
+    from bridge.train.data import NullTokenizer, build_train_valid_test_datasets
 
     parallel_state.initialize_model_parallel()
     torch.manual_seed(tiny_rng_config().seed)

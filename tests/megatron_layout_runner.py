@@ -158,8 +158,8 @@ def run_layout(name: str) -> dict[str, list[float]]:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from bridge.train import build_engine
     from bridge.train.bare_loop import train_steps
+    from bridge.train.engines import build_engine
     from bridge.train.state import GlobalState
     from bridge.train.testing import (
         tiny_dist_config,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -39,6 +40,12 @@ IMPORT_NAME = {
     "bridge-mimo": "bridge.mimo",
     "bridge-train": "bridge.train",
 }
+
+
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    # Parsed once per session: several guards walk the same sources.
+    return ast.parse(path.read_text(), filename=str(path))
 
 
 def _requirement_name(req: str) -> str:
@@ -83,7 +90,7 @@ def test_sources_import_only_declared_siblings(dist: str) -> None:
     forbidden = set(IMPORT_NAME.values()) - allowed
     offenders = []
     for path in (PACKAGES / dist / "src").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(_parse(path)):
             if not isinstance(node, ast.Import | ast.ImportFrom):
                 continue
             names: list[str] = []
@@ -135,3 +142,71 @@ def test_each_distribution_builds_a_wheel_with_only_its_leaf(tmp_path: Path) -> 
         assert any(n.startswith(leaf) for n in names), (dist, leaf)
         assert "bridge/__init__.py" not in names
         assert all(n.startswith(leaf) or ".dist-info/" in n for n in names), dist
+
+
+def _owner(module: str) -> str | None:
+    for dist, import_name in IMPORT_NAME.items():
+        if module == import_name or module.startswith(import_name + "."):
+            return dist
+    return None
+
+
+def _dotted(node: ast.expr) -> str:
+    """``a.b.c`` for a chain of attribute accesses on a name, else ``""``."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _is_private(name: str) -> bool:
+    # A dunder (``__straggler__``, ``__version__``) is a protocol name, not a private one.
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_all_lists_a_private_name() -> None:
+    """``__all__`` is the public API: a ``_``-name in it is a contradiction.
+
+    (docs/architecture.md, "Public API".)
+    """
+    offenders = []
+    for dist in sorted(ALLOWED_SIBLINGS):
+        for path in sorted((PACKAGES / dist / "src").rglob("*.py")):
+            for node in _parse(path).body:
+                if not (
+                    isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                ):
+                    continue
+                for name in ast.literal_eval(node.value):
+                    if name.startswith("_"):
+                        offenders.append(f"{path.relative_to(ROOT)}: __all__ lists {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("dist", sorted(ALLOWED_SIBLINGS))
+def test_no_distribution_uses_a_private_name_of_another(dist: str) -> None:
+    """``from x._y import``, ``from x import _name`` and ``x._name`` stay inside x's owner."""
+    offenders = []
+    for path in sorted((PACKAGES / dist / "src").rglob("*.py")):
+        for node in ast.walk(_parse(path)):
+            used: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if _owner(node.module) not in (None, dist):
+                    parts = node.module.split(".") + [a.name for a in node.names]
+                    used = [f"{node.module}: {p}" for p in parts if _is_private(p)]
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if _owner(alias.name) not in (None, dist):
+                        used += [alias.name for p in alias.name.split(".") if _is_private(p)]
+            elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+                owner = _owner(_dotted(node.value))
+                if owner not in (None, dist):
+                    used = [f"{_dotted(node.value)}.{node.attr}"]
+            offenders += [
+                f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)} uses {u}" for u in used
+            ]
+    assert not offenders, "\n".join(offenders)

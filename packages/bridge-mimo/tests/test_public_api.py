@@ -42,7 +42,8 @@ REFERENCE = {
 
 def test_reference_functions_have_the_reference_signatures() -> None:
     for name, params in REFERENCE.items():
-        assert name in mimo.__all__, name
+        # The reference's private helper is reachable but, being private, not exported.
+        assert (name in mimo.__all__) is not name.startswith("_"), name
         signature = inspect.signature(getattr(mimo, name))
         assert list(signature.parameters) == params, name
     finalize = inspect.signature(mimo.finalize_model_grads_multimodule).parameters

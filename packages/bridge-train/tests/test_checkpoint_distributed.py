@@ -29,17 +29,17 @@ import pytest
 import torch
 
 from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
-from bridge.train import (
+from bridge.train import GlobalState
+from bridge.train.bare_loop import train_steps
+from bridge.train.checkpointing import (
     CheckpointError,
-    GlobalState,
-    PortableEngine,
     finalize_async_saves,
     init_checkpointing_context,
     load_checkpoint,
+    pending_async_saves,
     save_checkpoint,
-    train_steps,
 )
-from bridge.train.checkpointing import pending_async_saves
+from bridge.train.engines import PortableEngine
 from bridge.train.testing import (
     tiny_dist_config,
     tiny_gpt_provider,

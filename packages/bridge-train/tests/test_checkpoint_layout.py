@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 
 from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
-from bridge.train import (
+from bridge.train import GlobalState
+from bridge.train.checkpointing import (
     CheckpointError,
-    GlobalState,
     checkpoint_exists,
     find_latest_checkpoint,
     init_checkpointing_context,
     load_checkpoint,
+    read_tracker,
     save_checkpoint,
 )
-from bridge.train.checkpointing import read_tracker
 from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
     TRACKER_FILENAME,

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from bridge.config import ConfigContainer
-from bridge.train import read_metrics_file
 from bridge.train.cli import EXIT_CONFIG_ERROR, main, run
 from bridge.train.recipes import RECIPES, recipe_path
+from bridge.train.training import read_metrics_file
 from core_utils.testing import run_distributed
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bridge.train import ByteLevelTokenizer, preprocess_data
+from bridge.train.data import ByteLevelTokenizer, preprocess_data
 from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
 
 

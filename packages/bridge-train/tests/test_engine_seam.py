@@ -9,15 +9,14 @@ import torch
 import torch.distributed as dist
 
 from bridge.config import DistributedDataParallelConfig
-from bridge.train import (
+from bridge.train.engines import (
     Engine,
     MegatronEngine,
     PortableDistributedDataParallel,
     PortableEngine,
     build_engine,
-    resolve_distributed_backend,
-    validate_parallel_layout,
 )
+from bridge.train.initialize import resolve_distributed_backend, validate_parallel_layout
 from bridge.train.testing import tiny_dist_config, tiny_gpt_provider
 
 
@@ -44,7 +43,7 @@ def test_megatron_engine_builds_on_cpu_without_touching_process_state() -> None:
 def _megatron_engine_lifetime(rank: int, world_size: int) -> dict[str, object]:
     from megatron.core import tensor_parallel
 
-    from bridge.train import destroy_distributed
+    from bridge.train.initialize import destroy_distributed
     from core_utils import cuda_emulation_active
 
     original_stream = torch.cuda.current_stream

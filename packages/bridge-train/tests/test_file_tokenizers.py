@@ -279,7 +279,7 @@ def _train_each(rank: int, world: int, runs: list[tuple[str, str, TokenizerConfi
 def test_preprocess_and_train_with_each_type(tmp_path: Path, corpus_jsonl: Path) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from bridge.train import read_metrics_file
+    from bridge.train.training import read_metrics_file
 
     runs = []
     for kind in _TYPES:

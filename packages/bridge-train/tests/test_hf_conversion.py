@@ -269,8 +269,8 @@ def _pipeline_logits(
     from megatron.core import parallel_state
 
     from bridge.config import CheckpointConfig, ConfigContainer, DistributedInitConfig
-    from bridge.train import build_engine
     from bridge.train.checkpointing import load_checkpoint, save_checkpoint
+    from bridge.train.engines import build_engine
     from bridge.train.initialize import destroy_distributed
     from bridge.train.state import TrainState
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from bridge.train import PortableEngine, train_steps
+from bridge.train.bare_loop import train_steps
+from bridge.train.engines import PortableEngine
 from bridge.train.peft import LoRA, LoRAAdapter, apply_peft, merge_adapters
 from bridge.train.testing import (
     tiny_dist_config,

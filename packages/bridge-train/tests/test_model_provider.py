@@ -10,7 +10,8 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bridge.config import ConfigContainer
-from bridge.train import GPTModelProvider, calculate_padded_vocab_size, resolve_layer_spec_backend
+from bridge.train import GPTModelProvider
+from bridge.train.models import calculate_padded_vocab_size, resolve_layer_spec_backend
 from bridge.train.testing import tiny_gpt_provider
 from core_utils.portable_attention import SDPACoreAttention
 from core_utils.testing import run_distributed
@@ -170,7 +171,7 @@ def test_provider_survives_the_yaml_round_trip(tmp_path) -> None:
 
 
 def _build(rank: int, world: int, provider_a: GPTModelProvider, provider_b: GPTModelProvider):
-    from bridge.train import initialize_distributed, set_random_seed
+    from bridge.train.initialize import initialize_distributed, set_random_seed
     from bridge.train.testing import tiny_dist_config
 
     initialize_distributed(provider_a, tiny_dist_config())
@@ -213,7 +214,7 @@ def test_provide_needs_the_parallel_state() -> None:
 
 
 def test_vocab_size_comes_from_the_tokenizer_when_unset() -> None:
-    from bridge.train import ByteLevelTokenizer
+    from bridge.train.data import ByteLevelTokenizer
 
     provider = tiny_gpt_provider(vocab_size=None).apply_tokenizer(ByteLevelTokenizer())
     assert provider.vocab_size == 258 and provider.padded_vocab_size == 320

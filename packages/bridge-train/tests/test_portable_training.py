@@ -18,16 +18,15 @@ import torch.distributed as dist
 
 from bridge.config import DistributedDataParallelConfig
 from bridge.train import (
-    PortableEngine,
-    build_portable_optimizer,
     calc_dtensor_params_l2_norm,
     calc_params_l2_norm,
     forward_step,
     logical_and_across_model_parallel_group,
     prepare_forward_step_func,
     reduce_max_stat_across_model_parallel_group,
-    train_steps,
 )
+from bridge.train.bare_loop import train_steps
+from bridge.train.engines import PortableEngine, build_portable_optimizer
 from bridge.train.state import GlobalState
 from bridge.train.testing import (
     tiny_dist_config,

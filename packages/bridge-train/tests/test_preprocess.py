@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from bridge.train import ByteLevelTokenizer, preprocess_data
+from bridge.train.data import ByteLevelTokenizer, preprocess_data
 from bridge.train.data.preprocess import main
 
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from bridge.train import CyclicRandomSampler, PretrainingSampler
+from bridge.train.data import CyclicRandomSampler, PretrainingSampler
 
 
 def _global_batches(sampler_cls, dp: int, mbs: int, gbs: int, steps: int, consumed: int = 0, **kw):

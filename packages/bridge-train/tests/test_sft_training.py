@@ -21,7 +21,7 @@ from bridge.config import (
     LoggerConfig,
     TokenizerConfig,
 )
-from bridge.train import pretrain, read_metrics_file
+from bridge.train import pretrain
 from bridge.train.data.packing import PackedSFTDataset
 from bridge.train.data.sft import SFTDataset, load_tokenized_examples, sft_settings
 from bridge.train.data.tokenizers import ByteLevelTokenizer
@@ -32,6 +32,7 @@ from bridge.train.testing import (
     tiny_train_config,
     write_tiny_sft_task,
 )
+from bridge.train.training import read_metrics_file
 from core_utils.testing import run_distributed
 
 SEQ = 32
@@ -106,7 +107,7 @@ def _logits_and_grads(model: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, 
 
 
 def _checks(rank: int, world: int, root: str) -> dict[str, Any]:
-    from bridge.train import PortableEngine
+    from bridge.train.engines import PortableEngine
     from bridge.train.testing import tiny_dist_config, tiny_rng_config
 
     out: dict[str, Any] = {}

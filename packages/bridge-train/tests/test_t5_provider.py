@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from bridge.config import ConfigContainer, ConfigError
-from bridge.train import T5ModelProvider, num_floating_point_operations
+from bridge.train import T5ModelProvider
 from bridge.train.data.t5_datasets import MOCK_SENTINELS, MockT5Dataset, T5DatasetConfig
+from bridge.train.flops import num_floating_point_operations
 from bridge.train.training.model_family import build_family_datasets, default_forward_step
 from core_utils.testing import run_distributed
 
@@ -112,7 +113,8 @@ def test_data_config_refuses_what_it_does_not_read() -> None:
 
 
 def test_family_dispatch_checks_model_and_data_agree() -> None:
-    from bridge.train import NullTokenizer, forward_step, t5_forward_step
+    from bridge.train import forward_step, t5_forward_step
+    from bridge.train.data import NullTokenizer
     from bridge.train.testing import tiny_gpt_provider, tiny_mock_dataset_config
 
     assert default_forward_step(_tiny()) is t5_forward_step
@@ -146,7 +148,8 @@ def test_yaml_round_trip(tmp_path) -> None:
 
 
 def _build_and_step(rank: int, world: int, provider: T5ModelProvider):
-    from bridge.train import initialize_distributed, t5_forward_step
+    from bridge.train import t5_forward_step
+    from bridge.train.initialize import initialize_distributed
     from bridge.train.testing import tiny_dist_config
 
     initialize_distributed(provider, tiny_dist_config())

@@ -9,7 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from bridge.config import TokenizerConfig
-from bridge.train import ByteLevelTokenizer, HuggingFaceTokenizer, NullTokenizer, build_tokenizer
+from bridge.train.data import (
+    ByteLevelTokenizer,
+    HuggingFaceTokenizer,
+    NullTokenizer,
+    build_tokenizer,
+)
 
 
 def test_byte_level_round_trips_unicode_and_has_eod_and_pad() -> None:

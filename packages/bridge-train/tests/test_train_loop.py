@@ -27,21 +27,23 @@ from bridge.config import (
     StragglerDetectionConfig,
 )
 from bridge.train import (
-    WeightHashMismatchError,
     disable_forward_pre_hook,
     enable_forward_pre_hook,
     forward_step,
     get_start_time_from_progress_log,
-    num_floating_point_operations,
     pretrain,
-    rampup_to_step_schedule,
-    read_metrics_file,
     should_disable_forward_pre_hook,
 )
+from bridge.train.flops import num_floating_point_operations
 from bridge.train.testing import (
     tiny_config_container,
     tiny_scheduler_config,
     tiny_train_config,
+)
+from bridge.train.training import (
+    WeightHashMismatchError,
+    rampup_to_step_schedule,
+    read_metrics_file,
 )
 from bridge.train.training.train import _handle_mxfp8_param_buffer_copy
 from core_utils.testing import DistributedTestError, find_free_port, run_distributed

@@ -142,7 +142,14 @@ def _logging_and_cp(rank: int, out: dict[str, Any]) -> None:
 
 
 def _on_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    from core_utils.distributed import global_rank, global_world_size
+
+    # The process group, not the launcher's environment, answers once it exists.
+    out: dict[str, Any] = {"global": (global_rank(), global_world_size())}
+    out["global_launcher"] = (
+        global_rank(launcher_fallback=True),
+        global_world_size(launcher_fallback=True),
+    )
     _process_groups(rank, out)
     _param_hashes(rank, out)
     _dtensors(rank, out)
@@ -156,6 +163,7 @@ def _on_ranks(rank: int, world_size: int) -> dict[str, Any]:
 def test_distributed_helpers_on_two_gloo_ranks() -> None:
     results = run_distributed(_on_ranks, 2, timeout=130)
     for rank, out in enumerate(results):
+        assert out["global"] == out["global_launcher"] == (rank, 2)
         assert out["pg"] == (2, rank, 0, 1, 0)
         # Identical replicas match; a drifted replica is detected.
         assert out["same"] is True and out["same_cross"] is True

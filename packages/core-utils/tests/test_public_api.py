@@ -74,10 +74,10 @@ REFERENCE_PUBLIC_NAMES = [
     "experimental_api",
     "ExperimentalNotEnabledError",
     "logger",
-    "__straggler__",
 ]
 # Internal names of the reference, reachable from their modules.
 REFERENCE_PRIVATE_NAMES = {
+    "core_utils": ["__straggler__"],
     "core_utils.straggler": ["_ValueWithRank", "_StragglerData"],
     "core_utils.viewless": ["_kernel_make_viewless_tensor"],
     "core_utils.nvtx": [

@@ -11,7 +11,7 @@ import pytest
 
 import core_utils
 import core_utils.straggler as straggler_module
-from core_utils.straggler import StragglerDetector, _StragglerData, _ValueWithRank
+from core_utils.straggler import StragglerData, StragglerDetector, ValueWithRank
 from core_utils.testing import find_free_port, run_distributed
 
 
@@ -25,12 +25,12 @@ class _ListHandler(logging.Handler):
 
 
 def test_value_with_rank() -> None:
-    low, high = _ValueWithRank(1.5, 2, "ms"), _ValueWithRank(3.0, 0, "ms")
+    low, high = ValueWithRank(1.5, 2, "ms"), ValueWithRank(3.0, 0, "ms")
     assert low < high and high > low
     assert low() == (1.5, 2, "ms")
     assert str(low) == "1.50ms/2"
     assert (low.value, low.rank, low.unit) == (1.5, 2, "ms")
-    data = _StragglerData()
+    data = StragglerData()
     assert data.min_temp is None and data.aflops is None
     assert data.min_elapsed > data.max_elapsed  # sentinels before any report
 

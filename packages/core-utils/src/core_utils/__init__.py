@@ -96,7 +96,6 @@ from core_utils.wgrad import drain_embedding_wgrad_compute, prepare_input_tensor
 __straggler__ = StragglerDetector()
 
 __all__ = [
-    "HOOKS",
     "Callback",
     "CallbackError",
     "CallbackList",
@@ -109,7 +108,6 @@ __all__ = [
     "StragglerDetector",
     "Timers",
     "WrappedTensor",
-    "__straggler__",
     "assert_viewless_tensor",
     "check_mamba_sequence_packing_support",
     "check_param_hashes_across_dp_replicas",

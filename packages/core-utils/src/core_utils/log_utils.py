@@ -7,8 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from core_utils._distributed import dist_ready
 from core_utils._megatron import initialized_parallel_state
+from core_utils.distributed import dist_ready
 
 __all__ = ["log_on_each_pipeline_stage", "log_single_rank", "logger"]
 

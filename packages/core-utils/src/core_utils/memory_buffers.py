@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core_utils._distributed import dist_ready
+from core_utils.distributed import dist_ready
 
 __all__ = ["GlobalMemoryBuffer", "GlobalSymmetricMemoryBuffer"]
 

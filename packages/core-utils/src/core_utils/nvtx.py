@@ -17,8 +17,6 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
-    "_nvtx_decorator_get_func_path",
-    "_nvtx_range_get_func_path",
     "configure_nvtx_profiling",
     "nvtx_decorator",
     "nvtx_range_pop",

@@ -9,8 +9,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from core_utils._distributed import collective_device, dist_ready
 from core_utils._megatron import initialized_parallel_state
+from core_utils.distributed import collective_device, dist_ready
 
 __all__ = ["check_param_hashes_across_dp_replicas", "param_sha1"]
 

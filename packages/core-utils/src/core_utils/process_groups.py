@@ -8,8 +8,8 @@ from types import ModuleType
 
 import torch.distributed as dist
 
-from core_utils._distributed import dist_ready
 from core_utils._megatron import import_megatron
+from core_utils.distributed import dist_ready
 
 __all__ = [
     "get_pg_rank",

@@ -48,14 +48,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from core_utils._distributed import collective_device, dist_ready
+from core_utils.distributed import collective_device, dist_ready
 
-__all__ = ["StragglerDetector", "_StragglerData", "_ValueWithRank"]
+__all__ = ["StragglerData", "StragglerDetector", "ValueWithRank"]
 
 logger = logging.getLogger(__name__)
 
 
-class _ValueWithRank:
+class ValueWithRank:
     """A metric value together with the rank it was measured on and its unit.
 
     Args:
@@ -84,10 +84,10 @@ class _ValueWithRank:
         """The unit of the value."""
         return self._unit
 
-    def __lt__(self, other: _ValueWithRank) -> bool:
+    def __lt__(self, other: ValueWithRank) -> bool:
         return self._value < other._value
 
-    def __gt__(self, other: _ValueWithRank) -> bool:
+    def __gt__(self, other: ValueWithRank) -> bool:
         return self._value > other._value
 
     def __call__(self) -> tuple[float, int, str]:
@@ -98,19 +98,19 @@ class _ValueWithRank:
         return f"{self._value:.2f}{self._unit}/{self._rank}"
 
     def __repr__(self) -> str:
-        return f"_ValueWithRank(value={self._value!r}, rank={self._rank}, unit={self._unit!r})"
+        return f"ValueWithRank(value={self._value!r}, rank={self._rank}, unit={self._unit!r})"
 
 
-def _no_min(unit: str) -> _ValueWithRank:
-    return _ValueWithRank(sys.float_info.max, 0, unit)
+def _no_min(unit: str) -> ValueWithRank:
+    return ValueWithRank(sys.float_info.max, 0, unit)
 
 
-def _no_max(unit: str) -> _ValueWithRank:
-    return _ValueWithRank(sys.float_info.min, 0, unit)
+def _no_max(unit: str) -> ValueWithRank:
+    return ValueWithRank(sys.float_info.min, 0, unit)
 
 
 @dataclass
-class _StragglerData:
+class StragglerData:
     """Minimum and maximum of each straggler metric across ranks, with the ranks holding them.
 
     Attributes:
@@ -125,20 +125,24 @@ class _StragglerData:
         aflops: Estimated throughput (TFLOP/s) of every rank, sorted ascending.
     """
 
-    min_elapsed: _ValueWithRank = field(default_factory=lambda: _no_min("ms"))
-    max_elapsed: _ValueWithRank = field(default_factory=lambda: _no_max("ms"))
-    min_btime: _ValueWithRank = field(default_factory=lambda: _no_min("ms"))
-    max_btime: _ValueWithRank = field(default_factory=lambda: _no_max("ms"))
-    min_temp: _ValueWithRank | None = None
-    max_temp: _ValueWithRank | None = None
-    min_power: _ValueWithRank | None = None
-    max_power: _ValueWithRank | None = None
-    min_util: _ValueWithRank | None = None
-    max_util: _ValueWithRank | None = None
-    min_clock: _ValueWithRank | None = None
-    max_clock: _ValueWithRank | None = None
-    aflops: list[_ValueWithRank] | None = None
+    min_elapsed: ValueWithRank = field(default_factory=lambda: _no_min("ms"))
+    max_elapsed: ValueWithRank = field(default_factory=lambda: _no_max("ms"))
+    min_btime: ValueWithRank = field(default_factory=lambda: _no_min("ms"))
+    max_btime: ValueWithRank = field(default_factory=lambda: _no_max("ms"))
+    min_temp: ValueWithRank | None = None
+    max_temp: ValueWithRank | None = None
+    min_power: ValueWithRank | None = None
+    max_power: ValueWithRank | None = None
+    min_util: ValueWithRank | None = None
+    max_util: ValueWithRank | None = None
+    min_clock: ValueWithRank | None = None
+    max_clock: ValueWithRank | None = None
+    aflops: list[ValueWithRank] | None = None
 
+
+# The reference's (private) spellings of the two report types.
+_ValueWithRank = ValueWithRank
+_StragglerData = StragglerData
 
 _GPU_METRICS = (("temp", "C"), ("power", "W"), ("util", "%"), ("clock", "MHz"))
 
@@ -233,7 +237,7 @@ class StragglerDetector:
     through the control port): until then ``start``/``stop`` are no-ops.
 
     Attributes:
-        last_report: The :class:`_StragglerData` of the last :meth:`report` that measured
+        last_report: The :class:`StragglerData` of the last :meth:`report` that measured
             something (on every rank), or ``None``.
         last_report_ranks: Per-rank raw data of that report: a list (index = rank) of dicts
             with ``time`` (ms per iteration), ``btime`` (ms), ``flops`` (TFLOP/s) and the GPU
@@ -276,7 +280,7 @@ class StragglerDetector:
         self.stop_data_tm: list[int] = []
         self.server: HTTPServer | None = None
         self.ctrlr: threading.Thread | None = None
-        self.last_report: _StragglerData | None = None
+        self.last_report: StragglerData | None = None
         self.last_report_ranks: list[dict[str, Any]] | None = None
 
     def configure(
@@ -491,7 +495,7 @@ class StragglerDetector:
         self._check_toggle()
         return reported
 
-    def _log(self, data: _StragglerData) -> None:
+    def _log(self, data: StragglerData) -> None:
         now = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         parts = [f"[{now}]", f"MnRtt/Rnk: {data.min_elapsed}", f"MxRtt/Rnk: {data.max_elapsed}"]
         for label, low, high in (
@@ -525,7 +529,7 @@ class StragglerDetector:
         util: float | None,
         clock: float | None,
         flops: float,
-    ) -> _StragglerData | None:
+    ) -> StragglerData | None:
         """All-gather every rank's metrics and return their minima/maxima with ranks.
 
         Returns ``None`` while disabled.
@@ -543,17 +547,17 @@ class StragglerDetector:
             "flops": flops,
         }
         everyone = _all_gather_metrics(mine)
-        result = _StragglerData()
+        result = StragglerData()
 
-        def extremes(key: str, unit: str) -> tuple[_ValueWithRank, _ValueWithRank] | None:
+        def extremes(key: str, unit: str) -> tuple[ValueWithRank, ValueWithRank] | None:
             rows = [row for row in everyone if row[key] is not None]
             if not rows:
                 return None
             low = min(rows, key=lambda row: row[key])
             high = max(rows, key=lambda row: row[key])
             return (
-                _ValueWithRank(float(low[key]), int(low["rank"]), unit),
-                _ValueWithRank(float(high[key]), int(high["rank"]), unit),
+                ValueWithRank(float(low[key]), int(low["rank"]), unit),
+                ValueWithRank(float(high[key]), int(high["rank"]), unit),
             )
 
         elapsed = extremes("time", "ms")
@@ -568,7 +572,7 @@ class StragglerDetector:
                 setattr(result, f"min_{key}", pair[0])
                 setattr(result, f"max_{key}", pair[1])
         result.aflops = sorted(
-            (_ValueWithRank(float(row["flops"]), int(row["rank"])) for row in everyone),
+            (ValueWithRank(float(row["flops"]), int(row["rank"])) for row in everyone),
             key=lambda v: v.value,
         )
         self.last_report = result

@@ -30,7 +30,7 @@ from typing import Any, Final, Literal
 import torch
 import torch.distributed as dist
 
-from core_utils._distributed import collective_device, dist_ready
+from core_utils.distributed import collective_device, dist_ready
 
 __all__ = ["DummyTimer", "Timer", "TimerBase", "Timers"]
 

@@ -13,7 +13,6 @@ import torch
 
 __all__ = [
     "MakeViewlessTensor",
-    "_kernel_make_viewless_tensor",
     "assert_viewless_tensor",
     "make_viewless_tensor",
     "safely_set_viewless_tensor_data",

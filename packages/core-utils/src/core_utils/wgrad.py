@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core_utils._distributed import all_gather_into
+from core_utils.distributed import all_gather_into
 from core_utils.memory_buffers import GlobalMemoryBuffer
 
 __all__ = ["drain_embedding_wgrad_compute", "prepare_input_tensors_for_wgrad_compute"]

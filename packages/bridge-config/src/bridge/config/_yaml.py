@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from bridge.config._errors import ConfigError
+from bridge.config.atomic_files import atomic_write
 
 # A run of backslashes right before "${": OmegaConf reads "\${" as a literal "${" and "\\"
 # before "${" as one literal backslash, so both need escaping to survive a load.
@@ -158,32 +158,22 @@ def dump_yaml(data: Any) -> str:
 def write_new_file(path: str | os.PathLike[str], text: str, *, overwrite: bool) -> None:
     """Write ``text`` to ``path`` atomically, refusing to replace a file unless told to.
 
-    The text goes to a temporary file in the same directory which is then renamed, so a
-    crash never leaves a half-written config behind.
+    See :func:`bridge.config.atomic_files.atomic_write`: a crash never leaves a half-written
+    config behind, and a new file gets the usual (umask-derived) mode.
 
     Raises:
         ConfigError: the file exists and ``overwrite`` is False, or writing fails.
     """
     file = Path(path)
+    already = ConfigError(str(file), "file already exists; pass overwrite=True to replace it")
     if file.exists() and not overwrite:
-        raise ConfigError(str(file), "file already exists; pass overwrite=True to replace it")
+        raise already
     if file.is_dir():
         raise ConfigError(str(file), "is a directory; give a file path")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            if not overwrite and file.exists():
-                raise ConfigError(
-                    str(file), "file already exists; pass overwrite=True to replace it"
-                )
-            os.replace(tmp, file)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        atomic_write(file, text, overwrite=overwrite)
+    except FileExistsError:
+        raise already from None
     except OSError as exc:
         raise ConfigError(str(file), f"cannot write config file: {exc}") from None

@@ -8,20 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def dist_ready() -> bool:
-    """Whether torch.distributed is available and the default group is initialised."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def global_rank() -> int:
-    """This process's rank in the default group (0 without torch.distributed)."""
-    return dist.get_rank() if dist_ready() else 0
-
-
-def global_world_size() -> int:
-    """Size of the default group (1 without torch.distributed)."""
-    return dist.get_world_size() if dist_ready() else 1
+from core_utils.distributed import collective_device, dist_ready, global_rank, global_world_size
 
 
 def is_last_rank() -> bool:
@@ -47,16 +34,6 @@ def group_rank(group: Any) -> int:
     if not dist_ready():
         return 0
     return int(dist.get_rank(group=group))
-
-
-def collective_device(group: Any = None) -> torch.device:
-    """The device a collective over ``group`` must use: CPU for gloo, CUDA for nccl."""
-    if not dist_ready():
-        return torch.device("cpu")
-    backend = str(dist.get_backend(group))
-    if "gloo" not in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _unwrap(module: Any) -> Iterable[Any]:

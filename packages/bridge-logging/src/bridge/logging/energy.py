@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.logging._dist import collective_device, dist_ready
+from core_utils.distributed import collective_device, dist_ready
 
 
 class EnergyMonitor:

@@ -8,15 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.logging._dist import (
-    collective_device,
-    dist_ready,
-    find_pg_collection,
-    global_world_size,
-    group_rank,
-    group_size,
-    pg_attr,
-)
+from bridge.logging._dist import find_pg_collection, group_rank, group_size, pg_attr
+from core_utils.distributed import collective_device, dist_ready, global_world_size
 
 
 def _gradient(param: torch.nn.Parameter) -> torch.Tensor | None:

@@ -13,13 +13,9 @@ import torch
 import torch.distributed as dist
 
 from bridge.config import ProfilingConfig
-from bridge.logging._dist import (
-    collective_device,
-    dist_ready,
-    global_rank,
-    group_size,
-)
+from bridge.logging._dist import group_size
 from bridge.logging._notices import logger, notice_once
+from core_utils.distributed import collective_device, dist_ready, global_rank
 
 MEMORY_KEYS: dict[str, str] = {
     "allocated_bytes.all.current": "current_allocated_mem",

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from bridge.config import LoggerConfig
 from bridge.logging._batches import BatchHistory
-from bridge.logging._dist import collective_device, dist_ready
 from bridge.logging._remote import RemoteWriter, remote_writers
 from bridge.logging._worker import WriterThread
 from bridge.logging._writer_process import WriterProcess
@@ -37,6 +36,7 @@ from bridge.logging.settings import (
     backend_settings_for,
     report_settings_for,
 )
+from core_utils.distributed import collective_device, dist_ready
 
 logger = logging.getLogger("bridge.logging")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from bridge.logging._dist import dist_ready, global_rank, global_world_size
+from core_utils.distributed import dist_ready, global_rank, global_world_size
 
 PROGRESS_FILE = "progress.txt"
 

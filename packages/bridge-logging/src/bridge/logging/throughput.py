@@ -6,10 +6,10 @@ import time
 from collections.abc import Sequence
 
 from bridge.config import TrainingConfig
-from bridge.logging._dist import global_world_size
 from bridge.logging._notices import notice_once
 from bridge.logging.protocols import TrainProgress
 from bridge.logging.settings import TIME_UNITS
+from core_utils.distributed import global_world_size
 
 
 def _positive_int(name: str, value: object) -> int:

@@ -13,8 +13,6 @@ import torch
 from bridge.config import ConfigContainer, LoggerConfig, TrainingConfig
 from bridge.logging._dist import (
     find_pg_collection,
-    global_rank,
-    global_world_size,
     group_rank,
     pg_attr,
     print_rank_last,
@@ -32,6 +30,7 @@ from bridge.logging.metric_writers import MetricWriters, _IntervalMarks
 from bridge.logging.protocols import LoggingState
 from bridge.logging.throughput import report_runtime, report_throughput
 from core_utils import Timers
+from core_utils.distributed import global_rank, global_world_size
 
 ADVANCED_ITERS = "advanced iterations"
 SKIPPED_ITERS = "skipped iterations"

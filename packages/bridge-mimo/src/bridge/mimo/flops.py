@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+from core_utils.distributed import collective_device
+
 __all__ = ["StepFlopsMeter"]
 
 _aten = torch.ops.aten
@@ -117,7 +119,7 @@ class StepFlopsMeter:
             True when the combination of every rank's shapes has not been measured yet.
         """
         local_id = self._local_ids.setdefault(signature, len(self._local_ids))
-        ids = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device())
+        ids = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=collective_device())
         ids[dist.get_rank()] = local_id
         dist.all_reduce(ids)
         self._step_key = tuple(int(v) for v in ids.tolist())
@@ -187,7 +189,9 @@ class StepFlopsMeter:
         """
         if self._step_key is None:
             raise RuntimeError("StepFlopsMeter.record() called before needs_measurement()")
-        totals = torch.zeros(len(self.module_names), dtype=torch.float64, device=_device())
+        totals = torch.zeros(
+            len(self.module_names), dtype=torch.float64, device=collective_device()
+        )
         for index, name in enumerate(self.module_names):
             totals[index] = float(local_flops_by_module.get(name, 0.0))
         dist.all_reduce(totals)
@@ -217,10 +221,3 @@ class StepFlopsMeter:
                 "needs_measurement() first and record() when it returns True"
             )
         return self._cache[self._step_key]
-
-
-def _device() -> torch.device:
-    """Device of collective buffers: nccl needs CUDA tensors, gloo CPU ones."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

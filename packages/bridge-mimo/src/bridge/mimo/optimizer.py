@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from bridge.mimo.infra import MegatronMIMOInfra
 from bridge.mimo.parallel_utils import get_module_to_grid_tuple
+from core_utils.distributed import collective_device
 
 __all__ = ["MultiModuleOptimizer", "OptimizerFactory", "build_multimodule_optimizer"]
 
@@ -83,15 +84,12 @@ class MultiModuleOptimizer:
         grad = getattr(param, "main_grad", None)
         return param.grad if grad is None else grad
 
-    def _device(self) -> torch.device:
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """L2 norm of the gradient of the whole model (all modules). Collective (world)."""
-        squares = torch.zeros(len(self._module_order), dtype=torch.float64, device=self._device())
+        squares = torch.zeros(
+            len(self._module_order), dtype=torch.float64, device=collective_device()
+        )
         for index, name in enumerate(self._module_order):
             if name not in self.optimizers:
                 continue

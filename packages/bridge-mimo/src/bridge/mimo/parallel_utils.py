@@ -30,7 +30,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from bridge.mimo.infra import MegatronMIMOInfra
 
 __all__ = [
-    "_get_dp_size_from_grid",
     "build_pg_collection_for_schedule",
     "finalize_model_grads_multimodule",
     "get_active_module_pg",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from bridge.config.atomic_files import atomic_write
 
 FT_STATE_FILENAME = "ft_state.json"
 
@@ -43,13 +44,4 @@ def read_ft_state(path: Path) -> dict[str, Any] | None:
 def write_ft_state(path: Path, state: Mapping[str, Any]) -> None:
     """Write ``state`` atomically: a reader sees the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(state, handle, indent=1, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(state, indent=1, sort_keys=True))

@@ -22,8 +22,9 @@ import threading
 from types import FrameType
 from typing import Any
 
-from bridge.resiliency._dist import all_reduce_max, current_rank
+from bridge.resiliency._dist import all_reduce_max
 from bridge.resiliency.errors import ResiliencyError
+from core_utils.distributed import global_rank
 
 __all__ = ["DataloaderSignalGuard", "ExitSignalHandler"]
 
@@ -107,14 +108,14 @@ class ExitSignalHandler:
             logger.warning(
                 "rank %d (pid %d) received %s: the job will save a checkpoint and exit after "
                 "the current step",
-                current_rank(),
+                global_rank(launcher_fallback=True),
                 os.getpid(),
                 self.signal.name,
             )
         else:
             logger.warning(
                 "rank %d received %s again (%d times); already saving and exiting, ignored",
-                current_rank(),
+                global_rank(launcher_fallback=True),
                 self.signal.name,
                 self.count,
             )

@@ -60,11 +60,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from bridge.config import FaultToleranceConfig
-from bridge.resiliency._dist import current_rank, current_world_size
 from bridge.resiliency._nvrx_monitor import WARMUP_STEPS, NVRxMonitor
 from bridge.resiliency.errors import ResiliencyError
 from bridge.resiliency.hang_watchdog import HangWatchdog, WatchdogTimeouts
 from bridge.resiliency.simulated_fault import SimulatedFault
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = ["ActiveFaultTolerance", "FaultTolerance", "NullFaultTolerance"]
 
@@ -125,8 +125,8 @@ class FaultTolerance:
         simulate = config is not None and config.simulate_fault
         if not (use_nvrx or simulate or hang_timeout is not None):
             return NullFaultTolerance()
-        rank = current_rank() if rank is None else rank
-        world_size = current_world_size() if world_size is None else world_size
+        rank = global_rank(launcher_fallback=True) if rank is None else rank
+        world_size = global_world_size(launcher_fallback=True) if world_size is None else world_size
         fault_rank = config.simulated_fault_rank if config is not None and simulate else None
         if fault_rank is not None and not 0 <= fault_rank < world_size:
             raise ResiliencyError(

@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge.resiliency._dist import current_rank
 from bridge.resiliency.errors import ResiliencyError
+from core_utils.distributed import global_rank
 
 __all__ = ["HangWatchdog", "WatchdogTimeouts"]
 
@@ -186,7 +186,7 @@ class HangWatchdog:
         kill_signal: signal.Signals = signal.SIGKILL,
     ) -> None:
         self.timeouts = timeouts
-        self.rank = current_rank() if rank is None else rank
+        self.rank = global_rank(launcher_fallback=True) if rank is None else rank
         self.kill_signal = signal.Signals(kill_signal)
         self._process: subprocess.Popen[bytes] | None = None
         self._broken = False

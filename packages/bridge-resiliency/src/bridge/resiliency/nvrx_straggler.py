@@ -31,8 +31,8 @@ from typing import Any, Protocol
 import torch
 
 from bridge.config import NVRxStragglerDetectionConfig
-from bridge.resiliency._dist import current_rank
 from bridge.resiliency.errors import ResiliencyError, missing_nvrx
+from core_utils.distributed import global_rank
 
 __all__ = [
     "NVRxStragglerMonitor",
@@ -236,7 +236,7 @@ class NVRxStragglerMonitor:
         self, config: NVRxStragglerDetectionConfig | None, *, rank: int | None = None
     ) -> None:
         self.config = config if config is not None else NVRxStragglerDetectionConfig()
-        self.rank = current_rank() if rank is None else rank
+        self.rank = global_rank(launcher_fallback=True) if rank is None else rank
         self.logger = logging.getLogger(self.config.logger_name)
         self.last_assessment: StragglerAssessment | None = None
         self._stop = False

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from bridge.config import FaultToleranceConfig
-from bridge.resiliency._dist import broadcast_int, current_rank, current_world_size
+from bridge.resiliency._dist import broadcast_int
 from bridge.resiliency.errors import ResiliencyError
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = ["FaultType", "SimulatedFault"]
 
@@ -110,8 +111,8 @@ class SimulatedFault:
         """
         if config is None or not config.simulate_fault:
             return None
-        rank = current_rank() if rank is None else rank
-        world_size = current_world_size() if world_size is None else world_size
+        rank = global_rank(launcher_fallback=True) if rank is None else rank
+        world_size = global_world_size(launcher_fallback=True) if world_size is None else world_size
         rng = random.Random(seed)
         target = config.simulated_fault_rank
         if target is None:

@@ -13,10 +13,10 @@ import contextlib
 from typing import Any
 
 from bridge.config import StragglerDetectionConfig
-from bridge.resiliency._dist import current_rank, current_world_size
 from bridge.resiliency.errors import ResiliencyError
 from core_utils import StragglerDetector
-from core_utils.straggler import _StragglerData
+from core_utils.distributed import global_rank, global_world_size
+from core_utils.straggler import StragglerData
 
 __all__ = ["StragglerTiming"]
 
@@ -65,8 +65,8 @@ class StragglerTiming:
         """
         if config is None or not config.log_straggler:
             return cls(None)
-        world_size = current_world_size() if world_size is None else world_size
-        rank = current_rank() if rank is None else rank
+        world_size = global_world_size(launcher_fallback=True) if world_size is None else world_size
+        rank = global_rank(launcher_fallback=True) if rank is None else rank
         detector = StragglerDetector()
         if detector.configured and (detector.world_size, detector.my_rank) != (world_size, rank):
             raise ResiliencyError(
@@ -136,7 +136,7 @@ class StragglerTiming:
         return self.detector.report(total_flops=total_flops, log_interval=log_interval)
 
     @property
-    def last_report(self) -> _StragglerData | None:
+    def last_report(self) -> StragglerData | None:
         """Minima/maxima with their ranks from the last report (every rank has it)."""
         return None if self.detector is None else self.detector.last_report
 

@@ -46,7 +46,7 @@ from bridge.config import (
     StragglerDetectionConfig,
     TrainingConfig,
 )
-from bridge.resiliency._dist import current_rank, current_world_size, dist_ready
+from bridge.config.atomic_files import atomic_write, fsync_directory
 from bridge.resiliency.elastic import init_process_group, restart_count
 from bridge.resiliency.errors import ResiliencyError
 from bridge.resiliency.exit_conditions import ExitConditions, ExitDecision
@@ -60,6 +60,7 @@ from bridge.resiliency.loop_components import (
 from bridge.resiliency.nvrx_straggler import NVRxStragglerMonitor
 from bridge.resiliency.straggler import StragglerTiming
 from core_utils.callbacks import CallbackList
+from core_utils.distributed import dist_ready, global_rank, global_world_size
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -73,14 +74,6 @@ __all__ = [
 ]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _barrier() -> None:
@@ -138,7 +131,7 @@ class StepCheckpointer:
         on_commit: Callable[[int], None] | None = None,
     ) -> None:
         self.save_dir = Path(save_dir)
-        self.rank = current_rank() if rank is None else rank
+        self.rank = global_rank(launcher_fallback=True) if rank is None else rank
         self.on_commit = on_commit
 
     @property
@@ -202,7 +195,7 @@ class StepCheckpointer:
                 torch.save(state, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
-            _fsync_dir(tmp)
+            fsync_directory(tmp)
             if before_commit is not None:
                 before_commit(tmp)
             if final.exists():
@@ -212,16 +205,10 @@ class StepCheckpointer:
                 final.rename(stale)
                 _remove_tree(stale)
             tmp.rename(final)
-            _fsync_dir(self.save_dir)
+            fsync_directory(self.save_dir)
             if before_tracker is not None:
                 before_tracker(final)
-            tracker_tmp = self.save_dir / f".{TRACKER_FILENAME}.tmp-{os.getpid()}"
-            with open(tracker_tmp, "w") as handle:
-                handle.write(f"{iteration}\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tracker_tmp, self.tracker)
-            _fsync_dir(self.save_dir)
+            atomic_write(self.tracker, f"{iteration}\n")
             if self.on_commit is not None:
                 self.on_commit(iteration)
         _barrier()
@@ -510,7 +497,7 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
     Returns:
         This rank's result.
     """
-    rank, world = current_rank(), current_world_size()
+    rank, world = global_rank(launcher_fallback=True), global_world_size(launcher_fallback=True)
     attempt = restart_count()
     events = _EventLog(options.log_dir, rank, attempt)
     if options.log_dir is not None:

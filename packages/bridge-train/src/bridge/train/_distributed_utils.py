@@ -5,22 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
 import torch.distributed as dist
-
-
-def collective_device(group: Any = None) -> torch.device:
-    """Device a tensor must live on for a collective over ``group``.
-
-    NCCL groups need CUDA tensors; gloo groups need CPU tensors. Without an initialised
-    process group the answer is the CPU.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def group_size(group: Any) -> int:

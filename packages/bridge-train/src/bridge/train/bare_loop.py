@@ -67,7 +67,7 @@ def _sum_loss_pairs(
                 pair = torch.cat([pair, pair.new_ones(1)])
             totals[name] = totals[name] + pair if name in totals else pair
     if group is not None and dist.is_initialized() and totals:
-        from bridge.train._distributed_utils import collective_device
+        from core_utils.distributed import collective_device
 
         names = sorted(totals)
         stacked = torch.stack([totals[name] for name in names]).to(collective_device(group))

@@ -45,11 +45,14 @@ EXIT_CALLBACK_ERROR = 1
 _USAGE = "bridge-train [--config FILE | --recipe NAME] [options] [section.field=value ...]"
 
 
-def _rank() -> int:
+# The launcher's view (torchrun's environment), read before any process group exists and
+# without importing torch, which --help and configuration errors must not pay for. Once
+# training runs, core_utils.distributed.global_rank answers from the process group.
+def _launcher_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _world_size() -> int:
+def _launcher_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -236,7 +239,7 @@ def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
     from bridge.config import ConfigError
 
     with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
-        recipe_cfg.validate(_world_size())
+        recipe_cfg.validate(_launcher_world_size())
 
     before = _flatten(yaml.safe_load(recipe_cfg.format_yaml()))
     after = _flatten(yaml.safe_load(run_cfg.format_yaml()))
@@ -325,7 +328,7 @@ def _report_notices(held: Any, cfg: Any) -> None:
     level = getattr(logger_cfg, "logging_level", logging.INFO)
     if level > logging.DEBUG:
         silence_known_fallback_notices()
-    if _rank() != 0 or not held.lines:
+    if _launcher_rank() != 0 or not held.lines:
         return
     if level <= logging.DEBUG:
         for line in held.lines:
@@ -390,7 +393,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     check_launch_environment(os.environ)
     notice = shared_store_restart_notice(os.environ)
-    if notice is not None and _rank() == 0:
+    if notice is not None and _launcher_rank() == 0:
         print(f"[bridge-train] warning: {notice}", file=sys.stderr, flush=True)
     if args.metrics_file is not None:
         check_output_file(args.metrics_file, "--metrics-file")
@@ -410,7 +413,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             check_config_before_launch(cfg)
             check_output_directories(cfg)
     if args.print_config:
-        if _rank() == 0:
+        if _launcher_rank() == 0:
             # The text run_config.yaml holds: it loads back (--config) as this same run.
             from bridge.train.training.run_config import run_config_text
 
@@ -418,12 +421,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 0
     _report_notices(held, cfg)
     if args.dry_run:
-        if _rank() == 0:
+        if _launcher_rank() == 0:
             _print_overrides(path, recipe_cfg, cfg)
             if not mimo:
-                _print_layout(cfg, _world_size())
+                _print_layout(cfg, _launcher_world_size())
         return 0
-    if _rank() == 0 and not args.no_print_config:
+    if _launcher_rank() == 0 and not args.no_print_config:
         _print_overrides(path, recipe_cfg, cfg)
     if mimo:
         return pretrain_mimo(cfg, metrics_file=args.metrics_file)
@@ -445,19 +448,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             code = run(argv)
     except (KeyboardInterrupt, Terminated) as exc:
         signal_name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT (Ctrl-C)"
-        if _rank() == 0:
+        if _launcher_rank() == 0:
             print(f"bridge-train: stopped by {signal_name}", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(exc, Terminated) else EXIT_INTERRUPTED)
     except Exception as exc:
         if _is_callback_error(exc):
             # The user's own code failed, not the trainer: say which callback, hook and
             # iteration, on every rank where it happened.
-            prefix = f"[rank {_rank()}] " if _world_size() > 1 else ""
+            prefix = f"[rank {_launcher_rank()}] " if _launcher_world_size() > 1 else ""
             print(f"bridge-train: error: {prefix}{exc}", file=sys.stderr, flush=True)
             sys.exit(EXIT_CALLBACK_ERROR)
         if not _is_user_error(exc):
             raise
-        if _rank() == 0:
+        if _launcher_rank() == 0:
             print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)
     sys.exit(code)

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from core_utils.distributed import global_world_size
+
 __all__ = [
     "destroy_distributed",
     "initialize_distributed",
@@ -180,9 +182,7 @@ def initialize_distributed(
     from megatron.core import parallel_state
 
     backend = resolve_distributed_backend(dist_config)
-    world_size = (
-        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    )
+    world_size = global_world_size(launcher_fallback=True)
     validate_parallel_layout(model_config, world_size, engine)
     if engine == "megatron":
         _enter_cuda_emulation()

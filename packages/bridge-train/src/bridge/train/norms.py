@@ -9,11 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.train._distributed_utils import (
-    collective_device,
-    model_parallel_groups,
-    unwrap_model_chunks,
-)
+from bridge.train._distributed_utils import model_parallel_groups, unwrap_model_chunks
+from core_utils.distributed import collective_device
 
 __all__ = ["calc_dtensor_params_l2_norm", "calc_params_l2_norm", "param_is_not_shared"]
 

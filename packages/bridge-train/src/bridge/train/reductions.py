@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.train._distributed_utils import collective_device
+from core_utils.distributed import collective_device
 
 __all__ = ["logical_and_across_model_parallel_group", "reduce_max_stat_across_model_parallel_group"]
 

@@ -64,7 +64,7 @@ class TrainState:
             non-finite gradients under fp16 loss scaling).
         consumed_valid_samples: Validation samples consumed so far.
         floating_point_operations_so_far: Model FLOPs executed so far (see
-            :func:`bridge.train.num_floating_point_operations`).
+            :func:`bridge.train.flops.num_floating_point_operations`).
         do_train: Whether a training dataset exists.
         do_valid: Whether a validation dataset exists.
         do_test: Whether a test dataset exists.

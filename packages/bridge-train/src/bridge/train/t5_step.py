@@ -55,7 +55,7 @@ def t5_forward_step(
 
     Returns:
         ``(per_token_losses, loss_func)``; ``loss_func`` is
-        :func:`bridge.train.masked_next_token_loss` bound to the decoder's loss mask.
+        :func:`bridge.train.gpt_step.masked_next_token_loss` bound to the decoder's loss mask.
     """
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
 

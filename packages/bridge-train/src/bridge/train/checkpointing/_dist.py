@@ -6,20 +6,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+# The checkpoint code's names for core_utils' helpers: the process group's view only (a
+# checkpoint records the layout it was saved under, never a launcher's guess).
+from core_utils.distributed import dist_ready as ready
+from core_utils.distributed import global_rank as rank
+from core_utils.distributed import global_world_size as world_size
 
-def ready() -> bool:
-    """Whether a default process group exists."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    """Global rank (0 without a process group)."""
-    return dist.get_rank() if ready() else 0
-
-
-def world_size() -> int:
-    """World size (1 without a process group)."""
-    return dist.get_world_size() if ready() else 1
+__all__ = ["barrier", "broadcast_from_rank0", "rank", "ready", "run_on_rank0", "world_size"]
 
 
 def barrier() -> None:

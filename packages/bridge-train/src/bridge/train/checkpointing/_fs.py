@@ -1,21 +1,13 @@
-"""Durable file-system operations: atomic writes, fsync of files and directories (internal)."""
+"""Durable file-system operations on checkpoint directories (internal).
+
+Single files are written with :func:`bridge.config.atomic_files.atomic_write`."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import tempfile
-from pathlib import Path
 
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Flush a directory's entries (a rename or a new file in it) to storage."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from bridge.config.atomic_files import fsync_directory
 
 
 def fsync_tree(path: str | os.PathLike[str]) -> None:
@@ -27,27 +19,7 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fsync_dir(root)
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix.
-
-    The text goes to a temporary file in the same directory, is flushed to storage, renamed
-    over ``path``, and the directory entry is flushed too.
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    fsync_dir(target.parent)
+        fsync_directory(root)
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:

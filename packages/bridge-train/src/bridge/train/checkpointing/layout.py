@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bridge.train.checkpointing._fs import atomic_write_text
+from bridge.config.atomic_files import atomic_write
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.lock import LOCK_FILENAME
 
@@ -113,7 +113,7 @@ def is_complete_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 def write_marker(path: str | os.PathLike[str], content: dict[str, Any]) -> None:
     """Write the completion marker into the checkpoint directory ``path`` (atomically)."""
-    atomic_write_text(Path(path) / MARKER_FILENAME, json.dumps(content, indent=2, sort_keys=True))
+    atomic_write(Path(path) / MARKER_FILENAME, json.dumps(content, indent=2, sort_keys=True))
 
 
 def read_tracker(root: str | os.PathLike[str]) -> int | None:
@@ -149,7 +149,7 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
 
 def write_tracker(root: str | os.PathLike[str], iteration: int) -> None:
     """Commit ``iteration`` as the newest checkpoint of ``root`` (atomic, durable)."""
-    atomic_write_text(Path(root) / TRACKER_FILENAME, f"{iteration}\n")
+    atomic_write(Path(root) / TRACKER_FILENAME, f"{iteration}\n")
 
 
 def complete_iterations(root: str | os.PathLike[str]) -> list[int]:

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from bridge.config import ConfigError
+from bridge.config.atomic_files import fsync_directory
 from bridge.train.checkpointing import _dist
-from bridge.train.checkpointing._fs import fsync_dir, fsync_tree, remove_tree
+from bridge.train.checkpointing._fs import fsync_tree, remove_tree
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
     finalize_async_saves,
@@ -145,7 +146,7 @@ def _recover_and_clean(root: Path) -> None:
             final = root / checkpoint_dir_name(iteration)
             if not final.exists() and is_complete_checkpoint(entry):
                 os.rename(entry, final)
-                fsync_dir(root)
+                fsync_directory(root)
             else:
                 remove_tree(entry)
 
@@ -306,7 +307,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             remove_tree(retired)
             os.rename(final, retired)
         os.rename(staging, final)
-        fsync_dir(root)
+        fsync_directory(root)
         write_tracker(root, commit.iteration)
         remove_tree(retired)
     except OSError as exc:
@@ -382,7 +383,7 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     changed = fingerprint != context.get("structure")
     context["structure"] = fingerprint
     if _dist.world_size() > 1:
-        from bridge.train._distributed_utils import collective_device
+        from core_utils.distributed import collective_device
 
         flag = torch.tensor([int(changed)], device=collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

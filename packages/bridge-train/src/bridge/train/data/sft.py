@@ -39,8 +39,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +47,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from bridge.config.atomic_files import atomic_write
 
 __all__ = [
     "SFT_SPLIT_FILES",
@@ -378,17 +378,15 @@ def load_tokenized_examples(
     if cache_file is not None:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_file.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as handle:
-                np.savez(
+            atomic_write(
+                cache_file,
+                lambda handle: np.savez(
                     handle,
                     tokens=examples.tokens,
                     loss_flags=examples.loss_flags,
                     offsets=examples.offsets,
-                )
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, cache_file)
+                ),
+            )
         except OSError as exc:
             logger.warning("SFT cache not written to %s: %s", cache_file.parent, exc)
     return examples

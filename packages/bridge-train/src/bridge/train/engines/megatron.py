@@ -8,9 +8,9 @@
 * layer specs: Transformer Engine when the ``te`` extra is installed (see
   ``GPTModelProvider.layer_spec_backend``).
 
-Every one of these assumes CUDA. Without a GPU, :func:`~bridge.train.initialize_distributed`
+Every one of these assumes CUDA. Without a GPU, :func:`~bridge.train.initialize.initialize_distributed`
 enters :func:`core_utils.cuda_emulation` for this engine (until
-:func:`~bridge.train.destroy_distributed`), which redirects megatron-core's CUDA use to the
+:func:`~bridge.train.initialize.destroy_distributed`), which redirects megatron-core's CUDA use to the
 CPU and gloo; the same code path then runs on a CPU-only machine, where the layer spec is the
 portable one (SDPA core attention) and weights are initialised on the CPU. See
 ``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
@@ -50,7 +50,7 @@ class MegatronEngine:
     def initialize_distributed(
         self, model_config: Any, dist_config: Any = None, rng_config: Any = None
     ) -> None:
-        """See :func:`bridge.train.initialize_distributed` (all parallelisms); without CUDA
+        """See :func:`bridge.train.initialize.initialize_distributed` (all parallelisms); without CUDA
         it also enters the CUDA emulation for the rest of the run."""
         initialize_distributed(model_config, dist_config, rng_config, engine=self.name)
 
@@ -169,7 +169,7 @@ class MegatronEngine:
 def _gloo_groups_exist() -> bool:
     """Whether megatron's parallel state built gloo duplicates of the data-parallel groups.
 
-    :func:`~bridge.train.initialize_distributed` builds them only on an nccl world (on a
+    :func:`~bridge.train.initialize.initialize_distributed` builds them only on an nccl world (on a
     gloo world the regular groups already are gloo groups).
     """
     from megatron.core import parallel_state

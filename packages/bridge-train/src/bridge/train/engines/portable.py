@@ -27,6 +27,7 @@ from bridge.train.engines.portable_optimizer import build_portable_optimizer
 from bridge.train.engines.portable_schedule import forward_backward_no_pipelining
 from bridge.train.initialize import initialize_distributed, validate_parallel_layout
 from bridge.train.scheduler import build_optimizer_param_scheduler
+from core_utils.distributed import global_world_size
 
 __all__ = ["PortableEngine"]
 
@@ -46,7 +47,7 @@ class PortableEngine:
     def initialize_distributed(
         self, model_config: Any, dist_config: Any = None, rng_config: Any = None
     ) -> None:
-        """See :func:`bridge.train.initialize_distributed` (validated for this engine)."""
+        """See :func:`bridge.train.initialize.initialize_distributed` (validated for this engine)."""
         initialize_distributed(model_config, dist_config, rng_config, engine=self.name)
 
     def setup_model(
@@ -84,7 +85,7 @@ class PortableEngine:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        world = global_world_size()
         validate_parallel_layout(model_provider, world, self.name)
         ddp_config = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
         if wrap_with_ddp:

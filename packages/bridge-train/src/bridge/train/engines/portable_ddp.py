@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.train._distributed_utils import group_size
+from core_utils.distributed import global_rank
 
 __all__ = ["PortableDistributedDataParallel"]
 
@@ -174,7 +175,7 @@ class PortableDistributedDataParallel(torch.nn.Module):
     # -- communication -----------------------------------------------------------------
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
         if self.ddp_config.check_for_nan_in_grad and not torch.isfinite(bucket.grad_data).all():
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            rank = global_rank()
             raise RuntimeError(
                 f"rank {rank}: non-finite gradient found before the data-parallel reduction "
                 f"(ddp.check_for_nan_in_grad=True)"

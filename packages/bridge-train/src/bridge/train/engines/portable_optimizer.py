@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-from bridge.train._distributed_utils import collective_device
 from bridge.train.norms import param_is_not_shared
+from core_utils.distributed import collective_device
 
 __all__ = ["DynamicLossScaler", "PortableOptimizer", "build_portable_optimizer"]
 

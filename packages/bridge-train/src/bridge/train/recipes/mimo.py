@@ -45,6 +45,7 @@ import torch
 
 from bridge.config import ConfigContainer, ConfigError
 from core_utils.callbacks import Callback
+from core_utils.distributed import global_world_size
 
 __all__ = ["MimoModelConfig", "check_mimo_config", "mimo_layout", "pretrain_mimo"]
 
@@ -229,14 +230,6 @@ def mimo_layout(model: MimoModelConfig, world_size: int) -> Any:
     )
 
 
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _refuse_unsupported_train_settings(cfg: ConfigContainer) -> None:
     """Refuse ``train`` settings the mimo loop does not implement (never ignore them)."""
     train = cfg.train
@@ -287,7 +280,7 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
     _refuse_unsupported_train_settings(cfg)
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr", "is required")
-    world = world_size if world_size is not None else _world_size()
+    world = world_size if world_size is not None else global_world_size(launcher_fallback=True)
     layout = mimo_layout(cfg.model, world)
     try:
         layout.validate(world)

@@ -13,8 +13,6 @@ from bridge.train.training.progress_log import (
 from bridge.train.training.run_config import save_run_config
 from bridge.train.training.train import (
     WeightHashMismatchError,
-    _finish_train,
-    _handle_mxfp8_param_buffer_copy,
     checkpoint_and_decide_exit,
     disable_forward_pre_hook,
     enable_forward_pre_hook,
@@ -30,8 +28,6 @@ __all__ = [
     "SetupOutput",
     "TNvtxContext",
     "WeightHashMismatchError",
-    "_finish_train",
-    "_handle_mxfp8_param_buffer_copy",
     "check_config_before_launch",
     "checkpoint_and_decide_exit",
     "compute_throughputs_and_append_to_progress_log",

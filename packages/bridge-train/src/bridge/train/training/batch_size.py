@@ -90,9 +90,9 @@ def ensure_num_microbatches_calculator(train_config: Any, data_parallel_size: in
 
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
         return False
-    import torch.distributed as dist
+    from core_utils.distributed import global_rank
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = global_rank()
     schedule = None
     if train_config.rampup_batch_size is not None:
         if train_config.decrease_batch_size_if_needed:

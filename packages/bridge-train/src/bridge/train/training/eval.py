@@ -23,6 +23,7 @@ from bridge.logging import log_validation_results
 from bridge.train.bare_loop import reduce_loss_dicts
 from bridge.train.state import GlobalState
 from bridge.train.state_injection import ForwardStepCallable, prepare_forward_step_func
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = ["evaluate", "evaluate_and_print_results"]
 
@@ -40,10 +41,7 @@ def _data_parallel_layout() -> tuple[int, Any, bool]:
 
 
 def _is_last_rank() -> bool:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
-    return dist.get_rank() == dist.get_world_size() - 1
+    return global_rank() == global_world_size() - 1
 
 
 def evaluate(

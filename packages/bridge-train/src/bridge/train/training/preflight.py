@@ -10,7 +10,6 @@ command prints these without a traceback and exits with code 2.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +17,9 @@ import torch
 
 from bridge.config import ConfigContainer, ConfigError
 from bridge.train.finetune_checks import check_finetuning_config
+from core_utils.distributed import global_world_size
 
 __all__ = ["check_checkpoint_directories", "check_config_before_launch"]
-
-
-def _launch_world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def check_checkpoint_directories(checkpoint: Any) -> None:
@@ -217,7 +209,7 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     Raises:
         ConfigError: Anything to fix in the config; the message names the field.
     """
-    world = world_size if world_size is not None else _launch_world_size()
+    world = world_size if world_size is not None else global_world_size(launcher_fallback=True)
     cfg.validate(world)
     from bridge.train.training.input_checks import check_run_inputs
 

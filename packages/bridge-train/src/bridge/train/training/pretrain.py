@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 
 from bridge.config import ConfigContainer
@@ -66,8 +65,10 @@ from bridge.train.training.model_family import (
 from bridge.train.training.preflight import check_config_before_launch
 from bridge.train.training.progress_log import append_starting_job
 from bridge.train.training.run_config import save_run_config
+from bridge.train.training.run_length import run_is_done
 from bridge.train.training.train import run_training
 from core_utils.callbacks import Callback, CallbackList
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = ["SetupOutput", "pretrain", "setup"]
 
@@ -105,14 +106,6 @@ class SetupOutput:
     checkpoint_loaded: bool = False
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _build_tokenizer(cfg: ConfigContainer) -> Tokenizer:
     tokenizer_cfg = cfg.tokenizer
     if tokenizer_cfg is not None and tokenizer_cfg.tokenizer_type is not None:
@@ -142,7 +135,7 @@ def _build_metric_writers(
     report_settings: ReportSettings | None,
 ) -> MetricWriters:
     assert cfg.logger is not None
-    rank, world = _rank(), _world_size()
+    rank, world = global_rank(), global_world_size()
     extra = metrics_file is not None and rank == world - 1
     writers = build_metric_writers(
         cfg.logger,
@@ -283,7 +276,7 @@ def setup(
     engine = build_engine(cfg.train.engine)
     state.engine = engine
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
-    world = _world_size()
+    world = global_world_size()
     cfg.validate(world)
     state.timers = build_timers(cfg.logger)
 
@@ -368,14 +361,6 @@ def _initialize_rerun_state_machine(cfg: ConfigContainer) -> None:
             error_injection_type=rsm.RerunDiagnostic(settings.error_injection_type),
         ),
     )
-
-
-def _run_completed(cfg: ConfigContainer, state: GlobalState) -> bool:
-    train = cfg.train
-    assert train is not None
-    if train.train_samples is not None:
-        return state.train_state.consumed_train_samples >= train.train_samples
-    return state.train_state.step >= (train.train_iters or 0)
 
 
 def _final_evaluation(
@@ -519,7 +504,7 @@ def pretrain(
         append_starting_job(state)
         save_run_config(config)
         exit_code = 0
-        if not config.train.skip_train and not _run_completed(config, state):
+        if not config.train.skip_train and not run_is_done(config.train, state.train_state):
             exit_code = run_training(
                 forward_step_func,
                 out.model,
@@ -533,7 +518,9 @@ def pretrain(
                 non_loss_data_func=non_loss_data_func,
                 callbacks=callbacks,
             )
-        if exit_code == 0 and (config.train.skip_train or _run_completed(config, state)):
+        if exit_code == 0 and (
+            config.train.skip_train or run_is_done(config.train, state.train_state)
+        ):
             _final_evaluation(
                 out, forward_step_func, process_non_loss_data_func, non_loss_data_func
             )

@@ -16,13 +16,13 @@ Two profilers, on the ranks in ``profiling.profile_ranks`` only:
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bridge.train.checkpointing.layout import PROFILE_SUBDIR
+from core_utils.distributed import global_rank
 
 __all__ = [
     "TNvtxContext",
@@ -37,21 +37,13 @@ TNvtxContext = contextlib.AbstractContextManager[Any]
 """The NVTX range open around the profiled iterations (``None`` when nsys is off)."""
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return int(os.environ.get("RANK", "0"))
-
-
 def should_profile_rank(profiling: Any) -> bool:
     """Whether this rank profiles (a profiler is on and the rank is in ``profile_ranks``)."""
     if profiling is None:
         return False
     if not (profiling.use_pytorch_profiler or profiling.use_nsys_profiler):
         return False
-    return _rank() in set(profiling.profile_ranks)
+    return global_rank(launcher_fallback=True) in set(profiling.profile_ranks)
 
 
 def nsys_unavailable_reason() -> str | None:
@@ -112,7 +104,7 @@ def start_profiler(cfg: Any) -> tuple[torch.profiler.profile | None, TNvtxContex
         activities=activities,
         record_shapes=profiling.record_shapes,
         on_trace_ready=torch.profiler.tensorboard_trace_handler(
-            str(trace_dir), worker_name=f"rank{_rank()}"
+            str(trace_dir), worker_name=f"rank{global_rank(launcher_fallback=True)}"
         ),
     )
     prof.start()

@@ -20,13 +20,13 @@ since then (restarts and queueing included), per rank.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bridge.logging import append_progress_log
+from core_utils.distributed import global_world_size
 
 __all__ = [
     "PROGRESS_FILE",
@@ -40,14 +40,6 @@ STARTING_JOB = "Starting job"
 SAVED_CHECKPOINT = "Saved checkpoint"
 SAVING_ASYNC_CHECKPOINT = "Saving async checkpoint"
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _fields(line: str) -> tuple[str, int, str, dict[str, str]] | None:
@@ -91,7 +83,7 @@ def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
     if save is None:
         raise ValueError("get_start_time_from_progress_log: checkpoint.save is not set")
     path = Path(save) / PROGRESS_FILE
-    world = _world_size()
+    world = global_world_size(launcher_fallback=True)
     start_time: str | None = None
     start_flops: float | None = None
     latest_flops = 0.0
@@ -152,7 +144,7 @@ def compute_throughputs_and_append_to_progress_log(
     save = cfg.checkpoint.save if cfg.checkpoint is not None else None
     if save is None:
         return
-    world = _world_size()
+    world = global_world_size(launcher_fallback=True)
     job_flops = num_floating_point_operations_so_far - state.job_start_flops
     job_throughput = _tflops_per_device(job_flops, time.time() - state.start_time, world)
     try:

@@ -10,13 +10,14 @@ loads either file back.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from bridge.config import ConfigContainer
+from bridge.config.atomic_files import atomic_write
+from core_utils.distributed import dist_ready, global_rank
 
 __all__ = ["RUN_CONFIG_FILE", "run_config_text", "save_run_config"]
 
@@ -37,20 +38,14 @@ def save_run_config(config: ConfigContainer, *, barrier: bool = True) -> Path | 
     checkpoint: Any = config.checkpoint
     save = None if checkpoint is None else checkpoint.save
     path: Path | None = None
-    ready = dist.is_available() and dist.is_initialized()
-    if save is not None and (not ready or dist.get_rank() == 0):
+    if save is not None and global_rank() == 0:
         directory = Path(save)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / RUN_CONFIG_FILE
         text = run_config_text(config)
         if not path.exists() or path.read_text(encoding="utf-8") != text:
-            tmp = path.with_suffix(".yaml.tmp")
-            with tmp.open("w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-    if barrier and ready:
+            atomic_write(path, text)
+    if barrier and dist_ready():
         dist.barrier()
     return path
 

@@ -55,7 +55,9 @@ from bridge.train.training.forward_pre_hooks import (
 from bridge.train.training.loop import LoopContext, StepFunction, StepResult, run_loop
 from bridge.train.training.profiling import TNvtxContext
 from bridge.train.training.progress_log import compute_throughputs_and_append_to_progress_log
+from bridge.train.training.run_length import run_is_done
 from core_utils.callbacks import Callback
+from core_utils.distributed import global_rank
 
 __all__ = [
     "WeightHashMismatchError",
@@ -102,13 +104,6 @@ def _is_last_pipeline_stage() -> bool:
     if not ps.model_parallel_is_initialized():
         return True
     return bool(ps.is_pipeline_last_stage(ignore_virtual=True))
-
-
-def _run_is_done(cfg: Any, train_state: Any) -> bool:
-    train = cfg.train
-    if train.train_samples is not None:
-        return train_state.consumed_train_samples >= train.train_samples
-    return train_state.step >= (train.train_iters or 0)
 
 
 def _handle_mxfp8_param_buffer_copy(
@@ -491,15 +486,9 @@ def checkpoint_and_decide_exit(
     decision = checkpointer.save_and_decide(context)
     if decision is None or not decision.should_exit:
         return False
-    if _rank() == 0:
+    if global_rank() == 0:
         print(f"[bridge-train] {decision.message}", flush=True)
     return True
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _finish_train(global_state: GlobalState) -> None:
@@ -669,7 +658,7 @@ def run_training(
         exit_code = run_loop(
             context,
             gpt_step_function(forward_step_func, state),
-            is_done=lambda c: _run_is_done(cfg, c.train_state),
+            is_done=lambda c: run_is_done(cfg.train, c.train_state),
         )
         state.timers("interval-time").stop()
         _finish_train(state)

@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from core_utils.callbacks import Callback
+from core_utils.distributed import global_rank
 
 if TYPE_CHECKING:
     from bridge.resiliency import ExitConditions, ExitDecision
@@ -32,10 +31,6 @@ SaveFunction = Callable[["LoopContext", bool], None]
 #: Commits finished asynchronous saves: ``(context, blocking) -> number committed``.
 #: ``blocking=True`` (at the end of training) waits for every pending save. A collective.
 FinalizeFunction = Callable[["LoopContext", bool], int]
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Checkpointer(Callback):
@@ -134,7 +129,7 @@ class Checkpointer(Callback):
         self.finalize(context, blocking=False)
         decision = self.save_and_decide(context)
         if decision is not None and decision.should_exit:
-            if _rank() == 0:
+            if global_rank() == 0:
                 print(f"[bridge-train] {decision.message}", flush=True)
             context.request_stop(decision.message, decision.exit_code)
 

@@ -8,11 +8,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from bridge.logging import ProgressReporter, training_log
 from bridge.train.norms import calc_params_l2_norm
 from core_utils.callbacks import Callback
+from core_utils.distributed import global_rank, global_world_size
 
 if TYPE_CHECKING:
     from bridge.train.training.loop import LoopContext
@@ -91,8 +90,7 @@ class MetricsProcessor(Callback):
         total = _total_iterations(cfg)
         step = int(state.train_state.step)
         if progress is None:
-            ready = dist.is_available() and dist.is_initialized()
-            last = not ready or dist.get_rank() == dist.get_world_size() - 1
+            last = global_rank() == global_world_size() - 1
             progress = last and _stdout_is_terminal()
         self.progress = ProgressReporter(
             max(total or 1, step, 1), start=min(step, max(total or 1, 1)), enabled=progress

@@ -1,0 +1,106 @@
+"""torch.distributed helpers every distribution of the workspace shares.
+
+Each one works without an initialised process group (a single process), so code that
+calls them runs unchanged in a unit test, on a laptop and under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_into",
+    "collective_device",
+    "dist_ready",
+    "global_rank",
+    "global_world_size",
+]
+
+
+def dist_ready() -> bool:
+    """Return whether a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _launcher_value(variable: str, default: int) -> int:
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"${variable}={raw!r} is not an integer; it is set by the launcher (torchrun): "
+            f"unset it for a single process or launch with torchrun"
+        ) from None
+
+
+def global_rank(*, launcher_fallback: bool = False) -> int:
+    """Return this process's rank in the default process group.
+
+    Args:
+        launcher_fallback: Before a process group exists, answer what the launcher set
+            (``$RANK``, as torchrun does) instead of 0. For code that runs before
+            ``init_process_group`` but must already act per rank.
+
+    Returns:
+        The rank; without a process group 0 (or ``$RANK`` with ``launcher_fallback``).
+
+    Raises:
+        ValueError: ``launcher_fallback`` and ``$RANK`` is not an integer.
+    """
+    if dist_ready():
+        return int(dist.get_rank())
+    return _launcher_value("RANK", 0) if launcher_fallback else 0
+
+
+def global_world_size(*, launcher_fallback: bool = False) -> int:
+    """Return the number of processes in the default process group.
+
+    Args:
+        launcher_fallback: Before a process group exists, answer what the launcher set
+            (``$WORLD_SIZE``) instead of 1.
+
+    Returns:
+        The world size; without a process group 1 (or ``$WORLD_SIZE`` with
+        ``launcher_fallback``).
+
+    Raises:
+        ValueError: ``launcher_fallback`` and ``$WORLD_SIZE`` is not an integer.
+    """
+    if dist_ready():
+        return int(dist.get_world_size())
+    return _launcher_value("WORLD_SIZE", 1) if launcher_fallback else 1
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Return the device a collective on ``group`` needs its tensors on.
+
+    CPU for gloo (also in a mixed ``"cpu:gloo,cuda:nccl"`` group), the current CUDA device
+    for an nccl-only group.
+    """
+    if not dist_ready():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend and "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_into(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """All-gather ``tensor`` from every rank into ``output`` concatenated along dim 0.
+
+    Uses ``all_gather_single`` where torch has it (``all_gather_into_tensor`` is deprecated
+    there) and ``all_gather_into_tensor`` otherwise.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work: dist.Work | None = gather(output, tensor, group=group, async_op=async_op)
+    return work
