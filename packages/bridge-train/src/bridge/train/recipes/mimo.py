@@ -639,45 +639,12 @@ def pretrain_mimo(
         clean = exit_code == 0
         return exit_code
     finally:
-        _close_mimo(state, clean)
+        from bridge.train.training.run_ends import run_state_teardown, run_teardown
+
+        run_teardown(run_state_teardown(state, clean), "mimo")
         if step is not None:
             step.close()
         if infra is not None:
             infra.destroy()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _close_mimo(state: Any, clean: bool) -> None:
-    """Release what :func:`pretrain_mimo` started, in order; a failure is logged, not raised
-    over the error that may already be propagating."""
-    import logging
-
-    cfg = state.cfg
-
-    def finalize() -> None:
-        from bridge.train.checkpointing import finalize_async_saves
-
-        finalize_async_saves(state, blocking=True, terminate=True)
-
-    steps: list[tuple[str, Any]] = []
-    if cfg.checkpoint is not None and cfg.checkpoint.save is not None:
-        steps.append(("finishing asynchronous checkpoint saves", finalize))
-    steps += [
-        ("shutting down fault tolerance", lambda: state.fault_tolerance.shutdown(clean=clean)),
-        (
-            "stopping the NVRx straggler monitor",
-            lambda: state.nvrx_straggler.shutdown() if state.nvrx_straggler else None,
-        ),
-        ("stopping straggler detection", state.straggler_timing.close),
-        (
-            "restoring the exit-signal handler",
-            lambda: state.exit_conditions.close() if state.exit_conditions else None,
-        ),
-        ("closing the metric writers", state.metric_writers.close),
-    ]
-    for what, action in steps:
-        try:
-            action()
-        except Exception:
-            logging.getLogger(__name__).exception("mimo: %s failed", what)

@@ -103,18 +103,11 @@ def load_mimo_checkpoint(
         holds the loaded counters (``consumed_train_samples`` is the data position).
     """
     from bridge.train.checkpointing import load_checkpoint
-    from bridge.train.training.pretrain import _save_dir_holds_checkpoint
+    from bridge.train.training.run_ends import adopt_own_save_dir
 
     checkpoint = state.cfg.checkpoint
     assert checkpoint is not None
-    if (
-        checkpoint.load is None
-        and checkpoint.save is not None
-        and _save_dir_holds_checkpoint(checkpoint)
-    ):
-        # The run owning the save directory resumes (torchrun restarts rely on it), also
-        # from global non-persistent checkpoints only, as pretrain does.
-        checkpoint.load = checkpoint.save
+    adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0
     iteration, _ = load_checkpoint(

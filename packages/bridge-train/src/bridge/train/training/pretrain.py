@@ -65,6 +65,7 @@ from bridge.train.training.model_family import (
 from bridge.train.training.preflight import check_config_before_launch
 from bridge.train.training.progress_log import append_starting_job
 from bridge.train.training.run_config import save_run_config
+from bridge.train.training.run_ends import adopt_own_save_dir, run_state_teardown, run_teardown
 from bridge.train.training.run_length import run_is_done
 from bridge.train.training.train import run_training
 from core_utils.callbacks import Callback, CallbackList
@@ -172,22 +173,6 @@ def _checkpointing_context(cfg: ConfigContainer) -> dict[str, Any]:
     return init_checkpointing_context(cfg.checkpoint)
 
 
-def _save_dir_holds_checkpoint(checkpoint: Any) -> bool:
-    """Whether ``checkpoint.save`` holds a checkpoint of an earlier run to resume.
-
-    Persistent checkpoints (tracker or complete ``iter_*``) count, and so do global
-    non-persistent ones: a run killed before its first persistent save resumes from them.
-    """
-    from bridge.train.checkpointing import checkpoint_exists
-    from bridge.train.checkpointing.context import non_persistent_dir
-
-    if checkpoint_exists(checkpoint.save):
-        return True
-    if checkpoint.non_persistent_ckpt_type != "global":
-        return False
-    return checkpoint_exists(non_persistent_dir(checkpoint, base=str(checkpoint.save)))
-
-
 def _load_checkpoint(setup_out: SetupOutput) -> bool:
     """Load what the checkpoint section asks for; True when a checkpoint was loaded.
 
@@ -203,12 +188,7 @@ def _load_checkpoint(setup_out: SetupOutput) -> bool:
         return False
     from bridge.train.checkpointing import load_checkpoint
 
-    if (
-        checkpoint.load is None
-        and checkpoint.save is not None
-        and _save_dir_holds_checkpoint(checkpoint)
-    ):
-        checkpoint.load = checkpoint.save
+    adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return False
     context = setup_out.checkpointing_context
@@ -396,37 +376,13 @@ def _final_evaluation(
 
 def _close(state: GlobalState, clean: bool) -> None:
     """Release everything pretrain started; never raises (errors are logged)."""
-    steps: list[tuple[str, Callable[[], Any]]] = []
-    cfg = state.cfg
-    if cfg.checkpoint is not None and cfg.checkpoint.save is not None:
-
-        def finalize() -> None:
-            from bridge.train.checkpointing import finalize_async_saves
-
-            finalize_async_saves(state, blocking=True, terminate=True)
-
-        steps.append(("finishing asynchronous checkpoint saves", finalize))
+    steps = run_state_teardown(state, clean)
     steps += [
-        ("shutting down fault tolerance", lambda: state.fault_tolerance.shutdown(clean=clean)),
-        (
-            "stopping the NVRx straggler monitor",
-            lambda: state.nvrx_straggler.shutdown() if state.nvrx_straggler else None,
-        ),
-        ("stopping straggler detection", state.straggler_timing.close),
-        (
-            "restoring the exit-signal handler",
-            lambda: state.exit_conditions.close() if state.exit_conditions else None,
-        ),
-        ("closing the metric writers", state.metric_writers.close),
         ("releasing the rerun state machine", _destroy_rerun_state_machine),
         ("releasing the micro-batch calculator", release_num_microbatches_calculator),
         ("destroying the process group", destroy_distributed),
     ]
-    for what, step in steps:
-        try:
-            step()
-        except Exception:
-            logger.exception("pretrain: %s failed", what)
+    run_teardown(steps, "pretrain")
 
 
 def _destroy_rerun_state_machine() -> None:
