@@ -34,11 +34,11 @@ from bridge.train import (
     LoopContext,
     StepResult,
     pretrain,
-    read_metrics_file,
 )
 from bridge.train.cli import EXIT_CALLBACK_ERROR, EXIT_CONFIG_ERROR, main
 from bridge.train.recipes import DEFAULT_RECIPE, recipe_path
 from bridge.train.testing import tiny_config_container, tiny_train_config
+from bridge.train.training import read_metrics_file
 from bridge.train.training.components import Checkpointer
 from bridge.train.training.loop import run_loop
 from core_utils import CallbackList
