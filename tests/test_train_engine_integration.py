@@ -45,10 +45,13 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import torch
     from bridge.config import ConfigContainer
-    from bridge.train import (
-        GlobalState, build_engine, build_tokenizer, build_train_valid_test_data_iterators,
-        build_train_valid_test_datasets, train_steps, train_valid_test_num_samples,
+    from bridge.train import GlobalState
+    from bridge.train.bare_loop import train_steps
+    from bridge.train.data import (
+        build_tokenizer, build_train_valid_test_data_iterators, build_train_valid_test_datasets,
+        train_valid_test_num_samples,
     )
+    from bridge.train.engines import build_engine
 
     def main() -> None:
         config_path, out_path = sys.argv[1], sys.argv[2]
