@@ -91,6 +91,9 @@ these deliberate exceptions:
   the trainer passes in, and `convert_dataclass` builds megatron's class from it. Likewise
   the sections the reference types with megatron-core or Megatron-Bridge classes are typed by
   the Protocols above, which those classes provide.
+- `LoggerConfig.filter_warnings` ("Filter out warning messages") filters the warnings of other
+  libraries only: this project's own warnings (a hang, a straggler, a signal received) are
+  always shown, where Megatron-Bridge's filter drops its own warnings too.
 
 Spelling only: fields the reference writes as `x: T = None` are typed `Optional[T]` here
 (for example `FinetuningDatasetConfig.seq_length`, which `ConfigContainer.validate()` then

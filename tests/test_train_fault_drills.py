@@ -402,7 +402,6 @@ def test_sigterm_to_one_rank_saves_on_all_exits_zero_and_resumes_exactly(
         *drill_overrides(engine),
         "train.exit_signal_handler=true",
         f"checkpoint.save={save}",
-        "logger.filter_warnings=false",  # show the signal handler's warnings
     ]
     cmd = torchrun_command(args, entry=write_entry_script(tmp_path))
     log = tmp_path / "first.log"

@@ -254,6 +254,38 @@ def test_hand_written_recipe_with_interpolation(write_yaml: Callable[..., Path])
     cfg.validate(world_size=1)
 
 
+def test_a_value_refused_after_interpolation_names_its_source(
+    write_yaml: Callable[..., Path],
+) -> None:
+    """The recipe's dataset takes its length from the model: the error says where from."""
+    path = write_yaml(
+        """
+        train: {micro_batch_size: 1, train_iters: 50}
+        model: {_target_: bridge.config.testing.ExampleModelConfig, seq_length: 16}
+        dataset:
+          random_seed: 5
+          sequence_length: ${model.seq_length}
+          reset_position_ids: false
+          reset_attention_mask: false
+          eod_mask_loss: false
+        """.replace("\n        ", "\n")
+    )
+    with pytest.raises(bc.ConfigError) as raised:
+        bc.load_config(path, ["model.seq_length=0"])
+    assert raised.value.location == "dataset.sequence_length"
+    assert "got 0" in str(raised.value)
+    assert "the value comes from ${model.seq_length}: change that instead" in str(raised.value)
+    # The same file saved with the value: from_yaml names it too.
+    path.write_text(path.read_text().replace("seq_length: 16", "seq_length: -3"))
+    with pytest.raises(bc.ConfigError, match=r"comes from \$\{model.seq_length\}"):
+        ConfigContainer.from_yaml(path)
+    # A value written directly is reported as before, with no source.
+    path.write_text(path.read_text().replace("${model.seq_length}", "0"))
+    with pytest.raises(bc.ConfigError) as raised:
+        ConfigContainer.from_yaml(path)
+    assert "comes from" not in str(raised.value)
+
+
 def test_dataset_class_inferred_from_keys(write_yaml: Callable[..., Path]) -> None:
     path = write_yaml(
         {

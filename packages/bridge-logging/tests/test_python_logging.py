@@ -57,17 +57,21 @@ def test_warning_and_module_filters_drop_records_and_are_replaced_on_reapply() -
         )
     )
     logging.getLogger("bridge.x").info("kept info")
-    logging.getLogger("bridge.x").warning("dropped warning")
+    logging.getLogger("thirdparty.x").warning("dropped warning")
+    logging.getLogger("bridge.x").warning("kept: the project's own warning")
+    logging.getLogger("core_utils.straggler").warning("kept: core-utils' own warning")
+    logging.getLogger("bridgework").warning("dropped: only a name prefix of a project logger")
     logging.getLogger("bridge.x").error("kept error")
     logging.getLogger("noisy.mod.sub").error("dropped by module")
     logging.getLogger("noisy.module").error("kept: only a name prefix, not a child")
     logging.getLogger("created.later").warning("dropped warning from a new logger")
     text = buffer.getvalue()
     assert "kept info" in text and "kept error" in text and "kept: only a name prefix" in text
+    assert "kept: the project's own warning" in text and "kept: core-utils' own warning" in text
     assert "dropped" not in text
 
     setup_logging(LoggerConfig(filter_warnings=False, set_level_for_all_loggers=True))
-    logging.getLogger("bridge.x").warning("now kept warning")
+    logging.getLogger("thirdparty.x").warning("now kept warning")
     logging.getLogger("noisy.mod.sub").error("now kept module")
     text = buffer.getvalue()
     assert "now kept warning" in text and "now kept module" in text

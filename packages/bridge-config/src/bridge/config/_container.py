@@ -45,6 +45,7 @@ from bridge.config._value_ranges import check_value_ranges
 from bridge.config._yaml import (
     dump_yaml,
     escape_interpolations,
+    naming_interpolation_sources,
     read_yaml_mapping,
     resolve_interpolations,
     write_new_file,
@@ -779,8 +780,9 @@ class ConfigContainer:
             ConfigError: the file is missing or not valid YAML, an interpolation cannot be
                 resolved, or ``from_dict`` rejects the content.
         """
-        data = resolve_interpolations(read_yaml_mapping(path), str(path))
-        return cls.from_dict(data)
+        data = read_yaml_mapping(path)
+        with naming_interpolation_sources(data):
+            return cls.from_dict(resolve_interpolations(data, str(path)))
 
     def format_yaml(self) -> str:
         """The resolved config as YAML text, for printing (values that cannot be saved are

@@ -141,7 +141,8 @@ class LoggerConfig:
     """Level for the Python loggers (``logging.INFO`` is 20, ``DEBUG`` 10, ``WARNING`` 30)."""
 
     filter_warnings: bool = True
-    """Filter out warning messages."""
+    """Filter out warning messages of other libraries; this project's own warnings (``bridge.*``
+    and ``core_utils.*`` loggers: a hang, a straggler, a signal received) are always shown."""
 
     modules_to_filter: list[str] | None = None
     """Names of modules whose log records are dropped."""

@@ -23,7 +23,11 @@ from bridge.config._codec import (
 from bridge.config._container import ConfigContainer
 from bridge.config._errors import ConfigError, suggest
 from bridge.config._typing import field_types, is_union
-from bridge.config._yaml import read_yaml_mapping, resolve_interpolations
+from bridge.config._yaml import (
+    naming_interpolation_sources,
+    read_yaml_mapping,
+    resolve_interpolations,
+)
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -150,7 +154,8 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         _merge(data, key, value)
     token = REFUSE_DERIVED_VALUES.set(True)
     try:
-        return ConfigContainer.from_dict(resolve_interpolations(data, str(path)))
+        with naming_interpolation_sources(data):
+            return ConfigContainer.from_dict(resolve_interpolations(data, str(path)))
     finally:
         REFUSE_DERIVED_VALUES.reset(token)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,40 @@ def resolve_interpolations(data: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(str(key), f"cannot resolve interpolation: {message}") from None
     assert isinstance(resolved, dict)
     return resolved
+
+
+def _interpolated_values(data: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(data, str):
+        return {prefix: data} if _INTERPOLATION_START.search(data) else {}
+    if isinstance(data, dict):
+        found: dict[str, str] = {}
+        for key, value in data.items():
+            found.update(_interpolated_values(value, f"{prefix}.{key}" if prefix else str(key)))
+        return found
+    return {}
+
+
+@contextlib.contextmanager
+def naming_interpolation_sources(data: dict[str, Any]) -> Iterator[None]:
+    """Inside, a ConfigError about a value ``data`` took from an interpolation names it.
+
+    A recipe writes ``dataset.sequence_length: ${model.seq_length}``; when the user sets
+    ``model.seq_length=0``, the dataset section is the one that refuses the value, and
+    without this the message would send them to a field they never touched.
+
+    Args:
+        data: The unresolved data, as read from YAML with the overrides merged in.
+    """
+    sources = _interpolated_values(data)
+    try:
+        yield
+    except ConfigError as exc:
+        source = sources.get(exc.location)
+        if source is None:
+            raise
+        raise ConfigError(
+            exc.location, f"{exc.detail} (the value comes from {source}: change that instead)"
+        ) from exc.__cause__
 
 
 def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:

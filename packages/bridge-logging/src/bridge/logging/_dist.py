@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from core_utils.distributed import collective_device, dist_ready, global_rank, global_world_size
+from core_utils.process_groups import get_pg_size
 
 
 def is_last_rank() -> bool:
@@ -20,20 +21,6 @@ def print_rank_last(message: str) -> None:
     """Print ``message`` (flushed) on the last rank only."""
     if is_last_rank():
         print(message, flush=True)
-
-
-def group_size(group: Any) -> int:
-    """Number of ranks in ``group`` (1 when distributed is not initialised)."""
-    if not dist_ready():
-        return 1
-    return int(dist.get_world_size(group=group))
-
-
-def group_rank(group: Any) -> int:
-    """This rank's index in ``group`` (0 when distributed is not initialised)."""
-    if not dist_ready():
-        return 0
-    return int(dist.get_rank(group=group))
 
 
 def _unwrap(module: Any) -> Iterable[Any]:
@@ -90,7 +77,7 @@ def reduce_max_stat(stat: float | None, group: Any) -> float | None:
     Returns:
         The maximum over the group, or ``None`` when every rank had ``None``.
     """
-    if group is None or not dist_ready() or group_size(group) == 1:
+    if group is None or not dist_ready() or get_pg_size(group) == 1:
         return stat
     present = 0.0 if stat is None else 1.0
     value = -float("inf") if stat is None else float(stat)

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.logging._dist import find_pg_collection, group_rank, group_size, pg_attr
+from bridge.logging._dist import find_pg_collection, pg_attr
 from core_utils.distributed import collective_device, dist_ready, global_world_size
+from core_utils.process_groups import get_pg_rank, get_pg_size
 
 
 def _gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -19,7 +20,7 @@ def _gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    if group is None or not dist_ready() or group_size(group) == 1:
+    if group is None or not dist_ready() or get_pg_size(group) == 1:
         return tensor
     moved = tensor.to(collective_device(group))
     dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
@@ -59,16 +60,16 @@ def _resolve_groups(
     if expert_tp is None:
         expert_tp = tp  # megatron-core's own fallback: expert TP is the dense TP
     expert_mp = expert_mp_group if expert_mp_group is not None else pg_attr(pg, "tp_ep_pp")
-    if tp is None and mp is not None and group_size(mp) > 1:
+    if tp is None and mp is not None and get_pg_size(mp) > 1:
         raise ValueError(
-            f"report_l2_norm_grad: the model-parallel group has {group_size(mp)} ranks but no "
+            f"report_l2_norm_grad: the model-parallel group has {get_pg_size(mp)} ranks but no "
             "tensor-parallel group is known, so tensor-parallel replicas cannot be told from "
             "shards; pass tp_group=<the tensor-parallel group> (pg_collection.tp), or "
             "pg_collection=<the model's ProcessGroupCollection> with .mp and .tp"
         )
-    if mp is None and tp is not None and group_size(tp) > 1:
+    if mp is None and tp is not None and get_pg_size(tp) > 1:
         raise ValueError(
-            f"report_l2_norm_grad: tp_group has {group_size(tp)} ranks but no model-parallel "
+            f"report_l2_norm_grad: tp_group has {get_pg_size(tp)} ranks but no model-parallel "
             "group is known to sum the norm over; pass mp_group=<the model-parallel group> "
             "(pg_collection.mp: tensor x pipeline parallel), or pg_collection=... with .mp"
         )
@@ -141,9 +142,9 @@ def report_l2_norm_grad(
     groups = _resolve_groups(
         chunks, pg_collection, mp_group, tp_group, expert_tp_group, expert_mp_group
     )
-    first_tp_rank = group_rank(groups.tp) == 0 if groups.tp is not None else True
+    first_tp_rank = get_pg_rank(groups.tp) == 0 if groups.tp is not None else True
     first_expert_tp_rank = (
-        group_rank(groups.expert_tp) == 0 if groups.expert_tp is not None else True
+        get_pg_rank(groups.expert_tp) == 0 if groups.expert_tp is not None else True
     )
 
     names: list[str] = []

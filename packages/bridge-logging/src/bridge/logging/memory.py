@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from bridge.config import ProfilingConfig
-from bridge.logging._dist import group_size
 from bridge.logging._notices import logger, notice_once
 from core_utils.distributed import collective_device, dist_ready, global_rank
+from core_utils.process_groups import get_pg_size
 
 MEMORY_KEYS: dict[str, str] = {
     "allocated_bytes.all.current": "current_allocated_mem",
@@ -117,7 +117,7 @@ def reduce_max_memory_across_pp_group(
         torch.distributed is not initialised, ``pp_group`` is ``None`` or has one rank,
         or the report is empty.
     """
-    if not memory_report or pp_group is None or not dist_ready() or group_size(pp_group) <= 1:
+    if not memory_report or pp_group is None or not dist_ready() or get_pg_size(pp_group) <= 1:
         return memory_report
     keys = list(memory_report)
     values = torch.tensor(

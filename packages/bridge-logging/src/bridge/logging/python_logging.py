@@ -12,12 +12,21 @@ PROJECT_LOGGERS: tuple[str, ...] = ("bridge", "core_utils")
 _FORMAT = "[%(asctime)s] %(levelname)s %(name)s: %(message)s"
 
 
+def _is_project_logger(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in PROJECT_LOGGERS)
+
+
 class WarningFilter(logging.Filter):
-    """Drops records at exactly WARNING level (``LoggerConfig.filter_warnings``)."""
+    """Drops WARNING records of other libraries (``LoggerConfig.filter_warnings``).
+
+    This project's own warnings (a hang, a straggler, a signal received, a checkpoint or
+    data cache problem) are kept: the filter exists to quiet third-party noise, and hiding
+    those by default would leave a user unaware of a problem the run already detected.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Keep every record that is not a warning."""
-        return record.levelno != logging.WARNING
+        """Keep every record that is not a warning, and this project's warnings."""
+        return record.levelno != logging.WARNING or _is_project_logger(record.name)
 
 
 class ModuleFilter(logging.Filter):
@@ -58,7 +67,8 @@ def setup_logging(logger_cfg: LoggerConfig) -> None:
     * ``logging_level`` is set on this project's loggers (``bridge``, ``core_utils`` and
       their existing children); with ``set_level_for_all_loggers`` also on the root logger
       and every logger that exists at the time of the call.
-    * ``filter_warnings`` drops WARNING records; ``modules_to_filter`` drops records from
+    * ``filter_warnings`` drops WARNING records of other libraries (this project's own
+      warnings are kept); ``modules_to_filter`` drops records from
       those loggers and their children. The filters go on the root logger's handlers
       (covering every logger that propagates, including ones created later) and on every
       existing logger and handler.
@@ -84,9 +94,7 @@ def setup_logging(logger_cfg: LoggerConfig) -> None:
         for name in PROJECT_LOGGERS:
             logging.getLogger(name).setLevel(level)
         for log in loggers:
-            if log is not root and any(
-                log.name.startswith(p + ".") or log.name == p for p in PROJECT_LOGGERS
-            ):
+            if log is not root and _is_project_logger(log.name):
                 log.setLevel(level)
     filters: list[logging.Filter] = []
     if logger_cfg.filter_warnings:

@@ -13,7 +13,6 @@ import torch
 from bridge.config import ConfigContainer, LoggerConfig, TrainingConfig
 from bridge.logging._dist import (
     find_pg_collection,
-    group_rank,
     pg_attr,
     print_rank_last,
     reduce_max_stat,
@@ -31,6 +30,7 @@ from bridge.logging.protocols import LoggingState
 from bridge.logging.throughput import report_runtime, report_throughput
 from core_utils import Timers
 from core_utils.distributed import global_rank, global_world_size
+from core_utils.process_groups import get_pg_rank
 
 ADVANCED_ITERS = "advanced iterations"
 SKIPPED_ITERS = "skipped iterations"
@@ -545,7 +545,7 @@ def training_log(
     if report_memory_flag:
         report = report_memory(settings.memory_keys)
         dp_group = pg_attr(pg, "dp")
-        first_dp = group_rank(dp_group) == 0 if dp_group is not None else global_rank() == 0
+        first_dp = get_pg_rank(dp_group) == 0 if dp_group is not None else global_rank() == 0
         if report and first_dp:
             text = " | ".join(f"{name}: {value}" for name, value in report.items())
             print(

@@ -5,15 +5,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch.distributed as dist
-
-
-def group_size(group: Any) -> int:
-    """Size of ``group``; 1 when torch.distributed is not initialised or ``group`` is None."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return int(dist.get_world_size(group))
-
 
 def unwrap_model_chunks(model: Any) -> list[Any]:
     """Return ``model`` as a list of model chunks (a single module becomes a 1-list)."""

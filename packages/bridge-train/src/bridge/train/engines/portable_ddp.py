@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.train._distributed_utils import group_size
 from core_utils.distributed import global_rank
+from core_utils.process_groups import get_pg_size
 
 __all__ = ["PortableDistributedDataParallel"]
 
@@ -106,7 +106,7 @@ class PortableDistributedDataParallel(torch.nn.Module):
                     expert_data_parallel_group = data_parallel_group
         self.data_parallel_group = data_parallel_group
         self.expert_data_parallel_group = expert_data_parallel_group
-        dp_size = group_size(data_parallel_group)
+        dp_size = get_pg_size(data_parallel_group)
         # With a per-token loss finalize_model_grads divides by the global token count.
         per_token = getattr(config, "calculate_per_token_loss", False)
         scaling = 1.0 if per_token else 1.0 / dp_size
@@ -183,7 +183,7 @@ class PortableDistributedDataParallel(torch.nn.Module):
         bucket.launched = True
         if bucket.scaling_factor != 1.0:
             bucket.grad_data.mul_(bucket.scaling_factor)
-        if group_size(bucket.group) > 1:
+        if get_pg_size(bucket.group) > 1:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=bucket.group, async_op=async_op)
 
     @contextlib.contextmanager
@@ -235,7 +235,7 @@ class PortableDistributedDataParallel(torch.nn.Module):
         for param in self.module.parameters():
             is_expert = not getattr(param, "allreduce", True)
             group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
-            if group_size(group) > 1:
+            if get_pg_size(group) > 1:
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     # -- module interface --------------------------------------------------------------

@@ -608,9 +608,11 @@ def pretrain_mimo(
             components.append(NVRxStragglerPoll(state.nvrx_straggler))
         finalize = None
         if checkpoint.save is not None and checkpoint.async_save:
-            from bridge.train.training.train import _finalize_async_saves
+            from bridge.train.training.components.checkpointer import (
+                finalize_async_checkpoints,
+            )
 
-            finalize = _finalize_async_saves
+            finalize = finalize_async_checkpoints
         components.append(
             Checkpointer(
                 mimo_save_function(checkpointing_context),

@@ -39,6 +39,7 @@ from bridge.train.training.components import (
     loop_callback_list,
     standard_components,
 )
+from bridge.train.training.components.checkpointer import finalize_async_checkpoints
 from bridge.train.training.components.maintenance import (
     check_weight_hash,
     collect_garbage,
@@ -428,14 +429,6 @@ def gpt_save_function(checkpointing_context: dict[str, Any]) -> Any:
     return save
 
 
-def _finalize_async_saves(context: LoopContext, blocking: bool) -> int:
-    from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
-
-    before = pending_async_saves()
-    finalize_async_saves(context.state, blocking=blocking, terminate=blocking)
-    return before - pending_async_saves()
-
-
 def checkpoint_and_decide_exit(
     state: GlobalState,
     model: list[torch.nn.Module],
@@ -640,7 +633,7 @@ def run_training(
     components = standard_components(
         state,
         save=gpt_save_function(checkpointing_context),
-        finalize=_finalize_async_saves if async_saves else None,
+        finalize=finalize_async_checkpoints if async_saves else None,
         evaluate=evaluate,
         toggle_forward_pre_hooks=toggle_hooks,
     )

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from bridge.resiliency import ExitConditions, ExitDecision
     from bridge.train.training.loop import LoopContext
 
-__all__ = ["Checkpointer", "FinalizeFunction", "SaveFunction"]
+__all__ = ["Checkpointer", "FinalizeFunction", "SaveFunction", "finalize_async_checkpoints"]
 
 #: Writes a checkpoint of ``context`` at ``context.iteration``: ``(context, non_persistent)``.
 #: A collective; for an asynchronous save it returns once the background write is queued.
@@ -31,6 +31,15 @@ SaveFunction = Callable[["LoopContext", bool], None]
 #: Commits finished asynchronous saves: ``(context, blocking) -> number committed``.
 #: ``blocking=True`` (at the end of training) waits for every pending save. A collective.
 FinalizeFunction = Callable[["LoopContext", bool], int]
+
+
+def finalize_async_checkpoints(context: LoopContext, blocking: bool) -> int:
+    """The :data:`FinalizeFunction` of bridge-train's checkpoint writer (GPT and MIMO)."""
+    from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
+
+    before = pending_async_saves()
+    finalize_async_saves(context.state, blocking=blocking, terminate=blocking)
+    return before - pending_async_saves()
 
 
 class Checkpointer(Callback):
