@@ -12,8 +12,8 @@ _notices_given: set[str] = set()
 def notice_once(key: str, message: str) -> None:
     """Log ``message`` at INFO level the first time ``key`` is seen in this process.
 
-    INFO rather than WARNING: ``LoggerConfig.filter_warnings`` (on by default) drops
-    WARNING records, and these notices explain why a requested metric is absent.
+    INFO rather than WARNING: these notices explain why a requested metric is absent on
+    this machine (no CUDA, no energy counters), which is expected rather than a fault.
     """
     if key in _notices_given:
         return

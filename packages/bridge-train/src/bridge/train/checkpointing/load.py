@@ -524,7 +524,7 @@ def _load_scheduler(scheduler: Any, saved: dict[str, Any], path: str) -> None:
             # continuous (after its decay ends it stays at min_lr); stretching it to the new
             # length would jump the learning rate back up, so that is left to an explicit
             # scheduler.override_opt_param_scheduler=true.
-            # INFO: logger.filter_warnings (on by default) would drop a WARNING record.
+            # INFO: extending a run is what the user asked for, not a problem.
             log = logger.info if _dist.rank() == 0 else logger.debug
             log(
                 "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
