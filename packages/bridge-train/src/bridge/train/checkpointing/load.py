@@ -38,7 +38,7 @@ from bridge.train.checkpointing.context import (
 )
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.integrity import (
-    CHECKSUM_ALGORITHM,
+    VERIFIABLE_ALGORITHMS,
     gather_problems,
     local_problems,
 )
@@ -214,7 +214,7 @@ def _local_damage(path: str) -> dict[str, str] | None:
     if (
         marker is None
         or not isinstance(files, dict)
-        or marker.get("checksum") != CHECKSUM_ALGORITHM
+        or marker.get("checksum") not in VERIFIABLE_ALGORITHMS
     ):
         name = str(Path(path) / MARKER_FILENAME)
         return {name: f"{name} is unreadable or holds no file checksums"}
@@ -739,7 +739,7 @@ def load_checkpoint(
         return 0, 0.0
     started = time.monotonic()
     # The checksums are verified in a thread while the checkpoint is read (file reads and
-    # CRC-32 release the GIL), and the verdict is taken before anything is copied into the
+    # XXH3 release the GIL), and the verdict is taken before anything is copied into the
     # model or optimizer: a damaged checkpoint is never used, and its cost mostly hides.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
         local = pool.submit(_local_damage, plan.path)

@@ -150,7 +150,7 @@ def load_model_for_export(
 
 def _verify(iteration_dir: Path) -> None:
     """The checks a load makes first: the saved files match the marker's checksums."""
-    from bridge.train.checkpointing.integrity import CHECKSUM_ALGORITHM, verify_files
+    from bridge.train.checkpointing.integrity import VERIFIABLE_ALGORITHMS, verify_files
     from bridge.train.checkpointing.layout import read_marker
 
     marker = read_marker(iteration_dir)
@@ -160,7 +160,7 @@ def _verify(iteration_dir: Path) -> None:
     if (
         not isinstance(files, dict)
         or marker is None
-        or marker.get("checksum") != CHECKSUM_ALGORITHM
+        or marker.get("checksum") not in VERIFIABLE_ALGORITHMS
     ):
         raise ConversionError(
             f"{iteration_dir}: its completion marker is unreadable or holds no file checksums"

@@ -2,7 +2,7 @@
 
 A MIMO checkpoint is an ordinary bridge-train checkpoint (``docs/checkpoints.md``): the same
 :func:`~bridge.train.checkpointing.save_checkpoint` / ``load_checkpoint`` write and read
-it, so it is committed only when complete (staging directory, completion marker with CRC-32
+it, so it is committed only when complete (staging directory, completion marker with XXH3-64
 checksums, tracker written last), the save directory is locked, and damaged or absent
 checkpoints are handled exactly as for GPT. What is MIMO-specific is small:
 

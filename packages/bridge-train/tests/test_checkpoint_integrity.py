@@ -1,0 +1,82 @@
+"""Content hashes of checkpoint files: XXH3-64 recorded now, CRC-32 markers still verify."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from bridge.train.checkpointing.integrity import (
+    CHECKSUM_ALGORITHM,
+    VERIFIABLE_ALGORITHMS,
+    checksum_file,
+    checksum_files,
+    verify_files,
+)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A directory shaped like a checkpoint: a shard larger than one read chunk, metadata."""
+    directory = tmp_path / "iter_0000002"
+    directory.mkdir()
+    # 8 MiB + 3 bytes: the hash must carry across the reader's 8 MiB chunks.
+    (directory / "__0_0.distcp").write_bytes(bytes(range(256)) * (32 * 1024 + 1) + b"end")
+    (directory / ".metadata").write_bytes(b"metadata")
+    (directory / "checkpoint_complete.json").write_text("{}")
+    return directory
+
+
+def test_checksum_file_records_size_and_the_hash_of_every_byte(checkpoint: Path) -> None:
+    shard = checkpoint / "__0_0.distcp"
+    data = shard.read_bytes()
+    assert CHECKSUM_ALGORITHM == "xxh3_64"
+    assert checksum_file(shard) == {
+        "size": len(data),
+        "xxh3_64": f"0x{xxhash.xxh3_64(data).hexdigest()}",
+    }
+    assert checksum_file(shard, "crc32") == {
+        "size": len(data),
+        "crc32": f"0x{zlib.crc32(data):08x}",
+    }
+    assert sorted(VERIFIABLE_ALGORITHMS) == ["crc32", "xxh3_64"]
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_a_recorded_checkpoint_verifies_and_any_change_is_named(
+    checkpoint: Path, algorithm: str
+) -> None:
+    """Markers written with either algorithm (crc32: checkpoints of older bridge-train) verify."""
+    names = ["__0_0.distcp", ".metadata"]
+    recorded = {name: checksum_file(checkpoint / name, algorithm) for name in names}
+    assert verify_files(checkpoint, recorded, collective=False) == []
+
+    shard = checkpoint / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    shard.write_bytes(bytes(data))
+    (problem,) = verify_files(checkpoint, recorded, collective=False)
+    assert str(shard) in problem and f"does not match its saved checksum ({algorithm}" in problem
+
+    shard.write_bytes(bytes(data[:-1]))
+    (problem,) = verify_files(checkpoint, recorded, collective=False)
+    assert "truncated or replaced" in problem
+
+
+def test_an_entry_without_a_known_hash_is_damage_not_trusted(checkpoint: Path) -> None:
+    recorded = {
+        ".metadata": {"size": 8, "md5": "0x0"},
+        "__0_0.distcp": checksum_file(checkpoint / "__0_0.distcp"),
+    }
+    problems = verify_files(checkpoint, recorded, collective=False)
+    assert problems == [
+        f"{checkpoint / '.metadata'} has no saved checksum in the completion marker"
+    ]
+
+
+def test_checksum_files_covers_every_file_but_the_excluded(checkpoint: Path) -> None:
+    files = checksum_files(checkpoint, exclude=["checkpoint_complete.json"])
+    assert sorted(files) == [".metadata", "__0_0.distcp"]
+    assert all(CHECKSUM_ALGORITHM in entry for entry in files.values())
