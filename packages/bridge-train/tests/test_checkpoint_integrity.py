@@ -1,4 +1,4 @@
-"""Content hashes of checkpoint files: XXH3-64 recorded now, CRC-32 markers still verify."""
+"""Content hashes of checkpoint files: segment-tree XXH3-64 recorded now, CRC-32 markers still verify."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from bridge.train.checkpointing import integrity
 from bridge.train.checkpointing.integrity import (
     CHECKSUM_ALGORITHM,
     VERIFIABLE_ALGORITHMS,
@@ -29,26 +30,40 @@ def checkpoint(tmp_path: Path) -> Path:
     return directory
 
 
-def test_checksum_file_records_size_and_the_hash_of_every_byte(checkpoint: Path) -> None:
+def _reference_tree_hash(data: bytes, segment: int) -> str:
+    """XXH3-64 of the XXH3-64 digests of ``segment``-byte pieces, computed in one pass."""
+    pieces = [data[i : i + segment] for i in range(0, max(len(data), 1), segment)]
+    return xxhash.xxh3_64(b"".join(xxhash.xxh3_64(p).digest() for p in pieces)).hexdigest()
+
+
+@pytest.mark.parametrize("segment_mib", [32, 3])  # one segment; three hashed on threads
+def test_checksum_file_records_size_and_the_hash_of_every_byte(
+    checkpoint: Path, segment_mib: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(integrity, "_SEGMENT", segment_mib << 20)
     shard = checkpoint / "__0_0.distcp"
     data = shard.read_bytes()
-    assert CHECKSUM_ALGORITHM == "xxh3_64"
+    assert CHECKSUM_ALGORITHM == "xxh3_64_tree"
     assert checksum_file(shard) == {
         "size": len(data),
-        "xxh3_64": f"0x{xxhash.xxh3_64(data).hexdigest()}",
+        "xxh3_64_tree": f"0x{_reference_tree_hash(data, segment_mib << 20)}",
     }
     assert checksum_file(shard, "crc32") == {
         "size": len(data),
         "crc32": f"0x{zlib.crc32(data):08x}",
     }
-    assert sorted(VERIFIABLE_ALGORITHMS) == ["crc32", "xxh3_64"]
+    empty = checkpoint / "empty"
+    empty.write_bytes(b"")
+    assert checksum_file(empty)["xxh3_64_tree"] == f"0x{_reference_tree_hash(b'', 1)}"
+    assert sorted(VERIFIABLE_ALGORITHMS) == ["crc32", "xxh3_64_tree"]
 
 
-@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+@pytest.mark.parametrize("algorithm", ["xxh3_64_tree", "crc32"])
 def test_a_recorded_checkpoint_verifies_and_any_change_is_named(
-    checkpoint: Path, algorithm: str
+    checkpoint: Path, algorithm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Markers written with either algorithm (crc32: checkpoints of older bridge-train) verify."""
+    monkeypatch.setattr(integrity, "_SEGMENT", 3 << 20)  # the shard is hashed on threads
     names = ["__0_0.distcp", ".metadata"]
     recorded = {name: checksum_file(checkpoint / name, algorithm) for name in names}
     assert verify_files(checkpoint, recorded, collective=False) == []
