@@ -10,9 +10,8 @@ The hash (``xxh3_64_tree``) is XXH3-64 (the ``xxhash`` package, which releases t
 the XXH3-64 digests of the file's 32 MiB segments, hashed on several threads: a rank
 usually writes one large shard, and one core reading and hashing it after the save cost
 5-9% of the save. CRC-32 (``zlib.crc32``, one pass), used by checkpoints saved before, gave
-8-11%. Both detect flipped, truncated and
-garbage bytes, which is what storage and copy faults produce; neither is a defence against
-deliberate tampering. Checkpoints recorded with either verify. The work is split by file
+8-11%. Both detect flipped, truncated and garbage bytes, which is what storage and copy
+faults produce; neither is a defence against deliberate tampering. Checkpoints recorded with either verify. The work is split by file
 over the ranks, so each rank hashes about ``1/world`` of the checkpoint.
 """
 
