@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core_utils.distributed import collective_device, dist_ready, global_rank, global_world_size
+from core_utils.distributed import collective_device, global_rank, global_world_size
 from core_utils.process_groups import get_pg_size
 
 
@@ -77,7 +77,7 @@ def reduce_max_stat(stat: float | None, group: Any) -> float | None:
     Returns:
         The maximum over the group, or ``None`` when every rank had ``None``.
     """
-    if group is None or not dist_ready() or get_pg_size(group) == 1:
+    if get_pg_size(group) == 1:  # also without a group or without torch.distributed
         return stat
     present = 0.0 if stat is None else 1.0
     value = -float("inf") if stat is None else float(stat)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.logging._dist import find_pg_collection, pg_attr
-from core_utils.distributed import collective_device, dist_ready, global_world_size
+from core_utils.distributed import collective_device, global_world_size
 from core_utils.process_groups import get_pg_rank, get_pg_size
 
 
@@ -20,7 +20,7 @@ def _gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    if group is None or not dist_ready() or get_pg_size(group) == 1:
+    if get_pg_size(group) == 1:  # also without a group or without torch.distributed
         return tensor
     moved = tensor.to(collective_device(group))
     dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
@@ -142,10 +142,9 @@ def report_l2_norm_grad(
     groups = _resolve_groups(
         chunks, pg_collection, mp_group, tp_group, expert_tp_group, expert_mp_group
     )
-    first_tp_rank = get_pg_rank(groups.tp) == 0 if groups.tp is not None else True
-    first_expert_tp_rank = (
-        get_pg_rank(groups.expert_tp) == 0 if groups.expert_tp is not None else True
-    )
+    # get_pg_rank is 0 without a group (or without torch.distributed): that rank is first.
+    first_tp_rank = get_pg_rank(groups.tp) == 0
+    first_expert_tp_rank = get_pg_rank(groups.expert_tp) == 0
 
     names: list[str] = []
     squares: list[torch.Tensor] = []
