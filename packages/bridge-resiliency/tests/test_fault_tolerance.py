@@ -20,6 +20,7 @@ from bridge.resiliency import (
     MissingExtraError,
     NullFaultTolerance,
     ResiliencyError,
+    SimulatedFault,
     WatchdogTimeouts,
 )
 from bridge.resiliency._ft_state import ft_state_path, read_ft_state, write_ft_state
@@ -86,6 +87,31 @@ def test_watchdog_runs_and_stops_cleanly_through_the_hooks() -> None:
     assert not ft.watchdog.running
     with pytest.raises(ResiliencyError, match="already called"):
         ft.on_setup_start()
+
+
+@pytest.mark.parametrize(("setup", "warned"), [(None, True), (60.0, False)])
+def test_a_simulated_hang_the_watchdog_may_miss_is_warned_about(
+    setup: float | None, warned: bool, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    # The fault itself is not the subject here: do not stop the test process.
+    monkeypatch.setattr(SimulatedFault, "_inject", lambda self: None)
+    config = FaultToleranceConfig(
+        simulate_fault=True, simulated_fault_type="rank_hung", simulated_fault_rank=0
+    )
+    ft = FaultTolerance.from_config(
+        config, rank=0, world_size=1, hang_timeout=WatchdogTimeouts(step=30, setup=setup)
+    )
+    try:
+        with caplog.at_level("WARNING", logger="bridge.resiliency"):
+            ft.on_setup_start()
+            ft.on_setup_end()
+    finally:
+        ft.shutdown()
+    missed = [r.getMessage() for r in caplog.records if "never detected" in r.getMessage()]
+    assert bool(missed) is warned
+    if warned:
+        assert "--hang-setup-timeout" in missed[0]
+        assert "ft.simulated_fault_base_delay" in missed[0]
 
 
 def test_watchdog_hooks_warm_up_and_nested_checkpointing_sections() -> None:

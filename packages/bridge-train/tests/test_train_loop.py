@@ -26,6 +26,7 @@ from bridge.config import (
     ProfilingConfig,
     StragglerDetectionConfig,
 )
+from bridge.resiliency import WatchdogTimeouts
 from bridge.train import (
     disable_forward_pre_hook,
     enable_forward_pre_hook,
@@ -317,7 +318,7 @@ def _fault_run(
     rank: int,
     world: int,
     kind: Literal["rank_hung", "rank_killed", "random"],
-    hang_timeout: float | None,
+    hang_timeout: WatchdogTimeouts | None,
 ) -> int:
     from bridge.config import FaultToleranceConfig
 
@@ -341,6 +342,9 @@ def test_skip_train_evaluates_and_simulated_faults_hit_the_rank(tmp_path: Path) 
     # ft.simulate_fault: the rank is SIGKILLed about a second after setup ...
     with pytest.raises(DistributedTestError, match=r"exit codes \{0: -9\}"):
         run_distributed(_fault_run, 1, "rank_killed", None, timeout=100)
-    # ... or stopped (SIGSTOP); the built-in watchdog (--hang-timeout) then kills it.
+    # ... or stopped (SIGSTOP); the built-in watchdog (--hang-timeout) then kills it. The
+    # stop may land in the warm-up step (under load it often does), which only a setup
+    # timeout covers.
+    timeouts = WatchdogTimeouts(step=3.0, setup=30.0)
     with pytest.raises(DistributedTestError, match=r"exit codes \{0: -9\}"):
-        run_distributed(_fault_run, 1, "rank_hung", 3.0, timeout=100)
+        run_distributed(_fault_run, 1, "rank_hung", timeouts, timeout=100)

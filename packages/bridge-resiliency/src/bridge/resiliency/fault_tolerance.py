@@ -377,6 +377,18 @@ class ActiveFaultTolerance(FaultTolerance):
                     self.simulated_fault.target_rank,
                     self.simulated_fault.delay,
                 )
+                if (
+                    self.simulated_fault.fault_type == "rank_hung"
+                    and self.watchdog is not None
+                    and self.watchdog.timeout_of("step", warmup=True) is None
+                ):
+                    # Otherwise a drill whose hang lands in the first step waits forever.
+                    logger.warning(
+                        "fault tolerance: the warm-up (first) step is not timed without a "
+                        "setup timeout, so a simulated hang landing in it is never detected; "
+                        "give one (--hang-setup-timeout, WatchdogTimeouts.setup) or raise "
+                        "ft.simulated_fault_base_delay past the first step"
+                    )
             self.simulated_fault.start()
 
     def on_step_start(self) -> None:
