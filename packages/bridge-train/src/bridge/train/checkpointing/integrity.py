@@ -9,14 +9,21 @@ makes the directory incomplete.
 The hash (``xxh3_64_tree``) is XXH3-64 (the ``xxhash`` package, which releases the GIL) of
 the XXH3-64 digests of the file's 32 MiB segments, hashed on several threads: a rank
 usually writes one large shard, and one core reading and hashing it after the save cost
-5-9% of the save. CRC-32 (``zlib.crc32``, one pass), used by checkpoints saved before, gave
-8-11%. Both detect flipped, truncated and garbage bytes, which is what storage and copy
-faults produce; neither is a defence against deliberate tampering. Checkpoints recorded with either verify. The work is split by file
-over the ranks, so each rank hashes about ``1/world`` of the checkpoint.
+5-9% of the save. The files are hashed through a memory map (read where a filesystem
+cannot map them), because reading copies every byte once more: 20 ms instead of 12 ms for
+a 167 MB shard in the page cache on 2 cores. Like safetensors and ``torch.load(mmap=True)``,
+this assumes no other process truncates a file while it is hashed (the hashing process
+would die of SIGBUS): saves write into a private staging directory, and committed
+checkpoints are never rewritten in place. CRC-32 (``zlib.crc32``, one pass), used by
+checkpoints saved before, gave 8-11%. Both detect flipped, truncated and garbage bytes,
+which is what storage and copy faults produce; neither is a defence against deliberate
+tampering. Checkpoints recorded with either verify. The work is split by file over the
+ranks, so each rank hashes about ``1/world`` of the checkpoint.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import zlib
 from collections.abc import Callable, Iterable
@@ -59,43 +66,55 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
-def _hash_range(hasher: Any, path: str | os.PathLike[str], start: int, length: int | None) -> int:
-    """Feed ``length`` bytes of ``path`` from ``start`` (``None``: to the end) to ``hasher``."""
-    done = 0
+def _stream_hash(path: str | os.PathLike[str], hasher: Any) -> tuple[int, str]:
+    """Feed every byte of ``path`` to ``hasher`` in one pass."""
+    size = 0
     with open(path, "rb", buffering=0) as handle:
-        handle.seek(start)
         buffer = bytearray(_CHUNK)
         view = memoryview(buffer)
-        while length is None or done < length:
-            want = _CHUNK if length is None else min(_CHUNK, length - done)
-            read = handle.readinto(view[:want])
-            if not read:
-                break
+        while read := handle.readinto(view):
             hasher.update(view[:read])
-            done += read
-    return done
+            size += read
+    return size, hasher.hexdigest()
 
 
-def _segment_digest(path: str | os.PathLike[str], start: int) -> bytes:
+def _read_segment(fd: int, start: int, end: int) -> bytes:
+    """XXH3-64 digest of bytes ``start:end`` of ``fd``, read (for files that cannot be mapped)."""
     hasher = xxhash.xxh3_64()
-    _hash_range(hasher, path, start, _SEGMENT)
+    while start < end and (chunk := os.pread(fd, min(_CHUNK, end - start), start)):
+        hasher.update(chunk)
+        start += len(chunk)
     return hasher.digest()
 
 
 def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
-    size = os.stat(path).st_size
-    starts = range(0, max(size, 1), _SEGMENT)
-    if len(starts) == 1:
-        digests = [_segment_digest(path, 0)]
-    else:
-        with ThreadPoolExecutor(min(len(starts), _THREADS), "checkpoint-hash") as pool:
-            digests = list(pool.map(lambda start: _segment_digest(path, start), starts))
+    with open(path, "rb") as handle:
+        fd = handle.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
+        except OSError:  # a filesystem without mmap support (some FUSE mounts): read
+            mapping = None
+        view = None if mapping is None else memoryview(mapping)
+
+        def segment(start: int) -> bytes:
+            if view is None:
+                return _read_segment(fd, start, min(start + _SEGMENT, size))
+            return xxhash.xxh3_64(view[start : start + _SEGMENT]).digest()
+
+        try:
+            starts = range(0, max(size, 1), _SEGMENT)
+            if len(starts) == 1:
+                digests = [segment(0)]
+            else:
+                with ThreadPoolExecutor(min(len(starts), _THREADS), "checkpoint-hash") as pool:
+                    digests = list(pool.map(segment, starts))
+        finally:
+            if view is not None:
+                view.release()
+            if mapping is not None:
+                mapping.close()
     return size, xxhash.xxh3_64(b"".join(digests)).hexdigest()
-
-
-def _stream_hash(path: str | os.PathLike[str], hasher: Any) -> tuple[int, str]:
-    size = _hash_range(hasher, path, 0, None)
-    return size, hasher.hexdigest()
 
 
 _HASHERS: dict[str, Callable[[str | os.PathLike[str]], tuple[int, str]]] = {
@@ -150,7 +169,7 @@ def checksum_files(
         exclude: File names to leave out (written later by the commit).
 
     Returns:
-        ``{file name: {"size": ..., "crc32": ...}}`` on every rank; a file that could not
+        ``{file name: {"size": ..., "xxh3_64_tree": ...}}`` on every rank; a file that could not
         be read has ``{"error": "<path>: <reason>"}`` instead (on every rank alike).
     """
     base = Path(directory)
