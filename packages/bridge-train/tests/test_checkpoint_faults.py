@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import shutil
 import subprocess
@@ -96,6 +97,14 @@ def _flip_byte(path: Path, offset: int | None = None) -> None:
     path.write_bytes(bytes(data))
 
 
+def _set_checksum_algorithm(checkpoint: Path, algorithm: str) -> None:
+    """Make the marker name a hash this version does not know (as a newer one might write)."""
+    marker = checkpoint / "checkpoint_complete.json"
+    record = json.loads(marker.read_text())
+    record["checksum"] = algorithm
+    marker.write_text(json.dumps(record))
+
+
 def _shard(checkpoint: Path) -> Path:
     return sorted(checkpoint.glob("*.distcp"))[0]
 
@@ -141,6 +150,7 @@ def _damage_cases(rank: int, world: int, root: str) -> dict[str, Any]:
         "checkpoint.ckpt_step=4",
     )
     case("garbage_common", lambda d: (d / it4 / "common.pt").write_bytes(b"garbage" * 9))
+    case("unknown_algorithm", lambda d: _set_checksum_algorithm(d / it4, "blake3"))
     case("iter_path", lambda d: _flip_byte(_shard(d / it4)), sub=it4)
 
     # Every checkpoint damaged: nothing is loaded, nothing is trained.
@@ -340,6 +350,20 @@ def test_a_file_added_to_a_checkpoint_is_damage(damage: dict[str, Any]) -> None:
     assert result["code"] == 0, result
     said = [line for line in result["warnings"] if "is damaged (" in line]
     assert len(said) == 1 and "common.pt is not part of the checkpoint" in said[0], said
+
+
+def test_a_marker_naming_an_unknown_checksum_algorithm_is_not_trusted(
+    damage: dict[str, Any],
+) -> None:
+    result = damage["unknown_algorithm"]
+    _assert_clean(result)
+    assert result["code"] == 0, result
+    said = [line for line in result["warnings"] if "is damaged (" in line]
+    assert len(said) == 1, result["warnings"]
+    assert "iter_0000004/checkpoint_complete.json names checksum algorithm 'blake3'" in said[0]
+    assert "load it with the bridge-train that saved it" in said[0]
+    assert "loading iteration 2" in said[0], said
+    assert all(result["kept"].values()), result["kept"]
 
 
 def test_a_second_run_on_a_locked_save_directory_is_refused(damage: dict[str, Any]) -> None:

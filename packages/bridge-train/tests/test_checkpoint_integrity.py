@@ -14,6 +14,7 @@ from bridge.train.checkpointing.integrity import (
     VERIFIABLE_ALGORITHMS,
     checksum_file,
     checksum_files,
+    recorded_files,
     verify_files,
 )
 
@@ -103,3 +104,20 @@ def test_checksum_files_covers_every_file_but_the_excluded(checkpoint: Path) -> 
     files = checksum_files(checkpoint, exclude=["checkpoint_complete.json"])
     assert sorted(files) == [".metadata", "__0_0.distcp"]
     assert all(CHECKSUM_ALGORITHM in entry for entry in files.values())
+
+
+def test_recorded_files_says_what_a_load_verifies_against(checkpoint: Path) -> None:
+    files = {".metadata": checksum_file(checkpoint / ".metadata")}
+    marker = checkpoint / "checkpoint_complete.json"
+    record = {"iteration": 2, "checksum": CHECKSUM_ALGORITHM, "files": files}
+    assert recorded_files(checkpoint, record) == files
+    assert recorded_files(checkpoint, {**record, "checksum": "crc32"}) == files
+    assert recorded_files(checkpoint, {"iteration": 2}) is None  # saved before checksums
+    for bad, says in [
+        (None, "is unreadable or holds no file checksums"),
+        ({**record, "files": ["x"]}, "is unreadable or holds no file checksums"),
+        ({**record, "checksum": "blake3"}, "names checksum algorithm 'blake3'"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            recorded_files(checkpoint, bad)
+        assert str(info.value).startswith(f"{marker} {says}")

@@ -187,7 +187,19 @@ def _one_rank(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[st
             ["export", str(base / f"ckpt_{family}"), str(base / f"export_{family}"), "--quiet"]
         )
         assert code == 0, err
+    # Exports of checkpoints a load would not trust: a flipped byte, an unknown hash.
+    for name in ("damaged_ckpt", "unknown_checksum"):
+        shutil.copytree(base / "ckpt_llama", base / name)
+    iteration = base / "damaged_ckpt" / "iter_0000000"
+    shard = sorted(iteration.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    marker = base / "unknown_checksum" / "iter_0000000" / "checkpoint_complete.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "checksum": "blake3"}))
     refusals = {
+        "damaged_ckpt": ["export", str(base / "damaged_ckpt"), str(base / "e1")],
+        "unknown_checksum": ["export", str(base / "unknown_checksum"), str(base / "e2")],
         "model_type": ["import", str(base / "bad_type"), str(base / "c1")],
         "missing_shard": ["import", str(base / "bad_shard"), str(base / "c2")],
         "shape": ["import", str(base / "bad_shape"), str(base / "c3")],
@@ -482,6 +494,8 @@ def test_export_of_a_pp2_save_equals_the_single_process_export(
         ("tokenizer", "tokens but the model's embedding"),
         ("tp", "tensor_model_parallel_size=3"),
         ("existing", "already exists and is not empty"),
+        ("damaged_ckpt", "does not match its saved checksum"),
+        ("unknown_checksum", "names checksum algorithm 'blake3', which this version cannot"),
     ],
 )
 def test_bad_inputs_are_refused_with_one_line(
@@ -492,6 +506,8 @@ def test_bad_inputs_are_refused_with_one_line(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bridge-convert: error: "), err
     assert needle in lines[0], lines[0]
+    if case == "damaged_ckpt":
+        assert "is damaged: " in lines[0] and "restore it from a copy" in lines[0], lines[0]
 
 
 def test_plain_bridge_train_does_not_import_conversion_and_exit_code() -> None:

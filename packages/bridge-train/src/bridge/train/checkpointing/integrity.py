@@ -42,6 +42,7 @@ __all__ = [
     "checksum_files",
     "gather_problems",
     "local_problems",
+    "recorded_files",
     "verify_files",
 ]
 
@@ -249,6 +250,39 @@ def local_problems(
 def gather_problems(part: dict[str, str]) -> list[str]:
     """Every rank's :func:`local_problems`, one line per damaged file, sorted (collective)."""
     return [line for _, line in sorted(_gather(part).items())]
+
+
+def recorded_files(
+    directory: str | os.PathLike[str], marker: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """What a load verifies ``directory`` against: its completion marker's ``files``.
+
+    Args:
+        directory: The checkpoint directory.
+        marker: Its parsed completion marker (``None``: missing, torn or not JSON).
+
+    Returns:
+        ``{file name: {"size": ..., <algorithm>: ...}}``, or ``None`` for a checkpoint saved
+        before checksums existed (a marker without ``files``: nothing to check against).
+
+    Raises:
+        ValueError: The marker is unreadable, or its record is not one this version can
+            verify; the message names the marker file.
+    """
+    if marker is not None and "files" not in marker:
+        return None
+    files = None if marker is None else marker.get("files")
+    if marker is None or not isinstance(files, dict):
+        problem = "is unreadable or holds no file checksums"
+    elif marker.get("checksum") not in VERIFIABLE_ALGORITHMS:
+        problem = (
+            f"names checksum algorithm {marker.get('checksum')!r}, which this version cannot "
+            f"verify (it knows {', '.join(sorted(VERIFIABLE_ALGORITHMS))}): load it with the "
+            "bridge-train that saved it"
+        )
+    else:
+        return files
+    raise ValueError(f"{Path(directory) / _MARKER} {problem}")
 
 
 def verify_files(

@@ -38,9 +38,9 @@ from bridge.train.checkpointing.context import (
 )
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.integrity import (
-    VERIFIABLE_ALGORITHMS,
     gather_problems,
     local_problems,
+    recorded_files,
 )
 from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
@@ -207,17 +207,12 @@ def _local_damage(path: str) -> dict[str, str] | None:
 
     ``None`` for a checkpoint saved before checksums existed (nothing to check against).
     """
-    marker = read_marker(path)
-    if marker is not None and "files" not in marker:
+    try:
+        files = recorded_files(path, read_marker(path))
+    except ValueError as exc:
+        return {MARKER_FILENAME: str(exc)}
+    if files is None:
         return None
-    files = None if marker is None else marker.get("files")
-    if (
-        marker is None
-        or not isinstance(files, dict)
-        or marker.get("checksum") not in VERIFIABLE_ALGORITHMS
-    ):
-        name = str(Path(path) / MARKER_FILENAME)
-        return {name: f"{name} is unreadable or holds no file checksums"}
     try:
         return local_problems(path, files)
     except OSError as exc:

@@ -150,24 +150,21 @@ def load_model_for_export(
 
 def _verify(iteration_dir: Path) -> None:
     """The checks a load makes first: the saved files match the marker's checksums."""
-    from bridge.train.checkpointing.integrity import VERIFIABLE_ALGORITHMS, verify_files
+    from bridge.train.checkpointing.integrity import recorded_files, verify_files
     from bridge.train.checkpointing.layout import read_marker
 
-    marker = read_marker(iteration_dir)
-    if marker is not None and "files" not in marker:
+    try:
+        files = recorded_files(iteration_dir, read_marker(iteration_dir))
+    except ValueError as exc:
+        raise ConversionError(f"{iteration_dir} cannot be verified: {exc}") from None
+    if files is None:
         return  # saved before checksums existed: nothing to check against
-    files = None if marker is None else marker.get("files")
-    if (
-        not isinstance(files, dict)
-        or marker is None
-        or marker.get("checksum") not in VERIFIABLE_ALGORITHMS
-    ):
-        raise ConversionError(
-            f"{iteration_dir}: its completion marker is unreadable or holds no file checksums"
-        )
     damaged = verify_files(iteration_dir, files, collective=False)
     if damaged:
-        raise ConversionError(f"{iteration_dir} is damaged: {damaged[0]}")
+        raise ConversionError(
+            f"{iteration_dir} is damaged: {damaged[0]}; restore it from a copy, or export "
+            "another checkpoint (give its iter_* directory)"
+        )
 
 
 def _tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
