@@ -292,8 +292,7 @@ def main() -> None:
             elif on:
                 hashing.clear()
                 verifying.clear()
-    unchecked(True)
-    save_module.checksum_files = real_checksums
+    save_module.checksum_files, load_module._local_damage = real_checksums, real_damage
     logging.getLogger("bridge.train.checkpointing.load").setLevel(logging_level)
     times["save_checkpoint without checksums"] = pairs["save off"]
     times["save_checkpoint with checksums"] = pairs["save on"]

@@ -67,25 +67,22 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
-def _stream_hash(path: str | os.PathLike[str], hasher: Any) -> tuple[int, str]:
-    """Feed every byte of ``path`` to ``hasher`` in one pass."""
-    size = 0
-    with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        while read := handle.readinto(view):
-            hasher.update(view[:read])
-            size += read
-    return size, hasher.hexdigest()
-
-
-def _read_segment(fd: int, start: int, end: int) -> bytes:
-    """XXH3-64 digest of bytes ``start:end`` of ``fd``, read (for files that cannot be mapped)."""
-    hasher = xxhash.xxh3_64()
-    while start < end and (chunk := os.pread(fd, min(_CHUNK, end - start), start)):
+def _feed(hasher: Any, fd: int, start: int, end: int | None = None) -> int:
+    """Feed bytes ``start:end`` of ``fd`` (``None``: to the end) to ``hasher``; the count fed."""
+    done = start
+    while end is None or done < end:
+        chunk = os.pread(fd, _CHUNK if end is None else min(_CHUNK, end - done), done)
+        if not chunk:
+            break
         hasher.update(chunk)
-        start += len(chunk)
-    return hasher.digest()
+        done += len(chunk)
+    return done - start
+
+
+def _stream_hash(path: str | os.PathLike[str], hasher: Any) -> tuple[int, str]:
+    with open(path, "rb", buffering=0) as handle:
+        size = _feed(hasher, handle.fileno(), 0)
+    return size, hasher.hexdigest()
 
 
 def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
@@ -97,11 +94,15 @@ def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
         except OSError:  # a filesystem without mmap support (some FUSE mounts): read
             mapping = None
         view = None if mapping is None else memoryview(mapping)
+        if view is not None:
+            size = len(view)  # what is hashed, should the file have changed since fstat
 
         def segment(start: int) -> bytes:
-            if view is None:
-                return _read_segment(fd, start, min(start + _SEGMENT, size))
-            return xxhash.xxh3_64(view[start : start + _SEGMENT]).digest()
+            if view is not None:
+                return xxhash.xxh3_64(view[start : start + _SEGMENT]).digest()
+            hasher = xxhash.xxh3_64()
+            _feed(hasher, fd, start, min(start + _SEGMENT, size))
+            return hasher.digest()
 
         try:
             starts = range(0, max(size, 1), _SEGMENT)
