@@ -13,6 +13,10 @@ builders here cover megatron-core's layouts:
   ``act(first half) * second half``); experts' ``linear_fc1`` too.
 * :func:`vocab_rows`: the embedding and output layer have ``padded_vocab`` rows; the rows
   past the Hugging Face vocabulary are zero on import and dropped on export.
+* :func:`routed_experts`: a mixture-of-experts layer: the router (``mlp.router.weight``) and
+  each expert's gated MLP (``mlp.experts.local_experts.{e}.linear_fc1`` / ``linear_fc2``,
+  megatron-core's ``SequentialMLP`` numbering as one process holds it; expert parallelism
+  splits whole experts).
 * :func:`direct`: the same tensor on both sides, optionally transposed (GPT-2's ``Conv1D``
   stores ``[in, out]``).
 
@@ -32,6 +36,7 @@ __all__ = [
     "direct",
     "fused_qkv",
     "gated_fc1",
+    "routed_experts",
     "vocab_rows",
 ]
 
@@ -129,3 +134,23 @@ def gated_fc1(megatron: str, gate: str, up: str) -> ParamMapping:
         return gate_t.contiguous(), up_t.contiguous()
 
     return ParamMapping(megatron, (gate, up), fuse, split)
+
+
+def routed_experts(
+    layer: str, router: str, experts: list[tuple[str, str, str]]
+) -> list[ParamMapping]:
+    """A mixture-of-experts MLP: the router and every expert's gated MLP.
+
+    Args:
+        layer: The megatron layer prefix (``decoder.layers.{i}.``).
+        router: The Hugging Face router (gate) weight.
+        experts: Per expert, in expert order, its Hugging Face gate, up and down weights.
+    """
+    maps = [direct(f"{layer}mlp.router.weight", router)]
+    for index, (gate, up, down) in enumerate(experts):
+        expert = f"{layer}mlp.experts.local_experts.{index}."
+        maps += [
+            gated_fc1(f"{expert}linear_fc1.weight", gate, up),
+            direct(f"{expert}linear_fc2.weight", down),
+        ]
+    return maps
