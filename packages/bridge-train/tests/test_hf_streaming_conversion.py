@@ -97,8 +97,8 @@ def _reference_import(hf: Path, out: Path, tp: int, pp: int) -> None:
     from bridge.config import CheckpointConfig
     from bridge.train.checkpointing import save_checkpoint
     from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
-    from bridge.train.models.families import family_for, provider_from_hf_config, read_hf_config
     from bridge.train.convert.safetensors_io import SafetensorsReader
+    from bridge.train.models.families import family_for, provider_from_hf_config, read_hf_config
     from bridge.train.state import TrainState
 
     config = read_hf_config(hf)
