@@ -157,6 +157,25 @@ def _family_worker(
     return out
 
 
+def _convert_worker(
+    rank: int, world: int, hf: str, root: str, import_args: list[str]
+) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    from bridge.train.convert import cli
+
+    out: dict[str, Any] = {}
+    for direction, argv in (
+        ("import", ["import", hf, f"{root}/ckpt", *import_args]),
+        ("export", ["export", f"{root}/ckpt", f"{root}/converted"]),
+    ):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            out[direction] = (cli.main(argv), err.getvalue())
+    return out
+
+
 def _relative_error(got: Any, want: Any) -> float:
     """max |got - want| / max |want| over the real (not padded) positions."""
     _, mask, _ = _padded_batch()
@@ -212,6 +231,17 @@ class FamilyParity:
                     found.setdefault(name, logits)
         return {"reference": _hf_logits(model), "layouts": found, "hf": hf, "export": export}
 
+    def convert_round_trip(self, hf: Path, *import_args: str) -> dict[str, Any]:
+        """``bridge-convert import`` (with ``import_args``) then ``export`` of ``hf`` in a
+        forked one-rank process; returns the exit codes and messages and the export's
+        directory."""
+        from core_utils.testing import run_distributed
+
+        (codes,) = run_distributed(
+            _convert_worker, 1, str(hf), str(self.tmp), list(import_args), timeout=600
+        )
+        return {**codes, "export": self.tmp / "converted"}
+
     @staticmethod
     def relative_error(got: Any, want: Any) -> float:
         """max |got - want| / max |want| over the batch's real positions."""
@@ -226,6 +256,11 @@ class FamilyParity:
         for file in sorted(directory.glob("*.safetensors")):
             result.update(load_file(str(file)))
         return result
+
+    @staticmethod
+    def megatron_logits(model: Any, tp_group: Any) -> Any:
+        """A megatron GPTModel's logits on the padded batch (gathered over ``tp_group``)."""
+        return _megatron_logits(model, tp_group)
 
     @staticmethod
     def hf_logits(model: Any) -> Any:

@@ -61,6 +61,7 @@ ARCHITECTURE_FIELDS = (
     "share_embeddings_and_output_weights",
     "position_embedding_type",
     "rotary_base",
+    "rotary_base_local",
     "rotary_percent",
     "rope_scaling",
     "rope_scaling_factor",
