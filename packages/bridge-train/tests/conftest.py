@@ -240,7 +240,7 @@ class FamilyParity:
         (codes,) = run_distributed(
             _convert_worker, 1, str(hf), str(self.tmp), list(import_args), timeout=600
         )
-        return {**codes, "export": self.tmp / "converted"}
+        return {**codes, "converted": self.tmp / "converted"}
 
     @staticmethod
     def relative_error(got: Any, want: Any) -> float:

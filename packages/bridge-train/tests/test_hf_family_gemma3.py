@@ -142,7 +142,7 @@ def test_text_round_trips_are_bit_identical(text: dict[str, Any], how: str) -> N
         for direction in ("import", "export"):
             code, err = text["convert"][direction]
             assert code == 0, err
-    out = text["export"] if how == "save_hf_pretrained" else text["convert"]["export"]
+    out = text["export"] if how == "save_hf_pretrained" else text["convert"]["converted"]
     source, saved = checks.tensors(text["hf"]), checks.tensors(out)
     assert sorted(source) == sorted(saved)
     for name, tensor in source.items():
