@@ -19,6 +19,7 @@ names the differing fields when there is none.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -374,6 +375,10 @@ def same_setting(a: Any, b: Any) -> bool:
     sequences by their items, numbers by value)."""
     if callable(a) and callable(b):
         return bool(_callable_key(a) == _callable_key(b))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
+        # Values that went through a config.json (x ** -0.5 and back) differ in the last bit.
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_setting(x, y) for x, y in zip(a, b, strict=True))
     try:
@@ -382,16 +387,39 @@ def same_setting(a: Any, b: Any) -> bool:
         return a is b
 
 
+def _effective(provider: Any, name: str) -> Any:
+    """A field's value as it affects the model (``None`` where the field does nothing)."""
+    value = getattr(provider, name, None)
+    rope = getattr(provider, "position_embedding_type", None) == "rope"
+    windows = getattr(provider, "window_size", None) is not None
+    experts = bool(getattr(provider, "num_moe_experts", None))
+    if name == "add_qkv_bias":  # megatron biases Q, K, V with either field
+        return bool(value or getattr(provider, "add_bias_linear", False))
+    if name == "softmax_scale" and value is None:
+        return float(getattr(provider, "kv_channels", 1) or 1) ** -0.5
+    if name in ("rotary_base", "rotary_percent", "rope_scaling", "seq_len_interpolation_factor"):
+        return value if rope else None
+    if name == "rope_scaling_factor":
+        return value if rope and getattr(provider, "rope_scaling", False) else None
+    if name in ("window_attn_skip_freq", "rotary_base_local"):
+        return value if windows else None
+    if name.startswith("moe_"):
+        return value if experts else None
+    return value
+
+
 def architecture_mismatches(provider: Any, reference: Any) -> dict[str, tuple[Any, Any]]:
-    """Fields of :data:`ARCHITECTURE_FIELDS` where ``provider`` differs from ``reference``:
-    ``{field: (provider's value, reference's value)}`` (the class counts as ``"class"``)."""
+    """Fields of :data:`ARCHITECTURE_FIELDS` where ``provider`` computes differently from
+    ``reference``: ``{field: (provider's value, reference's value)}`` (the class counts as
+    ``"class"``; a field that has no effect, such as the RoPE base of a model without RoPE,
+    is not compared)."""
     found: dict[str, tuple[Any, Any]] = {}
     if type(provider).__qualname__ != type(reference).__qualname__:
         found["class"] = (type(provider).__name__, type(reference).__name__)
     for name in ARCHITECTURE_FIELDS:
-        mine, theirs = getattr(provider, name, None), getattr(reference, name, None)
+        mine, theirs = _effective(provider, name), _effective(reference, name)
         if not same_setting(mine, theirs):
-            found[name] = (mine, theirs)
+            found[name] = (getattr(provider, name, None), getattr(reference, name, None))
     return found
 
 
@@ -415,6 +443,7 @@ def match_family(provider: Any) -> tuple[HFFamily, dict[str, Any]]:
             "the checkpoint's model.vocab_size is unset; a Hugging Face config needs it"
         )
     differences: dict[str, dict[str, tuple[Any, Any]]] = {}
+    unwritable: dict[str, str] = {}  # families that cannot even write a config for it
     for family in registered_families():
         try:
             config = family.hf_config(provider)
@@ -426,22 +455,23 @@ def match_family(provider: Any) -> tuple[HFFamily, dict[str, Any]]:
         except NotImplementedError:
             continue
         except (ConversionError, KeyError, TypeError, ValueError) as exc:
-            differences[family.name] = {"(config)": (str(exc).splitlines()[0], None)}
+            unwritable[family.name] = str(exc).splitlines()[0]
             continue
         found = architecture_mismatches(provider, reference)
         if not found:
             return family, config
         differences[family.name] = found
     if not differences:
-        raise ConversionError("no Hugging Face family is registered")
-    common = set.intersection(*(set(found) for found in differences.values())) - {"(config)"}
+        name, reason = next(iter(unwritable.items()), ("-", "no family is registered"))
+        raise ConversionError(f"no Hugging Face family matches this model ({name}: {reason})")
+    common = set.intersection(*(set(found) for found in differences.values())) - {"class"}
     if common:
         fields = ", ".join(
-            f"{name}={_show(getattr(provider, name, None))}" for name in sorted(common - {"class"})
+            f"{name}={_show(getattr(provider, name, None))}" for name in sorted(common)
         )
         raise ConversionError(
-            f"no Hugging Face family has this model's {fields or 'provider class'}; give a "
-            "config.json with --hf-config if the architecture is one a family reads"
+            f"no Hugging Face family has this model's {fields}; give a config.json with "
+            "--hf-config if the architecture is one a family reads"
         )
     name, closest = min(differences.items(), key=lambda item: len(item[1]))
     listed = ", ".join(

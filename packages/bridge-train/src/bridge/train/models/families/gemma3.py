@@ -78,6 +78,14 @@ def _ropes(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return full, local
 
 
+def _query_pre_attn_scalar(provider: Any) -> int | float:
+    """The config's ``query_pre_attn_scalar`` for the provider's attention scale (an
+    integer when it is one: transformers' config declares an int)."""
+    scale = provider.softmax_scale or float(provider.kv_channels) ** -0.5
+    scalar = float(scale) ** -2
+    return round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar
+
+
 @register_family
 class Gemma3Family(HFFamily):
     """Gemma 3 (see the module docstring)."""
@@ -273,7 +281,7 @@ class Gemma3Family(HFFamily):
             "hidden_activation": "gelu_pytorch_tanh",
             "max_position_embeddings": int(provider.seq_length),
             "rms_norm_eps": float(provider.layernorm_epsilon),
-            "query_pre_attn_scalar": float(provider.softmax_scale) ** -2,
+            "query_pre_attn_scalar": _query_pre_attn_scalar(provider),
             "sliding_window": window,
             "layer_types": kinds,
             "rope_parameters": {
