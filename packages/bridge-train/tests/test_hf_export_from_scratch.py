@@ -142,9 +142,7 @@ def _train_and_export(rank: int, world: int, root: str, logits_of: Any) -> dict[
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_a_model_trained_from_scratch_exports_as_gpt2(
-    tmp_path: Path, family_parity: Any
-) -> None:
+def test_a_model_trained_from_scratch_exports_as_gpt2(tmp_path: Path, family_parity: Any) -> None:
     transformers = pytest.importorskip("transformers")
     from core_utils.testing import run_distributed
 

@@ -9,7 +9,9 @@ engine (CPU, gloo). Checked, in three forked process groups:
   z-loss logged every step and equal too;
 * resuming the EP=2 run from its step-5 checkpoint reproduces steps 6-10 bit for bit;
 * the trained checkpoint exported with ``bridge-convert`` loads in transformers and gives
-  the logits of the trained megatron model (within 1e-5 relative, left-padded batch).
+  the logits of the trained megatron model (within 1e-5 relative, left-padded batch);
+* a LoRA finetune at EP=2 puts adapters on attention and on every expert's MLP; its export
+  (adapters folded in) loads in transformers with the logits of base + adapters as trained.
 
 Extended tier: the same for Mixtral, and Qwen3-MoE at EP=2 x TP=2 on four ranks.
 """
@@ -34,6 +36,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1500)]
 
 ITERS = 10
 METRICS = ("lm loss", "load_balancing_loss", "z_loss")
+LORA = ("peft._target_=bridge.train.peft.LoRA", "peft.dim=4", "peft.alpha=8")
 
 
 def _hf_model(family: str, randomized: Any) -> Any:
@@ -116,30 +119,49 @@ def _train_expert_parallel(rank: int, world: int, root: str, extra: list[str]) -
             base, "resumed", *layout, f"checkpoint.load={base / 'ep'}", "checkpoint.ckpt_step=5"
         )
     )
+    if not extra:  # LoRA on attention and on every expert, from the imported weights
+        out["lora"] = _train(
+            _overrides(
+                base, "lora", *layout, *LORA, "train.train_iters=2", "checkpoint.save_interval=2"
+            )
+        )
     return out
 
 
-def _export_and_trainer_logits(rank: int, world: int, root: str, logits_of: Any) -> dict[str, Any]:
-    """Export the trained run; the trained megatron model's logits on the padded batch."""
+def _export_and_trainer_logits(
+    rank: int, world: int, root: str, logits_of: Any, runs: list[str]
+) -> dict[str, Any]:
+    """Export each trained run; the trained megatron model's logits on the padded batch
+    (a LoRA run: base plus adapters as trained, not merged)."""
     from bridge.config import ConfigContainer
     from bridge.train.checkpointing import find_latest_checkpoint
     from bridge.train.convert import cli
     from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
     from bridge.train.convert.exporter import load_model_for_export
+    from bridge.train.peft import LoRAAdapter
 
     base = Path(root)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = cli.main(["export", str(base / "ep"), str(base / "exported"), "--quiet"])
-    location = find_latest_checkpoint(str(base / "ep"))
-    assert location is not None
-    run_config = ConfigContainer.from_yaml(Path(location.path) / "run_config.yaml")
-    single = single_rank_copy(run_config.model)
-    with single_process_megatron(single):
-        model = load_model_for_export(Path(location.path), run_config, single)
-        model.eval()
-        logits = logits_of(model, None)
-    return {"export": (code, err.getvalue()), "logits": logits}
+    out: dict[str, Any] = {}
+    for run in runs:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = cli.main(["export", str(base / run), str(base / f"{run}_hf"), "--quiet"])
+        location = find_latest_checkpoint(str(base / run))
+        assert location is not None
+        run_config = ConfigContainer.from_yaml(Path(location.path) / "run_config.yaml")
+        single = single_rank_copy(run_config.model)
+        with single_process_megatron(single):
+            model = load_model_for_export(Path(location.path), run_config, single, merge=False)
+            adapted = sorted(
+                name for name, module in model.named_modules() if isinstance(module, LoRAAdapter)
+            )
+            model.eval()
+            out[run] = {
+                "export": (code, err.getvalue()),
+                "logits": logits_of(model, None),
+                "adapted": adapted,
+            }
+    return out
 
 
 def _series(path: Path) -> dict[str, dict[int, float]]:
@@ -158,10 +180,11 @@ def _run(
     checks.save(_hf_model(family, randomized), "hf")
     (single,) = run_distributed(_import_and_train_one_process, 1, str(root), timeout=900)
     ranks = run_distributed(_train_expert_parallel, world, str(root), extra, timeout=1200)
+    runs = ["ep"] if extra else ["ep", "lora"]
     (exported,) = run_distributed(
-        _export_and_trainer_logits, 1, str(root), checks.megatron_logits, timeout=600
+        _export_and_trainer_logits, 1, str(root), checks.megatron_logits, runs, timeout=600
     )
-    return {"root": root, "checks": checks, "single": single, "ranks": ranks, **exported}
+    return {"root": root, "checks": checks, "single": single, "ranks": ranks, "runs": exported}
 
 
 @pytest.fixture(scope="module")
@@ -195,19 +218,30 @@ def _check_resume_is_bit_exact(result: dict[str, Any]) -> None:
             assert value == uninterrupted[name][step], (name, step)
 
 
-def _check_export_reproduces_trainer(result: dict[str, Any]) -> None:
-    code, err = result["export"]
+def _check_export_reproduces_trainer(result: dict[str, Any], run: str = "ep") -> None:
+    trained = result["runs"][run]
+    code, err = trained["export"]
     assert code == 0, err
     checks = result["checks"]
-    exported = result["root"] / "exported"
+    exported = result["root"] / f"{run}_hf"
     source, tuned = checks.tensors(result["root"] / "hf"), checks.tensors(exported)
     assert sorted(source) == sorted(tuned)
-    assert any(not torch.equal(tuned[name], source[name]) for name in source)  # it trained
+    changed = {name for name in source if not torch.equal(tuned[name], source[name])}
+    assert changed  # it trained
     model = transformers.AutoModelForCausalLM.from_pretrained(exported).float().eval()
-    error = checks.relative_error(checks.hf_logits(model), result["logits"])
+    error = checks.relative_error(checks.hf_logits(model), trained["logits"])
     assert error <= 1e-5, error
     assert (exported / "tokenizer.json").is_file()
     assert (exported / "generation_config.json").is_file()
+    if run == "lora":  # adapters on attention and on every expert, folded in by the export
+        assert (
+            "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.adapter" in trained["adapted"]
+        )
+        assert "decoder.layers.0.self_attention.linear_qkv.adapter" in trained["adapted"]
+        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in changed
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in changed
+        assert "model.layers.0.self_attn.q_proj.weight" in changed
+        assert "model.layers.0.mlp.gate.weight" not in changed  # the router is not adapted
 
 
 def test_expert_parallel_training_equals_one_process(qwen3_moe: dict[str, Any]) -> None:
@@ -222,6 +256,11 @@ def test_trained_export_loads_in_transformers_with_the_trainers_logits(
     qwen3_moe: dict[str, Any],
 ) -> None:
     _check_export_reproduces_trainer(qwen3_moe)
+
+
+def test_lora_on_attention_and_experts_at_ep2_exports_merged(qwen3_moe: dict[str, Any]) -> None:
+    assert all(r["lora"] == 0 for r in qwen3_moe["ranks"])
+    _check_export_reproduces_trainer(qwen3_moe, "lora")
 
 
 @pytest.mark.extended
