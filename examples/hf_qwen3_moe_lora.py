@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -43,7 +44,8 @@ VOCAB = 1000
 def write_tiny_qwen3_moe(directory: Path) -> None:
     """A random Qwen3-MoE and a word-level tokenizer of ``VOCAB`` tokens."""
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
+    # head_dim is read from the keyword arguments (not a declared field of the config).
+    settings: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -59,6 +61,7 @@ def write_tiny_qwen3_moe(directory: Path) -> None:
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
+    config = transformers.Qwen3MoeConfig(**settings)
     transformers.Qwen3MoeForCausalLM(config).float().save_pretrained(directory)
     vocab = {"</s>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))

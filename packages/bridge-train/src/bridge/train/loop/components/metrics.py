@@ -91,6 +91,7 @@ class MetricsProcessor(Callback):
         self.report_memory_flag = True
         self.log_params_norm = bool(logger_cfg.log_params_norm)
         self.moe = bool(moe_track_names(cfg.model))
+        self.tensorboard_interval = int(logger_cfg.tensorboard_log_interval)
         total = _total_iterations(cfg)
         step = int(state.train_state.step)
         if progress is None:
@@ -122,7 +123,7 @@ class MetricsProcessor(Callback):
             from bridge.train.loop.batch_size import get_num_microbatches
 
             writers = state.metric_writers
-            due = context.iteration % cfg.logger.tensorboard_log_interval == 0
+            due = context.iteration % self.tensorboard_interval == 0
             report_moe_metrics(
                 cfg.model,
                 context.iteration,
