@@ -242,6 +242,41 @@ class FamilyParity:
         )
         return {**codes, "converted": self.tmp / "converted"}
 
+    def assert_logits_match(self, result: dict[str, Any], layout: str) -> None:
+        """The layout's logits equal transformers' within 1e-5 relative."""
+        error = _relative_error(result["layouts"][layout], result["reference"])
+        assert error <= 1e-5, (layout, error)
+
+    def assert_saved_is_source(self, result: dict[str, Any], saved: Path | None = None) -> None:
+        """A save (default: ``save_hf_pretrained``'s) holds the source's tensors bit for
+        bit and loads in transformers with the source's logits and tokenizer."""
+        import torch
+        import transformers
+
+        out = result["export"] if saved is None else saved
+        source, written = self.tensors(result["hf"]), self.tensors(out)
+        assert sorted(source) == sorted(written)
+        for name, tensor in source.items():
+            assert written[name].dtype == tensor.dtype, name
+            assert torch.equal(written[name], tensor), name
+        model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+        assert torch.equal(_hf_logits(model), result["reference"])
+        assert (out / "tokenizer.json").is_file()
+        assert (out / "generation_config.json").is_file()
+
+    @staticmethod
+    def refusal(config: dict[str, Any]) -> str:
+        """The one-line message ``provider_from_hf_config`` refuses ``config`` with."""
+        from bridge.train.convert import ConversionError, provider_from_hf_config
+
+        try:
+            provider_from_hf_config(config)
+        except ConversionError as exc:
+            message = str(exc)
+            assert "\n" not in message, message
+            return message
+        raise AssertionError(f"not refused: {config}")
+
     @staticmethod
     def relative_error(got: Any, want: Any) -> float:
         """max |got - want| / max |want| over the batch's real positions."""

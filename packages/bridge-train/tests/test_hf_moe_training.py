@@ -66,7 +66,7 @@ def _hf_model(family: str, randomized: Any) -> Any:
     return randomized(transformers.Qwen3MoeForCausalLM(config))
 
 
-def _overrides(root: Path, name: str, *extra: str) -> list[str]:
+def _overrides(root: Path, name: str, *extra: str, iters: int = ITERS) -> list[str]:
     return [
         "--config",
         str(root / "ckpt" / "iter_0000000" / "run_config.yaml"),
@@ -74,12 +74,12 @@ def _overrides(root: Path, name: str, *extra: str) -> list[str]:
         str(root / f"{name}.jsonl"),
         "--no-print-config",
         f"checkpoint.save={root / name}",
-        "checkpoint.save_interval=5",
-        f"train.train_iters={ITERS}",
+        f"checkpoint.save_interval={min(5, iters)}",
+        f"train.train_iters={iters}",
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
         "train.eval_iters=0",
-        "scheduler.lr_warmup_iters=2",
+        f"scheduler.lr_warmup_iters={2 if iters > 2 else 0}",
         "logger.log_interval=5",
         "logger.tensorboard_log_interval=1",
         "model.seq_length=16",
@@ -120,11 +120,7 @@ def _train_expert_parallel(rank: int, world: int, root: str, extra: list[str]) -
         )
     )
     if not extra:  # LoRA on attention and on every expert, from the imported weights
-        out["lora"] = _train(
-            _overrides(
-                base, "lora", *layout, *LORA, "train.train_iters=2", "checkpoint.save_interval=2"
-            )
-        )
+        out["lora"] = _train(_overrides(base, "lora", *layout, *LORA, iters=2))
     return out
 
 

@@ -18,13 +18,11 @@ names the differing fields when there is none.
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
+from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting
 from bridge.train.models.families.config_fields import require
 from bridge.train.models.families.errors import ConversionError
 from bridge.train.models.families.mapping import ParamMapping
@@ -42,50 +40,6 @@ __all__ = [
     "same_setting",
     "supported_model_types",
 ]
-
-ARCHITECTURE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "gated_linear_unit",
-    "activation_func",
-    "normalization",
-    "layernorm_epsilon",
-    "layernorm_zero_centered_gamma",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "share_embeddings_and_output_weights",
-    "position_embedding_type",
-    "rotary_base",
-    "rotary_base_local",
-    "rotary_percent",
-    "rope_scaling",
-    "rope_scaling_factor",
-    "seq_len_interpolation_factor",
-    "window_size",
-    "window_attn_skip_freq",
-    "softmax_scale",
-    "multi_latent_attention",
-    "num_moe_experts",
-    "moe_router_topk",
-    "moe_ffn_hidden_size",
-    "moe_layer_freq",
-    "moe_router_pre_softmax",
-    "moe_router_score_function",
-    "moe_router_topk_scaling_factor",
-    "moe_router_num_groups",
-    "moe_router_group_topk",
-    "moe_router_enable_expert_bias",
-    "moe_shared_expert_intermediate_size",
-    "apply_residual_connection_post_layernorm",
-)
-"""Provider fields that change what the model computes (compared by :func:`match_family`
-and by the exporter against a given ``config.json``)."""
 
 # megatron's CUDA-only fusions, off so the same provider runs on CPU (set them back for GPUs).
 _CPU_SAFE = {
@@ -362,29 +316,6 @@ def provider_from_hf_config(
         return family.provider_class()(**kwargs)
     except ValueError as exc:
         raise ConversionError(str(exc).splitlines()[0]) from None
-
-
-def _callable_key(value: Callable[..., Any]) -> Any:
-    if isinstance(value, functools.partial):
-        return (_callable_key(value.func), value.args, tuple(sorted(value.keywords.items())))
-    return (getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
-
-
-def same_setting(a: Any, b: Any) -> bool:
-    """Whether two provider field values mean the same (callables by what they call,
-    sequences by their items, numbers by value)."""
-    if callable(a) and callable(b):
-        return bool(_callable_key(a) == _callable_key(b))
-    numbers = (int, float)
-    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
-        # Values that went through a config.json (x ** -0.5 and back) differ in the last bit.
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_setting(x, y) for x, y in zip(a, b, strict=True))
-    try:
-        return bool(a == b)
-    except Exception:  # tensors and other objects without a boolean equality
-        return a is b
 
 
 def _effective(provider: Any, name: str) -> Any:

@@ -34,8 +34,8 @@ from bridge.train.models.families.llama import hf_rope_parameters
 from bridge.train.models.families.mapping import (
     ParamMapping,
     direct,
-    fused_qkv,
     gated_fc1,
+    self_attention,
     vocab_rows,
 )
 
@@ -215,21 +215,9 @@ class Gemma3Family(HFFamily):
         ]
         for layer in range(int(config["num_hidden_layers"])):
             m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
-            a = f"{h}self_attn."
+            maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
+            maps += self_attention(m, f"{h}self_attn.", heads, groups, head_dim, qk_norm=True)
             maps += [
-                direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"),
-                fused_qkv(
-                    f"{m}self_attention.linear_qkv.weight",
-                    f"{a}q_proj.weight",
-                    f"{a}k_proj.weight",
-                    f"{a}v_proj.weight",
-                    heads,
-                    groups,
-                    head_dim,
-                ),
-                direct(f"{m}self_attention.q_layernorm.weight", f"{a}q_norm.weight"),
-                direct(f"{m}self_attention.k_layernorm.weight", f"{a}k_norm.weight"),
-                direct(f"{m}self_attention.linear_proj.weight", f"{a}o_proj.weight"),
                 direct(f"{m}self_attn_bda.norm.weight", f"{h}post_attention_layernorm.weight"),
                 direct(f"{m}pre_mlp_layernorm.weight", f"{h}pre_feedforward_layernorm.weight"),
                 gated_fc1(

@@ -27,8 +27,8 @@ from bridge.train.models.families.config_fields import (
 from bridge.train.models.families.mapping import (
     ParamMapping,
     direct,
-    fused_qkv,
     gated_fc1,
+    self_attention,
     vocab_rows,
 )
 
@@ -147,41 +147,16 @@ class LlamaFamily(HFFamily):
         provider fields (``kwargs``) have them; ``m`` / ``h``: the layer's megatron and
         Hugging Face name prefixes."""
         heads = int(config["num_attention_heads"])
-        groups = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        a = f"{h}self_attn."
-        maps = [
-            fused_qkv(
-                f"{m}self_attention.linear_qkv.weight",
-                f"{a}q_proj.weight",
-                f"{a}k_proj.weight",
-                f"{a}v_proj.weight",
-                heads,
-                groups,
-                head_dim,
-            ),
-            direct(f"{m}self_attention.linear_proj.weight", f"{a}o_proj.weight"),
-        ]
-        if kwargs.get("add_qkv_bias") or kwargs.get("add_bias_linear"):
-            maps.append(
-                fused_qkv(
-                    f"{m}self_attention.linear_qkv.bias",
-                    f"{a}q_proj.bias",
-                    f"{a}k_proj.bias",
-                    f"{a}v_proj.bias",
-                    heads,
-                    groups,
-                    head_dim,
-                )
-            )
-        if kwargs.get("add_bias_linear"):
-            maps.append(direct(f"{m}self_attention.linear_proj.bias", f"{a}o_proj.bias"))
-        if kwargs.get("qk_layernorm"):
-            maps += [
-                direct(f"{m}self_attention.q_layernorm.weight", f"{a}q_norm.weight"),
-                direct(f"{m}self_attention.k_layernorm.weight", f"{a}k_norm.weight"),
-            ]
-        return maps
+        return self_attention(
+            m,
+            f"{h}self_attn.",
+            heads,
+            int(config.get("num_key_value_heads") or heads),
+            int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            qkv_bias=bool(kwargs.get("add_qkv_bias") or kwargs.get("add_bias_linear")),
+            proj_bias=bool(kwargs.get("add_bias_linear")),
+            qk_norm=bool(kwargs.get("qk_layernorm")),
+        )
 
     def mlp_mappings(
         self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str

@@ -37,6 +37,7 @@ __all__ = [
     "fused_qkv",
     "gated_fc1",
     "routed_experts",
+    "self_attention",
     "vocab_rows",
 ]
 
@@ -152,5 +153,65 @@ def routed_experts(
         maps += [
             gated_fc1(f"{expert}linear_fc1.weight", gate, up),
             direct(f"{expert}linear_fc2.weight", down),
+        ]
+    return maps
+
+
+def self_attention(
+    layer: str,
+    hf_attention: str,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    *,
+    qkv_bias: bool = False,
+    proj_bias: bool = False,
+    qk_norm: bool = False,
+) -> list[ParamMapping]:
+    """A Llama-shaped attention block: ``q_proj`` / ``k_proj`` / ``v_proj`` fused into
+    ``linear_qkv``, ``o_proj`` as ``linear_proj``, optional biases and QK norms
+    (``q_norm`` / ``k_norm`` as ``q_layernorm`` / ``k_layernorm``).
+
+    Args:
+        layer: The megatron layer prefix (``decoder.layers.{i}.``).
+        hf_attention: The Hugging Face attention prefix (``model.layers.{i}.self_attn.``).
+        heads: Query heads.
+        groups: Key/value heads.
+        head_dim: Channels per head.
+        qkv_bias: Q, K and V have biases.
+        proj_bias: The output projection has a bias.
+        qk_norm: Queries and keys are normed per head.
+    """
+    m, a = f"{layer}self_attention.", hf_attention
+    maps = [
+        fused_qkv(
+            f"{m}linear_qkv.weight",
+            f"{a}q_proj.weight",
+            f"{a}k_proj.weight",
+            f"{a}v_proj.weight",
+            heads,
+            groups,
+            head_dim,
+        ),
+        direct(f"{m}linear_proj.weight", f"{a}o_proj.weight"),
+    ]
+    if qkv_bias:
+        maps.append(
+            fused_qkv(
+                f"{m}linear_qkv.bias",
+                f"{a}q_proj.bias",
+                f"{a}k_proj.bias",
+                f"{a}v_proj.bias",
+                heads,
+                groups,
+                head_dim,
+            )
+        )
+    if proj_bias:
+        maps.append(direct(f"{m}linear_proj.bias", f"{a}o_proj.bias"))
+    if qk_norm:
+        maps += [
+            direct(f"{m}q_layernorm.weight", f"{a}q_norm.weight"),
+            direct(f"{m}k_layernorm.weight", f"{a}k_norm.weight"),
         ]
     return maps
