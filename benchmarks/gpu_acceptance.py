@@ -768,7 +768,7 @@ ROWS: tuple[Row, ...] = (
         "llama_1b",
         "3. Llama-1B shape, largest micro batch: tokens/s, TFLOP/s, MFU, memory, vs bare loop",
         row_llama_1b,
-        limit_s=200,
+        limit_s=240,
     ),
     Row(
         "checkpoint",

@@ -634,7 +634,8 @@ def checkpoint(
     size = _size_bytes(dir_a)
     if not clock_a.saves:
         raise RuntimeError("the synchronous save was never committed (no on_save)")
-    sync_blocked = clock_a.saves[-1][1] - clock_a.starts[-1] - duration
+    # Differences of wall times: clamped at 0, where a toy-sized save is below the noise.
+    sync_blocked = max(clock_a.saves[-1][1] - clock_a.starts[-1] - duration, 0.0)
 
     clock_b = _make_clock()
     clock_b.on_start = lambda: shutil.rmtree(dir_a, ignore_errors=True)
@@ -655,7 +656,7 @@ def checkpoint(
         raise RuntimeError(f"the load + asynchronous-save run exited with {code_b}")
     intervals_b = _intervals(clock_b)
     first_save = interval - 1  # index of iteration 2 * interval in run B (resumed at interval)
-    async_blocked = intervals_b[first_save] - step
+    async_blocked = max(intervals_b[first_save] - step, 0.0)
     commit_step, commit_time = clock_b.saves[0] if clock_b.saves else (None, None)
     overlapped = intervals_b[first_save + 1 : commit_step] if commit_step else []
     slowdown = sum(max(d - step, 0.0) for d in overlapped)

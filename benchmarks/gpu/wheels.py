@@ -272,8 +272,10 @@ def _sha256(path: Path) -> str:
 
 
 def _pip() -> list[str]:
-    """A pip to download with: this interpreter's, else ``python3``'s (a uv venv has none)."""
-    for python in (sys.executable, shutil.which("python3")):
+    """A pip to download with: this interpreter's, else its base interpreter's or
+    ``python3``'s (a uv venv has no pip of its own)."""
+    base = getattr(sys, "_base_executable", None)
+    for python in (sys.executable, base, shutil.which("python3")):
         if python is None:
             continue
         probe = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, check=False)
@@ -282,10 +284,18 @@ def _pip() -> list[str]:
     raise RuntimeError("no pip found (neither this Python nor python3 has it)")
 
 
-def pip_download_command(entries: Iterable[WheelPlan], directory: Path) -> list[str]:
-    """The ``pip download`` command line for the carried registry wheels."""
+def pip_download_command(
+    entries: Iterable[WheelPlan], directory: Path, pip: list[str] | None = None
+) -> list[str]:
+    """The ``pip download`` command line for the carried registry wheels.
+
+    Args:
+        entries: The plan (only ``download`` entries are named).
+        directory: Where pip saves them.
+        pip: The pip to run (default: ``python3 -m pip``).
+    """
     command = [
-        *_pip(),
+        *(pip or ["python3", "-m", "pip"]),
         "download",
         "--no-deps",
         "--only-binary=:all:",
@@ -334,7 +344,7 @@ def download(directory: Path, entries: list[WheelPlan] | None = None) -> list[Pa
             )
     downloads = [e for e in entries if e.source == "download"]
     if downloads:
-        subprocess.run(pip_download_command(downloads, directory), check=True)
+        subprocess.run(pip_download_command(downloads, directory, _pip()), check=True)
     for entry in downloads:
         assert entry.filename is not None
         path = directory / entry.filename
