@@ -47,8 +47,8 @@ def _build(directory: Path) -> dict[str, Any]:
 
     from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
     from bridge.train import GlobalState
-    from bridge.train.bare_loop import train_steps
-    from bridge.train.engines import PortableEngine
+    from bridge.train.engine.portable import PortableEngine
+    from bridge.train.loop.bare_loop import train_steps
     from bridge.train.testing import (
         tiny_dist_config,
         tiny_gpt_provider,

@@ -51,6 +51,7 @@ from framework_overhead import (  # type: ignore[import-not-found]
 
 from bridge.config import LoggerConfig
 from bridge.train import forward_step, pretrain
+from bridge.train.metrics import read_metrics_file
 from bridge.train.testing import (
     tiny_config_container,
     tiny_gpt_provider,
@@ -58,7 +59,6 @@ from bridge.train.testing import (
     tiny_optimizer_config,
     tiny_train_config,
 )
-from bridge.train.training import read_metrics_file
 from core_utils.testing import find_free_port, run_distributed
 
 # side name -> (train.engine, optimizer.use_distributed_optimizer)

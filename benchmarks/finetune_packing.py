@@ -66,7 +66,8 @@ def _step_time(
 
 
 def _build(seq: int, peft: Any = None) -> tuple[Any, Any, Any]:
-    from bridge.train.engines import PortableEngine, build_portable_optimizer
+    from bridge.train.engine.portable import PortableEngine
+    from bridge.train.engine.portable_optimizer import build_portable_optimizer
     from bridge.train.peft import apply_peft
     from bridge.train.testing import (
         tiny_dist_config,
@@ -120,7 +121,7 @@ def main() -> None:
     from bridge.train.data.packing import PackedSFTDataset
     from bridge.train.data.sft import SFTDataset, load_tokenized_examples, sft_settings
     from bridge.train.data.tokenizers import ByteLevelTokenizer
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine.initialize import destroy_distributed
     from bridge.train.peft import LoRA
     from core_utils.testing import find_free_port
 

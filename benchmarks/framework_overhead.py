@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from bridge.config import LoggerConfig
 from bridge.train import Callback, forward_step, pretrain
+from bridge.train.metrics import read_metrics_file
 from bridge.train.testing import (
     TINY_VOCAB,
     tiny_config_container,
@@ -57,7 +58,6 @@ from bridge.train.testing import (
     tiny_scheduler_config,
     tiny_train_config,
 )
-from bridge.train.training import read_metrics_file
 from core_utils.testing import find_free_port
 
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 256}

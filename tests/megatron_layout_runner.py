@@ -158,8 +158,8 @@ def run_layout(name: str) -> dict[str, list[float]]:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from bridge.train.bare_loop import train_steps
-    from bridge.train.engines import build_engine
+    from bridge.train.engine import build_engine
+    from bridge.train.loop.bare_loop import train_steps
     from bridge.train.state import GlobalState
     from bridge.train.testing import (
         tiny_dist_config,
@@ -217,7 +217,7 @@ def run_layout(name: str) -> dict[str, list[float]]:
 def main() -> None:
     out_path, names = sys.argv[1], sys.argv[2:]
     results = {name: run_layout(name) for name in names}
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine.initialize import destroy_distributed
 
     rank = dist.get_rank()
     destroy_distributed()

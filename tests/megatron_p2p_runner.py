@@ -1,7 +1,7 @@
 """``megatron_layout_runner.py`` with two more layouts: PP=2 x VPP=2 with batched p2p.
 
 ``pp2_vpp2_batched`` is the combination ``bridge-train`` refuses at config time
-(``model.batch_p2p_comm``, see ``bridge.train.engines.layout_checks``), run here through the
+(``model.batch_p2p_comm``, see ``bridge.train.checks.layout``), run here through the
 engine API, which does not check it, to show what the refusal prevents;
 ``pp2_vpp2_overlap`` is what Megatron-LM selects for PP=2 with a virtual pipeline.
 

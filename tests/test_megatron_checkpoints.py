@@ -28,13 +28,13 @@ import pytest
 
 from bridge.config import CheckpointConfig, DistributedDataParallelConfig, LoggerConfig
 from bridge.train import forward_step, pretrain
+from bridge.train.metrics import read_metrics_file
 from bridge.train.testing import (
     tiny_config_container,
     tiny_gpt_provider,
     tiny_optimizer_config,
     tiny_train_config,
 )
-from bridge.train.training import read_metrics_file
 from core_utils.testing import run_distributed
 
 ITERS, SAVE_AT = 20, 10

@@ -34,6 +34,7 @@ from bridge.config import (
     TokenizerConfig,
 )
 from bridge.train import pretrain
+from bridge.train.metrics import read_metrics_file
 from bridge.train.testing import (
     tiny_config_container,
     tiny_gpt_provider,
@@ -41,7 +42,6 @@ from bridge.train.testing import (
     tiny_train_config,
     write_tiny_sft_task,
 )
-from bridge.train.training import read_metrics_file
 from core_utils.testing import run_distributed
 
 SEQ = 32
@@ -116,8 +116,8 @@ def _optimized_params(optimizer: Any) -> set[int]:
 
 def _frozen_base_check(rank: int, world: int, distributed: bool) -> dict[str, Any]:
     """Build a LoRA model with the megatron engine: what its grad buffers and optimizer hold."""
-    from bridge.train.engines import MegatronEngine
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine import MegatronEngine
+    from bridge.train.engine.initialize import destroy_distributed
     from bridge.train.peft import LoRA, apply_peft
     from bridge.train.testing import tiny_dist_config, tiny_rng_config, tiny_scheduler_config
 

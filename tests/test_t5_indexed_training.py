@@ -15,7 +15,7 @@ import pytest
 
 from bridge.train.data.preprocess import preprocess_data
 from bridge.train.data.tokenizers import ByteLevelTokenizer
-from bridge.train.training import read_metrics_file
+from bridge.train.metrics import read_metrics_file
 from core_utils.testing import run_torchrun
 
 ITERS = 20

@@ -46,12 +46,12 @@ SCRIPT = textwrap.dedent(
     import torch
     from bridge.config import ConfigContainer
     from bridge.train import GlobalState
-    from bridge.train.bare_loop import train_steps
+    from bridge.train.loop.bare_loop import train_steps
     from bridge.train.data import (
         build_tokenizer, build_train_valid_test_data_iterators, build_train_valid_test_datasets,
         train_valid_test_num_samples,
     )
-    from bridge.train.engines import build_engine
+    from bridge.train.engine import build_engine
 
     def main() -> None:
         config_path, out_path = sys.argv[1], sys.argv[2]

@@ -199,7 +199,7 @@ def _slow_steps(seconds):
     from bridge.train import forward_step
 
     # (the package re-exports the function under the module's name)
-    module = importlib.import_module("bridge.train.training.pretrain")
+    module = importlib.import_module("bridge.train.loop.pretrain")
 
     pretrain = module.pretrain
 

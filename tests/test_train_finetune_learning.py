@@ -23,8 +23,8 @@ import pytest
 
 from bridge.config import FinetuningDatasetConfig, load_config
 from bridge.train import pretrain
+from bridge.train.metrics import read_metrics_file
 from bridge.train.recipes import recipe_path
-from bridge.train.training import read_metrics_file
 from core_utils.testing import run_distributed
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "sft_addition"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.train.training import read_metrics_file
+from bridge.train.metrics import read_metrics_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MAKE_CORPUS = EXAMPLES / "data" / "make_docstring_corpus.py"

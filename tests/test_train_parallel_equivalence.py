@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.train.training import read_metrics_file
+from bridge.train.metrics import read_metrics_file
 from core_utils.testing import run_torchrun
 
 ITERS = 8

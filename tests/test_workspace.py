@@ -162,6 +162,19 @@ def _dotted(node: ast.expr) -> str:
     return ".".join([node.id, *reversed(parts)])
 
 
+def _all_names(path: Path, value: ast.expr) -> list[str]:
+    """An ``__all__`` written as a literal list, or derived from a literal table (the
+    package's value then comes from importing it)."""
+    try:
+        return list(ast.literal_eval(value))
+    except ValueError:
+        import importlib
+
+        parts = path.with_suffix("").parts[path.parts.index("src") + 1 :]
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        return list(importlib.import_module(module).__all__)
+
+
 def _is_private(name: str) -> bool:
     # A dunder (``__straggler__``, ``__version__``) is a protocol name, not a private one.
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
@@ -181,7 +194,7 @@ def test_no_all_lists_a_private_name() -> None:
                     and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
                 ):
                     continue
-                for name in ast.literal_eval(node.value):
+                for name in _all_names(path, node.value):
                     if name.startswith("_"):
                         offenders.append(f"{path.relative_to(ROOT)}: __all__ lists {name}")
     assert not offenders, "\n".join(offenders)

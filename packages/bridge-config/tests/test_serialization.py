@@ -474,3 +474,23 @@ def test_special_floats_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "f.yaml"
     cfg.to_yaml(path)
     assert ConfigContainer.from_yaml(path) == cfg
+
+
+def test_a_config_naming_a_moved_module_still_loads(
+    container: ConfigContainer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saved config keeps loading after the class it names moved to another module."""
+    from bridge.config import _codec
+
+    monkeypatch.setattr(_codec, "_MOVED_IMPORTS", {})
+    data = container.to_dict()
+    current = data["model"]["_target_"]
+    module, _, name = current.rpartition(".")
+    data["model"]["_target_"] = f"old_home.for_{name.lower()}.{name}"
+    with pytest.raises(ConfigError, match="old_home"):
+        ConfigContainer.from_dict(data)
+    bc.register_moved_import(f"old_home.for_{name.lower()}", module)
+    loaded = ConfigContainer.from_dict(data)
+    assert loaded == container
+    # Saving writes where the class lives now.
+    assert loaded.to_dict()["model"]["_target_"] == current

@@ -30,7 +30,6 @@ import torch
 
 from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
 from bridge.train import GlobalState
-from bridge.train.bare_loop import train_steps
 from bridge.train.checkpointing import (
     CheckpointError,
     finalize_async_saves,
@@ -39,7 +38,8 @@ from bridge.train.checkpointing import (
     pending_async_saves,
     save_checkpoint,
 )
-from bridge.train.engines import PortableEngine
+from bridge.train.engine.portable import PortableEngine
+from bridge.train.loop.bare_loop import train_steps
 from bridge.train.testing import (
     tiny_dist_config,
     tiny_gpt_provider,

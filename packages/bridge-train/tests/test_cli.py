@@ -17,8 +17,8 @@ import yaml
 
 from bridge.config import ConfigContainer
 from bridge.train.cli import EXIT_CONFIG_ERROR, main, run
+from bridge.train.metrics import read_metrics_file
 from bridge.train.recipes import RECIPES, recipe_path
-from bridge.train.training import read_metrics_file
 from core_utils.testing import run_distributed
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bridge.config import ConfigError, DistributedDataParallelConfig
-from bridge.train.comm_overlap import CommOverlapConfig
+from bridge.train.engine.comm_overlap import CommOverlapConfig
 from bridge.train.testing import (
     tiny_config_container,
     tiny_gpt_provider,

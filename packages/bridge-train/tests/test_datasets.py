@@ -11,7 +11,6 @@ import torch
 
 from bridge.config import GPTDatasetConfig
 from bridge.train import GlobalState, TrainState
-from bridge.train.bare_loop import train_steps
 from bridge.train.data import (
     ByteLevelTokenizer,
     build_gpt_dataset_config,
@@ -20,7 +19,8 @@ from bridge.train.data import (
     preprocess_data,
     train_valid_test_num_samples,
 )
-from bridge.train.engines import PortableEngine
+from bridge.train.engine.portable import PortableEngine
+from bridge.train.loop.bare_loop import train_steps
 from bridge.train.testing import (
     tiny_dist_config,
     tiny_gpt_provider,
@@ -72,7 +72,7 @@ def test_missing_data_path_is_named_with_its_field_before_anything_runs(tmp_path
 def _single_rank(
     rank: int, world: int, prefix: str, other_prefix: str, documents: list[str]
 ) -> dict:
-    from bridge.train.initialize import initialize_distributed
+    from bridge.train.engine.initialize import initialize_distributed
 
     provider = tiny_gpt_provider(vocab_size=258)
     initialize_distributed(provider, tiny_dist_config())
@@ -232,7 +232,7 @@ def _framed_runs(ids: list[int], eod: int) -> list[list[int]]:
 def _shared_cache(rank: int, world: int, prefix: str, cache: str) -> dict:
     from megatron.core import parallel_state
 
-    from bridge.train.initialize import initialize_distributed
+    from bridge.train.engine.initialize import initialize_distributed
 
     provider = tiny_gpt_provider(vocab_size=258)
     initialize_distributed(provider, tiny_dist_config())

@@ -9,14 +9,10 @@ import torch
 import torch.distributed as dist
 
 from bridge.config import DistributedDataParallelConfig
-from bridge.train.engines import (
-    Engine,
-    MegatronEngine,
-    PortableDistributedDataParallel,
-    PortableEngine,
-    build_engine,
-)
-from bridge.train.initialize import resolve_distributed_backend, validate_parallel_layout
+from bridge.train.engine import Engine, MegatronEngine, build_engine
+from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
+from bridge.train.engine.portable import PortableEngine
+from bridge.train.engine.portable_ddp import PortableDistributedDataParallel
 from bridge.train.testing import tiny_dist_config, tiny_gpt_provider
 
 
@@ -43,7 +39,7 @@ def test_megatron_engine_builds_on_cpu_without_touching_process_state() -> None:
 def _megatron_engine_lifetime(rank: int, world_size: int) -> dict[str, object]:
     from megatron.core import tensor_parallel
 
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine.initialize import destroy_distributed
     from core_utils import cuda_emulation_active
 
     original_stream = torch.cuda.current_stream

@@ -240,8 +240,8 @@ def _preprocess(kind: str, directory: Path, corpus: Path) -> tuple[str, Tokenize
 def _train_each(rank: int, world: int, runs: list[tuple[str, str, TokenizerConfig]]) -> Any:
     from bridge.config import GPTDatasetConfig
     from bridge.train import pretrain
-    from bridge.train.gpt_step import forward_step
     from bridge.train.models import GPTModelProvider
+    from bridge.train.models.gpt_step import forward_step
     from bridge.train.testing import (
         tiny_config_container,
         tiny_gpt_provider,
@@ -279,7 +279,7 @@ def _train_each(rank: int, world: int, runs: list[tuple[str, str, TokenizerConfi
 def test_preprocess_and_train_with_each_type(tmp_path: Path, corpus_jsonl: Path) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from bridge.train.training import read_metrics_file
+    from bridge.train.metrics import read_metrics_file
 
     runs = []
     for kind in _TYPES:

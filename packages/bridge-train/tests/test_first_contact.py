@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from bridge.config import ConfigContainer, ConfigError
+from bridge.train.checks.launch import check_launch_environment, shared_store_restart_notice
 from bridge.train.cli import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, main, run
-from bridge.train.launch_checks import check_launch_environment, shared_store_restart_notice
 from bridge.train.recipes import RECIPES, recipe_path
 
 _NO_TORCH_PROBE = textwrap.dedent(
@@ -125,7 +125,7 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
         (["dataset.data_sharding=false"], "dataset.data_sharding: false is not supported"),
         (
             [
-                "comm_overlap._target_=bridge.train.comm_overlap.CommOverlapConfig",
+                "comm_overlap._target_=bridge.train.engine.comm_overlap.CommOverlapConfig",
                 "comm_overlap.overlap_param_gather=true",
             ],
             "comm_overlap.overlap_param_gather: got true; the parameter all-gather exists only",

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from bridge.train import GPTModelProvider
-from bridge.train.flops import num_floating_point_operations
+from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.testing import tiny_gpt_provider
 from core_utils.testing import run_distributed
 
@@ -99,7 +99,7 @@ def test_flops_scale_with_batch_and_reject_bad_input() -> None:
 def _count_with_torch(rank: int, world: int, provider: GPTModelProvider, batch: int):
     from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-    from bridge.train.initialize import initialize_distributed
+    from bridge.train.engine.initialize import initialize_distributed
     from bridge.train.testing import tiny_dist_config
 
     def sdpa_fwd(query_shape, key_shape, value_shape, *args, **kwargs) -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bridge.train import GlobalState, forward_step
-from bridge.train.gpt_step import get_batch, masked_next_token_loss
+from bridge.train.models.gpt_step import get_batch, masked_next_token_loss
 from core_utils import Timers
 from core_utils.testing import run_distributed
 

@@ -133,7 +133,7 @@ def _megatron_logits(ckpt: str, tokens: torch.Tensor, tp: int) -> torch.Tensor:
 
     from bridge.config import CheckpointConfig, ConfigContainer, DistributedInitConfig
     from bridge.train.checkpointing import load_checkpoint
-    from bridge.train.initialize import initialize_distributed
+    from bridge.train.engine.initialize import initialize_distributed
     from bridge.train.state import TrainState
 
     cfg = ConfigContainer.from_yaml(Path(ckpt) / "iter_0000000" / "run_config.yaml")
@@ -282,8 +282,8 @@ def _pipeline_logits(
 
     from bridge.config import CheckpointConfig, ConfigContainer, DistributedInitConfig
     from bridge.train.checkpointing import load_checkpoint, save_checkpoint
-    from bridge.train.engines import build_engine
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine import build_engine
+    from bridge.train.engine.initialize import destroy_distributed
     from bridge.train.state import TrainState
 
     cfg = ConfigContainer.from_yaml(Path(ckpt) / "iter_0000000" / "run_config.yaml")

@@ -14,8 +14,8 @@ import torch
 
 from bridge.config import ConfigError
 from bridge.train import GPTModelProvider
+from bridge.train.checks.layout import check_engine_config, check_pipeline_p2p
 from bridge.train.cli import EXIT_CONFIG_ERROR, main
-from bridge.train.engines.layout_checks import check_engine_config, check_pipeline_p2p
 
 
 def _model(**fields: Any) -> GPTModelProvider:

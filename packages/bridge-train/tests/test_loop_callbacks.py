@@ -36,11 +36,11 @@ from bridge.train import (
     pretrain,
 )
 from bridge.train.cli import EXIT_CALLBACK_ERROR, EXIT_CONFIG_ERROR, main
+from bridge.train.loop.components import Checkpointer
+from bridge.train.loop.run_loop import run_loop
+from bridge.train.metrics import read_metrics_file
 from bridge.train.recipes import DEFAULT_RECIPE, recipe_path
 from bridge.train.testing import tiny_config_container, tiny_train_config
-from bridge.train.training import read_metrics_file
-from bridge.train.training.components import Checkpointer
-from bridge.train.training.loop import run_loop
 from core_utils import CallbackList
 from core_utils.testing import run_distributed
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from bridge.train.bare_loop import train_steps
-from bridge.train.engines import PortableEngine
+from bridge.train.engine.portable import PortableEngine
+from bridge.train.loop.bare_loop import train_steps
 from bridge.train.peft import LoRA, LoRAAdapter, apply_peft, merge_adapters
 from bridge.train.testing import (
     tiny_dist_config,
@@ -105,7 +105,7 @@ def _train(tp: int, mbs: int, gbs: int) -> dict[str, Any]:
 
 
 def _single(rank: int, world: int) -> dict[str, Any]:
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine.initialize import destroy_distributed
 
     out = _train(1, 2, 4)
     model = out.pop("model")
@@ -200,7 +200,7 @@ def _engine_vs_plain_adam(steps: int = 3) -> dict[str, Any]:
 
 
 def _parallel(rank: int, world: int) -> dict[str, Any]:
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine.initialize import destroy_distributed
 
     results = {}
     for name, tp, mbs, gbs in (("tp2", 2, 2, 4), ("dp2", 1, 1, 4)):

@@ -9,7 +9,7 @@ import torch
 
 from bridge.config import ConfigContainer
 from bridge.train import MambaProvider
-from bridge.train.flops import num_floating_point_operations
+from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.models.mamba_provider import resolve_hybrid_backend
 from core_utils.testing import run_distributed
 
@@ -95,7 +95,7 @@ def test_yaml_round_trip_gives_a_mamba_provider(tmp_path) -> None:
 
 
 def _build(rank: int, world: int, provider: MambaProvider):
-    from bridge.train.initialize import initialize_distributed
+    from bridge.train.engine.initialize import initialize_distributed
     from bridge.train.testing import tiny_dist_config
 
     initialize_distributed(provider, tiny_dist_config())

@@ -17,8 +17,8 @@ import pytest
 
 from bridge.config import load_config
 from bridge.train.checkpointing import CheckpointError, read_tracker
+from bridge.train.loop.pretrain_mimo import pretrain_mimo
 from bridge.train.recipes import recipe_path
-from bridge.train.recipes.mimo import pretrain_mimo
 from core_utils.callbacks import Callback
 from core_utils.testing import run_distributed
 

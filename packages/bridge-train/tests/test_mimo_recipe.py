@@ -11,8 +11,13 @@ import pytest
 
 from bridge.config import ConfigContainer, ConfigError, load_config
 from bridge.train.cli import run
+from bridge.train.loop.pretrain_mimo import (
+    MimoModelConfig,
+    check_mimo_config,
+    mimo_layout,
+    pretrain_mimo,
+)
 from bridge.train.recipes import recipe_path
-from bridge.train.recipes.mimo import MimoModelConfig, check_mimo_config, mimo_layout, pretrain_mimo
 from core_utils.testing import run_distributed
 
 SHORT = ["train.train_iters=6", "scheduler.lr_warmup_iters=1"]
@@ -25,6 +30,18 @@ def _config(*overrides: str) -> ConfigContainer:
 def _spans(layout: object) -> dict[str, tuple[range, int, int]]:
     modules = layout.modules  # type: ignore[attr-defined]
     return {name: (p.rank_range, p.tp, p.dp_size) for name, p in modules.items()}
+
+
+def test_a_run_config_saved_before_the_recipe_moved_still_loads(tmp_path: object) -> None:
+    """run_config.yaml of a MIMO run saved before Nov 2026 names the old module."""
+    from pathlib import Path
+
+    text = Path(recipe_path("mimo")).read_text()
+    old = text.replace("bridge.train.loop.pretrain_mimo.", "bridge.train.recipes.mimo.")
+    assert old != text
+    saved = Path(str(tmp_path)) / "run_config.yaml"
+    saved.write_text(old)
+    assert isinstance(load_config(saved, SHORT).model, MimoModelConfig)
 
 
 def test_split_layout_of_four_ranks() -> None:

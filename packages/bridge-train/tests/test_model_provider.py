@@ -171,7 +171,7 @@ def test_provider_survives_the_yaml_round_trip(tmp_path) -> None:
 
 
 def _build(rank: int, world: int, provider_a: GPTModelProvider, provider_b: GPTModelProvider):
-    from bridge.train.initialize import initialize_distributed, set_random_seed
+    from bridge.train.engine.initialize import initialize_distributed, set_random_seed
     from bridge.train.testing import tiny_dist_config
 
     initialize_distributed(provider_a, tiny_dist_config())

@@ -45,7 +45,7 @@ def test_value_head_hook_rejects_bad_sizes() -> None:
 
 
 def _hooks_and_freezing(rank: int, world: int) -> dict:
-    from bridge.train.engines import PortableEngine
+    from bridge.train.engine.portable import PortableEngine
 
     provider = tiny_gpt_provider()
     engine = PortableEngine()

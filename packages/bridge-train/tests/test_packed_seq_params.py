@@ -18,11 +18,11 @@ import torch
 
 from bridge.config import ConfigError, FinetuningDatasetConfig, PackedSequenceSpecs
 from bridge.train import forward_step
+from bridge.train.checks.finetune import check_finetuning_config
 from bridge.train.data.packing import PackedSFTDataset, check_packed_sequence_specs
 from bridge.train.data.packing import packed_seq_params as build_params
 from bridge.train.data.sft import load_tokenized_examples, sft_settings
 from bridge.train.data.tokenizers import ByteLevelTokenizer
-from bridge.train.finetune_checks import check_finetuning_config
 from bridge.train.models.mamba_provider import MambaProvider
 from bridge.train.testing import (
     tiny_config_container,

@@ -25,8 +25,9 @@ from bridge.train import (
     prepare_forward_step_func,
     reduce_max_stat_across_model_parallel_group,
 )
-from bridge.train.bare_loop import train_steps
-from bridge.train.engines import PortableEngine, build_portable_optimizer
+from bridge.train.engine.portable import PortableEngine
+from bridge.train.engine.portable_optimizer import build_portable_optimizer
+from bridge.train.loop.bare_loop import train_steps
 from bridge.train.state import GlobalState
 from bridge.train.testing import (
     tiny_dist_config,

@@ -20,8 +20,8 @@ import pytest
 
 from bridge.config import CheckpointConfig, LoggerConfig
 from bridge.train import forward_step, pretrain
+from bridge.train.metrics import read_metrics_file
 from bridge.train.testing import tiny_config_container, tiny_train_config
-from bridge.train.training import read_metrics_file
 from core_utils.testing import DistributedTestError, run_distributed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

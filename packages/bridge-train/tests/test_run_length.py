@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bridge.config import TrainingConfig
+from bridge.train.loop.run_length import run_is_done
 from bridge.train.state import TrainState
-from bridge.train.training.run_length import run_is_done
 
 
 def _state(step: int, samples: int) -> TrainState:

@@ -14,7 +14,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from bridge.train.engines import forward_backward_no_pipelining
+from bridge.train.engine.portable_schedule import forward_backward_no_pipelining
 
 PG = SimpleNamespace(cp=SimpleNamespace(size=lambda: 1))
 

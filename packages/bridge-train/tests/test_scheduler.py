@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bridge.config import SchedulerConfig, TrainingConfig
-from bridge.train.scheduler import build_optimizer_param_scheduler, scheduler_steps
+from bridge.train.engine.scheduler import build_optimizer_param_scheduler, scheduler_steps
 from bridge.train.testing import tiny_optimizer_config
 
 

@@ -17,6 +17,7 @@ from bridge.config import (
     PackedSequenceSpecs,
     TokenizerConfig,
 )
+from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.packing import PackedSFTDataset, first_fit_bins
 from bridge.train.data.sft import (
     SFTDataset,
@@ -27,7 +28,6 @@ from bridge.train.data.sft import (
 )
 from bridge.train.data.tokenizers import ByteLevelTokenizer
 from bridge.train.testing import tiny_config_container, tiny_gpt_provider, tiny_train_config
-from bridge.train.training.preflight import check_config_before_launch
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:

@@ -25,6 +25,7 @@ from bridge.train import pretrain
 from bridge.train.data.packing import PackedSFTDataset
 from bridge.train.data.sft import SFTDataset, load_tokenized_examples, sft_settings
 from bridge.train.data.tokenizers import ByteLevelTokenizer
+from bridge.train.metrics import read_metrics_file
 from bridge.train.peft import LoRA
 from bridge.train.testing import (
     tiny_config_container,
@@ -32,7 +33,6 @@ from bridge.train.testing import (
     tiny_train_config,
     write_tiny_sft_task,
 )
-from bridge.train.training import read_metrics_file
 from core_utils.testing import run_distributed
 
 SEQ = 32
@@ -107,7 +107,7 @@ def _logits_and_grads(model: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, 
 
 
 def _checks(rank: int, world: int, root: str) -> dict[str, Any]:
-    from bridge.train.engines import PortableEngine
+    from bridge.train.engine.portable import PortableEngine
     from bridge.train.testing import tiny_dist_config, tiny_rng_config
 
     out: dict[str, Any] = {}
@@ -152,7 +152,7 @@ def _checks(rank: int, world: int, root: str) -> dict[str, Any]:
     out["first_changed"] = float(
         (perturbed_logits[0, :first] - packed_logits[0, :first]).abs().max()
     )
-    from bridge.train.initialize import destroy_distributed
+    from bridge.train.engine.initialize import destroy_distributed
 
     destroy_distributed()
 

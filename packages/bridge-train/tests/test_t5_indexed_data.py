@@ -17,7 +17,7 @@ from bridge.train.data.preprocess import preprocess_data
 from bridge.train.data.t5_datasets import T5DatasetConfig, check_t5_data_config, max_t5_spans
 from bridge.train.data.t5_tokenizer import T5Tokenizer
 from bridge.train.data.tokenizers import ByteLevelTokenizer, NullTokenizer
-from bridge.train.training.model_family import family_tokenizer
+from bridge.train.models.family import family_tokenizer
 from core_utils.testing import run_distributed
 
 SEQ, SEQ_DEC, SENTINELS = 48, 24, 8

@@ -11,8 +11,8 @@ import torch
 from bridge.config import ConfigContainer, ConfigError
 from bridge.train import T5ModelProvider
 from bridge.train.data.t5_datasets import MOCK_SENTINELS, MockT5Dataset, T5DatasetConfig
-from bridge.train.flops import num_floating_point_operations
-from bridge.train.training.model_family import build_family_datasets, default_forward_step
+from bridge.train.metrics.flops import num_floating_point_operations
+from bridge.train.models.family import build_family_datasets, default_forward_step
 from core_utils.testing import run_distributed
 
 
@@ -149,7 +149,7 @@ def test_yaml_round_trip(tmp_path) -> None:
 
 def _build_and_step(rank: int, world: int, provider: T5ModelProvider):
     from bridge.train import t5_forward_step
-    from bridge.train.initialize import initialize_distributed
+    from bridge.train.engine.initialize import initialize_distributed
     from bridge.train.testing import tiny_dist_config
 
     initialize_distributed(provider, tiny_dist_config())

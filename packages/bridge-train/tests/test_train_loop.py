@@ -35,18 +35,16 @@ from bridge.train import (
     pretrain,
     should_disable_forward_pre_hook,
 )
-from bridge.train.flops import num_floating_point_operations
+from bridge.train.loop import rampup_to_step_schedule
+from bridge.train.loop.components import WeightHashMismatchError
+from bridge.train.loop.training import _handle_mxfp8_param_buffer_copy
+from bridge.train.metrics import read_metrics_file
+from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.testing import (
     tiny_config_container,
     tiny_scheduler_config,
     tiny_train_config,
 )
-from bridge.train.training import (
-    WeightHashMismatchError,
-    rampup_to_step_schedule,
-    read_metrics_file,
-)
-from bridge.train.training.train import _handle_mxfp8_param_buffer_copy
 from core_utils.testing import DistributedTestError, find_free_port, run_distributed
 
 # --------------------------------------------------------------------------- helpers

@@ -1,6 +1,7 @@
 """Typed training configuration: sections with checks, YAML round-trip and dotted overrides."""
 
 from bridge.config._checkpoint import CheckpointConfig
+from bridge.config._codec import register_moved_import
 from bridge.config._container import ConfigContainer, resolve_world_size
 from bridge.config._convert import convert_dataclass
 from bridge.config._data import (
@@ -73,5 +74,6 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "parse_split",
+    "register_moved_import",
     "resolve_world_size",
 ]

@@ -162,8 +162,35 @@ def import_path(obj: Any, path: str = "") -> str:
     )
 
 
+#: Import paths a package moved: old dotted prefix -> new one (see register_moved_import).
+_MOVED_IMPORTS: dict[str, str] = {}
+
+
+def register_moved_import(old: str, new: str) -> None:
+    """Let configs saved before a module moved keep loading.
+
+    A ``_target_`` (or any dotted import path in a config) equal to ``old`` or starting with
+    ``old + "."`` is read as the same path under ``new``. Packages register their own moves
+    when they are imported; saving always writes the current path.
+
+    Args:
+        old: The dotted module path (or object path) configs may still name.
+        new: Where it lives now.
+    """
+    _MOVED_IMPORTS[old] = new
+
+
+def _current_path(dotted: str) -> str:
+    for old, new in _MOVED_IMPORTS.items():
+        if dotted == old or dotted.startswith(old + "."):
+            return new + dotted[len(old) :]
+    return dotted
+
+
 def import_object(dotted: Any, path: str) -> Any:
     """Import ``package.module.attr.attr`` and return the attribute.
+
+    A path a package has moved (:func:`register_moved_import`) is read at its new place.
 
     Raises:
         ConfigError: the path is not a string, or its module or attribute does not exist.
@@ -172,6 +199,7 @@ def import_object(dotted: Any, path: str) -> Any:
         raise ConfigError(
             path, f"got {dotted!r}; expected a dotted import path such as 'package.module.Class'"
         )
+    dotted = _current_path(dotted)
     parts = dotted.split(".")
     module = None
     split = 0

@@ -79,7 +79,7 @@ class PEFTProtocol(Protocol):
 
 @runtime_checkable
 class CommOverlapConfigProtocol(Protocol):
-    """Communication-overlap settings (``bridge.train.comm_overlap.CommOverlapConfig``).
+    """Communication-overlap settings (``bridge.train.engine.comm_overlap.CommOverlapConfig``).
 
     ``validate()`` fills in ``data_parallel_size``, then calls ``setup`` to write the overlap
     settings into the model, optimizer and ddp sections.

@@ -117,7 +117,7 @@ class ExampleCommOverlapConfig:
     """Communication-overlap settings with the fields ``validate()`` reads.
 
     ``setup`` records the sections it was given instead of changing them (the trainer's
-    ``bridge.train.comm_overlap.CommOverlapConfig`` writes the overlap fields).
+    ``bridge.train.engine.comm_overlap.CommOverlapConfig`` writes the overlap fields).
     """
 
     tp_comm_overlap: bool = False

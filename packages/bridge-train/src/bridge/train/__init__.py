@@ -1,134 +1,252 @@
-"""bridge.train: megatron-core training on the portable (CPU/GPU) or megatron (CUDA) engine."""
+"""bridge.train: the trainer on megatron-core's engine, its entry points and the reference API."""
 
 import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+from bridge.config import register_moved_import
+
+if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.logging import (
-        MEMORY_KEYS,
-        reduce_max_memory_across_pp_group,
-        report_l2_norm_grad,
-        report_memory,
-        report_runtime,
-        report_throughput,
-        start_memory_history_recording,
-        training_log,
+        MEMORY_KEYS as MEMORY_KEYS,
     )
-    from bridge.train.gpt_step import forward_step
+    from bridge.logging import (
+        reduce_max_memory_across_pp_group as reduce_max_memory_across_pp_group,
+    )
+    from bridge.logging import (
+        report_l2_norm_grad as report_l2_norm_grad,
+    )
+    from bridge.logging import (
+        report_memory as report_memory,
+    )
+    from bridge.logging import (
+        report_runtime as report_runtime,
+    )
+    from bridge.logging import (
+        report_throughput as report_throughput,
+    )
+    from bridge.logging import (
+        start_memory_history_recording as start_memory_history_recording,
+    )
+    from bridge.logging import (
+        training_log as training_log,
+    )
+    from bridge.train.api.train import (
+        checkpoint_and_decide_exit as checkpoint_and_decide_exit,
+    )
+    from bridge.train.api.train import (
+        post_training_step_callbacks as post_training_step_callbacks,
+    )
+    from bridge.train.api.train import (
+        train as train,
+    )
+    from bridge.train.api.train import (
+        train_step as train_step,
+    )
+    from bridge.train.loop.eval import (
+        evaluate as evaluate,
+    )
+    from bridge.train.loop.eval import (
+        evaluate_and_print_results as evaluate_and_print_results,
+    )
+    from bridge.train.loop.forward_pre_hooks import (
+        disable_forward_pre_hook as disable_forward_pre_hook,
+    )
+    from bridge.train.loop.forward_pre_hooks import (
+        enable_forward_pre_hook as enable_forward_pre_hook,
+    )
+    from bridge.train.loop.forward_pre_hooks import (
+        should_disable_forward_pre_hook as should_disable_forward_pre_hook,
+    )
+    from bridge.train.loop.pretrain import (
+        pretrain as pretrain,
+    )
+    from bridge.train.loop.pretrain import (
+        setup as setup,
+    )
+    from bridge.train.loop.profiling import (
+        TNvtxContext as TNvtxContext,
+    )
+    from bridge.train.loop.progress_log import (
+        compute_throughputs_and_append_to_progress_log as compute_throughputs_and_append_to_progress_log,
+    )
+    from bridge.train.loop.progress_log import (
+        get_start_time_from_progress_log as get_start_time_from_progress_log,
+    )
+    from bridge.train.loop.run_loop import (
+        LoopContext as LoopContext,
+    )
+    from bridge.train.loop.run_loop import (
+        StepResult as StepResult,
+    )
+    from bridge.train.loop.state_injection import (
+        maybe_inject_state as maybe_inject_state,
+    )
+    from bridge.train.loop.state_injection import (
+        needs_global_state_injection as needs_global_state_injection,
+    )
+    from bridge.train.loop.state_injection import (
+        prepare_forward_step_func as prepare_forward_step_func,
+    )
+    from bridge.train.loop.training import (
+        save_checkpoint_and_time as save_checkpoint_and_time,
+    )
+    from bridge.train.metrics.norms import (
+        calc_dtensor_params_l2_norm as calc_dtensor_params_l2_norm,
+    )
+    from bridge.train.metrics.norms import (
+        calc_params_l2_norm as calc_params_l2_norm,
+    )
+    from bridge.train.metrics.norms import (
+        param_is_not_shared as param_is_not_shared,
+    )
+    from bridge.train.metrics.reductions import (
+        logical_and_across_model_parallel_group as logical_and_across_model_parallel_group,
+    )
+    from bridge.train.metrics.reductions import (
+        reduce_max_stat_across_model_parallel_group as reduce_max_stat_across_model_parallel_group,
+    )
     from bridge.train.models import (
-        GPTModelProvider,
-        MambaProvider,
-        T5ModelProvider,
+        GPTModelProvider as GPTModelProvider,
     )
-    from bridge.train.moe_utils import freeze_moe_router
-    from bridge.train.norms import (
-        calc_dtensor_params_l2_norm,
-        calc_params_l2_norm,
-        param_is_not_shared,
+    from bridge.train.models import (
+        MambaProvider as MambaProvider,
     )
-    from bridge.train.peft import LoRA
-    from bridge.train.reductions import (
-        logical_and_across_model_parallel_group,
-        reduce_max_stat_across_model_parallel_group,
+    from bridge.train.models import (
+        T5ModelProvider as T5ModelProvider,
+    )
+    from bridge.train.models.gpt_step import (
+        forward_step as forward_step,
+    )
+    from bridge.train.models.moe_utils import (
+        freeze_moe_router as freeze_moe_router,
+    )
+    from bridge.train.models.t5_step import (
+        t5_forward_step as t5_forward_step,
+    )
+    from bridge.train.models.value_head import (
+        LinearForLastLayer as LinearForLastLayer,
+    )
+    from bridge.train.models.value_head import (
+        ModelHook as ModelHook,
+    )
+    from bridge.train.models.value_head import (
+        ModelList as ModelList,
+    )
+    from bridge.train.models.value_head import (
+        create_value_head_hook as create_value_head_hook,
+    )
+    from bridge.train.models.value_head import (
+        make_value_model as make_value_model,
+    )
+    from bridge.train.peft import (
+        LoRA as LoRA,
     )
     from bridge.train.state import (
-        GlobalState,
-        TrainState,
+        ForwardStepCallable as ForwardStepCallable,
     )
-    from bridge.train.state_injection import (
-        ForwardStepCallable,
-        maybe_inject_state,
-        needs_global_state_injection,
-        prepare_forward_step_func,
+    from bridge.train.state import (
+        GlobalState as GlobalState,
     )
-    from bridge.train.t5_step import t5_forward_step
-    from bridge.train.training import (
-        TNvtxContext,
-        checkpoint_and_decide_exit,
-        compute_throughputs_and_append_to_progress_log,
-        disable_forward_pre_hook,
-        enable_forward_pre_hook,
-        evaluate,
-        evaluate_and_print_results,
-        get_start_time_from_progress_log,
-        post_training_step_callbacks,
-        pretrain,
-        save_checkpoint_and_time,
-        setup,
-        should_disable_forward_pre_hook,
-        train,
-        train_step,
+    from bridge.train.state import (
+        TrainState as TrainState,
     )
-    from bridge.train.training.loop import LoopContext, StepResult
-    from bridge.train.value_head import (
-        LinearForLastLayer,
-        ModelHook,
-        ModelList,
-        create_value_head_hook,
-        make_value_model,
+    from core_utils.callbacks import (
+        Callback as Callback,
     )
-    from core_utils.callbacks import Callback, CallbackError
+    from core_utils.callbacks import (
+        CallbackError as CallbackError,
+    )
 
 # Every public name is imported on first use, not with the package: the ``bridge-train``
 # command answers --help, --version and configuration errors without importing torch or
-# megatron-core (about ten seconds), and ``import bridge.train`` stays cheap.
-_LAZY_NAMES: dict[str, str] = {
-    "Callback": "core_utils.callbacks",
-    "CallbackError": "core_utils.callbacks",
-    "LoopContext": "bridge.train.training.loop",
-    "StepResult": "bridge.train.training.loop",
-    "MEMORY_KEYS": "bridge.logging",
-    "reduce_max_memory_across_pp_group": "bridge.logging",
-    "report_l2_norm_grad": "bridge.logging",
-    "report_memory": "bridge.logging",
-    "report_runtime": "bridge.logging",
-    "report_throughput": "bridge.logging",
-    "start_memory_history_recording": "bridge.logging",
-    "training_log": "bridge.logging",
-    "forward_step": "bridge.train.gpt_step",
-    "GPTModelProvider": "bridge.train.models",
-    "MambaProvider": "bridge.train.models",
-    "T5ModelProvider": "bridge.train.models",
-    "freeze_moe_router": "bridge.train.moe_utils",
-    "calc_dtensor_params_l2_norm": "bridge.train.norms",
-    "calc_params_l2_norm": "bridge.train.norms",
-    "param_is_not_shared": "bridge.train.norms",
-    "LoRA": "bridge.train.peft",
-    "logical_and_across_model_parallel_group": "bridge.train.reductions",
-    "reduce_max_stat_across_model_parallel_group": "bridge.train.reductions",
-    "GlobalState": "bridge.train.state",
-    "TrainState": "bridge.train.state",
-    "ForwardStepCallable": "bridge.train.state_injection",
-    "maybe_inject_state": "bridge.train.state_injection",
-    "needs_global_state_injection": "bridge.train.state_injection",
-    "prepare_forward_step_func": "bridge.train.state_injection",
-    "t5_forward_step": "bridge.train.t5_step",
-    "TNvtxContext": "bridge.train.training",
-    "checkpoint_and_decide_exit": "bridge.train.training",
-    "compute_throughputs_and_append_to_progress_log": "bridge.train.training",
-    "disable_forward_pre_hook": "bridge.train.training",
-    "enable_forward_pre_hook": "bridge.train.training",
-    "evaluate": "bridge.train.training",
-    "evaluate_and_print_results": "bridge.train.training",
-    "get_start_time_from_progress_log": "bridge.train.training",
-    "post_training_step_callbacks": "bridge.train.training",
-    "pretrain": "bridge.train.training",
-    "save_checkpoint_and_time": "bridge.train.training",
-    "setup": "bridge.train.training",
-    "should_disable_forward_pre_hook": "bridge.train.training",
-    "train": "bridge.train.training",
-    "train_step": "bridge.train.training",
-    "LinearForLastLayer": "bridge.train.value_head",
-    "ModelHook": "bridge.train.value_head",
-    "ModelList": "bridge.train.value_head",
-    "create_value_head_hook": "bridge.train.value_head",
-    "make_value_model": "bridge.train.value_head",
+# megatron-core (about ten seconds), and ``import bridge.train`` stays cheap. One table:
+# module -> the names it exports here; __all__ and the lookup are derived from it.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "bridge.logging": (
+        "MEMORY_KEYS",
+        "reduce_max_memory_across_pp_group",
+        "report_l2_norm_grad",
+        "report_memory",
+        "report_runtime",
+        "report_throughput",
+        "start_memory_history_recording",
+        "training_log",
+    ),
+    "bridge.train.api.train": (
+        "checkpoint_and_decide_exit",
+        "post_training_step_callbacks",
+        "train",
+        "train_step",
+    ),
+    "bridge.train.loop.eval": (
+        "evaluate",
+        "evaluate_and_print_results",
+    ),
+    "bridge.train.loop.forward_pre_hooks": (
+        "disable_forward_pre_hook",
+        "enable_forward_pre_hook",
+        "should_disable_forward_pre_hook",
+    ),
+    "bridge.train.loop.pretrain": (
+        "pretrain",
+        "setup",
+    ),
+    "bridge.train.loop.profiling": ("TNvtxContext",),
+    "bridge.train.loop.progress_log": (
+        "compute_throughputs_and_append_to_progress_log",
+        "get_start_time_from_progress_log",
+    ),
+    "bridge.train.loop.run_loop": (
+        "LoopContext",
+        "StepResult",
+    ),
+    "bridge.train.loop.state_injection": (
+        "maybe_inject_state",
+        "needs_global_state_injection",
+        "prepare_forward_step_func",
+    ),
+    "bridge.train.loop.training": ("save_checkpoint_and_time",),
+    "bridge.train.metrics.norms": (
+        "calc_dtensor_params_l2_norm",
+        "calc_params_l2_norm",
+        "param_is_not_shared",
+    ),
+    "bridge.train.metrics.reductions": (
+        "logical_and_across_model_parallel_group",
+        "reduce_max_stat_across_model_parallel_group",
+    ),
+    "bridge.train.models": (
+        "GPTModelProvider",
+        "MambaProvider",
+        "T5ModelProvider",
+    ),
+    "bridge.train.models.gpt_step": ("forward_step",),
+    "bridge.train.models.moe_utils": ("freeze_moe_router",),
+    "bridge.train.models.t5_step": ("t5_forward_step",),
+    "bridge.train.models.value_head": (
+        "LinearForLastLayer",
+        "ModelHook",
+        "ModelList",
+        "create_value_head_hook",
+        "make_value_model",
+    ),
+    "bridge.train.peft": ("LoRA",),
+    "bridge.train.state": (
+        "ForwardStepCallable",
+        "GlobalState",
+        "TrainState",
+    ),
+    "core_utils.callbacks": (
+        "Callback",
+        "CallbackError",
+    ),
 }
+_MODULE_OF: dict[str, str] = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY_NAMES.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -137,63 +255,22 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_NAMES))
+    return sorted(set(globals()) | set(_MODULE_OF))
 
+
+# Modules that moved in the one-engine redesign (Nov 2026): configs saved before it
+# (run_config.yaml in checkpoints, users' recipes) name the old paths.
+for _old, _new in (
+    ("bridge.train.recipes.mimo", "bridge.train.loop.pretrain_mimo"),
+    ("bridge.train.comm_overlap", "bridge.train.engine.comm_overlap"),
+    ("bridge.train.gpt_step", "bridge.train.models.gpt_step"),
+    ("bridge.train.t5_step", "bridge.train.models.t5_step"),
+    ("bridge.train.value_head", "bridge.train.models.value_head"),
+):
+    register_moved_import(_old, _new)
 
 logger = logging.getLogger(__name__)
 """The trainer's logger (``bridge.train``): every module of the package logs below it, so
 its level and handlers govern all of the trainer's log records."""
 
-__all__ = [
-    "MEMORY_KEYS",
-    "Callback",
-    "CallbackError",
-    "ForwardStepCallable",
-    "GPTModelProvider",
-    "GlobalState",
-    "LinearForLastLayer",
-    "LoRA",
-    "LoopContext",
-    "MambaProvider",
-    "ModelHook",
-    "ModelList",
-    "StepResult",
-    "T5ModelProvider",
-    "TNvtxContext",
-    "TrainState",
-    "calc_dtensor_params_l2_norm",
-    "calc_params_l2_norm",
-    "checkpoint_and_decide_exit",
-    "compute_throughputs_and_append_to_progress_log",
-    "create_value_head_hook",
-    "disable_forward_pre_hook",
-    "enable_forward_pre_hook",
-    "evaluate",
-    "evaluate_and_print_results",
-    "forward_step",
-    "freeze_moe_router",
-    "get_start_time_from_progress_log",
-    "logger",
-    "logical_and_across_model_parallel_group",
-    "make_value_model",
-    "maybe_inject_state",
-    "needs_global_state_injection",
-    "param_is_not_shared",
-    "post_training_step_callbacks",
-    "prepare_forward_step_func",
-    "pretrain",
-    "reduce_max_memory_across_pp_group",
-    "reduce_max_stat_across_model_parallel_group",
-    "report_l2_norm_grad",
-    "report_memory",
-    "report_runtime",
-    "report_throughput",
-    "save_checkpoint_and_time",
-    "setup",
-    "should_disable_forward_pre_hook",
-    "start_memory_history_recording",
-    "t5_forward_step",
-    "train",
-    "train_step",
-    "training_log",
-]
+__all__ = sorted([*_MODULE_OF, "logger"])

@@ -271,7 +271,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
 
 
 def _is_mimo(cfg: Any) -> bool:
-    from bridge.train.recipes.mimo import MimoModelConfig
+    from bridge.train.loop.pretrain_mimo import MimoModelConfig
 
     return isinstance(cfg.model, MimoModelConfig)
 
@@ -384,7 +384,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     hang_timeout = _hang_timeouts(args, parser)
-    from bridge.train.launch_checks import (
+    from bridge.train.checks.launch import (
         check_launch_environment,
         check_output_directories,
         check_output_file,
@@ -403,19 +403,19 @@ def run(argv: Sequence[str] | None = None) -> int:
         cfg, path, recipe_cfg = _load(args)
         mimo = _is_mimo(cfg)
         if mimo:
-            from bridge.train.recipes.mimo import check_mimo_config, pretrain_mimo
+            from bridge.train.loop.pretrain_mimo import check_mimo_config, pretrain_mimo
 
             check_mimo_config(cfg)
         else:
-            from bridge.train.training.preflight import check_config_before_launch
-            from bridge.train.training.pretrain import pretrain
+            from bridge.train.checks.preflight import check_config_before_launch
+            from bridge.train.loop.pretrain import pretrain
 
             check_config_before_launch(cfg)
             check_output_directories(cfg)
     if args.print_config:
         if _launcher_rank() == 0:
             # The text run_config.yaml holds: it loads back (--config) as this same run.
-            from bridge.train.training.run_config import run_config_text
+            from bridge.train.loop.run_config import run_config_text
 
             print(run_config_text(cfg), end="", flush=True)
         return 0
@@ -441,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     and exit codes 130 and 143 (128 + the signal number); further signals while the run
     closes are ignored, except a second Ctrl-C, which exits at once.
     """
-    from bridge.train.launch_checks import Terminated, interrupt_handlers
+    from bridge.train.checks.launch import Terminated, interrupt_handlers
 
     try:
         with interrupt_handlers():

@@ -35,9 +35,14 @@ from bridge.resiliency import (
 from core_utils import Timers
 
 if TYPE_CHECKING:
-    from bridge.train.engines.base import Engine
+    from bridge.train.engine.base import Engine
 
-__all__ = ["GlobalState", "TrainState"]
+__all__ = ["ForwardStepCallable", "GlobalState", "TrainState"]
+
+ForwardStepCallable = Callable[..., Any]
+"""A forward-step function or callable object: ``(data_iterator, model)`` or
+``(state, data_iterator, model)`` returning ``(output, loss_func)`` (see
+:mod:`bridge.train.loop.state_injection`)."""
 
 # dtype each TrainState field is stored with in a state dict.
 _FIELD_DTYPES: dict[str, torch.dtype] = {
@@ -64,7 +69,7 @@ class TrainState:
             non-finite gradients under fp16 loss scaling).
         consumed_valid_samples: Validation samples consumed so far.
         floating_point_operations_so_far: Model FLOPs executed so far (see
-            :func:`bridge.train.flops.num_floating_point_operations`).
+            :func:`bridge.train.metrics.flops.num_floating_point_operations`).
         do_train: Whether a training dataset exists.
         do_valid: Whether a validation dataset exists.
         do_test: Whether a test dataset exists.
@@ -175,7 +180,7 @@ class GlobalState:
         """The engine's forward-backward schedule (megatron's ``forward_backward_func``
         signature). Without an engine set, the one named by ``cfg.train.engine`` is built."""
         if self.engine is None:
-            from bridge.train.engines.base import build_engine
+            from bridge.train.engine.base import build_engine
 
             train = self.cfg.train
             self.engine = build_engine(train.engine if train is not None else "portable")

@@ -45,7 +45,7 @@ def single_process_megatron(provider: Any) -> Iterator[None]:
     """
     from megatron.core import parallel_state
 
-    from bridge.train.initialize import initialize_distributed
+    from bridge.train.engine.initialize import initialize_distributed
 
     created = not dist.is_initialized()
     if not created and dist.get_world_size() != 1:

@@ -7,7 +7,7 @@ model with GPT-2's byte-level pre-tokenizer and decoder), which gives the same i
 same ``vocab.json`` and ``merges.txt`` without that dependency.
 
 Each needs an optional package, installed with an extra of bridge-train
-(``bridge.train.tokenizer_packages.TOKENIZER_EXTRAS``).
+(``bridge.train.data.tokenizer_packages.TOKENIZER_EXTRAS``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 from bridge.train.data.tokenizers import Tokenizer
-from bridge.train.tokenizer_packages import missing_tokenizer_package
 
 __all__ = [
     "GPT2BPETokenizer",

@@ -221,7 +221,7 @@ class HuggingFaceTokenizer(Tokenizer):
         special_tokens: Sequence[str] | None = None,
         vocab_extra_ids: int = 0,
     ) -> None:
-        from bridge.train.tokenizer_packages import missing_tokenizer_package
+        from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 
         missing = missing_tokenizer_package("HuggingFaceTokenizer")
         if missing is not None:

@@ -39,7 +39,7 @@ def prepare_to_build(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             f"{name}.provide() needs megatron's parallel state: call "
-            "bridge.train.initialize.initialize_distributed(...) (or megatron.core.parallel_state."
+            "bridge.train.engine.initialize.initialize_distributed(...) (or megatron.core.parallel_state."
             "initialize_model_parallel) first"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()

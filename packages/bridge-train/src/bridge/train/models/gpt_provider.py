@@ -322,7 +322,7 @@ class GPTModelProvider(TransformerConfig):
     ) -> GPTModel:
         """Build the megatron ``GPTModel`` for this rank.
 
-        Needs megatron's parallel state (``bridge.train.initialize.initialize_distributed`` or
+        Needs megatron's parallel state (``bridge.train.engine.initialize.initialize_distributed`` or
         ``parallel_state.initialize_model_parallel``). Without CUDA the model is initialised
         on CPU (``use_cpu_initialization`` is set), which also makes tensor-parallel shards
         slices of the same full weights a single process would draw. The parameters are

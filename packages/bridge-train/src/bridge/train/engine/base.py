@@ -1,0 +1,109 @@
+"""The engine seam: what the training loop needs from an execution engine.
+
+The loop never imports a concrete engine. It asks :func:`build_engine` for one by name
+(``train.engine``) and then only calls the members of :class:`Engine`. Two engines exist:
+
+* :class:`~bridge.train.engine.portable.PortableEngine` (``"portable"``, the default):
+  CPU with gloo and GPU with nccl;
+* :class:`~bridge.train.engine.megatron.MegatronEngine` (``"megatron"``): megatron-core's
+  DDP, distributed optimizer and pipeline schedules; on CUDA, and on CPU (gloo) under
+  :func:`core_utils.cuda_emulation`.
+
+See ``docs/engines.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["ENGINE_NAMES", "Engine", "build_engine"]
+
+ENGINE_NAMES = ("portable", "megatron")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the training loop calls on an engine, in this order.
+
+    1. :meth:`initialize_distributed` once per process;
+    2. :meth:`setup_model` to build and wrap the model chunks;
+    3. :meth:`setup_optimizer` to build the megatron-contract optimizer and scheduler;
+    4. :attr:`forward_backward_func` every iteration (and for evaluation with
+       ``forward_only=True``).
+    """
+
+    name: str
+    """``"portable"`` or ``"megatron"``."""
+
+    @property
+    def device(self) -> torch.device:
+        """Device the model and batches live on."""
+        ...
+
+    def initialize_distributed(
+        self, model_config: Any, dist_config: Any = None, rng_config: Any = None
+    ) -> None:
+        """Bring up torch.distributed, megatron's parallel state and the RNG seeds."""
+        ...
+
+    def setup_model(
+        self,
+        model_provider: Any,
+        ddp_config: Any = None,
+        *,
+        wrap_with_ddp: bool = True,
+        pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
+        data_parallel_random_init: bool = False,
+        optimizer_config: Any = None,
+    ) -> list[torch.nn.Module]:
+        """Build the model chunks of this rank, move them to the device, wrap them for DP.
+
+        Also sets the model config's ``no_sync_func`` and ``finalize_model_grads_func`` so
+        the schedule drives gradient reduction.
+        """
+        ...
+
+    def setup_optimizer(
+        self,
+        model: list[torch.nn.Module],
+        optimizer_config: Any,
+        scheduler_config: Any,
+        train_config: Any = None,
+    ) -> tuple[Any, Any]:
+        """Return ``(optimizer, scheduler)``: a megatron-contract optimizer and megatron's
+        ``OptimizerParamScheduler`` (also sets the model config's ``grad_scale_func``)."""
+        ...
+
+    @property
+    def forward_backward_func(self) -> Callable[..., list[Any]]:
+        """A function with megatron-core's ``forward_backward_func`` signature."""
+        ...
+
+
+def build_engine(name: str) -> Engine:
+    """Create the engine called ``name``.
+
+    Building an engine changes no process state; the megatron engine enters the CUDA
+    emulation (without CUDA) only in ``initialize_distributed``.
+
+    Args:
+        name: ``"portable"`` or ``"megatron"`` (``train.engine``).
+
+    Returns:
+        The engine.
+
+    Raises:
+        ValueError: Unknown name.
+    """
+    if name == "portable":
+        from bridge.train.engine.portable import PortableEngine
+
+        return PortableEngine()
+    if name == "megatron":
+        from bridge.train.engine.megatron import MegatronEngine
+
+        return MegatronEngine()
+    raise ValueError(f"train.engine={name!r} is not one of {list(ENGINE_NAMES)}")

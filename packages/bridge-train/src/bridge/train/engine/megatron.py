@@ -1,0 +1,180 @@
+"""The megatron engine: megatron-core's own training stack, on CUDA and on CPU.
+
+* data parallelism: megatron-core ``DistributedDataParallel`` (grad buffers, overlapped
+  reduce-scatter / all-reduce, optional distributed optimizer and parameter all-gather);
+* optimizer: ``get_megatron_optimizer`` (fused Adam/SGD from Transformer Engine or Apex when
+  installed, mixed precision, distributed optimizer);
+* schedule: ``get_forward_backward_func()`` (1F1B and interleaved pipeline schedules);
+* layer specs: Transformer Engine when the ``te`` extra is installed (see
+  ``GPTModelProvider.layer_spec_backend``).
+
+Every one of these assumes CUDA. Without a GPU, :func:`~bridge.train.engine.initialize.initialize_distributed`
+enters :func:`core_utils.cuda_emulation` for this engine (until
+:func:`~bridge.train.engine.initialize.destroy_distributed`), which redirects megatron-core's CUDA use to the
+CPU and gloo; the same code path then runs on a CPU-only machine, where the layer spec is the
+portable one (SDPA core attention) and weights are initialised on the CPU. See
+``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from bridge.train.engine._model_setup import build_model_chunks, cast_for_precision
+from bridge.train.engine.initialize import initialize_distributed, validate_parallel_layout
+from bridge.train.engine.scheduler import build_optimizer_param_scheduler
+
+__all__ = ["MegatronEngine"]
+
+
+class MegatronEngine:
+    """Engine on megatron-core's DDP, distributed optimizer and pipeline schedules.
+
+    On CUDA with nccl; without CUDA on the CPU with gloo, under
+    :func:`core_utils.cuda_emulation` (entered by :meth:`initialize_distributed`).
+    """
+
+    name = "megatron"
+
+    @property
+    def device(self) -> torch.device:
+        """The current CUDA device, or ``cpu`` without CUDA (under the emulation)."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def initialize_distributed(
+        self, model_config: Any, dist_config: Any = None, rng_config: Any = None
+    ) -> None:
+        """See :func:`bridge.train.engine.initialize.initialize_distributed` (all parallelisms); without CUDA
+        it also enters the CUDA emulation for the rest of the run."""
+        initialize_distributed(model_config, dist_config, rng_config, engine=self.name)
+
+    def setup_model(
+        self,
+        model_provider: Any,
+        ddp_config: Any = None,
+        *,
+        wrap_with_ddp: bool = True,
+        pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
+        data_parallel_random_init: bool = False,
+        optimizer_config: Any = None,
+    ) -> list[torch.nn.Module]:
+        """Build one chunk per virtual pipeline stage and wrap them in megatron's DDP.
+
+        Sets ``no_sync_func``, ``grad_sync_func``, ``param_sync_func`` (distributed optimizer
+        with overlapped all-gather) and ``finalize_model_grads_func`` on the model config, as
+        megatron's training loop does.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        validate_parallel_layout(model_provider, torch.distributed.get_world_size(), self.name)
+        if ddp_config is None:
+            ddp_config = DistributedDataParallelConfig()
+        elif not isinstance(ddp_config, DistributedDataParallelConfig):
+            from bridge.config import convert_dataclass
+
+            # bridge.config's DDP section mirrors megatron's field names.
+            ddp_config = convert_dataclass(ddp_config, DistributedDataParallelConfig)
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        chunks = build_model_chunks(model_provider, vp_size, pre_wrap_hooks)
+        # Under the CUDA emulation .cuda() keeps the CPU tensors where they are.
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+        chunks = cast_for_precision(chunks, model_provider)
+        if not wrap_with_ddp:
+            return chunks
+        wrapped = [
+            DistributedDataParallel(
+                config=model_provider,
+                ddp_config=ddp_config,
+                module=chunk,
+                # As megatron's training: only the first chunk is bucketed, and not at all
+                # when the parameter all-gather overlaps the optimizer step.
+                disable_bucketing=(index > 0)
+                or bool(
+                    getattr(optimizer_config, "overlap_param_gather_with_optimizer_step", False)
+                ),
+            )
+            for index, chunk in enumerate(chunks)
+        ]
+        if data_parallel_random_init:
+            for chunk in wrapped:
+                chunk.broadcast_params()
+        no_sync = [chunk.no_sync for chunk in wrapped]
+        model_provider.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if ddp_config.overlap_grad_reduce:
+            # Pipeline stages launch their grad reductions aligned (dist.align_grad_reduce).
+            grad_sync = [chunk.start_grad_sync for chunk in wrapped]
+            model_provider.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+        if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+            param_sync = [chunk.start_param_sync for chunk in wrapped]
+            model_provider.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
+        model_provider.finalize_model_grads_func = finalize_model_grads
+        return wrapped
+
+    def setup_optimizer(
+        self,
+        model: list[torch.nn.Module],
+        optimizer_config: Any,
+        scheduler_config: Any,
+        train_config: Any = None,
+    ) -> tuple[Any, Any]:
+        """``get_megatron_optimizer`` and megatron's ``OptimizerParamScheduler``."""
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.utils import get_model_config
+
+        optimizer = get_megatron_optimizer(
+            optimizer_config, model, use_gloo_process_groups=_gloo_groups_exist()
+        )
+        scheduler = build_optimizer_param_scheduler(
+            optimizer, optimizer_config, scheduler_config, train_config
+        )
+        get_model_config(model[0]).grad_scale_func = optimizer.scale_loss
+        return optimizer, scheduler
+
+    @property
+    def forward_backward_func(self) -> Callable[..., list[Any]]:
+        """megatron-core's schedule for the current pipeline layout.
+
+        With a virtual pipeline megatron's interleaved schedule wants one data iterator per
+        model chunk; a single iterator is split (``itertools.tee``) so that every chunk sees
+        the same micro-batches and the iterator advances by ``num_microbatches`` per call,
+        as without a virtual pipeline.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        schedule = get_forward_backward_func()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if not vp_size or vp_size <= 1:
+            return schedule
+
+        def forward_backward_per_chunk(*, data_iterator: Any = None, **kwargs: Any) -> list[Any]:
+            if data_iterator is not None and not isinstance(data_iterator, list):
+                data_iterator = list(itertools.tee(data_iterator, vp_size))
+            return schedule(data_iterator=data_iterator, **kwargs)
+
+        return forward_backward_per_chunk
+
+
+def _gloo_groups_exist() -> bool:
+    """Whether megatron's parallel state built gloo duplicates of the data-parallel groups.
+
+    :func:`~bridge.train.engine.initialize.initialize_distributed` builds them only on an nccl world (on a
+    gloo world the regular groups already are gloo groups).
+    """
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_data_parallel_group_gloo(with_context_parallel=True) is not None
+    except AssertionError:
+        return False

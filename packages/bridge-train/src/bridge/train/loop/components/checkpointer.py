@@ -1,0 +1,155 @@
+"""The checkpointer component: every save decision of the loop, one pluggable writer.
+
+:class:`Checkpointer` decides when to save (``checkpoint.save_interval``,
+``checkpoint.non_persistent_save_interval``, a rerun-state-machine request, an exit
+condition of :class:`bridge.resiliency.ExitConditions` (signal, duration,
+``train.exit_interval``, a stop request), and a final save when the loop ends), commits
+finished asynchronous saves without blocking after every step and waits for them at the
+end. How a checkpoint is written is not its business: it calls a :data:`SaveFunction`
+(GPT training: :func:`bridge.train.loop.training.save_checkpoint_and_time`; MIMO plugs its
+own) and, for asynchronous saves, a :data:`FinalizeFunction`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from core_utils.callbacks import Callback
+from core_utils.distributed import global_rank
+
+if TYPE_CHECKING:
+    from bridge.resiliency import ExitConditions, ExitDecision
+    from bridge.train.loop.run_loop import LoopContext
+
+__all__ = ["Checkpointer", "FinalizeFunction", "SaveFunction", "finalize_async_checkpoints"]
+
+#: Writes a checkpoint of ``context`` at ``context.iteration``: ``(context, non_persistent)``.
+#: A collective; for an asynchronous save it returns once the background write is queued.
+SaveFunction = Callable[["LoopContext", bool], None]
+
+#: Commits finished asynchronous saves: ``(context, blocking) -> number committed``.
+#: ``blocking=True`` (at the end of training) waits for every pending save. A collective.
+FinalizeFunction = Callable[["LoopContext", bool], int]
+
+
+def finalize_async_checkpoints(context: LoopContext, blocking: bool) -> int:
+    """The :data:`FinalizeFunction` of bridge-train's checkpoint writer (GPT and MIMO)."""
+    from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
+
+    before = pending_async_saves()
+    finalize_async_saves(context.state, blocking=blocking, terminate=blocking)
+    return before - pending_async_saves()
+
+
+class Checkpointer(Callback):
+    """Owns every save decision of the loop (see the module docstring).
+
+    Fires ``on_save`` of the loop's callbacks after each checkpoint is written (for an
+    asynchronous save: once it is committed).
+
+    Args:
+        save: Writes one checkpoint.
+        checkpoint_config: The run's ``CheckpointConfig`` (``None``: never save).
+        exit_conditions: Signal / duration / interval / stop-request exit conditions
+            (``None``: only the run's length ends the loop).
+        finalize: Commits finished asynchronous saves (``None``: saves are synchronous).
+    """
+
+    def __init__(
+        self,
+        save: SaveFunction,
+        checkpoint_config: Any,
+        exit_conditions: ExitConditions | None = None,
+        finalize: FinalizeFunction | None = None,
+    ) -> None:
+        self.save_function = save
+        self.finalize_function = finalize
+        self.exit_conditions = exit_conditions
+        config = checkpoint_config
+        self.enabled = config is not None and config.save is not None
+        self.save_interval = None if config is None else config.save_interval
+        self.non_persistent_save_interval = (
+            None if config is None else config.non_persistent_save_interval
+        )
+        #: The last decision of the exit conditions (``None`` before the first step).
+        self.last_decision: ExitDecision | None = None
+
+    # -- the writer ------------------------------------------------------------------------
+    def save(self, context: LoopContext, *, non_persistent: bool = False) -> None:
+        """Write a checkpoint of this iteration now (a collective).
+
+        Args:
+            context: The loop's context.
+            non_persistent: A non-persistent (local) checkpoint.
+        """
+        self.save_function(context, non_persistent)
+        if not non_persistent:
+            context.state.last_saved_iteration = context.iteration
+        if self.finalize_function is None:
+            context.saved()
+
+    def finalize(self, context: LoopContext, *, blocking: bool) -> None:
+        """Commit finished asynchronous saves (all pending ones when ``blocking``)."""
+        if self.finalize_function is None:
+            return
+        for _ in range(self.finalize_function(context, blocking)):
+            context.saved()
+
+    # -- decisions -------------------------------------------------------------------------
+    def save_and_decide(self, context: LoopContext) -> ExitDecision | None:
+        """Save on the intervals, then ask the exit conditions (saving once more if they say).
+
+        A persistent checkpoint every ``save_interval`` iterations, else a non-persistent
+        one every ``non_persistent_save_interval``; an exit that needs a checkpoint saves
+        exactly one (none if this iteration was just saved). Collective: every rank agrees
+        on the decision.
+
+        Returns:
+            The exit decision, or ``None`` without exit conditions.
+        """
+        iteration = context.iteration
+        saved = False
+        if self.enabled and self.save_interval and iteration % self.save_interval == 0:
+            self.save(context)
+            saved = True
+        elif self.non_persistent_save_interval and (
+            iteration % self.non_persistent_save_interval == 0
+        ):
+            self.save(context, non_persistent=True)
+            saved = True
+        if self.exit_conditions is None:
+            return None
+        decision = self.exit_conditions.check(iteration, saved_this_iteration=saved)
+        self.last_decision = decision
+        if decision.should_save and self.enabled:
+            self.save(context)
+        return decision
+
+    # -- hooks -----------------------------------------------------------------------------
+    def on_step_end(self, context: LoopContext) -> None:
+        """Save when asked to; stop the loop when an exit condition holds."""
+        result = context.step_result
+        assert result is not None
+        if result.should_checkpoint and self.enabled:
+            self.save(context)
+        if not result.completed:
+            return
+        self.finalize(context, blocking=False)
+        decision = self.save_and_decide(context)
+        if decision is not None and decision.should_exit:
+            if global_rank() == 0:
+                print(f"[bridge-train] {decision.message}", flush=True)
+            context.request_stop(decision.message, decision.exit_code)
+
+    def on_train_end(self, context: LoopContext) -> None:
+        """Save the last iteration unless it was saved or the job failed; commit every save."""
+        state = context.state
+        if (
+            context.exit_code == 0
+            and self.enabled
+            and context.iteration > 0
+            and state.last_saved_iteration != context.iteration
+        ):
+            self.save(context)
+        self.finalize(context, blocking=True)

@@ -1,0 +1,143 @@
+"""Checkpoints of the ``mimo`` recipe: bridge-train's own checkpoint functions on a MIMO run.
+
+A MIMO checkpoint is an ordinary bridge-train checkpoint (``docs/checkpoints.md``): the same
+:func:`~bridge.train.checkpointing.save_checkpoint` / ``load_checkpoint`` write and read
+it, so it is committed only when complete (staging directory, completion marker with XXH3-64
+checksums, tracker written last), the save directory is locked, and damaged or absent
+checkpoints are handled exactly as for GPT. What is MIMO-specific is small:
+
+* the model is one chunk, :class:`MimoCheckpointModel`, whose sharded state dict is
+  megatron-core ``MimoModel.sharded_state_dict``: every module's tensors on the ranks of its
+  own grid, tensor-parallel shards with their offsets and data-parallel copies with their
+  replica ids, so dist_checkpointing reshards them under another MIMO layout;
+* the optimizer is bridge.mimo's ``MultiModuleOptimizer``, whose per-parameter state follows
+  its parameter's sharding (it reshards with the model);
+* the layout recorded with the checkpoint names every module's ranks, TP and DP, so RNG
+  state (per rank) is restored only under the same layout;
+* the data position is the train state's ``consumed_train_samples``, which the MIMO loader
+  resumes from (the same order, neither restarted nor replayed).
+
+The save decisions (``checkpoint.save_interval``, ``non_persistent_save_interval``, an
+early exit: exit signal, duration, ``train.exit_interval``; the end of training; committing
+asynchronous saves) are the shared loop's :class:`~bridge.train.loop.components.Checkpointer`,
+as for GPT; :func:`mimo_save_function` is the writer it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from bridge.train.loop.components import SaveFunction
+from bridge.train.loop.run_loop import LoopContext
+from bridge.train.state import GlobalState
+
+__all__ = [
+    "MimoCheckpointModel",
+    "describe_mimo_layout",
+    "load_mimo_checkpoint",
+    "mimo_save_function",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def describe_mimo_layout(layout: Any) -> dict[str, str]:
+    """Module name -> ``"ranks 0-1 TP1 DP2"``: what a checkpoint records of a MIMO layout."""
+    described: dict[str, str] = {}
+    for name, placement in layout.modules.items():
+        ranks = placement.rank_range
+        span = f"rank {ranks.start}" if len(ranks) == 1 else f"ranks {ranks.start}-{ranks[-1]}"
+        described[name] = f"{span} TP{placement.tp} DP{placement.dp_size}"
+    return described
+
+
+class MimoCheckpointModel(torch.nn.Module):
+    """The model chunk bridge-train's checkpoint functions see for a MIMO model.
+
+    Args:
+        model: The (possibly wrapped) megatron-core ``MimoModel`` of this rank.
+        layout: The ``bridge.mimo.MimoLayout`` it was built for.
+    """
+
+    def __init__(self, model: torch.nn.Module, layout: Any) -> None:
+        super().__init__()
+        self.module = model
+        self._layout = layout
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """megatron-core's ``MimoModel.sharded_state_dict`` (this rank's modules only)."""
+        return self.module.sharded_state_dict(prefix, sharded_offsets, metadata)  # type: ignore[operator]
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the MIMO model (keys as :meth:`sharded_state_dict` names them)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def checkpoint_parallel_layout(self) -> dict[str, Any]:
+        """The MIMO layout, recorded in the checkpoint and compared on load."""
+        return {"mimo_layout": describe_mimo_layout(self._layout)}
+
+
+def load_mimo_checkpoint(
+    state: GlobalState,
+    chunk: MimoCheckpointModel,
+    optimizer: Any,
+    scheduler: Any,
+    checkpointing_context: dict[str, Any],
+) -> int:
+    """Load what ``checkpoint.load`` names, or resume the run owning ``checkpoint.save``.
+
+    Everything else (which checkpoint, ``ckpt_step``, damaged or absent checkpoints,
+    ``finetune``, ``load_optim``, ``load_rng``, the architecture check) is
+    :func:`~bridge.train.checkpointing.load_checkpoint`'s, exactly as for GPT.
+
+    Returns:
+        The iteration to continue from (0 when nothing was loaded); ``state.train_state``
+        holds the loaded counters (``consumed_train_samples`` is the data position).
+    """
+    from bridge.train.checkpointing import load_checkpoint
+    from bridge.train.loop.run_ends import adopt_own_save_dir
+
+    checkpoint = state.cfg.checkpoint
+    assert checkpoint is not None
+    adopt_own_save_dir(checkpoint)
+    if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
+        return 0
+    iteration, _ = load_checkpoint(
+        state, [chunk], optimizer, scheduler, checkpointing_context=checkpointing_context
+    )
+    state.loaded_iteration = iteration
+    state.job_start_flops = state.train_state.floating_point_operations_so_far
+    return iteration
+
+
+def mimo_save_function(checkpointing_context: dict[str, Any]) -> SaveFunction:
+    """The loop's :data:`~bridge.train.loop.components.SaveFunction` for a MIMO run:
+    :func:`~bridge.train.checkpointing.save_checkpoint` of the context's
+    :class:`MimoCheckpointModel`, multi-module optimizer and scheduler."""
+
+    def save(context: LoopContext, non_persistent: bool) -> None:
+        from bridge.train.checkpointing import save_checkpoint
+
+        state = context.state
+        # Metrics up to this iteration reach disk before the checkpoint commits.
+        state.metric_writers.flush()
+        with state.fault_tolerance.checkpointing():
+            save_checkpoint(
+                state,
+                context.model,
+                context.optimizer,
+                context.scheduler,
+                state.train_state.floating_point_operations_so_far,
+                checkpointing_context,
+                non_persistent_ckpt=non_persistent,
+            )
+
+    return save

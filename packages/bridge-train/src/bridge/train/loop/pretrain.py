@@ -1,0 +1,487 @@
+"""``pretrain``: everything from a config to a trained, checkpointed model.
+
+Order of work (every rank)::
+
+    check the config (before any process group; ConfigError names the field)
+    Python logging, CUDA memory history
+    engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds
+    timers, exit conditions (installs the exit-signal handler), fault tolerance (setup
+      section starts), straggler detection, metric writers
+    tokenizer; model; optimizer and scheduler; rerun state machine
+    load the checkpoint (checkpoint.load, else an earlier run in checkpoint.save)
+    datasets and iterators positioned at the loaded counters; fault tolerance setup ends
+    progress.txt "Starting job"; run_config.yaml
+    train() (with the callbacks); final validation and test evaluation (when training was not stopped early)
+    close: async saves finished, resiliency stopped, writers flushed and closed, rerun
+      machine and micro-batch calculator released, process group destroyed
+    (closing always runs, also after an error)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from bridge.config import ConfigContainer
+from bridge.logging import (
+    BackendSettings,
+    MetricWriters,
+    ReportSettings,
+    build_metric_writers,
+    build_timers,
+    setup_logging,
+    start_memory_history_recording,
+)
+from bridge.resiliency import (
+    ExitConditions,
+    FaultTolerance,
+    NVRxStragglerMonitor,
+    StragglerTiming,
+    WatchdogTimeouts,
+)
+from bridge.train.checks.preflight import check_config_before_launch
+from bridge.train.data.datasets import train_valid_test_num_samples
+from bridge.train.data.loaders import build_train_valid_test_data_iterators
+from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
+from bridge.train.engine.base import Engine, build_engine
+from bridge.train.engine.initialize import destroy_distributed
+from bridge.train.loop.batch_size import release_num_microbatches_calculator
+from bridge.train.loop.eval import evaluate_and_print_results
+from bridge.train.loop.progress_log import append_starting_job
+from bridge.train.loop.run_config import save_run_config
+from bridge.train.loop.run_ends import adopt_own_save_dir, run_state_teardown, run_teardown
+from bridge.train.loop.run_length import run_is_done
+from bridge.train.loop.training import run_training
+from bridge.train.metrics.metrics_file import JsonlMetricWriter
+from bridge.train.models.family import (
+    build_family_datasets,
+    default_forward_step,
+    family_tokenizer,
+)
+from bridge.train.models.gpt_step import forward_step
+from bridge.train.state import ForwardStepCallable, GlobalState
+from core_utils.callbacks import Callback, CallbackList
+from core_utils.distributed import global_rank, global_world_size
+
+__all__ = ["SetupOutput", "pretrain", "setup"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SetupOutput:
+    """What :func:`setup` built for :func:`bridge.train.train`.
+
+    Attributes:
+        state: The global state (config, counters, timers, writers, resiliency objects).
+        engine: The engine the model was built with.
+        model: Model chunks.
+        optimizer: The megatron-contract optimizer.
+        scheduler: megatron's ``OptimizerParamScheduler``.
+        train_data_iterator: Training iterator (``None`` without a training split).
+        valid_data_iterator: Validation iterator (``None`` without one).
+        test_data_iterator: Test iterator (``None`` without one).
+        checkpointing_context: The checkpointing context for save/load calls.
+        tokenizer: The tokenizer the data and the model's vocabulary come from.
+        checkpoint_loaded: Whether a checkpoint was loaded.
+    """
+
+    state: GlobalState
+    engine: Engine
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
+    train_data_iterator: Any
+    valid_data_iterator: Any
+    test_data_iterator: Any
+    checkpointing_context: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    checkpoint_loaded: bool = False
+
+
+def _build_tokenizer(cfg: ConfigContainer) -> Tokenizer:
+    tokenizer_cfg = cfg.tokenizer
+    if tokenizer_cfg is not None and tokenizer_cfg.tokenizer_type is not None:
+        return build_tokenizer(tokenizer_cfg)
+    vocab_size = getattr(cfg.model, "vocab_size", None)
+    if vocab_size is None:
+        from bridge.config import ConfigError
+
+        raise ConfigError(
+            "tokenizer.tokenizer_type",
+            "is not set and model.vocab_size is unknown; configure a tokenizer (e.g. "
+            "tokenizer_type: ByteLevelTokenizer) or set model.vocab_size for mock data",
+        )
+    return NullTokenizer(int(vocab_size))
+
+
+def _plain_run_config(cfg: ConfigContainer) -> dict[str, Any]:
+    """The config as plain data for backends' run parameters (never fails)."""
+    data = yaml.safe_load(cfg.format_yaml())
+    return data if isinstance(data, dict) else {}
+
+
+def _build_metric_writers(
+    cfg: ConfigContainer,
+    metrics_file: str | Path | None,
+    backend_settings: BackendSettings | None,
+    report_settings: ReportSettings | None,
+) -> MetricWriters:
+    assert cfg.logger is not None
+    rank, world = global_rank(), global_world_size()
+    extra = metrics_file is not None and rank == world - 1
+    writers = build_metric_writers(
+        cfg.logger,
+        rank=rank,
+        world_size=world,
+        run_config=_plain_run_config(cfg),
+        backend_settings=backend_settings,
+        report_settings=report_settings,
+        asynchronous=not extra,
+    )
+    if not extra:
+        return writers
+    assert metrics_file is not None
+    return MetricWriters(
+        [*writers.writers, JsonlMetricWriter(metrics_file)],
+        report_settings=writers.report_settings,
+        asynchronous=True,
+    )
+
+
+def _uses_checkpoints(cfg: ConfigContainer) -> bool:
+    checkpoint = cfg.checkpoint
+    return checkpoint is not None and any(
+        path is not None
+        for path in (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
+    )
+
+
+def _checkpointing_context(cfg: ConfigContainer) -> dict[str, Any]:
+    if not _uses_checkpoints(cfg):
+        return {}
+    from bridge.train.checkpointing import init_checkpointing_context
+
+    return init_checkpointing_context(cfg.checkpoint)
+
+
+def _load_checkpoint(setup_out: SetupOutput) -> bool:
+    """Load what the checkpoint section asks for; True when a checkpoint was loaded.
+
+    ``checkpoint.load`` left unset resumes the run that owns ``checkpoint.save`` when that
+    directory holds a checkpoint (torchrun restarts rely on this). Which checkpoint is then
+    loaded (``ckpt_step``, non-persistent ones, ``pretrained_checkpoint`` when ``load``
+    holds nothing, ``exit_on_missing_checkpoint``) is decided by ``load_checkpoint``.
+    """
+    cfg = setup_out.state.cfg
+    checkpoint = cfg.checkpoint
+    assert checkpoint is not None
+    if not _uses_checkpoints(cfg):
+        return False
+    from bridge.train.checkpointing import load_checkpoint
+
+    adopt_own_save_dir(checkpoint)
+    if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
+        return False
+    context = setup_out.checkpointing_context
+    if cfg.peft is not None:
+        # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
+        from bridge.train.peft.checkpoint import load_peft_checkpoints
+
+        load: Callable[..., tuple[int, float]] = load_peft_checkpoints
+    else:
+        load = load_checkpoint
+    iteration, flops = load(
+        setup_out.state,
+        setup_out.model,
+        setup_out.optimizer,
+        setup_out.scheduler,
+        checkpointing_context=context,
+    )
+    train_state = setup_out.state.train_state
+    train_state.step = int(iteration)
+    train_state.floating_point_operations_so_far = float(flops)
+    return context.get("loaded_checkpoint") is not None
+
+
+def _peft_hooks(cfg: ConfigContainer) -> list[Callable[[list[torch.nn.Module]], Any]]:
+    """``cfg.peft`` applied to the built chunks before wrapping (none without peft)."""
+    peft = cfg.peft
+    if peft is None:
+        return []
+    from bridge.train.peft.base import apply_peft
+
+    return [lambda chunks: apply_peft(peft, chunks)]
+
+
+def setup(
+    cfg: ConfigContainer,
+    state: GlobalState,
+    *,
+    metrics_file: str | Path | None = None,
+    hang_timeout: float | WatchdogTimeouts | None = None,
+    backend_settings: BackendSettings | None = None,
+    report_settings: ReportSettings | None = None,
+) -> SetupOutput:
+    """Initialise distributed training and build everything :func:`train` needs.
+
+    The config must have passed :func:`check_config_before_launch`. Objects are attached
+    to ``state`` as soon as they exist, so a caller's ``finally`` can close them even when
+    setup fails half-way.
+
+    Args:
+        cfg: The validated config.
+        state: The global state to fill (``state.cfg`` is ``cfg``).
+        metrics_file: Also write every metric to this JSON-lines file (last rank).
+        hang_timeout: Seconds (or per-phase timeouts) after which the built-in hang watchdog
+            kills a rank that makes no progress (for ``torchrun --max-restarts``).
+        backend_settings: MLflow / Comet settings of bridge.logging.
+        report_settings: Optional reports of bridge.logging (throughput window, runtime,
+            per-layer gradient norms).
+
+    Returns:
+        The built pieces.
+    """
+    assert cfg.train is not None and cfg.logger is not None and cfg.checkpoint is not None
+    setup_logging(cfg.logger)
+    start_memory_history_recording(cfg.profiling)
+    engine = build_engine(cfg.train.engine)
+    state.engine = engine
+    engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
+    world = global_world_size()
+    cfg.validate(world)
+    state.timers = build_timers(cfg.logger)
+
+    state.fault_tolerance = FaultTolerance.from_config(
+        cfg.ft,
+        checkpoint_dir=cfg.checkpoint.save,
+        async_save=cfg.checkpoint.async_save,
+        hang_timeout=hang_timeout,
+    )
+    state.fault_tolerance.on_setup_start()
+    state.nvrx_straggler = NVRxStragglerMonitor.from_config(cfg.nvrx_straggler)
+    state.nvrx_straggler.initialize()
+    state.straggler_timing = StragglerTiming.from_config(cfg.straggler)
+    state.exit_conditions = ExitConditions.from_config(
+        cfg.train,
+        save_enabled=cfg.checkpoint.save is not None,
+        start_time=state.start_time,
+        stop_requesters=[state.nvrx_straggler],
+    )
+    state.metric_writers = _build_metric_writers(
+        cfg, metrics_file, backend_settings, report_settings
+    )
+
+    tokenizer = family_tokenizer(cfg.dataset, cfg.tokenizer, _build_tokenizer(cfg))
+    apply_tokenizer = getattr(cfg.model, "apply_tokenizer", None)
+    if apply_tokenizer is not None:
+        apply_tokenizer(tokenizer)
+    model = engine.setup_model(
+        cfg.model,
+        cfg.ddp,
+        pre_wrap_hooks=_peft_hooks(cfg),
+        data_parallel_random_init=cfg.rng.data_parallel_random_init,
+        optimizer_config=cfg.optimizer,
+    )
+    from megatron.core.utils import get_model_config
+
+    get_model_config(model[0]).timers = state.timers
+    optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
+    _initialize_rerun_state_machine(cfg)
+
+    out = SetupOutput(
+        state=state,
+        engine=engine,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_data_iterator=None,
+        valid_data_iterator=None,
+        test_data_iterator=None,
+        checkpointing_context=_checkpointing_context(cfg),
+        tokenizer=tokenizer,
+    )
+    out.checkpoint_loaded = _load_checkpoint(out)
+    state.loaded_iteration = state.train_state.step
+    state.job_start_flops = state.train_state.floating_point_operations_so_far
+
+    assert cfg.dataset is not None
+    datasets = build_family_datasets(
+        cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(cfg.train)
+    )
+    iterators = build_train_valid_test_data_iterators(
+        datasets, cfg.dataset, cfg.train, state.train_state
+    )
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    out.train_data_iterator, out.valid_data_iterator, out.test_data_iterator = (
+        None if it is None else RerunDataIterator(it) for it in iterators
+    )
+    state.fault_tolerance.on_setup_end(checkpoint_loaded=out.checkpoint_loaded)
+    return out
+
+
+def _initialize_rerun_state_machine(cfg: ConfigContainer) -> None:
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.destroy_rerun_state_machine()
+    settings = cfg.rerun_state_machine
+    rsm.initialize_rerun_state_machine(
+        mode=rsm.RerunMode(settings.rerun_mode),
+        error_injector=rsm.RerunErrorInjector(
+            error_injection_rate=settings.error_injection_rate,
+            error_injection_type=rsm.RerunDiagnostic(settings.error_injection_type),
+        ),
+    )
+
+
+def _final_evaluation(
+    out: SetupOutput,
+    forward_step_func: ForwardStepCallable,
+    process_non_loss_data_func: Callable[..., Any] | None,
+    non_loss_data_func: Callable[..., Any] | None,
+) -> None:
+    state, cfg = out.state, out.state.cfg
+    step = state.train_state.step
+    splits = []
+    if (
+        state.train_state.do_valid
+        and out.valid_data_iterator is not None
+        and state.last_evaluated_iteration != step
+    ):
+        splits.append(("validation", out.valid_data_iterator))
+    if state.train_state.do_test and out.test_data_iterator is not None:
+        splits.append(("test", out.test_data_iterator))
+    for split, iterator in splits:
+        evaluate_and_print_results(
+            state,
+            f"iteration {step} on {split} set",
+            forward_step_func,
+            iterator,
+            out.model,
+            cfg,
+            process_non_loss_data_func=process_non_loss_data_func,
+            non_loss_data_func=non_loss_data_func,
+            split=split,
+        )
+
+
+def _close(state: GlobalState, clean: bool) -> None:
+    """Release everything pretrain started; never raises (errors are logged)."""
+    steps = run_state_teardown(state, clean)
+    steps += [
+        ("releasing the rerun state machine", _destroy_rerun_state_machine),
+        ("releasing the micro-batch calculator", release_num_microbatches_calculator),
+        ("destroying the process group", destroy_distributed),
+    ]
+    run_teardown(steps, "pretrain")
+
+
+def _destroy_rerun_state_machine() -> None:
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.destroy_rerun_state_machine()
+
+
+def pretrain(
+    config: ConfigContainer,
+    forward_step_func: ForwardStepCallable = forward_step,
+    *,
+    metrics_file: str | Path | None = None,
+    hang_timeout: float | WatchdogTimeouts | None = None,
+    backend_settings: BackendSettings | None = None,
+    report_settings: ReportSettings | None = None,
+    process_non_loss_data_func: Callable[..., Any] | None = None,
+    non_loss_data_func: Callable[..., Any] | None = None,
+    callbacks: Sequence[Callback] = (),
+) -> int:
+    """Train a model as ``config`` says, from scratch or from its last checkpoint.
+
+    Validates the config before anything distributed exists (see
+    :func:`~bridge.train.checks.preflight.check_config_before_launch`), initialises
+    distributed training through the engine, builds model, optimizer, scheduler, data
+    iterators, metric writers and resiliency hooks, loads a checkpoint, runs
+    :func:`bridge.train.train`, evaluates on the validation and test splits at the end, and
+    always closes (writers flushed, asynchronous saves finished, process group destroyed),
+    also when something fails. Every rank calls it (under ``torchrun``, or bare for one
+    process).
+
+    Args:
+        config: The run's configuration (validated and completed in place).
+        forward_step_func: ``(data_iterator, model)`` or ``(state, data_iterator, model)``
+            returning ``(output, loss_func)``; default: the model family's step (GPT and
+            Mamba: :func:`bridge.train.forward_step`; T5:
+            :func:`bridge.train.models.t5_step.t5_forward_step`).
+        metrics_file: Also write every metric to this JSON-lines file (last rank).
+        hang_timeout: Seconds (or :class:`bridge.resiliency.WatchdogTimeouts`) after which
+            the built-in watchdog kills a rank that stopped making progress, so that
+            ``torchrun --max-restarts`` restarts the job.
+        backend_settings: MLflow / Comet settings (bridge.logging).
+        report_settings: Extra reports of bridge.logging.
+        process_non_loss_data_func: See :func:`bridge.train.evaluate`.
+        non_loss_data_func: See :func:`bridge.train.evaluate`.
+        callbacks: Training-loop callbacks (:class:`bridge.train.Callback`), run after the
+            loop's components and after ``config.callbacks``, in this order.
+
+    Returns:
+        The process exit code: 0 when training finished or stopped on purpose (signal,
+        duration, interval), else the rerun state machine's code.
+
+    Raises:
+        bridge.config.ConfigError: The config cannot run here (raised before any process
+            group exists).
+        TypeError: An entry of ``callbacks`` is not a :class:`bridge.train.Callback`.
+        core_utils.CallbackError: A callback raised (names the callback, hook and iteration).
+    """
+    CallbackList((), callbacks)  # refuse a non-callback before anything is built
+    check_config_before_launch(config)
+    if forward_step_func is forward_step:  # the default: the model family's own step
+        forward_step_func = default_forward_step(config.model)
+    state = GlobalState(cfg=config)
+    clean = False
+    try:
+        out = setup(
+            config,
+            state,
+            metrics_file=metrics_file,
+            hang_timeout=hang_timeout,
+            backend_settings=backend_settings,
+            report_settings=report_settings,
+        )
+        assert config.train is not None and config.checkpoint is not None
+        append_starting_job(state)
+        save_run_config(config)
+        exit_code = 0
+        if not config.train.skip_train and not run_is_done(config.train, state.train_state):
+            exit_code = run_training(
+                forward_step_func,
+                out.model,
+                out.optimizer,
+                out.scheduler,
+                out.train_data_iterator,
+                out.valid_data_iterator,
+                state,
+                out.checkpointing_context,
+                process_non_loss_data_func=process_non_loss_data_func,
+                non_loss_data_func=non_loss_data_func,
+                callbacks=callbacks,
+            )
+        if exit_code == 0 and (
+            config.train.skip_train or run_is_done(config.train, state.train_state)
+        ):
+            _final_evaluation(
+                out, forward_step_func, process_non_loss_data_func, non_loss_data_func
+            )
+        state.metric_writers.flush()
+        clean = True
+        return exit_code
+    finally:
+        _close(state, clean)
+        sys.stdout.flush()
