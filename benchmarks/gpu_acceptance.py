@@ -55,7 +55,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROWS", "Row", "RowContext", "RowFailed", "main", "run_acceptance"]
+__all__ = [
+    "ROWS",
+    "Row",
+    "RowContext",
+    "RowFailed",
+    "RowNotRun",
+    "format_markdown",
+    "main",
+    "run_acceptance",
+    "training_flops_per_token",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_SCRIPT = ROOT / "benchmarks" / "gpu" / "steps.py"

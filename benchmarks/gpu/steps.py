@@ -60,7 +60,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STEPS", "main"]
+__all__ = [
+    "STEPS",
+    "bare",
+    "checkpoint",
+    "env",
+    "finetune",
+    "gemm",
+    "host_syncs",
+    "main",
+    "probe",
+    "read_metrics",
+    "trainer",
+]
 
 _BENCHMARKS = Path(__file__).resolve().parents[1]
 

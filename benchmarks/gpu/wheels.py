@@ -51,7 +51,9 @@ __all__ = [
     "WORKSPACE",
     "WheelPlan",
     "download",
+    "is_excluded",
     "main",
+    "pip_download_command",
     "plan",
 ]
 
