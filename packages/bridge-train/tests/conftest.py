@@ -263,6 +263,8 @@ class FamilyParity:
         assert torch.equal(_hf_logits(model), result["reference"])
         assert (out / "tokenizer.json").is_file()
         assert (out / "generation_config.json").is_file()
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+        assert tokenizer_config["chat_template"] == "{{ messages }}"
 
     @staticmethod
     def refusal(config: dict[str, Any]) -> str:
