@@ -36,6 +36,7 @@ from bridge.logging import (
     ReportSettings,
     build_metric_writers,
     build_timers,
+    scheduler_job,
     setup_logging,
     start_memory_history_recording,
 )
@@ -124,9 +125,14 @@ def _build_tokenizer(cfg: ConfigContainer) -> Tokenizer:
 
 
 def _plain_run_config(cfg: ConfigContainer) -> dict[str, Any]:
-    """The config as plain data for backends' run parameters (never fails)."""
+    """The config as plain data for backends' run parameters (never fails), with the SLURM
+    job (``slurm_job``) when there is one."""
     data = yaml.safe_load(cfg.format_yaml())
-    return data if isinstance(data, dict) else {}
+    data = data if isinstance(data, dict) else {}
+    job = scheduler_job()
+    if job is not None:
+        data["slurm_job"] = job.run_parameters()
+    return data
 
 
 def _build_metric_writers(
