@@ -20,7 +20,10 @@ from typing import Any
 
 import pytest
 import yaml
-from kubeflow_trainer_api.models import TrainerV1alpha1TrainingRuntime, TrainerV1alpha1TrainJob
+from kubeflow_trainer_api.models import (  # type: ignore[import-untyped]
+    TrainerV1alpha1TrainingRuntime,
+    TrainerV1alpha1TrainJob,
+)
 
 from bridge.config import load_config
 from bridge.train.cli import build_parser
@@ -34,7 +37,7 @@ MODELS: dict[str, Any] = {
 
 
 def manifests() -> list[tuple[Path, dict[str, Any]]]:
-    found = []
+    found: list[tuple[Path, dict[str, Any]]] = []
     for path in sorted((EXAMPLES / "k8s").glob("*.yaml")):
         found.extend((path, doc) for doc in yaml.safe_load_all(path.read_text()) if doc)
     return found
@@ -83,9 +86,10 @@ def test_the_trainjob_runs_bridge_train_on_the_runtime_beside_it() -> None:
     parsed = build_parser().parse_intermixed_args(args[3:])
     assert parsed.requeue_exit_code == 75 and parsed.recipe == "tiny_gpt"
     config = load_config(recipe_path(parsed.recipe), parsed.overrides)
-    assert config.train.exit_signal_handler is True
+    assert config.train is not None and config.train.exit_signal_handler is True
     mount = pod["containers"][0]["volumeMounts"][0]["mountPath"]
-    assert config.checkpoint.save.startswith(mount + "/")
+    assert config.checkpoint is not None
+    assert str(config.checkpoint.save).startswith(mount + "/")
 
 
 @pytest.mark.parametrize("name", ["pretrain.sbatch", "finetune.sbatch", "srun_requeueable.sh"])

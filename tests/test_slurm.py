@@ -283,7 +283,10 @@ def test_preempted_job_saves_is_requeued_and_resumes_bit_exactly(
     text = output.read_text()
     stopped = GATE_ITERATION + 1
     assert f"[bridge-train] exiting after iteration {stopped}: a rank received SIGUSR1" in text
-    assert f"[slurm] job {job}: the run saved a checkpoint and stopped early; requeueing it" in text
+    assert (
+        f"[slurm] job {job}: the run stopped before its end (srun exit code 75); requeueing it"
+        in text
+    )
     assert "requeued 1 times" in text
     assert (
         f"checkpoint of iteration {stopped} from {run_dir / 'checkpoints' / f'iter_{stopped:07d}'}"
