@@ -4,8 +4,9 @@ The names below load on first use, so that ``bridge.train.engine.launch_env`` (w
 command reads before it decides to import torch) can be imported on its own.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from bridge.train.engine.base import ENGINE_NAMES as ENGINE_NAMES
@@ -15,22 +16,13 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINE_NAMES", "Engine", "MegatronEngine", "build_engine"]
 
-_EXPORTS = {
-    "ENGINE_NAMES": "bridge.train.engine.base",
-    "Engine": "bridge.train.engine.base",
-    "build_engine": "bridge.train.engine.base",
-    "MegatronEngine": "bridge.train.engine.megatron",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "ENGINE_NAMES": "bridge.train.engine.base",
+        "Engine": "bridge.train.engine.base",
+        "build_engine": "bridge.train.engine.base",
+        "MegatronEngine": "bridge.train.engine.megatron",
+    },
+    globals(),
+)
