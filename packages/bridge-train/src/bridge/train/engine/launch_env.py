@@ -374,13 +374,12 @@ def _torch_launch(environ: Mapping[str, str]) -> LaunchEnvironment:
     local_rank = _int_variable(environ, "LOCAL_RANK")
     master_port = _int_variable(environ, "MASTER_PORT")
     master_addr = environ.get("MASTER_ADDR") or None
-    if world == 1 and launcher == "environment" and (master_addr is None or master_port is None):
-        master_addr, master_port = None, None  # a one-rank launch needs no rendezvous
     return LaunchEnvironment(
         launcher=launcher,
         rank=rank,
         world_size=world,
         local_rank=local_rank if local_rank is not None else 0,
+        # Only both make a rendezvous (a one-rank launch may leave them out).
         master_addr=master_addr if master_port is not None else None,
         master_port=master_port if master_addr is not None else None,
         origins=dict.fromkeys(_EXPORTED, origin),
