@@ -132,6 +132,11 @@ def _config(directory: Path, host: str, nodes: Sequence[str]) -> str:
         f"SlurmctldPort={ports['ctld']}",
         "AuthType=auth/none",
         "CredType=cred/none",
+        # A requeued job waits cred_expire + 1 s (reason BeginTime) before it may start
+        # again: the default 120 s would idle the test. Releasing it earlier by hand
+        # (scontrol update StartTime=now) fails: slurmd still refuses the job id's revoked
+        # credential ("Killing non-startable batch job: Job credential revoked").
+        "AuthInfo=cred_expire=10",
         "SlurmUser=root",
         "SlurmdUser=root",
         f"StateSaveLocation={directory}/state",
