@@ -53,6 +53,10 @@ from bridge.train.checkpointing.layout import (
     parse_iteration,
     read_marker,
 )
+from bridge.train.checkpointing.portable_state import (
+    PORTABLE_OPTIMIZER_FORMAT,
+    convert_portable_optimizer_state,
+)
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
@@ -329,25 +333,18 @@ def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None)
     return f"{sizes or 'no model parallelism'} ({', '.join(details)})"
 
 
-def _optimizer_family(fmt: str | None) -> str | None:
-    """portable and megatron optimizers store different non-tensor state."""
-    if fmt is None:
-        return None
-    return "portable" if fmt == "portable" else "megatron"
-
-
 def _check_reshardable(
     path: str, meta: dict[str, Any], layout: dict[str, Any], chunks: int, optimizer: Any
 ) -> None:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
     dist_checkpointing reshards model tensors across TP, PP and DP sizes, and per-parameter
-    optimizer state (portable optimizer, megatron's non-distributed optimizers) with them.
-    megatron's distributed optimizer state is saved per data-parallel bucket
-    (``dp_reshardable``, see ``state_dict.OPTIMIZER_SHARDING_METADATA``): it reshards across
-    DP sizes only. Refused: another number of virtual pipeline chunks; optimizer state of
-    the other engine's optimizer family; distributed <-> per-parameter optimizer state; and
-    distributed-optimizer state under other TP or PP sizes.
+    optimizer state (megatron's non-distributed optimizers, and the retired portable
+    engine's, which is converted) with them. megatron's distributed optimizer state is saved
+    per data-parallel bucket (``dp_reshardable``, see
+    ``state_dict.OPTIMIZER_SHARDING_METADATA``): it reshards across DP sizes only. Refused:
+    another number of virtual pipeline chunks; distributed <-> per-parameter optimizer
+    state; and distributed-optimizer state under other TP or PP sizes.
     """
     saved_layout = meta.get("parallel_layout") or {}
     saved_chunks = meta.get("model_chunks", 1)
@@ -371,12 +368,6 @@ def _check_reshardable(
         )
     if optimizer is None or saved_fmt is None:
         return
-    if _optimizer_family(saved_fmt) != _optimizer_family(this_fmt):
-        raise refuse(
-            "optimizer state of another engine's optimizer cannot be loaded",
-            "use the saved train.engine, or set checkpoint.load_optim=False to load the model "
-            "(and train state) alone",
-        )
     saved_distributed = saved_fmt.startswith("distributed:")
     if saved_distributed != (this_fmt or "").startswith("distributed:"):
         raise refuse(
@@ -757,7 +748,19 @@ def load_checkpoint(
         for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
-            _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
+            saved_optimizer = loaded["optimizer"]
+            if common[META_KEY].get("optimizer_format") == PORTABLE_OPTIMIZER_FORMAT:
+                saved_optimizer = convert_portable_optimizer_state(
+                    optimizer, saved_optimizer, plan.path
+                )
+                if _dist.rank() == 0:
+                    logger.info(
+                        "%s was saved by the retired portable engine: its optimizer state "
+                        "(moments, step, loss scale, fp32 main parameters) is converted to "
+                        "megatron-core's optimizer",
+                        plan.path,
+                    )
+            _load_optimizer(optimizer, saved_optimizer, opt_param_scheduler)
         elif optimizer is not None:
             if cfg.load_main_params_from_ckpt and not finetune:
                 _load_main_params(optimizer, model, plan.path, cfg)

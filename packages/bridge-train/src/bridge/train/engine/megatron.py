@@ -1,4 +1,4 @@
-"""The megatron engine: megatron-core's own training stack, on CUDA and on CPU.
+"""The engine: megatron-core's own training stack, on CUDA and on CPU.
 
 * data parallelism: megatron-core ``DistributedDataParallel`` (grad buffers, overlapped
   reduce-scatter / all-reduce, optional distributed optimizer and parameter all-gather);
@@ -8,12 +8,12 @@
 * layer specs: Transformer Engine when the ``te`` extra is installed (see
   ``GPTModelProvider.layer_spec_backend``).
 
-Every one of these assumes CUDA. Without a GPU, :func:`~bridge.train.engine.initialize.initialize_distributed`
-enters :func:`core_utils.cuda_emulation` for this engine (until
-:func:`~bridge.train.engine.initialize.destroy_distributed`), which redirects megatron-core's CUDA use to the
-CPU and gloo; the same code path then runs on a CPU-only machine, where the layer spec is the
-portable one (SDPA core attention) and weights are initialised on the CPU. See
-``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
+Every one of these assumes CUDA. Without a GPU, :meth:`MegatronEngine.initialize_distributed`
+enters :func:`core_utils.cuda_emulation` (until
+:func:`~bridge.train.engine.initialize.destroy_distributed`), which redirects megatron-core's
+CUDA use to the CPU and gloo; the same code path then runs on a CPU-only machine, where the
+layer spec is the portable one (SDPA core attention) and weights are initialised on the CPU.
+See ``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ from typing import Any
 import torch
 
 from bridge.train.engine._model_setup import build_model_chunks, cast_for_precision
-from bridge.train.engine.initialize import initialize_distributed, validate_parallel_layout
+from bridge.train.engine.initialize import (
+    _enter_cuda_emulation,
+    initialize_distributed,
+    validate_parallel_layout,
+)
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
+from core_utils.distributed import global_world_size
 
 __all__ = ["MegatronEngine"]
 
@@ -50,9 +55,12 @@ class MegatronEngine:
     def initialize_distributed(
         self, model_config: Any, dist_config: Any = None, rng_config: Any = None
     ) -> None:
-        """See :func:`bridge.train.engine.initialize.initialize_distributed` (all parallelisms); without CUDA
-        it also enters the CUDA emulation for the rest of the run."""
-        initialize_distributed(model_config, dist_config, rng_config, engine=self.name)
+        """See :func:`bridge.train.engine.initialize.initialize_distributed`; without CUDA it
+        first enters the CUDA emulation, for the rest of the run (the layout is checked
+        before, so a bad one changes no process state)."""
+        validate_parallel_layout(model_config, global_world_size(launcher_fallback=True))
+        _enter_cuda_emulation()
+        initialize_distributed(model_config, dist_config, rng_config)
 
     def setup_model(
         self,
@@ -77,7 +85,7 @@ class MegatronEngine:
             finalize_model_grads,
         )
 
-        validate_parallel_layout(model_provider, torch.distributed.get_world_size(), self.name)
+        validate_parallel_layout(model_provider, torch.distributed.get_world_size())
         if ddp_config is None:
             ddp_config = DistributedDataParallelConfig()
         elif not isinstance(ddp_config, DistributedDataParallelConfig):
@@ -149,9 +157,23 @@ class MegatronEngine:
         model chunk; a single iterator is split (``itertools.tee``) so that every chunk sees
         the same micro-batches and the iterator advances by ``num_microbatches`` per call,
         as without a virtual pipeline.
+
+        Raises:
+            RuntimeError: No CUDA and the CUDA emulation is not active (megatron-core's
+                schedules place tensors on ``"cuda"``): :meth:`initialize_distributed` enters
+                it, or run the loop inside ``with core_utils.cuda_emulation():``.
         """
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from core_utils import cuda_emulation_active
+
+        if not torch.cuda.is_available() and not cuda_emulation_active():
+            raise RuntimeError(
+                "megatron-core's forward-backward schedules need CUDA, or on CPU the CUDA "
+                "emulation: call engine.initialize_distributed(...) first (it enters it for "
+                "the run), or run inside `with core_utils.cuda_emulation():`"
+            )
 
         schedule = get_forward_backward_func()
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
