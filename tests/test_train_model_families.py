@@ -100,4 +100,3 @@ def test_learns_resumes_exactly_and_matches_dp2_and_tp2(tmp_path: Path, recipe: 
         assert sorted(losses) == list(range(1, ITERS + 1))
         for step, want in reference.items():
             assert abs(losses[step] - want) <= 1e-5, f"{name} step {step}: {losses[step]} vs {want}"
-

@@ -69,9 +69,7 @@ def _losses(path: Path) -> dict[int, float]:
 @pytest.mark.timeout(400)
 def test_resume_and_kill_between_checkpoints_are_exact(tmp_path: Path) -> None:
     ref, run = tmp_path / "reference", tmp_path / "interrupted"
-    assert run_distributed(
-        _run, 2, str(ref), str(tmp_path / "ref"), None, None, timeout=120
-    ) == [
+    assert run_distributed(_run, 2, str(ref), str(tmp_path / "ref"), None, None, timeout=120) == [
         0,
         0,
     ]

@@ -6,6 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -54,9 +55,7 @@ def test_model_parallel_sizes_divide_the_world() -> None:
     model = ExampleModelConfig(
         tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2
     )
-    cfg = tiny_container(
-        model=model, train=bc.TrainingConfig(micro_batch_size=1, train_iters=10)
-    )
+    cfg = tiny_container(model=model, train=bc.TrainingConfig(micro_batch_size=1, train_iters=10))
     assert cfg.get_data_parallel_size(16) == 2
     cfg.validate(world_size=16)
     assert cfg.data_parallel_size == 2
@@ -306,7 +305,7 @@ def test_train_engine_is_a_deprecated_alias_that_warns_once_on_rank_0(
 ) -> None:
     from bridge.config import _training
 
-    def run(engine: str | None) -> None:
+    def run(engine: Literal["portable", "megatron"] | None) -> None:
         cfg = tiny_container(
             train=bc.TrainingConfig(micro_batch_size=1, train_iters=10, engine=engine)
         )

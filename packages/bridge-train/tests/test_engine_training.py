@@ -131,7 +131,9 @@ def _optimizer_contract() -> dict:
     # fp32: megatron's optimizer steps the model parameters themselves, on .grad (the DDP
     # buffer's main_grad, clipped in place).
     no_decay = sorted(
-        names[id(p)] for group in optimizer.param_groups if group["wd_mult"] == 0.0
+        names[id(p)]
+        for group in optimizer.param_groups
+        if group["wd_mult"] == 0.0
         for p in group["params"]
     )
     decays = sorted({float(group["weight_decay"]) for group in optimizer.param_groups})

@@ -20,9 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from megatron.core.enums import ModelType
-from megatron.core.transformer.transformer_config import TransformerConfig
-
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from core_utils import cuda_emulation
 

@@ -557,11 +557,7 @@ class ConfigContainer:
     def _check_model(self, world: int) -> None:
         model, optimizer, train = self.model, self.optimizer, self.train
         assert model is not None and optimizer is not None and train is not None
-        tp, pp, cp = (
-            model.tensor_model_parallel_size,
-            model.pipeline_model_parallel_size,
-            model.context_parallel_size,
-        )
+        tp, cp = model.tensor_model_parallel_size, model.context_parallel_size
         if model.num_attention_heads % tp:
             raise ConfigError(
                 "model.num_attention_heads",

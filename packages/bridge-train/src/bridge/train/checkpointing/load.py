@@ -576,7 +576,9 @@ def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, d
         load replaces the group dicts, hence indices).
     """
     inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    parts = [state] if len(inners) == 1 else list(state.values() if isinstance(state, dict) else state)
+    parts = (
+        [state] if len(inners) == 1 else list(state.values() if isinstance(state, dict) else state)
+    )
     replaced: list[tuple[Any, int, dict]] = []
     for inner, part in zip(inners, parts, strict=False):
         saved_groups = _saved_param_groups(inner, part)
