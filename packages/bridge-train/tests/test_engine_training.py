@@ -257,6 +257,39 @@ def _fp16_loss_scaling() -> dict:
     }
 
 
+def _non_finite_gradients(**provider: Any) -> dict:
+    """A NaN gradient skips the update (fp32 and bf16, where megatron's optimizer itself
+    would step on it; see ``skip_non_finite_updates``); the next clean step updates."""
+    _, engine, model = _setup(**provider)
+    optimizer, _ = engine.setup_optimizer(
+        model,
+        tiny_optimizer_config(bf16=bool(provider.get("bf16"))),
+        tiny_scheduler_config(lr_warmup_iters=0),
+        tiny_train_config(),
+    )
+    params = [p for p in model[0].parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+
+    def step_with_main_grads(first: float) -> tuple:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        for index, param in enumerate(params):
+            param.main_grad.fill_(first if index == 0 else 1e-3)
+        return optimizer.step()
+
+    ok, grad_norm, _ = step_with_main_grads(float("nan"))
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    clean = step_with_main_grads(1e-3)
+    return {
+        "ok": ok,
+        "grad_norm_is_nan": grad_norm is not None and math.isnan(grad_norm),
+        "unchanged": unchanged,
+        "clean_ok": clean[0],
+        "moved": not torch.equal(before[0], params[0].detach()),
+    }
+
+
 def _single_rank(rank: int, world: int) -> dict:
     return {
         "mb4": _train(tp=1, mbs=4, gbs=4),
@@ -265,6 +298,8 @@ def _single_rank(rank: int, world: int) -> dict:
         "round_trip": _state_round_trip(),
         "sharded_keys": _sharded_state_keys(),
         "fp16": _fp16_loss_scaling(),
+        "nan_fp32": _non_finite_gradients(),
+        "nan_bf16": _non_finite_gradients(bf16=True, params_dtype=torch.bfloat16),
         "bf16": _train(tp=1, mbs=2, gbs=4, bf16=True, params_dtype=torch.bfloat16),
     }
 
@@ -399,12 +434,23 @@ def test_optimizer_state_round_trip_and_sharded_state(single) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(450)
-def test_fp16_overflow_is_skipped_and_bf16_trains_with_fp32_main_params(single) -> None:
+def test_overflow_and_nan_gradients_are_skipped_and_bf16_trains_with_fp32_main_params(
+    single,
+) -> None:
     fp16 = single["fp16"]
     assert fp16["skipped"] == (False, None, None)
     assert fp16["unchanged"] and fp16["scale_after_overflow"] == 128.0
     assert fp16["ok"] and fp16["moved"] and fp16["model_fp16"] and fp16["main_fp32"]
     assert fp16["model_is_main_in_fp16"]
+    for precision in ("nan_fp32", "nan_bf16"):
+        nan = single[precision]
+        assert nan == {
+            "ok": False,
+            "grad_norm_is_nan": True,
+            "unchanged": True,
+            "clean_ok": True,
+            "moved": True,
+        }, (precision, nan)
     bf16 = single["bf16"]
     assert bf16["dtypes"] == ["torch.bfloat16"] and bf16["main_dtypes"] == ["torch.float32"]
     assert all(math.isfinite(x) for x in bf16["losses"]) and all(bf16["ok"])

@@ -19,6 +19,7 @@ See ``docs/engines.md`` for what the emulation covers and the layouts verified o
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from bridge.train.engine.initialize import (
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from core_utils.distributed import global_world_size
 
-__all__ = ["MegatronEngine"]
+__all__ = ["MegatronEngine", "skip_non_finite_updates"]
 
 
 class MegatronEngine:
@@ -136,13 +137,18 @@ class MegatronEngine:
         scheduler_config: Any,
         train_config: Any = None,
     ) -> tuple[Any, Any]:
-        """``get_megatron_optimizer`` and megatron's ``OptimizerParamScheduler``."""
+        """``get_megatron_optimizer`` and megatron's ``OptimizerParamScheduler``.
+
+        The optimizer skips (and reports as skipped) an update whose gradient norm is not
+        finite, as it does for an fp16 loss-scale overflow: see :func:`skip_non_finite_updates`.
+        """
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.utils import get_model_config
 
         optimizer = get_megatron_optimizer(
             optimizer_config, model, use_gloo_process_groups=_gloo_groups_exist()
         )
+        skip_non_finite_updates(optimizer)
         scheduler = build_optimizer_param_scheduler(
             optimizer, optimizer_config, scheduler_config, train_config
         )
@@ -186,6 +192,40 @@ class MegatronEngine:
             return schedule(data_iterator=data_iterator, **kwargs)
 
         return forward_backward_per_chunk
+
+
+def skip_non_finite_updates(optimizer: Any) -> None:
+    """Make megatron's optimizer skip an update whose global gradient norm is NaN or inf.
+
+    megatron-core's optimizers find non-finite gradients only under fp16 loss scaling;
+    in fp32 and bf16 they step on them, and a single NaN gradient reaches every weight
+    (Megatron-LM stops the run instead, with ``--check-for-nan-in-loss-and-grad``). Here the
+    update is skipped and ``step()`` returns ``(False, grad_norm, num_zeros)``, as for a
+    loss-scale overflow, so the loop counts a skipped iteration and does not advance the
+    scheduler. The norm is the one megatron's ``ChainedOptimizer.step`` computes anyway
+    (already on the host), so this costs no extra synchronisation; it is recorded by a
+    wrapper around the optimizer's ``get_grad_norm`` and checked by one around its
+    ``step_with_ready_grads`` (both are called by ``step``, in that order).
+
+    Args:
+        optimizer: ``get_megatron_optimizer``'s result (a ``ChainedOptimizer``).
+    """
+    get_grad_norm = optimizer.get_grad_norm
+    step_with_ready_grads = optimizer.step_with_ready_grads
+    last_norm: list[Any] = [None]
+
+    def recording_get_grad_norm() -> Any:
+        last_norm[0] = get_grad_norm()
+        return last_norm[0]
+
+    def guarded_step_with_ready_grads() -> bool:
+        norm, last_norm[0] = last_norm[0], None
+        if norm is not None and not math.isfinite(float(norm)):
+            return False
+        return bool(step_with_ready_grads())
+
+    optimizer.get_grad_norm = recording_get_grad_norm
+    optimizer.step_with_ready_grads = guarded_step_with_ready_grads
 
 
 def _gloo_groups_exist() -> bool:
