@@ -99,19 +99,31 @@ def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
         assert torch.equal(got[key], want[key]), f"{name}: {key} differs"
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_initial_weights_are_the_same_under_every_layout() -> None:
-    jobs = [(name, True) for name in LAYOUTS] + [("pp2", False), ("dp2", False)]
+def _check(layouts: list[str]) -> None:
+    jobs = [(name, True) for name in layouts] + [("pp2", False), ("dp2", False)]
     per_rank = run_distributed(_build_all, 2, jobs, timeout=360)
     built = {job: _assemble([per_rank[rank][i] for rank in range(2)]) for i, job in enumerate(jobs)}
     (single,) = run_distributed(_build_all, 1, [("dp2", True)], timeout=120)
     _assert_identical(_assemble([single[0]]), built[("dp2", True)], "one process")
-    for name in LAYOUTS:
+    for name in layouts:
         base = "moe_dp2" if name.startswith("moe") else "swiglu_dp2" if "swiglu" in name else "dp2"
         _assert_identical(built[(name, True)], built[(base, True)], name)
     per_stage = built[("pp2", False)]
     assert any(not torch.equal(per_stage[key], built[("dp2", False)][key]) for key in per_stage), (
         "megatron's per-stage seeding gave the same weights: this test would not see a change"
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_initial_weights_are_the_same_under_pp_vpp_and_ep() -> None:
+    _check(["dp2", "pp2_vpp2", "moe_dp2", "moe_ep2"])
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_initial_weights_are_the_same_under_every_layout() -> None:
+    _check(list(LAYOUTS))
