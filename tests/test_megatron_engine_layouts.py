@@ -36,6 +36,7 @@ from bridge.train.testing import (
 from core_utils.testing import run_distributed
 
 STEPS = 10
+SAVE_AT = 5
 FP32_RTOL = 1e-5
 # bf16 runs are compared with the one-process bf16 run. Parameters and gradient buffers are
 # bf16 (megatron's Float16Module, grad_reduce_in_fp32=False); the optimizer keeps fp32 main
@@ -80,6 +81,12 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         _DISTOPT,
     ),
     "tp2_pp2_vpp2": ({"tensor_model_parallel_size": 2, **_VPP2}, {}, {}),
+    "single_distopt": ({}, {**_DISTOPT, "overlap_grad_reduce": True}, _DISTOPT),
+    "tp2_pp2_distopt": (
+        {"tensor_model_parallel_size": 2, **_PP2},
+        {**_DISTOPT, "overlap_grad_reduce": True},
+        _DISTOPT,
+    ),
     "moe_ep2": ({**_MOE, "expert_model_parallel_size": 2}, {}, {}),
     "moe_ep2_alltoall": (
         {**_MOE, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
@@ -130,6 +137,47 @@ def _fresh_runs(rank: int, world: int, out: str, layouts: list[str]) -> int:
         code = pretrain(layout_config(layout), forward_step, metrics_file=f"{out}/{layout}.{rank}")
         assert code == 0, f"{layout}: pretrain returned {code}"
     return 0
+
+
+def _checkpoint_runs(rank: int, world: int, out: str, jobs: list[tuple[str, str | None]]) -> int:
+    """``(layout, saved layout or None)``: a fresh run saving at ``SAVE_AT`` and ``STEPS``
+    into ``out/<layout>``, or a run continuing the saved layout's checkpoint of ``SAVE_AT``
+    into ``out/<saved>-as-<layout>``."""
+    from bridge.config import CheckpointConfig
+
+    for layout, saved in jobs:
+        name = layout if saved is None else f"{saved}-as-{layout}"
+        checkpoint = CheckpointConfig(
+            save=f"{out}/{name}",
+            save_interval=SAVE_AT,
+            load=None if saved is None else f"{out}/{saved}",
+            ckpt_step=None if saved is None else SAVE_AT,
+            exit_on_missing_checkpoint=saved is not None,
+        )
+        config = layout_config(layout, checkpoint=checkpoint)
+        code = pretrain(config, forward_step, metrics_file=f"{out}/{name}.metrics.{rank}")
+        assert code == 0, f"{name}: pretrain returned {code}"
+    return 0
+
+
+def run_checkpoint_jobs(
+    out: Path, world: int, jobs: list[tuple[str, str | None]], timeout: float
+) -> dict[str, dict[int, tuple[float, float]]]:
+    """Run :func:`_checkpoint_runs` on ``world`` forked ranks; ``{run name: records}``."""
+    assert run_distributed(_checkpoint_runs, world, str(out), jobs, timeout=timeout) == [0] * world
+    names = [layout if saved is None else f"{saved}-as-{layout}" for layout, saved in jobs]
+    return {name: records(out / f"{name}.metrics.{world - 1}") for name in names}
+
+
+def _assert_continues(resumed: dict[int, Any], uninterrupted: dict[int, Any], name: str) -> None:
+    """Steps ``SAVE_AT + 1 ..`` of a resumed run equal the uninterrupted run's (1e-5)."""
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1)), (name, sorted(resumed))
+    for step in resumed:
+        for index, metric in enumerate(("lm loss", "grad norm")):
+            got, want = resumed[step][index], uninterrupted[step][index]
+            assert abs(got - want) <= FP32_RTOL * abs(want), (
+                f"{name} step {step} {metric}: {got} vs uninterrupted {want}"
+            )
 
 
 def run_layouts(out: Path, world: int, layouts: list[str], timeout: float) -> dict[str, Any]:
@@ -208,3 +256,50 @@ def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
 def test_full_matrix_on_four_ranks(tmp_path: Path, references: dict[str, Any]) -> None:
     layouts = ["tp2_pp2", "dp2_pp2_distopt", "tp2_pp2_vpp2"]
     _assert_matches(run_layouts(tmp_path, 4, layouts, timeout=1700), references)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_resume_under_another_layout_continues_the_run(tmp_path: Path) -> None:
+    """Saved at step 5 under TP=2 x PP=2 with the distributed optimizer, continued as DP=4
+    with it; saved under EP=2, continued on one process (EP=1)."""
+    saved = run_checkpoint_jobs(tmp_path, 2, [("moe_ep2", None)], 600)
+    resumed = run_checkpoint_jobs(tmp_path, 1, [("moe", "moe_ep2")], 600)
+    _assert_continues(resumed["moe_ep2-as-moe"], saved["moe_ep2"], "EP2 -> EP1")
+    four = run_checkpoint_jobs(
+        tmp_path, 4, [("tp2_pp2_distopt", None), ("dp2_distopt", "tp2_pp2_distopt")], 900
+    )
+    _assert_continues(
+        four["tp2_pp2_distopt-as-dp2_distopt"], four["tp2_pp2_distopt"], "TP2xPP2 -> DP4"
+    )
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_resume_matrix(tmp_path: Path) -> None:
+    """DP2 -> DP1, DP1 -> DP2 with the distributed optimizer, TP2 -> TP1, PP2 -> PP2 x VPP2
+    and back."""
+    one = run_checkpoint_jobs(tmp_path, 1, [("single_distopt", None)], 600)
+    two = run_checkpoint_jobs(
+        tmp_path,
+        2,
+        [
+            ("dp2", None),
+            ("tp2", None),
+            ("pp2", None),
+            ("pp2_vpp2", None),
+            ("dp2_distopt", "single_distopt"),
+            ("pp2_vpp2", "pp2"),
+            ("pp2", "pp2_vpp2"),
+        ],
+        1500,
+    )
+    back = run_checkpoint_jobs(tmp_path, 1, [("single", "dp2"), ("single", "tp2")], 600)
+    _assert_continues(back["dp2-as-single"], two["dp2"], "DP2 -> DP1")
+    _assert_continues(back["tp2-as-single"], two["tp2"], "TP2 -> TP1")
+    _assert_continues(two["single_distopt-as-dp2_distopt"], one["single_distopt"], "DP1 -> DP2")
+    _assert_continues(two["pp2-as-pp2_vpp2"], two["pp2"], "PP2 -> PP2 x VPP2")
+    _assert_continues(two["pp2_vpp2-as-pp2"], two["pp2_vpp2"], "PP2 x VPP2 -> PP2")
