@@ -4,8 +4,8 @@ Two forked ranks build the tiny GPT (dense and MoE, 4 layers) with megatron-core
 under several layouts, one after the other in the same process group; each rank reports
 its shards (the model's ``sharded_state_dict``: key, global offset, local tensor) and the
 shards are put together into global tensors. Every layout must give the same global
-tensors, bit for bit, as the layout with one model-parallel rank (DP=2), and that one equals
-a bare one-process build. megatron's per-stage seeding (``rng.layout_independent_init=false``)
+tensors, bit for bit, as the layout with one model-parallel rank (DP=2), and (extended tier)
+that one equals a one-process build. megatron's per-stage seeding (``rng.layout_independent_init=false``)
 is shown to differ under PP=2, so the check can fail.
 """
 
@@ -99,12 +99,13 @@ def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
         assert torch.equal(got[key], want[key]), f"{name}: {key} differs"
 
 
-def _check(layouts: list[str]) -> None:
+def _check(layouts: list[str], *, one_process: bool) -> None:
     jobs = [(name, True) for name in layouts] + [("pp2", False), ("dp2", False)]
     per_rank = run_distributed(_build_all, 2, jobs, timeout=360)
     built = {job: _assemble([per_rank[rank][i] for rank in range(2)]) for i, job in enumerate(jobs)}
-    (single,) = run_distributed(_build_all, 1, [("dp2", True)], timeout=120)
-    _assert_identical(_assemble([single[0]]), built[("dp2", True)], "one process")
+    if one_process:
+        (single,) = run_distributed(_build_all, 1, [("dp2", True)], timeout=120)
+        _assert_identical(_assemble([single[0]]), built[("dp2", True)], "one process")
     for name in layouts:
         base = "moe_dp2" if name.startswith("moe") else "swiglu_dp2" if "swiglu" in name else "dp2"
         _assert_identical(built[(name, True)], built[(base, True)], name)
@@ -118,7 +119,7 @@ def _check(layouts: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_initial_weights_are_the_same_under_pp_vpp_and_ep() -> None:
-    _check(["dp2", "pp2_vpp2", "moe_dp2", "moe_ep2"])
+    _check(["dp2", "pp2_vpp2", "moe_dp2", "moe_ep2"], one_process=False)
 
 
 @pytest.mark.extended
@@ -126,4 +127,4 @@ def test_initial_weights_are_the_same_under_pp_vpp_and_ep() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_initial_weights_are_the_same_under_every_layout() -> None:
-    _check(list(LAYOUTS))
+    _check(list(LAYOUTS), one_process=True)
