@@ -139,6 +139,50 @@ def _fresh_runs(rank: int, world: int, out: str, layouts: list[str]) -> int:
     return 0
 
 
+class _SampleRecorder:
+    """An iterator over the trainer's micro-batches that appends, for every sample, the step
+    and a digest of its tokens to a file (one per rank): which samples each step consumed."""
+
+    def __init__(self, inner: Any, state: Any, path: str) -> None:
+        self.inner, self.state, self.path = inner, state, path
+
+    def __iter__(self) -> _SampleRecorder:
+        return self
+
+    def __next__(self) -> Any:
+        import hashlib
+
+        batch = next(self.inner)
+        step = int(self.state.train_state.step)
+        with open(self.path, "a", encoding="utf-8") as out:
+            for row in batch["tokens"]:
+                digest = hashlib.sha256(row.cpu().numpy().tobytes()).hexdigest()[:16]
+                out.write(f"{step} {digest}\n")
+        return batch
+
+
+def _recording_step(path: str) -> Any:
+    """:func:`bridge.train.forward_step` recording the samples it consumes into ``path``."""
+
+    def step(state: Any, data_iterator: Any, model: Any) -> Any:
+        if data_iterator is not None:
+            data_iterator = _SampleRecorder(data_iterator, state, path)
+        return forward_step(state, data_iterator, model)
+
+    return step
+
+
+def consumed_samples(out: Path, name: str) -> dict[int, set[str]]:
+    """``{step: sample digests}`` over every rank's record of run ``name``."""
+    steps: dict[int, set[str]] = {}
+    for path in out.glob(f"{name}.samples.*"):
+        for line in path.read_text().split("\n"):
+            if line:
+                step, digest = line.split()
+                steps.setdefault(int(step), set()).add(digest)
+    return steps
+
+
 def _checkpoint_runs(rank: int, world: int, out: str, jobs: list[tuple[str, str | None]]) -> int:
     """``(layout, saved layout or None)``: a fresh run saving at ``SAVE_AT`` and ``STEPS``
     into ``out/<layout>``, or a run continuing the saved layout's checkpoint of ``SAVE_AT``
@@ -155,7 +199,8 @@ def _checkpoint_runs(rank: int, world: int, out: str, jobs: list[tuple[str, str 
             exit_on_missing_checkpoint=saved is not None,
         )
         config = layout_config(layout, checkpoint=checkpoint)
-        code = pretrain(config, forward_step, metrics_file=f"{out}/{name}.metrics.{rank}")
+        step = _recording_step(f"{out}/{name}.samples.{rank}")
+        code = pretrain(config, step, metrics_file=f"{out}/{name}.metrics.{rank}")
         assert code == 0, f"{name}: pretrain returned {code}"
     return 0
 
@@ -167,6 +212,14 @@ def run_checkpoint_jobs(
     assert run_distributed(_checkpoint_runs, world, str(out), jobs, timeout=timeout) == [0] * world
     names = [layout if saved is None else f"{saved}-as-{layout}" for layout, saved in jobs]
     return {name: records(out / f"{name}.metrics.{world - 1}") for name in names}
+
+
+def _assert_same_samples(out: Path, resumed: str, uninterrupted: str) -> None:
+    """The resumed run consumed, step by step, exactly the samples the uninterrupted run did
+    after ``SAVE_AT`` (data position and order carried over)."""
+    got, want = consumed_samples(out, resumed), consumed_samples(out, uninterrupted)
+    later = {step: samples for step, samples in want.items() if step >= SAVE_AT}
+    assert got and got == later, f"{resumed}: other samples than {uninterrupted}"
 
 
 def _assert_continues(resumed: dict[int, Any], uninterrupted: dict[int, Any], name: str) -> None:
@@ -263,16 +316,19 @@ def test_full_matrix_on_four_ranks(tmp_path: Path, references: dict[str, Any]) -
 @pytest.mark.timeout(1500)
 def test_resume_under_another_layout_continues_the_run(tmp_path: Path) -> None:
     """Saved at step 5 under TP=2 x PP=2 with the distributed optimizer, continued as DP=4
-    with it; saved under EP=2, continued on one process (EP=1)."""
+        with it; saved under EP=2, continued on one process (EP=1). Losses and gradient norms
+    within 1e-5 of the uninterrupted run, and the same samples at every step."""
     saved = run_checkpoint_jobs(tmp_path, 2, [("moe_ep2", None)], 600)
     resumed = run_checkpoint_jobs(tmp_path, 1, [("moe", "moe_ep2")], 600)
     _assert_continues(resumed["moe_ep2-as-moe"], saved["moe_ep2"], "EP2 -> EP1")
+    _assert_same_samples(tmp_path, "moe_ep2-as-moe", "moe_ep2")
     four = run_checkpoint_jobs(
         tmp_path, 4, [("tp2_pp2_distopt", None), ("dp2_distopt", "tp2_pp2_distopt")], 900
     )
     _assert_continues(
         four["tp2_pp2_distopt-as-dp2_distopt"], four["tp2_pp2_distopt"], "TP2xPP2 -> DP4"
     )
+    _assert_same_samples(tmp_path, "tp2_pp2_distopt-as-dp2_distopt", "tp2_pp2_distopt")
 
 
 @pytest.mark.extended
@@ -303,3 +359,11 @@ def test_resume_matrix(tmp_path: Path) -> None:
     _assert_continues(two["single_distopt-as-dp2_distopt"], one["single_distopt"], "DP1 -> DP2")
     _assert_continues(two["pp2-as-pp2_vpp2"], two["pp2"], "PP2 -> PP2 x VPP2")
     _assert_continues(two["pp2_vpp2-as-pp2"], two["pp2_vpp2"], "PP2 x VPP2 -> PP2")
+    for resumed, saved in (
+        ("dp2-as-single", "dp2"),
+        ("tp2-as-single", "tp2"),
+        ("single_distopt-as-dp2_distopt", "single_distopt"),
+        ("pp2-as-pp2_vpp2", "pp2"),
+        ("pp2_vpp2-as-pp2", "pp2_vpp2"),
+    ):
+        _assert_same_samples(tmp_path, resumed, saved)
