@@ -429,6 +429,14 @@ def _decode_union(data: Any, tp: Any, path: str, default_class: type | None) -> 
         if type(None) in args:
             return None
         raise _type_error(path, data, type_name(tp))
+    if data == "None" and type(None) in args:
+        # YAML and the override grammar read a bare None as this string: a path field would
+        # otherwise name a directory called "None".
+        raise ConfigError(
+            path,
+            "got 'None', a string; for no value write null in YAML (None in Python), also "
+            "in an override: section.field=null",
+        )
     candidates = [a for a in args if a is not type(None)]
     if len(candidates) == 1:
         return decode(data, candidates[0], path, default_class=default_class)
