@@ -436,8 +436,10 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``bridge-train``: exits with the code of :func:`run`.
 
-    Configuration problems are printed (by rank 0) as ``bridge-train: error: ...`` without a
-    traceback and exit with code 2. Ctrl-C (SIGINT) and SIGTERM end the run with one line
+    Configuration problems are reported as ``bridge-train: error: ...`` without a traceback
+    and exit with code 2: printed by rank 0, or, under torchrun, written to torchrun's error
+    file by every rank and shown once in torchrun's closing summary (see
+    :func:`_report_config_error`). Ctrl-C (SIGINT) and SIGTERM end the run with one line
     and exit codes 130 and 143 (128 + the signal number); further signals while the run
     closes are ignored, except a second Ctrl-C, which exits at once.
     """
@@ -460,7 +462,44 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(EXIT_CALLBACK_ERROR)
         if not _is_user_error(exc):
             raise
-        if _launcher_rank() == 0:
-            print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
+        _report_config_error(f"bridge-train: error: {exc}")
         sys.exit(EXIT_CONFIG_ERROR)
     sys.exit(code)
+
+
+def _report_config_error(line: str) -> None:
+    """Show a configuration error once, whichever rank finds it first.
+
+    Under torchrun every rank writes it to its ``TORCHELASTIC_ERROR_FILE``, and none prints
+    it: the first rank to fail makes torchrun stop the others (which may not have printed
+    yet), and torchrun's closing summary shows the first failure's error file as its "Root
+    Cause" (``traceback : bridge-train: error: ...``), the last lines of the launch. Without
+    torchrun's error file (one process, or another launcher), rank 0 prints it.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and _write_elastic_error_file(error_file, line):
+        return
+    if _launcher_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _write_elastic_error_file(path: str, line: str) -> bool:
+    """Write ``line`` in torchelastic's error-file format; False if it cannot be written."""
+    import json
+    import time
+
+    # torchrun takes the failure with the earliest whole-second timestamp as the root cause
+    # and times a rank it stopped itself when it collects it; dated a second earlier, this
+    # failure stays first when both fall in the same second.
+    data = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()) - 1)},
+        }
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+    except OSError:
+        return False
+    return True
