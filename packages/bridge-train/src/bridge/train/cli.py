@@ -337,13 +337,18 @@ def _report_notices(held: Any, cfg: Any) -> None:
         print(f"[bridge-train] {held.summary()}", file=sys.stderr, flush=True)
 
 
-def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any) -> None:
+def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any, *, dry_run: bool = False) -> None:
     print(f"[bridge-train] recipe: {path}", flush=True)
     diff = _override_diff(recipe_cfg, cfg) if recipe_cfg is not None else []
     print("[bridge-train] overrides (recipe -> this run):", flush=True)
     print("\n".join(diff) if diff else "  (none)", flush=True)
     save = getattr(getattr(cfg, "checkpoint", None), "save", None)
-    where = f"{save}/run_config.yaml" if save else "--print-config"
+    if not save:
+        where = "--print-config"
+    elif dry_run:  # nothing is written by a dry run
+        where = f"--print-config (a launch saves it as {save}/run_config.yaml)"
+    else:
+        where = f"{save}/run_config.yaml"
     print(f"[bridge-train] full resolved config: {where}", flush=True)
 
 
@@ -422,8 +427,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     _report_notices(held, cfg)
     if args.dry_run:
         if _launcher_rank() == 0:
-            _print_overrides(path, recipe_cfg, cfg)
+            _print_overrides(path, recipe_cfg, cfg, dry_run=True)
             if not mimo:
+                from bridge.train.checks.resume import run_plan_notices
+
+                for notice in run_plan_notices(cfg):
+                    print(f"[bridge-train] {notice}", flush=True)
                 _print_layout(cfg, _launcher_world_size())
         return 0
     if _launcher_rank() == 0 and not args.no_print_config:

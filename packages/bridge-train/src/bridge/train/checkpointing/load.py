@@ -65,7 +65,7 @@ from bridge.train.checkpointing.state_dict import (
     unwrapped_chunks,
 )
 
-__all__ = ["checkpoint_exists", "load_checkpoint"]
+__all__ = ["PlannedLoad", "checkpoint_exists", "load_checkpoint", "planned_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +200,42 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
             "initialisation"
         )
     return None
+
+
+@dataclass(frozen=True)
+class PlannedLoad:
+    """The checkpoint :func:`load_checkpoint` would load (see :func:`planned_load`).
+
+    Attributes:
+        path: The checkpoint directory (``iter_*``).
+        iteration: Its iteration.
+        weights_only: Loaded as a finetune start (``checkpoint.finetune`` or
+            ``checkpoint.pretrained_checkpoint``): weights only, a new run at iteration 0.
+        source: The setting it comes from (``"checkpoint.load"``, ``"non-persistent"``,
+            ``"checkpoint.pretrained_checkpoint"``).
+    """
+
+    path: str
+    iteration: int
+    weights_only: bool
+    source: str
+
+
+def planned_load(checkpoint_config: Any) -> PlannedLoad | None:
+    """Which checkpoint :func:`load_checkpoint` would load, read from this process's files.
+
+    No collective and no verification of the files: for reports and checks before a
+    launch. ``checkpoint.load`` is used as it is (a launch first makes an unset ``load``
+    the save directory when that holds a checkpoint).
+
+    Raises:
+        CheckpointError: What :func:`load_checkpoint` would raise choosing it (a missing
+            ``ckpt_step`` or ``pretrained_checkpoint``, ...).
+    """
+    plan = _plan_load(checkpoint_config)
+    if plan is None:
+        return None
+    return PlannedLoad(plan.path, plan.iteration, plan.finetune, plan.source)
 
 
 def _local_damage(path: str) -> dict[str, str] | None:

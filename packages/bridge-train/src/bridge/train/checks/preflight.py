@@ -209,8 +209,9 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     """Validate ``cfg`` for a training launch, before anything distributed is built.
 
     Runs ``cfg.validate(world_size)`` (filling derived values), then checks the data files,
-    the tokenizer files, the checkpoint directories, the engine, backend and parallel layout
-    against this machine, and features that need CUDA.
+    the tokenizer files, the checkpoint directories and the checkpoint a resume would load
+    (:mod:`bridge.train.checks.resume`), the engine, backend and parallel layout against this
+    machine, and features that need CUDA.
 
     Args:
         cfg: The run's configuration.
@@ -231,4 +232,7 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     check_finetuning_config(cfg)
     assert cfg.checkpoint is not None
     check_checkpoint_directories(cfg.checkpoint)
+    from bridge.train.checks.resume import check_resume
+
+    check_resume(cfg)
     _check_profiler_output(cfg)

@@ -328,6 +328,25 @@ def setup(
     return out
 
 
+def _report_run_plan(out: SetupOutput) -> None:
+    """Rank 0 says, before training, when the run will train nothing or ignore its
+    pretrained weights (see :func:`bridge.train.checks.resume.run_plan_notices`)."""
+    from bridge.train.checks.resume import run_plan_notices
+
+    state = out.state
+    assert state.cfg.train is not None
+    notices = run_plan_notices(
+        state.cfg,
+        loaded=out.checkpointing_context.get("loaded_checkpoint"),
+        iteration=state.train_state.step,
+        done=run_is_done(state.cfg.train, state.train_state),
+        after_load=True,
+    )
+    if global_rank() == 0:
+        for notice in notices:
+            logger.warning(notice)
+
+
 def _initialize_rerun_state_machine(cfg: ConfigContainer) -> None:
     from megatron.core import rerun_state_machine as rsm
 
@@ -456,6 +475,7 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
+        _report_run_plan(out)
         append_starting_job(state)
         save_run_config(config)
         exit_code = 0
