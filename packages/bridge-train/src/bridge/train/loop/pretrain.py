@@ -156,6 +156,13 @@ def _build_metric_writers(
     )
 
 
+def _progress(message: str) -> None:
+    """Rank 0 says which setup step starts: together they take 15-25 s before iteration 1
+    on a CPU, and a silent terminal looks hung."""
+    if global_rank() == 0:
+        logger.info(message)
+
+
 def _uses_checkpoints(cfg: ConfigContainer) -> bool:
     checkpoint = cfg.checkpoint
     return checkpoint is not None and any(
@@ -190,6 +197,7 @@ def _load_checkpoint(setup_out: SetupOutput) -> bool:
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return False
+    _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
     context = setup_out.checkpointing_context
     if cfg.peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
@@ -283,6 +291,7 @@ def setup(
     apply_tokenizer = getattr(cfg.model, "apply_tokenizer", None)
     if apply_tokenizer is not None:
         apply_tokenizer(tokenizer)
+    _progress(f"building the model and optimizer ({type(cfg.model).__name__}, world size {world})")
     model = engine.setup_model(
         cfg.model,
         cfg.ddp,
@@ -313,6 +322,7 @@ def setup(
     state.job_start_flops = state.train_state.floating_point_operations_so_far
 
     assert cfg.dataset is not None
+    _progress(f"loading the data ({type(cfg.dataset).__name__})")
     datasets = build_family_datasets(
         cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(cfg.train)
     )
