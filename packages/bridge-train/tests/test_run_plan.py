@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,19 @@ def test_a_run_that_trains_nothing_says_why(
     assert "raise train.train_iters" in out
     # The launch says the same before it evaluates, once.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="bridge.train"):
+    with (
+        caplog.at_level(logging.WARNING, logger="bridge.train"),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
         assert run(two) == 0
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert sum("is not used" in w for w in warnings) == 1, warnings
-    assert sum(w.startswith("nothing to train") for w in warnings) == 1, warnings
+    # torch.distributed.checkpoint's five notes on every load are held back.
+    assert not [w for w in caught if "torch/distributed/checkpoint" in w.filename], [
+        str(w.message) for w in caught
+    ]
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("is not used" in w for w in logged) == 1, logged
+    assert sum(w.startswith("nothing to train") for w in logged) == 1, logged
     assert (finished_run / "runs/a/latest_checkpointed_iteration.txt").read_text().strip() == "2"
     # A longer run trains, from its own checkpoint: only the unused weights are named.
     caplog.clear()

@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import functools
 import importlib
+import logging
 import math
 import pathlib
 import sys
@@ -187,6 +188,17 @@ def _current_path(dotted: str) -> str:
     return dotted
 
 
+def _import_quietly(name: str) -> Any:
+    """Import module ``name``, its third-party import notices held back (logged at DEBUG):
+    the first ``_target_`` naming megatron-core imports it, and it prints about seven."""
+    from bridge.config.notices import held_notices, log_held_notices
+
+    with held_notices() as held:
+        module = importlib.import_module(name)
+    log_held_notices(held, logging.getLogger("bridge.config"))
+    return module
+
+
 def import_object(dotted: Any, path: str) -> Any:
     """Import ``package.module.attr.attr`` and return the attribute.
 
@@ -209,7 +221,7 @@ def import_object(dotted: Any, path: str) -> Any:
             module, split = sys.modules[name], i
             break
         try:
-            module, split = importlib.import_module(name), i
+            module, split = _import_quietly(name), i
             break
         except ModuleNotFoundError as exc:
             # Only "this prefix does not exist" means: try a shorter prefix. A module that
@@ -826,8 +838,15 @@ def _construct(cls: type, kwargs: dict[str, Any], path: str) -> Any:
 
 
 def _construct_step(step: Any, cls: type, path: str) -> Any:
+    from bridge.config.notices import held_notices, log_held_notices
+
     try:
-        return step()
+        # A third-party class may warn about its own defaults (megatron-core's
+        # TransformerConfig: "full scope is deprecated"): held back, logged at DEBUG.
+        with held_notices() as held:
+            built = step()
+        log_held_notices(held, logging.getLogger("bridge.config"))
+        return built
     except ConfigError as exc:
         raise exc.within(path, cls.__name__) from exc.__cause__
     except Exception as exc:

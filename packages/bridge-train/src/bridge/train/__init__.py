@@ -249,7 +249,13 @@ def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    from bridge.config.notices import held_notices, log_held_notices
+
+    # The first name loaded imports torch and megatron-core, which print about 17 notices
+    # nobody using the API can act on: they are logged at DEBUG level instead.
+    with held_notices() as held:
+        value = getattr(importlib.import_module(module), name)
+    log_held_notices(held, logging.getLogger(__name__))
     globals()[name] = value
     return value
 

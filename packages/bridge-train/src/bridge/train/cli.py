@@ -319,22 +319,27 @@ def _is_callback_error(exc: BaseException) -> bool:
 def _report_notices(held: Any, cfg: Any) -> None:
     """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
 
-    Other ranks print none of them. Unless the level is DEBUG, megatron-core's TE/Apex fallback notice,
-    which it repeats when the model is built, is silenced on every rank.
+    Other ranks print none of them. Unless the level is DEBUG, the notices megatron-core
+    repeats when the model is built (TE/Apex fallback, experimental MIMO classes, CUDA
+    advice on a machine without CUDA) are silenced on every rank.
     """
-    from bridge.train._import_notices import silence_known_fallback_notices
+    from bridge.config.notices import silence_known_fallback_notices
 
     logger_cfg = getattr(cfg, "logger", None)
     level = getattr(logger_cfg, "logging_level", logging.INFO)
     if level > logging.DEBUG:
-        silence_known_fallback_notices()
-    if _launcher_rank() != 0 or not held.lines:
+        torch = sys.modules.get("torch")  # imported with the config's classes, if at all
+        silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
+    if _launcher_rank() != 0:
         return
-    if level <= logging.DEBUG:
-        for line in held.lines:
-            print(f"[bridge-train] notice: {line}", file=sys.stderr, flush=True)
-    else:
-        print(f"[bridge-train] {held.summary()}", file=sys.stderr, flush=True)
+    from bridge.config.notices import print_held_notices
+
+    print_held_notices(
+        held,
+        "[bridge-train] ",
+        verbose=level <= logging.DEBUG,
+        how_to_see="logger.logging_level=10 prints them",
+    )
 
 
 def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any, *, dry_run: bool = False) -> None:
@@ -402,7 +407,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"[bridge-train] warning: {notice}", file=sys.stderr, flush=True)
     if args.metrics_file is not None:
         check_output_file(args.metrics_file, "--metrics-file")
-    from bridge.train._import_notices import held_notices
+    from bridge.config.notices import held_notices
 
     with held_notices() as held:
         cfg, path, recipe_cfg = _load(args)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bridge.config.notices import held_notices, log_held_notices
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
@@ -769,22 +770,29 @@ def load_checkpoint(
             )
         return 0, 0.0
     started = time.monotonic()
-    # The checksums are verified in a thread while the checkpoint is read (file reads and
-    # XXH3 release the GIL), and the verdict is taken before anything is copied into the
-    # model or optimizer: a damaged checkpoint is never used, and its cost mostly hides.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
-        local = pool.submit(_local_damage, plan.path)
-        failure: Exception | None = None
-        try:
+    # torch.distributed.checkpoint warns on every load (argument order, ShardedTensor's
+    # deprecation, "assuming the intent is to load in a single process" for the common
+    # state rank 0 reads alone): nothing to act on, so held back (DEBUG on rank 0).
+    with held_notices() as held:
+        # The checksums are verified in a thread while the checkpoint is read (file reads
+        # and XXH3 release the GIL), and the verdict is taken before anything is copied
+        # into the model or optimizer: a damaged checkpoint is never used, and its cost
+        # mostly hides.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
+            local = pool.submit(_local_damage, plan.path)
+            failure: Exception | None = None
+            try:
+                read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
+            except Exception as exc:  # damage can surface as any error of the readers
+                failure = exc
+            problems = _gather_damage(plan.path, local.result())
+        if problems:
+            plan = _verified_plan(plan, problems)
             read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
-        except Exception as exc:  # damage can surface as any error of the readers
-            failure = exc
-        problems = _gather_damage(plan.path, local.result())
-    if problems:
-        plan = _verified_plan(plan, problems)
-        read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
-    elif failure is not None:
-        raise failure
+        elif failure is not None:
+            raise failure
+    if _dist.rank() == 0:
+        log_held_notices(held, logger)
     if checkpointing_context is not None:
         checkpointing_context["loaded_checkpoint"] = plan.path
     common, loaded, keys, finetune, load_optim, load_rng = read

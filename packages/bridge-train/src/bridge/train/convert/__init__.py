@@ -11,15 +11,30 @@
 ``import bridge.train`` does not import this package.
 """
 
-from bridge.train.convert.errors import ConversionError
-from bridge.train.convert.exporter import export_hf_checkpoint
-from bridge.train.convert.hf_config import (
-    SUPPORTED_MODEL_TYPES,
-    provider_from_hf_config,
-    provider_kwargs_from_hf_config,
-    read_hf_config,
-)
-from bridge.train.convert.importer import import_hf_checkpoint
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bridge.train.convert.errors import ConversionError
+    from bridge.train.convert.exporter import export_hf_checkpoint
+    from bridge.train.convert.hf_config import (
+        SUPPORTED_MODEL_TYPES,
+        provider_from_hf_config,
+        provider_kwargs_from_hf_config,
+        read_hf_config,
+    )
+    from bridge.train.convert.importer import import_hf_checkpoint
+
+# Loaded on first use: ``bridge-convert --help`` (this package's cli module) must not pay for
+# torch and megatron-core, which the importer and exporter import.
+_MODULE_OF = {
+    "ConversionError": "bridge.train.convert.errors",
+    "export_hf_checkpoint": "bridge.train.convert.exporter",
+    "SUPPORTED_MODEL_TYPES": "bridge.train.convert.hf_config",
+    "provider_from_hf_config": "bridge.train.convert.hf_config",
+    "provider_kwargs_from_hf_config": "bridge.train.convert.hf_config",
+    "read_hf_config": "bridge.train.convert.hf_config",
+    "import_hf_checkpoint": "bridge.train.convert.importer",
+}
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -30,3 +45,14 @@ __all__ = [
     "provider_kwargs_from_hf_config",
     "read_hf_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -309,6 +309,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the notices of torch and megatron-core in full (default: one line)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -355,6 +360,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocab_size=args.vocab_size,
         special_tokens=args.special_tokens,
     )
+    from bridge.config.notices import held_notices, print_held_notices
+
+    # megatron-core's import notices (it writes the files) say nothing about the data.
+    # A refused input is the one line the command prints (the notices do not matter then).
+    with held_notices(("torch.utils.cpp_extension", "megatron")) as held:
+        code, last_line = _preprocess(args, spec)
+    if code == 0:
+        print_held_notices(
+            held,
+            "bridge-preprocess-data: ",
+            verbose=args.verbose,
+            how_to_see="--verbose prints them",
+        )
+    print(last_line, file=sys.stderr if code else sys.stdout, flush=True)
+    return code
+
+
+def _preprocess(args: argparse.Namespace, spec: Any) -> tuple[int, str]:
+    """Tokenize as ``args`` say: ``(exit code, the line that ends the command)``."""
     try:
         tokenizer = build_tokenizer(spec)
         result = preprocess_data(
@@ -370,13 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress_interval=_PROGRESS_INTERVAL,
         )
     except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
-        print(f"bridge-preprocess-data: error: {exc}", file=sys.stderr)
-        return 1
-    print(
+        return 1, f"bridge-preprocess-data: error: {exc}"
+    return 0, (
         f"wrote {result.num_documents} documents, {result.num_tokens} tokens to "
         f"{result.output_prefix}.bin/.idx"
     )
-    return 0
 
 
 if __name__ == "__main__":
