@@ -232,22 +232,53 @@ def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
     """``path: recipe value -> run value`` for every value the overrides changed.
 
     The recipe alone is validated like the run (when it validates), so values derived by
-    ``validate()`` differ only where the overrides changed what they derive from.
+    ``validate()`` differ only where the overrides changed what they derive from. A section
+    whose class the overrides replaced (``dataset._target_=...``) is one line for the class
+    and the old class's fields left out, then the new section's fields that differ from the
+    recipe's or, where the recipe had no such field, from the new class's defaults.
     """
     import yaml
 
-    from bridge.config import ConfigError
+    from bridge.config import ConfigError, diff_from_defaults
 
     with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
         recipe_cfg.validate(_launcher_world_size())
 
     before = _flatten(yaml.safe_load(recipe_cfg.format_yaml()))
     after = _flatten(yaml.safe_load(run_cfg.format_yaml()))
+    replaced = sorted(
+        key.removesuffix("._target_")
+        for key in set(before) & set(after)
+        if key.endswith("._target_") and before[key] != after[key]
+    )
     lines = []
     for key in sorted(set(before) | set(after)):
+        section = next((r for r in replaced if key.startswith(r + ".")), None)
         old, new = before.get(key, "<unset>"), after.get(key, "<unset>")
-        if old != new:
+        if section is not None and key == f"{section}._target_":
+            left_out = sorted(
+                k.removeprefix(section + ".")
+                for k in before
+                if k.startswith(section + ".") and k not in after
+            )
+            dropped = f" ({len(left_out)} fields of the recipe's class left out)"
+            lines.append(f"  {key}: {old!r} -> {new!r}{dropped if left_out else ''}")
+        elif section is not None and key not in after:
+            continue  # listed with the class change
+        elif section is not None and key not in before:
+            continue  # reported below when it differs from the new class's default
+        elif old != new:
             lines.append(f"  {key}: {old!r} -> {new!r}")
+    for section in replaced:
+        obj = run_cfg
+        for part in section.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            continue
+        for diff in diff_from_defaults(obj):
+            key = f"{section}.{diff.path}"
+            if key not in before and key in after and "." not in diff.path:
+                lines.append(f"  {key}: <default {diff.default!r}> -> {after[key]!r}")
     return lines
 
 
