@@ -62,7 +62,9 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
             raise ConfigError(repr(item), "an override must be a string 'section.field=value'")
         if "=" not in item:
             raise ConfigError(
-                item, "override has no '='; write section.field=value (e.g. train.train_iters=100)"
+                item,
+                "override has no '='; write section.field=value (e.g. train.train_iters=100); "
+                "a recipe file goes first (bridge-train recipe.yaml ...) or after --config",
             )
         key, raw = item.split("=", 1)
         key = key.strip()

@@ -2,7 +2,7 @@
 
 ::
 
-    bridge-train [--config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
+    bridge-train [RECIPE.yaml | --config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
                  [--print-config | --dry-run] [--version]
                  [--hang-timeout SECONDS [--hang-setup-timeout SECONDS]
                   [--hang-checkpoint-timeout SECONDS]] [section.field=value ...]
@@ -42,7 +42,9 @@ EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 EXIT_CALLBACK_ERROR = 1
 
-_USAGE = "bridge-train [--config FILE | --recipe NAME] [options] [section.field=value ...]"
+_USAGE = (
+    "bridge-train [FILE.yaml | --config FILE | --recipe NAME] [options] [section.field=value ...]"
+)
 
 
 # The launcher's view (torchrun's environment), read before any process group exists and
@@ -118,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  bridge-train train.train_iters=300 optimizer.lr=1e-3\n"
         "  bridge-train --dry-run model.num_layers=8      # check and show the plan, no training\n"
         "  bridge-train --config recipe.yaml checkpoint.save=runs/a\n"
+        "  bridge-train recipe.yaml checkpoint.save=runs/a  # the same\n"
         "  torchrun --nproc_per_node=2 -m bridge.train    # 2 data-parallel ranks\n"
         "  torchrun --nproc_per_node=2 -m bridge.train model.tensor_model_parallel_size=2\n\n"
         "Overrides follow OmegaConf's grammar (numbers, true/false, null, [lists], "
@@ -131,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", metavar="FILE", help="YAML recipe to train")
+    source.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML recipe to train (a first argument ending in .yaml or .yml is taken as it)",
+    )
     source.add_argument(
         "--recipe", metavar="NAME", help="built-in recipe to train (default: tiny_gpt)"
     )
@@ -190,6 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="dotted overrides applied to the recipe",
     )
     return parser
+
+
+def _config_from_first_argument(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``bridge-train recipe.yaml [overrides]``: a first argument that is a YAML file, not an
+    override, is the recipe (as ``--config``)."""
+    if not args.overrides:
+        return
+    first = args.overrides[0]
+    if "=" in first or not first.endswith((".yaml", ".yml")):
+        return
+    if args.config is not None or args.recipe is not None:
+        given = "--config" if args.config is not None else "--recipe"
+        parser.error(f"{first} and {given} both name a recipe; give one")
+    args.config = first
+    args.overrides = args.overrides[1:]
 
 
 def _positive_seconds(text: str) -> float:
@@ -424,6 +446,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
+    _config_from_first_argument(args, parser)
     hang_timeout = _hang_timeouts(args, parser)
     from bridge.train.checks.launch import (
         check_launch_environment,
