@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -119,11 +121,16 @@ def test_progress_is_reported_while_writing(tmp_path, corpus_jsonl, capsys) -> N
     assert len(seen) == 48 + 1  # each document, then the end
     assert [p.documents for p in seen[:3]] == [1, 2, 3]
     assert seen[-1].bytes_read == seen[-1].bytes_total == corpus_jsonl.stat().st_size
-    assert all(a.bytes_read <= b.bytes_read for a, b in zip(seen, seen[1:], strict=False))
+    assert all(a.bytes_read <= b.bytes_read for a, b in itertools.pairwise(seen))
     # The command takes --workers; a value below 1 is refused naming it.
     with pytest.raises(SystemExit):
-        main(["--input", str(corpus_jsonl), "--output-prefix", str(tmp_path / "q"), "--workers", "0"])
+        main(
+            ["--input", str(corpus_jsonl), "--output-prefix", str(tmp_path / "q"), "--workers", "0"]
+        )
     assert "--workers must be at least 1" in capsys.readouterr().err
-    assert main(
-        ["--input", str(corpus_jsonl), "--output-prefix", str(tmp_path / "q"), "--workers", "2"]
-    ) == 0
+    assert (
+        main(
+            ["--input", str(corpus_jsonl), "--output-prefix", str(tmp_path / "q"), "--workers", "2"]
+        )
+        == 0
+    )

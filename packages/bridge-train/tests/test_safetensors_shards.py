@@ -79,4 +79,6 @@ def test_streaming_and_buffered_shards_are_the_same_bytes(tmp_path: Path) -> Non
     stream.close()
     batch.close()
     assert (streamed / SINGLE_FILENAME).read_bytes() == (buffered / SINGLE_FILENAME).read_bytes()
-    assert os.stat(streamed / SINGLE_FILENAME).st_mode == os.stat(buffered / SINGLE_FILENAME).st_mode
+    assert (
+        os.stat(streamed / SINGLE_FILENAME).st_mode == os.stat(buffered / SINGLE_FILENAME).st_mode
+    )

@@ -22,7 +22,7 @@ from bridge.train.data.preprocess import preprocess_data
 from bridge.train.data.tokenizers import ByteLevelTokenizer
 from bridge.train.recipes import recipe_path
 
-_WORDS = "the cat sat on the mat while a dog ran by".split()
+_WORDS = ["the", "cat", "sat", "on", "the", "mat", "while", "a", "dog", "ran", "by"]
 
 
 def _corpus(tmp_path: Path, name: str, lines: list[str], split_lines: bool) -> str:
@@ -95,7 +95,7 @@ def test_building_the_datasets_refuses_it_instead_of_hanging(tmp_path: Path) -> 
     )
     cfg.validate(world_size=1)
     assert cfg.train is not None
-    with pytest.raises(ConfigError, match="the validation split of .* gets no document"):
+    with pytest.raises(ConfigError, match=r"the validation split of .* gets no document"):
         build_train_valid_test_datasets(
             cfg.dataset, ByteLevelTokenizer(), train_valid_test_num_samples(cfg.train)
         )

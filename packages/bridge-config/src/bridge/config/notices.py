@@ -150,10 +150,11 @@ def held_notices(loggers: Sequence[str] = IMPORT_LOGGERS) -> Iterator[HeldNotice
     # it reaches (its children's records propagate to the root's handlers, or to
     # logging.lastResort when there are none).
     targets: list[logging.Filterer] = [logging.getLogger(name) for name in loggers]
-    targets += [*logging.getLogger().handlers, logging.lastResort]
+    targets += logging.getLogger().handlers
+    if logging.lastResort is not None:
+        targets.append(logging.lastResort)
     for target in targets:
-        if target is not None:
-            target.addFilter(recorder)
+        target.addFilter(recorder)
     blocks = _open_blocks()
     blocks.append(held)
     own: list[warnings.WarningMessage] = []
@@ -172,8 +173,7 @@ def held_notices(loggers: Sequence[str] = IMPORT_LOGGERS) -> Iterator[HeldNotice
     finally:
         del blocks[next(i for i, block in enumerate(blocks) if block is held)]
         for target in targets:
-            if target is not None:
-                target.removeFilter(recorder)
+            target.removeFilter(recorder)
         if blocks:
             for line in held.lines:
                 blocks[-1].add(line)

@@ -99,7 +99,9 @@ def _section_values(section: Any) -> dict[str, Any]:
         return {}
     if not dataclasses.is_dataclass(section):
         return {"": section}
-    values: dict[str, Any] = {"_target_": f"{type(section).__module__}.{type(section).__qualname__}"}
+    values: dict[str, Any] = {
+        "_target_": f"{type(section).__module__}.{type(section).__qualname__}"
+    }
     for f in dataclasses.fields(section):
         if f.init and not f.name.startswith("_") and f.name not in LOADER_FIELDS:
             values[f.name] = getattr(section, f.name)
@@ -110,7 +112,9 @@ def _same(before: Any, now: Any) -> bool:
     if isinstance(before, Path) or isinstance(now, Path):
         return str(before) == str(now)
     if isinstance(before, (list, tuple)) and isinstance(now, (list, tuple)):
-        return len(before) == len(now) and all(_same(a, b) for a, b in zip(before, now, strict=True))
+        return len(before) == len(now) and all(
+            _same(a, b) for a, b in zip(before, now, strict=True)
+        )
     return bool(before == now)
 
 

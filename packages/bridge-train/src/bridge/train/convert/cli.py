@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _convert(args: argparse.Namespace) -> tuple[int, str]:
     """Run the conversion: ``(exit code, the line that ends the command)``."""
+
     def progress(message: str) -> None:
         if not args.quiet:
             print(f"bridge-convert: {message}", file=sys.stderr, flush=True)

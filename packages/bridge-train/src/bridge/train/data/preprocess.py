@@ -33,7 +33,7 @@ import numpy as np
 
 from bridge.train.data.tokenizers import Tokenizer, build_tokenizer
 
-__all__ = ["PreprocessProgress", "PreprocessResult", "main", "preprocess_data"]
+__all__ = ["PreprocessProgress", "PreprocessResult", "build_parser", "main", "preprocess_data"]
 
 
 @dataclass(frozen=True)
@@ -227,21 +227,20 @@ def preprocess_data(
     tmp_idx = idx_path.with_name(idx_path.name + ".tmp")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-    documents = tokens = done = 0
+    documents = tokens = read = 0
     total = sum(p.stat().st_size for p in paths)
     started = last_report = time.monotonic()
 
     def report() -> None:
         if progress is not None:
-            progress(
-                PreprocessProgress(documents, tokens, done, total, time.monotonic() - started)
-            )
+            progress(PreprocessProgress(documents, tokens, read, total, time.monotonic() - started))
 
     try:
         import torch
 
         stream = _token_ids(tokenizer, _documents(paths, json_key, split_lines), workers)
-        for ids, done in stream:
+        for ids, bytes_read in stream:
+            read = bytes_read
             if append_eod:
                 ids = [*ids, tokenizer.eod]
             if ids:
@@ -269,7 +268,8 @@ def preprocess_data(
     return PreprocessResult(prefix, documents, tokens)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``bridge-preprocess-data``."""
     parser = argparse.ArgumentParser(
         prog="bridge-preprocess-data",
         description="Tokenize text or JSONL files into a megatron indexed dataset (.bin/.idx).",
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 1 on a user error (printed to stderr, no traceback).
     """
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")

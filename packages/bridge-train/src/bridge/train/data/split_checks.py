@@ -88,7 +88,7 @@ def check_split_samples(
             lengths[prefix] = read_sequence_lengths(prefix)
         sizes = lengths[prefix]
         total = len(sizes)
-        first, last = int(round(begin * total)), int(round(end * total))
+        first, last = round(begin * total), round(end * total)  # megatron's rounding
         documents = max(last - first, 0)
         tokens = int(sizes[first:last].sum()) if documents else 0
         split_name = _SPLIT_NAMES[index]
