@@ -87,6 +87,13 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
         r"^ft_launcher\b",
         "needs nvidia-resiliency-ext, which cannot share a venv with megatron-core",
     ),
+    (r"\bsbatch\b", "submits to a SLURM cluster (tests/test_slurm.py submits to one it starts)"),
+    (r"\bscontrol\b|srun_requeueable|^export BRIDGE_STOP_SIGNAL", "a line of a SLURM batch script"),
+    (r"^kubectl\b", "needs a Kubernetes cluster with Kubeflow Trainer"),
+    (
+        r"^torchrun -m bridge\.train$",
+        "what each pod of the Kubernetes TrainJob runs (examples/k8s)",
+    ),
     (r"corpus\.jsonl|tok/sp\.model|my_corpus|data/corpus\b", "names the user's own corpus"),
     (r"\bmy(_run)?\.yaml\b", "names the user's own recipe file"),
 )
@@ -276,6 +283,10 @@ def test_the_pages_are_read_and_every_not_run_entry_is_used() -> None:
     assert not stale, f"NOT_RUN entries that match no command any more: {stale}"
 
 
+#: Programs every shell has (a page may create a directory before a command writes to it).
+_SHELL_COMMANDS = frozenset({"bash", "sh", "mkdir", "cd", "export", "echo", "ls", "cat"})
+
+
 def _found(invocation: Invocation) -> str | None:
     """Why the shell would not find the program, or None."""
     if not invocation.argv:
@@ -290,7 +301,7 @@ def _found(invocation: Invocation) -> str | None:
         if path.is_file() and os.access(path, os.X_OK):
             return None
         return f"{program}: no such executable file"
-    if program in ("bash", "sh"):
+    if program in _SHELL_COMMANDS:
         return None
     return (
         f"`{program}`: command not found outside an activated virtual environment; write "

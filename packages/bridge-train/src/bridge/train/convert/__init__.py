@@ -1,58 +1,50 @@
 """Hugging Face checkpoint import and export (``bridge-convert``; needs ``bridge-train[hf]``).
 
+* :class:`AutoBridge`: the Python API under Megatron-Bridge's names:
+  ``AutoBridge.from_hf_pretrained(dir)`` -> ``to_megatron_provider()``,
+  ``load_hf_weights(model)`` into a built (tensor/expert/pipeline parallel) model,
+  ``save_hf_pretrained(model, dir)``, and the checkpoint conversions ``import_ckpt`` /
+  ``export_ckpt`` that ``bridge-convert`` runs.
 * :func:`import_hf_checkpoint`: a local Hugging Face model directory (``config.json`` +
   safetensors + tokenizer) -> a bridge-train checkpoint that ``checkpoint.pretrained_checkpoint``
-  loads, for any tensor x pipeline parallel layout.
+  loads, for any tensor x pipeline x expert parallel layout.
 * :func:`export_hf_checkpoint`: a bridge-train checkpoint -> a Hugging Face model directory
   that ``transformers`` loads.
-* :func:`provider_from_hf_config`: the GPT-provider preset of a ``config.json`` (Llama 2/3,
-  Mistral, Qwen2/2.5, GPT-2).
+* :func:`provider_from_hf_config`: the provider preset of a ``config.json``.
 
-``import bridge.train`` does not import this package.
+The families (one module per ``model_type``) live in :mod:`bridge.train.models.families`;
+nothing here names one. ``import bridge.train`` does not import this package.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from bridge.train.convert.errors import ConversionError
-    from bridge.train.convert.exporter import export_hf_checkpoint
-    from bridge.train.convert.hf_config import (
-        SUPPORTED_MODEL_TYPES,
-        provider_from_hf_config,
-        provider_kwargs_from_hf_config,
-        read_hf_config,
+    from bridge.train.convert.auto_bridge import AutoBridge as AutoBridge
+    from bridge.train.convert.exporter import export_hf_checkpoint as export_hf_checkpoint
+    from bridge.train.convert.importer import import_hf_checkpoint as import_hf_checkpoint
+    from bridge.train.models.families import ConversionError as ConversionError
+    from bridge.train.models.families import provider_from_hf_config as provider_from_hf_config
+    from bridge.train.models.families import (
+        provider_kwargs_from_hf_config as provider_kwargs_from_hf_config,
     )
-    from bridge.train.convert.importer import import_hf_checkpoint
+    from bridge.train.models.families import read_hf_config as read_hf_config
+    from bridge.train.models.families import supported_model_types as supported_model_types
 
 # Loaded on first use: ``bridge-convert --help`` (this package's cli module) must not pay for
-# torch and megatron-core, which the importer and exporter import.
-_MODULE_OF = {
-    "ConversionError": "bridge.train.convert.errors",
+# torch and megatron-core, which the converters import.
+_WHERE = {
+    "AutoBridge": "bridge.train.convert.auto_bridge",
     "export_hf_checkpoint": "bridge.train.convert.exporter",
-    "SUPPORTED_MODEL_TYPES": "bridge.train.convert.hf_config",
-    "provider_from_hf_config": "bridge.train.convert.hf_config",
-    "provider_kwargs_from_hf_config": "bridge.train.convert.hf_config",
-    "read_hf_config": "bridge.train.convert.hf_config",
     "import_hf_checkpoint": "bridge.train.convert.importer",
+    "ConversionError": "bridge.train.models.families",
+    "provider_from_hf_config": "bridge.train.models.families",
+    "provider_kwargs_from_hf_config": "bridge.train.models.families",
+    "read_hf_config": "bridge.train.models.families",
+    "supported_model_types": "bridge.train.models.families",
 }
 
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "ConversionError",
-    "export_hf_checkpoint",
-    "import_hf_checkpoint",
-    "provider_from_hf_config",
-    "provider_kwargs_from_hf_config",
-    "read_hf_config",
-]
+__all__ = sorted(_WHERE)
 
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -1,0 +1,52 @@
+"""Package attributes that import their module on first use (PEP 562).
+
+``bridge.train`` and ``bridge.train.engine`` export names whose modules import torch and
+megatron-core; loading them lazily keeps ``import bridge.train.<light module>`` light (the
+command reads its launch environment and its config before it imports torch). The notices
+torch and megatron-core print while they are imported this way are held back
+(:mod:`bridge.config.notices`) and logged at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from bridge.config.notices import held_notices, log_held_notices
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(
+    package: str, module_of: Mapping[str, str], namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for a package whose names load from ``module_of`` on use.
+
+    Args:
+        package: The package's ``__name__`` (for the error message).
+        module_of: Exported name -> the module that defines it.
+        namespace: The package's ``globals()``; a loaded name is stored there, so it is
+            looked up only once.
+
+    Returns:
+        The two module-level functions to assign in the package's ``__init__``.
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = module_of.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        # The first name loaded imports torch and megatron-core, which print about 17
+        # notices nobody using the API can act on: logged at DEBUG level instead.
+        with held_notices() as held:
+            value = getattr(importlib.import_module(module), name)
+        log_held_notices(held, logging.getLogger(package))
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(module_of))
+
+    return __getattr__, __dir__
