@@ -33,7 +33,14 @@ _SLOW_RANK_LAUNCHER = textwrap.dedent(
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("slow_rank", [0, 1], ids=["rank1-fails-first", "rank0-fails-first"])
+@pytest.mark.parametrize(
+    "slow_rank",
+    [
+        pytest.param(0, id="rank1-fails-first"),
+        # Rank 0 first worked before too (it printed in time); kept out of CI's budget.
+        pytest.param(1, id="rank0-fails-first", marks=pytest.mark.extended),
+    ],
+)
 def test_config_error_is_the_last_thing_torchrun_shows(tmp_path: Path, slow_rank: int) -> None:
     script = tmp_path / "slow_rank_launcher.py"
     script.write_text(_SLOW_RANK_LAUNCHER)
