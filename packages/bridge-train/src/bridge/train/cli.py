@@ -588,31 +588,70 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _report_config_error(line: str) -> None:
     """Show a configuration error once, whichever rank finds it first.
 
-    Under torchrun every rank writes it to its ``TORCHELASTIC_ERROR_FILE``, and none prints
-    it: the first rank to fail makes torchrun stop the others (which may not have printed
-    yet), and torchrun's closing summary shows the first failure's error file as its "Root
-    Cause" (``traceback : bridge-train: error: ...``), the last lines of the launch. Without
+    Under torchrun no rank prints it: the first rank to fail makes torchrun stop the others
+    (which may not have printed yet). The first rank of the node to find it writes it to
+    its ``TORCHELASTIC_ERROR_FILE``, and torchrun's closing summary shows that file as its
+    "Root Cause" (``traceback : bridge-train: error: ...``), the last lines of the launch;
+    the ranks that find it too write a line pointing there (torchrun lists every failed
+    rank's error file, so each writing the message showed it once per rank). Without
     torchrun's error file (one process, or another launcher), rank 0 prints it.
     """
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file and _write_elastic_error_file(error_file, line):
-        return
+    if error_file:
+        first = _first_failure_of_attempt(error_file)
+        shown = line if first else _SEE_ROOT_CAUSE
+        # Dated a second earlier, the first failure stays torchrun's root cause when the
+        # failures fall in the same second (whole seconds; ties go to the lowest rank); the
+        # others are dated a second later.
+        if _write_elastic_error_file(error_file, shown, -1 if first else 1):
+            return
     if _launcher_rank() == 0:
         print(line, file=sys.stderr, flush=True)
 
 
-def _write_elastic_error_file(path: str, line: str) -> bool:
-    """Write ``line`` in torchelastic's error-file format; False if it cannot be written."""
+_SEE_ROOT_CAUSE = (
+    "bridge-train: stopped by a configuration error too; the first rank's is shown under "
+    "Root Cause below"
+)
+
+
+def _first_failure_of_attempt(error_file: str) -> bool:
+    """Whether this is the node's first rank to report a configuration error.
+
+    torchrun gives each local rank ``<attempt dir>/<local rank>/error.json``; the first
+    rank to create a marker in the attempt directory (shared by the node's ranks, new for
+    each restart) is first. True when the directory is not laid out that way (every rank
+    then writes the message, as before).
+    """
+    attempt_dir = os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
+    try:
+        fd = os.open(
+            os.path.join(attempt_dir, "bridge-train-config-error"),
+            os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+            0o644,
+        )
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    os.close(fd)
+    return True
+
+
+def _write_elastic_error_file(path: str, line: str, offset_s: int) -> bool:
+    """Write ``line`` in torchelastic's error-file format; False if it cannot be written.
+
+    ``offset_s`` is added to the failure's timestamp: torchrun takes the failure with the
+    earliest whole-second timestamp as the root cause and times a rank it stopped itself
+    when it collects it.
+    """
     import json
     import time
 
-    # torchrun takes the failure with the earliest whole-second timestamp as the root cause
-    # and times a rank it stopped itself when it collects it; dated a second earlier, this
-    # failure stays first when both fall in the same second.
     data = {
         "message": {
             "message": line,
-            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()) - 1)},
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()) + offset_s)},
         }
     }
     try:
