@@ -121,10 +121,18 @@ class _Recorder(logging.Filter):
         return False
 
 
+# Files of this project that only pass torch calls on: a torch function that warns with
+# ``stacklevel=2`` names the caller's line, which under core-utils' CUDA emulation (every
+# megatron-core run) is the emulation's dispatch, not the code that called torch.
+_PASS_THROUGH: tuple[tuple[str, ...], ...] = (("core_utils", "cuda_emulation.py"),)
+
+
 def _is_own(filename: str) -> bool:
     """A warning of this project's code, or of a user's own files (not an installed package)."""
     parts = Path(filename).parts
     if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    if any(parts[-len(tail) :] == tail for tail in _PASS_THROUGH):
         return False
     if any(part in ("bridge", "core_utils") for part in parts):
         return True
