@@ -308,7 +308,12 @@ def test_missing_backend_package_names_the_extra(
     extra: str,
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
-    with pytest.raises(BackendNotInstalledError, match=rf"pip install bridge-logging\[{extra}\]"):
+    # Both spellings: pip's, and the one that works inside this uv workspace.
+    both = (
+        rf"`pip install bridge-logging\[{extra}\]` "
+        rf"\(in a clone of this repository: `uv sync --inexact --extra {extra}`\)"
+    )
+    with pytest.raises(BackendNotInstalledError, match=both):
         build_metric_writers(
             LoggerConfig(**logger),
             rank=1,  # not the writer rank: every rank checks

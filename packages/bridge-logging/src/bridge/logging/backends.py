@@ -37,6 +37,18 @@ class BackendNotInstalledError(ImportError):
     """A configured logging backend's package is not installed."""
 
 
+def install_command(extra: str) -> str:
+    """How to install bridge-logging's ``extra``: with pip, and in a clone of this repository.
+
+    ``uv sync`` removes what it is not asked for, so the workspace spelling keeps the
+    packages already installed (``--inexact``).
+    """
+    return (
+        f"`pip install bridge-logging[{extra}]` (in a clone of this repository: "
+        f"`uv sync --inexact --extra {extra}`)"
+    )
+
+
 def backend_installed(kind: str) -> bool:
     """Whether the package behind backend ``kind`` can be imported (without importing it)."""
     module, _ = BACKEND_PACKAGES[kind]
@@ -57,7 +69,7 @@ def require_backend(kind: str, reason: str) -> None:
         module, extra = BACKEND_PACKAGES[kind]
         raise BackendNotInstalledError(
             f"{reason} turns on {kind} logging, but the {module!r} package is not installed; "
-            f"install it with `pip install bridge-logging[{extra}]` or unset {reason}"
+            f"install it with {install_command(extra)} or unset {reason}"
         )
 
 
@@ -68,7 +80,7 @@ def _import_backend(kind: str) -> Any:
     except ImportError as exc:
         raise BackendNotInstalledError(
             f"{kind} logging needs the {module!r} package, which failed to import ({exc}); "
-            f"install it with `pip install bridge-logging[{extra}]`"
+            f"install it with {install_command(extra)}"
         ) from exc
 
 

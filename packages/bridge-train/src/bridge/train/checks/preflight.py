@@ -150,7 +150,8 @@ def _check_data(cfg: ConfigContainer) -> None:
 
 
 def _check_data_files(cfg: ConfigContainer) -> None:
-    """Damaged ``.bin``/``.idx`` files and token ids beyond the vocabulary, named with the fix."""
+    """Damaged ``.bin``/``.idx`` files, token ids beyond the vocabulary and splits without a
+    sample (megatron-core would hang building them), named with the fix."""
     from bridge.train.data.datasets import dataset_prefixes
     from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
 
@@ -168,6 +169,16 @@ def _check_data_files(cfg: ConfigContainer) -> None:
             check_indexed_dataset(prefix, vocab, field)
         except DataFileError as exc:
             raise ConfigError(field, str(exc)) from None
+    if prefixes and cfg.train is not None:
+        from bridge.train.data.datasets import train_valid_test_num_samples
+        from bridge.train.data.split_checks import check_split_samples
+        from bridge.train.data.t5_datasets import T5DatasetConfig
+
+        check_split_samples(
+            cfg.dataset,
+            train_valid_test_num_samples(cfg.train),
+            gpt_samples=not isinstance(cfg.dataset, T5DatasetConfig),
+        )
 
 
 def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
@@ -190,8 +201,9 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     """Validate ``cfg`` for a training launch, before anything distributed is built.
 
     Runs ``cfg.validate(world_size)`` (filling derived values), then checks the data files,
-    the tokenizer files, the checkpoint directories, the engine, backend and parallel layout
-    against this machine, and features that need CUDA.
+    the tokenizer files, the checkpoint directories and the checkpoint a resume would load
+    (:mod:`bridge.train.checks.resume`), the engine, backend and parallel layout against this
+    machine, and features that need CUDA.
 
     Args:
         cfg: The run's configuration.
@@ -212,4 +224,7 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     check_finetuning_config(cfg)
     assert cfg.checkpoint is not None
     check_checkpoint_directories(cfg.checkpoint)
+    from bridge.train.checks.resume import check_resume
+
+    check_resume(cfg)
     _check_profiler_output(cfg)

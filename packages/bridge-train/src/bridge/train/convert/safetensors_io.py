@@ -146,10 +146,19 @@ class ShardedSafetensorsWriter:
         self._weight_map[name] = len(self._shards)
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         path = self.out_dir / f"shard-{len(self._shards):05d}.tmp"
-        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        entries = [
+            (name, tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
+            for name, tensor in self._buffer.items()
+        ]
+        # Written here rather than by safetensors.torch.save_file, which creates its files
+        # with mode 0600: the shards get the mode of every other file of the export.
+        with open(path, "wb") as handle:
+            handle.write(_header(entries))
+            for tensor in self._buffer.values():
+                handle.write(_tensor_bytes(tensor))
+            handle.flush()
+            os.fsync(handle.fileno())
         self._shards.append(str(path))
         self._buffer, self._buffered = {}, 0
 
@@ -189,6 +198,34 @@ def _shard_names(count: int) -> list[str]:
     if count == 1:
         return [SINGLE_FILENAME]
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> bytes:
+    """The safetensors header of ``(name, shape, dtype, bytes)`` entries stored in order.
+
+    What ``safetensors.torch.save_file`` writes: an 8-byte length, then the JSON (names,
+    dtypes, shapes, offsets, ``{"format": "pt"}`` metadata) padded to 8 bytes.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype, size in entries:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ConversionError(f"{name}: dtype {dtype} cannot be written to safetensors")
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of ``tensor`` (row-major), as safetensors stores them."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(data.numpy())
 
 
 class StreamingSafetensorsWriter:
@@ -235,21 +272,10 @@ class StreamingSafetensorsWriter:
     def _open(self, index: int) -> None:
         if self._file is not None:
             self._finish_file()
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shape, dtype, size in self._shards[index]:
-            header[name] = {
-                "dtype": _SAFETENSORS_DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)
         temp = self.out_dir / f"shard-{index:05d}.tmp"
         self._temps.append(temp)
         self._file = open(temp, "wb")  # noqa: SIM115 (closed in _finish_file)
-        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._file.write(_header(self._shards[index]))
 
     def _finish_file(self) -> None:
         self._file.flush()
@@ -269,8 +295,7 @@ class StreamingSafetensorsWriter:
             )
         if self._file is None or index != len(self._temps) - 1:
             self._open(index)
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        self._file.write(_tensor_bytes(tensor))
         self._next += 1
 
     def close(self) -> list[Path]:
