@@ -23,6 +23,7 @@ from bridge.config._diff import ConfigDiff, diff_from_defaults
 from bridge.config._errors import ConfigError
 from bridge.config._load_order import sections_needing_no_import_first
 from bridge.config._logger import LoggerConfig, ProfilingConfig
+from bridge.config._samples import SamplesConfig
 from bridge.config._protocols import (
     CommOverlapConfigProtocol,
     DDPConfigProtocol,
@@ -240,6 +241,9 @@ class ConfigContainer:
 
     profiling: ProfilingConfig | None = None
     """Profiling with Nsight Systems or the torch profiler (unset: off)."""
+
+    samples: SamplesConfig | None = None
+    """Sample completions generated at evaluation time while training (unset: none)."""
 
     peft: PEFTProtocol | None = None
     """Parameter-efficient finetuning transform applied to the model (unset: full
@@ -702,6 +706,13 @@ class ConfigContainer:
                 raise ConfigError(
                     "profiling.profile_ranks",
                     f"rank(s) {absent} do not exist; the world has ranks 0 to {world - 1}",
+                )
+        if self.samples is not None and self.train is not None and not self.train.skip_train:
+            if not self.train.eval_interval or not self.train.eval_iters:
+                raise ConfigError(
+                    "samples",
+                    "sample completions are generated at evaluation time; set "
+                    "train.eval_interval and train.eval_iters > 0 (or unset samples)",
                 )
         if self.callbacks:
             # Only here: core_utils imports torch, which a config without callbacks never needs.

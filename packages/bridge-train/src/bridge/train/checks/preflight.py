@@ -194,6 +194,23 @@ def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
         raise ConfigError("model", str(exc)) from None
 
 
+def _check_samples(cfg: ConfigContainer) -> None:
+    """Sample completions need a GPT-family model (what bridge-generate generates from)."""
+    if getattr(cfg, "samples", None) is None:
+        return
+    from bridge.train.models import GPTModelProvider, MambaProvider, T5ModelProvider
+
+    model = cfg.model
+    if isinstance(model, (T5ModelProvider, MambaProvider)) or not isinstance(
+        model, GPTModelProvider
+    ):
+        raise ConfigError(
+            "samples",
+            f"sample completions are generated from GPT-family models; "
+            f"{type(model).__name__} does not generate (unset samples)",
+        )
+
+
 def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = None) -> None:
     """Validate ``cfg`` for a training launch, before anything distributed is built.
 
@@ -218,6 +235,7 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     _check_cuda_features(cfg)
     _check_data(cfg)
     check_finetuning_config(cfg)
+    _check_samples(cfg)
     assert cfg.checkpoint is not None
     check_checkpoint_directories(cfg.checkpoint)
     _check_profiler_output(cfg)
