@@ -77,7 +77,9 @@ class GenerationSamples(Callback):
 
         try:
             rendered = render_prompts(
-                [PromptSpec(p) for p in self.section.prompts], self.tokenizer, chat=self.section.chat
+                [PromptSpec(p) for p in self.section.prompts],
+                self.tokenizer,
+                chat=self.section.chat,
             )
             for index, prompt in enumerate(rendered):
                 ids = self.tokenizer.tokenize(prompt) if isinstance(prompt, str) else prompt
