@@ -89,13 +89,12 @@ def _check_family(provider: Any, where: Path) -> None:
     if isinstance(provider, T5ModelProvider):
         raise GenerationError(
             f"{where} holds a T5 model (encoder-decoder); bridge-generate generates from "
-            "GPT-family (decoder-only) models"
+            "GPT-family (decoder-only) models only"
         )
     if isinstance(provider, MambaProvider):
         raise GenerationError(
-            f"{where} holds a hybrid Mamba model; bridge-generate does not run its state-space "
-            "layers' inference state (megatron-core's Mamba inference needs its dynamic "
-            "engine, CUDA only)"
+            f"{where} holds a hybrid Mamba model; bridge-generate generates from GPT-family "
+            "models only (the portable Mamba layers keep no inference state)"
         )
     if not isinstance(provider, GPTModelProvider):
         raise GenerationError(
