@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import tempfile
 import time
@@ -40,9 +39,8 @@ import torch
 
 def _write_model(directory: Path, hidden: int, layers: int, vocab: int, seq: int) -> None:
     import transformers
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
+
+    from bridge.train.testing import write_word_level_tokenizer
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -57,11 +55,7 @@ def _write_model(directory: Path, hidden: int, layers: int, vocab: int, seq: int
     )
     model = transformers.LlamaForCausalLM(config).float()
     model.save_pretrained(directory)
-    words = {"</s>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab)}}
-    tokenizer = Tokenizer(WordLevel(words, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    write_word_level_tokenizer(directory, vocab)
 
 
 def _prompts(vocab: int, batch: int) -> list[list[int]]:

@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
+from bridge.train.testing import write_word_level_tokenizer  # noqa: E402
 from core_utils.testing import run_distributed  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -74,21 +75,8 @@ def _hf_llama(directory: Path) -> Any:
             else:
                 param.mul_(4.0)
     model.save_pretrained(directory)
-    _write_tokenizer(directory, VOCAB)
+    write_word_level_tokenizer(directory, VOCAB)
     return model
-
-
-def _write_tokenizer(directory: Path, size: int) -> None:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = {"</s>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, size)}}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
 
 
 def _hf_greedy(model: Any) -> list[list[int]]:
@@ -210,7 +198,7 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     config["peft"] = {"_target_": "bridge.train.peft.LoRA", "dim": 4, "alpha": 8}
     config["checkpoint"]["pretrained_checkpoint"] = str(base / "gone")
     run_config.write_text(yaml.safe_dump(config))
-    _write_tokenizer(base / "bigger_tokenizer", VOCAB + 40)
+    write_word_level_tokenizer(base / "bigger_tokenizer", VOCAB + 40)
     long_prompt = " ".join(["w7"] * SEQ)
     cases = {
         "missing": [str(base / "nowhere")],

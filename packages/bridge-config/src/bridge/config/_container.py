@@ -23,7 +23,6 @@ from bridge.config._diff import ConfigDiff, diff_from_defaults
 from bridge.config._errors import ConfigError
 from bridge.config._load_order import sections_needing_no_import_first
 from bridge.config._logger import LoggerConfig, ProfilingConfig
-from bridge.config._samples import SamplesConfig
 from bridge.config._protocols import (
     CommOverlapConfigProtocol,
     DDPConfigProtocol,
@@ -39,6 +38,7 @@ from bridge.config._resiliency import (
     StragglerDetectionConfig,
 )
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
+from bridge.config._samples import SamplesConfig
 from bridge.config._section import clear_fill_ins, config_section, fill_in, restore_fill_ins
 from bridge.config._tokenizer import TokenizerConfig, total_vocab_size
 from bridge.config._training import SchedulerConfig, TrainingConfig
@@ -707,13 +707,18 @@ class ConfigContainer:
                     "profiling.profile_ranks",
                     f"rank(s) {absent} do not exist; the world has ranks 0 to {world - 1}",
                 )
-        if self.samples is not None and self.train is not None and not self.train.skip_train:
-            if not self.train.eval_interval or not self.train.eval_iters:
-                raise ConfigError(
-                    "samples",
-                    "sample completions are generated at evaluation time; set "
-                    "train.eval_interval and train.eval_iters > 0 (or unset samples)",
-                )
+        train = self.train
+        if (
+            self.samples is not None
+            and train is not None
+            and not train.skip_train
+            and not (train.eval_interval and train.eval_iters)
+        ):
+            raise ConfigError(
+                "samples",
+                "sample completions are generated at evaluation time; set "
+                "train.eval_interval and train.eval_iters > 0 (or unset samples)",
+            )
         if self.callbacks:
             # Only here: core_utils imports torch, which a config without callbacks never needs.
             from core_utils.callbacks import Callback

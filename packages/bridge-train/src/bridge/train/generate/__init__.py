@@ -13,8 +13,9 @@ stays fast); the names load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from bridge.train._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from bridge.train.generate.errors import GenerationError as GenerationError
@@ -43,14 +44,4 @@ _MODULE_OF = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
+__getattr__, __dir__ = lazy_attributes(__name__, _MODULE_OF, globals())

@@ -44,21 +44,13 @@ def locate_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     Raises:
         GenerationError: ``path`` does not exist or holds no complete checkpoint.
     """
-    from bridge.train.checkpointing import find_latest_checkpoint
-    from bridge.train.checkpointing.layout import is_complete_checkpoint
+    from bridge.train.checkpointing import CheckpointError
+    from bridge.train.checkpointing.layout import locate_checkpoint as locate
 
-    directory = Path(path)
-    if not directory.exists():
-        raise GenerationError(f"{directory} does not exist; give a bridge-train checkpoint")
-    if is_complete_checkpoint(directory):
-        return directory.parent, directory
-    location = find_latest_checkpoint(str(directory))
-    if location is None:
-        raise GenerationError(
-            f"{directory} holds no complete bridge-train checkpoint (no tracker and no "
-            "iter_* directory with a completion marker)"
-        )
-    return directory, Path(location.path)
+    try:
+        return locate(path)
+    except CheckpointError as exc:
+        raise GenerationError(str(exc)) from None
 
 
 def read_run_config(iteration_dir: Path) -> Any:
