@@ -185,6 +185,15 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     out["cli_json"] = _cli(
         [str(ckpt), "--prompt", prompt_text, "--max-new-tokens", str(NEW), "--json", "--ignore-eod"]
     )
+    from bridge.train.generate import cli
+
+    piped = io.StringIO()
+    with contextlib.redirect_stdout(piped), contextlib.redirect_stderr(io.StringIO()):
+        cli.run(
+            [str(ckpt), "--max-new-tokens", "5", "--json", "--ignore-eod"],
+            stdin=io.StringIO(prompt_text + "\n\nw9 w10\n"),
+        )
+    out["cli_piped"] = piped.getvalue()
     damaged = base / "damaged"
     shutil.copytree(ckpt, damaged)
     shard = sorted((damaged / "iter_0000000").glob("*.distcp"))[0]
@@ -301,6 +310,13 @@ def test_command_json_output(generated: dict[str, Any]) -> None:
     assert record["completion"] == " ".join(f"w{i}" for i in record["token_ids"])
     assert record["prompt"] == " ".join(f"w{i}" for i in PROMPTS[3])
     assert record["finish_reason"] == "length"
+
+
+def test_command_reads_piped_prompts(generated: dict[str, Any]) -> None:
+    records = [json.loads(line) for line in generated["one"]["cli_piped"].splitlines()]
+    assert [r["prompt"] for r in records] == [" ".join(f"w{i}" for i in PROMPTS[3]), "w9 w10"]
+    assert records[0]["token_ids"] == generated["reference"][3][:5]
+    assert all(len(r["token_ids"]) == 5 for r in records)
 
 
 @pytest.mark.parametrize(
