@@ -209,6 +209,32 @@ def _check_samples(cfg: ConfigContainer) -> None:
             f"sample completions are generated from GPT-family models; "
             f"{type(model).__name__} does not generate (unset samples)",
         )
+    # What megatron-core's static inference path cannot do with the training model.
+    if model.pipeline_model_parallel_size > 1 and not torch.cuda.is_available():
+        raise ConfigError(
+            "samples",
+            "pipeline-parallel generation needs GPUs (megatron-core's inference broadcasts "
+            "the last stage's logits with a CUDA-only check); unset samples on CPU",
+        )
+    if model.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            "samples",
+            "megatron-core's inference runs one model chunk per rank; unset samples or "
+            "model.virtual_pipeline_model_parallel_size",
+        )
+    if model.sequence_parallel:
+        raise ConfigError(
+            "samples",
+            "megatron-core's static inference refuses model.sequence_parallel (it supports it "
+            "for MoE layers only); unset samples or sequence_parallel",
+        )
+    if model.tensor_model_parallel_size > 1 and model.expert_model_parallel_size > 1:
+        raise ConfigError(
+            "samples",
+            "with tensor and expert parallelism megatron-core's inference switches the "
+            "model's sequence parallelism off and does not switch it back, which would "
+            "change training; unset samples",
+        )
 
 
 def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = None) -> None:

@@ -145,11 +145,11 @@ def _given_prompts(args: argparse.Namespace, stdin: TextIO) -> list[Any] | None:
         prompts += read_prompts_file(args.prompts_file)
     if prompts:
         return prompts
-    if stdin.isatty():
-        return None
-    if _rank() != 0:  # only rank 0 reads a pipe; the others get its lines
-        return _shared(None)
-    return _shared(parse_prompt_lines(stdin.read().splitlines(), "<stdin>", jsonl=False))
+    # Rank 0 decides (its stdin is the user's) and reads a pipe; the others get its answer.
+    piped = None
+    if _rank() == 0 and not stdin.isatty():
+        piped = parse_prompt_lines(stdin.read().splitlines(), "<stdin>", jsonl=False)
+    return _shared(piped)
 
 
 def _shared(value: Any) -> Any:
