@@ -4,7 +4,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from bridge.config import register_moved_import
-from bridge.train._lazy import lazy_attributes
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.logging import (
@@ -245,7 +245,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _MODULE_OF: dict[str, str] = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, _MODULE_OF, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())
 
 
 # Modules that moved in the one-engine redesign (Nov 2026): configs saved before it

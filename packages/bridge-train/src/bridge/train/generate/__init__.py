@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy import lazy_attributes
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from bridge.train.generate.errors import GenerationError as GenerationError
@@ -44,4 +44,4 @@ _MODULE_OF = {
 }
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, _MODULE_OF, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())

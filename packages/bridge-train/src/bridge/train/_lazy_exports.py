@@ -1,4 +1,9 @@
-"""Package attributes imported on first use (PEP 562), so importing a package stays light."""
+"""Package attributes that import their module on first use (PEP 562).
+
+``bridge.train`` and ``bridge.train.engine`` export names whose modules import torch and
+megatron-core; loading them lazily keeps ``import bridge.train.<light module>`` light (the
+command reads its launch environment and its config before it imports torch).
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,22 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_attributes"]
+__all__ = ["lazy_exports"]
 
 
-def lazy_attributes(
+def lazy_exports(
     package: str, module_of: Mapping[str, str], namespace: dict[str, Any]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A package's ``__getattr__`` and ``__dir__`` for names that live in other modules.
+    """``(__getattr__, __dir__)`` for a package whose names load from ``module_of`` on use.
 
     Args:
         package: The package's ``__name__`` (for the error message).
-        module_of: Public name -> module that defines it.
-        namespace: The package's ``globals()``; a name is cached there once imported.
+        module_of: Exported name -> the module that defines it.
+        namespace: The package's ``globals()``; a loaded name is stored there, so it is
+            looked up only once.
 
     Returns:
-        ``(__getattr__, __dir__)`` to assign at the package's top level.
+        The two module-level functions to assign in the package's ``__init__``.
     """
 
     def __getattr__(name: str) -> Any:
