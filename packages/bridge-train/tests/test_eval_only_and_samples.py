@@ -248,3 +248,40 @@ def test_eval_data_evaluates_every_token_once(
 def test_eval_only_without_a_checkpoint_is_refused(runs: dict[str, Any]) -> None:
     code, _ = runs["refused"]
     assert code == 2
+
+
+def _train_once(rank: int, world: int, root: str) -> tuple[int, str]:
+    base = Path(root)
+    return _bridge_train(
+        [*COMMON, f"checkpoint.save={base / 'run'}", "--metrics-file", str(base / "train.jsonl")]
+    )
+
+
+def _two_rank_evaluations(rank: int, world: int, root: str) -> dict[str, Any]:
+    base = Path(root)
+    out = {}
+    for name, layout in (("tp2", ["model.tensor_model_parallel_size=2"]), ("dp2", [])):
+        out[name] = _bridge_train(
+            [
+                "--eval-only",
+                f"checkpoint.load={base / 'run'}",
+                *layout,
+                "--metrics-file",
+                str(base / f"{name}.jsonl"),
+            ]
+        )
+    return out
+
+
+@pytest.mark.extended
+def test_eval_only_in_other_layouts_reports_the_same_loss(tmp_path: Path) -> None:
+    """A checkpoint saved by one process, evaluated with TP=2 and with DP=2 (fp32: within
+    1e-6 of the loss the run logged; the sums run in another order)."""
+    (trained,) = run_distributed(_train_once, 1, str(tmp_path), timeout=600)
+    assert trained[0] == 0, trained[1]
+    results = run_distributed(_two_rank_evaluations, 2, str(tmp_path), timeout=600)
+    assert all(code == 0 for rank in results for code, _ in rank.values())
+    logged = _value(_records(tmp_path / "train.jsonl"), "lm loss validation", 4)
+    for name in ("tp2", "dp2"):
+        value = _value(_records(tmp_path / f"{name}.jsonl"), "lm loss validation", 4)
+        assert value == pytest.approx(logged, rel=1e-6), name
