@@ -265,16 +265,19 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
     options = _options(args, parser)
     from bridge.train._import_notices import held_notices, silence_known_fallback_notices
 
+    # Other libraries' notices (megatron's GPTModel deprecation and tensor-parallel advice,
+    # torch.distributed's deprecations and ShardedTensor notice while dist_checkpointing
+    # loads) say nothing a user of this command can act on; the filters are set before the
+    # held block, which restores the filters it found when it ends.
+    warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
+    warnings.filterwarnings("ignore", module=r"megatron\.|torch\.distributed\.")
     with held_notices():
         from bridge.config import LoggerConfig
         from bridge.logging import setup_logging
         from bridge.train.generate.loading import load_generation_model
         from bridge.train.generate.prompts import read_prompts_file
 
-        # Other libraries' warnings (megatron's GPTModel deprecation notice, torch's
-        # ShardedTensor notice while dist_checkpointing loads) say nothing to act on here.
         setup_logging(LoggerConfig())
-        warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
 
         if args.prompts_file is not None:
             read_prompts_file(args.prompts_file)  # a bad file is refused before loading
