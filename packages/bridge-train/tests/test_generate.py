@@ -290,7 +290,7 @@ def test_stop_string_ends_generation_where_it_should(generated: dict[str, Any]) 
     assert stop["reason"] == "stop"
     assert stop["token_ids"] == greedy[: stop["cut"] + 1]  # up to the completing token
     assert stop["word"] not in stop["text"]
-    assert stop["text"] == stop["before"] + " "  # the text before the stop string
+    assert stop["text"] == " " + stop["before"] + " "  # the text before the stop string
 
 
 def test_streamed_text_adds_up_to_the_completion(generated: dict[str, Any]) -> None:
@@ -307,7 +307,9 @@ def test_command_json_output(generated: dict[str, Any]) -> None:
     (line,) = out.splitlines()
     record = json.loads(line)
     assert record["token_ids"] == generated["reference"][3]
-    assert record["completion"] == " ".join(f"w{i}" for i in record["token_ids"])
+    # What the new tokens add to the prompt's text: the word-level tokenizer joins words
+    # with spaces, so the completion starts with the one after the prompt.
+    assert record["completion"] == " " + " ".join(f"w{i}" for i in record["token_ids"])
     assert record["prompt"] == " ".join(f"w{i}" for i in PROMPTS[3])
     assert record["finish_reason"] == "length"
 

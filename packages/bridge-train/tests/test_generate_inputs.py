@@ -103,3 +103,15 @@ def test_greedy_with_sampling_flags_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         cli.run(["ckpt", "--max-new-tokens", "4", "--greedy", "--seed", "3"])
     assert exc.value.code == 2
+
+
+def test_completion_text_is_what_the_new_tokens_add_to_the_prompt() -> None:
+    from bridge.train.data.tokenizers import NullTokenizer
+    from bridge.train.generate.controller import continuation_text
+
+    # The null tokenizer separates ids by spaces: the separator belongs to the completion.
+    assert continuation_text(NullTokenizer(64), [1, 2, 3], [4, 5]) == " 4 5"
+    byte_level = ByteLevelTokenizer()
+    prompt = byte_level.tokenize("Caf")
+    assert continuation_text(byte_level, prompt, byte_level.tokenize("é!")) == "é!"
+    assert continuation_text(byte_level, prompt, []) == ""

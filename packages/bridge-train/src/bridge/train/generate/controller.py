@@ -27,10 +27,29 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
-__all__ = ["BatchState", "GenerationController", "TokenListener"]
+__all__ = ["BatchState", "GenerationController", "TokenListener", "continuation_text"]
 
 #: Called with ``(request id, generated token ids so far, done)`` after every step.
 TokenListener = Callable[[int, list[int], bool], None]
+
+
+def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after the prompt: the prompt and the new tokens decoded together,
+    less the prompt's own text.
+
+    Decoding the new tokens alone would lose what only the whole sequence decodes to: the
+    space a SentencePiece token starts with, the separator the null tokenizer puts between
+    ids, a character whose bytes the prompt began. When the prompt's text is not a prefix of
+    the whole (a tokenizer that normalises across the boundary), the new tokens are
+    decoded alone.
+    """
+    if not ids:
+        return ""
+    head = str(tokenizer.detokenize(list(prompt_ids)))
+    whole = str(tokenizer.detokenize([*prompt_ids, *ids]))
+    if whole.startswith(head):
+        return whole[len(head) :]
+    return str(tokenizer.detokenize(list(ids)))
 
 
 @dataclass
@@ -38,14 +57,14 @@ class BatchState:
     """What the hooks need to know about the batch being generated.
 
     Attributes:
-        prompt_lengths: Prompt length of each row, in batch order.
+        prompts: Prompt token ids of each row, in batch order.
         stop: Stop strings (empty: none).
         record_logits: Keep every step's logits (``[rows, vocab]``, float32).
         listener: Receives the tokens of streamed requests.
         logits: The recorded logits, one tensor per step.
     """
 
-    prompt_lengths: Sequence[int]
+    prompts: Sequence[Sequence[int]]
     stop: Sequence[str] = ()
     record_logits: bool = False
     listener: TokenListener | None = None
@@ -115,11 +134,12 @@ class GenerationController(TextGenerationController):
             return done, lengths
         # The token just chosen is counted in ``lengths`` (megatron counts every token
         # of an unfinished row): a stop ends the row with that token included.
-        for row, start in enumerate(batch.prompt_lengths):
+        for row, prompt in enumerate(batch.prompts):
             if bool(done[row]) or not bool(generation_started[row]):
                 continue
+            start = len(prompt)
             ids = updated_prompts_tokens[row, start : current_context_end_position + 1].tolist()
-            text = self.tokenizer.detokenize(ids)
+            text = continuation_text(self.tokenizer, prompt, ids)
             if any(stop in text for stop in batch.stop):
                 done[row] = True
         return done, lengths

@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 
-from bridge.train.generate.controller import BatchState, GenerationController
+from bridge.train.generate.controller import (
+    BatchState,
+    GenerationController,
+    continuation_text,
+)
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.options import SamplingOptions
 
@@ -47,7 +51,9 @@ class Completion:
         prompt_token_ids: The prompt's token ids.
         token_ids: The generated token ids (without a final end-of-document token; with the
             token that completed a stop string).
-        text: The generated text, ending before a stop string.
+        text: The generated text (what the new tokens add to the prompt's text, see
+            :func:`~bridge.train.generate.controller.continuation_text`), ending before a
+            stop string.
         finish_reason: ``"eod"`` (end-of-document token), ``"stop"`` (a stop string) or
             ``"length"`` (``max_new_tokens`` reached).
         logits: With ``return_logits``: the logits each generated token was chosen from,
@@ -108,8 +114,13 @@ class _TextStream:
     be taken back.
     """
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str], emit: Callable[[str, bool], None]):
-        self._tokenizer = tokenizer
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stops: Sequence[str],
+        emit: Callable[[str, bool], None],
+    ) -> None:
+        self._decode = decode
         self._stops = tuple(stops)
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._emit = emit
@@ -119,7 +130,7 @@ class _TextStream:
     def update(self, token_ids: list[int], done: bool) -> None:
         if self._done:
             return
-        text, stopped = _cut_at_stop(self._tokenizer.detokenize(token_ids), self._stops)
+        text, stopped = _cut_at_stop(self._decode(token_ids), self._stops)
         done = done or stopped
         end = len(text)
         if not done:
@@ -285,15 +296,16 @@ class TextGenerator:
         texts: dict[int, _TextStream] = {}
         if on_text is not None:
             streams = OrderedDict((request_id, _Stream()) for request_id in requests)
-            for request_id in requests:
+            for offset, request_id in enumerate(requests):
+                decode = functools.partial(continuation_text, self.tokenizer, batch[offset][1])
                 texts[request_id] = _TextStream(
-                    self.tokenizer, options.stop, functools.partial(on_text, request_id)
+                    decode, options.stop, functools.partial(on_text, request_id)
                 )
 
             def listener(request_id: int, token_ids: list[int], done: bool) -> None:
                 texts[request_id].update(token_ids, done)
 
-        state = BatchState(lengths, options.stop, return_logits, listener)
+        state = BatchState([ids for _, ids in batch], options.stop, return_logits, listener)
         # A KV cache sized for this batch: megatron allocates it at the first forward.
         self.wrapper.inference_context = StaticInferenceContext(
             len(batch), min(self.max_sequence_length, max(lengths) + options.max_new_tokens)
@@ -309,7 +321,7 @@ class TextGenerator:
         shortest = min(lengths)
         for row, (request_id, request) in enumerate(done.items()):
             ids = [int(t) for t in request.generated_tokens.tolist()]
-            raw = self.tokenizer.detokenize(ids)
+            raw = continuation_text(self.tokenizer, batch[row][1], ids)
             text, stopped = _cut_at_stop(raw, options.stop)
             if stopped:
                 reason = "stop"
