@@ -9,8 +9,8 @@ tokens one process does. The command refuses bad input with one line and exit co
 
 One 1-rank and one 2-rank process group are forked for everything.
 
-[An imported MoE family (qwen3_moe / mixtral) is not on main yet; add its case here when
-``bridge-convert import`` supports one.]
+A tiny random Mixtral (4 experts, top-2 routing) is the mixture-of-experts case: its greedy
+completions equal ``transformers``' too, and its KV-cached logits a full forward's.
 """
 
 from __future__ import annotations
@@ -79,6 +79,34 @@ def _hf_llama(directory: Path) -> Any:
     return model
 
 
+def _hf_mixtral(directory: Path) -> Any:
+    """A tiny random Mixtral (4 experts, top-2 routing, GQA): the MoE family's case."""
+    torch.manual_seed(8765)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    model = transformers.MixtralForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            else:
+                param.mul_(4.0)
+    model.save_pretrained(directory)
+    write_word_level_tokenizer(directory, VOCAB)
+    return model
+
+
 def _hf_greedy(model: Any) -> list[list[int]]:
     """transformers' greedy ``generate``, one prompt at a time, past the end-of-sequence id."""
     model.generation_config.eos_token_id = None
@@ -123,6 +151,23 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     ckpt = base / "ckpt"
     import_hf_checkpoint(base / "hf", ckpt, seq_length=SEQ)
     out: dict[str, Any] = {}
+    import_hf_checkpoint(base / "hf_moe", base / "ckpt_moe", seq_length=SEQ)
+    loaded = load_generation_model(base / "ckpt_moe")
+    try:
+        greedy_moe = loaded.generator().generate(
+            PROMPTS, SamplingOptions(NEW, stop_at_eod=False), return_logits=True
+        )
+        out["moe_greedy"] = [c.token_ids for c in greedy_moe]
+        out["moe_logit_error"] = max(
+            float(
+                (_full_forward_logits(loaded.model, p + c.token_ids[:-1])[len(p) - 1 :] - c.logits)
+                .abs()
+                .max()
+            )
+            for p, c in zip(PROMPTS, greedy_moe, strict=True)
+        )
+    finally:
+        loaded.close()
     loaded = load_generation_model(ckpt)
     try:
         generator = loaded.generator(max_batch_size=8)
@@ -252,9 +297,10 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("generate")
     model = _hf_llama(root / "hf")
     reference = _hf_greedy(model)
+    moe_reference = _hf_greedy(_hf_mixtral(root / "hf_moe"))
     (single,) = run_distributed(_one_rank, 1, str(root), timeout=600)
     double = run_distributed(_two_ranks, 2, str(root), timeout=400)
-    return {"reference": reference, "one": single, "two": double}
+    return {"reference": reference, "moe_reference": moe_reference, "one": single, "two": double}
 
 
 def test_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:
@@ -266,6 +312,12 @@ def test_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:
 
 def test_kv_cached_logits_equal_full_forward(generated: dict[str, Any]) -> None:
     assert generated["one"]["logit_error"] < 1e-5
+
+
+def test_moe_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:
+    """An imported Mixtral (4 experts, top-2): the same 4 prompts, 32 tokens each."""
+    assert generated["one"]["moe_greedy"] == generated["moe_reference"]
+    assert generated["one"]["moe_logit_error"] < 1e-5
 
 
 def test_tensor_parallel_generates_what_one_process_does(generated: dict[str, Any]) -> None:

@@ -90,11 +90,6 @@ def test_exclusive_p2p_settings_are_refused() -> None:
         ({"layer_spec_backend": "transformer_engine"}, "model.layer_spec_backend", "CUDA"),
         ({"layer_spec_backend": "local"}, "model.layer_spec_backend", "CUDA"),
         (
-            {"sequence_parallel": True, "tensor_model_parallel_size": 2},
-            "model.sequence_parallel",
-            "WrappedTorchNorm",
-        ),
-        (
             {"num_moe_experts": 2, "add_bias_linear": True},
             "model.add_bias_linear",
             "local experts",

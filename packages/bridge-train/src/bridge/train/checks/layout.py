@@ -29,8 +29,9 @@ still a configuration, each with one line naming the field and the fix
   communication overlap (userbuffers), activation offloading (CUDA streams), gradient
   accumulation fusion (an Apex CUDA extension), megatron FSDP and the precision-aware
   optimizer (Transformer Engine's fused Adam); and what the CPU layer spec cannot build:
-  sequence parallelism (megatron's ``WrappedTorchNorm`` asserts against it) and MoE layers
-  with linear biases (megatron-core 0.19's local experts add the bias in place to a view).
+  MoE layers with linear biases (megatron-core 0.19's local experts add the bias in place
+  to a view). Sequence parallelism runs: the portable layer spec then uses norms that
+  allow it (:class:`bridge.train.models.layer_specs.SequenceParallelTorchNorm`).
 """
 
 from __future__ import annotations
@@ -136,13 +137,6 @@ def _check_megatron_on_cpu(model_config: Any, ddp_config: Any, optimizer_config:
         value = getattr(model_config, name, fine)
         if value is not None and value != fine:
             raise ConfigError(f"model.{name}", f"got {value!r}: {reason}")
-    if getattr(model_config, "sequence_parallel", False):
-        raise ConfigError(
-            "model.sequence_parallel",
-            "True needs a GPU layer spec: on CPU the norms are megatron's WrappedTorchNorm, "
-            "which asserts sequence_parallel=False when the layer is built; set "
-            "model.sequence_parallel=false on CPU",
-        )
     if getattr(model_config, "num_moe_experts", None) and getattr(
         model_config, "add_bias_linear", False
     ):

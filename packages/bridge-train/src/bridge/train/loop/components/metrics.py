@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from bridge.logging import ProgressReporter, training_log
+from bridge.train.metrics.moe import moe_track_names, report_moe_metrics
 from bridge.train.metrics.norms import calc_params_l2_norm
 from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank, global_world_size
@@ -52,7 +53,9 @@ def _total_iterations(cfg: Any) -> int | None:
 
 class MetricsProcessor(Callback):
     """Calls :func:`bridge.logging.training_log` after every completed step, holding the
-    state it carries between steps.
+    state it carries between steps. A mixture-of-experts model's auxiliary losses are
+    reported first (:func:`bridge.train.metrics.moe.report_moe_metrics`), so they join the
+    interval's losses.
 
     The step's losses and gradient norm are handed over as the step left them (tensors on
     the device when they are); ``training_log`` reads them on the host only for a metric
@@ -87,6 +90,8 @@ class MetricsProcessor(Callback):
         self.total_loss_dict: dict[str, Any] = {}
         self.report_memory_flag = True
         self.log_params_norm = bool(logger_cfg.log_params_norm)
+        self.moe = bool(moe_track_names(cfg.model))
+        self.tensorboard_interval = int(logger_cfg.tensorboard_log_interval)
         total = _total_iterations(cfg)
         step = int(state.train_state.step)
         if progress is None:
@@ -113,6 +118,19 @@ class MetricsProcessor(Callback):
         params_norm = (
             calc_params_l2_norm(context.model, cfg.model) if self.log_params_norm else None
         )
+        if self.moe:
+            # Every rank (the reduction is collective); written at TensorBoard intervals.
+            from bridge.train.loop.batch_size import get_num_microbatches
+
+            writers = state.metric_writers
+            due = context.iteration % self.tensorboard_interval == 0
+            report_moe_metrics(
+                cfg.model,
+                context.iteration,
+                get_num_microbatches(),
+                writers if writers.enabled and due else None,
+                self.total_loss_dict,
+            )
         self.report_memory_flag = training_log(
             result.losses,
             self.total_loss_dict,
