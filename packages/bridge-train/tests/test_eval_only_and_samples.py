@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 COMMON = [
     "--no-print-config",
-    "train.engine=megatron",
     "train.train_iters=4",
     "train.eval_interval=2",
     "train.eval_iters=2",

@@ -293,7 +293,7 @@ def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 def _pipeline_logits(
     ckpt: str, tokens: torch.Tensor, save: str | None = None
 ) -> torch.Tensor | None:
-    """Load the checkpoint at PP=2 x TP=1 through the megatron engine's model setup and
+    """Load the checkpoint at PP=2 x TP=1 through the engine's model setup and
     ``load_checkpoint`` (the finetuning path), and run megatron-core's forward-only pipeline
     schedule on ``tokens`` (one micro-batch per row). The last stage returns the logits, the
     first stage ``None``. With ``save``, the loaded model is first saved there at PP=2."""
@@ -314,7 +314,7 @@ def _pipeline_logits(
     provider.pipeline_model_parallel_size = 2
     provider.pipeline_dtype = torch.float32
     provider.finalize()
-    engine = build_engine("megatron")
+    engine = build_engine()
     engine.initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
     try:
         chunks = engine.setup_model(provider, wrap_with_ddp=False)
@@ -420,7 +420,7 @@ def test_imported_logits_match_hf_at_tp1_and_tp2(converted: dict[str, Any], fami
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_logits_match_hf_at_pp2(converted: dict[str, Any], family: str) -> None:
-    """PP=2 on the megatron engine: only the last stage (rank 1) holds logits."""
+    """PP=2 on megatron-core's engine: only the last stage (rank 1) holds logits."""
     expected = converted["reference"][family]
     first, last = (rank_result["pp2"][family] for rank_result in converted["two"])
     assert first is None

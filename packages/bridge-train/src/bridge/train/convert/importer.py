@@ -118,9 +118,6 @@ def _recipe(provider: Any, out: Path, tokenizer_dir: Path | None) -> Any:
             tokenizer_type="NullTokenizer", vocab_size=int(provider.vocab_size)
         )
     recipe.checkpoint = CheckpointConfig(pretrained_checkpoint=str(out))
-    if getattr(provider, "num_moe_experts", None) and recipe.train is not None:
-        # megatron-core's MoE layers train on its own engine (on CPU under its CUDA emulation).
-        recipe.train.engine = "megatron"
     if isinstance(recipe.dataset, GPTDatasetConfig):  # the recipe's mock data
         recipe.dataset.sequence_length = provider.seq_length
     return recipe

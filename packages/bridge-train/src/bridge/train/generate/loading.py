@@ -306,7 +306,7 @@ def load_generation_model(
         )
     provider = generation_provider(run_config, tp, pp)
     peft = getattr(run_config, "peft", None)
-    engine = build_engine("megatron")
+    engine = build_engine()
     backend: Literal["nccl", "gloo"] = "nccl" if torch.cuda.is_available() else "gloo"
     engine.initialize_distributed(
         provider, DistributedInitConfig(distributed_backend=backend), run_config.rng

@@ -270,7 +270,7 @@ def setup(
     assert cfg.train is not None and cfg.logger is not None and cfg.checkpoint is not None
     setup_logging(cfg.logger)
     start_memory_history_recording(cfg.profiling)
-    engine = build_engine(cfg.train.engine)
+    engine = build_engine()
     state.engine = engine
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
     world = global_world_size()
