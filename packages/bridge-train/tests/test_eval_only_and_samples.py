@@ -284,3 +284,49 @@ def test_eval_only_in_other_layouts_reports_the_same_loss(tmp_path: Path) -> Non
     for name in ("tp2", "dp2"):
         value = _value(_records(tmp_path / f"{name}.jsonl"), "lm loss validation", 4)
         assert value == pytest.approx(logged, rel=1e-6), name
+
+
+def _family_runs(rank: int, world: int, root: str, recipe: str) -> dict[str, tuple[int, str]]:
+    """Train ``recipe`` for 4 iterations (validation and a checkpoint at 4), then
+    ``--eval-only`` on the checkpoint."""
+    base = Path(root)
+    trained = _bridge_train(
+        [
+            "--no-print-config",
+            "--recipe",
+            recipe,
+            "train.train_iters=4",
+            "train.eval_interval=4",
+            f"checkpoint.save={base / 'run'}",
+            "checkpoint.save_interval=4",
+            "--metrics-file",
+            str(base / "train.jsonl"),
+        ]
+    )
+    evaluated = _bridge_train(
+        [
+            "--eval-only",
+            f"checkpoint.load={base / 'run'}",
+            "--metrics-file",
+            str(base / "eval.jsonl"),
+        ]
+    )
+    return {"train": trained, "eval": evaluated}
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("recipe", ["tiny_t5", "tiny_hybrid"])
+def test_eval_only_on_other_families_reports_the_logged_validation_loss(
+    tmp_path: Path, recipe: str
+) -> None:
+    """T5 (encoder-decoder) and hybrid Mamba checkpoints: ``--eval-only`` reports the
+    validation loss their training run logged at the checkpoint's iteration, bit for bit."""
+    (result,) = run_distributed(_family_runs, 1, str(tmp_path), recipe, timeout=800)
+    for name, (code, console) in result.items():
+        assert code == 0, (name, console[-2000:])
+    logged = _records(tmp_path / "train.jsonl")
+    evaluated = _records(tmp_path / "eval.jsonl")
+    tags = [t for r in logged if r["step"] == 4 for t in r if t.endswith("validation")]
+    assert tags, logged
+    for tag in tags:
+        assert _value(evaluated, tag, 4) == _value(logged, tag, 4), tag

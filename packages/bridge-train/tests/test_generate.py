@@ -46,6 +46,19 @@ PROMPTS = [
 ]
 
 
+def _sharpened(model: Any, noise_norms: bool = True) -> Any:
+    """Larger weights (sharper, more varied next-token choices) and, unless the norms are
+    already random, random norm weights."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                if noise_norms:
+                    param.add_(torch.randn_like(param) * 0.1)
+            elif not name.endswith("bias"):
+                param.mul_(4.0)
+    return model
+
+
 def _hf_llama(directory: Path) -> Any:
     torch.manual_seed(4321)
     config = transformers.LlamaConfig(
@@ -67,13 +80,7 @@ def _hf_llama(directory: Path) -> Any:
             "original_max_position_embeddings": 8192,
         },
     )
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():  # larger weights: sharper, more varied next-token choices
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-            else:
-                param.mul_(4.0)
+    model = _sharpened(transformers.LlamaForCausalLM(config).float().eval())
     model.save_pretrained(directory)
     write_word_level_tokenizer(directory, VOCAB)
     return model
@@ -95,13 +102,7 @@ def _hf_mixtral(directory: Path) -> Any:
         max_position_embeddings=SEQ,
         tie_word_embeddings=False,
     )
-    model = transformers.MixtralForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-            else:
-                param.mul_(4.0)
+    model = _sharpened(transformers.MixtralForCausalLM(config).float().eval())
     model.save_pretrained(directory)
     write_word_level_tokenizer(directory, VOCAB)
     return model
@@ -458,15 +459,9 @@ def _hf_families(randomized: Any) -> dict[str, Any]:
             )
         ),
     }
-    models = {}
-    for name, model in configs.items():
-        model = randomized(model)
-        with torch.no_grad():  # larger weights: sharper, more varied next-token choices
-            for parameter_name, param in model.named_parameters():
-                if "norm" not in parameter_name and not parameter_name.endswith("bias"):
-                    param.mul_(4.0)
-        models[name] = model
-    return models
+    return {
+        name: _sharpened(randomized(model), noise_norms=False) for name, model in configs.items()
+    }
 
 
 def _family_rank(rank: int, world: int, root: str, names: list[str]) -> dict[str, Any]:
