@@ -330,3 +330,87 @@ def test_eval_only_on_other_families_reports_the_logged_validation_loss(
     assert tags, logged
     for tag in tags:
         assert _value(evaluated, tag, 4) == _value(logged, tag, 4), tag
+
+
+LORA_PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46]]
+
+
+def _lora_generation(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A base run, a LoRA run on it (adapter-only checkpoints), then generation from the LoRA
+    checkpoint with the adapters merged on load and, as the reference, unmerged."""
+    import bridge.train.peft
+    from bridge.train.generate import SamplingOptions, load_generation_model
+
+    base = Path(root)
+    out: dict[str, Any] = {
+        "base_run": _bridge_train([*COMMON, f"checkpoint.save={base / 'run'}"]),
+        "lora_run": _bridge_train(
+            [
+                *COMMON,
+                "peft._target_=bridge.train.peft.LoRA",
+                "peft.dim=4",
+                "peft.alpha=8",
+                "optimizer.lr=0.05",  # adapters far enough from zero to change the logits
+                f"checkpoint.pretrained_checkpoint={base / 'run'}",
+                f"checkpoint.save={base / 'lora'}",
+            ]
+        ),
+    }
+    greedy = SamplingOptions(8, stop_at_eod=False)
+
+    def generate(ckpt: Path) -> tuple[int, list[list[int]], list[torch.Tensor]]:
+        loaded = load_generation_model(ckpt)
+        try:
+            completions = loaded.generator().generate(LORA_PROMPTS, greedy, return_logits=True)
+            adapters = sum(1 for m in loaded.model[0].modules() if "adapter" in m._modules)
+            return (
+                adapters,
+                [c.token_ids for c in completions],
+                [c.logits for c in completions],
+            )
+        finally:
+            loaded.close()
+
+    out["base"] = generate(base / "run")
+    out["merged"] = generate(base / "lora")
+    merge = bridge.train.peft.merge_adapters
+    bridge.train.peft.merge_adapters = lambda model: None
+    try:
+        out["unmerged"] = generate(base / "lora")
+    finally:
+        bridge.train.peft.merge_adapters = merge
+    out["cli"] = _generate_cli([str(base / "lora"), "--prompt", "1 2 3", "--max-new-tokens", "4"])
+    return out
+
+
+def _generate_cli(argv: list[str]) -> tuple[int, str]:
+    from bridge.train.generate import cli
+
+    out = io.StringIO()
+    code: Any = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            cli.main([*argv, "--json", "--ignore-eod"])
+        except SystemExit as exc:
+            code = exc.code
+    return int(code or 0), out.getvalue()
+
+
+@pytest.mark.extended
+def test_lora_checkpoint_generates_with_its_adapters_merged(tmp_path: Path) -> None:
+    """An adapter-only LoRA checkpoint: bridge-generate loads its base, merges the adapters
+    and generates what the model with unmerged adapters generates (logits within 1e-5),
+    which is not what the base model computes."""
+    (result,) = run_distributed(_lora_generation, 1, str(tmp_path), timeout=800)
+    for name in ("base_run", "lora_run"):
+        assert result[name][0] == 0, result[name][1][-2000:]
+    merged, unmerged, base = result["merged"], result["unmerged"], result["base"]
+    assert merged[0] == base[0] == 0 and unmerged[0] > 0  # adapters: folded in, or not
+    assert merged[1] == unmerged[1]
+    error = max(float((a - b).abs().max()) for a, b in zip(merged[2], unmerged[2], strict=True))
+    assert error < 1e-5, error
+    change = max(float((a - b).abs().max()) for a, b in zip(merged[2], base[2], strict=True))
+    assert change > 1e-2, change
+    code, printed = result["cli"]
+    assert code == 0
+    assert len(json.loads(printed)["token_ids"]) == 4
