@@ -414,3 +414,40 @@ def test_lora_checkpoint_generates_with_its_adapters_merged(tmp_path: Path) -> N
     code, printed = result["cli"]
     assert code == 0
     assert len(json.loads(printed)["token_ids"]) == 4
+
+
+def _two_rank_samples(rank: int, world: int, root: str) -> dict[str, tuple[int, str]]:
+    base = Path(root)
+    out = {}
+    for layout, extra in (("tp2", ["model.tensor_model_parallel_size=2"]), ("dp2", [])):
+        for name, samples in (("plain", []), ("samples", SAMPLES)):
+            out[f"{layout}_{name}"] = _bridge_train(
+                [
+                    *COMMON,
+                    *extra,
+                    *samples,
+                    "--metrics-file",
+                    str(base / f"{layout}_{name}.jsonl"),
+                ]
+            )
+    return out
+
+
+@pytest.mark.extended
+def test_samples_do_not_change_training_with_two_ranks(tmp_path: Path) -> None:
+    """TP=2 (the ranks generate together) and DP=2 (each replica generates alone): every
+    training and validation loss bit for bit equal with and without samples."""
+    results = run_distributed(_two_rank_samples, 2, str(tmp_path), timeout=800)
+    for rank in results:
+        for name, (code, console) in rank.items():
+            assert code == 0, (name, console[-2000:])
+    assert "samples at iteration 4:" in results[0]["tp2_samples"][1]
+    for layout in ("tp2", "dp2"):
+        plain = _records(tmp_path / f"{layout}_plain.jsonl")
+        sampled = _records(tmp_path / f"{layout}_samples.jsonl")
+        for step in (1, 2, 3, 4):
+            assert _value(plain, "lm loss", step) == _value(sampled, "lm loss", step), layout
+        for step in (2, 4):
+            assert _value(plain, "lm loss validation", step) == _value(
+                sampled, "lm loss validation", step
+            ), layout
