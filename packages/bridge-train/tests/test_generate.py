@@ -136,6 +136,29 @@ def _cli(argv: list[str]) -> tuple[int, str, str]:
     return int(code or 0), out.getvalue(), err.getvalue()
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _interactive_session(argv: list[str], typed: str) -> tuple[int, str, str]:
+    """The command at a terminal: ``typed`` is what the user enters (then Ctrl-D)."""
+    import sys
+
+    from bridge.train.generate import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    terminal = _Terminal(typed)
+    saved = sys.stdin
+    sys.stdin = terminal
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.run(argv, stdin=terminal)
+    finally:
+        sys.stdin = saved
+    return code, out.getvalue(), err.getvalue()
+
+
 def _full_forward_logits(model: Any, ids: list[int]) -> torch.Tensor:
     chunk = model[0]
     tokens = torch.tensor([ids])
@@ -240,6 +263,10 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             stdin=io.StringIO(prompt_text + "\n\nw9 w10\n"),
         )
     out["cli_piped"] = piped.getvalue()
+    out["cli_interactive"] = _interactive_session(
+        [str(ckpt), "--max-new-tokens", "3", "--ignore-eod"],
+        f"{prompt_text}\n\n{' '.join(['w7'] * SEQ)}\nw9 w10\n",
+    )
     damaged = base / "damaged"
     shutil.copytree(ckpt, damaged)
     shard = sorted((damaged / "iter_0000000").glob("*.distcp"))[0]
@@ -372,6 +399,18 @@ def test_command_reads_piped_prompts(generated: dict[str, Any]) -> None:
     assert [r["prompt"] for r in records] == [" ".join(f"w{i}" for i in PROMPTS[3]), "w9 w10"]
     assert records[0]["token_ids"] == generated["reference"][3][:5]
     assert all(len(r["token_ids"]) == 5 for r in records)
+
+
+def test_interactive_session_completes_each_line(generated: dict[str, Any]) -> None:
+    """At a terminal: one streamed completion per line entered; an empty line is skipped, a
+    prompt that does not fit is refused with one line and the session goes on to the next."""
+    code, out, err = generated["one"]["cli_interactive"]
+    assert code == 0, err
+    first = " ".join(f"w{i}" for i in PROMPTS[3] + generated["reference"][3][:3])
+    lines = out.replace("> ", "").splitlines()
+    assert len(lines) == 2 and lines[0] == first
+    assert lines[1].startswith("w9 w10 w") and len(lines[1].split()) == 5
+    assert err.count("bridge-generate: error:") == 1 and "longer than the model's context" in err
 
 
 @pytest.mark.parametrize(

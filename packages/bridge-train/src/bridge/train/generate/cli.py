@@ -207,8 +207,16 @@ def _run_batch(
     stream: bool,
 ) -> None:
     if stream and len(specs) == 1 and not printer.as_json:
-        printer.prompt(_shown(specs[0], rendered[0], generator.tokenizer))
-        generator.generate(rendered, options, on_text=printer.stream)
+        # The prompt is printed with the first new text, once the prompt has been accepted
+        # (a refused prompt leaves only its error line).
+        pending = [_shown(specs[0], rendered[0], generator.tokenizer)]
+
+        def on_text(index: int, delta: str, done: bool) -> None:
+            if pending:
+                printer.prompt(pending.pop())
+            printer.stream(index, delta, done)
+
+        generator.generate(rendered, options, on_text=on_text)
         return
     for first in range(0, len(specs), generator.max_batch_size):
         part = slice(first, first + generator.max_batch_size)
