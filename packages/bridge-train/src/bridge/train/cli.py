@@ -3,7 +3,7 @@
 ::
 
     bridge-train [RECIPE.yaml | --config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
-                 [--print-config | --dry-run] [--version]
+                 [--print-config | --dry-run] [--version] [--eval-only [--eval-data FILE]]
                  [--hang-timeout SECONDS [--hang-setup-timeout SECONDS]
                   [--hang-checkpoint-timeout SECONDS]] [--requeue-exit-code CODE]
                  [section.field=value ...]
@@ -13,6 +13,11 @@ process; under ``torchrun`` or ``srun`` (SLURM, without torchrun) every rank run
 against the recipe before training; the whole resolved config is saved as
 ``<checkpoint.save>/run_config.yaml`` and printed by ``--print-config``. ``--dry-run``
 checks everything a launch checks, prints the parallel layout and exits.
+
+``--eval-only`` trains nothing: it loads ``checkpoint.load`` and reports the validation and
+test loss and perplexity (of the run's datasets, or of ``--eval-data FILE``); without
+``--config`` / ``--recipe`` the checkpoint's own ``run_config.yaml`` is the config (see
+:mod:`bridge.train.generate.evaluation`).
 
 ``--help``, ``--version`` and errors found while reading the YAML and the overrides
 (unknown section or field of a bridge.config section, wrong type, bad YAML, missing file,
@@ -91,6 +96,7 @@ _SECTION_SUMMARIES = {
     "nvrx_straggler": "nvidia-resiliency-ext straggler detection (CUDA)",
     "profiling": "torch profiler / nsys between two steps",
     "peft": "parameter-efficient finetuning",
+    "samples": "sample completions generated at evaluation time",
     "comm_overlap": "communication overlap settings",
     "mixed_precision": "mixed-precision recipe",
 }
@@ -135,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  bridge-train --dry-run model.num_layers=8      # check and show the plan, no training\n"
         "  bridge-train --config recipe.yaml checkpoint.save=runs/a\n"
         "  bridge-train recipe.yaml checkpoint.save=runs/a  # the same\n"
+        "  bridge-train --eval-only checkpoint.load=runs/a     # validation/test loss, no training\n"
         "  torchrun --nproc_per_node=2 -m bridge.train    # 2 data-parallel ranks\n"
         "  torchrun --nproc_per_node=2 -m bridge.train model.tensor_model_parallel_size=2\n"
         "  srun --ntasks-per-node=8 python -m bridge.train   # SLURM, no torchrun needed\n\n"
@@ -181,6 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         type=_positive_seconds,
         help="with --hang-timeout: limit for one checkpoint save (default: unlimited)",
+    )
+    parser.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="train nothing: load checkpoint.load and report its validation and test loss and "
+        "perplexity (config: the checkpoint's run_config.yaml unless --config/--recipe)",
+    )
+    parser.add_argument(
+        "--eval-data",
+        metavar="FILE",
+        help="with --eval-only: evaluate this file instead of the run's datasets (an SFT "
+        "JSONL, {'text': ...} JSON lines, or a text file)",
     )
     parser.add_argument(
         "--requeue-exit-code",
@@ -345,6 +364,12 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
 
     if args.config is not None:
         path = Path(args.config)
+    elif (
+        args.eval_only
+        and args.recipe is None
+        and _override_value(args.overrides, "checkpoint.load")
+    ):
+        path = _checkpoint_run_config(str(_override_value(args.overrides, "checkpoint.load")))
     else:
         try:
             path = recipe_path(args.recipe or DEFAULT_RECIPE)
@@ -355,6 +380,37 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
     return cfg, path, recipe_cfg
+
+
+def _override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The value the last ``key=value`` override gives (``None`` if none does)."""
+    value = None
+    for item in overrides:
+        name, sep, rest = item.partition("=")
+        if sep and name.strip().lstrip("+~") == key:
+            value = rest
+    return value
+
+
+def _checkpoint_run_config(load: str) -> Path:
+    """The ``run_config.yaml`` of the checkpoint ``checkpoint.load`` names."""
+    from bridge.config import ConfigError
+    from bridge.train.generate.errors import GenerationError
+    from bridge.train.generate.loading import locate_checkpoint
+
+    try:
+        _, iteration_dir = locate_checkpoint(load)
+    except GenerationError as exc:
+        raise ConfigError("checkpoint.load", str(exc)) from None
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+
+    path = iteration_dir / RUN_CONFIG_FILENAME
+    if not path.is_file():
+        raise ConfigError(
+            "checkpoint.load",
+            f"{iteration_dir} has no {RUN_CONFIG_FILENAME}; give the run's recipe with --config",
+        )
+    return path
 
 
 def _is_mimo(cfg: Any) -> bool:
@@ -500,8 +556,15 @@ def run(argv: Sequence[str] | None = None) -> int:
         check_output_file(args.metrics_file, "--metrics-file")
     from bridge.config.notices import held_notices
 
+    if args.eval_data is not None and not args.eval_only:
+        parser.error("--eval-data needs --eval-only")
     with held_notices() as held:
         cfg, path, recipe_cfg = _load(args)
+        eval_plan = None
+        if args.eval_only:
+            from bridge.train.generate.evaluation import prepare_eval_only
+
+            eval_plan = prepare_eval_only(cfg, eval_data=args.eval_data)
         mimo = _is_mimo(cfg)
         if mimo:
             from bridge.train.loop.pretrain_mimo import check_mimo_config, pretrain_mimo
@@ -537,6 +600,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         return pretrain_mimo(
             cfg, metrics_file=args.metrics_file, requeue_exit_code=args.requeue_exit_code
         )
+    if eval_plan is not None:
+        from bridge.train.generate.evaluation import evaluate_checkpoint
+
+        evaluate_checkpoint(cfg, eval_plan, metrics_file=args.metrics_file)
+        return 0
     return pretrain(
         cfg,
         metrics_file=args.metrics_file,

@@ -197,6 +197,49 @@ def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
         raise ConfigError("model", str(exc)) from None
 
 
+def _check_samples(cfg: ConfigContainer) -> None:
+    """Sample completions need a GPT-family model (what bridge-generate generates from)."""
+    if getattr(cfg, "samples", None) is None:
+        return
+    from bridge.train.models import GPTModelProvider, MambaProvider, T5ModelProvider
+
+    model = cfg.model
+    if isinstance(model, (T5ModelProvider, MambaProvider)) or not isinstance(
+        model, GPTModelProvider
+    ):
+        raise ConfigError(
+            "samples",
+            f"sample completions are generated from GPT-family models; "
+            f"{type(model).__name__} does not generate (unset samples)",
+        )
+    # What megatron-core's static inference path cannot do with the training model.
+    if model.pipeline_model_parallel_size > 1 and not torch.cuda.is_available():
+        raise ConfigError(
+            "samples",
+            "pipeline-parallel generation needs GPUs (megatron-core's inference broadcasts "
+            "the last stage's logits with a CUDA-only check); unset samples on CPU",
+        )
+    if model.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            "samples",
+            "megatron-core's inference runs one model chunk per rank; unset samples or "
+            "model.virtual_pipeline_model_parallel_size",
+        )
+    if model.sequence_parallel:
+        raise ConfigError(
+            "samples",
+            "megatron-core's static inference refuses model.sequence_parallel (it supports it "
+            "for MoE layers only); unset samples or sequence_parallel",
+        )
+    if model.tensor_model_parallel_size > 1 and model.expert_model_parallel_size > 1:
+        raise ConfigError(
+            "samples",
+            "with tensor and expert parallelism megatron-core's inference switches the "
+            "model's sequence parallelism off and does not switch it back, which would "
+            "change training; unset samples",
+        )
+
+
 def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = None) -> None:
     """Validate ``cfg`` for a training launch, before anything distributed is built.
 
@@ -222,6 +265,7 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     _check_cuda_features(cfg)
     _check_data(cfg)
     check_finetuning_config(cfg)
+    _check_samples(cfg)
     assert cfg.checkpoint is not None
     check_checkpoint_directories(cfg.checkpoint)
     from bridge.train.checks.resume import check_resume

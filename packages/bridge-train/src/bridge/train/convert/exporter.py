@@ -47,20 +47,13 @@ __all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "wri
 
 def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
     """``(checkpoint root, iteration directory)`` for a root or an ``iter_*`` directory."""
-    from bridge.train.checkpointing import find_latest_checkpoint
-    from bridge.train.checkpointing.layout import is_complete_checkpoint
+    from bridge.train.checkpointing import CheckpointError
+    from bridge.train.checkpointing.layout import locate_checkpoint
 
-    if not ckpt_dir.exists():
-        raise ConversionError(f"{ckpt_dir} does not exist")
-    if is_complete_checkpoint(ckpt_dir):
-        return ckpt_dir.parent, ckpt_dir
-    location = find_latest_checkpoint(str(ckpt_dir))
-    if location is None:
-        raise ConversionError(
-            f"{ckpt_dir} holds no complete bridge-train checkpoint (no tracker and no complete "
-            "iter_* directory)"
-        )
-    return ckpt_dir, Path(location.path)
+    try:
+        return locate_checkpoint(ckpt_dir)
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
 
 
 def _side_dir(

@@ -72,7 +72,7 @@ from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
 
-__all__ = ["SetupOutput", "pretrain", "setup"]
+__all__ = ["DatasetsFunction", "SetupOutput", "pretrain", "setup"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class SetupOutput:
         checkpointing_context: The checkpointing context for save/load calls.
         tokenizer: The tokenizer the data and the model's vocabulary come from.
         checkpoint_loaded: Whether a checkpoint was loaded.
+        datasets: ``(train, validation, test)`` datasets the iterators read.
     """
 
     state: GlobalState
@@ -106,6 +107,12 @@ class SetupOutput:
     checkpointing_context: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     checkpoint_loaded: bool = False
+    datasets: tuple[Any, Any, Any] = (None, None, None)
+
+
+#: Builds ``(train, validation, test)`` datasets from what :func:`setup` built before the
+#: data (tokenizer, loaded train state), instead of the config's dataset section.
+DatasetsFunction = Callable[[SetupOutput], tuple[Any, Any, Any]]
 
 
 def _build_tokenizer(cfg: ConfigContainer) -> Tokenizer:
@@ -244,6 +251,7 @@ def setup(
     hang_timeout: float | WatchdogTimeouts | None = None,
     backend_settings: BackendSettings | None = None,
     report_settings: ReportSettings | None = None,
+    datasets: DatasetsFunction | None = None,
 ) -> SetupOutput:
     """Initialise distributed training and build everything :func:`train` needs.
 
@@ -260,6 +268,9 @@ def setup(
         backend_settings: MLflow / Comet settings of bridge.logging.
         report_settings: Optional reports of bridge.logging (throughput window, runtime,
             per-layer gradient norms).
+        datasets: Builds the datasets instead of ``cfg.dataset`` (called after the
+            checkpoint is loaded, before the iterators are positioned at the train state's
+            counters; evaluation-only runs use it).
 
     Returns:
         The built pieces.
@@ -330,11 +341,14 @@ def setup(
 
     assert cfg.dataset is not None
     _progress(f"loading the data ({type(cfg.dataset).__name__})")
-    datasets = build_family_datasets(
-        cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(cfg.train)
-    )
+    if datasets is None:
+        out.datasets = build_family_datasets(
+            cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(cfg.train)
+        )
+    else:
+        out.datasets = datasets(out)
     iterators = build_train_valid_test_data_iterators(
-        datasets, cfg.dataset, cfg.train, state.train_state
+        out.datasets, cfg.dataset, cfg.train, state.train_state
     )
     from megatron.core.rerun_state_machine import RerunDataIterator
 
@@ -516,6 +530,7 @@ def pretrain(
                 process_non_loss_data_func=process_non_loss_data_func,
                 non_loss_data_func=non_loss_data_func,
                 callbacks=callbacks,
+                tokenizer=out.tokenizer,
             )
         if exit_code == 0 and (
             config.train.skip_train or run_is_done(config.train, state.train_state)
