@@ -6,8 +6,9 @@ Four implementations are selectable (``GPTModelProvider.layer_spec_backend``):
     megatron-core's local spec (megatron's own linear layers and norms) with core attention
     replaced by torch ``scaled_dot_product_attention``
     (:class:`core_utils.portable_attention.SDPACoreAttention`). Runs on every device,
-    including CPU, with tensor parallelism over gloo. No context parallelism, no
-    multi-latent attention.
+    including CPU, with tensor parallelism over gloo; multi-latent attention (megatron's
+    ``MLASelfAttention`` around the same core attention) and attention sinks
+    (``softmax_type``) included. No context parallelism.
 ``"local"``
     megatron-core's local spec unchanged. Its ``DotProductAttention`` takes a buffer from
     ``torch.cuda.current_device()``: CUDA only.
@@ -29,7 +30,12 @@ import torch
 if TYPE_CHECKING:
     from bridge.train.models.gpt_provider import GPTModelProvider
 
-__all__ = ["LayerSpecBackend", "build_gpt_layer_spec", "resolve_layer_spec_backend"]
+__all__ = [
+    "LayerSpecBackend",
+    "build_gpt_layer_spec",
+    "resolve_layer_spec_backend",
+    "resolve_local_layer_spec_backend",
+]
 
 LayerSpecBackend = Literal["auto", "portable", "local", "transformer_engine"]
 _BACKENDS = ("auto", "portable", "local", "transformer_engine")
@@ -80,6 +86,32 @@ def resolve_layer_spec_backend(
     return requested  # type: ignore[return-value]
 
 
+def resolve_local_layer_spec_backend(
+    requested: str, model: str, why: str
+) -> Literal["portable", "local"]:
+    """:func:`resolve_layer_spec_backend` for a model built only from megatron's local modules:
+    ``"auto"`` resolves to ``"local"`` on CUDA (``"portable"`` without it), and an explicit
+    ``"transformer_engine"`` is refused.
+
+    Args:
+        requested: The provider's ``layer_spec_backend``.
+        model: The model's name, for the message.
+        why: Why Transformer Engine's spec cannot build it, for the message.
+
+    Raises:
+        ValueError: ``"transformer_engine"`` requested, or a backend that cannot run here.
+    """
+    backend = resolve_layer_spec_backend(requested)
+    if backend != "transformer_engine":
+        return backend
+    if requested == "transformer_engine":
+        raise ValueError(
+            f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
+            f"({why}); use 'local' or 'auto'"
+        )
+    return "local"
+
+
 def _portable(spec: Any) -> Any:
     """Swap SDPA core attention into a layer spec or into every layer of a block spec."""
     from core_utils.portable_attention import with_sdpa_core_attention
@@ -117,11 +149,6 @@ def build_gpt_layer_spec(
 
     use_te = backend == "transformer_engine"
     if backend == "portable":
-        if provider.multi_latent_attention:
-            raise ValueError(
-                "model.multi_latent_attention=True is not supported by the portable layer spec "
-                "(SDPA core attention); use model.layer_spec_backend='transformer_engine' on GPU"
-            )
         if provider.context_parallel_size > 1:
             raise ValueError(
                 f"model.context_parallel_size={provider.context_parallel_size} needs Transformer "

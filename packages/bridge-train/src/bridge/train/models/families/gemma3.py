@@ -113,7 +113,7 @@ class Gemma3Family(HFFamily):
                 merged[key] = config[key]
         return merged
 
-    def skips(self, name: str) -> bool:
+    def skips(self, name: str, config: dict[str, Any]) -> bool:
         """The vision tower and multimodal projector of ``gemma3``."""
         return name.startswith(
             (
