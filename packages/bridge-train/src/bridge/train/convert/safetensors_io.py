@@ -104,7 +104,8 @@ class SafetensorsReader:
         the first dimension only, read without the rest)."""
         try:
             if index is not None:
-                return self._handle(name).get_slice(name)[index]
+                # The slice is a view into the (memory-mapped) whole tensor: own just it.
+                return self._handle(name).get_slice(name)[index].clone()
             return self._handle(name).get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
             if isinstance(exc, ConversionError):

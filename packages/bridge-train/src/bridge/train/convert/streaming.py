@@ -104,7 +104,14 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
                 f"is {list(meta.shape)}"
             )
         self.produced.add(name)
-        return tensor.to(dtype=meta.dtype).contiguous()
+        tensor = tensor.to(dtype=meta.dtype).contiguous()
+        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != (
+            tensor.numel() * tensor.element_size()
+        ):
+            # The planner addresses the parameter's storage (as_strided): a view into a
+            # larger tensor must become a tensor of its own.
+            tensor = tensor.clone()
+        return tensor
 
     def _sources(self, sharded: dict[str, list[Any]]) -> dict[tuple[str, tuple[int, ...]], _Source]:
         sources: dict[tuple[str, tuple[int, ...]], _Source] = {}

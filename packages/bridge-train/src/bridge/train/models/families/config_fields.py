@@ -116,10 +116,15 @@ def silu_activation(config: dict[str, Any], field: str = "hidden_act") -> Callab
 
 
 def rope_theta_and_scaling(config: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
-    """``(rope_theta, scaling dict or None)`` from either spelling of a one-RoPE config."""
+    """``(rope_theta, scaling dict or None)`` from either spelling of a one-RoPE config.
+
+    A ``rope_parameters`` dict is the scaling even without a ``rope_theta`` of its own
+    (transformers then takes the top-level ``rope_theta``), so its ``rope_type`` is never
+    passed over.
+    """
     params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return params["rope_theta"], params
+    if isinstance(params, dict) and any(k in params for k in ("rope_theta", "rope_type", "type")):
+        return params.get("rope_theta", config.get("rope_theta", 10000.0)), params
     return config.get("rope_theta", 10000.0), config.get("rope_scaling")
 
 
