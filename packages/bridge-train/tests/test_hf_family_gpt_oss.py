@@ -97,7 +97,7 @@ def test_refusals_name_the_field(changes: dict[str, Any], needle: str, family_pa
 def test_a_yarn_factor_without_yarn_is_refused() -> None:
     provider = provider_from_hf_config({**CONFIG, "rope_parameters": {"rope_type": "default"}})
     provider.yarn_rotary_scaling_factor = 4.0
-    with pytest.raises(ValueError, match="yarn_rotary_scaling_factor=4.0"):
+    with pytest.raises(ValueError, match=r"yarn_rotary_scaling_factor=4\.0"):
         provider.finalize()
 
 
