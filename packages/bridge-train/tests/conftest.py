@@ -126,7 +126,8 @@ def _family_worker(
 
     from bridge.config import DistributedInitConfig
     from bridge.train.convert import AutoBridge
-    from bridge.train.engine.initialize import destroy_distributed, initialize_distributed
+    from bridge.train.engine import build_engine
+    from bridge.train.engine.initialize import destroy_distributed
 
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
     out: dict[str, Any] = {}
@@ -137,8 +138,9 @@ def _family_worker(
             pipeline_model_parallel_size=layout.get("pp", 1),
             expert_model_parallel_size=layout.get("ep", 1),
         )
-        initialize_distributed(
-            provider, DistributedInitConfig(distributed_backend="gloo"), engine="megatron"
+        # The engine's setup: on CPU megatron's MoE layers run under its CUDA emulation.
+        build_engine().initialize_distributed(
+            provider, DistributedInitConfig(distributed_backend="gloo")
         )
         try:
             model = provider.provide()

@@ -69,10 +69,10 @@ def test_expert_parallel_size_must_divide_the_experts() -> None:
         provider_from_hf_config(CONFIG, expert_model_parallel_size=3)
 
 
-def _model(randomized: Any) -> Any:
+def _model(randomized: Any, **changes: Any) -> Any:
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"})
-    return randomized(transformers.Qwen3MoeForCausalLM(config))
+    settings = {**{k: v for k, v in CONFIG.items() if k != "model_type"}, **changes}
+    return randomized(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**settings)))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,8 @@ def test_expert_and_tensor_parallel_on_four_ranks(
     tmp_path: Any, family_parity: Any, randomized: Any
 ) -> None:
     checks = family_parity(tmp_path)
-    result = checks.run(_model(randomized), [{"ep": 2, "tp": 2}, {"ep": 2, "pp": 2}], world=4)
+    model = _model(randomized, num_hidden_layers=4)  # two layers per pipeline stage
+    result = checks.run(model, [{"ep": 2, "tp": 2}, {"ep": 2, "pp": 2}], world=4)
     for layout in ("ep2,tp2", "ep2,pp2"):
         error = checks.relative_error(result["layouts"][layout], result["reference"])
         assert error <= 1e-5, (layout, error)

@@ -17,8 +17,9 @@ The same checks for DeepSeek-V3 (multi-latent attention, sigmoid routing with th
 expert-bias correction, which training updates and checkpoints, shared experts, a dense
 first layer, sequence-wise balance loss; LoRA on the latent projections and the experts)
 and gpt-oss (attention sinks, YaRN, biased experts with the clamped SwiGLU stored stacked;
-LoRA on attention and the experts). Extended tier: Mixtral, and Qwen3-MoE at EP=2 x TP=2 on
-four ranks.
+LoRA on attention and the experts). Extended tier: Mixtral, and Qwen3-MoE at EP=2 x TP=2
+(with sequence parallelism, which megatron-core requires for MoE with tensor parallelism)
+on four ranks.
 """
 
 from __future__ import annotations
@@ -429,7 +430,13 @@ def test_qwen3_moe_expert_and_tensor_parallel_training(
         family_parity,
         4,
         # The import padded the vocabulary to 384 rows (128 x TP 1); TP=2 keeps them.
-        ["model.tensor_model_parallel_size=2", "model.make_vocab_size_divisible_by=64"],
+        # megatron-core trains MoE layers with tensor parallelism only with sequence
+        # parallelism (its MoE layer refuses otherwise).
+        [
+            "model.tensor_model_parallel_size=2",
+            "model.sequence_parallel=true",
+            "model.make_vocab_size_divisible_by=64",
+        ],
     )
     _check_equal_to_one_process(result)
     _check_resume_is_bit_exact(result)

@@ -123,6 +123,10 @@ def test_gpt2_preset() -> None:
 def test_parallel_layout_is_validated() -> None:
     with pytest.raises(ConversionError, match="tensor_model_parallel_size=3"):
         provider_from_hf_config(LLAMA, tensor_model_parallel_size=3)
+    with pytest.raises(ConversionError, match=r"pipeline_model_parallel_size=3 \(--pp\)"):
+        provider_from_hf_config(LLAMA, pipeline_model_parallel_size=3)
+    with pytest.raises(ConversionError, match="model_type='llama' has no experts"):
+        provider_from_hf_config(LLAMA, expert_model_parallel_size=2)
     p = provider_from_hf_config(
         LLAMA, tensor_model_parallel_size=2, make_vocab_size_divisible_by=64
     )

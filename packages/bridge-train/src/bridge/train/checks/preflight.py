@@ -172,24 +172,16 @@ def _check_data_files(cfg: ConfigContainer) -> None:
 
 def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
     from bridge.train.checks.layout import check_engine_config
-    from bridge.train.engine.base import build_engine
     from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
 
-    assert cfg.train is not None
     # Wrong on every device (the p2p rule) or unsupported here: the most specific reason first.
-    check_engine_config(
-        cfg.model, cfg.train.engine, ddp_config=cfg.ddp, optimizer_config=cfg.optimizer
-    )
-    try:
-        build_engine(cfg.train.engine)
-    except (RuntimeError, ValueError) as exc:
-        raise ConfigError("train.engine", str(exc)) from None
+    check_engine_config(cfg.model, ddp_config=cfg.ddp, optimizer_config=cfg.optimizer)
     try:
         resolve_distributed_backend(cfg.dist)
     except ValueError as exc:
         raise ConfigError("dist.distributed_backend", str(exc)) from None
     try:
-        validate_parallel_layout(cfg.model, world_size, cfg.train.engine)
+        validate_parallel_layout(cfg.model, world_size)
     except ValueError as exc:
         raise ConfigError("model", str(exc)) from None
 

@@ -64,10 +64,16 @@ def single_process_megatron(provider: Any) -> Iterator[None]:
         )
     from bridge.config import DistributedInitConfig
 
-    engine = "megatron" if getattr(provider, "num_moe_experts", None) else "portable"
-    initialize_distributed(
-        provider, DistributedInitConfig(distributed_backend="gloo"), engine=engine
-    )
+    if getattr(provider, "num_moe_experts", None):
+        # megatron-core's MoE layers allocate on the "current CUDA device": on CPU they run
+        # under the engine's CUDA emulation; dense models need none to convert.
+        from bridge.train.engine import build_engine
+
+        build_engine().initialize_distributed(
+            provider, DistributedInitConfig(distributed_backend="gloo")
+        )
+    else:
+        initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
     try:
         yield
     finally:

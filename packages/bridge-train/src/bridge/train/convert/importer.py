@@ -62,17 +62,13 @@ def _tokenizer_vocab(hf_dir: Path) -> int | None:
 
 
 def check_layout(target: Any) -> None:
-    """Refuse a parallel layout the model does not divide into (naming the flag and size).
+    """Refuse a tensor-parallel size that splits key/value heads (naming the flag and size;
+    the pipeline and expert sizes are checked by ``provider_from_hf_config``).
 
     Args:
         target: The provider with the layout the model will be trained with.
     """
-    pp, tp = target.pipeline_model_parallel_size, target.tensor_model_parallel_size
-    if target.num_layers % pp:
-        raise ConversionError(
-            f"--pp {pp} does not divide the model's {target.num_layers} layers; choose a "
-            "pipeline size that does"
-        )
+    tp = target.tensor_model_parallel_size
     groups = target.num_query_groups
     if groups % tp:
         raise ConversionError(
@@ -123,9 +119,6 @@ def _recipe(provider: Any, out: Path, tokenizer_dir: Path | None) -> Any:
             tokenizer_type="NullTokenizer", vocab_size=int(provider.vocab_size)
         )
     recipe.checkpoint = CheckpointConfig(pretrained_checkpoint=str(out))
-    if getattr(provider, "num_moe_experts", None) and recipe.train is not None:
-        # megatron-core's MoE layers train on its own engine (on CPU under its CUDA emulation).
-        recipe.train.engine = "megatron"
     if isinstance(recipe.dataset, GPTDatasetConfig):  # the recipe's mock data
         recipe.dataset.sequence_length = provider.seq_length
     return recipe

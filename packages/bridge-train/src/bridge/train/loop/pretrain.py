@@ -36,6 +36,7 @@ from bridge.logging import (
     ReportSettings,
     build_metric_writers,
     build_timers,
+    scheduler_job,
     setup_logging,
     start_memory_history_recording,
 )
@@ -52,6 +53,7 @@ from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.engine.base import Engine, build_engine
 from bridge.train.engine.initialize import destroy_distributed
+from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.loop.batch_size import release_num_microbatches_calculator
 from bridge.train.loop.eval import evaluate_and_print_results
 from bridge.train.loop.progress_log import append_starting_job
@@ -123,9 +125,14 @@ def _build_tokenizer(cfg: ConfigContainer) -> Tokenizer:
 
 
 def _plain_run_config(cfg: ConfigContainer) -> dict[str, Any]:
-    """The config as plain data for backends' run parameters (never fails)."""
+    """The config as plain data for backends' run parameters (never fails), with the SLURM
+    job (``slurm_job``) when there is one."""
     data = yaml.safe_load(cfg.format_yaml())
-    return data if isinstance(data, dict) else {}
+    data = data if isinstance(data, dict) else {}
+    job = scheduler_job()
+    if job is not None:
+        data["slurm_job"] = job.run_parameters()
+    return data
 
 
 def _build_metric_writers(
@@ -252,7 +259,7 @@ def setup(
     assert cfg.train is not None and cfg.logger is not None and cfg.checkpoint is not None
     setup_logging(cfg.logger)
     start_memory_history_recording(cfg.profiling)
-    engine = build_engine(cfg.train.engine)
+    engine = build_engine()
     state.engine = engine
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
     world = global_world_size()
@@ -401,6 +408,7 @@ def pretrain(
     process_non_loss_data_func: Callable[..., Any] | None = None,
     non_loss_data_func: Callable[..., Any] | None = None,
     callbacks: Sequence[Callback] = (),
+    requeue_exit_code: int = 0,
 ) -> int:
     """Train a model as ``config`` says, from scratch or from its last checkpoint.
 
@@ -429,10 +437,15 @@ def pretrain(
         non_loss_data_func: See :func:`bridge.train.evaluate`.
         callbacks: Training-loop callbacks (:class:`bridge.train.Callback`), run after the
             loop's components and after ``config.callbacks``, in this order.
+        requeue_exit_code: Returned instead of 0 when training stopped before its end on
+            purpose (exit signal, ``train.exit_duration_in_mins``, ``train.exit_interval``)
+            after saving a checkpoint, so that a batch script or Kubernetes can requeue or
+            restart the job (``bridge-train --requeue-exit-code``; docs/clusters.md).
 
     Returns:
         The process exit code: 0 when training finished or stopped on purpose (signal,
-        duration, interval), else the rerun state machine's code.
+        duration, interval; ``requeue_exit_code`` for the latter when given), else the
+        rerun state machine's code.
 
     Raises:
         bridge.config.ConfigError: The config cannot run here (raised before any process
@@ -441,6 +454,7 @@ def pretrain(
         core_utils.CallbackError: A callback raised (names the callback, hook and iteration).
     """
     CallbackList((), callbacks)  # refuse a non-callback before anything is built
+    adopt_launch_environment()  # srun's tasks: before anything reads the world size
     check_config_before_launch(config)
     if forward_step_func is forward_step:  # the default: the model family's own step
         forward_step_func = default_forward_step(config.model)
@@ -479,6 +493,8 @@ def pretrain(
             _final_evaluation(
                 out, forward_step_func, process_non_loss_data_func, non_loss_data_func
             )
+        elif exit_code == 0:
+            exit_code = requeue_exit_code  # stopped early on purpose, after saving
         state.metric_writers.flush()
         clean = True
         return exit_code

@@ -33,7 +33,6 @@ data has no validation split) and ``train.skip_train``.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -308,25 +307,16 @@ def _init_process_group(cfg: ConfigContainer) -> bool:
 
     if dist.is_initialized():
         return False
-    from bridge.resiliency import init_process_group
-    from bridge.train.engine.initialize import resolve_distributed_backend
+    from bridge.train.engine.initialize import (
+        init_launch_process_group,
+        resolve_distributed_backend,
+    )
+    from bridge.train.engine.launch_env import adopt_launch_environment
 
     backend = resolve_distributed_backend(cfg.dist)
-    timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
-    if "MASTER_ADDR" not in os.environ:
-        from core_utils.testing import find_free_port
-
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{find_free_port()}",
-            rank=0,
-            world_size=1,
-            timeout=timeout,
-        )
-    else:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        init_process_group(backend, timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(adopt_launch_environment().local_rank)
+    init_launch_process_group(backend, timedelta(minutes=cfg.dist.distributed_timeout_minutes))
     return True
 
 
@@ -409,6 +399,7 @@ def pretrain_mimo(
     metrics_file: str | Path | None = None,
     start_time: float | None = None,
     callbacks: Sequence[Callback] = (),
+    requeue_exit_code: int = 0,
 ) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
 
@@ -428,10 +419,13 @@ def pretrain_mimo(
             ``cfg.callbacks``, both after the loop's components and before the checkpointer
             (as for GPT); they see the loop's ``LoopContext`` (``model`` is
             ``[MimoCheckpointModel]``, ``optimizer`` the ``MultiModuleOptimizer``).
+        requeue_exit_code: Returned instead of 0 when an exit condition (exit signal,
+            duration, interval) ended the run before its last iteration, after saving, so
+            that a batch script or Kubernetes can requeue or restart it (as for GPT).
 
     Returns:
-        The exit code: 0, also after an exit condition (exit signal, duration, interval)
-        ended the run, as for GPT.
+        The exit code: 0 (or ``requeue_exit_code`` when an exit condition ended the run
+        early), as for GPT.
 
     Raises:
         ConfigError: See :func:`check_mimo_config`.
@@ -453,6 +447,7 @@ def pretrain_mimo(
         NVRxStragglerPoll,
         StragglerReporter,
     )
+    from bridge.train.engine.launch_env import adopt_launch_environment
     from bridge.train.engine.scheduler import build_optimizer_param_scheduler
     from bridge.train.loop.components import (
         Checkpointer,
@@ -472,6 +467,7 @@ def pretrain_mimo(
     start_time = time.time() if start_time is None else start_time
     user_callbacks = [*cfg.callbacks, *callbacks]
     CallbackList((), user_callbacks)  # refuse a non-callback before anything is built
+    adopt_launch_environment()  # srun's tasks: before anything reads the world size
     check_mimo_config(cfg)
     assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
     assert cfg.checkpoint is not None
@@ -631,6 +627,8 @@ def pretrain_mimo(
             callbacks=loop_callback_list(components, user_callbacks),
         )
         exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
+        if exit_code == 0 and context.iteration < train_iters:
+            exit_code = requeue_exit_code  # stopped early on purpose, after saving
         # The loop's Checkpointer printed why it stopped early (rank 0).
         if last and metrics.losses:
             print(

@@ -4,7 +4,8 @@ With ``logger.log_progress`` and ``checkpoint.save`` set, the trainer appends to
 ``<checkpoint.save>/progress.txt`` (through :func:`bridge.logging.append_progress_log`,
 which writes ``<date time>\\tJob ID: <id>\\t# GPUs: <world size>\\t<message>`` on rank 0):
 
-* ``Starting job`` when a launch begins training;
+* ``Starting job`` when a launch begins training (under SLURM followed by
+  ``Nodes: <node list>\tRequeue count: <n>``, see :mod:`bridge.logging.scheduler_job`);
 * after each persistent checkpoint::
 
     Saved checkpoint\\tIteration: 40\\tJob throughput: 0.0123 TFLOP/s/GPU\\t
@@ -25,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bridge.logging import append_progress_log
+from bridge.logging import append_progress_log, scheduler_job
 from core_utils.distributed import global_world_size
 
 __all__ = [
@@ -111,14 +112,21 @@ def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
 
 
 def append_starting_job(state: Any) -> None:
-    """Append ``Starting job`` (call on every rank when a launch starts training).
+    """Record the start of a launch (call on every rank when a launch starts training).
 
-    Does nothing unless ``logger.log_progress`` and ``checkpoint.save`` are set.
+    Under SLURM the metric writers get ``slurm/job_id`` and ``slurm/requeue_count`` at the
+    iteration the launch starts from. With ``logger.log_progress`` and ``checkpoint.save``
+    set, ``Starting job`` is appended to ``progress.txt`` (under SLURM with the node list
+    and the requeue count).
     """
     cfg = state.cfg
+    job = scheduler_job()
+    if job is not None:
+        state.metric_writers.log_metrics(job.metrics(), state.train_state.step)
     if not (cfg.logger is not None and cfg.logger.log_progress and cfg.checkpoint.save):
         return
-    append_progress_log(cfg.checkpoint.save, STARTING_JOB)
+    message = STARTING_JOB if job is None else f"{STARTING_JOB}\t{job.progress_fields()}"
+    append_progress_log(cfg.checkpoint.save, message)
 
 
 def _tflops_per_device(flops: float, seconds: float, world: int) -> float:

@@ -300,6 +300,11 @@ def provider_from_hf_config(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
+    if kwargs["num_layers"] % pipeline_model_parallel_size:
+        raise ConversionError(
+            f"pipeline_model_parallel_size={pipeline_model_parallel_size} (--pp) does not "
+            f"divide the model's {kwargs['num_layers']} layers; choose a pipeline size that does"
+        )
     if kwargs.get("num_moe_experts"):
         experts = int(kwargs["num_moe_experts"])
         if experts % expert_model_parallel_size:
