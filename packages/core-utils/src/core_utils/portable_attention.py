@@ -228,7 +228,6 @@ class SDPACoreAttention(MegatronModule):
         b, n, _, h = context.shape
         return context.permute(2, 0, 1, 3).reshape(sq, b, n * h)
 
-
     def _attend_with_sink(
         self,
         q: torch.Tensor,

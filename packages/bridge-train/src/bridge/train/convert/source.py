@@ -110,9 +110,7 @@ class HFSource:
     def skipped(self) -> list[str]:
         """Checkpoint tensors outside the imported model (a multimodal model's vision tower),
         to report."""
-        return sorted(
-            n for n in self.reader.names() if self.family.skips(n, self.text_config)
-        )
+        return sorted(n for n in self.reader.names() if self.family.skips(n, self.text_config))
 
     def megatron_tensor(self, mapping: ParamMapping) -> torch.Tensor:
         """The megatron parameter ``mapping`` makes, assembled from the checkpoint (a stacked

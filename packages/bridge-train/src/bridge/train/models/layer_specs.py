@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayerSpecBackend",
-    "LayerSpecBackend",
     "SequenceParallelTorchNorm",
     "build_gpt_layer_spec",
     "resolve_layer_spec_backend",

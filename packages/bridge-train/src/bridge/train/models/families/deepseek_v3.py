@@ -166,9 +166,7 @@ def _router_kwargs(config: dict[str, Any], experts: int, topk: int) -> dict[str,
     for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         value = config.get(key)
         if value is not None and value != wanted:
-            raise refuse(
-                config, key, value, f"transformers' DeepSeek-V3 computes only {wanted!r}"
-            )
+            raise refuse(config, key, value, f"transformers' DeepSeek-V3 computes only {wanted!r}")
     normalize = config.get("norm_topk_prob", True)
     if bool(normalize) != (topk > 1):
         raise refuse(
@@ -306,8 +304,11 @@ class DeepseekV3Family(LlamaFamily):
         freq = config.get("moe_layer_freq")
         if freq is not None and int(freq) != 1:
             raise refuse(
-                config, "moe_layer_freq", freq, "transformers' DeepSeek-V3 puts experts on "
-                "every layer from first_k_dense_replace on"
+                config,
+                "moe_layer_freq",
+                freq,
+                "transformers' DeepSeek-V3 puts experts on "
+                "every layer from first_k_dense_replace on",
             )
         first_dense = _first_dense(config)
         v_head_dim = int(self.require(config, "v_head_dim"))
