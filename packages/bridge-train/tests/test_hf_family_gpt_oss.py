@@ -168,11 +168,7 @@ def test_save_of_an_expert_parallel_load_is_bit_identical(parity: dict[str, Any]
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_bridge_convert_round_trip_is_bit_identical(parity: dict[str, Any]) -> None:
-    convert = parity["convert"]
-    for direction in ("import", "export"):
-        code, err = convert[direction]
-        assert code == 0, (direction, err)
-    parity["checks"].assert_saved_is_source(parity, convert["converted"])
+    parity["checks"].assert_convert_round_trip_is_source(parity)
 
 
 @pytest.mark.extended

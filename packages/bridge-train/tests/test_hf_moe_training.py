@@ -13,13 +13,13 @@ engine (CPU, gloo). Checked, in three forked process groups:
 * a LoRA finetune at EP=2 puts adapters on attention and on every expert's MLP; its export
   (adapters folded in) loads in transformers with the logits of base + adapters as trained.
 
-The same checks for DeepSeek-V3 (multi-latent attention, sigmoid routing with the
-expert-bias correction, which training updates and checkpoints, shared experts, a dense
-first layer, sequence-wise balance loss; LoRA on the latent projections and the experts)
-and gpt-oss (attention sinks, YaRN, biased experts with the clamped SwiGLU stored stacked;
-LoRA on attention and the experts). Extended tier: Mixtral, and Qwen3-MoE at EP=2 x TP=2
-(with sequence parallelism, which megatron-core requires for MoE with tensor parallelism)
-on four ranks.
+Extended tier: the same checks for DeepSeek-V3 (multi-latent attention, sigmoid routing
+with the expert-bias correction, which training updates and checkpoints, shared experts, a
+dense first layer, sequence-wise balance loss; LoRA on the latent projections and the
+experts) and gpt-oss (attention sinks, YaRN, biased experts with the clamped SwiGLU stored
+stacked; LoRA on attention and the experts), Mixtral, and Qwen3-MoE at EP=2 x TP=2 (with
+sequence parallelism, which megatron-core requires for MoE with tensor parallelism) on
+four ranks.
 """
 
 from __future__ import annotations
@@ -390,6 +390,7 @@ def test_lora_on_attention_and_experts_at_ep2_exports_merged(qwen3_moe: dict[str
     _check_export_reproduces_trainer(qwen3_moe, "lora")
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_deepseek_v3_and_gpt_oss_train_at_ep2(
     family: str, tmp_path: Path, randomized: Any, family_parity: Any

@@ -143,11 +143,12 @@ class HFSource:
                 )
             expected = tuple(params[mapping.megatron].shape)
             produced: tuple[int, ...] | None = None
-            if all(piece is not None for piece in pieces):
+            shapes = [piece for piece in pieces if piece is not None]
+            if len(shapes) == len(pieces):
                 try:
                     produced = tuple(
                         mapping.to_megatron(
-                            *(torch.empty(p, device="meta") for p in pieces)  # type: ignore[misc]
+                            *(torch.empty(shape, device="meta") for shape in shapes)
                         ).shape
                     )
                 except RuntimeError:

@@ -70,7 +70,8 @@ class GptOssModelProvider(GPTModelProvider):
             ValueError: A YaRN attention factor on a model without YaRN RoPE, or expert
                 tensor parallelism with biased experts.
         """
-        if self.expert_tensor_parallel_size is None and self.add_bias_linear:
+        # (read through getattr: megatron's dataclass hierarchy leaves mypy without its type)
+        if getattr(self, "expert_tensor_parallel_size", None) is None and self.add_bias_linear:
             self.expert_tensor_parallel_size = 1
         if self.position_embedding_type != "yarn":
             factor = _yarn_get_concentration_factor(

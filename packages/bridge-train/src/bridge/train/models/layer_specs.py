@@ -194,6 +194,44 @@ def _portable(spec: Any, provider: Any, vp_stage: int | None) -> Any:
     )
 
 
+def _trainable_biased_experts(layer: Any) -> Any:
+    """A copy of an MoE layer spec whose local experts' ``linear_fc2`` is
+    :class:`~bridge.train.models.expert_linear.ExpertRowParallelLinear` (megatron's biased
+    expert MLP otherwise fails its first backward; see that module). Other specs unchanged."""
+    import dataclasses
+    import functools
+
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from bridge.train.models.expert_linear import ExpertRowParallelLinear
+
+    moe = getattr(layer.submodules, "mlp", None)
+    moe_sub = moe.keywords.get("submodules") if isinstance(moe, functools.partial) else None
+    experts = getattr(moe_sub, "experts", None)
+    if not isinstance(experts, functools.partial) or experts.func is not SequentialMLP:
+        return layer
+    expert_sub = experts.keywords["submodules"]
+    if expert_sub.linear_fc2 is not RowParallelLinear:
+        return layer
+    experts = functools.partial(
+        SequentialMLP,
+        *experts.args,
+        **{
+            **experts.keywords,
+            "submodules": dataclasses.replace(expert_sub, linear_fc2=ExpertRowParallelLinear),
+        },
+    )
+    assert moe is not None and moe_sub is not None
+    moe = functools.partial(
+        moe.func,
+        *moe.args,
+        **{**moe.keywords, "submodules": dataclasses.replace(moe_sub, experts=experts)},
+    )
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=moe))
+    return layer
+
+
 def build_gpt_layer_spec(
     provider: GPTModelProvider,
     backend: Literal["portable", "local", "transformer_engine"],
@@ -239,6 +277,8 @@ def build_gpt_layer_spec(
             normalization=provider.normalization,
             vp_stage=vp_stage,
         )
+        if provider.add_bias_linear and not use_te:
+            spec.layer_specs = [_trainable_biased_experts(layer) for layer in spec.layer_specs]
     elif use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None,
