@@ -24,6 +24,7 @@ from bridge.train.models.families.errors import ConversionError
 __all__ = [
     "DTYPES",
     "YarnParameters",
+    "attention_layer_types",
     "gelu_tanh",
     "read_hf_config",
     "refuse",
@@ -176,6 +177,31 @@ def rope_settings(
         kind,
         "megatron-core implements the 'default', 'linear' and 'llama3' RoPE frequencies",
     )
+
+
+def attention_layer_types(config: dict[str, Any], pattern: int) -> list[str]:
+    """The config's ``layer_types`` (``sliding_attention`` or ``full_attention`` per layer),
+    or, without it, every ``pattern``-th layer full attention and the others sliding.
+
+    Raises:
+        ConversionError: Another layer type, or not one per layer (naming ``layer_types``).
+    """
+    kinds_known = ("sliding_attention", "full_attention")
+    layers = int(config["num_hidden_layers"])
+    kinds = config.get("layer_types")
+    if kinds is None:
+        kinds = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    unknown = sorted({kind for kind in kinds if kind not in kinds_known})
+    if unknown or len(kinds) != layers:
+        raise refuse(
+            config,
+            "layer_types",
+            unknown or kinds,
+            f"one of {list(kinds_known)} per layer ({layers}) is implemented",
+        )
+    return list(kinds)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

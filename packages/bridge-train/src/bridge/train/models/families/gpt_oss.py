@@ -45,6 +45,7 @@ import torch
 
 from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
+    attention_layer_types,
     refuse,
     rope_settings,
     rope_theta_and_scaling,
@@ -57,25 +58,8 @@ from bridge.train.models.families.moe import routed_moe_kwargs
 
 __all__ = ["GptOssFamily"]
 
-_KINDS = ("sliding_attention", "full_attention")
 _QUICK_GELU_ALPHA = 1.702
 _DEFAULT_THETA = 150000.0  # transformers' GptOssConfig.default_theta
-
-
-def _layer_types(config: dict[str, Any]) -> list[str]:
-    layers = int(config["num_hidden_layers"])
-    kinds = config.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
-    ]
-    unknown = sorted({kind for kind in kinds if kind not in _KINDS})
-    if unknown or len(kinds) != layers:
-        raise refuse(
-            config,
-            "layer_types",
-            unknown or kinds,
-            f"one of {list(_KINDS)} per layer ({layers}) is implemented",
-        )
-    return list(kinds)
 
 
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +221,7 @@ class GptOssFamily(LlamaFamily):
         heads = int(self.require(config, "num_attention_heads"))
         hidden = int(self.require(config, "hidden_size"))
         ffn = int(self.require(config, "intermediate_size"))
-        kinds = _layer_types(config)
+        kinds = attention_layer_types(config, 2)
         kwargs: dict[str, Any] = {
             "num_layers": len(kinds),
             "hidden_size": hidden,
