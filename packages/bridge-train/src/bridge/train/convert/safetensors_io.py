@@ -99,9 +99,13 @@ class SafetensorsReader:
         """The shape of ``name`` without reading its data."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
-        """A copy of the tensor ``name``."""
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """A copy of the tensor ``name`` (with ``index``: of its ``index``-th slice along
+        the first dimension only, read without the rest)."""
         try:
+            if index is not None:
+                # The slice is a view into the (memory-mapped) whole tensor: own just it.
+                return self._handle(name).get_slice(name)[index].clone()
             return self._handle(name).get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
             if isinstance(exc, ConversionError):
@@ -266,6 +270,7 @@ class StreamingSafetensorsWriter:
         self.total_bytes = sum(e[3] for shard in self._shards for e in shard)
         self._order = [(i, e) for i, shard in enumerate(self._shards) for e in shard]
         self._next = 0
+        self._pieces_written = 0  # of the current (stacked) tensor
         self._file: Any = None
         self._temps: list[Path] = []
 
@@ -283,19 +288,33 @@ class StreamingSafetensorsWriter:
         self._file.close()
         self._file = None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next declared tensor (same name, shape and dtype as declared)."""
+    def write(self, name: str, tensor: torch.Tensor, stack: tuple[int, int] | None = None) -> None:
+        """Write the next declared tensor (same name, shape and dtype as declared), or, with
+        ``stack=(index, count)``, its ``index``-th slice along the first dimension (the
+        slices in order, one after the other: each goes to disk as it arrives)."""
         if self._next >= len(self._order):
             raise ConversionError(f"internal: {name} was not declared to the writer")
         index, (expected, shape, dtype, _) = self._order[self._next]
-        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        piece, count = stack if stack is not None else (0, None)
+        wanted = shape if count is None else (count, *tuple(tensor.shape))
+        if (
+            name != expected
+            or wanted != shape
+            or tensor.dtype != dtype
+            or piece != self._pieces_written
+        ):
             raise ConversionError(
-                f"internal: writer expected {expected} {list(shape)} {dtype}, got {name} "
-                f"{list(tensor.shape)} {tensor.dtype}"
+                f"internal: writer expected {expected} {list(shape)} {dtype} (piece "
+                f"{self._pieces_written}), got {name} {list(tensor.shape)} {tensor.dtype} "
+                f"(piece {piece} of {count})"
             )
         if self._file is None or index != len(self._temps) - 1:
             self._open(index)
         self._file.write(_tensor_bytes(tensor))
+        if count is not None and piece + 1 < count:
+            self._pieces_written += 1
+            return
+        self._pieces_written = 0
         self._next += 1
 
     def close(self) -> list[Path]:
