@@ -150,7 +150,8 @@ def _check_data(cfg: ConfigContainer) -> None:
 
 
 def _check_data_files(cfg: ConfigContainer) -> None:
-    """Damaged ``.bin``/``.idx`` files and token ids beyond the vocabulary, named with the fix."""
+    """Damaged ``.bin``/``.idx`` files, token ids beyond the vocabulary and splits without a
+    sample (megatron-core would hang building them), named with the fix."""
     from bridge.train.data.datasets import dataset_prefixes
     from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
 
@@ -168,6 +169,16 @@ def _check_data_files(cfg: ConfigContainer) -> None:
             check_indexed_dataset(prefix, vocab, field)
         except DataFileError as exc:
             raise ConfigError(field, str(exc)) from None
+    if prefixes and cfg.train is not None:
+        from bridge.train.data.datasets import train_valid_test_num_samples
+        from bridge.train.data.split_checks import check_split_samples
+        from bridge.train.data.t5_datasets import T5DatasetConfig
+
+        check_split_samples(
+            cfg.dataset,
+            train_valid_test_num_samples(cfg.train),
+            gpt_samples=not isinstance(cfg.dataset, T5DatasetConfig),
+        )
 
 
 def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
@@ -193,12 +204,56 @@ def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
         raise ConfigError(location.split("=")[0], detail) from None
 
 
+def _check_samples(cfg: ConfigContainer) -> None:
+    """Sample completions need a GPT-family model (what bridge-generate generates from)."""
+    if getattr(cfg, "samples", None) is None:
+        return
+    from bridge.train.models import GPTModelProvider, MambaProvider, T5ModelProvider
+
+    model = cfg.model
+    if isinstance(model, (T5ModelProvider, MambaProvider)) or not isinstance(
+        model, GPTModelProvider
+    ):
+        raise ConfigError(
+            "samples",
+            f"sample completions are generated from GPT-family models; "
+            f"{type(model).__name__} does not generate (unset samples)",
+        )
+    # What megatron-core's static inference path cannot do with the training model.
+    if model.pipeline_model_parallel_size > 1 and not torch.cuda.is_available():
+        raise ConfigError(
+            "samples",
+            "pipeline-parallel generation needs GPUs (megatron-core's inference broadcasts "
+            "the last stage's logits with a CUDA-only check); unset samples on CPU",
+        )
+    if model.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            "samples",
+            "megatron-core's inference runs one model chunk per rank; unset samples or "
+            "model.virtual_pipeline_model_parallel_size",
+        )
+    if model.sequence_parallel:
+        raise ConfigError(
+            "samples",
+            "megatron-core's static inference refuses model.sequence_parallel (it supports it "
+            "for MoE layers only); unset samples or sequence_parallel",
+        )
+    if model.tensor_model_parallel_size > 1 and model.expert_model_parallel_size > 1:
+        raise ConfigError(
+            "samples",
+            "with tensor and expert parallelism megatron-core's inference switches the "
+            "model's sequence parallelism off and does not switch it back, which would "
+            "change training; unset samples",
+        )
+
+
 def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = None) -> None:
     """Validate ``cfg`` for a training launch, before anything distributed is built.
 
     Runs ``cfg.validate(world_size)`` (filling derived values), then checks the data files,
-    the tokenizer files, the checkpoint directories, the engine, backend and parallel layout
-    against this machine, and features that need CUDA.
+    the tokenizer files, the checkpoint directories and the checkpoint a resume would load
+    (:mod:`bridge.train.checks.resume`), the engine, backend and parallel layout against this
+    machine, and features that need CUDA.
 
     Args:
         cfg: The run's configuration.
@@ -217,6 +272,10 @@ def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = No
     _check_cuda_features(cfg)
     _check_data(cfg)
     check_finetuning_config(cfg)
+    _check_samples(cfg)
     assert cfg.checkpoint is not None
     check_checkpoint_directories(cfg.checkpoint)
+    from bridge.train.checks.resume import check_resume
+
+    check_resume(cfg)
     _check_profiler_output(cfg)

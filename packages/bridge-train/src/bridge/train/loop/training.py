@@ -351,6 +351,7 @@ def run_training(
     non_loss_data_func: Callable[..., Any] | None = None,
     *,
     callbacks: Sequence[Callback] = (),
+    tokenizer: Any = None,
 ) -> int:
     """:func:`train` with user callbacks (what :func:`bridge.train.pretrain` calls).
 
@@ -367,6 +368,7 @@ def run_training(
         non_loss_data_func: See :func:`train`.
         callbacks: User callbacks (:class:`bridge.train.Callback`), run after the loop's
             components and after the config's ``callbacks``.
+        tokenizer: The run's tokenizer (the ``samples`` section generates with it).
 
     Returns:
         The process exit code (see :func:`train`).
@@ -408,6 +410,7 @@ def run_training(
         finalize=finalize_async_checkpoints if async_saves else None,
         evaluate=evaluate,
         toggle_forward_pre_hooks=toggle_hooks,
+        tokenizer=tokenizer,
     )
     context = LoopContext(
         state,

@@ -39,13 +39,15 @@ def standard_components(
     evaluate: EvaluateFunction | None = None,
     toggle_forward_pre_hooks: bool = False,
     seq_length: int | None = None,
+    tokenizer: Any = None,
 ) -> list[Callback]:
     """The components a training run needs, as its config switches them on.
 
     Order (each hook runs them in this order): metrics (``training_log``), the
     fault-tolerance heartbeat, device sync, straggler report, weight-hash check, profiler,
-    garbage collection, NVRx straggler poll, evaluation, checkpointer (saves and exit
-    decisions last, so a checkpoint holds everything the step did). A feature that is off
+    garbage collection, NVRx straggler poll, evaluation, sample completions (after
+    validation, ``samples``), checkpointer (saves and exit decisions last, so a checkpoint
+    holds everything the step did). A feature that is off
     adds no component, so it costs nothing per step. :func:`loop_callback_list` puts the
     user's callbacks between the two groups.
 
@@ -56,6 +58,7 @@ def standard_components(
         evaluate: Validation (``None``: none).
         toggle_forward_pre_hooks: Disable forward pre-hooks around whole-parameter reads.
         seq_length: Tokens per sample for throughput metrics (default: the model's).
+        tokenizer: The run's tokenizer (needed by the ``samples`` section).
 
     Returns:
         The components, to pass as ``CallbackList(components, user_callbacks)``.
@@ -83,6 +86,19 @@ def standard_components(
         components.append(NVRxStragglerPoll(state.nvrx_straggler))
     if evaluate is not None and train.eval_interval:
         components.append(Evaluator(evaluate, train.eval_interval))
+        if getattr(cfg, "samples", None) is not None:
+            from bridge.train.loop.components.samples import GenerationSamples
+
+            if tokenizer is None:
+                raise ValueError("standard_components: the samples section needs the tokenizer")
+            components.append(
+                GenerationSamples(
+                    cfg.samples,
+                    tokenizer,
+                    int(cfg.model.seq_length),
+                    toggle_forward_pre_hooks=toggle_forward_pre_hooks,
+                )
+            )
     components.append(
         Checkpointer(save, cfg.checkpoint, exit_conditions=state.exit_conditions, finalize=finalize)
     )
