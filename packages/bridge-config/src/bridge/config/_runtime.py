@@ -49,7 +49,7 @@ class RNGConfig:
     """Draw every initial weight from the seed and its global identity (checkpoint key and
     position), so the same seed gives bit-identical weights under every TP, PP, VPP, EP and
     DP size. ``true``: required (refused for providers it does not cover yet: T5, hybrid
-    Mamba, Gemma 3, MIMO); ``false``: megatron's per-stage seeding (weights depend on the layout);
+    Mamba, Gemma 3, MLA, GPT-OSS, MIMO); ``false``: megatron's per-stage seeding (weights depend on the layout);
     ``null``: on where the provider is covered (GPT families, dense and MoE), megatron's
     seeding elsewhere. See docs/checkpoints.md for its cost."""
 

@@ -27,8 +27,8 @@ tiles its shards overlap: about its own share of the parameters, more where a sh
 narrower than a tile (tensor-parallel row shards of small weights), plus one hash per tile.
 Measured in ``benchmarks/init_and_reshard.py``; see docs/checkpoints.md.
 
-Providers whose modules this module does not know (T5, hybrid Mamba, Gemma 3, MIMO) are
-refused by :func:`check_supported` with the field to change, never half-initialised.
+Providers whose modules this module does not know (T5, hybrid Mamba, Gemma 3, MLA, GPT-OSS,
+MIMO) are refused by :func:`check_supported` with the field to change, never half-initialised.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class LayoutInitError(ValueError):
 def supports_layout_independent_init(provider: Any) -> bool:
     """Whether ``provider`` builds modules this initialisation covers: megatron's
     ``GPTModel`` (dense and MoE) as :meth:`GPTModelProvider.provide` builds it, for every
-    GPT family preset. Subclasses that build other models (T5, hybrid Mamba, Gemma 3's own
-    modules) override ``provide`` and are not covered yet.
+    GPT family preset. Subclasses that build other models (T5, hybrid Mamba, Gemma 3, MLA,
+    GPT-OSS) override ``provide`` and are not covered yet.
 
     Args:
         provider: A model provider (its ``provide`` builds the model).
