@@ -1,18 +1,18 @@
 """Train one tiny GPT in several parallel layouts on the megatron engine (CPU, gloo).
 
-Run bare (one process) or under ``torchrun``; used by ``tests/test_megatron_engine_layouts.py``::
+Run bare (one process) or under ``torchrun``; used by ``tests/megatron_p2p_runner.py``::
 
     python tests/megatron_layout_runner.py OUT.json LAYOUT [LAYOUT ...]
     torchrun --nproc-per-node=2 tests/megatron_layout_runner.py OUT.json dp2 pp2 ...
 
-Every layout runs in the same process group one after the other (process start-up is the
-expensive part on CPU): megatron's parallel state is rebuilt for each. Weights come from a
-layout-independent initialisation: every tensor of the model's ``sharded_state_dict`` is the
-slice, at its global offset, of a full tensor drawn from a generator seeded by the tensor's
-global key. So the one-process run and every parallel layout start from the same global
-weights (a plain seed would not do: the trainer seeds pipeline stages differently, and
-tensor-parallel shards of fused weights are laid out per rank). The data is megatron's mock
-GPT data with the same seed and global batch everywhere.
+It drives the engine API directly (``bridge-train`` itself refuses some of the layouts
+``tests/megatron_p2p_runner.py`` adds to show why); the layout matrix through ``bridge-train``
+is ``tests/test_megatron_engine_layouts.py``. Every layout runs in the same process group one
+after the other (process start-up is the expensive part on CPU): megatron's parallel state is
+rebuilt for each. Weights come from the engine's layout-independent initialisation
+(``setup_model(layout_independent_seed=...)``, what ``rng.layout_independent_init`` selects),
+so the one-process run and every parallel layout start from the same global weights. The data
+is megatron's mock GPT data with the same seed and global batch everywhere.
 
 OUT.json maps each layout to ``{"losses": [...], "grad_norms": [...]}`` (per step, from the
 last pipeline stage, identical on all of its ranks).
@@ -20,7 +20,6 @@ last pipeline stage, identical on all of its ranks).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from typing import Any
@@ -114,46 +113,6 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def _seed_of(key: str) -> int:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % (2**63)
-
-
-def _global_tensor(key: str, shape: tuple[int, ...], data_ndim: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(_seed_of(key))
-    noise = torch.randn(shape, generator=generator, dtype=torch.float64)
-    if data_ndim >= 2:
-        return 0.05 * noise
-    if "norm" in key and key.endswith("weight"):
-        return 1.0 + 0.1 * noise
-    return 0.02 * noise
-
-
-def layout_independent_init(chunks: list[torch.nn.Module]) -> None:
-    """Set every parameter to its slice of a global tensor seeded by its sharded key."""
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    seen = 0
-    for chunk in chunks:
-        sharded_state: Any = chunk.sharded_state_dict  # a megatron module's method
-        for sharded in nested_values(sharded_state()):
-            if not isinstance(sharded, ShardedTensor) or sharded.data is None:
-                continue
-            if "_extra_state" in sharded.key or not sharded.data.is_floating_point():
-                continue
-            assert sharded.flattened_range is None, sharded.key
-            full = _global_tensor(sharded.key, tuple(sharded.global_shape), sharded.data.ndim)
-            local = (1,) * sharded.prepend_axis_num + tuple(sharded.data.shape)
-            index = tuple(
-                slice(offset, offset + size)
-                for offset, size in zip(sharded.global_offset, local, strict=True)
-            )
-            with torch.no_grad():
-                sharded.data.copy_(full[index].reshape(sharded.data.shape))
-            seen += 1
-    assert seen, "no parameter was initialised"
-
-
 def run_layout(name: str) -> dict[str, list[float]]:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -182,7 +141,7 @@ def run_layout(name: str) -> dict[str, list[float]]:
     model = engine.setup_model(
         provider,
         DistributedDataParallelConfig(**ddp_overrides),
-        pre_wrap_hooks=[layout_independent_init],
+        layout_independent_seed=tiny_rng_config().seed,
     )
     optimizer, scheduler = engine.setup_optimizer(
         model,

@@ -1,75 +1,251 @@
-"""The megatron engine's layout matrix on CPU: every layout equals one process.
+"""Every layout equals one process, through ``bridge-train`` from a fresh start.
 
-megatron-core's own ``DistributedDataParallel``, ``get_megatron_optimizer`` (FP32 optimizer,
-mixed-precision optimizer, distributed optimizer with overlapped grad reduce and param
-gather) and pipeline schedules (1F1B, interleaved) run on gloo under
-``core_utils.cuda_emulation``. For each layout, ``tests/megatron_layout_runner.py`` trains
-the same tiny GPT (4 layers, layout-independent initial weights, mock data, global batch 8)
-for 10 steps; the per-step lm loss and gradient norm must equal the one-process run of the
-same engine within 1e-5 relative in fp32.
+Each job is :func:`bridge.train.pretrain` (megatron-core's ``DistributedDataParallel``,
+``get_megatron_optimizer``, 1F1B / interleaved schedules, under ``core_utils.cuda_emulation``
+on CPU and gloo) training the same tiny GPT (4 layers; MoE: 4 experts, top-2) for 10 steps
+from a fresh start: its initial weights come from ``rng.layout_independent_init`` (the
+default), nothing is set by hand. The per-step lm loss and gradient norm of every layout must
+equal the one-process run within 1e-5 relative in fp32 (1e-2 in bf16, see ``BF16_RTOL``).
 
-Tiers: the default run launches one bare process (the references) and one 2-rank group that
-runs three layouts back to back; the full matrix (world sizes 2 and 4) is ``extended``.
-Measured maxima are in docs/engines.md.
+Forked ranks (``core_utils.testing.run_distributed``) run all jobs of a test one after the
+other in one process group, so process start-up is paid once per world size.
+
+Tiers: the default run holds the one-process references (dense, MoE) and one 2-rank group
+with DP=2 + distributed optimizer, TP=2, PP=2 x VPP=2 and EP=2; the full matrix (world sizes
+2 and 4, bf16, overlapped reductions, sequence parallelism, the all-to-all dispatcher) is
+``extended``. Resuming under another layout is ``tests/test_megatron_checkpoints.py``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from core_utils.testing import run_torchrun
+from bridge.config import DistributedDataParallelConfig, LoggerConfig
+from bridge.train import forward_step, pretrain
+from bridge.train.metrics import read_metrics_file
+from bridge.train.testing import (
+    tiny_config_container,
+    tiny_gpt_provider,
+    tiny_optimizer_config,
+    tiny_scheduler_config,
+    tiny_train_config,
+)
+from core_utils.testing import run_distributed
 
-RUNNER = Path(__file__).with_name("megatron_layout_runner.py")
+STEPS = 10
+SAVE_AT = 5
 FP32_RTOL = 1e-5
-# bf16 runs are compared with the one-process bf16 run of the same engine. Parameters and
-# gradient buffers are bf16 (megatron's Float16Module, grad_reduce_in_fp32=False); the
-# optimizer keeps fp32 main weights. A different layout changes the order in which bf16
-# gradients are summed (data-parallel all-reduce vs. micro-batch accumulation, split
-# reductions under tensor parallelism), and each bf16 rounding is worth up to 2^-8 ~ 3.9e-3
-# relative; one such rounding moves the grad norm and, after the Adam step, the loss by
-# about that much (measured: 3e-3 for the grad norm, 1.3e-4 for the loss, over DP=2 and
-# PP=2). 1e-2 allows a few such roundings over 10 steps while still catching a wrong
-# layout (a swapped or missing gradient moves the loss by > 1e-1 within a few steps).
+# bf16 runs are compared with the one-process bf16 run. Parameters and gradient buffers are
+# bf16 (megatron's Float16Module, grad_reduce_in_fp32=False); the optimizer keeps fp32 main
+# weights. A different layout changes the order in which bf16 gradients are summed
+# (data-parallel all-reduce vs. micro-batch accumulation, split reductions under tensor
+# parallelism), and each bf16 rounding is worth up to 2^-8 ~ 3.9e-3 relative; one such
+# rounding moves the grad norm and, after the Adam step, the loss by about that much
+# (measured: 3e-3 for the grad norm, 1.3e-4 for the loss, over DP=2 and PP=2). 1e-2 allows a
+# few such roundings over 10 steps while still catching a wrong layout (a swapped or missing
+# gradient moves the loss by > 1e-1 within a few steps).
 BF16_RTOL = 1e-2
 
-_LAUNCHER_VARIABLES = frozenset(
-    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-)
+_MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "add_bias_linear": False}
+_PP2 = {"pipeline_model_parallel_size": 2}
+# A virtual pipeline needs unbatched p2p (bridge-train refuses megatron's default here, see
+# docs/engines.md); overlapped p2p is what Megatron-LM selects.
+_VPP2 = {**_PP2, "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": False}
+_DISTOPT = {"use_distributed_optimizer": True}
+
+# name -> (model overrides, ddp overrides, optimizer overrides)
+LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+    "single": ({}, {}, {}),
+    "single_bf16": ({"bf16": True}, {}, {"bf16": True}),
+    "moe": (_MOE, {}, {}),
+    "dp2": ({}, {}, {}),
+    "dp2_bf16": ({"bf16": True}, {}, {"bf16": True}),
+    "dp2_overlap": ({}, {"overlap_grad_reduce": True, "bucket_size": 2000}, {}),
+    "dp2_distopt": (
+        {},
+        {**_DISTOPT, "overlap_grad_reduce": True, "overlap_param_gather": True},
+        _DISTOPT,
+    ),
+    "tp2": ({"tensor_model_parallel_size": 2}, {}, {}),
+    "sp_tp2": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, {}, {}),
+    "pp2": (_PP2, {}, {}),
+    "pp2_bf16": ({**_PP2, "bf16": True}, {}, {"bf16": True}),
+    "pp2_vpp2": (_VPP2, {}, {}),
+    "tp2_pp2": ({"tensor_model_parallel_size": 2, **_PP2}, {}, {}),
+    "dp2_pp2_distopt": (
+        _PP2,
+        {**_DISTOPT, "overlap_grad_reduce": True, "overlap_param_gather": True},
+        _DISTOPT,
+    ),
+    "tp2_pp2_vpp2": ({"tensor_model_parallel_size": 2, **_VPP2}, {}, {}),
+    "single_distopt": ({}, {**_DISTOPT, "overlap_grad_reduce": True}, _DISTOPT),
+    "tp2_pp2_distopt": (
+        {"tensor_model_parallel_size": 2, **_PP2},
+        {**_DISTOPT, "overlap_grad_reduce": True},
+        _DISTOPT,
+    ),
+    "moe_ep2": ({**_MOE, "expert_model_parallel_size": 2}, {}, {}),
+    "moe_ep2_alltoall": (
+        {**_MOE, "expert_model_parallel_size": 2, "moe_token_dispatcher_type": "alltoall"},
+        {},
+        {},
+    ),
+}
 
 
-def _run_bare(out: Path, *layouts: str) -> dict[str, Any]:
-    """One process launched without torchrun: the engine creates its own one-rank group."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-    try:
-        done = subprocess.run(
-            [sys.executable, str(RUNNER), str(out), *layouts],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-            env=env,
-            check=False,
+def layout_config(
+    layout: str,
+    *,
+    train_iters: int = STEPS,
+    checkpoint: Any = None,
+    logger: Any = None,
+) -> Any:
+    """The run config of one layout: tiny GPT, 4 layers, global batch 8, micro batch 2."""
+    import torch
+
+    model_overrides, ddp_overrides, optimizer_overrides = LAYOUTS[layout]
+    dtype = torch.bfloat16 if model_overrides.get("bf16") else torch.float32
+    sections: dict[str, Any] = {
+        "train": tiny_train_config(
+            train_iters=train_iters, global_batch_size=8, micro_batch_size=2
+        ),
+        "model": tiny_gpt_provider(num_layers=4, pipeline_dtype=dtype, **model_overrides),
+        "optimizer": tiny_optimizer_config(**optimizer_overrides),
+        "scheduler": tiny_scheduler_config(lr_warmup_iters=2),
+        "ddp": DistributedDataParallelConfig(**ddp_overrides),
+        "logger": logger if logger is not None else LoggerConfig(log_interval=1),
+    }
+    if checkpoint is not None:
+        sections["checkpoint"] = checkpoint
+    return tiny_config_container(**sections)
+
+
+def records(metrics: Path) -> dict[int, tuple[float, float]]:
+    """``{step: (lm loss, grad norm)}`` of a metrics file."""
+    return {
+        int(r["step"]): (r["lm loss"], r["grad-norm"])
+        for r in read_metrics_file(metrics)
+        if "lm loss" in r
+    }
+
+
+def _fresh_runs(rank: int, world: int, out: str, layouts: list[str]) -> int:
+    for layout in layouts:
+        code = pretrain(layout_config(layout), forward_step, metrics_file=f"{out}/{layout}.{rank}")
+        assert code == 0, f"{layout}: pretrain returned {code}"
+    return 0
+
+
+class _SampleRecorder:
+    """An iterator over the trainer's micro-batches that appends, for every sample, the step
+    and a digest of its tokens to a file (one per rank): which samples each step consumed."""
+
+    def __init__(self, inner: Any, state: Any, path: str) -> None:
+        self.inner, self.state, self.path = inner, state, path
+
+    def __iter__(self) -> _SampleRecorder:
+        return self
+
+    def __next__(self) -> Any:
+        import hashlib
+
+        batch = next(self.inner)
+        step = int(self.state.train_state.step)
+        with open(self.path, "a", encoding="utf-8") as out:
+            for row in batch["tokens"]:
+                digest = hashlib.sha256(row.cpu().numpy().tobytes()).hexdigest()[:16]
+                out.write(f"{step} {digest}\n")
+        return batch
+
+
+def _recording_step(path: str) -> Any:
+    """:func:`bridge.train.forward_step` recording the samples it consumes into ``path``."""
+
+    def step(state: Any, data_iterator: Any, model: Any) -> Any:
+        if data_iterator is not None:
+            data_iterator = _SampleRecorder(data_iterator, state, path)
+        return forward_step(state, data_iterator, model)
+
+    return step
+
+
+def consumed_samples(out: Path, name: str) -> dict[int, set[str]]:
+    """``{step: sample digests}`` over every rank's record of run ``name``."""
+    steps: dict[int, set[str]] = {}
+    for path in out.glob(f"{name}.samples.*"):
+        for line in path.read_text().split("\n"):
+            if line:
+                step, digest = line.split()
+                steps.setdefault(int(step), set()).add(digest)
+    return steps
+
+
+def _checkpoint_runs(rank: int, world: int, out: str, jobs: list[tuple[str, str | None]]) -> int:
+    """``(layout, saved layout or None)``: a fresh run saving at ``SAVE_AT`` and ``STEPS``
+    into ``out/<layout>``, or a run continuing the saved layout's checkpoint of ``SAVE_AT``
+    into ``out/<saved>-as-<layout>``."""
+    from bridge.config import CheckpointConfig
+
+    for layout, saved in jobs:
+        name = layout if saved is None else f"{saved}-as-{layout}"
+        checkpoint = CheckpointConfig(
+            save=f"{out}/{name}",
+            save_interval=SAVE_AT,
+            load=None if saved is None else f"{out}/{saved}",
+            ckpt_step=None if saved is None else SAVE_AT,
+            exit_on_missing_checkpoint=saved is not None,
         )
-    except subprocess.TimeoutExpired:
-        pytest.fail("the one-process reference runs did not finish within 1200 s")
-    assert done.returncode == 0, done.stderr[-4000:]
-    return dict(json.loads(out.read_text()))
+        config = layout_config(layout, checkpoint=checkpoint)
+        step = _recording_step(f"{out}/{name}.samples.{rank}")
+        code = pretrain(config, step, metrics_file=f"{out}/{name}.metrics.{rank}")
+        assert code == 0, f"{name}: pretrain returned {code}"
+    return 0
 
 
-def _run_ranks(out: Path, world_size: int, *layouts: str, timeout: float) -> dict[str, Any]:
-    run_torchrun(RUNNER, world_size, [str(out), *layouts], timeout=timeout)
-    return dict(json.loads(out.read_text()))
+def run_checkpoint_jobs(
+    out: Path, world: int, jobs: list[tuple[str, str | None]], timeout: float
+) -> dict[str, dict[int, tuple[float, float]]]:
+    """Run :func:`_checkpoint_runs` on ``world`` forked ranks; ``{run name: records}``."""
+    assert run_distributed(_checkpoint_runs, world, str(out), jobs, timeout=timeout) == [0] * world
+    names = [layout if saved is None else f"{saved}-as-{layout}" for layout, saved in jobs]
+    return {name: records(out / f"{name}.metrics.{world - 1}") for name in names}
 
 
-def _max_rel(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want) == 10
-    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+def _assert_same_samples(out: Path, resumed: str, uninterrupted: str) -> None:
+    """The resumed run consumed, step by step, exactly the samples the uninterrupted run did
+    after ``SAVE_AT`` (data position and order carried over)."""
+    got, want = consumed_samples(out, resumed), consumed_samples(out, uninterrupted)
+    later = {step: samples for step, samples in want.items() if step >= SAVE_AT}
+    assert got and got == later, f"{resumed}: other samples than {uninterrupted}"
+
+
+def _assert_continues(resumed: dict[int, Any], uninterrupted: dict[int, Any], name: str) -> None:
+    """Steps ``SAVE_AT + 1 ..`` of a resumed run equal the uninterrupted run's (1e-5)."""
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1)), (name, sorted(resumed))
+    for step in resumed:
+        for index, metric in enumerate(("lm loss", "grad norm")):
+            got, want = resumed[step][index], uninterrupted[step][index]
+            assert abs(got - want) <= FP32_RTOL * abs(want), (
+                f"{name} step {step} {metric}: {got} vs uninterrupted {want}"
+            )
+
+
+def run_layouts(out: Path, world: int, layouts: list[str], timeout: float) -> dict[str, Any]:
+    """Train every layout from a fresh start on ``world`` forked ranks, one after the other.
+
+    Returns:
+        ``{layout: {step: (lm loss, grad norm)}}`` as the last rank logged them.
+    """
+    assert run_distributed(_fresh_runs, world, str(out), layouts, timeout=timeout) == [0] * world
+    return {layout: records(out / f"{layout}.{world - 1}") for layout in layouts}
+
+
+def _max_rel(got: dict[int, Any], want: dict[int, Any], index: int) -> float:
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), (sorted(got), sorted(want))
+    return max(abs(got[s][index] - want[s][index]) / abs(want[s][index]) for s in want)
 
 
 def _assert_matches(results: dict[str, Any], references: dict[str, Any]) -> None:
@@ -79,35 +255,34 @@ def _assert_matches(results: dict[str, Any], references: dict[str, Any]) -> None
             "moe" if name.startswith("moe") else "single_bf16" if bf16 else "single"
         ]
         tolerance = BF16_RTOL if bf16 else FP32_RTOL
-        for metric in ("losses", "grad_norms"):
-            error = _max_rel(run[metric], reference[metric])
+        for index, metric in enumerate(("lm loss", "grad norm")):
+            error = _max_rel(run, reference, index)
             assert error <= tolerance, (
                 f"{name} {metric}: max relative difference {error:.2e} > {tolerance:.0e}\n"
-                f"  got  {run[metric]}\n  want {reference[metric]}"
+                f"  got  {run}\n  want {reference}"
             )
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The one-process fp32 and bf16 runs (launched bare), computed once per module."""
-    results = _run_bare(
-        tmp_path_factory.mktemp("single") / "out.json", "single", "single_bf16", "moe"
-    )
-    fp32 = results["single"]["losses"]
-    assert fp32[-1] < fp32[0], "the reference run does not learn"
+    """The one-process fp32, bf16 and MoE runs, computed once per module."""
+    out = tmp_path_factory.mktemp("single")
+    results = run_layouts(out, 1, ["single", "single_bf16", "moe"], timeout=600)
+    losses = [results["single"][step][0] for step in sorted(results["single"])]
+    assert losses[-1] < losses[0], "the reference run does not learn"
     return results
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(2400)
-def test_fast_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) -> None:
-    """Distributed optimizer with overlapped grad reduce and param gather, interleaved
-    1F1B over PP=2 x VPP=2, and bf16 mixed precision over PP=2: one launch."""
-    results = _run_ranks(
-        tmp_path / "out.json", 2, "dp2_distopt", "pp2_vpp2", "pp2_bf16", timeout=1000
-    )
-    _assert_matches(results, references)
+@pytest.mark.timeout(1500)
+def test_fresh_starts_on_two_ranks_equal_one_process(
+    tmp_path: Path, references: dict[str, Any]
+) -> None:
+    """DP=2 with the distributed optimizer (overlapped grad reduce and param gather), TP=2,
+    interleaved 1F1B over PP=2 x VPP=2 and expert parallelism 2: one launch."""
+    layouts = ["dp2_distopt", "tp2", "pp2_vpp2", "moe_ep2"]
+    _assert_matches(run_layouts(tmp_path, 2, layouts, timeout=900), references)
 
 
 @pytest.mark.extended
@@ -115,23 +290,16 @@ def test_fast_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) -> None:
-    results = _run_ranks(
-        tmp_path / "out.json",
-        2,
+    layouts = [
         "dp2",
         "dp2_overlap",
-        "dp2_distopt",
-        "tp2",
         "sp_tp2",
         "pp2",
-        "pp2_vpp2",
         "dp2_bf16",
         "pp2_bf16",
-        "moe_ep2",
         "moe_ep2_alltoall",
-        timeout=1700,
-    )
-    _assert_matches(results, references)
+    ]
+    _assert_matches(run_layouts(tmp_path, 2, layouts, timeout=1700), references)
 
 
 @pytest.mark.extended
@@ -139,12 +307,63 @@ def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_full_matrix_on_four_ranks(tmp_path: Path, references: dict[str, Any]) -> None:
-    results = _run_ranks(
-        tmp_path / "out.json",
-        4,
-        "tp2_pp2",
-        "dp2_pp2_distopt",
-        "tp2_pp2_vpp2",
-        timeout=1700,
+    layouts = ["tp2_pp2", "dp2_pp2_distopt", "tp2_pp2_vpp2"]
+    _assert_matches(run_layouts(tmp_path, 4, layouts, timeout=1700), references)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_resume_under_another_layout_continues_the_run(tmp_path: Path) -> None:
+    """Saved at step 5 under TP=2 x PP=2 with the distributed optimizer, continued as DP=4
+        with it; saved under EP=2, continued on one process (EP=1). Losses and gradient norms
+    within 1e-5 of the uninterrupted run, and the same samples at every step."""
+    saved = run_checkpoint_jobs(tmp_path, 2, [("moe_ep2", None)], 600)
+    resumed = run_checkpoint_jobs(tmp_path, 1, [("moe", "moe_ep2")], 600)
+    _assert_continues(resumed["moe_ep2-as-moe"], saved["moe_ep2"], "EP2 -> EP1")
+    _assert_same_samples(tmp_path, "moe_ep2-as-moe", "moe_ep2")
+    four = run_checkpoint_jobs(
+        tmp_path, 4, [("tp2_pp2_distopt", None), ("dp2_distopt", "tp2_pp2_distopt")], 900
     )
-    _assert_matches(results, references)
+    _assert_continues(
+        four["tp2_pp2_distopt-as-dp2_distopt"], four["tp2_pp2_distopt"], "TP2xPP2 -> DP4"
+    )
+    _assert_same_samples(tmp_path, "tp2_pp2_distopt-as-dp2_distopt", "tp2_pp2_distopt")
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_resume_matrix(tmp_path: Path) -> None:
+    """DP2 -> DP1, DP1 -> DP2 with the distributed optimizer, TP2 -> TP1, PP2 -> PP2 x VPP2
+    and back."""
+    one = run_checkpoint_jobs(tmp_path, 1, [("single_distopt", None)], 600)
+    two = run_checkpoint_jobs(
+        tmp_path,
+        2,
+        [
+            ("dp2", None),
+            ("tp2", None),
+            ("pp2", None),
+            ("pp2_vpp2", None),
+            ("dp2_distopt", "single_distopt"),
+            ("pp2_vpp2", "pp2"),
+            ("pp2", "pp2_vpp2"),
+        ],
+        1500,
+    )
+    back = run_checkpoint_jobs(tmp_path, 1, [("single", "dp2"), ("single", "tp2")], 600)
+    _assert_continues(back["dp2-as-single"], two["dp2"], "DP2 -> DP1")
+    _assert_continues(back["tp2-as-single"], two["tp2"], "TP2 -> TP1")
+    _assert_continues(two["single_distopt-as-dp2_distopt"], one["single_distopt"], "DP1 -> DP2")
+    _assert_continues(two["pp2-as-pp2_vpp2"], two["pp2"], "PP2 -> PP2 x VPP2")
+    _assert_continues(two["pp2_vpp2-as-pp2"], two["pp2_vpp2"], "PP2 x VPP2 -> PP2")
+    for resumed, saved in (
+        ("dp2-as-single", "dp2"),
+        ("tp2-as-single", "tp2"),
+        ("single_distopt-as-dp2_distopt", "single_distopt"),
+        ("pp2-as-pp2_vpp2", "pp2"),
+        ("pp2_vpp2-as-pp2", "pp2_vpp2"),
+    ):
+        _assert_same_samples(tmp_path, resumed, saved)

@@ -28,6 +28,8 @@ REFERENCE: dict[type, list[tuple[str, Any, Any]]] = {
         ("te_rng_tracker", bool, False),
         ("inference_rng_tracker", bool, False),
         ("data_parallel_random_init", bool, False),
+        # Beyond the reference (#24): the same initial weights under every layout.
+        ("layout_independent_init", Optional[bool], None),
     ],
     bc.DistributedInitConfig: [
         ("distributed_backend", Literal["nccl", "gloo"], "nccl"),

@@ -142,5 +142,5 @@ def test_portable_optimizer_state_is_refused_by_the_distributed_optimizer(
     _, out = resumed
     message = out["distributed"]
     assert isinstance(message, str), message
-    assert "portable optimizer" in message and "distributed:dp_reshardable optimizer" in message
+    assert "portable optimizer" in message and "distributed:fully_reshardable optimizer" in message
     assert "checkpoint.load_optim=False" in message

@@ -45,10 +45,27 @@ class RNGConfig:
     data_parallel_random_init: bool = False
     """Initialise parameters differently on each data-parallel rank instead of identically."""
 
+    layout_independent_init: bool | None = None
+    """Draw every initial weight from the seed and its global identity (checkpoint key and
+    position), so the same seed gives bit-identical weights under every TP, PP, VPP, EP and
+    DP size. ``true``: required (refused for providers it does not cover yet: T5, hybrid
+    Mamba, Gemma 3, MLA, GPT-OSS, MIMO); ``false``: megatron's per-stage seeding (weights depend on the layout);
+    ``null``: on where the provider is covered (GPT families, dense and MoE), megatron's
+    seeding elsewhere. See docs/checkpoints.md for its cost."""
+
     def __post_init__(self) -> None:
-        """Check the field types and that the seed fits every generator."""
+        """Check the field types, that the seed fits every generator and that the
+        initialisation options agree."""
         normalize_fields(self)
         within(self, "seed", 0, _SEED_LIMIT, allow_none=False)
+        if self.layout_independent_init and self.data_parallel_random_init:
+            raise field_error(
+                RNGConfig,
+                "layout_independent_init",
+                self.layout_independent_init,
+                "the same weights on every layout and different weights per data-parallel "
+                "rank (data_parallel_random_init=true) exclude each other: set one to false",
+            )
 
 
 @config_section

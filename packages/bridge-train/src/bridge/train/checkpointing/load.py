@@ -18,10 +18,12 @@ restarts at iteration 0).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,13 +377,13 @@ def _check_reshardable(
 ) -> None:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
-    dist_checkpointing reshards model tensors across TP, PP and DP sizes, and per-parameter
-    optimizer state (megatron's non-distributed optimizers, and the retired portable
-    engine's, which is converted) with them. megatron's distributed optimizer state is saved
-    per data-parallel bucket (``dp_reshardable``, see
-    ``state_dict.OPTIMIZER_SHARDING_METADATA``): it reshards across DP sizes only. Refused:
-    another number of virtual pipeline chunks; distributed <-> per-parameter optimizer
-    state; and distributed-optimizer state under other TP or PP sizes.
+    Every tensor is saved under its layout-free sharded key (global layer numbers and
+    expert ids), so dist_checkpointing reshards model tensors across TP, PP, VPP, EP and DP
+    sizes, per-parameter optimizer state with them, and megatron's distributed optimizer
+    state saved ``fully_reshardable`` (model space, the default, see
+    ``state_dict.OPTIMIZER_SHARDING_METADATA``) too. Refused: distributed <-> per-parameter
+    optimizer state, and distributed-optimizer state of the older ``dp_reshardable`` format
+    under other TP, PP or VPP sizes (it is kept per data-parallel bucket).
     """
     saved_layout = meta.get("parallel_layout") or {}
     saved_chunks = meta.get("model_chunks", 1)
@@ -398,28 +400,43 @@ def _check_reshardable(
             f"this run is {_describe_layout(layout, chunks, this_fmt)}: {reason}; {fix}"
         )
 
-    if saved_chunks != chunks:
-        raise refuse(
-            "the number of virtual pipeline chunks differs",
-            "use the saved model.virtual_pipeline_model_parallel_size",
-        )
     if optimizer is None or saved_fmt is None:
         return
     saved_distributed = saved_fmt.startswith("distributed:")
     if saved_distributed != (this_fmt or "").startswith("distributed:"):
         raise refuse(
-            "distributed-optimizer state (kept per data-parallel bucket) and per-parameter "
-            "optimizer state do not convert into each other",
+            "distributed-optimizer state and per-parameter optimizer state do not convert "
+            "into each other",
             "set optimizer.use_distributed_optimizer (and ddp.use_distributed_optimizer) as "
             "saved, or checkpoint.load_optim=False to load the model (and train state) alone",
         )
-    model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-    if saved_distributed and any(saved_layout.get(k) != layout.get(k) for k in model_parallel):
+    saved_parts = meta.get("optimizer_parts")
+    this_parts = len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    kinds = {type(o).__name__ for o in getattr(optimizer, "chained_optimizers", None) or []}
+    if saved_parts is not None and saved_parts != this_parts and kinds - {"FP32Optimizer"}:
         raise refuse(
-            "distributed-optimizer state reshards across data-parallel sizes only",
-            "load it with the saved tensor and pipeline parallel sizes, or set "
+            f"it holds {saved_parts} optimizer(s) (dense and expert-parallel parameters are "
+            f"optimised apart when expert parallelism is on), this run {this_parts}, and only "
+            "fp32 models with the per-parameter optimizer regroup their state",
+            "keep model.expert_model_parallel_size above 1 (or at 1) as saved, or set "
             "checkpoint.load_optim=False to load the model (and train state) alone",
         )
+    model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    if saved_fmt == "distributed:dp_reshardable" and (
+        saved_chunks != chunks or any(saved_layout.get(k) != layout.get(k) for k in model_parallel)
+    ):
+        raise refuse(
+            "its distributed-optimizer state (dp_reshardable, saved before fully reshardable "
+            "checkpoints) reshards across data-parallel sizes only",
+            "load it with the saved tensor, pipeline and virtual pipeline sizes, or set "
+            "checkpoint.load_optim=False to load the model (and train state) alone",
+        )
+
+
+def _saved_sharding_type(meta: dict[str, Any]) -> str | None:
+    """The distributed-optimizer sharding type a checkpoint was saved with, if any."""
+    saved_fmt = meta.get("optimizer_format") or ""
+    return saved_fmt.split(":", 1)[1] if saved_fmt.startswith("distributed:") else None
 
 
 def _sharded_tensors(tree: Any) -> list[Any]:
@@ -657,10 +674,11 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> No
         {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
         for group in optimizer.param_groups
     ]
+    state = _regroup_chained_state(optimizer, state)
     replaced = _align_schedule_bounds(optimizer, state)
     # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
     # only some of its formats' loaders disable autograd themselves.
-    with torch.no_grad():
+    with torch.no_grad(), _steps_kept_by_fully_reshardable_load(optimizer):
         optimizer.load_state_dict(state)
     _restore_distributed_optimizer_steps(optimizer)
     if keep:
@@ -669,6 +687,84 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> No
     else:
         for inner, index, checkpoint_bounds in replaced:
             inner.param_groups[index].update(checkpoint_bounds)
+
+
+def _regroup_chained_state(optimizer: Any, state: Any) -> Any:
+    """Fit the loaded state of megatron's FP32 optimizers to this run's number of them.
+
+    megatron builds one optimizer for dense and one for expert-parallel parameters, the
+    latter only when expert parallelism is on (EP > 1), so a checkpoint of EP=2 holds two
+    optimizers' common state (parameter groups, the shared Adam step) and one of EP=1 one.
+    The per-parameter tensors are loaded into this run's structure already (they are found
+    by their layout-free keys); here each of this run's optimizers gets them with its own
+    parameter groups and the saved step (megatron keeps all steps equal). Used only when the
+    counts differ; other optimizers than megatron's ``FP32Optimizer`` are refused before
+    loading (:func:`_check_reshardable`).
+    """
+    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if not isinstance(state, dict):
+        return state
+    saved_parts = [state[k] for k in sorted(k for k in state if isinstance(k, int))]
+    multiple = len(inners) > 1
+    saved_count = len(saved_parts) if saved_parts else 1
+    if saved_count == len(inners):
+        return state
+    if not saved_parts:
+        saved_parts = [state]
+    steps = [
+        part["state"]["common_step"]
+        for part in saved_parts
+        if isinstance(part.get("state"), dict) and "common_step" in part["state"]
+    ]
+    regrouped: dict[int, Any] = {}
+    for index, inner in enumerate(inners):
+        part = state[index] if multiple else state
+        tensors = {k: v for k, v in part["state"].items() if k != "common_step"}
+        if steps:
+            tensors["common_step"] = steps[0]
+        groups = inner.state_dict()["param_groups"]
+        regrouped[index] = {"state": tensors, "param_groups": groups}
+    return regrouped if multiple else regrouped[0]
+
+
+@contextlib.contextmanager
+def _steps_kept_by_fully_reshardable_load(optimizer: Any) -> Iterator[None]:
+    """Let megatron's ``fully_reshardable`` loader keep torch Adam's per-parameter ``step``.
+
+    Without Apex / Transformer Engine (as on CPU) megatron-core 0.19's
+    ``DistributedOptimizer.load_state_dict`` puts a ``step`` into every parameter's state
+    (from the saved parameter groups), then ``_set_main_param_and_optimizer_states`` copies
+    every state tensor from the checkpoint, which holds no per-parameter ``step``:
+    ``KeyError: 'step'``. For the duration of the load the step already in place is handed
+    in as its own source; :func:`_restore_distributed_optimizer_steps` then sets it.
+    """
+    patched = []
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if type(inner).__name__ != "DistributedOptimizer":
+            continue
+        original = inner._set_main_param_and_optimizer_states
+
+        def keep_step(
+            model_param: Any,
+            tensors: dict[str, Any],
+            _inner: Any = inner,
+            _original: Any = original,
+        ) -> Any:
+            if "step" not in tensors:
+                group_index, group_order = _inner.model_param_group_index_map[model_param]
+                main = _inner.optimizer.param_groups[group_index]["params"][group_order]
+                step = _inner.optimizer.state.get(main, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    tensors = {**tensors, "step": step}
+            return _original(model_param, tensors)
+
+        inner._set_main_param_and_optimizer_states = keep_step
+        patched.append(inner)
+    try:
+        yield
+    finally:
+        for inner in patched:
+            del inner._set_main_param_and_optimizer_states
 
 
 def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
@@ -692,7 +788,7 @@ def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
                 continue
             for param in group["params"]:
                 param_state = torch_optimizer.state[param]
-                if "step" in param_state:
+                if param_state:  # torch's Adam: a step of its own next to exp_avg(_sq)
                     param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
@@ -772,7 +868,13 @@ def _read_checkpoint(
         load_rng = False
 
     keys = model_state_keys(len(model))
-    template = build_load_template(model, optimizer, load_optim=load_optim, load_rng=load_rng)
+    template = build_load_template(
+        model,
+        optimizer,
+        load_optim=load_optim,
+        load_rng=load_rng,
+        sharding_type=_saved_sharding_type(meta),
+    )
     _check_against_checkpoint(template, plan.path, keys, strict)
     if not finetune:  # shapes fit: the architecture must be the saved one too
         check_same_architecture(getattr(getattr(state, "cfg", None), "model", None), plan.path)

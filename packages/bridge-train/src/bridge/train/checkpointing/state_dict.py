@@ -107,20 +107,25 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     return result
 
 
-# megatron's distributed optimizer: its state per data-parallel bucket ("dp_reshardable",
-# Megatron-LM's default: written fully in parallel, no gather), which reshards across
-# data-parallel sizes only. megatron-core 0.19 refuses the flattened tensors of
-# "fully_sharded_model_space", and loading "fully_reshardable" with torch's Adam (no Apex /
-# Transformer Engine, as on CPU) fails on its per-parameter step. Chained optimizers add no
+# megatron's distributed optimizer: its state in model space ("fully_reshardable": each
+# parameter's exp_avg / exp_avg_sq / fp32 main copy saved under the parameter's own sharded
+# key, gathered over the data-parallel group when saving), which reshards across every TP,
+# PP, VPP, EP and DP size like the model. Checkpoints written before #24 hold
+# "dp_reshardable" state (per data-parallel bucket, reshardable across DP sizes only); they
+# are loaded with that type (see ``load._check_reshardable``). Chained optimizers add no
 # per-optimizer key prefix.
 OPTIMIZER_SHARDING_METADATA: dict[str, Any] = {
-    "distrib_optim_sharding_type": "dp_reshardable",
+    "distrib_optim_sharding_type": "fully_reshardable",
     "chained_optim_avoid_prefix": True,
 }
 
 
 def optimizer_sharded_state_dict(
-    optimizer: Any, model_state: dict[str, Any], *, is_loading: bool = False
+    optimizer: Any,
+    model_state: dict[str, Any],
+    *,
+    is_loading: bool = False,
+    sharding_type: str | None = None,
 ) -> Any:
     """``optimizer.sharded_state_dict`` with :data:`OPTIMIZER_SHARDING_METADATA`.
 
@@ -128,13 +133,16 @@ def optimizer_sharded_state_dict(
         optimizer: megatron-core's optimizer (or another with its ``sharded_state_dict``).
         model_state: The model's sharded state dict (see :func:`model_sharded_state_dict`).
         is_loading: Build the template to load into.
+        sharding_type: The distributed optimizer's sharding type to use instead of the
+            default (to load a checkpoint saved with another, e.g. ``"dp_reshardable"``).
 
     Returns:
         The optimizer's sharded state dict.
     """
-    return optimizer.sharded_state_dict(
-        model_state, is_loading, metadata=dict(OPTIMIZER_SHARDING_METADATA)
-    )
+    metadata = dict(OPTIMIZER_SHARDING_METADATA)
+    if sharding_type is not None:
+        metadata["distrib_optim_sharding_type"] = sharding_type
+    return optimizer.sharded_state_dict(model_state, is_loading, metadata=metadata)
 
 
 def allocate_optimizer_state(optimizer: Any) -> None:
@@ -224,6 +232,12 @@ def build_save_state_dict(
         "model_chunks": len(model),
         "optimizer": has_optimizer,
         "optimizer_format": optimizer_format(optimizer) if has_optimizer else None,
+        # megatron's dense and expert-parallel optimizers (chained): how many were saved.
+        "optimizer_parts": (
+            len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+            if has_optimizer
+            else None
+        ),
         "opt_param_scheduler": opt_param_scheduler is not None,
         "rng": bool(save_rng),
     }
@@ -236,6 +250,7 @@ def build_load_template(
     *,
     load_optim: bool,
     load_rng: bool,
+    sharding_type: str | None = None,
 ) -> dict[str, Any]:
     """The sharded state dict to load a checkpoint into (shapes and shardings of this job).
 
@@ -244,6 +259,7 @@ def build_load_template(
         optimizer: Optimizer (its state is initialised so there is state to load into).
         load_optim: Request the optimizer state.
         load_rng: Request this rank's generator states.
+        sharding_type: The saved distributed-optimizer sharding type, when not the default.
 
     Returns:
         A state dict accepted by ``megatron.core.dist_checkpointing.load``.
@@ -252,7 +268,9 @@ def build_load_template(
     template: dict[str, Any] = dict(models)
     if load_optim and optimizer is not None:
         allocate_optimizer_state(optimizer)
-        template["optimizer"] = optimizer_sharded_state_dict(optimizer, models, is_loading=True)
+        template["optimizer"] = optimizer_sharded_state_dict(
+            optimizer, models, is_loading=True, sharding_type=sharding_type
+        )
     if load_rng:
         template[RNG_STATE_KEY] = rng_sharded_object(_dist.rank(), _dist.world_size(), None)
     return template

@@ -195,6 +195,13 @@ def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
         validate_parallel_layout(cfg.model, world_size)
     except ValueError as exc:
         raise ConfigError("model", str(exc)) from None
+    from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
+
+    try:
+        layout_independent_seed(cfg.rng, cfg.model)
+    except LayoutInitError as exc:
+        location, _, detail = str(exc).partition(": ")
+        raise ConfigError(location.split("=")[0], detail) from None
 
 
 def _check_samples(cfg: ConfigContainer) -> None:

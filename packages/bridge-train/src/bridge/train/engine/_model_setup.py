@@ -12,12 +12,36 @@ def build_model_chunks(
     model_provider: Any,
     vp_size: int | None,
     pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]],
+    layout_independent_seed: int | None = None,
 ) -> list[torch.nn.Module]:
-    """Call ``model_provider.provide`` once per virtual pipeline stage and run the hooks."""
-    if vp_size is None:
-        chunks = [model_provider.provide()]
-    else:
-        chunks = [model_provider.provide(vp_stage=stage) for stage in range(vp_size)]
+    """Call ``model_provider.provide`` once per virtual pipeline stage and run the hooks.
+
+    With ``layout_independent_seed`` the chunks are built without megatron's own draw
+    (``perform_initialization`` off for the build) and drawn layout-independently; a
+    provider whose ``perform_initialization`` is already off (weights loaded later) is left
+    undrawn, as megatron would.
+    """
+    draw = layout_independent_seed is not None and bool(
+        getattr(model_provider, "perform_initialization", True)
+    )
+    if draw:
+        from bridge.train.models.layout_init import check_supported
+
+        check_supported(model_provider)
+        model_provider.perform_initialization = False
+    try:
+        if vp_size is None:
+            chunks = [model_provider.provide()]
+        else:
+            chunks = [model_provider.provide(vp_stage=stage) for stage in range(vp_size)]
+    finally:
+        if draw:
+            model_provider.perform_initialization = True
+    if draw:
+        from bridge.train.models.layout_init import initialize_layout_independent
+
+        assert layout_independent_seed is not None
+        initialize_layout_independent(chunks, model_provider, layout_independent_seed)
     for hook in pre_wrap_hooks:
         result = hook(chunks)
         if result is not None:

@@ -54,8 +54,12 @@ class Engine(Protocol):
         pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
         data_parallel_random_init: bool = False,
         optimizer_config: Any = None,
+        layout_independent_seed: int | None = None,
     ) -> list[torch.nn.Module]:
         """Build the model chunks of this rank, move them to the device, wrap them for DP.
+
+        With ``layout_independent_seed`` the weights are drawn from that seed and each
+        tensor's global identity (:mod:`bridge.train.models.layout_init`), before the hooks.
 
         Also sets the model config's ``no_sync_func`` and ``finalize_model_grads_func`` so
         the schedule drives gradient reduction.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -72,8 +72,15 @@ class MegatronEngine:
         pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
         data_parallel_random_init: bool = False,
         optimizer_config: Any = None,
+        layout_independent_seed: int | None = None,
     ) -> list[torch.nn.Module]:
         """Build one chunk per virtual pipeline stage and wrap them in megatron's DDP.
+
+        With ``layout_independent_seed`` (``rng.layout_independent_init``) every weight is
+        drawn from that seed and its global identity, the same under every layout
+        (:func:`~bridge.train.models.layout_init.initialize_layout_independent`), before
+        ``pre_wrap_hooks`` run; megatron's own draw is skipped. ``data_parallel_random_init``
+        cannot be combined with it.
 
         Sets ``no_sync_func``, ``grad_sync_func``, ``param_sync_func`` (distributed optimizer
         with overlapped all-gather) and ``finalize_model_grads_func`` on the model config, as
@@ -95,7 +102,14 @@ class MegatronEngine:
             # bridge.config's DDP section mirrors megatron's field names.
             ddp_config = convert_dataclass(ddp_config, DistributedDataParallelConfig)
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        chunks = build_model_chunks(model_provider, vp_size, pre_wrap_hooks)
+        if layout_independent_seed is not None and data_parallel_random_init:
+            raise ValueError(
+                "rng.layout_independent_init and rng.data_parallel_random_init exclude each "
+                "other: set one to false"
+            )
+        chunks = build_model_chunks(
+            model_provider, vp_size, pre_wrap_hooks, layout_independent_seed
+        )
         # Under the CUDA emulation .cuda() keeps the CPU tensors where they are.
         chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
         chunks = cast_for_precision(chunks, model_provider)
@@ -188,10 +202,20 @@ class MegatronEngine:
 
         def forward_backward_per_chunk(*, data_iterator: Any = None, **kwargs: Any) -> list[Any]:
             if data_iterator is not None and not isinstance(data_iterator, list):
-                data_iterator = list(itertools.tee(data_iterator, vp_size))
+                data_iterator = list(itertools.tee(_iterable(data_iterator), vp_size))
             return schedule(data_iterator=data_iterator, **kwargs)
 
         return forward_backward_per_chunk
+
+
+def _iterable(iterator: Any) -> Iterator[Any]:
+    """``iterator`` as a Python iterator: megatron's ``RerunDataIterator`` (what the trainer
+    hands the schedule) has ``__next__`` but no ``__iter__``, which ``itertools.tee`` needs."""
+    while True:
+        try:
+            yield next(iterator)
+        except StopIteration:
+            return
 
 
 def skip_non_finite_updates(optimizer: Any) -> None:

@@ -68,6 +68,7 @@ from bridge.train.models.family import (
     family_tokenizer,
 )
 from bridge.train.models.gpt_step import forward_step
+from bridge.train.models.layout_init import layout_independent_seed
 from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
@@ -316,6 +317,7 @@ def setup(
         pre_wrap_hooks=_peft_hooks(cfg),
         data_parallel_random_init=cfg.rng.data_parallel_random_init,
         optimizer_config=cfg.optimizer,
+        layout_independent_seed=layout_independent_seed(cfg.rng, cfg.model),
     )
     from megatron.core.utils import get_model_config
 

@@ -1,0 +1,308 @@
+"""Layout-independent initialisation: the same seed gives the same weights in every layout.
+
+megatron-core seeds each pipeline stage (and expert-parallel rank) differently and draws
+every tensor-parallel shard from a stream that depends on the layout, so a PP=2 run starts
+from other weights than one process. Here every tensor is drawn from its *global identity*
+instead: the key of its ``sharded_state_dict`` entry (layer numbers and expert ids are
+global there, as in a checkpoint) and its position in the global tensor.
+
+How a tensor is drawn. The global tensor (the checkpoint's view of it: ``global_shape``,
+with the layer and expert axes megatron prepends) is cut into a fixed grid of tiles,
+``TILE_ROWS`` x ``TILE_COLS`` over its first two dimensions (whole along the others; a 1-D
+tensor in blocks of ``TILE_ROWS * TILE_COLS``). Each tile is filled by the model's own init
+method (``init_method``, ``output_layer_init_method`` for ``linear_proj`` / ``linear_fc2``,
+``embedding_init_method`` for embeddings) from torch's CPU generator seeded with a hash of
+(seed, key, prepended indices, tile index, global shape). A rank draws only the tiles that
+overlap its own shard (from the ``ShardedTensor``'s global offsets) and copies the overlap,
+so it never holds more than its shards plus one tile of scratch; a tile is the same on every
+layout, so the shards of all layouts put together are bit for bit one global tensor. Biases
+are zeros and norm weights ones (zeros with ``layernorm_zero_centered_gamma``), as megatron
+sets them. Init methods are applied per tile, as megatron applies them per shard on GPU
+(``_initialize_affine_weight_gpu``): they must be element-wise distributions (megatron's
+normal and scaled-normal are).
+
+Cost: the chunks are built with ``perform_initialization=False`` (megatron's own draw,
+which on CPU builds each full weight on every rank, is skipped), then each rank draws the
+tiles its shards overlap: about its own share of the parameters, more where a shard is
+narrower than a tile (tensor-parallel row shards of small weights), plus one hash per tile.
+Measured in ``benchmarks/init_and_reshard.py``; see docs/checkpoints.md.
+
+Providers whose modules this module does not know (T5, hybrid Mamba, Gemma 3, MLA, GPT-OSS,
+MIMO) are refused by :func:`check_supported` with the field to change, never half-initialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TILE_COLS",
+    "TILE_ROWS",
+    "LayoutInitError",
+    "check_supported",
+    "initialize_layout_independent",
+    "layout_independent_seed",
+    "supports_layout_independent_init",
+]
+
+TILE_ROWS = 256
+"""Rows of one tile (first dimension of the global tensor)."""
+
+TILE_COLS = 1024
+"""Columns of one tile (second dimension of the global tensor)."""
+
+# Modules (by the last component of a parameter's key) that megatron initialises with the
+# config's output_layer_init_method (scaled by depth) rather than its init_method.
+_OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2"})
+_EMBEDDINGS = frozenset({"word_embeddings", "position_embeddings", "tokentype_embeddings"})
+_NORM_WEIGHTS = frozenset({"layer_norm_weight"})  # Transformer Engine's fused norm + linear
+_NORM_BIASES = frozenset({"layer_norm_bias"})
+
+
+class LayoutInitError(ValueError):
+    """A model holds a parameter this initialisation does not know how to draw."""
+
+
+def supports_layout_independent_init(provider: Any) -> bool:
+    """Whether ``provider`` builds modules this initialisation covers: megatron's
+    ``GPTModel`` (dense and MoE) as :meth:`GPTModelProvider.provide` builds it, for every
+    GPT family preset. Subclasses that build other models (T5, hybrid Mamba, Gemma 3, MLA,
+    GPT-OSS) override ``provide`` and are not covered yet.
+
+    Args:
+        provider: A model provider (its ``provide`` builds the model).
+    """
+    from bridge.train.models.gpt_provider import GPTModelProvider
+
+    return (
+        isinstance(provider, GPTModelProvider)
+        and type(provider).provide is GPTModelProvider.provide
+    )
+
+
+def check_supported(provider: Any, *, field: str = "rng.layout_independent_init") -> None:
+    """Refuse a provider this initialisation does not cover.
+
+    Raises:
+        LayoutInitError: Naming the provider and ``field``.
+    """
+    if not supports_layout_independent_init(provider):
+        raise LayoutInitError(
+            f"{field}=true: layout-independent initialisation covers GPT providers (dense "
+            f"and MoE) only, not {type(provider).__name__}; set {field}=false (megatron's "
+            "per-stage seeding) or leave it unset (null: used where supported)"
+        )
+
+
+def layout_independent_seed(rng_config: Any, provider: Any) -> int | None:
+    """The seed to draw weights with, or ``None`` for megatron's per-stage seeding.
+
+    Resolves ``rng.layout_independent_init``: ``true`` requires a covered provider (see
+    :func:`check_supported`), ``null`` uses it where covered and megatron's seeding
+    elsewhere (and with ``data_parallel_random_init``), ``false`` never.
+
+    Args:
+        rng_config: The ``rng`` section (``seed``, ``layout_independent_init``,
+            ``data_parallel_random_init``).
+        provider: The model provider.
+
+    Raises:
+        LayoutInitError: ``true`` for a provider that is not covered.
+    """
+    wanted = getattr(rng_config, "layout_independent_init", None)
+    if wanted is False:
+        return None
+    if wanted is None:
+        if getattr(rng_config, "data_parallel_random_init", False):
+            return None
+        if not supports_layout_independent_init(provider):
+            return None
+    check_supported(provider)
+    return int(rng_config.seed)
+
+
+def _tile_seed(seed: int, key: str, coordinates: Sequence[int], shape: Sequence[int]) -> int:
+    text = f"{seed}|{key}|{tuple(coordinates)}|{tuple(shape)}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def _blocks(size: int, block: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+    """``(tile index, tile start, tile stop)`` of the tiles of ``range(size)`` overlapping
+    ``[start, stop)``."""
+    for index in range(start // block, (stop - 1) // block + 1):
+        yield index, index * block, min(size, (index + 1) * block)
+
+
+def _fill_random(
+    target: torch.Tensor,
+    key: str,
+    global_shape: Sequence[int],
+    global_offset: Sequence[int],
+    prepend: int,
+    seed: int,
+    init_method: Callable[[torch.Tensor], Any],
+) -> None:
+    """Fill ``target`` (the local shard) with its slice of the tiled global tensor."""
+    local_shape = (1,) * prepend + tuple(target.shape)
+    view = target.reshape(local_shape)
+    body_shape = tuple(global_shape[prepend:])
+    body_offset = tuple(global_offset[prepend:])
+    body_local = local_shape[prepend:]
+    if not body_shape:
+        raise LayoutInitError(f"{key}: a scalar parameter has no tiles")
+    row_block = TILE_ROWS if len(body_shape) >= 2 else TILE_ROWS * TILE_COLS
+    prepended = [
+        range(offset, offset + size)
+        for offset, size in zip(global_offset[:prepend], local_shape[:prepend], strict=True)
+    ]
+    row_start, row_stop = body_offset[0], body_offset[0] + body_local[0]
+    if len(body_shape) >= 2:
+        col_start, col_stop = body_offset[1], body_offset[1] + body_local[1]
+        col_tiles = list(_blocks(body_shape[1], TILE_COLS, col_start, col_stop))
+    else:
+        col_tiles = [(0, 0, 0)]
+    for outer in itertools.product(*prepended):
+        local_outer = tuple(i - o for i, o in zip(outer, global_offset[:prepend], strict=True))
+        for row_index, r0, r1 in _blocks(body_shape[0], row_block, row_start, row_stop):
+            for col_index, c0, c1 in col_tiles:
+                tile_shape = (r1 - r0,) + ((c1 - c0, *body_shape[2:]) if c1 else ())
+                tile = torch.empty(tile_shape, dtype=torch.float32)
+                generator_seed = _tile_seed(seed, key, (*outer, row_index, col_index), global_shape)
+                torch.default_generator.manual_seed(generator_seed)
+                init_method(tile)
+                # The overlap of this tile with the shard, in tile and in local coordinates.
+                lo, hi = max(r0, row_start), min(r1, row_stop)
+                source = [slice(lo - r0, hi - r0)]
+                dest = [slice(lo - row_start, hi - row_start)]
+                if c1:
+                    lo, hi = max(c0, col_start), min(c1, col_stop)
+                    source.append(slice(lo - c0, hi - c0))
+                    dest.append(slice(lo - col_start, hi - col_start))
+                    rest = [
+                        slice(o, o + n)
+                        for o, n in zip(body_offset[2:], body_local[2:], strict=True)
+                    ]
+                    source += rest
+                target_index: tuple[Any, ...] = (*local_outer, *dest)
+                view[target_index].copy_(tile[tuple(source)])
+
+
+def _parameter_owners(chunk: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module, str]]:
+    """``{storage address: (qualified name, owning module, attribute)}`` of every parameter."""
+    owners: dict[int, tuple[str, torch.nn.Module, str]] = {}
+    for module_name, module in chunk.named_modules():
+        for attribute, param in module.named_parameters(recurse=False):
+            address = param.untyped_storage().data_ptr()
+            name = f"{module_name}.{attribute}" if module_name else attribute
+            owners.setdefault(address, (name, module, attribute))
+    return owners
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _init_rule(
+    key: str, module: torch.nn.Module, attribute: str, config: Any
+) -> Callable[[torch.Tensor], Any] | float:
+    """The init method megatron applies to this parameter, or the constant it sets."""
+    parts = key.split(".")
+    owner = parts[-2] if len(parts) >= 2 else ""
+    gamma = 0.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 1.0
+    if attribute in _NORM_WEIGHTS:
+        return gamma
+    if attribute in _NORM_BIASES:
+        return 0.0
+    if _is_norm(module):
+        return gamma if attribute == "weight" else 0.0
+    if owner == "router":
+        # megatron's TopKRouter draws its weight (and bias) with init_method.
+        return config.init_method
+    if attribute == "bias":
+        return 0.0
+    if attribute != "weight":
+        raise LayoutInitError(
+            f"{key}: layout-independent initialisation does not know parameter "
+            f"{attribute!r} of {type(module).__name__}; set rng.layout_independent_init=false"
+        )
+    if owner in _EMBEDDINGS:
+        return config.embedding_init_method
+    if owner in _OUTPUT_PROJECTIONS:
+        return config.output_layer_init_method
+    if owner == "output_layer" and getattr(config, "use_mup", False):
+        return config.embedding_init_method
+    return config.init_method
+
+
+def _sharded_tensors(chunk: torch.nn.Module) -> Iterator[Any]:
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    sharded_state_dict: Any = chunk.sharded_state_dict  # a megatron module's method
+    for entry in nested_values(sharded_state_dict()):
+        if isinstance(entry, ShardedTensorFactory):
+            built = entry.build()
+            entries = nested_values(built) if isinstance(built, (dict, list)) else [built]
+            yield from (e for e in entries if isinstance(e, ShardedTensor))
+        elif isinstance(entry, ShardedTensor):
+            yield entry
+
+
+@torch.no_grad()
+def initialize_layout_independent(
+    chunks: Sequence[torch.nn.Module], config: Any, seed: int
+) -> None:
+    """Draw every parameter of ``chunks`` from its global identity (see the module docstring).
+
+    Args:
+        chunks: This rank's model chunks (one per virtual pipeline stage), built under the
+            current parallel state, not yet wrapped.
+        config: The model's ``TransformerConfig`` (its init methods and norm settings).
+        seed: The run's seed (``rng.seed``).
+
+    Raises:
+        LayoutInitError: A parameter is not in the sharded state dict or its init is unknown
+            (nothing is left half-drawn silently: the run stops).
+    """
+    # Draws use torch's CPU generator, reseeded per tile; the caller's stream is restored.
+    with torch.random.fork_rng(devices=[]):
+        for chunk in chunks:
+            owners = _parameter_owners(chunk)
+            done: set[int] = set()
+            for sharded in _sharded_tensors(chunk):
+                data = sharded.data
+                if data is None or not data.is_floating_point() or "_extra_state" in sharded.key:
+                    continue
+                address = data.untyped_storage().data_ptr()
+                if address not in owners:
+                    continue  # a buffer (e.g. MoE token counts): megatron's value stands
+                if sharded.flattened_range is not None:
+                    raise LayoutInitError(f"{sharded.key}: flattened shards are not drawn here")
+                _, module, attribute = owners[address]
+                rule = _init_rule(sharded.key, module, attribute, config)
+                if isinstance(rule, float):
+                    data.fill_(rule)
+                else:
+                    _fill_random(
+                        data,
+                        sharded.key,
+                        sharded.global_shape,
+                        sharded.global_offset,
+                        sharded.prepend_axis_num,
+                        seed,
+                        rule,
+                    )
+                done.add(address)
+            missing = [name for address, (name, _, _) in owners.items() if address not in done]
+            if missing:
+                raise LayoutInitError(
+                    f"parameters {missing[:5]} are not in the model's sharded state dict, so "
+                    "layout-independent initialisation cannot place them; set "
+                    "rng.layout_independent_init=false"
+                )
