@@ -740,7 +740,8 @@ def row_generate(ctx: RowContext) -> dict[str, Any]:
             str(checkpoint),
             *(a for p in prompts for a in ("--prompt", p)),
         ]
-        argv += ["--max-new-tokens", str(new), "--greedy", "--json"]
+        # Exactly `new` tokens a prompt: where a tiny model ends its answer is not the point.
+        argv += ["--max-new-tokens", str(new), "--greedy", "--ignore-eod", "--json"]
         start = time.monotonic()
         with output.open("w", encoding="utf-8") as out:
             proc = subprocess.run(

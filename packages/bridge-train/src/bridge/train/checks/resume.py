@@ -179,6 +179,10 @@ def check_resume(cfg: Any) -> None:
     from bridge.train.checkpointing.architecture import check_same_architecture
 
     check_same_architecture(cfg.model, plan.path, before_setup=True)
+    if cfg.train is not None and cfg.train.skip_train:
+        # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
+        # continued, so other data is the point, not a mistake; the weights must still fit.
+        return
     saved = _saved_config(plan.path)
     if saved is None:
         return
