@@ -419,6 +419,9 @@ def _llama_overrides(ctx: RowContext, micro: int, steps: int) -> tuple[dict[str,
         f"train.global_batch_size={micro}",
         "train.eval_iters=0",
         "logger.log_interval=10",
+        # megatron's own initialisation on both sides: the bare loop builds the model with
+        # megatron-core alone, and the two runs' losses are compared.
+        "rng.layout_independent_init=false",
     ]
     return shape, overrides
 

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from bridge.config import RNGConfig
 from bridge.train.engine.base import Engine, build_engine
 from bridge.train.loop.losses import sum_loss_pairs, zero_grad_buffers
 from bridge.train.loop.state_injection import prepare_forward_step_func
 from bridge.train.models.gpt_step import forward_step
+from bridge.train.models.layout_init import layout_independent_seed
 from bridge.train.state import GlobalState
 
 __all__ = ["BareLoopResult", "run_bare_loop", "train_steps"]
@@ -161,7 +163,8 @@ def run_bare_loop(
             state; returns this rank's micro-batch iterator.
         ddp_config: Data-parallel config (defaults when None).
         dist_config: ``DistributedInitConfig`` (defaults when None).
-        rng_config: ``RNGConfig`` (seed 1234 when None).
+        rng_config: ``RNGConfig`` (its defaults when None): the seed and
+            ``layout_independent_init``, resolved as the trainer resolves them.
         engine: The engine (default: :func:`~bridge.train.engine.build_engine`'s).
         forward_step_func: Forward step.
 
@@ -169,8 +172,15 @@ def run_bare_loop(
         The per-iteration results.
     """
     eng = build_engine() if engine is None else engine
-    eng.initialize_distributed(model_provider, dist_config, rng_config)
-    model = eng.setup_model(model_provider, ddp_config)
+    rng = RNGConfig() if rng_config is None else rng_config
+    eng.initialize_distributed(model_provider, dist_config, rng)
+    # The trainer's initialisation (rng.layout_independent_init), so both loops train the
+    # same weights and a benchmark can compare their losses as well as their step times.
+    model = eng.setup_model(
+        model_provider,
+        ddp_config,
+        layout_independent_seed=layout_independent_seed(rng, model_provider),
+    )
     optimizer, scheduler = eng.setup_optimizer(
         model, optimizer_config, scheduler_config, train_config
     )
