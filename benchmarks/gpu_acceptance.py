@@ -768,15 +768,25 @@ def row_generate(ctx: RowContext) -> dict[str, Any]:
             if x.startswith("{")
         ]
         tokens[new] = sum(len(a.get("token_ids", [])) for a in answers)
-    if tokens[64] <= tokens[8] or times[64] <= times[8]:
-        raise RowFailed(f"cannot separate decode from start-up: tokens {tokens}, seconds {times}")
+    expected = {new: new * len(prompts) for new in (8, 64)}
+    if tokens != expected:
+        raise RowFailed(f"generated {tokens} new tokens, expected {expected} (--ignore-eod)")
+    result: dict[str, Any] = {"tokens": tokens, "seconds": times}
+    if times[64] <= times[8]:
+        # A toy model on a CPU decodes 224 tokens faster than start-up varies from run to run:
+        # the rate cannot be told apart there, and is said so; on the GPU it must be.
+        reason = f"start-up varies more than decoding takes (seconds {times})"
+        if ctx.gpu:
+            raise RowFailed(f"cannot separate decode from start-up: {reason}")
+        result["parts_not_run"] = {"decode_rate": reason}
+        result["summary"] = f"generated {tokens}; decode rate not separable here"
+        return result
     rate = (tokens[64] - tokens[8]) / (times[64] - times[8])
-    return {
-        "tokens": tokens,
-        "seconds": times,
-        "decode_tokens_per_s": rate,
-        "summary": f"{rate:.0f} new tokens/s over {len(prompts)} prompts (greedy, 64 vs 8 new tokens)",
-    }
+    result["decode_tokens_per_s"] = rate
+    result["summary"] = (
+        f"{rate:.0f} new tokens/s over {len(prompts)} prompts (greedy, 64 vs 8 new tokens)"
+    )
+    return result
 
 
 def row_host_syncs(ctx: RowContext) -> dict[str, Any]:

@@ -217,6 +217,13 @@ def test_dry_run_rows_measure_sane_numbers(dry_run: dict[str, Any]) -> None:
     assert "thd" in rows["packed_sft"]["parts_not_run"]
     assert rows["lora"]["exit_code"] == 0 and rows["lora"]["base_exit_code"] == 0
 
+    generate = rows["generate"]
+    if generate:  # bridge-generate installed: exactly the asked-for tokens of 4 prompts
+        assert generate["tokens"] == {"8": 32, "64": 256} or generate["tokens"] == {8: 32, 64: 256}
+        assert generate.get("decode_tokens_per_s", 0) > 0 or "decode_rate" in generate.get(
+            "parts_not_run", {}
+        )
+
     windows = rows["host_syncs"]["windows"]
     quiet = windows["iteration without a log line"]["host_value_requests"]
     logged = windows["iteration with a log line"]["host_value_requests"]
