@@ -29,7 +29,13 @@ from bridge.logging.protocols import LoggingState, TrainProgress
 from bridge.logging.python_logging import setup_logging
 from bridge.logging.settings import BackendSettings, ReportSettings
 from bridge.logging.throughput import report_runtime, report_throughput
-from bridge.logging.training_log import build_timers, training_log
+from bridge.logging.training_log import (
+    TrainingLogSettings,
+    build_timers,
+    log_training_step,
+    tokens_per_sample,
+    training_log,
+)
 from bridge.logging.validation import log_validation_results
 
 __all__ = [
@@ -47,11 +53,13 @@ __all__ = [
     "ReportSettings",
     "TensorBoardWriter",
     "TrainProgress",
+    "TrainingLogSettings",
     "WandbWriter",
     "append_progress_log",
     "build_metric_writers",
     "build_moe_metric_writer",
     "build_timers",
+    "log_training_step",
     "log_validation_results",
     "reduce_max_memory_across_pp_group",
     "report_l2_norm_grad",
@@ -60,5 +68,6 @@ __all__ = [
     "report_throughput",
     "setup_logging",
     "start_memory_history_recording",
+    "tokens_per_sample",
     "training_log",
 ]

@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
         post_training_step_callbacks as post_training_step_callbacks,
     )
     from bridge.train.api.train import (
+        save_checkpoint_and_time as save_checkpoint_and_time,
+    )
+    from bridge.train.api.train import (
         train as train,
     )
     from bridge.train.api.train import (
@@ -73,12 +76,6 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.train.loop.progress_log import (
         get_start_time_from_progress_log as get_start_time_from_progress_log,
     )
-    from bridge.train.loop.run_loop import (
-        LoopContext as LoopContext,
-    )
-    from bridge.train.loop.run_loop import (
-        StepResult as StepResult,
-    )
     from bridge.train.loop.state_injection import (
         maybe_inject_state as maybe_inject_state,
     )
@@ -87,9 +84,6 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     )
     from bridge.train.loop.state_injection import (
         prepare_forward_step_func as prepare_forward_step_func,
-    )
-    from bridge.train.loop.training import (
-        save_checkpoint_and_time as save_checkpoint_and_time,
     )
     from bridge.train.metrics.norms import (
         calc_dtensor_params_l2_norm as calc_dtensor_params_l2_norm,
@@ -157,6 +151,12 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from core_utils.callbacks import (
         CallbackError as CallbackError,
     )
+    from core_utils.loop import (
+        LoopContext as LoopContext,
+    )
+    from core_utils.loop import (
+        StepResult as StepResult,
+    )
 
 # Every public name is imported on first use, not with the package: the ``bridge-train``
 # command answers --help, --version and configuration errors without importing torch or
@@ -176,6 +176,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "bridge.train.api.train": (
         "checkpoint_and_decide_exit",
         "post_training_step_callbacks",
+        "save_checkpoint_and_time",
         "train",
         "train_step",
     ),
@@ -197,16 +198,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "compute_throughputs_and_append_to_progress_log",
         "get_start_time_from_progress_log",
     ),
-    "bridge.train.loop.run_loop": (
-        "LoopContext",
-        "StepResult",
-    ),
     "bridge.train.loop.state_injection": (
         "maybe_inject_state",
         "needs_global_state_injection",
         "prepare_forward_step_func",
     ),
-    "bridge.train.loop.training": ("save_checkpoint_and_time",),
     "bridge.train.metrics.norms": (
         "calc_dtensor_params_l2_norm",
         "calc_params_l2_norm",
@@ -240,6 +236,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "core_utils.callbacks": (
         "Callback",
         "CallbackError",
+    ),
+    "core_utils.loop": (
+        "LoopContext",
+        "StepResult",
     ),
 }
 _MODULE_OF: dict[str, str] = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -3,8 +3,15 @@
 from bridge.train.api.train import (
     checkpoint_and_decide_exit,
     post_training_step_callbacks,
+    save_checkpoint_and_time,
     train,
     train_step,
 )
 
-__all__ = ["checkpoint_and_decide_exit", "post_training_step_callbacks", "train", "train_step"]
+__all__ = [
+    "checkpoint_and_decide_exit",
+    "post_training_step_callbacks",
+    "save_checkpoint_and_time",
+    "train",
+    "train_step",
+]

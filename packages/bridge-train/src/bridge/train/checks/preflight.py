@@ -104,7 +104,7 @@ def _check_profiler_output(cfg: ConfigContainer) -> None:
         return
     from bridge.train.loop.profiling import profile_trace_dir
 
-    if profile_trace_dir(cfg) is None:
+    if profile_trace_dir(cfg.logger, cfg.checkpoint) is None:
         raise ConfigError(
             "profiling.use_pytorch_profiler",
             "the trace needs a directory: set logger.tensorboard_dir (or checkpoint.save, "

@@ -8,7 +8,7 @@ and average the reported loss over tokens of all micro-batches and data-parallel
 (``bridge.train.train``) adds evaluation, checkpoints, logging and exit handling around the
 same calls; benchmarks time this loop as their baseline. It shares the step's pieces with
 the trainer (:mod:`bridge.train.loop.losses`, the
-:class:`~bridge.train.loop.run_loop.StepResult` and the ``train_state`` update).
+:class:`~core_utils.loop.StepResult` and the ``train_state`` update).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from bridge.train.loop.losses import sum_loss_pairs, zero_grad_buffers
 from bridge.train.loop.state_injection import prepare_forward_step_func
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.state import GlobalState
+from core_utils.loop import StepResult, advance_train_state
 
 __all__ = ["BareLoopResult", "run_bare_loop", "train_steps"]
 
@@ -86,9 +87,6 @@ def train_steps(
             ``micro_batch_size x data_parallel_size``.
     """
     from megatron.core import parallel_state
-
-    # Imported here: bridge.train.loop imports this module (the loss reductions).
-    from bridge.train.loop.run_loop import StepResult, advance_train_state
 
     dp_size = parallel_state.get_data_parallel_world_size()
     if global_batch_size % (micro_batch_size * dp_size):

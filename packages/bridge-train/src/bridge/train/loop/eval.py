@@ -1,10 +1,16 @@
 """Evaluation: loss (and perplexity) over ``train.eval_iters`` batches of a split.
 
-:func:`evaluate` runs the engine's schedule with ``forward_only=True`` over ``eval_iters``
+:class:`Evaluation` is built from the ``train`` section (``eval_iters``, batch sizes,
+``manual_gc_eval``), the model's sequence length and the run's live objects (engine
+schedule, fault tolerance, counters and writers); the loop's
+:class:`~bridge.train.loop.components.Evaluator` calls it. The reference's
+:func:`evaluate` and :func:`evaluate_and_print_results` are adapters over it.
+
+:meth:`Evaluation.evaluate` runs the engine's schedule with ``forward_only=True`` over ``eval_iters``
 global batches (``train.global_batch_size`` samples each, split into micro-batches like a
 training iteration), averages each reported loss over tokens of all micro-batches,
 iterations and data-parallel ranks, and puts the model back in training mode.
-:func:`evaluate_and_print_results` logs the result through bridge.logging's validation
+:meth:`Evaluation.evaluate_and_log` logs the result through bridge.logging's validation
 logger (console block on the last rank; ``<loss> validation`` / ``<loss> validation ppl``
 metrics).
 """
@@ -15,17 +21,22 @@ import functools
 import gc
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bridge.logging import log_validation_results
+from bridge.config import ConfigContainer, TrainingConfig
+from bridge.logging import LoggingState, log_validation_results
+from bridge.resiliency import FaultTolerance
+from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable_forward_pre_hook
 from bridge.train.loop.losses import reduce_loss_dicts
 from bridge.train.loop.state_injection import prepare_forward_step_func
-from bridge.train.state import ForwardStepCallable, GlobalState
+from bridge.train.state import ForwardStepCallable, GlobalState, TrainState
 from core_utils.distributed import global_rank, global_world_size
+from core_utils.loop import LoopContext
 
-__all__ = ["evaluate", "evaluate_and_print_results"]
+__all__ = ["Evaluation", "evaluate", "evaluate_and_print_results"]
 
 
 def _data_parallel_layout() -> tuple[int, Any, bool]:
@@ -44,13 +55,181 @@ def _is_last_rank() -> bool:
     return global_rank() == global_world_size() - 1
 
 
+@dataclass
+class Evaluation:
+    """Evaluates the model on a split and logs the result (see the module docstring).
+
+    Attributes:
+        forward_step_func: The forward step, state already injected if it asks for it
+            (:func:`~bridge.train.loop.state_injection.prepare_forward_step_func`).
+        forward_backward_func: The engine's schedule (run with ``forward_only=True``).
+        train: The ``train`` section (``eval_iters``, batch sizes, ``manual_gc_eval``).
+        seq_length: The model's sequence length.
+        train_state: The run's counters (``consumed_valid_samples`` advance).
+        state: The run's counters, timers and metric writers, for the logged results.
+        fault_tolerance: Fault-tolerance hooks around every evaluation step.
+        log_ppl: ``logger.log_validation_ppl_to_tensorboard``.
+        process_non_loss_data_func: See :func:`evaluate_and_print_results`.
+        non_loss_data_func: See :func:`evaluate`.
+        toggle_forward_pre_hooks: Disable forward pre-hooks around the evaluation the loop
+            runs (it must see whole parameters, not ones a pending overlapped all-gather
+            would still overwrite).
+    """
+
+    forward_step_func: ForwardStepCallable
+    forward_backward_func: Callable[..., Any]
+    train: TrainingConfig
+    seq_length: int
+    train_state: TrainState
+    state: LoggingState
+    fault_tolerance: FaultTolerance
+    log_ppl: bool = False
+    process_non_loss_data_func: Callable[..., Any] | None = None
+    non_loss_data_func: Callable[..., Any] | None = None
+    toggle_forward_pre_hooks: bool = False
+
+    def evaluate(
+        self,
+        data_iterator: Any,
+        model: list[torch.nn.Module],
+        *,
+        verbose: bool = False,
+        is_validation: bool = True,
+    ) -> tuple[dict[str, float], Any, bool]:
+        """:func:`evaluate`: ``(losses, collected non-loss data or None, False)``."""
+        train = self.train
+        assert train.micro_batch_size is not None
+        dp_size, dp_cp_group, last_stage = _data_parallel_layout()
+        gbs = int(train.global_batch_size or train.micro_batch_size * dp_size)
+        num_microbatches = max(gbs // (train.micro_batch_size * dp_size), 1)
+        manual_gc = bool(train.manual_gc and train.manual_gc_eval)
+        fault_tolerance = self.fault_tolerance
+        train_state = self.train_state
+
+        for chunk in model:
+            chunk.eval()
+        if manual_gc:
+            gc.collect()
+        run_forward = functools.partial(
+            self.forward_backward_func,
+            forward_step_func=self.forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=train.micro_batch_size,
+            decoder_seq_length=self.seq_length,
+            forward_only=True,
+        )
+        totals: dict[str, list[float]] = {}
+        collected: Any = None
+        try:
+            with torch.no_grad():
+                for iteration in range(int(train.eval_iters)):
+                    if verbose and torch.distributed.get_rank() == 0:
+                        print(f"Evaluating iter {iteration + 1}/{train.eval_iters}", flush=True)
+                    fault_tolerance.on_eval_step_start()
+                    loss_dicts = run_forward()
+                    fault_tolerance.on_eval_step_end()
+                    if last_stage:
+                        reduced = reduce_loss_dicts(loss_dicts, dp_cp_group)
+                        for name, (value, count) in reduced.items():
+                            pair = totals.setdefault(name, [0.0, 0.0])
+                            pair[0] += value
+                            pair[1] += count
+                    if is_validation:
+                        train_state.consumed_valid_samples += num_microbatches * (
+                            train.micro_batch_size * dp_size
+                        )
+                if self.non_loss_data_func is not None:
+                    collected = self.non_loss_data_func(model)
+                elif self.process_non_loss_data_func is not None and last_stage:
+                    collected = run_forward(collect_non_loss_data=True)
+        finally:
+            for chunk in model:
+                chunk.train()
+            if manual_gc:
+                gc.collect()
+        losses = {name: value / max(count, 1.0) for name, (value, count) in totals.items()}
+        return losses, collected, False
+
+    def evaluate_and_log(
+        self,
+        prefix: str,
+        data_iterator: Any,
+        model: list[torch.nn.Module],
+        *,
+        verbose: bool = False,
+        write_to_tensorboard: bool = True,
+        split: str = "validation",
+    ) -> dict[str, float]:
+        """:func:`evaluate_and_print_results`: evaluate, print and write the losses."""
+        losses, collected, _ = self.evaluate(
+            data_iterator, model, verbose=verbose, is_validation=split == "validation"
+        )
+        state = self.state
+        iteration = state.train_state.step
+        if write_to_tensorboard:
+            log_validation_results(
+                prefix, losses, iteration, state, split=split, log_ppl=self.log_ppl
+            )
+        elif _is_last_rank():
+            line = f" {split} loss at {prefix} | " + "".join(
+                f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
+                for k, v in losses.items()
+            )
+            print(line, flush=True)
+        if self.process_non_loss_data_func is not None and collected is not None:
+            writer = state.metric_writers.tensorboard
+            if writer is not None:
+                self.process_non_loss_data_func(collected, iteration, writer)
+        return losses
+
+    def __call__(self, context: LoopContext) -> None:
+        """The loop's :data:`~bridge.train.loop.components.EvaluateFunction`: validation
+        at ``context.iteration`` on the context's validation iterator."""
+        model = context.model
+        if self.toggle_forward_pre_hooks:
+            disable_forward_pre_hook(model)
+        self.evaluate_and_log(
+            f"iteration {context.iteration}", context.valid_data_iterator, model, verbose=False
+        )
+        if self.toggle_forward_pre_hooks:
+            enable_forward_pre_hook(model)
+
+
+def _evaluation_of(
+    state: GlobalState,
+    forward_step_func: ForwardStepCallable,
+    config: ConfigContainer,
+    process_non_loss_data_func: Callable[..., Any] | None,
+    non_loss_data_func: Callable[..., Any] | None,
+) -> Evaluation:
+    """The :class:`Evaluation` the reference's functions run, from their arguments."""
+    train = config.train
+    assert train is not None
+    logger_cfg = config.logger
+    return Evaluation(
+        forward_step_func=prepare_forward_step_func(forward_step_func, state),
+        forward_backward_func=state.forward_backward_func,
+        train=train,
+        seq_length=int(getattr(config.model, "seq_length", 0) or 0),
+        train_state=state.train_state,
+        state=state,
+        fault_tolerance=state.fault_tolerance,
+        log_ppl=bool(logger_cfg is not None and logger_cfg.log_validation_ppl_to_tensorboard),
+        process_non_loss_data_func=process_non_loss_data_func,
+        non_loss_data_func=non_loss_data_func,
+    )
+
+
 def evaluate(
     state: GlobalState,
     forward_step_func: ForwardStepCallable,
     data_iterator: Any,
     model: list[torch.nn.Module],
     process_non_loss_data_func: Callable[..., Any] | None,
-    config: Any,
+    config: ConfigContainer,
     verbose: bool = False,
     non_loss_data_func: Callable[..., Any] | None = None,
     *,
@@ -82,61 +261,10 @@ def evaluate(
         reported name to its token average. The time-limit flag is always False here: the
         exit conditions are checked after evaluation by the training loop.
     """
-    train = config.train
-    assert train is not None and train.micro_batch_size is not None
-    dp_size, dp_cp_group, last_stage = _data_parallel_layout()
-    gbs = int(train.global_batch_size or train.micro_batch_size * dp_size)
-    num_microbatches = max(gbs // (train.micro_batch_size * dp_size), 1)
-    seq_length = int(getattr(config.model, "seq_length", 0) or 0)
-    step_func = prepare_forward_step_func(forward_step_func, state)
-    forward_backward_func = state.forward_backward_func
-    manual_gc = bool(train.manual_gc and train.manual_gc_eval)
-
-    for chunk in model:
-        chunk.eval()
-    if manual_gc:
-        gc.collect()
-    run_forward = functools.partial(
-        forward_backward_func,
-        forward_step_func=step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=train.micro_batch_size,
-        decoder_seq_length=seq_length,
-        forward_only=True,
+    evaluation = _evaluation_of(
+        state, forward_step_func, config, process_non_loss_data_func, non_loss_data_func
     )
-    totals: dict[str, list[float]] = {}
-    collected: Any = None
-    try:
-        with torch.no_grad():
-            for iteration in range(int(train.eval_iters)):
-                if verbose and torch.distributed.get_rank() == 0:
-                    print(f"Evaluating iter {iteration + 1}/{train.eval_iters}", flush=True)
-                state.fault_tolerance.on_eval_step_start()
-                loss_dicts = run_forward()
-                state.fault_tolerance.on_eval_step_end()
-                if last_stage:
-                    for name, (value, count) in reduce_loss_dicts(loss_dicts, dp_cp_group).items():
-                        pair = totals.setdefault(name, [0.0, 0.0])
-                        pair[0] += value
-                        pair[1] += count
-                if is_validation:
-                    state.train_state.consumed_valid_samples += num_microbatches * (
-                        train.micro_batch_size * dp_size
-                    )
-            if non_loss_data_func is not None:
-                collected = non_loss_data_func(model)
-            elif process_non_loss_data_func is not None and last_stage:
-                collected = run_forward(collect_non_loss_data=True)
-    finally:
-        for chunk in model:
-            chunk.train()
-        if manual_gc:
-            gc.collect()
-    losses = {name: value / max(count, 1.0) for name, (value, count) in totals.items()}
-    return losses, collected, False
+    return evaluation.evaluate(data_iterator, model, verbose=verbose, is_validation=is_validation)
 
 
 def evaluate_and_print_results(
@@ -145,7 +273,7 @@ def evaluate_and_print_results(
     forward_step_func: ForwardStepCallable,
     data_iterator: Any,
     model: list[torch.nn.Module],
-    config: Any,
+    config: ConfigContainer,
     verbose: bool = False,
     write_to_tensorboard: bool = True,
     process_non_loss_data_func: Callable[..., Any] | None = None,
@@ -178,28 +306,14 @@ def evaluate_and_print_results(
     Returns:
         The averaged losses.
     """
-    losses, collected, _ = evaluate(
-        state,
-        forward_step_func,
+    evaluation = _evaluation_of(
+        state, forward_step_func, config, process_non_loss_data_func, non_loss_data_func
+    )
+    return evaluation.evaluate_and_log(
+        prefix,
         data_iterator,
         model,
-        process_non_loss_data_func,
-        config,
-        verbose,
-        non_loss_data_func,
-        is_validation=split == "validation",
+        verbose=verbose,
+        write_to_tensorboard=write_to_tensorboard,
+        split=split,
     )
-    iteration = state.train_state.step
-    if write_to_tensorboard:
-        log_validation_results(prefix, losses, iteration, state, split=split)
-    elif _is_last_rank():
-        line = f" {split} loss at {prefix} | " + "".join(
-            f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
-            for k, v in losses.items()
-        )
-        print(line, flush=True)
-    if process_non_loss_data_func is not None and collected is not None:
-        writer = state.metric_writers.tensorboard
-        if writer is not None:
-            process_non_loss_data_func(collected, iteration, writer)
-    return losses

@@ -3,9 +3,15 @@
 ``bridge-train --recipe mimo`` trains bridge.mimo's tiny vision-language model (a patch
 encoder feeding a megatron GPT) on synthetic image-caption pairs whose captions name the
 image's class, so the caption loss can only fall below the *text-only floor* (printed at the
-start) when the language model uses the encoder. The loop is :func:`bridge.mimo.train_mimo`;
-bridge-train plugs its logging into the loop's callback (console line, TensorBoard / W&B /
-... metric writers, ``--metrics-file``).
+start) when the language model uses the encoder. The run is built the way
+:func:`~bridge.train.loop.pretrain.pretrain` builds a GPT run: resiliency from its sections
+(:class:`bridge.resiliency.RunResiliency`), metric writers from ``logger``, the loop's
+components from their sections (:func:`~bridge.train.loop.components.standard_components`)
+with bridge.mimo's :class:`~bridge.mimo.MimoLogger` as the metrics component (console line,
+TensorBoard / W&B / ... metric writers, ``--metrics-file``) and
+:class:`~bridge.train.loop.saving.CheckpointWriter` as the save, and bridge.mimo's
+:class:`~bridge.mimo.MimoStepFunction` run by the stack's one loop,
+:func:`core_utils.loop.run_loop`.
 
 Where each module runs (``model.layout``):
 
@@ -22,13 +28,16 @@ point-to-point otherwise; the choice is printed at the start.
 
 The ``train``, ``optimizer`` (AdamW: ``lr``, ``weight_decay``, ``adam_beta1/2``,
 ``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng``, ``dist`` and
-``checkpoint`` sections work as for the GPT recipes: checkpoints are saved and resumed with
-bridge-train's checkpoint functions (see :mod:`bridge.train.loop.mimo_checkpoint`),
-``train.exit_interval`` / ``train.exit_duration_in_mins`` / ``train.exit_signal_handler``
-end the run early (saving first when ``checkpoint.save`` is set) as they do there. What
-this recipe does not implement is refused by :func:`check_mimo_config` instead of being
-ignored: evaluation (``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic
-data has no validation split) and ``train.skip_train``.
+``checkpoint``, ``profiling``, ``ft``, ``straggler`` and ``nvrx_straggler`` sections work as
+for the GPT recipes: checkpoints are saved and resumed with bridge-train's checkpoint
+functions (see :mod:`bridge.train.loop.mimo_checkpoint`), ``train.exit_interval`` /
+``train.exit_duration_in_mins`` / ``train.exit_signal_handler`` end the run early (saving
+first when ``checkpoint.save`` is set) as they do there. What this recipe does not
+implement is refused by :func:`check_mimo_config` instead of being ignored: evaluation
+(``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic data has no
+validation split), ``train.skip_train`` and the weight-hash check across data-parallel
+replicas (``train.check_weight_hash_across_dp_replicas_interval``: MIMO modules have their
+own data-parallel groups, which megatron's check does not know).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from typing import Any, Literal
 
 import torch
 
-from bridge.config import ConfigContainer, ConfigError
+from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
 from core_utils.callbacks import Callback
 from core_utils.distributed import global_world_size
 
@@ -247,6 +256,13 @@ def _refuse_unsupported_train_settings(cfg: ConfigContainer) -> None:
             "got true; the MIMO recipe does not support it (it only trains): set "
             "train.skip_train=false",
         )
+    interval = train.check_weight_hash_across_dp_replicas_interval
+    if interval:
+        raise ConfigError(
+            "train.check_weight_hash_across_dp_replicas_interval",
+            f"got {interval}; the MIMO recipe's modules have data-parallel groups of their "
+            "own, which megatron's weight-hash check does not know: unset it",
+        )
 
 
 def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
@@ -302,7 +318,7 @@ def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> No
         raise ConfigError("dist.distributed_backend", str(exc)) from None
 
 
-def _init_process_group(cfg: ConfigContainer) -> bool:
+def _init_process_group(dist_config: DistributedInitConfig) -> bool:
     """Initialise torch.distributed (restart-safe); True if this call created it."""
     import torch.distributed as dist
 
@@ -311,8 +327,8 @@ def _init_process_group(cfg: ConfigContainer) -> bool:
     from bridge.resiliency import init_process_group
     from bridge.train.engine.initialize import resolve_distributed_backend
 
-    backend = resolve_distributed_backend(cfg.dist)
-    timeout = timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+    backend = resolve_distributed_backend(dist_config)
+    timeout = timedelta(minutes=dist_config.distributed_timeout_minutes)
     if "MASTER_ADDR" not in os.environ:
         from core_utils.testing import find_free_port
 
@@ -330,79 +346,6 @@ def _init_process_group(cfg: ConfigContainer) -> bool:
     return True
 
 
-class _MimoStep:
-    """One MIMO iteration as the shared loop's step function (``LoopContext -> StepResult``).
-
-    Runs bridge.mimo's step on the next micro-batches, steps the scheduler by the global
-    batch (megatron's sample-based schedule), and keeps the step's own result for the MIMO
-    metrics component.
-    """
-
-    def __init__(self, step: Any, data: Any, scheduler: Any) -> None:
-        self.step = step
-        self.data = data
-        self.scheduler = scheduler
-        self.outcome: Any = None
-
-    def __call__(self, context: Any) -> Any:
-        from bridge.train.loop.run_loop import StepResult
-
-        outcome = self.step(next(self.data))
-        self.outcome = outcome
-        if self.scheduler is not None and outcome.update_successful:
-            self.scheduler.step(increment=self.data.global_batch_size)
-        return StepResult(
-            losses={"lm loss": torch.tensor(outcome.loss, dtype=torch.float64)},
-            skipped=not outcome.update_successful,
-            grad_norm=outcome.grad_norm,
-            num_samples=self.data.global_batch_size,
-            flops=float(sum(outcome.flops.values())),
-        )
-
-
-class _MimoMetrics(Callback):
-    """The MIMO metrics component: a :class:`bridge.mimo.MimoLogRecord` every
-    ``log_interval`` iterations (and for the partial interval when the run ends), printed by
-    the last rank and written to the metric writers."""
-
-    def __init__(self, step: _MimoStep, log_interval: int, train_iters: int, log: Any) -> None:
-        self.step = step
-        self.log_interval = log_interval
-        self.train_iters = train_iters
-        self.log = log
-        self.window: list[Any] = []
-        self.losses: list[float] = []
-
-    def _emit(self, context: Any) -> None:
-        import torch.distributed as dist
-
-        import bridge.mimo as mimo
-
-        self.log(
-            mimo.mimo_log_record(
-                self.window,
-                iteration=context.iteration,
-                consumed_samples=self.step.data.consumed_samples,
-                global_batch_size=self.step.data.global_batch_size,
-                optimizer=context.optimizer,
-                world_size=dist.get_world_size(),
-            )
-        )
-        self.window = []
-
-    def on_step_end(self, context: Any) -> None:
-        outcome = self.step.outcome
-        self.window.append(outcome)
-        self.losses.append(outcome.loss)
-        iteration = context.iteration
-        if iteration % self.log_interval == 0 or iteration == self.train_iters:
-            self._emit(context)
-
-    def on_train_end(self, context: Any) -> None:
-        if self.window:  # stopped early: the partial interval
-            self._emit(context)
-
-
 def pretrain_mimo(
     cfg: ConfigContainer,
     *,
@@ -411,13 +354,6 @@ def pretrain_mimo(
     callbacks: Sequence[Callback] = (),
 ) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
-
-    The run goes through bridge-train's shared loop (:func:`bridge.train.loop.run_loop.run_loop`)
-    with a MIMO step function and the loop's components: the MIMO metrics, fault-tolerance
-    heartbeats and straggler reports when configured, garbage collection, and the
-    :class:`~bridge.train.loop.components.Checkpointer` (interval / exit / final saves
-    through :func:`~bridge.train.loop.mimo_checkpoint.mimo_save_function`, exit
-    conditions including ``train.exit_signal_handler``).
 
     Args:
         cfg: The recipe's config (checked by :func:`check_mimo_config`).
@@ -440,75 +376,67 @@ def pretrain_mimo(
     import torch.distributed as dist
 
     import bridge.mimo as mimo
-    from bridge.logging import MetricWriters, build_metric_writers, setup_logging
-    from bridge.resiliency import (
-        ExitConditions,
-        FaultTolerance,
-        NullFaultTolerance,
-        NVRxStragglerMonitor,
-        StragglerTiming,
-    )
-    from bridge.resiliency.loop_components import (
-        FaultToleranceHeartbeat,
-        NVRxStragglerPoll,
-        StragglerReporter,
-    )
+    from bridge.logging import setup_logging
+    from bridge.resiliency import RunResiliency
     from bridge.train.engine.scheduler import build_optimizer_param_scheduler
     from bridge.train.loop.components import (
-        Checkpointer,
-        GarbageCollection,
+        close_components,
         loop_callback_list,
+        standard_components,
     )
-    from bridge.train.loop.mimo_checkpoint import (
-        MimoCheckpointModel,
-        load_mimo_checkpoint,
-        mimo_save_function,
+    from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel, load_mimo_checkpoint
+    from bridge.train.loop.profiling import profile_trace_dir
+    from bridge.train.loop.progress_log import ProgressLog
+    from bridge.train.loop.run_ends import (
+        build_run_metric_writers,
+        checkpointing_context_for,
+        run_teardown,
+        run_teardown_steps,
     )
-    from bridge.train.loop.run_loop import LoopContext, run_loop
-    from bridge.train.metrics.metrics_file import JsonlMetricWriter
+    from bridge.train.loop.saving import CheckpointWriter
     from bridge.train.state import GlobalState
     from core_utils.callbacks import CallbackList
+    from core_utils.loop import LoopContext, run_loop
 
     start_time = time.time() if start_time is None else start_time
     user_callbacks = [*cfg.callbacks, *callbacks]
     CallbackList((), user_callbacks)  # refuse a non-callback before anything is built
     check_mimo_config(cfg)
-    assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
-    assert cfg.checkpoint is not None
-    assert isinstance(cfg.model, MimoModelConfig)
-    setup_logging(cfg.logger)
-    owns_group = _init_process_group(cfg)
+    train, logger_cfg, opt_cfg, checkpoint = cfg.train, cfg.logger, cfg.optimizer, cfg.checkpoint
+    model_cfg = cfg.model
+    assert train is not None and logger_cfg is not None and opt_cfg is not None
+    assert checkpoint is not None and isinstance(model_cfg, MimoModelConfig)
+    setup_logging(logger_cfg)
+    owns_group = _init_process_group(cfg.dist)
+    # The reference's state object, for the user's callbacks (LoopContext.state); the run's
+    # parts are built from their sections and hold what they use.
     state = GlobalState(cfg=cfg, start_time=start_time)
     infra = step = None
+    components: list[Callback] = []
     clean = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        checkpoint = cfg.checkpoint
-        state.fault_tolerance = FaultTolerance.from_config(
-            cfg.ft, checkpoint_dir=checkpoint.save, async_save=checkpoint.async_save
-        )
-        state.fault_tolerance.on_setup_start()
-        state.nvrx_straggler = NVRxStragglerMonitor.from_config(cfg.nvrx_straggler)
-        state.nvrx_straggler.initialize()
-        state.straggler_timing = StragglerTiming.from_config(cfg.straggler)
-        # The exit conditions (and the exit-signal handler) exist before the checkpoint is
-        # loaded, so a signal that arrives while loading is not lost.
-        state.exit_conditions = ExitConditions.from_config(
-            cfg.train,
-            save_enabled=checkpoint.save is not None,
+        resiliency = RunResiliency.build(
+            ft=cfg.ft,
+            straggler=cfg.straggler,
+            nvrx_straggler=cfg.nvrx_straggler,
+            train=train,
+            checkpoint_dir=checkpoint.save,
+            async_save=checkpoint.async_save,
             start_time=start_time,
-            stop_requesters=[state.nvrx_straggler],
         )
+        state.adopt_resiliency(resiliency)
+        resiliency.fault_tolerance.on_setup_start()
         seed = cfg.rng.seed
         torch.manual_seed(seed)
-        layout = mimo_layout(cfg.model, world)
+        layout = mimo_layout(model_cfg, world)
         infra = mimo.build_megatron_mimo_infra(layout)
-        vlm = cfg.model.tiny_vlm_config()
+        vlm = model_cfg.tiny_vlm_config()
         dataset = mimo.SyntheticImageCaptionDataset(
-            cfg.model.num_samples,
+            model_cfg.num_samples,
             image_tokens=vlm.image_tokens,
             seq_length=vlm.seq_length,
-            num_classes=cfg.model.num_classes,
+            num_classes=model_cfg.num_classes,
             image_size=vlm.image_size,
             channels=vlm.channels,
             seed=seed,
@@ -522,7 +450,6 @@ def pretrain_mimo(
         if dist.get_backend() == "nccl":
             # The step keeps batches where the process group's backend works: gloo -> CPU.
             model.cuda()
-        opt_cfg = cfg.optimizer
         lr = float(opt_cfg.lr or 0.0)  # check_mimo_config made sure it is set
         optimizer = mimo.build_multimodule_optimizer(
             model,
@@ -536,27 +463,31 @@ def pretrain_mimo(
             ),
             clip_grad=opt_cfg.clip_grad,
         )
-        scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, cfg.train)
+        scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, train)
         chunk = MimoCheckpointModel(model, layout)
-        uses_checkpoints = bool(
-            checkpoint.save or checkpoint.load or checkpoint.pretrained_checkpoint
-        )
-        checkpointing_context: dict[str, Any] = {}
+        checkpointing_context = checkpointing_context_for(checkpoint)
         loaded = 0
-        if uses_checkpoints:
-            from bridge.train.checkpointing import init_checkpointing_context
-
-            checkpointing_context = init_checkpointing_context(checkpoint)
-            loaded = load_mimo_checkpoint(state, chunk, optimizer, scheduler, checkpointing_context)
-        state.fault_tolerance.on_setup_end(checkpoint_loaded=loaded > 0)
-        gbs, mbs = int(cfg.train.global_batch_size or 0), int(cfg.train.micro_batch_size or 0)
+        if checkpointing_context:
+            loaded = load_mimo_checkpoint(
+                checkpoint,
+                state.train_state,
+                chunk,
+                optimizer,
+                scheduler,
+                checkpointing_context,
+                model_config=model_cfg,
+            )
+        state.loaded_iteration = loaded
+        state.job_start_flops = state.train_state.floating_point_operations_so_far
+        resiliency.fault_tolerance.on_setup_end(checkpoint_loaded=loaded > 0)
+        gbs, mbs = int(train.global_batch_size or 0), int(train.micro_batch_size or 0)
         step = mimo.MimoTrainStep(
             model,
             infra,
             optimizer,
             global_batch_size=gbs,
             micro_batch_size=mbs,
-            communicator=cfg.model.communicator,
+            communicator=model_cfg.communicator,
         )
         # A resumed run continues the sample order where the checkpoint left it.
         data = mimo.MimoDataLoader.for_infra(
@@ -568,14 +499,7 @@ def pretrain_mimo(
             consumed_samples=state.train_state.consumed_train_samples,
         )
         last = rank == world - 1
-        base = build_metric_writers(
-            cfg.logger, rank=rank, world_size=world, asynchronous=not (metrics_file and last)
-        )
-        state.metric_writers = base
-        if metrics_file is not None and last:
-            state.metric_writers = MetricWriters(
-                [*base.writers, JsonlMetricWriter(metrics_file)], asynchronous=True
-            )
+        state.metric_writers = build_run_metric_writers(logger_cfg, metrics_file=metrics_file)
         if rank == 0:
             print(
                 f"[bridge-train] mimo layout: {layout}\n[bridge-train] mimo communicator: "
@@ -589,62 +513,68 @@ def pretrain_mimo(
                     f"{data.consumed_samples})",
                     flush=True,
                 )
+        writers = state.metric_writers
 
         def log(record: mimo.MimoLogRecord) -> None:
             if last:
                 print(record.format(), flush=True)
-            state.metric_writers.log_metrics(record.as_metrics(), record.iteration)
+            writers.log_metrics(record.as_metrics(), record.iteration)
 
-        train_iters = int(cfg.train.train_iters or 0)
-        step_function = _MimoStep(step, data, scheduler)
-        metrics = _MimoMetrics(step_function, cfg.logger.log_interval, train_iters, log)
-        components: list[Callback] = [metrics]
-        if not isinstance(state.fault_tolerance, NullFaultTolerance):
-            components.append(FaultToleranceHeartbeat(state.fault_tolerance))
-        if state.straggler_timing.configured:
-            components.append(StragglerReporter(state.straggler_timing, cfg.logger.log_interval))
-        if cfg.train.manual_gc:
-            components.append(GarbageCollection(cfg.train.manual_gc_interval))
-        if state.nvrx_straggler is not None:
-            components.append(NVRxStragglerPoll(state.nvrx_straggler))
-        finalize = None
-        if checkpoint.save is not None and checkpoint.async_save:
-            from bridge.train.loop.components.checkpointer import (
-                finalize_async_checkpoints,
-            )
-
-            finalize = finalize_async_checkpoints
-        components.append(
-            Checkpointer(
-                mimo_save_function(checkpointing_context),
+        train_iters = int(train.train_iters or 0)
+        progress_log = ProgressLog.from_config(
+            logger_cfg,
+            checkpoint,
+            seq_length=model_cfg.seq_length,
+            start_time=start_time,
+            job_start_flops=state.job_start_flops,
+        )
+        if progress_log is not None:
+            progress_log.starting_job()
+        step_function = mimo.MimoStepFunction(step, data, scheduler)
+        components = standard_components(
+            metrics=mimo.MimoLogger(step_function, log, logger_cfg.log_interval, train_iters),
+            train=train,
+            log_interval=logger_cfg.log_interval,
+            checkpoint=checkpoint,
+            save=CheckpointWriter(
                 checkpoint,
-                exit_conditions=state.exit_conditions,
-                finalize=finalize,
-            )
+                cfg,
+                checkpointing_context,
+                metric_writers=writers,
+                fault_tolerance=resiliency.fault_tolerance,
+                progress_log=progress_log,
+            ),
+            resiliency=resiliency,
+            profiling=cfg.profiling,
+            profile_trace_dir=profile_trace_dir(logger_cfg, checkpoint),
         )
         context = LoopContext(
-            state=state,
-            model=[chunk],
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_data_iterator=data,
+            state.train_state,
+            [chunk],
+            optimizer,
+            scheduler,
+            data,
             callbacks=loop_callback_list(components, user_callbacks),
+            state=state,
         )
         exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
         # The loop's Checkpointer printed why it stopped early (rank 0).
-        if last and metrics.losses:
+        if last and step_function.losses:
             print(
                 f"[bridge-train] mimo: {context.iteration} iterations, final loss "
-                f"{metrics.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
+                f"{step_function.losses[-1]:.4f} (text-only floor "
+                f"{dataset.text_only_loss_floor():.4f})",
                 flush=True,
             )
-        state.metric_writers.flush()
+        writers.flush()
         clean = exit_code == 0
         return exit_code
     finally:
-        from bridge.train.loop.run_ends import run_state_teardown, run_teardown
-
-        run_teardown(run_state_teardown(state, clean), "mimo")
+        close_components(components)
+        run_teardown(
+            run_teardown_steps(checkpoint, state.resiliency, state.metric_writers, clean=clean),
+            "mimo",
+        )
         if step is not None:
             step.close()
         if infra is not None:
