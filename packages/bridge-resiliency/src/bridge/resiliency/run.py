@@ -68,9 +68,8 @@ class RunResiliency:
         """Build the objects from their sections (nothing is monitored yet).
 
         The exit conditions are built (and the exit-signal handler installed) here, before
-        a checkpoint is loaded, so a signal that arrives while loading is not lost. Fault
-        tolerance starts monitoring at ``fault_tolerance.on_setup_start()``, which the
-        caller calls next.
+        a checkpoint is loaded, so a signal that arrives while loading is not lost.
+        Monitoring starts at :meth:`start_setup`, which the caller calls next.
 
         Args:
             ft: The ``ft`` section.
@@ -98,7 +97,6 @@ class RunResiliency:
             hang_timeout=hang_timeout,
         )
         monitor = NVRxStragglerMonitor.from_config(nvrx_straggler, rank=rank)
-        monitor.initialize()
         timing = StragglerTiming.from_config(straggler, world_size=world_size, rank=rank)
         exits = ExitConditions.from_config(
             train,
@@ -112,6 +110,19 @@ class RunResiliency:
             nvrx_straggler=monitor,
             exit_conditions=exits,
         )
+
+    def start_setup(self) -> None:
+        """Start monitoring: the fault-tolerance setup section opens and NVRx's straggler
+        detector starts (when on). The setup section ends at
+        ``fault_tolerance.on_setup_end(...)`` once the checkpoint is loaded.
+
+        Raises:
+            MissingExtraError: A feature that is on needs nvidia-resiliency-ext.
+            ResiliencyError: NVRx straggler detection without CUDA / CUPTI.
+        """
+        self.fault_tolerance.on_setup_start()
+        if self.nvrx_straggler is not None:
+            self.nvrx_straggler.initialize()
 
     def teardown_steps(self, clean: bool) -> list[tuple[str, Callable[[], Any]]]:
         """The ordered steps that release these objects: ``(what, action)`` pairs.

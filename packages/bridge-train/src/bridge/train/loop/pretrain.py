@@ -247,7 +247,7 @@ def setup(
         hang_timeout=hang_timeout,
     )
     state.adopt_resiliency(resiliency)
-    resiliency.fault_tolerance.on_setup_start()
+    resiliency.start_setup()
     # The config as plain data for the backends' run parameters (never fails).
     plain = yaml.safe_load(cfg.format_yaml())
     state.metric_writers = build_run_metric_writers(

@@ -426,7 +426,7 @@ def pretrain_mimo(
             start_time=start_time,
         )
         state.adopt_resiliency(resiliency)
-        resiliency.fault_tolerance.on_setup_start()
+        resiliency.start_setup()
         seed = cfg.rng.seed
         torch.manual_seed(seed)
         layout = mimo_layout(model_cfg, world)
