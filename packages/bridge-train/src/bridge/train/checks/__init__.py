@@ -1,5 +1,7 @@
-"""Checks a run's config and inputs must pass before anything distributed is built."""
+"""Checks a run's config and inputs must pass before anything distributed is built.
 
-from bridge.train.checks.preflight import check_checkpoint_directories, check_config_before_launch
+The modules are imported one by one, not through this package: the command's edge
+(``checks.launch``) must stay import-light, and ``checks.preflight`` imports torch.
+"""
 
-__all__ = ["check_checkpoint_directories", "check_config_before_launch"]
+__all__: list[str] = []
