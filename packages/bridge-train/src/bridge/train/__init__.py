@@ -261,7 +261,7 @@ def __dir__() -> list[str]:
 # Modules that moved in the one-engine redesign (Nov 2026): configs saved before it
 # (run_config.yaml in checkpoints, users' recipes) name the old paths.
 for _old, _new in (
-    ("bridge.train.recipes.mimo", "bridge.train.loop.pretrain_mimo"),
+    ("bridge.train.recipes.mimo", "bridge.train.models.mimo"),
     ("bridge.train.comm_overlap", "bridge.train.engine.comm_overlap"),
     ("bridge.train.gpt_step", "bridge.train.models.gpt_step"),
     ("bridge.train.t5_step", "bridge.train.models.t5_step"),

@@ -270,12 +270,6 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     return cfg, path, recipe_cfg
 
 
-def _is_mimo(cfg: Any) -> bool:
-    from bridge.train.loop.pretrain_mimo import MimoModelConfig
-
-    return isinstance(cfg.model, MimoModelConfig)
-
-
 def _version_text() -> str:
     """``bridge-train X (megatron-core Y, torch Z)`` from the installed metadata (no import)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -386,7 +380,6 @@ def run(argv: Sequence[str] | None = None) -> int:
     hang_timeout = _hang_timeouts(args, parser)
     from bridge.train.checks.launch import (
         check_launch_environment,
-        check_output_directories,
         check_output_file,
         shared_store_restart_notice,
     )
@@ -401,17 +394,17 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     with held_notices() as held:
         cfg, path, recipe_cfg = _load(args)
-        mimo = _is_mimo(cfg)
+        # The one pass of checks (what --dry-run promises): the sections' own rules, then
+        # the trainer's rules about each section, for a GPT-style run or the mimo recipe.
+        from bridge.train.checks.preflight import check_config_before_launch, run_kind
+
+        check_config_before_launch(cfg)
+        mimo = run_kind(cfg) == "mimo"
+        # Imported here too: the import's notices (megatron-core's) are held like the rest.
         if mimo:
-            from bridge.train.loop.pretrain_mimo import check_mimo_config, pretrain_mimo
-
-            check_mimo_config(cfg)
+            from bridge.train.loop.pretrain_mimo import pretrain_mimo
         else:
-            from bridge.train.checks.preflight import check_config_before_launch
             from bridge.train.loop.pretrain import pretrain
-
-            check_config_before_launch(cfg)
-            check_output_directories(cfg)
     if args.print_config:
         if _launcher_rank() == 0:
             # The text run_config.yaml holds: it loads back (--config) as this same run.
@@ -461,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not _is_user_error(exc):
             raise
         if _launcher_rank() == 0:
-            print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
+            # The launch checks report the first problem of every section at once.
+            for problem in getattr(exc, "problems", None) or (exc,):
+                print(f"bridge-train: error: {problem}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)
     sys.exit(code)

@@ -33,7 +33,8 @@ for the GPT recipes: checkpoints are saved and resumed with bridge-train's check
 functions (see :mod:`bridge.train.loop.mimo_checkpoint`), ``train.exit_interval`` /
 ``train.exit_duration_in_mins`` / ``train.exit_signal_handler`` end the run early (saving
 first when ``checkpoint.save`` is set) as they do there. What this recipe does not
-implement is refused by :func:`check_mimo_config` instead of being ignored: evaluation
+implement is refused by the launch checks (:mod:`bridge.train.checks.mimo`) instead of
+being ignored: evaluation
 (``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic data has no
 validation split), ``train.skip_train`` and the weight-hash check across data-parallel
 replicas (``train.check_weight_hash_across_dp_replicas_interval``: MIMO modules have their
@@ -45,277 +46,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 
 from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
+from bridge.train.checks.preflight import check_config_before_launch
+from bridge.train.models.mimo import MimoModelConfig, mimo_layout
 from core_utils.callbacks import Callback
-from core_utils.distributed import global_world_size
 
-__all__ = ["MimoModelConfig", "check_mimo_config", "mimo_layout", "pretrain_mimo"]
-
-
-@dataclass(kw_only=True)
-class MimoModelConfig:
-    """Model and layout of the ``mimo`` recipe (satisfies ``ModelConfigProtocol``).
-
-    The protocol's sizes (``num_layers``, ``hidden_size``, ``num_attention_heads``,
-    ``seq_length``) describe the language model. Per-module parallelism comes from
-    ``layout`` / ``language_parallel``; the container-wide parallel sizes must stay 1.
-    """
-
-    num_layers: int = 2
-    """Language-model transformer layers."""
-
-    hidden_size: int = 64
-    """Language-model width."""
-
-    num_attention_heads: int = 4
-    """Language-model attention heads."""
-
-    seq_length: int = 24
-    """Language-model sequence length (image tokens plus caption)."""
-
-    vocab_size: int = 32
-    """Language-model vocabulary size."""
-
-    encoder_hidden_size: int = 64
-    """Vision-encoder width."""
-
-    encoder_layers: int = 2
-    """Vision-encoder transformer layers."""
-
-    encoder_heads: int = 4
-    """Vision-encoder attention heads."""
-
-    image_size: int = 16
-    """Side of the square synthetic images."""
-
-    patch_size: int = 4
-    """Side of a patch (one image token per patch)."""
-
-    channels: int = 3
-    """Image channels."""
-
-    num_classes: int = 8
-    """Image classes of the synthetic data (each has a two-token name in the caption)."""
-
-    num_samples: int = 4096
-    """Size of the synthetic dataset (epochs are reshuffled)."""
-
-    layout: Literal["auto", "colocated", "split"] = "auto"
-    """Where the modules run (see the module docstring)."""
-
-    language_parallel: Literal["tp", "dp"] = "tp"
-    """Parallelism of the language model in the split layout: tensor parallel 2 (when its
-    rank count is even) or data parallel."""
-
-    communicator: Literal["auto", "p2p", "megatron"] = "auto"
-    """Cross-module data path: ``auto`` (megatron-core's BridgeCommunicator when the job runs
-    on CUDA and the layout fits it, else ``p2p``), ``p2p`` (torch.distributed point-to-point;
-    CPU and GPU) or ``megatron`` (megatron-core's; CUDA only)."""
-
-    tensor_model_parallel_size: int = 1
-    """Must be 1: per-module tensor parallelism comes from ``language_parallel``."""
-
-    pipeline_model_parallel_size: int = 1
-    """Must be 1 (bridge.mimo does not pipeline)."""
-
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Must be unset."""
-
-    context_parallel_size: int = 1
-    """Must be 1."""
-
-    expert_model_parallel_size: int = 1
-    """Must be 1."""
-
-    params_dtype: torch.dtype = torch.float32
-    """Parameter dtype (fp32; the tiny VLM is trained in full precision)."""
-
-    bf16: bool = False
-    """Must be false."""
-
-    fp16: bool = False
-    """Must be false."""
-
-    def __post_init__(self) -> None:
-        """Check the sizes and that the container-wide parallel settings are unused."""
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "vocab_size",
-            "encoder_hidden_size",
-            "encoder_layers",
-            "encoder_heads",
-            "image_size",
-            "patch_size",
-            "channels",
-            "num_classes",
-            "num_samples",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"model.{name}={getattr(self, name)}: the mimo recipe sets parallelism per "
-                    "module; use model.layout and model.language_parallel instead"
-                )
-        if self.virtual_pipeline_model_parallel_size is not None:
-            raise ValueError("model.virtual_pipeline_model_parallel_size must be unset")
-        if self.bf16 or self.fp16 or self.params_dtype != torch.float32:
-            raise ValueError("the mimo recipe trains in fp32: unset model.bf16 / model.fp16")
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"model.image_size={self.image_size} is not a multiple of "
-                f"model.patch_size={self.patch_size}"
-            )
-
-    def tiny_vlm_config(self) -> Any:
-        """bridge.mimo's ``TinyVLMConfig`` with these sizes."""
-        import bridge.mimo as mimo
-
-        return mimo.TinyVLMConfig(
-            vocab_size=self.vocab_size,
-            seq_length=self.seq_length,
-            language_hidden_size=self.hidden_size,
-            language_layers=self.num_layers,
-            language_heads=self.num_attention_heads,
-            encoder_hidden_size=self.encoder_hidden_size,
-            encoder_layers=self.encoder_layers,
-            encoder_heads=self.encoder_heads,
-            image_size=self.image_size,
-            patch_size=self.patch_size,
-            channels=self.channels,
-        )
+__all__ = ["check_mimo_config", "pretrain_mimo"]
 
 
-def mimo_layout(model: MimoModelConfig, world_size: int) -> Any:
-    """The ``bridge.mimo.MimoLayout`` of ``model.layout`` for ``world_size`` ranks.
-
-    Raises:
-        ConfigError: The layout cannot be built for this world size.
-    """
-    import bridge.mimo as mimo
-
-    kind = model.layout
-    if kind == "auto":
-        kind = "colocated" if world_size == 1 else "split"
-    if kind == "colocated":
-        ranks = range(world_size)
-        return mimo.MimoLayout(
-            {
-                "vision": mimo.ModulePlacement(ranks=ranks, dp=world_size),
-                "language": mimo.ModulePlacement(ranks=ranks, dp=world_size),
-            }
-        )
-    if world_size < 2 or world_size % 2:
-        raise ConfigError(
-            "model.layout",
-            f"the split layout puts the encoder and the language model on half of the ranks "
-            f"each and needs an even world size >= 2, got {world_size}; use "
-            "model.layout=colocated or launch an even number of ranks",
-        )
-    half = world_size // 2
-    tp = 2 if model.language_parallel == "tp" and half % 2 == 0 else 1
-    return mimo.MimoLayout(
-        {
-            "vision": mimo.ModulePlacement(ranks=range(0, half), dp=half),
-            "language": mimo.ModulePlacement(ranks=range(half, world_size), tp=tp),
-        }
-    )
-
-
-def _refuse_unsupported_train_settings(cfg: ConfigContainer) -> None:
-    """Refuse ``train`` settings the mimo loop does not implement (never ignore them)."""
-    train = cfg.train
-    assert train is not None
-    if train.eval_interval is not None and train.eval_iters > 0:
-        raise ConfigError(
-            "train.eval_interval",
-            f"got {train.eval_interval} with train.eval_iters={train.eval_iters}; the MIMO "
-            "recipe does not support evaluation: set train.eval_interval=null (or "
-            "train.eval_iters=0)",
-        )
-    if train.skip_train:
-        raise ConfigError(
-            "train.skip_train",
-            "got true; the MIMO recipe does not support it (it only trains): set "
-            "train.skip_train=false",
-        )
-    interval = train.check_weight_hash_across_dp_replicas_interval
-    if interval:
-        raise ConfigError(
-            "train.check_weight_hash_across_dp_replicas_interval",
-            f"got {interval}; the MIMO recipe's modules have data-parallel groups of their "
-            "own, which megatron's weight-hash check does not know: unset it",
-        )
-
-
-def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
-    """Check a ``mimo`` recipe config before anything distributed starts.
-
-    Raises:
-        ConfigError: A missing section or length, evaluation or ``skip_train`` (not
-            supported by this recipe), an unsupported checkpoint setting, batch sizes that
-            do not fit the layout, or a layout that does not fit the world.
-    """
-    for name in ("train", "optimizer", "scheduler", "logger", "checkpoint"):
-        if getattr(cfg, name) is None:
-            raise ConfigError(name, "required section is missing")
-    assert cfg.train is not None and cfg.checkpoint is not None and cfg.optimizer is not None
-    if not isinstance(cfg.model, MimoModelConfig):
-        raise ConfigError(
-            "model._target_",
-            "the mimo recipe needs bridge.train.loop.pretrain_mimo.MimoModelConfig",
-        )
-    if cfg.train.train_iters is None or cfg.train.train_iters < 1:
-        raise ConfigError("train.train_iters", "set how many iterations to train (>= 1)")
-    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    if gbs is None or mbs is None:
-        raise ConfigError(
-            "train.global_batch_size",
-            "the mimo recipe needs train.global_batch_size and train.micro_batch_size (both "
-            "count samples over all replicas of a module)",
-        )
-    from bridge.train.checkpointing.context import check_checkpoint_config
-
-    check_checkpoint_config(cfg.checkpoint)
-    _refuse_unsupported_train_settings(cfg)
-    if cfg.optimizer.lr is None:
-        raise ConfigError("optimizer.lr", "is required")
-    world = world_size if world_size is not None else global_world_size(launcher_fallback=True)
-    layout = mimo_layout(cfg.model, world)
-    try:
-        layout.validate(world)
-        layout.validate_batch_sizes(gbs, mbs)
-        cfg.model.tiny_vlm_config()
-    except ValueError as exc:
-        raise ConfigError("train", str(exc)) from None
-    from bridge.train.engine.initialize import resolve_distributed_backend
-    from bridge.train.engine.scheduler import scheduler_steps
-
-    try:
-        scheduler_steps(cfg.scheduler, cfg.train)
-    except ValueError as exc:
-        raise ConfigError("scheduler", str(exc).removeprefix("scheduler: ")) from None
-    try:
-        resolve_distributed_backend(cfg.dist)
-    except ValueError as exc:
-        raise ConfigError("dist.distributed_backend", str(exc)) from None
+#: The ``mimo`` recipe's launch checks are the trainer's one pass (the pass knows the recipe
+#: by its model config and runs the rules of :mod:`bridge.train.checks.mimo`).
+check_mimo_config = check_config_before_launch
 
 
 def _init_process_group(dist_config: DistributedInitConfig) -> bool:
@@ -356,7 +102,7 @@ def pretrain_mimo(
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
 
     Args:
-        cfg: The recipe's config (checked by :func:`check_mimo_config`).
+        cfg: The recipe's config (checked by the launch checks' one pass).
         metrics_file: Also write every metric record as JSON lines (last rank).
         start_time: ``time.time()`` at which the job started, for
             ``train.exit_duration_in_mins`` (default: when this call starts).
@@ -370,7 +116,7 @@ def pretrain_mimo(
         ended the run, as for GPT.
 
     Raises:
-        ConfigError: See :func:`check_mimo_config`.
+        ConfigError: See :func:`~bridge.train.checks.preflight.check_config_before_launch`.
         CheckpointError: A checkpoint cannot be loaded or saved (see docs/checkpoints.md).
     """
     import torch.distributed as dist
@@ -401,7 +147,7 @@ def pretrain_mimo(
     start_time = time.time() if start_time is None else start_time
     user_callbacks = [*cfg.callbacks, *callbacks]
     CallbackList((), user_callbacks)  # refuse a non-callback before anything is built
-    check_mimo_config(cfg)
+    check_config_before_launch(cfg)
     train, logger_cfg, opt_cfg, checkpoint = cfg.train, cfg.logger, cfg.optimizer, cfg.checkpoint
     model_cfg = cfg.model
     assert train is not None and logger_cfg is not None and opt_cfg is not None
@@ -450,7 +196,7 @@ def pretrain_mimo(
         if dist.get_backend() == "nccl":
             # The step keeps batches where the process group's backend works: gloo -> CPU.
             model.cuda()
-        lr = float(opt_cfg.lr or 0.0)  # check_mimo_config made sure it is set
+        lr = float(opt_cfg.lr or 0.0)  # the launch checks made sure it is set
         optimizer = mimo.build_multimodule_optimizer(
             model,
             infra,
