@@ -399,7 +399,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         from bridge.train.checks.preflight import check_config_before_launch, run_kind
 
         check_config_before_launch(cfg)
-        mimo = run_kind(cfg) == "mimo"
+        mimo = run_kind(cfg.model) == "mimo"
         # Imported here too: the import's notices (megatron-core's) are held like the rest.
         if mimo:
             from bridge.train.loop.pretrain_mimo import pretrain_mimo

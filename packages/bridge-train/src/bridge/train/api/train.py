@@ -195,30 +195,6 @@ def post_training_step_callbacks(
     collect_garbage(train.manual_gc, train.manual_gc_interval, iteration)
 
 
-def _checkpoint_writer(
-    state: GlobalState, checkpointing_context: dict[str, Any]
-) -> CheckpointWriter:
-    """The loop's checkpoint writer, built from the run's state as the reference passes it."""
-    cfg = state.cfg
-    assert cfg.checkpoint is not None
-    return CheckpointWriter(
-        cfg.checkpoint,
-        cfg,
-        checkpointing_context,
-        metric_writers=state.metric_writers,
-        fault_tolerance=state.fault_tolerance,
-        timers=state.timers,
-        toggle_forward_pre_hooks=should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer),
-        progress_log=ProgressLog.from_config(
-            cfg.logger,
-            cfg.checkpoint,
-            seq_length=int(getattr(cfg.model, "seq_length", 0) or 0),
-            start_time=state.start_time,
-            job_start_flops=state.job_start_flops,
-        ),
-    )
-
-
 def save_checkpoint_and_time(
     state: GlobalState,
     model: list[torch.nn.Module],
@@ -251,7 +227,25 @@ def save_checkpoint_and_time(
         train_data_iterator: Optional training data iterator to save its state.
     """
     del train_data_iterator  # the samplers resume from the consumed-samples counter
-    _checkpoint_writer(state, checkpointing_context).save(
+    cfg = state.cfg
+    assert cfg.checkpoint is not None
+    writer = CheckpointWriter(
+        cfg.checkpoint,
+        cfg,
+        checkpointing_context,
+        metric_writers=state.metric_writers,
+        fault_tolerance=state.fault_tolerance,
+        timers=state.timers,
+        toggle_forward_pre_hooks=should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer),
+        progress_log=ProgressLog.from_config(
+            cfg.logger,
+            cfg.checkpoint,
+            seq_length=int(getattr(cfg.model, "seq_length", 0) or 0),
+            start_time=state.start_time,
+            job_start_flops=state.job_start_flops,
+        ),
+    )
+    writer.save(
         state.train_state,
         model,
         optimizer,
@@ -295,16 +289,17 @@ def checkpoint_and_decide_exit(
     Returns:
         True if the training loop should exit, False otherwise.
     """
-    writer = _checkpoint_writer(state, checkpointing_context)
 
     def save(context: LoopContext, non_persistent: bool) -> None:
-        writer.save(
-            state.train_state,
+        save_checkpoint_and_time(
+            state,
             model,
             optimizer,
             opt_param_scheduler,
             num_floating_point_operations_so_far,
-            non_persistent=non_persistent,
+            checkpointing_context,
+            non_persistent_ckpt=non_persistent,
+            train_data_iterator=train_data_iterator,
         )
 
     context = LoopContext(

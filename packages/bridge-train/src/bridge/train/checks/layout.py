@@ -44,8 +44,8 @@ from bridge.config import ConfigError
 __all__ = ["check_engine_config", "check_pipeline_p2p"]
 
 
-def _int(config: Any, name: str, default: int) -> int:
-    value = getattr(config, name, None)
+def _int(section: Any, name: str, default: int) -> int:
+    value = getattr(section, name, None)
     return default if value is None else int(value)
 
 

@@ -50,9 +50,10 @@ class ConfigProblems(ConfigError):
         self.problems = tuple(problems)
 
 
-def run_kind(cfg: ConfigContainer) -> RunKind:
-    """The kind of run ``cfg`` describes: the ``mimo`` recipe or a GPT-style run."""
-    return "mimo" if isinstance(cfg.model, MimoModelConfig) else "gpt"
+def run_kind(model: Any) -> RunKind:
+    """The kind of run a ``model`` section describes: the ``mimo`` recipe or a GPT-style
+    run."""
+    return "mimo" if isinstance(model, MimoModelConfig) else "gpt"
 
 
 def _facts(world_size: int | None, cuda_available: bool | None) -> dict[str, Any]:
@@ -96,7 +97,7 @@ def check_section(
     """
     if section not in REGISTRY:
         raise KeyError(f"no rules for section {section!r}; sections: {', '.join(SECTIONS)}")
-    problem = _first_problem(cfg, section, run_kind(cfg), _facts(world_size, cuda_available))
+    problem = _first_problem(cfg, section, run_kind(cfg.model), _facts(world_size, cuda_available))
     if problem is not None:
         raise problem
 
@@ -123,7 +124,7 @@ def check_config_before_launch(
             failed.
     """
     facts = _facts(world_size, cuda_available)
-    kind = run_kind(cfg)
+    kind = run_kind(cfg.model)
     if kind == "gpt":
         cfg.validate(facts["world_size"])
     else:

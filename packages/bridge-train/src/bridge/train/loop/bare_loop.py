@@ -23,7 +23,7 @@ from bridge.train.engine.base import Engine, build_engine
 from bridge.train.loop.losses import sum_loss_pairs, zero_grad_buffers
 from bridge.train.loop.state_injection import prepare_forward_step_func
 from bridge.train.models.gpt_step import forward_step
-from bridge.train.state import GlobalState
+from bridge.train.state import GlobalState, TrainState
 from core_utils.loop import StepResult, advance_train_state
 
 __all__ = ["BareLoopResult", "run_bare_loop", "train_steps"]
@@ -140,7 +140,7 @@ def run_bare_loop(
     optimizer_config: Any,
     scheduler_config: Any,
     train_config: Any,
-    data_iterator_factory: Callable[[GlobalState], Iterator[Any]],
+    data_iterator_factory: Callable[[TrainState], Iterator[Any]],
     *,
     ddp_config: Any = None,
     dist_config: Any = None,
@@ -155,8 +155,8 @@ def run_bare_loop(
         optimizer_config: megatron's ``OptimizerConfig``.
         scheduler_config: ``SchedulerConfig``.
         train_config: Object with ``train_iters``, ``global_batch_size``, ``micro_batch_size``.
-        data_iterator_factory: Called once, after the parallel state exists, with the global
-            state; returns this rank's micro-batch iterator.
+        data_iterator_factory: Called once, after the parallel state exists, with the run's
+            ``TrainState`` (the samplers' position); returns this rank's micro-batch iterator.
         ddp_config: Data-parallel config (defaults when None).
         dist_config: ``DistributedInitConfig`` (defaults when None).
         rng_config: ``RNGConfig`` (seed 1234 when None).
@@ -173,7 +173,7 @@ def run_bare_loop(
         model, optimizer_config, scheduler_config, train_config
     )
     state = GlobalState()
-    iterator = data_iterator_factory(state)
+    iterator = data_iterator_factory(state.train_state)
     return train_steps(
         eng,
         model,

@@ -36,7 +36,7 @@ from bridge.train.state import ForwardStepCallable, GlobalState, TrainState
 from core_utils.distributed import global_rank, global_world_size
 from core_utils.loop import LoopContext
 
-__all__ = ["Evaluation", "evaluate", "evaluate_and_print_results"]
+__all__ = ["Evaluation", "evaluate", "evaluate_and_print_results", "log_evaluation"]
 
 
 def _data_parallel_layout() -> tuple[int, Any, bool]:
@@ -167,22 +167,16 @@ class Evaluation:
         losses, collected, _ = self.evaluate(
             data_iterator, model, verbose=verbose, is_validation=split == "validation"
         )
-        state = self.state
-        iteration = state.train_state.step
-        if write_to_tensorboard:
-            log_validation_results(
-                prefix, losses, iteration, state, split=split, log_ppl=self.log_ppl
-            )
-        elif _is_last_rank():
-            line = f" {split} loss at {prefix} | " + "".join(
-                f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
-                for k, v in losses.items()
-            )
-            print(line, flush=True)
-        if self.process_non_loss_data_func is not None and collected is not None:
-            writer = state.metric_writers.tensorboard
-            if writer is not None:
-                self.process_non_loss_data_func(collected, iteration, writer)
+        log_evaluation(
+            prefix,
+            losses,
+            collected,
+            self.state,
+            log_ppl=self.log_ppl,
+            write_to_tensorboard=write_to_tensorboard,
+            split=split,
+            process_non_loss_data_func=self.process_non_loss_data_func,
+        )
         return losses
 
     def __call__(self, context: LoopContext) -> None:
@@ -198,29 +192,47 @@ class Evaluation:
             enable_forward_pre_hook(model)
 
 
-def _evaluation_of(
-    state: GlobalState,
-    forward_step_func: ForwardStepCallable,
-    config: ConfigContainer,
-    process_non_loss_data_func: Callable[..., Any] | None,
-    non_loss_data_func: Callable[..., Any] | None,
-) -> Evaluation:
-    """The :class:`Evaluation` the reference's functions run, from their arguments."""
-    train = config.train
-    assert train is not None
-    logger_cfg = config.logger
-    return Evaluation(
-        forward_step_func=prepare_forward_step_func(forward_step_func, state),
-        forward_backward_func=state.forward_backward_func,
-        train=train,
-        seq_length=int(getattr(config.model, "seq_length", 0) or 0),
-        train_state=state.train_state,
-        state=state,
-        fault_tolerance=state.fault_tolerance,
-        log_ppl=bool(logger_cfg is not None and logger_cfg.log_validation_ppl_to_tensorboard),
-        process_non_loss_data_func=process_non_loss_data_func,
-        non_loss_data_func=non_loss_data_func,
-    )
+def log_evaluation(
+    prefix: str,
+    losses: dict[str, float],
+    collected: Any,
+    state: LoggingState,
+    *,
+    log_ppl: bool,
+    write_to_tensorboard: bool = True,
+    split: str = "validation",
+    process_non_loss_data_func: Callable[..., Any] | None = None,
+) -> None:
+    """Print an evaluation's losses and perplexities and write them to the metric writers.
+
+    The console block is printed by the last rank; with ``write_to_tensorboard`` the metrics
+    go to every configured backend (:func:`bridge.logging.log_validation_results`), else only
+    the line is printed. ``process_non_loss_data_func`` gets ``(collected, iteration,
+    tensorboard writer)`` on the last rank when there is collected non-loss data.
+
+    Args:
+        prefix: Where the evaluation happened, e.g. ``"iteration 100"``.
+        losses: The averaged losses.
+        collected: Non-loss data the evaluation collected, or ``None``.
+        state: The run's counters (the iteration) and metric writers.
+        log_ppl: Write ``<loss> <split> ppl`` too (``logger.log_validation_ppl_to_tensorboard``).
+        write_to_tensorboard: Write the metrics (else only print them).
+        split: ``"validation"`` or ``"test"``.
+        process_non_loss_data_func: See :func:`evaluate_and_print_results`.
+    """
+    iteration = state.train_state.step
+    if write_to_tensorboard:
+        log_validation_results(prefix, losses, iteration, state, split=split, log_ppl=log_ppl)
+    elif _is_last_rank():
+        line = f" {split} loss at {prefix} | " + "".join(
+            f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
+            for k, v in losses.items()
+        )
+        print(line, flush=True)
+    if process_non_loss_data_func is not None and collected is not None:
+        writer = state.metric_writers.tensorboard
+        if writer is not None:
+            process_non_loss_data_func(collected, iteration, writer)
 
 
 def evaluate(
@@ -261,8 +273,18 @@ def evaluate(
         reported name to its token average. The time-limit flag is always False here: the
         exit conditions are checked after evaluation by the training loop.
     """
-    evaluation = _evaluation_of(
-        state, forward_step_func, config, process_non_loss_data_func, non_loss_data_func
+    train = config.train
+    assert train is not None
+    evaluation = Evaluation(
+        forward_step_func=prepare_forward_step_func(forward_step_func, state),
+        forward_backward_func=state.forward_backward_func,
+        train=train,
+        seq_length=int(getattr(config.model, "seq_length", 0) or 0),
+        train_state=state.train_state,
+        state=state,
+        fault_tolerance=state.fault_tolerance,
+        process_non_loss_data_func=process_non_loss_data_func,
+        non_loss_data_func=non_loss_data_func,
     )
     return evaluation.evaluate(data_iterator, model, verbose=verbose, is_validation=is_validation)
 
@@ -306,14 +328,26 @@ def evaluate_and_print_results(
     Returns:
         The averaged losses.
     """
-    evaluation = _evaluation_of(
-        state, forward_step_func, config, process_non_loss_data_func, non_loss_data_func
-    )
-    return evaluation.evaluate_and_log(
-        prefix,
+    losses, collected, _ = evaluate(
+        state,
+        forward_step_func,
         data_iterator,
         model,
-        verbose=verbose,
+        process_non_loss_data_func,
+        config,
+        verbose,
+        non_loss_data_func,
+        is_validation=split == "validation",
+    )
+    logger_cfg = config.logger
+    log_evaluation(
+        prefix,
+        losses,
+        collected,
+        state,
+        log_ppl=bool(logger_cfg is not None and logger_cfg.log_validation_ppl_to_tensorboard),
         write_to_tensorboard=write_to_tensorboard,
         split=split,
+        process_non_loss_data_func=process_non_loss_data_func,
     )
+    return losses

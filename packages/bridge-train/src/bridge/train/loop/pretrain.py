@@ -42,6 +42,7 @@ from bridge.config import (
 )
 from bridge.logging import (
     BackendSettings,
+    MetricWriters,
     ReportSettings,
     build_timers,
     setup_logging,
@@ -355,11 +356,14 @@ def _final_evaluation(
         )
 
 
-def _close(state: GlobalState, clean: bool) -> None:
+def _close(
+    checkpoint: CheckpointConfig | None,
+    resiliency: RunResiliency,
+    metric_writers: MetricWriters,
+    clean: bool,
+) -> None:
     """Release everything pretrain started; never raises (errors are logged)."""
-    steps = run_teardown_steps(
-        state.cfg.checkpoint, state.resiliency, state.metric_writers, clean=clean
-    )
+    steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
         ("releasing the rerun state machine", _destroy_rerun_state_machine),
         ("releasing the micro-batch calculator", release_num_microbatches_calculator),
@@ -475,5 +479,5 @@ def pretrain(
         clean = True
         return exit_code
     finally:
-        _close(state, clean)
+        _close(config.checkpoint, state.resiliency, state.metric_writers, clean)
         sys.stdout.flush()
