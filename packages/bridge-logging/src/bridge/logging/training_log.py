@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 
-from bridge.config import ConfigContainer, LoggerConfig, ProfilingConfig, TrainingConfig
+from bridge.config import (
+    ConfigContainer,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    LoggerConfig,
+    ModelConfigProtocol,
+    ProfilingConfig,
+    TrainingConfig,
+)
 from bridge.logging._dist import (
     find_pg_collection,
     pg_attr,
@@ -207,7 +215,11 @@ def _format_batch_size(batch_size: float | None) -> str:
     return f"{batch_size:7.1f}"  # an average over iterations not logged one by one
 
 
-def tokens_per_sample(model: Any, dataset: Any, seq_length: int | None = None) -> int | None:
+def tokens_per_sample(
+    model: ModelConfigProtocol | None,
+    dataset: GPTDatasetConfig | FinetuningDatasetConfig | None,
+    seq_length: int | None = None,
+) -> int | None:
     """Tokens per sample for the token metrics: ``seq_length`` if given, else the model's
     ``seq_length``, else the dataset's ``sequence_length`` / ``seq_length``, else ``None``."""
     if seq_length is not None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bridge.config import CheckpointConfig
+from bridge.config import CheckpointConfig, ModelConfigProtocol
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
@@ -643,7 +643,7 @@ def _read_checkpoint(
     model: list[torch.nn.Module],
     optimizer: Any,
     strict: bool,
-    model_config: Any,
+    model_config: ModelConfigProtocol | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, bool]:
     """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
 
@@ -733,7 +733,7 @@ def restore_checkpoint(
     optimizer: Any,
     opt_param_scheduler: Any,
     *,
-    model_config: Any = None,
+    model_config: ModelConfigProtocol | None = None,
     strict: bool = True,
     checkpointing_context: dict[str, Any] | None = None,
     skip_load_to_model_and_opt: bool = False,

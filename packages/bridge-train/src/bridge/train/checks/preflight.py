@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bridge.config import ConfigContainer, ConfigError
+from bridge.config import ConfigContainer, ConfigError, ModelConfigProtocol
 from bridge.train.checks import mimo
 from bridge.train.checks.registry import REGISTRY, SECTIONS, RunKind
 from bridge.train.models.mimo import MimoModelConfig
@@ -50,7 +50,7 @@ class ConfigProblems(ConfigError):
         self.problems = tuple(problems)
 
 
-def run_kind(model: Any) -> RunKind:
+def run_kind(model: ModelConfigProtocol | None) -> RunKind:
     """The kind of run a ``model`` section describes: the ``mimo`` recipe or a GPT-style
     run."""
     return "mimo" if isinstance(model, MimoModelConfig) else "gpt"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from bridge.config import (
     CheckpointConfig,
@@ -120,7 +119,7 @@ def engine_is_available(train: TrainingConfig) -> None:
         raise ConfigError("train.engine", str(exc)) from None
 
 
-def _validation_weight(dataset: Any) -> float | None:
+def _validation_weight(dataset: Dataset) -> float | None:
     """Weight of the validation part of the data, or None when it cannot be told."""
     per_split = getattr(dataset, "blend_per_split", None)
     if per_split is not None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from bridge.config import CheckpointConfig
+from bridge.train.models.mimo import MimoModelConfig
 from bridge.train.state import TrainState
 
 __all__ = [
@@ -92,7 +93,7 @@ def load_mimo_checkpoint(
     scheduler: Any,
     checkpointing_context: dict[str, Any],
     *,
-    model_config: Any = None,
+    model_config: MimoModelConfig | None = None,
 ) -> int:
     """Load what ``checkpoint.load`` names, or resume the run owning ``checkpoint.save``.
 

@@ -209,6 +209,7 @@ def pretrain_mimo(
             ),
             clip_grad=opt_cfg.clip_grad,
         )
+        assert cfg.scheduler is not None  # a required section of the recipe
         scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, train)
         chunk = MimoCheckpointModel(model, layout)
         checkpointing_context = checkpointing_context_for(checkpoint)

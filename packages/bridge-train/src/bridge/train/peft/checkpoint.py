@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bridge.config import CheckpointConfig
+from bridge.config import CheckpointConfig, ModelConfigProtocol
 
 if TYPE_CHECKING:
     from bridge.train.state import TrainState
@@ -144,7 +144,7 @@ def load_peft_checkpoints(
     scheduler: Any,
     checkpointing_context: dict[str, Any],
     *,
-    model_config: Any = None,
+    model_config: ModelConfigProtocol | None = None,
 ) -> tuple[int, float]:
     """Load the base from ``pretrained_checkpoint``, then resume adapters if there are any.
 
