@@ -31,6 +31,12 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.logging import (
         training_log as training_log,
     )
+    from bridge.train.api.eval import (
+        evaluate as evaluate,
+    )
+    from bridge.train.api.eval import (
+        evaluate_and_print_results as evaluate_and_print_results,
+    )
     from bridge.train.api.train import (
         checkpoint_and_decide_exit as checkpoint_and_decide_exit,
     )
@@ -45,12 +51,6 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     )
     from bridge.train.api.train import (
         train_step as train_step,
-    )
-    from bridge.train.loop.eval import (
-        evaluate as evaluate,
-    )
-    from bridge.train.loop.eval import (
-        evaluate_and_print_results as evaluate_and_print_results,
     )
     from bridge.train.loop.forward_pre_hooks import (
         disable_forward_pre_hook as disable_forward_pre_hook,
@@ -180,7 +180,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "train",
         "train_step",
     ),
-    "bridge.train.loop.eval": (
+    "bridge.train.api.eval": (
         "evaluate",
         "evaluate_and_print_results",
     ),

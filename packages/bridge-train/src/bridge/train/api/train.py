@@ -1,7 +1,7 @@
 """The reference's loop functions, as thin adapters over the loop and its components.
 
 ``train`` runs :func:`bridge.train.loop.training.run_training`; ``train_step`` returns a
-:class:`~bridge.train.loop.training.TrainStep`'s result as the reference's 7-tuple;
+:class:`~bridge.train.loop.step.TrainStep`'s result as the reference's 7-tuple;
 ``post_training_step_callbacks`` runs the functions the loop's components run after a step;
 ``save_checkpoint_and_time`` is the :class:`~bridge.train.loop.saving.CheckpointWriter`;
 ``checkpoint_and_decide_exit`` asks the :class:`~bridge.train.loop.components.Checkpointer`.
@@ -25,11 +25,8 @@ from bridge.train.loop.components.maintenance import (
     synchronize_device,
 )
 from bridge.train.loop.components.profiler import step_profiler
-from bridge.train.loop.forward_pre_hooks import should_toggle_forward_pre_hook
 from bridge.train.loop.profiling import TNvtxContext
-from bridge.train.loop.progress_log import ProgressLog
-from bridge.train.loop.saving import CheckpointWriter
-from bridge.train.loop.training import run_training, train_step_of
+from bridge.train.loop.training import checkpoint_writer_of, run_training, train_step_of
 from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.distributed import global_rank
 from core_utils.loop import LoopContext
@@ -111,7 +108,7 @@ def train_step(
 ) -> tuple[dict[str, torch.Tensor], int, bool, bool, int, float | None, int | None]:
     """Single training step.
 
-    The reference's form of :meth:`~bridge.train.loop.training.TrainStep.run` (which the
+    The reference's form of :meth:`~bridge.train.loop.step.TrainStep.run` (which the
     loop calls): the same work, its result as a tuple.
 
     Args:
@@ -227,24 +224,7 @@ def save_checkpoint_and_time(
         train_data_iterator: Optional training data iterator to save its state.
     """
     del train_data_iterator  # the samplers resume from the consumed-samples counter
-    cfg = state.cfg
-    assert cfg.checkpoint is not None
-    writer = CheckpointWriter(
-        cfg.checkpoint,
-        cfg,
-        checkpointing_context,
-        metric_writers=state.metric_writers,
-        fault_tolerance=state.fault_tolerance,
-        timers=state.timers,
-        toggle_forward_pre_hooks=should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer),
-        progress_log=ProgressLog.from_config(
-            cfg.logger,
-            cfg.checkpoint,
-            seq_length=int(getattr(cfg.model, "seq_length", 0) or 0),
-            start_time=state.start_time,
-            job_start_flops=state.job_start_flops,
-        ),
-    )
+    writer = checkpoint_writer_of(state, checkpointing_context)
     writer.save(
         state.train_state,
         model,

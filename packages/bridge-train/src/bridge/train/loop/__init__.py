@@ -2,7 +2,7 @@
 components, evaluation, and the ``pretrain`` / ``pretrain_mimo`` entry points."""
 
 from bridge.train.loop.batch_size import rampup_to_step_schedule
-from bridge.train.loop.eval import evaluate, evaluate_and_print_results
+from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.forward_pre_hooks import (
     disable_forward_pre_hook,
     enable_forward_pre_hook,
@@ -16,11 +16,13 @@ from bridge.train.loop.progress_log import (
 )
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.saving import CheckpointWriter
-from bridge.train.loop.training import TrainStep, run_training
+from bridge.train.loop.step import TrainStep
+from bridge.train.loop.training import run_training
 from core_utils.loop import LoopContext, StepFunction, StepResult, run_loop
 
 __all__ = [
     "CheckpointWriter",
+    "Evaluation",
     "LoopContext",
     "SetupOutput",
     "StepFunction",
@@ -30,8 +32,6 @@ __all__ = [
     "compute_throughputs_and_append_to_progress_log",
     "disable_forward_pre_hook",
     "enable_forward_pre_hook",
-    "evaluate",
-    "evaluate_and_print_results",
     "get_start_time_from_progress_log",
     "pretrain",
     "rampup_to_step_schedule",

@@ -3,8 +3,9 @@
 :class:`Evaluation` is built from the ``train`` section (``eval_iters``, batch sizes,
 ``manual_gc_eval``), the model's sequence length and the run's live objects (engine
 schedule, fault tolerance, counters and writers); the loop's
-:class:`~bridge.train.loop.components.Evaluator` calls it. The reference's
-:func:`evaluate` and :func:`evaluate_and_print_results` are adapters over it.
+:class:`~bridge.train.loop.components.Evaluator` calls it. Megatron-Bridge's
+``evaluate`` and ``evaluate_and_print_results`` are adapters over it
+(:mod:`bridge.train.api.eval`).
 
 :meth:`Evaluation.evaluate` runs the engine's schedule with ``forward_only=True`` over ``eval_iters``
 global batches (``train.global_batch_size`` samples each, split into micro-batches like a
@@ -26,17 +27,16 @@ from typing import Any
 
 import torch
 
-from bridge.config import ConfigContainer, TrainingConfig
+from bridge.config import TrainingConfig
 from bridge.logging import LoggingState, log_validation_results
 from bridge.resiliency import FaultTolerance
 from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable_forward_pre_hook
 from bridge.train.loop.losses import reduce_loss_dicts
-from bridge.train.loop.state_injection import prepare_forward_step_func
-from bridge.train.state import ForwardStepCallable, GlobalState, TrainState
+from bridge.train.state import ForwardStepCallable, TrainState
 from core_utils.distributed import global_rank, global_world_size
 from core_utils.loop import LoopContext
 
-__all__ = ["Evaluation", "evaluate", "evaluate_and_print_results", "log_evaluation"]
+__all__ = ["Evaluation", "log_evaluation"]
 
 
 def _data_parallel_layout() -> tuple[int, Any, bool]:
@@ -233,121 +233,3 @@ def log_evaluation(
         writer = state.metric_writers.tensorboard
         if writer is not None:
             process_non_loss_data_func(collected, iteration, writer)
-
-
-def evaluate(
-    state: GlobalState,
-    forward_step_func: ForwardStepCallable,
-    data_iterator: Any,
-    model: list[torch.nn.Module],
-    process_non_loss_data_func: Callable[..., Any] | None,
-    config: ConfigContainer,
-    verbose: bool = False,
-    non_loss_data_func: Callable[..., Any] | None = None,
-    *,
-    is_validation: bool = True,
-) -> tuple[dict[str, float], Any, bool]:
-    """Average the losses of ``train.eval_iters`` forward-only batches.
-
-    Collective (every rank of the job). With ``train.manual_gc`` and
-    ``train.manual_gc_eval`` the garbage collector runs before and after. Validation
-    batches advance ``train_state.consumed_valid_samples`` (so a resumed run continues
-    with the same validation samples).
-
-    Args:
-        state: The global state (fault-tolerance eval hooks, counters).
-        forward_step_func: The forward step (the state is injected if it asks for it).
-        data_iterator: Iterator over the split's micro-batches.
-        model: Model chunks.
-        process_non_loss_data_func: When given (and ``non_loss_data_func`` is not), the
-            schedule collects what the loss function returns with ``non_loss_data=True``
-            on one extra batch.
-        config: The config (``train`` section: ``eval_iters``, batch sizes).
-        verbose: Print each evaluation iteration on rank 0.
-        non_loss_data_func: Called as ``non_loss_data_func(model)`` to compute non-loss
-            data (takes precedence over collecting it through the schedule).
-        is_validation: Count the samples in ``consumed_valid_samples`` (false for test).
-
-    Returns:
-        ``(losses, collected non-loss data or None, time limit hit)``; losses map each
-        reported name to its token average. The time-limit flag is always False here: the
-        exit conditions are checked after evaluation by the training loop.
-    """
-    train = config.train
-    assert train is not None
-    evaluation = Evaluation(
-        forward_step_func=prepare_forward_step_func(forward_step_func, state),
-        forward_backward_func=state.forward_backward_func,
-        train=train,
-        seq_length=int(getattr(config.model, "seq_length", 0) or 0),
-        train_state=state.train_state,
-        state=state,
-        fault_tolerance=state.fault_tolerance,
-        process_non_loss_data_func=process_non_loss_data_func,
-        non_loss_data_func=non_loss_data_func,
-    )
-    return evaluation.evaluate(data_iterator, model, verbose=verbose, is_validation=is_validation)
-
-
-def evaluate_and_print_results(
-    state: GlobalState,
-    prefix: str,
-    forward_step_func: ForwardStepCallable,
-    data_iterator: Any,
-    model: list[torch.nn.Module],
-    config: ConfigContainer,
-    verbose: bool = False,
-    write_to_tensorboard: bool = True,
-    process_non_loss_data_func: Callable[..., Any] | None = None,
-    non_loss_data_func: Callable[..., Any] | None = None,
-    *,
-    split: str = "validation",
-) -> dict[str, float]:
-    """Evaluate, then print the losses and perplexities and write them to the metric writers.
-
-    Collective. The console block (``<split> loss at <prefix> | lm loss value: ... | lm loss
-    PPL: ... |``) is printed by the last rank; with ``write_to_tensorboard`` the metrics go
-    to every configured backend (``<loss> <split>``, and ``<loss> <split> ppl`` with
-    ``logger.log_validation_ppl_to_tensorboard``), see
-    :func:`bridge.logging.log_validation_results`.
-
-    Args:
-        state: The global state.
-        prefix: Where the evaluation happened, e.g. ``"iteration 100"``.
-        forward_step_func: The forward step.
-        data_iterator: Iterator over the split.
-        model: Model chunks.
-        config: The config.
-        verbose: Print each evaluation iteration.
-        write_to_tensorboard: Write the metrics (else only print them).
-        process_non_loss_data_func: Called as ``(collected, iteration, tensorboard writer)``
-            on the last rank with the collected non-loss data.
-        non_loss_data_func: See :func:`evaluate`.
-        split: ``"validation"`` or ``"test"`` (names the line and the metrics).
-
-    Returns:
-        The averaged losses.
-    """
-    losses, collected, _ = evaluate(
-        state,
-        forward_step_func,
-        data_iterator,
-        model,
-        process_non_loss_data_func,
-        config,
-        verbose,
-        non_loss_data_func,
-        is_validation=split == "validation",
-    )
-    logger_cfg = config.logger
-    log_evaluation(
-        prefix,
-        losses,
-        collected,
-        state,
-        log_ppl=bool(logger_cfg is not None and logger_cfg.log_validation_ppl_to_tensorboard),
-        write_to_tensorboard=write_to_tensorboard,
-        split=split,
-        process_non_loss_data_func=process_non_loss_data_func,
-    )
-    return losses

@@ -56,8 +56,6 @@ from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokeniz
 from bridge.train.engine.base import Engine, build_engine
 from bridge.train.engine.initialize import destroy_distributed
 from bridge.train.loop.batch_size import release_num_microbatches_calculator
-from bridge.train.loop.eval import evaluate_and_print_results
-from bridge.train.loop.progress_log import ProgressLog
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.run_ends import (
     adopt_own_save_dir,
@@ -67,7 +65,7 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.run_length import run_is_done
-from bridge.train.loop.training import run_training
+from bridge.train.loop.training import evaluation_of, progress_log_of, run_training
 from bridge.train.models.family import (
     build_family_datasets,
     default_forward_step,
@@ -331,7 +329,7 @@ def _final_evaluation(
     process_non_loss_data_func: Callable[..., Any] | None,
     non_loss_data_func: Callable[..., Any] | None,
 ) -> None:
-    state, cfg = out.state, out.state.cfg
+    state = out.state
     step = state.train_state.step
     splits = []
     if (
@@ -342,17 +340,14 @@ def _final_evaluation(
         splits.append(("validation", out.valid_data_iterator))
     if state.train_state.do_test and out.test_data_iterator is not None:
         splits.append(("test", out.test_data_iterator))
+    if not splits:
+        return
+    evaluation = evaluation_of(
+        forward_step_func, state, process_non_loss_data_func, non_loss_data_func
+    )
     for split, iterator in splits:
-        evaluate_and_print_results(
-            state,
-            f"iteration {step} on {split} set",
-            forward_step_func,
-            iterator,
-            out.model,
-            cfg,
-            process_non_loss_data_func=process_non_loss_data_func,
-            non_loss_data_func=non_loss_data_func,
-            split=split,
+        evaluation.evaluate_and_log(
+            f"iteration {step} on {split} set", iterator, out.model, split=split
         )
 
 
@@ -444,13 +439,7 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
-        progress_log = ProgressLog.from_config(
-            config.logger,
-            config.checkpoint,
-            seq_length=int(getattr(config.model, "seq_length", 0) or 0),
-            start_time=state.start_time,
-            job_start_flops=state.job_start_flops,
-        )
+        progress_log = progress_log_of(state)
         if progress_log is not None:
             progress_log.starting_job()
         save_run_config(config)
