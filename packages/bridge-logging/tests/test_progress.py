@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from bridge.logging import ProgressReporter, append_progress_log
+from bridge.logging import ProgressReporter, SchedulerJob, append_progress_log, scheduler_job
 from bridge.logging.progress import format_duration
 
 
@@ -163,3 +163,24 @@ def test_progress_log_appends_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert len(lines) == 2
     assert lines[0].split("\t")[1:] == ["Job ID: 4242", "# GPUs: 1", "Starting job"]
     assert lines[1].endswith("Saved checkpoint\tTokens (in billions): 0.01")
+
+
+def test_the_slurm_job_is_read_from_its_environment() -> None:
+    assert scheduler_job({}) is None
+    first = scheduler_job({"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]"})
+    assert first == SchedulerJob(job_id="4242", node_list="gpu[07-08]", requeue_count=0)
+    requeued = scheduler_job(
+        {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_RESTART_COUNT": "3"}
+    )
+    assert requeued is not None
+    assert requeued.progress_fields() == "Nodes: gpu[07-08]\tRequeue count: 3"
+    assert requeued.metrics() == {"slurm/requeue_count": 3.0, "slurm/job_id": 4242.0}
+    assert requeued.run_parameters() == {
+        "job_id": "4242",
+        "node_list": "gpu[07-08]",
+        "requeue_count": 3,
+    }
+    odd = scheduler_job({"SLURM_JOB_ID": "x1", "SLURM_RESTART_COUNT": "?"})
+    assert (
+        odd is not None and odd.requeue_count == 0 and odd.metrics() == {"slurm/requeue_count": 0.0}
+    )

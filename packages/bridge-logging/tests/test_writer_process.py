@@ -28,6 +28,7 @@ from bridge.config import LoggerConfig
 from bridge.logging import BackendNotInstalledError, MetricWriters, build_metric_writers
 from bridge.logging._remote import RemoteMlflow, remote_writers
 from bridge.logging._writer_process import WriterProcess
+from core_utils.testing import ignored_signals
 
 MODULE = "bridge_logging_test_writers"
 WRITERS = textwrap.dedent(
@@ -311,6 +312,7 @@ SCRIPT = textwrap.dedent(
     from bridge.logging import MetricWriters
     from bridge.logging._remote import remote_writers
     from bridge.logging._writer_process import WriterProcess
+from core_utils.testing import ignored_signals
 
     factory, out, how = sys.argv[1:]
     process = WriterProcess([("file", factory, {"path": out})])
@@ -356,3 +358,28 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
+
+
+@pytest.mark.timeout(120)
+def test_the_writer_process_outlives_the_signals_a_scheduler_stops_a_job_with(
+    tmp_path: Path, file_writer: str
+) -> None:
+    # srun delivers a time-limit SIGUSR1 to every process of a SLURM step, this one too; the
+    # training process decides when logging ends.
+    out = tmp_path / "out.jsonl"
+    process = WriterProcess([("file", file_writer, {"path": str(out)})])
+    writers = MetricWriters(remote_writers(process))
+    try:
+        writers.add_scalar("x", 1.0, 1)
+        writers.flush()  # the child has set up its signal handling by now
+        assert ignored_signals(process.pid) >= STOP_SIGNALS
+        for sig in STOP_SIGNALS:
+            os.kill(process.pid, sig)
+        writers.add_scalar("x", 2.0, 2)
+        writers.flush()  # a round trip through the signalled child
+    finally:
+        writers.close()
+    assert steps(out) == [1, 2]

@@ -20,7 +20,7 @@ from bridge.resiliency import (
     WatchdogTimeouts,
 )
 from bridge.resiliency.simulated_fault import extra_delay_bound
-from core_utils.testing import run_distributed
+from core_utils.testing import ignored_signals, run_distributed
 
 _FORK = mp.get_context("fork")
 
@@ -255,6 +255,27 @@ def test_watchdog_exits_when_its_rank_dies() -> None:
     proc.join(timeout=60)
     assert proc.exitcode == 7
     _wait_gone(watchdog_pid.value)
+
+
+@pytest.mark.timeout(90)
+def test_watchdog_outlives_the_signals_a_scheduler_stops_a_job_with() -> None:
+    # srun delivers a time-limit SIGUSR1 to every process of a SLURM step; the watchdog
+    # must go on watching its rank while the rank saves.
+    watchdog = HangWatchdog(WatchdogTimeouts(step=60.0), rank=0)
+    watchdog.start()
+    process = watchdog._process
+    assert process is not None
+    stop_signals = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
+    deadline = time.monotonic() + 60
+    while not stop_signals <= ignored_signals(process.pid):  # set once it has started
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    for sig in stop_signals:
+        os.kill(process.pid, sig)
+    watchdog.enter("step")
+    assert watchdog.running
+    watchdog.stop()
+    assert process.returncode == 0  # it left when told to, not of a signal
 
 
 def _wait_gone(pid: int, timeout: float = 30.0) -> None:

@@ -201,3 +201,31 @@ def test_mimo_recipe_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[st
     assert "scheduler: warm-up (" in err and "must be shorter than the decay" in err
     err = _fails_with(capsys, ["--recipe", "mimo", "model.layout=split"])
     assert "model.layout: the split layout" in err and "got 1" in err
+
+
+def _stop_early_then_finish(rank: int, world: int, save: str) -> list[int]:
+    args = [
+        "--no-print-config",
+        "--requeue-exit-code=75",
+        "train.train_iters=4",
+        "train.exit_interval=2",
+        "train.eval_interval=null",
+        "train.eval_iters=0",
+        "model.num_layers=1",
+        f"checkpoint.save={save}",
+    ]
+    # The first launch stops at the exit interval (iteration 2) after saving: not finished.
+    # The same command resumes and reaches train_iters: finished, 0, even though iteration
+    # 4 is a multiple of the exit interval too.
+    return [run(args), run(args)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_requeue_exit_code_marks_an_early_stop_and_not_a_finished_run(tmp_path: Path) -> None:
+    (codes,) = run_distributed(_stop_early_then_finish, 1, str(tmp_path / "ckpt"), timeout=240)
+    assert codes == [75, 0]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    with pytest.raises(SystemExit) as info:
+        main(["--requeue-exit-code=256"])
+    assert info.value.code == 2

@@ -102,13 +102,16 @@ def test_supported_or_inactive_train_settings_pass() -> None:
 
 def _four_rank_run(rank: int, world: int) -> int:
     overrides = ["train.exit_interval=4", "logger.log_interval=3"]
-    return run(["--recipe", "mimo", "--no-print-config", *SHORT, *overrides])
+    # Stopped before its end on purpose: the code a batch script requeues on.
+    return run(
+        ["--recipe", "mimo", "--no-print-config", "--requeue-exit-code=75", *SHORT, *overrides]
+    )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_four_rank_split_run_stops_at_the_exit_interval(capfd: pytest.CaptureFixture[str]) -> None:
-    assert run_distributed(_four_rank_run, 4, timeout=120) == [0] * 4
+    assert run_distributed(_four_rank_run, 4, timeout=120) == [75] * 4
     out = capfd.readouterr().out
     assert "'vision': ModulePlacement(ranks=range(0, 2), tp=1, dp=2" in out
     assert "'language': ModulePlacement(ranks=range(2, 4), tp=2, dp=1" in out

@@ -43,7 +43,8 @@ def global_rank(*, launcher_fallback: bool = False) -> int:
 
     Args:
         launcher_fallback: Before a process group exists, answer what the launcher set
-            (``$RANK``, as torchrun does) instead of 0. For code that runs before
+            (``$RANK``, as torchrun sets it and as bridge-train exports it from
+            ``SLURM_PROCID`` under ``srun``) instead of 0. For code that runs before
             ``init_process_group`` but must already act per rank.
 
     Returns:
@@ -62,7 +63,8 @@ def global_world_size(*, launcher_fallback: bool = False) -> int:
 
     Args:
         launcher_fallback: Before a process group exists, answer what the launcher set
-            (``$WORLD_SIZE``) instead of 1.
+            (``$WORLD_SIZE``; under ``srun`` bridge-train exports it from
+            ``SLURM_STEP_NUM_TASKS``) instead of 1.
 
     Returns:
         The world size; without a process group 1 (or ``$WORLD_SIZE`` with

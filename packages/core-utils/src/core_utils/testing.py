@@ -35,6 +35,7 @@ from typing import Any
 __all__ = [
     "DistributedTestError",
     "find_free_port",
+    "ignored_signals",
     "run_distributed",
     "run_torchrun",
 ]
@@ -46,6 +47,22 @@ _STACK_DUMP_SIGNAL = signal.SIGRTMIN + 3
 
 class DistributedTestError(RuntimeError):
     """A rank raised, died, or did not finish within the timeout."""
+
+
+def ignored_signals(pid: int) -> set[signal.Signals]:
+    """The signals process ``pid`` ignores (``SIG_IGN``), from ``/proc/<pid>/status`` (Linux).
+
+    For tests of helper processes that must outlive the signals a launcher sends to every
+    process of a job (srun signals a whole SLURM step).
+
+    Raises:
+        FileNotFoundError: No such process (or no ``/proc``).
+    """
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            mask = int(line.split()[1], 16)
+            return {sig for sig in signal.Signals if 0 < sig <= 64 and mask >> (sig - 1) & 1}
+    return set()
 
 
 def find_free_port() -> int:

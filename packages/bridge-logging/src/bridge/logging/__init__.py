@@ -27,6 +27,7 @@ from bridge.logging.progress import ProgressReporter
 from bridge.logging.progress_log import append_progress_log
 from bridge.logging.protocols import LoggingState, TrainProgress
 from bridge.logging.python_logging import setup_logging
+from bridge.logging.scheduler_job import SchedulerJob, scheduler_job
 from bridge.logging.settings import BackendSettings, ReportSettings
 from bridge.logging.throughput import report_runtime, report_throughput
 from bridge.logging.training_log import (
@@ -51,6 +52,7 @@ __all__ = [
     "MoeMetricFanoutWriter",
     "ProgressReporter",
     "ReportSettings",
+    "SchedulerJob",
     "TensorBoardWriter",
     "TrainProgress",
     "TrainingLogSettings",
@@ -66,6 +68,7 @@ __all__ = [
     "report_memory",
     "report_runtime",
     "report_throughput",
+    "scheduler_job",
     "setup_logging",
     "start_memory_history_recording",
     "tokens_per_sample",

@@ -226,9 +226,11 @@ def _serve(inbox: Connection, wake: _WakeUps, outbox: _Outbox, writers: _Writers
 
 def main(read_fd: int, write_fd: int, wake_fd: int) -> None:
     """Build the writers the training process asks for and serve its commands until closed."""
-    # The training process decides when logging ends (see the module docstring).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The training process decides when logging ends (see the module docstring). That
+    # includes the signals a scheduler stops a job with: srun delivers them to every
+    # process of a SLURM step, this one too (SIGUSR1/2 for a time limit, by convention).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     # comet_ml hooks libraries imported after it (MLflow runs would become extra Comet
     # experiments); here every value comes from the writers.
     os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from bridge.logging.scheduler_job import scheduler_job
 from core_utils.distributed import dist_ready, global_rank, global_world_size
 
 PROGRESS_FILE = "progress.txt"
@@ -41,7 +42,8 @@ def append_progress_log(
     path = Path(save_dir) / PROGRESS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    job = os.environ.get("SLURM_JOB_ID", "")
+    job_info = scheduler_job()
+    job = job_info.job_id if job_info is not None else ""
     with path.open("a", encoding="utf-8") as f:
         f.write(f"{stamp}\tJob ID: {job}\t# GPUs: {global_world_size()}\t{message}\n")
     return path

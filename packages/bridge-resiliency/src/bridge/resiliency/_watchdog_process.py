@@ -77,11 +77,12 @@ def _watch(target_pid: int, rank: int, kill_signal: int) -> int:
 def main(argv: list[str]) -> int:
     """Watch the rank named on the command line until told to stop."""
     target_pid, rank, kill_signal = (int(arg) for arg in argv[1:4])
-    # torchrun stops a worker by signalling its whole process group, watchdog included.
-    # The watchdog must outlive a SIGTERM (the rank may be saving a checkpoint, or be
-    # stopped and still need killing); it leaves when stdin closes or its parent changes.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # torchrun stops a worker by signalling its whole process group, watchdog included, and
+    # srun signals every process of a SLURM step (SIGUSR1/2 for a time limit, by
+    # convention). The watchdog must outlive them (the rank may be saving a checkpoint, or
+    # be stopped and still need killing); it leaves when stdin closes or its parent changes.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     return _watch(target_pid, rank, kill_signal)
 
 

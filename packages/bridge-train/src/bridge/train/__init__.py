@@ -1,10 +1,10 @@
 """bridge.train: the trainer on megatron-core's engine, its entry points and the reference API."""
 
-import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from bridge.config import register_moved_import
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.logging import (
@@ -245,17 +245,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _MODULE_OF: dict[str, str] = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())
 
 
 # Modules that moved in the one-engine redesign (Nov 2026): configs saved before it

@@ -5,10 +5,11 @@
     bridge-train [--config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
                  [--print-config | --dry-run] [--version]
                  [--hang-timeout SECONDS [--hang-setup-timeout SECONDS]
-                  [--hang-checkpoint-timeout SECONDS]] [section.field=value ...]
+                  [--hang-checkpoint-timeout SECONDS]] [--requeue-exit-code CODE]
+                 [section.field=value ...]
 
 With no arguments it trains the built-in ``tiny_gpt`` recipe. Launched bare it runs one
-process; under ``torchrun`` every rank runs it. Rank 0 prints what the overrides changed
+process; under ``torchrun`` or ``srun`` (SLURM, without torchrun) every rank runs it. Rank 0 prints what the overrides changed
 against the recipe before training; the whole resolved config is saved as
 ``<checkpoint.save>/run_config.yaml`` and printed by ``--print-config``. ``--dry-run``
 checks everything a launch checks, prints the parallel layout and exits.
@@ -19,8 +20,10 @@ duplicate key) answer without importing torch or megatron-core: nothing heavy is
 imported before the config names a class that needs it.
 
 Exit codes: 0 when training finished or stopped on purpose (exit signal, duration,
-interval); 2 for a configuration problem (printed as one line, without a traceback,
-before anything is started); 1 when a training-loop callback raised (one line naming the
+interval; ``--requeue-exit-code`` gives the latter a code of its own, for schedulers that
+must requeue or restart the job); 2 for a configuration problem (printed as one line,
+without a traceback, before anything is started; also a rendezvous whose ranks did not all
+meet within ``dist.distributed_timeout_minutes``, printed by every rank); 1 when a training-loop callback raised (one line naming the
 callback, hook and iteration) and for any other failure (with its traceback).
 """
 
@@ -45,15 +48,26 @@ EXIT_CALLBACK_ERROR = 1
 _USAGE = "bridge-train [--config FILE | --recipe NAME] [options] [section.field=value ...]"
 
 
-# The launcher's view (torchrun's environment), read before any process group exists and
-# without importing torch, which --help and configuration errors must not pay for. Once
-# training runs, core_utils.distributed.global_rank answers from the process group.
+# The launcher's view (torchrun's or srun's environment, bridge.train.engine.launch_env),
+# read before any process group exists and without importing torch, which --help and
+# configuration errors must not pay for. Once training runs, core_utils.distributed answers
+# from the process group.
 def _launcher_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    from bridge.train.engine.launch_env import launch_environment
+
+    try:
+        return launch_environment().rank
+    except ValueError:  # a broken launch environment: reported where it is read
+        return 0
 
 
 def _launcher_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from bridge.train.engine.launch_env import launch_environment
+
+    try:
+        return launch_environment().world_size
+    except ValueError:
+        return 1
 
 
 # One line per section for --help (the configuration reference has the fields).
@@ -119,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  bridge-train --dry-run model.num_layers=8      # check and show the plan, no training\n"
         "  bridge-train --config recipe.yaml checkpoint.save=runs/a\n"
         "  torchrun --nproc_per_node=2 -m bridge.train    # 2 data-parallel ranks\n"
-        "  torchrun --nproc_per_node=2 -m bridge.train model.tensor_model_parallel_size=2\n\n"
+        "  torchrun --nproc_per_node=2 -m bridge.train model.tensor_model_parallel_size=2\n"
+        "  srun --ntasks-per-node=8 python -m bridge.train   # SLURM, no torchrun needed\n\n"
         "Overrides follow OmegaConf's grammar (numbers, true/false, null, [lists], "
         "${interpolations}); see docs/yaml-and-overrides.md and docs/training.md."
     )
@@ -161,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --hang-timeout: limit for one checkpoint save (default: unlimited)",
     )
     parser.add_argument(
+        "--requeue-exit-code",
+        metavar="CODE",
+        type=_exit_code,
+        default=0,
+        help="exit with CODE instead of 0 when the run stopped before its end on purpose "
+        "(exit signal, train.exit_duration_in_mins, train.exit_interval) after saving, so a "
+        "SLURM batch script requeues it or Kubernetes restarts it (docs/clusters.md)",
+    )
+    parser.add_argument(
         "--version",
         action="version",
         version=_version_text(),
@@ -190,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="dotted overrides applied to the recipe",
     )
     return parser
+
+
+def _exit_code(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an exit code 0-255, got {text!r}") from None
+    if not 0 <= value <= 255:
+        raise argparse.ArgumentTypeError(f"expected an exit code 0-255, got {text!r}")
+    return value
 
 
 def _positive_seconds(text: str) -> float:
@@ -378,16 +412,19 @@ def run(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     hang_timeout = _hang_timeouts(args, parser)
+    from bridge.train.engine.launch_env import adopt_launch_environment, launch_notice
+
+    # srun's tasks become torch's variables before anything reads them; an environment that
+    # cannot be a real launch is refused here, in one line.
+    launch = adopt_launch_environment()
     from bridge.train.checks.launch import (
-        check_launch_environment,
         check_output_file,
         shared_store_restart_notice,
     )
 
-    check_launch_environment(os.environ)
-    notice = shared_store_restart_notice(os.environ)
-    if notice is not None and _launcher_rank() == 0:
-        print(f"[bridge-train] warning: {notice}", file=sys.stderr, flush=True)
+    for notice in (shared_store_restart_notice(os.environ), launch_notice()):
+        if notice is not None and launch.rank == 0:
+            print(f"[bridge-train] warning: {notice}", file=sys.stderr, flush=True)
     if args.metrics_file is not None:
         check_output_file(args.metrics_file, "--metrics-file")
     from bridge.train._import_notices import held_notices
@@ -422,8 +459,15 @@ def run(argv: Sequence[str] | None = None) -> int:
     if _launcher_rank() == 0 and not args.no_print_config:
         _print_overrides(path, recipe_cfg, cfg)
     if mimo:
-        return pretrain_mimo(cfg, metrics_file=args.metrics_file)
-    return pretrain(cfg, metrics_file=args.metrics_file, hang_timeout=hang_timeout)
+        return pretrain_mimo(
+            cfg, metrics_file=args.metrics_file, requeue_exit_code=args.requeue_exit_code
+        )
+    return pretrain(
+        cfg,
+        metrics_file=args.metrics_file,
+        hang_timeout=hang_timeout,
+        requeue_exit_code=args.requeue_exit_code,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -453,7 +497,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(EXIT_CALLBACK_ERROR)
         if not _is_user_error(exc):
             raise
-        if _launcher_rank() == 0:
+        rendezvous = sys.modules.get("bridge.train.engine.launch_env")
+        timeout_type = getattr(rendezvous, "RendezvousTimeout", None)
+        if isinstance(timeout_type, type) and isinstance(exc, timeout_type):
+            # Each rank saw its own part of a rendezvous that failed: every rank says it.
+            print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
+        elif _launcher_rank() == 0:
             # The launch checks report the first problem of every section at once.
             for problem in getattr(exc, "problems", None) or (exc,):
                 print(f"bridge-train: error: {problem}", file=sys.stderr, flush=True)

@@ -38,33 +38,16 @@ __all__ = [
     "shared_store_restart_notice",
 ]
 
-# Variables torchrun's agent sets for every worker it starts.
-_TORCHRUN_MARKERS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")
-# What any launcher of several processes must provide for torch's env:// rendezvous.
-_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK")
-
-
-def _int_variable(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(
-            name, f"environment variable holds {raw!r}, not an integer; unset it or fix it"
-        ) from None
-
 
 def check_launch_environment(environ: Mapping[str, str]) -> None:
     """Refuse a launch whose distributed environment variables cannot be a real launch.
 
-    The rule: with ``WORLD_SIZE`` > 1 and no torchrun agent (``TORCHELASTIC_RUN_ID``,
-    ``GROUP_RANK`` or ``LOCAL_WORLD_SIZE`` absent), every one of ``MASTER_ADDR``,
-    ``MASTER_PORT`` and ``RANK`` must be set (another launcher, e.g. srun or mpirun with
-    exported variables, provides them all); otherwise the variables are left over from an
-    earlier session and the run would wait forever for the other ranks. ``RANK`` must be
-    in ``[0, WORLD_SIZE)``.
+    The rules live with the launch environments
+    (:func:`bridge.train.engine.launch_env.launch_environment`): with ``WORLD_SIZE`` > 1 and
+    no torchrun agent, ``MASTER_ADDR``, ``MASTER_PORT`` and ``RANK`` must all be set
+    (otherwise the variables are left over from an earlier session and the run would wait
+    forever for the other ranks); ``RANK`` must be in ``[0, WORLD_SIZE)``; inside an
+    ``srun`` task, values set by hand must agree with what ``srun`` started.
 
     Args:
         environ: The process environment (``os.environ``).
@@ -72,28 +55,9 @@ def check_launch_environment(environ: Mapping[str, str]) -> None:
     Raises:
         ConfigError: naming the variable and the fix.
     """
-    world = _int_variable(environ, "WORLD_SIZE")
-    rank = _int_variable(environ, "RANK")
-    if world is not None and world < 1:
-        raise ConfigError("WORLD_SIZE", f"environment variable is {world}; it must be >= 1")
-    if rank is not None and not 0 <= rank < (world or 1):
-        raise ConfigError(
-            "RANK",
-            f"environment variable is {rank}, outside [0, WORLD_SIZE={world or 1}); unset "
-            "RANK and WORLD_SIZE for a one-process run, or launch with torchrun",
-        )
-    if world is None or world == 1 or any(name in environ for name in _TORCHRUN_MARKERS):
-        return
-    missing = [name for name in _RENDEZVOUS_VARIABLES if not environ.get(name)]
-    if missing:
-        raise ConfigError(
-            "WORLD_SIZE",
-            f"environment variable is {world} but this is not a torchrun launch and "
-            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, so the "
-            "other ranks would never join; unset WORLD_SIZE and RANK for a one-process run "
-            f"(env -u WORLD_SIZE -u RANK bridge-train ...), or launch with torchrun "
-            f"--nproc_per_node={world}",
-        )
+    from bridge.train.engine.launch_env import launch_environment
+
+    launch_environment(environ)
 
 
 def shared_store_restart_notice(environ: Mapping[str, str]) -> str | None:

@@ -15,7 +15,6 @@ exactly as long as the training run.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 from datetime import timedelta
 from typing import Any
@@ -24,10 +23,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge.train.engine.launch_env import (
+    adopt_launch_environment,
+    guarded_rendezvous,
+)
 from core_utils.distributed import global_world_size
 
 __all__ = [
     "destroy_distributed",
+    "init_launch_process_group",
     "initialize_distributed",
     "resolve_distributed_backend",
     "set_random_seed",
@@ -130,17 +134,25 @@ def validate_parallel_layout(model_config: Any, world_size: int, engine: str = "
             )
 
 
-def _init_process_group(backend: str, timeout_minutes: float) -> None:
-    timeout = timedelta(minutes=timeout_minutes)
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        # Restart-safe under torchrun --max-restarts: every restart attempt gets its own key
-        # space in the launcher's store (plain init_process_group makes gloo connect to the
-        # dead attempt's ranks). Outside torchelastic it is init_process_group.
-        from bridge.resiliency import init_process_group
+def init_launch_process_group(backend: str, timeout: timedelta) -> None:
+    """Create the default process group for this launch (:mod:`.launch_env`).
 
-        init_process_group(backend, timeout=timeout)
-    else:
-        # A bare, non-torchrun launch: a single-rank group on a free local port.
+    Under torchrun, ``srun`` or torch's variables set by hand: the launch's rendezvous,
+    restart-safe under ``torchrun --max-restarts`` (every restart attempt gets its own key
+    space in the launcher's store) and guarded (a stuck rendezvous says what it waits for
+    within seconds and ends in one line at ``timeout``). Launched bare: a one-rank group on
+    a free local port.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"`` (:func:`resolve_distributed_backend`).
+        timeout: ``dist.distributed_timeout_minutes``.
+
+    Raises:
+        bridge.config.ConfigError: The launch environment cannot be a real launch.
+        bridge.train.engine.launch_env.RendezvousTimeout: The ranks did not all meet.
+    """
+    launch = adopt_launch_environment()
+    if not (launch.distributed and launch.world_size > 1):
         from core_utils.testing import find_free_port
 
         dist.init_process_group(
@@ -150,7 +162,15 @@ def _init_process_group(backend: str, timeout_minutes: float) -> None:
             world_size=1,
             timeout=timeout,
         )
-    _STATE["owns_process_group"] = True
+        return
+    from bridge.resiliency import init_process_group
+
+    guarded_rendezvous(
+        launch,
+        lambda: init_process_group(backend, timeout=timeout),
+        timeout.total_seconds(),
+        rendezvous_errors=(dist.DistError,),
+    )
 
 
 def initialize_distributed(
@@ -162,8 +182,10 @@ def initialize_distributed(
 ) -> None:
     """Initialise torch.distributed, megatron's parallel state and the random seeds.
 
-    Under ``torchrun`` the launcher's environment is used; launched bare, a one-rank group
-    is created. An existing default process group is reused. On CUDA with nccl the device
+    Under ``torchrun`` the launcher's environment is used, under ``srun`` SLURM's (see
+    :mod:`bridge.train.engine.launch_env`); launched bare, a one-rank group is created. A
+    rendezvous that does not complete says what it waits for within seconds and fails after
+    ``dist.distributed_timeout_minutes`` with one line. An existing default process group is reused. On CUDA with nccl the device
     is set from ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``).
 
     Args:
@@ -178,9 +200,12 @@ def initialize_distributed(
 
     Raises:
         ValueError: Invalid backend or parallel layout (raised before any group is built).
+        bridge.config.ConfigError: The launch environment cannot be a real launch.
+        bridge.train.engine.launch_env.RendezvousTimeout: The ranks did not all meet.
     """
     from megatron.core import parallel_state
 
+    launch = adopt_launch_environment()
     backend = resolve_distributed_backend(dist_config)
     world_size = global_world_size(launcher_fallback=True)
     validate_parallel_layout(model_config, world_size, engine)
@@ -190,13 +215,12 @@ def initialize_distributed(
     timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
     if torch.cuda.is_available() and backend == "nccl":
         local_rank = (
-            0
-            if getattr(dist_config, "external_gpu_device_mapping", False)
-            else int(os.environ.get("LOCAL_RANK", "0"))
+            0 if getattr(dist_config, "external_gpu_device_mapping", False) else launch.local_rank
         )
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        _init_process_group(backend, timeout_minutes)
+        init_launch_process_group(backend, timedelta(minutes=timeout_minutes))
+        _STATE["owns_process_group"] = True
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

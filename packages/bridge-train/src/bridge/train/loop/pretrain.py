@@ -45,6 +45,7 @@ from bridge.logging import (
     MetricWriters,
     ReportSettings,
     build_timers,
+    scheduler_job,
     setup_logging,
     start_memory_history_recording,
 )
@@ -55,7 +56,9 @@ from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.engine.base import Engine, build_engine
 from bridge.train.engine.initialize import destroy_distributed
+from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.loop.batch_size import release_num_microbatches_calculator
+from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.run_ends import (
     adopt_own_save_dir,
@@ -247,11 +250,16 @@ def setup(
     )
     state.adopt_resiliency(resiliency)
     resiliency.start_setup()
-    # The config as plain data for the backends' run parameters (never fails).
+    # The config as plain data for the backends' run parameters (never fails), with the
+    # SLURM job (``slurm_job``) when there is one.
     plain = yaml.safe_load(cfg.format_yaml())
+    plain = plain if isinstance(plain, dict) else {}
+    job = scheduler_job()
+    if job is not None:
+        plain["slurm_job"] = job.run_parameters()
     state.metric_writers = build_run_metric_writers(
         logger_cfg,
-        run_config=plain if isinstance(plain, dict) else {},
+        run_config=plain,
         metrics_file=metrics_file,
         backend_settings=backend_settings,
         report_settings=report_settings,
@@ -384,6 +392,7 @@ def pretrain(
     process_non_loss_data_func: Callable[..., Any] | None = None,
     non_loss_data_func: Callable[..., Any] | None = None,
     callbacks: Sequence[Callback] = (),
+    requeue_exit_code: int = 0,
 ) -> int:
     """Train a model as ``config`` says, from scratch or from its last checkpoint.
 
@@ -412,10 +421,15 @@ def pretrain(
         non_loss_data_func: See :func:`bridge.train.evaluate`.
         callbacks: Training-loop callbacks (:class:`bridge.train.Callback`), run after the
             loop's components and after ``config.callbacks``, in this order.
+        requeue_exit_code: Returned instead of 0 when training stopped before its end on
+            purpose (exit signal, ``train.exit_duration_in_mins``, ``train.exit_interval``)
+            after saving a checkpoint, so that a batch script or Kubernetes can requeue or
+            restart the job (``bridge-train --requeue-exit-code``; docs/clusters.md).
 
     Returns:
         The process exit code: 0 when training finished or stopped on purpose (signal,
-        duration, interval), else the rerun state machine's code.
+        duration, interval; ``requeue_exit_code`` for the latter when given), else the
+        rerun state machine's code.
 
     Raises:
         bridge.config.ConfigError: The config cannot run here (raised before any process
@@ -424,6 +438,7 @@ def pretrain(
         core_utils.CallbackError: A callback raised (names the callback, hook and iteration).
     """
     CallbackList((), callbacks)  # refuse a non-callback before anything is built
+    adopt_launch_environment()  # srun's tasks: before anything reads the world size
     check_config_before_launch(config)
     if forward_step_func is forward_step:  # the default: the model family's own step
         forward_step_func = default_forward_step(config.model)
@@ -439,9 +454,7 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
-        progress_log = progress_log_of(state)
-        if progress_log is not None:
-            progress_log.starting_job()
+        record_starting_job(progress_log_of(state), state.metric_writers, state.train_state.step)
         save_run_config(config)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
@@ -464,6 +477,8 @@ def pretrain(
             _final_evaluation(
                 out, forward_step_func, process_non_loss_data_func, non_loss_data_func
             )
+        elif exit_code == 0:
+            exit_code = requeue_exit_code  # stopped early on purpose, after saving
         state.metric_writers.flush()
         clean = True
         return exit_code

@@ -43,7 +43,6 @@ own data-parallel groups, which megatron's check does not know).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -65,30 +64,21 @@ check_mimo_config = check_config_before_launch
 
 
 def _init_process_group(dist_config: DistributedInitConfig) -> bool:
-    """Initialise torch.distributed (restart-safe); True if this call created it."""
+    """Initialise torch.distributed for this launch; True if this call created it."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return False
-    from bridge.resiliency import init_process_group
-    from bridge.train.engine.initialize import resolve_distributed_backend
+    from bridge.train.engine.initialize import (
+        init_launch_process_group,
+        resolve_distributed_backend,
+    )
+    from bridge.train.engine.launch_env import adopt_launch_environment
 
     backend = resolve_distributed_backend(dist_config)
-    timeout = timedelta(minutes=dist_config.distributed_timeout_minutes)
-    if "MASTER_ADDR" not in os.environ:
-        from core_utils.testing import find_free_port
-
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{find_free_port()}",
-            rank=0,
-            world_size=1,
-            timeout=timeout,
-        )
-    else:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        init_process_group(backend, timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(adopt_launch_environment().local_rank)
+    init_launch_process_group(backend, timedelta(minutes=dist_config.distributed_timeout_minutes))
     return True
 
 
@@ -98,6 +88,7 @@ def pretrain_mimo(
     metrics_file: str | Path | None = None,
     start_time: float | None = None,
     callbacks: Sequence[Callback] = (),
+    requeue_exit_code: int = 0,
 ) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
 
@@ -110,10 +101,13 @@ def pretrain_mimo(
             ``cfg.callbacks``, both after the loop's components and before the checkpointer
             (as for GPT); they see the loop's ``LoopContext`` (``model`` is
             ``[MimoCheckpointModel]``, ``optimizer`` the ``MultiModuleOptimizer``).
+        requeue_exit_code: Returned instead of 0 when an exit condition (exit signal,
+            duration, interval) ended the run before its last iteration, after saving, so
+            that a batch script or Kubernetes can requeue or restart it (as for GPT).
 
     Returns:
-        The exit code: 0, also after an exit condition (exit signal, duration, interval)
-        ended the run, as for GPT.
+        The exit code: 0 (or ``requeue_exit_code`` when an exit condition ended the run
+        early), as for GPT.
 
     Raises:
         ConfigError: See :func:`~bridge.train.checks.preflight.check_config_before_launch`.
@@ -124,6 +118,7 @@ def pretrain_mimo(
     import bridge.mimo as mimo
     from bridge.logging import setup_logging
     from bridge.resiliency import RunResiliency
+    from bridge.train.engine.launch_env import adopt_launch_environment
     from bridge.train.engine.scheduler import build_optimizer_param_scheduler
     from bridge.train.loop.components import (
         close_components,
@@ -132,7 +127,7 @@ def pretrain_mimo(
     )
     from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel, load_mimo_checkpoint
     from bridge.train.loop.profiling import profile_trace_dir
-    from bridge.train.loop.progress_log import ProgressLog
+    from bridge.train.loop.progress_log import ProgressLog, record_starting_job
     from bridge.train.loop.run_ends import (
         build_run_metric_writers,
         checkpointing_context_for,
@@ -147,6 +142,7 @@ def pretrain_mimo(
     start_time = time.time() if start_time is None else start_time
     user_callbacks = [*cfg.callbacks, *callbacks]
     CallbackList((), user_callbacks)  # refuse a non-callback before anything is built
+    adopt_launch_environment()  # srun's tasks: before anything reads the world size
     check_config_before_launch(cfg)
     train, logger_cfg, opt_cfg, checkpoint = cfg.train, cfg.logger, cfg.optimizer, cfg.checkpoint
     model_cfg = cfg.model
@@ -275,8 +271,7 @@ def pretrain_mimo(
             start_time=start_time,
             job_start_flops=state.job_start_flops,
         )
-        if progress_log is not None:
-            progress_log.starting_job()
+        record_starting_job(progress_log, writers, state.train_state.step)
         step_function = mimo.MimoStepFunction(step, data, scheduler)
         components = standard_components(
             metrics=mimo.MimoLogger(step_function, log, logger_cfg.log_interval, train_iters),
@@ -305,6 +300,8 @@ def pretrain_mimo(
             state=state,
         )
         exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
+        if exit_code == 0 and context.iteration < train_iters:
+            exit_code = requeue_exit_code  # stopped early on purpose, after saving
         # The loop's Checkpointer printed why it stopped early (rank 0).
         if last and step_function.losses:
             print(

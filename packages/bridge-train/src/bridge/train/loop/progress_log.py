@@ -4,7 +4,8 @@ With ``logger.log_progress`` and ``checkpoint.save`` set, the trainer appends to
 ``<checkpoint.save>/progress.txt`` (through :func:`bridge.logging.append_progress_log`,
 which writes ``<date time>\\tJob ID: <id>\\t# GPUs: <world size>\\t<message>`` on rank 0):
 
-* ``Starting job`` when a launch begins training;
+* ``Starting job`` when a launch begins training (under SLURM followed by
+  ``Nodes: <node list>\tRequeue count: <n>``, see :mod:`bridge.logging.scheduler_job`);
 * after each persistent checkpoint::
 
     Saved checkpoint\\tIteration: 40\\tJob throughput: 0.0123 TFLOP/s/GPU\\t
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
-from bridge.logging import append_progress_log
+from bridge.logging import MetricWriters, append_progress_log, scheduler_job
 from core_utils.distributed import global_world_size
 from core_utils.loop import TrainProgress
 
@@ -40,6 +41,7 @@ __all__ = [
     "ProgressLog",
     "compute_throughputs_and_append_to_progress_log",
     "get_start_time_from_progress_log",
+    "record_starting_job",
 ]
 
 PROGRESS_FILE = "progress.txt"
@@ -166,9 +168,14 @@ class ProgressLog:
             job_start_flops=job_start_flops,
         )
 
-    def starting_job(self) -> None:
-        """Append ``Starting job`` (call on every rank when a launch starts training)."""
-        append_progress_log(self.save, STARTING_JOB)
+    def starting_job(self, details: str | None = None) -> None:
+        """Append ``Starting job`` (call on every rank when a launch starts training).
+
+        Args:
+            details: Tab-separated fields appended to the line (the SLURM job's).
+        """
+        message = STARTING_JOB if details is None else f"{STARTING_JOB}\t{details}"
+        append_progress_log(self.save, message)
 
     def saved_checkpoint(self, train_state: TrainProgress, flops_so_far: float) -> None:
         """Append the line of a persistent checkpoint just saved (a collective).
@@ -227,3 +234,25 @@ def compute_throughputs_and_append_to_progress_log(
         start_time=state.start_time,
         job_start_flops=state.job_start_flops,
     ).saved_checkpoint(state.train_state, num_floating_point_operations_so_far)
+
+
+def record_starting_job(
+    progress_log: ProgressLog | None, metric_writers: MetricWriters, iteration: int
+) -> None:
+    """Record the start of a launch (call on every rank when a launch starts training).
+
+    Under SLURM the metric writers get ``slurm/job_id`` and ``slurm/requeue_count`` at the
+    iteration the launch starts from. With a progress log (``logger.log_progress`` and
+    ``checkpoint.save``), ``Starting job`` is appended to ``progress.txt`` (under SLURM with
+    the node list and the requeue count).
+
+    Args:
+        progress_log: The run's ``progress.txt``, if kept.
+        metric_writers: The run's metric writers.
+        iteration: The iteration the launch starts from.
+    """
+    job = scheduler_job()
+    if job is not None:
+        metric_writers.log_metrics(job.metrics(), iteration)
+    if progress_log is not None:
+        progress_log.starting_job(None if job is None else job.progress_fields())
