@@ -4,7 +4,7 @@
   (:func:`build_run_metric_writers`), the checkpointing context of the ``checkpoint``
   section (:func:`checkpointing_context_for`), which checkpoint a run resumes when
   ``checkpoint.load`` is unset (:func:`adopt_own_save_dir`).
-* At the end: the ordered release of what the run started (:func:`run_state_teardown`,
+* At the end: the ordered release of what the run started (:func:`run_teardown_steps`,
   :func:`run_teardown`), each step logged and never raised over an error that may already
   be propagating.
 """
