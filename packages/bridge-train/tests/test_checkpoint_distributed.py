@@ -89,6 +89,7 @@ class _Run:
             self.model, cfg.optimizer, cfg.scheduler, cfg.train
         )
         self.state = GlobalState(cfg=cfg)
+        assert cfg.checkpoint is not None
         self.context = init_checkpointing_context(cfg.checkpoint)
         self._iterator: Any = None
 

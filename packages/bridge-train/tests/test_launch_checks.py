@@ -38,6 +38,7 @@ def test_one_problem_per_section_in_one_pass(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     cfg = tiny_config_container(logger=LoggerConfig(tensorboard_dir=str(blocker / "tb")))
+    assert cfg.checkpoint is not None
     cfg.checkpoint.load = str(tmp_path / "missing")
     cfg.rerun_state_machine.rerun_mode = "validate_results"
     with pytest.raises(ConfigProblems) as info:
@@ -88,7 +89,8 @@ def _mimo(*overrides: str) -> ConfigContainer:
 
 
 def test_the_mimo_recipe_runs_the_same_pass_and_refuses_what_it_ignores(tmp_path: Path) -> None:
-    assert run_kind(_mimo()) == "mimo" and run_kind(tiny_config_container()) == "gpt"
+    assert run_kind(_mimo().model) == "mimo"
+    assert run_kind(tiny_config_container().model) == "gpt"
     check_config_before_launch(_mimo(), world_size=1, cuda_available=False)
     cfg = _mimo("train.check_weight_hash_across_dp_replicas_interval=2")
     cfg.dataset = tiny_config_container().dataset
