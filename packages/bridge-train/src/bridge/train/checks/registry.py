@@ -120,8 +120,10 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     "mixed_precision": (_unused_by_mimo("mixed_precision"),),
     "checkpoint": (
         Rule(rules.checkpoint_settings_are_supported),
-        Rule(rules.load_directory_exists),
-        Rule(rules.checkpoint_directories_hold_runs),
+        # The mimo recipe refuses an absent or foreign checkpoint when it loads
+        # (CheckpointError, naming exit_on_missing_checkpoint), as its docs say.
+        Rule(rules.load_directory_exists, GPT),
+        Rule(rules.checkpoint_directories_hold_runs, GPT),
         Rule(rules.save_directory_is_writable),
     ),
     "logger": (Rule(rules.logger_directories_are_writable),),
