@@ -47,7 +47,7 @@ def _build(directory: Path) -> dict[str, Any]:
 
     from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
     from bridge.train import GlobalState
-    from bridge.train.engine.portable import PortableEngine
+    from bridge.train.engine import build_engine
     from bridge.train.loop.bare_loop import train_steps
     from bridge.train.testing import (
         tiny_dist_config,
@@ -78,7 +78,7 @@ def _build(directory: Path) -> dict[str, Any]:
         dataset=tiny_mock_dataset_config(sequence_length=256),
         rng=tiny_rng_config(),
     )
-    engine = PortableEngine()
+    engine = build_engine()
     engine.initialize_distributed(provider, tiny_dist_config(), cfg.rng)
     model = engine.setup_model(provider)
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)

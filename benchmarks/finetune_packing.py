@@ -66,24 +66,30 @@ def _step_time(
 
 
 def _build(seq: int, peft: Any = None) -> tuple[Any, Any, Any]:
-    from bridge.train.engine.portable import PortableEngine
-    from bridge.train.engine.portable_optimizer import build_portable_optimizer
+    from bridge.train.engine import build_engine
     from bridge.train.peft import apply_peft
     from bridge.train.testing import (
         tiny_dist_config,
         tiny_gpt_provider,
         tiny_optimizer_config,
         tiny_rng_config,
+        tiny_scheduler_config,
+        tiny_train_config,
     )
 
     provider = tiny_gpt_provider(
         vocab_size=258, seq_length=seq, hidden_size=128, num_attention_heads=4
     )
-    engine = PortableEngine()
+    engine = build_engine()
     engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
     hooks = [] if peft is None else [lambda chunks: apply_peft(peft, chunks)]
     model = engine.setup_model(provider, pre_wrap_hooks=hooks)
-    optimizer = build_portable_optimizer(model, tiny_optimizer_config(weight_decay=0.0))
+    optimizer, _ = engine.setup_optimizer(
+        model,
+        tiny_optimizer_config(weight_decay=0.0),
+        tiny_scheduler_config(lr_decay_style="constant", lr_warmup_iters=0),
+        tiny_train_config(),
+    )
     return engine, model, optimizer
 
 
@@ -103,7 +109,8 @@ def _batches(dataset: Any, mbs: int, per_step: int, steps: int) -> list[list[Any
 def _optimizer_state_bytes(optimizer: Any) -> int:
     return sum(
         t.numel() * t.element_size()
-        for state in optimizer.optimizer.state.values()
+        for inner in optimizer.chained_optimizers
+        for state in inner.optimizer.state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor)
     )

@@ -7,9 +7,10 @@ user would write without any framework: the ``GPTModel`` from the provider, no w
 norms), megatron-core's ``OptimizerParamScheduler``, a plain ``DataLoader`` over the same
 mock dataset, gradient accumulation over the micro-batches, ``clip_grad_norm_`` and a
 ``print`` of the loss every 10 iterations. The trainer adds everything ``bridge-train``
-runs per iteration: the portable engine (data-parallel wrapper with gradient buckets, the
-optimizer behind megatron's contract, the micro-batch schedule), ``train_step`` with the
-rerun state machine, the TrainState and FLOP counters, ``training_log`` with the console
+runs per iteration: megatron-core's engine (its ``DistributedDataParallel`` with gradient
+buckets, ``get_megatron_optimizer``, the micro-batch schedule, on CPU under core-utils' CUDA
+emulation; ``benchmarks/engine_overhead.py`` separates the engine from the trainer),
+``train_step`` with the rerun state machine, the TrainState and FLOP counters, ``training_log`` with the console
 line every 10 iterations, the post-step callbacks (fault-tolerance hooks, straggler
 timing), exit conditions and checkpoint decisions.
 

@@ -1,8 +1,11 @@
 """Hugging Face import/export throughput and peak memory against safetensors alone.
 
-A Llama-style model (grouped-query attention, SwiGLU, untied embeddings; about 103 M
-parameters, 412 MB of fp32 at the default size, 12.6 times its largest tensor, the 33 MB
-embedding) is written as a two-shard safetensors checkpoint. Each measurement runs in a
+Two families, each written as a two-shard safetensors checkpoint: a Llama-style model
+(grouped-query attention, SwiGLU, untied embeddings; about 103 M parameters, 412 MB of fp32
+at the default size, 12.6 times its largest tensor, the 33 MB embedding) and a Qwen3-MoE
+model of the same hidden size (``--experts`` routed SwiGLU experts of ``hidden / 2`` per
+layer, QK-norm; half the layers, so a few hundred small expert tensors beside the
+embeddings). Each measurement runs in a
 fresh process of its own, so its peak resident memory is its own; the conversions first
 convert a tiny model in that process, so module imports are neither timed nor counted:
 
@@ -22,8 +25,8 @@ added (anonymous resident memory, ``RssAnon``, sampled every millisecond, minus 
 just before the operation; memory-mapped file pages are page cache and not counted) as a
 multiple of the largest tensor and of the whole model. It asserts nothing. Run from the repository root::
 
-    uv run python benchmarks/hf_conversion.py [--hidden 1024] [--layers 8] [--dir /tmp/hfb]
-        [--malloc-mmap-threshold 1048576]
+    uv run python benchmarks/hf_conversion.py [--family all|llama|qwen3_moe] [--hidden 1024]
+        [--layers 8] [--experts 8] [--dir /tmp/hfb] [--malloc-mmap-threshold 1048576]
 """
 
 from __future__ import annotations
@@ -75,15 +78,17 @@ class _PeakSampler:
         self.peak = max(self.peak, _anon_bytes())
 
 
-def _write_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[str, Any]:
+def _write_model(
+    directory: Path, hidden: int, layers: int, vocab: int, family: str = "llama", experts: int = 8
+) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
 
     heads, kv_heads = hidden // 64, max(1, hidden // 256)
     ffn = int(hidden * 8 / 3) // 64 * 64
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+    config: dict[str, Any] = {
+        "model_type": family,
+        "architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen3MoeForCausalLM"],
         "hidden_size": hidden,
         "intermediate_size": ffn,
         "num_hidden_layers": layers,
@@ -96,6 +101,14 @@ def _write_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[
         "tie_word_embeddings": False,
         "dtype": "float32",
     }
+    if family == "qwen3_moe":
+        config.update(
+            head_dim=hidden // heads,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2,
+            norm_topk_prob=True,
+        )
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     g = torch.Generator().manual_seed(0)
@@ -110,19 +123,34 @@ def _write_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[
     ]
     for i in range(layers):
         p = f"model.layers.{i}."
-        shards[i * 2 // layers].update(
-            {
-                f"{p}input_layernorm.weight": torch.ones(hidden),
-                f"{p}post_attention_layernorm.weight": torch.ones(hidden),
-                f"{p}self_attn.q_proj.weight": rand(heads * d, hidden),
-                f"{p}self_attn.k_proj.weight": rand(kv_heads * d, hidden),
-                f"{p}self_attn.v_proj.weight": rand(kv_heads * d, hidden),
-                f"{p}self_attn.o_proj.weight": rand(hidden, heads * d),
+        layer = {
+            f"{p}input_layernorm.weight": torch.ones(hidden),
+            f"{p}post_attention_layernorm.weight": torch.ones(hidden),
+            f"{p}self_attn.q_proj.weight": rand(heads * d, hidden),
+            f"{p}self_attn.k_proj.weight": rand(kv_heads * d, hidden),
+            f"{p}self_attn.v_proj.weight": rand(kv_heads * d, hidden),
+            f"{p}self_attn.o_proj.weight": rand(hidden, heads * d),
+        }
+        if family == "llama":
+            layer |= {
                 f"{p}mlp.gate_proj.weight": rand(ffn, hidden),
                 f"{p}mlp.up_proj.weight": rand(ffn, hidden),
                 f"{p}mlp.down_proj.weight": rand(hidden, ffn),
             }
-        )
+        else:
+            layer |= {
+                f"{p}self_attn.q_norm.weight": torch.ones(d),
+                f"{p}self_attn.k_norm.weight": torch.ones(d),
+                f"{p}mlp.gate.weight": rand(experts, hidden),
+            }
+            for e in range(experts):
+                x = f"{p}mlp.experts.{e}."
+                layer |= {
+                    f"{x}gate_proj.weight": rand(hidden // 2, hidden),
+                    f"{x}up_proj.weight": rand(hidden // 2, hidden),
+                    f"{x}down_proj.weight": rand(hidden, hidden // 2),
+                }
+        shards[i * 2 // layers].update(layer)
     weight_map: dict[str, str] = {}
     total = largest = 0
     for index, shard in enumerate(shards):
@@ -153,10 +181,13 @@ def _child(op: str, src: str, dst: str) -> dict[str, float]:
     if op in ("import", "export"):
         import bridge.train.convert as convert
 
+        family = json.loads(
+            (Path(src if op == "import" else f"{src}/hf") / "config.json").read_text()
+        )["model_type"]
         # Convert a tiny model first: every module the conversion imports is loaded (and
         # its code resident) before the baseline, so time and memory are the conversion's.
         with tempfile.TemporaryDirectory(prefix="hf-bench-warm-up-") as warm:
-            _write_model(Path(warm) / "hf", hidden=64, layers=2, vocab=256)
+            _write_model(Path(warm) / "hf", hidden=64, layers=2, vocab=256, family=family)
             convert.import_hf_checkpoint(Path(warm) / "hf", Path(warm) / "ckpt")
             convert.export_hf_checkpoint(Path(warm) / "ckpt", Path(warm) / "out")
     else:
@@ -225,6 +256,8 @@ def _run(op: str, src: Path, dst: Path, mmap_threshold: int | None) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", choices=["all", "llama", "qwen3_moe"], default="all")
+    parser.add_argument("--experts", type=int, default=8, help="experts per layer (qwen3_moe)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8000)
@@ -243,46 +276,50 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(*args.child)))
         return
+    families = ["llama", "qwen3_moe"] if args.family == "all" else [args.family]
     root = Path(args.dir or tempfile.mkdtemp(prefix="hf-bench-"))
     if root.exists():
         shutil.rmtree(root)
     try:
-        sizes = _write_model(root / "hf", args.hidden, args.layers, args.vocab)
-        total, largest = sizes["total_bytes"], sizes["largest_bytes"]
-        print(
-            f"model: {total / 1e6:.0f} MB fp32, largest tensor {largest / 1e6:.0f} MB "
-            f"(hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab})"
-        )
-        results = {
-            "safetensors read": _run(
-                "read", root / "hf", root / "unused", args.malloc_mmap_threshold
-            ),
-            "safetensors write": _run(
-                "write", root / "hf", root / "rewritten", args.malloc_mmap_threshold
-            ),
-            "import": _run("import", root / "hf", root / "ckpt", args.malloc_mmap_threshold),
-            "export": _run("export", root / "ckpt", root / "exported", args.malloc_mmap_threshold),
-        }
-        # A conversion reads one format and writes the other: its baseline is both.
-        base_seconds = (
-            results["safetensors read"]["seconds"] + results["safetensors write"]["seconds"]
-        )
-        print(
-            f"{'operation':<18} {'seconds':>8} {'GB/s':>7} {'vs base':>8} {'peak/largest':>13} {'peak/model':>11}"
-        )
-        for name, r in results.items():
-            rate = total / r["seconds"] / 1e9
-            ratio = f"{base_seconds / r['seconds']:.2f}x" if name in ("import", "export") else "-"
-            print(
-                f"{name:<18} {r['seconds']:>8.2f} {rate:>7.3f} {ratio:>8} "
-                f"{r['peak_added_bytes'] / largest:>13.1f} {r['peak_added_bytes'] / total:>11.2f}"
-            )
-        print(
-            "vs base: (safetensors read + write time) / conversion time; peak: anonymous "
-            "resident memory added by the operation"
-        )
+        for family in families:
+            _measure(root / family, family, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure(root: Path, family: str, args: argparse.Namespace) -> None:
+    """Write one family's model, run the four measurements, print the table."""
+    layers = args.layers if family == "llama" else max(2, args.layers // 2)
+    sizes = _write_model(root / "hf", args.hidden, layers, args.vocab, family, args.experts)
+    total, largest = sizes["total_bytes"], sizes["largest_bytes"]
+    print(
+        f"{family}: {total / 1e6:.0f} MB fp32, largest tensor {largest / 1e6:.0f} MB "
+        f"(hidden {args.hidden}, {layers} layers, vocabulary {args.vocab}"
+        + (f", {args.experts} experts per layer)" if family != "llama" else ")")
+    )
+    threshold = args.malloc_mmap_threshold
+    results = {
+        "safetensors read": _run("read", root / "hf", root / "unused", threshold),
+        "safetensors write": _run("write", root / "hf", root / "rewritten", threshold),
+        "import": _run("import", root / "hf", root / "ckpt", threshold),
+        "export": _run("export", root / "ckpt", root / "exported", threshold),
+    }
+    # A conversion reads one format and writes the other: its baseline is both.
+    base_seconds = results["safetensors read"]["seconds"] + results["safetensors write"]["seconds"]
+    print(
+        f"{'operation':<18} {'seconds':>8} {'GB/s':>7} {'vs base':>8} {'peak/largest':>13} {'peak/model':>11}"
+    )
+    for name, r in results.items():
+        rate = total / r["seconds"] / 1e9
+        ratio = f"{base_seconds / r['seconds']:.2f}x" if name in ("import", "export") else "-"
+        print(
+            f"{name:<18} {r['seconds']:>8.2f} {rate:>7.3f} {ratio:>8} "
+            f"{r['peak_added_bytes'] / largest:>13.1f} {r['peak_added_bytes'] / total:>11.2f}"
+        )
+    print(
+        "vs base: (safetensors read + write time) / conversion time; peak: anonymous "
+        "resident memory added by the operation"
+    )
 
 
 if __name__ == "__main__":

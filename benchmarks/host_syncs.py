@@ -15,7 +15,9 @@ iteration (forward, backward, optimizer step) and everything the loop does after
 steady-state iteration that does not log, and one that writes the console log line. The
 call sites (the innermost frame outside torch) are listed with their counts.
 
-    uv run python benchmarks/host_syncs.py [--log-interval 10] [--engine megatron]
+    uv run python benchmarks/host_syncs.py [--log-interval 10]
+
+The trainer runs on megatron-core's engine (on CPU under core-utils' CUDA emulation).
 
 It prints the counts and never asserts them.
 """
@@ -142,7 +144,6 @@ class _IterationWindows:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--engine", choices=("portable", "megatron"), default="portable")
     args = parser.parse_args()
     interval = args.log_interval
     # Window "n" opens when n steps are complete and covers step n+1 and the work after it.
@@ -157,7 +158,6 @@ def main() -> None:
             train_iters=steps,
             micro_batch_size=micro,
             global_batch_size=global_batch,
-            engine=args.engine,
         ),
         logger=LoggerConfig(log_interval=interval),
     )
@@ -166,7 +166,6 @@ def main() -> None:
         code = pretrain(cfg, counter.wrap(forward_step), metrics_file=Path(tmp) / "metrics.jsonl")
     if code != 0:
         sys.exit(f"pretrain exited with {code}")
-    print(f"engine: {args.engine}")
     for label in windows:
         sites = counter.counts.get(label, collections.Counter())
         print(f"{label}: {sum(sites.values())} host synchronisations")

@@ -177,7 +177,7 @@ def run_layout(name: str) -> dict[str, list[float]]:
     train_config = tiny_train_config(
         train_iters=STEPS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH
     )
-    engine = build_engine("megatron")
+    engine = build_engine()
     engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
     model = engine.setup_model(
         provider,

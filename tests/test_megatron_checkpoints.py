@@ -1,7 +1,7 @@
-"""Checkpoints under the megatron engine on CPU: exact resume, cross-layout resume, refusals.
+"""Checkpoints on megatron-core's engine on CPU: exact resume, cross-layout resume, refusals.
 
-Every run is ``pretrain`` with ``train.engine=megatron`` (megatron-core DDP, optimizer and
-pipeline schedules under core-utils' CUDA emulation). Same-layout runs use dropout, so the
+Every run is ``pretrain`` (megatron-core DDP, optimizer and pipeline schedules under
+core-utils' CUDA emulation). Same-layout runs use dropout, so the
 RNG state (torch's generator and megatron's tensor-parallel RNG tracker) matters. One
 process group of two forked ranks runs every job of a test in sequence, so the cost of
 starting processes is paid once.
@@ -57,7 +57,6 @@ def _config(job: dict[str, Any]) -> Any:
         model.overlap_p2p_comm = True
     distributed = bool(job.get("distributed_optimizer", False))
     train = tiny_train_config(train_iters=ITERS, global_batch_size=8, micro_batch_size=1)
-    train.engine = "megatron"
     return tiny_config_container(
         train=train,
         model=model,

@@ -122,6 +122,7 @@ def test_full_matrix_on_two_ranks(tmp_path: Path, references: dict[str, Any]) ->
         "dp2_overlap",
         "dp2_distopt",
         "tp2",
+        "sp_tp2",
         "pp2",
         "pp2_vpp2",
         "dp2_bf16",

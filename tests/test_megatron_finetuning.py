@@ -1,15 +1,14 @@
-"""Finetuning under the megatron engine on CPU: SFT, packed SFT and LoRA.
+"""Finetuning on megatron-core's engine on CPU: SFT, packed SFT and LoRA.
 
-Every run is ``pretrain`` on the shipped-style addition task (``write_tiny_sft_task``), with
-``train.engine=megatron`` (megatron-core DDP, optimizers and schedules under core-utils' CUDA
-emulation) unless a job says ``portable``. Checked:
+Every run is ``pretrain`` on the shipped-style addition task (``write_tiny_sft_task``), on
+megatron-core's DDP, optimizers and schedules under core-utils' CUDA emulation. Checked:
 
-* SFT and packed SFT give the portable engine's losses (within 1e-5, fp32); a stopped and
-  resumed megatron SFT run gives the uninterrupted run's losses bit for bit.
+* SFT and packed SFT train; a stopped and resumed SFT run gives the uninterrupted run's
+  losses bit for bit.
 * LoRA: the frozen base is absent from megatron's DDP grad buffers and from the optimizer
-  (plain and distributed); a megatron LoRA run gives the portable LoRA run's losses; its
-  adapter-only checkpoint resumes bit for bit; TP=2 and DP=2 with the distributed optimizer
-  give the losses and the saved (global) adapters of one process within 1e-5.
+  (plain and distributed); a LoRA run from the SFT checkpoint trains; its adapter-only
+  checkpoint resumes bit for bit; TP=2 and DP=2 with the distributed optimizer give the
+  losses and the saved (global) adapters of one process within 1e-5.
 
 One forked 1-rank group runs every single-process job in turn and one 2-rank group every
 two-rank job, so the process start-up cost is paid twice. The extended test adds packed
@@ -19,6 +18,7 @@ sequences.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,6 @@ def _config(root: Path, job: dict[str, Any]) -> Any:
         micro_batch_size=1 if packed else 2,
         exit_interval=job.get("exit_interval"),
     )
-    train.engine = job.get("engine", "megatron")
     specs = PackedSequenceSpecs(packed_sequence_size=SEQ) if packed else None
     return tiny_config_container(
         train=train,
@@ -213,12 +212,7 @@ def _run(tmp_path: Path, single: list[dict[str, Any]], pair: list[dict[str, Any]
     return one, two
 
 
-SFT_JOBS: list[dict[str, Any]] = [
-    {"name": "sft-portable", "engine": "portable"},
-    {"name": "sft"},
-    {"name": "packed-portable", "engine": "portable", "packed": True},
-    {"name": "packed", "packed": True},
-]
+SFT_JOBS: list[dict[str, Any]] = [{"name": "sft"}, {"name": "packed", "packed": True}]
 
 
 def _lora(name: str, base: Path, **fields: Any) -> dict[str, Any]:
@@ -228,12 +222,11 @@ def _lora(name: str, base: Path, **fields: Any) -> dict[str, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_megatron_sft_and_lora_match_portable_resume_and_layouts(tmp_path: Path) -> None:
-    base = tmp_path / "sft-portable"  # the portable SFT run's checkpoint is the LoRA base
+def test_megatron_sft_and_lora_train_resume_and_match_layouts(tmp_path: Path) -> None:
+    base = tmp_path / "sft"  # the SFT run's checkpoint is the LoRA base
     single = [
         *SFT_JOBS,
         *_stop_and_resume({"name": "sft"}),
-        _lora("lora-portable", base, engine="portable"),
         _lora("lora", base),
         *_stop_and_resume(_lora("lora", base)),
     ]
@@ -258,15 +251,17 @@ def test_megatron_sft_and_lora_match_portable_resume_and_layouts(tmp_path: Path)
     sharded = [r["frozen"]["in_optimizer"] for r in two]
     assert sharded[0] | sharded[1] == one["frozen"]["trainable"]
 
-    # SFT and packed SFT: the portable engine's losses; megatron SFT resumes bit for bit.
-    _assert_close(_losses(tmp_path, "sft"), _losses(tmp_path, "sft-portable"), "sft")
-    _assert_close(_losses(tmp_path, "packed"), _losses(tmp_path, "packed-portable"), "packed")
+    # SFT and packed SFT train (6 iterations are too few for the loss to fall steadily;
+    # learning is tests/test_train_finetune_learning.py's); SFT resumes bit for bit.
+    for name in ("sft", "packed"):
+        losses = _losses(tmp_path, name)
+        assert sorted(losses) == list(range(1, ITERS + 1)), (name, losses)
+        assert all(math.isfinite(x) for x in losses.values()) and losses[1] != losses[ITERS]
     assert _resumed(tmp_path, "sft-resumed") == _losses(tmp_path, "sft")
 
-    # LoRA: the portable engine's losses; the adapter-only checkpoint resumes bit for bit.
+    # LoRA trains; the adapter-only checkpoint resumes bit for bit.
     lora = _losses(tmp_path, "lora")
-    _assert_close(lora, _losses(tmp_path, "lora-portable"), "lora vs portable")
-    assert lora[1] != lora[ITERS]  # it trains
+    assert lora[1] != lora[ITERS]
     assert _resumed(tmp_path, "lora-resumed") == lora
     # TP=2 and DP=2 (distributed optimizer): one process's losses and global adapters.
     names = ["lora", "lora-tp2", "lora-dp2-distopt"]
@@ -294,7 +289,6 @@ def test_megatron_finetuning_resume_matrix(tmp_path: Path) -> None:
         {"name": "packed", "packed": True},
         *_stop_and_resume({"name": "packed", "packed": True}),
         _lora("lora-packed", base, packed=True),
-        _lora("lora-packed-portable", base, packed=True, engine="portable"),
         _lora("lora", base),
         {"name": "packed-ft", "packed": True, "base": str(base)},
     ]
@@ -316,9 +310,9 @@ def test_megatron_finetuning_resume_matrix(tmp_path: Path) -> None:
     for rank_result in two:
         assert set(rank_result["codes"].values()) == {0}, rank_result["codes"]
     assert _resumed(tmp_path, "packed-resumed") == _losses(tmp_path, "packed")
-    _assert_close(
-        _losses(tmp_path, "lora-packed"), _losses(tmp_path, "lora-packed-portable"), "lora-packed"
-    )
+    lora_packed = _losses(tmp_path, "lora-packed")
+    assert sorted(lora_packed) == list(range(1, ITERS + 1))
+    assert lora_packed[1] != lora_packed[ITERS]
     for name in ("lora-tp2", "lora-dp2-distopt", "sft-dp2-distopt"):
         assert _resumed(tmp_path, f"{name}-resumed", 1) == _losses(tmp_path, name, rank=1)
     _assert_close(_losses(tmp_path, "sft-dp2-distopt", rank=1), _losses(tmp_path, "sft"), "dp2")

@@ -76,6 +76,26 @@ def test_sdpa_core_attention_matches_explicit_attention(causal: bool, with_mask:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("skip", "windowed_layers"), [(None, {1, 2, 3}), (3, {1, 2}), ([0, 1, 0], {2})]
+)
+def test_sliding_window_on_the_layers_window_attn_skip_freq_names(
+    skip: int | list[int] | None, windowed_layers: set[int]
+) -> None:
+    """A window of 2 (the query and one key before it) on the layers megatron's rule picks;
+    full causal attention on the others."""
+    torch.manual_seed(2)
+    cfg = _config(num_layers=3, window_size=(1, 0), window_attn_skip_freq=skip)
+    sq, b, n, g, h = 6, 2, 4, 2, 8
+    q, k, v = torch.randn(sq, b, n, h), torch.randn(sq, b, g, h), torch.randn(sq, b, g, h)
+    outside = torch.ones(sq, sq, dtype=torch.bool).tril(-2)[None, None].expand(b, 1, sq, sq)
+    for layer in (1, 2, 3):
+        attn = SDPACoreAttention(cfg, layer, AttnMaskType.causal, "self", pg_collection=_TP1())
+        masked = outside if layer in windowed_layers else None
+        want = _reference(q, k, v, masked, True, 1 / math.sqrt(h))
+        torch.testing.assert_close(attn(q, k, v, None), want, rtol=1e-5, atol=1e-5)
+
+
 def test_cross_attention_with_padding_and_fully_masked_rows_matches_megatron_softmax() -> None:
     # Decoder queries (5) attend to encoder keys (7) with one head per query head even though
     # self-attention groups queries; padded query rows (all keys masked) attend uniformly, as

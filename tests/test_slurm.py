@@ -48,7 +48,6 @@ TRAIN_ITERS = 40
 GATE_ITERATION = 15
 #: The example's tiny_gpt recipe scaled down: the same overrides for every launch here.
 OVERRIDES: tuple[str, ...] = (
-    "train.engine=megatron",
     f"train.train_iters={TRAIN_ITERS}",
     "train.eval_interval=null",
     "train.eval_iters=0",

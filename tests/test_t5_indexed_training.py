@@ -2,7 +2,7 @@
 dataset over ``.bin``/``.idx`` from ``bridge-preprocess-data``): the loss falls, and a run
 resumed from the checkpoint of iteration 10 (in the middle of the first pass over the
 corpus) gives iterations 11-20 bit for bit. The extended tier adds DP=2 and TP=2 (within
-1e-5 of one process) and the megatron engine.
+1e-5 of one process).
 """
 
 from __future__ import annotations
@@ -103,9 +103,8 @@ def test_tiny_t5_learns_on_indexed_data_and_resumes_exactly(tmp_path: Path, corp
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("engine", ["portable", "megatron"])
-def test_indexed_t5_dp2_and_tp2_match_one_process(tmp_path: Path, corpus: str, engine: str) -> None:
-    args = [*_args(corpus), f"train.engine={engine}"]
+def test_indexed_t5_dp2_and_tp2_match_one_process(tmp_path: Path, corpus: str) -> None:
+    args = _args(corpus)
     reference = _learns_and_resumes(tmp_path, args)
     tp2 = [a for a in args if not a.startswith("model.make_vocab_size_divisible_by=")]
     tp2 += ["model.tensor_model_parallel_size=2", "model.make_vocab_size_divisible_by=64"]

@@ -1,7 +1,7 @@
 """End to end over the engine seam: preprocess a corpus with the command line, write a YAML
 config with bridge.config, train it under torchrun with 2 data-parallel ranks and launched
-bare on one process, and check both runs see the same losses and read the corpus' tokens.
-Once per engine (the megatron engine on CPU runs under ``core_utils.cuda_emulation``).
+bare on one process, and check both runs see the same losses and read the corpus' tokens
+(megatron-core's engine; on CPU under ``core_utils.cuda_emulation``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from core_utils.testing import run_torchrun
 
 DOCUMENTS = [
     "alpha beta gamma",
-    "the portable engine trains on CPU",
+    "one engine trains on CPU and GPU",
     "megatron-core builds the model",
     "hi",
     "data parallel ranks share one sample order",
@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent(
     def main() -> None:
         config_path, out_path = sys.argv[1], sys.argv[2]
         cfg = ConfigContainer.from_yaml(config_path)
-        engine = build_engine(cfg.train.engine)
+        engine = build_engine()
         engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
         cfg.validate(world_size=torch.distributed.get_world_size())
         tokenizer = build_tokenizer(cfg.tokenizer)
@@ -114,10 +114,7 @@ _LAUNCHER_VARIABLES = frozenset(
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("engine", ["portable", "megatron"])
-def test_preprocess_cli_then_train_from_yaml_with_two_ranks_and_bare(
-    tmp_path: Path, engine: str
-) -> None:
+def test_preprocess_cli_then_train_from_yaml_with_two_ranks_and_bare(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(
         "".join(json.dumps({"body": d}) + "\n" for d in DOCUMENTS * 20), encoding="utf-8"
@@ -144,9 +141,7 @@ def test_preprocess_cli_then_train_from_yaml_with_two_ranks_and_bare(
     assert "wrote 100 documents" in done.stdout
 
     cfg = ConfigContainer(
-        train=tiny_train_config(
-            train_iters=4, global_batch_size=4, micro_batch_size=2, engine=engine
-        ),
+        train=tiny_train_config(train_iters=4, global_batch_size=4, micro_batch_size=2),
         model=tiny_gpt_provider(vocab_size=None),
         optimizer=tiny_optimizer_config(lr=3e-3),
         scheduler=tiny_scheduler_config(lr_warmup_iters=0),

@@ -61,44 +61,30 @@ DRILL_OVERRIDES: tuple[str, ...] = (
 )
 TRACKER = "latest_checkpointed_iteration.txt"
 
-#: The engines the representative drills run on: the portable engine in the default run, the
-#: megatron engine (megatron-core DDP, optimizer and schedules under core-utils' CUDA
-#: emulation on CPU) in the extended tier, as its launches are several times slower.
-ENGINES = [
-    pytest.param("portable", id="portable"),
-    pytest.param("megatron", id="megatron", marks=pytest.mark.extended),
-]
-
-_REFERENCE: dict[str, dict[int, float]] = {}
+_REFERENCE: dict[int, float] = {}
 
 
-def drill_overrides(engine: str = "portable") -> list[str]:
-    """:data:`DRILL_OVERRIDES` with ``train.engine`` set to ``engine``."""
-    return [*DRILL_OVERRIDES, f"train.engine={engine}"]
-
-
-def _reference_rank(rank: int, world: int, metrics: str, engine: str) -> int:
+def _reference_rank(rank: int, world: int, metrics: str) -> int:
     return pretrain(
-        load_config(recipe_path("tiny_gpt"), drill_overrides(engine)), metrics_file=metrics
+        load_config(recipe_path("tiny_gpt"), list(DRILL_OVERRIDES)), metrics_file=metrics
     )
 
 
-def reference_losses(engine: str = "portable") -> dict[int, float]:
+def reference_losses() -> dict[int, float]:
     """Per-iteration ``lm loss`` of an uninterrupted 2-rank run of the drill config.
 
-    Computed once per test session and engine on forked ranks (``pretrain``; the
-    ``bridge-train`` command under ``torchrun`` gives the same losses bit for bit) and
-    shared by the drills.
+    Computed once per test session on forked ranks (``pretrain``; the ``bridge-train``
+    command under ``torchrun`` gives the same losses bit for bit) and shared by the drills.
     """
-    if engine not in _REFERENCE:
+    if not _REFERENCE:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = Path(tmp) / "metrics.jsonl"
-            codes = run_distributed(_reference_rank, 2, str(metrics), engine, timeout=400)
+            codes = run_distributed(_reference_rank, 2, str(metrics), timeout=400)
             assert codes == [0, 0]
             losses = dict(loss_records(metrics))
         assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
-        _REFERENCE[engine] = losses
-    return dict(_REFERENCE[engine])
+        _REFERENCE.update(losses)
+    return dict(_REFERENCE)
 
 
 def loss_records(metrics: Path) -> list[tuple[int, float]]:
@@ -387,19 +373,16 @@ def tail(log: Path, chars: int = 6000) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("engine", ENGINES)
-def test_sigterm_to_one_rank_saves_on_all_exits_zero_and_resumes_exactly(
-    tmp_path: Path, engine: str
-) -> None:
+def test_sigterm_to_one_rank_saves_on_all_exits_zero_and_resumes_exactly(tmp_path: Path) -> None:
     """SIGTERM to rank 1 (not to torchrun): both ranks stop at the same iteration, save it
     once (a second SIGTERM to both ranks in the middle of that save is ignored), every process
     exits 0; the same command then resumes and every loss equals the uninterrupted run's."""
-    reference = reference_losses(engine)
+    reference = reference_losses()
     save, metrics, gate = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "gate"
     args = [
         "--metrics-file",
         str(metrics),
-        *drill_overrides(engine),
+        *DRILL_OVERRIDES,
         "train.exit_signal_handler=true",
         f"checkpoint.save={save}",
     ]
@@ -482,16 +465,14 @@ _KILL = re.compile(
 )
 
 
-def _hang_command(
-    tmp_path: Path, args: Sequence[str], max_restarts: int, engine: str = "portable"
-) -> list[str]:
+def _hang_command(tmp_path: Path, args: Sequence[str], max_restarts: int) -> list[str]:
     options = [
         f"--hang-timeout={HANG_TIMEOUT}",
         f"--hang-setup-timeout={HANG_SETUP_TIMEOUT}",
         f"--hang-checkpoint-timeout={HANG_CHECKPOINT_TIMEOUT}",
     ]
     return torchrun_command(
-        [*options, *drill_overrides(engine), *args],
+        [*options, *DRILL_OVERRIDES, *args],
         max_restarts=max_restarts,
         entry=write_entry_script(tmp_path),
     )
@@ -531,16 +512,15 @@ def _assert_hang_detected_in_time(output: str, hung: tuple[int, float] | None = 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("engine", ENGINES)
 def test_hung_rank_is_killed_by_the_watchdog_and_the_restart_resumes_exactly(
-    tmp_path: Path, engine: str
+    tmp_path: Path,
 ) -> None:
     """Rank 1 hangs (SIGSTOP, from the test once the checkpoint of iteration 10 is complete:
     tied to progress, not to a delay a loaded machine may not meet) with ``--hang-timeout``
     and ``torchrun --max-restarts=1``: the watchdog kills the stopped rank within its
     timeout, torchrun restarts both ranks, they resume from the last complete checkpoint and
     every loss equals the reference."""
-    reference = reference_losses(engine)
+    reference = reference_losses()
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     args = [
         "--metrics-file",
@@ -548,7 +528,7 @@ def test_hung_rank_is_killed_by_the_watchdog_and_the_restart_resumes_exactly(
         f"checkpoint.save={save}",
         "checkpoint.save_interval=10",
     ]
-    cmd = _hang_command(tmp_path, args, max_restarts=1, engine=engine)
+    cmd = _hang_command(tmp_path, args, max_restarts=1)
     log = tmp_path / "torchrun.log"
     # Steps of at least 50 ms on the first attempt: 5.5 s at least from the checkpoint of 10
     # to the end, for the test to see that checkpoint and stop rank 1.
@@ -676,9 +656,7 @@ SAVE_INTERVAL = 10
 KILLED_SAVE = 20
 
 
-def _kill_mid_save_rank(
-    rank: int, world: int, save: str, metrics: str, kill: bool, engine: str
-) -> Any:
+def _kill_mid_save_rank(rank: int, world: int, save: str, metrics: str, kill: bool) -> Any:
     captured: dict[str, Any] = {}
     if kill and rank == 0:
         from megatron.core import dist_checkpointing
@@ -700,7 +678,7 @@ def _kill_mid_save_rank(
         return forward_step(state, data_iterator, model)
 
     overrides = [
-        *drill_overrides(engine),
+        *DRILL_OVERRIDES,
         f"checkpoint.save={save}",
         f"checkpoint.save_interval={SAVE_INTERVAL}",
     ]
@@ -711,18 +689,17 @@ def _kill_mid_save_rank(
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("engine", ENGINES)
 def test_kill_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(
-    tmp_path: Path, engine: str
+    tmp_path: Path,
 ) -> None:
     """Rank 0 is SIGKILLed in the middle of saving iteration 20 (shards written, not
     committed): the tracker still names 10, the relaunch loads 10 (never the half-written
     directory), and its losses equal the reference."""
-    reference = reference_losses(engine)
+    reference = reference_losses()
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     # Rank 0 dies (-9); rank 1, waiting for it to commit, may report the lost peer first.
     with pytest.raises(DistributedTestError, match=r"exit codes \{0: -9\}|rank 1 failed"):
-        run_distributed(_kill_mid_save_rank, 2, str(save), str(metrics), True, engine, timeout=400)
+        run_distributed(_kill_mid_save_rank, 2, str(save), str(metrics), True, timeout=400)
     previous = KILLED_SAVE - SAVE_INTERVAL
     half_written = save / f"iter_{KILLED_SAVE:07d}.tmp"
     assert tracker_iteration(save) == previous
@@ -733,9 +710,7 @@ def test_kill_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(
     assert [step for step, _ in killed] == list(range(1, len(killed) + 1))
     assert previous <= len(killed) <= KILLED_SAVE
 
-    results = run_distributed(
-        _kill_mid_save_rank, 2, str(save), str(metrics), False, engine, timeout=400
-    )
+    results = run_distributed(_kill_mid_save_rank, 2, str(save), str(metrics), False, timeout=400)
     assert results == [{"code": 0, "loaded": previous}] * 2
     resumed = loss_records(metrics)[len(killed) :]
     assert [step for step, _ in resumed] == list(range(previous + 1, TRAIN_ITERS + 1))

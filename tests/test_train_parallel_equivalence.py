@@ -3,9 +3,8 @@
 ``python -m bridge.train`` runs the default recipe (shrunk by overrides) bare on one process
 and under ``torchrun --nproc-per-node=2`` with data parallelism 2 and with tensor parallelism
 2; all three see the same global batch per step, so the per-step losses (read from
-``--metrics-file``, full precision) agree within 1e-5 in fp32. Once with each engine: the
-megatron engine runs megatron-core's DDP, optimizer and schedule on CPU under
-``core_utils.cuda_emulation``.
+``--metrics-file``, full precision) agree within 1e-5 in fp32. The engine is megatron-core's
+DDP, optimizer and schedule, on CPU under ``core_utils.cuda_emulation``.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ def _losses(path: Path) -> list[float]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(1300)
-@pytest.mark.parametrize("engine", ["portable", "megatron"])
-def test_dp2_and_tp2_match_one_process(tmp_path: Path, engine: str) -> None:
-    overrides = [*OVERRIDES, f"train.engine={engine}"]
+def test_dp2_and_tp2_match_one_process(tmp_path: Path) -> None:
+    overrides = OVERRIDES
     single = subprocess.run(
         [
             sys.executable,

@@ -39,7 +39,6 @@ def _run(
     metrics: str,
     exit_interval: Any,
     kill_at: Any,
-    engine: str = "portable",
 ) -> int:
     def step(state: Any, data_iterator: Any, model: Any) -> Any:
         if kill_at is not None and state.train_state.step == kill_at - 1:
@@ -52,7 +51,6 @@ def _run(
             global_batch_size=8,
             micro_batch_size=2,
             exit_interval=exit_interval,
-            engine=engine,
         ),
         logger=LoggerConfig(log_interval=10, log_progress=True),
         checkpoint=CheckpointConfig(save=save, save_interval=10),
@@ -69,16 +67,9 @@ def _losses(path: Path) -> dict[int, float]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(
-    "engine",
-    # The megatron engine's default-run resume check is tests/test_megatron_checkpoints.py.
-    ["portable", pytest.param("megatron", marks=pytest.mark.extended)],
-)
-def test_resume_and_kill_between_checkpoints_are_exact(tmp_path: Path, engine: str) -> None:
+def test_resume_and_kill_between_checkpoints_are_exact(tmp_path: Path) -> None:
     ref, run = tmp_path / "reference", tmp_path / "interrupted"
-    assert run_distributed(
-        _run, 2, str(ref), str(tmp_path / "ref"), None, None, engine, timeout=120
-    ) == [
+    assert run_distributed(_run, 2, str(ref), str(tmp_path / "ref"), None, None, timeout=120) == [
         0,
         0,
     ]
@@ -86,18 +77,18 @@ def test_resume_and_kill_between_checkpoints_are_exact(tmp_path: Path, engine: s
     assert sorted(reference) == list(range(1, 41))
 
     first = tmp_path / "first"
-    assert run_distributed(_run, 2, str(run), str(first), 20, None, engine, timeout=120) == [0, 0]
+    assert run_distributed(_run, 2, str(run), str(first), 20, None, timeout=120) == [0, 0]
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     time.sleep(1.1)  # one progress.txt line per second of resolution
 
     killed = tmp_path / "killed"
     with pytest.raises(DistributedTestError, match="exit codes"):
-        run_distributed(_run, 2, str(run), str(killed), None, 35, engine, timeout=120)
+        run_distributed(_run, 2, str(run), str(killed), None, 35, timeout=120)
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
     time.sleep(1.1)
 
     last = tmp_path / "last"
-    assert run_distributed(_run, 2, str(run), str(last), None, None, engine, timeout=120) == [0, 0]
+    assert run_distributed(_run, 2, str(run), str(last), None, None, timeout=120) == [0, 0]
     assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
 
     stopped, after_kill, resumed = (_losses(Path(f"{p}.1")) for p in (first, killed, last))

@@ -984,11 +984,6 @@ VALIDATE_CASES: list[tuple[str, Callable[[], None], list[str]]] = [
         ],
     ),
     (
-        "portable-pp",
-        validate(2, model=ExampleModelConfig(pipeline_model_parallel_size=2)),
-        ["train.engine: the portable engine does not pipeline", "use engine 'megatron'"],
-    ),
-    (
         "precision-flags",
         validate(1, model=ExampleModelConfig(bf16=True, fp16=True)),
         ["model: bf16 and fp16 are both true"],

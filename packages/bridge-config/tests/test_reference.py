@@ -122,7 +122,7 @@ REFERENCE: dict[type, list[tuple[str, Any, Any]]] = {
         ("eval_interval", Optional[int], 1000),
         ("skip_train", bool, False),
         # Beyond the reference (lead's decisions).
-        ("engine", Literal["portable", "megatron"], "portable"),
+        ("engine", Optional[Literal["portable", "megatron"]], None),  # deprecated alias
         ("train_samples", Optional[int], None),
     ],
     bc.CheckpointConfig: [

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -53,9 +55,7 @@ def test_model_parallel_sizes_divide_the_world() -> None:
     model = ExampleModelConfig(
         tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2
     )
-    cfg = tiny_container(
-        model=model, train=bc.TrainingConfig(micro_batch_size=1, train_iters=10, engine="megatron")
-    )
+    cfg = tiny_container(model=model, train=bc.TrainingConfig(micro_batch_size=1, train_iters=10))
     assert cfg.get_data_parallel_size(16) == 2
     cfg.validate(world_size=16)
     assert cfg.data_parallel_size == 2
@@ -298,3 +298,42 @@ def _validate_in_process_group(rank: int, world_size: int) -> tuple[int, int | N
 @pytest.mark.timeout(120)
 def test_world_size_from_torch_distributed() -> None:
     assert run_distributed(_validate_in_process_group, 2, timeout=90) == [(2, 4), (2, 4)]
+
+
+def test_train_engine_is_a_deprecated_alias_that_warns_once_on_rank_0(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bridge.config import _training
+
+    def run(engine: Literal["portable", "megatron"] | None) -> None:
+        cfg = tiny_container(
+            train=bc.TrainingConfig(micro_batch_size=1, train_iters=10, engine=engine)
+        )
+        cfg.validate(1)
+
+    monkeypatch.setattr(_training, "_warned_engine", False)
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level(logging.WARNING, logger="bridge.config"):
+        run(None)  # unset: no warning
+        assert caplog.records == []
+        # A saved config read back (a checkpoint's run_config.yaml) is not a run: no warning.
+        assert bc.TrainingConfig(engine="portable").engine == "portable"
+        assert caplog.records == []
+        # Either value is accepted (both train on megatron-core's engine), with one line
+        # per process, however often the run validates its config.
+        run("portable")
+        run("megatron")
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "\n" not in record.getMessage()
+    assert record.getMessage().startswith("train.engine='portable' is deprecated")
+    assert "megatron-core's engine is the only engine" in record.getMessage()
+    assert "remove train.engine" in record.getMessage()
+
+    caplog.clear()
+    monkeypatch.setattr(_training, "_warned_engine", False)
+    monkeypatch.setenv("RANK", "1")  # torchrun's other ranks stay quiet
+    with caplog.at_level(logging.WARNING, logger="bridge.config"):
+        run("megatron")
+    assert caplog.records == []
+    with pytest.raises(ConfigError, match=r"engine: got 'fast'; expected one of 'portable'"):
+        bc.TrainingConfig(engine="fast")  # type: ignore[arg-type]

@@ -312,7 +312,6 @@ SCRIPT = textwrap.dedent(
     from bridge.logging import MetricWriters
     from bridge.logging._remote import remote_writers
     from bridge.logging._writer_process import WriterProcess
-from core_utils.testing import ignored_signals
 
     factory, out, how = sys.argv[1:]
     process = WriterProcess([("file", factory, {"path": out})])

@@ -38,7 +38,7 @@ from bridge.train.checkpointing import (
     pending_async_saves,
     save_checkpoint,
 )
-from bridge.train.engine.portable import PortableEngine
+from bridge.train.engine import MegatronEngine
 from bridge.train.loop.bare_loop import train_steps
 from bridge.train.testing import (
     tiny_dist_config,
@@ -82,7 +82,7 @@ class _Run:
     """Model, optimizer, scheduler and state built from a config, as the trainer does."""
 
     def __init__(self, cfg: ConfigContainer) -> None:
-        self.engine = PortableEngine()
+        self.engine = MegatronEngine()
         self.engine.initialize_distributed(cfg.model, tiny_dist_config(), cfg.rng)
         self.model = self.engine.setup_model(cfg.model)
         self.optimizer, self.scheduler = self.engine.setup_optimizer(
@@ -139,12 +139,11 @@ class _Run:
             )
             for name, p in self.model[0].named_parameters()
         }
+        names = {id(p): n for n, p in self.model[0].named_parameters()}
         optim = {}
-        for name, main in zip(
-            self.optimizer.param_names(self.model), self.optimizer.get_parameters(), strict=True
-        ):
-            state = self.optimizer.optimizer.state.get(main, {})
-            optim[name] = {k: v.detach().clone() for k, v in state.items()}
+        for inner, model_param, main in _optimized_params(self.optimizer):
+            state = inner.optimizer.state.get(main, {})
+            optim[names[id(model_param)]] = {k: v.detach().clone() for k, v in state.items()}
         return {
             "params": params,
             "optim": optim,
@@ -152,6 +151,26 @@ class _Run:
             "scheduler_steps": int(self.scheduler.num_steps),
             "step": self.state.train_state.step,
         }
+
+
+def _optimized_params(optimizer: Any) -> list[tuple[Any, torch.nn.Parameter, torch.Tensor]]:
+    """``(inner optimizer, model parameter, the parameter it steps)`` for megatron's
+    optimizer: the model parameter itself in fp32, its fp32 main copy in bf16/fp16."""
+    out = []
+    for inner in optimizer.chained_optimizers:
+        if hasattr(inner, "float16_groups"):  # mixed precision: fp32 main copies
+            pairs = [
+                pair
+                for model_group, main_group in zip(
+                    inner.float16_groups, inner.fp32_from_float16_groups, strict=True
+                )
+                for pair in zip(model_group, main_group, strict=True)
+            ]
+            pairs += [(p, p) for group in inner.fp32_from_fp32_groups for p in group]
+        else:
+            pairs = [(p, p) for group in inner.optimizer.param_groups for p in group["params"]]
+        out += [(inner, model_param, main) for model_param, main in pairs]
+    return out
 
 
 def _equal_local(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -314,6 +333,14 @@ def _single_a(rank: int, world: int, root: str, tp2_full: dict[str, Any]) -> dic
     overridden.load()
     out["override_lr"] = overridden.snapshot()["lr"], overridden.scheduler.max_lr
     out["override_steps"] = overridden.scheduler.num_steps
+    other_lr.scheduler = tiny_scheduler_config(use_checkpoint_opt_param_scheduler=True)
+    from_checkpoint = _Run(other_lr)
+    from_checkpoint.load()
+    out["checkpoint_lr"] = (
+        from_checkpoint.snapshot()["lr"],
+        from_checkpoint.scheduler.max_lr,
+        sorted({g["max_lr"] for g in from_checkpoint.optimizer.param_groups}),
+    )
 
     # --- finetuning from a pretrained checkpoint: model only, iteration 0
     finetune = _Run(_config(seed=4321, pretrained_checkpoint=f"{root}/single", finetune=True))
@@ -348,7 +375,9 @@ def _single_a(rank: int, world: int, root: str, tp2_full: dict[str, Any]) -> dic
             torch.equal(a, b) for a, b in zip(saved_main, main, strict=True)
         )
         out[f"main_params_dtype_{flag}"] = sorted({str(p.dtype) for p in main})
-        out[f"main_params_optimizer_state_{flag}"] = len(restored.optimizer.optimizer.state)
+        out[f"main_params_optimizer_state_{flag}"] = sum(
+            len(inner.optimizer.state) for inner in restored.optimizer.chained_optimizers
+        )
 
     # --- cached save plans (constant structure): the third save reuses the cached plan
     cached = _Run(
@@ -663,6 +692,9 @@ def test_scheduler_settings_are_checked_and_never_double_counted(single_a: dict[
     assert 1e-3 < lr < 5e-3  # the config's schedule (the checkpoint's peaks at 1e-3)
     # Loading restored the saved step count instead of adding it to the 7 steps taken.
     assert single_a["override_steps"] == K * GBS
+    # use_checkpoint_opt_param_scheduler: the checkpoint's schedule, in every parameter group.
+    lr, max_lr, group_max_lrs = single_a["checkpoint_lr"]
+    assert max_lr == 1e-3 and group_max_lrs == [1e-3] and 0.0 < lr <= 1e-3
 
 
 @pytest.mark.timeout(300)

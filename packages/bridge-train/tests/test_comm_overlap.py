@@ -16,7 +16,7 @@ from bridge.train.testing import (
 
 def _container(overlap: CommOverlapConfig, *, dist_opt: bool = False, **model: object):
     return tiny_config_container(
-        train=tiny_train_config(engine="megatron"),
+        train=tiny_train_config(),
         model=tiny_gpt_provider(**model),
         optimizer=tiny_optimizer_config(use_distributed_optimizer=dist_opt),
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=dist_opt),

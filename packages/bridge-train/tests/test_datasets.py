@@ -19,7 +19,7 @@ from bridge.train.data import (
     preprocess_data,
     train_valid_test_num_samples,
 )
-from bridge.train.engine.portable import PortableEngine
+from bridge.train.engine import MegatronEngine
 from bridge.train.loop.bare_loop import train_steps
 from bridge.train.testing import (
     tiny_dist_config,
@@ -139,7 +139,7 @@ def _single_rank(
     out["per_split_test"] = split_ds[2] is None
 
     # training reads these tokens: a few steps on the byte-level corpus
-    engine = PortableEngine()
+    engine = MegatronEngine()
     engine.initialize_distributed(provider, tiny_dist_config())
     model = engine.setup_model(provider)
     optimizer, scheduler = engine.setup_optimizer(

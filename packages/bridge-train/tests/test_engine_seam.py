@@ -1,4 +1,4 @@
-"""Engine selection and the refusals that must happen before anything is built."""
+"""The engine and the refusals that must happen before anything is built."""
 
 from __future__ import annotations
 
@@ -8,32 +8,30 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bridge.config import DistributedDataParallelConfig
 from bridge.train.engine import Engine, MegatronEngine, build_engine
 from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
-from bridge.train.engine.portable import PortableEngine
-from bridge.train.engine.portable_ddp import PortableDistributedDataParallel
-from bridge.train.testing import tiny_dist_config, tiny_gpt_provider
+from bridge.train.state import GlobalState
+from bridge.train.testing import tiny_dist_config, tiny_gpt_provider, tiny_optimizer_config
 
 
-def test_build_engine_by_name() -> None:
-    engine = build_engine("portable")
-    assert isinstance(engine, PortableEngine) and isinstance(engine, Engine)
-    assert engine.name == "portable" and engine.device == torch.device("cpu")
-    with pytest.raises(ValueError, match=r"train.engine='fast'"):
-        build_engine("fast")
-
-
-def test_megatron_engine_builds_on_cpu_without_touching_process_state() -> None:
-    """No CUDA refusal any more: the engine exists; the CUDA emulation starts only with
-    initialize_distributed (tests/test_megatron_engine_layouts.py runs it)."""
+def test_megatron_engine_is_the_engine_and_builds_without_touching_process_state() -> None:
+    """The engine exists on CPU; the CUDA emulation starts only with initialize_distributed
+    (tests/test_megatron_engine_layouts.py runs it)."""
     from core_utils import cuda_emulation_active
 
-    engine = build_engine("megatron")
+    engine = build_engine()
     assert isinstance(engine, MegatronEngine) and isinstance(engine, Engine)
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert engine.name == "megatron" and engine.device.type == expected
     assert not cuda_emulation_active() and not dist.is_initialized()
+    # A GlobalState built by hand (no engine set) takes megatron-core's engine.
+    state = GlobalState()
+    if not torch.cuda.is_available():
+        # ... whose schedules need the emulation on CPU: said plainly, not a CUDA error
+        # deep inside megatron-core.
+        with pytest.raises(RuntimeError, match=r"initialize_distributed.*cuda_emulation"):
+            state.forward_backward_func  # noqa: B018
+    assert isinstance(state.engine, MegatronEngine)
 
 
 def _megatron_engine_lifetime(rank: int, world_size: int) -> dict[str, object]:
@@ -43,7 +41,7 @@ def _megatron_engine_lifetime(rank: int, world_size: int) -> dict[str, object]:
     from core_utils import cuda_emulation_active
 
     original_stream = torch.cuda.current_stream
-    engine = build_engine("megatron")
+    engine = build_engine()
     engine.initialize_distributed(tiny_gpt_provider(), tiny_dist_config())
     out: dict[str, object] = {
         "active_after_init": cuda_emulation_active(),
@@ -85,51 +83,51 @@ def test_nccl_without_cuda_is_refused_with_the_field_and_the_fix() -> None:
         resolve_distributed_backend(SimpleNamespace(distributed_backend="mpi"))
 
 
-def test_parallel_layout_is_checked_against_world_size_and_engine() -> None:
+def test_parallel_layout_is_checked_against_world_size() -> None:
     validate_parallel_layout(tiny_gpt_provider(tensor_model_parallel_size=2), 4)
     with pytest.raises(
         ValueError, match=r"world size 3 is not divisible.*tensor_model_parallel_size \(2\)"
     ):
         validate_parallel_layout(tiny_gpt_provider(tensor_model_parallel_size=2), 3)
-    pipelined = tiny_gpt_provider(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2.*megatron engine"):
-        validate_parallel_layout(pipelined, 2, "portable")
-    validate_parallel_layout(pipelined, 2, "megatron")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
-def test_cpu_only_features_are_refused_by_the_portable_engine() -> None:
-    with pytest.raises(ValueError, match=r"sequence_parallel=True needs CUDA"):
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size \(2\)"):
         validate_parallel_layout(
-            tiny_gpt_provider(tensor_model_parallel_size=2, sequence_parallel=True), 2, "portable"
+            tiny_gpt_provider(
+                num_moe_experts=4, expert_model_parallel_size=2, add_bias_linear=False
+            ),
+            3,
         )
-    with pytest.raises(ValueError, match=r"num_moe_experts=4.*CUDA"):
-        validate_parallel_layout(tiny_gpt_provider(num_moe_experts=4), 1, "portable")
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    "layout",
     [
-        ("use_distributed_optimizer", True),
-        ("overlap_param_gather", True),
-        ("num_distributed_optimizer_instances", 2),
+        {"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.float32},
+        {
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+            "pipeline_dtype": torch.float32,
+            "num_layers": 4,
+            "batch_p2p_comm": False,  # see check_pipeline_p2p
+        },
+        {"num_moe_experts": 4, "expert_model_parallel_size": 2, "add_bias_linear": False},
     ],
+    ids=["pp2", "pp2-vpp2", "moe-ep2"],
 )
-def test_portable_ddp_refuses_megatron_only_options(field: str, value) -> None:
-    defaults = {
-        f: getattr(DistributedDataParallelConfig(), f)
-        for f in (
-            "use_distributed_optimizer",
-            "overlap_param_gather",
-            "num_distributed_optimizer_instances",
-        )
-    }
-    ddp = SimpleNamespace(**{**defaults, field: value})
-    with pytest.raises(ValueError, match=f"ddp.{field}.*megatron engine"):
-        PortableDistributedDataParallel(
-            SimpleNamespace(calculate_per_token_loss=False),
-            ddp,
-            torch.nn.Linear(2, 2),
-            data_parallel_group=None,
-            expert_data_parallel_group=None,
-        )
+def test_pipeline_expert_and_distributed_optimizer_layouts_are_accepted_on_cpu(
+    layout: dict,
+) -> None:
+    """What only the retired portable engine refused: megatron-core's engine runs them on
+    CPU too (tests/test_megatron_engine_layouts.py trains each against one process)."""
+    from bridge.config import DistributedDataParallelConfig
+    from bridge.train.checks.layout import check_engine_config
+
+    provider = tiny_gpt_provider(**layout)
+    validate_parallel_layout(provider, 2)
+    check_engine_config(
+        provider,
+        ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+        ),
+        optimizer_config=tiny_optimizer_config(use_distributed_optimizer=True),
+        cuda_available=False,
+    )

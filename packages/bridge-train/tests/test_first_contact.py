@@ -114,7 +114,10 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
         ),
         (["optimizer.adam_eps=0"], "optimizer.adam_eps: got 0"),
         (["optimizer.min_lr=1.0"], "optimizer.min_lr: got 1.0, above optimizer.lr"),
-        (["optimizer.optimizer=adamw"], "optimizer.optimizer: got 'adamw'; the portable engine"),
+        (
+            ["optimizer.optimizer=adamw"],
+            "optimizer.optimizer: got 'adamw'; megatron-core builds 'adam'",
+        ),
         (
             ["model.hidden_dropout=1.5"],
             "model.hidden_dropout: got 1.5; expected a number in [0, 1]",

@@ -2,7 +2,8 @@
 
 Per family (Llama with GQA and llama3 RoPE scaling, Qwen2 with QKV bias and tied
 embeddings, Mistral with a sliding window shorter than the sequence, GPT-2): the imported
-checkpoint's logits equal the Hugging Face model's at TP=1 and TP=2; the export of the
+checkpoint's logits equal the Hugging Face model's at TP=1 and TP=2 on a batch with a
+left-padded row (compared at the real positions); the export of the
 import is bit-identical to the source tensors and loads in ``transformers``; a finetune
 step runs through ``bridge-train`` from ``checkpoint.pretrained_checkpoint``; bad inputs are
 refused with one line and exit code 2. PP=2 x TP=1 logits are checked on the megatron
@@ -38,6 +39,39 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 VOCAB = 300  # tokenizer has fewer tokens than the embedding; megatron pads to 512 at TP=2
 SEQ = 12
+PAD = 4  # the batch's second row is left-padded by PAD tokens
+
+
+def _mask(tokens: torch.Tensor) -> torch.Tensor:
+    """1 for real tokens, 0 for the second row's left padding."""
+    mask = torch.ones_like(tokens)
+    mask[1, :PAD] = 0
+    return mask
+
+
+def _positions(tokens: torch.Tensor) -> torch.Tensor:
+    """Positions counted from each row's first real token (as generation computes them)."""
+    return (_mask(tokens).cumsum(-1) - 1).clamp(min=0)
+
+
+def _attention_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """megatron's mask (True: not attended): causal, and no padded key."""
+    n = tokens.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+    return causal[None, None] | (_mask(tokens) == 0)[:, None, None, :]
+
+
+def _hf_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens, attention_mask=_mask(tokens), position_ids=_positions(tokens)).logits
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tokens: torch.Tensor) -> bool:
+    """Equal within 1e-5 at the real (not padded) positions."""
+    keep = _mask(tokens).bool()
+    return torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0)
+
+
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 PP2_SAVED = ("llama", "qwen2")  # saved at PP=2 after loading, then exported
 
@@ -148,9 +182,8 @@ def _megatron_logits(ckpt: str, tokens: torch.Tensor, tp: int) -> torch.Tensor:
             CheckpointConfig(pretrained_checkpoint=ckpt), TrainState(), [model], None, None
         )
         model.eval()
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         with torch.no_grad():
-            logits = model(tokens, positions, None)
+            logits = model(tokens, _positions(tokens), _attention_mask(tokens))
             if provider.parallel_output and tp > 1:  # vocab-parallel shards: gather them
                 group = parallel_state.get_tensor_model_parallel_group()
                 parts = [torch.empty_like(logits) for _ in range(tp)]
@@ -261,15 +294,14 @@ def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         model = load_model_for_export(iteration_dir, run_config, single, merge=False)
         assert any(isinstance(m, LoRAAdapter) for m in model.modules())
         model.eval()
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         with torch.no_grad():
-            return model(tokens, positions, None)[..., :VOCAB].clone()
+            return model(tokens, _positions(tokens), _attention_mask(tokens))[..., :VOCAB].clone()
 
 
 def _pipeline_logits(
     ckpt: str, tokens: torch.Tensor, save: str | None = None
 ) -> torch.Tensor | None:
-    """Load the checkpoint at PP=2 x TP=1 through the megatron engine's model setup and
+    """Load the checkpoint at PP=2 x TP=1 through the engine's model setup and
     ``restore_checkpoint`` (the finetuning path), and run megatron-core's forward-only pipeline
     schedule on ``tokens`` (one micro-batch per row). The last stage returns the logits, the
     first stage ``None``. With ``save``, the loaded model is first saved there at PP=2."""
@@ -289,7 +321,7 @@ def _pipeline_logits(
     provider.pipeline_model_parallel_size = 2
     provider.pipeline_dtype = torch.float32
     provider.finalize()
-    engine = build_engine("megatron")
+    engine = build_engine()
     engine.initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
     try:
         chunks = engine.setup_model(provider, wrap_with_ddp=False)
@@ -303,12 +335,12 @@ def _pipeline_logits(
             write_checkpoint(cfg.checkpoint, TrainState(), chunks, None, None, run_config=cfg)
         for chunk in chunks:
             chunk.eval()
-        rows = iter(tokens.split(1))
+        rows = iter(range(tokens.shape[0]))
+        positions, attention_mask = _positions(tokens), _attention_mask(tokens)
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-            row = next(data_iterator)
-            positions = torch.arange(row.shape[1]).expand_as(row)
-            output = model(row, positions, None)
+            i = next(data_iterator)
+            output = model(tokens[i : i + 1], positions[i : i + 1], attention_mask[i : i + 1])
 
             def collect(output_tensor: torch.Tensor, non_loss_data: bool = False) -> Any:
                 assert non_loss_data
@@ -357,8 +389,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         shards = {"max_shard_size": "60KB"} if family == "llama" else {}
         model.save_pretrained(root / family, **shards)
         _write_tokenizer(root / family, VOCAB - 20)
-        with torch.no_grad():
-            reference[family] = model(tokens).logits
+        reference[family] = _hf_logits(model, tokens)
     # Inputs that must be refused.
     shutil.copytree(root / "llama", root / "bad_type")
     config = json.loads((root / "bad_type" / "config.json").read_text())
@@ -383,20 +414,21 @@ def test_imported_logits_match_hf_at_tp1_and_tp2(converted: dict[str, Any], fami
     expected = converted["reference"][family]
     tp1 = converted["one"]["logits"][family]
     assert tp1.shape == expected.shape
-    assert torch.allclose(tp1, expected, atol=1e-5, rtol=0), (tp1 - expected).abs().max()
+    tokens = converted["tokens"]
+    assert _close(tp1, expected, tokens), (tp1 - expected).abs().max()
     for rank_result in converted["two"]:
         tp2 = rank_result[family]
-        assert torch.allclose(tp2, expected, atol=1e-5, rtol=0), (tp2 - expected).abs().max()
+        assert _close(tp2, expected, tokens), (tp2 - expected).abs().max()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_logits_match_hf_at_pp2(converted: dict[str, Any], family: str) -> None:
-    """PP=2 on the megatron engine: only the last stage (rank 1) holds logits."""
+    """PP=2 on megatron-core's engine: only the last stage (rank 1) holds logits."""
     expected = converted["reference"][family]
     first, last = (rank_result["pp2"][family] for rank_result in converted["two"])
     assert first is None
     assert last.shape == expected.shape
-    assert torch.allclose(last, expected, atol=1e-5, rtol=0), (last - expected).abs().max()
+    assert _close(last, expected, converted["tokens"]), (last - expected).abs().max()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -410,8 +442,7 @@ def test_export_of_import_is_bit_identical_and_loads(
         assert exported[name].dtype == tensor.dtype, name
         assert torch.equal(exported[name], tensor), name
     model = transformers.AutoModelForCausalLM.from_pretrained(root / f"export_{family}").eval()
-    with torch.no_grad():
-        logits = model(converted["tokens"]).logits
+    logits = _hf_logits(model, converted["tokens"])
     assert torch.equal(logits, converted["reference"][family])
     assert (root / f"export_{family}" / "tokenizer.json").is_file()
 
@@ -439,10 +470,9 @@ def test_lora_finetune_exports_merged(converted: dict[str, Any]) -> None:
     assert "model.layers.0.self_attn.q_proj.weight" in changed  # adapters were folded in
     assert "model.embed_tokens.weight" not in changed  # LoRA leaves the embedding alone
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "export_lora").eval()
-    with torch.no_grad():
-        logits = model(converted["tokens"]).logits
+    logits = _hf_logits(model, converted["tokens"])
     expected = converted["one"]["lora_logits"]
-    assert torch.allclose(logits, expected, atol=1e-5, rtol=0), (logits - expected).abs().max()
+    assert _close(logits, expected, converted["tokens"]), (logits - expected).abs().max()
 
 
 def _export_pp2_saves(rank: int, world: int, root: str) -> dict[str, tuple[int, str]]:

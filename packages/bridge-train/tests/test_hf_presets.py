@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -63,11 +62,11 @@ def test_linear_rope_scaling_is_position_interpolation() -> None:
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}},
             "low_freq_factor",
         ),
-        ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"model_type": "bert"}, "model_type='bert' is not supported"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
-        ({"rope_theta": 10000.5}, "not a whole number"),
+        ({"rope_theta": 10000.5}, "integer rotary_base"),
         ({"num_hidden_layers": None}, "has no 'num_hidden_layers'"),
     ],
 )
@@ -113,8 +112,8 @@ def test_gpt2_preset() -> None:
     )
     assert p.add_bias_linear and p.share_embeddings_and_output_weights
     assert p.ffn_hidden_size == 256 and not p.gated_linear_unit
-    act = p.activation_func
-    assert isinstance(act, functools.partial) and act.keywords == {"approximate": "tanh"}
+    x = torch.linspace(-3, 3, 13)
+    assert torch.equal(p.activation_func(x), torch.nn.functional.gelu(x, approximate="tanh"))
     with pytest.raises(ConversionError, match="n_positions=128"):
         provider_from_hf_config(config, seq_length=256)
     with pytest.raises(ConversionError, match="activation_function='swish'"):
@@ -124,6 +123,10 @@ def test_gpt2_preset() -> None:
 def test_parallel_layout_is_validated() -> None:
     with pytest.raises(ConversionError, match="tensor_model_parallel_size=3"):
         provider_from_hf_config(LLAMA, tensor_model_parallel_size=3)
+    with pytest.raises(ConversionError, match=r"pipeline_model_parallel_size=3 \(--pp\)"):
+        provider_from_hf_config(LLAMA, pipeline_model_parallel_size=3)
+    with pytest.raises(ConversionError, match="model_type='llama' has no experts"):
+        provider_from_hf_config(LLAMA, expert_model_parallel_size=2)
     p = provider_from_hf_config(
         LLAMA, tensor_model_parallel_size=2, make_vocab_size_divisible_by=64
     )

@@ -96,9 +96,8 @@ def _reference_import(hf: Path, out: Path, tp: int, pp: int) -> None:
     from bridge.config import CheckpointConfig
     from bridge.train.checkpointing import write_checkpoint
     from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
-    from bridge.train.convert.hf_config import provider_from_hf_config, read_hf_config
-    from bridge.train.convert.mapping import param_mappings
     from bridge.train.convert.safetensors_io import SafetensorsReader
+    from bridge.train.models.families import family_for, provider_from_hf_config, read_hf_config
     from bridge.train.state import TrainState
 
     config = read_hf_config(hf)
@@ -112,7 +111,8 @@ def _reference_import(hf: Path, out: Path, tp: int, pp: int) -> None:
         model = single.provide(pre_process=True, post_process=True)
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for mapping in param_mappings(config, target.padded_vocab_size, "model."):
+            family = family_for(config)
+            for mapping in family.param_mappings(config, target.padded_vocab_size, "model."):
                 sources = [reader.get(name) for name in mapping.hf]
                 params[mapping.megatron].copy_(mapping.to_megatron(*sources))
         write_checkpoint(

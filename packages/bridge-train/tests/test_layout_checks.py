@@ -1,4 +1,4 @@
-"""Config-time refusal of layouts and features an engine would run wrongly or not at all.
+"""Config-time refusal of layouts and features the engine would run wrongly or not at all.
 
 The p2p rule is checked here as a rule; ``tests/test_megatron_pipeline_p2p.py`` shows on two
 ranks that the refused combination really trains on swapped tensors.
@@ -31,12 +31,11 @@ def _error(fn: Any, *args: Any, **kwargs: Any) -> ConfigError:
     return info.value
 
 
-@pytest.mark.parametrize("engine", ["portable", "megatron"])
 @pytest.mark.parametrize("cuda", [False, True])
-def test_pp2_with_virtual_pipeline_and_batched_p2p_is_refused(engine: str, cuda: bool) -> None:
+def test_pp2_with_virtual_pipeline_and_batched_p2p_is_refused(cuda: bool) -> None:
     model = _model(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert model.batch_p2p_comm and not model.overlap_p2p_comm  # megatron's defaults
-    error = _error(check_engine_config, model, engine, cuda_available=cuda)
+    error = _error(check_engine_config, model, cuda_available=cuda)
     assert error.location == "model.batch_p2p_comm"
     assert "swapped activations and gradients" in error.detail
     assert "model.overlap_p2p_comm=True and model.batch_p2p_comm=False" in error.detail
@@ -90,11 +89,6 @@ def test_exclusive_p2p_settings_are_refused() -> None:
         ({"layer_spec_backend": "transformer_engine"}, "model.layer_spec_backend", "CUDA"),
         ({"layer_spec_backend": "local"}, "model.layer_spec_backend", "CUDA"),
         (
-            {"sequence_parallel": True, "tensor_model_parallel_size": 2},
-            "model.sequence_parallel",
-            "WrappedTorchNorm",
-        ),
-        (
             {"num_moe_experts": 2, "add_bias_linear": True},
             "model.add_bias_linear",
             "local experts",
@@ -105,20 +99,19 @@ def test_megatron_engine_on_cpu_refuses_gpu_only_features(
     fields: dict[str, Any], location: str, words: str
 ) -> None:
     model = _model(**fields)
-    error = _error(check_engine_config, model, "megatron", cuda_available=False)
+    error = _error(check_engine_config, model, cuda_available=False)
     assert error.location == location and words in error.detail, error
     # The same model is not refused on CUDA by this check (megatron runs it there).
     if location != "model.layer_spec_backend":
-        check_engine_config(model, "megatron", cuda_available=True)
+        check_engine_config(model, cuda_available=True)
 
 
 def test_megatron_engine_on_cpu_refuses_gpu_only_ddp_and_optimizer_settings() -> None:
     model = _model()
-    check_engine_config(model, "megatron", cuda_available=False)
+    check_engine_config(model, cuda_available=False)
     error = _error(
         check_engine_config,
         model,
-        "megatron",
         ddp_config=SimpleNamespace(use_megatron_fsdp=True),
         cuda_available=False,
     )
@@ -126,26 +119,14 @@ def test_megatron_engine_on_cpu_refuses_gpu_only_ddp_and_optimizer_settings() ->
     error = _error(
         check_engine_config,
         model,
-        "megatron",
         optimizer_config=SimpleNamespace(use_precision_aware_optimizer=True),
         cuda_available=False,
     )
     assert error.location == "optimizer.use_precision_aware_optimizer"
 
 
-@pytest.mark.parametrize(
-    ("engine", "expected"),
-    [
-        # The portable engine refuses pipelining before the p2p mode matters.
-        ("portable", "train.engine: the portable engine does not pipeline"),
-        ("megatron", "model.batch_p2p_comm: batch_p2p_comm=True with pipeline_model_parallel"),
-    ],
-)
 def test_bridge_train_exits_2_naming_the_field(
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    engine: str,
-    expected: str,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A torchrun-like environment of two ranks; the layout check refuses before any
     # process group is created.
@@ -160,7 +141,6 @@ def test_bridge_train_exits_2_naming_the_field(
         main(
             [
                 "--no-print-config",
-                f"train.engine={engine}",
                 "model.num_layers=4",
                 "model.pipeline_model_parallel_size=2",
                 "model.virtual_pipeline_model_parallel_size=2",
@@ -171,4 +151,4 @@ def test_bridge_train_exits_2_naming_the_field(
     err = capsys.readouterr().err
     line = err.splitlines()[-1]  # megatron's config may warn first (its own deprecations)
     assert line.startswith("bridge-train: error: ") and "Traceback" not in err
-    assert expected in line, err
+    assert "model.batch_p2p_comm: batch_p2p_comm=True with pipeline_model_parallel" in line, err

@@ -3,7 +3,7 @@ and DP=2 equal one process (losses and the full adapters), and merging the adapt
 the base weights gives the logits of base + adapters.
 
 One 1-rank launch computes the reference and the single-process checks; one 2-rank launch
-runs TP=2 and DP=2. Steps through the portable engine equal steps of plain
+runs TP=2 and DP=2. Steps through megatron-core's engine equal steps of plain
 ``torch.optim.Adam`` on the same LoRA model and batch (within 1e-6).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from bridge.train.engine.portable import PortableEngine
+from bridge.train.engine import MegatronEngine
 from bridge.train.loop.bare_loop import train_steps
 from bridge.train.peft import LoRA, LoRAAdapter, apply_peft, merge_adapters
 from bridge.train.testing import (
@@ -36,7 +36,7 @@ LORA = {"dim": 4, "alpha": 8.0}
 
 def _build(tp: int) -> tuple[Any, Any, list[torch.nn.Module]]:
     provider = tiny_gpt_provider(tensor_model_parallel_size=tp)
-    engine = PortableEngine()
+    engine = MegatronEngine()
     engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
     lora = LoRA(**LORA)  # type: ignore[arg-type]
     model = engine.setup_model(provider, pre_wrap_hooks=[lambda c: apply_peft(lora, c)])
@@ -72,7 +72,8 @@ def _train(tp: int, mbs: int, gbs: int) -> dict[str, Any]:
         model, tiny_optimizer_config(), tiny_scheduler_config(), train
     )
     trainable = {n for n, p in model[0].named_parameters() if p.requires_grad}
-    in_optimizer = {n for n in optimizer.param_names(model) if n is not None}
+    names = {id(p): n for n, p in model[0].named_parameters()}
+    in_optimizer = {names[id(p)] for p in optimizer.get_parameters()}
     base_before = {
         n: p.detach().clone() for n, p in model[0].named_parameters() if not p.requires_grad
     }
@@ -126,7 +127,7 @@ def _single(rank: int, world: int) -> dict[str, Any]:
     destroy_distributed()
     # The plain model's parameter names are those a LoRA-free model has.
     provider = tiny_gpt_provider()
-    engine = PortableEngine()
+    engine = MegatronEngine()
     engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
     plain = engine.setup_model(provider, wrap_with_ddp=False)[0]
     out["plain_keys"] = sorted(plain.state_dict())
@@ -137,9 +138,9 @@ def _single(rank: int, world: int) -> dict[str, Any]:
 
 
 def _engine_vs_plain_adam(steps: int = 3) -> dict[str, Any]:
-    """Steps through the portable engine (DDP grad buffers, megatron param groups and
-    scheduler, PortableOptimizer) against plain ``torch.optim.Adam`` on the unwrapped LoRA
-    model, same weights and batch: the largest adapter difference and the movement."""
+    """Steps through megatron-core's engine (its DDP grad buffers, param groups, scheduler
+    and optimizer) against plain ``torch.optim.Adam`` on the unwrapped LoRA model, same
+    weights and batch: the largest adapter difference and the movement."""
     provider, engine, model = _build(1)
     train = tiny_train_config(micro_batch_size=2, global_batch_size=2, train_iters=steps)
     optimizer, scheduler = engine.setup_optimizer(

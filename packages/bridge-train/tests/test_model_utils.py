@@ -45,10 +45,10 @@ def test_value_head_hook_rejects_bad_sizes() -> None:
 
 
 def _hooks_and_freezing(rank: int, world: int) -> dict:
-    from bridge.train.engine.portable import PortableEngine
+    from bridge.train.engine import MegatronEngine
 
     provider = tiny_gpt_provider()
-    engine = PortableEngine()
+    engine = MegatronEngine()
     engine.initialize_distributed(provider, tiny_dist_config())
     # the hook runs before DDP wrapping, so the head gets a gradient buffer
     model = engine.setup_model(

@@ -1,7 +1,15 @@
-"""The portable no-pipelining schedule follows megatron 0.19.2's loss conventions exactly.
+"""The loss conventions of the engine's schedule that the loop's loss reductions rely on.
 
-These run in the test process with a one-parameter model: no process group is needed
-(finalisation is a recording function and the context-parallel group is a stand-in).
+megatron-core's ``forward_backward_no_pipelining`` (the engine's schedule without pipeline
+parallelism; the pipelined schedules follow the same conventions and are compared with it in
+tests/test_megatron_engine_layouts.py): how a loss function's 2- and 3-tuples are divided,
+what ``finalize_model_grads_func`` receives, ``no_sync`` around all but the last micro-batch,
+``grad_scale_func``, forward-only and non-loss data. A megatron-core upgrade that changes one
+of them would silently change every loss the trainer reports.
+
+These run in the test process, under core-utils' CUDA emulation (the schedule places its
+token counter on ``"cuda"``), with a one-parameter model: no process group is needed
+(finalisation is a recording function and the process groups are stand-ins).
 """
 
 from __future__ import annotations
@@ -12,11 +20,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from bridge.train.engine.portable_schedule import forward_backward_no_pipelining
+from core_utils import cuda_emulation
 
-PG = SimpleNamespace(cp=SimpleNamespace(size=lambda: 1))
+PG = SimpleNamespace(tp=None, cp=SimpleNamespace(size=lambda: 1))
+
+
+@pytest.fixture(autouse=True)
+def _emulated_cuda():
+    with cuda_emulation():
+        yield
 
 
 class OneWeight(torch.nn.Module):
@@ -170,24 +185,14 @@ def test_collect_non_loss_data_returns_what_the_loss_function_gives() -> None:
     assert [c["max"].item() for c in collected] == [6.0, 12.0]
 
 
-def test_bad_arguments_are_refused() -> None:
+def test_several_model_chunks_are_refused_without_a_pipeline() -> None:
     model = OneWeight()
-    with pytest.raises(ValueError, match=r"one model chunk, got 2"):
+    with pytest.raises(AssertionError, match=r"does not support model chunking"):
         forward_backward_no_pipelining(
             forward_step_func=_three_tuple_step,
             data_iterator=iter(BATCHES),
             model=[model, model],
             num_microbatches=1,
-            seq_length=3,
-            micro_batch_size=1,
-            pg_collection=PG,
-        )
-    with pytest.raises(ValueError, match=r"num_microbatches must be >= 1"):
-        forward_backward_no_pipelining(
-            forward_step_func=_three_tuple_step,
-            data_iterator=iter(BATCHES),
-            model=model,
-            num_microbatches=0,
             seq_length=3,
             micro_batch_size=1,
             pg_collection=PG,

@@ -107,12 +107,12 @@ def _logits_and_grads(model: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, 
 
 
 def _checks(rank: int, world: int, root: str) -> dict[str, Any]:
-    from bridge.train.engine.portable import PortableEngine
+    from bridge.train.engine import MegatronEngine
     from bridge.train.testing import tiny_dist_config, tiny_rng_config
 
     out: dict[str, Any] = {}
     provider = tiny_gpt_provider(vocab_size=258, seq_length=SEQ)
-    engine = PortableEngine()
+    engine = MegatronEngine()
     engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
     model = engine.setup_model(provider, wrap_with_ddp=False)[0]
     examples = load_tokenized_examples(Path(root) / "training.jsonl", TOKENIZER, sft_settings(None))

@@ -72,7 +72,7 @@ def test_forward_pre_hook_helpers() -> None:
         assert not should_disable_forward_pre_hook(*flags)
     chunk, plain = _HookedChunk(), torch.nn.Linear(2, 2)
     disable_forward_pre_hook([chunk, plain], param_sync=False)
-    enable_forward_pre_hook([chunk, plain])  # the portable engine's chunks have no hooks
+    enable_forward_pre_hook([chunk, plain])  # chunks without megatron's DDP have no hooks
     assert chunk.calls == [("disable", False), ("enable", None)]
     _handle_mxfp8_param_buffer_copy(chunk, True, True)
     _handle_mxfp8_param_buffer_copy(chunk, True, False)

@@ -181,6 +181,40 @@ def test_cuda_devices_in_factories_and_to_become_cpu(
     assert made[1].dtype == torch.bfloat16 and made[7].dtype == torch.float64
 
 
+def test_calls_without_keywords_take_the_fast_path_with_the_same_semantics(
+    no_cuda: None,
+) -> None:
+    """Most torch calls carry no keyword arguments and run straight through the mode; the
+    methods whose device may be positional (``to``, ``cuda``, ``type``, ``pin_memory``)
+    are still handled, and keyword arguments other than ``device`` are passed on."""
+    base = torch.arange(6.0).reshape(2, 3)
+
+    def plain() -> list[torch.Tensor]:
+        return [
+            torch.add(base, base),
+            base.mul(2),
+            base.sum(0),
+            torch.cat([base, base]),
+            base.t().contiguous(),
+            torch.zeros(2, 3),
+            base.sum(dim=1),
+            torch.ones(2, dtype=torch.float64),
+        ]
+
+    outside = plain()
+    with cuda_emulation():
+        inside = plain()
+        assert base.shape == (2, 3) and base.grad is None and base.dtype == torch.float32
+        moved = [base.to("cuda"), base.to(torch.device("cuda", 0), torch.float64), base.to(1)]
+        same = [base.cuda(), base.cuda(1), base.pin_memory()]
+        name = base.type()
+    for want, got in zip(outside, inside, strict=True):
+        assert torch.equal(want, got) and want.dtype == got.dtype and got.device.type == "cpu"
+    assert all(t.device.type == "cpu" for t in moved) and moved[1].dtype == torch.float64
+    assert all(t is base for t in same)
+    assert name == "torch.cuda.FloatTensor"
+
+
 def test_cuda_and_pin_memory_return_the_tensor(no_cuda: None) -> None:
     module = torch.nn.Linear(3, 2)
     weight = module.weight

@@ -40,7 +40,9 @@ class SDPACoreAttention(MegatronModule):
     output is ``[sq, b, np * hn]``. ``attention_mask`` follows megatron's convention: ``True``
     marks positions that must NOT be attended to (``[b, 1, sq, sk]`` or broadcastable, for
     self- and cross-attention alike). A causal ``attn_mask_type`` adds the causal mask on
-    top of any given mask. A query row with every key masked gets the mean of the values,
+    top of any given mask. ``config.window_size`` limits each query to a sliding window, on
+    every layer or, with ``config.window_attn_skip_freq``, on the layers megatron's
+    ``is_layer_window_attention`` names. A query row with every key masked gets the mean of the values,
     as megatron's masked softmax gives it (no NaN).
 
     Args:
@@ -101,13 +103,16 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        if getattr(config, "window_attn_skip_freq", None) is not None:
-            raise ValueError(
-                "SDPACoreAttention does not support window_attn_skip_freq (sliding windows on "
-                "some layers only); use Transformer Engine attention on GPU"
-            )
         # (left, right) tokens each query may see around its own position; -1 is unlimited.
         window = getattr(config, "window_size", None)
+        skip = getattr(config, "window_attn_skip_freq", None)
+        if window is not None and skip is not None:
+            # Sliding windows on some layers only (megatron's rule: every skip-th layer, or
+            # the 0/1 list per layer, attends to everything).
+            from megatron.core.transformer.utils import is_layer_window_attention
+
+            if not is_layer_window_attention(window, skip, self.layer_number):
+                window = None
         self.window_size: tuple[int, int] | None = (
             None if window is None else (int(window[0]), int(window[1]))
         )

@@ -40,7 +40,7 @@ from bridge.config._resiliency import (
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
 from bridge.config._section import clear_fill_ins, config_section, fill_in, restore_fill_ins
 from bridge.config._tokenizer import TokenizerConfig, total_vocab_size
-from bridge.config._training import SchedulerConfig, TrainingConfig
+from bridge.config._training import SchedulerConfig, TrainingConfig, warn_deprecated_engine
 from bridge.config._value_ranges import check_value_ranges
 from bridge.config._yaml import (
     dump_yaml,
@@ -352,6 +352,8 @@ class ConfigContainer:
         for name, hint in _REQUIRED_SECTIONS.items():
             if getattr(self, name) is None:
                 raise ConfigError(name, f"required section is missing; {hint}")
+        if self.train is not None and self.train.engine is not None:
+            warn_deprecated_engine(self.train.engine)
         # Derive afresh: values an earlier call filled in may be stale (other world size,
         # overridden train_iters).
         cleared = self._clear_derived_values()
@@ -378,7 +380,7 @@ class ConfigContainer:
 
     def _validate(self, world: int) -> None:
         self._recheck_sections()
-        check_value_ranges(self.optimizer, self.model, getattr(self.train, "engine", None))
+        check_value_ranges(self.optimizer, self.model)
         dp = self.get_data_parallel_size(world)
         fill_in(self, "data_parallel_size", dp)
         self._fill_comm_overlap(dp)
@@ -555,11 +557,7 @@ class ConfigContainer:
     def _check_model(self, world: int) -> None:
         model, optimizer, train = self.model, self.optimizer, self.train
         assert model is not None and optimizer is not None and train is not None
-        tp, pp, cp = (
-            model.tensor_model_parallel_size,
-            model.pipeline_model_parallel_size,
-            model.context_parallel_size,
-        )
+        tp, cp = model.tensor_model_parallel_size, model.context_parallel_size
         if model.num_attention_heads % tp:
             raise ConfigError(
                 "model.num_attention_heads",
@@ -570,15 +568,6 @@ class ConfigContainer:
                 "model.seq_length",
                 f"got {model.seq_length}; with context_parallel_size {cp} it must be divisible by "
                 f"2 x {cp} = {2 * cp}",
-            )
-        if train.engine == "portable" and (
-            pp > 1 or model.virtual_pipeline_model_parallel_size is not None
-        ):
-            raise ConfigError(
-                "train.engine",
-                f"the portable engine does not pipeline (model.pipeline_model_parallel_size={pp}, "
-                f"virtual_pipeline_model_parallel_size={model.virtual_pipeline_model_parallel_size}); "
-                "use engine 'megatron' (train.engine=megatron) or set the pipeline sizes to 1 / null",
             )
         if model.bf16 and model.fp16:
             raise ConfigError("model", "bf16 and fp16 are both true; enable at most one")

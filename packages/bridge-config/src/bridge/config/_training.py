@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 from dataclasses import dataclass, field
 from typing import Literal
@@ -10,6 +12,30 @@ from bridge.config._checks import at_least, at_most_one, within
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error, section_error
 from bridge.config._section import config_section
+
+logger = logging.getLogger(__name__)
+
+_warned_engine = False
+
+
+def warn_deprecated_engine(value: str) -> None:
+    """Log, once per process and on the launcher's rank 0 only, that ``train.engine`` is
+    deprecated (``ConfigContainer.validate`` calls it when the field is set).
+
+    A run validates its config more than once (the command, then ``pretrain``), before any
+    process group exists, so the rank is the launcher's ``$RANK``. A saved config read back
+    (a checkpoint's ``run_config.yaml``) is not validated and does not warn.
+    """
+    global _warned_engine
+    if _warned_engine or os.environ.get("RANK", "0") != "0":
+        return
+    _warned_engine = True
+    logger.warning(
+        "train.engine=%r is deprecated and will be removed in the next release: "
+        "megatron-core's engine is the only engine (on CPU through core_utils.cuda_emulation); "
+        "remove train.engine from the config",
+        value,
+    )
 
 
 @config_section
@@ -260,10 +286,12 @@ class TrainingConfig:
     skip_train: bool = False
     """Skip training: only evaluate (if configured) and exit."""
 
-    engine: Literal["portable", "megatron"] = "portable"
-    """Training engine of bridge-train. ``"portable"`` runs on CPU (gloo) and GPU (nccl)
-    with torch DDP, a torch optimizer and a non-pipelined schedule; ``"megatron"`` uses
-    megatron-core's DDP, distributed optimizer and pipeline schedules and needs CUDA."""
+    engine: Literal["portable", "megatron"] | None = None
+    """Deprecated; removed in the next release. megatron-core's engine (its DDP, optimizers
+    incl. the distributed optimizer, and pipeline schedules) is the only engine, on GPUs and
+    on CPU (through core-utils' CUDA emulation). A run whose config sets this field (either
+    value) logs one warning; ``"portable"`` is still accepted and trains on megatron-core's
+    engine. Leave it unset."""
 
     def __post_init__(self) -> None:
         """Check the field types, sizes, intervals, exit and evaluation settings."""

@@ -41,9 +41,8 @@ _MODEL_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "layernorm_epsilon": (0.0, None, True, False),
 }
 
-# Optimizer names each engine builds (megatron's get_megatron_optimizer and the portable
-# engine's build_portable_optimizer).
-_OPTIMIZERS = {"portable": ("adam", "sgd"), "megatron": ("adam", "sgd", "lion", "muon")}
+# Optimizer names megatron-core's get_megatron_optimizer builds.
+_OPTIMIZERS = ("adam", "sgd", "lion", "muon")
 
 
 def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
@@ -86,14 +85,13 @@ def _check(section: Any, prefix: str, ranges: dict[str, Any]) -> None:
             )
 
 
-def check_value_ranges(optimizer: Any, model: Any, engine: str | None) -> None:
+def check_value_ranges(optimizer: Any, model: Any) -> None:
     """Refuse non-finite or out-of-range values in the optimizer and model sections.
 
     Args:
         optimizer: The ``optimizer`` section (megatron-core ``OptimizerConfig`` or any
             dataclass with its field names), or None.
         model: The ``model`` section, or None.
-        engine: ``train.engine`` (the optimizers it can build differ).
 
     Raises:
         ConfigError: naming the field, the value and the valid range.
@@ -101,12 +99,11 @@ def check_value_ranges(optimizer: Any, model: Any, engine: str | None) -> None:
     if optimizer is not None and dataclasses.is_dataclass(optimizer):
         _check(optimizer, "optimizer", _OPTIMIZER_RANGES)
         name = getattr(optimizer, "optimizer", None)
-        allowed = _OPTIMIZERS.get(engine or "portable", _OPTIMIZERS["megatron"])
-        if isinstance(name, str) and name not in allowed:
+        if isinstance(name, str) and name not in _OPTIMIZERS:
             raise ConfigError(
                 "optimizer.optimizer",
-                f"got {name!r}; the {engine or 'portable'} engine builds "
-                f"{', '.join(repr(a) for a in allowed)}.{suggest(name, allowed)}",
+                f"got {name!r}; megatron-core builds "
+                f"{', '.join(repr(a) for a in _OPTIMIZERS)}.{suggest(name, _OPTIMIZERS)}",
             )
         lr, min_lr = getattr(optimizer, "lr", None), getattr(optimizer, "min_lr", None)
         if isinstance(lr, (int, float)) and isinstance(min_lr, (int, float)) and min_lr > lr:

@@ -74,7 +74,7 @@ def _launcher_world_size() -> int:
 _SECTION_SUMMARIES = {
     "rng": "random seeds",
     "rerun_state_machine": "result validation by re-running steps (CUDA)",
-    "train": "batch sizes, length, evaluation, exit conditions, GC, engine",
+    "train": "batch sizes, length, evaluation, exit conditions, GC",
     "model": "model config (_target_: bridge.train.models.GPTModelProvider), parallel sizes",
     "optimizer": "optimizer (_target_: megatron.core.optimizer.OptimizerConfig)",
     "ddp": "data-parallel gradient reduction",
@@ -393,7 +393,7 @@ def _print_layout(cfg: Any, world: int) -> None:
     micro = gbs // (mbs * cfg.data_parallel_size) if gbs and mbs else None
     print(
         f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {sizes['data']} "
-        f"= global {gbs}; train_iters {train.train_iters}, engine {train.engine}",
+        f"= global {gbs}; train_iters {train.train_iters}",
         flush=True,
     )
     print(

@@ -158,8 +158,8 @@ class GlobalState:
             (``None`` before the first one); the end of training saves one unless it is the
             final iteration (a non-persistent checkpoint does not count).
         engine: The engine the model was built with (:func:`bridge.train.pretrain` sets it).
-            The loop takes its forward-backward schedule from it; ``None`` means the engine
-            named by ``cfg.train.engine``.
+            The loop takes its forward-backward schedule from it; ``None`` means megatron-core's
+            engine (built on first use).
         last_evaluated_iteration: Iteration of the last validation run of this job.
     """
 
@@ -181,12 +181,13 @@ class GlobalState:
     @property
     def forward_backward_func(self) -> Callable[..., list[Any]]:
         """The engine's forward-backward schedule (megatron's ``forward_backward_func``
-        signature). Without an engine set, the one named by ``cfg.train.engine`` is built."""
+        signature). Without an engine set, megatron-core's engine is built: its schedule for
+        the current pipeline layout (on CPU inside the CUDA emulation, see
+        :attr:`bridge.train.engine.MegatronEngine.forward_backward_func`)."""
         if self.engine is None:
             from bridge.train.engine.base import build_engine
 
-            train = self.cfg.train
-            self.engine = build_engine(train.engine if train is not None else "portable")
+            self.engine = build_engine()
         return self.engine.forward_backward_func
 
     @property

@@ -19,40 +19,19 @@ from typing import Any
 
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+from bridge.train.models.architecture import ARCHITECTURE_FIELDS as MODEL_ARCHITECTURE_FIELDS
+from bridge.train.models.architecture import same_setting
 
 __all__ = ["ARCHITECTURE_FIELDS", "check_same_architecture"]
 
 logger = logging.getLogger(__name__)
 
-#: Model fields that define the computation a checkpoint's weights belong to. Fields a
-#: model class does not have are skipped; ``seq_length`` is not here (a longer context on
-#: rotary embeddings is a legitimate resume; learned positions differ in shape anyway).
-ARCHITECTURE_FIELDS: tuple[str, ...] = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "normalization",
-    "layernorm_zero_centered_gamma",
-    "gated_linear_unit",
-    "activation_func",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "position_embedding_type",
-    "rotary_percent",
-    "rotary_base",
-    "share_embeddings_and_output_weights",
-    "num_moe_experts",
-    "moe_router_topk",
-    "moe_ffn_hidden_size",
-    "multi_latent_attention",
-    "hybrid_override_pattern",
-)
+#: Model fields that define the computation a checkpoint's weights belong to (the model's
+#: :data:`bridge.train.models.architecture.ARCHITECTURE_FIELDS` and the vocabulary
+#: padding). Fields a model class does not have are skipped; ``seq_length`` is not here (a
+#: longer context on rotary embeddings is a legitimate resume; learned positions differ in
+#: shape anyway).
+ARCHITECTURE_FIELDS: tuple[str, ...] = (*MODEL_ARCHITECTURE_FIELDS, "make_vocab_size_divisible_by")
 
 
 def _show(value: Any) -> str:
@@ -92,7 +71,7 @@ def check_same_architecture(model_config: Any, checkpoint_dir: str | os.PathLike
             if not (hasattr(saved, name) and hasattr(model_config, name)):
                 continue
             before, now = getattr(saved, name), getattr(model_config, name)
-            if before != now:
+            if not same_setting(before, now):
                 differing.append(f"{name} (checkpoint {_show(before)}, this run {_show(now)})")
     if differing:
         raise CheckpointError(

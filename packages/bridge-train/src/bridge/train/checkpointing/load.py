@@ -54,6 +54,10 @@ from bridge.train.checkpointing.layout import (
     parse_iteration,
     read_marker,
 )
+from bridge.train.checkpointing.portable_state import (
+    PORTABLE_OPTIMIZER_FORMAT,
+    convert_portable_optimizer_state,
+)
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
@@ -337,25 +341,18 @@ def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None)
     return f"{sizes or 'no model parallelism'} ({', '.join(details)})"
 
 
-def _optimizer_family(fmt: str | None) -> str | None:
-    """portable and megatron optimizers store different non-tensor state."""
-    if fmt is None:
-        return None
-    return "portable" if fmt == "portable" else "megatron"
-
-
 def _check_reshardable(
     path: str, meta: dict[str, Any], layout: dict[str, Any], chunks: int, optimizer: Any
 ) -> None:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
     dist_checkpointing reshards model tensors across TP, PP and DP sizes, and per-parameter
-    optimizer state (portable optimizer, megatron's non-distributed optimizers) with them.
-    megatron's distributed optimizer state is saved per data-parallel bucket
-    (``dp_reshardable``, see ``state_dict.OPTIMIZER_SHARDING_METADATA``): it reshards across
-    DP sizes only. Refused: another number of virtual pipeline chunks; optimizer state of
-    the other engine's optimizer family; distributed <-> per-parameter optimizer state; and
-    distributed-optimizer state under other TP or PP sizes.
+    optimizer state (megatron's non-distributed optimizers, and the retired portable
+    engine's, which is converted) with them. megatron's distributed optimizer state is saved
+    per data-parallel bucket (``dp_reshardable``, see
+    ``state_dict.OPTIMIZER_SHARDING_METADATA``): it reshards across DP sizes only. Refused:
+    another number of virtual pipeline chunks; distributed <-> per-parameter optimizer
+    state; and distributed-optimizer state under other TP or PP sizes.
     """
     saved_layout = meta.get("parallel_layout") or {}
     saved_chunks = meta.get("model_chunks", 1)
@@ -379,12 +376,6 @@ def _check_reshardable(
         )
     if optimizer is None or saved_fmt is None:
         return
-    if _optimizer_family(saved_fmt) != _optimizer_family(this_fmt):
-        raise refuse(
-            "optimizer state of another engine's optimizer cannot be loaded",
-            "use the saved train.engine, or set checkpoint.load_optim=False to load the model "
-            "(and train state) alone",
-        )
     saved_distributed = saved_fmt.startswith("distributed:")
     if saved_distributed != (this_fmt or "").startswith("distributed:"):
         raise refuse(
@@ -503,8 +494,14 @@ def _dist_load(template: dict[str, Any], path: str, cfg: CheckpointConfig) -> di
     return loaded
 
 
-def _load_scheduler(scheduler: Any, saved: dict[str, Any], path: str) -> None:
-    """Restore megatron's OptimizerParamScheduler exactly (not on top of its current steps)."""
+def _check_scheduler_settings(scheduler: Any, saved: dict[str, Any], path: str) -> None:
+    """Refuse a checkpoint whose schedule differs from the config's, unless the config says
+    which one wins; take the checkpoint's schedule lengths when only those differ.
+
+    Runs before the optimizer state is loaded: megatron's optimizers pair the saved parameter
+    groups with the current ones by their learning-rate bounds, so a run with another
+    ``optimizer.lr`` would otherwise fail inside megatron-core instead of with this message.
+    """
     override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
     from_checkpoint = bool(getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
     if not override and not from_checkpoint:
@@ -547,23 +544,91 @@ def _load_scheduler(scheduler: Any, saved: dict[str, Any], path: str) -> None:
                 "values, or scheduler.use_checkpoint_opt_param_scheduler=True to take the "
                 "checkpoint's"
             )
+
+
+def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
+    """Restore megatron's OptimizerParamScheduler exactly (not on top of its current steps)."""
     # megatron's load_state_dict advances by the saved step count from the current one.
     scheduler.num_steps = 0
     scheduler.load_state_dict(saved)
 
 
-# Learning-rate bounds megatron's scheduler reads from each parameter group.
-_GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr")
+# Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
+_GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def _saved_param_groups(inner: Any, state: Any) -> list[dict[str, Any]] | None:
+    """The saved parameter groups in ``state`` for megatron's non-distributed optimizer
+    ``inner`` (``FP32Optimizer``: the torch state dict; mixed precision: under
+    ``"optimizer"``), or None for other optimizers (the distributed one keeps its own)."""
+    if type(inner).__name__ == "DistributedOptimizer" or not isinstance(state, dict):
+        return None
+    torch_state = state.get("optimizer", state)
+    groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
+    return groups if isinstance(groups, list) else None
+
+
+def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, dict]]:
+    """Give the saved parameter groups the current groups' schedule bounds, for the load.
+
+    megatron's non-distributed optimizers pair saved and current parameter groups by a key
+    that includes ``max_lr``/``min_lr``/``start_wd``/``end_wd``; after
+    ``scheduler.override_opt_param_scheduler`` or ``use_checkpoint_opt_param_scheduler``
+    with another learning rate those differ, and the load would fail. Groups are paired by
+    the rest of the key (weight-decay and learning-rate multipliers, expert and decoupled
+    flags), when that pairing is one to one.
+
+    Returns:
+        ``(inner optimizer, group index, the checkpoint's bounds)`` for each group whose
+        bounds were replaced, so the caller can decide which bounds the run keeps (torch's
+        load replaces the group dicts, hence indices).
+    """
+    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    parts = (
+        [state] if len(inners) == 1 else list(state.values() if isinstance(state, dict) else state)
+    )
+    replaced: list[tuple[Any, int, dict]] = []
+    for inner, part in zip(inners, parts, strict=False):
+        saved_groups = _saved_param_groups(inner, part)
+        current_groups = inner.param_groups
+        if saved_groups is None or len(saved_groups) != len(current_groups):
+            continue
+
+        def structure(group: dict[str, Any]) -> tuple[Any, ...]:
+            return tuple(
+                group.get(key)
+                for key in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+            )
+
+        by_structure = {structure(g): g for g in saved_groups}
+        if len(by_structure) != len(saved_groups):
+            continue  # ambiguous: leave megatron's own pairing (and its error) alone
+        for index, current in enumerate(current_groups):
+            saved = by_structure.get(structure(current))
+            if saved is None:
+                break
+            if all(saved.get(k) == current.get(k) for k in _GROUP_SCHEDULE_KEYS):
+                continue
+            bounds = {k: saved[k] for k in _GROUP_SCHEDULE_KEYS if k in saved}
+            replaced.append((inner, index, bounds))
+            for key in _GROUP_SCHEDULE_KEYS:
+                if key in current:
+                    saved[key] = current[key]
+                else:
+                    saved.pop(key, None)
+    return replaced
 
 
 def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> None:
-    """Restore the optimizer state; with ``override_opt_param_scheduler`` the config's
-    per-group learning-rate bounds stay (torch's load would take the checkpoint's)."""
+    """Restore the optimizer state. The parameter groups' schedule bounds are the config's
+    with ``override_opt_param_scheduler``, else the checkpoint's (as the scheduler's own
+    settings)."""
     keep = bool(getattr(scheduler, "override_opt_param_scheduler", False))
     bounds = [
         {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
         for group in optimizer.param_groups
     ]
+    replaced = _align_schedule_bounds(optimizer, state)
     # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
     # only some of its formats' loaders disable autograd themselves.
     with torch.no_grad():
@@ -572,6 +637,9 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> No
     if keep:
         for group, saved in zip(optimizer.param_groups, bounds, strict=True):
             group.update(saved)
+    else:
+        for inner, index, checkpoint_bounds in replaced:
+            inner.param_groups[index].update(checkpoint_bounds)
 
 
 def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
@@ -809,19 +877,38 @@ def restore_checkpoint(
     if checkpointing_context is not None:
         checkpointing_context["loaded_checkpoint"] = plan.path
     common, loaded, keys, finetune, load_optim, load_rng = read
+    saved_schedule = (
+        common.get("opt_param_scheduler")
+        if load_optim and opt_param_scheduler is not None
+        else None
+    )
+    if saved_schedule is not None:  # refused before anything is applied
+        _check_scheduler_settings(opt_param_scheduler, saved_schedule, plan.path)
 
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
-            _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
+            saved_optimizer = loaded["optimizer"]
+            if common[META_KEY].get("optimizer_format") == PORTABLE_OPTIMIZER_FORMAT:
+                saved_optimizer = convert_portable_optimizer_state(
+                    optimizer, saved_optimizer, plan.path
+                )
+                if _dist.rank() == 0:
+                    logger.info(
+                        "%s was saved by the retired portable engine: its optimizer state "
+                        "(moments, step, loss scale, fp32 main parameters) is converted to "
+                        "megatron-core's optimizer",
+                        plan.path,
+                    )
+            _load_optimizer(optimizer, saved_optimizer, opt_param_scheduler)
         elif optimizer is not None:
             if cfg.load_main_params_from_ckpt and not finetune:
                 _load_main_params(optimizer, model, plan.path, cfg)
             else:
                 optimizer.reload_model_params()
-    if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in common:
-        _load_scheduler(opt_param_scheduler, common["opt_param_scheduler"], plan.path)
+    if saved_schedule is not None:
+        _load_scheduler(opt_param_scheduler, saved_schedule)
     if load_rng:
         restore_rng_state(loaded[RNG_STATE_KEY])
 

@@ -76,7 +76,7 @@ def unwrapped_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     megatron's ``DistributedDataParallel`` has no ``sharded_state_dict`` of its own (the
     generic one would prefix every key with ``module.``) and its ``load_state_dict``
     forwards to the wrapped module, so checkpoints read and write the unwrapped chunks, as
-    Megatron-LM does. Other wrappers (the portable engine's) are left as they are.
+    Megatron-LM does. Other wrappers are left as they are.
     """
     from megatron.core.utils import unwrap_model
 
@@ -125,7 +125,7 @@ def optimizer_sharded_state_dict(
     """``optimizer.sharded_state_dict`` with :data:`OPTIMIZER_SHARDING_METADATA`.
 
     Args:
-        optimizer: A megatron-contract optimizer (megatron-core's or the portable one).
+        optimizer: megatron-core's optimizer (or another with its ``sharded_state_dict``).
         model_state: The model's sharded state dict (see :func:`model_sharded_state_dict`).
         is_loading: Build the template to load into.
 
@@ -166,14 +166,13 @@ def optimizer_format(optimizer: Any) -> str:
     """How the optimizer's state is laid out in a checkpoint, for the resharding rules.
 
     ``"distributed:<sharding type>"`` for megatron's distributed optimizer (also chained),
-    ``"megatron"`` for megatron's other optimizers, ``"portable"`` for the portable one.
+    ``"megatron"`` for megatron's other optimizers. (Checkpoints of the retired portable
+    engine say ``"portable"``; see :mod:`~bridge.train.checkpointing.portable_state`.)
     """
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     names = {type(o).__name__ for o in inner}
     if "DistributedOptimizer" in names:
         return f"distributed:{OPTIMIZER_SHARDING_METADATA['distrib_optim_sharding_type']}"
-    if "PortableOptimizer" in names:
-        return "portable"
     return "megatron"
 
 

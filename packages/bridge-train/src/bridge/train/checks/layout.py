@@ -1,4 +1,4 @@
-"""Config-time checks of what an engine can run, before any process group exists.
+"""Config-time checks of what the engine can run here, before any process group exists.
 
 megatron-core accepts some settings that then fail deep inside a step, or, worse, train
 without an error on wrong tensors. :func:`check_engine_config` refuses them while the run is
@@ -6,7 +6,7 @@ still a configuration, each with one line naming the field and the fix
 (:class:`bridge.config.ConfigError`, which the ``bridge-train`` command turns into exit code
 2):
 
-* **Pipeline p2p mode** (any engine, any device). With ``pipeline_model_parallel_size == 2``
+* **Pipeline p2p mode** (any device). With ``pipeline_model_parallel_size == 2``
   and a virtual pipeline, a rank's previous and next pipeline stage are the same rank.
   megatron's interleaved schedule then posts, in one ``batch_isend_irecv``, a send and a
   receive to that rank for each direction; point-to-point operations to one peer are matched
@@ -23,14 +23,15 @@ still a configuration, each with one line naming the field and the fix
 * **Exclusive p2p settings**: ``overlap_p2p_comm`` with ``batch_p2p_comm``, and
   ``overlap_p2p_comm`` without a virtual pipeline (both raise inside megatron's schedules
   at the first step).
-* **The megatron engine without CUDA** (CPU, through core-utils' CUDA emulation): features
+* **Without CUDA** (megatron-core's engine on CPU, through core-utils' CUDA emulation): features
   whose kernels exist only on GPUs: fp8/fp4, CUDA graphs, Transformer Engine layer specs
   and fusions, context parallelism (Transformer Engine attention), tensor-parallel
   communication overlap (userbuffers), activation offloading (CUDA streams), gradient
   accumulation fusion (an Apex CUDA extension), megatron FSDP and the precision-aware
   optimizer (Transformer Engine's fused Adam); and what the CPU layer spec cannot build:
-  sequence parallelism (megatron's ``WrappedTorchNorm`` asserts against it) and MoE layers
-  with linear biases (megatron-core 0.19's local experts add the bias in place to a view).
+  MoE layers with linear biases (megatron-core 0.19's local experts add the bias in place
+  to a view). Sequence parallelism runs: the portable layer spec then uses norms that
+  allow it (:class:`bridge.train.models.layer_specs.SequenceParallelTorchNorm`).
 """
 
 from __future__ import annotations
@@ -136,13 +137,6 @@ def _check_megatron_on_cpu(model_config: Any, ddp_config: Any, optimizer_config:
         value = getattr(model_config, name, fine)
         if value is not None and value != fine:
             raise ConfigError(f"model.{name}", f"got {value!r}: {reason}")
-    if getattr(model_config, "sequence_parallel", False):
-        raise ConfigError(
-            "model.sequence_parallel",
-            "True needs a GPU layer spec: on CPU the norms are megatron's WrappedTorchNorm, "
-            "which asserts sequence_parallel=False when the layer is built; set "
-            "model.sequence_parallel=false on CPU",
-        )
     if getattr(model_config, "num_moe_experts", None) and getattr(
         model_config, "add_bias_linear", False
     ):
@@ -193,13 +187,12 @@ def _after_location(message: str) -> str:
 
 def check_engine_config(
     model_config: Any,
-    engine: str,
     *,
     ddp_config: Any = None,
     optimizer_config: Any = None,
     cuda_available: bool | None = None,
 ) -> None:
-    """Refuse what ``engine`` cannot run correctly on this machine (see the module docstring).
+    """Refuse what the engine cannot run correctly on this machine (see the module docstring).
 
     Called by the launch checks (``bridge-train`` exits with code 2) before any process
     group, model or dataset exists; pure attribute reads, no collective.
@@ -207,7 +200,6 @@ def check_engine_config(
     Args:
         model_config: The model config (``GPTModelProvider`` / megatron
             ``TransformerConfig``).
-        engine: ``"portable"`` or ``"megatron"`` (``train.engine``).
         ddp_config: The ``ddp`` section, if any.
         optimizer_config: The ``optimizer`` section, if any.
         cuda_available: Override CUDA detection (default ``torch.cuda.is_available()``).
@@ -217,5 +209,5 @@ def check_engine_config(
     """
     check_pipeline_p2p(model_config)
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    if engine == "megatron" and not cuda:
+    if not cuda:
         _check_megatron_on_cpu(model_config, ddp_config, optimizer_config)

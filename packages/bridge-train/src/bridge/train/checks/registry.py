@@ -87,7 +87,6 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(rules.layout_fits_world, GPT),
     ),
     "train": (
-        Rule(rules.engine_is_available, GPT),
         Rule(rules.evaluation_has_validation_data, GPT),
         Rule(rules.dataset_index_fits_memory, GPT),
         Rule(mimo.length_and_batch_sizes_are_set, MIMO),

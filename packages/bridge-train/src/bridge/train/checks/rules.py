@@ -50,7 +50,6 @@ __all__ = [
     "dataset_is_given",
     "distributed_backend_resolves",
     "engine_can_run_model",
-    "engine_is_available",
     "evaluation_has_validation_data",
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
@@ -80,43 +79,28 @@ INDEX_BYTES_PER_SAMPLE = 24
 
 def engine_can_run_model(
     model: ModelConfigProtocol,
-    train: TrainingConfig,
     ddp: DDPConfigProtocol,
     optimizer: OptimizerConfigProtocol,
     cuda_available: bool,
 ) -> None:
-    """What ``train.engine`` cannot run correctly on this machine (pipeline p2p modes,
-    GPU-only features without CUDA; see :mod:`bridge.train.checks.layout`)."""
+    """What the engine cannot run correctly on this machine (pipeline p2p modes, GPU-only
+    features without CUDA; see :mod:`bridge.train.checks.layout`)."""
     check_engine_config(
-        model,
-        train.engine,
-        ddp_config=ddp,
-        optimizer_config=optimizer,
-        cuda_available=cuda_available,
+        model, ddp_config=ddp, optimizer_config=optimizer, cuda_available=cuda_available
     )
 
 
-def layout_fits_world(model: ModelConfigProtocol, train: TrainingConfig, world_size: int) -> None:
-    """The parallel layout fits the launched world for ``train.engine``."""
+def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
+    """The parallel layout fits the launched world."""
     from bridge.train.engine.initialize import validate_parallel_layout
 
     try:
-        validate_parallel_layout(model, world_size, train.engine)
+        validate_parallel_layout(model, world_size)
     except ValueError as exc:
         raise ConfigError("model", str(exc)) from None
 
 
 # ----------------------------------------------------------------------------------- train
-
-
-def engine_is_available(train: TrainingConfig) -> None:
-    """``train.engine`` can be built here."""
-    from bridge.train.engine.base import build_engine
-
-    try:
-        build_engine(train.engine)
-    except (RuntimeError, ValueError) as exc:
-        raise ConfigError("train.engine", str(exc)) from None
 
 
 def _validation_weight(dataset: Dataset) -> float | None:

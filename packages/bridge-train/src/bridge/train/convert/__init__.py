@@ -1,32 +1,39 @@
 """Hugging Face checkpoint import and export (``bridge-convert``; needs ``bridge-train[hf]``).
 
+* :class:`AutoBridge`: the Python API under Megatron-Bridge's names:
+  ``AutoBridge.from_hf_pretrained(dir)`` -> ``to_megatron_provider()``,
+  ``load_hf_weights(model)`` into a built (tensor/expert/pipeline parallel) model,
+  ``save_hf_pretrained(model, dir)``, and the checkpoint conversions ``import_ckpt`` /
+  ``export_ckpt`` that ``bridge-convert`` runs.
 * :func:`import_hf_checkpoint`: a local Hugging Face model directory (``config.json`` +
   safetensors + tokenizer) -> a bridge-train checkpoint that ``checkpoint.pretrained_checkpoint``
-  loads, for any tensor x pipeline parallel layout.
+  loads, for any tensor x pipeline x expert parallel layout.
 * :func:`export_hf_checkpoint`: a bridge-train checkpoint -> a Hugging Face model directory
   that ``transformers`` loads.
-* :func:`provider_from_hf_config`: the GPT-provider preset of a ``config.json`` (Llama 2/3,
-  Mistral, Qwen2/2.5, GPT-2).
+* :func:`provider_from_hf_config`: the provider preset of a ``config.json``.
 
-``import bridge.train`` does not import this package.
+The families (one module per ``model_type``) live in :mod:`bridge.train.models.families`;
+nothing here names one. ``import bridge.train`` does not import this package.
 """
 
-from bridge.train.convert.errors import ConversionError
+from bridge.train.convert.auto_bridge import AutoBridge
 from bridge.train.convert.exporter import export_hf_checkpoint
-from bridge.train.convert.hf_config import (
-    SUPPORTED_MODEL_TYPES,
+from bridge.train.convert.importer import import_hf_checkpoint
+from bridge.train.models.families import (
+    ConversionError,
     provider_from_hf_config,
     provider_kwargs_from_hf_config,
     read_hf_config,
+    supported_model_types,
 )
-from bridge.train.convert.importer import import_hf_checkpoint
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
+    "AutoBridge",
     "ConversionError",
     "export_hf_checkpoint",
     "import_hf_checkpoint",
     "provider_from_hf_config",
     "provider_kwargs_from_hf_config",
     "read_hf_config",
+    "supported_model_types",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bridge.train.convert.errors import ConversionError
+from bridge.train.models.families import ConversionError
 
 __all__ = ["single_process_megatron", "single_rank_copy"]
 
@@ -29,6 +29,8 @@ def single_rank_copy(provider: Any) -> Any:
     )
     single.tensor_model_parallel_size = 1
     single.pipeline_model_parallel_size = 1
+    single.expert_model_parallel_size = 1
+    single.expert_tensor_parallel_size = 1
     single.virtual_pipeline_model_parallel_size = None
     single.sequence_parallel = False
     single.parallel_output = False
@@ -41,14 +43,15 @@ def single_process_megatron(provider: Any) -> Iterator[None]:
     """Megatron's parallel state for one rank (TP=PP=1), created and torn down here.
 
     Reuses an existing one-rank default process group; refuses a larger one (conversions
-    run in one process and the checkpoint is resharded at load).
+    run in one process and the checkpoint is resharded at load). A mixture-of-experts model
+    is set up as the megatron engine sets it up (its MoE layers ask for the CUDA device, which
+    :func:`core_utils.cuda_emulation` answers on a machine without one).
     """
     from megatron.core import parallel_state
 
-    from bridge.train.engine.initialize import initialize_distributed
+    from bridge.train.engine.initialize import destroy_distributed, initialize_distributed
 
-    created = not dist.is_initialized()
-    if not created and dist.get_world_size() != 1:
+    if dist.is_initialized() and dist.get_world_size() != 1:
         raise ConversionError(
             f"Hugging Face conversion runs in one process, but torch.distributed has "
             f"{dist.get_world_size()} ranks; run bridge-convert without torchrun"
@@ -61,10 +64,18 @@ def single_process_megatron(provider: Any) -> Iterator[None]:
         )
     from bridge.config import DistributedInitConfig
 
-    initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
+    if getattr(provider, "num_moe_experts", None):
+        # megatron-core's MoE layers allocate on the "current CUDA device": on CPU they run
+        # under the engine's CUDA emulation; dense models need none to convert.
+        from bridge.train.engine import build_engine
+
+        build_engine().initialize_distributed(
+            provider, DistributedInitConfig(distributed_backend="gloo")
+        )
+    else:
+        initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
     try:
         yield
     finally:
-        parallel_state.destroy_model_parallel()
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+        # The parallel state, the emulation, and the process group when it was created here.
+        destroy_distributed()

@@ -2,7 +2,8 @@
 
 ::
 
-    bridge-convert import HF_DIR CKPT_DIR [--tp N] [--pp N] [--make-vocab-size-divisible-by N]
+    bridge-convert import HF_DIR CKPT_DIR [--tp N] [--pp N] [--ep N]
+                                          [--make-vocab-size-divisible-by N]
                                           [--seq-length N] [--quiet]
     bridge-convert export CKPT_DIR HF_DIR [--hf-config DIR] [--dtype {float32,bfloat16,float16}]
                                           [--max-shard-size GB] [--quiet]
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--tp", type=int, default=1, help="tensor-parallel size to train with")
     imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to train with")
     imp.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size to train with (MoE models)"
+    )
+    imp.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
         default=128,
@@ -69,22 +73,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from bridge.train.convert import ConversionError, export_hf_checkpoint, import_hf_checkpoint
+    from bridge.train.convert import AutoBridge, ConversionError
 
     started = time.monotonic()
     try:
         if args.direction == "import":
-            out = import_hf_checkpoint(
+            out = AutoBridge.import_ckpt(
                 args.hf_dir,
                 args.ckpt_dir,
                 tensor_model_parallel_size=args.tp,
                 pipeline_model_parallel_size=args.pp,
+                expert_model_parallel_size=args.ep,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 seq_length=args.seq_length,
                 progress=progress,
             )
         else:
-            out = export_hf_checkpoint(
+            out = AutoBridge.export_ckpt(
                 args.ckpt_dir,
                 args.hf_dir,
                 hf_config_dir=args.hf_config,

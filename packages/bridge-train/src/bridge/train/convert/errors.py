@@ -1,13 +1,8 @@
-"""The error every conversion problem a user can fix is raised as."""
+"""The error every conversion problem a user can fix is raised as (defined with the families,
+which raise it too)."""
 
 from __future__ import annotations
 
+from bridge.train.models.families.errors import ConversionError
+
 __all__ = ["ConversionError"]
-
-
-class ConversionError(ValueError):
-    """A Hugging Face checkpoint or a bridge-train checkpoint that cannot be converted.
-
-    The message is one line naming the file, field or tensor and what to do about it;
-    ``bridge-convert`` prints it and exits with code 2.
-    """

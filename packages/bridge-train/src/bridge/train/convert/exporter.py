@@ -24,35 +24,24 @@ from typing import Any
 import torch
 
 from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
-from bridge.train.convert.errors import ConversionError
-from bridge.train.convert.hf_config import (
-    provider_kwargs_from_hf_config,
-    read_hf_config,
-    torch_dtype_of,
-)
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
-from bridge.train.convert.mapping import param_mappings
 from bridge.train.convert.safetensors_io import (
     ShardedSafetensorsWriter,
     StreamingSafetensorsWriter,
 )
-
-__all__ = ["export_hf_checkpoint", "load_model_for_export"]
-
-_ARCHITECTURE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "vocab_size",
-    "gated_linear_unit",
-    "normalization",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "share_embeddings_and_output_weights",
-    "position_embedding_type",
+from bridge.train.convert.source import side_files
+from bridge.train.models.families import (
+    ConversionError,
+    HFFamily,
+    architecture_mismatches,
+    family_for,
+    match_family,
+    provider_from_hf_config,
+    read_hf_config,
+    torch_dtype_of,
 )
+
+__all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
 
 
 def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
@@ -73,8 +62,15 @@ def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
     return ckpt_dir, Path(location.path)
 
 
-def _side_dir(root: Path, run_config: Any, hf_config_dir: str | os.PathLike[str] | None) -> Path:
+def _side_dir(
+    root: Path, run_config: Any, hf_config_dir: str | os.PathLike[str] | None
+) -> Path | None:
+    """Where the source's ``config.json`` and tokenizer are: ``hf_config_dir``, the ``hf/``
+    of the checkpoint or of the run's imported ``pretrained_checkpoint``; ``None`` for a
+    model trained from scratch."""
     if hf_config_dir is not None:
+        if not (Path(hf_config_dir) / "config.json").is_file():
+            raise ConversionError(f"--hf-config {hf_config_dir} has no config.json")
         return Path(hf_config_dir)
     candidates = [root / HF_SUBDIR]
     pretrained = getattr(getattr(run_config, "checkpoint", None), "pretrained_checkpoint", None)
@@ -83,20 +79,115 @@ def _side_dir(root: Path, run_config: Any, hf_config_dir: str | os.PathLike[str]
     for candidate in candidates:
         if (candidate / "config.json").is_file():
             return candidate
-    raise ConversionError(
-        f"{root} has no {HF_SUBDIR}/config.json and its run config names no imported "
-        "pretrained_checkpoint that has one; pass the Hugging Face config with --hf-config DIR"
-    )
+    return None
 
 
 def _check_architecture(provider: Any, config: dict[str, Any], side: Path) -> None:
-    expected = provider_kwargs_from_hf_config(config)
-    for name in _ARCHITECTURE_FIELDS:
-        if name in expected and getattr(provider, name) != expected[name]:
-            raise ConversionError(
-                f"{side / 'config.json'} describes another model: {name}={expected[name]!r} "
-                f"there, {getattr(provider, name)!r} in the checkpoint"
-            )
+    reference = provider_from_hf_config(
+        config, make_vocab_size_divisible_by=provider.make_vocab_size_divisible_by
+    )
+    found = architecture_mismatches(provider, reference)
+    if found:
+        name, (mine, theirs) = next(iter(found.items()))
+        raise ConversionError(
+            f"{side / 'config.json'} describes another model: {name}={theirs!r} there, "
+            f"{mine!r} in the checkpoint"
+        )
+
+
+def hf_files_for(
+    provider: Any,
+    run_config: Any,
+    side: Path | None,
+    report: Callable[[str], None],
+) -> tuple[HFFamily, dict[str, Any], str, dict[str, Any], Path | None]:
+    """What an export writes besides the weights.
+
+    Args:
+        provider: The checkpoint's model provider.
+        run_config: The checkpoint's run config (its tokenizer is used for a model trained
+            from scratch).
+        side: The source's ``config.json`` directory (``None``: trained from scratch).
+        report: Progress messages.
+
+    Returns:
+        ``(family, config of the model the mappings read, tensor-name prefix, config.json
+        to write, directory of the tokenizer files to copy or None)``.
+
+    Raises:
+        ConversionError: The given config describes another model, or (from scratch) no
+            family matches the provider.
+    """
+    if side is None:
+        family, config = match_family(provider)
+        report(
+            f"no Hugging Face config.json came with this checkpoint: writing a "
+            f"{family.name} ({family.architecture}) config.json from its model section"
+        )
+        return family, config, family.hf_prefixes[0], config, _tokenizer_dir(run_config)
+    source = read_hf_config(side)
+    family = family_for(source)
+    _check_architecture(provider, source, side)
+    record_file = side / IMPORT_RECORD
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    written, prefix = family.export_config(source, record.get("prefix"))
+    return family, family.text_config(source), prefix, written, side
+
+
+def write_side_files(
+    out: Path,
+    family: HFFamily,
+    config: dict[str, Any],
+    files_dir: Path | None,
+    dtype: torch.dtype,
+    *,
+    copy_config: bool,
+) -> None:
+    """``config.json``, ``generation_config.json`` and the tokenizer of an export.
+
+    Args:
+        out: The output directory.
+        family: The exported family.
+        config: The ``config.json`` to write.
+        files_dir: The source's side files (a Hugging Face directory or an import's
+            ``hf/``) or, from scratch, the run's tokenizer directory: every file but weights
+            and ``config.json`` is copied; ``None``: no tokenizer.
+        dtype: The dtype the weights were written in (recorded in ``config.json``).
+        copy_config: Copy the source's ``config.json`` byte for byte when it is the one
+            to write.
+    """
+    source_config = files_dir / "config.json" if files_dir is not None else None
+    for item in side_files(files_dir) if files_dir is not None else []:
+        if item.name not in (IMPORT_RECORD, "config.json"):
+            shutil.copy2(item, out / item.name)
+    name = str(dtype).removeprefix("torch.")
+    unchanged = (
+        copy_config
+        and source_config is not None
+        and source_config.is_file()
+        and read_hf_config(files_dir) == config  # type: ignore[arg-type]
+        and torch_dtype_of(config) == dtype
+    )
+    if unchanged:
+        shutil.copy2(source_config, out / "config.json")  # type: ignore[arg-type]
+    else:
+        written = {**config, "dtype": name}
+        if "torch_dtype" in written:
+            written["torch_dtype"] = name
+        (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    if not (out / "generation_config.json").is_file():
+        generation = family.generation_config(config)
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _tokenizer_dir(run_config: Any) -> Path | None:
+    """The Hugging Face tokenizer directory of a run config (``HuggingFaceTokenizer``)."""
+    tokenizer = getattr(run_config, "tokenizer", None)
+    model = getattr(tokenizer, "tokenizer_model", None)
+    if getattr(tokenizer, "tokenizer_type", None) != "HuggingFaceTokenizer" or not model:
+        return None
+    path = Path(str(model))
+    return path if path.is_dir() else None
 
 
 def load_model_for_export(
@@ -308,9 +399,13 @@ def export_hf_checkpoint(
     Returns:
         The output directory.
 
+    A checkpoint with no Hugging Face config (a model trained from scratch) is written with
+    the ``config.json`` of the first family whose preset reproduces its model section (the
+    progress line says which), and the run's Hugging Face tokenizer when it has one.
+
     Raises:
-        ConversionError: No checkpoint, no run config, no Hugging Face config, a config of
-            another architecture, or an existing non-empty ``hf_dir``.
+        ConversionError: No checkpoint, no run config, a config of another architecture, a
+            model no family matches (naming the fields), or an existing non-empty ``hf_dir``.
     """
     from bridge.config import ConfigContainer, ConfigError
     from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
@@ -328,13 +423,8 @@ def export_hf_checkpoint(
         raise ConversionError(f"{run_config_file}: {exc}") from None
     provider = run_config.model
     side = _side_dir(root, run_config, hf_config_dir)
-    config = read_hf_config(side)
-    _check_architecture(provider, config, side)
-    record_file = side / IMPORT_RECORD
-    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    out_dtype = dtype or torch_dtype_of(config)
-    default_prefix = "model." if config["model_type"] != "gpt2" else "transformer."
-    prefix = record.get("prefix", default_prefix)
+    family, config, prefix, written, files_dir = hf_files_for(provider, run_config, side, report)
+    out_dtype = dtype or torch_dtype_of(written)
 
     out = Path(hf_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -347,7 +437,7 @@ def export_hf_checkpoint(
     single.perform_initialization = False
     try:
         with single_process_megatron(single):
-            mappings = param_mappings(config, single.padded_vocab_size, prefix)
+            mappings = family.param_mappings(config, single.padded_vocab_size, prefix)
             if getattr(run_config, "peft", None) is None:
                 files, total = _stream_export(
                     iteration_dir, single, mappings, out_dtype, staging, max_shard_bytes, report
@@ -367,15 +457,7 @@ def export_hf_checkpoint(
                 total = writer.total_bytes
                 del model, params
         report(f"wrote {len(files)} file(s), {total / 1e9:.3f} GB")
-        for item in sorted(side.iterdir()):
-            if item.is_file() and item.name != IMPORT_RECORD:
-                shutil.copy2(item, staging / item.name)
-        if dtype is not None:  # the config says what the weights are stored as
-            name = str(out_dtype).removeprefix("torch.")
-            written = {**config, "dtype": name}
-            if "torch_dtype" in written:
-                written["torch_dtype"] = name
-            (staging / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+        write_side_files(staging, family, written, files_dir, out_dtype, copy_config=dtype is None)
         if out.exists():
             out.rmdir()
         os.replace(staging, out)

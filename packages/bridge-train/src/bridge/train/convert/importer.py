@@ -32,29 +32,15 @@ from typing import Any
 import torch
 
 from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
-from bridge.train.convert.errors import ConversionError
-from bridge.train.convert.hf_config import (
-    LLAMA_LIKE_MODEL_TYPES,
-    provider_from_hf_config,
-    read_hf_config,
-    torch_dtype_of,
-)
-from bridge.train.convert.mapping import ParamMapping, hf_tensors_to_ignore, param_mappings
-from bridge.train.convert.safetensors_io import SafetensorsReader
+from bridge.train.convert.source import HFSource, side_files
+from bridge.train.models.families import ConversionError, provider_from_hf_config
 
-__all__ = ["HF_SUBDIR", "IMPORT_RECORD", "import_hf_checkpoint"]
+__all__ = ["HF_SUBDIR", "IMPORT_RECORD", "check_layout", "import_hf_checkpoint"]
 
 HF_SUBDIR = "hf"
 IMPORT_RECORD = "bridge_import.json"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 
 Progress = Callable[[str], None]
-
-
-def _detect_prefix(config: dict[str, Any], names: set[str]) -> str:
-    if config["model_type"] in LLAMA_LIKE_MODEL_TYPES:
-        return "model." if "model.embed_tokens.weight" in names else ""
-    return "transformer." if "transformer.wte.weight" in names else ""
 
 
 def _tokenizer_vocab(hf_dir: Path) -> int | None:
@@ -73,40 +59,29 @@ def _tokenizer_vocab(hf_dir: Path) -> int | None:
         raise ConversionError(f"{file} cannot be read: {exc}") from None
 
 
+def check_layout(target: Any) -> None:
+    """Refuse a tensor-parallel size that splits key/value heads (naming the flag and size;
+    the pipeline and expert sizes are checked by ``provider_from_hf_config``).
+
+    Args:
+        target: The provider with the layout the model will be trained with.
+    """
+    tp = target.tensor_model_parallel_size
+    groups = target.num_query_groups
+    if groups % tp:
+        raise ConversionError(
+            f"--tp {tp} does not divide the model's {groups} key/value heads "
+            "(num_key_value_heads); megatron-core needs whole query groups on every "
+            "tensor-parallel rank"
+        )
+
+
 def _check_target_dir(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(
             f"{out} already exists and is not empty; import into a new directory (nothing "
             "there is overwritten)"
         )
-
-
-def _check_shapes(
-    mappings: list[ParamMapping], reader: SafetensorsReader, params: dict[str, torch.Tensor]
-) -> None:
-    """Every mapping produces its parameter's shape (checked on meta tensors, no data read)."""
-    for mapping in mappings:
-        shapes = [reader.shape(name) for name in mapping.hf]
-        if mapping.megatron not in params:
-            raise ConversionError(
-                f"internal: the megatron model has no parameter {mapping.megatron!r}"
-            )
-        expected = tuple(params[mapping.megatron].shape)
-        try:
-            produced = tuple(
-                mapping.to_megatron(*(torch.empty(s, device="meta") for s in shapes)).shape
-            )
-        except RuntimeError:
-            produced = None
-        if produced != expected:
-            listed = ", ".join(
-                f"{n} {list(s)} in {reader.file_of(n)}"
-                for n, s in zip(mapping.hf, shapes, strict=True)
-            )
-            raise ConversionError(
-                f"shape mismatch: {listed} do not make {mapping.megatron} of shape "
-                f"{list(expected)} for this config.json"
-            )
 
 
 def _recipe(provider: Any, out: Path, tokenizer_dir: Path | None) -> Any:
@@ -141,6 +116,7 @@ def import_hf_checkpoint(
     *,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
     make_vocab_size_divisible_by: int = 128,
     seq_length: int | None = None,
     progress: Progress | None = None,
@@ -159,6 +135,8 @@ def import_hf_checkpoint(
         tensor_model_parallel_size: Tensor-parallel size the model will be trained with
             (decides the vocabulary padding and is validated against the architecture).
         pipeline_model_parallel_size: Pipeline-parallel size it will be trained with.
+        expert_model_parallel_size: Expert-parallel size it will be trained with (MoE
+            families; validated against the number of experts).
         make_vocab_size_divisible_by: Vocabulary padding per tensor-parallel rank.
         seq_length: Training sequence length recorded in the run config (see
             :func:`~bridge.train.convert.provider_from_hf_config`).
@@ -181,29 +159,18 @@ def import_hf_checkpoint(
     hf = Path(hf_dir)
     out = Path(ckpt_dir).resolve()
     report = progress or (lambda message: None)
-    config = read_hf_config(hf)
-    dtype = torch_dtype_of(config)
+    source = HFSource(hf)
+    config, dtype = source.config, source.dtype
     target = provider_from_hf_config(
         config,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         seq_length=seq_length,
     )
-    if target.num_layers % pipeline_model_parallel_size:
-        raise ConversionError(
-            f"--pp {pipeline_model_parallel_size} does not divide the model's "
-            f"{target.num_layers} layers; choose a pipeline size that does"
-        )
-    groups = target.num_query_groups
-    if groups % tensor_model_parallel_size:
-        raise ConversionError(
-            f"--tp {tensor_model_parallel_size} does not divide the model's {groups} key/value "
-            "heads (num_key_value_heads); megatron-core needs whole query groups on every "
-            "tensor-parallel rank"
-        )
+    check_layout(target)
     _check_target_dir(out)
-    reader = SafetensorsReader(hf)
     tokenizer_vocab = _tokenizer_vocab(hf)
     if tokenizer_vocab is not None and tokenizer_vocab > target.vocab_size:
         raise ConversionError(
@@ -211,22 +178,13 @@ def import_hf_checkpoint(
             f"has {target.vocab_size} rows (config.json vocab_size); token ids would fall "
             "outside the embedding: use the tokenizer this model was trained with"
         )
-    names = set(reader.names())
-    prefix = _detect_prefix(config, names)
-    mappings = param_mappings(config, target.padded_vocab_size, prefix)
-    wanted = {name for mapping in mappings for name in mapping.hf}
-    missing = sorted(wanted - names)
-    if missing:
-        raise ConversionError(
-            f"{hf}: the checkpoint lacks {len(missing)} tensor(s) this config.json needs, "
-            f"first {missing[0]!r}; the weights do not belong to this config"
-        )
-    unexpected = sorted(n for n in names - wanted if not hf_tensors_to_ignore(n))
-    if unexpected:
-        raise ConversionError(
-            f"{hf}: {len(unexpected)} tensor(s) this converter does not map, first "
-            f"{unexpected[0]!r} (in {reader.file_of(unexpected[0])}); the architecture differs "
-            f"from model_type={config['model_type']!r}"
+    mappings = source.mappings(target.padded_vocab_size)
+    prefix = source.prefix
+    skipped = source.skipped()
+    if skipped:
+        report(
+            f"skipping {len(skipped)} tensor(s) outside the {source.family.name} language "
+            f"model (first {skipped[0]!r})"
         )
 
     staging = out.with_name(out.name + ".importing")
@@ -247,7 +205,7 @@ def import_hf_checkpoint(
             real = [name for name, param in params.items() if not param.is_meta]
             if real:  # its data would be written instead of the Hugging Face tensors
                 raise ConversionError(f"internal: {real[0]} was not built on the meta device")
-            _check_shapes(mappings, reader, params)
+            source.check_shapes(mappings, params)
             by_name = {mapping.megatron: mapping for mapping in mappings}
             left = sorted(set(params) - set(by_name))
             if left:
@@ -255,9 +213,7 @@ def import_hf_checkpoint(
             done: set[str] = set()
 
             def produce(name: str) -> torch.Tensor:
-                mapping = by_name[name]
-                with torch.no_grad():
-                    tensor = mapping.to_megatron(*(reader.get(hf) for hf in mapping.hf))
+                tensor = source.megatron_tensor(by_name[name])
                 if name not in done:
                     done.add(name)
                     report(f"[{len(done)}/{len(mappings)}] {name}")
@@ -278,15 +234,17 @@ def import_hf_checkpoint(
                 run_config=_recipe(target, out, tokenizer_dir),
                 checkpointing_context=context,
             )
-            reader.close()
+            tensor_names = source.reader.names()
+            source.close()
             del model, params
         _copy_side_files(hf, staging / HF_SUBDIR)
         record = {
             "source": str(hf.resolve()),
             "model_type": config["model_type"],
+            "family": source.family.name,
             "prefix": prefix,
             "dtype": str(dtype).removeprefix("torch."),
-            "tensor_names": reader.names(),
+            "tensor_names": tensor_names,
             "tensor_model_parallel_size": tensor_model_parallel_size,
             "pipeline_model_parallel_size": pipeline_model_parallel_size,
         }
@@ -303,8 +261,5 @@ def import_hf_checkpoint(
 def _copy_side_files(hf: Path, dest: Path) -> None:
     """config.json, tokenizer, generation config, ...: every file that is not weights."""
     dest.mkdir()
-    for item in sorted(hf.iterdir()):
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
-            if item.name.endswith(".index.json"):
-                continue
-            shutil.copy2(item, dest / item.name)
+    for item in side_files(hf):
+        shutil.copy2(item, dest / item.name)

@@ -9,17 +9,15 @@ from typing import TYPE_CHECKING
 from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from bridge.train.engine.base import ENGINE_NAMES as ENGINE_NAMES
     from bridge.train.engine.base import Engine as Engine
     from bridge.train.engine.base import build_engine as build_engine
     from bridge.train.engine.megatron import MegatronEngine as MegatronEngine
 
-__all__ = ["ENGINE_NAMES", "Engine", "MegatronEngine", "build_engine"]
+__all__ = ["Engine", "MegatronEngine", "build_engine"]
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "ENGINE_NAMES": "bridge.train.engine.base",
         "Engine": "bridge.train.engine.base",
         "build_engine": "bridge.train.engine.base",
         "MegatronEngine": "bridge.train.engine.megatron",

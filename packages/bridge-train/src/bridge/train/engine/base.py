@@ -1,13 +1,11 @@
 """The engine seam: what the training loop needs from an execution engine.
 
-The loop never imports a concrete engine. It asks :func:`build_engine` for one by name
-(``train.engine``) and then only calls the members of :class:`Engine`. Two engines exist:
-
-* :class:`~bridge.train.engine.portable.PortableEngine` (``"portable"``, the default):
-  CPU with gloo and GPU with nccl;
-* :class:`~bridge.train.engine.megatron.MegatronEngine` (``"megatron"``): megatron-core's
-  DDP, distributed optimizer and pipeline schedules; on CUDA, and on CPU (gloo) under
-  :func:`core_utils.cuda_emulation`.
+The loop never reaches into the engine's machinery; it asks :func:`build_engine` for the
+engine and then only calls the members of :class:`Engine`. There is one engine,
+:class:`~bridge.train.engine.megatron.MegatronEngine`: megatron-core's DDP, optimizers
+(including the distributed optimizer) and pipeline schedules, on CUDA and, under
+:func:`core_utils.cuda_emulation`, on CPU with gloo. The seam stays because it keeps the
+loop readable: a handful of calls in a fixed order, not megatron-core's whole surface.
 
 See ``docs/engines.md``.
 """
@@ -19,9 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ENGINE_NAMES", "Engine", "build_engine"]
-
-ENGINE_NAMES = ("portable", "megatron")
+__all__ = ["Engine", "build_engine"]
 
 
 @runtime_checkable
@@ -36,7 +32,7 @@ class Engine(Protocol):
     """
 
     name: str
-    """``"portable"`` or ``"megatron"``."""
+    """The engine's name (``"megatron"``), for logs and reports."""
 
     @property
     def device(self) -> torch.device:
@@ -83,27 +79,15 @@ class Engine(Protocol):
         ...
 
 
-def build_engine(name: str) -> Engine:
-    """Create the engine called ``name``.
+def build_engine() -> Engine:
+    """Create the engine: megatron-core's (:class:`~bridge.train.engine.megatron.MegatronEngine`).
 
-    Building an engine changes no process state; the megatron engine enters the CUDA
-    emulation (without CUDA) only in ``initialize_distributed``.
-
-    Args:
-        name: ``"portable"`` or ``"megatron"`` (``train.engine``).
+    Building it changes no process state; without CUDA the engine enters the CUDA emulation
+    only in ``initialize_distributed``.
 
     Returns:
         The engine.
-
-    Raises:
-        ValueError: Unknown name.
     """
-    if name == "portable":
-        from bridge.train.engine.portable import PortableEngine
+    from bridge.train.engine.megatron import MegatronEngine
 
-        return PortableEngine()
-    if name == "megatron":
-        from bridge.train.engine.megatron import MegatronEngine
-
-        return MegatronEngine()
-    raise ValueError(f"train.engine={name!r} is not one of {list(ENGINE_NAMES)}")
+    return MegatronEngine()

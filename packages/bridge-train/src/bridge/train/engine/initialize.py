@@ -3,13 +3,14 @@
 :func:`initialize_distributed` brings up ``torch.distributed`` (gloo on CPU, nccl on GPU,
 as ``DistributedInitConfig.distributed_backend`` says), megatron's model-parallel groups
 (tensor, pipeline, context, expert parallel) and reproducible seeds. It validates the layout
-against the world size and the chosen engine first, so a bad config fails before any
-process group exists.
+against the world size first, so a bad config fails before any process group exists.
 
-For the megatron engine on a machine without CUDA it also enters
-:func:`core_utils.cuda_emulation` (megatron-core's DDP, optimizers, pipeline schedules and
-RNG tracker assume CUDA); :func:`destroy_distributed` exits it, so the emulation lasts
-exactly as long as the training run.
+On a machine without CUDA the engine
+(:meth:`~bridge.train.engine.megatron.MegatronEngine.initialize_distributed`) enters
+:func:`core_utils.cuda_emulation` first (megatron-core's DDP, optimizers, pipeline schedules
+and RNG tracker assume CUDA); :func:`destroy_distributed` exits it, so the emulation lasts
+exactly as long as the training run. Code that only needs the parallel state (the Hugging
+Face conversion) calls :func:`initialize_distributed` without it.
 """
 
 from __future__ import annotations
@@ -68,28 +69,28 @@ def resolve_distributed_backend(dist_config: Any = None) -> str:
     return backend
 
 
-def validate_parallel_layout(model_config: Any, world_size: int, engine: str = "portable") -> None:
-    """Check that the model's parallel sizes fit ``world_size`` and the engine.
+def validate_parallel_layout(model_config: Any, world_size: int) -> None:
+    """Check that the model's parallel sizes fit ``world_size``.
+
+    What a device cannot run (for example sequence parallelism with the CPU layer spec) is
+    refused earlier, with the config, by :func:`bridge.train.checks.layout.check_engine_config`.
 
     Args:
         model_config: The model config (``tensor_model_parallel_size``,
             ``pipeline_model_parallel_size``, ``context_parallel_size``,
             ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
-            ``virtual_pipeline_model_parallel_size``, ``sequence_parallel``).
+            ``virtual_pipeline_model_parallel_size``).
         world_size: Number of ranks.
-        engine: ``"portable"`` or ``"megatron"``.
 
     Raises:
         ValueError: A size is not positive, ``world_size`` is not divisible by
-            ``TP x PP x CP``, the expert layout does not fit, or the portable engine is asked
-            for pipeline parallelism (or, without CUDA, sequence parallelism or MoE layers).
+            ``TP x PP x CP``, or the expert layout does not fit.
     """
     tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(model_config, "pipeline_model_parallel_size", 1) or 1)
     cp = int(getattr(model_config, "context_parallel_size", 1) or 1)
     ep = int(getattr(model_config, "expert_model_parallel_size", 1) or 1)
     etp = getattr(model_config, "expert_tensor_parallel_size", None) or tp
-    vp = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     for name, value in (
         ("tensor_model_parallel_size", tp),
         ("pipeline_model_parallel_size", pp),
@@ -113,25 +114,6 @@ def validate_parallel_layout(model_config: Any, world_size: int, engine: str = "
             f"({etp}) x model.expert_model_parallel_size ({ep}) x "
             f"model.pipeline_model_parallel_size ({pp})"
         )
-    if engine == "portable":
-        if pp > 1 or vp is not None:
-            raise ValueError(
-                f"model.pipeline_model_parallel_size={pp} (virtual: {vp}): pipeline parallelism "
-                "is only available with the megatron engine on CUDA (train.engine='megatron'); "
-                "set pipeline_model_parallel_size=1 for the portable engine"
-            )
-        if getattr(model_config, "num_moe_experts", None) and not torch.cuda.is_available():
-            raise ValueError(
-                f"model.num_moe_experts={model_config.num_moe_experts}: megatron-core's MoE "
-                "layers do not run on CPU (the router places tensors on "
-                "torch.cuda.current_device()); train MoE models on CUDA"
-            )
-        if getattr(model_config, "sequence_parallel", False) and not torch.cuda.is_available():
-            raise ValueError(
-                "model.sequence_parallel=True needs CUDA with the portable engine (its CPU layer "
-                "spec's WrappedTorchNorm does not support sequence parallelism); set "
-                "model.sequence_parallel=False on CPU"
-            )
 
 
 def init_launch_process_group(backend: str, timeout: timedelta) -> None:
@@ -177,8 +159,6 @@ def initialize_distributed(
     model_config: Any,
     dist_config: Any = None,
     rng_config: Any = None,
-    *,
-    engine: str = "portable",
 ) -> None:
     """Initialise torch.distributed, megatron's parallel state and the random seeds.
 
@@ -196,7 +176,6 @@ def initialize_distributed(
             ``external_gpu_device_mapping``); defaults when ``None``.
         rng_config: ``RNGConfig`` (``seed``, ``data_parallel_random_init``,
             ``te_rng_tracker``, ``inference_rng_tracker``); seed 1234 when ``None``.
-        engine: ``"portable"`` or ``"megatron"`` (the layout is validated for it).
 
     Raises:
         ValueError: Invalid backend or parallel layout (raised before any group is built).
@@ -208,9 +187,7 @@ def initialize_distributed(
     launch = adopt_launch_environment()
     backend = resolve_distributed_backend(dist_config)
     world_size = global_world_size(launcher_fallback=True)
-    validate_parallel_layout(model_config, world_size, engine)
-    if engine == "megatron":
-        _enter_cuda_emulation()
+    validate_parallel_layout(model_config, world_size)
 
     timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
     if torch.cuda.is_available() and backend == "nccl":
@@ -305,7 +282,7 @@ def set_random_seed(
 def _enter_cuda_emulation() -> bool:
     """Enter :func:`core_utils.cuda_emulation` until :func:`destroy_distributed` (once).
 
-    Called by :func:`initialize_distributed` for the megatron engine. A no-op with CUDA.
+    Called by the engine before :func:`initialize_distributed`. A no-op with CUDA.
 
     Returns:
         Whether the emulation is active (``False`` with CUDA).

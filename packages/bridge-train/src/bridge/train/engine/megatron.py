@@ -1,4 +1,4 @@
-"""The megatron engine: megatron-core's own training stack, on CUDA and on CPU.
+"""The engine: megatron-core's own training stack, on CUDA and on CPU.
 
 * data parallelism: megatron-core ``DistributedDataParallel`` (grad buffers, overlapped
   reduce-scatter / all-reduce, optional distributed optimizer and parameter all-gather);
@@ -8,27 +8,33 @@
 * layer specs: Transformer Engine when the ``te`` extra is installed (see
   ``GPTModelProvider.layer_spec_backend``).
 
-Every one of these assumes CUDA. Without a GPU, :func:`~bridge.train.engine.initialize.initialize_distributed`
-enters :func:`core_utils.cuda_emulation` for this engine (until
-:func:`~bridge.train.engine.initialize.destroy_distributed`), which redirects megatron-core's CUDA use to the
-CPU and gloo; the same code path then runs on a CPU-only machine, where the layer spec is the
-portable one (SDPA core attention) and weights are initialised on the CPU. See
-``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
+Every one of these assumes CUDA. Without a GPU, :meth:`MegatronEngine.initialize_distributed`
+enters :func:`core_utils.cuda_emulation` (until
+:func:`~bridge.train.engine.initialize.destroy_distributed`), which redirects megatron-core's
+CUDA use to the CPU and gloo; the same code path then runs on a CPU-only machine, where the
+layer spec is the portable one (SDPA core attention) and weights are initialised on the CPU.
+See ``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from bridge.train.engine._model_setup import build_model_chunks, cast_for_precision
-from bridge.train.engine.initialize import initialize_distributed, validate_parallel_layout
+from bridge.train.engine.initialize import (
+    _enter_cuda_emulation,
+    initialize_distributed,
+    validate_parallel_layout,
+)
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
+from core_utils.distributed import global_world_size
 
-__all__ = ["MegatronEngine"]
+__all__ = ["MegatronEngine", "skip_non_finite_updates"]
 
 
 class MegatronEngine:
@@ -50,9 +56,12 @@ class MegatronEngine:
     def initialize_distributed(
         self, model_config: Any, dist_config: Any = None, rng_config: Any = None
     ) -> None:
-        """See :func:`bridge.train.engine.initialize.initialize_distributed` (all parallelisms); without CUDA
-        it also enters the CUDA emulation for the rest of the run."""
-        initialize_distributed(model_config, dist_config, rng_config, engine=self.name)
+        """See :func:`bridge.train.engine.initialize.initialize_distributed`; without CUDA it
+        first enters the CUDA emulation, for the rest of the run (the layout is checked
+        before, so a bad one changes no process state)."""
+        validate_parallel_layout(model_config, global_world_size(launcher_fallback=True))
+        _enter_cuda_emulation()
+        initialize_distributed(model_config, dist_config, rng_config)
 
     def setup_model(
         self,
@@ -77,7 +86,7 @@ class MegatronEngine:
             finalize_model_grads,
         )
 
-        validate_parallel_layout(model_provider, torch.distributed.get_world_size(), self.name)
+        validate_parallel_layout(model_provider, torch.distributed.get_world_size())
         if ddp_config is None:
             ddp_config = DistributedDataParallelConfig()
         elif not isinstance(ddp_config, DistributedDataParallelConfig):
@@ -128,13 +137,18 @@ class MegatronEngine:
         scheduler_config: Any,
         train_config: Any = None,
     ) -> tuple[Any, Any]:
-        """``get_megatron_optimizer`` and megatron's ``OptimizerParamScheduler``."""
+        """``get_megatron_optimizer`` and megatron's ``OptimizerParamScheduler``.
+
+        The optimizer skips (and reports as skipped) an update whose gradient norm is not
+        finite, as it does for an fp16 loss-scale overflow: see :func:`skip_non_finite_updates`.
+        """
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.utils import get_model_config
 
         optimizer = get_megatron_optimizer(
             optimizer_config, model, use_gloo_process_groups=_gloo_groups_exist()
         )
+        skip_non_finite_updates(optimizer)
         scheduler = build_optimizer_param_scheduler(
             optimizer, optimizer_config, scheduler_config, train_config
         )
@@ -149,9 +163,23 @@ class MegatronEngine:
         model chunk; a single iterator is split (``itertools.tee``) so that every chunk sees
         the same micro-batches and the iterator advances by ``num_microbatches`` per call,
         as without a virtual pipeline.
+
+        Raises:
+            RuntimeError: No CUDA and the CUDA emulation is not active (megatron-core's
+                schedules place tensors on ``"cuda"``): :meth:`initialize_distributed` enters
+                it, or run the loop inside ``with core_utils.cuda_emulation():``.
         """
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from core_utils import cuda_emulation_active
+
+        if not torch.cuda.is_available() and not cuda_emulation_active():
+            raise RuntimeError(
+                "megatron-core's forward-backward schedules need CUDA, or on CPU the CUDA "
+                "emulation: call engine.initialize_distributed(...) first (it enters it for "
+                "the run), or run inside `with core_utils.cuda_emulation():`"
+            )
 
         schedule = get_forward_backward_func()
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -164,6 +192,40 @@ class MegatronEngine:
             return schedule(data_iterator=data_iterator, **kwargs)
 
         return forward_backward_per_chunk
+
+
+def skip_non_finite_updates(optimizer: Any) -> None:
+    """Make megatron's optimizer skip an update whose global gradient norm is NaN or inf.
+
+    megatron-core's optimizers find non-finite gradients only under fp16 loss scaling;
+    in fp32 and bf16 they step on them, and a single NaN gradient reaches every weight
+    (Megatron-LM stops the run instead, with ``--check-for-nan-in-loss-and-grad``). Here the
+    update is skipped and ``step()`` returns ``(False, grad_norm, num_zeros)``, as for a
+    loss-scale overflow, so the loop counts a skipped iteration and does not advance the
+    scheduler. The norm is the one megatron's ``ChainedOptimizer.step`` computes anyway
+    (already on the host), so this costs no extra synchronisation; it is recorded by a
+    wrapper around the optimizer's ``get_grad_norm`` and checked by one around its
+    ``step_with_ready_grads`` (both are called by ``step``, in that order).
+
+    Args:
+        optimizer: ``get_megatron_optimizer``'s result (a ``ChainedOptimizer``).
+    """
+    get_grad_norm = optimizer.get_grad_norm
+    step_with_ready_grads = optimizer.step_with_ready_grads
+    last_norm: list[Any] = [None]
+
+    def recording_get_grad_norm() -> Any:
+        last_norm[0] = get_grad_norm()
+        return last_norm[0]
+
+    def guarded_step_with_ready_grads() -> bool:
+        norm, last_norm[0] = last_norm[0], None
+        if norm is not None and not math.isfinite(float(norm)):
+            return False
+        return bool(step_with_ready_grads())
+
+    optimizer.get_grad_norm = recording_get_grad_norm
+    optimizer.step_with_ready_grads = guarded_step_with_ready_grads
 
 
 def _gloo_groups_exist() -> bool:

@@ -1,6 +1,6 @@
 """A minimal training loop over the engine seam (reference loop and benchmark baseline).
 
-:func:`train_steps` is the smallest loop that trains correctly with any engine: zero the
+:func:`train_steps` is the smallest loop that trains correctly with the engine: zero the
 gradient buffers, run the engine's ``forward_backward_func`` over the micro-batches, step
 the optimizer, advance the scheduler by the global batch size (megatron counts samples),
 and average the reported loss over tokens of all micro-batches and data-parallel ranks.
@@ -145,7 +145,7 @@ def run_bare_loop(
     ddp_config: Any = None,
     dist_config: Any = None,
     rng_config: Any = None,
-    engine: str | Engine = "portable",
+    engine: Engine | None = None,
     forward_step_func: Callable[..., Any] = forward_step,
 ) -> BareLoopResult:
     """Initialise, build model/optimizer/scheduler, and run :func:`train_steps`.
@@ -160,13 +160,13 @@ def run_bare_loop(
         ddp_config: Data-parallel config (defaults when None).
         dist_config: ``DistributedInitConfig`` (defaults when None).
         rng_config: ``RNGConfig`` (seed 1234 when None).
-        engine: Engine name or instance.
+        engine: The engine (default: :func:`~bridge.train.engine.build_engine`'s).
         forward_step_func: Forward step.
 
     Returns:
         The per-iteration results.
     """
-    eng = build_engine(engine) if isinstance(engine, str) else engine
+    eng = build_engine() if engine is None else engine
     eng.initialize_distributed(model_provider, dist_config, rng_config)
     model = eng.setup_model(model_provider, ddp_config)
     optimizer, scheduler = eng.setup_optimizer(

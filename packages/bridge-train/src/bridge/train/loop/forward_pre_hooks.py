@@ -43,8 +43,8 @@ def should_disable_forward_pre_hook(
 def enable_forward_pre_hook(model: list[Any]) -> None:
     """Enable forward pre-hook for all model chunks.
 
-    Chunks without forward pre-hooks (the portable engine's data-parallel wrapper, plain
-    modules) are left as they are.
+    Chunks without forward pre-hooks (plain modules, chunks not wrapped in megatron's DDP)
+    are left as they are.
 
     Args:
         model: list of model chunks wrapped in DDP
@@ -58,8 +58,8 @@ def enable_forward_pre_hook(model: list[Any]) -> None:
 def disable_forward_pre_hook(model: list[Any], param_sync: bool = True) -> None:
     """Disable forward pre-hook for all model chunks.
 
-    Chunks without forward pre-hooks (the portable engine's data-parallel wrapper, plain
-    modules) are left as they are.
+    Chunks without forward pre-hooks (plain modules, chunks not wrapped in megatron's DDP)
+    are left as they are.
 
     Args:
         model: list of model chunks wrapped in DDP

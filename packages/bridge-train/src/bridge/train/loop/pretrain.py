@@ -229,7 +229,7 @@ def setup(
     assert train is not None and logger_cfg is not None and checkpoint is not None
     setup_logging(logger_cfg)
     start_memory_history_recording(cfg.profiling)
-    engine = build_engine(train.engine)
+    engine = build_engine()
     state.engine = engine
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
     world = global_world_size()

@@ -1,20 +1,47 @@
-"""Model providers: configs that build megatron-core models."""
+"""Model providers: configs that build megatron-core models.
 
-from bridge.train.models.gpt_provider import GPTModelProvider, calculate_padded_vocab_size
-from bridge.train.models.layer_specs import (
-    LayerSpecBackend,
-    build_gpt_layer_spec,
-    resolve_layer_spec_backend,
-)
-from bridge.train.models.mamba_provider import MambaProvider
-from bridge.train.models.t5_provider import T5ModelProvider
+The names are imported on first use, so importing a submodule that needs no megatron-core
+(``bridge.train.models.families``, which ``bridge-convert`` reads first) stays cheap.
+"""
 
-__all__ = [
-    "GPTModelProvider",
-    "LayerSpecBackend",
-    "MambaProvider",
-    "T5ModelProvider",
-    "build_gpt_layer_spec",
-    "calculate_padded_vocab_size",
-    "resolve_layer_spec_backend",
-]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bridge.train._lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from bridge.train.models.gpt_provider import (
+        GPTModelProvider as GPTModelProvider,
+    )
+    from bridge.train.models.gpt_provider import (
+        calculate_padded_vocab_size as calculate_padded_vocab_size,
+    )
+    from bridge.train.models.layer_specs import (
+        LayerSpecBackend as LayerSpecBackend,
+    )
+    from bridge.train.models.layer_specs import (
+        build_gpt_layer_spec as build_gpt_layer_spec,
+    )
+    from bridge.train.models.layer_specs import (
+        resolve_layer_spec_backend as resolve_layer_spec_backend,
+    )
+    from bridge.train.models.mamba_provider import MambaProvider as MambaProvider
+    from bridge.train.models.t5_provider import T5ModelProvider as T5ModelProvider
+
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "bridge.train.models.gpt_provider": ("GPTModelProvider", "calculate_padded_vocab_size"),
+    "bridge.train.models.layer_specs": (
+        "LayerSpecBackend",
+        "build_gpt_layer_spec",
+        "resolve_layer_spec_backend",
+    ),
+    "bridge.train.models.mamba_provider": ("MambaProvider",),
+    "bridge.train.models.t5_provider": ("T5ModelProvider",),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -7,7 +7,9 @@ Four implementations are selectable (``GPTModelProvider.layer_spec_backend``):
     replaced by torch ``scaled_dot_product_attention``
     (:class:`core_utils.portable_attention.SDPACoreAttention`). Runs on every device,
     including CPU, with tensor parallelism over gloo. No context parallelism, no
-    multi-latent attention.
+    multi-latent attention. With ``sequence_parallel`` its norms are
+    :class:`SequenceParallelTorchNorm` (megatron's torch norms refuse sequence
+    parallelism), which megatron-core's MoE layers need with tensor parallelism.
 ``"local"``
     megatron-core's local spec unchanged. Its ``DotProductAttention`` takes a buffer from
     ``torch.cuda.current_device()``: CUDA only.
@@ -29,7 +31,12 @@ import torch
 if TYPE_CHECKING:
     from bridge.train.models.gpt_provider import GPTModelProvider
 
-__all__ = ["LayerSpecBackend", "build_gpt_layer_spec", "resolve_layer_spec_backend"]
+__all__ = [
+    "LayerSpecBackend",
+    "SequenceParallelTorchNorm",
+    "build_gpt_layer_spec",
+    "resolve_layer_spec_backend",
+]
 
 LayerSpecBackend = Literal["auto", "portable", "local", "transformer_engine"]
 _BACKENDS = ("auto", "portable", "local", "transformer_engine")
@@ -80,15 +87,83 @@ def resolve_layer_spec_backend(
     return requested  # type: ignore[return-value]
 
 
-def _portable(spec: Any) -> Any:
-    """Swap SDPA core attention into a layer spec or into every layer of a block spec."""
+class SequenceParallelTorchNorm:
+    """torch's ``LayerNorm`` / ``RMSNorm`` (as megatron's ``WrappedTorchNorm`` builds them)
+    for sequence parallelism: its parameters are marked ``sequence_parallel``, so
+    megatron's ``finalize_model_grads`` sums their gradients over the tensor-parallel group
+    (each rank normed other tokens), as it does for its fused norms.
+
+    Accepts the arguments megatron's layer specs pass to a norm; returns the torch module.
+    """
+
+    def __new__(  # type: ignore[misc]
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError(
+                "model.layernorm_zero_centered_gamma=True is not supported by torch's norms"
+            )
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(
+                f"model.normalization={config.normalization!r}: the portable layer spec "
+                "supports 'LayerNorm' and 'RMSNorm'"
+            )
+        norm: torch.nn.Module = kinds[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+        return norm
+
+
+def _sequence_parallel_norms(layer: Any) -> Any:
+    """A copy of a layer spec whose norms are :class:`SequenceParallelTorchNorm`."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    layer = copy.deepcopy(layer)
+    sub = layer.submodules
+    for owner, names in (
+        (sub, ("input_layernorm", "pre_mlp_layernorm")),
+        (getattr(sub.self_attention, "submodules", None), ("q_layernorm", "k_layernorm")),
+    ):
+        for name in names:
+            if owner is not None and getattr(owner, name, None) is WrappedTorchNorm:
+                setattr(owner, name, SequenceParallelTorchNorm)
+    return layer
+
+
+def _portable(spec: Any, provider: Any, vp_stage: int | None) -> Any:
+    """Swap SDPA core attention into a layer spec or into every layer of a block spec; with
+    sequence parallelism also the norms (a dense model's spec becomes a block spec, whose
+    final norm can then be chosen too)."""
     from core_utils.portable_attention import with_sdpa_core_attention
 
     layer_specs = getattr(spec, "layer_specs", None)
-    if layer_specs is not None:
-        spec.layer_specs = [with_sdpa_core_attention(layer) for layer in layer_specs]
-        return spec
-    return with_sdpa_core_attention(spec)
+    if not provider.sequence_parallel:
+        if layer_specs is not None:
+            spec.layer_specs = [with_sdpa_core_attention(layer) for layer in layer_specs]
+            return spec
+        return with_sdpa_core_attention(spec)
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if layer_specs is None:
+        layer_specs = [spec] * get_num_layers_to_build(provider, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[
+            with_sdpa_core_attention(_sequence_parallel_norms(layer)) for layer in layer_specs
+        ],
+        layer_norm=SequenceParallelTorchNorm,
+    )
 
 
 def build_gpt_layer_spec(
@@ -156,4 +231,4 @@ def build_gpt_layer_spec(
             multi_latent_attention=provider.multi_latent_attention,
             normalization=provider.normalization,
         )
-    return _portable(spec) if backend == "portable" else spec
+    return _portable(spec, provider, vp_stage) if backend == "portable" else spec

@@ -20,6 +20,11 @@ give adapter checkpoints the same global shapes at every TP size. The full ``A``
 from a generator seeded by ``seed`` and the module path, then sliced, so every TP size
 starts from the same adapters and the run's random stream is left untouched.
 
+Mixture-of-experts layers: the default targets also match every expert's ``linear_fc1`` /
+``linear_fc2`` (megatron-core's ``SequentialMLP``); an expert's adapter is built as an
+expert layer (``is_expert``), so it is split and reduced like the expert it adapts and
+expert parallelism gives each rank the adapters of its own experts.
+
 The adapter lives in the layer as a child ``adapter`` (its forward added by a forward
 hook), so the base layer's parameter names, and checkpoint keys, do not change: a base
 checkpoint loads into a LoRA model as it is. :func:`merge_adapters` folds adapters into
@@ -94,7 +99,16 @@ class LoRAAdapter(torch.nn.Module):
         tp_size, tp_rank = tp_group.size(), tp_group.rank()
         in_size, out_size = int(base.input_size), int(base.output_size)
         self.kind: Literal["column", "row"]
-        common: dict[str, Any] = {"config": config, "init_method": _no_init, "bias": False}
+        # An expert's adapter is an expert parameter too: split over the expert
+        # tensor-parallel group like its layer, its gradient reduced over the expert
+        # data-parallel group (allreduce=False), communication left to the token dispatcher.
+        is_expert = bool(getattr(base, "is_expert", False))
+        common: dict[str, Any] = {
+            "config": config,
+            "init_method": _no_init,
+            "bias": False,
+            "is_expert": is_expert,
+        }
         if isinstance(base, ColumnParallelLinear):
             if base.gather_output:
                 raise ValueError(f"LoRA on {prefix}: a gathered column output is not supported")
@@ -124,6 +138,10 @@ class LoRAAdapter(torch.nn.Module):
                 "ColumnParallelLinear / RowParallelLinear layers (the portable and local layer "
                 "specs); choose other target_modules"
             )
+        plain = self.linear_out if self.kind == "row" else self.linear_in
+        base_allreduce = getattr(base.weight, "allreduce", None)
+        if base_allreduce is not None:
+            plain.weight.allreduce = base_allreduce
         generator = torch.Generator().manual_seed(_seed_for(seed, prefix))
         full_a = torch.empty(dim, in_size)
         if a_init == "xavier":

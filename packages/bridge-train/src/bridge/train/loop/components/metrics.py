@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from bridge.config import ModelConfigProtocol, TrainingConfig
 from bridge.logging import LoggingState, ProgressReporter, TrainingLogSettings, log_training_step
+from bridge.train.metrics.moe import moe_track_names, report_moe_metrics
 from bridge.train.metrics.norms import calc_params_l2_norm
 from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank, global_world_size
@@ -55,7 +56,10 @@ def _total_iterations(train: TrainingConfig) -> int | None:
 
 class MetricsProcessor(Callback):
     """Calls :func:`bridge.logging.log_training_step` (the reference's ``training_log``)
-    after every completed step, holding the state it carries between steps.
+    after every completed step, holding the state it carries between steps. A
+    mixture-of-experts model's auxiliary losses are reported first
+    (:func:`bridge.train.metrics.moe.report_moe_metrics`), so they join the interval's
+    losses.
 
     The step's losses and gradient norm are handed over as the step left them (tensors on
     the device when they are); the logging reads them on the host only for a metric
@@ -101,6 +105,8 @@ class MetricsProcessor(Callback):
         self.total_loss_dict: dict[str, Any] = {}
         self.report_memory_flag = True
         self.log_params_norm = bool(logger_cfg.log_params_norm)
+        self.moe = bool(moe_track_names(model_config))
+        self.tensorboard_interval = int(logger_cfg.tensorboard_log_interval)
         total = _total_iterations(settings.train)
         step = int(state.train_state.step)
         if progress is None:
@@ -126,6 +132,19 @@ class MetricsProcessor(Callback):
         params_norm = (
             calc_params_l2_norm(context.model, self.model_config) if self.log_params_norm else None
         )
+        if self.moe:
+            # Every rank (the reduction is collective); written at TensorBoard intervals.
+            from bridge.train.loop.batch_size import get_num_microbatches
+
+            writers = state.metric_writers
+            due = context.iteration % self.tensorboard_interval == 0
+            report_moe_metrics(
+                self.model_config,
+                context.iteration,
+                get_num_microbatches(),
+                writers if writers.enabled and due else None,
+                self.total_loss_dict,
+            )
         self.report_memory_flag = log_training_step(
             result.losses,
             self.total_loss_dict,

@@ -1,0 +1,297 @@
+"""``AutoBridge``: Hugging Face models in and out, under the names Megatron-Bridge users know.
+
+::
+
+    from bridge.train.convert import AutoBridge
+
+    bridge = AutoBridge.from_hf_pretrained("/models/Qwen3-30B-A3B")   # local directory
+    provider = bridge.to_megatron_provider(tensor_model_parallel_size=2,
+                                           expert_model_parallel_size=4)
+    # ... initialise megatron's parallel state for that layout, then on every rank:
+    model = provider.provide()
+    bridge.load_hf_weights(model)                  # this rank's shards, from safetensors
+    ...                                            # train
+    bridge.save_hf_pretrained(model, "/out/qwen3-moe-tuned")   # streams out (rank 0 writes)
+
+    AutoBridge.import_ckpt("/models/Qwen3-30B-A3B", "/ckpt/qwen3")     # bridge-convert import
+    AutoBridge.export_ckpt("/ckpt/run", "/out/hf")                     # bridge-convert export
+
+The family (one module per ``model_type`` in :mod:`bridge.train.models.families`) comes
+from ``config.json``; nothing is downloaded. A model trained from scratch leaves through
+:meth:`AutoBridge.from_provider` (the ``config.json`` is that of the first family whose
+preset reproduces the provider) or ``export_ckpt``.
+
+Differences from Megatron-Bridge: paths are local directories; ``to_megatron_provider``
+never loads weights by itself (build the model, then :meth:`load_hf_weights`);
+``import_ckpt`` / ``export_ckpt`` are :func:`~bridge.train.convert.import_hf_checkpoint` /
+:func:`~bridge.train.convert.export_hf_checkpoint` and take their keyword arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bridge.train.models.families import (
+    ConversionError,
+    HFFamily,
+    match_family,
+    provider_from_hf_config,
+    supported_model_types,
+    torch_dtype_of,
+)
+
+__all__ = ["AutoBridge"]
+
+
+class AutoBridge:
+    """A Hugging Face model (or a provider) and the family that maps it.
+
+    Build it with :meth:`from_hf_pretrained` or :meth:`from_provider`.
+
+    Attributes:
+        family: The model's :class:`~bridge.train.models.families.HFFamily`.
+        hf_config: The ``config.json`` (of the source, or written for the provider).
+        hf_path: The source directory (``None`` for :meth:`from_provider`).
+    """
+
+    def __init__(
+        self, family: HFFamily, hf_config: dict[str, Any], hf_path: Path | None = None
+    ) -> None:
+        self.family = family
+        self.hf_config = hf_config
+        self.hf_path = hf_path
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_pretrained(cls, path: str | os.PathLike[str]) -> AutoBridge:
+        """The bridge of a local Hugging Face model directory (``config.json`` + weights).
+
+        Raises:
+            ConversionError: Not a directory, no ``config.json``, or an unsupported
+                ``model_type`` or setting (one line naming it).
+        """
+        from bridge.train.convert.source import HFSource
+
+        source = HFSource(path)
+        bridge = cls(source.family, source.config, source.directory)
+        provider_from_hf_config(source.config)  # refuse what the family does not honour, now
+        return bridge
+
+    @classmethod
+    def from_provider(cls, provider: Any) -> AutoBridge:
+        """The bridge of a model trained from scratch: the first family whose preset
+        reproduces ``provider`` (its ``config.json`` is written on save).
+
+        Raises:
+            ConversionError: No family matches; the message names the provider fields.
+        """
+        family, config = match_family(provider)
+        return cls(family, config, None)
+
+    @classmethod
+    def can_handle(cls, path: str | os.PathLike[str]) -> bool:
+        """Whether the directory's ``config.json`` names a supported ``model_type``."""
+        try:
+            cls.from_hf_pretrained(path)
+        except ConversionError:
+            return False
+        return True
+
+    @classmethod
+    def list_supported_models(cls) -> list[str]:
+        """The supported ``model_type`` values."""
+        return list(supported_model_types())
+
+    # ---- Hugging Face -> megatron ----------------------------------------------------------
+
+    def to_megatron_provider(self, **kwargs: Any) -> Any:
+        """The provider for this model; ``kwargs`` set the parallel layout
+        (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+        ``expert_model_parallel_size``), ``make_vocab_size_divisible_by``, ``seq_length`` and
+        any other provider field (see :func:`~bridge.train.convert.provider_from_hf_config`).
+        """
+        return provider_from_hf_config(self.hf_config, **kwargs)
+
+    def load_hf_weights(self, model: Any, hf_path: str | os.PathLike[str] | None = None) -> None:
+        """Load the Hugging Face weights into a built model (every rank its own shards).
+
+        Args:
+            model: The model chunk(s) of this rank, built from :meth:`to_megatron_provider`
+                (any tensor, pipeline and expert parallel layout; wrapped or not).
+            hf_path: Another directory with the same architecture (default: the source).
+
+        Raises:
+            ConversionError: Missing tensors or shapes that do not fit the model.
+        """
+        from bridge.train.convert.model_weights import load_hf_weights
+        from bridge.train.convert.source import HFSource
+
+        path = hf_path if hf_path is not None else self.hf_path
+        if path is None:
+            raise ConversionError(
+                "this bridge has no Hugging Face weights (made from a provider); pass hf_path"
+            )
+        source = HFSource(path)
+        try:
+            load_hf_weights(model, source)
+        finally:
+            source.close()
+
+    # ---- megatron -> Hugging Face -----------------------------------------------------------
+
+    def _mappings(self, model: Any) -> list[Any]:
+        from bridge.train.convert.model_weights import padded_vocab_of
+
+        text = self.family.text_config(self.hf_config)
+        _, prefix = self.family.export_config(self.hf_config, None)
+        return self.family.param_mappings(text, padded_vocab_of(model), prefix)
+
+    def export_hf_weights(self, model: Any) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The model's weights under their Hugging Face names, one at a time, on rank 0
+        (``None`` on the other ranks, which must iterate too: they send their pieces)."""
+        from bridge.train.convert.model_weights import iter_full_parameters
+
+        mappings = self._mappings(model)
+        by_name = {mapping.megatron: mapping for mapping in mappings}
+        for name, full in iter_full_parameters(model, list(by_name)):
+            mapping = by_name[name]
+            if full is None:
+                for hf_name in mapping.hf:
+                    yield hf_name, None
+                continue
+            yield from zip(mapping.hf, mapping.to_hf(full), strict=True)
+
+    def save_hf_weights(
+        self,
+        model: Any,
+        path: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = 5 * 1024**3,
+        progress: Callable[[str], None] | None = None,
+    ) -> list[Path]:
+        """Write the weights (safetensors shards) into ``path``; call on every rank (rank 0
+        writes). Returns the files written (on rank 0)."""
+        from bridge.train.convert.model_weights import save_hf_weights
+
+        out = Path(path)
+        if _rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        return save_hf_weights(
+            model,
+            self._mappings(model),
+            out,
+            dtype or self.dtype,
+            max_shard_bytes,
+            progress or (lambda message: None),
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the Hugging Face weights are stored in."""
+        return torch_dtype_of(self.hf_config)
+
+    def save_hf_pretrained(
+        self,
+        model: Any,
+        path: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = 5 * 1024**3,
+        progress: Callable[[str], None] | None = None,
+    ) -> Path:
+        """Write a Hugging Face model directory that ``transformers`` loads: the weights
+        (streamed, LoRA adapters folded in), ``config.json``, ``generation_config.json`` and
+        the source's tokenizer and other side files. Call on every rank; rank 0 writes.
+
+        Args:
+            model: This rank's model chunk(s).
+            path: A new (or empty) directory; it appears only complete.
+            dtype: dtype of the written weights (default: the source's).
+            max_shard_bytes: Bytes per safetensors shard.
+            progress: Called with a short message per written tensor group (rank 0).
+
+        Raises:
+            ConversionError: ``path`` exists and is not empty.
+        """
+        from bridge.train.convert.exporter import write_side_files
+
+        out = Path(path).resolve()
+        staging = out.with_name(out.name + ".exporting")
+        problem = ""
+        if _rank() == 0:
+            if out.exists() and (not out.is_dir() or any(out.iterdir())):
+                problem = f"{out} already exists and is not empty; save into a new directory"
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+        problem = _broadcast(problem)
+        if problem:
+            raise ConversionError(problem)
+        try:
+            self.save_hf_weights(
+                model, staging, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress
+            )
+            if _rank() == 0:
+                written, _ = self.family.export_config(self.hf_config, None)
+                write_side_files(
+                    staging,
+                    self.family,
+                    written,
+                    self.hf_path,
+                    dtype or self.dtype,
+                    copy_config=dtype is None,
+                )
+                if out.exists():
+                    out.rmdir()
+                os.replace(staging, out)
+        except BaseException:
+            if _rank() == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return out
+
+    # ---- checkpoint conversions (bridge-convert) ---------------------------------------------
+
+    @classmethod
+    def import_ckpt(
+        cls, hf_path: str | os.PathLike[str], megatron_path: str | os.PathLike[str], **kwargs: Any
+    ) -> Path:
+        """A Hugging Face directory -> a bridge-train checkpoint
+        (:func:`~bridge.train.convert.import_hf_checkpoint`; one process)."""
+        from bridge.train.convert.importer import import_hf_checkpoint
+
+        return import_hf_checkpoint(hf_path, megatron_path, **kwargs)
+
+    @classmethod
+    def export_ckpt(
+        cls, megatron_path: str | os.PathLike[str], hf_path: str | os.PathLike[str], **kwargs: Any
+    ) -> Path:
+        """A bridge-train checkpoint -> a Hugging Face directory
+        (:func:`~bridge.train.convert.export_hf_checkpoint`; one process)."""
+        from bridge.train.convert.exporter import export_hf_checkpoint
+
+        return export_hf_checkpoint(megatron_path, hf_path, **kwargs)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _broadcast(message: str) -> str:
+    """Rank 0's ``message`` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])

@@ -1,0 +1,348 @@
+"""Hugging Face weights into and out of a built, parallel megatron model (in memory).
+
+A family's mappings name the parameters of the one-process model; a rank of a parallel
+model holds pieces of them. :func:`local_parameters` names each local parameter the way the
+one-process model does (global layer number for pipeline stages, global expert number for
+expert parallelism) and records how it is split: along ``partition_dim`` over its
+tensor-parallel group (the expert tensor-parallel group for experts), or, for the first
+layer of a gated MLP, as ``[gate piece; up piece]`` (megatron splits the gate and the up
+projection separately, so the local rows are not one contiguous slice of ``[gate; up]``).
+
+* :func:`load_hf_weights`: every rank reads the Hugging Face tensors of its own parameters
+  (through the family's mapping) and copies its slice in.
+* :func:`save_hf_weights`: parameter by parameter in Hugging Face order, the holders gather
+  the full tensor over their tensor-parallel group (LoRA adapters folded in), the lowest
+  holding rank sends it to rank 0, and rank 0 writes it into safetensors shards whose
+  headers were computed first: one parameter is resident at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bridge.train.models.families import ConversionError, ParamMapping
+
+__all__ = [
+    "LocalParameter",
+    "iter_full_parameters",
+    "load_hf_weights",
+    "local_parameters",
+    "padded_vocab_of",
+    "save_hf_weights",
+]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+@dataclass
+class LocalParameter:
+    """One parameter of this rank and where it sits in the one-process model.
+
+    Attributes:
+        name: The parameter's name in the one-process model.
+        param: The local parameter.
+        module: The module that owns it (a LoRA adapter, if any, hangs off it).
+        group: The process group it is split over, or ``None`` when this rank holds it whole.
+        dim: The split dimension.
+        gated: A gated MLP's ``linear_fc1`` (split as ``[gate piece; up piece]``).
+    """
+
+    name: str
+    param: torch.nn.Parameter
+    module: torch.nn.Module
+    group: Any
+    dim: int
+    gated: bool
+
+    @property
+    def parts(self) -> int:
+        """How many ranks the parameter is split over."""
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def part(self) -> int:
+        """This rank's piece."""
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+
+def _unwrap(chunk: Any) -> Any:
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _is_adapter(name: str) -> bool:
+    return ".adapter." in f".{name}"
+
+
+def _global_name(model: Any, name: str) -> str:
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    local = int(match.group(1))
+    layer = model.decoder.layers[local]
+    name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        offset = int(layer.mlp.local_expert_indices[0])
+        name = (
+            f"{name[: expert.start()]}.mlp.experts.local_experts."
+            f"{offset + int(expert.group(1))}.{name[expert.end() :]}"
+        )
+    return name
+
+
+def local_parameters(model: Any) -> list[LocalParameter]:
+    """This rank's parameters (adapters excluded), named as in the one-process model.
+
+    Args:
+        model: A model chunk or a list of chunks (wrapped for data parallelism or not).
+    """
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    found: list[LocalParameter] = []
+    for chunk in chunks:
+        inner = _unwrap(chunk)
+        gated = bool(getattr(inner.config, "gated_linear_unit", False))
+        for module_name, module in inner.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                if _is_adapter(full):
+                    continue
+                split = bool(getattr(param, "tensor_model_parallel", False))
+                group = getattr(module, "tp_group", None) if split else None
+                if split and group is None:
+                    from megatron.core import parallel_state
+
+                    group = (
+                        parallel_state.get_expert_tensor_parallel_group()
+                        if ".mlp.experts." in full
+                        else parallel_state.get_tensor_model_parallel_group()
+                    )
+                if group is not None and dist.get_world_size(group) == 1:
+                    group = None
+                found.append(
+                    LocalParameter(
+                        name=_global_name(inner, full),
+                        param=param,
+                        module=module,
+                        group=group,
+                        dim=int(getattr(param, "partition_dim", 0)),
+                        gated=gated and full.rsplit(".", 2)[-2] == "linear_fc1",
+                    )
+                )
+    return found
+
+
+def padded_vocab_of(model: Any) -> int:
+    """Rows of the whole (unsplit) embedding / output layer of ``model``."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    config = _unwrap(chunks[0]).config
+    padded = getattr(config, "padded_vocab_size", None)
+    if isinstance(padded, int):
+        return padded
+    for entry in local_parameters(chunks):
+        if entry.name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            return int(entry.param.shape[0]) * entry.parts
+    raise ConversionError("the model has no embedding or output layer on this rank")
+
+
+def _slice(full: torch.Tensor, entry: LocalParameter) -> torch.Tensor:
+    if entry.group is None:
+        return full
+    if entry.gated:
+        halves = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(h, entry.parts, dim=0)[entry.part] for h in halves])
+    return torch.chunk(full, entry.parts, dim=entry.dim)[entry.part]
+
+
+def _source_mapping(
+    by_name: dict[str, ParamMapping], entry: LocalParameter, tied: bool
+) -> ParamMapping | None:
+    mapping = by_name.get(entry.name)
+    if mapping is None and tied and entry.name == "output_layer.weight":
+        # A tied output layer on the last pipeline stage is a copy of the embedding.
+        return by_name.get("embedding.word_embeddings.weight")
+    return mapping
+
+
+def load_hf_weights(model: Any, source: Any) -> None:
+    """Copy the weights of ``source`` (a :class:`~bridge.train.convert.source.HFSource`)
+    into every parameter of this rank's chunks.
+
+    Call on every rank; it ends with a check (an all-gather) that every parameter of the
+    family's mapping was loaded by some rank.
+
+    Raises:
+        ConversionError: A parameter without a Hugging Face source, a shape mismatch, or a
+            mapping no rank had a parameter for.
+    """
+    entries = local_parameters(model)
+    mappings = source.mappings(padded_vocab_of(model))
+    by_name = {mapping.megatron: mapping for mapping in mappings}
+    config = _unwrap(model[0] if isinstance(model, (list, tuple)) else model).config
+    tied = bool(getattr(config, "share_embeddings_and_output_weights", False))
+    loaded: set[str] = set()
+    for entry in entries:
+        mapping = _source_mapping(by_name, entry, tied)
+        if mapping is None:
+            raise ConversionError(f"internal: no Hugging Face source for {entry.name!r}")
+        piece = _slice(source.megatron_tensor(mapping), entry)
+        if tuple(piece.shape) != tuple(entry.param.shape):
+            raise ConversionError(
+                f"shape mismatch: {', '.join(mapping.hf)} make {entry.name} of shape "
+                f"{list(piece.shape)} on this rank; the model's is {list(entry.param.shape)}"
+            )
+        with torch.no_grad():
+            entry.param.copy_(piece)
+        loaded.add(mapping.megatron)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(loaded))
+        loaded = {name for names in everyone for name in names}
+    left = sorted(set(by_name) - loaded)
+    if left:
+        raise ConversionError(
+            f"{len(left)} Hugging Face weight(s) found no parameter in the model, first "
+            f"{left[0]!r}: the model was built from another config"
+        )
+
+
+def _with_adapter(entry: LocalParameter) -> torch.Tensor:
+    """The local piece with a LoRA adapter of its layer folded in (weights only)."""
+    tensor = entry.param.detach()
+    adapter = getattr(entry.module, "adapter", None)
+    if adapter is not None and entry.param is getattr(entry.module, "weight", None):
+        tensor = tensor + adapter.delta_weight().to(tensor.dtype)
+    return tensor
+
+
+def _gathered(entry: LocalParameter) -> torch.Tensor:
+    """The whole parameter, gathered over its group (collective over the group)."""
+    local = _with_adapter(entry).contiguous()
+    if entry.group is None:
+        return local
+    if entry.gated:
+        halves = []
+        for half in torch.chunk(local, 2, dim=0):
+            parts = [torch.empty_like(half) for _ in range(entry.parts)]
+            dist.all_gather(parts, half.contiguous(), group=entry.group)
+            halves.append(torch.cat(parts, dim=0))
+        return torch.cat(halves, dim=0)
+    parts = [torch.empty_like(local) for _ in range(entry.parts)]
+    dist.all_gather(parts, local, group=entry.group)
+    return torch.cat(parts, dim=entry.dim)
+
+
+@dataclass
+class _Census:
+    """Who holds which parameter, and the whole parameters' shapes (from every rank)."""
+
+    entries: dict[str, LocalParameter]
+    owner: dict[str, int]
+    shapes: dict[str, tuple[list[int], torch.dtype]]
+
+
+def _census(model: Any) -> _Census:
+    """Collective: every rank's parameter names and whole shapes, once."""
+    entries = {entry.name: entry for entry in local_parameters(model)}
+    local: dict[str, tuple[list[int], str]] = {}
+    for name, entry in entries.items():
+        shape = list(entry.param.shape)
+        shape[entry.dim] *= entry.parts
+        local[name] = (shape, str(entry.param.dtype).removeprefix("torch."))
+    everyone: list[Any] = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    owner: dict[str, int] = {}
+    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
+    for holder, held in enumerate(everyone):
+        for name, (shape, dtype) in held.items():
+            owner.setdefault(name, holder)  # the lowest rank holding it sends it
+            shapes.setdefault(name, (shape, getattr(torch, dtype)))
+    return _Census(entries, owner, shapes)
+
+
+def iter_full_parameters(
+    model: Any, names: list[str], census: _Census | None = None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """The whole one-process parameters ``names``, in order, on rank 0 (``None`` elsewhere).
+
+    Every rank must iterate to the end (it takes part in gathers and sends). A name no rank
+    holds raises :class:`ConversionError` on every rank.
+    """
+    census = census or _census(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    missing = [name for name in names if name not in census.owner]
+    if missing:
+        raise ConversionError(
+            f"no rank holds {missing[0]!r}: the model was built from another config"
+        )
+    for name in names:
+        full: torch.Tensor | None = None
+        if name in census.entries:
+            with torch.no_grad():
+                full = _gathered(census.entries[name])
+        source = census.owner[name]
+        if source != 0:
+            if rank == source:
+                assert full is not None
+                dist.send(full.contiguous(), dst=0)
+            elif rank == 0:
+                shape, dtype = census.shapes[name]
+                full = torch.empty(shape, dtype=dtype)
+                dist.recv(full, src=source)
+        yield name, (full if rank == 0 else None)
+
+
+def save_hf_weights(
+    model: Any,
+    mappings: list[ParamMapping],
+    out: Path,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int,
+    report: Callable[[str], None],
+) -> list[Path]:
+    """Write the model's weights under their Hugging Face names into ``out`` (rank 0).
+
+    Call on every rank of the model. Returns the files written (empty on other ranks).
+    """
+    from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
+
+    census = _census(model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    writer = None
+    if rank == 0:
+        declared = []
+        for mapping in mappings:
+            if mapping.megatron not in census.shapes:
+                raise ConversionError(
+                    f"no rank holds {mapping.megatron!r}: the model was built from another config"
+                )
+            shape, param_dtype = census.shapes[mapping.megatron]
+            meta = mapping.to_hf(torch.empty(shape, dtype=param_dtype, device="meta"))
+            for name, tensor in zip(mapping.hf, meta, strict=True):
+                declared.append((name, tuple(tensor.shape), dtype or tensor.dtype))
+        writer = StreamingSafetensorsWriter(out, declared, max_shard_bytes)
+    by_name = {mapping.megatron: mapping for mapping in mappings}
+    names = [mapping.megatron for mapping in mappings]
+    for count, (name, full) in enumerate(iter_full_parameters(model, names, census), start=1):
+        if writer is None or full is None:
+            continue
+        mapping = by_name[name]
+        for hf_name, tensor in zip(mapping.hf, mapping.to_hf(full), strict=True):
+            writer.write(hf_name, tensor.to(dtype or tensor.dtype).contiguous())
+        report(f"[{count}/{len(mappings)}] {name}")
+    files = writer.close() if writer is not None else []
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return files

@@ -1,0 +1,93 @@
+"""Which model-config fields decide what a model computes, and when two values agree.
+
+Shared by the resume check (:mod:`bridge.train.checkpointing.architecture`: a resumed
+model must be the saved one) and the Hugging Face families
+(:func:`bridge.train.models.families.match_family`: a provider leaves as the family that
+reproduces it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ARCHITECTURE_FIELDS", "same_setting"]
+
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "gated_linear_unit",
+    "activation_func",
+    "normalization",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "share_embeddings_and_output_weights",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_base_local",
+    "rotary_percent",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "seq_len_interpolation_factor",
+    "window_size",
+    "window_attn_skip_freq",
+    "softmax_scale",
+    "softmax_type",
+    "activation_func_clamp_value",
+    "glu_linear_offset",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_enable_expert_bias",
+    "moe_shared_expert_intermediate_size",
+    "apply_residual_connection_post_layernorm",
+    "hybrid_override_pattern",
+)
+"""Model-config fields that change what the model computes (fields a model class does not
+have are skipped by the comparisons). The vocabulary padding is not one of them: it
+changes the tables' shape, not the model."""
+
+
+def _callable_key(value: Callable[..., Any]) -> Any:
+    if isinstance(value, functools.partial):
+        return (_callable_key(value.func), value.args, tuple(sorted(value.keywords.items())))
+    return (getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
+
+
+def same_setting(a: Any, b: Any) -> bool:
+    """Whether two provider field values mean the same (callables by what they call,
+    sequences by their items, numbers by value)."""
+    if callable(a) and callable(b):
+        return bool(_callable_key(a) == _callable_key(b))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
+        # Values that went through a config.json (x ** -0.5 and back) differ in the last bit.
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_setting(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # tensors and other objects without a boolean equality
+        return a is b

@@ -1,0 +1,168 @@
+"""Reading a Hugging Face ``config.json`` (as a plain dict) into provider fields, refusing what
+megatron-core would compute differently.
+
+The helpers every family shares: a required field, the RoPE base and scaling in either the
+transformers < 5 spelling (``rope_theta`` + ``rope_scaling``) or the >= 5 one
+(``rope_parameters``), activation functions, the stored dtype, and :func:`refuse`, the one
+spelling of "this value is not honoured" (``config.json: FIELD=VALUE is not supported for
+model_type=...: why``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.train.models.families.errors import ConversionError
+
+__all__ = [
+    "DTYPES",
+    "gelu_tanh",
+    "read_hf_config",
+    "refuse",
+    "require",
+    "rope_settings",
+    "rope_theta_and_scaling",
+    "silu_activation",
+    "torch_dtype_of",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# megatron-core's llama3 frequency scaling has these fixed (RotaryEmbedding._apply_scaling).
+_LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (``gelu_new`` / ``gelu_pytorch_tanh``).
+
+    A named function rather than a ``functools.partial`` so a saved run config names it and
+    two providers compare equal.
+    """
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face model directory as a dict.
+
+    Raises:
+        ConversionError: The directory or its ``config.json`` is missing or not JSON.
+    """
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConversionError(f"{model_dir} is not a directory (expected a Hugging Face model)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConversionError(
+            f"{path} is missing: a Hugging Face model directory holds config.json next to its "
+            "safetensors files"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"{path} cannot be read as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} does not hold a JSON object")
+    return data
+
+
+def refuse(config: dict[str, Any], field: str, value: Any, why: str) -> ConversionError:
+    """The error for a ``config.json`` value a family does not honour (one line)."""
+    return ConversionError(
+        f"config.json: {field}={value!r} is not supported for "
+        f"model_type={config.get('model_type')!r}: {why}"
+    )
+
+
+def require(config: dict[str, Any], key: str) -> Any:
+    """``config[key]``, refusing a config without it."""
+    if config.get(key) is None:
+        raise ConversionError(
+            f"config.json (model_type={config.get('model_type')!r}) has no {key!r}; it is not "
+            "a complete Hugging Face config"
+        )
+    return config[key]
+
+
+def torch_dtype_of(config: dict[str, Any]) -> torch.dtype:
+    """The dtype the Hugging Face weights are stored in (``dtype`` / ``torch_dtype``)."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ConversionError(
+            f"config.json: dtype={name!r} is not one of {sorted(DTYPES)}; convert the weights "
+            "to one of them first"
+        )
+    return DTYPES[name]
+
+
+def silu_activation(config: dict[str, Any], field: str = "hidden_act") -> Callable[..., Any]:
+    """SiLU (the SwiGLU MLP), refusing any other ``hidden_act``."""
+    act = config.get(field, "silu")
+    if act not in ("silu", "swish"):
+        raise refuse(config, field, act, "only 'silu' (the SwiGLU MLP) is implemented")
+    return torch.nn.functional.silu
+
+
+def rope_theta_and_scaling(config: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """``(rope_theta, scaling dict or None)`` from either spelling of a one-RoPE config."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"], params
+    return config.get("rope_theta", 10000.0), config.get("rope_scaling")
+
+
+def rope_settings(
+    config: dict[str, Any],
+    theta: Any,
+    scaling: dict[str, Any] | None,
+    *,
+    field: str = "rope_scaling",
+) -> dict[str, Any]:
+    """Provider fields of one RoPE: ``rotary_base`` and its scaling.
+
+    megatron-core implements the ``default``, ``linear`` (position interpolation,
+    ``seq_len_interpolation_factor``) and ``llama3`` (``rope_scaling``) frequencies; any
+    other type, a ``partial_rotary_factor`` or a non-integer base is refused.
+    """
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if float(theta) != int(theta):
+        raise refuse(
+            config, "rope_theta", theta, "megatron-core's GPTModel takes an integer rotary_base"
+        )
+    partial = (scaling or {}).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise refuse(
+            config, "partial_rotary_factor", partial, "only fully rotated heads are implemented"
+        )
+    settings: dict[str, Any] = {"rotary_base": int(theta)}
+    if kind == "default":
+        return settings
+    assert scaling is not None
+    if kind == "linear":
+        settings["seq_len_interpolation_factor"] = float(scaling["factor"])
+        return settings
+    if kind == "llama3":
+        for key, fixed in _LLAMA3_FIXED.items():
+            if float(scaling.get(key, fixed)) != float(fixed):
+                raise refuse(
+                    config,
+                    f"{field}.{key}",
+                    scaling.get(key),
+                    f"megatron-core's llama3 RoPE scaling fixes it at {fixed}",
+                )
+        settings["rope_scaling"] = True
+        settings["rope_scaling_factor"] = float(scaling["factor"])
+        return settings
+    raise refuse(
+        config,
+        f"{field}.rope_type",
+        kind,
+        "megatron-core implements the 'default', 'linear' and 'llama3' RoPE frequencies",
+    )

@@ -1,0 +1,287 @@
+"""``gemma3_text`` (Gemma 3 1B and the text of larger ones) and the text model of ``gemma3``.
+
+What the preset sets (:class:`~bridge.train.models.gemma3_provider.Gemma3ModelProvider`):
+GeGLU MLP (``hidden_activation`` ``gelu_pytorch_tanh``), zero-centred RMSNorms
+(``x * (1 + weight)``) before *and* after attention and the MLP, QK-norm, embeddings
+scaled by ``sqrt(hidden_size)``, attention scaled by ``query_pre_attn_scalar ** -0.5``,
+grouped-query attention with ``head_dim``, tied embeddings, and interleaved layers from
+``layer_types``: ``sliding_attention`` layers attend to the ``sliding_window`` newest keys
+and rotate with ``rope_parameters.sliding_attention`` (``rope_local_base_freq`` before
+transformers 5), ``full_attention`` layers attend to everything and rotate with
+``rope_parameters.full_attention`` (``rope_theta``; ``linear`` scaling as Gemma 3 4B+ uses).
+
+``gemma3`` (``Gemma3ForConditionalGeneration``): its ``text_config`` and language-model
+tensors are imported; the vision tower and the multimodal projector are skipped (the
+import reports how many tensors), and an export writes the text model (a
+``gemma3_text`` / ``Gemma3ForCausalLM`` directory).
+
+Refused: ``attn_logit_softcapping`` or ``final_logit_softcapping`` (Gemma 2's softcapping),
+``use_bidirectional_attention``, ``attention_bias``, a local RoPE with scaling, layer types
+other than ``sliding_attention`` / ``full_attention``, any other ``hidden_activation``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bridge.train.models.families.base import HFFamily, register_family
+from bridge.train.models.families.config_fields import (
+    gelu_tanh,
+    refuse,
+    rope_settings,
+)
+from bridge.train.models.families.llama import hf_rope_parameters
+from bridge.train.models.families.mapping import (
+    ParamMapping,
+    direct,
+    gated_fc1,
+    self_attention,
+    vocab_rows,
+)
+
+__all__ = ["Gemma3Family"]
+
+_KINDS = ("sliding_attention", "full_attention")
+
+
+def _layer_types(config: dict[str, Any]) -> list[str]:
+    layers = int(config["num_hidden_layers"])
+    kinds = config.get("layer_types")
+    if kinds is None:
+        pattern = int(
+            config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        )
+        kinds = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    unknown = sorted({kind for kind in kinds if kind not in _KINDS})
+    if unknown or len(kinds) != layers:
+        raise refuse(
+            config,
+            "layer_types",
+            unknown or kinds,
+            f"one of {list(_KINDS)} per layer ({layers}) is implemented",
+        )
+    return list(kinds)
+
+
+def _ropes(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(full attention rope, sliding attention rope)`` parameters in either spelling."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    full = {
+        "rope_theta": config.get("rope_theta", 1_000_000.0),
+        **(config.get("rope_scaling") or {}),
+    }
+    local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    return full, local
+
+
+def _query_pre_attn_scalar(provider: Any) -> int | float:
+    """The config's ``query_pre_attn_scalar`` for the provider's attention scale (an
+    integer when it is one: transformers' config declares an int)."""
+    scale = provider.softmax_scale or float(provider.kv_channels) ** -0.5
+    scalar = float(scale) ** -2
+    return round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar
+
+
+@register_family
+class Gemma3Family(HFFamily):
+    """Gemma 3 (see the module docstring)."""
+
+    model_types = ("gemma3_text", "gemma3")
+    architecture = "Gemma3ForCausalLM"
+    hf_prefixes = ("model.", "language_model.model.", "model.language_model.", "")
+
+    def provider_class(self) -> type:
+        """:class:`~bridge.train.models.gemma3_provider.Gemma3ModelProvider`."""
+        from bridge.train.models.gemma3_provider import Gemma3ModelProvider
+
+        return Gemma3ModelProvider
+
+    def text_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``text_config`` of a ``gemma3`` config (the whole config for ``gemma3_text``)."""
+        if config.get("model_type") != "gemma3":
+            return config
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise refuse(config, "text_config", text, "a gemma3 config needs its text_config")
+        merged = {"model_type": "gemma3_text", **text}
+        for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
+            if key in config and key not in text:
+                merged[key] = config[key]
+        return merged
+
+    def skips(self, name: str) -> bool:
+        """The vision tower and multimodal projector of ``gemma3``."""
+        return name.startswith(
+            (
+                "vision_tower.",
+                "multi_modal_projector.",
+                "model.vision_tower.",
+                "model.multi_modal_projector.",
+            )
+        )
+
+    def export_config(
+        self, config: dict[str, Any], imported_prefix: str | None
+    ) -> tuple[dict[str, Any], str]:
+        """A ``gemma3`` import leaves as its text model (``Gemma3ForCausalLM``)."""
+        if config.get("model_type") != "gemma3":
+            return super().export_config(config, imported_prefix)
+        text = self.text_config(config)
+        return {**text, "architectures": [self.architecture]}, "model."
+
+    def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Gemma 3's fields (see the module docstring)."""
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key) is not None:
+                raise refuse(config, key, config[key], "softcapping is not implemented")
+        for key in ("use_bidirectional_attention", "attention_bias"):
+            if config.get(key):
+                raise refuse(config, key, True, "not implemented")
+        act = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
+        if act not in ("gelu_pytorch_tanh", "gelu_new"):
+            raise refuse(config, "hidden_activation", act, "only the tanh GELU is implemented")
+        heads = int(self.require(config, "num_attention_heads"))
+        head_dim = int(config.get("head_dim") or int(self.require(config, "hidden_size")) // heads)
+        kinds = _layer_types(config)
+        full, local = _ropes(config)
+        local_settings = rope_settings(
+            config,
+            local.get("rope_theta", 10_000.0),
+            local,
+            field="rope_parameters.sliding_attention",
+        )
+        if set(local_settings) != {"rotary_base"}:
+            raise refuse(
+                config,
+                "rope_parameters.sliding_attention.rope_type",
+                local.get("rope_type"),
+                "the sliding-window layers' RoPE is implemented without scaling",
+            )
+        kwargs: dict[str, Any] = {
+            "num_layers": len(kinds),
+            "hidden_size": int(config["hidden_size"]),
+            "ffn_hidden_size": int(self.require(config, "intermediate_size")),
+            "num_attention_heads": heads,
+            "num_query_groups": int(config.get("num_key_value_heads") or heads),
+            "kv_channels": head_dim,
+            "vocab_size": int(self.require(config, "vocab_size")),
+            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", True)),
+            "position_embedding_type": "rope",
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+            "layernorm_zero_centered_gamma": True,
+            "gated_linear_unit": True,
+            "activation_func": gelu_tanh,
+            "add_bias_linear": False,
+            "add_qkv_bias": False,
+            "qk_layernorm": True,
+            "softmax_scale": float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
+            "hidden_dropout": 0.0,
+            "rotary_base_local": local_settings["rotary_base"],
+            **rope_settings(
+                config,
+                full.get("rope_theta", 1_000_000.0),
+                full,
+                field="rope_parameters.full_attention",
+            ),
+        }
+        if "sliding_attention" in kinds:
+            window = int(self.require(config, "sliding_window"))
+            kwargs["window_size"] = (window - 1, 0)
+            kwargs["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in kinds]
+        return kwargs
+
+    def param_mappings(
+        self, config: dict[str, Any], padded_vocab: int, prefix: str
+    ) -> list[ParamMapping]:
+        """Embedding, per layer its four norms, attention (QK norms) and GeGLU MLP, the
+        final norm (and an untied output layer)."""
+        heads = int(config["num_attention_heads"])
+        groups = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        vocab = int(config["vocab_size"])
+        maps = [
+            vocab_rows(
+                "embedding.word_embeddings.weight",
+                f"{prefix}embed_tokens.weight",
+                padded_vocab,
+                vocab,
+            )
+        ]
+        for layer in range(int(config["num_hidden_layers"])):
+            m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
+            maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
+            maps += self_attention(m, f"{h}self_attn.", heads, groups, head_dim, qk_norm=True)
+            maps += [
+                direct(f"{m}self_attn_bda.norm.weight", f"{h}post_attention_layernorm.weight"),
+                direct(f"{m}pre_mlp_layernorm.weight", f"{h}pre_feedforward_layernorm.weight"),
+                gated_fc1(
+                    f"{m}mlp.linear_fc1.weight",
+                    f"{h}mlp.gate_proj.weight",
+                    f"{h}mlp.up_proj.weight",
+                ),
+                direct(f"{m}mlp.linear_fc2.weight", f"{h}mlp.down_proj.weight"),
+                direct(f"{m}mlp_bda.norm.weight", f"{h}post_feedforward_layernorm.weight"),
+            ]
+        maps.append(direct("decoder.final_layernorm.weight", f"{prefix}norm.weight"))
+        if not config.get("tie_word_embeddings", True):
+            head = (
+                "language_model.lm_head.weight"
+                if prefix.startswith("language_model.")
+                else "lm_head.weight"
+            )
+            maps.append(vocab_rows("output_layer.weight", head, padded_vocab, vocab))
+        return maps
+
+    def hf_config(self, provider: Any) -> dict[str, Any]:
+        """A ``gemma3_text`` ``config.json`` for a Gemma 3 provider."""
+        if type(provider).__name__ != "Gemma3ModelProvider":
+            return {"model_type": "gemma3_text"}  # incomplete: the round trip refuses it
+        skip = provider.window_attn_skip_freq
+        if provider.window_size is None:
+            kinds = ["full_attention"] * provider.num_layers
+            window = None
+        else:
+            from megatron.core.transformer.utils import is_layer_window_attention
+
+            kinds = [
+                "sliding_attention"
+                if is_layer_window_attention(provider.window_size, skip, i + 1)
+                else "full_attention"
+                for i in range(provider.num_layers)
+            ]
+            window = int(provider.window_size[0]) + 1
+        return {
+            "architectures": [self.architecture],
+            "model_type": "gemma3_text",
+            "vocab_size": int(provider.vocab_size),
+            "hidden_size": int(provider.hidden_size),
+            "intermediate_size": int(provider.ffn_hidden_size),
+            "num_hidden_layers": int(provider.num_layers),
+            "num_attention_heads": int(provider.num_attention_heads),
+            "num_key_value_heads": int(provider.num_query_groups),
+            "head_dim": int(provider.kv_channels),
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": int(provider.seq_length),
+            "rms_norm_eps": float(provider.layernorm_epsilon),
+            "query_pre_attn_scalar": _query_pre_attn_scalar(provider),
+            "sliding_window": window,
+            "layer_types": kinds,
+            "rope_parameters": {
+                "full_attention": hf_rope_parameters(provider),
+                "sliding_attention": {
+                    "rope_type": "default",
+                    "rope_theta": float(provider.rotary_base_local),
+                },
+            },
+            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
+            "attention_bias": False,
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+            "dtype": str(provider.params_dtype).removeprefix("torch."),
+        }

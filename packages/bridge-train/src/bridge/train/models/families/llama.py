@@ -1,0 +1,211 @@
+"""``llama`` (Llama 2, 3, 3.1, 3.2), and the decoder layout the Llama-like families share.
+
+Llama: rotary position embeddings (``rope_theta``; ``rope_scaling`` of type ``llama3`` or
+``linear``), RMSNorm, SwiGLU MLP (``gated_linear_unit`` with SiLU), grouped-query
+attention (``num_key_value_heads``, ``head_dim``), tied or untied embeddings, no biases, or
+biases on every linear layer (``attention_bias`` and ``mlp_bias`` together).
+
+:class:`LlamaFamily` is also the base of the other Llama-shaped families (Mistral, Qwen2,
+Qwen3, Qwen3-MoE, Mixtral): they override the hooks :meth:`LlamaFamily.attention_kwargs`,
+:meth:`LlamaFamily.mlp_kwargs`, :meth:`LlamaFamily.attention_mappings`,
+:meth:`LlamaFamily.mlp_mappings` and :meth:`LlamaFamily.hf_extra`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bridge.train.models.families.base import HFFamily, register_family
+from bridge.train.models.families.config_fields import (
+    refuse,
+    rope_settings,
+    rope_theta_and_scaling,
+    silu_activation,
+)
+from bridge.train.models.families.mapping import (
+    ParamMapping,
+    direct,
+    gated_fc1,
+    self_attention,
+    vocab_rows,
+)
+
+__all__ = ["LlamaFamily", "hf_rope_parameters"]
+
+
+def hf_rope_parameters(provider: Any) -> dict[str, Any]:
+    """The ``rope_parameters`` of ``config.json`` (transformers >= 5) for a provider's RoPE."""
+    params: dict[str, Any] = {"rope_theta": float(provider.rotary_base), "rope_type": "default"}
+    if provider.rope_scaling:
+        params.update(
+            rope_type="llama3",
+            factor=float(provider.rope_scaling_factor),
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        )
+    elif provider.seq_len_interpolation_factor is not None:
+        params.update(rope_type="linear", factor=float(provider.seq_len_interpolation_factor))
+    return params
+
+
+def _dtype_name(provider: Any) -> str:
+    return str(getattr(provider, "params_dtype", torch.float32)).removeprefix("torch.")
+
+
+@register_family
+class LlamaFamily(HFFamily):
+    """Llama, and the layout of every Llama-shaped decoder (see the module docstring)."""
+
+    model_types = ("llama",)
+    architecture = "LlamaForCausalLM"
+
+    # ---- config.json -> provider ----------------------------------------------------------
+
+    def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Provider fields of a Llama-shaped ``config`` (hooks add the family's own)."""
+        heads = int(self.require(config, "num_attention_heads"))
+        hidden = int(self.require(config, "hidden_size"))
+        theta, scaling = rope_theta_and_scaling(config)
+        kwargs: dict[str, Any] = {
+            "num_layers": int(self.require(config, "num_hidden_layers")),
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": int(config.get("num_key_value_heads") or heads),
+            "kv_channels": int(config.get("head_dim") or hidden // heads),
+            "vocab_size": int(self.require(config, "vocab_size")),
+            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
+            "position_embedding_type": "rope",
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+            "gated_linear_unit": True,
+            "activation_func": silu_activation(config),
+            "add_bias_linear": False,
+            "add_qkv_bias": False,
+            "attention_dropout": float(config.get("attention_dropout", 0.0)),
+            "hidden_dropout": 0.0,
+            **rope_settings(config, theta, scaling),
+        }
+        kwargs.update(self.attention_kwargs(config))
+        kwargs.update(self.mlp_kwargs(config))
+        return kwargs
+
+    def attention_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Attention fields: Llama's ``attention_bias`` / ``mlp_bias`` (both or neither)."""
+        attention_bias = bool(config.get("attention_bias", False))
+        mlp_bias = bool(config.get("mlp_bias", False))
+        if attention_bias != mlp_bias:
+            raise refuse(
+                config,
+                "attention_bias",
+                attention_bias,
+                f"with mlp_bias={mlp_bias}, megatron-core puts a bias on every linear layer "
+                "or on none (add_bias_linear)",
+            )
+        return {"add_bias_linear": attention_bias}
+
+    def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """MLP fields: the dense SwiGLU width."""
+        return {"ffn_hidden_size": int(self.require(config, "intermediate_size"))}
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def param_mappings(
+        self, config: dict[str, Any], padded_vocab: int, prefix: str
+    ) -> list[ParamMapping]:
+        """Embedding, per layer norms + :meth:`attention_mappings` + :meth:`mlp_mappings`,
+        the final norm and (untied) the output layer."""
+        kwargs = self.provider_kwargs(config)
+        vocab = int(config["vocab_size"])
+        maps = [
+            vocab_rows(
+                "embedding.word_embeddings.weight",
+                f"{prefix}embed_tokens.weight",
+                padded_vocab,
+                vocab,
+            )
+        ]
+        for layer in range(int(config["num_hidden_layers"])):
+            m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
+            maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
+            maps += self.attention_mappings(config, kwargs, m, h)
+            maps.append(
+                direct(f"{m}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight")
+            )
+            maps += self.mlp_mappings(config, kwargs, layer, m, h)
+        maps.append(direct("decoder.final_layernorm.weight", f"{prefix}norm.weight"))
+        if not config.get("tie_word_embeddings", False):
+            maps.append(vocab_rows("output_layer.weight", "lm_head.weight", padded_vocab, vocab))
+        return maps
+
+    def attention_mappings(
+        self, config: dict[str, Any], kwargs: dict[str, Any], m: str, h: str
+    ) -> list[ParamMapping]:
+        """Fused QKV (weight and bias), the output projection, and QK norms where the
+        provider fields (``kwargs``) have them; ``m`` / ``h``: the layer's megatron and
+        Hugging Face name prefixes."""
+        heads = int(config["num_attention_heads"])
+        return self_attention(
+            m,
+            f"{h}self_attn.",
+            heads,
+            int(config.get("num_key_value_heads") or heads),
+            int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            qkv_bias=bool(kwargs.get("add_qkv_bias") or kwargs.get("add_bias_linear")),
+            proj_bias=bool(kwargs.get("add_bias_linear")),
+            qk_norm=bool(kwargs.get("qk_layernorm")),
+        )
+
+    def mlp_mappings(
+        self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str
+    ) -> list[ParamMapping]:
+        """The dense SwiGLU MLP (weights, and biases with ``mlp_bias``)."""
+        maps = [
+            gated_fc1(
+                f"{m}mlp.linear_fc1.weight", f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"
+            ),
+            direct(f"{m}mlp.linear_fc2.weight", f"{h}mlp.down_proj.weight"),
+        ]
+        if kwargs.get("add_bias_linear"):
+            maps += [
+                gated_fc1(
+                    f"{m}mlp.linear_fc1.bias", f"{h}mlp.gate_proj.bias", f"{h}mlp.up_proj.bias"
+                ),
+                direct(f"{m}mlp.linear_fc2.bias", f"{h}mlp.down_proj.bias"),
+            ]
+        return maps
+
+    # ---- provider -> config.json (export of a model trained from scratch) ------------------
+
+    def hf_config(self, provider: Any) -> dict[str, Any]:
+        """A Llama-shaped ``config.json`` for ``provider`` (:meth:`hf_extra` adds the
+        family's own fields)."""
+        config: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.name,
+            "vocab_size": int(provider.vocab_size),
+            "hidden_size": int(provider.hidden_size),
+            "intermediate_size": int(provider.ffn_hidden_size),
+            "num_hidden_layers": int(provider.num_layers),
+            "num_attention_heads": int(provider.num_attention_heads),
+            "num_key_value_heads": int(provider.num_query_groups),
+            "head_dim": int(provider.kv_channels),
+            "hidden_act": "silu",
+            "max_position_embeddings": int(provider.seq_length),
+            "rms_norm_eps": float(provider.layernorm_epsilon),
+            "rope_parameters": hf_rope_parameters(provider),
+            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
+            "attention_dropout": float(provider.attention_dropout),
+            "dtype": _dtype_name(provider),
+        }
+        config.update(self.hf_extra(provider))
+        return config
+
+    def hf_extra(self, provider: Any) -> dict[str, Any]:
+        """The family's own ``config.json`` fields for ``provider``."""
+        return {
+            "attention_bias": bool(provider.add_bias_linear),
+            "mlp_bias": bool(provider.add_bias_linear),
+        }

@@ -1,0 +1,53 @@
+"""Provider fields of routed-expert MLPs (shared by the mixture-of-experts families).
+
+megatron-core's MoE layer (its router and ``SequentialMLP`` experts, ``moe_grouped_gemm``
+off so it runs on CPU too) with softmax routing: top-k of the logits then a softmax over
+the k chosen (``moe_router_pre_softmax=False``) equals Hugging Face's softmax over all
+experts, top-k, renormalised (``norm_topk_prob``); without renormalisation megatron takes
+the softmax over all experts first (``moe_router_pre_softmax=True``). Dropless (no capacity
+factor), as Hugging Face computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["hf_moe_layers", "moe_layer_pattern", "routed_moe_kwargs"]
+
+
+def moe_layer_pattern(num_layers: int, moe_layers: set[int]) -> int | list[int]:
+    """megatron's ``moe_layer_freq``: ``1`` when every layer has experts, else a 0/1 list."""
+    if moe_layers == set(range(num_layers)):
+        return 1
+    return [1 if layer in moe_layers else 0 for layer in range(num_layers)]
+
+
+def hf_moe_layers(provider: Any) -> list[int]:
+    """Indices of the provider's expert layers (from ``moe_layer_freq``)."""
+    freq = provider.moe_layer_freq
+    if isinstance(freq, int):
+        return [i for i in range(provider.num_layers) if i % freq == 0]
+    return [i for i, flag in enumerate(freq) if flag]
+
+
+def routed_moe_kwargs(
+    *,
+    experts: int,
+    topk: int,
+    expert_ffn: int,
+    normalize: bool,
+    pattern: int | list[int],
+    aux_loss_coeff: float,
+) -> dict[str, Any]:
+    """The MoE provider fields (see the module docstring)."""
+    return {
+        "num_moe_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": expert_ffn,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not normalize,
+        "moe_layer_freq": pattern,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": aux_loss_coeff,
+        "moe_grouped_gemm": False,
+    }

@@ -1,0 +1,250 @@
+"""``Gemma3ModelProvider``: megatron-core's GPT model with the pieces Gemma 3 adds.
+
+megatron-core 0.19 builds most of Gemma 3 itself: GeGLU (``gated_linear_unit`` with the
+tanh GELU), grouped-query attention with QK-norm (``qk_layernorm``), sliding windows on
+some layers (``window_size`` + ``window_attn_skip_freq``), the attention scale
+(``softmax_scale``), tied embeddings. What it lacks, each the smallest module that plugs
+into its layer spec (the model stays a megatron ``GPTModel``):
+
+* :class:`ZeroCenteredRMSNorm`: Gemma's RMSNorm, ``x / rms(x) * (1 + weight)`` computed in
+  float32 and cast back, weights initialised to zero (``layernorm_zero_centered_gamma``,
+  which megatron implements only in Transformer Engine). Used for every norm: before and
+  after attention and the MLP, the QK norms and the final norm.
+* :class:`PostNormResidualAdd`: the norm of a sub-layer's *output* before the residual
+  add (Gemma's ``post_attention_layernorm`` / ``post_feedforward_layernorm``), as the
+  layer's ``self_attn_bda`` / ``mlp_bda`` (megatron's bias-dropout-add, applied to the
+  normed output).
+* :class:`LocalRopeSelfAttention`: megatron's ``SelfAttention`` whose sliding-window layers
+  rotate with their own RoPE base (``rotary_base_local``); the full-attention layers use
+  the model's (``rotary_base`` and its scaling).
+* Embeddings scaled by ``sqrt(hidden_size)`` (a forward hook on the word embeddings, in the
+  embedding's dtype as Gemma computes it).
+
+The layers use megatron's local modules (column/row-parallel linear layers); on CPU the
+core attention is the portable SDPA attention, on CUDA megatron's ``DotProductAttention``
+(``layer_spec_backend`` ``"transformer_engine"`` is refused: its fused norms would replace
+these modules).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from bridge.train.models.gpt_provider import GPTModelProvider
+
+__all__ = [
+    "Gemma3ModelProvider",
+    "LocalRopeSelfAttention",
+    "PostNormResidualAdd",
+    "ZeroCenteredRMSNorm",
+    "gemma3_layer_spec",
+]
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm with a zero-centred gain: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``.
+
+    Computed in float32 and cast back to the input's dtype, as Gemma computes it. Accepts
+    the arguments megatron's layer specs pass to a norm.
+
+    Args:
+        config: The transformer config (unused beyond megatron's interface).
+        hidden_size: Size of the normalised (last) dimension.
+        eps: Added to the mean square.
+    """
+
+    def __init__(self, config: Any = None, hidden_size: int = 0, eps: float = 1e-6, **_: Any):
+        super().__init__()
+        if getattr(config, "sequence_parallel", False):
+            raise ValueError(
+                "model.sequence_parallel=True is not supported by Gemma 3's norms; set it to false"
+            )
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(torch.zeros(int(hidden_size)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised ``x``."""
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (hidden * (1.0 + self.weight.float())).type_as(x)
+
+
+class PostNormResidualAdd(torch.nn.Module):
+    """megatron's bias-dropout-add with the sub-layer's output normed first.
+
+    Used as a transformer layer's ``self_attn_bda`` / ``mlp_bda``: the layer calls
+    ``module(training, fused)`` and applies the returned function to
+    ``(output, bias), residual, dropout probability``.
+
+    Args:
+        hidden_size: Hidden size of the model.
+        eps: The norm's epsilon.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = ZeroCenteredRMSNorm(None, hidden_size, eps)
+
+    def forward(self, training: bool, fused: bool) -> Callable[..., torch.Tensor]:
+        """The function the layer applies (megatron's unfused bias-dropout-add)."""
+        add = get_bias_dropout_add(training, False)
+
+        def norm_then_add(
+            output_and_bias: tuple[torch.Tensor, torch.Tensor | None],
+            residual: torch.Tensor,
+            prob: float,
+        ) -> torch.Tensor:
+            output, bias = output_and_bias
+            if bias is not None:
+                raise ValueError("Gemma 3 layers have no biases (add_bias_linear=False)")
+            return add((self.norm(output), None), residual, prob)
+
+        return norm_then_add
+
+
+class LocalRopeSelfAttention(SelfAttention):
+    """megatron's ``SelfAttention``; on a sliding-window layer its queries and keys rotate
+    with ``config.rotary_base_local`` (default RoPE, no scaling) instead of the model's."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.local_rotary: Any = None
+        if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, self.layer_number
+        ):
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+                RotaryEmbedding,
+            )
+
+            self.local_rotary = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=config.rotary_percent,
+                rotary_base=config.rotary_base_local,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """megatron's forward, with this layer's rotary embedding on window layers."""
+        if self.local_rotary is not None:
+            emb = kwargs.get("rotary_pos_emb")
+            if emb is None:
+                raise NotImplementedError(
+                    "Gemma 3's local RoPE needs the model's rotary embedding tensor (flash "
+                    "decoding passes cos/sin instead and is not supported)"
+                )
+            length = (emb[0] if isinstance(emb, tuple) else emb).shape[0]
+            local = self.local_rotary(length)
+            kwargs["rotary_pos_emb"] = (local, local)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def gemma3_layer_spec(
+    provider: Gemma3ModelProvider,
+    backend: Literal["portable", "local"],
+    vp_stage: int | None = None,
+) -> TransformerBlockSubmodules:
+    """The block spec of a Gemma 3 decoder (see the module docstring)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    layer = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    layer = copy.deepcopy(layer)
+    sub = layer.submodules
+    sub.input_layernorm = ZeroCenteredRMSNorm
+    sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+    attention = sub.self_attention
+    attention.module = LocalRopeSelfAttention
+    attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+    attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+    norm = {"hidden_size": provider.hidden_size, "eps": provider.layernorm_epsilon}
+    sub.self_attn_bda = ModuleSpec(module=PostNormResidualAdd, params=dict(norm))
+    sub.mlp_bda = ModuleSpec(module=PostNormResidualAdd, params=dict(norm))
+    sub.sharded_state_dict_keys_map = {}  # the norms are not fused into the linear layers
+    if backend == "portable":
+        from core_utils.portable_attention import with_sdpa_core_attention
+
+        layer = with_sdpa_core_attention(layer)
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(provider, vp_stage=vp_stage),
+        layer_norm=ZeroCenteredRMSNorm,
+    )
+
+
+def _scale_embeddings(scale: float) -> Callable[..., torch.Tensor]:
+    def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output * torch.tensor(scale, dtype=torch.float32).to(output.dtype)
+
+    return hook
+
+
+@dataclass
+class Gemma3ModelProvider(GPTModelProvider):
+    """A :class:`GPTModelProvider` for Gemma 3 text models (see the module docstring).
+
+    Attributes:
+        rotary_base_local: RoPE base of the sliding-window layers (``window_size`` with
+            ``window_attn_skip_freq`` says which layers those are).
+        scale_embeddings: Multiply the word embeddings by ``sqrt(hidden_size)``.
+    """
+
+    rotary_base_local: int = 10000
+    scale_embeddings: bool = True
+    layernorm_zero_centered_gamma: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse settings these modules do not implement, then GPT's checks."""
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                "model.context_parallel_size > 1 is not supported by Gemma 3's local RoPE "
+                "layers; set it to 1"
+            )
+        if self.add_bias_linear:
+            raise ValueError("model.add_bias_linear=True: Gemma 3 layers have no biases")
+        super().__post_init__()
+
+    def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
+        """``portable`` without CUDA, megatron's ``local`` attention with it."""
+        backend = super().resolved_layer_spec_backend()
+        if backend != "transformer_engine":
+            return backend
+        if self.layer_spec_backend == "transformer_engine":
+            raise ValueError(
+                "model.layer_spec_backend='transformer_engine' is not supported for Gemma 3 "
+                "(its zero-centred and post-layer norms are megatron local modules); use "
+                "'local' or 'auto'"
+            )
+        return "local"
+
+    def layer_spec(self, vp_stage: int | None = None) -> Any:
+        """The Gemma 3 block spec (or ``transformer_layer_spec`` when set)."""
+        if self.transformer_layer_spec is not None:
+            return super().layer_spec(vp_stage)
+        backend = self.resolved_layer_spec_backend()
+        assert backend != "transformer_engine"
+        return gemma3_layer_spec(self, backend, vp_stage)
+
+    def provide(
+        self,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+        vp_stage: int | None = None,
+    ) -> GPTModel:
+        """Build the model (see :meth:`GPTModelProvider.provide`) with scaled embeddings."""
+        model = super().provide(pre_process, post_process, vp_stage)
+        if self.scale_embeddings and getattr(model, "pre_process", False):
+            model.embedding.word_embeddings.register_forward_hook(
+                _scale_embeddings(float(self.hidden_size) ** 0.5)
+            )
+        return model
