@@ -188,7 +188,7 @@ class MimoTrainStep:
 
     def __init__(
         self,
-        model: Any,
+        model: torch.nn.Module,
         infra: MegatronMIMOInfra,
         optimizer: MultiModuleOptimizer,
         *,

@@ -13,7 +13,7 @@ the components only their own sections. Their signatures and behaviour are the r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,10 @@ from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.distributed import global_rank
 from core_utils.loop import LoopContext
 
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
 __all__ = [
     "checkpoint_and_decide_exit",
     "post_training_step_callbacks",
@@ -43,8 +47,8 @@ __all__ = [
 def train(
     forward_step_func: ForwardStepCallable,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     train_data_iterator: Any,
     valid_data_iterator: Any,
     global_state: GlobalState,
@@ -102,8 +106,8 @@ def train_step(
     forward_step_func: ForwardStepCallable,
     data_iterator: Any,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     global_state: GlobalState,
 ) -> tuple[dict[str, torch.Tensor], int, bool, bool, int, float | None, int | None]:
     """Single training step.
@@ -195,8 +199,8 @@ def post_training_step_callbacks(
 def save_checkpoint_and_time(
     state: GlobalState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer,
+    opt_param_scheduler: OptimizerParamScheduler,
     num_floating_point_operations_so_far: float,
     checkpointing_context: dict[str, Any],
     non_persistent_ckpt: bool = False,
@@ -240,8 +244,8 @@ def save_checkpoint_and_time(
 def checkpoint_and_decide_exit(
     state: GlobalState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer,
+    opt_param_scheduler: OptimizerParamScheduler,
     num_floating_point_operations_so_far: float,
     checkpointing_context: dict[str, Any],
     train_data_iterator: Any,

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bridge.config import ModelConfigProtocol
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS as MODEL_ARCHITECTURE_FIELDS
@@ -39,11 +40,13 @@ def _show(value: Any) -> str:
     return name if callable(value) and name else repr(value)
 
 
-def check_same_architecture(model_config: Any, checkpoint_dir: str | os.PathLike[str]) -> None:
+def check_same_architecture(
+    model_config: ModelConfigProtocol | None, checkpoint_dir: str | os.PathLike[str]
+) -> None:
     """Refuse to resume ``checkpoint_dir`` into a model of another architecture.
 
     Args:
-        model_config: This run's model config (``cfg.model``).
+        model_config: This run's model config (``cfg.model``); None compares nothing.
         checkpoint_dir: The checkpoint about to be loaded.
 
     Raises:

@@ -71,6 +71,9 @@ from bridge.train.checkpointing.state_dict import (
 )
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from bridge.train.state import GlobalState, TrainState
 
 __all__ = ["checkpoint_exists", "load_checkpoint", "restore_checkpoint"]
@@ -342,7 +345,11 @@ def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None)
 
 
 def _check_reshardable(
-    path: str, meta: dict[str, Any], layout: dict[str, Any], chunks: int, optimizer: Any
+    path: str,
+    meta: dict[str, Any],
+    layout: dict[str, Any],
+    chunks: int,
+    optimizer: MegatronOptimizer | None,
 ) -> None:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
@@ -494,7 +501,9 @@ def _dist_load(template: dict[str, Any], path: str, cfg: CheckpointConfig) -> di
     return loaded
 
 
-def _check_scheduler_settings(scheduler: Any, saved: dict[str, Any], path: str) -> None:
+def _check_scheduler_settings(
+    scheduler: OptimizerParamScheduler, saved: dict[str, Any], path: str
+) -> None:
     """Refuse a checkpoint whose schedule differs from the config's, unless the config says
     which one wins; take the checkpoint's schedule lengths when only those differ.
 
@@ -546,7 +555,7 @@ def _check_scheduler_settings(scheduler: Any, saved: dict[str, Any], path: str) 
             )
 
 
-def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
+def _load_scheduler(scheduler: OptimizerParamScheduler, saved: dict[str, Any]) -> None:
     """Restore megatron's OptimizerParamScheduler exactly (not on top of its current steps)."""
     # megatron's load_state_dict advances by the saved step count from the current one.
     scheduler.num_steps = 0
@@ -557,18 +566,20 @@ def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
 _GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
-def _saved_param_groups(inner: Any, state: Any) -> list[dict[str, Any]] | None:
-    """The saved parameter groups in ``state`` for megatron's non-distributed optimizer
+def _saved_param_groups(inner: Any, saved_state: Any) -> list[dict[str, Any]] | None:
+    """The saved parameter groups in ``saved_state`` for megatron's non-distributed optimizer
     ``inner`` (``FP32Optimizer``: the torch state dict; mixed precision: under
     ``"optimizer"``), or None for other optimizers (the distributed one keeps its own)."""
-    if type(inner).__name__ == "DistributedOptimizer" or not isinstance(state, dict):
+    if type(inner).__name__ == "DistributedOptimizer" or not isinstance(saved_state, dict):
         return None
-    torch_state = state.get("optimizer", state)
+    torch_state = saved_state.get("optimizer", saved_state)
     groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
     return groups if isinstance(groups, list) else None
 
 
-def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, dict]]:
+def _align_schedule_bounds(
+    optimizer: MegatronOptimizer, saved_state: Any
+) -> list[tuple[Any, int, dict]]:
     """Give the saved parameter groups the current groups' schedule bounds, for the load.
 
     megatron's non-distributed optimizers pair saved and current parameter groups by a key
@@ -585,7 +596,9 @@ def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, d
     """
     inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     parts = (
-        [state] if len(inners) == 1 else list(state.values() if isinstance(state, dict) else state)
+        [saved_state]
+        if len(inners) == 1
+        else list(saved_state.values() if isinstance(saved_state, dict) else saved_state)
     )
     replaced: list[tuple[Any, int, dict]] = []
     for inner, part in zip(inners, parts, strict=False):
@@ -619,7 +632,9 @@ def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, d
     return replaced
 
 
-def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> None:
+def _load_optimizer(
+    optimizer: MegatronOptimizer, state: dict[str, Any], scheduler: OptimizerParamScheduler | None
+) -> None:
     """Restore the optimizer state. The parameter groups' schedule bounds are the config's
     with ``override_opt_param_scheduler``, else the checkpoint's (as the scheduler's own
     settings)."""
@@ -642,7 +657,7 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> No
             inner.param_groups[index].update(checkpoint_bounds)
 
 
-def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
+def _restore_distributed_optimizer_steps(optimizer: MegatronOptimizer) -> None:
     """Set every parameter's Adam ``step`` of a megatron distributed optimizer from the load.
 
     With torch's Adam (no Apex / Transformer Engine, as on CPU) megatron-core 0.19's
@@ -668,7 +683,7 @@ def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
 
 
 def _load_main_params(
-    optimizer: Any, model: list[torch.nn.Module], path: str, cfg: CheckpointConfig
+    optimizer: MegatronOptimizer, model: list[torch.nn.Module], path: str, cfg: CheckpointConfig
 ) -> None:
     """Restore the optimizer's fp32 main parameters from the checkpoint's copies."""
     sharded = optimizer_sharded_state_dict(optimizer, model_sharded_state_dict(model))
@@ -709,7 +724,7 @@ def _read_checkpoint(
     plan: _LoadPlan,
     checkpoint_config: CheckpointConfig,
     model: list[torch.nn.Module],
-    optimizer: Any,
+    optimizer: MegatronOptimizer | None,
     strict: bool,
     model_config: ModelConfigProtocol | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, bool]:
@@ -757,8 +772,8 @@ def _read_checkpoint(
 def load_checkpoint(
     state: GlobalState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer | None,
+    opt_param_scheduler: OptimizerParamScheduler | None,
     strict: bool = True,
     checkpointing_context: dict[str, Any] | None = None,
     skip_load_to_model_and_opt: bool = False,
@@ -798,8 +813,8 @@ def restore_checkpoint(
     checkpoint_config: CheckpointConfig,
     train_state: TrainState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer | None,
+    opt_param_scheduler: OptimizerParamScheduler | None,
     *,
     model_config: ModelConfigProtocol | None = None,
     strict: bool = True,

@@ -75,6 +75,9 @@ from bridge.train.checkpointing.state_dict import (
 from core_utils import cpu_cuda_compat
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from bridge.resiliency import FaultTolerance
     from bridge.train.state import GlobalState, TrainState
 
@@ -446,8 +449,8 @@ class RunConfigFile(Protocol):
 def save_checkpoint(
     state: GlobalState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer | None,
+    opt_param_scheduler: OptimizerParamScheduler | None,
     num_floating_point_operations_so_far: float,
     checkpointing_context: dict[str, Any] | None = None,
     non_persistent_ckpt: bool = False,
@@ -493,8 +496,8 @@ def write_checkpoint(
     checkpoint_config: CheckpointConfig,
     train_state: TrainState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
     *,
     run_config: RunConfigFile | None = None,
     flops_so_far: float | None = None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,19 @@ from bridge.train.loop.state_injection import prepare_forward_step_func
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.state import GlobalState, TrainState
 from core_utils.loop import StepResult, advance_train_state
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from bridge.config import (
+        DDPConfigProtocol,
+        DistributedInitConfig,
+        OptimizerConfigProtocol,
+        RNGConfig,
+        SchedulerConfig,
+        TrainingConfig,
+    )
 
 __all__ = ["BareLoopResult", "run_bare_loop", "train_steps"]
 
@@ -51,8 +64,8 @@ class BareLoopResult:
 def train_steps(
     engine: Engine,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     data_iterator: Iterator[Any],
     *,
     train_iters: int,
@@ -137,14 +150,14 @@ def train_steps(
 
 def run_bare_loop(
     model_provider: Any,
-    optimizer_config: Any,
-    scheduler_config: Any,
-    train_config: Any,
+    optimizer_config: OptimizerConfigProtocol,
+    scheduler_config: SchedulerConfig,
+    train_config: TrainingConfig,
     data_iterator_factory: Callable[[TrainState], Iterator[Any]],
     *,
-    ddp_config: Any = None,
-    dist_config: Any = None,
-    rng_config: Any = None,
+    ddp_config: DDPConfigProtocol | None = None,
+    dist_config: DistributedInitConfig | None = None,
+    rng_config: RNGConfig | None = None,
     engine: Engine | None = None,
     forward_step_func: Callable[..., Any] = forward_step,
 ) -> BareLoopResult:
@@ -154,7 +167,8 @@ def run_bare_loop(
         model_provider: A provider that is also the model config (``GPTModelProvider``).
         optimizer_config: megatron's ``OptimizerConfig``.
         scheduler_config: ``SchedulerConfig``.
-        train_config: Object with ``train_iters``, ``global_batch_size``, ``micro_batch_size``.
+        train_config: The ``train`` section (``train_iters``, ``global_batch_size``,
+            ``micro_batch_size``).
         data_iterator_factory: Called once, after the parallel state exists, with the run's
             ``TrainState`` (the samplers' position); returns this rank's micro-batch iterator.
         ddp_config: Data-parallel config (defaults when None).
@@ -165,7 +179,20 @@ def run_bare_loop(
 
     Returns:
         The per-iteration results.
+
+    Raises:
+        ValueError: ``train_config`` leaves the iteration count or a batch size unset.
     """
+    iters, global_batch, micro_batch = (
+        train_config.train_iters,
+        train_config.global_batch_size,
+        train_config.micro_batch_size,
+    )
+    if iters is None or global_batch is None or micro_batch is None:
+        raise ValueError(
+            "run_bare_loop needs train.train_iters, train.global_batch_size and "
+            "train.micro_batch_size set (the baseline has no sample-based schedule)"
+        )
     eng = build_engine() if engine is None else engine
     eng.initialize_distributed(model_provider, dist_config, rng_config)
     model = eng.setup_model(model_provider, ddp_config)
@@ -180,9 +207,9 @@ def run_bare_loop(
         optimizer,
         scheduler,
         iterator,
-        train_iters=train_config.train_iters,
-        global_batch_size=train_config.global_batch_size,
-        micro_batch_size=train_config.micro_batch_size,
+        train_iters=iters,
+        global_batch_size=global_batch,
+        micro_batch_size=micro_batch,
         seq_length=model_provider.seq_length,
         forward_step_func=forward_step_func,
         state=state,

@@ -27,13 +27,17 @@ as for GPT, and the writer it is given is GPT's too
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bridge.config import CheckpointConfig
 from bridge.train.models.mimo import MimoModelConfig
 from bridge.train.state import TrainState
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "MimoCheckpointModel",
@@ -89,8 +93,8 @@ def load_mimo_checkpoint(
     checkpoint: CheckpointConfig,
     train_state: TrainState,
     chunk: MimoCheckpointModel,
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     checkpointing_context: dict[str, Any],
     *,
     model_config: MimoModelConfig | None = None,

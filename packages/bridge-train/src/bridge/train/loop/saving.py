@@ -14,7 +14,7 @@ when it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,10 @@ from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable
 from bridge.train.loop.progress_log import ProgressLog
 from core_utils import Timers
 from core_utils.loop import LoopContext, TrainProgress
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = ["CheckpointWriter"]
 
@@ -61,8 +65,8 @@ class CheckpointWriter:
         self,
         train_state: Any,
         model: list[torch.nn.Module],
-        optimizer: Any,
-        scheduler: Any,
+        optimizer: MegatronOptimizer | None,
+        scheduler: OptimizerParamScheduler | None,
         flops_so_far: float,
         *,
         non_persistent: bool = False,

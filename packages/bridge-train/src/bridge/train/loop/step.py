@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,10 @@ from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.state import ForwardStepCallable
 from core_utils import Timers
 from core_utils.loop import LoopContext, StepResult
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = ["TrainStep", "data_parallel_size"]
 
@@ -57,7 +61,9 @@ def _is_last_pipeline_stage() -> bool:
 
 
 def _handle_mxfp8_param_buffer_copy(
-    optimizer: Any, reuse_grad_buf_for_mxfp8_param_ag: bool, overlap_param_gather: bool
+    optimizer: MegatronOptimizer,
+    reuse_grad_buf_for_mxfp8_param_ag: bool,
+    overlap_param_gather: bool,
 ) -> None:
     """Copy main params to param buffer for mxfp8 with grad buffer reuse.
 
@@ -110,7 +116,11 @@ class TrainStep:
         self._timed_run: Callable[..., StepResult] | None = None
 
     def run(
-        self, data_iterator: Any, model: list[torch.nn.Module], optimizer: Any, scheduler: Any
+        self,
+        data_iterator: Any,
+        model: list[torch.nn.Module],
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
     ) -> StepResult:
         """One iteration on ``data_iterator`` (``train_state`` is not advanced here).
 

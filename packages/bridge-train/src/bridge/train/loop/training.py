@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,10 @@ from bridge.train.loop.step import TrainStep, data_parallel_size
 from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback
 from core_utils.loop import LoopContext, run_loop
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "checkpoint_writer_of",
@@ -143,8 +147,8 @@ def evaluation_of(
 def run_training(
     forward_step_func: ForwardStepCallable,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     train_data_iterator: Any,
     valid_data_iterator: Any,
     global_state: GlobalState,

@@ -19,12 +19,14 @@ from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank, global_world_size
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+
     from core_utils.loop import LoopContext
 
 __all__ = ["MetricsProcessor", "learning_rates"]
 
 
-def learning_rates(optimizer: Any) -> tuple[float | None, float | None]:
+def learning_rates(optimizer: MegatronOptimizer) -> tuple[float | None, float | None]:
     """``(learning rate, decoupled learning rate)`` of the optimizer's parameter groups."""
     learning_rate: float | None = None
     decoupled: float | None = None
