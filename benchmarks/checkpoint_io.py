@@ -81,6 +81,7 @@ def _build(directory: Path) -> dict[str, Any]:
     engine = build_engine()
     engine.initialize_distributed(provider, tiny_dist_config(), cfg.rng)
     model = engine.setup_model(provider)
+    assert cfg.optimizer is not None and cfg.scheduler is not None
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
     state = GlobalState(cfg=cfg)
     iterator = tiny_mock_iterator(cfg.train, cfg.dataset)

@@ -82,6 +82,7 @@ class _Run:
     """Model, optimizer, scheduler and state built from a config, as the trainer does."""
 
     def __init__(self, cfg: ConfigContainer) -> None:
+        assert cfg.model is not None and cfg.optimizer is not None and cfg.scheduler is not None
         self.engine = MegatronEngine()
         self.engine.initialize_distributed(cfg.model, tiny_dist_config(), cfg.rng)
         self.model = self.engine.setup_model(cfg.model)

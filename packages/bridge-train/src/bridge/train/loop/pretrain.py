@@ -227,6 +227,7 @@ def setup(
     """
     train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
     assert train is not None and logger_cfg is not None and checkpoint is not None
+    assert cfg.model is not None and cfg.optimizer is not None and cfg.scheduler is not None
     setup_logging(logger_cfg)
     start_memory_history_recording(cfg.profiling)
     engine = build_engine()
