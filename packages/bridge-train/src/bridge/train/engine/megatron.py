@@ -35,6 +35,8 @@ from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from core_utils.distributed import global_world_size
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+
     from bridge.config import (
         DDPConfigProtocol,
         DistributedInitConfig,
@@ -208,7 +210,7 @@ class MegatronEngine:
         return forward_backward_per_chunk
 
 
-def skip_non_finite_updates(optimizer: Any) -> None:
+def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:
     """Make megatron's optimizer skip an update whose global gradient norm is NaN or inf.
 
     megatron-core's optimizers find non-finite gradients only under fp16 loss scaling;

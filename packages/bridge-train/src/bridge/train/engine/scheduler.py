@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bridge.config import OptimizerConfigProtocol, SchedulerConfig, TrainingConfig
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = ["build_optimizer_param_scheduler", "scheduler_steps"]
 
@@ -100,7 +103,7 @@ def scheduler_steps(
 
 
 def build_optimizer_param_scheduler(
-    optimizer: Any,
+    optimizer: MegatronOptimizer,
     optimizer_config: OptimizerConfigProtocol,
     scheduler_config: SchedulerConfig,
     train_config: TrainingConfig | None = None,
