@@ -48,6 +48,7 @@ SECTIONS: list[tuple[str, type]] = [
     ("straggler", bc.StragglerDetectionConfig),
     ("nvrx_straggler", bc.NVRxStragglerDetectionConfig),
     ("profiling", bc.ProfilingConfig),
+    ("samples", bc.SamplesConfig),
     ("peft", bc.PEFTProtocol),
     ("comm_overlap", bc.CommOverlapConfigProtocol),
     ("mixed_precision", bc.MixedPrecisionConfigProtocol),

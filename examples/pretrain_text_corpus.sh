@@ -5,9 +5,11 @@
 #
 # 1. tokenizes the corpus (default: the shipped examples/data/tiny_corpus.txt, one story
 #    per line) into megatron's .bin/.idx format with the byte-level tokenizer;
-# 2. trains examples/recipes/gpt_text_corpus.yaml on it (checkpoints in
-#    runs/gpt_text_corpus, TensorBoard events in runs/gpt_text_corpus_tb).
-# Run it again to resume; NPROC=2 trains with two data-parallel processes.
+# 2. trains examples/recipes/gpt_text_corpus.yaml on it: checkpoints in
+#    runs/gpt_text_corpus (runs/gpt_text_corpus_<corpus name> for another corpus, so a new
+#    corpus starts a new run), TensorBoard events next to them (..._tb).
+# Run it again to resume; NPROC=2 trains with two data-parallel processes. Outside an
+# activated virtual environment the commands run through `uv run`.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 corpus="$here/data/tiny_corpus.txt"
@@ -16,12 +18,26 @@ if [[ $# -gt 0 && "$1" != *=* && "$1" != -* ]]; then
     corpus="$1"
     shift
 fi
-prefix="data/$(basename "${corpus%.*}")"
+name="$(basename "${corpus%.*}")"
+prefix="data/$name"
+
+run=()
+command -v bridge-train >/dev/null 2>&1 || run=(uv run)
 
 if [[ ! -f "$prefix.bin" ]]; then
     split=()
     [[ "$corpus" == *.jsonl || "$corpus" == *.json ]] || split=(--split-lines)
-    bridge-preprocess-data --input "$corpus" "${split[@]}" --output-prefix "$prefix"
+    "${run[@]}" bridge-preprocess-data --input "$corpus" "${split[@]}" --output-prefix "$prefix"
+fi
+
+# Each corpus trains in a directory of its own: resuming another corpus's run would
+# continue it on this data at the end of its learning-rate schedule (bridge-train refuses
+# that). Overrides given on the command line win.
+outputs=()
+if [[ "$corpus" != "$here/data/tiny_corpus.txt" ]]; then
+    [[ " $* " == *" checkpoint.save="* ]] || outputs+=("checkpoint.save=runs/gpt_text_corpus_$name")
+    [[ " $* " == *" logger.tensorboard_dir="* ]] ||
+        outputs+=("logger.tensorboard_dir=runs/gpt_text_corpus_${name}_tb")
 fi
 
 nproc="${NPROC:-1}"
@@ -30,5 +46,5 @@ if [[ "$nproc" == 1 ]]; then
 else
     launch=(torchrun --nproc_per_node="$nproc" -m bridge.train)
 fi
-"${launch[@]}" --config "$here/recipes/gpt_text_corpus.yaml" \
-    "dataset.blend=[[$prefix],null]" "$@"
+"${run[@]}" "${launch[@]}" --config "$here/recipes/gpt_text_corpus.yaml" \
+    "dataset.blend=[[$prefix],null]" "${outputs[@]}" "$@"

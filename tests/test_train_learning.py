@@ -88,9 +88,10 @@ def test_text_corpus_example_learns_real_text_below_unigram_entropy(tmp_path: Pa
     assert validation[ITERATIONS] < 0.8 * entropy, (validation, entropy)
     ppl = [r["lm loss validation ppl"] for r in records if "lm loss validation ppl" in r]
     assert ppl[-1] == pytest.approx(math.exp(validation[ITERATIONS]), rel=1e-9)
-    saved = tmp_path / "runs" / "gpt_text_corpus"
+    # Another corpus than the shipped one trains in a directory of its own.
+    saved = tmp_path / "runs" / "gpt_text_corpus_docstrings"
     assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
-    assert list((tmp_path / "runs" / "gpt_text_corpus_tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "runs" / "gpt_text_corpus_docstrings_tb").glob("events.out.tfevents.*"))
 
 
 def test_example_recipes_validate() -> None:

@@ -20,12 +20,22 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
-import torch
-import torch.distributed as dist
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from bridge.config.notices import (
+    held_notices,
+    print_held_notices,
+    silence_known_fallback_notices,
+)
 
-import bridge.mimo as mimo
+# torch's and megatron-core's import notices (Transformer Engine / Apex not installed, ...),
+# once per rank, say nothing about this example: rank 0 prints one line about them.
+with held_notices(("torch.utils.cpp_extension", "megatron")) as _IMPORT_NOTICES:
+    import torch
+    import torch.distributed as dist
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    import bridge.mimo as mimo
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,6 +63,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--result-json", default=None, help="write the per-step losses to this file (rank 0)"
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the notices of torch and megatron-core in full (default: one line, rank 0)",
+    )
     return parser.parse_args()
 
 
@@ -68,8 +83,36 @@ def build_layout(language_parallel: str) -> mimo.MimoLayout:
     )
 
 
+def build(args: argparse.Namespace) -> tuple[mimo.MegatronMIMOInfra, Any, Any, Any]:
+    """The infra, model, optimizer and dataset of the example."""
+    infra = mimo.build_megatron_mimo_infra(build_layout(args.language_parallel))
+    config = mimo.TinyVLMConfig(vocab_size=32, seq_length=24)
+    dataset = mimo.SyntheticImageCaptionDataset(
+        4096,
+        image_tokens=config.image_tokens,
+        seq_length=config.seq_length,
+        num_classes=8,
+        image_size=config.image_size,
+        channels=config.channels,
+        seed=args.seed,
+    )
+    assert dataset.vocab_size <= config.vocab_size
+    model = mimo.build_mimo_model(infra, init_seed=args.seed, **mimo.tiny_vlm_specs(config, infra))
+    if torch.cuda.is_available():
+        model.cuda()
+    optimizer = mimo.build_multimodule_optimizer(
+        model,
+        infra,
+        lambda name, params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
+        clip_grad=1.0,
+    )
+    return infra, model, optimizer, dataset
+
+
 def main() -> None:
     args = parse_args()
+    if not args.verbose:  # megatron-core repeats some of them when the model is built
+        silence_known_fallback_notices(cuda=torch.cuda.is_available())
     layout = build_layout(args.language_parallel)
     # Check the layout and the batch sizes before any process group or model exists, so a
     # bad launch fails at once with the module and sizes in the message.
@@ -85,28 +128,18 @@ def main() -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-    infra = mimo.build_megatron_mimo_infra(layout)
+    with held_notices(("megatron",)) as build_notices:
+        infra, model, optimizer, dataset = build(args)
+    if rank == 0:
+        for line in build_notices.lines:
+            _IMPORT_NOTICES.add(line)
+        print_held_notices(
+            _IMPORT_NOTICES,
+            "train_mimo.py: ",
+            verbose=args.verbose,
+            how_to_see="--verbose prints them",
+        )
 
-    config = mimo.TinyVLMConfig(vocab_size=32, seq_length=24)
-    dataset = mimo.SyntheticImageCaptionDataset(
-        4096,
-        image_tokens=config.image_tokens,
-        seq_length=config.seq_length,
-        num_classes=8,
-        image_size=config.image_size,
-        channels=config.channels,
-        seed=args.seed,
-    )
-    assert dataset.vocab_size <= config.vocab_size
-    model = mimo.build_mimo_model(infra, init_seed=args.seed, **mimo.tiny_vlm_specs(config, infra))
-    if use_cuda:
-        model.cuda()
-    optimizer = mimo.build_multimodule_optimizer(
-        model,
-        infra,
-        lambda name, params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
-        clip_grad=1.0,
-    )
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,

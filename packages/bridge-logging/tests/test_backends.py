@@ -37,6 +37,10 @@ pytest.importorskip("comet_ml")
 pytest.importorskip("tensorboard")
 
 
+# A table of text (sample completions): a pipe and a line break must survive every backend.
+TABLE_ROWS = [["1 + 1 =", " 2\nand | more"], ["Hello", " world"]]
+
+
 @pytest.fixture(scope="module", params=["process", "inline"])
 def written(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, kit: Any
@@ -118,6 +122,7 @@ def written(
             state,
             log_ppl=cfg.logger.log_validation_ppl_to_tensorboard,
         )
+        writers.log_table("samples", ["prompt", "completion"], TABLE_ROWS, 3)
         writers.flush()
         writers.close()
         writers.close()  # idempotent
@@ -233,6 +238,53 @@ def test_comet_offline_archive_holds_metrics_and_params(written: SimpleNamespace
     assert others["Name"] == "run-1"
 
 
+def test_tables_reach_every_backend(
+    written: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MetricWriters.log_table``: TensorBoard text, a W&B table, MLflow and Comet files."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(written.root / "tb"), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    (event,) = accumulator.Tensors("samples/text_summary")
+    assert event.step == 3
+    assert event.tensor_proto.string_val[0].decode().splitlines() == [
+        "| prompt | completion |",
+        "|---|---|",
+        "| 1 + 1 = |  2<br>and \\| more |",
+        "| Hello |  world |",
+    ]
+
+    (run_dir,) = (written.root / "wandb" / "wandb").glob("offline-run-*")
+    (table_file,) = run_dir.glob("files/media/table/samples_3_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["prompt", "completion"] and table["data"] == TABLE_ROWS
+
+    client = MlflowClient(tracking_uri=written.mlflow_uri)
+    artifact = client.download_artifacts(
+        written.mlflow_run_id, "samples/step_000000003.json", str(written.root / "mlflow-out")
+    )
+    stored = json.loads(Path(artifact).read_text())
+    assert stored == {"columns": ["prompt", "completion"], "data": TABLE_ROWS, "step": 3}
+
+    (archive,) = (written.root / "comet").glob("*.zip")
+    with zipfile.ZipFile(archive) as zf:
+        messages = [
+            json.loads(line) for line in zf.read("messages.json").splitlines() if line.strip()
+        ]
+        (upload,) = [
+            m["payload"]
+            for m in messages
+            if m["type"] == "file_upload" and "samples" in json.dumps(m["payload"])
+        ]
+        csv = zf.read(upload["file_path"]).decode()
+    assert csv.splitlines()[0] == "prompt,completion"
+    assert "Hello, world" in csv
+
+
 def test_moe_writer_is_the_tensorboard_writer_without_mlflow_or_comet() -> None:
     sentinel = object()
     assert build_moe_metric_writer(sentinel, None, None) is sentinel
@@ -314,7 +366,12 @@ def test_missing_backend_package_names_the_extra(
     extra: str,
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
-    with pytest.raises(BackendNotInstalledError, match=rf"pip install bridge-logging\[{extra}\]"):
+    # Both spellings: pip's, and the one that works inside this uv workspace.
+    both = (
+        rf"`pip install bridge-logging\[{extra}\]` "
+        rf"\(in a clone of this repository: `uv sync --inexact --extra {extra}`\)"
+    )
+    with pytest.raises(BackendNotInstalledError, match=both):
         build_metric_writers(
             LoggerConfig(**logger),
             rank=1,  # not the writer rank: every rank checks

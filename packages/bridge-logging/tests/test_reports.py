@@ -176,6 +176,22 @@ def test_memory_report_is_empty_on_cpu_with_a_notice(caplog: Any) -> None:
     assert caplog.text.count("memory reports need CUDA") == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_the_cpu_memory_notice_is_given_by_rank_0_only(
+    caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every rank of every run printed it; the ranks all find the same.
+    from bridge.logging import _notices
+
+    for rank, expected in (("1", 0), ("0", 1)):
+        _notices._notices_given.discard("memory-cpu")
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="bridge.logging"):
+            assert report_memory() == {}
+        assert caplog.text.count("memory reports need CUDA") == expected, rank
+
+
 def test_pp_reduction_is_a_no_op_without_distributed() -> None:
     report = {"peak_allocated_mem": 1.5, "alloc_retries": 2}
     assert reduce_max_memory_across_pp_group(report, pp_group=None) is report

@@ -42,6 +42,19 @@ def test_stub_ranks_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     mimo.validate_no_stub_ranks(grids, world_size=2)
 
 
+def test_finalize_with_no_local_module_does_nothing() -> None:
+    # Reference 003: gradients are finalized for each module of this rank; with none there
+    # is nothing to do (no process group is needed: the infra names no module at all).
+    infra = SimpleNamespace(module_to_grid_map={}, pg_collections={})
+    assert mimo.finalize_model_grads_multimodule([], infra=infra, module_to_grid_tuple=[]) is None
+    assert (
+        mimo.finalize_model_grads_multimodule(
+            [], torch.tensor(3), None, True, infra=infra, module_to_grid_tuple=[]
+        )
+        is None
+    )
+
+
 def _grid_only_infra(layout: mimo.MimoLayout) -> mimo.MegatronMIMOInfra:
     grids = {
         name: HyperCommGrid(p.grid_shape, p.grid_dim_names, rank_offset=p.rank_offset)

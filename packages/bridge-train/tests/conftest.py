@@ -244,6 +244,16 @@ class FamilyParity:
         )
         return {**codes, "converted": self.tmp / "converted"}
 
+    def assert_convert_round_trip_is_source(self, result: dict[str, Any]) -> None:
+        """``bridge-convert`` import and export (``result["convert"]``, from
+        :meth:`convert_round_trip`) both exited 0 and the export is the source bit for bit
+        (:meth:`assert_saved_is_source`)."""
+        convert = result["convert"]
+        for direction in ("import", "export"):
+            code, err = convert[direction]
+            assert code == 0, (direction, err)
+        self.assert_saved_is_source(result, convert["converted"])
+
     def assert_logits_match(self, result: dict[str, Any], layout: str) -> None:
         """The layout's logits equal transformers' within 1e-5 relative."""
         error = _relative_error(result["layouts"][layout], result["reference"])

@@ -35,7 +35,7 @@ def test_megatron_engine_is_the_engine_and_builds_without_touching_process_state
 
 
 def _megatron_engine_lifetime(rank: int, world_size: int) -> dict[str, object]:
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
 
     from bridge.train.engine.initialize import destroy_distributed
     from core_utils import cuda_emulation_active
@@ -52,6 +52,13 @@ def _megatron_engine_lifetime(rank: int, world_size: int) -> dict[str, object]:
     destroy_distributed()
     out["active_after_destroy"] = cuda_emulation_active()
     out["restored"] = torch.cuda.current_stream is original_stream
+    # No group outlives teardown (megatron-core 0.19.2 forgets one): a process forked later
+    # would hang dropping it.
+    out["groups_left"] = sorted(
+        name
+        for name, value in vars(parallel_state).items()
+        if isinstance(value, torch.distributed.ProcessGroup)
+    )
     return out
 
 
@@ -69,6 +76,7 @@ def test_megatron_engine_enters_the_emulation_for_the_run_and_teardown_exits_it(
         "cuda_tensor": "cpu",
         "active_after_destroy": False,
         "restored": True,
+        "groups_left": [],
     }
 
 

@@ -187,7 +187,8 @@ def test_missing_package_is_refused_at_config_time(
     lines = [line for line in err.splitlines() if not line.startswith("[bridge-train] ")]
     assert lines == [
         f"bridge-train: error: tokenizer.tokenizer_type: {kind!r} needs the {module!r} "
-        f"package, which is not installed; pip install 'bridge-train[{extra}]'"
+        f"package, which is not installed; pip install 'bridge-train[{extra}]' (in a clone "
+        f"of this repository: uv sync --inexact --extra {extra})"
     ]
     with pytest.raises(ImportError, match=rf"pip install 'bridge-train\[{extra}\]'"):
         build_tokenizer(config)

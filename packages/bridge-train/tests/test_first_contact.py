@@ -292,7 +292,7 @@ def test_documented_extend_a_run_command_resumes_and_keeps_the_schedule(
 
 
 def test_held_notices_hold_third_party_warnings_only() -> None:
-    from bridge.train._import_notices import held_notices
+    from bridge.config.notices import held_notices
 
     with warnings.catch_warnings(record=True) as outer:
         warnings.simplefilter("always")

@@ -24,6 +24,7 @@ import torch
 
 from bridge.train import GPTModelProvider
 from bridge.train.metrics.flops import num_floating_point_operations
+from bridge.train.models.mla_provider import MLAModelProvider
 from bridge.train.testing import tiny_gpt_provider
 from core_utils.testing import run_distributed
 
@@ -96,7 +97,7 @@ def test_flops_scale_with_batch_and_reject_bad_input() -> None:
         num_floating_point_operations(provider, -1)
 
 
-def _count_with_torch(rank: int, world: int, provider: GPTModelProvider, batch: int):
+def _count_with_torch(rank: int, world: int, providers: list[GPTModelProvider], batch: int):
     from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
     from bridge.train.engine.initialize import initialize_distributed
@@ -113,16 +114,18 @@ def _count_with_torch(rank: int, world: int, provider: GPTModelProvider, batch: 
         aten._scaled_dot_product_flash_attention_for_cpu: sdpa_fwd,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_bwd,
     }
-    initialize_distributed(provider, tiny_dist_config())
-    model = provider.provide()
-    s = provider.seq_length
-    assert provider.vocab_size is not None
-    tokens = torch.randint(0, provider.vocab_size, (batch, s))
-    positions = torch.arange(s).expand(batch, s)
-    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        model(tokens, positions, None, labels=tokens).float().sum().backward()
-    by_op = {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
-    return by_op
+    initialize_distributed(providers[0], tiny_dist_config())
+    counts = []
+    for provider in providers:  # one layout (one process), so one parallel state serves all
+        model = provider.provide()
+        s = provider.seq_length
+        assert provider.vocab_size is not None
+        tokens = torch.randint(0, provider.vocab_size, (batch, s))
+        positions = torch.arange(s).expand(batch, s)
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            model(tokens, positions, None, labels=tokens).float().sum().backward()
+        counts.append({str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()})
+    return counts
 
 
 @pytest.mark.multiprocess
@@ -137,11 +140,41 @@ def test_flops_match_torch_flop_counter_on_a_real_forward_backward() -> None:
         gated_linear_unit=True,
         vocab_size=200,
     )
+    # Multi-latent attention (DeepSeek-V3's): query/key heads of 16 + 8 channels, value
+    # heads of 12, both low-rank projections.
+    latent = MLAModelProvider(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=32,
+        ffn_hidden_size=96,
+        gated_linear_unit=True,
+        vocab_size=200,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=12,
+        rope_type="rope",
+        normalization="RMSNorm",
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+    )
     batch = 2
-    ((by_op,),) = [run_distributed(_count_with_torch, 1, provider, batch, timeout=150)]
+    ((by_op, latent_by_op),) = run_distributed(
+        _count_with_torch, 1, [provider, latent], batch, timeout=150
+    )
     attention = sum(n for op, n in by_op.items() if "scaled_dot_product" in op)
     gemm = sum(n for op, n in by_op.items() if "scaled_dot_product" not in op)
     formula = num_floating_point_operations(provider, batch)
     causal_core = 6 * batch * 32 * 2 * (16 * 4) * 32  # 6 x tokens x layers x q x s
     assert gemm == pytest.approx(formula - causal_core, rel=1e-9)
     assert attention == pytest.approx(2 * causal_core * 3.5 / 3, rel=1e-9)
+    # Query/key and value heads of different widths take SDPA's math kernel: its score and
+    # value matmuls are counted as plain matmuls over the full s x s (twice the causal
+    # count, backward 2x forward), so the counter's matmuls are the formula plus one
+    # causal core: 6 x tokens x layers x (q/k width + v width) x s / 2.
+    assert not any("scaled_dot_product_flash" in op for op in latent_by_op)
+    latent_core = 6 * batch * 32 * 2 * (4 * (16 + 8) + 4 * 12) * 32 / 2
+    latent_formula = num_floating_point_operations(latent, batch)
+    assert sum(latent_by_op.values()) == pytest.approx(latent_formula + latent_core, rel=1e-9)

@@ -33,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from bridge.train.convert import cli  # noqa: E402
+from bridge.train.testing import write_word_level_tokenizer  # noqa: E402
 from core_utils.testing import run_distributed  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -135,18 +136,6 @@ def _hf_model(family: str) -> Any:
             if name.endswith("bias") or "norm" in name or "ln_" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     return model
-
-
-def _write_tokenizer(directory: Path, size: int) -> None:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {"</s>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, size)}}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -388,7 +377,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # The llama model is saved in several shards (model.safetensors.index.json).
         shards = {"max_shard_size": "60KB"} if family == "llama" else {}
         model.save_pretrained(root / family, **shards)
-        _write_tokenizer(root / family, VOCAB - 20)
+        write_word_level_tokenizer(root / family, VOCAB - 20)
         reference[family] = _hf_logits(model, tokens)
     # Inputs that must be refused.
     shutil.copytree(root / "llama", root / "bad_type")
@@ -402,7 +391,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         json.dumps({**config, "intermediate_size": 128})
     )
     shutil.copytree(root / "qwen2", root / "bad_tokenizer")
-    _write_tokenizer(root / "bad_tokenizer", VOCAB + 5)
+    write_word_level_tokenizer(root / "bad_tokenizer", VOCAB + 5)
 
     (single,) = run_distributed(_one_rank, 1, str(root), tokens, timeout=400)
     double = run_distributed(_two_ranks, 2, str(root), tokens, timeout=300)

@@ -46,6 +46,43 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ),
     ("mixtral", {"model_type": "mixtral", "num_local_experts": 4, **MOE}),
     (
+        "deepseek_v3",
+        {
+            "model_type": "deepseek_v3",
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 24,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            **MOE,
+        },
+    ),
+    (
+        "gpt_oss",
+        {
+            "model_type": "gpt_oss",
+            "num_local_experts": 4,
+            "head_dim": 16,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attention_bias": True,
+            **MOE,
+        },
+    ),
+    (
         "gemma3_text",
         {
             "model_type": "gemma3_text",

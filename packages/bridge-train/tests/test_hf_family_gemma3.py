@@ -137,10 +137,7 @@ def test_text_round_trips_are_bit_identical(text: dict[str, Any], how: str) -> N
     if how == "save_hf_pretrained":
         text["checks"].assert_saved_is_source(text)
         return
-    for direction in ("import", "export"):
-        code, err = text["convert"][direction]
-        assert code == 0, err
-    text["checks"].assert_saved_is_source(text, text["convert"]["converted"])
+    text["checks"].assert_convert_round_trip_is_source(text)
 
 
 @pytest.mark.multiprocess

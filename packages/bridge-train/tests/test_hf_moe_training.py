@@ -13,8 +13,13 @@ engine (CPU, gloo). Checked, in three forked process groups:
 * a LoRA finetune at EP=2 puts adapters on attention and on every expert's MLP; its export
   (adapters folded in) loads in transformers with the logits of base + adapters as trained.
 
-Extended tier: the same for Mixtral, and Qwen3-MoE at EP=2 x TP=2 (with sequence
-parallelism, which megatron-core requires for MoE with tensor parallelism) on four ranks.
+Extended tier: the same checks for DeepSeek-V3 (multi-latent attention, sigmoid routing
+with the expert-bias correction, which training updates and checkpoints, shared experts, a
+dense first layer, sequence-wise balance loss; LoRA on the latent projections and the
+experts) and gpt-oss (attention sinks, YaRN, biased experts with the clamped SwiGLU stored
+stacked; LoRA on attention and the experts), Mixtral, and Qwen3-MoE at EP=2 x TP=2 (with
+sequence parallelism, which megatron-core requires for MoE with tensor parallelism) on
+four ranks.
 """
 
 from __future__ import annotations
@@ -36,8 +41,74 @@ from core_utils.testing import run_distributed  # noqa: E402
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1500)]
 
 ITERS = 10
-METRICS = ("lm loss", "load_balancing_loss", "z_loss")
 LORA = ("peft._target_=bridge.train.peft.LoRA", "peft.dim=4", "peft.alpha=8")
+# The metrics logged every step, per family (DeepSeek-V3 balances per sequence).
+METRICS = {
+    "qwen3_moe": ("lm loss", "load_balancing_loss", "z_loss"),
+    "mixtral": ("lm loss", "load_balancing_loss", "z_loss"),
+    "gpt_oss": ("lm loss", "load_balancing_loss", "z_loss"),
+    "deepseek_v3": ("lm loss", "seq_load_balancing_loss", "z_loss"),
+}
+# LoRA targets beyond the defaults (multi-latent attention has no linear_qkv).
+LORA_TARGETS = {
+    "deepseek_v3": (
+        "peft.target_modules=[linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,"
+        "linear_kv_up_proj,linear_proj,linear_fc1,linear_fc2]",
+    ),
+}
+# Per family: an adapted attention layer and expert, and Hugging Face tensors a LoRA
+# export must change (adapted) and keep (the router).
+LORA_EXPECTED: dict[str, dict[str, tuple[str, ...]]] = {
+    "qwen3_moe": {
+        "adapted": (
+            "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.adapter",
+            "decoder.layers.0.self_attention.linear_qkv.adapter",
+        ),
+        "changed": (
+            "model.layers.0.mlp.experts.3.gate_proj.weight",
+            "model.layers.0.mlp.experts.3.down_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+        "kept": ("model.layers.0.mlp.gate.weight",),
+    },
+    "deepseek_v3": {
+        "adapted": (
+            "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.adapter",
+            "decoder.layers.1.mlp.shared_experts.linear_fc1.adapter",
+            "decoder.layers.1.self_attention.linear_q_down_proj.adapter",
+            "decoder.layers.1.self_attention.linear_kv_up_proj.adapter",
+        ),
+        "changed": (
+            "model.layers.1.mlp.experts.3.gate_proj.weight",
+            "model.layers.1.mlp.shared_experts.down_proj.weight",
+            "model.layers.1.self_attn.q_a_proj.weight",
+            "model.layers.1.self_attn.kv_b_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+        ),
+        "kept": (
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+            "model.layers.1.self_attn.kv_a_layernorm.weight",
+        ),
+    },
+    "gpt_oss": {
+        "adapted": (
+            "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.adapter",
+            "decoder.layers.0.self_attention.linear_qkv.adapter",
+        ),
+        "changed": (
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+        "kept": (
+            "model.layers.0.mlp.router.weight",
+            "model.layers.0.mlp.router.bias",
+            "model.layers.0.self_attn.sinks",
+            "model.layers.0.mlp.experts.gate_up_proj_bias",
+        ),
+    },
+}
 
 
 def _hf_model(family: str, randomized: Any) -> Any:
@@ -55,6 +126,54 @@ def _hf_model(family: str, randomized: Any) -> Any:
     if family == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, **common)
         return randomized(transformers.MixtralForCausalLM(config))
+    if family == "gpt_oss":
+        config = transformers.GptOssConfig(
+            intermediate_size=32,
+            head_dim=16,
+            num_local_experts=4,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            router_aux_loss_coef=0.01,
+            **{**common, "max_position_embeddings": 4096 * 4},
+        )
+        model = randomized(transformers.GptOssForCausalLM(config))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("sinks"):
+                    param.normal_(0.0, 1.0)
+                elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    param.normal_(0.0, 0.6)  # the clamp cuts some gate and up values
+        return model
+    if family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 0.9,
+                "mscale_all_dim": 0.7,
+            },
+            **{**common, "num_experts_per_tok": 4, "num_key_value_heads": 4},
+        )
+        model = randomized(transformers.DeepseekV3ForCausalLM(config))
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.2)
+        return model
     config = transformers.Qwen3MoeConfig(
         intermediate_size=96,
         moe_intermediate_size=32,
@@ -111,7 +230,9 @@ def _import_and_train_one_process(rank: int, world: int, root: str) -> dict[str,
     return {"single": _train(_overrides(base, "single", "model.expert_model_parallel_size=1"))}
 
 
-def _train_expert_parallel(rank: int, world: int, root: str, extra: list[str]) -> dict[str, Any]:
+def _train_expert_parallel(
+    rank: int, world: int, root: str, extra: list[str], lora: list[str] | None
+) -> dict[str, Any]:
     base = Path(root)
     layout = ["model.expert_model_parallel_size=2", *extra]
     out = {"ep": _train(_overrides(base, "ep", *layout))}
@@ -120,8 +241,8 @@ def _train_expert_parallel(rank: int, world: int, root: str, extra: list[str]) -
             base, "resumed", *layout, f"checkpoint.load={base / 'ep'}", "checkpoint.ckpt_step=5"
         )
     )
-    if not extra:  # LoRA on attention and on every expert, from the imported weights
-        out["lora"] = _train(_overrides(base, "lora", *layout, *LORA, iters=2))
+    if lora is not None:  # LoRA on attention and on every expert, from the imported weights
+        out["lora"] = _train(_overrides(base, "lora", *layout, *LORA, *lora, iters=2))
     return out
 
 
@@ -161,10 +282,10 @@ def _export_and_trainer_logits(
     return out
 
 
-def _series(path: Path) -> dict[str, dict[int, float]]:
-    series: dict[str, dict[int, float]] = {name: {} for name in METRICS}
+def _series(path: Path, metrics: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    series: dict[str, dict[int, float]] = {name: {} for name in metrics}
     for record in read_metrics_file(path):
-        for name in METRICS:
+        for name in metrics:
             if name in record:
                 series[name][int(record["step"])] = float(record[name])
     return series
@@ -176,12 +297,21 @@ def _run(
     checks = family_parity(root)
     checks.save(_hf_model(family, randomized), "hf")
     (single,) = run_distributed(_import_and_train_one_process, 1, str(root), timeout=900)
-    ranks = run_distributed(_train_expert_parallel, world, str(root), extra, timeout=1200)
-    runs = ["ep"] if extra else ["ep", "lora"]
+    lora = None if extra or family not in LORA_EXPECTED else list(LORA_TARGETS.get(family, ()))
+    ranks = run_distributed(_train_expert_parallel, world, str(root), extra, lora, timeout=1200)
+    runs = ["ep"] if lora is None else ["ep", "lora"]
     (exported,) = run_distributed(
         _export_and_trainer_logits, 1, str(root), checks.megatron_logits, runs, timeout=600
     )
-    return {"root": root, "checks": checks, "single": single, "ranks": ranks, "runs": exported}
+    return {
+        "root": root,
+        "family": family,
+        "metrics": METRICS[family],
+        "checks": checks,
+        "single": single,
+        "ranks": ranks,
+        "runs": exported,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +322,11 @@ def qwen3_moe(
 
 
 def _check_equal_to_one_process(result: dict[str, Any]) -> None:
-    root = result["root"]
+    root, metrics = result["root"], result["metrics"]
     assert result["single"]["single"] == 0
     assert all(r["ep"] == 0 for r in result["ranks"])
-    single, parallel = _series(root / "single.jsonl"), _series(root / "ep.jsonl")
-    for name in METRICS:
+    single, parallel = _series(root / "single.jsonl", metrics), _series(root / "ep.jsonl", metrics)
+    for name in metrics:
         assert sorted(single[name]) == list(range(1, ITERS + 1)), (name, single[name])
         for step, want in single[name].items():
             got = parallel[name][step]
@@ -206,10 +336,11 @@ def _check_equal_to_one_process(result: dict[str, Any]) -> None:
 
 
 def _check_resume_is_bit_exact(result: dict[str, Any]) -> None:
-    root = result["root"]
+    root, metrics = result["root"], result["metrics"]
     assert all(r["resumed"] == 0 for r in result["ranks"])
-    uninterrupted, resumed = _series(root / "ep.jsonl"), _series(root / "resumed.jsonl")
-    for name in METRICS:
+    uninterrupted = _series(root / "ep.jsonl", metrics)
+    resumed = _series(root / "resumed.jsonl", metrics)
+    for name in metrics:
         assert sorted(resumed[name]) == list(range(6, ITERS + 1)), (name, resumed[name])
         for step, value in resumed[name].items():
             assert value == uninterrupted[name][step], (name, step)
@@ -231,14 +362,13 @@ def _check_export_reproduces_trainer(result: dict[str, Any], run: str = "ep") ->
     assert (exported / "tokenizer.json").is_file()
     assert (exported / "generation_config.json").is_file()
     if run == "lora":  # adapters on attention and on every expert, folded in by the export
-        assert (
-            "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.adapter" in trained["adapted"]
-        )
-        assert "decoder.layers.0.self_attention.linear_qkv.adapter" in trained["adapted"]
-        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in changed
-        assert "model.layers.0.mlp.experts.3.down_proj.weight" in changed
-        assert "model.layers.0.self_attn.q_proj.weight" in changed
-        assert "model.layers.0.mlp.gate.weight" not in changed  # the router is not adapted
+        expected = LORA_EXPECTED[result["family"]]
+        for name in expected["adapted"]:
+            assert name in trained["adapted"], name
+        for name in expected["changed"]:
+            assert name in changed, name
+        for name in expected["kept"]:  # the router (and its bias correction) is not adapted
+            assert name not in changed, name
 
 
 def test_expert_parallel_training_equals_one_process(qwen3_moe: dict[str, Any]) -> None:
@@ -258,6 +388,26 @@ def test_trained_export_loads_in_transformers_with_the_trainers_logits(
 def test_lora_on_attention_and_experts_at_ep2_exports_merged(qwen3_moe: dict[str, Any]) -> None:
     assert all(r["lora"] == 0 for r in qwen3_moe["ranks"])
     _check_export_reproduces_trainer(qwen3_moe, "lora")
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_deepseek_v3_and_gpt_oss_train_at_ep2(
+    family: str, tmp_path: Path, randomized: Any, family_parity: Any
+) -> None:
+    """10 steps at EP=2 equal one process, resume is bit-exact, the trained export
+    reproduces the trainer's logits in transformers, and LoRA adapts attention and experts."""
+    result = _run(tmp_path, family, randomized, family_parity, 2, [])
+    _check_equal_to_one_process(result)
+    _check_resume_is_bit_exact(result)
+    _check_export_reproduces_trainer(result)
+    if family == "deepseek_v3":  # the expert-bias correction trained (aux-loss-free balance)
+        checks = result["checks"]
+        source, tuned = checks.tensors(tmp_path / "hf"), checks.tensors(tmp_path / "ep_hf")
+        name = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert not torch.equal(tuned[name], source[name])
+    assert all(r["lora"] == 0 for r in result["ranks"])
+    _check_export_reproduces_trainer(result, "lora")
 
 
 @pytest.mark.extended

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.config import ConfigContainer, ConfigError, LoggerConfig, load_config
+from bridge.config import ConfigContainer, ConfigError, LoggerConfig, SamplesConfig, load_config
 from bridge.train.checks.preflight import (
     ConfigProblems,
     check_config_before_launch,
@@ -86,6 +86,21 @@ def test_the_command_prints_every_section_s_problem(
 
 def _mimo(*overrides: str) -> ConfigContainer:
     return load_config(recipe_path("mimo"), ["train.train_iters=6", *overrides])
+
+
+def test_the_rules_main_brought_are_registry_rules() -> None:
+    """The split-sample, samples and resume checks run as rules of their sections."""
+    names = {
+        section: [rule.check.__name__ for rule in rules] for section, rules in REGISTRY.items()
+    }
+    assert "data_splits_hold_samples" in names["dataset"]
+    assert names["samples"] == ["samples_can_be_generated", "samples_is_unused"]
+    assert names["checkpoint"][-1] == "resume_matches_run"
+    # The mimo recipe has no samples: the section is refused, not ignored.
+    cfg = _mimo()
+    cfg.samples = SamplesConfig(prompts=["Hello"])
+    with pytest.raises(ConfigError, match=r"^samples: is set, but the mimo recipe does not use"):
+        check_section(cfg, "samples", world_size=1, cuda_available=False)
 
 
 def test_the_mimo_recipe_runs_the_same_pass_and_refuses_what_it_ignores(tmp_path: Path) -> None:

@@ -88,11 +88,6 @@ def test_exclusive_p2p_settings_are_refused() -> None:
         ({"context_parallel_size": 2}, "model.context_parallel_size", "Transformer Engine"),
         ({"layer_spec_backend": "transformer_engine"}, "model.layer_spec_backend", "CUDA"),
         ({"layer_spec_backend": "local"}, "model.layer_spec_backend", "CUDA"),
-        (
-            {"num_moe_experts": 2, "add_bias_linear": True},
-            "model.add_bias_linear",
-            "local experts",
-        ),
     ],
 )
 def test_megatron_engine_on_cpu_refuses_gpu_only_features(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -79,3 +81,56 @@ def test_command_line(tmp_path, corpus_jsonl, capsys) -> None:
     assert "already exists" in err and "--overwrite" in err
     assert main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(prefix)]) == 1
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_workers_write_the_same_files_as_one_process(tmp_path, corpus_documents) -> None:
+    # Enough documents for several chunks per worker, in a JSONL and a text file.
+    jsonl = tmp_path / "many.jsonl"
+    jsonl.write_text(
+        "".join(f'{{"text": "{i}: {corpus_documents[i % 6]}"}}\n' for i in range(700)),
+        encoding="utf-8",
+    )
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"line {i} {'x' * (i % 17)}\n" for i in range(300)))
+    tok = ByteLevelTokenizer()
+    outputs = {}
+    for workers in (1, 3):
+        prefix = tmp_path / f"w{workers}"
+        result = preprocess_data([jsonl, lines], prefix, tok, split_lines=True, workers=workers)
+        assert result.num_documents == 1000
+        outputs[workers] = (
+            (tmp_path / f"w{workers}.bin").read_bytes(),
+            (tmp_path / f"w{workers}.idx").read_bytes(),
+        )
+    assert outputs[3] == outputs[1]
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        preprocess_data([jsonl], tmp_path / "none", tok, workers=0)
+
+
+def test_progress_is_reported_while_writing(tmp_path, corpus_jsonl, capsys) -> None:
+    from bridge.train.data.preprocess import PreprocessProgress
+
+    seen: list[PreprocessProgress] = []
+    preprocess_data(
+        [corpus_jsonl],
+        tmp_path / "p",
+        ByteLevelTokenizer(),
+        progress=seen.append,
+        progress_interval=0.0,  # every document
+    )
+    assert len(seen) == 48 + 1  # each document, then the end
+    assert [p.documents for p in seen[:3]] == [1, 2, 3]
+    assert seen[-1].bytes_read == seen[-1].bytes_total == corpus_jsonl.stat().st_size
+    assert all(a.bytes_read <= b.bytes_read for a, b in itertools.pairwise(seen))
+    # The command takes --workers; a value below 1 is refused naming it.
+    with pytest.raises(SystemExit):
+        main(
+            ["--input", str(corpus_jsonl), "--output-prefix", str(tmp_path / "q"), "--workers", "0"]
+        )
+    assert "--workers must be at least 1" in capsys.readouterr().err
+    assert (
+        main(
+            ["--input", str(corpus_jsonl), "--output-prefix", str(tmp_path / "q"), "--workers", "2"]
+        )
+        == 0
+    )

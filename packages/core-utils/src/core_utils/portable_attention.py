@@ -45,6 +45,15 @@ class SDPACoreAttention(MegatronModule):
     ``is_layer_window_attention`` names. A query row with every key masked gets the mean of the values,
     as megatron's masked softmax gives it (no NaN).
 
+    ``config.softmax_type`` as megatron's ``DotProductAttention`` reads it: ``"vanilla"``;
+    ``"off-by-one"`` (a zero logit added to every softmax denominator); ``"learnable"`` (a
+    learned logit per head, the *attention sink*: ``softmax_offset`` of shape
+    ``[heads on this rank]``, split over tensor parallelism like the heads). With a sink the
+    probabilities are ``exp(s_j) / (exp(sink) + sum_k exp(s_k))``, computed explicitly
+    (scores, the sink as one extra column, softmax, the column dropped) since SDPA has no
+    such term. Query and key heads may be wider than value heads (multi-latent attention
+    passes ``k_channels`` / ``v_channels``; the shapes come from the tensors).
+
     Args:
         config: The transformer config; ``kv_channels``, ``num_attention_heads``,
             ``num_query_groups``, ``attention_dropout`` and ``softmax_scale`` are used.
@@ -56,6 +65,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: Overrides ``1 / sqrt(head_dim)`` when given.
         cp_comm_type: Accepted for compatibility; context parallelism is not supported.
         pg_collection: Process groups; ``pg_collection.tp`` gives the tensor-parallel size.
+        k_channels: Query/key head width (multi-latent attention); default ``kv_channels``.
+        v_channels: Value head width (multi-latent attention); taken from the tensors.
     """
 
     def __init__(
@@ -68,6 +79,8 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -76,11 +89,13 @@ class SDPACoreAttention(MegatronModule):
                 f"(context_parallel_size={config.context_parallel_size}); use Transformer "
                 "Engine attention on GPU or set context_parallel_size=1"
             )
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise ValueError(
-                f"SDPACoreAttention supports softmax_type='vanilla' only, got "
-                f"{config.softmax_type!r}"
+                f"SDPACoreAttention: softmax_type={softmax_type!r} is not one of 'vanilla', "
+                "'off-by-one', 'learnable'"
             )
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
         tp_size = pg_collection.tp.size() if pg_collection is not None else _mpu_tp_size()
         for name, value in (
             ("num_attention_heads", config.num_attention_heads),
@@ -94,7 +109,7 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.heads_per_partition = config.num_attention_heads // tp_size
         self.groups_per_partition = config.num_query_groups // tp_size
-        head_dim = config.kv_channels
+        head_dim = k_channels if k_channels is not None else config.kv_channels
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         self.softmax_scale = (
@@ -116,6 +131,33 @@ class SDPACoreAttention(MegatronModule):
         self.window_size: tuple[int, int] | None = (
             None if window is None else (int(window[0]), int(window[1]))
         )
+        # The sink logit per head (megatron's name and shape, so checkpoints and Hugging Face
+        # mappings are those of DotProductAttention); a zero one for "off-by-one".
+        if softmax_type == "vanilla":
+            self.softmax_offset: torch.Tensor | None = None
+        elif softmax_type == "off-by-one":
+            self.register_buffer(
+                "softmax_offset",
+                torch.zeros(self.heads_per_partition, dtype=config.params_dtype),
+                persistent=False,
+            )
+        else:  # "learnable"
+            offset = torch.nn.Parameter(
+                torch.empty(self.heads_per_partition, dtype=config.params_dtype)
+            )
+            if config.perform_initialization:
+                _init_sharded_offset(offset, config, tp_size, self.tp_group)
+            else:
+                with torch.no_grad():
+                    offset.zero_()
+            # Split over tensor parallelism like the heads (megatron's attributes, read by its
+            # gradient-norm and checkpoint code and by the Hugging Face weight loader).
+            from megatron.core.tensor_parallel.layers import (
+                set_tensor_model_parallel_attributes,
+            )
+
+            set_tensor_model_parallel_attributes(offset, True, 0, 1)
+            self.softmax_offset = offset
 
     def forward(
         self,
@@ -169,6 +211,10 @@ class SDPACoreAttention(MegatronModule):
             empty = ~keep.any(dim=-1, keepdim=True)
             keep = keep | empty
             q = q.masked_fill(empty, 0.0)
+        if self.softmax_offset is not None:
+            context = self._attend_with_sink(q, k, v, keep, causal)
+            b, n, _, h = context.shape
+            return context.permute(2, 0, 1, 3).reshape(sq, b, n * h)
         context = torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
@@ -181,6 +227,80 @@ class SDPACoreAttention(MegatronModule):
         # [b, n, sq, h] -> [sq, b, n * h]
         b, n, _, h = context.shape
         return context.permute(2, 0, 1, 3).reshape(sq, b, n * h)
+
+    def _attend_with_sink(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """``softmax([scores, sink])`` without the sink column, times ``v`` (``[b, n, s, h]``)."""
+        assert self.softmax_offset is not None
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
+        sq, sk = scores.shape[-2:]
+        if causal:
+            keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        sink = self.softmax_offset.to(scores.dtype).reshape(1, -1, 1, 1)
+        logits = torch.cat([scores, sink.expand(scores.shape[0], -1, sq, 1)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        if self.training and self.dropout_p > 0:
+            probs = torch.nn.functional.dropout(probs, p=self.dropout_p)
+        return torch.matmul(probs.to(v.dtype), v)
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The learnable sink logits split over tensor parallelism along the heads (as
+        megatron's ``DotProductAttention`` maps them); nothing otherwise."""
+        if not isinstance(self.softmax_offset, torch.nn.Parameter):
+            return {}
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = self.tp_group
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(
+            {"softmax_offset": self.softmax_offset},
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
+
+def _init_sharded_offset(
+    offset: torch.nn.Parameter, config: TransformerConfig, tp_size: int, tp_group: Any
+) -> None:
+    """Initialise this rank's slice of the sink logits as one process would draw them all
+    (``config.init_method`` on the whole vector), so every tensor-parallel size starts from
+    the same model."""
+    full = torch.empty(offset.numel() * tp_size, dtype=offset.dtype)
+    config.init_method(full)
+    rank = tp_group.rank() if tp_group is not None else _mpu_tp_rank()
+    with torch.no_grad():
+        offset.copy_(torch.chunk(full, tp_size)[rank])
+
+
+def _mpu_tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    return 0
 
 
 def _mpu_tp_size() -> int:

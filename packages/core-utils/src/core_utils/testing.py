@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -86,6 +87,10 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # Objects inherited from the parent are never collected here: the parent's garbage may
+    # hold process groups, stores or threads' handles whose destructors wait for threads a
+    # forked child does not have (a rank then hangs or crashes in the collector).
+    gc.freeze()
     # Own process group, so the parent can kill this rank together with any process it
     # started (a Manager, DataLoader workers) instead of orphaning them.
     os.setpgid(0, 0)
@@ -172,6 +177,9 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # Destroy the parent's garbage (earlier in-process runs' process groups and stores) here,
+    # where their destructors can run, instead of leaving it to the forked ranks.
+    gc.collect()
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = find_free_port()

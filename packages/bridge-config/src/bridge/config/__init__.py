@@ -33,6 +33,7 @@ from bridge.config._resiliency import (
     StragglerDetectionConfig,
 )
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
+from bridge.config._samples import SamplesConfig
 from bridge.config._tokenizer import TokenizerConfig
 from bridge.config._training import SchedulerConfig, TrainingConfig
 
@@ -61,6 +62,7 @@ __all__ = [
     "ProfilingConfig",
     "RNGConfig",
     "RerunStateMachineConfig",
+    "SamplesConfig",
     "SchedulerConfig",
     "StragglerDetectionConfig",
     "TokenizerConfig",

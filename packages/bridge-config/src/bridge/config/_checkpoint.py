@@ -78,6 +78,14 @@ class CheckpointConfig:
     """When ``load`` is set but holds no checkpoint (e.g. a typo), stop instead of training
     from a random initialisation."""
 
+    resume_with_changes: bool = False
+    """Resume the checkpoint in ``load`` (or ``save``) although this run's data, tokenizer or
+    PEFT settings differ from those it was saved with. Without it such a resume is refused
+    (the differences are listed): it would continue that run, at its point of the
+    learning-rate schedule, as if nothing had changed. The model architecture must match in
+    any case; to start a new run from the weights use ``pretrained_checkpoint`` or
+    ``finetune``."""
+
     ckpt_format: Literal["torch_dist", "zarr"] = "torch_dist"
     """On-disk format of distributed checkpoints."""
 

@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import functools
 import importlib
+import logging
 import math
 import pathlib
 import sys
@@ -187,6 +188,17 @@ def _current_path(dotted: str) -> str:
     return dotted
 
 
+def _import_quietly(name: str) -> Any:
+    """Import module ``name``, its third-party import notices held back (logged at DEBUG):
+    the first ``_target_`` naming megatron-core imports it, and it prints about seven."""
+    from bridge.config.notices import held_notices, log_held_notices
+
+    with held_notices() as held:
+        module = importlib.import_module(name)
+    log_held_notices(held, logging.getLogger("bridge.config"))
+    return module
+
+
 def import_object(dotted: Any, path: str) -> Any:
     """Import ``package.module.attr.attr`` and return the attribute.
 
@@ -209,7 +221,7 @@ def import_object(dotted: Any, path: str) -> Any:
             module, split = sys.modules[name], i
             break
         try:
-            module, split = importlib.import_module(name), i
+            module, split = _import_quietly(name), i
             break
         except ModuleNotFoundError as exc:
             # Only "this prefix does not exist" means: try a shorter prefix. A module that
@@ -429,6 +441,14 @@ def _decode_union(data: Any, tp: Any, path: str, default_class: type | None) -> 
         if type(None) in args:
             return None
         raise _type_error(path, data, type_name(tp))
+    if data == "None" and type(None) in args:
+        # YAML and the override grammar read a bare None as this string: a path field would
+        # otherwise name a directory called "None".
+        raise ConfigError(
+            path,
+            "got 'None', a string; for no value write null in YAML (None in Python), also "
+            "in an override: section.field=null",
+        )
     candidates = [a for a in args if a is not type(None)]
     if len(candidates) == 1:
         return decode(data, candidates[0], path, default_class=default_class)
@@ -818,8 +838,15 @@ def _construct(cls: type, kwargs: dict[str, Any], path: str) -> Any:
 
 
 def _construct_step(step: Any, cls: type, path: str) -> Any:
+    from bridge.config.notices import held_notices, log_held_notices
+
     try:
-        return step()
+        # A third-party class may warn about its own defaults (megatron-core's
+        # TransformerConfig: "full scope is deprecated"): held back, logged at DEBUG.
+        with held_notices() as held:
+            built = step()
+        log_held_notices(held, logging.getLogger("bridge.config"))
+        return built
     except ConfigError as exc:
         raise exc.within(path, cls.__name__) from exc.__cause__
     except Exception as exc:

@@ -38,6 +38,7 @@ from bridge.config._resiliency import (
     StragglerDetectionConfig,
 )
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
+from bridge.config._samples import SamplesConfig
 from bridge.config._section import clear_fill_ins, config_section, fill_in, restore_fill_ins
 from bridge.config._tokenizer import TokenizerConfig, total_vocab_size
 from bridge.config._training import SchedulerConfig, TrainingConfig, warn_deprecated_engine
@@ -240,6 +241,9 @@ class ConfigContainer:
 
     profiling: ProfilingConfig | None = None
     """Profiling with Nsight Systems or the torch profiler (unset: off)."""
+
+    samples: SamplesConfig | None = None
+    """Sample completions generated at evaluation time while training (unset: none)."""
 
     peft: PEFTProtocol | None = None
     """Parameter-efficient finetuning transform applied to the model (unset: full
@@ -692,6 +696,18 @@ class ConfigContainer:
                     "profiling.profile_ranks",
                     f"rank(s) {absent} do not exist; the world has ranks 0 to {world - 1}",
                 )
+        train = self.train
+        if (
+            self.samples is not None
+            and train is not None
+            and not train.skip_train
+            and not (train.eval_interval and train.eval_iters)
+        ):
+            raise ConfigError(
+                "samples",
+                "sample completions are generated at evaluation time; set "
+                "train.eval_interval and train.eval_iters > 0 (or unset samples)",
+            )
         if self.callbacks:
             # Only here: core_utils imports torch, which a config without callbacks never needs.
             from core_utils.callbacks import Callback

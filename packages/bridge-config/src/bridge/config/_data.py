@@ -70,14 +70,17 @@ class DataloaderConfig:
     the caller supplies the iterators."""
 
     num_workers: int = 8
-    """Number of dataloader worker processes (0: load in the main process)."""
+    """Number of dataloader worker processes (0: load in the main process). bridge-train
+    starts at most as many as the CPUs the process may use (saying so on rank 0): workers
+    change where samples are loaded, never which."""
 
     data_sharding: bool = True
     """Each data-parallel rank reads only its own part of every global batch. bridge-train's
     samplers always shard; it refuses false."""
 
     pin_memory: bool = True
-    """Pin host memory of loaded batches for faster copies to the GPU."""
+    """Pin host memory of loaded batches for faster copies to the GPU (without CUDA
+    bridge-train does not pin)."""
 
     persistent_workers: bool = False
     """Keep worker processes alive between epochs (needs ``num_workers > 0``)."""

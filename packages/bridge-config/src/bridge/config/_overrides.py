@@ -18,6 +18,7 @@ from bridge.config._codec import (
     TARGET,
     decode,
     encode,
+    import_object,
     join,
 )
 from bridge.config._container import ConfigContainer
@@ -61,7 +62,9 @@ def parse_overrides(overrides: Iterable[str]) -> list[tuple[str, Any]]:
             raise ConfigError(repr(item), "an override must be a string 'section.field=value'")
         if "=" not in item:
             raise ConfigError(
-                item, "override has no '='; write section.field=value (e.g. train.train_iters=100)"
+                item,
+                "override has no '='; write section.field=value (e.g. train.train_iters=100); "
+                "a recipe file goes first (bridge-train recipe.yaml ...) or after --config",
             )
         key, raw = item.split("=", 1)
         key = key.strip()
@@ -125,6 +128,38 @@ def _drop_replaced_alternatives(data: dict[str, Any], override_keys: list[str]) 
                 node.pop(name, None)
 
 
+def _drop_fields_of_replaced_classes(data: dict[str, Any], pairs: list[tuple[str, Any]]) -> None:
+    """Drop the file's fields of a section whose class an override replaces, where the new
+    class has no such field.
+
+    ``dataset._target_=bridge.config.FinetuningDatasetConfig`` on a recipe with a GPT
+    dataset means "this kind of data instead": the old class's ``blend`` or ``split`` mean
+    nothing to the new one. Fields both classes have keep the file's values; the fields the
+    overrides themselves give are never dropped (an unknown one is refused as usual).
+    """
+    given = {key for key, _ in pairs}
+    for key, value in pairs:
+        section, _, name = key.rpartition(".")
+        if name != TARGET or not isinstance(value, str):
+            continue
+        node: Any = data
+        for part in section.split(".") if section else ():
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or node.get(TARGET) == value:
+            continue
+        try:
+            cls = import_object(value, key)
+        except ConfigError:
+            continue  # reported, with the field, when the section is built
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        accepted = {f.name for f in dataclasses.fields(cls) if f.init}
+        for field_name in list(node):
+            if field_name in (TARGET, *accepted) or join(section, field_name) in given:
+                continue
+            del node[field_name]
+
+
 def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ConfigContainer:
     """Read a YAML recipe, apply dotted overrides, resolve interpolations and build the config.
 
@@ -134,7 +169,10 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     Overrides are merged into the YAML data before anything is built, so they can add or
     replace whole sections (``ft.enable_ft_package=true`` creates the ``ft`` section,
     ``dataset._target_=bridge.config.MockGPTDatasetConfig`` switches the dataset class) and
-    every check runs on the final values only.
+    every check runs on the final values only. A ``_target_`` override that switches a
+    section's class drops the file's fields of that section the new class does not have
+    (the old class's ``blend`` means nothing to an SFT dataset); the fields both have keep
+    the file's values.
 
     Args:
         path: The YAML file.
@@ -150,6 +188,7 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     data = read_yaml_mapping(path)
     pairs = parse_overrides(overrides)
     _drop_replaced_alternatives(data, [key for key, _ in pairs])
+    _drop_fields_of_replaced_classes(data, pairs)
     for key, value in pairs:
         _merge(data, key, value)
     token = REFUSE_DERIVED_VALUES.set(True)

@@ -133,7 +133,50 @@ def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
             str(file),
             f"the top level must be a mapping of sections (train:, model:, ...), got {type(data).__name__}",
         )
+    _check_expanded_size(data, file)
     return data
+
+
+#: Values a config may hold once its YAML aliases are expanded. A recipe holds a few hundred;
+#: aliases of aliases ("billion laughs") reach billions from a few lines, and every later
+#: walk over the data (overrides, interpolations, validation) would take that long.
+MAX_EXPANDED_VALUES = 1_000_000
+
+
+def _check_expanded_size(data: Any, file: Path) -> None:
+    """Refuse data whose aliases expand past :data:`MAX_EXPANDED_VALUES`, or into themselves.
+
+    PyYAML builds an alias as a reference to the anchored object, so loading is fast and the
+    size is counted per distinct object (memoised), in time linear in the file.
+    """
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+
+    def size(value: Any) -> int:
+        if not isinstance(value, (dict, list)):
+            return 1
+        key = id(value)
+        known = sizes.get(key)
+        if known is not None:
+            return known
+        if key in open_ids:
+            raise ConfigError(str(file), "a YAML alias refers to itself (a recursive anchor)")
+        open_ids.add(key)
+        items = value.values() if isinstance(value, dict) else value
+        total = 1
+        for item in items:
+            total += size(item)
+            if total > MAX_EXPANDED_VALUES:
+                raise ConfigError(
+                    str(file),
+                    f"its YAML aliases expand to more than {MAX_EXPANDED_VALUES:,} values "
+                    "(aliases of aliases); write the values out or use fewer nested aliases",
+                )
+        open_ids.discard(key)
+        sizes[key] = total
+        return total
+
+    size(data)
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from bridge.logging._writer_process import WriterProcess
-from bridge.logging.backends import MetricWriter, to_scalar
+from bridge.logging.backends import MetricWriter, check_table, to_scalar
 
 
 class _BackendProxy:
@@ -242,6 +242,13 @@ class RemoteWriter(MetricWriter):
         if metrics:
             values = {t: to_scalar(t, v) for t, v in metrics.items()}
             self.process.send_metrics(values, step, (self.kind,))
+
+    def log_table(
+        self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[str]], step: int
+    ) -> None:
+        """Queue a table for this backend (checked here, written by the writer process)."""
+        header, body = check_table(tag, columns, rows)
+        self.process.send_table((self.kind,), tag, header, body, step)
 
     def flush(self) -> None:
         """Wait until the writer process has written and flushed everything sent so far."""

@@ -19,6 +19,8 @@ it.
   ``("M", [("m", ...), ...])``: several records sent together; records waiting together
   are handed to each writer in one ``log_records`` call;
 * ``("c", kind, method, args, kwargs)``: a call made on a backend proxy;
+* ``("t", kinds, tag, columns, rows, step)``: a table of text for the ``kinds`` writers
+  (``MetricWriter.log_table``);
 * ``("f", token)``: flush every writer, answer ``("flushed", token)``;
 * ``("x",)``: close every writer, answer ``("closed", [errors])`` and exit.
 
@@ -128,6 +130,14 @@ class _Writers:
         except Exception:
             self._failed(kind, f"{kind}.{method}()")
 
+    def table(self, kinds: Any, tag: str, columns: Any, rows: Any, step: int) -> None:
+        for kind, writer in self.writers:
+            if kinds is None or kind in kinds:
+                try:
+                    writer.log_table(tag, columns, rows, step)
+                except Exception:
+                    self._failed(kind, f"writing table {tag!r} of step {step}")
+
     def flush(self) -> None:
         for kind, writer in self.writers:
             try:
@@ -215,6 +225,8 @@ def _serve(inbox: Connection, wake: _WakeUps, outbox: _Outbox, writers: _Writers
             batch = []
             if tag == "c":
                 writers.call(*message[1:])
+            elif tag == "t":
+                writers.table(*message[1:])
             elif tag == "f":
                 writers.flush()
                 outbox.send(("flushed", message[1]))

@@ -403,6 +403,27 @@ class WriterProcess:
             self._send(("M", [("m", step, values, kinds) for values, step, kinds in records]))
             self._raise_errors()
 
+    def send_table(
+        self,
+        kinds: tuple[str, ...] | None,
+        tag: str,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[str]],
+        step: int,
+    ) -> None:
+        """Queue a table of strings for the ``kinds`` writers (all: None), in order with
+        the records (see ``MetricWriter.log_table``).
+
+        Raises:
+            RuntimeError: As :meth:`send_metrics`.
+        """
+        message = ("t", kinds, tag, [str(c) for c in columns], [[str(c) for c in r] for r in rows])
+        with self._lock:
+            self._check_usable()
+            self._read_answers()
+            self._send((*message, int(step)))
+            self._raise_errors()
+
     def call(self, kind: str, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Queue ``<kind backend>.<method>(*args, **kwargs)``, to run in the writer process.
 

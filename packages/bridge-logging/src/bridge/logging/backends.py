@@ -37,6 +37,18 @@ class BackendNotInstalledError(ImportError):
     """A configured logging backend's package is not installed."""
 
 
+def install_command(extra: str) -> str:
+    """How to install bridge-logging's ``extra``: with pip, and in a clone of this repository.
+
+    ``uv sync`` removes what it is not asked for, so the workspace spelling keeps the
+    packages already installed (``--inexact``).
+    """
+    return (
+        f"`pip install bridge-logging[{extra}]` (in a clone of this repository: "
+        f"`uv sync --inexact --extra {extra}`)"
+    )
+
+
 def backend_installed(kind: str) -> bool:
     """Whether the package behind backend ``kind`` can be imported (without importing it)."""
     module, _ = BACKEND_PACKAGES[kind]
@@ -57,7 +69,7 @@ def require_backend(kind: str, reason: str) -> None:
         module, extra = BACKEND_PACKAGES[kind]
         raise BackendNotInstalledError(
             f"{reason} turns on {kind} logging, but the {module!r} package is not installed; "
-            f"install it with `pip install bridge-logging[{extra}]` or unset {reason}"
+            f"install it with {install_command(extra)} or unset {reason}"
         )
 
 
@@ -68,7 +80,7 @@ def _import_backend(kind: str) -> Any:
     except ImportError as exc:
         raise BackendNotInstalledError(
             f"{kind} logging needs the {module!r} package, which failed to import ({exc}); "
-            f"install it with `pip install bridge-logging[{extra}]`"
+            f"install it with {install_command(extra)}"
         ) from exc
 
 
@@ -130,6 +142,74 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return flat
 
 
+def check_table(
+    tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """``columns`` and ``rows`` as strings, checked: every row has one cell per column.
+
+    Raises:
+        ValueError: No columns, or a row of another length; the message names ``tag``.
+    """
+    header = tuple(str(c) for c in columns)
+    if not header:
+        raise ValueError(f"table {tag!r}: give at least one column")
+    body = tuple(tuple(str(cell) for cell in row) for row in rows)
+    for number, row in enumerate(body, start=1):
+        if len(row) != len(header):
+            raise ValueError(
+                f"table {tag!r}: row {number} has {len(row)} cells for {len(header)} columns"
+            )
+    return header, body
+
+
+def _markdown_cell(text: str) -> str:
+    # A pipe would end the cell and a line break the row; markdown shows <br> as a break.
+    return (
+        text.replace("\\", "\\\\").replace("|", "\\|").replace("\r\n", "\n").replace("\n", "<br>")
+    )
+
+
+def table_markdown(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table (what TensorBoard's text dashboard renders as a table)."""
+    lines = [
+        "| " + " | ".join(_markdown_cell(c) for c in columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    lines += ["| " + " | ".join(_markdown_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def table_file_name(tag: str, step: int) -> str:
+    """Where a table logged under ``tag`` at ``step`` is stored as a file (artifacts)."""
+    return f"{mlflow_metric_name(tag)}/step_{int(step):09d}.json"
+
+
+def _tensorboard_text_summary(tag: str, text: str) -> Any:
+    """A TensorBoard text-plugin summary (what ``SummaryWriter.add_text`` writes)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
+
+    plugin = SummaryMetadata.PluginData(
+        plugin_name="text", content=TextPluginData(version=0).SerializeToString()
+    )
+    tensor = TensorProto(
+        dtype="DT_STRING",
+        string_val=[text.encode("utf-8")],
+        tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]),
+    )
+    return Summary(
+        value=[
+            Summary.Value(
+                tag=f"{tag}/text_summary",
+                metadata=SummaryMetadata(plugin_data=plugin),
+                tensor=tensor,
+            )
+        ]
+    )
+
+
 class MetricWriter(abc.ABC):
     """The writer interface: scalars by tag and step, flushed and closed explicitly.
 
@@ -168,6 +248,19 @@ class MetricWriter(abc.ABC):
         """
         for step, metrics in records:
             self.log_metrics(metrics, step)
+
+    def log_table(
+        self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[str]], step: int
+    ) -> None:
+        """Record a table of text (``rows`` of cells under ``columns``) under ``tag`` at
+        ``step``, e.g. sample completions.
+
+        Every built-in backend shows it in its own way (TensorBoard: a markdown table in the
+        text dashboard; W&B: a ``wandb.Table``; MLflow: a JSON artifact; Comet: a table
+        asset); the base implementation records nothing, so a custom writer without a text
+        view needs no change.
+        """
+        del tag, columns, rows, step  # nothing to show them in
 
     def forward(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Call ``backend.<method>(*args, **kwargs)`` for one of :attr:`forwarded`.
@@ -251,6 +344,13 @@ class TensorBoardWriter(MetricWriter):
         ]
         file_writer().add_summary(self._summary_cls(value=values), step)
 
+    def log_table(
+        self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[str]], step: int
+    ) -> None:
+        """Write the table as markdown to the text dashboard (``<tag>/text_summary``)."""
+        header, body = check_table(tag, columns, rows)
+        self._writer.add_text(tag, table_markdown(header, body), step)
+
     def flush(self) -> None:
         """Write pending events to disk."""
         self._writer.flush()
@@ -314,6 +414,16 @@ class TensorBoardEventWriter(MetricWriter):
             wall_time=time.time(), step=int(step), summary=self._summary_cls(value=values)
         )
         self._writer.add_event(event)
+
+    def log_table(
+        self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[str]], step: int
+    ) -> None:
+        """Write the table as markdown to the text dashboard (``<tag>/text_summary``)."""
+        header, body = check_table(tag, columns, rows)
+        summary = _tensorboard_text_summary(tag, table_markdown(header, body))
+        self._writer.add_event(
+            self._event_cls(wall_time=time.time(), step=int(step), summary=summary)
+        )
 
     def flush(self) -> None:
         """Write pending events to disk."""
@@ -395,6 +505,16 @@ class WandbWriter(MetricWriter):
         """Log all of ``metrics`` in one W&B history row at ``step``."""
         if metrics:
             self._run.log({t: to_scalar(t, v) for t, v in metrics.items()}, step=step)
+
+    def log_table(
+        self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[str]], step: int
+    ) -> None:
+        """Log a ``wandb.Table`` under ``tag`` at ``step``."""
+        import wandb
+
+        header, body = check_table(tag, columns, rows)
+        table = wandb.Table(columns=list(header), data=[list(row) for row in body])
+        self._run.log({tag: table}, step=step)
 
     def flush(self) -> None:
         """Nothing to do: every ``log`` call is handed to W&B's service process at once."""
@@ -539,6 +659,21 @@ class MlflowWriter(MetricWriter):
         ]
         for i in range(0, len(batch), _MLFLOW_BATCH):
             self._client.log_batch(self.run_id, metrics=batch[i : i + _MLFLOW_BATCH])
+
+    def log_table(
+        self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[str]], step: int
+    ) -> None:
+        """Store the table as the run artifact ``<tag>/step_<step>.json``
+        (``{"columns": [...], "data": [[...], ...], "step": step}``)."""
+        import json
+
+        header, body = check_table(tag, columns, rows)
+        text = json.dumps(
+            {"columns": list(header), "data": [list(r) for r in body], "step": int(step)},
+            ensure_ascii=False,
+            indent=1,
+        )
+        self._client.log_text(self.run_id, text, table_file_name(tag, step))
 
     def forward(self, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Run ``mlflow.<method>(...)`` (log_metric(s), log_param(s), set_tag(s)) on this run.
@@ -730,6 +865,14 @@ class CometWriter(MetricWriter):
             self._experiment.log_metrics(
                 {t: to_scalar(t, v) for t, v in metrics.items()}, step=step
             )
+
+    def log_table(
+        self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[str]], step: int
+    ) -> None:
+        """Log the table as the CSV asset ``<tag>/step_<step>.csv``."""
+        header, body = check_table(tag, columns, rows)
+        name = table_file_name(tag, step).removesuffix(".json") + ".csv"
+        self._experiment.log_table(name, tabular_data=[list(r) for r in body], headers=list(header))
 
     def flush(self) -> None:
         """Send (or, offline, write) the queued messages."""

@@ -30,9 +30,11 @@ class EnergyMonitor:
         try:
             import pynvml
         except ImportError as exc:
+            from bridge.logging.backends import install_command
+
             raise ImportError(
                 "LoggerConfig.log_energy needs nvidia-ml-py; install it with "
-                "`pip install bridge-logging[energy]`"
+                f"{install_command('energy')}"
             ) from exc
         self._nvml: Any = pynvml
         pynvml.nvmlInit()

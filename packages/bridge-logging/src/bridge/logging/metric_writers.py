@@ -25,6 +25,7 @@ from bridge.logging.backends import (
     MlflowWriter,
     TensorBoardWriter,
     WandbWriter,
+    check_table,
     mlflow_tracking_uri,
     require_backend,
     to_scalar,
@@ -256,6 +257,43 @@ class MetricWriters:
                     batch.append((values, step, None if chosen == process.kinds else chosen))
             if batch:
                 self._run(process.send_records, batch)
+
+    def log_table(
+        self,
+        tag: str,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Any]],
+        step: int,
+        *,
+        only: Collection[str] | None = None,
+    ) -> None:
+        """Record a table of text under ``tag`` at iteration ``step`` in every backend
+        (TensorBoard text, W&B table, MLflow and Comet artifacts; see
+        :meth:`bridge.logging.MetricWriter.log_table`), in order with the metrics.
+
+        Args:
+            tag: Name of the table (e.g. ``"samples"``).
+            columns: Column names.
+            rows: One sequence of cells per row (turned into strings).
+            step: The iteration.
+            only: Backend kinds to write to (default: every backend).
+
+        Raises:
+            RuntimeError: As :meth:`log_metrics`.
+            ValueError: No columns, or a row with another number of cells.
+        """
+        self._check_open()
+        header, body = check_table(tag, columns, rows)
+        if not self._writers:
+            return
+        for writer in self._local:
+            if only is None or writer.kind in only:
+                self._run(writer.log_table, tag, header, body, step)
+        for process, kinds in self._processes:
+            chosen = kinds if only is None else tuple(k for k in kinds if k in only)
+            if chosen:
+                selected = None if chosen == process.kinds else chosen
+                self._run(process.send_table, selected, tag, header, body, step)
 
     def flush(self) -> None:
         """Flush every backend and wait for it (a no-op once closed).

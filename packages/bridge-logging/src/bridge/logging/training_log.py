@@ -325,6 +325,13 @@ def _energy(writers: MetricWriters, logger_cfg: LoggerConfig) -> EnergyMonitor |
     return monitor
 
 
+def _is_last_iteration(train_cfg: TrainingConfig, iteration: int, consumed: int) -> bool:
+    """Whether ``iteration`` ends the run (its console line is due whatever the interval)."""
+    if train_cfg.train_samples is not None:
+        return consumed >= train_cfg.train_samples
+    return train_cfg.train_iters is not None and iteration >= train_cfg.train_iters
+
+
 def training_log(
     loss_dict: dict[str, torch.Tensor],
     total_loss_dict: dict[str, Any],
@@ -356,7 +363,9 @@ def training_log(
     receive ``learning-rate``, ``batch-size``, each loss, ``loss-scale``, ``grad-norm``,
     ``num-zeros``, ``params-norm``, ``world-size`` ... as switched on (see
     docs/logging.md), plus TensorBoard-only ``<name> vs samples`` twins. Every
-    ``logger.log_interval`` iterations the last rank prints Megatron's console line.
+    ``logger.log_interval`` iterations, and at the run's last iteration (``train_iters``,
+    or ``train_samples`` reached) so that a short run shows its loss too, the last rank
+    prints Megatron's console line.
 
     The batch size (console, ``batch-size``, samples and tokens per second) is the one
     the iteration ran: the increase of ``consumed_train_samples`` since the previous
@@ -593,7 +602,9 @@ def log_training_step(
     # Steps in samples would go backwards for W&B, so only TensorBoard gets the twins; both
     # go out in one call (one message to a metric writer process).
     records = [(twins, consumed, ("tensorboard",)), (step_metrics, iteration, None)]
-    if iteration % logger_cfg.log_interval != 0:
+    if iteration % logger_cfg.log_interval != 0 and not _is_last_iteration(
+        train_cfg, iteration, consumed
+    ):
         if writers.enabled:
             writers.log_many(records)
         return report_memory_flag

@@ -363,10 +363,16 @@ def finalize_model_grads_multimodule(
         module_to_grid_tuple: List of (module, grid) tuples (keyword-only, bound via
             partial).
 
+    A rank given no modules has nothing to finalize and returns at once, taking part in no
+    collective (with per-token normalisation every rank holds a module, as
+    :func:`validate_no_stub_ranks` ensures).
+
     Raises:
         ValueError: A grid is not in the infra, or per-token normalisation finds no token.
     """
     del model, pg_collection, force_all_reduce  # per-module groups decide (see docstring)
+    if not module_to_grid_tuple:
+        return  # no module on this rank: nothing to finalize (reference 003)
     per_token = num_tokens is not None
     total_tokens = _global_num_tokens(infra, num_tokens) if num_tokens is not None else 1.0
     language = _language_module(infra)

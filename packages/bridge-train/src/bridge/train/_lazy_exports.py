@@ -2,14 +2,19 @@
 
 ``bridge.train`` and ``bridge.train.engine`` export names whose modules import torch and
 megatron-core; loading them lazily keeps ``import bridge.train.<light module>`` light (the
-command reads its launch environment and its config before it imports torch).
+command reads its launch environment and its config before it imports torch). The notices
+torch and megatron-core print while they are imported this way are held back
+(:mod:`bridge.config.notices`) and logged at DEBUG level.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from bridge.config.notices import held_notices, log_held_notices
 
 __all__ = ["lazy_exports"]
 
@@ -33,7 +38,11 @@ def lazy_exports(
         module = module_of.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        # The first name loaded imports torch and megatron-core, which print about 17
+        # notices nobody using the API can act on: logged at DEBUG level instead.
+        with held_notices() as held:
+            value = getattr(importlib.import_module(module), name)
+        log_held_notices(held, logging.getLogger(package))
         namespace[name] = value
         return value
 

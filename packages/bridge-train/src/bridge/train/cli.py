@@ -2,8 +2,8 @@
 
 ::
 
-    bridge-train [--config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
-                 [--print-config | --dry-run] [--version]
+    bridge-train [RECIPE.yaml | --config RECIPE.yaml | --recipe NAME] [--metrics-file FILE]
+                 [--print-config | --dry-run] [--version] [--eval-only [--eval-data FILE]]
                  [--hang-timeout SECONDS [--hang-setup-timeout SECONDS]
                   [--hang-checkpoint-timeout SECONDS]] [--requeue-exit-code CODE]
                  [section.field=value ...]
@@ -13,6 +13,11 @@ process; under ``torchrun`` or ``srun`` (SLURM, without torchrun) every rank run
 against the recipe before training; the whole resolved config is saved as
 ``<checkpoint.save>/run_config.yaml`` and printed by ``--print-config``. ``--dry-run``
 checks everything a launch checks, prints the parallel layout and exits.
+
+``--eval-only`` trains nothing: it loads ``checkpoint.load`` and reports the validation and
+test loss and perplexity (of the run's datasets, or of ``--eval-data FILE``); without
+``--config`` / ``--recipe`` the checkpoint's own ``run_config.yaml`` is the config (see
+:mod:`bridge.train.generate.evaluation`).
 
 ``--help``, ``--version`` and errors found while reading the YAML and the overrides
 (unknown section or field of a bridge.config section, wrong type, bad YAML, missing file,
@@ -45,7 +50,9 @@ EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 EXIT_CALLBACK_ERROR = 1
 
-_USAGE = "bridge-train [--config FILE | --recipe NAME] [options] [section.field=value ...]"
+_USAGE = (
+    "bridge-train [FILE.yaml | --config FILE | --recipe NAME] [options] [section.field=value ...]"
+)
 
 
 # The launcher's view (torchrun's or srun's environment, bridge.train.engine.launch_env),
@@ -89,6 +96,7 @@ _SECTION_SUMMARIES = {
     "nvrx_straggler": "nvidia-resiliency-ext straggler detection (CUDA)",
     "profiling": "torch profiler / nsys between two steps",
     "peft": "parameter-efficient finetuning",
+    "samples": "sample completions generated at evaluation time",
     "comm_overlap": "communication overlap settings",
     "mixed_precision": "mixed-precision recipe",
 }
@@ -132,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  bridge-train train.train_iters=300 optimizer.lr=1e-3\n"
         "  bridge-train --dry-run model.num_layers=8      # check and show the plan, no training\n"
         "  bridge-train --config recipe.yaml checkpoint.save=runs/a\n"
+        "  bridge-train recipe.yaml checkpoint.save=runs/a  # the same\n"
+        "  bridge-train --eval-only checkpoint.load=runs/a     # validation/test loss, no training\n"
         "  torchrun --nproc_per_node=2 -m bridge.train    # 2 data-parallel ranks\n"
         "  torchrun --nproc_per_node=2 -m bridge.train model.tensor_model_parallel_size=2\n"
         "  srun --ntasks-per-node=8 python -m bridge.train   # SLURM, no torchrun needed\n\n"
@@ -146,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", metavar="FILE", help="YAML recipe to train")
+    source.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML recipe to train (a first argument ending in .yaml or .yml is taken as it)",
+    )
     source.add_argument(
         "--recipe", metavar="NAME", help="built-in recipe to train (default: tiny_gpt)"
     )
@@ -174,6 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         type=_positive_seconds,
         help="with --hang-timeout: limit for one checkpoint save (default: unlimited)",
+    )
+    parser.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="train nothing: load checkpoint.load and report its validation and test loss and "
+        "perplexity (config: the checkpoint's run_config.yaml unless --config/--recipe)",
+    )
+    parser.add_argument(
+        "--eval-data",
+        metavar="FILE",
+        help="with --eval-only: evaluate this file instead of the run's datasets (an SFT "
+        "JSONL, {'text': ...} JSON lines, or a text file)",
     )
     parser.add_argument(
         "--requeue-exit-code",
@@ -214,6 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="dotted overrides applied to the recipe",
     )
     return parser
+
+
+def _config_from_first_argument(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``bridge-train recipe.yaml [overrides]``: a first argument that is a YAML file, not an
+    override, is the recipe (as ``--config``)."""
+    if not args.overrides:
+        return
+    first = args.overrides[0]
+    if "=" in first or not first.endswith((".yaml", ".yml")):
+        return
+    if args.config is not None or args.recipe is not None:
+        given = "--config" if args.config is not None else "--recipe"
+        parser.error(f"{first} and {given} both name a recipe; give one")
+    args.config = first
+    args.overrides = args.overrides[1:]
 
 
 def _exit_code(text: str) -> int:
@@ -266,22 +307,53 @@ def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
     """``path: recipe value -> run value`` for every value the overrides changed.
 
     The recipe alone is validated like the run (when it validates), so values derived by
-    ``validate()`` differ only where the overrides changed what they derive from.
+    ``validate()`` differ only where the overrides changed what they derive from. A section
+    whose class the overrides replaced (``dataset._target_=...``) is one line for the class
+    and the old class's fields left out, then the new section's fields that differ from the
+    recipe's or, where the recipe had no such field, from the new class's defaults.
     """
     import yaml
 
-    from bridge.config import ConfigError
+    from bridge.config import ConfigError, diff_from_defaults
 
     with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
         recipe_cfg.validate(_launcher_world_size())
 
     before = _flatten(yaml.safe_load(recipe_cfg.format_yaml()))
     after = _flatten(yaml.safe_load(run_cfg.format_yaml()))
+    replaced = sorted(
+        key.removesuffix("._target_")
+        for key in set(before) & set(after)
+        if key.endswith("._target_") and before[key] != after[key]
+    )
     lines = []
     for key in sorted(set(before) | set(after)):
+        section = next((r for r in replaced if key.startswith(r + ".")), None)
         old, new = before.get(key, "<unset>"), after.get(key, "<unset>")
-        if old != new:
+        if section is not None and key == f"{section}._target_":
+            left_out = sorted(
+                k.removeprefix(section + ".")
+                for k in before
+                if k.startswith(section + ".") and k not in after
+            )
+            dropped = f" ({len(left_out)} fields of the recipe's class left out)"
+            lines.append(f"  {key}: {old!r} -> {new!r}{dropped if left_out else ''}")
+        elif section is not None and key not in after:
+            continue  # listed with the class change
+        elif section is not None and key not in before:
+            continue  # reported below when it differs from the new class's default
+        elif old != new:
             lines.append(f"  {key}: {old!r} -> {new!r}")
+    for section in replaced:
+        obj = run_cfg
+        for part in section.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            continue
+        for diff in diff_from_defaults(obj):
+            key = f"{section}.{diff.path}"
+            if key not in before and key in after and "." not in diff.path:
+                lines.append(f"  {key}: <default {diff.default!r}> -> {after[key]!r}")
     return lines
 
 
@@ -292,6 +364,12 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
 
     if args.config is not None:
         path = Path(args.config)
+    elif (
+        args.eval_only
+        and args.recipe is None
+        and _override_value(args.overrides, "checkpoint.load")
+    ):
+        path = _checkpoint_run_config(str(_override_value(args.overrides, "checkpoint.load")))
     else:
         try:
             path = recipe_path(args.recipe or DEFAULT_RECIPE)
@@ -302,6 +380,37 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
     return cfg, path, recipe_cfg
+
+
+def _override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The value the last ``key=value`` override gives (``None`` if none does)."""
+    value = None
+    for item in overrides:
+        name, sep, rest = item.partition("=")
+        if sep and name.strip().lstrip("+~") == key:
+            value = rest
+    return value
+
+
+def _checkpoint_run_config(load: str) -> Path:
+    """The ``run_config.yaml`` of the checkpoint ``checkpoint.load`` names."""
+    from bridge.config import ConfigError
+    from bridge.train.generate.errors import GenerationError
+    from bridge.train.generate.loading import locate_checkpoint
+
+    try:
+        _, iteration_dir = locate_checkpoint(load)
+    except GenerationError as exc:
+        raise ConfigError("checkpoint.load", str(exc)) from None
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+
+    path = iteration_dir / RUN_CONFIG_FILENAME
+    if not path.is_file():
+        raise ConfigError(
+            "checkpoint.load",
+            f"{iteration_dir} has no {RUN_CONFIG_FILENAME}; give the run's recipe with --config",
+        )
+    return path
 
 
 def _version_text() -> str:
@@ -347,31 +456,41 @@ def _is_callback_error(exc: BaseException) -> bool:
 def _report_notices(held: Any, cfg: Any) -> None:
     """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
 
-    Other ranks print none of them. Unless the level is DEBUG, megatron-core's TE/Apex fallback notice,
-    which it repeats when the model is built, is silenced on every rank.
+    Other ranks print none of them. Unless the level is DEBUG, the notices megatron-core
+    repeats when the model is built (TE/Apex fallback, experimental MIMO classes, CUDA
+    advice on a machine without CUDA) are silenced on every rank.
     """
-    from bridge.train._import_notices import silence_known_fallback_notices
+    from bridge.config.notices import silence_known_fallback_notices
 
     logger_cfg = getattr(cfg, "logger", None)
     level = getattr(logger_cfg, "logging_level", logging.INFO)
     if level > logging.DEBUG:
-        silence_known_fallback_notices()
-    if _launcher_rank() != 0 or not held.lines:
+        torch = sys.modules.get("torch")  # imported with the config's classes, if at all
+        silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
+    if _launcher_rank() != 0:
         return
-    if level <= logging.DEBUG:
-        for line in held.lines:
-            print(f"[bridge-train] notice: {line}", file=sys.stderr, flush=True)
-    else:
-        print(f"[bridge-train] {held.summary()}", file=sys.stderr, flush=True)
+    from bridge.config.notices import print_held_notices
+
+    print_held_notices(
+        held,
+        "[bridge-train] ",
+        verbose=level <= logging.DEBUG,
+        how_to_see="logger.logging_level=10 prints them",
+    )
 
 
-def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any) -> None:
+def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any, *, dry_run: bool = False) -> None:
     print(f"[bridge-train] recipe: {path}", flush=True)
     diff = _override_diff(recipe_cfg, cfg) if recipe_cfg is not None else []
     print("[bridge-train] overrides (recipe -> this run):", flush=True)
     print("\n".join(diff) if diff else "  (none)", flush=True)
     save = getattr(getattr(cfg, "checkpoint", None), "save", None)
-    where = f"{save}/run_config.yaml" if save else "--print-config"
+    if not save:
+        where = "--print-config"
+    elif dry_run:  # nothing is written by a dry run
+        where = f"--print-config (a launch saves it as {save}/run_config.yaml)"
+    else:
+        where = f"{save}/run_config.yaml"
     print(f"[bridge-train] full resolved config: {where}", flush=True)
 
 
@@ -411,6 +530,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
+    _config_from_first_argument(args, parser)
     hang_timeout = _hang_timeouts(args, parser)
     from bridge.train.engine.launch_env import adopt_launch_environment, launch_notice
 
@@ -427,10 +547,17 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(f"[bridge-train] warning: {notice}", file=sys.stderr, flush=True)
     if args.metrics_file is not None:
         check_output_file(args.metrics_file, "--metrics-file")
-    from bridge.train._import_notices import held_notices
+    from bridge.config.notices import held_notices
 
+    if args.eval_data is not None and not args.eval_only:
+        parser.error("--eval-data needs --eval-only")
     with held_notices() as held:
         cfg, path, recipe_cfg = _load(args)
+        eval_plan = None
+        if args.eval_only:
+            from bridge.train.generate.evaluation import prepare_eval_only
+
+            eval_plan = prepare_eval_only(cfg, eval_data=args.eval_data)
         # The one pass of checks (what --dry-run promises): the sections' own rules, then
         # the trainer's rules about each section, for a GPT-style run or the mimo recipe.
         from bridge.train.checks.preflight import check_config_before_launch, run_kind
@@ -452,8 +579,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     _report_notices(held, cfg)
     if args.dry_run:
         if _launcher_rank() == 0:
-            _print_overrides(path, recipe_cfg, cfg)
+            _print_overrides(path, recipe_cfg, cfg, dry_run=True)
             if not mimo:
+                from bridge.train.checks.resume import run_plan_notices
+
+                for notice in run_plan_notices(cfg):
+                    print(f"[bridge-train] {notice}", flush=True)
                 _print_layout(cfg, _launcher_world_size())
         return 0
     if _launcher_rank() == 0 and not args.no_print_config:
@@ -462,6 +593,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         return pretrain_mimo(
             cfg, metrics_file=args.metrics_file, requeue_exit_code=args.requeue_exit_code
         )
+    if eval_plan is not None:
+        from bridge.train.generate.evaluation import evaluate_checkpoint
+
+        evaluate_checkpoint(cfg, eval_plan, metrics_file=args.metrics_file)
+        return 0
     return pretrain(
         cfg,
         metrics_file=args.metrics_file,
@@ -473,8 +609,10 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``bridge-train``: exits with the code of :func:`run`.
 
-    Configuration problems are printed (by rank 0) as ``bridge-train: error: ...`` without a
-    traceback and exit with code 2. Ctrl-C (SIGINT) and SIGTERM end the run with one line
+    Configuration problems are reported as ``bridge-train: error: ...`` without a traceback
+    and exit with code 2: printed by rank 0, or, under torchrun, written to torchrun's error
+    file by every rank and shown once in torchrun's closing summary (see
+    :func:`_report_config_error`). Ctrl-C (SIGINT) and SIGTERM end the run with one line
     and exit codes 130 and 143 (128 + the signal number); further signals while the run
     closes are ignored, except a second Ctrl-C, which exits at once.
     """
@@ -502,9 +640,86 @@ def main(argv: Sequence[str] | None = None) -> None:
         if isinstance(timeout_type, type) and isinstance(exc, timeout_type):
             # Each rank saw its own part of a rendezvous that failed: every rank says it.
             print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
-        elif _launcher_rank() == 0:
+        else:
             # The launch checks report the first problem of every section at once.
-            for problem in getattr(exc, "problems", None) or (exc,):
-                print(f"bridge-train: error: {problem}", file=sys.stderr, flush=True)
+            problems = getattr(exc, "problems", None) or (exc,)
+            _report_config_error("\n".join(f"bridge-train: error: {p}" for p in problems))
         sys.exit(EXIT_CONFIG_ERROR)
     sys.exit(code)
+
+
+def _report_config_error(line: str) -> None:
+    """Show a configuration error once, whichever rank finds it first.
+
+    Under torchrun no rank prints it: the first rank to fail makes torchrun stop the others
+    (which may not have printed yet). The first rank of the node to find it writes it to
+    its ``TORCHELASTIC_ERROR_FILE``, and torchrun's closing summary shows that file as its
+    "Root Cause" (``traceback : bridge-train: error: ...``), the last lines of the launch;
+    the ranks that find it too write a line pointing there (torchrun lists every failed
+    rank's error file, so each writing the message showed it once per rank). Without
+    torchrun's error file (one process, or another launcher), rank 0 prints it.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        first = _first_failure_of_attempt(error_file)
+        shown = line if first else _SEE_ROOT_CAUSE
+        # Dated a second earlier, the first failure stays torchrun's root cause when the
+        # failures fall in the same second (whole seconds; ties go to the lowest rank); the
+        # others are dated a second later.
+        if _write_elastic_error_file(error_file, shown, -1 if first else 1):
+            return
+    if _launcher_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+_SEE_ROOT_CAUSE = (
+    "bridge-train: stopped by a configuration error too; the first rank's is shown under "
+    "Root Cause below"
+)
+
+
+def _first_failure_of_attempt(error_file: str) -> bool:
+    """Whether this is the node's first rank to report a configuration error.
+
+    torchrun gives each local rank ``<attempt dir>/<local rank>/error.json``; the first
+    rank to create a marker in the attempt directory (shared by the node's ranks, new for
+    each restart) is first. True when the directory is not laid out that way (every rank
+    then writes the message, as before).
+    """
+    attempt_dir = os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
+    try:
+        fd = os.open(
+            os.path.join(attempt_dir, "bridge-train-config-error"),
+            os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+            0o644,
+        )
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    os.close(fd)
+    return True
+
+
+def _write_elastic_error_file(path: str, line: str, offset_s: int) -> bool:
+    """Write ``line`` in torchelastic's error-file format; False if it cannot be written.
+
+    ``offset_s`` is added to the failure's timestamp: torchrun takes the failure with the
+    earliest whole-second timestamp as the root cause and times a rank it stopped itself
+    when it collects it.
+    """
+    import json
+    import time
+
+    data = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()) + offset_s)},
+        }
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+    except OSError:
+        return False
+    return True

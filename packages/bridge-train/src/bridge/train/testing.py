@@ -41,6 +41,7 @@ __all__ = [
     "tiny_scheduler_config",
     "tiny_train_config",
     "write_tiny_sft_task",
+    "write_word_level_tokenizer",
 ]
 
 TINY_VOCAB = 128
@@ -188,3 +189,24 @@ def write_tiny_sft_task(root: str | Path, train: int = 64, valid: int = 8) -> Pa
         lines = [json.dumps({"input": f"{a}+{b}=", "output": str(a + b)}) for a, b in pairs]
         (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root
+
+
+def write_word_level_tokenizer(directory: str | Path, size: int) -> Path:
+    """Save a Hugging Face word-level tokenizer of ``size`` ids into ``directory``.
+
+    Ids: ``</s>`` 0 (the end-of-sequence token), ``<unk>`` 1, then ``w2`` ... ``w<size-1>``
+    (text ``"w5 w7"`` is ids ``[5, 7]``, whitespace-separated). Writes ``tokenizer.json`` and
+    ``tokenizer_config.json``. Needs the ``tokenizers`` package (``bridge-train[hf]``).
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {"</s>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, size)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return directory

@@ -41,13 +41,19 @@ def _show(value: Any) -> str:
 
 
 def check_same_architecture(
-    model_config: ModelConfigProtocol | None, checkpoint_dir: str | os.PathLike[str]
+    model_config: ModelConfigProtocol | None,
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    before_setup: bool = False,
 ) -> None:
     """Refuse to resume ``checkpoint_dir`` into a model of another architecture.
 
     Args:
         model_config: This run's model config (``cfg.model``); None compares nothing.
         checkpoint_dir: The checkpoint about to be loaded.
+        before_setup: Called before the run is set up (a launch check): fields this run
+            leaves unset are filled in later (``vocab_size`` from the tokenizer) and are
+            not compared.
 
     Raises:
         CheckpointError: Listing every differing field with both values, and the way to
@@ -74,6 +80,8 @@ def check_same_architecture(
             if not (hasattr(saved, name) and hasattr(model_config, name)):
                 continue
             before, now = getattr(saved, name), getattr(model_config, name)
+            if before_setup and now is None:
+                continue
             if not same_setting(before, now):
                 differing.append(f"{name} (checkpoint {_show(before)}, this run {_show(now)})")
     if differing:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -144,6 +145,9 @@ def _arena_bytes(write_buckets: list[Any]) -> int:
 
 def _writer_loop(requests: Any, completions: Any) -> None:
     """Body of the CPU persistent writer: run each request's write function in turn."""
+    # Never collect what the training process left behind: its process groups' and stores'
+    # destructors would wait here for threads this forked child does not have.
+    gc.freeze()
     torch.set_num_threads(1)
     with contextlib.suppress(OSError):
         os.nice(10)  # training keeps priority over checkpoint writing

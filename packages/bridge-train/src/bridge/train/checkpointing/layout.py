@@ -45,6 +45,7 @@ __all__ = [
     "complete_iterations",
     "find_latest_checkpoint",
     "is_complete_checkpoint",
+    "locate_checkpoint",
     "read_marker",
     "read_tracker",
     "validate_save_dir",
@@ -304,3 +305,25 @@ def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.sav
             f"{NON_PERSISTENT_SUBDIR}/ and {PROFILE_SUBDIR}/; choose an empty or new directory "
             f"for {field} (nothing there is touched)"
         )
+
+
+def locate_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """``(save directory, checkpoint directory)`` of ``path``: a save directory (its newest
+    complete checkpoint, see :func:`find_latest_checkpoint`) or one complete ``iter_*``
+    directory (its parent is the save directory).
+
+    Raises:
+        CheckpointError: ``path`` does not exist or holds no complete checkpoint.
+    """
+    directory = Path(path)
+    if not directory.exists():
+        raise CheckpointError(f"{directory} does not exist; give a bridge-train checkpoint")
+    if is_complete_checkpoint(directory):
+        return directory.parent, directory
+    location = find_latest_checkpoint(str(directory))
+    if location is None:
+        raise CheckpointError(
+            f"{directory} holds no complete bridge-train checkpoint (no tracker and no "
+            "iter_* directory with a completion marker)"
+        )
+    return directory, Path(location.path)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bridge.config import CheckpointConfig, ModelConfigProtocol
+from bridge.config.notices import held_notices, log_held_notices
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
@@ -76,7 +77,13 @@ if TYPE_CHECKING:
 
     from bridge.train.state import GlobalState, TrainState
 
-__all__ = ["checkpoint_exists", "load_checkpoint", "restore_checkpoint"]
+__all__ = [
+    "PlannedLoad",
+    "checkpoint_exists",
+    "load_checkpoint",
+    "planned_load",
+    "restore_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +222,42 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
             "initialisation"
         )
     return None
+
+
+@dataclass(frozen=True)
+class PlannedLoad:
+    """The checkpoint :func:`load_checkpoint` would load (see :func:`planned_load`).
+
+    Attributes:
+        path: The checkpoint directory (``iter_*``).
+        iteration: Its iteration.
+        weights_only: Loaded as a finetune start (``checkpoint.finetune`` or
+            ``checkpoint.pretrained_checkpoint``): weights only, a new run at iteration 0.
+        source: The setting it comes from (``"checkpoint.load"``, ``"non-persistent"``,
+            ``"checkpoint.pretrained_checkpoint"``).
+    """
+
+    path: str
+    iteration: int
+    weights_only: bool
+    source: str
+
+
+def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
+    """Which checkpoint :func:`load_checkpoint` would load, read from this process's files.
+
+    No collective and no verification of the files: for reports and checks before a
+    launch. ``checkpoint.load`` is used as it is (a launch first makes an unset ``load``
+    the save directory when that holds a checkpoint).
+
+    Raises:
+        CheckpointError: What :func:`load_checkpoint` would raise choosing it (a missing
+            ``ckpt_step`` or ``pretrained_checkpoint``, ...).
+    """
+    plan = _plan_load(checkpoint_config)
+    if plan is None:
+        return None
+    return PlannedLoad(plan.path, plan.iteration, plan.finetune, plan.source)
 
 
 def _local_damage(path: str) -> dict[str, str] | None:
@@ -873,22 +916,29 @@ def restore_checkpoint(
             )
         return 0, 0.0
     started = time.monotonic()
-    # The checksums are verified in a thread while the checkpoint is read (file reads and
-    # XXH3 release the GIL), and the verdict is taken before anything is copied into the
-    # model or optimizer: a damaged checkpoint is never used, and its cost mostly hides.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
-        local = pool.submit(_local_damage, plan.path)
-        failure: Exception | None = None
-        try:
+    # torch.distributed.checkpoint warns on every load (argument order, ShardedTensor's
+    # deprecation, "assuming the intent is to load in a single process" for the common
+    # state rank 0 reads alone): nothing to act on, so held back (DEBUG on rank 0).
+    with held_notices() as held:
+        # The checksums are verified in a thread while the checkpoint is read (file reads
+        # and XXH3 release the GIL), and the verdict is taken before anything is copied
+        # into the model or optimizer: a damaged checkpoint is never used, and its cost
+        # mostly hides.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
+            local = pool.submit(_local_damage, plan.path)
+            failure: Exception | None = None
+            try:
+                read = _read_checkpoint(plan, cfg, model, optimizer, strict, model_config)
+            except Exception as exc:  # damage can surface as any error of the readers
+                failure = exc
+            problems = _gather_damage(plan.path, local.result())
+        if problems:
+            plan = _verified_plan(plan, problems)
             read = _read_checkpoint(plan, cfg, model, optimizer, strict, model_config)
-        except Exception as exc:  # damage can surface as any error of the readers
-            failure = exc
-        problems = _gather_damage(plan.path, local.result())
-    if problems:
-        plan = _verified_plan(plan, problems)
-        read = _read_checkpoint(plan, cfg, model, optimizer, strict, model_config)
-    elif failure is not None:
-        raise failure
+        elif failure is not None:
+            raise failure
+    if _dist.rank() == 0:
+        log_held_notices(held, logger)
     if checkpointing_context is not None:
         checkpointing_context["loaded_checkpoint"] = plan.path
     common, loaded, keys, finetune, load_optim, load_rng = read

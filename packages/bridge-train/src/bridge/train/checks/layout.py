@@ -146,15 +146,6 @@ def _check_megatron_on_cpu(
         value = getattr(model_config, name, fine)
         if value is not None and value != fine:
             raise ConfigError(f"model.{name}", f"got {value!r}: {reason}")
-    if getattr(model_config, "num_moe_experts", None) and getattr(
-        model_config, "add_bias_linear", False
-    ):
-        raise ConfigError(
-            "model.add_bias_linear",
-            "True with MoE layers fails in megatron-core 0.19's local experts (the expert "
-            "MLP adds its bias in place to a view autograd refuses); set "
-            "model.add_bias_linear=false for MoE models on CPU",
-        )
     cp = _int(model_config, "context_parallel_size", 1)
     if cp > 1:
         raise ConfigError(

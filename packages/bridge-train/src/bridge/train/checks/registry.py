@@ -72,6 +72,7 @@ SECTIONS: tuple[str, ...] = (
     "tokenizer",
     "dataset",
     "peft",
+    "samples",
     "comm_overlap",
     "mixed_precision",
     "checkpoint",
@@ -110,11 +111,13 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(rules.data_is_sharded, GPT),
         Rule(rules.data_paths_exist, GPT),
         Rule(rules.data_files_are_sound, GPT),
+        Rule(rules.data_splits_hold_samples, GPT),
         Rule(rules.t5_data_fits, GPT),
         Rule(rules.finetuning_dataset_is_supported, GPT),
         _unused_by_mimo("dataset"),
     ),
     "peft": (Rule(rules.peft_is_a_transform, GPT), _unused_by_mimo("peft")),
+    "samples": (Rule(rules.samples_can_be_generated, GPT), _unused_by_mimo("samples")),
     "comm_overlap": (_unused_by_mimo("comm_overlap"),),
     "mixed_precision": (_unused_by_mimo("mixed_precision"),),
     "checkpoint": (
@@ -124,6 +127,9 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(rules.load_directory_exists, GPT),
         Rule(rules.checkpoint_directories_hold_runs, GPT),
         Rule(rules.save_directory_is_writable),
+        # What a resume would load (the mimo recipe checks its own checkpoint when it
+        # loads): the same model, data, tokenizer and PEFT settings.
+        Rule(rules.resume_matches_run, GPT),
     ),
     "logger": (Rule(rules.logger_directories_are_writable),),
     "profiling": (

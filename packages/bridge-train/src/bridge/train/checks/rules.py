@@ -32,6 +32,7 @@ from bridge.config import (
     PEFTProtocol,
     ProfilingConfig,
     RerunStateMachineConfig,
+    SamplesConfig,
     TokenizerConfig,
     TokenizerConfigProtocol,
     TrainingConfig,
@@ -46,6 +47,7 @@ __all__ = [
     "data_files_are_sound",
     "data_is_sharded",
     "data_paths_exist",
+    "data_splits_hold_samples",
     "dataset_index_fits_memory",
     "dataset_is_given",
     "distributed_backend_resolves",
@@ -61,6 +63,8 @@ __all__ = [
     "peft_is_a_transform",
     "profiler_has_a_trace_directory",
     "rerun_state_machine_needs_cuda",
+    "resume_matches_run",
+    "samples_can_be_generated",
     "save_directory_is_writable",
     "t5_data_fits",
     "tokenizer_can_be_built",
@@ -352,6 +356,26 @@ def data_files_are_sound(
             raise ConfigError(field, str(exc)) from None
 
 
+def data_splits_hold_samples(dataset: Dataset, train: TrainingConfig | None) -> None:
+    """Every train/validation/test split of ``.bin``/``.idx`` data holds a sample:
+    megatron-core would loop forever building a split without a document (see
+    :mod:`bridge.train.data.split_checks`)."""
+    if dataset is None or train is None:
+        return
+    from bridge.train.data.datasets import dataset_prefixes, train_valid_test_num_samples
+
+    if not dataset_prefixes(dataset):
+        return
+    from bridge.train.data.split_checks import check_split_samples
+    from bridge.train.data.t5_datasets import T5DatasetConfig
+
+    check_split_samples(
+        dataset,
+        train_valid_test_num_samples(train),
+        gpt_samples=not isinstance(dataset, T5DatasetConfig),
+    )
+
+
 def t5_data_fits(dataset: Dataset, tokenizer: Tokenizer) -> None:
     """T5 span-corruption data and its tokenizer's sentinel tokens fit together."""
     if dataset is None:
@@ -390,6 +414,54 @@ def peft_is_a_transform(peft: PEFTProtocol | None, model: ModelConfigProtocol) -
         raise ConfigError(
             "model.sequence_parallel",
             "adapters are applied without sequence parallelism; set it to false with peft",
+        )
+
+
+# --------------------------------------------------------------------------------- samples
+
+
+def samples_can_be_generated(
+    samples: SamplesConfig | None, model: ModelConfigProtocol, cuda_available: bool
+) -> None:
+    """Sample completions need a GPT-family model (what bridge-generate generates from) in
+    a layout megatron-core's static inference can run with the training model."""
+    if samples is None:
+        return
+    from bridge.train.models import GPTModelProvider, MambaProvider, T5ModelProvider
+
+    if isinstance(model, (T5ModelProvider, MambaProvider)) or not isinstance(
+        model, GPTModelProvider
+    ):
+        raise ConfigError(
+            "samples",
+            f"sample completions are generated from GPT-family models; "
+            f"{type(model).__name__} does not generate (unset samples)",
+        )
+    # What megatron-core's static inference path cannot do with the training model.
+    if model.pipeline_model_parallel_size > 1 and not cuda_available:
+        raise ConfigError(
+            "samples",
+            "pipeline-parallel generation needs GPUs (megatron-core's inference broadcasts "
+            "the last stage's logits with a CUDA-only check); unset samples on CPU",
+        )
+    if model.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            "samples",
+            "megatron-core's inference runs one model chunk per rank; unset samples or "
+            "model.virtual_pipeline_model_parallel_size",
+        )
+    if model.sequence_parallel:
+        raise ConfigError(
+            "samples",
+            "megatron-core's static inference refuses model.sequence_parallel (it supports it "
+            "for MoE layers only); unset samples or sequence_parallel",
+        )
+    if model.tensor_model_parallel_size > 1 and model.expert_model_parallel_size > 1:
+        raise ConfigError(
+            "samples",
+            "with tensor and expert parallelism megatron-core's inference switches the "
+            "model's sequence parallelism off and does not switch it back, which would "
+            "change training; unset samples",
         )
 
 
@@ -458,6 +530,27 @@ def checkpoint_directories_hold_runs(checkpoint: CheckpointConfig) -> None:
             f"{str(pretrained)!r} holds no checkpoint; point it at the save directory of a "
             "bridge-train run",
         )
+
+
+def resume_matches_run(
+    checkpoint: CheckpointConfig,
+    model: ModelConfigProtocol,
+    dataset: Dataset,
+    tokenizer: Tokenizer,
+    peft: PEFTProtocol | None,
+    train: TrainingConfig | None,
+) -> None:
+    """The checkpoint a resume would load was saved by this run: the same model
+    architecture, and, for a run that trains, the same data, tokenizer and PEFT settings
+    unless ``checkpoint.resume_with_changes`` is set (see :mod:`bridge.train.checks.resume`)."""
+    from bridge.train.checks.resume import check_resume_sections
+
+    check_resume_sections(
+        checkpoint,
+        model,
+        {"dataset": dataset, "tokenizer": tokenizer, "peft": peft},
+        trains=not (train is not None and train.skip_train),
+    )
 
 
 def _without_field(message: str, field: str) -> str:

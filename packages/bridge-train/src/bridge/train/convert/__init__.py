@@ -16,24 +16,35 @@ The families (one module per ``model_type``) live in :mod:`bridge.train.models.f
 nothing here names one. ``import bridge.train`` does not import this package.
 """
 
-from bridge.train.convert.auto_bridge import AutoBridge
-from bridge.train.convert.exporter import export_hf_checkpoint
-from bridge.train.convert.importer import import_hf_checkpoint
-from bridge.train.models.families import (
-    ConversionError,
-    provider_from_hf_config,
-    provider_kwargs_from_hf_config,
-    read_hf_config,
-    supported_model_types,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "AutoBridge",
-    "ConversionError",
-    "export_hf_checkpoint",
-    "import_hf_checkpoint",
-    "provider_from_hf_config",
-    "provider_kwargs_from_hf_config",
-    "read_hf_config",
-    "supported_model_types",
-]
+from bridge.train._lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from bridge.train.convert.auto_bridge import AutoBridge as AutoBridge
+    from bridge.train.convert.exporter import export_hf_checkpoint as export_hf_checkpoint
+    from bridge.train.convert.importer import import_hf_checkpoint as import_hf_checkpoint
+    from bridge.train.models.families import ConversionError as ConversionError
+    from bridge.train.models.families import provider_from_hf_config as provider_from_hf_config
+    from bridge.train.models.families import (
+        provider_kwargs_from_hf_config as provider_kwargs_from_hf_config,
+    )
+    from bridge.train.models.families import read_hf_config as read_hf_config
+    from bridge.train.models.families import supported_model_types as supported_model_types
+
+# Loaded on first use: ``bridge-convert --help`` (this package's cli module) must not pay for
+# torch and megatron-core, which the converters import.
+_WHERE = {
+    "AutoBridge": "bridge.train.convert.auto_bridge",
+    "export_hf_checkpoint": "bridge.train.convert.exporter",
+    "import_hf_checkpoint": "bridge.train.convert.importer",
+    "ConversionError": "bridge.train.models.families",
+    "provider_from_hf_config": "bridge.train.models.families",
+    "provider_kwargs_from_hf_config": "bridge.train.models.families",
+    "read_hf_config": "bridge.train.models.families",
+    "supported_model_types": "bridge.train.models.families",
+}
+
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

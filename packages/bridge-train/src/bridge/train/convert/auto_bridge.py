@@ -158,16 +158,19 @@ class AutoBridge:
         """The model's weights under their Hugging Face names, one at a time, on rank 0
         (``None`` on the other ranks, which must iterate too: they send their pieces)."""
         from bridge.train.convert.model_weights import iter_full_parameters
+        from bridge.train.models.families.mapping import HFTensorStacks
 
         mappings = self._mappings(model)
         by_name = {mapping.megatron: mapping for mapping in mappings}
+        stacks = HFTensorStacks()  # tensors stacking several parameters come out whole
         for name, full in iter_full_parameters(model, list(by_name)):
             mapping = by_name[name]
             if full is None:
-                for hf_name in mapping.hf:
-                    yield hf_name, None
+                if mapping.stack is None or mapping.stack[0] == mapping.stack[1] - 1:
+                    for hf_name in mapping.hf:
+                        yield hf_name, None
                 continue
-            yield from zip(mapping.hf, mapping.to_hf(full), strict=True)
+            yield from stacks.add(mapping, mapping.to_hf(full))
 
     def save_hf_weights(
         self,

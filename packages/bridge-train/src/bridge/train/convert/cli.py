@@ -19,7 +19,6 @@ import argparse
 import logging
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 
 __all__ = ["EXIT_INPUT_ERROR", "build_parser", "main"]
@@ -50,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--seq-length", type=int, default=None, help="training sequence length")
     imp.add_argument("--quiet", action="store_true", help="no per-tensor progress")
+    imp.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     exp = sub.add_parser("export", help="bridge-train checkpoint -> Hugging Face model directory")
     exp.add_argument("ckpt_dir", help="checkpoint directory (newest checkpoint) or iter_* dir")
     exp.add_argument("hf_dir", help="new output directory")
@@ -57,15 +57,36 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     exp.add_argument("--max-shard-size", type=float, default=5.0, help="GB per shard")
     exp.add_argument("--quiet", action="store_true", help="no per-tensor progress")
+    exp.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     return parser
+
+
+_VERBOSE_HELP = "print the notices of torch and megatron-core in full (default: one line)"
+#: Loggers whose notices a conversion holds back: torch's import, megatron-core's model build.
+_HELD_LOGGERS = ("torch.utils.cpp_extension", "megatron")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``bridge-convert``; returns the exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # megatron-core's import-time and config deprecation notes say nothing about conversion.
-    warnings.filterwarnings("ignore", module=r"megatron\.")
+    from bridge.config.notices import held_notices, print_held_notices
+
+    # torch's and megatron-core's import notices and megatron's "GPTModel IS DEPRECATED" say
+    # nothing about a conversion: one line says they were held back (--verbose: in full).
+    # A refused input is the one line the command prints (the notices do not matter then).
+    with held_notices(_HELD_LOGGERS) as held:
+        code, last_line = _convert(args)
+    if code == 0:
+        print_held_notices(
+            held, "bridge-convert: ", verbose=args.verbose, how_to_see="--verbose prints them"
+        )
+    print(last_line, file=sys.stderr if code else sys.stdout, flush=True)
+    return code
+
+
+def _convert(args: argparse.Namespace) -> tuple[int, str]:
+    """Run the conversion: ``(exit code, the line that ends the command)``."""
 
     def progress(message: str) -> None:
         if not args.quiet:
@@ -98,10 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=progress,
             )
     except ConversionError as exc:
-        print(f"bridge-convert: error: {exc}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
-    print(f"bridge-convert: {args.direction} done: {out} ({time.monotonic() - started:.1f} s)")
-    return 0
+        return EXIT_INPUT_ERROR, f"bridge-convert: error: {exc}"
+    return 0, f"bridge-convert: {args.direction} done: {out} ({time.monotonic() - started:.1f} s)"
 
 
 if __name__ == "__main__":

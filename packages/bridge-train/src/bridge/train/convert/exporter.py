@@ -25,6 +25,7 @@ import torch
 
 from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
+from bridge.train.convert.model_weights import named_weights, weights_to_meta
 from bridge.train.convert.safetensors_io import (
     ShardedSafetensorsWriter,
     StreamingSafetensorsWriter,
@@ -40,26 +41,20 @@ from bridge.train.models.families import (
     read_hf_config,
     torch_dtype_of,
 )
+from bridge.train.models.families.mapping import HFTensorStacks, declared_hf_tensors
 
 __all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
 
 
 def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
     """``(checkpoint root, iteration directory)`` for a root or an ``iter_*`` directory."""
-    from bridge.train.checkpointing import find_latest_checkpoint
-    from bridge.train.checkpointing.layout import is_complete_checkpoint
+    from bridge.train.checkpointing import CheckpointError
+    from bridge.train.checkpointing.layout import locate_checkpoint
 
-    if not ckpt_dir.exists():
-        raise ConversionError(f"{ckpt_dir} does not exist")
-    if is_complete_checkpoint(ckpt_dir):
-        return ckpt_dir.parent, ckpt_dir
-    location = find_latest_checkpoint(str(ckpt_dir))
-    if location is None:
-        raise ConversionError(
-            f"{ckpt_dir} holds no complete bridge-train checkpoint (no tracker and no complete "
-            "iter_* directory)"
-        )
-    return ckpt_dir, Path(location.path)
+    try:
+        return locate_checkpoint(ckpt_dir)
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
 
 
 def _side_dir(
@@ -318,7 +313,8 @@ def _stream_export(
     single.use_cpu_initialization = True  # weights on the meta device, not a GPU
     with torch.device("meta"):
         model = single.provide(pre_process=True, post_process=True)
-    params = dict(model.named_parameters())
+    weights_to_meta(model)
+    params = named_weights(model)
     name_of = {id(param): name for name, param in params.items()}
     entries: dict[str, dict[str, Any]] = {}
     for key, item in model.sharded_state_dict().items():
@@ -328,11 +324,7 @@ def _stream_export(
         root = data._base if data._base is not None else data
         if root.is_meta and id(root) in name_of:
             entries.setdefault(name_of[id(root)], {})[key] = item
-    declared = []
-    for mapping in mappings:
-        meta = mapping.to_hf(params[mapping.megatron])
-        for name, tensor in zip(mapping.hf, meta, strict=True):
-            declared.append((name, tuple(tensor.shape), out_dtype))
+    declared = declared_hf_tensors(mappings, lambda m: params[m.megatron], out_dtype)
     writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
     strategy = TorchDistLoadShardedStrategy()
     for count, mapping in enumerate(mappings, start=1):
@@ -365,7 +357,7 @@ def _stream_export(
             tensors = mapping.to_hf(real)
         del loaded, template, targets, results, real
         for name, tensor in zip(mapping.hf, tensors, strict=True):
-            writer.write(name, tensor.to(out_dtype).contiguous())
+            writer.write(name, tensor.to(out_dtype).contiguous(), mapping.stack)
         del tensors
         report(f"[{count}/{len(mappings)}] {mapping.megatron}")
     return writer.close(), writer.total_bytes
@@ -445,12 +437,13 @@ def export_hf_checkpoint(
             else:  # adapters are merged into the loaded base model
                 report(f"loading {iteration_dir}")
                 model = load_model_for_export(iteration_dir, run_config, single, merge=True)
-                params = dict(model.named_parameters())
+                params = named_weights(model)
                 writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
+                stacks = HFTensorStacks()
                 with torch.no_grad():
                     for count, mapping in enumerate(mappings, start=1):
                         tensors = mapping.to_hf(params[mapping.megatron].detach())
-                        for name, tensor in zip(mapping.hf, tensors, strict=True):
+                        for name, tensor in stacks.add(mapping, tensors):
                             writer.add(name, tensor.to(out_dtype).contiguous())
                         report(f"[{count}/{len(mappings)}] {mapping.megatron}")
                     files = writer.close()

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
+from bridge.train.convert.model_weights import named_weights, weights_to_meta
 from bridge.train.convert.source import HFSource, side_files
 from bridge.train.models.families import ConversionError, provider_from_hf_config
 
@@ -201,7 +202,8 @@ def import_hf_checkpoint(
         with single_process_megatron(single):
             with torch.device("meta"):  # shapes and sharding only: no parameter memory
                 model = single.provide(pre_process=True, post_process=True)
-            params = dict(model.named_parameters())
+            weights_to_meta(model)
+            params = named_weights(model)
             real = [name for name, param in params.items() if not param.is_meta]
             if real:  # its data would be written instead of the Hugging Face tensors
                 raise ConversionError(f"internal: {real[0]} was not built on the meta device")

@@ -14,6 +14,10 @@ projection separately, so the local rows are not one contiguous slice of ``[gate
   the full tensor over their tensor-parallel group (LoRA adapters folded in), the lowest
   holding rank sends it to rank 0, and rank 0 writes it into safetensors shards whose
   headers were computed first: one parameter is resident at a time.
+
+"Parameters" here are a model's *weights* (:func:`named_weights`): its parameters and its
+persistent buffers, which a checkpoint holds too (megatron's router keeps DeepSeek-V3's
+expert-bias correction, ``expert_bias``, as a buffer).
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ import torch
 import torch.distributed as dist
 
 from bridge.train.models.families import ConversionError, ParamMapping
+from bridge.train.models.families.mapping import declared_hf_tensors
 
 __all__ = [
     "LocalParameter",
     "iter_full_parameters",
     "load_hf_weights",
     "local_parameters",
+    "named_weights",
     "padded_vocab_of",
     "save_hf_weights",
+    "weights_to_meta",
 ]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -56,7 +63,7 @@ class LocalParameter:
     """
 
     name: str
-    param: torch.nn.Parameter
+    param: torch.Tensor
     module: torch.nn.Module
     group: Any
     dim: int
@@ -71,6 +78,38 @@ class LocalParameter:
     def part(self) -> int:
         """This rank's piece."""
         return 0 if self.group is None else dist.get_rank(self.group)
+
+
+def _own_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's own parameters, then its own persistent buffers."""
+    yield from module.named_parameters(recurse=False)
+    for name, buffer in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            yield name, buffer
+
+
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of ``model`` by name: its parameters and its persistent buffers (what a
+    checkpoint stores)."""
+    return {
+        f"{module_name}.{name}" if module_name else name: tensor
+        for module_name, module in model.named_modules()
+        for name, tensor in _own_weights(module)
+    }
+
+
+def weights_to_meta(model: torch.nn.Module) -> None:
+    """Move the persistent buffers of a model built on the meta device there too.
+
+    Modules that place a buffer on an explicit device (megatron's router puts
+    ``expert_bias`` on ``torch.cuda.current_device()``) escape ``torch.device("meta")``; a
+    conversion that streams tensors in or out needs every weight on the meta device (shapes
+    only), so the buffer's real zeros are never written for the checkpoint's values.
+    """
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if name not in module._non_persistent_buffers_set and not buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device="meta")
 
 
 def _unwrap(chunk: Any) -> Any:
@@ -112,7 +151,7 @@ def local_parameters(model: Any) -> list[LocalParameter]:
         inner = _unwrap(chunk)
         gated = bool(getattr(inner.config, "gated_linear_unit", False))
         for module_name, module in inner.named_modules():
-            for param_name, param in module.named_parameters(recurse=False):
+            for param_name, param in _own_weights(module):
                 full = f"{module_name}.{param_name}" if module_name else param_name
                 if _is_adapter(full):
                     continue
@@ -322,16 +361,17 @@ def save_hf_weights(
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = None
     if rank == 0:
-        declared = []
         for mapping in mappings:
             if mapping.megatron not in census.shapes:
                 raise ConversionError(
                     f"no rank holds {mapping.megatron!r}: the model was built from another config"
                 )
+
+        def meta_of(mapping: ParamMapping) -> torch.Tensor:
             shape, param_dtype = census.shapes[mapping.megatron]
-            meta = mapping.to_hf(torch.empty(shape, dtype=param_dtype, device="meta"))
-            for name, tensor in zip(mapping.hf, meta, strict=True):
-                declared.append((name, tuple(tensor.shape), dtype or tensor.dtype))
+            return torch.empty(shape, dtype=param_dtype, device="meta")
+
+        declared = declared_hf_tensors(mappings, meta_of, dtype)
         writer = StreamingSafetensorsWriter(out, declared, max_shard_bytes)
     by_name = {mapping.megatron: mapping for mapping in mappings}
     names = [mapping.megatron for mapping in mappings]
@@ -340,7 +380,7 @@ def save_hf_weights(
             continue
         mapping = by_name[name]
         for hf_name, tensor in zip(mapping.hf, mapping.to_hf(full), strict=True):
-            writer.write(hf_name, tensor.to(dtype or tensor.dtype).contiguous())
+            writer.write(hf_name, tensor.to(dtype or tensor.dtype).contiguous(), mapping.stack)
         report(f"[{count}/{len(mappings)}] {name}")
     files = writer.close() if writer is not None else []
     if dist.is_initialized() and dist.get_world_size() > 1:

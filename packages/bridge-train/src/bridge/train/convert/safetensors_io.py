@@ -99,9 +99,13 @@ class SafetensorsReader:
         """The shape of ``name`` without reading its data."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
-        """A copy of the tensor ``name``."""
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """A copy of the tensor ``name`` (with ``index``: of its ``index``-th slice along
+        the first dimension only, read without the rest)."""
         try:
+            if index is not None:
+                # The slice is a view into the (memory-mapped) whole tensor: own just it.
+                return self._handle(name).get_slice(name)[index].clone()
             return self._handle(name).get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
             if isinstance(exc, ConversionError):
@@ -146,10 +150,19 @@ class ShardedSafetensorsWriter:
         self._weight_map[name] = len(self._shards)
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         path = self.out_dir / f"shard-{len(self._shards):05d}.tmp"
-        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        entries = [
+            (name, tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
+            for name, tensor in self._buffer.items()
+        ]
+        # Written here rather than by safetensors.torch.save_file, which creates its files
+        # with mode 0600: the shards get the mode of every other file of the export.
+        with open(path, "wb") as handle:
+            handle.write(_header(entries))
+            for tensor in self._buffer.values():
+                handle.write(_tensor_bytes(tensor))
+            handle.flush()
+            os.fsync(handle.fileno())
         self._shards.append(str(path))
         self._buffer, self._buffered = {}, 0
 
@@ -191,6 +204,34 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> bytes:
+    """The safetensors header of ``(name, shape, dtype, bytes)`` entries stored in order.
+
+    What ``safetensors.torch.save_file`` writes: an 8-byte length, then the JSON (names,
+    dtypes, shapes, offsets, ``{"format": "pt"}`` metadata) padded to 8 bytes.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype, size in entries:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ConversionError(f"{name}: dtype {dtype} cannot be written to safetensors")
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of ``tensor`` (row-major), as safetensors stores them."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(data.numpy())
+
+
 class StreamingSafetensorsWriter:
     """Write tensors into safetensors shards one at a time, each written as it arrives.
 
@@ -229,27 +270,17 @@ class StreamingSafetensorsWriter:
         self.total_bytes = sum(e[3] for shard in self._shards for e in shard)
         self._order = [(i, e) for i, shard in enumerate(self._shards) for e in shard]
         self._next = 0
+        self._pieces_written = 0  # of the current (stacked) tensor
         self._file: Any = None
         self._temps: list[Path] = []
 
     def _open(self, index: int) -> None:
         if self._file is not None:
             self._finish_file()
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shape, dtype, size in self._shards[index]:
-            header[name] = {
-                "dtype": _SAFETENSORS_DTYPES[dtype],
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)
         temp = self.out_dir / f"shard-{index:05d}.tmp"
         self._temps.append(temp)
         self._file = open(temp, "wb")  # noqa: SIM115 (closed in _finish_file)
-        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self._file.write(_header(self._shards[index]))
 
     def _finish_file(self) -> None:
         self._file.flush()
@@ -257,20 +288,33 @@ class StreamingSafetensorsWriter:
         self._file.close()
         self._file = None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next declared tensor (same name, shape and dtype as declared)."""
+    def write(self, name: str, tensor: torch.Tensor, stack: tuple[int, int] | None = None) -> None:
+        """Write the next declared tensor (same name, shape and dtype as declared), or, with
+        ``stack=(index, count)``, its ``index``-th slice along the first dimension (the
+        slices in order, one after the other: each goes to disk as it arrives)."""
         if self._next >= len(self._order):
             raise ConversionError(f"internal: {name} was not declared to the writer")
         index, (expected, shape, dtype, _) = self._order[self._next]
-        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        piece, count = stack if stack is not None else (0, None)
+        wanted = shape if count is None else (count, *tuple(tensor.shape))
+        if (
+            name != expected
+            or wanted != shape
+            or tensor.dtype != dtype
+            or piece != self._pieces_written
+        ):
             raise ConversionError(
-                f"internal: writer expected {expected} {list(shape)} {dtype}, got {name} "
-                f"{list(tensor.shape)} {tensor.dtype}"
+                f"internal: writer expected {expected} {list(shape)} {dtype} (piece "
+                f"{self._pieces_written}), got {name} {list(tensor.shape)} {tensor.dtype} "
+                f"(piece {piece} of {count})"
             )
         if self._file is None or index != len(self._temps) - 1:
             self._open(index)
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        self._file.write(_tensor_bytes(tensor))
+        if count is not None and piece + 1 < count:
+            self._pieces_written += 1
+            return
+        self._pieces_written = 0
         self._next += 1
 
     def close(self) -> list[Path]:

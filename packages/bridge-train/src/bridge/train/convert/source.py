@@ -95,7 +95,9 @@ class HFSource:
                 "config"
             )
         unexpected = sorted(
-            n for n in names - wanted if not (self.family.ignores(n) or self.family.skips(n))
+            n
+            for n in names - wanted
+            if not (self.family.ignores(n) or self.family.skips(n, self.text_config))
         )
         if unexpected:
             raise ConversionError(
@@ -108,12 +110,24 @@ class HFSource:
     def skipped(self) -> list[str]:
         """Checkpoint tensors outside the imported model (a multimodal model's vision tower),
         to report."""
-        return sorted(n for n in self.reader.names() if self.family.skips(n))
+        return sorted(n for n in self.reader.names() if self.family.skips(n, self.text_config))
 
     def megatron_tensor(self, mapping: ParamMapping) -> torch.Tensor:
-        """The megatron parameter ``mapping`` makes, assembled from the checkpoint."""
+        """The megatron parameter ``mapping`` makes, assembled from the checkpoint (a stacked
+        mapping reads only its slice of each tensor)."""
+        index = None if mapping.stack is None else mapping.stack[0]
         with torch.no_grad():
-            return mapping.to_megatron(*(self.reader.get(name) for name in mapping.hf))
+            return mapping.to_megatron(*(self.reader.get(name, index) for name in mapping.hf))
+
+    def _piece_shape(self, mapping: ParamMapping, name: str) -> tuple[int, ...] | None:
+        """The shape ``mapping`` reads of tensor ``name`` (``None``: the tensor does not
+        stack the mapping's ``count`` pieces)."""
+        shape = self.reader.shape(name)
+        if mapping.stack is None:
+            return shape
+        if not shape or shape[0] != mapping.stack[1]:
+            return None
+        return shape[1:]
 
     def check_shapes(self, mappings: list[ParamMapping], params: dict[str, torch.Tensor]) -> None:
         """Every mapping produces its parameter's shape (on meta tensors: no data is read).
@@ -122,22 +136,27 @@ class HFSource:
             ConversionError: A mismatch, naming the tensors, their files and both shapes.
         """
         for mapping in mappings:
-            shapes = [self.reader.shape(name) for name in mapping.hf]
+            pieces = [self._piece_shape(mapping, name) for name in mapping.hf]
             if mapping.megatron not in params:
                 raise ConversionError(
                     f"internal: the megatron model has no parameter {mapping.megatron!r}"
                 )
             expected = tuple(params[mapping.megatron].shape)
-            try:
-                produced = tuple(
-                    mapping.to_megatron(*(torch.empty(s, device="meta") for s in shapes)).shape
-                )
-            except RuntimeError:
-                produced = None
+            produced: tuple[int, ...] | None = None
+            shapes = [piece for piece in pieces if piece is not None]
+            if len(shapes) == len(pieces):
+                try:
+                    produced = tuple(
+                        mapping.to_megatron(
+                            *(torch.empty(shape, device="meta") for shape in shapes)
+                        ).shape
+                    )
+                except RuntimeError:
+                    produced = None
             if produced != expected:
                 listed = ", ".join(
-                    f"{n} {list(s)} in {self.reader.file_of(n)}"
-                    for n, s in zip(mapping.hf, shapes, strict=True)
+                    f"{n} {list(self.reader.shape(n))} in {self.reader.file_of(n)}"
+                    for n in mapping.hf
                 )
                 raise ConversionError(
                     f"shape mismatch: {listed} do not make {mapping.megatron} of shape "

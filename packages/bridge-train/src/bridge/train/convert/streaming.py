@@ -79,7 +79,8 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
     """``torch_dist`` save of a meta-device model whose tensors are produced on demand.
 
     Args:
-        model: The model chunk whose parameters are on the meta device.
+        model: The model chunk whose weights (parameters and persistent buffers) are on the
+            meta device.
         produce: ``produce(name)`` returns the data of parameter ``name`` (any dtype; cast to
             the parameter's, checked for its shape). It is called when the parameter is
             written, and again if its pieces are not written one after the other.
@@ -87,7 +88,9 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, model: torch.nn.Module, produce: Callable[[str], torch.Tensor]) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
-        self._params = dict(model.named_parameters())
+        from bridge.train.convert.model_weights import named_weights
+
+        self._params = named_weights(model)
         self._name_of = {id(param): name for name, param in self._params.items()}
         self._produce = produce
         self.produced: set[str] = set()
@@ -101,7 +104,14 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
                 f"is {list(meta.shape)}"
             )
         self.produced.add(name)
-        return tensor.to(dtype=meta.dtype).contiguous()
+        tensor = tensor.to(dtype=meta.dtype).contiguous()
+        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != (
+            tensor.numel() * tensor.element_size()
+        ):
+            # The planner addresses the parameter's storage (as_strided): a view into a
+            # larger tensor must become a tensor of its own.
+            tensor = tensor.clone()
+        return tensor
 
     def _sources(self, sharded: dict[str, list[Any]]) -> dict[tuple[str, tuple[int, ...]], _Source]:
         sources: dict[tuple[str, tuple[int, ...]], _Source] = {}

@@ -158,6 +158,8 @@ def build_train_valid_test_datasets(
 
     Raises:
         FileNotFoundError: A data path does not exist.
+        bridge.config.ConfigError: A split would get no sample (megatron-core would loop
+            forever building it; see :mod:`bridge.train.data.split_checks`).
     """
     from bridge.config import FinetuningDatasetConfig
 
@@ -173,6 +175,10 @@ def build_train_valid_test_datasets(
     config = build_gpt_dataset_config(dataset_config, tokenizer)
     cls = MockGPTDataset if config.mock else GPTDataset
     sizes = [int(n) for n in num_samples]
+    if not config.mock:
+        from bridge.train.data.split_checks import check_split_samples
+
+        check_split_samples(dataset_config, (sizes[0], sizes[1], sizes[2]))
     builder = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config)
     train_ds, valid_ds, test_ds = builder.build()
     return train_ds, valid_ds, test_ds

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DataFileError", "check_indexed_dataset"]
+__all__ = ["DataFileError", "check_indexed_dataset", "read_sequence_lengths"]
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 # megatron-core's DType codes.
@@ -71,6 +71,15 @@ def _read_index(idx: Path) -> tuple[type[np.number], np.ndarray, np.ndarray]:
     lengths = np.frombuffer(index, dtype=np.int32, count=sequences, offset=34)
     pointers = np.frombuffer(index, dtype=np.int64, count=sequences, offset=34 + 4 * sequences)
     return _DTYPES[code], lengths, pointers
+
+
+def read_sequence_lengths(prefix: str | os.PathLike[str]) -> np.ndarray:
+    """The token count of every sequence (document) of ``<prefix>.idx``, memory-mapped.
+
+    Raises:
+        DataFileError: The index is garbage or truncated.
+    """
+    return _read_index(Path(f"{prefix}.idx"))[1]
 
 
 def check_indexed_dataset(

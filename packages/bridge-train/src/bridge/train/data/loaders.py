@@ -17,6 +17,8 @@ the samples the interrupted one would have read next.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -127,6 +129,41 @@ def build_data_loader(
     )
 
 
+logger = logging.getLogger(__name__)
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as torch's DataLoader counts them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _worker_count(dataset_config: Any) -> int:
+    """``num_workers``, capped at the CPUs this process may use.
+
+    The reference's default is 8 workers per loader; on a laptop or a 2-core CI machine
+    torch warns about it ("suggested max number of worker ... is 2") and the extra processes
+    only compete for the cores. Workers change where samples are loaded, never which.
+    """
+    wanted = int(getattr(dataset_config, "num_workers", 0) or 0)
+    usable = _usable_cpus()
+    if wanted <= usable:
+        return wanted
+    from core_utils.distributed import global_rank
+
+    if global_rank() == 0:
+        logger.info(
+            "dataset.num_workers=%d is more than the %d CPUs this process may use: "
+            "%d worker processes load each split",
+            wanted,
+            usable,
+            usable,
+        )
+    return usable
+
+
 def _data_parallel_layout(dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
     if dp_rank is not None and dp_size is not None:
         return dp_rank, dp_size
@@ -203,7 +240,7 @@ def build_train_valid_test_data_loaders(
         "data_parallel_rank": rank,
         "data_parallel_size": size,
         "dataloader_type": kind,
-        "num_workers": int(getattr(dataset_config, "num_workers", 0) or 0),
+        "num_workers": _worker_count(dataset_config),
         "pin_memory": bool(getattr(dataset_config, "pin_memory", False)),
         "persistent_workers": bool(getattr(dataset_config, "persistent_workers", False)),
         # GPT configs name the seed random_seed, finetuning configs seed.

@@ -11,14 +11,20 @@ Command line (also ``python -m bridge.train.data.preprocess``)::
 
 Inputs ending in ``.jsonl`` / ``.json`` are read as JSON lines; other files are one
 document each (``--split-lines`` makes every non-empty line a document).
+
+``--workers N`` tokenizes in N processes (documents are handed out in chunks and their ids
+written back in input order, so the files are byte for byte those of one process, as in
+megatron's ``preprocess_data.py``); the command reports its progress every few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,7 @@ import numpy as np
 
 from bridge.train.data.tokenizers import Tokenizer, build_tokenizer
 
-__all__ = ["PreprocessResult", "main", "preprocess_data"]
+__all__ = ["PreprocessProgress", "PreprocessResult", "build_parser", "main", "preprocess_data"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,25 @@ class PreprocessResult:
 
 
 @dataclass(frozen=True)
+class PreprocessProgress:
+    """How far :func:`preprocess_data` is (given to its ``progress`` callback).
+
+    Attributes:
+        documents: Documents written so far.
+        tokens: Token ids written so far, EOD ids included.
+        bytes_read: Input bytes read so far.
+        bytes_total: Size of all inputs.
+        seconds: Time since the start.
+    """
+
+    documents: int
+    tokens: int
+    bytes_read: int
+    bytes_total: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class _TokenizerSpec:
     tokenizer_type: str
     tokenizer_model: str | None = None
@@ -56,11 +81,17 @@ class _TokenizerSpec:
     vocab_extra_ids: int = 0
 
 
-def _documents(paths: Sequence[Path], json_key: str, split_lines: bool) -> Iterator[str]:
+def _documents(
+    paths: Sequence[Path], json_key: str, split_lines: bool
+) -> Iterator[tuple[str, int]]:
+    """Each document's text, with the input bytes read once it is (for progress reports:
+    lines are counted by their UTF-8 length, so a CRLF line counts one byte short)."""
+    done = 0
     for path in paths:
         if path.suffix in (".jsonl", ".json"):
             with path.open(encoding="utf-8") as handle:
                 for line_number, line in enumerate(handle, 1):
+                    done += len(line.encode("utf-8"))
                     if not line.strip():
                         continue
                     try:
@@ -75,14 +106,54 @@ def _documents(paths: Sequence[Path], json_key: str, split_lines: bool) -> Itera
                             f"{path}:{line_number}: no key {json_key!r} (found {keys}); pass "
                             "--json-key with the field holding the text"
                         )
-                    yield str(record[json_key])
+                    yield str(record[json_key]), done
         elif split_lines:
             with path.open(encoding="utf-8") as handle:
                 for line in handle:
+                    done += len(line.encode("utf-8"))
                     if line.strip():
-                        yield line.rstrip("\n")
+                        yield line.rstrip("\n"), done
         else:
-            yield path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8")
+            done += path.stat().st_size
+            yield text, done
+
+
+# The tokenizer of a worker process (see _worker_start).
+_worker_tokenizer: Any = None
+
+
+def _worker_start(tokenizer: Any) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _tokenize_in_worker(text: str) -> list[int]:
+    return list(_worker_tokenizer.tokenize(text))
+
+
+def _token_ids(
+    tokenizer: Tokenizer, documents: Iterator[tuple[str, int]], workers: int
+) -> Iterator[tuple[list[int], int]]:
+    """``(ids, bytes read)`` per document, in input order, tokenized in ``workers`` processes."""
+    if workers <= 1:
+        for text, done in documents:
+            yield list(tokenizer.tokenize(text)), done
+        return
+    # fork hands the tokenizer over without pickling it; elsewhere it is pickled once per
+    # worker through the initializer.
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    progress: list[int] = []
+
+    def texts() -> Iterator[str]:
+        for text, done in documents:
+            progress.append(done)
+            yield text
+
+    with context.Pool(workers, initializer=_worker_start, initargs=(tokenizer,)) as pool:
+        for index, ids in enumerate(pool.imap(_tokenize_in_worker, texts(), chunksize=64)):
+            yield ids, progress[index]
 
 
 def preprocess_data(
@@ -94,11 +165,16 @@ def preprocess_data(
     split_lines: bool = False,
     append_eod: bool = True,
     overwrite: bool = False,
+    workers: int = 1,
+    progress: Callable[[PreprocessProgress], None] | None = None,
+    progress_interval: float = 5.0,
 ) -> PreprocessResult:
     """Tokenize ``inputs`` into ``<output_prefix>.bin`` / ``.idx``.
 
     The files are written under temporary names and renamed at the end, so an interrupted
-    run never leaves a half-written dataset under the final name.
+    run never leaves a half-written dataset under the final name. With ``workers`` > 1 the
+    documents are tokenized in that many processes and written in input order: the files
+    are the same bytes as with one.
 
     Args:
         inputs: Text files (one document each, or one per line with ``split_lines``) and/or
@@ -109,6 +185,10 @@ def preprocess_data(
         split_lines: Treat every non-empty line of a text file as a document.
         append_eod: Append the EOD id after every document.
         overwrite: Replace existing output files (refused otherwise).
+        workers: Processes that tokenize (1: this process).
+        progress: Called every ``progress_interval`` seconds while documents are written,
+            and once at the end.
+        progress_interval: Seconds between two ``progress`` calls.
 
     Returns:
         Counts of what was written.
@@ -117,7 +197,7 @@ def preprocess_data(
         FileNotFoundError: An input does not exist.
         FileExistsError: The output files exist and ``overwrite`` is false.
         ValueError: No input given, the inputs hold no document, a JSON line is malformed
-            or lacks ``json_key``.
+            or lacks ``json_key``, or ``workers`` < 1.
     """
     from megatron.core.datasets.indexed_dataset import (
         DType,
@@ -129,6 +209,8 @@ def preprocess_data(
     paths = [Path(p) for p in inputs]
     if not paths:
         raise ValueError("no input files given; pass --input FILE [FILE ...]")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"input file(s) not found: {missing}")
@@ -145,21 +227,32 @@ def preprocess_data(
     tmp_idx = idx_path.with_name(idx_path.name + ".tmp")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-    documents = tokens = 0
+    documents = tokens = read = 0
+    total = sum(p.stat().st_size for p in paths)
+    started = last_report = time.monotonic()
+
+    def report() -> None:
+        if progress is not None:
+            progress(PreprocessProgress(documents, tokens, read, total, time.monotonic() - started))
+
     try:
         import torch
 
-        for text in _documents(paths, json_key, split_lines):
-            ids = tokenizer.tokenize(text)
+        stream = _token_ids(tokenizer, _documents(paths, json_key, split_lines), workers)
+        for ids, bytes_read in stream:
+            read = bytes_read
             if append_eod:
                 ids = [*ids, tokenizer.eod]
-            if not ids:
-                continue
-            builder.add_item(torch.tensor(np.asarray(ids, dtype=np.int64)))
-            builder.end_document()
-            documents += 1
-            tokens += len(ids)
+            if ids:
+                builder.add_item(torch.tensor(np.asarray(ids, dtype=np.int64)))
+                builder.end_document()
+                documents += 1
+                tokens += len(ids)
+            if progress is not None and time.monotonic() - last_report >= progress_interval:
+                last_report = time.monotonic()
+                report()
         builder.finalize(str(tmp_idx))
+        report()
         if documents == 0:
             raise ValueError(
                 f"the input {[str(p) for p in paths]} holds no document (empty files or lines); "
@@ -175,7 +268,8 @@ def preprocess_data(
     return PreprocessResult(prefix, documents, tokens)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``bridge-preprocess-data``."""
     parser = argparse.ArgumentParser(
         prog="bridge-preprocess-data",
         description="Tokenize text or JSONL files into a megatron indexed dataset (.bin/.idx).",
@@ -214,7 +308,35 @@ def _parser() -> argparse.ArgumentParser:
         "--no-append-eod", action="store_true", help="do not append EOD to documents"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the notices of torch and megatron-core in full (default: one line)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes that tokenize (default 1; the output is the same for any number)",
+    )
     return parser
+
+
+#: Seconds between the command's progress lines (a shorter run prints none).
+_PROGRESS_INTERVAL = 5.0
+
+
+def _print_progress(state: PreprocessProgress) -> None:
+    if state.seconds < _PROGRESS_INTERVAL:
+        return
+    share = f" ({100 * state.bytes_read / state.bytes_total:.0f}%)" if state.bytes_total else ""
+    print(
+        f"bridge-preprocess-data: {state.documents:,} documents, {state.tokens:,} tokens, "
+        f"{state.bytes_read / 1e6:.1f} of {state.bytes_total / 1e6:.1f} MB read{share}, "
+        f"{state.seconds:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,7 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 1 on a user error (printed to stderr, no traceback).
     """
-    args = _parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     spec: Any = _TokenizerSpec(
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
@@ -235,6 +360,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocab_size=args.vocab_size,
         special_tokens=args.special_tokens,
     )
+    from bridge.config.notices import held_notices, print_held_notices
+
+    # megatron-core's import notices (it writes the files) say nothing about the data.
+    # A refused input is the one line the command prints (the notices do not matter then).
+    with held_notices(("torch.utils.cpp_extension", "megatron")) as held:
+        code, last_line = _preprocess(args, spec)
+    if code == 0:
+        print_held_notices(
+            held,
+            "bridge-preprocess-data: ",
+            verbose=args.verbose,
+            how_to_see="--verbose prints them",
+        )
+    print(last_line, file=sys.stderr if code else sys.stdout, flush=True)
+    return code
+
+
+def _preprocess(args: argparse.Namespace, spec: Any) -> tuple[int, str]:
+    """Tokenize as ``args`` say: ``(exit code, the line that ends the command)``."""
     try:
         tokenizer = build_tokenizer(spec)
         result = preprocess_data(
@@ -245,15 +389,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             split_lines=args.split_lines,
             append_eod=not args.no_append_eod,
             overwrite=args.overwrite,
+            workers=args.workers,
+            progress=_print_progress,
+            progress_interval=_PROGRESS_INTERVAL,
         )
     except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
-        print(f"bridge-preprocess-data: error: {exc}", file=sys.stderr)
-        return 1
-    print(
+        return 1, f"bridge-preprocess-data: error: {exc}"
+    return 0, (
         f"wrote {result.num_documents} documents, {result.num_tokens} tokens to "
         f"{result.output_prefix}.bin/.idx"
     )
-    return 0
 
 
 if __name__ == "__main__":

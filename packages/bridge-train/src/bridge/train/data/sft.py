@@ -56,6 +56,7 @@ __all__ = [
     "SFTSettings",
     "TokenizedExamples",
     "build_sft_datasets",
+    "chat_generation_prompt",
     "check_finetuning_dataset",
     "load_tokenized_examples",
     "sft_settings",
@@ -237,13 +238,38 @@ def _render_chat(tokenizer: Any, messages: Any, where: str) -> tuple[list[int], 
             previous = apply_template(messages[:turn], tokenize=False) if turn else ""
             new = tokenizer.tokenize(text[len(previous) :])
         else:
-            header = tokenizer.tokenize(f"<|{role}|>\n")
+            header = tokenizer.tokenize(_chat_header(role))
             ids += header
             flags += [0] * len(header)
             new = tokenizer.tokenize(content + "\n")
         ids += new
         flags += [1 if role == "assistant" else 0] * len(new)
     return ids, flags
+
+
+def _chat_header(role: str) -> str:
+    """What starts a message of ``role`` without a tokenizer chat template."""
+    return f"<|{role}|>\n"
+
+
+def chat_generation_prompt(tokenizer: Any, messages: Any) -> list[int]:
+    """Token ids of ``messages`` rendered as chat training records are, followed by the
+    start of an assistant message: the prompt from which a chat-finetuned model answers.
+
+    Args:
+        tokenizer: The tokenizer of the finetuned model.
+        messages: ``[{"role": ..., "content": ...}, ...]``.
+
+    Raises:
+        ValueError: ``messages`` is not a non-empty list of role/content messages.
+    """
+    ids, _ = _render_chat(tokenizer, messages, "chat prompt")
+    apply_template = getattr(tokenizer, "apply_chat_template", None)
+    if apply_template is not None:
+        rendered = apply_template(messages, tokenize=False)
+        opened = apply_template(messages, tokenize=False, add_generation_prompt=True)
+        return ids + list(tokenizer.tokenize(opened[len(rendered) :]))
+    return ids + list(tokenizer.tokenize(_chat_header("assistant")))
 
 
 def _tokenize_record(

@@ -41,7 +41,9 @@ def missing_tokenizer_package(tokenizer_type: str) -> str | None:
         found = False
     if found:
         return None
+    # uv sync keeps exactly what it is given: --inexact leaves the other extras installed.
     return (
         f"{tokenizer_type!r} needs the {module!r} package, which is not installed; "
-        f"pip install 'bridge-train[{extra}]'"
+        f"pip install 'bridge-train[{extra}]' (in a clone of this repository: "
+        f"uv sync --inexact --extra {extra})"
     )

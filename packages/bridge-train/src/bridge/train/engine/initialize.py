@@ -207,7 +207,7 @@ def initialize_distributed(
         _STATE["owns_process_group"] = True
 
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        _destroy_model_parallel()
     order = "tp-pp-dp" if getattr(dist_config, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=model_config.tensor_model_parallel_size,
@@ -306,6 +306,22 @@ def _enter_cuda_emulation() -> bool:
     return cuda_emulation_active()
 
 
+def _destroy_model_parallel() -> None:
+    """megatron's ``destroy_model_parallel``, and the groups it leaves behind dropped too.
+
+    megatron-core 0.19.2 leaves ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` set. That group
+    then outlives its process group, and a process forked later (a test's rank, a writer)
+    that builds a parallel state of its own drops the inherited object and hangs in its
+    destructor, which waits for threads only the parent has.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+
+
 def destroy_distributed() -> None:
     """Tear down megatron's parallel state, the process group if this module created it, and
     the CUDA emulation if :func:`initialize_distributed` entered it."""
@@ -313,7 +329,7 @@ def destroy_distributed() -> None:
 
     try:
         if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            _destroy_model_parallel()
         if _STATE["owns_process_group"] and dist.is_initialized():
             dist.destroy_process_group()
         _STATE["owns_process_group"] = False

@@ -11,6 +11,7 @@ Order of work (every rank)::
     tokenizer; model; optimizer and scheduler; rerun state machine
     load the checkpoint (checkpoint.load, else an earlier run in checkpoint.save)
     datasets and iterators positioned at the loaded counters; fault tolerance setup ends
+    the run-plan notices (nothing to train, unused pretrained weights; rank 0)
     progress.txt "Starting job"; run_config.yaml
     train() (with the callbacks); final validation and test evaluation (when training was not stopped early)
     close: async saves finished, resiliency stopped, writers flushed and closed, rerun
@@ -77,9 +78,9 @@ from bridge.train.models.family import (
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.state import ForwardStepCallable, GlobalState, TrainState
 from core_utils.callbacks import Callback, CallbackList
-from core_utils.distributed import global_world_size
+from core_utils.distributed import global_rank, global_world_size
 
-__all__ = ["SetupOutput", "pretrain", "setup"]
+__all__ = ["DatasetsFunction", "SetupOutput", "pretrain", "setup"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class SetupOutput:
         checkpointing_context: The checkpointing context for save/load calls.
         tokenizer: The tokenizer the data and the model's vocabulary come from.
         checkpoint_loaded: Whether a checkpoint was loaded.
+        datasets: ``(train, validation, test)`` datasets the iterators read.
     """
 
     state: GlobalState
@@ -113,6 +115,12 @@ class SetupOutput:
     checkpointing_context: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     checkpoint_loaded: bool = False
+    datasets: tuple[Any, Any, Any] = (None, None, None)
+
+
+#: Builds ``(train, validation, test)`` datasets from what :func:`setup` built before the
+#: data (tokenizer, loaded train state), instead of the config's dataset section.
+DatasetsFunction = Callable[[SetupOutput], tuple[Any, Any, Any]]
 
 
 def _build_tokenizer(
@@ -129,6 +137,13 @@ def _build_tokenizer(
             "tokenizer_type: ByteLevelTokenizer) or set model.vocab_size for mock data",
         )
     return NullTokenizer(int(vocab_size))
+
+
+def _progress(message: str) -> None:
+    """Rank 0 says which setup step starts: together they take 15-25 s before iteration 1
+    on a CPU, and a silent terminal looks hung."""
+    if global_rank() == 0:
+        logger.info(message)
 
 
 def _uses_checkpoints(checkpoint: CheckpointConfig) -> bool:
@@ -157,6 +172,7 @@ def _load_checkpoint(
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return False
+    _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
     context = out.checkpointing_context
     if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
@@ -205,6 +221,7 @@ def setup(
     hang_timeout: float | WatchdogTimeouts | None = None,
     backend_settings: BackendSettings | None = None,
     report_settings: ReportSettings | None = None,
+    datasets: DatasetsFunction | None = None,
 ) -> SetupOutput:
     """Initialise distributed training and build everything :func:`train` needs.
 
@@ -221,6 +238,9 @@ def setup(
         backend_settings: MLflow / Comet settings of bridge.logging.
         report_settings: Optional reports of bridge.logging (throughput window, runtime,
             per-layer gradient norms).
+        datasets: Builds the datasets instead of ``cfg.dataset`` (called after the
+            checkpoint is loaded, before the iterators are positioned at the train state's
+            counters; evaluation-only runs use it).
 
     Returns:
         The built pieces.
@@ -272,6 +292,7 @@ def setup(
     apply_tokenizer = getattr(cfg.model, "apply_tokenizer", None)
     if apply_tokenizer is not None:
         apply_tokenizer(tokenizer)
+    _progress(f"building the model and optimizer ({type(cfg.model).__name__}, world size {world})")
     model = engine.setup_model(
         cfg.model,
         cfg.ddp,
@@ -304,11 +325,15 @@ def setup(
     state.job_start_flops = state.train_state.floating_point_operations_so_far
 
     assert cfg.dataset is not None
-    datasets = build_family_datasets(
-        cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(train)
-    )
+    _progress(f"loading the data ({type(cfg.dataset).__name__})")
+    if datasets is None:
+        out.datasets = build_family_datasets(
+            cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(train)
+        )
+    else:
+        out.datasets = datasets(out)
     iterators = build_train_valid_test_data_iterators(
-        datasets, cfg.dataset, train, state.train_state
+        out.datasets, cfg.dataset, train, state.train_state
     )
     from megatron.core.rerun_state_machine import RerunDataIterator
 
@@ -317,6 +342,25 @@ def setup(
     )
     resiliency.fault_tolerance.on_setup_end(checkpoint_loaded=out.checkpoint_loaded)
     return out
+
+
+def _report_run_plan(out: SetupOutput) -> None:
+    """Rank 0 says, before training, when the run will train nothing or ignore its
+    pretrained weights (see :func:`bridge.train.checks.resume.run_plan_notices`)."""
+    from bridge.train.checks.resume import run_plan_notices
+
+    state = out.state
+    assert state.cfg.train is not None
+    notices = run_plan_notices(
+        state.cfg,
+        loaded=out.checkpointing_context.get("loaded_checkpoint"),
+        iteration=state.train_state.step,
+        done=run_is_done(state.cfg.train, state.train_state),
+        after_load=True,
+    )
+    if global_rank() == 0:
+        for notice in notices:
+            logger.warning(notice)
 
 
 def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
@@ -455,6 +499,7 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
+        _report_run_plan(out)
         record_starting_job(progress_log_of(state), state.metric_writers, state.train_state.step)
         save_run_config(config)
         exit_code = 0
@@ -471,6 +516,7 @@ def pretrain(
                 process_non_loss_data_func=process_non_loss_data_func,
                 non_loss_data_func=non_loss_data_func,
                 callbacks=callbacks,
+                tokenizer=out.tokenizer,
             )
         if exit_code == 0 and (
             config.train.skip_train or run_is_done(config.train, state.train_state)

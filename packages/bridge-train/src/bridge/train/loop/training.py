@@ -157,6 +157,7 @@ def run_training(
     non_loss_data_func: Callable[..., Any] | None = None,
     *,
     callbacks: Sequence[Callback] = (),
+    tokenizer: Any = None,
 ) -> int:
     """:func:`bridge.train.train` with user callbacks (what :func:`bridge.train.pretrain`
     calls): the components built from their sections, then the loop.
@@ -174,6 +175,7 @@ def run_training(
         non_loss_data_func: See :func:`bridge.train.train`.
         callbacks: User callbacks (:class:`bridge.train.Callback`), run after the loop's
             components and after the config's ``callbacks``.
+        tokenizer: The run's tokenizer (the ``samples`` section generates with it).
 
     Returns:
         The process exit code (see :func:`bridge.train.train`).
@@ -220,6 +222,10 @@ def run_training(
         evaluate=evaluation,
         timers=state.timers,
         toggle_forward_pre_hooks=toggle_hooks,
+        samples=cfg.samples,
+        tokenizer=tokenizer,
+        seq_length=getattr(cfg.model, "seq_length", None),
+        metric_writers=state.metric_writers,
     )
     context = LoopContext(
         state.train_state,

@@ -8,7 +8,12 @@ gradient and a weight gradient of the same size as each forward GEMM). Per token
   ``kv = kv_channels x query_groups`` (grouped-query attention shrinks K and V), the output
   projection ``q x h``, and the two score/value matmuls. With a causal mask each query
   attends to ``s / 2`` keys on average, so the two matmuls together cost ``q x s`` (this
-  halving is how Megatron-Bridge counts it);
+  halving is how Megatron-Bridge counts it). Multi-latent attention (DeepSeek-V3) counts
+  its projections instead: the query's down ``h x q_lora`` and up ``q_lora x heads x (nope +
+  rope)`` (or one ``h x heads x (nope + rope)`` without ``q_lora_rank``), the key/value
+  down ``h x (kv_lora + rope)`` and up ``kv_lora x heads x (nope + v)``, the output
+  ``heads x v x h``, and the score and value matmuls with their own head widths
+  (``heads x (nope + rope) x s / 2`` and ``heads x v x s / 2``);
 * MLP: ``h x ffn`` per projection, with 3 projections for gated linear units (SwiGLU) and 2
   otherwise; MoE layers count ``moe_router_topk`` routed experts of ``moe_ffn_hidden_size``
   plus the shared experts (``moe_layer_freq`` decides which layers are MoE);
@@ -64,6 +69,22 @@ def _model_family_flops(model: Any, batch_size: int, seq_length: int) -> float |
     return None
 
 
+def _latent_attention_macs(model: Any, s: int) -> float:
+    """Per-token forward multiply-accumulates of one multi-latent attention layer."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    qk_width = heads * (model.qk_head_dim + model.qk_pos_emb_head_dim)
+    v_width = heads * model.v_head_dim
+    if model.q_lora_rank is None:
+        query = h * qk_width
+    else:
+        query = h * model.q_lora_rank + model.q_lora_rank * qk_width
+    key_value = h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + model.kv_lora_rank * (
+        heads * model.qk_head_dim + v_width
+    )
+    # causal: each query sees s / 2 keys on average
+    return query + key_value + v_width * h + (qk_width + v_width) * s / 2
+
+
 def num_floating_point_operations(
     model_config: Any, batch_size: int, seq_length: int | None = None
 ) -> float:
@@ -80,8 +101,7 @@ def num_floating_point_operations(
         The FLOP count as a float (see the module docstring for what is counted).
 
     Raises:
-        ValueError: A size is missing or not positive, or the config uses multi-latent
-            attention (not counted by this function).
+        ValueError: A size is missing or not positive.
     """
     model = getattr(model_config, "model", model_config)
     if batch_size < 0:
@@ -89,8 +109,6 @@ def num_floating_point_operations(
     s = seq_length if seq_length is not None else getattr(model, "seq_length", None)
     if not s or s < 1:
         raise ValueError(f"sequence length must be a positive integer, got {s!r}")
-    if getattr(model, "multi_latent_attention", False):
-        raise ValueError("num_floating_point_operations does not count multi-latent attention")
     if getattr(model, "vocab_size", None) is None:
         raise ValueError("model.vocab_size must be set to count the logit FLOPs")
     family = _model_family_flops(model, batch_size, s)
@@ -133,11 +151,14 @@ def num_floating_point_operations(
         ffn * projections * num_dense_layers
         + (moe_ffn * routed_experts + shared_ffn) * projections * num_moe_layers
     )
-    attention_macs = num_layers * (
-        h * (q_size + 2 * kv_size)  # QKV projection
-        + q_size * h  # output projection
-        + q_size * s  # QK^T and attention x V, causal: s / 2 keys each
-    )
+    if getattr(model, "multi_latent_attention", False):
+        attention_macs = num_layers * _latent_attention_macs(model, s)
+    else:
+        attention_macs = num_layers * (
+            h * (q_size + 2 * kv_size)  # QKV projection
+            + q_size * h  # output projection
+            + q_size * s  # QK^T and attention x V, causal: s / 2 keys each
+        )
     mtp_macs = mtp_layers * (
         1.5 * h + h * h
     )  # eh norms (counted as Megatron-Bridge does) + eh projection

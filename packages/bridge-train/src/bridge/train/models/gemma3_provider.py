@@ -42,6 +42,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.gpt_provider import GPTModelProvider
+from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -225,16 +226,11 @@ class Gemma3ModelProvider(GPTModelProvider):
 
     def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
         """``portable`` without CUDA, megatron's ``local`` attention with it."""
-        backend = super().resolved_layer_spec_backend()
-        if backend != "transformer_engine":
-            return backend
-        if self.layer_spec_backend == "transformer_engine":
-            raise ValueError(
-                "model.layer_spec_backend='transformer_engine' is not supported for Gemma 3 "
-                "(its zero-centred and post-layer norms are megatron local modules); use "
-                "'local' or 'auto'"
-            )
-        return "local"
+        return resolve_local_layer_spec_backend(
+            self.layer_spec_backend,
+            "Gemma 3",
+            "its zero-centred and post-layer norms are megatron local modules",
+        )
 
     def layer_spec(self, vp_stage: int | None = None) -> Any:
         """The Gemma 3 block spec (or ``transformer_layer_spec`` when set)."""

@@ -88,7 +88,9 @@ class GPTModelProvider(TransformerConfig):
         should_pad_vocab: Pad the vocabulary as above (megatron's behaviour). When false
             ``vocab_size`` must already be divisible by the tensor-parallel size.
         share_embeddings_and_output_weights: Tie the output layer to the input embedding.
-        position_embedding_type: ``"learned_absolute"``, ``"rope"`` or ``"none"``.
+        position_embedding_type: ``"learned_absolute"``, ``"rope"``, ``"none"``, or ``"yarn"``
+            (YaRN-scaled RoPE; only for providers with megatron's ``yarn_*`` fields, such as
+            :class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`).
         rotary_percent: Fraction of each head's dimensions rotated by RoPE.
         rotary_base: RoPE base period.
         rope_scaling: Apply Llama-3.1 style RoPE frequency scaling.
@@ -117,7 +119,9 @@ class GPTModelProvider(TransformerConfig):
     make_vocab_size_divisible_by: int = 128
     should_pad_vocab: bool = True
     share_embeddings_and_output_weights: bool = True
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    position_embedding_type: Literal["learned_absolute", "rope", "none", "yarn"] = (
+        "learned_absolute"
+    )
     rotary_percent: float = 1.0
     rotary_base: int = 10000
     rope_scaling: bool = False
@@ -169,10 +173,19 @@ class GPTModelProvider(TransformerConfig):
                 "model.make_vocab_size_divisible_by must be >= 1, got "
                 f"{self.make_vocab_size_divisible_by}"
             )
-        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none", "yarn"):
             raise ValueError(
                 f"model.position_embedding_type={self.position_embedding_type!r} is not one of "
-                "'learned_absolute', 'rope', 'none'"
+                "'learned_absolute', 'rope', 'none', 'yarn'"
+            )
+        if self.position_embedding_type == "yarn" and not hasattr(
+            self, "yarn_rotary_scaling_factor"
+        ):
+            # megatron's GPTModel reads the YaRN parameters from yarn_* config fields.
+            raise ValueError(
+                f"model.position_embedding_type='yarn' needs megatron's yarn_* fields, which "
+                f"{type(self).__name__} does not have; use a provider that has them "
+                "(bridge.train.models.gpt_oss_provider.GptOssModelProvider)"
             )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -370,7 +383,7 @@ class GPTModelProvider(TransformerConfig):
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             vp_stage=vp_stage,
         )
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type in ("rope", "yarn"):
             from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
 
             keep_rotary_on_cpu(model)

@@ -6,9 +6,10 @@ Four implementations are selectable (``GPTModelProvider.layer_spec_backend``):
     megatron-core's local spec (megatron's own linear layers and norms) with core attention
     replaced by torch ``scaled_dot_product_attention``
     (:class:`core_utils.portable_attention.SDPACoreAttention`). Runs on every device,
-    including CPU, with tensor parallelism over gloo. No context parallelism, no
-    multi-latent attention. With ``sequence_parallel`` its norms are
-    :class:`SequenceParallelTorchNorm` (megatron's torch norms refuse sequence
+    including CPU, with tensor parallelism over gloo; multi-latent attention (megatron's
+    ``MLASelfAttention`` around the same core attention) and attention sinks
+    (``softmax_type``) included. No context parallelism. With ``sequence_parallel`` its
+    norms are :class:`SequenceParallelTorchNorm` (megatron's torch norms refuse sequence
     parallelism), which megatron-core's MoE layers need with tensor parallelism.
 ``"local"``
     megatron-core's local spec unchanged. Its ``DotProductAttention`` takes a buffer from
@@ -38,6 +39,7 @@ __all__ = [
     "SequenceParallelTorchNorm",
     "build_gpt_layer_spec",
     "resolve_layer_spec_backend",
+    "resolve_local_layer_spec_backend",
 ]
 
 LayerSpecBackend = Literal["auto", "portable", "local", "transformer_engine"]
@@ -87,6 +89,32 @@ def resolve_layer_spec_backend(
             "pip install bridge-train[te] (or set model.layer_spec_backend='local')"
         )
     return requested  # type: ignore[return-value]
+
+
+def resolve_local_layer_spec_backend(
+    requested: str, model: str, why: str
+) -> Literal["portable", "local"]:
+    """:func:`resolve_layer_spec_backend` for a model built only from megatron's local modules:
+    ``"auto"`` resolves to ``"local"`` on CUDA (``"portable"`` without it), and an explicit
+    ``"transformer_engine"`` is refused.
+
+    Args:
+        requested: The provider's ``layer_spec_backend``.
+        model: The model's name, for the message.
+        why: Why Transformer Engine's spec cannot build it, for the message.
+
+    Raises:
+        ValueError: ``"transformer_engine"`` requested, or a backend that cannot run here.
+    """
+    backend = resolve_layer_spec_backend(requested)
+    if backend != "transformer_engine":
+        return backend
+    if requested == "transformer_engine":
+        raise ValueError(
+            f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
+            f"({why}); use 'local' or 'auto'"
+        )
+    return "local"
 
 
 class SequenceParallelTorchNorm:
@@ -168,6 +196,44 @@ def _portable(spec: Any, provider: Any, vp_stage: int | None) -> Any:
     )
 
 
+def _trainable_biased_experts(layer: Any) -> Any:
+    """A copy of an MoE layer spec whose local experts' ``linear_fc2`` is
+    :class:`~bridge.train.models.expert_linear.ExpertRowParallelLinear` (megatron's biased
+    expert MLP otherwise fails its first backward; see that module). Other specs unchanged."""
+    import dataclasses
+    import functools
+
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from bridge.train.models.expert_linear import ExpertRowParallelLinear
+
+    moe = getattr(layer.submodules, "mlp", None)
+    moe_sub = moe.keywords.get("submodules") if isinstance(moe, functools.partial) else None
+    experts = getattr(moe_sub, "experts", None)
+    if not isinstance(experts, functools.partial) or experts.func is not SequentialMLP:
+        return layer
+    expert_sub = experts.keywords["submodules"]
+    if expert_sub.linear_fc2 is not RowParallelLinear:
+        return layer
+    experts = functools.partial(
+        SequentialMLP,
+        *experts.args,
+        **{
+            **experts.keywords,
+            "submodules": dataclasses.replace(expert_sub, linear_fc2=ExpertRowParallelLinear),
+        },
+    )
+    assert moe is not None and moe_sub is not None
+    moe = functools.partial(
+        moe.func,
+        *moe.args,
+        **{**moe.keywords, "submodules": dataclasses.replace(moe_sub, experts=experts)},
+    )
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=moe))
+    return layer
+
+
 def build_gpt_layer_spec(
     provider: GPTModelProvider,
     backend: Literal["portable", "local", "transformer_engine"],
@@ -194,11 +260,6 @@ def build_gpt_layer_spec(
 
     use_te = backend == "transformer_engine"
     if backend == "portable":
-        if provider.multi_latent_attention:
-            raise ValueError(
-                "model.multi_latent_attention=True is not supported by the portable layer spec "
-                "(SDPA core attention); use model.layer_spec_backend='transformer_engine' on GPU"
-            )
         if provider.context_parallel_size > 1:
             raise ValueError(
                 f"model.context_parallel_size={provider.context_parallel_size} needs Transformer "
@@ -218,6 +279,8 @@ def build_gpt_layer_spec(
             normalization=provider.normalization,
             vp_stage=vp_stage,
         )
+        if provider.add_bias_linear and not use_te:
+            spec.layer_specs = [_trainable_biased_experts(layer) for layer in spec.layer_specs]
     elif use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None,

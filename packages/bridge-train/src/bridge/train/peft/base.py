@@ -23,9 +23,10 @@ _ADAPTER_NAMES_ATTR = "_bridge_peft_adapter_names"
 class PEFT(ABC):
     """A module-by-module parameter-efficient transform.
 
-    Calling it freezes every parameter of the model, then calls :meth:`transform` on every
-    submodule (parents before children; modules added by a transform are not visited);
-    parameters a transform adds stay trainable.
+    Calling it freezes every parameter of the model (and the MoE routers' expert-bias
+    correction, which megatron would otherwise update every step), then calls
+    :meth:`transform` on every submodule (parents before children; modules added by a
+    transform are not visited); parameters a transform adds stay trainable.
     """
 
     @abstractmethod
@@ -51,6 +52,12 @@ class PEFT(ABC):
         for chunk in chunks:
             for param in chunk.parameters():
                 param.requires_grad_(False)
+            for module in chunk.modules():
+                # megatron's router updates its expert-bias correction (a buffer, DeepSeek-V3)
+                # from the token counts every step unless frozen: it belongs to the frozen
+                # base, and an adapter-only checkpoint would not keep it.
+                if hasattr(module, "frozen_expert_bias"):
+                    module.frozen_expert_bias = True
             global_paths = _global_layer_paths(chunk)
             for prefix, module in list(chunk.named_modules()):
                 if not prefix:

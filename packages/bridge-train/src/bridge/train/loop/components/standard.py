@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bridge.config import CheckpointConfig, ProfilingConfig, TrainingConfig
+from bridge.config import CheckpointConfig, ProfilingConfig, SamplesConfig, TrainingConfig
+from bridge.logging import MetricWriters
 from bridge.resiliency import NullFaultTolerance, RunResiliency
 from bridge.resiliency.loop_components import (
     FaultToleranceHeartbeat,
@@ -41,16 +43,21 @@ def standard_components(
     evaluate: EvaluateFunction | None = None,
     timers: Timers | None = None,
     toggle_forward_pre_hooks: bool = False,
+    samples: SamplesConfig | None = None,
+    tokenizer: Any = None,
+    seq_length: int | None = None,
+    metric_writers: MetricWriters | None = None,
 ) -> list[Callback]:
     """The components a training run needs, each built from its own section.
 
     Order (each hook runs them in this order): metrics, the fault-tolerance heartbeat,
     device sync, straggler report, weight-hash check, profiler, garbage collection, NVRx
-    straggler poll, evaluation, checkpointer (saves and exit decisions last, so a
-    checkpoint holds everything the step did). A feature that is off adds no component,
-    so it costs nothing per step. :func:`loop_callback_list` puts the user's callbacks
-    between the two groups. GPT training and the MIMO recipe build their lists here; they
-    differ in the metrics component, the save function and whether they evaluate.
+    straggler poll, evaluation, sample completions (after validation, ``samples``),
+    checkpointer (saves and exit decisions last, so a checkpoint holds everything the step
+    did). A feature that is off adds no component, so it costs nothing per step.
+    :func:`loop_callback_list` puts the user's callbacks between the two groups. GPT
+    training and the MIMO recipe build their lists here; they differ in the metrics
+    component, the save function and whether they evaluate.
 
     Args:
         metrics: The run's metrics component (GPT:
@@ -65,6 +72,12 @@ def standard_components(
         evaluate: Validation (``None``: none, e.g. without a validation split).
         timers: The run's timers (evaluation pauses ``interval-time``).
         toggle_forward_pre_hooks: Disable forward pre-hooks around whole-parameter reads.
+        samples: The ``samples`` section (``None``: no sample completions; they follow
+            validation, so ``evaluate`` is needed too).
+        tokenizer: The run's tokenizer (needed by the ``samples`` section).
+        seq_length: The model's sequence length (needed by the ``samples`` section).
+        metric_writers: The run's metric writers (the ``samples`` section records its
+            completions there).
 
     Returns:
         The components, to pass to :func:`loop_callback_list`.
@@ -90,6 +103,23 @@ def standard_components(
         components.append(NVRxStragglerPoll(resiliency.nvrx_straggler))
     if evaluate is not None and train.eval_interval:
         components.append(Evaluator(evaluate, train.eval_interval, timers))
+        if samples is not None:
+            from bridge.train.loop.components.samples import GenerationSamples
+
+            if tokenizer is None or seq_length is None:
+                raise ValueError(
+                    "standard_components: the samples section needs the tokenizer and the "
+                    "model's seq_length"
+                )
+            components.append(
+                GenerationSamples(
+                    samples,
+                    tokenizer,
+                    int(seq_length),
+                    toggle_forward_pre_hooks=toggle_forward_pre_hooks,
+                    metric_writers=metric_writers,
+                )
+            )
     components.append(
         Checkpointer.from_config(
             checkpoint,

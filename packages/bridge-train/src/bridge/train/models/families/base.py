@@ -109,9 +109,15 @@ class HFFamily:
         """Whether a checkpoint tensor is not a weight of the imported model (a buffer)."""
         return name.endswith("rotary_emb.inv_freq")
 
-    def skips(self, name: str) -> bool:
+    def skips(self, name: str, config: dict[str, Any]) -> bool:
         """Whether a checkpoint tensor belongs to a part of the model this family does not
-        import (a multimodal model's vision tower); the importer reports how many."""
+        import (a multimodal model's vision tower, layers the Hugging Face model does not
+        run); the importer reports how many.
+
+        Args:
+            name: The tensor's name.
+            config: The language-model config (:meth:`text_config`).
+        """
         return False
 
     def detect_prefix(self, names: set[str]) -> str:
@@ -280,7 +286,7 @@ def provider_from_hf_config(
     family = family_for(config)
     text = family.text_config(config)
     kwargs = provider_kwargs_from_hf_config(config)
-    if kwargs["position_embedding_type"] == "rope":
+    if kwargs["position_embedding_type"] in ("rope", "yarn"):
         default = min(int(text.get("max_position_embeddings") or 4096), 4096)
         kwargs["seq_length"] = int(seq_length or default)
     elif seq_length is not None and seq_length != kwargs["seq_length"]:
@@ -326,9 +332,10 @@ def provider_from_hf_config(
 def _effective(provider: Any, name: str) -> Any:
     """A field's value as it affects the model (``None`` where the field does nothing)."""
     value = getattr(provider, name, None)
-    rope = getattr(provider, "position_embedding_type", None) == "rope"
+    rope = getattr(provider, "position_embedding_type", None) in ("rope", "yarn")
     windows = getattr(provider, "window_size", None) is not None
     experts = bool(getattr(provider, "num_moe_experts", None))
+    latent = bool(getattr(provider, "multi_latent_attention", False))
     if name == "add_qkv_bias":  # megatron biases Q, K, V with either field
         return bool(value or getattr(provider, "add_bias_linear", False))
     if name == "softmax_scale" and value is None:
@@ -339,9 +346,33 @@ def _effective(provider: Any, name: str) -> Any:
         return value if rope and getattr(provider, "rope_scaling", False) else None
     if name in ("window_attn_skip_freq", "rotary_base_local"):
         return value if windows else None
+    if name.startswith("yarn_"):
+        return value if getattr(provider, "position_embedding_type", None) == "yarn" else None
+    if name in _MLA_ROPE_FIELDS:
+        if not latent:
+            return None
+        if getattr(provider, "rope_type", None) != "yarn" and name != "rope_type":
+            # Plain RoPE reads only the base; the YaRN fields matter through the softmax
+            # scale's mscale(rotary_scaling_factor, mscale_all_dim), which is 1 here.
+            return None
+        return value
+    if name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        return value if latent else None
     if name.startswith("moe_"):
         return value if experts else None
     return value
+
+
+# multi-latent attention's RoPE fields (MLATransformerConfig), compared only with MLA.
+_MLA_ROPE_FIELDS = (
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
 
 
 def architecture_mismatches(provider: Any, reference: Any) -> dict[str, tuple[Any, Any]]:

@@ -11,7 +11,9 @@ model_type=...: why``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ from bridge.train.models.families.errors import ConversionError
 
 __all__ = [
     "DTYPES",
+    "YarnParameters",
+    "attention_layer_types",
     "gelu_tanh",
     "read_hf_config",
     "refuse",
@@ -29,6 +33,8 @@ __all__ = [
     "rope_theta_and_scaling",
     "silu_activation",
     "torch_dtype_of",
+    "yarn_mscale",
+    "yarn_parameters",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,10 +117,15 @@ def silu_activation(config: dict[str, Any], field: str = "hidden_act") -> Callab
 
 
 def rope_theta_and_scaling(config: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
-    """``(rope_theta, scaling dict or None)`` from either spelling of a one-RoPE config."""
+    """``(rope_theta, scaling dict or None)`` from either spelling of a one-RoPE config.
+
+    A ``rope_parameters`` dict is the scaling even without a ``rope_theta`` of its own
+    (transformers then takes the top-level ``rope_theta``), so its ``rope_type`` is never
+    passed over.
+    """
     params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return params["rope_theta"], params
+    if isinstance(params, dict) and any(k in params for k in ("rope_theta", "rope_type", "type")):
+        return params.get("rope_theta", config.get("rope_theta", 10000.0)), params
     return config.get("rope_theta", 10000.0), config.get("rope_scaling")
 
 
@@ -165,4 +176,112 @@ def rope_settings(
         f"{field}.rope_type",
         kind,
         "megatron-core implements the 'default', 'linear' and 'llama3' RoPE frequencies",
+    )
+
+
+def attention_layer_types(config: dict[str, Any], pattern: int) -> list[str]:
+    """The config's ``layer_types`` (``sliding_attention`` or ``full_attention`` per layer),
+    or, without it, every ``pattern``-th layer full attention and the others sliding.
+
+    Raises:
+        ConversionError: Another layer type, or not one per layer (naming ``layer_types``).
+    """
+    kinds_known = ("sliding_attention", "full_attention")
+    layers = int(config["num_hidden_layers"])
+    kinds = config.get("layer_types")
+    if kinds is None:
+        kinds = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    unknown = sorted({kind for kind in kinds if kind not in kinds_known})
+    if unknown or len(kinds) != layers:
+        raise refuse(
+            config,
+            "layer_types",
+            unknown or kinds,
+            f"one of {list(kinds_known)} per layer ({layers}) is implemented",
+        )
+    return list(kinds)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``),
+    as transformers and megatron-core compute it."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnParameters:
+    """A ``rope_type: yarn`` entry of ``config.json`` as transformers reads it.
+
+    Attributes:
+        factor: The context extension ``factor`` (transformers derives a missing one from
+            ``max_position_embeddings / original_max_position_embeddings``).
+        original_max_position_embeddings: Context length before the extension.
+        beta_fast: ``beta_fast`` (32 when unset or 0, as transformers reads it).
+        beta_slow: ``beta_slow`` (1 when unset or 0).
+        mscale: ``mscale`` as given (``None`` when unset).
+        mscale_all_dim: ``mscale_all_dim`` as given (``None`` when unset).
+        truncate: Round the frequency correction range to whole dimensions.
+        attention_factor: The factor transformers multiplies cos and sin by: the given
+            ``attention_factor``, else ``yarn_mscale(factor, mscale) / yarn_mscale(factor,
+            mscale_all_dim)`` when both are set and non-zero, else ``yarn_mscale(factor)``.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float | None
+    mscale_all_dim: float | None
+    truncate: bool
+    attention_factor: float
+
+
+def yarn_parameters(
+    config: dict[str, Any], scaling: dict[str, Any], *, field: str = "rope_parameters"
+) -> YarnParameters:
+    """The YaRN parameters of ``scaling`` (``rope_parameters`` / ``rope_scaling``).
+
+    Raises:
+        ConversionError: No ``original_max_position_embeddings``, or a
+            ``partial_rotary_factor`` other than 1.
+    """
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise refuse(
+            config,
+            f"{field}.original_max_position_embeddings",
+            original,
+            "YaRN needs the context length before the extension",
+        )
+    partial = scaling.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise refuse(
+            config, "partial_rotary_factor", partial, "only fully rotated heads are implemented"
+        )
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = float(require(config, "max_position_embeddings")) / float(original)
+    factor = float(factor)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, float(mscale)) / yarn_mscale(
+                factor, float(mscale_all_dim)
+            )
+        else:
+            attention_factor = yarn_mscale(factor)
+    return YarnParameters(
+        factor=factor,
+        original_max_position_embeddings=int(original),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=None if mscale is None else float(mscale),
+        mscale_all_dim=None if mscale_all_dim is None else float(mscale_all_dim),
+        truncate=bool(scaling.get("truncate", True)),
+        attention_factor=float(attention_factor),
     )

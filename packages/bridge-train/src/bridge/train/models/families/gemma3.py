@@ -26,6 +26,7 @@ from typing import Any
 
 from bridge.train.models.families.base import HFFamily, register_family
 from bridge.train.models.families.config_fields import (
+    attention_layer_types,
     gelu_tanh,
     refuse,
     rope_settings,
@@ -41,28 +42,10 @@ from bridge.train.models.families.mapping import (
 
 __all__ = ["Gemma3Family"]
 
-_KINDS = ("sliding_attention", "full_attention")
-
 
 def _layer_types(config: dict[str, Any]) -> list[str]:
-    layers = int(config["num_hidden_layers"])
-    kinds = config.get("layer_types")
-    if kinds is None:
-        pattern = int(
-            config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
-        )
-        kinds = [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-        ]
-    unknown = sorted({kind for kind in kinds if kind not in _KINDS})
-    if unknown or len(kinds) != layers:
-        raise refuse(
-            config,
-            "layer_types",
-            unknown or kinds,
-            f"one of {list(_KINDS)} per layer ({layers}) is implemented",
-        )
-    return list(kinds)
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+    return attention_layer_types(config, int(pattern))
 
 
 def _ropes(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -113,7 +96,7 @@ class Gemma3Family(HFFamily):
                 merged[key] = config[key]
         return merged
 
-    def skips(self, name: str) -> bool:
+    def skips(self, name: str, config: dict[str, Any]) -> bool:
         """The vision tower and multimodal projector of ``gemma3``."""
         return name.startswith(
             (

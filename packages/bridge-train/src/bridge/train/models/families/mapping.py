@@ -22,6 +22,13 @@ builders here cover megatron-core's layouts:
 
 Every ``to_hf`` returns exactly the tensors ``to_megatron`` consumed (views split off the
 megatron tensor, made contiguous), so export of an import is bit-identical.
+
+A Hugging Face tensor may hold the weights of several megatron parameters stacked along its
+first dimension (gpt-oss stores all experts of a layer as one ``[experts, ...]`` tensor):
+such a mapping has ``stack=(index, count)`` and reads and writes only its ``index``-th slice
+of each of its tensors. The slices of one tensor come in index order, one after the other,
+in the family's list: an export writes them into the file as they arrive
+(:class:`HFTensorStacks` assembles them where a whole tensor is needed).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "HFTensorStacks",
     "ParamMapping",
+    "declared_hf_tensors",
     "direct",
     "fused_qkv",
     "gated_fc1",
@@ -51,12 +60,76 @@ class ParamMapping:
         hf: Hugging Face tensor names, in the order :attr:`to_megatron` takes them.
         to_megatron: Hugging Face tensors -> the megatron tensor.
         to_hf: The megatron tensor -> Hugging Face tensors (same order as :attr:`hf`).
+        stack: ``(index, count)`` when each Hugging Face tensor stacks ``count`` such pieces
+            along a new first dimension and this parameter's are the ``index``-th
+            (:attr:`to_megatron` and :attr:`to_hf` see the pieces); ``None`` for whole
+            tensors.
     """
 
     megatron: str
     hf: tuple[str, ...]
     to_megatron: Callable[..., torch.Tensor]
     to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    stack: tuple[int, int] | None = None
+
+
+def declared_hf_tensors(
+    mappings: list[ParamMapping],
+    megatron_tensor: Callable[[ParamMapping], torch.Tensor],
+    dtype: torch.dtype | None = None,
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of every Hugging Face tensor ``mappings`` write, in writing
+    order (a stacked tensor once, with its whole shape).
+
+    Args:
+        mappings: The family's mappings, in writing order.
+        megatron_tensor: A (meta) tensor of each mapping's megatron parameter's shape.
+        dtype: The written dtype (default: each produced tensor's).
+    """
+    declared: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for mapping in mappings:
+        pieces = mapping.to_hf(megatron_tensor(mapping))
+        if mapping.stack is not None and mapping.stack[0] != 0:
+            continue  # declared with its first piece
+        count = None if mapping.stack is None else mapping.stack[1]
+        for name, tensor in zip(mapping.hf, pieces, strict=True):
+            shape = tuple(tensor.shape) if count is None else (count, *tensor.shape)
+            declared.append((name, shape, dtype or tensor.dtype))
+    return declared
+
+
+class HFTensorStacks:
+    """Assembles stacked Hugging Face tensors from their pieces (see the module docstring).
+
+    :meth:`add` takes a mapping's produced tensors and returns the Hugging Face tensors now
+    complete: a whole tensor at once, a stacked one when its last piece arrives.
+    """
+
+    def __init__(self) -> None:
+        self._pieces: dict[str, list[torch.Tensor]] = {}
+
+    def add(
+        self, mapping: ParamMapping, tensors: tuple[torch.Tensor, ...]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The ``(name, tensor)`` pairs completed by ``mapping``'s ``tensors``.
+
+        Raises:
+            ValueError: A piece out of order (an internal error of the family's list).
+        """
+        if mapping.stack is None:
+            return list(zip(mapping.hf, tensors, strict=True))
+        index, count = mapping.stack
+        done: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in zip(mapping.hf, tensors, strict=True):
+            pieces = self._pieces.setdefault(name, [])
+            if len(pieces) != index:
+                raise ValueError(
+                    f"internal: piece {index} of {name} arrived after {len(pieces)} piece(s)"
+                )
+            pieces.append(tensor)
+            if len(pieces) == count:
+                done.append((name, torch.stack(self._pieces.pop(name))))
+        return done
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

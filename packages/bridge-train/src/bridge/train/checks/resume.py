@@ -1,0 +1,345 @@
+"""What a run will resume, said before it starts: a changed run refused, a run with nothing
+left to train and an unused ``pretrained_checkpoint`` named.
+
+A run resumes the newest checkpoint of ``checkpoint.load``, or of ``checkpoint.save`` when
+``load`` is unset and that directory holds one (so re-running a command continues it).
+Three ways this looked like success while doing something else:
+
+* **A changed run.** An example script with a fixed save directory, run on a new corpus,
+  continued the earlier run on the new data at the end of its learning-rate schedule.
+  :func:`check_resume` compares the data, tokenizer and PEFT settings with the run config
+  saved in the checkpoint and refuses a difference, listing each field, unless
+  ``checkpoint.resume_with_changes`` is set (then the differences are only listed). The
+  model architecture is compared too (:mod:`bridge.train.checkpointing.architecture`,
+  which the load itself repeats); how the data is read (workers, caches, layout-derived
+  sizes) may change freely. A run that only evaluates (``train.skip_train``, as
+  ``--eval-only`` sets) continues nothing, so only the architecture is compared.
+* **Nothing to train.** A checkpoint at or past ``train.train_iters`` only evaluates.
+* **An unused pretrained checkpoint.** ``checkpoint.pretrained_checkpoint`` is loaded only
+  when there is nothing to resume; with a checkpoint in the save directory the resume wins.
+
+:func:`run_plan_notices` gives the one-line notices of the last two (``bridge-train
+--dry-run`` prints them; ``pretrain`` logs them on rank 0 once the checkpoint is loaded).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, NoReturn
+
+from bridge.config import ConfigError
+
+__all__ = [
+    "IDENTITY_SECTIONS",
+    "LOADER_FIELDS",
+    "changed_run_fields",
+    "changed_sections",
+    "check_resume",
+    "check_resume_sections",
+    "planned_resume",
+    "run_plan_notices",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Sections that say what a run trains on; a resume must not change them silently.
+IDENTITY_SECTIONS: tuple[str, ...] = ("dataset", "tokenizer", "peft")
+
+#: Dataset fields about how the data is read, not which data: free to change on a resume.
+LOADER_FIELDS: frozenset[str] = frozenset(
+    {
+        "dataloader_type",
+        "num_workers",
+        "pin_memory",
+        "persistent_workers",
+        "data_sharding",
+        "path_to_cache",
+        "mmap_bin_files",
+        "num_dataset_builder_threads",
+        "fast_cache_load",
+        "defer_npy_index_mmap",
+        "object_storage_cache_path",
+        "memmap_workers",
+        # Set from the parallel layout, which a resume may change.
+        "data_parallel_size",
+        "sequence_parallel_size",
+        "context_parallel_size",
+    }
+)
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def _model_as_set_up(model: Any, dataset: Any, tokenizer: Any) -> Any:
+    """``model`` with the vocabulary size setup takes from the tokenizer when the section
+    leaves it unset (a copy), so a resume with another vocabulary is named as the
+    architecture change it is; ``model`` itself when there is nothing to fill in or the
+    tokenizer cannot be built here (the launch reports that)."""
+    if getattr(model, "vocab_size", 0) is not None or not hasattr(model, "apply_tokenizer"):
+        return model
+    try:
+        from bridge.train.loop.pretrain import _build_tokenizer
+        from bridge.train.models.family import family_tokenizer
+
+        built = family_tokenizer(dataset, tokenizer, _build_tokenizer(tokenizer, model))
+        probe = copy.copy(model)
+        probe.apply_tokenizer(built)
+    except Exception:
+        return model
+    return probe
+
+
+def planned_resume(checkpoint: Any) -> Any:
+    """The checkpoint this run would resume (not a weights-only start), or None.
+
+    Args:
+        checkpoint: The ``checkpoint`` section (not modified).
+
+    Returns:
+        A :class:`bridge.train.checkpointing.load.PlannedLoad`, or None when the run starts
+        from scratch or from pretrained weights, or the choice cannot be made here (the
+        load reports why).
+    """
+    if checkpoint is None or (checkpoint.load is None and checkpoint.save is None):
+        return None
+    from bridge.train.checkpointing import CheckpointError
+    from bridge.train.checkpointing.load import planned_load
+    from bridge.train.loop.run_ends import adopt_own_save_dir
+
+    probe = copy.copy(checkpoint)
+    adopt_own_save_dir(probe)
+    layout_logger = logging.getLogger("bridge.train.checkpointing.layout")
+    quiet = _DropRecords()
+    # A probe: the load itself says once which checkpoint it falls back to.
+    layout_logger.addFilter(quiet)
+    try:
+        plan = planned_load(probe)
+    except CheckpointError:
+        return None
+    finally:
+        layout_logger.removeFilter(quiet)
+    return None if plan is None or plan.weights_only else plan
+
+
+def _section_values(section: Any) -> dict[str, Any]:
+    if section is None:
+        return {}
+    if not dataclasses.is_dataclass(section):
+        return {"": section}
+    values: dict[str, Any] = {
+        "_target_": f"{type(section).__module__}.{type(section).__qualname__}"
+    }
+    for f in dataclasses.fields(section):
+        if f.init and not f.name.startswith("_") and f.name not in LOADER_FIELDS:
+            values[f.name] = getattr(section, f.name)
+    return values
+
+
+def _same(before: Any, now: Any) -> bool:
+    if isinstance(before, Path) or isinstance(now, Path):
+        return str(before) == str(now)
+    if isinstance(before, (list, tuple)) and isinstance(now, (list, tuple)):
+        return len(before) == len(now) and all(
+            _same(a, b) for a, b in zip(before, now, strict=True)
+        )
+    return bool(before == now)
+
+
+def changed_run_fields(saved: Any, now: Any) -> list[str]:
+    """``section.field (saved X, this run Y)`` for every identity field that differs.
+
+    Args:
+        saved: The ``ConfigContainer`` a checkpoint was saved with.
+        now: This run's ``ConfigContainer``.
+    """
+    return changed_sections(saved, {name: getattr(now, name, None) for name in IDENTITY_SECTIONS})
+
+
+def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
+    """:func:`changed_run_fields` given this run's :data:`IDENTITY_SECTIONS` by name.
+
+    Args:
+        saved: The ``ConfigContainer`` a checkpoint was saved with.
+        sections: Section name -> this run's section (None when the run has none).
+    """
+    changes = []
+    for name in IDENTITY_SECTIONS:
+        before = _section_values(getattr(saved, name, None))
+        after = _section_values(sections.get(name))
+        if before.get("_target_") != after.get("_target_"):
+            changes.append(
+                f"{name} (saved {before.get('_target_', 'none')}, "
+                f"this run {after.get('_target_', 'none')})"
+            )
+            continue
+        for key in sorted(set(before) | set(after)):
+            old, new = before.get(key), after.get(key)
+            if not _same(old, new):
+                where = f"{name}.{key}" if key else name
+                changes.append(f"{where} (saved {old!r}, this run {new!r})")
+    return changes
+
+
+def _saved_config(checkpoint_dir: str) -> Any:
+    from bridge.config import ConfigContainer
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+
+    path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
+    if not path.is_file():
+        return None
+    try:
+        return ConfigContainer.from_yaml(path)
+    except ConfigError as exc:  # saved by an older version, or a class no longer importable
+        logger.info("not comparing this run with %s: %s", path, exc)
+        return None
+
+
+def _resume_field(checkpoint: Any) -> str:
+    return "checkpoint.load" if checkpoint.load is not None else "checkpoint.save"
+
+
+def check_resume(cfg: Any) -> None:
+    """Refuse to resume a checkpoint of a run with other data, tokenizer, PEFT or model.
+
+    Args:
+        cfg: The run's validated ``ConfigContainer``.
+
+    Raises:
+        ConfigError: The checkpoint to resume was saved with other data, tokenizer or PEFT
+            settings (each listed) and ``checkpoint.resume_with_changes`` is not set.
+        CheckpointError: It was saved from a model of another architecture.
+    """
+    check_resume_sections(
+        cfg.checkpoint,
+        cfg.model,
+        {name: getattr(cfg, name, None) for name in IDENTITY_SECTIONS},
+        trains=not (cfg.train is not None and cfg.train.skip_train),
+    )
+
+
+def check_resume_sections(
+    checkpoint: Any, model: Any, sections: dict[str, Any], *, trains: bool = True
+) -> None:
+    """:func:`check_resume` given the sections it reads (the launch checks' ``checkpoint``
+    rule, :func:`bridge.train.checks.rules.resume_matches_run`).
+
+    Args:
+        checkpoint: The ``checkpoint`` section.
+        model: The ``model`` section.
+        sections: This run's :data:`IDENTITY_SECTIONS` by name.
+        trains: The run trains (not ``train.skip_train``). A run that only evaluates
+            continues nothing of the saved run, so it may read other data (``--eval-only
+            --eval-data`` does); only the architecture is compared then.
+
+    Raises:
+        ConfigError, CheckpointError: As :func:`check_resume`.
+    """
+    plan = planned_resume(checkpoint)
+    if plan is None:
+        return
+    from bridge.train.checkpointing.architecture import check_same_architecture
+
+    check_same_architecture(model, plan.path, before_setup=True)
+    saved = _saved_config(plan.path) if trains else None
+    changes = changed_sections(saved, sections) if saved is not None else []
+    refuse = bool(changes) and not checkpoint.resume_with_changes
+    if refuse and any(not c.startswith("tokenizer.vocab_size ") for c in changes):
+        _refuse_changed_run(checkpoint, plan, changes)
+    # Setup takes an unset model.vocab_size from the tokenizer, so another vocabulary is
+    # another model: a changed tokenizer.vocab_size alone is refused as that model change
+    # (other changed settings were listed above).
+    check_same_architecture(
+        _model_as_set_up(model, sections.get("dataset"), sections.get("tokenizer")),
+        plan.path,
+        before_setup=True,
+    )
+    if refuse:
+        _refuse_changed_run(checkpoint, plan, changes)
+
+
+def _refuse_changed_run(checkpoint: Any, plan: Any, changes: list[str]) -> NoReturn:
+    listed = "; ".join(changes)
+    raise ConfigError(
+        _resume_field(checkpoint),
+        f"would resume iteration {plan.iteration} of {plan.path}, which was saved by a run "
+        f"with other settings: {listed}. Resuming would continue that run (its learning-rate "
+        "schedule, its data position) as if nothing had changed. Start a new run with a new "
+        f"checkpoint.save, start from its weights with checkpoint.pretrained_checkpoint="
+        f"{Path(plan.path).parent}, or set checkpoint.resume_with_changes=true to continue it",
+    )
+
+
+def _is_within(path: str, directory: str) -> bool:
+    inner, outer = Path(path).resolve(), Path(directory).resolve()
+    return inner == outer or outer in inner.parents
+
+
+def run_plan_notices(
+    cfg: Any,
+    *,
+    loaded: str | None = None,
+    iteration: int = 0,
+    done: bool = False,
+    after_load: bool = False,
+) -> list[str]:
+    """One-line notices: a resume with changes, nothing to train, unused pretrained weights.
+
+    Called before a launch (``--dry-run``: what the files say) or after the checkpoint was
+    loaded (``pretrain``: what was loaded and where the run stands).
+
+    Args:
+        cfg: The run's validated ``ConfigContainer``.
+        loaded: After the load: the checkpoint directory loaded, or None.
+        iteration: After the load: the iteration the run starts at.
+        done: After the load: whether the run has already reached its length.
+        after_load: The other arguments describe a load that happened; otherwise the
+            checkpoint this run would resume is read from the files.
+
+    Returns:
+        The notices, possibly none.
+    """
+    checkpoint, train = cfg.checkpoint, cfg.train
+    if checkpoint is None or train is None:
+        return []
+    pretrained = checkpoint.pretrained_checkpoint
+    if not after_load:
+        plan = planned_resume(checkpoint)
+        if plan is None:
+            return []
+        loaded, iteration = plan.path, plan.iteration
+        done = train.train_iters is not None and plan.iteration >= train.train_iters
+    if loaded is None or checkpoint.finetune or (pretrained and _is_within(loaded, pretrained)):
+        return []  # nothing resumed: a new run, from scratch or from pretrained weights
+    notices = []
+    if checkpoint.resume_with_changes:
+        saved = _saved_config(loaded)
+        changes = changed_run_fields(saved, cfg) if saved is not None else []
+        if changes:
+            notices.append(
+                f"resuming iteration {iteration} of {loaded} with changed settings "
+                f"(checkpoint.resume_with_changes): {'; '.join(changes)}"
+            )
+    if pretrained is not None and cfg.peft is None:  # PEFT reads its base from it anyway
+        notices.append(
+            f"checkpoint.pretrained_checkpoint={pretrained} is not used: this run resumes "
+            f"iteration {iteration} of {loaded} (a checkpoint to resume comes first); for a new "
+            "finetuning run from it, give a new checkpoint.save"
+        )
+    if done and not train.skip_train:
+        field, value = (
+            ("train.train_samples", train.train_samples)
+            if train.train_samples is not None
+            else ("train.train_iters", train.train_iters)
+        )
+        notices.append(
+            f"nothing to train: the resumed checkpoint ({loaded}, iteration {iteration}) has "
+            f"already reached {field}={value}, so this run only evaluates; raise {field} to "
+            "train further, or give a new checkpoint.save for a new run"
+        )
+    return notices

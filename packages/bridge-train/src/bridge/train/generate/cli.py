@@ -1,0 +1,354 @@
+"""The ``bridge-generate`` command (also ``python -m bridge.train.generate``).
+
+::
+
+    bridge-generate CKPT_DIR [--prompt TEXT ...] [--prompts-file F] --max-new-tokens N
+                    [--greedy | --temperature T --top-p P --top-k K --seed S]
+                    [--stop TEXT ...] [--ignore-eod] [--chat] [--json] [--no-stream]
+                    [--batch-size N] [--tp N] [--pp N] [--tokenizer PATH]
+
+Prompts come from ``--prompt`` (repeatable), ``--prompts-file`` (one per line, or JSON lines
+for ``*.jsonl``), standard input when it is piped, or, at a terminal with neither, an
+interactive prompt (one completion per line entered; Ctrl-D ends). Text output streams the
+completion as it is generated when one prompt is generated at a time; ``--json`` prints one
+JSON object per prompt instead: ``{"prompt", "completion", "token_ids", "finish_reason"}``.
+Launched bare it runs one process; under ``torchrun`` the processes form one tensor-parallel
+(``--tp``, default: all of them) model and rank 0 prints.
+
+``--help`` answers without importing torch. Exit codes: 0 done, 2 a checkpoint, prompt or
+option that cannot be used (one line on stderr), 130 interrupted, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+__all__ = ["EXIT_INPUT_ERROR", "build_parser", "main"]
+
+EXIT_INPUT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+_PROG = "bridge-generate"
+_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "seed")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``bridge-generate``."""
+    parser = argparse.ArgumentParser(
+        prog=_PROG,
+        description="Generate text from a bridge-train checkpoint (pretrained, finetuned, "
+        "LoRA, or imported from Hugging Face) with the tokenizer it was trained with.",
+        epilog=(
+            "examples:\n"
+            "  bridge-generate runs/a --prompt 'Once upon a time' --max-new-tokens 64\n"
+            "  bridge-generate runs/a --prompts-file prompts.jsonl --max-new-tokens 32 --json\n"
+            "  bridge-generate runs/sft --chat --prompt 'What is 2+2?' --max-new-tokens 16\n"
+            "  bridge-generate runs/a --prompt Hi --max-new-tokens 20 --temperature 0.8 "
+            "--top-p 0.9 --seed 1\n"
+            "  torchrun --nproc-per-node=2 -m bridge.train.generate runs/a --prompt Hi "
+            "--max-new-tokens 20\n\n"
+            "See docs/generate.md."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory or iter_*")
+    parser.add_argument(
+        "--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)"
+    )
+    parser.add_argument(
+        "--prompts-file",
+        metavar="F",
+        help="prompts, one per line; JSON lines ('prompt' or 'messages') for *.jsonl",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, required=True, metavar="N", help="tokens per completion"
+    )
+    parser.add_argument("--greedy", action="store_true", help="most likely token (the default)")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sample at temperature T")
+    parser.add_argument("--top-p", type=float, metavar="P", help="sample from the top-p mass")
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample from the top k tokens")
+    parser.add_argument("--seed", type=int, metavar="S", help="sampling seed (reproducible)")
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
+    parser.add_argument(
+        "--ignore-eod",
+        action="store_true",
+        help="keep generating past the end-of-document token",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="render each prompt as a user message the way chat finetuning data is rendered",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per prompt: prompt, completion, token_ids, finish_reason",
+    )
+    parser.add_argument(
+        "--no-stream", action="store_true", help="print completions when they are finished"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, metavar="N", help="prompts generated together"
+    )
+    parser.add_argument(
+        "--tp", type=int, default=None, metavar="N", help="tensor-parallel size (default: all)"
+    )
+    parser.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline size (GPU)")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="the tokenizer directory/file to use instead of the one the run config names",
+    )
+    return parser
+
+
+def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    from bridge.train.generate.options import SamplingOptions
+
+    sampling = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
+    given = [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value is not None]
+    if args.greedy and given:
+        parser.error(f"--greedy cannot be combined with {', '.join(given)}")
+    if not given:
+        return SamplingOptions(
+            args.max_new_tokens, stop=tuple(args.stop), stop_at_eod=not args.ignore_eod
+        )
+    return SamplingOptions.sampling(
+        args.max_new_tokens,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_k=args.top_k or 0,
+        top_p=args.top_p or 0.0,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        stop_at_eod=not args.ignore_eod,
+    )
+
+
+def _given_prompts(args: argparse.Namespace, stdin: TextIO) -> list[Any] | None:
+    """The prompts of the command line, the file and piped stdin; ``None``: interactive."""
+    from bridge.train.generate.prompts import PromptSpec, parse_prompt_lines, read_prompts_file
+
+    prompts = [PromptSpec(text) for text in args.prompt]
+    if args.prompts_file is not None:
+        prompts += read_prompts_file(args.prompts_file)
+    if prompts:
+        return prompts
+    # Rank 0 decides (its stdin is the user's) and reads a pipe; the others get its answer.
+    piped = None
+    if _rank() == 0 and not stdin.isatty():
+        piped = parse_prompt_lines(stdin.read().splitlines(), "<stdin>", jsonl=False)
+    return _shared(piped)
+
+
+def _shared(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (as it is, in one process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _Printer:
+    """Rank 0's output: streamed text, finished completions, or JSON lines."""
+
+    def __init__(self, out: TextIO, as_json: bool) -> None:
+        self.out = out if _rank() == 0 else None
+        self.as_json = as_json
+
+    def stream(self, index: int, delta: str, done: bool) -> None:
+        if self.out is None:
+            return
+        self.out.write(delta + ("\n" if done else ""))
+        self.out.flush()
+
+    def prompt(self, text: str) -> None:
+        if self.out is not None and not self.as_json:
+            self.out.write(text)
+            self.out.flush()
+
+    def completion(self, index: int, total: int, completion: Any, shown_prompt: str) -> None:
+        if self.out is None:
+            return
+        if self.as_json:
+            record = {
+                "prompt": shown_prompt,
+                "completion": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+            }
+            self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        else:
+            header = f"=== {index + 1}/{total} ===\n" if total > 1 else ""
+            self.out.write(f"{header}{shown_prompt}{completion.text}\n")
+        self.out.flush()
+
+
+def _run_batch(
+    generator: Any,
+    specs: list[Any],
+    rendered: list[Any],
+    options: Any,
+    printer: _Printer,
+    stream: bool,
+) -> None:
+    if stream and len(specs) == 1 and not printer.as_json:
+        # The prompt is printed with the first new text, once the prompt has been accepted
+        # (a refused prompt leaves only its error line).
+        pending = [_shown(specs[0], rendered[0], generator.tokenizer)]
+
+        def on_text(index: int, delta: str, done: bool) -> None:
+            if pending:
+                printer.prompt(pending.pop())
+            printer.stream(index, delta, done)
+
+        generator.generate(rendered, options, on_text=on_text)
+        return
+    for first in range(0, len(specs), generator.max_batch_size):
+        part = slice(first, first + generator.max_batch_size)
+        completions = generator.generate(rendered[part], options)
+        for offset, completion in enumerate(completions):
+            index = first + offset
+            shown = _shown(specs[index], rendered[index], generator.tokenizer)
+            printer.completion(index, len(specs), completion, shown)
+
+
+def _shown(spec: Any, rendered: Any, tokenizer: Any) -> str:
+    """The prompt as printed: the text given, or the rendered chat prompt."""
+    return spec.text if isinstance(rendered, str) else str(tokenizer.detokenize(rendered))
+
+
+def _interactive(
+    generator: Any, options: Any, printer: _Printer, chat: bool, stdin: TextIO
+) -> None:
+    from bridge.train.generate.errors import GenerationError
+    from bridge.train.generate.prompts import PromptSpec, render_prompts
+
+    if printer.out is not None:
+        print(f"{_PROG}: enter a prompt per line; Ctrl-D ends", file=sys.stderr, flush=True)
+    while True:
+        line: str | None = None
+        if _rank() == 0:
+            try:
+                line = input("> ")
+            except EOFError:
+                line = None
+        line = _shared(line)
+        if line is None:
+            return
+        if not line.strip():
+            continue
+        spec = PromptSpec(line)
+        try:
+            rendered = render_prompts([spec], generator.tokenizer, chat=chat)
+            _run_batch(generator, [spec], rendered, options, printer, stream=True)
+        except GenerationError as exc:  # one bad prompt does not end the session
+            if printer.out is not None:
+                print(f"{_PROG}: error: {exc}", file=sys.stderr, flush=True)
+
+
+def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> int:
+    """Parse ``argv``, load the checkpoint, generate, and return the exit code.
+
+    Raises:
+        GenerationError: (and the checkpoint and config errors) for :func:`main` to report.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    stdin = sys.stdin if stdin is None else stdin
+    options = _options(args, parser)
+    from bridge.config.notices import held_notices, silence_known_fallback_notices
+
+    # Other libraries' notices (megatron's GPTModel deprecation and tensor-parallel advice,
+    # torch.distributed's deprecations and ShardedTensor notice while dist_checkpointing
+    # loads) say nothing a user of this command can act on; the filters are set before the
+    # held block, which restores the filters it found when it ends.
+    warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
+    warnings.filterwarnings("ignore", module=r"megatron\.|torch\.distributed\.")
+    with held_notices():
+        from bridge.config import LoggerConfig
+        from bridge.logging import setup_logging
+        from bridge.train.generate.loading import load_generation_model
+        from bridge.train.generate.prompts import read_prompts_file
+
+        setup_logging(LoggerConfig())
+
+        if args.prompts_file is not None:
+            read_prompts_file(args.prompts_file)  # a bad file is refused before loading
+        silence_known_fallback_notices()
+        loaded = load_generation_model(
+            args.ckpt_dir,
+            tensor_model_parallel_size=args.tp,
+            pipeline_model_parallel_size=args.pp,
+            tokenizer_model=args.tokenizer,
+        )
+    try:
+        from bridge.train.generate.prompts import render_prompts
+
+        generator = loaded.generator(args.batch_size)
+        printer = _Printer(sys.stdout, args.json)
+        if _rank() == 0:
+            merged = ", LoRA adapters merged" if loaded.adapters_merged else ""
+            print(
+                f"{_PROG}: {loaded.checkpoint} (iteration {loaded.iteration}{merged}), "
+                f"{type(loaded.tokenizer).__name__}",
+                file=sys.stderr,
+                flush=True,
+            )
+        specs = _given_prompts(args, stdin)
+        if specs is None:
+            _interactive(generator, options, printer, args.chat, stdin)
+            return 0
+        rendered = render_prompts(specs, loaded.tokenizer, chat=args.chat)
+        _run_batch(generator, specs, rendered, options, printer, stream=not args.no_stream)
+        return 0
+    finally:
+        loaded.close()
+
+
+# Error types that mean "fix your input", looked up only once their module is imported.
+_USER_ERROR_TYPES = (
+    ("bridge.train.generate.errors", "GenerationError"),
+    ("bridge.config", "ConfigError"),
+    ("bridge.train.checkpointing", "CheckpointError"),
+)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    for module_name, name in _USER_ERROR_TYPES:
+        cls = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(cls, type) and isinstance(exc, cls):
+            return True
+    return False
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``bridge-generate``: exits with the code of :func:`run`."""
+    try:
+        code = run(argv)
+    except KeyboardInterrupt:
+        if _rank() == 0:
+            print(f"{_PROG}: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        if _rank() == 0:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"{_PROG}: error: {first}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INPUT_ERROR)
+    sys.exit(code)

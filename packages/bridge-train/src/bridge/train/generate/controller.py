@@ -1,0 +1,175 @@
+"""megatron-core's text generation controller with what ``bridge-generate`` adds to it.
+
+:class:`GenerationController` is megatron-core's ``TextGenerationController`` (its static
+batch path: prefill up to the shortest prompt, then one token per step through the KV cache
+of a ``StaticInferenceContext``, longer prompts fed their own tokens until they start
+generating) with three hooks on the methods that controller calls every step:
+
+* ``sample_from_logits``: only the tokenizer's ids can be chosen. The output layer has
+  ``padded_vocab_size`` columns (rounded up for tensor parallelism); the rows past the real
+  vocabulary were never trained, so they are cut off before sampling, as Hugging Face's
+  ``generate`` never sees them. With ``record_logits`` the (cut) logits of every step are
+  kept, so callers can compare them with a full forward.
+* ``update_generation_status``: besides megatron's end-of-document check, a completion whose
+  text contains a stop string ends at the token that completed it.
+* ``stream_tokens``: megatron streams through asyncio queues (``AsyncStream``) for its
+  server; here the tokens so far of each streamed request go to a plain callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+    TextGenerationController,
+)
+
+__all__ = ["BatchState", "GenerationController", "TokenListener", "continuation_text"]
+
+#: Called with ``(request id, generated token ids so far, done)`` after every step.
+TokenListener = Callable[[int, list[int], bool], None]
+
+
+def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after the prompt: the prompt and the new tokens decoded together,
+    less the prompt's own text.
+
+    Decoding the new tokens alone would lose what only the whole sequence decodes to: the
+    space a SentencePiece token starts with, the separator the null tokenizer puts between
+    ids, a character whose bytes the prompt began. When the prompt's text is not a prefix of
+    the whole (a tokenizer that normalises across the boundary), the new tokens are
+    decoded alone.
+    """
+    if not ids:
+        return ""
+    head = str(tokenizer.detokenize(list(prompt_ids)))
+    whole = str(tokenizer.detokenize([*prompt_ids, *ids]))
+    if whole.startswith(head):
+        return whole[len(head) :]
+    return str(tokenizer.detokenize(list(ids)))
+
+
+@dataclass
+class BatchState:
+    """What the hooks need to know about the batch being generated.
+
+    Attributes:
+        prompts: Prompt token ids of each row, in batch order.
+        stop: Stop strings (empty: none).
+        record_logits: Keep every step's logits (``[rows, vocab]``, float32).
+        listener: Receives the tokens of streamed requests.
+        logits: The recorded logits, one tensor per step.
+    """
+
+    prompts: Sequence[Sequence[int]]
+    stop: Sequence[str] = ()
+    record_logits: bool = False
+    listener: TokenListener | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class GenerationController(TextGenerationController):
+    """megatron-core's ``TextGenerationController`` limited to the real vocabulary, with
+    stop strings and a token callback (see the module docstring).
+
+    Args:
+        inference_wrapped_model: megatron's ``GPTInferenceWrapper`` of the model.
+        tokenizer: The checkpoint's tokenizer (``tokenize``, ``detokenize``, ``eod``).
+        vocab_limit: Number of token ids that may be generated (the tokenizer's vocabulary,
+            at most the model's unpadded ``vocab_size``).
+    """
+
+    def __init__(self, inference_wrapped_model: Any, tokenizer: Any, vocab_limit: int) -> None:
+        super().__init__(inference_wrapped_model, tokenizer)
+        self.vocab_limit = int(vocab_limit)
+        self.batch: BatchState | None = None
+
+    def sample_from_logits(
+        self,
+        last_token_logits: torch.Tensor,
+        sampling_params: Any = None,
+        vocab_size: int | None = None,
+        generation_started: torch.Tensor | None = None,
+        top_n_logprobs_dict: Any = None,
+        logits: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """megatron's sampling over the first ``vocab_limit`` logits."""
+        limited = last_token_logits[:, : self.vocab_limit]
+        if self.batch is not None and self.batch.record_logits:
+            self.batch.logits.append(limited.detach().float().clone())
+        return super().sample_from_logits(
+            limited,
+            sampling_params,
+            self.vocab_limit,
+            generation_started=generation_started,
+            top_n_logprobs_dict=top_n_logprobs_dict,
+            logits=logits,
+            **kwargs,
+        )
+
+    def update_generation_status(
+        self,
+        updated_prompts_tokens: torch.Tensor,
+        generation_started: torch.Tensor,
+        current_context_end_position: int,
+        is_generation_done_tensor: torch.Tensor,
+        generated_sequence_lengths: torch.Tensor,
+        termination_id: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron's end-of-document check, then the stop strings."""
+        done, lengths = super().update_generation_status(
+            updated_prompts_tokens,
+            generation_started,
+            current_context_end_position,
+            is_generation_done_tensor,
+            generated_sequence_lengths,
+            termination_id,
+        )
+        batch = self.batch
+        if batch is None or not batch.stop:
+            return done, lengths
+        # The token just chosen is counted in ``lengths`` (megatron counts every token
+        # of an unfinished row): a stop ends the row with that token included.
+        for row, prompt in enumerate(batch.prompts):
+            if bool(done[row]) or not bool(generation_started[row]):
+                continue
+            start = len(prompt)
+            ids = updated_prompts_tokens[row, start : current_context_end_position + 1].tolist()
+            text = continuation_text(self.tokenizer, prompt, ids)
+            if any(stop in text for stop in batch.stop):
+                done[row] = True
+        return done, lengths
+
+    def stream_tokens(
+        self,
+        sampling_params: Any,
+        request_ids: list[int],
+        requests: list[Any],
+        streams: list[Any],
+        generation_started: Sequence[bool],
+        is_generation_done: Sequence[bool],
+        tokens: torch.Tensor,
+        prompt_lengths: Sequence[Any],
+        generated_lengths: Sequence[Any],
+        output_log_probs: Any,
+    ) -> None:
+        """Hand each streamed request's tokens so far to the batch's listener."""
+        listener = self.batch.listener if self.batch is not None else None
+        if listener is None:
+            return
+        for request_id, started, done, row, start, length in zip(
+            request_ids,
+            generation_started,
+            is_generation_done,
+            tokens,
+            prompt_lengths,
+            generated_lengths,
+            strict=True,
+        ):
+            if bool(started):
+                begin = int(start)
+                listener(int(request_id), row[begin : begin + int(length)].tolist(), bool(done))

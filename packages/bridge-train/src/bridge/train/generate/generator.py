@@ -1,0 +1,349 @@
+"""Text generation on a built megatron model: :class:`TextGenerator`.
+
+Prompts go through megatron-core's inference machinery: the model is wrapped in its
+``GPTInferenceWrapper`` with a ``StaticInferenceContext`` (the KV cache, sized for each
+batch) and driven by its text generation controller's static-batch path
+(:class:`~bridge.train.generate.controller.GenerationController`), the path megatron's
+``StaticInferenceEngine(legacy=True)`` runs. Prompts of different lengths share a batch.
+Under tensor or pipeline parallelism every rank of the model-parallel group calls
+:meth:`TextGenerator.generate` with the same prompts and options, and every rank gets the
+same completions (the logits are gathered over the tensor-parallel group and broadcast from
+the last pipeline stage before sampling).
+
+megatron-core's dynamic engine (``DynamicInferenceEngine``, paged KV cache) is not used: its
+attention runs flash-attention kernels, which need CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bridge.train.generate.controller import (
+    BatchState,
+    GenerationController,
+    continuation_text,
+)
+from bridge.train.generate.errors import GenerationError
+from bridge.train.generate.options import SamplingOptions
+
+__all__ = ["Completion", "TextCallback", "TextGenerator", "inference_module"]
+
+DEFAULT_SEED = 1234
+"""Seed of the sampling generator when :attr:`SamplingOptions.seed` is ``None``
+(megatron-core's ``inference_sampling_seed`` default)."""
+
+#: Streaming: called with ``(prompt index, new text, done)`` as a completion grows.
+TextCallback = Callable[[int, str, bool], None]
+
+
+@dataclass
+class Completion:
+    """One prompt's result.
+
+    Attributes:
+        prompt: The prompt text (for token-id prompts, their detokenized text).
+        prompt_token_ids: The prompt's token ids.
+        token_ids: The generated token ids (without a final end-of-document token; with the
+            token that completed a stop string).
+        text: The generated text (what the new tokens add to the prompt's text, see
+            :func:`~bridge.train.generate.controller.continuation_text`), ending before a
+            stop string.
+        finish_reason: ``"eod"`` (end-of-document token), ``"stop"`` (a stop string) or
+            ``"length"`` (``max_new_tokens`` reached).
+        logits: With ``return_logits``: the logits each generated token was chosen from,
+            ``[len(token_ids), vocabulary]`` (float32), else ``None``.
+    """
+
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logits: torch.Tensor | None = None
+
+
+def inference_module(model: Any) -> torch.nn.Module:
+    """The module to run inference on: the only chunk of ``model``, without a data-parallel
+    wrapper (megatron's ``Float16Module`` stays: it casts inputs and outputs).
+
+    Raises:
+        GenerationError: ``model`` has several chunks (virtual pipeline parallelism, which
+            megatron-core's inference does not support).
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != 1:
+        raise GenerationError(
+            "model.virtual_pipeline_model_parallel_size: generation needs one model chunk per "
+            f"rank, got {len(chunks)}; megatron-core's inference does not run interleaved "
+            "pipelines"
+        )
+    from megatron.core.distributed import DistributedDataParallel
+
+    module = chunks[0]
+    while isinstance(module, DistributedDataParallel):
+        module = module.module
+    return module
+
+
+class _Stream:
+    """What megatron's controller closes at the end of a streamed batch."""
+
+    finished = False
+
+    def finish(self, exception: Any = None) -> None:
+        self.finished = True
+
+
+def _cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    positions = [text.find(stop) for stop in stops]
+    found = [p for p in positions if p >= 0]
+    return (text[: min(found)], True) if found else (text, False)
+
+
+class _TextStream:
+    """Turns growing token lists into printable text deltas.
+
+    Text is held back while it may still turn into a stop string, and while the last token
+    ends inside a multi-byte character (decoded as U+FFFD), so what is printed never has to
+    be taken back.
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stops: Sequence[str],
+        emit: Callable[[str, bool], None],
+    ) -> None:
+        self._decode = decode
+        self._stops = tuple(stops)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._emit = emit
+        self._printed = 0
+        self._done = False
+
+    def update(self, token_ids: list[int], done: bool) -> None:
+        if self._done:
+            return
+        text, stopped = _cut_at_stop(self._decode(token_ids), self._stops)
+        done = done or stopped
+        end = len(text)
+        if not done:
+            end = max(self._printed, end - self._hold)
+            while end > self._printed and text[end - 1] == "\ufffd":
+                end -= 1
+        if end > self._printed or done:
+            self._emit(text[self._printed : end], done)
+            self._printed = end
+        self._done = done
+
+
+class TextGenerator:
+    """Generates text from a megatron GPT model with megatron-core's inference machinery.
+
+    Args:
+        model: The model (one chunk, or a list holding one; a data-parallel wrapper is
+            taken off). It is put in eval mode by every :meth:`generate` call and left so.
+        tokenizer: The tokenizer the model was trained with (``tokenize``, ``detokenize``,
+            ``eod``, ``vocab_size``).
+        max_sequence_length: Longest prompt plus completion the model takes (its
+            ``seq_length``: learned position embeddings have no more rows).
+        max_batch_size: Prompts generated together at most; more are done in turn.
+        vocab_limit: Token ids that may be generated (default: the tokenizer's vocabulary).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_sequence_length: int,
+        max_batch_size: int = 8,
+        vocab_limit: int | None = None,
+    ) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+            GPTInferenceWrapper,
+        )
+
+        if max_batch_size < 1:
+            raise GenerationError(f"--batch-size must be >= 1, got {max_batch_size}")
+        self.module = inference_module(model)
+        self.tokenizer = tokenizer
+        self.max_sequence_length = int(max_sequence_length)
+        self.max_batch_size = int(max_batch_size)
+        limit = int(tokenizer.vocab_size if vocab_limit is None else vocab_limit)
+        self.vocab_limit = limit
+        self.wrapper = GPTInferenceWrapper(
+            self.module, StaticInferenceContext(1, self.max_sequence_length)
+        )
+        self.controller = GenerationController(self.wrapper, tokenizer, limit)
+
+    # -- prompts ---------------------------------------------------------------------
+
+    def _prompt_ids(self, index: int, prompt: str | Sequence[int]) -> tuple[str, list[int]]:
+        if isinstance(prompt, str):
+            try:
+                ids = [int(i) for i in self.tokenizer.tokenize(prompt)]
+            except ValueError as exc:
+                raise GenerationError(
+                    f"prompt {index + 1} cannot be tokenized by the checkpoint's "
+                    f"{type(self.tokenizer).__name__} ({exc})"
+                    + (
+                        "; the null tokenizer of mock data reads whitespace-separated token ids"
+                        if type(self.tokenizer).__name__ == "NullTokenizer"
+                        else ""
+                    )
+                ) from None
+            text = prompt
+        else:
+            ids = [int(i) for i in prompt]
+            text = self.tokenizer.detokenize(ids)
+        if not ids:
+            raise GenerationError(
+                f"prompt {index + 1} is empty (no tokens); give at least one token"
+            )
+        bad = [i for i in ids if not 0 <= i < self.vocab_limit]
+        if bad:
+            raise GenerationError(
+                f"prompt {index + 1} has token id {bad[0]}, outside the model's vocabulary "
+                f"(0..{self.vocab_limit - 1})"
+            )
+        return text, ids
+
+    def _check_length(self, index: int, ids: list[int], max_new_tokens: int) -> None:
+        total = len(ids) + max_new_tokens
+        if len(ids) >= self.max_sequence_length:
+            raise GenerationError(
+                f"prompt {index + 1} has {len(ids)} tokens, longer than the model's context "
+                f"of {self.max_sequence_length} (model.seq_length) with room for new "
+                "tokens; shorten the prompt"
+            )
+        if total > self.max_sequence_length:
+            raise GenerationError(
+                f"prompt {index + 1} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} "
+                f"exceeds the model's context of {self.max_sequence_length} tokens "
+                f"(model.seq_length); use --max-new-tokens "
+                f"{self.max_sequence_length - len(ids)} or less"
+            )
+
+    # -- generation ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        options: SamplingOptions,
+        *,
+        on_text: TextCallback | None = None,
+        return_logits: bool = False,
+    ) -> list[Completion]:
+        """Complete every prompt; collective over the model-parallel group.
+
+        Args:
+            prompts: Texts (tokenized with the tokenizer, nothing added) or token ids.
+            options: Length, sampling and stopping.
+            on_text: Streaming: called with ``(prompt index, new text, done)`` after every
+                step, in order, for every prompt of the batch.
+            return_logits: Keep the logits of every generated token (:attr:`Completion.logits`).
+
+        Returns:
+            One completion per prompt, in order.
+
+        Raises:
+            GenerationError: An empty prompt, a token outside the vocabulary, or a prompt that
+                with ``max_new_tokens`` does not fit the model's context.
+        """
+        prepared = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
+        for index, (_, ids) in enumerate(prepared):
+            self._check_length(index, ids, options.max_new_tokens)
+        seed = DEFAULT_SEED if options.seed is None else int(options.seed)
+        self.controller.sampling_rng.manual_seed(seed)
+        results: list[Completion] = []
+        for first in range(0, len(prepared), self.max_batch_size):
+            batch = prepared[first : first + self.max_batch_size]
+            results += self._generate_batch(first, batch, options, on_text, return_logits)
+        return results
+
+    def _generate_batch(
+        self,
+        first: int,
+        batch: list[tuple[str, list[int]]],
+        options: SamplingOptions,
+        on_text: TextCallback | None,
+        return_logits: bool,
+    ) -> list[Completion]:
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.inference_request import InferenceRequest, Status
+
+        params = options.megatron_params()
+        lengths = [len(ids) for _, ids in batch]
+        requests: OrderedDict[int, Any] = OrderedDict()
+        for offset, (text, ids) in enumerate(batch):
+            requests[first + offset] = InferenceRequest(
+                request_id=first + offset,
+                prompt=text,
+                sampling_params=params,
+                prompt_tokens=list(ids),
+                status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
+            )
+        streams: OrderedDict[int, Any] | None = None
+        listener = None
+        texts: dict[int, _TextStream] = {}
+        if on_text is not None:
+            streams = OrderedDict((request_id, _Stream()) for request_id in requests)
+            for offset, request_id in enumerate(requests):
+                decode = functools.partial(continuation_text, self.tokenizer, batch[offset][1])
+                texts[request_id] = _TextStream(
+                    decode, options.stop, functools.partial(on_text, request_id)
+                )
+
+            def listener(request_id: int, token_ids: list[int], done: bool) -> None:
+                texts[request_id].update(token_ids, done)
+
+        state = BatchState([ids for _, ids in batch], options.stop, return_logits, listener)
+        # A KV cache sized for this batch: megatron allocates it at the first forward.
+        self.wrapper.inference_context = StaticInferenceContext(
+            len(batch), min(self.max_sequence_length, max(lengths) + options.max_new_tokens)
+        )
+        self.controller.batch = state
+        try:
+            done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
+        finally:
+            self.controller.batch = None
+            # The cache's memory is released with the context.
+            self.wrapper.inference_context = StaticInferenceContext(1, self.max_sequence_length)
+        completions = []
+        shortest = min(lengths)
+        for row, (request_id, request) in enumerate(done.items()):
+            ids = [int(t) for t in request.generated_tokens.tolist()]
+            raw = continuation_text(self.tokenizer, batch[row][1], ids)
+            text, stopped = _cut_at_stop(raw, options.stop)
+            if stopped:
+                reason = "stop"
+            elif len(ids) < options.max_new_tokens:
+                reason = "eod"
+            else:
+                reason = "length"
+            logits = None
+            if return_logits:
+                start = lengths[row] - shortest
+                steps = state.logits[start : start + len(ids)]
+                logits = torch.stack([step[row] for step in steps]) if steps else None
+            if request_id in texts:  # the rest of the text, and the end
+                texts[request_id].update(ids, True)
+            completions.append(
+                Completion(
+                    prompt=batch[row][0],
+                    prompt_token_ids=list(batch[row][1]),
+                    token_ids=ids,
+                    text=text,
+                    finish_reason=reason,
+                    logits=logits,
+                )
+            )
+        return completions

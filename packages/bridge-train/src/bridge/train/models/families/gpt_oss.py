@@ -1,0 +1,351 @@
+"""``gpt_oss`` (gpt-oss-20b, gpt-oss-120b): grouped-query attention with sinks and
+alternating sliding windows, and biased experts with a clamped SwiGLU.
+
+What the preset sets (:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`):
+
+* attention: grouped-query attention with ``head_dim``, biases on Q, K, V and the output
+  projection, a learned sink logit per head (``sinks`` -> megatron's ``softmax_type=
+  "learnable"``, ``core_attention.softmax_offset``: ``exp(sink)`` joins each softmax
+  denominator), and ``layer_types``: ``sliding_attention`` layers attend to the
+  ``sliding_window`` newest keys, ``full_attention`` layers to all (``window_size`` +
+  ``window_attn_skip_freq``);
+* RoPE: ``rope_theta`` (150000 when unset, as transformers' default) with YaRN
+  (``position_embedding_type="yarn"``: ``factor``, ``original_max_position_embeddings``,
+  ``beta_fast``, ``beta_slow``, ``truncate``, ``mscale`` / ``mscale_all_dim``; cos and sin
+  scaled by the YaRN attention factor) or without scaling;
+* experts on every layer: ``num_local_experts`` experts of ``intermediate_size``, each
+  ``down(clamp_up + 1) * quick_gelu(clamp_gate))`` with biases, where the gate is clamped
+  above and the up projection on both sides at ``swiglu_limit`` (megatron's
+  ``activation_func=quick_gelu`` (``x * sigmoid(1.702 x)``), ``activation_func_clamp_value``,
+  ``glu_linear_offset=1``); the router has a bias and takes the softmax over the
+  ``num_experts_per_tok`` best logits (``moe_router_pre_softmax=False``);
+  ``router_aux_loss_coef`` becomes megatron's load-balancing coefficient (``aux_loss``).
+
+The experts' weights are stored stacked (``mlp.experts.gate_up_proj`` ``[experts, hidden,
+2 * intermediate]`` with the gate and up columns interleaved, ``down_proj`` ``[experts,
+intermediate, hidden]``, and their biases): each megatron expert reads its slice, and an
+export writes the slices back into the stacked tensors.
+
+``hidden_act`` is not read: transformers' gpt-oss experts compute their own activation.
+
+Refused, each naming the field: ``quantization_config`` (the released checkpoints store the
+experts in MXFP4; dequantize them first, e.g. ``transformers``' ``Mxfp4Config(dequantize=
+True)``), ``attention_bias: false`` (megatron biases every linear layer or none, and gpt-oss
+experts and router always have biases), ``swiglu_alpha`` other than 1.702 (megatron's
+``quick_gelu`` fixes it), RoPE types other than default and YaRN, a YaRN ``attention_factor``
+that its other parameters do not give, and layer types other than the two above.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from bridge.train.models.families.base import register_family
+from bridge.train.models.families.config_fields import (
+    attention_layer_types,
+    refuse,
+    rope_settings,
+    rope_theta_and_scaling,
+    yarn_mscale,
+    yarn_parameters,
+)
+from bridge.train.models.families.llama import LlamaFamily, hf_rope_parameters
+from bridge.train.models.families.mapping import ParamMapping, direct
+from bridge.train.models.families.moe import routed_moe_kwargs
+
+__all__ = ["GptOssFamily"]
+
+_QUICK_GELU_ALPHA = 1.702
+_DEFAULT_THETA = 150000.0  # transformers' GptOssConfig.default_theta
+
+
+def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """``rotary_base`` and, for YaRN, megatron's ``yarn_*`` fields."""
+    params = config.get("rope_parameters")
+    theta, scaling = rope_theta_and_scaling(config)
+    if not (isinstance(params, dict) and "rope_theta" in params) and "rope_theta" not in config:
+        theta = _DEFAULT_THETA
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ("default", "yarn"):
+        raise refuse(
+            config,
+            "rope_parameters.rope_type",
+            kind,
+            "gpt-oss is implemented with the 'default' and 'yarn' RoPE",
+        )
+    if kind == "default":
+        settings = rope_settings(config, theta, scaling, field="rope_parameters")
+        return {**settings, "position_embedding_type": "rope"}
+    assert scaling is not None
+    if float(theta) != int(theta):
+        raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
+    yarn = yarn_parameters(config, scaling)
+    # megatron scales cos/sin by mscale(f, mscale) / mscale(f, mscale_all_dim) when both are
+    # given, else by mscale(f): transformers' rule, with "given" meaning set and non-zero.
+    mscale, mscale_all_dim = yarn.mscale, yarn.mscale_all_dim
+    if mscale and mscale_all_dim:
+        computed = yarn_mscale(yarn.factor, mscale) / yarn_mscale(yarn.factor, mscale_all_dim)
+    else:
+        mscale = mscale_all_dim = None
+        computed = yarn_mscale(yarn.factor)
+    if not math.isclose(computed, yarn.attention_factor, rel_tol=1e-12):
+        raise refuse(
+            config,
+            "rope_parameters.attention_factor",
+            yarn.attention_factor,
+            f"megatron-core's YaRN scales cos and sin by {computed} (from factor, mscale and "
+            "mscale_all_dim)",
+        )
+    return {
+        "position_embedding_type": "yarn",
+        "rotary_base": int(theta),
+        "yarn_rotary_scaling_factor": yarn.factor,
+        "yarn_original_max_position_embeddings": yarn.original_max_position_embeddings,
+        "yarn_beta_fast": yarn.beta_fast,
+        "yarn_beta_slow": yarn.beta_slow,
+        "yarn_mscale": mscale,
+        "yarn_mscale_all_dim": mscale_all_dim,
+        "yarn_correction_range_round_to_int": yarn.truncate,
+    }
+
+
+def _expert_fc1_weight(hidden: int) -> tuple[Any, Any]:
+    """One expert's slice of ``gate_up_proj`` (``[hidden, 2I]``, gate and up columns
+    interleaved) <-> megatron's ``linear_fc1.weight`` (``[gate; up]``, ``[2I, hidden]``)."""
+
+    def to_megatron(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:, 0::2].t(), t[:, 1::2].t()], dim=0).contiguous()
+
+    def to_hf(t: torch.Tensor) -> tuple[torch.Tensor]:
+        gate, up = torch.chunk(t, 2, dim=0)
+        return (torch.stack([gate.t(), up.t()], dim=-1).reshape(hidden, -1).contiguous(),)
+
+    return to_megatron, to_hf
+
+
+def _expert_fc1_bias(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t[0::2], t[1::2]])
+
+
+def _expert_fc1_bias_to_hf(t: torch.Tensor) -> tuple[torch.Tensor]:
+    gate, up = torch.chunk(t, 2)
+    return (torch.stack([gate, up], dim=-1).reshape(-1).contiguous(),)
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous()
+
+
+def _transposed_back(t: torch.Tensor) -> tuple[torch.Tensor]:
+    return (t.t().contiguous(),)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _one(t: torch.Tensor) -> tuple[torch.Tensor]:
+    return (t,)
+
+
+def _stacked_experts(layer: str, hf_experts: str, experts: int, hidden: int) -> list[ParamMapping]:
+    """Each expert's slice of the four stacked tensors, tensor by tensor in expert order."""
+    fc1_to_megatron, fc1_to_hf = _expert_fc1_weight(hidden)
+    kinds = (
+        ("linear_fc1.weight", "gate_up_proj", fc1_to_megatron, fc1_to_hf),
+        ("linear_fc1.bias", "gate_up_proj_bias", _expert_fc1_bias, _expert_fc1_bias_to_hf),
+        ("linear_fc2.weight", "down_proj", _transposed, _transposed_back),
+        ("linear_fc2.bias", "down_proj_bias", _same, _one),
+    )
+    return [
+        ParamMapping(
+            f"{layer}mlp.experts.local_experts.{e}.{megatron}",
+            (f"{hf_experts}{hf}",),
+            to_megatron,
+            to_hf,
+            stack=(e, experts),
+        )
+        for megatron, hf, to_megatron, to_hf in kinds
+        for e in range(experts)
+    ]
+
+
+@register_family
+class GptOssFamily(LlamaFamily):
+    """gpt-oss (see the module docstring)."""
+
+    model_types = ("gpt_oss",)
+    architecture = "GptOssForCausalLM"
+
+    def provider_class(self) -> type:
+        """:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`."""
+        from bridge.train.models.gpt_oss_provider import GptOssModelProvider
+
+        return GptOssModelProvider
+
+    # ---- config.json -> provider ----------------------------------------------------------
+
+    def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """gpt-oss's fields (see the module docstring)."""
+        if config.get("quantization_config") is not None:
+            method = (config["quantization_config"] or {}).get("quant_method", "?")
+            raise refuse(
+                config,
+                "quantization_config.quant_method",
+                method,
+                "quantized expert weights are not imported; dequantize the checkpoint first "
+                "(transformers: Mxfp4Config(dequantize=True), then save_pretrained)",
+            )
+        if not config.get("attention_bias", True):
+            raise refuse(
+                config,
+                "attention_bias",
+                False,
+                "megatron-core biases every linear layer or none (add_bias_linear) and "
+                "gpt-oss experts and router always have biases",
+            )
+        alpha = float(config.get("swiglu_alpha", _QUICK_GELU_ALPHA))
+        if alpha != _QUICK_GELU_ALPHA:
+            raise refuse(
+                config,
+                "swiglu_alpha",
+                alpha,
+                f"megatron-core's quick_gelu fixes the sigmoid gain at {_QUICK_GELU_ALPHA}",
+            )
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        limit = config.get("swiglu_limit", 7.0)
+        heads = int(self.require(config, "num_attention_heads"))
+        hidden = int(self.require(config, "hidden_size"))
+        ffn = int(self.require(config, "intermediate_size"))
+        kinds = attention_layer_types(config, 2)
+        kwargs: dict[str, Any] = {
+            "num_layers": len(kinds),
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": int(config.get("num_key_value_heads") or heads),
+            "kv_channels": int(config.get("head_dim") or hidden // heads),
+            "vocab_size": int(self.require(config, "vocab_size")),
+            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-5)),
+            "gated_linear_unit": True,
+            "activation_func": quick_gelu,
+            "activation_func_clamp_value": None if limit is None else float(limit),
+            "glu_linear_offset": 1.0,
+            "add_bias_linear": True,
+            "add_qkv_bias": False,
+            "softmax_type": "learnable",
+            "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
+            "hidden_dropout": 0.0,
+            "ffn_hidden_size": ffn,
+            **_rope_kwargs(config),
+            **routed_moe_kwargs(
+                experts=int(self.require(config, "num_local_experts")),
+                topk=int(self.require(config, "num_experts_per_tok")),
+                expert_ffn=ffn,
+                normalize=True,
+                pattern=1,
+                aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0) or 0.0),
+            ),
+        }
+        if "sliding_attention" in kinds:
+            window = int(self.require(config, "sliding_window"))
+            kwargs["window_size"] = (window - 1, 0)
+            kwargs["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in kinds]
+        return kwargs
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def attention_mappings(
+        self, config: dict[str, Any], kwargs: dict[str, Any], m: str, h: str
+    ) -> list[ParamMapping]:
+        """Fused QKV with biases, the output projection with its bias, and the sinks."""
+        return [
+            *super().attention_mappings(config, kwargs, m, h),
+            direct(f"{m}self_attention.core_attention.softmax_offset", f"{h}self_attn.sinks"),
+        ]
+
+    def mlp_mappings(
+        self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str
+    ) -> list[ParamMapping]:
+        """The router (weight and bias) and every expert's slice of the stacked tensors."""
+        return [
+            direct(f"{m}mlp.router.weight", f"{h}mlp.router.weight"),
+            direct(f"{m}mlp.router.bias", f"{h}mlp.router.bias"),
+            *_stacked_experts(
+                m,
+                f"{h}mlp.experts.",
+                int(config["num_local_experts"]),
+                int(config["hidden_size"]),
+            ),
+        ]
+
+    # ---- provider -> config.json (export of a model trained from scratch) ------------------
+
+    def hf_config(self, provider: Any) -> dict[str, Any]:
+        """A ``gpt_oss`` ``config.json`` for a gpt-oss provider (an incomplete one, which
+        the round trip refuses, for any other)."""
+        if type(provider).__name__ != "GptOssModelProvider" or not provider.num_moe_experts:
+            return {"model_type": self.name}
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        if provider.window_size is None:
+            kinds = ["full_attention"] * provider.num_layers
+            window = None
+        else:
+            skip = provider.window_attn_skip_freq
+            kinds = [
+                "sliding_attention"
+                if is_layer_window_attention(provider.window_size, skip, i + 1)
+                else "full_attention"
+                for i in range(provider.num_layers)
+            ]
+            window = int(provider.window_size[0]) + 1
+        if provider.position_embedding_type == "yarn":
+            rope: dict[str, Any] = {
+                "rope_type": "yarn",
+                "rope_theta": float(provider.rotary_base),
+                "factor": float(provider.yarn_rotary_scaling_factor),
+                "original_max_position_embeddings": int(
+                    provider.yarn_original_max_position_embeddings
+                ),
+                "beta_fast": float(provider.yarn_beta_fast),
+                "beta_slow": float(provider.yarn_beta_slow),
+                "truncate": bool(provider.yarn_correction_range_round_to_int),
+            }
+            if provider.yarn_mscale is not None and provider.yarn_mscale_all_dim is not None:
+                rope.update(
+                    mscale=float(provider.yarn_mscale),
+                    mscale_all_dim=float(provider.yarn_mscale_all_dim),
+                )
+        else:
+            rope = hf_rope_parameters(provider)
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.name,
+            "vocab_size": int(provider.vocab_size),
+            "hidden_size": int(provider.hidden_size),
+            "intermediate_size": int(provider.moe_ffn_hidden_size),
+            "num_hidden_layers": int(provider.num_layers),
+            "num_attention_heads": int(provider.num_attention_heads),
+            "num_key_value_heads": int(provider.num_query_groups),
+            "head_dim": int(provider.kv_channels),
+            "num_local_experts": int(provider.num_moe_experts),
+            "num_experts_per_tok": int(provider.moe_router_topk),
+            "sliding_window": window,
+            "layer_types": kinds,
+            "max_position_embeddings": int(provider.seq_length),
+            "rms_norm_eps": float(provider.layernorm_epsilon),
+            "rope_parameters": rope,
+            "swiglu_alpha": _QUICK_GELU_ALPHA,
+            "swiglu_limit": provider.activation_func_clamp_value,
+            "router_aux_loss_coef": float(provider.moe_aux_loss_coeff or 0.0),
+            "attention_bias": True,
+            "attention_dropout": float(provider.attention_dropout),
+            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
+            "dtype": str(provider.params_dtype).removeprefix("torch."),
+        }

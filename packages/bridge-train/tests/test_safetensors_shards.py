@@ -1,0 +1,84 @@
+"""The safetensors shards an export writes: readable by safetensors, with the usual file mode."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from bridge.train.convert.safetensors_io import (
+    INDEX_FILENAME,
+    SINGLE_FILENAME,
+    ShardedSafetensorsWriter,
+    StreamingSafetensorsWriter,
+)
+
+safetensors = pytest.importorskip("safetensors")
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(6, 4, generator=generator),
+        "model.norm.weight": torch.randn(4, generator=generator).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(6, 4, generator=generator).to(torch.float16),
+    }
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    with safetensors.safe_open(str(path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+
+
+def _plain_file_mode(directory: Path) -> int:
+    probe = directory / "probe.txt"
+    probe.write_text("x")
+    return probe.stat().st_mode & 0o777
+
+
+@pytest.mark.parametrize("max_shard_bytes", [1 << 20, 64])
+def test_buffered_shards_read_back_with_the_mode_of_other_files(
+    tmp_path: Path, max_shard_bytes: int
+) -> None:
+    tensors = _tensors()
+    writer = ShardedSafetensorsWriter(tmp_path, max_shard_bytes)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    files = writer.close()
+    shards = [f for f in files if f.name != INDEX_FILENAME]
+    assert (len(shards) == 1) == (max_shard_bytes > 1000)
+    if len(shards) == 1:
+        assert shards[0].name == SINGLE_FILENAME
+    read: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        read.update(_read(shard))
+    assert read.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor)
+    # safetensors' own save_file created 0600 files; an export's files are all alike.
+    expected = _plain_file_mode(tmp_path)
+    assert {f.stat().st_mode & 0o777 for f in files} == {expected}, [
+        oct(f.stat().st_mode) for f in files
+    ]
+
+
+def test_streaming_and_buffered_shards_are_the_same_bytes(tmp_path: Path) -> None:
+    tensors = _tensors()
+    streamed, buffered = tmp_path / "streamed", tmp_path / "buffered"
+    streamed.mkdir()
+    buffered.mkdir()
+    stream = StreamingSafetensorsWriter(
+        streamed, [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    )
+    batch = ShardedSafetensorsWriter(buffered)
+    for name, tensor in tensors.items():
+        stream.write(name, tensor)
+        batch.add(name, tensor)
+    stream.close()
+    batch.close()
+    assert (streamed / SINGLE_FILENAME).read_bytes() == (buffered / SINGLE_FILENAME).read_bytes()
+    assert (
+        os.stat(streamed / SINGLE_FILENAME).st_mode == os.stat(buffered / SINGLE_FILENAME).st_mode
+    )
