@@ -53,6 +53,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# Fallbacks already reported: the checks before launch, the progress line and the load
+# each look the checkpoint up, and the user is told once.
+_REPORTED_FALLBACKS: set[tuple[str, int, int]] = set()
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MARKER_FILENAME = "checkpoint_complete.json"
@@ -245,15 +248,18 @@ def find_latest_checkpoint(
             f"{state} and {base} holds no older complete checkpoint; restore the directory, "
             "or delete the tracker to start from scratch"
         )
-    logger.error(  # a data-loss event: not hidden by filter_warnings
-        "The tracker %s names iteration %d, but %s %s; loading the newest older complete "
-        "checkpoint, iteration %d, instead (nothing was deleted).",
-        base / TRACKER_FILENAME,
-        tracked,
-        path,
-        state,
-        older[-1],
-    )
+    reported = (str(base.resolve()), tracked, older[-1])
+    if reported not in _REPORTED_FALLBACKS:
+        _REPORTED_FALLBACKS.add(reported)
+        logger.error(  # a data-loss event: not hidden by filter_warnings
+            "The tracker %s names iteration %d, but %s %s; loading the newest older complete "
+            "checkpoint, iteration %d, instead (nothing was deleted).",
+            base / TRACKER_FILENAME,
+            tracked,
+            path,
+            state,
+            older[-1],
+        )
     return CheckpointLocation(older[-1], str(base / checkpoint_dir_name(older[-1])))
 
 

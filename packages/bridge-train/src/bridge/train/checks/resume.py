@@ -71,30 +71,6 @@ LOADER_FIELDS: frozenset[str] = frozenset(
 )
 
 
-class _DropRecords(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-def _model_as_set_up(model: Any, dataset: Any, tokenizer: Any) -> Any:
-    """``model`` with the vocabulary size setup takes from the tokenizer when the section
-    leaves it unset (a copy), so a resume with another vocabulary is named as the
-    architecture change it is; ``model`` itself when there is nothing to fill in or the
-    tokenizer cannot be built here (the launch reports that)."""
-    if getattr(model, "vocab_size", 0) is not None or not hasattr(model, "apply_tokenizer"):
-        return model
-    try:
-        from bridge.train.loop.pretrain import _build_tokenizer
-        from bridge.train.models.family import family_tokenizer
-
-        built = family_tokenizer(dataset, tokenizer, _build_tokenizer(tokenizer, model))
-        probe = copy.copy(model)
-        probe.apply_tokenizer(built)
-    except Exception:
-        return model
-    return probe
-
-
 def planned_resume(checkpoint: Any) -> Any:
     """The checkpoint this run would resume (not a weights-only start), or None.
 
@@ -114,16 +90,10 @@ def planned_resume(checkpoint: Any) -> Any:
 
     probe = copy.copy(checkpoint)
     adopt_own_save_dir(probe)
-    layout_logger = logging.getLogger("bridge.train.checkpointing.layout")
-    quiet = _DropRecords()
-    # A probe: the load itself says once which checkpoint it falls back to.
-    layout_logger.addFilter(quiet)
     try:
         plan = planned_load(probe)
     except CheckpointError:
         return None
-    finally:
-        layout_logger.removeFilter(quiet)
     return None if plan is None or plan.weights_only else plan
 
 
@@ -246,20 +216,15 @@ def check_resume_sections(
     from bridge.train.checkpointing.architecture import check_same_architecture
 
     check_same_architecture(model, plan.path, before_setup=True)
-    saved = _saved_config(plan.path) if trains else None
-    changes = changed_sections(saved, sections) if saved is not None else []
-    refuse = bool(changes) and not checkpoint.resume_with_changes
-    if refuse and any(not c.startswith("tokenizer.vocab_size ") for c in changes):
-        _refuse_changed_run(checkpoint, plan, changes)
-    # Setup takes an unset model.vocab_size from the tokenizer, so another vocabulary is
-    # another model: a changed tokenizer.vocab_size alone is refused as that model change
-    # (other changed settings were listed above).
-    check_same_architecture(
-        _model_as_set_up(model, sections.get("dataset"), sections.get("tokenizer")),
-        plan.path,
-        before_setup=True,
-    )
-    if refuse:
+    if not trains:
+        # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
+        # continued, so other data is the point, not a mistake; the weights must still fit.
+        return
+    saved = _saved_config(plan.path)
+    if saved is None:
+        return
+    changes = changed_sections(saved, sections)
+    if changes and not checkpoint.resume_with_changes:
         _refuse_changed_run(checkpoint, plan, changes)
 
 
