@@ -81,6 +81,7 @@ def _build(directory: Path) -> dict[str, Any]:
     engine = build_engine()
     engine.initialize_distributed(provider, tiny_dist_config(), cfg.rng)
     model = engine.setup_model(provider)
+    assert cfg.optimizer is not None and cfg.scheduler is not None
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
     state = GlobalState(cfg=cfg)
     iterator = tiny_mock_iterator(cfg.train, cfg.dataset)
@@ -205,10 +206,10 @@ def _measure_saves(
             while pending_async_saves():
                 run["step"]()
                 steps += 1
-                finalize_async_saves(run["state"], blocking=False)
+                finalize_async_saves(run["state"].fault_tolerance, blocking=False)
             overlapped = time.perf_counter() - overlapped_start
             slowdown = max(overlapped - steps * step_time, 0.0)
-        finalize_async_saves(run["state"], blocking=True)
+        finalize_async_saves(run["state"].fault_tolerance, blocking=True)
         if index >= warmup:
             stalls.append(stall)
             totals.append(time.perf_counter() - start)
@@ -324,7 +325,7 @@ def main() -> None:
         times[f"async slower steps ({label})"] = slowdowns
         times[f"async stall ({label})"] = [a + b for a, b in zip(stalls, slowdowns, strict=True)]
         times[f"async to completion ({label})"] = totals
-    finalize_async_saves(run["state"], blocking=True, terminate=True)
+    finalize_async_saves(run["state"].fault_tolerance, blocking=True, terminate=True)
 
     median = {k: statistics.median(v) for k, v in times.items()}
     print(f"\nmedian of {args.rounds} measurements (after warm-up)")

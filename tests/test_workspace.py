@@ -223,3 +223,140 @@ def test_no_distribution_uses_a_private_name_of_another(dist: str) -> None:
                 f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)} uses {u}" for u in used
             ]
     assert not offenders, "\n".join(offenders)
+
+
+def _modules(dist: str) -> dict[str, Path]:
+    """Dotted name -> source file of every module of ``dist`` (packages by their __init__)."""
+    src = PACKAGES / dist / "src"
+    modules = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return _dotted(test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: its body, including ``if``/``try``
+    blocks, but not functions, classes or ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                todo += node.body
+            todo += node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody
+            for handler in node.handlers:
+                todo += handler.body
+        elif isinstance(node, ast.With):
+            todo += node.body
+    return found
+
+
+def _import_edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of the same distribution that importing ``name`` imports at once: the
+    module an import names (``from a.b import c`` names ``a.b.c`` when that is a module,
+    else ``a.b``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges: set[str] = set()
+    for node in _module_level_imports(_parse(path)):
+        if isinstance(node, ast.Import):
+            edges.update(alias.name for alias in node.names if alias.name in modules)
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join([*anchor, *([base] if base else [])])
+        for alias in node.names:
+            target = f"{base}.{alias.name}"
+            if target in modules:
+                edges.add(target)
+            elif base in modules:
+                edges.add(base)
+    edges.discard(name)
+    return edges
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize("dist", sorted(ALLOWED_SIBLINGS))
+def test_no_module_level_import_cycle(dist: str) -> None:
+    """No two modules of a distribution import each other, directly or through others, when
+    they are imported (imports inside functions and under ``TYPE_CHECKING`` do not count).
+
+    A cycle makes a module's names depend on which module is imported first; shared types
+    belong in a module both import (bridge-train: ``state.py``).
+    """
+    modules = _modules(dist)
+    graph = {name: _import_edges(name, path, modules) for name, path in modules.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "module-level import cycles:\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles
+    )
+
+
+def test_the_cycle_guard_sees_a_cycle(tmp_path: Path) -> None:
+    """The guard above on a made-up package: ``a`` and ``b`` import each other at module
+    level (``from`` and relative forms); ``c`` imports ``a`` only inside a function and
+    under ``TYPE_CHECKING``."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import thing\n")
+    (pkg / "b.py").write_text("try:\n    from . import a\nexcept ImportError:\n    pass\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n"
+        "def f():\n    import pkg.a\n"
+    )
+    modules = {
+        "pkg": pkg / "__init__.py",
+        "pkg.a": pkg / "a.py",
+        "pkg.b": pkg / "b.py",
+        "pkg.c": pkg / "c.py",
+    }
+    graph = {name: _import_edges(name, path, modules) for name, path in modules.items()}
+    assert graph["pkg.c"] == set()
+    assert _cycles(graph) == [["pkg.a", "pkg.b"]]

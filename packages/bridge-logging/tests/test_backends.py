@@ -115,7 +115,13 @@ def written(
             timers=None,
             metric_writers=writers,
         )
-        log_validation_results("iteration 3", {"lm loss": torch.tensor(2.0)}, 3, state)
+        log_validation_results(
+            "iteration 3",
+            {"lm loss": torch.tensor(2.0)},
+            3,
+            state,
+            log_ppl=cfg.logger.log_validation_ppl_to_tensorboard,
+        )
         writers.log_table("samples", ["prompt", "completion"], TABLE_ROWS, 3)
         writers.flush()
         writers.close()

@@ -29,7 +29,11 @@ def _state(kit: Any, tmp_path: Path, ppl: bool) -> Any:
 def test_console_block_and_tags_with_perplexity(kit: Any, tmp_path: Path, capsys: Any) -> None:
     state = _state(kit, tmp_path, ppl=True)
     line = log_validation_results(
-        "iteration 10", {"lm loss": torch.tensor(math.log(10.0)), "aux": 25.0}, 10, state
+        "iteration 10",
+        {"lm loss": torch.tensor(math.log(10.0)), "aux": 25.0},
+        10,
+        state,
+        log_ppl=True,
     )
     state.metric_writers.close()
     assert line == (
@@ -51,7 +55,9 @@ def test_perplexity_tags_follow_the_switch_and_test_split(
     kit: Any, tmp_path: Path, capsys: Any
 ) -> None:
     state = _state(kit, tmp_path, ppl=False)
-    line = log_validation_results("the end", {"lm loss": 1.0}, 12, state, split="test")
+    line = log_validation_results(
+        "the end", {"lm loss": 1.0}, 12, state, split="test", log_ppl=False
+    )
     state.metric_writers.close()
     assert line.startswith(" test loss at the end | lm loss value: 1.000000E+00 |")
     tags = kit.read_tensorboard(tmp_path / "tb")

@@ -19,14 +19,20 @@ from typing import Any
 import pytest
 import torch
 
-from bridge.resiliency.testing import (
+from core_utils.testing import find_free_port, run_distributed
+
+# The drill's trainer is a test helper beside this file (not part of the package); test
+# modules import it by name, and launchers run it as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from resiliency_drill import (
     StepCheckpointer,
     TinyRunOptions,
     TinyRunResult,
     read_events,
     run_tiny_training,
 )
-from core_utils.testing import find_free_port, run_distributed
+
+DRILL_SCRIPT = str(Path(__file__).resolve().with_name("resiliency_drill.py"))
 
 HAS_NVRX = importlib.util.find_spec("nvidia_resiliency_ext") is not None
 
@@ -76,7 +82,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def option_args(options: TinyRunOptions) -> list[str]:
-    """Command-line arguments of ``python -m bridge.resiliency.testing`` for ``options``."""
+    """Command-line arguments of ``resiliency_drill.py`` for ``options``."""
     args: list[str] = []
     defaults = TinyRunOptions(save_dir=options.save_dir)
     for name, value in vars(options).items():
@@ -260,7 +266,7 @@ class Drill:
 
     @staticmethod
     def torchrun_cmd(nproc: int, extra: Sequence[str], options: TinyRunOptions) -> list[str]:
-        """``python -m torch.distributed.run ... -m bridge.resiliency.testing <options>``."""
+        """``python -m torch.distributed.run ... resiliency_drill.py <options>``."""
         return [
             sys.executable,
             "-m",
@@ -270,14 +276,13 @@ class Drill:
             f"--master-port={find_free_port()}",
             "--monitor-interval=0.5",
             *extra,
-            "--module",
-            "bridge.resiliency.testing",
+            DRILL_SCRIPT,
             *option_args(options),
         ]
 
     @staticmethod
     def ft_launcher_cmd(nproc: int, extra: Sequence[str], options: TinyRunOptions) -> list[str]:
-        """``ft_launcher ... -m bridge.resiliency.testing <options>`` of this interpreter."""
+        """``ft_launcher ... resiliency_drill.py <options>`` of this interpreter."""
         launcher = Path(sys.executable).with_name("ft_launcher")
         return [
             str(launcher),
@@ -287,8 +292,7 @@ class Drill:
             "--monitor-interval=1",
             f"--rdzv-endpoint=127.0.0.1:{find_free_port()}",
             *extra,
-            "--module",
-            "bridge.resiliency.testing",
+            DRILL_SCRIPT,
             *option_args(options),
         ]
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from resiliency_drill import TRACKER_FILENAME, StepCheckpointer
 
 from bridge.resiliency import ResiliencyError
-from bridge.resiliency.testing import TRACKER_FILENAME, StepCheckpointer
 from core_utils.testing import run_distributed
 
 

@@ -1,6 +1,6 @@
 """Real faults against real launches: SIGTERM, SIGKILL, kills during a save, hung ranks.
 
-Each test launches the tiny loop of ``bridge.resiliency.testing`` on 2 gloo ranks under
+Each test launches the tiny loop of ``resiliency_drill.py`` (beside this file) on 2 gloo ranks under
 ``torchrun`` or nvidia-resiliency-ext's ``ft_launcher``, injects faults, and checks that the
 job ends the way it must and that every loss and the final weights equal an uninterrupted
 run's, bit for bit. Faults are driven per launch attempt (``--fault-plan``), so one launch
@@ -23,16 +23,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from bridge.resiliency import WatchdogTimeouts
-from bridge.resiliency._nvrx_monitor import MIN_STEPS_FOR_TIMEOUT
-from bridge.resiliency.testing import (
+from resiliency_drill import (
     StepCheckpointer,
     TinyRunOptions,
     TinyRunResult,
     read_events,
     run_tiny_training,
 )
+
+from bridge.resiliency import WatchdogTimeouts
+from bridge.resiliency._nvrx_monitor import MIN_STEPS_FOR_TIMEOUT
 from core_utils.testing import run_distributed
 
 

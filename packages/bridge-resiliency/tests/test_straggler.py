@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from resiliency_drill import TinyRunOptions, TinyRunResult, run_tiny_training
 
 from bridge.config import NVRxStragglerDetectionConfig, StragglerDetectionConfig
 from bridge.resiliency import (
@@ -21,7 +22,6 @@ from bridge.resiliency import (
     assess_straggler_report,
     format_perf_scores,
 )
-from bridge.resiliency.testing import TinyRunOptions, TinyRunResult, run_tiny_training
 from core_utils.testing import find_free_port, run_distributed
 
 

@@ -82,6 +82,7 @@ class _Run:
     """Model, optimizer, scheduler and state built from a config, as the trainer does."""
 
     def __init__(self, cfg: ConfigContainer) -> None:
+        assert cfg.model is not None and cfg.optimizer is not None and cfg.scheduler is not None
         self.engine = MegatronEngine()
         self.engine.initialize_distributed(cfg.model, tiny_dist_config(), cfg.rng)
         self.model = self.engine.setup_model(cfg.model)
@@ -89,6 +90,7 @@ class _Run:
             self.model, cfg.optimizer, cfg.scheduler, cfg.train
         )
         self.state = GlobalState(cfg=cfg)
+        assert cfg.checkpoint is not None
         self.context = init_checkpointing_context(cfg.checkpoint)
         self._iterator: Any = None
 
@@ -257,10 +259,10 @@ def _phase_a(rank: int, world: int, root: str) -> dict[str, Any]:
         out[f"{name}_listing_before"] = sorted(os.listdir(directory))
         out[f"{name}_losses_meanwhile"] = run.train(1)  # changes every parameter in place
         out[f"{name}_changed_meanwhile"] = bool(_equal_local(before, run.snapshot()))
-        finalize_async_saves(run.state, blocking=True)
+        finalize_async_saves(run.state.fault_tolerance, blocking=True)
         out[f"{name}_listing_after"] = sorted(os.listdir(directory))
         async_dirs[name] = (directory, before)
-    finalize_async_saves(run.state, blocking=True, terminate=True)
+    finalize_async_saves(run.state.fault_tolerance, blocking=True, terminate=True)
 
     # Reload every checkpoint into a model initialised from another seed.
     fresh = _Run(_config(tp=2, seed=4321, load=f"{root}/tp2"))
@@ -385,10 +387,10 @@ def _single_a(rank: int, world: int, root: str, tp2_full: dict[str, Any]) -> dic
     for _ in range(3):
         cached.train(1)
         cached.save()
-        finalize_async_saves(cached.state, blocking=True)
+        finalize_async_saves(cached.state.fault_tolerance, blocking=True)
     out["cached_plan_reused"] = bool(cached.context["save_strategy"].validated_cache_reuse)
     cached_expected = cached.snapshot()
-    finalize_async_saves(cached.state, blocking=True, terminate=True)
+    finalize_async_saves(cached.state.fault_tolerance, blocking=True, terminate=True)
     reload = _Run(_config(seed=4321, load=f"{root}/cached"))
     out["cached_return"] = reload.load()
     out["cached_mismatch"] = _equal_local(cached_expected, reload.snapshot())
@@ -459,7 +461,7 @@ def _crash_during_async_write(rank: int, world: int, root: str) -> None:
     run = _Run(_config(save=f"{root}/crash_async", async_save=True))
     run.train(K)
     run.save()
-    finalize_async_saves(run.state, blocking=True)
+    finalize_async_saves(run.state.fault_tolerance, blocking=True)
     torch.save(run.snapshot(), Path(root) / "crash_async_expected.pt")
     run.train(K)
     run.save()  # scheduled; the writer runs in the background
@@ -483,7 +485,7 @@ def _single_b(rank: int, world: int, root: str, dp2_saved: dict[str, Any]) -> di
         out[f"{name}_mismatch"] = _equal_local(expected, run.snapshot())
         run.train(1)
         run.save()  # the next save clears what the crash left behind
-        finalize_async_saves(run.state, blocking=True, terminate=True)
+        finalize_async_saves(run.state.fault_tolerance, blocking=True, terminate=True)
         out[f"{name}_listing_after_next_save"] = sorted(os.listdir(Path(root) / name))
 
     dp_into_one = _Run(_config(seed=4321, load=f"{root}/dp2"))

@@ -150,12 +150,11 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 def _megatron_logits(ckpt: str, tokens: torch.Tensor, tp: int) -> torch.Tensor:
     """Build the model from the checkpoint's run config at ``tp`` and load it as a
     pretrained checkpoint (the finetuning path)."""
-    import types
 
     from megatron.core import parallel_state
 
     from bridge.config import CheckpointConfig, ConfigContainer, DistributedInitConfig
-    from bridge.train.checkpointing import load_checkpoint
+    from bridge.train.checkpointing import restore_checkpoint
     from bridge.train.engine.initialize import initialize_distributed
     from bridge.train.state import TrainState
 
@@ -168,11 +167,9 @@ def _megatron_logits(ckpt: str, tokens: torch.Tensor, tp: int) -> torch.Tensor:
     initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
     try:
         model = provider.provide()
-        state = types.SimpleNamespace(
-            cfg=types.SimpleNamespace(checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt)),
-            train_state=TrainState(),
+        restore_checkpoint(
+            CheckpointConfig(pretrained_checkpoint=ckpt), TrainState(), [model], None, None
         )
-        load_checkpoint(state, [model], None, None)
         model.eval()
         with torch.no_grad():
             logits = model(tokens, _positions(tokens), _attention_mask(tokens))
@@ -294,15 +291,14 @@ def _pipeline_logits(
     ckpt: str, tokens: torch.Tensor, save: str | None = None
 ) -> torch.Tensor | None:
     """Load the checkpoint at PP=2 x TP=1 through the engine's model setup and
-    ``load_checkpoint`` (the finetuning path), and run megatron-core's forward-only pipeline
+    ``restore_checkpoint`` (the finetuning path), and run megatron-core's forward-only pipeline
     schedule on ``tokens`` (one micro-batch per row). The last stage returns the logits, the
     first stage ``None``. With ``save``, the loaded model is first saved there at PP=2."""
-    import types
 
     from megatron.core import parallel_state
 
     from bridge.config import CheckpointConfig, ConfigContainer, DistributedInitConfig
-    from bridge.train.checkpointing import load_checkpoint, save_checkpoint
+    from bridge.train.checkpointing import restore_checkpoint, write_checkpoint
     from bridge.train.engine import build_engine
     from bridge.train.engine.initialize import destroy_distributed
     from bridge.train.state import TrainState
@@ -318,18 +314,14 @@ def _pipeline_logits(
     engine.initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
     try:
         chunks = engine.setup_model(provider, wrap_with_ddp=False)
-        state = types.SimpleNamespace(
-            cfg=types.SimpleNamespace(checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt)),
-            train_state=TrainState(),
+        restore_checkpoint(
+            CheckpointConfig(pretrained_checkpoint=ckpt), TrainState(), chunks, None, None
         )
-        load_checkpoint(state, chunks, None, None)
         if save is not None:  # as a finetune at PP=2 would save it (model only)
             cfg.checkpoint = CheckpointConfig(
                 save=save, pretrained_checkpoint=ckpt, save_optim=False, save_rng=False
             )
-            save_checkpoint(
-                types.SimpleNamespace(cfg=cfg, train_state=TrainState()), chunks, None, None, 0.0
-            )
+            write_checkpoint(cfg.checkpoint, TrainState(), chunks, None, None, run_config=cfg)
         for chunk in chunks:
             chunk.eval()
         rows = iter(range(tokens.shape[0]))

@@ -8,7 +8,7 @@ model whose total size is about ten times its largest parameter, imports it with
 result with ``export_hf_checkpoint`` (into several shards), sampling its anonymous resident
 memory (``RssAnon``: tensors and heap, not memory-mapped file pages) during each; then it
 writes the reference the way the importer did before it streamed: the model built with
-real parameters, filled from the same file, saved by ``save_checkpoint``. The test checks
+real parameters, filled from the same file, saved by ``write_checkpoint``. The test checks
 both peaks against a bound tied to the largest parameter, that the export is bit-identical
 to the source, and that both checkpoints have the same entries (names, shapes, chunks,
 tensor values bit for bit, and the same common state and per-layer objects). Logits of
@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import threading
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,7 +94,7 @@ def _write_llama(directory: Path, sizes: tuple[int, ...]) -> None:
 def _reference_import(hf: Path, out: Path, tp: int, pp: int) -> None:
     """The importer before it streamed: real parameters filled in memory, then saved."""
     from bridge.config import CheckpointConfig
-    from bridge.train.checkpointing import save_checkpoint
+    from bridge.train.checkpointing import write_checkpoint
     from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
     from bridge.train.convert.safetensors_io import SafetensorsReader
     from bridge.train.models.families import family_for, provider_from_hf_config, read_hf_config
@@ -116,15 +115,13 @@ def _reference_import(hf: Path, out: Path, tp: int, pp: int) -> None:
             for mapping in family.param_mappings(config, target.padded_vocab_size, "model."):
                 sources = [reader.get(name) for name in mapping.hf]
                 params[mapping.megatron].copy_(mapping.to_megatron(*sources))
-        state = types.SimpleNamespace(
-            cfg=types.SimpleNamespace(
-                checkpoint=CheckpointConfig(
-                    save=str(out), save_optim=False, save_rng=False, async_save=False
-                )
-            ),
-            train_state=TrainState(),
+        write_checkpoint(
+            CheckpointConfig(save=str(out), save_optim=False, save_rng=False, async_save=False),
+            TrainState(),
+            [model],
+            None,
+            None,
         )
-        save_checkpoint(state, [model], None, None, 0.0)
 
 
 def _checkpoint_contents(iteration_dir: Path) -> tuple[Any, dict[str, Any]]:

@@ -37,11 +37,11 @@ from bridge.train import (
 )
 from bridge.train.cli import EXIT_CALLBACK_ERROR, EXIT_CONFIG_ERROR, main
 from bridge.train.loop.components import Checkpointer
-from bridge.train.loop.run_loop import run_loop
 from bridge.train.metrics import read_metrics_file
 from bridge.train.recipes import DEFAULT_RECIPE, recipe_path
 from bridge.train.testing import tiny_config_container, tiny_train_config
 from core_utils import CallbackList
+from core_utils.loop import run_loop
 from core_utils.testing import run_distributed
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
@@ -101,7 +101,7 @@ def _scripted_step(losses: list[float], exit_at: int | None = None) -> Any:
 
 def _context(*callbacks: Callback, components: tuple[Callback, ...] = ()) -> LoopContext:
     state = GlobalState()
-    context = LoopContext(state, [], None, None)
+    context = LoopContext(state.train_state, [], None, None, state=state)
     context.callbacks = CallbackList(components, callbacks)
     return context
 
@@ -197,7 +197,7 @@ def test_checkpointer_owns_every_save_decision() -> None:
     assert code == 0 and context.stop_reason is not None and "7" in context.stop_reason
     # 3 non-persistent, 4 persistent, 6 non-persistent, 7: the exit interval saves once.
     assert saves == [(3, True), (4, False), (6, True), (7, False)]
-    assert context.state.last_saved_iteration == 7
+    assert checkpointer.last_saved_iteration == 7
     assert [i for h, i, _ in recorder.events if h == "on_save"] == [3, 4, 6, 7]
 
     # The end of a run saves its last iteration unless just saved; async saves fire on_save

@@ -37,7 +37,7 @@ def test_a_run_config_saved_before_the_recipe_moved_still_loads(tmp_path: object
     from pathlib import Path
 
     text = Path(recipe_path("mimo")).read_text()
-    old = text.replace("bridge.train.loop.pretrain_mimo.", "bridge.train.recipes.mimo.")
+    old = text.replace("bridge.train.models.mimo.", "bridge.train.recipes.mimo.")
     assert old != text
     saved = Path(str(tmp_path)) / "run_config.yaml"
     saved.write_text(old)

@@ -18,7 +18,7 @@ import torch
 
 from bridge.config import ConfigError, FinetuningDatasetConfig, PackedSequenceSpecs
 from bridge.train import forward_step
-from bridge.train.checks.finetune import check_finetuning_config
+from bridge.train.checks.preflight import check_section
 from bridge.train.data.packing import PackedSFTDataset, check_packed_sequence_specs
 from bridge.train.data.packing import packed_seq_params as build_params
 from bridge.train.data.sft import load_tokenized_examples, sft_settings
@@ -159,15 +159,15 @@ def test_packed_launch_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ConfigError, match=r"packed_sequence_specs\.pad_cu_seqlens"):
         check_packed_sequence_specs(padded_specs, SEQ, tiny_gpt_provider())
     # Where Transformer Engine resolves (a GPU machine with the te extra): one packed
-    # sequence per micro-batch, no context parallelism.
+    # sequence per micro-batch (the dataset section's own rule), no context parallelism.
     config = _finetuning_config(tmp_path, micro_batch_size=2, global_batch_size=4)
     monkeypatch.setattr(config.model, "resolved_layer_spec_backend", lambda: "transformer_engine")
     with pytest.raises(ConfigError, match=r"train\.micro_batch_size"):
-        check_finetuning_config(config)
+        config.validate(1)
     config.train.micro_batch_size = 1
-    check_finetuning_config(config)
+    check_section(config, "dataset", 1)
     config.dataset.packed_sequence_specs.pad_cu_seqlens = True  # read by TE
-    check_finetuning_config(config)
+    check_section(config, "dataset", 1)
     config.model.context_parallel_size = 2
     with pytest.raises(ConfigError, match=r"model\.context_parallel_size"):
-        check_finetuning_config(config)
+        check_section(config, "dataset", 1)

@@ -37,7 +37,7 @@ from bridge.train import (
 )
 from bridge.train.loop import rampup_to_step_schedule
 from bridge.train.loop.components import WeightHashMismatchError
-from bridge.train.loop.training import _handle_mxfp8_param_buffer_copy
+from bridge.train.loop.step import _handle_mxfp8_param_buffer_copy
 from bridge.train.metrics import read_metrics_file
 from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.testing import (

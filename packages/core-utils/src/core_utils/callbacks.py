@@ -4,7 +4,7 @@ A loop built on this module owns one :class:`CallbackList`. Its own parts (a che
 metrics processor, fault-tolerance heartbeats, ...) and the user's callbacks share the
 :class:`Callback` interface, so a user extends the loop exactly the way the loop is built.
 The context passed to every hook is the loop's own object (for bridge-train,
-``bridge.train.loop.run_loop.LoopContext``); this module does not look inside it except for
+``core_utils.loop.LoopContext``); this module does not look inside it except for
 an ``iteration`` attribute, which error messages quote when it exists.
 
 Cost: a hook that no callback overrides is skipped when the list is built, so registering

@@ -103,14 +103,14 @@ def _dtype_family(dtype: Any) -> str | None:
     return None
 
 
-def _parallel_size(model: Any, name: str, default: int) -> int:
+def _parallel_size(model: ModelConfigProtocol, name: str, default: int) -> int:
     size = getattr(model, name, default)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ConfigError(f"model.{name}", f"got {size!r}; expected a positive integer")
     return size
 
 
-def _check_expert_layout(model: Any, world: int, tp: int, pp: int) -> None:
+def _check_expert_layout(model: ModelConfigProtocol, world: int, tp: int, pp: int) -> None:
     """Megatron's expert-parallel rules (see ``ConfigContainer.get_data_parallel_size``)."""
     ep = _parallel_size(model, "expert_model_parallel_size", 1)
     etp = tp

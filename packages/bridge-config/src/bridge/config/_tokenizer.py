@@ -9,6 +9,7 @@ from typing import Any, Literal
 from bridge.config._checks import at_least
 from bridge.config._codec import normalize_fields
 from bridge.config._errors import field_error
+from bridge.config._protocols import TokenizerConfigProtocol
 from bridge.config._section import config_section
 
 TokenizerType = Literal[
@@ -140,7 +141,7 @@ def _byte_level_specials(special_tokens: list[str] | None) -> list[str]:
     return specials
 
 
-def total_vocab_size(tokenizer: Any) -> int | None:
+def total_vocab_size(tokenizer: TokenizerConfig | TokenizerConfigProtocol) -> int | None:
     """Ids a tokenizer configuration can emit, or None if not known yet.
 
     Works on any object providing ``TokenizerConfigProtocol`` (``special_tokens`` is read

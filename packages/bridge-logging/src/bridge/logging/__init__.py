@@ -30,7 +30,13 @@ from bridge.logging.python_logging import setup_logging
 from bridge.logging.scheduler_job import SchedulerJob, scheduler_job
 from bridge.logging.settings import BackendSettings, ReportSettings
 from bridge.logging.throughput import report_runtime, report_throughput
-from bridge.logging.training_log import build_timers, training_log
+from bridge.logging.training_log import (
+    TrainingLogSettings,
+    build_timers,
+    log_training_step,
+    tokens_per_sample,
+    training_log,
+)
 from bridge.logging.validation import log_validation_results
 
 __all__ = [
@@ -49,11 +55,13 @@ __all__ = [
     "SchedulerJob",
     "TensorBoardWriter",
     "TrainProgress",
+    "TrainingLogSettings",
     "WandbWriter",
     "append_progress_log",
     "build_metric_writers",
     "build_moe_metric_writer",
     "build_timers",
+    "log_training_step",
     "log_validation_results",
     "reduce_max_memory_across_pp_group",
     "report_l2_norm_grad",
@@ -63,5 +71,6 @@ __all__ = [
     "scheduler_job",
     "setup_logging",
     "start_memory_history_recording",
+    "tokens_per_sample",
     "training_log",
 ]

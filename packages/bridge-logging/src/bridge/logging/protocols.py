@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from bridge.config import ConfigContainer
 from core_utils import Timers
 
 if TYPE_CHECKING:
@@ -47,12 +46,9 @@ class TrainProgress(Protocol):
 
 
 class LoggingState(Protocol):
-    """What :func:`bridge.logging.training_log` needs of the trainer's global state."""
-
-    @property
-    def cfg(self) -> ConfigContainer:
-        """The run's configuration."""
-        ...
+    """What :func:`bridge.logging.training_log` needs of the trainer's state: counters,
+    timers, writers and the start time (the configuration comes separately, see
+    :class:`bridge.logging.TrainingLogSettings`)."""
 
     @property
     def train_state(self) -> TrainProgress:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import torch
 
-from bridge.config import ConfigContainer, LoggerConfig, TrainingConfig
+from bridge.config import (
+    ConfigContainer,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    LoggerConfig,
+    ModelConfigProtocol,
+    ProfilingConfig,
+    TrainingConfig,
+)
 from bridge.logging._dist import (
     find_pg_collection,
     pg_attr,
@@ -31,6 +40,18 @@ from bridge.logging.throughput import report_runtime, report_throughput
 from core_utils import Timers
 from core_utils.distributed import global_rank, global_world_size
 from core_utils.process_groups import get_pg_rank
+
+__all__ = [
+    "TIMERS_LEVEL_1",
+    "TIMERS_LEVEL_2",
+    "TrainingLogSettings",
+    "build_timers",
+    "log_training_step",
+    "loss_value",
+    "timers_to_log",
+    "tokens_per_sample",
+    "training_log",
+]
 
 ADVANCED_ITERS = "advanced iterations"
 SKIPPED_ITERS = "skipped iterations"
@@ -163,21 +184,21 @@ def _accumulate(
     return losses
 
 
-def _configured_batch_size(config: ConfigContainer, train_cfg: TrainingConfig) -> int:
+def _configured_batch_size(settings: TrainingLogSettings) -> int:
+    train_cfg = settings.train
     if train_cfg.global_batch_size is not None:
         return int(train_cfg.global_batch_size)
-    dp = config.data_parallel_size or 1
+    dp = settings.data_parallel_size or 1
     return int(train_cfg.micro_batch_size or 0) * dp
 
 
-def _batch_size_if_certain(
-    config: ConfigContainer, train_cfg: TrainingConfig, consumed: int
-) -> int | None:
+def _batch_size_if_certain(settings: TrainingLogSettings, consumed: int) -> int | None:
     """The configured batch size when the iteration that ended at ``consumed`` samples
     must have run it (no ramp-up, or past it, and no shrinking to fit), else ``None``."""
+    train_cfg = settings.train
     if train_cfg.decrease_batch_size_if_needed:
         return None
-    configured = _configured_batch_size(config, train_cfg)
+    configured = _configured_batch_size(settings)
     rampup = train_cfg.rampup_batch_size
     # The batch is at most the configured one, so the ramp-up was over before this
     # iteration if it was over even counting the largest batch.
@@ -194,16 +215,44 @@ def _format_batch_size(batch_size: float | None) -> str:
     return f"{batch_size:7.1f}"  # an average over iterations not logged one by one
 
 
-def _seq_length(config: ConfigContainer, seq_length: int | None) -> int | None:
+def tokens_per_sample(
+    model: ModelConfigProtocol | None,
+    dataset: GPTDatasetConfig | FinetuningDatasetConfig | None,
+    seq_length: int | None = None,
+) -> int | None:
+    """Tokens per sample for the token metrics: ``seq_length`` if given, else the model's
+    ``seq_length``, else the dataset's ``sequence_length`` / ``seq_length``, else ``None``."""
     if seq_length is not None:
         return seq_length
-    model_len = getattr(config.model, "seq_length", None)
+    model_len = getattr(model, "seq_length", None)
     if model_len:
         return int(model_len)
-    data_len = getattr(config.dataset, "sequence_length", None) or getattr(
-        config.dataset, "seq_length", None
-    )
+    data_len = getattr(dataset, "sequence_length", None) or getattr(dataset, "seq_length", None)
     return int(data_len) if data_len else None
+
+
+@dataclass(frozen=True)
+class TrainingLogSettings:
+    """What :func:`log_training_step` reads of a run's configuration, and nothing more.
+
+    Built once when a loop starts (bridge-train's metrics component does); the reference's
+    :func:`training_log` builds it from the whole config on every call.
+
+    Attributes:
+        logger: The ``logger`` section (intervals, what to log).
+        train: The ``train`` section (length, batch sizes and their ramp-up).
+        profiling: The ``profiling`` section (memory snapshots), if any.
+        seq_length: Tokens per sample (``None``: no token metrics), see
+            :func:`tokens_per_sample`.
+        data_parallel_size: The data-parallel size, for the configured batch size when
+            ``train.global_batch_size`` is unset.
+    """
+
+    logger: LoggerConfig
+    train: TrainingConfig
+    profiling: ProfilingConfig | None = None
+    seq_length: int | None = None
+    data_parallel_size: int | None = None
 
 
 def _track_flops(
@@ -363,12 +412,87 @@ def training_log(
     if config.logger is None or config.train is None:
         missing = "logger" if config.logger is None else "train"
         raise ValueError(f"training_log: config.{missing} is None; the section is required")
-    logger_cfg: LoggerConfig = config.logger
-    train_cfg: TrainingConfig = config.train
-    writers = global_state.metric_writers
-    timers = global_state.timers
-    train_state = global_state.train_state
-    settings = writers.reports_for(logger_cfg)
+    settings = TrainingLogSettings(
+        logger=config.logger,
+        train=config.train,
+        profiling=config.profiling,
+        seq_length=tokens_per_sample(config.model, config.dataset, seq_length),
+        data_parallel_size=config.data_parallel_size,
+    )
+    return log_training_step(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        decoupled_learning_rate,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+        settings,
+        global_state,
+        history_wct,
+        model,
+        pg_collection=pg_collection,
+        log_max_attention_logit=log_max_attention_logit,
+        loaded_iteration=loaded_iteration,
+    )
+
+
+def log_training_step(
+    loss_dict: dict[str, torch.Tensor],
+    total_loss_dict: dict[str, Any],
+    learning_rate: float | None,
+    decoupled_learning_rate: float | None,
+    loss_scale: float | torch.Tensor,
+    report_memory_flag: bool,
+    skipped_iter: int,
+    grad_norm: float | torch.Tensor | None,
+    params_norm: float | None,
+    num_zeros_in_grad: int | float | torch.Tensor | None,
+    settings: TrainingLogSettings,
+    state: LoggingState,
+    history_wct: Sequence[float],
+    model: list[Any],
+    pg_collection: Any | None = None,
+    log_max_attention_logit: float | None = None,
+    loaded_iteration: int = 0,
+) -> bool:
+    """:func:`training_log` with the configuration it reads given as :class:`TrainingLogSettings`.
+
+    What the training loop calls after every step (see :func:`training_log` for what is
+    logged, when, and the collectives it takes part in).
+
+    Args:
+        loss_dict: See :func:`training_log`.
+        total_loss_dict: See :func:`training_log`.
+        learning_rate: See :func:`training_log`.
+        decoupled_learning_rate: See :func:`training_log`.
+        loss_scale: See :func:`training_log`.
+        report_memory_flag: See :func:`training_log`.
+        skipped_iter: See :func:`training_log`.
+        grad_norm: See :func:`training_log`.
+        params_norm: See :func:`training_log`.
+        num_zeros_in_grad: See :func:`training_log`.
+        settings: The ``logger``, ``train`` and ``profiling`` sections, tokens per sample
+            and the data-parallel size.
+        state: Counters, timers, metric writers and start time of the run.
+        history_wct: See :func:`training_log`.
+        model: See :func:`training_log`.
+        pg_collection: See :func:`training_log`.
+        log_max_attention_logit: See :func:`training_log`.
+        loaded_iteration: See :func:`training_log`.
+
+    Returns:
+        The updated ``report_memory_flag``.
+    """
+    logger_cfg = settings.logger
+    train_cfg = settings.train
+    writers = state.metric_writers
+    timers = state.timers
+    train_state = state.train_state
+    reports = writers.reports_for(logger_cfg)
     iteration = int(train_state.step)
     consumed = int(train_state.consumed_train_samples)
     world = global_world_size()
@@ -383,18 +507,18 @@ def training_log(
     )
     learning_rate = reduce_max_stat(learning_rate, pg_attr(pg, "mp"))
     timer_names = timers_to_log(logger_cfg.timing_log_level)
-    window = settings.throughput_window_size or logger_cfg.log_interval
+    window = reports.throughput_window_size or logger_cfg.log_interval
     batch_size = writers.marks.batches.record(
         iteration,
         consumed,
         loaded_iteration=loaded_iteration,
-        fallback=_batch_size_if_certain(config, train_cfg, consumed),
+        fallback=_batch_size_if_certain(settings, consumed),
         keep=window,
     )
     total_iterations = total_loss_dict[ADVANCED_ITERS] + total_loss_dict[SKIPPED_ITERS]
     tb_due = iteration % logger_cfg.tensorboard_log_interval == 0
     show_params_norm = logger_cfg.log_params_norm and params_norm is not None
-    tokens_per_sample = _seq_length(config, seq_length)
+    sample_tokens = settings.seq_length
 
     # Everything for this step goes out in one log_many call at the end: W&B and MLflow
     # pay a fixed cost per call, and a metric writer process gets one message.
@@ -412,14 +536,14 @@ def training_log(
             normalizer=max(total_iterations, 1),
             reset=False,
         )
-    maybe_dump_memory_snapshot(config.profiling, iteration)
+    maybe_dump_memory_snapshot(settings.profiling, iteration)
     memory_metrics: dict[str, int | float] = {}
     if logger_cfg.log_memory_to_tensorboard and tb_due:
-        report = report_memory(settings.memory_keys)
+        report = report_memory(reports.memory_keys)
         report = reduce_max_memory_across_pp_group(report, pg_attr(pg, "pp"))
         memory_metrics = {f"memory/{name}": value for name, value in report.items()}
     grad_norms: dict[str, float] = {}
-    if settings.log_l2_norm_grad and tb_due:
+    if reports.log_l2_norm_grad and tb_due:
         grad_norms = report_l2_norm_grad(model, pg_collection=pg)
 
     if writers.enabled and tb_due:
@@ -429,7 +553,7 @@ def training_log(
             throughput = report_throughput(
                 train_cfg,
                 iteration,
-                tokens_per_sample,
+                sample_tokens,
                 history_wct,
                 window,
                 samples_in_window=samples if samples is not None else 0.0,
@@ -438,14 +562,14 @@ def training_log(
                 throughput = {k: v for k, v in throughput.items() if "/batches_" in k}
             step_metrics.update(throughput)
         step_metrics.update(memory_metrics)
-        if settings.log_runtime:
+        if reports.log_runtime:
             step_metrics.update(
                 report_runtime(
                     train_state,
-                    global_state.start_time,
-                    tokens_per_sample,
+                    state.start_time,
+                    sample_tokens,
                     train_cfg.train_iters,
-                    settings.runtime_time_unit,
+                    reports.runtime_time_unit,
                     start_iteration=loaded_iteration,
                 )
             )
@@ -554,7 +678,7 @@ def training_log(
     print_rank_last("".join(parts))
 
     if report_memory_flag:
-        report = report_memory(settings.memory_keys)
+        report = report_memory(reports.memory_keys)
         dp_group = pg_attr(pg, "dp")
         first_dp = get_pg_rank(dp_group) == 0 if dp_group is not None else global_rank() == 0
         if report and first_dp:

@@ -27,6 +27,7 @@ def log_validation_results(
     state: LoggingState,
     *,
     split: str = "validation",
+    log_ppl: bool = False,
 ) -> str:
     """Print evaluation losses with their perplexities and write them to the metric writers.
 
@@ -38,8 +39,8 @@ def log_validation_results(
 
     * ``<loss> <split>`` at ``iteration``; TensorBoard also ``<loss> <split> vs samples``
       at ``train_state.consumed_train_samples``.
-    * with ``logger.log_validation_ppl_to_tensorboard``: ``<loss> <split> ppl`` (and, on
-      TensorBoard, ``<loss> <split> ppl vs samples``).
+    * with ``log_ppl`` (the trainer passes ``logger.log_validation_ppl_to_tensorboard``):
+      ``<loss> <split> ppl`` (and, on TensorBoard, ``<loss> <split> ppl vs samples``).
 
     Args:
         prefix: Where the evaluation happened, e.g. ``"iteration 100"``.
@@ -48,6 +49,7 @@ def log_validation_results(
         iteration: The training iteration the results belong to.
         state: Trainer state (see :class:`bridge.logging.LoggingState`).
         split: Name of the evaluated split, used in the line and the tags.
+        log_ppl: Also write the perplexities.
 
     Returns:
         The console line (also on ranks that do not print it).
@@ -67,12 +69,10 @@ def log_validation_results(
     writers = state.metric_writers
     if not writers.enabled:
         return line
-    logger_cfg = state.cfg.logger
-    with_ppl = bool(logger_cfg is not None and logger_cfg.log_validation_ppl_to_tensorboard)
     metrics: dict[str, float] = {}
     for key, value in losses.items():
         metrics[f"{key} {split}"] = value
-        if with_ppl:
+        if log_ppl:
             metrics[f"{key} {split} ppl"] = perplexity(value)
     writers.log_metrics(metrics, iteration)
     samples = int(state.train_state.consumed_train_samples)

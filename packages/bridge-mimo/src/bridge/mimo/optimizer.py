@@ -301,7 +301,7 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def build_multimodule_optimizer(
-    model: Any,
+    model: torch.nn.Module,
     infra: MegatronMIMOInfra,
     factory: OptimizerFactory,
     *,

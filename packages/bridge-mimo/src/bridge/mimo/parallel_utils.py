@@ -95,7 +95,9 @@ def _wrapper_types() -> tuple[type, ...]:
     return (Float16Module, MegatronDDP, torch.nn.parallel.DistributedDataParallel)
 
 
-def unwrap_megatron_mimo_model(model: Any) -> MimoModel:
+def unwrap_megatron_mimo_model(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+) -> MimoModel:
     """Unwrap Float16Module/DDP wrappers to get the underlying MimoModel.
 
     Args:
@@ -109,7 +111,7 @@ def unwrap_megatron_mimo_model(model: Any) -> MimoModel:
     Raises:
         RuntimeError: If the model cannot be unwrapped to a MimoModel.
     """
-    current = model
+    current: Any = model
     if isinstance(current, list | tuple) and len(current) == 1:
         current = current[0]
     wrappers = _wrapper_types()
@@ -320,7 +322,7 @@ def _global_num_tokens(
 
 @torch.no_grad()
 def finalize_model_grads_multimodule(
-    model: Any,
+    model: list[torch.nn.Module],
     num_tokens: torch.Tensor | int | None = None,
     pg_collection: Any = None,
     force_all_reduce: bool | None = None,

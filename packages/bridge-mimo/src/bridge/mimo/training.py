@@ -1,4 +1,4 @@
-"""The MIMO training step and loop.
+"""The MIMO training step, and the MIMO run on the stack's one loop.
 
 One step on every rank (non-colocated layout)::
 
@@ -55,12 +55,16 @@ from bridge.mimo.parallel_utils import (
     zero_grad_buffer_for_multimodule,
 )
 from core_utils.callbacks import Callback, CallbackList
+from core_utils.loop import LoopContext, StepResult, run_loop
 
 __all__ = [
     "LossFn",
     "MimoLogFn",
     "MimoLogRecord",
+    "MimoLogger",
     "MimoLoopContext",
+    "MimoProgress",
+    "MimoStepFunction",
     "MimoStepResult",
     "MimoTrainResult",
     "MimoTrainStep",
@@ -184,7 +188,7 @@ class MimoTrainStep:
 
     def __init__(
         self,
-        model: Any,
+        model: torch.nn.Module,
         infra: MegatronMIMOInfra,
         optimizer: MultiModuleOptimizer,
         *,
@@ -682,34 +686,183 @@ def mimo_log_record(
 
 
 @dataclass
-class MimoLoopContext:
-    """What :func:`train_mimo` hands to every callback hook (``core_utils.Callback``).
+class MimoProgress:
+    """The progress counters of a MIMO loop (:class:`core_utils.loop.TrainProgress`).
 
     Attributes:
-        step: The bound training step (model, infra, optimizer).
-        data: The rank's loader (its ``consumed_samples`` is the resume position).
-        iteration: Iterations completed (including the start iteration).
-        consumed_samples: Samples consumed so far.
-        train_iters: Iteration the loop stops at.
-        outcome: The last step's result (``None`` before the first step).
-        result: The running :class:`MimoTrainResult`.
-        stop_reason: Set by :meth:`request_stop`: the loop ends after this step's hooks.
+        step: Iterations completed.
+        consumed_train_samples: Samples consumed so far.
+        skipped_train_samples: Samples of iterations whose update was skipped.
+        floating_point_operations_so_far: Measured FLOPs of the steps run so far.
     """
 
-    step: MimoTrainStep
-    data: MimoDataLoader
-    iteration: int
-    consumed_samples: int
-    train_iters: int
-    result: MimoTrainResult
-    outcome: MimoStepResult | None = None
-    stop_reason: str | None = None
+    step: int = 0
+    consumed_train_samples: int = 0
+    skipped_train_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
 
-    def request_stop(self, reason: str) -> None:
-        """End the loop after the current step. Callbacks that call it must decide the same
-        on every rank (e.g. from an all-reduced exit decision)."""
-        if self.stop_reason is None:
-            self.stop_reason = reason
+
+class MimoStepFunction:
+    """One MIMO iteration as the loop's step (``LoopContext -> StepResult``).
+
+    Runs ``step`` on this rank's next micro-batches, steps the scheduler by the global batch
+    (megatron's sample-based schedule) when the update was applied, and keeps the step's own
+    result (:attr:`outcome`) and every loss for the MIMO components. ``train_mimo`` and
+    bridge-train's ``mimo`` recipe both run it on :func:`core_utils.loop.run_loop`.
+
+    Args:
+        step: The bound training step.
+        data: This rank's loader.
+        scheduler: Optional LR scheduler.
+
+    Attributes:
+        outcome: The latest step's result (``None`` before the first step).
+        losses: Global-batch loss of every step run.
+        skipped_iterations: Steps whose update was skipped.
+    """
+
+    def __init__(
+        self, step: MimoTrainStep, data: MimoDataLoader, scheduler: ParamScheduler | None = None
+    ) -> None:
+        self.step = step
+        self.data = data
+        self.scheduler = scheduler
+        self.outcome: MimoStepResult | None = None
+        self.losses: list[float] = []
+        self.skipped_iterations = 0
+
+    def __call__(self, context: LoopContext) -> StepResult:
+        """Run one iteration."""
+        outcome = self.step(next(self.data))
+        self.outcome = outcome
+        self.losses.append(outcome.loss)
+        gbs = self.data.global_batch_size
+        if outcome.update_successful:
+            if self.scheduler is not None:
+                self.scheduler.step(increment=gbs)
+        else:
+            self.skipped_iterations += 1
+        return StepResult(
+            losses={"lm loss": torch.tensor(outcome.loss, dtype=torch.float64)},
+            skipped=not outcome.update_successful,
+            grad_norm=outcome.grad_norm,
+            num_samples=gbs,
+            flops=float(sum(outcome.flops.values())),
+        )
+
+
+class MimoLogger(Callback):
+    """A loop component: a :class:`MimoLogRecord` to ``log_fn`` every ``log_interval``
+    iterations and at ``train_iters``, and for the partial interval when the loop stops
+    earlier.
+
+    Args:
+        step_function: The loop's step (its outcomes are logged).
+        log_fn: Receives every record (on every rank).
+        log_interval: Iterations per record.
+        train_iters: The run's last iteration (always logged).
+    """
+
+    def __init__(
+        self,
+        step_function: MimoStepFunction,
+        log_fn: MimoLogFn | Callable[[MimoLogRecord], None],
+        log_interval: int,
+        train_iters: int,
+    ) -> None:
+        self.step_function = step_function
+        self.log_fn = log_fn
+        self.log_interval = log_interval
+        self.train_iters = train_iters
+        self.window: list[MimoStepResult] = []
+
+    def _emit(self, iteration: int) -> None:
+        step = self.step_function
+        self.log_fn(
+            mimo_log_record(
+                self.window,
+                iteration=iteration,
+                consumed_samples=step.data.consumed_samples,
+                global_batch_size=step.data.global_batch_size,
+                optimizer=step.step.optimizer,
+                world_size=dist.get_world_size(),
+            )
+        )
+        self.window = []
+
+    def on_step_end(self, context: LoopContext) -> None:
+        """Log on the interval and at the last iteration."""
+        outcome = self.step_function.outcome
+        assert outcome is not None
+        self.window.append(outcome)
+        iteration = context.iteration
+        if iteration % self.log_interval == 0 or iteration == self.train_iters:
+            self._emit(iteration)
+
+    def on_train_end(self, context: LoopContext) -> None:
+        """Log the partial interval of a run that stopped early."""
+        if self.window:
+            self._emit(context.iteration)
+
+
+class _StopWhenAsked(Callback):
+    """Stops the loop after the first iteration for which any rank's ``should_stop`` holds
+    (one all-reduce per iteration, so a rank-local clock cannot make ranks disagree)."""
+
+    def __init__(self, should_stop: ShouldStop | Callable[[int], bool], device: torch.device):
+        self.should_stop = should_stop
+        self.device = device
+
+    def on_step_end(self, context: LoopContext) -> None:
+        if _any_rank(self.should_stop(context.iteration), self.device):
+            context.request_stop("should_stop asked to stop")
+
+
+@dataclass(eq=False, kw_only=True)
+class MimoLoopContext(LoopContext):
+    """What :func:`train_mimo` hands to every callback hook: the shared loop's
+    :class:`core_utils.loop.LoopContext` plus the MIMO run's own objects.
+
+    Attributes:
+        step_function: The loop's step (its bound training step, loader and outcomes).
+        train_iters: Iteration the loop stops at.
+    """
+
+    step_function: MimoStepFunction
+    train_iters: int
+
+    @property
+    def step(self) -> MimoTrainStep:
+        """The bound training step (model, infra, optimizer)."""
+        return self.step_function.step
+
+    @property
+    def data(self) -> MimoDataLoader:
+        """The rank's loader (its ``consumed_samples`` is the resume position)."""
+        return self.step_function.data
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed so far."""
+        return int(self.train_state.consumed_train_samples)
+
+    @property
+    def outcome(self) -> MimoStepResult | None:
+        """The last step's result (``None`` before the first step)."""
+        return self.step_function.outcome
+
+    @property
+    def result(self) -> MimoTrainResult:
+        """The run so far, as :func:`train_mimo` returns it."""
+        step = self.step_function
+        iteration = self.iteration
+        return MimoTrainResult(
+            iteration=iteration,
+            consumed_samples=step.data.consumed_samples,
+            losses=list(step.losses),
+            skipped_iterations=step.skipped_iterations,
+            stopped_early=self.stop_requested and iteration < self.train_iters,
+        )
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -732,12 +885,14 @@ def train_mimo(
 ) -> MimoTrainResult:
     """Train until ``train_iters`` iterations are done. Collective: call on every rank.
 
-    Each iteration takes this rank's micro-batches from ``data``, runs ``step``, advances the
-    scheduler by the global batch size (megatron's convention: warmup and decay counted in
-    samples), and every ``log_interval`` iterations calls ``log_fn`` with a
+    The loop is the stack's one training loop, :func:`core_utils.loop.run_loop`, with
+    :class:`MimoStepFunction` as its step: each iteration takes this rank's micro-batches
+    from ``data``, runs ``step``, advances the scheduler by the global batch size
+    (megatron's convention: warmup and decay counted in samples), and every
+    ``log_interval`` iterations :class:`MimoLogger` calls ``log_fn`` with a
     :class:`MimoLogRecord`. With ``should_stop``, the loop also ends after the first
     iteration for which any rank's ``should_stop`` says so (the partial logging interval is
-    logged first).
+    logged at the end).
 
     Args:
         step: The bound training step (model, infra, optimizer, loss normalisation).
@@ -751,15 +906,14 @@ def train_mimo(
         should_stop: Optional early-exit check (see :class:`ShouldStop`); one all-reduce
             per iteration when given.
         callbacks: ``core_utils.Callback`` objects called in order with a
-            :class:`MimoLoopContext`: ``on_train_start``, ``on_step_start`` /
-            ``on_step_end`` around every step (after the scheduler step, before
-            ``should_stop``), ``on_train_end`` when the loop ends (not on an error). A
-            callback ends the run with ``context.request_stop(reason)`` (bridge-train's
-            checkpointer does, after its save on an exit signal).
+            :class:`MimoLoopContext` (after the loop's own components): ``on_train_start``,
+            ``on_step_start`` / ``on_step_end`` around every step (after the scheduler
+            step), ``on_train_end`` when the loop ends (not on an error). A callback ends
+            the run with ``context.request_stop(reason)``.
 
     Returns:
         The iterations done, the samples consumed, the per-iteration losses and whether
-        ``should_stop`` ended the run.
+        the run stopped before ``train_iters``.
 
     Raises:
         ValueError: Batch sizes of ``data`` and ``step`` differ, or an interval is invalid.
@@ -777,54 +931,24 @@ def train_mimo(
         raise ValueError(f"log_interval must be >= 1, got {log_interval}")
     if train_iters < start_iteration:
         raise ValueError(f"train_iters={train_iters} is below start_iteration={start_iteration}")
-    result = MimoTrainResult(iteration=start_iteration, consumed_samples=data.consumed_samples)
-    hooks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks or ())
+    step_function = MimoStepFunction(step, data, scheduler)
+    components: list[Callback] = []
+    if should_stop is not None:
+        components.append(_StopWhenAsked(should_stop, step.device))
+    if log_fn is not None:
+        components.append(MimoLogger(step_function, log_fn, log_interval, train_iters))
+    hooks = CallbackList(components, list(callbacks or ()))
     context = MimoLoopContext(
-        step=step,
-        data=data,
-        iteration=start_iteration,
-        consumed_samples=data.consumed_samples,
+        train_state=MimoProgress(
+            step=start_iteration, consumed_train_samples=data.consumed_samples
+        ),
+        model=[step.model],
+        optimizer=step.optimizer,
+        scheduler=scheduler,
+        train_data_iterator=data,
+        callbacks=hooks,
+        step_function=step_function,
         train_iters=train_iters,
-        result=result,
     )
-    hooks.on_train_start(context)
-    window: list[MimoStepResult] = []
-    world_size = dist.get_world_size()
-    while result.iteration < train_iters:
-        hooks.on_step_start(context)
-        outcome = step(next(data))
-        result.iteration += 1
-        result.consumed_samples = data.consumed_samples
-        result.losses.append(outcome.loss)
-        if not outcome.update_successful:
-            result.skipped_iterations += 1
-        if scheduler is not None and outcome.update_successful:
-            scheduler.step(increment=data.global_batch_size)
-        window.append(outcome)
-        context.iteration, context.consumed_samples = result.iteration, result.consumed_samples
-        context.outcome = outcome
-        hooks.on_step_end(context)
-        if context.stop_reason is not None:
-            result.stopped_early = result.iteration < train_iters
-        if should_stop is not None and _any_rank(should_stop(result.iteration), step.device):
-            result.stopped_early = result.iteration < train_iters
-        if log_fn is not None and (
-            result.iteration % log_interval == 0
-            or result.iteration == train_iters
-            or result.stopped_early
-        ):
-            log_fn(
-                mimo_log_record(
-                    window,
-                    iteration=result.iteration,
-                    consumed_samples=result.consumed_samples,
-                    global_batch_size=data.global_batch_size,
-                    optimizer=step.optimizer,
-                    world_size=world_size,
-                )
-            )
-            window = []
-        if result.stopped_early:
-            break
-    hooks.on_train_end(context)
-    return result
+    run_loop(context, step_function, lambda c: c.iteration >= train_iters)
+    return context.result

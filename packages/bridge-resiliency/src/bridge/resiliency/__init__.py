@@ -30,6 +30,7 @@ from bridge.resiliency.nvrx_straggler import (
     assess_straggler_report,
     format_perf_scores,
 )
+from bridge.resiliency.run import RunResiliency
 from bridge.resiliency.simulated_fault import FaultType, SimulatedFault
 from bridge.resiliency.straggler import StragglerTiming
 
@@ -52,6 +53,7 @@ __all__ = [
     "NullFaultTolerance",
     "PerfReport",
     "ResiliencyError",
+    "RunResiliency",
     "SimulatedFault",
     "StopRequester",
     "StragglerAssessment",

@@ -1,8 +1,8 @@
 """The resiliency objects as training-loop components (:class:`core_utils.Callback`).
 
-A loop built on :class:`core_utils.CallbackList` (bridge-train's, this package's drill loop
-in :mod:`bridge.resiliency.testing`, or your own) adds these to its components; they read
-only what :class:`LoopProgress` names from the loop's context, so they work with any loop.
+A loop built on :func:`core_utils.loop.run_loop` (bridge-train's runs, bridge.mimo's, this
+package's fault drills, or your own) adds these to its components; they read only what
+:class:`LoopProgress` names from the loop's context, so they work with any loop.
 
 - :class:`FaultToleranceHeartbeat`: the fault-tolerance step section around every step.
 - :class:`StragglerReporter`: a straggler report every ``log_interval`` iterations, with

@@ -31,6 +31,12 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.logging import (
         training_log as training_log,
     )
+    from bridge.train.api.eval import (
+        evaluate as evaluate,
+    )
+    from bridge.train.api.eval import (
+        evaluate_and_print_results as evaluate_and_print_results,
+    )
     from bridge.train.api.train import (
         checkpoint_and_decide_exit as checkpoint_and_decide_exit,
     )
@@ -38,16 +44,13 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
         post_training_step_callbacks as post_training_step_callbacks,
     )
     from bridge.train.api.train import (
+        save_checkpoint_and_time as save_checkpoint_and_time,
+    )
+    from bridge.train.api.train import (
         train as train,
     )
     from bridge.train.api.train import (
         train_step as train_step,
-    )
-    from bridge.train.loop.eval import (
-        evaluate as evaluate,
-    )
-    from bridge.train.loop.eval import (
-        evaluate_and_print_results as evaluate_and_print_results,
     )
     from bridge.train.loop.forward_pre_hooks import (
         disable_forward_pre_hook as disable_forward_pre_hook,
@@ -73,12 +76,6 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.train.loop.progress_log import (
         get_start_time_from_progress_log as get_start_time_from_progress_log,
     )
-    from bridge.train.loop.run_loop import (
-        LoopContext as LoopContext,
-    )
-    from bridge.train.loop.run_loop import (
-        StepResult as StepResult,
-    )
     from bridge.train.loop.state_injection import (
         maybe_inject_state as maybe_inject_state,
     )
@@ -87,9 +84,6 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     )
     from bridge.train.loop.state_injection import (
         prepare_forward_step_func as prepare_forward_step_func,
-    )
-    from bridge.train.loop.training import (
-        save_checkpoint_and_time as save_checkpoint_and_time,
     )
     from bridge.train.metrics.norms import (
         calc_dtensor_params_l2_norm as calc_dtensor_params_l2_norm,
@@ -157,6 +151,12 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from core_utils.callbacks import (
         CallbackError as CallbackError,
     )
+    from core_utils.loop import (
+        LoopContext as LoopContext,
+    )
+    from core_utils.loop import (
+        StepResult as StepResult,
+    )
 
 # Every public name is imported on first use, not with the package: the ``bridge-train``
 # command answers --help, --version and configuration errors without importing torch or
@@ -176,10 +176,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "bridge.train.api.train": (
         "checkpoint_and_decide_exit",
         "post_training_step_callbacks",
+        "save_checkpoint_and_time",
         "train",
         "train_step",
     ),
-    "bridge.train.loop.eval": (
+    "bridge.train.api.eval": (
         "evaluate",
         "evaluate_and_print_results",
     ),
@@ -197,16 +198,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "compute_throughputs_and_append_to_progress_log",
         "get_start_time_from_progress_log",
     ),
-    "bridge.train.loop.run_loop": (
-        "LoopContext",
-        "StepResult",
-    ),
     "bridge.train.loop.state_injection": (
         "maybe_inject_state",
         "needs_global_state_injection",
         "prepare_forward_step_func",
     ),
-    "bridge.train.loop.training": ("save_checkpoint_and_time",),
     "bridge.train.metrics.norms": (
         "calc_dtensor_params_l2_norm",
         "calc_params_l2_norm",
@@ -241,6 +237,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Callback",
         "CallbackError",
     ),
+    "core_utils.loop": (
+        "LoopContext",
+        "StepResult",
+    ),
 }
 _MODULE_OF: dict[str, str] = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -251,7 +251,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())
 # Modules that moved in the one-engine redesign (Nov 2026): configs saved before it
 # (run_config.yaml in checkpoints, users' recipes) name the old paths.
 for _old, _new in (
-    ("bridge.train.recipes.mimo", "bridge.train.loop.pretrain_mimo"),
+    ("bridge.train.recipes.mimo", "bridge.train.models.mimo"),
     ("bridge.train.comm_overlap", "bridge.train.engine.comm_overlap"),
     ("bridge.train.gpt_step", "bridge.train.models.gpt_step"),
     ("bridge.train.t5_step", "bridge.train.models.t5_step"),

@@ -413,12 +413,6 @@ def _checkpoint_run_config(load: str) -> Path:
     return path
 
 
-def _is_mimo(cfg: Any) -> bool:
-    from bridge.train.loop.pretrain_mimo import MimoModelConfig
-
-    return isinstance(cfg.model, MimoModelConfig)
-
-
 def _version_text() -> str:
     """``bridge-train X (megatron-core Y, torch Z)`` from the installed metadata (no import)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -544,7 +538,6 @@ def run(argv: Sequence[str] | None = None) -> int:
     # cannot be a real launch is refused here, in one line.
     launch = adopt_launch_environment()
     from bridge.train.checks.launch import (
-        check_output_directories,
         check_output_file,
         shared_store_restart_notice,
     )
@@ -565,17 +558,17 @@ def run(argv: Sequence[str] | None = None) -> int:
             from bridge.train.generate.evaluation import prepare_eval_only
 
             eval_plan = prepare_eval_only(cfg, eval_data=args.eval_data)
-        mimo = _is_mimo(cfg)
+        # The one pass of checks (what --dry-run promises): the sections' own rules, then
+        # the trainer's rules about each section, for a GPT-style run or the mimo recipe.
+        from bridge.train.checks.preflight import check_config_before_launch, run_kind
+
+        check_config_before_launch(cfg)
+        mimo = run_kind(cfg.model) == "mimo"
+        # Imported here too: the import's notices (megatron-core's) are held like the rest.
         if mimo:
-            from bridge.train.loop.pretrain_mimo import check_mimo_config, pretrain_mimo
-
-            check_mimo_config(cfg)
+            from bridge.train.loop.pretrain_mimo import pretrain_mimo
         else:
-            from bridge.train.checks.preflight import check_config_before_launch
             from bridge.train.loop.pretrain import pretrain
-
-            check_config_before_launch(cfg)
-            check_output_directories(cfg)
     if args.print_config:
         if _launcher_rank() == 0:
             # The text run_config.yaml holds: it loads back (--config) as this same run.
@@ -648,7 +641,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             # Each rank saw its own part of a rendezvous that failed: every rank says it.
             print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
         else:
-            _report_config_error(f"bridge-train: error: {exc}")
+            # The launch checks report the first problem of every section at once.
+            problems = getattr(exc, "problems", None) or (exc,)
+            _report_config_error("\n".join(f"bridge-train: error: {p}" for p in problems))
         sys.exit(EXIT_CONFIG_ERROR)
     sys.exit(code)
 

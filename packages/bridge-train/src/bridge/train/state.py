@@ -10,7 +10,9 @@ forward step asks for it by annotating a parameter with it, or naming the first 
 the :class:`TrainState`, the timers, the start time of the job, the metric writers
 (bridge.logging) and the resiliency objects (bridge.resiliency). It satisfies
 :class:`bridge.logging.LoggingState`, so it is what :func:`bridge.logging.training_log`
-takes. Components receive only the pieces they use.
+takes. It is the reference's type: :func:`bridge.train.pretrain` fills it and the
+reference's functions take it, but the loop's components never see it; each is built from
+its own config section and the pieces of this state it uses.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bridge.resiliency import (
     FaultTolerance,
     NullFaultTolerance,
     NVRxStragglerMonitor,
+    RunResiliency,
     StragglerTiming,
 )
 from core_utils import Timers
@@ -186,6 +189,23 @@ class GlobalState:
 
             self.engine = build_engine()
         return self.engine.forward_backward_func
+
+    @property
+    def resiliency(self) -> RunResiliency:
+        """The resiliency objects of the run, as one :class:`bridge.resiliency.RunResiliency`."""
+        return RunResiliency(
+            fault_tolerance=self.fault_tolerance,
+            straggler_timing=self.straggler_timing,
+            nvrx_straggler=self.nvrx_straggler,
+            exit_conditions=self.exit_conditions,
+        )
+
+    def adopt_resiliency(self, resiliency: RunResiliency) -> None:
+        """Hold ``resiliency``'s objects (as :func:`bridge.train.pretrain` builds them)."""
+        self.fault_tolerance = resiliency.fault_tolerance
+        self.straggler_timing = resiliency.straggler_timing
+        self.nvrx_straggler = resiliency.nvrx_straggler
+        self.exit_conditions = resiliency.exit_conditions
 
     @property
     def signal_handler(self) -> ExitSignalHandler | None:

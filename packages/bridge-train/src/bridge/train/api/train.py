@@ -1,20 +1,23 @@
 """The reference's loop functions, as thin adapters over the loop and its components.
 
-``train`` runs :func:`bridge.train.loop.training.run_training`; ``train_step`` returns
-:func:`~bridge.train.loop.training.run_train_step`'s result as the reference's 7-tuple;
+``train`` runs :func:`bridge.train.loop.training.run_training`; ``train_step`` returns a
+:class:`~bridge.train.loop.step.TrainStep`'s result as the reference's 7-tuple;
 ``post_training_step_callbacks`` runs the functions the loop's components run after a step;
+``save_checkpoint_and_time`` is the :class:`~bridge.train.loop.saving.CheckpointWriter`;
 ``checkpoint_and_decide_exit`` asks the :class:`~bridge.train.loop.components.Checkpointer`.
-Their signatures and behaviour are the reference's (shared/reference 001); the loop itself
-never calls them.
+Each takes the ``GlobalState`` or the whole config, as the reference documents, and hands
+the components only their own sections. Their signatures and behaviour are the reference's
+(shared/reference 001); the loop itself never calls them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bridge.config import ConfigContainer
 from bridge.train.loop.components import Checkpointer
 from bridge.train.loop.components.maintenance import (
     check_weight_hash,
@@ -23,14 +26,19 @@ from bridge.train.loop.components.maintenance import (
 )
 from bridge.train.loop.components.profiler import step_profiler
 from bridge.train.loop.profiling import TNvtxContext
-from bridge.train.loop.run_loop import LoopContext
-from bridge.train.loop.training import run_train_step, run_training, save_checkpoint_and_time
+from bridge.train.loop.training import checkpoint_writer_of, run_training, train_step_of
 from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.distributed import global_rank
+from core_utils.loop import LoopContext
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "checkpoint_and_decide_exit",
     "post_training_step_callbacks",
+    "save_checkpoint_and_time",
     "train",
     "train_step",
 ]
@@ -39,8 +47,8 @@ __all__ = [
 def train(
     forward_step_func: ForwardStepCallable,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     train_data_iterator: Any,
     valid_data_iterator: Any,
     global_state: GlobalState,
@@ -98,14 +106,14 @@ def train_step(
     forward_step_func: ForwardStepCallable,
     data_iterator: Any,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     global_state: GlobalState,
 ) -> tuple[dict[str, torch.Tensor], int, bool, bool, int, float | None, int | None]:
     """Single training step.
 
-    The reference's form of :func:`run_train_step` (which the loop calls): the same work,
-    its result as a tuple.
+    The reference's form of :meth:`~bridge.train.loop.step.TrainStep.run` (which the
+    loop calls): the same work, its result as a tuple.
 
     Args:
         forward_step_func: Function that performs a forward step (already wrapped if needed)
@@ -125,9 +133,8 @@ def train_step(
             grad_norm: Gradient norm if available, None otherwise
             num_zeros_in_grad: Number of zeros in gradient if available, None otherwise
     """
-    return run_train_step(
-        forward_step_func, data_iterator, model, optimizer, scheduler, global_state
-    ).as_tuple()
+    step = train_step_of(forward_step_func, global_state)
+    return step.run(data_iterator, model, optimizer, scheduler).as_tuple()
 
 
 def post_training_step_callbacks(
@@ -136,7 +143,7 @@ def post_training_step_callbacks(
     straggler_timer: Any,
     iteration: int,
     prof: torch.profiler.profile | None,
-    config: Any,
+    config: ConfigContainer,
     should_toggle_forward_pre_hook: bool,
     nsys_nvtx_context: TNvtxContext | None = None,
     *,
@@ -168,7 +175,8 @@ def post_training_step_callbacks(
     Raises:
         WeightHashMismatchError: The weights differ across data-parallel replicas.
     """
-    train = config.train
+    train, logger_cfg = config.train, config.logger
+    assert train is not None and logger_cfg is not None
     if fault_tolerance is not None:
         fault_tolerance.on_step_end()
     synchronize_device(train.train_sync_interval, iteration)
@@ -176,7 +184,7 @@ def post_training_step_callbacks(
         straggler_timer.maybe_report(
             iteration,
             num_floating_point_operations_since_last_log_event,
-            config.logger.log_interval,
+            logger_cfg.log_interval,
         )
     check_weight_hash(
         model,
@@ -188,11 +196,56 @@ def post_training_step_callbacks(
     collect_garbage(train.manual_gc, train.manual_gc_interval, iteration)
 
 
+def save_checkpoint_and_time(
+    state: GlobalState,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    opt_param_scheduler: OptimizerParamScheduler,
+    num_floating_point_operations_so_far: float,
+    checkpointing_context: dict[str, Any],
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Any = None,
+) -> None:
+    """Saves a checkpoint and logs the timing.
+
+    Wraps the ``save_checkpoint`` function with timers and potentially disables/ enables
+    forward pre-hooks if distributed optimizer with overlapped parameter gather is used. The
+    save is a fault-tolerance checkpointing section; ``interval-time`` is paused so the save
+    does not count as iteration time. The metric writers are flushed before the save; after
+    a persistent save with ``logger.log_progress`` the throughputs are appended to
+    ``progress.txt``. The loop's own saves are the same
+    :class:`~bridge.train.loop.saving.CheckpointWriter`.
+
+    Args:
+        state: The global state object.
+        model: list of model chunks (MegatronModule instances).
+        optimizer: The optimizer instance.
+        opt_param_scheduler: The optimizer parameter scheduler instance.
+        num_floating_point_operations_so_far: Cumulative TFLOPs up to this point.
+        checkpointing_context: Dictionary holding checkpointing-related state.
+        non_persistent_ckpt: Flag indicating if this is a non-persistent (local) checkpoint.
+            Defaults to False.
+        train_data_iterator: Optional training data iterator to save its state.
+    """
+    del train_data_iterator  # the samplers resume from the consumed-samples counter
+    writer = checkpoint_writer_of(state, checkpointing_context)
+    writer.save(
+        state.train_state,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        num_floating_point_operations_so_far,
+        non_persistent=non_persistent_ckpt,
+    )
+    if not non_persistent_ckpt:
+        state.last_saved_iteration = state.train_state.step
+
+
 def checkpoint_and_decide_exit(
     state: GlobalState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer,
+    opt_param_scheduler: OptimizerParamScheduler,
     num_floating_point_operations_so_far: float,
     checkpointing_context: dict[str, Any],
     train_data_iterator: Any,
@@ -233,9 +286,13 @@ def checkpoint_and_decide_exit(
             train_data_iterator=train_data_iterator,
         )
 
-    context = LoopContext(state, model, optimizer, opt_param_scheduler, train_data_iterator)
+    context = LoopContext(
+        state.train_state, model, optimizer, opt_param_scheduler, train_data_iterator, state=state
+    )
     checkpointer = Checkpointer(save, state.cfg.checkpoint, exit_conditions=state.exit_conditions)
     decision = checkpointer.save_and_decide(context)
+    if checkpointer.last_saved_iteration is not None:
+        state.last_saved_iteration = checkpointer.last_saved_iteration
     if decision is None or not decision.should_exit:
         return False
     if global_rank() == 0:

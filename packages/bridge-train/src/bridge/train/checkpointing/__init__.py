@@ -13,13 +13,14 @@ from bridge.train.checkpointing.layout import (
     find_latest_checkpoint,
     read_tracker,
 )
-from bridge.train.checkpointing.load import checkpoint_exists, load_checkpoint
-from bridge.train.checkpointing.save import save_checkpoint
+from bridge.train.checkpointing.load import checkpoint_exists, load_checkpoint, restore_checkpoint
+from bridge.train.checkpointing.save import RunConfigFile, save_checkpoint, write_checkpoint
 
 __all__ = [
     "TRACKER_FILENAME",
     "CheckpointError",
     "CheckpointLocation",
+    "RunConfigFile",
     "checkpoint_dir_name",
     "checkpoint_exists",
     "finalize_async_saves",
@@ -28,5 +29,7 @@ __all__ = [
     "load_checkpoint",
     "pending_async_saves",
     "read_tracker",
+    "restore_checkpoint",
     "save_checkpoint",
+    "write_checkpoint",
 ]

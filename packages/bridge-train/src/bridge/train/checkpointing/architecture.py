@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bridge.config import ModelConfigProtocol
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS as MODEL_ARCHITECTURE_FIELDS
@@ -40,12 +41,15 @@ def _show(value: Any) -> str:
 
 
 def check_same_architecture(
-    model_config: Any, checkpoint_dir: str | os.PathLike[str], *, before_setup: bool = False
+    model_config: ModelConfigProtocol | None,
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    before_setup: bool = False,
 ) -> None:
     """Refuse to resume ``checkpoint_dir`` into a model of another architecture.
 
     Args:
-        model_config: This run's model config (``cfg.model``).
+        model_config: This run's model config (``cfg.model``); None compares nothing.
         checkpoint_dir: The checkpoint about to be loaded.
         before_setup: Called before the run is set up (a launch check): fields this run
             leaves unset are filled in later (``vocab_size`` from the tokenizer) and are

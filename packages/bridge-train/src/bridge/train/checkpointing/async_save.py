@@ -31,12 +31,15 @@ import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
 
 from core_utils import cpu_cuda_compat
+
+if TYPE_CHECKING:
+    from bridge.resiliency import FaultTolerance
 
 __all__ = [
     "BridgeAsyncCallsQueue",
@@ -354,7 +357,9 @@ def pending_async_saves() -> int:
 
 
 def finalize_async_saves(
-    state: Any = None, blocking: bool = False, terminate: bool = False
+    fault_tolerance: FaultTolerance | None = None,
+    blocking: bool = False,
+    terminate: bool = False,
 ) -> None:
     """Finalize asynchronous saves whose background writes have finished.
 
@@ -364,12 +369,12 @@ def finalize_async_saves(
     checkpoint stays the newest.
 
     While a save is pending, finalizing it is a fault-tolerance checkpointing section
-    marked as an asynchronous finalization (``state.fault_tolerance``), so a long wait at
+    marked as an asynchronous finalization (``fault_tolerance``), so a long wait at
     exit is timed against the checkpointing timeout, not the step timeout, and does not
     feed the computed step timeouts.
 
     Args:
-        state: The run's ``GlobalState`` (its ``fault_tolerance`` hooks), or ``None``.
+        fault_tolerance: The run's fault-tolerance hooks, or ``None``.
         blocking: Wait for every pending save to finish, then finalize it.
         terminate: Also stop the background writer (implies ``blocking``); call at exit.
 
@@ -380,7 +385,6 @@ def finalize_async_saves(
     current = _current_queue()
     if current is None:
         return
-    fault_tolerance = getattr(state, "fault_tolerance", None)
     section: contextlib.AbstractContextManager[Any] = (
         fault_tolerance.checkpointing(async_finalization=True)
         if fault_tolerance is not None and current.get_num_unfinalized_calls() > 0

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from bridge.config import ConfigError
+from bridge.config import CheckpointConfig, ConfigError
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-def non_persistent_dir(checkpoint_config: Any, base: str | None = None) -> str | None:
+def non_persistent_dir(checkpoint_config: CheckpointConfig, base: str | None = None) -> str | None:
     """Directory of global non-persistent checkpoints.
 
     ``non_persistent_global_ckpt_dir`` when set, else ``<base>/non_persistent`` where
@@ -37,7 +37,7 @@ def non_persistent_dir(checkpoint_config: Any, base: str | None = None) -> str |
     return os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None
 
 
-def check_checkpoint_config(checkpoint_config: Any) -> None:
+def check_checkpoint_config(checkpoint_config: CheckpointConfig) -> None:
     """Refuse checkpoint settings this trainer cannot honour, naming the field and the fix.
 
     Raises:
@@ -81,7 +81,7 @@ def check_checkpoint_config(checkpoint_config: Any) -> None:
         )
 
 
-def init_checkpointing_context(checkpoint_config: Any) -> dict[str, Any]:
+def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str, Any]:
     """Check the checkpoint settings and the save directory; prepare saving for this rank.
 
     Call once per rank after torch.distributed is initialised and before training starts.

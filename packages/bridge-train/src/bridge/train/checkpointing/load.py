@@ -27,10 +27,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bridge.config import CheckpointConfig, ModelConfigProtocol
 from bridge.config.notices import held_notices, log_held_notices
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
@@ -72,7 +73,19 @@ from bridge.train.checkpointing.state_dict import (
     unwrapped_chunks,
 )
 
-__all__ = ["PlannedLoad", "checkpoint_exists", "load_checkpoint", "planned_load"]
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from bridge.train.state import GlobalState, TrainState
+
+__all__ = [
+    "PlannedLoad",
+    "checkpoint_exists",
+    "load_checkpoint",
+    "planned_load",
+    "restore_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +141,7 @@ def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[Checkpoin
     )
 
 
-def _plan_load(cfg: Any) -> _LoadPlan | None:
+def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
     load, step = cfg.load, cfg.ckpt_step
     persistent: CheckpointLocation | None = None
     # Resuming "the newest checkpoint" of a save directory may fall back to an older one
@@ -156,7 +169,11 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
                     sorted(
                         fallbacks
                         + (persistent,)
-                        + (_older_complete(load, persistent.iteration) if may_fall_back else ()),
+                        + (
+                            _older_complete(str(load), persistent.iteration)
+                            if may_fall_back
+                            else ()
+                        ),
                         key=lambda location: -location.iteration,
                     )
                 )
@@ -173,7 +190,7 @@ def _plan_load(cfg: Any) -> _LoadPlan | None:
             persistent.iteration,
             bool(cfg.finetune),
             "checkpoint.load",
-            _older_complete(load, persistent.iteration) if may_fall_back else (),
+            _older_complete(str(load), persistent.iteration) if may_fall_back else (),
             explicit=not may_fall_back,
         )
     if cfg.pretrained_checkpoint:
@@ -228,7 +245,7 @@ class PlannedLoad:
     source: str
 
 
-def planned_load(checkpoint_config: Any) -> PlannedLoad | None:
+def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
     """Which checkpoint :func:`load_checkpoint` would load, read from this process's files.
 
     No collective and no verification of the files: for reports and checks before a
@@ -373,7 +390,11 @@ def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None)
 
 
 def _check_reshardable(
-    path: str, meta: dict[str, Any], layout: dict[str, Any], chunks: int, optimizer: Any
+    path: str,
+    meta: dict[str, Any],
+    layout: dict[str, Any],
+    chunks: int,
+    optimizer: MegatronOptimizer | None,
 ) -> None:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
@@ -514,7 +535,7 @@ def _check_against_checkpoint(
         )
 
 
-def _dist_load(template: dict[str, Any], path: str, cfg: Any) -> dict[str, Any]:
+def _dist_load(template: dict[str, Any], path: str, cfg: CheckpointConfig) -> dict[str, Any]:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
@@ -540,7 +561,9 @@ def _dist_load(template: dict[str, Any], path: str, cfg: Any) -> dict[str, Any]:
     return loaded
 
 
-def _check_scheduler_settings(scheduler: Any, saved: dict[str, Any], path: str) -> None:
+def _check_scheduler_settings(
+    scheduler: OptimizerParamScheduler, saved: dict[str, Any], path: str
+) -> None:
     """Refuse a checkpoint whose schedule differs from the config's, unless the config says
     which one wins; take the checkpoint's schedule lengths when only those differ.
 
@@ -592,7 +615,7 @@ def _check_scheduler_settings(scheduler: Any, saved: dict[str, Any], path: str) 
             )
 
 
-def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
+def _load_scheduler(scheduler: OptimizerParamScheduler, saved: dict[str, Any]) -> None:
     """Restore megatron's OptimizerParamScheduler exactly (not on top of its current steps)."""
     # megatron's load_state_dict advances by the saved step count from the current one.
     scheduler.num_steps = 0
@@ -603,18 +626,20 @@ def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
 _GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
-def _saved_param_groups(inner: Any, state: Any) -> list[dict[str, Any]] | None:
-    """The saved parameter groups in ``state`` for megatron's non-distributed optimizer
+def _saved_param_groups(inner: Any, saved_state: Any) -> list[dict[str, Any]] | None:
+    """The saved parameter groups in ``saved_state`` for megatron's non-distributed optimizer
     ``inner`` (``FP32Optimizer``: the torch state dict; mixed precision: under
     ``"optimizer"``), or None for other optimizers (the distributed one keeps its own)."""
-    if type(inner).__name__ == "DistributedOptimizer" or not isinstance(state, dict):
+    if type(inner).__name__ == "DistributedOptimizer" or not isinstance(saved_state, dict):
         return None
-    torch_state = state.get("optimizer", state)
+    torch_state = saved_state.get("optimizer", saved_state)
     groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
     return groups if isinstance(groups, list) else None
 
 
-def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, dict]]:
+def _align_schedule_bounds(
+    optimizer: MegatronOptimizer, saved_state: Any
+) -> list[tuple[Any, int, dict]]:
     """Give the saved parameter groups the current groups' schedule bounds, for the load.
 
     megatron's non-distributed optimizers pair saved and current parameter groups by a key
@@ -631,7 +656,9 @@ def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, d
     """
     inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     parts = (
-        [state] if len(inners) == 1 else list(state.values() if isinstance(state, dict) else state)
+        [saved_state]
+        if len(inners) == 1
+        else list(saved_state.values() if isinstance(saved_state, dict) else saved_state)
     )
     replaced: list[tuple[Any, int, dict]] = []
     for inner, part in zip(inners, parts, strict=False):
@@ -665,7 +692,9 @@ def _align_schedule_bounds(optimizer: Any, state: Any) -> list[tuple[Any, int, d
     return replaced
 
 
-def _load_optimizer(optimizer: Any, state: dict[str, Any], scheduler: Any) -> None:
+def _load_optimizer(
+    optimizer: MegatronOptimizer, state: dict[str, Any], scheduler: OptimizerParamScheduler | None
+) -> None:
     """Restore the optimizer state. The parameter groups' schedule bounds are the config's
     with ``override_opt_param_scheduler``, else the checkpoint's (as the scheduler's own
     settings)."""
@@ -767,7 +796,7 @@ def _steps_kept_by_fully_reshardable_load(optimizer: Any) -> Iterator[None]:
             del inner._set_main_param_and_optimizer_states
 
 
-def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
+def _restore_distributed_optimizer_steps(optimizer: MegatronOptimizer) -> None:
     """Set every parameter's Adam ``step`` of a megatron distributed optimizer from the load.
 
     With torch's Adam (no Apex / Transformer Engine, as on CPU) megatron-core 0.19's
@@ -792,7 +821,9 @@ def _restore_distributed_optimizer_steps(optimizer: Any) -> None:
                     param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
-def _load_main_params(optimizer: Any, model: list[torch.nn.Module], path: str, cfg: Any) -> None:
+def _load_main_params(
+    optimizer: MegatronOptimizer, model: list[torch.nn.Module], path: str, cfg: CheckpointConfig
+) -> None:
     """Restore the optimizer's fp32 main parameters from the checkpoint's copies."""
     sharded = optimizer_sharded_state_dict(optimizer, model_sharded_state_dict(model))
     groups = sharded.get("fp32_from_fp16_params") if isinstance(sharded, dict) else None
@@ -830,11 +861,11 @@ def _leaves(tree: Any) -> list[Any]:
 
 def _read_checkpoint(
     plan: _LoadPlan,
-    cfg: Any,
+    checkpoint_config: CheckpointConfig,
     model: list[torch.nn.Module],
-    optimizer: Any,
+    optimizer: MegatronOptimizer | None,
     strict: bool,
-    state: Any,
+    model_config: ModelConfigProtocol | None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, bool]:
     """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
 
@@ -843,8 +874,8 @@ def _read_checkpoint(
     common = _read_common(plan.path)
     meta = common[META_KEY]
     finetune = plan.finetune
-    load_optim = bool(cfg.load_optim) and not finetune and optimizer is not None
-    load_rng = bool(cfg.load_rng) and not finetune
+    load_optim = bool(checkpoint_config.load_optim) and not finetune and optimizer is not None
+    load_rng = bool(checkpoint_config.load_rng) and not finetune
     if load_optim and not meta.get("optimizer"):
         raise CheckpointError(
             f"{plan.path} was saved without optimizer state (checkpoint.save_optim=False); "
@@ -877,33 +908,80 @@ def _read_checkpoint(
     )
     _check_against_checkpoint(template, plan.path, keys, strict)
     if not finetune:  # shapes fit: the architecture must be the saved one too
-        check_same_architecture(getattr(getattr(state, "cfg", None), "model", None), plan.path)
-    loaded = _dist_load(template, plan.path, cfg)
+        check_same_architecture(model_config, plan.path)
+    loaded = _dist_load(template, plan.path, checkpoint_config)
 
     return common, loaded, keys, finetune, load_optim, load_rng
 
 
 def load_checkpoint(
-    state: Any,
+    state: GlobalState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer | None,
+    opt_param_scheduler: OptimizerParamScheduler | None,
     strict: bool = True,
     checkpointing_context: dict[str, Any] | None = None,
     skip_load_to_model_and_opt: bool = False,
 ) -> tuple[int, float]:
     """Load the configured checkpoint into the model, optimizer, scheduler and state.
 
+    Megatron-Bridge's form of :func:`restore_checkpoint`: the ``checkpoint`` section and the
+    model config (architecture check) come from ``state.cfg``, the counters restored in
+    place are ``state.train_state``.
+
+    Args:
+        state: The run's ``GlobalState``.
+        model: See :func:`restore_checkpoint`.
+        optimizer: See :func:`restore_checkpoint`.
+        opt_param_scheduler: See :func:`restore_checkpoint`.
+        strict: See :func:`restore_checkpoint`.
+        checkpointing_context: See :func:`restore_checkpoint`.
+        skip_load_to_model_and_opt: See :func:`restore_checkpoint`.
+
+    Returns:
+        See :func:`restore_checkpoint`.
+    """
+    return restore_checkpoint(
+        checkpoint_config_of(state),
+        state.train_state,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        model_config=getattr(getattr(state, "cfg", None), "model", None),
+        strict=strict,
+        checkpointing_context=checkpointing_context,
+        skip_load_to_model_and_opt=skip_load_to_model_and_opt,
+    )
+
+
+def restore_checkpoint(
+    checkpoint_config: CheckpointConfig,
+    train_state: TrainState,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    opt_param_scheduler: OptimizerParamScheduler | None,
+    *,
+    model_config: ModelConfigProtocol | None = None,
+    strict: bool = True,
+    checkpointing_context: dict[str, Any] | None = None,
+    skip_load_to_model_and_opt: bool = False,
+) -> tuple[int, float]:
+    """Load the checkpoint ``checkpoint_config`` names into the model, optimizer, scheduler
+    and counters.
+
     Collective: every rank calls it. See the module docstring for which checkpoint is
     chosen and what is restored. Tensor-parallel layouts may differ from the saved one
     (dist_checkpointing reshards); RNG state is restored only for the same layout.
 
     Args:
-        state: The run's ``GlobalState``; ``state.train_state`` is restored in place.
+        checkpoint_config: The ``checkpoint`` section (which checkpoint, what to load).
+        train_state: The run's counters, restored in place.
         model: Model chunks, built like the saved ones.
         optimizer: The optimizer, or None.
         opt_param_scheduler: The scheduler (megatron ``OptimizerParamScheduler``), or None.
             It is restored exactly, also if it was stepped before.
+        model_config: The run's model config: resuming (not ``finetune``) a checkpoint of
+            another architecture is refused (``None``: not checked).
         strict: Model tensors missing from the checkpoint are an error (else they keep
             their values).
         checkpointing_context: From :func:`init_checkpointing_context`; when given, its
@@ -921,12 +999,12 @@ def load_checkpoint(
             ``pretrained_checkpoint`` or ``ckpt_step``; a damaged checkpoint (its files do
             not match their checksums) with no allowed fallback; a checkpoint of another
             model shape (the message names the key) or, when resuming (not ``finetune``),
-            of another architecture than ``state.cfg.model`` (see
+            of another architecture than ``model_config`` (see
             :mod:`~bridge.train.checkpointing.architecture`); state requested that was not
             saved.
         ConfigError: An unsupported checkpoint setting.
     """
-    cfg = checkpoint_config_of(state)
+    cfg = checkpoint_config
     check_checkpoint_config(cfg)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     plan: _LoadPlan | None = _dist.run_on_rank0(_plan_load, cfg)
@@ -952,13 +1030,13 @@ def load_checkpoint(
             local = pool.submit(_local_damage, plan.path)
             failure: Exception | None = None
             try:
-                read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
+                read = _read_checkpoint(plan, cfg, model, optimizer, strict, model_config)
             except Exception as exc:  # damage can surface as any error of the readers
                 failure = exc
             problems = _gather_damage(plan.path, local.result())
         if problems:
             plan = _verified_plan(plan, problems)
-            read = _read_checkpoint(plan, cfg, model, optimizer, strict, state)
+            read = _read_checkpoint(plan, cfg, model, optimizer, strict, model_config)
         elif failure is not None:
             raise failure
     if _dist.rank() == 0:
@@ -1001,7 +1079,6 @@ def load_checkpoint(
     if load_rng:
         restore_rng_state(loaded[RNG_STATE_KEY])
 
-    train_state = state.train_state
     if finetune:
         iteration, flops = 0, 0.0
         train_state.step = 0

@@ -26,11 +26,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from bridge.config import ConfigError
+from bridge.config import CheckpointConfig, ConfigError
 from bridge.config.atomic_files import fsync_directory
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing._fs import fsync_tree, remove_tree
@@ -74,7 +74,14 @@ from bridge.train.checkpointing.state_dict import (
 )
 from core_utils import cpu_cuda_compat
 
-__all__ = ["SUPPLIED_SAVE_STRATEGY", "save_checkpoint"]
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from bridge.resiliency import FaultTolerance
+    from bridge.train.state import GlobalState, TrainState
+
+__all__ = ["SUPPLIED_SAVE_STRATEGY", "RunConfigFile", "save_checkpoint", "write_checkpoint"]
 
 # Checkpointing-context key of a dist_checkpointing save strategy that replaces the default
 # one (synchronous saves only); everything else about the save (staging, checksums, marker,
@@ -98,11 +105,11 @@ class _Commit:
     iteration: int
     non_persistent: bool
     marker: dict[str, Any]
-    config: Any
+    config: RunConfigFile | None
     started: float
 
 
-def _save_root(checkpoint_config: Any, non_persistent: bool) -> str:
+def _save_root(checkpoint_config: CheckpointConfig, non_persistent: bool) -> str:
     if non_persistent:
         if checkpoint_config.non_persistent_ckpt_type != "global":
             raise ConfigError(
@@ -208,7 +215,7 @@ def _prepare_staging(root: str, iteration: int) -> str:
     return str(staging)
 
 
-def _write_run_config(config: Any, directory: Path) -> None:
+def _write_run_config(config: RunConfigFile | None, directory: Path) -> None:
     """Save the run's config beside the checkpoint (runtime hooks left out)."""
     if config is None or not hasattr(config, "to_yaml"):
         return
@@ -233,7 +240,7 @@ _RUNTIME_HOOK_FIELDS = (
 )
 
 
-def _config_without_runtime_hooks(config: Any) -> Any:
+def _config_without_runtime_hooks(config: RunConfigFile) -> RunConfigFile:
     import copy
 
     model = getattr(config, "model", None)
@@ -391,7 +398,9 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     return changed
 
 
-def _save_strategy(checkpoint_config: Any, context: dict[str, Any], changed: bool) -> Any:
+def _save_strategy(
+    checkpoint_config: CheckpointConfig, context: dict[str, Any], changed: bool
+) -> Any:
     """dist_checkpointing's save strategy (kept between saves while the structure holds).
 
     With ``ckpt_assume_constant_structure`` the strategy caches its save plans and global
@@ -422,37 +431,45 @@ def _save_strategy(checkpoint_config: Any, context: dict[str, Any], changed: boo
     return strategy
 
 
+class RunConfigFile(Protocol):
+    """What a checkpoint needs of the run's configuration: it is saved beside the weights as
+    ``run_config.yaml`` (a ``ConfigContainer``; any object with a ``model`` attribute and a
+    ``to_yaml(path)`` method)."""
+
+    @property
+    def model(self) -> Any:
+        """The model config (live hooks megatron fills in are left out of the file)."""
+        ...
+
+    def to_yaml(self, path: str | os.PathLike[str]) -> None:
+        """Write the configuration as YAML to a new file ``path``."""
+        ...
+
+
 def save_checkpoint(
-    state: Any,
+    state: GlobalState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer | None,
+    opt_param_scheduler: OptimizerParamScheduler | None,
     num_floating_point_operations_so_far: float,
     checkpointing_context: dict[str, Any] | None = None,
     non_persistent_ckpt: bool = False,
     train_data_iterator: Any = None,
 ) -> None:
-    """Save a checkpoint of iteration ``state.train_state.step``.
+    """Save a checkpoint of iteration ``state.train_state.step`` (Megatron-Bridge's form).
 
-    Collective: every rank calls it. Writes model (sharded like its parameters), optimizer
-    state (``checkpoint.save_optim``; sharded like each parameter), scheduler, per-rank RNG
-    state (``checkpoint.save_rng``), the train state and the config. With
-    ``checkpoint.async_save`` the shards are written in the background and the checkpoint
-    counts once :func:`finalize_async_saves` has finalized it; otherwise it counts when this
-    returns. The tracker is updated last, atomically, so a crash keeps the previous
-    checkpoint as the newest; a complete checkpoint is never deleted before its replacement
-    is complete.
+    :func:`write_checkpoint` with the pieces taken from ``state``: its ``cfg.checkpoint``
+    section, ``train_state``, ``cfg`` (saved as ``run_config.yaml``) and
+    ``fault_tolerance``.
 
     Args:
-        state: The run's ``GlobalState`` (``cfg.checkpoint``, ``train_state``).
+        state: The run's ``GlobalState``.
         model: Model chunks.
         optimizer: The optimizer (``sharded_state_dict``), or None.
         opt_param_scheduler: The scheduler (``state_dict``), or None.
         num_floating_point_operations_so_far: FLOPs so far (stored with the train state).
         checkpointing_context: From :func:`init_checkpointing_context` (made when None).
-        non_persistent_ckpt: Save a global non-persistent checkpoint (into
-            ``non_persistent_global_ckpt_dir`` or ``<save>/non_persistent``; only the newest
-            is kept).
+        non_persistent_ckpt: Save a global non-persistent checkpoint.
         train_data_iterator: Accepted for megatron compatibility; the data samplers resume
             from ``train_state.consumed_train_samples``, so nothing else is stored.
 
@@ -461,30 +478,88 @@ def save_checkpoint(
         CheckpointError: The directory cannot be written, or dist_checkpointing failed.
     """
     del train_data_iterator
-    checkpoint_config = checkpoint_config_of(state)
+    write_checkpoint(
+        checkpoint_config_of(state),
+        state.train_state,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        run_config=getattr(state, "cfg", None),
+        flops_so_far=num_floating_point_operations_so_far,
+        checkpointing_context=checkpointing_context,
+        non_persistent=non_persistent_ckpt,
+        fault_tolerance=getattr(state, "fault_tolerance", None),
+    )
+
+
+def write_checkpoint(
+    checkpoint_config: CheckpointConfig,
+    train_state: TrainState,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    *,
+    run_config: RunConfigFile | None = None,
+    flops_so_far: float | None = None,
+    checkpointing_context: dict[str, Any] | None = None,
+    non_persistent: bool = False,
+    fault_tolerance: FaultTolerance | None = None,
+) -> None:
+    """Save a checkpoint of iteration ``train_state.step`` as ``checkpoint_config`` says.
+
+    Collective: every rank calls it. Writes model (sharded like its parameters), optimizer
+    state (``checkpoint.save_optim``; sharded like each parameter), scheduler, per-rank RNG
+    state (``checkpoint.save_rng``), the train state and ``run_config``. With
+    ``checkpoint.async_save`` the shards are written in the background and the checkpoint
+    counts once :func:`finalize_async_saves` has finalized it; otherwise it counts when this
+    returns. The tracker is updated last, atomically, so a crash keeps the previous
+    checkpoint as the newest; a complete checkpoint is never deleted before its replacement
+    is complete. The trainer's save and tools (the Hugging Face importer) call this.
+
+    Args:
+        checkpoint_config: The ``checkpoint`` section (where and what to save).
+        train_state: The run's counters (saved; ``step`` names the checkpoint).
+        model: Model chunks.
+        optimizer: The optimizer (``sharded_state_dict``), or None.
+        scheduler: The scheduler (``state_dict``), or None.
+        run_config: Saved as ``run_config.yaml`` beside the weights (``None``: none).
+        flops_so_far: FLOPs so far, stored with the train state (default: its
+            ``floating_point_operations_so_far``).
+        checkpointing_context: From :func:`init_checkpointing_context` (made when None).
+        non_persistent: Save a global non-persistent checkpoint (into
+            ``non_persistent_global_ckpt_dir`` or ``<save>/non_persistent``; only the newest
+            is kept).
+        fault_tolerance: The run's fault-tolerance hooks: committing an earlier
+            asynchronous save is a checkpointing section.
+
+    Raises:
+        ConfigError: No directory to save to, or an unsupported setting.
+        CheckpointError: The directory cannot be written, or dist_checkpointing failed.
+    """
     check_checkpoint_config(checkpoint_config)
     context = checkpointing_context
     if context is None:
         context = init_checkpointing_context(checkpoint_config)
-    root = _save_root(checkpoint_config, non_persistent_ckpt)
+    root = _save_root(checkpoint_config, non_persistent)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
-    iteration = int(state.train_state.step)
+    iteration = int(train_state.step)
+    flops = train_state.floating_point_operations_so_far if flops_so_far is None else flops_so_far
     started = time.monotonic()
     ensure_write_results_queue()
     if checkpoint_config.async_save:
         # Commit earlier saves that have finished (collective, like the save itself); a save
         # of this very iteration still in flight is waited for.
         in_flight = str(staging_path(root, iteration)) in _pending()
-        finalize_async_saves(state, blocking=in_flight)
+        finalize_async_saves(fault_tolerance, blocking=in_flight)
 
     staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
     _pending().add(staging)
     sharded = build_save_state_dict(
         model,
         optimizer,
-        opt_param_scheduler,
-        state.train_state,
-        num_floating_point_operations_so_far,
+        scheduler,
+        train_state,
+        flops,
         save_optim=bool(checkpoint_config.save_optim),
         save_rng=bool(checkpoint_config.save_rng),
     )
@@ -493,7 +568,7 @@ def save_checkpoint(
         "iteration": iteration,
         "format": checkpoint_config.ckpt_format,
         "bridge_checkpoint_version": FORMAT_VERSION,
-        "non_persistent": bool(non_persistent_ckpt),
+        "non_persistent": bool(non_persistent),
         "async_save": bool(checkpoint_config.async_save),
         "parallel_layout": meta["parallel_layout"],
         "optimizer": meta["optimizer"],
@@ -504,9 +579,9 @@ def save_checkpoint(
         root=root,
         staging=staging,
         iteration=iteration,
-        non_persistent=bool(non_persistent_ckpt),
+        non_persistent=bool(non_persistent),
         marker=marker,
-        config=getattr(state, "cfg", None),
+        config=run_config,
         started=started,
     )
     # Sharding integrity is checked (a collective) whenever the structure is new; a save of

@@ -16,13 +16,17 @@ with its parameter's sharding, never stored as a plain per-rank tensor.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, capture_rng_state, rng_sharded_object
 from bridge.train.state import TrainState
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "FORMAT_VERSION",
@@ -121,7 +125,7 @@ OPTIMIZER_SHARDING_METADATA: dict[str, Any] = {
 
 
 def optimizer_sharded_state_dict(
-    optimizer: Any,
+    optimizer: MegatronOptimizer,
     model_state: dict[str, Any],
     *,
     is_loading: bool = False,
@@ -145,7 +149,7 @@ def optimizer_sharded_state_dict(
     return optimizer.sharded_state_dict(model_state, is_loading, metadata=metadata)
 
 
-def allocate_optimizer_state(optimizer: Any) -> None:
+def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
     """Give a fresh megatron distributed optimizer the state tensors a load overwrites.
 
     megatron's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` reads its own
@@ -170,7 +174,7 @@ def allocate_optimizer_state(optimizer: Any) -> None:
                 )
 
 
-def optimizer_format(optimizer: Any) -> str:
+def optimizer_format(optimizer: MegatronOptimizer) -> str:
     """How the optimizer's state is laid out in a checkpoint, for the resharding rules.
 
     ``"distributed:<sharding type>"`` for megatron's distributed optimizer (also chained),
@@ -186,8 +190,8 @@ def optimizer_format(optimizer: Any) -> str:
 
 def build_save_state_dict(
     model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
+    optimizer: MegatronOptimizer | None,
+    opt_param_scheduler: OptimizerParamScheduler | None,
     train_state: TrainState,
     num_floating_point_operations_so_far: float,
     *,
@@ -246,7 +250,7 @@ def build_save_state_dict(
 
 def build_load_template(
     model: list[torch.nn.Module],
-    optimizer: Any,
+    optimizer: MegatronOptimizer | None,
     *,
     load_optim: bool,
     load_rng: bool,

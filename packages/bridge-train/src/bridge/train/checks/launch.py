@@ -6,10 +6,10 @@
 * :func:`shared_store_restart_notice`: torchrun on several nodes with restarts and the
   rendezvous store shared by all rounds (torch's default) cannot take a replacement node;
   the command says so, once, before training.
-* :func:`check_output_file` / :func:`check_output_directories`: every file or directory
-  the run will write (``--metrics-file``, ``logger.tensorboard_dir``, ``checkpoint.save``,
-  ...) must be writable, so a typo or a read-only mount fails at start, not after the first
-  hour of training.
+* :func:`check_output_file` / :func:`check_writable_directory`: every file or directory
+  the run will write (``--metrics-file``; the config's directories, through the rules of
+  :mod:`bridge.train.checks.rules`) must be writable, so a typo or a read-only mount fails
+  at start, not after the first hour of training.
 * :func:`interrupt_handlers`: Ctrl-C and SIGTERM end the run as an exception the command
   reports in one line; signals that follow while the run closes do not interrupt the
   closing (a second Ctrl-C exits at once).
@@ -26,15 +26,14 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from bridge.config import ConfigError
 
 __all__ = [
     "Terminated",
     "check_launch_environment",
-    "check_output_directories",
     "check_output_file",
+    "check_writable_directory",
     "interrupt_handlers",
     "shared_store_restart_notice",
 ]
@@ -137,34 +136,20 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
     _writable_directory(file.parent if str(file.parent) else Path("."), what)
 
 
-# Directory fields of the config a run writes to (section, field).
-_OUTPUT_DIRECTORIES = (
-    ("checkpoint", "save"),
-    ("logger", "tensorboard_dir"),
-    ("logger", "wandb_save_dir"),
-    ("logger", "comet_offline_dir"),
-)
-
-
-def check_output_directories(cfg: Any) -> None:
-    """Require that every output directory the config names can be created and written.
+def check_writable_directory(path: str | os.PathLike[str], what: str) -> None:
+    """Require that the directory ``path`` exists as a writable directory or can be created.
 
     Args:
-        cfg: The run's ``ConfigContainer``.
+        path: The directory the run will write to.
+        what: The field that names it (``logger.tensorboard_dir``), for the message.
 
     Raises:
-        ConfigError: naming the field (``logger.tensorboard_dir``) and the path.
+        ConfigError: naming the field and the path.
     """
-    for section_name, name in _OUTPUT_DIRECTORIES:
-        section = getattr(cfg, section_name, None)
-        value = getattr(section, name, None) if section is not None else None
-        if value is None:
-            continue
-        directory = Path(value)
-        where = f"{section_name}.{name}"
-        if directory.exists() and not directory.is_dir():
-            raise ConfigError(where, f"{str(directory)!r} is a file, not a directory")
-        _writable_directory(directory, where)
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(what, f"{str(directory)!r} is a file, not a directory")
+    _writable_directory(directory, what)
 
 
 class Terminated(BaseException):

@@ -40,17 +40,22 @@ from typing import Any
 
 import torch
 
-from bridge.config import ConfigError
+from bridge.config import (
+    ConfigError,
+    DDPConfigProtocol,
+    ModelConfigProtocol,
+    OptimizerConfigProtocol,
+)
 
 __all__ = ["check_engine_config", "check_pipeline_p2p"]
 
 
-def _int(config: Any, name: str, default: int) -> int:
-    value = getattr(config, name, None)
+def _int(section: Any, name: str, default: int) -> int:
+    value = getattr(section, name, None)
     return default if value is None else int(value)
 
 
-def check_pipeline_p2p(model_config: Any) -> None:
+def check_pipeline_p2p(model_config: ModelConfigProtocol) -> None:
     """Refuse pipeline point-to-point settings that megatron-core runs wrongly or not at all.
 
     Args:
@@ -132,7 +137,11 @@ _CPU_UNSUPPORTED_MODEL_FIELDS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
-def _check_megatron_on_cpu(model_config: Any, ddp_config: Any, optimizer_config: Any) -> None:
+def _check_megatron_on_cpu(
+    model_config: ModelConfigProtocol,
+    ddp_config: DDPConfigProtocol | None,
+    optimizer_config: OptimizerConfigProtocol | None,
+) -> None:
     for name, fine, reason in _CPU_UNSUPPORTED_MODEL_FIELDS:
         value = getattr(model_config, name, fine)
         if value is not None and value != fine:
@@ -177,10 +186,10 @@ def _after_location(message: str) -> str:
 
 
 def check_engine_config(
-    model_config: Any,
+    model_config: ModelConfigProtocol,
     *,
-    ddp_config: Any = None,
-    optimizer_config: Any = None,
+    ddp_config: DDPConfigProtocol | None = None,
+    optimizer_config: OptimizerConfigProtocol | None = None,
     cuda_available: bool | None = None,
 ) -> None:
     """Refuse what the engine cannot run correctly on this machine (see the module docstring).

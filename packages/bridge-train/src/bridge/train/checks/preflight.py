@@ -1,281 +1,140 @@
-"""Checks run before any process group, model or dataset exists.
+"""The one pass of checks before any process group, model or dataset exists.
 
 :func:`check_config_before_launch` turns every problem a user can fix in the config into a
-:class:`bridge.config.ConfigError` naming the field and the fix: the container's own
-``validate()``, missing data files, a checkpoint directory holding something that is not
-a bridge-train run, an engine, backend, profiler or rerun mode that needs CUDA on a
-machine without it, and a parallel layout that does not fit the world. The ``bridge-train``
-command prints these without a traceback and exits with code 2.
+:class:`bridge.config.ConfigError` naming the field and the fix, in one ordered pass:
+
+1. the sections' own rules (bridge-config): ``ConfigContainer.validate(world_size)``, which
+   also fills the derived values (for the ``mimo`` recipe, whose modules have their own
+   layouts: that its required sections are there);
+2. the trainer's rules about each section (:data:`bridge.train.checks.registry.REGISTRY`,
+   section by section in :data:`~bridge.train.checks.registry.SECTIONS` order): what a
+   section accepts but the trainer cannot honour, or not on this machine (engine and
+   parallel layout, data and tokenizer files, checkpoint and output directories, features
+   that need CUDA, settings the ``mimo`` recipe does not implement).
+
+Each section's rules stop at its first problem; the pass goes on with the next section, so
+one launch reports one problem per section. ``pretrain``, ``pretrain_mimo`` and the
+``bridge-train`` command (also with ``--dry-run``) run exactly this pass; the command prints
+every problem without a traceback and exits with code 2.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bridge.config import ConfigContainer, ConfigError
-from bridge.train.checks.finetune import check_finetuning_config
+from bridge.config import ConfigContainer, ConfigError, ModelConfigProtocol
+from bridge.train.checks import mimo
+from bridge.train.checks.registry import REGISTRY, SECTIONS, RunKind
+from bridge.train.models.mimo import MimoModelConfig
 from core_utils.distributed import global_world_size
 
-__all__ = ["check_checkpoint_directories", "check_config_before_launch"]
+__all__ = ["ConfigProblems", "check_config_before_launch", "check_section", "run_kind"]
 
 
-def check_checkpoint_directories(checkpoint: Any) -> None:
-    """Refuse checkpoint settings and directories that cannot work, before anything runs.
+class ConfigProblems(ConfigError):
+    """Several sections have a problem: the first one's error, carrying all of them.
 
-    The checks of :mod:`bridge.train.checkpointing` (unsupported formats and settings on
-    this machine; a ``checkpoint.save`` directory that holds anything but a bridge-train
-    run), applied to ``checkpoint.load`` too (unless it names one checkpoint directory);
-    ``checkpoint.load`` without a checkpoint is refused with
-    ``checkpoint.exit_on_missing_checkpoint``; ``checkpoint.pretrained_checkpoint`` must
-    hold a checkpoint.
+    ``str()`` is the first problem's one line (what a caller that reports one error shows);
+    :attr:`problems` holds one error per section, in the pass's order.
 
-    Args:
-        checkpoint: The ``checkpoint`` section.
-
-    Raises:
-        ConfigError: The message names the field, what is there and what to do.
+    Attributes:
+        problems: The first problem of every section that has one.
     """
-    if all(getattr(checkpoint, name) is None for name in ("save", "load", "pretrained_checkpoint")):
-        return
-    from bridge.train.checkpointing import CheckpointError, checkpoint_exists
-    from bridge.train.checkpointing.context import check_checkpoint_config
-    from bridge.train.checkpointing.layout import validate_save_dir
 
-    check_checkpoint_config(checkpoint)
-    for field in ("save", "load"):
-        path = getattr(checkpoint, field)
-        if path is None or (field == "load" and checkpoint_exists(path)):
+    def __init__(self, problems: Sequence[ConfigError]) -> None:
+        first = problems[0]
+        super().__init__(first.location, first.detail)
+        self.problems = tuple(problems)
+
+
+def run_kind(model: ModelConfigProtocol | None) -> RunKind:
+    """The kind of run a ``model`` section describes: the ``mimo`` recipe or a GPT-style
+    run."""
+    return "mimo" if isinstance(model, MimoModelConfig) else "gpt"
+
+
+def _facts(world_size: int | None, cuda_available: bool | None) -> dict[str, Any]:
+    world = world_size if world_size is not None else global_world_size(launcher_fallback=True)
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return {"world_size": world, "cuda_available": cuda}
+
+
+def _first_problem(
+    cfg: ConfigContainer, section: str, kind: RunKind, facts: dict[str, Any]
+) -> ConfigError | None:
+    for rule in REGISTRY.get(section, ()):
+        if kind not in rule.runs:
             continue
         try:
-            validate_save_dir(path, f"checkpoint.{field}")
-        except CheckpointError as exc:
-            raise ConfigError(f"checkpoint.{field}", _without_field(str(exc), field)) from None
-    load = checkpoint.load
-    if load is not None and checkpoint.exit_on_missing_checkpoint and not checkpoint_exists(load):
-        raise ConfigError(
-            "checkpoint.load",
-            f"{str(load)!r} holds no checkpoint and checkpoint.exit_on_missing_checkpoint is "
-            "set; fix the path, or unset exit_on_missing_checkpoint to train from scratch",
-        )
-    pretrained = checkpoint.pretrained_checkpoint
-    if pretrained is not None and not checkpoint_exists(pretrained):
-        raise ConfigError(
-            "checkpoint.pretrained_checkpoint",
-            f"{str(pretrained)!r} holds no checkpoint; point it at the save directory of a "
-            "bridge-train run",
-        )
+            rule(cfg, facts)
+        except ConfigError as exc:
+            return exc
+    return None
 
 
-def _without_field(message: str, field: str) -> str:
-    """Drop a leading ``checkpoint.<field>=...`` from a message that gets the field as location."""
-    prefix = f"checkpoint.{field}="
-    return message[len(prefix) :] if message.startswith(prefix) else message
+def check_section(
+    cfg: ConfigContainer,
+    section: str,
+    world_size: int | None = None,
+    *,
+    cuda_available: bool | None = None,
+) -> None:
+    """Run the trainer's rules about one section (of a config that passed ``validate()``).
+
+    Args:
+        cfg: The run's configuration.
+        section: A key of :data:`~bridge.train.checks.registry.REGISTRY`.
+        world_size: Number of ranks (default: the process group's, else ``$WORLD_SIZE``,
+            else 1).
+        cuda_available: Override CUDA detection.
+
+    Raises:
+        ConfigError: The section's first problem.
+        KeyError: ``section`` has no rules.
+    """
+    if section not in REGISTRY:
+        raise KeyError(f"no rules for section {section!r}; sections: {', '.join(SECTIONS)}")
+    problem = _first_problem(cfg, section, run_kind(cfg.model), _facts(world_size, cuda_available))
+    if problem is not None:
+        raise problem
 
 
-def _check_cuda_features(cfg: ConfigContainer) -> None:
-    if torch.cuda.is_available():
-        return
-    mode = cfg.rerun_state_machine.rerun_mode
-    if mode != "disabled":
-        raise ConfigError(
-            "rerun_state_machine.rerun_mode",
-            f"{mode!r} requires CUDA (megatron-core's rerun state machine saves and restores "
-            "CUDA RNG state); use rerun_mode='disabled' on CPU",
-        )
-    profiling = cfg.profiling
-    if profiling is not None and profiling.use_nsys_profiler:
-        from bridge.train.loop.profiling import nsys_unavailable_reason
+def check_config_before_launch(
+    cfg: ConfigContainer,
+    world_size: int | None = None,
+    *,
+    cuda_available: bool | None = None,
+) -> None:
+    """Check ``cfg`` for a training launch, before anything distributed is built.
 
-        raise ConfigError("profiling.use_nsys_profiler", str(nsys_unavailable_reason()))
-    if cfg.nvrx_straggler is not None and cfg.nvrx_straggler.enabled:
-        raise ConfigError(
-            "nvrx_straggler.enabled",
-            "nvidia-resiliency-ext straggler detection requires CUDA and CUPTI; use "
-            "straggler.log_straggler=true on CPU",
-        )
-
-
-def _check_profiler_output(cfg: ConfigContainer) -> None:
-    profiling = cfg.profiling
-    if profiling is None or not profiling.use_pytorch_profiler:
-        return
-    from bridge.train.loop.profiling import profile_trace_dir
-
-    if profile_trace_dir(cfg) is None:
-        raise ConfigError(
-            "profiling.use_pytorch_profiler",
-            "the trace needs a directory: set logger.tensorboard_dir (or checkpoint.save, "
-            "which gets a 'profile' subdirectory)",
-        )
-
-
-def _check_data(cfg: ConfigContainer) -> None:
-    if cfg.dataset is None:
-        raise ConfigError(
-            "dataset",
-            "required section is missing; add a 'dataset:' mapping (blend: [[<prefix>], null] "
-            "for data from bridge-preprocess-data, or _target_: "
-            "bridge.config.MockGPTDatasetConfig for mock data)",
-        )
-    if not getattr(cfg.dataset, "data_sharding", True):
-        raise ConfigError(
-            "dataset.data_sharding",
-            "false is not supported: every data-parallel rank reads only its own part of "
-            "each global batch (the samplers shard by construction); set it to true",
-        )
-    from bridge.train.data.datasets import check_data_paths
-
-    try:
-        check_data_paths(cfg.dataset)
-    except FileNotFoundError as exc:
-        text = str(exc)
-        location, _, detail = text.partition(": ")
-        raise ConfigError(location or "dataset", detail or text) from None
-    _check_data_files(cfg)
-    from bridge.train.data.t5_datasets import check_t5_data_config
-
-    check_t5_data_config(cfg.dataset, cfg.tokenizer)
-    tokenizer = cfg.tokenizer
-    if tokenizer is not None and tokenizer.tokenizer_type == "HuggingFaceTokenizer":
-        model_path = tokenizer.tokenizer_model
-        if model_path is not None and not Path(model_path).exists():
-            raise ConfigError(
-                "tokenizer.tokenizer_model",
-                f"{model_path!r} does not exist; give a local directory with tokenizer.json "
-                "(nothing is downloaded at run time)",
-            )
-
-
-def _check_data_files(cfg: ConfigContainer) -> None:
-    """Damaged ``.bin``/``.idx`` files, token ids beyond the vocabulary and splits without a
-    sample (megatron-core would hang building them), named with the fix."""
-    from bridge.train.data.datasets import dataset_prefixes
-    from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
-
-    vocab = getattr(cfg.tokenizer, "vocab_size", None) or getattr(cfg.model, "vocab_size", None)
-    prefixes = dataset_prefixes(cfg.dataset)
-    if vocab is None and prefixes and cfg.tokenizer is not None:
-        from bridge.train.data.tokenizers import build_tokenizer
-
-        try:  # the tokenizer knows its size (byte-level: 256 + specials)
-            vocab = int(build_tokenizer(cfg.tokenizer).vocab_size)
-        except Exception:  # a tokenizer that cannot be built is reported when it is built
-            vocab = None
-    for field, prefix in prefixes:
-        try:
-            check_indexed_dataset(prefix, vocab, field)
-        except DataFileError as exc:
-            raise ConfigError(field, str(exc)) from None
-    if prefixes and cfg.train is not None:
-        from bridge.train.data.datasets import train_valid_test_num_samples
-        from bridge.train.data.split_checks import check_split_samples
-        from bridge.train.data.t5_datasets import T5DatasetConfig
-
-        check_split_samples(
-            cfg.dataset,
-            train_valid_test_num_samples(cfg.train),
-            gpt_samples=not isinstance(cfg.dataset, T5DatasetConfig),
-        )
-
-
-def _check_engine_and_layout(cfg: ConfigContainer, world_size: int) -> None:
-    from bridge.train.checks.layout import check_engine_config
-    from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
-
-    # Wrong on every device (the p2p rule) or unsupported here: the most specific reason first.
-    check_engine_config(cfg.model, ddp_config=cfg.ddp, optimizer_config=cfg.optimizer)
-    try:
-        resolve_distributed_backend(cfg.dist)
-    except ValueError as exc:
-        raise ConfigError("dist.distributed_backend", str(exc)) from None
-    try:
-        validate_parallel_layout(cfg.model, world_size)
-    except ValueError as exc:
-        raise ConfigError("model", str(exc)) from None
-    from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
-
-    try:
-        layout_independent_seed(cfg.rng, cfg.model)
-    except LayoutInitError as exc:
-        location, _, detail = str(exc).partition(": ")
-        raise ConfigError(location.split("=")[0], detail) from None
-
-
-def _check_samples(cfg: ConfigContainer) -> None:
-    """Sample completions need a GPT-family model (what bridge-generate generates from)."""
-    if getattr(cfg, "samples", None) is None:
-        return
-    from bridge.train.models import GPTModelProvider, MambaProvider, T5ModelProvider
-
-    model = cfg.model
-    if isinstance(model, (T5ModelProvider, MambaProvider)) or not isinstance(
-        model, GPTModelProvider
-    ):
-        raise ConfigError(
-            "samples",
-            f"sample completions are generated from GPT-family models; "
-            f"{type(model).__name__} does not generate (unset samples)",
-        )
-    # What megatron-core's static inference path cannot do with the training model.
-    if model.pipeline_model_parallel_size > 1 and not torch.cuda.is_available():
-        raise ConfigError(
-            "samples",
-            "pipeline-parallel generation needs GPUs (megatron-core's inference broadcasts "
-            "the last stage's logits with a CUDA-only check); unset samples on CPU",
-        )
-    if model.virtual_pipeline_model_parallel_size is not None:
-        raise ConfigError(
-            "samples",
-            "megatron-core's inference runs one model chunk per rank; unset samples or "
-            "model.virtual_pipeline_model_parallel_size",
-        )
-    if model.sequence_parallel:
-        raise ConfigError(
-            "samples",
-            "megatron-core's static inference refuses model.sequence_parallel (it supports it "
-            "for MoE layers only); unset samples or sequence_parallel",
-        )
-    if model.tensor_model_parallel_size > 1 and model.expert_model_parallel_size > 1:
-        raise ConfigError(
-            "samples",
-            "with tensor and expert parallelism megatron-core's inference switches the "
-            "model's sequence parallelism off and does not switch it back, which would "
-            "change training; unset samples",
-        )
-
-
-def check_config_before_launch(cfg: ConfigContainer, world_size: int | None = None) -> None:
-    """Validate ``cfg`` for a training launch, before anything distributed is built.
-
-    Runs ``cfg.validate(world_size)`` (filling derived values), then checks the data files,
-    the tokenizer files, the checkpoint directories and the checkpoint a resume would load
-    (:mod:`bridge.train.checks.resume`), the engine, backend and parallel layout against this
-    machine, and features that need CUDA.
+    See the module docstring for the pass. ``validate()`` completes the config in place.
 
     Args:
         cfg: The run's configuration.
         world_size: Number of ranks (default: the initialised process group's, else
             ``$WORLD_SIZE``, else 1).
+        cuda_available: Override CUDA detection (default ``torch.cuda.is_available()``).
 
     Raises:
-        ConfigError: Anything to fix in the config; the message names the field.
+        ConfigError: The sections' own rules failed (the first problem), or
+            :class:`ConfigProblems`: the first problem of every section whose trainer rules
+            failed.
     """
-    world = world_size if world_size is not None else global_world_size(launcher_fallback=True)
-    cfg.validate(world)
-    from bridge.train.checks.inputs import check_run_inputs
-
-    check_run_inputs(cfg)
-    _check_engine_and_layout(cfg, world)
-    _check_cuda_features(cfg)
-    _check_data(cfg)
-    check_finetuning_config(cfg)
-    _check_samples(cfg)
-    assert cfg.checkpoint is not None
-    check_checkpoint_directories(cfg.checkpoint)
-    from bridge.train.checks.resume import check_resume
-
-    check_resume(cfg)
-    _check_profiler_output(cfg)
+    facts = _facts(world_size, cuda_available)
+    kind = run_kind(cfg.model)
+    if kind == "gpt":
+        cfg.validate(facts["world_size"])
+    else:
+        mimo.check_required_sections(
+            {name: getattr(cfg, name) for name in (*mimo.REQUIRED_SECTIONS, "model")}
+        )
+    problems = [
+        problem
+        for section in SECTIONS
+        if (problem := _first_problem(cfg, section, kind, facts)) is not None
+    ]
+    if problems:
+        raise ConfigProblems(problems)

@@ -12,7 +12,8 @@ Three ways this looked like success while doing something else:
   ``checkpoint.resume_with_changes`` is set (then the differences are only listed). The
   model architecture is compared too (:mod:`bridge.train.checkpointing.architecture`,
   which the load itself repeats); how the data is read (workers, caches, layout-derived
-  sizes) may change freely.
+  sizes) may change freely. A run that only evaluates (``train.skip_train``, as
+  ``--eval-only`` sets) continues nothing, so only the architecture is compared.
 * **Nothing to train.** A checkpoint at or past ``train.train_iters`` only evaluates.
 * **An unused pretrained checkpoint.** ``checkpoint.pretrained_checkpoint`` is loaded only
   when there is nothing to resume; with a checkpoint in the save directory the resume wins.
@@ -27,7 +28,7 @@ import copy
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bridge.config import ConfigError
 
@@ -35,7 +36,9 @@ __all__ = [
     "IDENTITY_SECTIONS",
     "LOADER_FIELDS",
     "changed_run_fields",
+    "changed_sections",
     "check_resume",
+    "check_resume_sections",
     "planned_resume",
     "run_plan_notices",
 ]
@@ -125,10 +128,20 @@ def changed_run_fields(saved: Any, now: Any) -> list[str]:
         saved: The ``ConfigContainer`` a checkpoint was saved with.
         now: This run's ``ConfigContainer``.
     """
+    return changed_sections(saved, {name: getattr(now, name, None) for name in IDENTITY_SECTIONS})
+
+
+def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
+    """:func:`changed_run_fields` given this run's :data:`IDENTITY_SECTIONS` by name.
+
+    Args:
+        saved: The ``ConfigContainer`` a checkpoint was saved with.
+        sections: Section name -> this run's section (None when the run has none).
+    """
     changes = []
     for name in IDENTITY_SECTIONS:
         before = _section_values(getattr(saved, name, None))
-        after = _section_values(getattr(now, name, None))
+        after = _section_values(sections.get(name))
         if before.get("_target_") != after.get("_target_"):
             changes.append(
                 f"{name} (saved {before.get('_target_', 'none')}, "
@@ -172,25 +185,50 @@ def check_resume(cfg: Any) -> None:
             settings (each listed) and ``checkpoint.resume_with_changes`` is not set.
         CheckpointError: It was saved from a model of another architecture.
     """
-    checkpoint = cfg.checkpoint
+    check_resume_sections(
+        cfg.checkpoint,
+        cfg.model,
+        {name: getattr(cfg, name, None) for name in IDENTITY_SECTIONS},
+        trains=not (cfg.train is not None and cfg.train.skip_train),
+    )
+
+
+def check_resume_sections(
+    checkpoint: Any, model: Any, sections: dict[str, Any], *, trains: bool = True
+) -> None:
+    """:func:`check_resume` given the sections it reads (the launch checks' ``checkpoint``
+    rule, :func:`bridge.train.checks.rules.resume_matches_run`).
+
+    Args:
+        checkpoint: The ``checkpoint`` section.
+        model: The ``model`` section.
+        sections: This run's :data:`IDENTITY_SECTIONS` by name.
+        trains: The run trains (not ``train.skip_train``). A run that only evaluates
+            continues nothing of the saved run, so it may read other data (``--eval-only
+            --eval-data`` does); only the architecture is compared then.
+
+    Raises:
+        ConfigError, CheckpointError: As :func:`check_resume`.
+    """
     plan = planned_resume(checkpoint)
     if plan is None:
         return
     from bridge.train.checkpointing.architecture import check_same_architecture
 
-    check_same_architecture(cfg.model, plan.path, before_setup=True)
-    if cfg.train is not None and cfg.train.skip_train:
+    check_same_architecture(model, plan.path, before_setup=True)
+    if not trains:
         # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
         # continued, so other data is the point, not a mistake; the weights must still fit.
         return
     saved = _saved_config(plan.path)
     if saved is None:
         return
-    changes = changed_run_fields(saved, cfg)
-    if not changes:
-        return
-    if checkpoint.resume_with_changes:
-        return  # listed by run_plan_notices
+    changes = changed_sections(saved, sections)
+    if changes and not checkpoint.resume_with_changes:
+        _refuse_changed_run(checkpoint, plan, changes)
+
+
+def _refuse_changed_run(checkpoint: Any, plan: Any, changes: list[str]) -> NoReturn:
     listed = "; ".join(changes)
     raise ConfigError(
         _resume_field(checkpoint),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -197,7 +196,7 @@ def load_model_for_export(
     leaving a plain model. Needs megatron's parallel state (one rank).
     """
     from bridge.config import CheckpointConfig
-    from bridge.train.checkpointing import CheckpointError, load_checkpoint
+    from bridge.train.checkpointing import CheckpointError, restore_checkpoint
     from bridge.train.state import TrainState
 
     model = single.provide(pre_process=True, post_process=True)
@@ -208,27 +207,22 @@ def load_model_for_export(
             f"{iteration_dir} holds adapters (the run has a peft section) but its run config "
             "names no checkpoint.pretrained_checkpoint to take the base weights from"
         )
-    state = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(
-            checkpoint=CheckpointConfig(
-                load=str(iteration_dir),
-                pretrained_checkpoint=str(pretrained) if peft is not None else None,
-                finetune=peft is None,
-                load_optim=False,
-                load_rng=False,
-            )
-        ),
-        train_state=TrainState(),
+    checkpoint = CheckpointConfig(
+        load=str(iteration_dir),
+        pretrained_checkpoint=str(pretrained) if peft is not None else None,
+        finetune=peft is None,
+        load_optim=False,
+        load_rng=False,
     )
     try:
         if peft is None:
-            load_checkpoint(state, [model], None, None)
+            restore_checkpoint(checkpoint, TrainState(), [model], None, None)
             return model
         from bridge.train.peft import apply_peft, merge_adapters
         from bridge.train.peft.checkpoint import load_peft_checkpoints
 
         (model,) = apply_peft(peft, [model])
-        load_peft_checkpoints(state, [model], None, None, {})
+        load_peft_checkpoints(checkpoint, TrainState(), [model], None, None, {})
     except CheckpointError as exc:
         raise ConversionError(str(exc).splitlines()[0]) from None
     return merge_adapters(model) if merge else model

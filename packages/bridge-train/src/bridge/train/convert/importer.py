@@ -2,7 +2,7 @@
 
 How the layout is written: the model is built once on one process (tensor and pipeline
 parallel size 1, but with the vocabulary padded for the requested tensor-parallel size) on
-the meta device, and saved through bridge-train's own ``save_checkpoint`` with a save
+the meta device, and saved through bridge-train's own ``write_checkpoint`` with a save
 strategy that produces each parameter from the safetensors files when the checkpoint
 writer asks for it (:mod:`bridge.train.convert.streaming`). A ``torch_dist`` checkpoint
 stores every tensor with its global shape and sharding, and dist_checkpointing reshards at
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,18 +83,6 @@ def _check_target_dir(out: Path) -> None:
             f"{out} already exists and is not empty; import into a new directory (nothing "
             "there is overwritten)"
         )
-
-
-class _SaveConfig:
-    """What ``save_checkpoint`` reads from ``state.cfg``: where to write, and the recipe."""
-
-    def __init__(self, checkpoint: Any, recipe: Any) -> None:
-        self.checkpoint = checkpoint
-        self.model = recipe.model
-        self._recipe = recipe
-
-    def to_yaml(self, path: str | os.PathLike[str]) -> None:
-        self._recipe.to_yaml(path)
 
 
 def _recipe(provider: Any, out: Path, tokenizer_dir: Path | None) -> Any:
@@ -165,7 +152,7 @@ def import_hf_checkpoint(
             or an existing non-empty ``ckpt_dir``.
     """
     from bridge.config import CheckpointConfig
-    from bridge.train.checkpointing import init_checkpointing_context, save_checkpoint
+    from bridge.train.checkpointing import init_checkpointing_context, write_checkpoint
     from bridge.train.checkpointing.save import SUPPLIED_SAVE_STRATEGY
     from bridge.train.convert.streaming import StreamingSaveStrategy
     from bridge.train.state import TrainState
@@ -237,14 +224,18 @@ def import_hf_checkpoint(
             save_config = CheckpointConfig(
                 save=str(staging), save_optim=False, save_rng=False, async_save=False
             )
-            state = types.SimpleNamespace(
-                cfg=_SaveConfig(save_config, _recipe(target, out, tokenizer_dir)),
-                train_state=TrainState(),
-            )
             context = init_checkpointing_context(save_config)
             context[SUPPLIED_SAVE_STRATEGY] = StreamingSaveStrategy(model, produce)
             report(f"writing {out}")
-            save_checkpoint(state, [model], None, None, 0.0, checkpointing_context=context)
+            write_checkpoint(
+                save_config,
+                TrainState(),
+                [model],
+                None,
+                None,
+                run_config=_recipe(target, out, tokenizer_dir),
+                checkpointing_context=context,
+            )
             tensor_names = source.reader.names()
             source.close()
             del model, params

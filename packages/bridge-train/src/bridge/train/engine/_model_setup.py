@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from bridge.config import ModelConfigProtocol
 
 
 def build_model_chunks(
@@ -57,7 +60,9 @@ def build_model_chunks(
     return chunks
 
 
-def cast_for_precision(chunks: list[torch.nn.Module], model_config: Any) -> list[torch.nn.Module]:
+def cast_for_precision(
+    chunks: list[torch.nn.Module], model_config: ModelConfigProtocol
+) -> list[torch.nn.Module]:
     """Wrap chunks in megatron's ``Float16Module`` for bf16/fp16 (inputs cast in, fp32 out)."""
     if not (getattr(model_config, "bf16", False) or getattr(model_config, "fp16", False)):
         return chunks

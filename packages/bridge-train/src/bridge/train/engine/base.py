@@ -13,9 +13,20 @@ See ``docs/engines.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from bridge.config import (
+        DDPConfigProtocol,
+        DistributedInitConfig,
+        ModelConfigProtocol,
+        OptimizerConfigProtocol,
+        RNGConfig,
+        SchedulerConfig,
+        TrainingConfig,
+    )
 
 __all__ = ["Engine", "build_engine"]
 
@@ -40,7 +51,10 @@ class Engine(Protocol):
         ...
 
     def initialize_distributed(
-        self, model_config: Any, dist_config: Any = None, rng_config: Any = None
+        self,
+        model_config: ModelConfigProtocol,
+        dist_config: DistributedInitConfig | None = None,
+        rng_config: RNGConfig | None = None,
     ) -> None:
         """Bring up torch.distributed, megatron's parallel state and the RNG seeds."""
         ...
@@ -48,12 +62,12 @@ class Engine(Protocol):
     def setup_model(
         self,
         model_provider: Any,
-        ddp_config: Any = None,
+        ddp_config: DDPConfigProtocol | None = None,
         *,
         wrap_with_ddp: bool = True,
         pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
         data_parallel_random_init: bool = False,
-        optimizer_config: Any = None,
+        optimizer_config: OptimizerConfigProtocol | None = None,
         layout_independent_seed: int | None = None,
     ) -> list[torch.nn.Module]:
         """Build the model chunks of this rank, move them to the device, wrap them for DP.
@@ -69,9 +83,9 @@ class Engine(Protocol):
     def setup_optimizer(
         self,
         model: list[torch.nn.Module],
-        optimizer_config: Any,
-        scheduler_config: Any,
-        train_config: Any = None,
+        optimizer_config: OptimizerConfigProtocol,
+        scheduler_config: SchedulerConfig,
+        train_config: TrainingConfig | None = None,
     ) -> tuple[Any, Any]:
         """Return ``(optimizer, scheduler)``: a megatron-contract optimizer and megatron's
         ``OptimizerParamScheduler`` (also sets the model config's ``grad_scale_func``)."""

@@ -24,7 +24,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from bridge.config import ConfigError
+from bridge.config import (
+    ConfigError,
+    DDPConfigProtocol,
+    ModelConfigProtocol,
+    OptimizerConfigProtocol,
+)
 
 __all__ = ["CommOverlapConfig"]
 
@@ -102,7 +107,9 @@ class CommOverlapConfig:
                 f"got {self.wgrad_deferral_limit}; use 0 (no limit) or a positive count",
             )
 
-    def layout_values(self, model: Any, ddp: Any) -> dict[str, Any]:
+    def layout_values(
+        self, model: ModelConfigProtocol | None, ddp: DDPConfigProtocol | None
+    ) -> dict[str, Any]:
         """The value of every field this object would write for ``model``'s layout.
 
         Args:
@@ -132,7 +139,12 @@ class CommOverlapConfig:
         given = {name: getattr(self, name) for name in _TARGETS}
         return {name: chosen[name] if given[name] is None else given[name] for name in _TARGETS}
 
-    def setup(self, model: Any, optimizer: Any, ddp: Any) -> None:
+    def setup(
+        self,
+        model: ModelConfigProtocol | None,
+        optimizer: OptimizerConfigProtocol | None,
+        ddp: DDPConfigProtocol | None,
+    ) -> None:
         """Write the overlap settings into the ``model``, ``optimizer`` and ``ddp`` sections.
 
         Args:

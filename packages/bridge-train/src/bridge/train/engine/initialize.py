@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import random
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,13 @@ from bridge.train.engine.launch_env import (
     guarded_rendezvous,
 )
 from core_utils.distributed import global_world_size
+
+if TYPE_CHECKING:
+    from bridge.config import (
+        DistributedInitConfig,
+        ModelConfigProtocol,
+        RNGConfig,
+    )
 
 __all__ = [
     "destroy_distributed",
@@ -69,7 +76,7 @@ def resolve_distributed_backend(dist_config: Any = None) -> str:
     return backend
 
 
-def validate_parallel_layout(model_config: Any, world_size: int) -> None:
+def validate_parallel_layout(model_config: ModelConfigProtocol, world_size: int) -> None:
     """Check that the model's parallel sizes fit ``world_size``.
 
     What a device cannot run (for example sequence parallelism with the CPU layer spec) is
@@ -156,9 +163,9 @@ def init_launch_process_group(backend: str, timeout: timedelta) -> None:
 
 
 def initialize_distributed(
-    model_config: Any,
-    dist_config: Any = None,
-    rng_config: Any = None,
+    model_config: ModelConfigProtocol,
+    dist_config: DistributedInitConfig | None = None,
+    rng_config: RNGConfig | None = None,
 ) -> None:
     """Initialise torch.distributed, megatron's parallel state and the random seeds.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,19 @@ from bridge.train.engine.initialize import (
 )
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from core_utils.distributed import global_world_size
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from bridge.config import (
+        DDPConfigProtocol,
+        DistributedInitConfig,
+        ModelConfigProtocol,
+        OptimizerConfigProtocol,
+        RNGConfig,
+        SchedulerConfig,
+        TrainingConfig,
+    )
 
 __all__ = ["MegatronEngine", "skip_non_finite_updates"]
 
@@ -54,7 +67,10 @@ class MegatronEngine:
         return torch.device("cpu")
 
     def initialize_distributed(
-        self, model_config: Any, dist_config: Any = None, rng_config: Any = None
+        self,
+        model_config: ModelConfigProtocol,
+        dist_config: DistributedInitConfig | None = None,
+        rng_config: RNGConfig | None = None,
     ) -> None:
         """See :func:`bridge.train.engine.initialize.initialize_distributed`; without CUDA it
         first enters the CUDA emulation, for the rest of the run (the layout is checked
@@ -66,12 +82,12 @@ class MegatronEngine:
     def setup_model(
         self,
         model_provider: Any,
-        ddp_config: Any = None,
+        ddp_config: DDPConfigProtocol | None = None,
         *,
         wrap_with_ddp: bool = True,
         pre_wrap_hooks: Sequence[Callable[[list[torch.nn.Module]], Any]] = (),
         data_parallel_random_init: bool = False,
-        optimizer_config: Any = None,
+        optimizer_config: OptimizerConfigProtocol | None = None,
         layout_independent_seed: int | None = None,
     ) -> list[torch.nn.Module]:
         """Build one chunk per virtual pipeline stage and wrap them in megatron's DDP.
@@ -138,7 +154,7 @@ class MegatronEngine:
             # Pipeline stages launch their grad reductions aligned (dist.align_grad_reduce).
             grad_sync = [chunk.start_grad_sync for chunk in wrapped]
             model_provider.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-        if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        if ddp_config.overlap_param_gather and getattr(ddp_config, "align_param_gather", False):
             param_sync = [chunk.start_param_sync for chunk in wrapped]
             model_provider.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
         model_provider.finalize_model_grads_func = finalize_model_grads
@@ -147,9 +163,9 @@ class MegatronEngine:
     def setup_optimizer(
         self,
         model: list[torch.nn.Module],
-        optimizer_config: Any,
-        scheduler_config: Any,
-        train_config: Any = None,
+        optimizer_config: OptimizerConfigProtocol,
+        scheduler_config: SchedulerConfig,
+        train_config: TrainingConfig | None = None,
     ) -> tuple[Any, Any]:
         """``get_megatron_optimizer`` and megatron's ``OptimizerParamScheduler``.
 
@@ -218,7 +234,7 @@ def _iterable(iterator: Any) -> Iterator[Any]:
             return
 
 
-def skip_non_finite_updates(optimizer: Any) -> None:
+def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:
     """Make megatron's optimizer skip an update whose global gradient norm is NaN or inf.
 
     megatron-core's optimizers find non-finite gradients only under fp16 loss scaling;

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from bridge.config import OptimizerConfigProtocol, SchedulerConfig, TrainingConfig
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = ["build_optimizer_param_scheduler", "scheduler_steps"]
 
 
-def scheduler_steps(scheduler_config: Any, train_config: Any) -> dict[str, int | None]:
+def scheduler_steps(
+    scheduler_config: SchedulerConfig, train_config: TrainingConfig | None
+) -> dict[str, int | None]:
     """Warm-up, decay, weight-decay and WSD lengths in samples, as megatron counts them.
 
     Values already set on ``scheduler_config`` (``lr_warmup_steps``, ``lr_decay_steps``,
@@ -96,7 +103,10 @@ def scheduler_steps(scheduler_config: Any, train_config: Any) -> dict[str, int |
 
 
 def build_optimizer_param_scheduler(
-    optimizer: Any, optimizer_config: Any, scheduler_config: Any, train_config: Any = None
+    optimizer: MegatronOptimizer,
+    optimizer_config: OptimizerConfigProtocol,
+    scheduler_config: SchedulerConfig,
+    train_config: TrainingConfig | None = None,
 ) -> OptimizerParamScheduler:
     """megatron-core's ``OptimizerParamScheduler`` for ``optimizer``.
 

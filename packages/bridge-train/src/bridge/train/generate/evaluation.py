@@ -228,8 +228,8 @@ def evaluate_checkpoint(
         ConfigError: The config cannot run, or no checkpoint was found to load.
     """
     from bridge.train.checks.preflight import check_config_before_launch
-    from bridge.train.loop.eval import evaluate_and_print_results
     from bridge.train.loop.pretrain import _close, setup
+    from bridge.train.loop.training import evaluation_of
     from bridge.train.models.family import default_forward_step
     from bridge.train.state import GlobalState
 
@@ -258,17 +258,12 @@ def evaluate_checkpoint(
             ("validation", out.valid_data_iterator, state.train_state.do_valid),
             ("test", out.test_data_iterator, state.train_state.do_test),
         ]
+        evaluation = evaluation_of(step_func, state)
         for split, iterator, wanted in splits:
             if iterator is None or not wanted:
                 continue
-            results[split] = evaluate_and_print_results(
-                state,
-                f"iteration {step} on {split} set",
-                step_func,
-                iterator,
-                out.model,
-                cfg,
-                split=split,
+            results[split] = evaluation.evaluate_and_log(
+                f"iteration {step} on {split} set", iterator, out.model, split=split
             )
         if not results:
             raise ConfigError(
@@ -280,4 +275,4 @@ def evaluate_checkpoint(
         clean = True
         return results
     finally:
-        _close(state, clean)
+        _close(cfg.checkpoint, state.resiliency, state.metric_writers, clean)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,7 +278,7 @@ def load_generation_model(
     import torch
 
     from bridge.config import CheckpointConfig, DistributedInitConfig
-    from bridge.train.checkpointing import CheckpointError, load_checkpoint
+    from bridge.train.checkpointing import CheckpointError, restore_checkpoint
     from bridge.train.engine.base import build_engine
     from bridge.train.engine.initialize import destroy_distributed
     from bridge.train.state import TrainState
@@ -326,18 +325,19 @@ def load_generation_model(
         )
         # The saved model settings: the load compares them with the checkpoint's (this
         # process's provider differs only in its layout, which the load reshards).
-        state = types.SimpleNamespace(
-            cfg=types.SimpleNamespace(checkpoint=checkpoint, model=run_config.model),
-            train_state=TrainState(),
-        )
+        train_state = TrainState()
         try:
             if peft is None:
-                iteration, _ = load_checkpoint(state, model, None, None)
+                iteration, _ = restore_checkpoint(
+                    checkpoint, train_state, model, None, None, model_config=run_config.model
+                )
             else:
                 from bridge.train.peft import merge_adapters
                 from bridge.train.peft.checkpoint import load_peft_checkpoints
 
-                iteration, _ = load_peft_checkpoints(state, model, None, None, {})
+                iteration, _ = load_peft_checkpoints(
+                    checkpoint, train_state, model, None, None, {}, model_config=run_config.model
+                )
                 merge_adapters(model)
         except CheckpointError as exc:
             raise GenerationError(str(exc).splitlines()[0]) from None

@@ -8,14 +8,14 @@ and average the reported loss over tokens of all micro-batches and data-parallel
 (``bridge.train.train``) adds evaluation, checkpoints, logging and exit handling around the
 same calls; benchmarks time this loop as their baseline. It shares the step's pieces with
 the trainer (:mod:`bridge.train.loop.losses`, the
-:class:`~bridge.train.loop.run_loop.StepResult` and the ``train_state`` update).
+:class:`~core_utils.loop.StepResult` and the ``train_state`` update).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,20 @@ from bridge.train.loop.losses import sum_loss_pairs, zero_grad_buffers
 from bridge.train.loop.state_injection import prepare_forward_step_func
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.models.layout_init import layout_independent_seed
-from bridge.train.state import GlobalState
+from bridge.train.state import GlobalState, TrainState
+from core_utils.loop import StepResult, advance_train_state
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from bridge.config import (
+        DDPConfigProtocol,
+        DistributedInitConfig,
+        OptimizerConfigProtocol,
+        SchedulerConfig,
+        TrainingConfig,
+    )
 
 __all__ = ["BareLoopResult", "run_bare_loop", "train_steps"]
 
@@ -52,8 +65,8 @@ class BareLoopResult:
 def train_steps(
     engine: Engine,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     data_iterator: Iterator[Any],
     *,
     train_iters: int,
@@ -88,9 +101,6 @@ def train_steps(
             ``micro_batch_size x data_parallel_size``.
     """
     from megatron.core import parallel_state
-
-    # Imported here: bridge.train.loop imports this module (the loss reductions).
-    from bridge.train.loop.run_loop import StepResult, advance_train_state
 
     dp_size = parallel_state.get_data_parallel_world_size()
     if global_batch_size % (micro_batch_size * dp_size):
@@ -141,14 +151,14 @@ def train_steps(
 
 def run_bare_loop(
     model_provider: Any,
-    optimizer_config: Any,
-    scheduler_config: Any,
-    train_config: Any,
-    data_iterator_factory: Callable[[GlobalState], Iterator[Any]],
+    optimizer_config: OptimizerConfigProtocol,
+    scheduler_config: SchedulerConfig,
+    train_config: TrainingConfig,
+    data_iterator_factory: Callable[[TrainState], Iterator[Any]],
     *,
-    ddp_config: Any = None,
-    dist_config: Any = None,
-    rng_config: Any = None,
+    ddp_config: DDPConfigProtocol | None = None,
+    dist_config: DistributedInitConfig | None = None,
+    rng_config: RNGConfig | None = None,
     engine: Engine | None = None,
     forward_step_func: Callable[..., Any] = forward_step,
 ) -> BareLoopResult:
@@ -158,9 +168,10 @@ def run_bare_loop(
         model_provider: A provider that is also the model config (``GPTModelProvider``).
         optimizer_config: megatron's ``OptimizerConfig``.
         scheduler_config: ``SchedulerConfig``.
-        train_config: Object with ``train_iters``, ``global_batch_size``, ``micro_batch_size``.
-        data_iterator_factory: Called once, after the parallel state exists, with the global
-            state; returns this rank's micro-batch iterator.
+        train_config: The ``train`` section (``train_iters``, ``global_batch_size``,
+            ``micro_batch_size``).
+        data_iterator_factory: Called once, after the parallel state exists, with the run's
+            ``TrainState`` (the samplers' position); returns this rank's micro-batch iterator.
         ddp_config: Data-parallel config (defaults when None).
         dist_config: ``DistributedInitConfig`` (defaults when None).
         rng_config: ``RNGConfig`` (its defaults when None): the seed and
@@ -170,7 +181,20 @@ def run_bare_loop(
 
     Returns:
         The per-iteration results.
+
+    Raises:
+        ValueError: ``train_config`` leaves the iteration count or a batch size unset.
     """
+    iters, global_batch, micro_batch = (
+        train_config.train_iters,
+        train_config.global_batch_size,
+        train_config.micro_batch_size,
+    )
+    if iters is None or global_batch is None or micro_batch is None:
+        raise ValueError(
+            "run_bare_loop needs train.train_iters, train.global_batch_size and "
+            "train.micro_batch_size set (the baseline has no sample-based schedule)"
+        )
     eng = build_engine() if engine is None else engine
     rng = RNGConfig() if rng_config is None else rng_config
     eng.initialize_distributed(model_provider, dist_config, rng)
@@ -185,16 +209,16 @@ def run_bare_loop(
         model, optimizer_config, scheduler_config, train_config
     )
     state = GlobalState()
-    iterator = data_iterator_factory(state)
+    iterator = data_iterator_factory(state.train_state)
     return train_steps(
         eng,
         model,
         optimizer,
         scheduler,
         iterator,
-        train_iters=train_config.train_iters,
-        global_batch_size=train_config.global_batch_size,
-        micro_batch_size=train_config.micro_batch_size,
+        train_iters=iters,
+        global_batch_size=global_batch,
+        micro_batch_size=micro_batch,
         seq_length=model_provider.seq_length,
         forward_step_func=forward_step_func,
         state=state,

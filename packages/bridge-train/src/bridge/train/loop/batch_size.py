@@ -12,9 +12,8 @@ reaches ``global_batch_size``.
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from bridge.config import ConfigError
+from bridge.config import ConfigError, TrainingConfig
 
 __all__ = [
     "current_global_batch_size",
@@ -70,7 +69,9 @@ def rampup_to_step_schedule(rampup_batch_size: list[int], global_batch_size: int
     return " ".join(f"{t}:{b}" for t, b in entries)
 
 
-def ensure_num_microbatches_calculator(train_config: Any, data_parallel_size: int) -> bool:
+def ensure_num_microbatches_calculator(
+    train_config: TrainingConfig, data_parallel_size: int
+) -> bool:
     """Initialise megatron's global micro-batch calculator from ``train_config`` if needed.
 
     Args:
@@ -101,6 +102,7 @@ def ensure_num_microbatches_calculator(train_config: Any, data_parallel_size: in
                 "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
                 "step batch-size schedules do not support it); unset one of them",
             )
+        assert train_config.global_batch_size is not None  # validate() fills it in
         schedule = rampup_to_step_schedule(
             train_config.rampup_batch_size, train_config.global_batch_size
         )

@@ -1,10 +1,17 @@
 """Evaluation: loss (and perplexity) over ``train.eval_iters`` batches of a split.
 
-:func:`evaluate` runs the engine's schedule with ``forward_only=True`` over ``eval_iters``
+:class:`Evaluation` is built from the ``train`` section (``eval_iters``, batch sizes,
+``manual_gc_eval``), the model's sequence length and the run's live objects (engine
+schedule, fault tolerance, counters and writers); the loop's
+:class:`~bridge.train.loop.components.Evaluator` calls it. Megatron-Bridge's
+``evaluate`` and ``evaluate_and_print_results`` are adapters over it
+(:mod:`bridge.train.api.eval`).
+
+:meth:`Evaluation.evaluate` runs the engine's schedule with ``forward_only=True`` over ``eval_iters``
 global batches (``train.global_batch_size`` samples each, split into micro-batches like a
 training iteration), averages each reported loss over tokens of all micro-batches,
 iterations and data-parallel ranks, and puts the model back in training mode.
-:func:`evaluate_and_print_results` logs the result through bridge.logging's validation
+:meth:`Evaluation.evaluate_and_log` logs the result through bridge.logging's validation
 logger (console block on the last rank; ``<loss> validation`` / ``<loss> validation ppl``
 metrics).
 """
@@ -15,17 +22,21 @@ import functools
 import gc
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bridge.logging import log_validation_results
+from bridge.config import TrainingConfig
+from bridge.logging import LoggingState, log_validation_results
+from bridge.resiliency import FaultTolerance
+from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable_forward_pre_hook
 from bridge.train.loop.losses import reduce_loss_dicts
-from bridge.train.loop.state_injection import prepare_forward_step_func
-from bridge.train.state import ForwardStepCallable, GlobalState
+from bridge.train.state import ForwardStepCallable, TrainState
 from core_utils.distributed import global_rank, global_world_size
+from core_utils.loop import LoopContext
 
-__all__ = ["evaluate", "evaluate_and_print_results"]
+__all__ = ["Evaluation", "log_evaluation"]
 
 
 def _data_parallel_layout() -> tuple[int, Any, bool]:
@@ -44,154 +55,174 @@ def _is_last_rank() -> bool:
     return global_rank() == global_world_size() - 1
 
 
-def evaluate(
-    state: GlobalState,
-    forward_step_func: ForwardStepCallable,
-    data_iterator: Any,
-    model: list[torch.nn.Module],
-    process_non_loss_data_func: Callable[..., Any] | None,
-    config: Any,
-    verbose: bool = False,
-    non_loss_data_func: Callable[..., Any] | None = None,
-    *,
-    is_validation: bool = True,
-) -> tuple[dict[str, float], Any, bool]:
-    """Average the losses of ``train.eval_iters`` forward-only batches.
+@dataclass
+class Evaluation:
+    """Evaluates the model on a split and logs the result (see the module docstring).
 
-    Collective (every rank of the job). With ``train.manual_gc`` and
-    ``train.manual_gc_eval`` the garbage collector runs before and after. Validation
-    batches advance ``train_state.consumed_valid_samples`` (so a resumed run continues
-    with the same validation samples).
-
-    Args:
-        state: The global state (fault-tolerance eval hooks, counters).
-        forward_step_func: The forward step (the state is injected if it asks for it).
-        data_iterator: Iterator over the split's micro-batches.
-        model: Model chunks.
-        process_non_loss_data_func: When given (and ``non_loss_data_func`` is not), the
-            schedule collects what the loss function returns with ``non_loss_data=True``
-            on one extra batch.
-        config: The config (``train`` section: ``eval_iters``, batch sizes).
-        verbose: Print each evaluation iteration on rank 0.
-        non_loss_data_func: Called as ``non_loss_data_func(model)`` to compute non-loss
-            data (takes precedence over collecting it through the schedule).
-        is_validation: Count the samples in ``consumed_valid_samples`` (false for test).
-
-    Returns:
-        ``(losses, collected non-loss data or None, time limit hit)``; losses map each
-        reported name to its token average. The time-limit flag is always False here: the
-        exit conditions are checked after evaluation by the training loop.
+    Attributes:
+        forward_step_func: The forward step, state already injected if it asks for it
+            (:func:`~bridge.train.loop.state_injection.prepare_forward_step_func`).
+        forward_backward_func: The engine's schedule (run with ``forward_only=True``).
+        train: The ``train`` section (``eval_iters``, batch sizes, ``manual_gc_eval``).
+        seq_length: The model's sequence length.
+        train_state: The run's counters (``consumed_valid_samples`` advance).
+        state: The run's counters, timers and metric writers, for the logged results.
+        fault_tolerance: Fault-tolerance hooks around every evaluation step.
+        log_ppl: ``logger.log_validation_ppl_to_tensorboard``.
+        process_non_loss_data_func: See :func:`evaluate_and_print_results`.
+        non_loss_data_func: See :func:`evaluate`.
+        toggle_forward_pre_hooks: Disable forward pre-hooks around the evaluation the loop
+            runs (it must see whole parameters, not ones a pending overlapped all-gather
+            would still overwrite).
     """
-    train = config.train
-    assert train is not None and train.micro_batch_size is not None
-    dp_size, dp_cp_group, last_stage = _data_parallel_layout()
-    gbs = int(train.global_batch_size or train.micro_batch_size * dp_size)
-    num_microbatches = max(gbs // (train.micro_batch_size * dp_size), 1)
-    seq_length = int(getattr(config.model, "seq_length", 0) or 0)
-    step_func = prepare_forward_step_func(forward_step_func, state)
-    forward_backward_func = state.forward_backward_func
-    manual_gc = bool(train.manual_gc and train.manual_gc_eval)
 
-    for chunk in model:
-        chunk.eval()
-    if manual_gc:
-        gc.collect()
-    run_forward = functools.partial(
-        forward_backward_func,
-        forward_step_func=step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=train.micro_batch_size,
-        decoder_seq_length=seq_length,
-        forward_only=True,
-    )
-    totals: dict[str, list[float]] = {}
-    collected: Any = None
-    try:
-        with torch.no_grad():
-            for iteration in range(int(train.eval_iters)):
-                if verbose and torch.distributed.get_rank() == 0:
-                    print(f"Evaluating iter {iteration + 1}/{train.eval_iters}", flush=True)
-                state.fault_tolerance.on_eval_step_start()
-                loss_dicts = run_forward()
-                state.fault_tolerance.on_eval_step_end()
-                if last_stage:
-                    for name, (value, count) in reduce_loss_dicts(loss_dicts, dp_cp_group).items():
-                        pair = totals.setdefault(name, [0.0, 0.0])
-                        pair[0] += value
-                        pair[1] += count
-                if is_validation:
-                    state.train_state.consumed_valid_samples += num_microbatches * (
-                        train.micro_batch_size * dp_size
-                    )
-            if non_loss_data_func is not None:
-                collected = non_loss_data_func(model)
-            elif process_non_loss_data_func is not None and last_stage:
-                collected = run_forward(collect_non_loss_data=True)
-    finally:
+    forward_step_func: ForwardStepCallable
+    forward_backward_func: Callable[..., Any]
+    train: TrainingConfig
+    seq_length: int
+    train_state: TrainState
+    state: LoggingState
+    fault_tolerance: FaultTolerance
+    log_ppl: bool = False
+    process_non_loss_data_func: Callable[..., Any] | None = None
+    non_loss_data_func: Callable[..., Any] | None = None
+    toggle_forward_pre_hooks: bool = False
+
+    def evaluate(
+        self,
+        data_iterator: Any,
+        model: list[torch.nn.Module],
+        *,
+        verbose: bool = False,
+        is_validation: bool = True,
+    ) -> tuple[dict[str, float], Any, bool]:
+        """:func:`evaluate`: ``(losses, collected non-loss data or None, False)``."""
+        train = self.train
+        assert train.micro_batch_size is not None
+        dp_size, dp_cp_group, last_stage = _data_parallel_layout()
+        gbs = int(train.global_batch_size or train.micro_batch_size * dp_size)
+        num_microbatches = max(gbs // (train.micro_batch_size * dp_size), 1)
+        manual_gc = bool(train.manual_gc and train.manual_gc_eval)
+        fault_tolerance = self.fault_tolerance
+        train_state = self.train_state
+
         for chunk in model:
-            chunk.train()
+            chunk.eval()
         if manual_gc:
             gc.collect()
-    losses = {name: value / max(count, 1.0) for name, (value, count) in totals.items()}
-    return losses, collected, False
+        run_forward = functools.partial(
+            self.forward_backward_func,
+            forward_step_func=self.forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=train.micro_batch_size,
+            decoder_seq_length=self.seq_length,
+            forward_only=True,
+        )
+        totals: dict[str, list[float]] = {}
+        collected: Any = None
+        try:
+            with torch.no_grad():
+                for iteration in range(int(train.eval_iters)):
+                    if verbose and torch.distributed.get_rank() == 0:
+                        print(f"Evaluating iter {iteration + 1}/{train.eval_iters}", flush=True)
+                    fault_tolerance.on_eval_step_start()
+                    loss_dicts = run_forward()
+                    fault_tolerance.on_eval_step_end()
+                    if last_stage:
+                        reduced = reduce_loss_dicts(loss_dicts, dp_cp_group)
+                        for name, (value, count) in reduced.items():
+                            pair = totals.setdefault(name, [0.0, 0.0])
+                            pair[0] += value
+                            pair[1] += count
+                    if is_validation:
+                        train_state.consumed_valid_samples += num_microbatches * (
+                            train.micro_batch_size * dp_size
+                        )
+                if self.non_loss_data_func is not None:
+                    collected = self.non_loss_data_func(model)
+                elif self.process_non_loss_data_func is not None and last_stage:
+                    collected = run_forward(collect_non_loss_data=True)
+        finally:
+            for chunk in model:
+                chunk.train()
+            if manual_gc:
+                gc.collect()
+        losses = {name: value / max(count, 1.0) for name, (value, count) in totals.items()}
+        return losses, collected, False
+
+    def evaluate_and_log(
+        self,
+        prefix: str,
+        data_iterator: Any,
+        model: list[torch.nn.Module],
+        *,
+        verbose: bool = False,
+        write_to_tensorboard: bool = True,
+        split: str = "validation",
+    ) -> dict[str, float]:
+        """:func:`evaluate_and_print_results`: evaluate, print and write the losses."""
+        losses, collected, _ = self.evaluate(
+            data_iterator, model, verbose=verbose, is_validation=split == "validation"
+        )
+        log_evaluation(
+            prefix,
+            losses,
+            collected,
+            self.state,
+            log_ppl=self.log_ppl,
+            write_to_tensorboard=write_to_tensorboard,
+            split=split,
+            process_non_loss_data_func=self.process_non_loss_data_func,
+        )
+        return losses
+
+    def __call__(self, context: LoopContext) -> None:
+        """The loop's :data:`~bridge.train.loop.components.EvaluateFunction`: validation
+        at ``context.iteration`` on the context's validation iterator."""
+        model = context.model
+        if self.toggle_forward_pre_hooks:
+            disable_forward_pre_hook(model)
+        self.evaluate_and_log(
+            f"iteration {context.iteration}", context.valid_data_iterator, model, verbose=False
+        )
+        if self.toggle_forward_pre_hooks:
+            enable_forward_pre_hook(model)
 
 
-def evaluate_and_print_results(
-    state: GlobalState,
+def log_evaluation(
     prefix: str,
-    forward_step_func: ForwardStepCallable,
-    data_iterator: Any,
-    model: list[torch.nn.Module],
-    config: Any,
-    verbose: bool = False,
-    write_to_tensorboard: bool = True,
-    process_non_loss_data_func: Callable[..., Any] | None = None,
-    non_loss_data_func: Callable[..., Any] | None = None,
+    losses: dict[str, float],
+    collected: Any,
+    state: LoggingState,
     *,
+    log_ppl: bool,
+    write_to_tensorboard: bool = True,
     split: str = "validation",
-) -> dict[str, float]:
-    """Evaluate, then print the losses and perplexities and write them to the metric writers.
+    process_non_loss_data_func: Callable[..., Any] | None = None,
+) -> None:
+    """Print an evaluation's losses and perplexities and write them to the metric writers.
 
-    Collective. The console block (``<split> loss at <prefix> | lm loss value: ... | lm loss
-    PPL: ... |``) is printed by the last rank; with ``write_to_tensorboard`` the metrics go
-    to every configured backend (``<loss> <split>``, and ``<loss> <split> ppl`` with
-    ``logger.log_validation_ppl_to_tensorboard``), see
-    :func:`bridge.logging.log_validation_results`.
+    The console block is printed by the last rank; with ``write_to_tensorboard`` the metrics
+    go to every configured backend (:func:`bridge.logging.log_validation_results`), else only
+    the line is printed. ``process_non_loss_data_func`` gets ``(collected, iteration,
+    tensorboard writer)`` on the last rank when there is collected non-loss data.
 
     Args:
-        state: The global state.
         prefix: Where the evaluation happened, e.g. ``"iteration 100"``.
-        forward_step_func: The forward step.
-        data_iterator: Iterator over the split.
-        model: Model chunks.
-        config: The config.
-        verbose: Print each evaluation iteration.
+        losses: The averaged losses.
+        collected: Non-loss data the evaluation collected, or ``None``.
+        state: The run's counters (the iteration) and metric writers.
+        log_ppl: Write ``<loss> <split> ppl`` too (``logger.log_validation_ppl_to_tensorboard``).
         write_to_tensorboard: Write the metrics (else only print them).
-        process_non_loss_data_func: Called as ``(collected, iteration, tensorboard writer)``
-            on the last rank with the collected non-loss data.
-        non_loss_data_func: See :func:`evaluate`.
-        split: ``"validation"`` or ``"test"`` (names the line and the metrics).
-
-    Returns:
-        The averaged losses.
+        split: ``"validation"`` or ``"test"``.
+        process_non_loss_data_func: See :func:`evaluate_and_print_results`.
     """
-    losses, collected, _ = evaluate(
-        state,
-        forward_step_func,
-        data_iterator,
-        model,
-        process_non_loss_data_func,
-        config,
-        verbose,
-        non_loss_data_func,
-        is_validation=split == "validation",
-    )
     iteration = state.train_state.step
     if write_to_tensorboard:
-        log_validation_results(prefix, losses, iteration, state, split=split)
+        log_validation_results(prefix, losses, iteration, state, split=split, log_ppl=log_ppl)
     elif _is_last_rank():
         line = f" {split} loss at {prefix} | " + "".join(
             f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
@@ -202,4 +233,3 @@ def evaluate_and_print_results(
         writer = state.metric_writers.tensorboard
         if writer is not None:
             process_non_loss_data_func(collected, iteration, writer)
-    return losses

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bridge.config import DDPConfigProtocol, OptimizerConfigProtocol
+
 __all__ = [
     "disable_forward_pre_hook",
     "enable_forward_pre_hook",
@@ -70,11 +72,13 @@ def disable_forward_pre_hook(model: list[Any], param_sync: bool = True) -> None:
             disable(param_sync=param_sync)
 
 
-def should_toggle_forward_pre_hook(cfg: Any) -> bool:
-    """Whether ``cfg`` (its ``ddp`` and ``optimizer`` sections) needs the hooks toggled."""
-    ddp = cfg.ddp
+def should_toggle_forward_pre_hook(
+    ddp_config: DDPConfigProtocol | None, optimizer_config: OptimizerConfigProtocol | None
+) -> bool:
+    """Whether the ``ddp`` and ``optimizer`` sections need the hooks toggled around
+    whole-parameter reads (see :func:`should_disable_forward_pre_hook`)."""
     return should_disable_forward_pre_hook(
-        bool(getattr(ddp, "use_megatron_fsdp", False)),
-        bool(getattr(cfg.optimizer, "use_distributed_optimizer", False)),
-        bool(getattr(ddp, "overlap_param_gather", False)),
+        bool(getattr(ddp_config, "use_megatron_fsdp", False)),
+        bool(getattr(optimizer_config, "use_distributed_optimizer", False)),
+        bool(getattr(ddp_config, "overlap_param_gather", False)),
     )

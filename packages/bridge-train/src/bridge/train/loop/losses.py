@@ -8,10 +8,13 @@ the token-weighted average over micro-batches and data-parallel ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = ["reduce_loss_dicts", "reduce_losses", "sum_loss_pairs", "zero_grad_buffers"]
 
@@ -75,7 +78,7 @@ def reduce_loss_dicts(
     }
 
 
-def zero_grad_buffers(model: list[torch.nn.Module], optimizer: Any) -> None:
+def zero_grad_buffers(model: list[torch.nn.Module], optimizer: MegatronOptimizer) -> None:
     """Zero the gradients before a step: the DDP wrappers' buffers and the optimizer's."""
     for chunk in model:
         zero = getattr(chunk, "zero_grad_buffer", None)

@@ -1,7 +1,7 @@
 """Checkpoints of the ``mimo`` recipe: bridge-train's own checkpoint functions on a MIMO run.
 
 A MIMO checkpoint is an ordinary bridge-train checkpoint (``docs/checkpoints.md``): the same
-:func:`~bridge.train.checkpointing.save_checkpoint` / ``load_checkpoint`` write and read
+:func:`~bridge.train.checkpointing.write_checkpoint` / ``restore_checkpoint`` write and read
 it, so it is committed only when complete (staging directory, completion marker with XXH3-64
 checksums, tracker written last), the save directory is locked, and damaged or absent
 checkpoints are handled exactly as for GPT. What is MIMO-specific is small:
@@ -20,25 +20,29 @@ checkpoints are handled exactly as for GPT. What is MIMO-specific is small:
 The save decisions (``checkpoint.save_interval``, ``non_persistent_save_interval``, an
 early exit: exit signal, duration, ``train.exit_interval``; the end of training; committing
 asynchronous saves) are the shared loop's :class:`~bridge.train.loop.components.Checkpointer`,
-as for GPT; :func:`mimo_save_function` is the writer it is given.
+as for GPT, and the writer it is given is GPT's too
+(:class:`~bridge.train.loop.saving.CheckpointWriter`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bridge.train.loop.components import SaveFunction
-from bridge.train.loop.run_loop import LoopContext
-from bridge.train.state import GlobalState
+from bridge.config import CheckpointConfig
+from bridge.train.models.mimo import MimoModelConfig
+from bridge.train.state import TrainState
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "MimoCheckpointModel",
     "describe_mimo_layout",
     "load_mimo_checkpoint",
-    "mimo_save_function",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,58 +90,47 @@ class MimoCheckpointModel(torch.nn.Module):
 
 
 def load_mimo_checkpoint(
-    state: GlobalState,
+    checkpoint: CheckpointConfig,
+    train_state: TrainState,
     chunk: MimoCheckpointModel,
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     checkpointing_context: dict[str, Any],
+    *,
+    model_config: MimoModelConfig | None = None,
 ) -> int:
     """Load what ``checkpoint.load`` names, or resume the run owning ``checkpoint.save``.
 
     Everything else (which checkpoint, ``ckpt_step``, damaged or absent checkpoints,
     ``finetune``, ``load_optim``, ``load_rng``, the architecture check) is
-    :func:`~bridge.train.checkpointing.load_checkpoint`'s, exactly as for GPT.
+    :func:`~bridge.train.checkpointing.restore_checkpoint`'s, exactly as for GPT.
+
+    Args:
+        checkpoint: The ``checkpoint`` section.
+        train_state: The run's counters (restored in place; ``consumed_train_samples`` is
+            the data position).
+        chunk: The MIMO model.
+        optimizer: The multi-module optimizer.
+        scheduler: The scheduler.
+        checkpointing_context: From ``init_checkpointing_context``.
+        model_config: The run's model config (architecture check).
 
     Returns:
-        The iteration to continue from (0 when nothing was loaded); ``state.train_state``
-        holds the loaded counters (``consumed_train_samples`` is the data position).
+        The iteration to continue from (0 when nothing was loaded).
     """
-    from bridge.train.checkpointing import load_checkpoint
+    from bridge.train.checkpointing import restore_checkpoint
     from bridge.train.loop.run_ends import adopt_own_save_dir
 
-    checkpoint = state.cfg.checkpoint
-    assert checkpoint is not None
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0
-    iteration, _ = load_checkpoint(
-        state, [chunk], optimizer, scheduler, checkpointing_context=checkpointing_context
+    iteration, _ = restore_checkpoint(
+        checkpoint,
+        train_state,
+        [chunk],
+        optimizer,
+        scheduler,
+        model_config=model_config,
+        checkpointing_context=checkpointing_context,
     )
-    state.loaded_iteration = iteration
-    state.job_start_flops = state.train_state.floating_point_operations_so_far
     return iteration
-
-
-def mimo_save_function(checkpointing_context: dict[str, Any]) -> SaveFunction:
-    """The loop's :data:`~bridge.train.loop.components.SaveFunction` for a MIMO run:
-    :func:`~bridge.train.checkpointing.save_checkpoint` of the context's
-    :class:`MimoCheckpointModel`, multi-module optimizer and scheduler."""
-
-    def save(context: LoopContext, non_persistent: bool) -> None:
-        from bridge.train.checkpointing import save_checkpoint
-
-        state = context.state
-        # Metrics up to this iteration reach disk before the checkpoint commits.
-        state.metric_writers.flush()
-        with state.fault_tolerance.checkpointing():
-            save_checkpoint(
-                state,
-                context.model,
-                context.optimizer,
-                context.scheduler,
-                state.train_state.floating_point_operations_so_far,
-                checkpointing_context,
-                non_persistent_ckpt=non_persistent,
-            )
-
-    return save

@@ -5,11 +5,13 @@ Order of work (every rank)::
     check the config (before any process group; ConfigError names the field)
     Python logging, CUDA memory history
     engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds
-    timers, exit conditions (installs the exit-signal handler), fault tolerance (setup
-      section starts), straggler detection, metric writers
+    timers; resiliency from its sections (bridge.resiliency.RunResiliency: fault tolerance,
+      straggler detection, exit conditions, which install the exit-signal handler; the
+      fault-tolerance setup section starts); metric writers from the logger section
     tokenizer; model; optimizer and scheduler; rerun state machine
     load the checkpoint (checkpoint.load, else an earlier run in checkpoint.save)
     datasets and iterators positioned at the loaded counters; fault tolerance setup ends
+    the run-plan notices (nothing to train, unused pretrained weights; rank 0)
     progress.txt "Starting job"; run_config.yaml
     train() (with the callbacks); final validation and test evaluation (when training was not stopped early)
     close: async saves finished, resiliency stopped, writers flushed and closed, rerun
@@ -29,24 +31,26 @@ from typing import Any
 import torch
 import yaml
 
-from bridge.config import ConfigContainer
+from bridge.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    ConfigError,
+    ModelConfigProtocol,
+    PEFTProtocol,
+    RerunStateMachineConfig,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
+)
 from bridge.logging import (
     BackendSettings,
     MetricWriters,
     ReportSettings,
-    build_metric_writers,
     build_timers,
     scheduler_job,
     setup_logging,
     start_memory_history_recording,
 )
-from bridge.resiliency import (
-    ExitConditions,
-    FaultTolerance,
-    NVRxStragglerMonitor,
-    StragglerTiming,
-    WatchdogTimeouts,
-)
+from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
@@ -55,13 +59,17 @@ from bridge.train.engine.base import Engine, build_engine
 from bridge.train.engine.initialize import destroy_distributed
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.loop.batch_size import release_num_microbatches_calculator
-from bridge.train.loop.eval import evaluate_and_print_results
-from bridge.train.loop.progress_log import append_starting_job
+from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
-from bridge.train.loop.run_ends import adopt_own_save_dir, run_state_teardown, run_teardown
+from bridge.train.loop.run_ends import (
+    adopt_own_save_dir,
+    build_run_metric_writers,
+    checkpointing_context_for,
+    run_teardown,
+    run_teardown_steps,
+)
 from bridge.train.loop.run_length import run_is_done
-from bridge.train.loop.training import run_training
-from bridge.train.metrics.metrics_file import JsonlMetricWriter
+from bridge.train.loop.training import evaluation_of, progress_log_of, run_training
 from bridge.train.models.family import (
     build_family_datasets,
     default_forward_step,
@@ -69,7 +77,7 @@ from bridge.train.models.family import (
 )
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.models.layout_init import layout_independent_seed
-from bridge.train.state import ForwardStepCallable, GlobalState
+from bridge.train.state import ForwardStepCallable, GlobalState, TrainState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
 
@@ -116,59 +124,20 @@ class SetupOutput:
 DatasetsFunction = Callable[[SetupOutput], tuple[Any, Any, Any]]
 
 
-def _build_tokenizer(cfg: ConfigContainer) -> Tokenizer:
-    tokenizer_cfg = cfg.tokenizer
+def _build_tokenizer(
+    tokenizer_cfg: TokenizerConfig | TokenizerConfigProtocol | None,
+    model: ModelConfigProtocol | None,
+) -> Tokenizer:
     if tokenizer_cfg is not None and tokenizer_cfg.tokenizer_type is not None:
         return build_tokenizer(tokenizer_cfg)
-    vocab_size = getattr(cfg.model, "vocab_size", None)
+    vocab_size = getattr(model, "vocab_size", None)
     if vocab_size is None:
-        from bridge.config import ConfigError
-
         raise ConfigError(
             "tokenizer.tokenizer_type",
             "is not set and model.vocab_size is unknown; configure a tokenizer (e.g. "
             "tokenizer_type: ByteLevelTokenizer) or set model.vocab_size for mock data",
         )
     return NullTokenizer(int(vocab_size))
-
-
-def _plain_run_config(cfg: ConfigContainer) -> dict[str, Any]:
-    """The config as plain data for backends' run parameters (never fails), with the SLURM
-    job (``slurm_job``) when there is one."""
-    data = yaml.safe_load(cfg.format_yaml())
-    data = data if isinstance(data, dict) else {}
-    job = scheduler_job()
-    if job is not None:
-        data["slurm_job"] = job.run_parameters()
-    return data
-
-
-def _build_metric_writers(
-    cfg: ConfigContainer,
-    metrics_file: str | Path | None,
-    backend_settings: BackendSettings | None,
-    report_settings: ReportSettings | None,
-) -> MetricWriters:
-    assert cfg.logger is not None
-    rank, world = global_rank(), global_world_size()
-    extra = metrics_file is not None and rank == world - 1
-    writers = build_metric_writers(
-        cfg.logger,
-        rank=rank,
-        world_size=world,
-        run_config=_plain_run_config(cfg),
-        backend_settings=backend_settings,
-        report_settings=report_settings,
-        asynchronous=not extra,
-    )
-    if not extra:
-        return writers
-    assert metrics_file is not None
-    return MetricWriters(
-        [*writers.writers, JsonlMetricWriter(metrics_file)],
-        report_settings=writers.report_settings,
-        asynchronous=True,
-    )
 
 
 def _progress(message: str) -> None:
@@ -178,65 +147,66 @@ def _progress(message: str) -> None:
         logger.info(message)
 
 
-def _uses_checkpoints(cfg: ConfigContainer) -> bool:
-    checkpoint = cfg.checkpoint
-    return checkpoint is not None and any(
+def _uses_checkpoints(checkpoint: CheckpointConfig) -> bool:
+    return any(
         path is not None
         for path in (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
     )
 
 
-def _checkpointing_context(cfg: ConfigContainer) -> dict[str, Any]:
-    if not _uses_checkpoints(cfg):
-        return {}
-    from bridge.train.checkpointing import init_checkpointing_context
-
-    return init_checkpointing_context(cfg.checkpoint)
-
-
-def _load_checkpoint(setup_out: SetupOutput) -> bool:
+def _load_checkpoint(
+    checkpoint: CheckpointConfig,
+    peft: PEFTProtocol | None,
+    model_config: ModelConfigProtocol | None,
+    train_state: TrainState,
+    out: SetupOutput,
+) -> bool:
     """Load what the checkpoint section asks for; True when a checkpoint was loaded.
 
     ``checkpoint.load`` left unset resumes the run that owns ``checkpoint.save`` when that
     directory holds a checkpoint (torchrun restarts rely on this). Which checkpoint is then
     loaded (``ckpt_step``, non-persistent ones, ``pretrained_checkpoint`` when ``load``
-    holds nothing, ``exit_on_missing_checkpoint``) is decided by ``load_checkpoint``.
+    holds nothing, ``exit_on_missing_checkpoint``) is decided by ``restore_checkpoint``.
     """
-    cfg = setup_out.state.cfg
-    checkpoint = cfg.checkpoint
-    assert checkpoint is not None
-    if not _uses_checkpoints(cfg):
+    if not _uses_checkpoints(checkpoint):
         return False
-    from bridge.train.checkpointing import load_checkpoint
-
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return False
     _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
-    context = setup_out.checkpointing_context
-    if cfg.peft is not None:
+    context = out.checkpointing_context
+    if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
         from bridge.train.peft.checkpoint import load_peft_checkpoints
 
-        load: Callable[..., tuple[int, float]] = load_peft_checkpoints
+        iteration, flops = load_peft_checkpoints(
+            checkpoint,
+            train_state,
+            out.model,
+            out.optimizer,
+            out.scheduler,
+            context,
+            model_config=model_config,
+        )
     else:
-        load = load_checkpoint
-    iteration, flops = load(
-        setup_out.state,
-        setup_out.model,
-        setup_out.optimizer,
-        setup_out.scheduler,
-        checkpointing_context=context,
-    )
-    train_state = setup_out.state.train_state
+        from bridge.train.checkpointing import restore_checkpoint
+
+        iteration, flops = restore_checkpoint(
+            checkpoint,
+            train_state,
+            out.model,
+            out.optimizer,
+            out.scheduler,
+            model_config=model_config,
+            checkpointing_context=context,
+        )
     train_state.step = int(iteration)
     train_state.floating_point_operations_so_far = float(flops)
     return context.get("loaded_checkpoint") is not None
 
 
-def _peft_hooks(cfg: ConfigContainer) -> list[Callable[[list[torch.nn.Module]], Any]]:
-    """``cfg.peft`` applied to the built chunks before wrapping (none without peft)."""
-    peft = cfg.peft
+def _peft_hooks(peft: PEFTProtocol | None) -> list[Callable[[list[torch.nn.Module]], Any]]:
+    """``peft`` applied to the built chunks before wrapping (none without peft)."""
     if peft is None:
         return []
     from bridge.train.peft.base import apply_peft
@@ -276,37 +246,50 @@ def setup(
     Returns:
         The built pieces.
     """
-    assert cfg.train is not None and cfg.logger is not None and cfg.checkpoint is not None
-    setup_logging(cfg.logger)
+    train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
+    assert train is not None and logger_cfg is not None and checkpoint is not None
+    assert cfg.model is not None and cfg.optimizer is not None and cfg.scheduler is not None
+    setup_logging(logger_cfg)
     start_memory_history_recording(cfg.profiling)
     engine = build_engine()
     state.engine = engine
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
     world = global_world_size()
     cfg.validate(world)
-    state.timers = build_timers(cfg.logger)
+    state.timers = build_timers(logger_cfg)
 
-    state.fault_tolerance = FaultTolerance.from_config(
-        cfg.ft,
-        checkpoint_dir=cfg.checkpoint.save,
-        async_save=cfg.checkpoint.async_save,
+    # Built from their sections before the checkpoint is loaded, so a signal that arrives
+    # while loading is not lost; the fault-tolerance setup section starts at once.
+    resiliency = RunResiliency.build(
+        ft=cfg.ft,
+        straggler=cfg.straggler,
+        nvrx_straggler=cfg.nvrx_straggler,
+        train=train,
+        checkpoint_dir=checkpoint.save,
+        async_save=checkpoint.async_save,
+        start_time=state.start_time,
         hang_timeout=hang_timeout,
     )
-    state.fault_tolerance.on_setup_start()
-    state.nvrx_straggler = NVRxStragglerMonitor.from_config(cfg.nvrx_straggler)
-    state.nvrx_straggler.initialize()
-    state.straggler_timing = StragglerTiming.from_config(cfg.straggler)
-    state.exit_conditions = ExitConditions.from_config(
-        cfg.train,
-        save_enabled=cfg.checkpoint.save is not None,
-        start_time=state.start_time,
-        stop_requesters=[state.nvrx_straggler],
-    )
-    state.metric_writers = _build_metric_writers(
-        cfg, metrics_file, backend_settings, report_settings
+    state.adopt_resiliency(resiliency)
+    resiliency.start_setup()
+    # The config as plain data for the backends' run parameters (never fails), with the
+    # SLURM job (``slurm_job``) when there is one.
+    plain = yaml.safe_load(cfg.format_yaml())
+    plain = plain if isinstance(plain, dict) else {}
+    job = scheduler_job()
+    if job is not None:
+        plain["slurm_job"] = job.run_parameters()
+    state.metric_writers = build_run_metric_writers(
+        logger_cfg,
+        run_config=plain,
+        metrics_file=metrics_file,
+        backend_settings=backend_settings,
+        report_settings=report_settings,
     )
 
-    tokenizer = family_tokenizer(cfg.dataset, cfg.tokenizer, _build_tokenizer(cfg))
+    tokenizer = family_tokenizer(
+        cfg.dataset, cfg.tokenizer, _build_tokenizer(cfg.tokenizer, cfg.model)
+    )
     apply_tokenizer = getattr(cfg.model, "apply_tokenizer", None)
     if apply_tokenizer is not None:
         apply_tokenizer(tokenizer)
@@ -314,7 +297,7 @@ def setup(
     model = engine.setup_model(
         cfg.model,
         cfg.ddp,
-        pre_wrap_hooks=_peft_hooks(cfg),
+        pre_wrap_hooks=_peft_hooks(cfg.peft),
         data_parallel_random_init=cfg.rng.data_parallel_random_init,
         optimizer_config=cfg.optimizer,
         layout_independent_seed=layout_independent_seed(cfg.rng, cfg.model),
@@ -322,8 +305,8 @@ def setup(
     from megatron.core.utils import get_model_config
 
     get_model_config(model[0]).timers = state.timers
-    optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
-    _initialize_rerun_state_machine(cfg)
+    optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, train)
+    _initialize_rerun_state_machine(cfg.rerun_state_machine)
 
     out = SetupOutput(
         state=state,
@@ -334,10 +317,12 @@ def setup(
         train_data_iterator=None,
         valid_data_iterator=None,
         test_data_iterator=None,
-        checkpointing_context=_checkpointing_context(cfg),
+        checkpointing_context=checkpointing_context_for(checkpoint),
         tokenizer=tokenizer,
     )
-    out.checkpoint_loaded = _load_checkpoint(out)
+    out.checkpoint_loaded = _load_checkpoint(
+        checkpoint, cfg.peft, cfg.model, state.train_state, out
+    )
     state.loaded_iteration = state.train_state.step
     state.job_start_flops = state.train_state.floating_point_operations_so_far
 
@@ -345,19 +330,19 @@ def setup(
     _progress(f"loading the data ({type(cfg.dataset).__name__})")
     if datasets is None:
         out.datasets = build_family_datasets(
-            cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(cfg.train)
+            cfg.model, cfg.dataset, tokenizer, train_valid_test_num_samples(train)
         )
     else:
         out.datasets = datasets(out)
     iterators = build_train_valid_test_data_iterators(
-        out.datasets, cfg.dataset, cfg.train, state.train_state
+        out.datasets, cfg.dataset, train, state.train_state
     )
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     out.train_data_iterator, out.valid_data_iterator, out.test_data_iterator = (
         None if it is None else RerunDataIterator(it) for it in iterators
     )
-    state.fault_tolerance.on_setup_end(checkpoint_loaded=out.checkpoint_loaded)
+    resiliency.fault_tolerance.on_setup_end(checkpoint_loaded=out.checkpoint_loaded)
     return out
 
 
@@ -380,11 +365,10 @@ def _report_run_plan(out: SetupOutput) -> None:
             logger.warning(notice)
 
 
-def _initialize_rerun_state_machine(cfg: ConfigContainer) -> None:
+def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
     from megatron.core import rerun_state_machine as rsm
 
     rsm.destroy_rerun_state_machine()
-    settings = cfg.rerun_state_machine
     rsm.initialize_rerun_state_machine(
         mode=rsm.RerunMode(settings.rerun_mode),
         error_injector=rsm.RerunErrorInjector(
@@ -400,7 +384,7 @@ def _final_evaluation(
     process_non_loss_data_func: Callable[..., Any] | None,
     non_loss_data_func: Callable[..., Any] | None,
 ) -> None:
-    state, cfg = out.state, out.state.cfg
+    state = out.state
     step = state.train_state.step
     splits = []
     if (
@@ -411,23 +395,25 @@ def _final_evaluation(
         splits.append(("validation", out.valid_data_iterator))
     if state.train_state.do_test and out.test_data_iterator is not None:
         splits.append(("test", out.test_data_iterator))
+    if not splits:
+        return
+    evaluation = evaluation_of(
+        forward_step_func, state, process_non_loss_data_func, non_loss_data_func
+    )
     for split, iterator in splits:
-        evaluate_and_print_results(
-            state,
-            f"iteration {step} on {split} set",
-            forward_step_func,
-            iterator,
-            out.model,
-            cfg,
-            process_non_loss_data_func=process_non_loss_data_func,
-            non_loss_data_func=non_loss_data_func,
-            split=split,
+        evaluation.evaluate_and_log(
+            f"iteration {step} on {split} set", iterator, out.model, split=split
         )
 
 
-def _close(state: GlobalState, clean: bool) -> None:
+def _close(
+    checkpoint: CheckpointConfig | None,
+    resiliency: RunResiliency,
+    metric_writers: MetricWriters,
+    clean: bool,
+) -> None:
     """Release everything pretrain started; never raises (errors are logged)."""
-    steps = run_state_teardown(state, clean)
+    steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
         ("releasing the rerun state machine", _destroy_rerun_state_machine),
         ("releasing the micro-batch calculator", release_num_microbatches_calculator),
@@ -516,7 +502,7 @@ def pretrain(
         )
         assert config.train is not None and config.checkpoint is not None
         _report_run_plan(out)
-        append_starting_job(state)
+        record_starting_job(progress_log_of(state), state.metric_writers, state.train_state.step)
         save_run_config(config)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
@@ -546,5 +532,5 @@ def pretrain(
         clean = True
         return exit_code
     finally:
-        _close(state, clean)
+        _close(config.checkpoint, state.resiliency, state.metric_writers, clean)
         sys.stdout.flush()

@@ -3,9 +3,15 @@
 ``bridge-train --recipe mimo`` trains bridge.mimo's tiny vision-language model (a patch
 encoder feeding a megatron GPT) on synthetic image-caption pairs whose captions name the
 image's class, so the caption loss can only fall below the *text-only floor* (printed at the
-start) when the language model uses the encoder. The loop is :func:`bridge.mimo.train_mimo`;
-bridge-train plugs its logging into the loop's callback (console line, TensorBoard / W&B /
-... metric writers, ``--metrics-file``).
+start) when the language model uses the encoder. The run is built the way
+:func:`~bridge.train.loop.pretrain.pretrain` builds a GPT run: resiliency from its sections
+(:class:`bridge.resiliency.RunResiliency`), metric writers from ``logger``, the loop's
+components from their sections (:func:`~bridge.train.loop.components.standard_components`)
+with bridge.mimo's :class:`~bridge.mimo.MimoLogger` as the metrics component (console line,
+TensorBoard / W&B / ... metric writers, ``--metrics-file``) and
+:class:`~bridge.train.loop.saving.CheckpointWriter` as the save, and bridge.mimo's
+:class:`~bridge.mimo.MimoStepFunction` run by the stack's one loop,
+:func:`core_utils.loop.run_loop`.
 
 Where each module runs (``model.layout``):
 
@@ -22,287 +28,43 @@ point-to-point otherwise; the choice is printed at the start.
 
 The ``train``, ``optimizer`` (AdamW: ``lr``, ``weight_decay``, ``adam_beta1/2``,
 ``adam_eps``, ``clip_grad``), ``scheduler``, ``logger``, ``rng``, ``dist`` and
-``checkpoint`` sections work as for the GPT recipes: checkpoints are saved and resumed with
-bridge-train's checkpoint functions (see :mod:`bridge.train.loop.mimo_checkpoint`),
-``train.exit_interval`` / ``train.exit_duration_in_mins`` / ``train.exit_signal_handler``
-end the run early (saving first when ``checkpoint.save`` is set) as they do there. What
-this recipe does not implement is refused by :func:`check_mimo_config` instead of being
-ignored: evaluation (``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic
-data has no validation split) and ``train.skip_train``.
+``checkpoint``, ``profiling``, ``ft``, ``straggler`` and ``nvrx_straggler`` sections work as
+for the GPT recipes: checkpoints are saved and resumed with bridge-train's checkpoint
+functions (see :mod:`bridge.train.loop.mimo_checkpoint`), ``train.exit_interval`` /
+``train.exit_duration_in_mins`` / ``train.exit_signal_handler`` end the run early (saving
+first when ``checkpoint.save`` is set) as they do there. What this recipe does not
+implement is refused by the launch checks (:mod:`bridge.train.checks.mimo`) instead of
+being ignored: evaluation
+(``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic data has no
+validation split), ``train.skip_train`` and the weight-hash check across data-parallel
+replicas (``train.check_weight_hash_across_dp_replicas_interval``: MIMO modules have their
+own data-parallel groups, which megatron's check does not know).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 
-from bridge.config import ConfigContainer, ConfigError
+from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
+from bridge.train.checks.preflight import check_config_before_launch
+from bridge.train.models.mimo import MimoModelConfig, mimo_layout
 from core_utils.callbacks import Callback
-from core_utils.distributed import global_world_size
 
-__all__ = ["MimoModelConfig", "check_mimo_config", "mimo_layout", "pretrain_mimo"]
-
-
-@dataclass(kw_only=True)
-class MimoModelConfig:
-    """Model and layout of the ``mimo`` recipe (satisfies ``ModelConfigProtocol``).
-
-    The protocol's sizes (``num_layers``, ``hidden_size``, ``num_attention_heads``,
-    ``seq_length``) describe the language model. Per-module parallelism comes from
-    ``layout`` / ``language_parallel``; the container-wide parallel sizes must stay 1.
-    """
-
-    num_layers: int = 2
-    """Language-model transformer layers."""
-
-    hidden_size: int = 64
-    """Language-model width."""
-
-    num_attention_heads: int = 4
-    """Language-model attention heads."""
-
-    seq_length: int = 24
-    """Language-model sequence length (image tokens plus caption)."""
-
-    vocab_size: int = 32
-    """Language-model vocabulary size."""
-
-    encoder_hidden_size: int = 64
-    """Vision-encoder width."""
-
-    encoder_layers: int = 2
-    """Vision-encoder transformer layers."""
-
-    encoder_heads: int = 4
-    """Vision-encoder attention heads."""
-
-    image_size: int = 16
-    """Side of the square synthetic images."""
-
-    patch_size: int = 4
-    """Side of a patch (one image token per patch)."""
-
-    channels: int = 3
-    """Image channels."""
-
-    num_classes: int = 8
-    """Image classes of the synthetic data (each has a two-token name in the caption)."""
-
-    num_samples: int = 4096
-    """Size of the synthetic dataset (epochs are reshuffled)."""
-
-    layout: Literal["auto", "colocated", "split"] = "auto"
-    """Where the modules run (see the module docstring)."""
-
-    language_parallel: Literal["tp", "dp"] = "tp"
-    """Parallelism of the language model in the split layout: tensor parallel 2 (when its
-    rank count is even) or data parallel."""
-
-    communicator: Literal["auto", "p2p", "megatron"] = "auto"
-    """Cross-module data path: ``auto`` (megatron-core's BridgeCommunicator when the job runs
-    on CUDA and the layout fits it, else ``p2p``), ``p2p`` (torch.distributed point-to-point;
-    CPU and GPU) or ``megatron`` (megatron-core's; CUDA only)."""
-
-    tensor_model_parallel_size: int = 1
-    """Must be 1: per-module tensor parallelism comes from ``language_parallel``."""
-
-    pipeline_model_parallel_size: int = 1
-    """Must be 1 (bridge.mimo does not pipeline)."""
-
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Must be unset."""
-
-    context_parallel_size: int = 1
-    """Must be 1."""
-
-    expert_model_parallel_size: int = 1
-    """Must be 1."""
-
-    params_dtype: torch.dtype = torch.float32
-    """Parameter dtype (fp32; the tiny VLM is trained in full precision)."""
-
-    bf16: bool = False
-    """Must be false."""
-
-    fp16: bool = False
-    """Must be false."""
-
-    def __post_init__(self) -> None:
-        """Check the sizes and that the container-wide parallel settings are unused."""
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "vocab_size",
-            "encoder_hidden_size",
-            "encoder_layers",
-            "encoder_heads",
-            "image_size",
-            "patch_size",
-            "channels",
-            "num_classes",
-            "num_samples",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"model.{name}={getattr(self, name)}: the mimo recipe sets parallelism per "
-                    "module; use model.layout and model.language_parallel instead"
-                )
-        if self.virtual_pipeline_model_parallel_size is not None:
-            raise ValueError("model.virtual_pipeline_model_parallel_size must be unset")
-        if self.bf16 or self.fp16 or self.params_dtype != torch.float32:
-            raise ValueError("the mimo recipe trains in fp32: unset model.bf16 / model.fp16")
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"model.image_size={self.image_size} is not a multiple of "
-                f"model.patch_size={self.patch_size}"
-            )
-
-    def tiny_vlm_config(self) -> Any:
-        """bridge.mimo's ``TinyVLMConfig`` with these sizes."""
-        import bridge.mimo as mimo
-
-        return mimo.TinyVLMConfig(
-            vocab_size=self.vocab_size,
-            seq_length=self.seq_length,
-            language_hidden_size=self.hidden_size,
-            language_layers=self.num_layers,
-            language_heads=self.num_attention_heads,
-            encoder_hidden_size=self.encoder_hidden_size,
-            encoder_layers=self.encoder_layers,
-            encoder_heads=self.encoder_heads,
-            image_size=self.image_size,
-            patch_size=self.patch_size,
-            channels=self.channels,
-        )
+__all__ = ["check_mimo_config", "pretrain_mimo"]
 
 
-def mimo_layout(model: MimoModelConfig, world_size: int) -> Any:
-    """The ``bridge.mimo.MimoLayout`` of ``model.layout`` for ``world_size`` ranks.
-
-    Raises:
-        ConfigError: The layout cannot be built for this world size.
-    """
-    import bridge.mimo as mimo
-
-    kind = model.layout
-    if kind == "auto":
-        kind = "colocated" if world_size == 1 else "split"
-    if kind == "colocated":
-        ranks = range(world_size)
-        return mimo.MimoLayout(
-            {
-                "vision": mimo.ModulePlacement(ranks=ranks, dp=world_size),
-                "language": mimo.ModulePlacement(ranks=ranks, dp=world_size),
-            }
-        )
-    if world_size < 2 or world_size % 2:
-        raise ConfigError(
-            "model.layout",
-            f"the split layout puts the encoder and the language model on half of the ranks "
-            f"each and needs an even world size >= 2, got {world_size}; use "
-            "model.layout=colocated or launch an even number of ranks",
-        )
-    half = world_size // 2
-    tp = 2 if model.language_parallel == "tp" and half % 2 == 0 else 1
-    return mimo.MimoLayout(
-        {
-            "vision": mimo.ModulePlacement(ranks=range(0, half), dp=half),
-            "language": mimo.ModulePlacement(ranks=range(half, world_size), tp=tp),
-        }
-    )
+#: The ``mimo`` recipe's launch checks are the trainer's one pass (the pass knows the recipe
+#: by its model config and runs the rules of :mod:`bridge.train.checks.mimo`).
+check_mimo_config = check_config_before_launch
 
 
-def _refuse_unsupported_train_settings(cfg: ConfigContainer) -> None:
-    """Refuse ``train`` settings the mimo loop does not implement (never ignore them)."""
-    train = cfg.train
-    assert train is not None
-    if train.eval_interval is not None and train.eval_iters > 0:
-        raise ConfigError(
-            "train.eval_interval",
-            f"got {train.eval_interval} with train.eval_iters={train.eval_iters}; the MIMO "
-            "recipe does not support evaluation: set train.eval_interval=null (or "
-            "train.eval_iters=0)",
-        )
-    if train.skip_train:
-        raise ConfigError(
-            "train.skip_train",
-            "got true; the MIMO recipe does not support it (it only trains): set "
-            "train.skip_train=false",
-        )
-
-
-def check_mimo_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
-    """Check a ``mimo`` recipe config before anything distributed starts.
-
-    Raises:
-        ConfigError: A missing section or length, evaluation or ``skip_train`` (not
-            supported by this recipe), an unsupported checkpoint setting, batch sizes that
-            do not fit the layout, or a layout that does not fit the world.
-    """
-    for name in ("train", "optimizer", "scheduler", "logger", "checkpoint"):
-        if getattr(cfg, name) is None:
-            raise ConfigError(name, "required section is missing")
-    assert cfg.train is not None and cfg.checkpoint is not None and cfg.optimizer is not None
-    if not isinstance(cfg.model, MimoModelConfig):
-        raise ConfigError(
-            "model._target_",
-            "the mimo recipe needs bridge.train.loop.pretrain_mimo.MimoModelConfig",
-        )
-    if cfg.train.train_iters is None or cfg.train.train_iters < 1:
-        raise ConfigError("train.train_iters", "set how many iterations to train (>= 1)")
-    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    if gbs is None or mbs is None:
-        raise ConfigError(
-            "train.global_batch_size",
-            "the mimo recipe needs train.global_batch_size and train.micro_batch_size (both "
-            "count samples over all replicas of a module)",
-        )
-    from bridge.train.checkpointing.context import check_checkpoint_config
-
-    check_checkpoint_config(cfg.checkpoint)
-    _refuse_unsupported_train_settings(cfg)
-    if cfg.optimizer.lr is None:
-        raise ConfigError("optimizer.lr", "is required")
-    world = world_size if world_size is not None else global_world_size(launcher_fallback=True)
-    layout = mimo_layout(cfg.model, world)
-    try:
-        layout.validate(world)
-        layout.validate_batch_sizes(gbs, mbs)
-        cfg.model.tiny_vlm_config()
-    except ValueError as exc:
-        raise ConfigError("train", str(exc)) from None
-    from bridge.train.engine.initialize import resolve_distributed_backend
-    from bridge.train.engine.scheduler import scheduler_steps
-
-    try:
-        scheduler_steps(cfg.scheduler, cfg.train)
-    except ValueError as exc:
-        raise ConfigError("scheduler", str(exc).removeprefix("scheduler: ")) from None
-    try:
-        resolve_distributed_backend(cfg.dist)
-    except ValueError as exc:
-        raise ConfigError("dist.distributed_backend", str(exc)) from None
-
-
-def _init_process_group(cfg: ConfigContainer) -> bool:
-    """Initialise torch.distributed (restart-safe); True if this call created it."""
+def _init_process_group(dist_config: DistributedInitConfig) -> bool:
+    """Initialise torch.distributed for this launch; True if this call created it."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -313,84 +75,11 @@ def _init_process_group(cfg: ConfigContainer) -> bool:
     )
     from bridge.train.engine.launch_env import adopt_launch_environment
 
-    backend = resolve_distributed_backend(cfg.dist)
+    backend = resolve_distributed_backend(dist_config)
     if backend == "nccl":
         torch.cuda.set_device(adopt_launch_environment().local_rank)
-    init_launch_process_group(backend, timedelta(minutes=cfg.dist.distributed_timeout_minutes))
+    init_launch_process_group(backend, timedelta(minutes=dist_config.distributed_timeout_minutes))
     return True
-
-
-class _MimoStep:
-    """One MIMO iteration as the shared loop's step function (``LoopContext -> StepResult``).
-
-    Runs bridge.mimo's step on the next micro-batches, steps the scheduler by the global
-    batch (megatron's sample-based schedule), and keeps the step's own result for the MIMO
-    metrics component.
-    """
-
-    def __init__(self, step: Any, data: Any, scheduler: Any) -> None:
-        self.step = step
-        self.data = data
-        self.scheduler = scheduler
-        self.outcome: Any = None
-
-    def __call__(self, context: Any) -> Any:
-        from bridge.train.loop.run_loop import StepResult
-
-        outcome = self.step(next(self.data))
-        self.outcome = outcome
-        if self.scheduler is not None and outcome.update_successful:
-            self.scheduler.step(increment=self.data.global_batch_size)
-        return StepResult(
-            losses={"lm loss": torch.tensor(outcome.loss, dtype=torch.float64)},
-            skipped=not outcome.update_successful,
-            grad_norm=outcome.grad_norm,
-            num_samples=self.data.global_batch_size,
-            flops=float(sum(outcome.flops.values())),
-        )
-
-
-class _MimoMetrics(Callback):
-    """The MIMO metrics component: a :class:`bridge.mimo.MimoLogRecord` every
-    ``log_interval`` iterations (and for the partial interval when the run ends), printed by
-    the last rank and written to the metric writers."""
-
-    def __init__(self, step: _MimoStep, log_interval: int, train_iters: int, log: Any) -> None:
-        self.step = step
-        self.log_interval = log_interval
-        self.train_iters = train_iters
-        self.log = log
-        self.window: list[Any] = []
-        self.losses: list[float] = []
-
-    def _emit(self, context: Any) -> None:
-        import torch.distributed as dist
-
-        import bridge.mimo as mimo
-
-        self.log(
-            mimo.mimo_log_record(
-                self.window,
-                iteration=context.iteration,
-                consumed_samples=self.step.data.consumed_samples,
-                global_batch_size=self.step.data.global_batch_size,
-                optimizer=context.optimizer,
-                world_size=dist.get_world_size(),
-            )
-        )
-        self.window = []
-
-    def on_step_end(self, context: Any) -> None:
-        outcome = self.step.outcome
-        self.window.append(outcome)
-        self.losses.append(outcome.loss)
-        iteration = context.iteration
-        if iteration % self.log_interval == 0 or iteration == self.train_iters:
-            self._emit(context)
-
-    def on_train_end(self, context: Any) -> None:
-        if self.window:  # stopped early: the partial interval
-            self._emit(context)
 
 
 def pretrain_mimo(
@@ -403,15 +92,8 @@ def pretrain_mimo(
 ) -> int:
     """Train the ``mimo`` recipe (every rank calls it; see the module docstring).
 
-    The run goes through bridge-train's shared loop (:func:`bridge.train.loop.run_loop.run_loop`)
-    with a MIMO step function and the loop's components: the MIMO metrics, fault-tolerance
-    heartbeats and straggler reports when configured, garbage collection, and the
-    :class:`~bridge.train.loop.components.Checkpointer` (interval / exit / final saves
-    through :func:`~bridge.train.loop.mimo_checkpoint.mimo_save_function`, exit
-    conditions including ``train.exit_signal_handler``).
-
     Args:
-        cfg: The recipe's config (checked by :func:`check_mimo_config`).
+        cfg: The recipe's config (checked by the launch checks' one pass).
         metrics_file: Also write every metric record as JSON lines (last rank).
         start_time: ``time.time()`` at which the job started, for
             ``train.exit_duration_in_mins`` (default: when this call starts).
@@ -428,83 +110,75 @@ def pretrain_mimo(
         early), as for GPT.
 
     Raises:
-        ConfigError: See :func:`check_mimo_config`.
+        ConfigError: See :func:`~bridge.train.checks.preflight.check_config_before_launch`.
         CheckpointError: A checkpoint cannot be loaded or saved (see docs/checkpoints.md).
     """
     import torch.distributed as dist
 
     import bridge.mimo as mimo
-    from bridge.logging import MetricWriters, build_metric_writers, setup_logging
-    from bridge.resiliency import (
-        ExitConditions,
-        FaultTolerance,
-        NullFaultTolerance,
-        NVRxStragglerMonitor,
-        StragglerTiming,
-    )
-    from bridge.resiliency.loop_components import (
-        FaultToleranceHeartbeat,
-        NVRxStragglerPoll,
-        StragglerReporter,
-    )
+    from bridge.logging import setup_logging
+    from bridge.resiliency import RunResiliency
     from bridge.train.engine.launch_env import adopt_launch_environment
     from bridge.train.engine.scheduler import build_optimizer_param_scheduler
     from bridge.train.loop.components import (
-        Checkpointer,
-        GarbageCollection,
+        close_components,
         loop_callback_list,
+        standard_components,
     )
-    from bridge.train.loop.mimo_checkpoint import (
-        MimoCheckpointModel,
-        load_mimo_checkpoint,
-        mimo_save_function,
+    from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel, load_mimo_checkpoint
+    from bridge.train.loop.profiling import profile_trace_dir
+    from bridge.train.loop.progress_log import ProgressLog, record_starting_job
+    from bridge.train.loop.run_ends import (
+        build_run_metric_writers,
+        checkpointing_context_for,
+        run_teardown,
+        run_teardown_steps,
     )
-    from bridge.train.loop.run_loop import LoopContext, run_loop
-    from bridge.train.metrics.metrics_file import JsonlMetricWriter
+    from bridge.train.loop.saving import CheckpointWriter
     from bridge.train.state import GlobalState
     from core_utils.callbacks import CallbackList
+    from core_utils.loop import LoopContext, run_loop
 
     start_time = time.time() if start_time is None else start_time
     user_callbacks = [*cfg.callbacks, *callbacks]
     CallbackList((), user_callbacks)  # refuse a non-callback before anything is built
     adopt_launch_environment()  # srun's tasks: before anything reads the world size
-    check_mimo_config(cfg)
-    assert cfg.train is not None and cfg.logger is not None and cfg.optimizer is not None
-    assert cfg.checkpoint is not None
-    assert isinstance(cfg.model, MimoModelConfig)
-    setup_logging(cfg.logger)
-    owns_group = _init_process_group(cfg)
+    check_config_before_launch(cfg)
+    train, logger_cfg, opt_cfg, checkpoint = cfg.train, cfg.logger, cfg.optimizer, cfg.checkpoint
+    model_cfg = cfg.model
+    assert train is not None and logger_cfg is not None and opt_cfg is not None
+    assert checkpoint is not None and isinstance(model_cfg, MimoModelConfig)
+    setup_logging(logger_cfg)
+    owns_group = _init_process_group(cfg.dist)
+    # The reference's state object, for the user's callbacks (LoopContext.state); the run's
+    # parts are built from their sections and hold what they use.
     state = GlobalState(cfg=cfg, start_time=start_time)
     infra = step = None
+    components: list[Callback] = []
     clean = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        checkpoint = cfg.checkpoint
-        state.fault_tolerance = FaultTolerance.from_config(
-            cfg.ft, checkpoint_dir=checkpoint.save, async_save=checkpoint.async_save
-        )
-        state.fault_tolerance.on_setup_start()
-        state.nvrx_straggler = NVRxStragglerMonitor.from_config(cfg.nvrx_straggler)
-        state.nvrx_straggler.initialize()
-        state.straggler_timing = StragglerTiming.from_config(cfg.straggler)
-        # The exit conditions (and the exit-signal handler) exist before the checkpoint is
-        # loaded, so a signal that arrives while loading is not lost.
-        state.exit_conditions = ExitConditions.from_config(
-            cfg.train,
-            save_enabled=checkpoint.save is not None,
+        resiliency = RunResiliency.build(
+            ft=cfg.ft,
+            straggler=cfg.straggler,
+            nvrx_straggler=cfg.nvrx_straggler,
+            train=train,
+            checkpoint_dir=checkpoint.save,
+            async_save=checkpoint.async_save,
             start_time=start_time,
-            stop_requesters=[state.nvrx_straggler],
         )
+        state.adopt_resiliency(resiliency)
+        resiliency.start_setup()
         seed = cfg.rng.seed
         torch.manual_seed(seed)
-        layout = mimo_layout(cfg.model, world)
+        layout = mimo_layout(model_cfg, world)
         infra = mimo.build_megatron_mimo_infra(layout)
-        vlm = cfg.model.tiny_vlm_config()
+        vlm = model_cfg.tiny_vlm_config()
         dataset = mimo.SyntheticImageCaptionDataset(
-            cfg.model.num_samples,
+            model_cfg.num_samples,
             image_tokens=vlm.image_tokens,
             seq_length=vlm.seq_length,
-            num_classes=cfg.model.num_classes,
+            num_classes=model_cfg.num_classes,
             image_size=vlm.image_size,
             channels=vlm.channels,
             seed=seed,
@@ -518,8 +192,7 @@ def pretrain_mimo(
         if dist.get_backend() == "nccl":
             # The step keeps batches where the process group's backend works: gloo -> CPU.
             model.cuda()
-        opt_cfg = cfg.optimizer
-        lr = float(opt_cfg.lr or 0.0)  # check_mimo_config made sure it is set
+        lr = float(opt_cfg.lr or 0.0)  # the launch checks made sure it is set
         optimizer = mimo.build_multimodule_optimizer(
             model,
             infra,
@@ -532,27 +205,32 @@ def pretrain_mimo(
             ),
             clip_grad=opt_cfg.clip_grad,
         )
-        scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, cfg.train)
+        assert cfg.scheduler is not None  # a required section of the recipe
+        scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, train)
         chunk = MimoCheckpointModel(model, layout)
-        uses_checkpoints = bool(
-            checkpoint.save or checkpoint.load or checkpoint.pretrained_checkpoint
-        )
-        checkpointing_context: dict[str, Any] = {}
+        checkpointing_context = checkpointing_context_for(checkpoint)
         loaded = 0
-        if uses_checkpoints:
-            from bridge.train.checkpointing import init_checkpointing_context
-
-            checkpointing_context = init_checkpointing_context(checkpoint)
-            loaded = load_mimo_checkpoint(state, chunk, optimizer, scheduler, checkpointing_context)
-        state.fault_tolerance.on_setup_end(checkpoint_loaded=loaded > 0)
-        gbs, mbs = int(cfg.train.global_batch_size or 0), int(cfg.train.micro_batch_size or 0)
+        if checkpointing_context:
+            loaded = load_mimo_checkpoint(
+                checkpoint,
+                state.train_state,
+                chunk,
+                optimizer,
+                scheduler,
+                checkpointing_context,
+                model_config=model_cfg,
+            )
+        state.loaded_iteration = loaded
+        state.job_start_flops = state.train_state.floating_point_operations_so_far
+        resiliency.fault_tolerance.on_setup_end(checkpoint_loaded=loaded > 0)
+        gbs, mbs = int(train.global_batch_size or 0), int(train.micro_batch_size or 0)
         step = mimo.MimoTrainStep(
             model,
             infra,
             optimizer,
             global_batch_size=gbs,
             micro_batch_size=mbs,
-            communicator=cfg.model.communicator,
+            communicator=model_cfg.communicator,
         )
         # A resumed run continues the sample order where the checkpoint left it.
         data = mimo.MimoDataLoader.for_infra(
@@ -564,14 +242,7 @@ def pretrain_mimo(
             consumed_samples=state.train_state.consumed_train_samples,
         )
         last = rank == world - 1
-        base = build_metric_writers(
-            cfg.logger, rank=rank, world_size=world, asynchronous=not (metrics_file and last)
-        )
-        state.metric_writers = base
-        if metrics_file is not None and last:
-            state.metric_writers = MetricWriters(
-                [*base.writers, JsonlMetricWriter(metrics_file)], asynchronous=True
-            )
+        state.metric_writers = build_run_metric_writers(logger_cfg, metrics_file=metrics_file)
         if rank == 0:
             print(
                 f"[bridge-train] mimo layout: {layout}\n[bridge-train] mimo communicator: "
@@ -585,64 +256,69 @@ def pretrain_mimo(
                     f"{data.consumed_samples})",
                     flush=True,
                 )
+        writers = state.metric_writers
 
         def log(record: mimo.MimoLogRecord) -> None:
             if last:
                 print(record.format(), flush=True)
-            state.metric_writers.log_metrics(record.as_metrics(), record.iteration)
+            writers.log_metrics(record.as_metrics(), record.iteration)
 
-        train_iters = int(cfg.train.train_iters or 0)
-        step_function = _MimoStep(step, data, scheduler)
-        metrics = _MimoMetrics(step_function, cfg.logger.log_interval, train_iters, log)
-        components: list[Callback] = [metrics]
-        if not isinstance(state.fault_tolerance, NullFaultTolerance):
-            components.append(FaultToleranceHeartbeat(state.fault_tolerance))
-        if state.straggler_timing.configured:
-            components.append(StragglerReporter(state.straggler_timing, cfg.logger.log_interval))
-        if cfg.train.manual_gc:
-            components.append(GarbageCollection(cfg.train.manual_gc_interval))
-        if state.nvrx_straggler is not None:
-            components.append(NVRxStragglerPoll(state.nvrx_straggler))
-        finalize = None
-        if checkpoint.save is not None and checkpoint.async_save:
-            from bridge.train.loop.components.checkpointer import (
-                finalize_async_checkpoints,
-            )
-
-            finalize = finalize_async_checkpoints
-        components.append(
-            Checkpointer(
-                mimo_save_function(checkpointing_context),
+        train_iters = int(train.train_iters or 0)
+        progress_log = ProgressLog.from_config(
+            logger_cfg,
+            checkpoint,
+            seq_length=model_cfg.seq_length,
+            start_time=start_time,
+            job_start_flops=state.job_start_flops,
+        )
+        record_starting_job(progress_log, writers, state.train_state.step)
+        step_function = mimo.MimoStepFunction(step, data, scheduler)
+        components = standard_components(
+            metrics=mimo.MimoLogger(step_function, log, logger_cfg.log_interval, train_iters),
+            train=train,
+            log_interval=logger_cfg.log_interval,
+            checkpoint=checkpoint,
+            save=CheckpointWriter(
                 checkpoint,
-                exit_conditions=state.exit_conditions,
-                finalize=finalize,
-            )
+                cfg,
+                checkpointing_context,
+                metric_writers=writers,
+                fault_tolerance=resiliency.fault_tolerance,
+                progress_log=progress_log,
+            ),
+            resiliency=resiliency,
+            profiling=cfg.profiling,
+            profile_trace_dir=profile_trace_dir(logger_cfg, checkpoint),
         )
         context = LoopContext(
-            state=state,
-            model=[chunk],
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_data_iterator=data,
+            state.train_state,
+            [chunk],
+            optimizer,
+            scheduler,
+            data,
             callbacks=loop_callback_list(components, user_callbacks),
+            state=state,
         )
         exit_code = run_loop(context, step_function, lambda c: c.iteration >= train_iters)
         if exit_code == 0 and context.iteration < train_iters:
             exit_code = requeue_exit_code  # stopped early on purpose, after saving
         # The loop's Checkpointer printed why it stopped early (rank 0).
-        if last and metrics.losses:
+        if last and step_function.losses:
             print(
                 f"[bridge-train] mimo: {context.iteration} iterations, final loss "
-                f"{metrics.losses[-1]:.4f} (text-only floor {dataset.text_only_loss_floor():.4f})",
+                f"{step_function.losses[-1]:.4f} (text-only floor "
+                f"{dataset.text_only_loss_floor():.4f})",
                 flush=True,
             )
-        state.metric_writers.flush()
+        writers.flush()
         clean = exit_code == 0
         return exit_code
     finally:
-        from bridge.train.loop.run_ends import run_state_teardown, run_teardown
-
-        run_teardown(run_state_teardown(state, clean), "mimo")
+        close_components(components)
+        run_teardown(
+            run_teardown_steps(checkpoint, state.resiliency, state.metric_writers, clean=clean),
+            "mimo",
+        )
         if step is not None:
             step.close()
         if infra is not None:

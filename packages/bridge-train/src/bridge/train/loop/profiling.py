@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from bridge.config import CheckpointConfig, LoggerConfig, ProfilingConfig
 from bridge.train.checkpointing.layout import PROFILE_SUBDIR
 from core_utils.distributed import global_rank
 
@@ -37,7 +38,7 @@ TNvtxContext = contextlib.AbstractContextManager[Any]
 """The NVTX range open around the profiled iterations (``None`` when nsys is off)."""
 
 
-def should_profile_rank(profiling: Any) -> bool:
+def should_profile_rank(profiling: ProfilingConfig | None) -> bool:
     """Whether this rank profiles (a profiler is on and the rank is in ``profile_ranks``)."""
     if profiling is None:
         return False
@@ -56,20 +57,25 @@ def nsys_unavailable_reason() -> str | None:
     return None
 
 
-def profile_trace_dir(cfg: Any) -> Path | None:
+def profile_trace_dir(
+    logger: LoggerConfig | None, checkpoint: CheckpointConfig | None
+) -> Path | None:
     """Where the torch profiler writes: ``logger.tensorboard_dir``, else ``<save>/profile``."""
-    tensorboard_dir = getattr(cfg.logger, "tensorboard_dir", None) if cfg.logger else None
+    tensorboard_dir = logger.tensorboard_dir if logger is not None else None
     if tensorboard_dir:
         return Path(tensorboard_dir)
-    save = getattr(cfg.checkpoint, "save", None) if cfg.checkpoint else None
+    save = checkpoint.save if checkpoint is not None else None
     return Path(save) / PROFILE_SUBDIR if save else None
 
 
-def start_profiler(cfg: Any) -> tuple[torch.profiler.profile | None, TNvtxContext | None]:
+def start_profiler(
+    profiling: ProfilingConfig | None, trace_dir: Path | None
+) -> tuple[torch.profiler.profile | None, TNvtxContext | None]:
     """Start the configured profiler on this rank (call when ``step == profile_step_start``).
 
     Args:
-        cfg: The config (``profiling``, ``logger``, ``checkpoint`` are read).
+        profiling: The ``profiling`` section.
+        trace_dir: Where the torch profiler writes (see :func:`profile_trace_dir`).
 
     Returns:
         ``(torch profiler or None, NVTX context or None)``.
@@ -78,8 +84,7 @@ def start_profiler(cfg: Any) -> tuple[torch.profiler.profile | None, TNvtxContex
         RuntimeError: nsys profiling without CUDA, or the torch profiler without a
             directory for its trace.
     """
-    profiling = cfg.profiling
-    if not should_profile_rank(profiling):
+    if profiling is None or not should_profile_rank(profiling):
         return None, None
     if profiling.use_nsys_profiler:
         reason = nsys_unavailable_reason()
@@ -91,7 +96,6 @@ def start_profiler(cfg: Any) -> tuple[torch.profiler.profile | None, TNvtxContex
         )
         context.__enter__()
         return None, context
-    trace_dir = profile_trace_dir(cfg)
     if trace_dir is None:
         raise RuntimeError(
             "profiling.use_pytorch_profiler needs logger.tensorboard_dir or checkpoint.save "

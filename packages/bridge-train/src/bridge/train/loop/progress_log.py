@@ -21,19 +21,27 @@ since then (restarts and queueing included), per rank.
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from bridge.logging import append_progress_log, scheduler_job
+from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
+from bridge.logging import MetricWriters, append_progress_log, scheduler_job
 from core_utils.distributed import global_world_size
+from core_utils.loop import TrainProgress
+
+if TYPE_CHECKING:
+    from bridge.train.state import GlobalState
 
 __all__ = [
     "PROGRESS_FILE",
-    "append_starting_job",
+    "ProgressLog",
     "compute_throughputs_and_append_to_progress_log",
     "get_start_time_from_progress_log",
+    "record_starting_job",
 ]
 
 PROGRESS_FILE = "progress.txt"
@@ -60,7 +68,7 @@ def _fields(line: str) -> tuple[str, int, str, dict[str, str]] | None:
     return parts[0], world, parts[3], values
 
 
-def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
+def get_start_time_from_progress_log(cfg: ConfigContainer) -> tuple[datetime, float]:
     """Gets start time of earliest job with same world size. Also returns the number of
     floating-point operations completed in last saved checkpoint.
 
@@ -80,9 +88,14 @@ def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
         FileNotFoundError: There is no ``progress.txt``.
         RuntimeError: No ``Starting job`` line with this world size exists.
     """
-    save = getattr(getattr(cfg, "checkpoint", None), "save", None)
+    save = cfg.checkpoint.save if cfg.checkpoint is not None else None
     if save is None:
         raise ValueError("get_start_time_from_progress_log: checkpoint.save is not set")
+    return _earliest_job(save)
+
+
+def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
+    """:func:`get_start_time_from_progress_log` of the run saving to ``save``."""
     path = Path(save) / PROGRESS_FILE
     world = global_world_size(launcher_fallback=True)
     start_time: str | None = None
@@ -111,30 +124,92 @@ def get_start_time_from_progress_log(cfg: Any) -> tuple[datetime, float]:
     return datetime.strptime(start_time, _TIME_FORMAT), start_flops
 
 
-def append_starting_job(state: Any) -> None:
-    """Record the start of a launch (call on every rank when a launch starts training).
-
-    Under SLURM the metric writers get ``slurm/job_id`` and ``slurm/requeue_count`` at the
-    iteration the launch starts from. With ``logger.log_progress`` and ``checkpoint.save``
-    set, ``Starting job`` is appended to ``progress.txt`` (under SLURM with the node list
-    and the requeue count).
-    """
-    cfg = state.cfg
-    job = scheduler_job()
-    if job is not None:
-        state.metric_writers.log_metrics(job.metrics(), state.train_state.step)
-    if not (cfg.logger is not None and cfg.logger.log_progress and cfg.checkpoint.save):
-        return
-    message = STARTING_JOB if job is None else f"{STARTING_JOB}\t{job.progress_fields()}"
-    append_progress_log(cfg.checkpoint.save, message)
-
-
 def _tflops_per_device(flops: float, seconds: float, world: int) -> float:
     return flops / max(seconds, 1e-9) / 1e12 / world
 
 
+@dataclass
+class ProgressLog:
+    """``progress.txt`` of one launch (see the module docstring).
+
+    Attributes:
+        save: ``checkpoint.save`` (the file is ``<save>/progress.txt``).
+        async_save: ``checkpoint.async_save`` (names the checkpoint lines).
+        seq_length: Tokens per sample (0 when unknown).
+        start_time: ``time.time()`` when this launch started.
+        job_start_flops: The FLOP counter when this launch started training.
+    """
+
+    save: str
+    async_save: bool = False
+    seq_length: int = 0
+    start_time: float = field(default_factory=time.time)
+    job_start_flops: float = 0.0
+
+    @classmethod
+    def from_config(
+        cls,
+        logger: LoggerConfig | None,
+        checkpoint: CheckpointConfig | None,
+        *,
+        seq_length: int,
+        start_time: float,
+        job_start_flops: float,
+    ) -> ProgressLog | None:
+        """The progress log ``logger.log_progress`` asks for (``None``: off, or no
+        ``checkpoint.save`` to write it in)."""
+        if logger is None or not logger.log_progress or checkpoint is None or not checkpoint.save:
+            return None
+        return cls(
+            save=str(checkpoint.save),
+            async_save=bool(checkpoint.async_save),
+            seq_length=seq_length,
+            start_time=start_time,
+            job_start_flops=job_start_flops,
+        )
+
+    def starting_job(self, details: str | None = None) -> None:
+        """Append ``Starting job`` (call on every rank when a launch starts training).
+
+        Args:
+            details: Tab-separated fields appended to the line (the SLURM job's).
+        """
+        message = STARTING_JOB if details is None else f"{STARTING_JOB}\t{details}"
+        append_progress_log(self.save, message)
+
+    def saved_checkpoint(self, train_state: TrainProgress, flops_so_far: float) -> None:
+        """Append the line of a persistent checkpoint just saved (a collective).
+
+        Args:
+            train_state: The run's counters (``step``, ``consumed_train_samples``).
+            flops_so_far: Total floating-point operations completed.
+        """
+        world = global_world_size(launcher_fallback=True)
+        job_flops = flops_so_far - self.job_start_flops
+        job_throughput = _tflops_per_device(job_flops, time.time() - self.start_time, world)
+        try:
+            first_start, first_flops = _earliest_job(self.save)
+        except (FileNotFoundError, RuntimeError):
+            # No "Starting job" line of this world size (log_progress was switched on now):
+            # this job is the earliest one known.
+            first_start = datetime.fromtimestamp(self.start_time)
+            first_flops = self.job_start_flops
+        elapsed = (datetime.now() - first_start).total_seconds()
+        cumulative = _tflops_per_device(flops_so_far - first_flops, elapsed, world)
+        tokens = train_state.consumed_train_samples * self.seq_length
+        kind = SAVING_ASYNC_CHECKPOINT if self.async_save else SAVED_CHECKPOINT
+        append_progress_log(
+            self.save,
+            f"{kind}\tIteration: {train_state.step}\t"
+            f"Job throughput: {job_throughput:.6g} TFLOP/s/GPU\t"
+            f"Cumulative throughput: {cumulative:.6g} TFLOP/s/GPU\t"
+            f"Floating-point operations: {flops_so_far:.6e}\t"
+            f"Tokens (in billions): {tokens / 1e9:.6g}",
+        )
+
+
 def compute_throughputs_and_append_to_progress_log(
-    state: Any, num_floating_point_operations_so_far: float
+    state: GlobalState, num_floating_point_operations_so_far: float
 ) -> None:
     """Computes job and cumulative throughputs and appends to progress log.
 
@@ -149,31 +224,35 @@ def compute_throughputs_and_append_to_progress_log(
         num_floating_point_operations_so_far: Total floating-point operations completed.
     """
     cfg = state.cfg
-    save = cfg.checkpoint.save if cfg.checkpoint is not None else None
-    if save is None:
+    checkpoint = cfg.checkpoint
+    if checkpoint is None or checkpoint.save is None:
         return
-    world = global_world_size(launcher_fallback=True)
-    job_flops = num_floating_point_operations_so_far - state.job_start_flops
-    job_throughput = _tflops_per_device(job_flops, time.time() - state.start_time, world)
-    try:
-        first_start, first_flops = get_start_time_from_progress_log(cfg)
-    except (FileNotFoundError, RuntimeError):
-        # No "Starting job" line of this world size (log_progress was switched on now):
-        # this job is the earliest one known.
-        first_start = datetime.fromtimestamp(state.start_time)
-        first_flops = state.job_start_flops
-    elapsed = (datetime.now() - first_start).total_seconds()
-    cumulative = _tflops_per_device(
-        num_floating_point_operations_so_far - first_flops, elapsed, world
-    )
-    seq_length = getattr(cfg.model, "seq_length", 0) or 0
-    tokens = state.train_state.consumed_train_samples * seq_length
-    kind = SAVING_ASYNC_CHECKPOINT if cfg.checkpoint.async_save else SAVED_CHECKPOINT
-    append_progress_log(
-        save,
-        f"{kind}\tIteration: {state.train_state.step}\t"
-        f"Job throughput: {job_throughput:.6g} TFLOP/s/GPU\t"
-        f"Cumulative throughput: {cumulative:.6g} TFLOP/s/GPU\t"
-        f"Floating-point operations: {num_floating_point_operations_so_far:.6e}\t"
-        f"Tokens (in billions): {tokens / 1e9:.6g}",
-    )
+    ProgressLog(
+        save=str(checkpoint.save),
+        async_save=bool(checkpoint.async_save),
+        seq_length=int(getattr(cfg.model, "seq_length", 0) or 0),
+        start_time=state.start_time,
+        job_start_flops=state.job_start_flops,
+    ).saved_checkpoint(state.train_state, num_floating_point_operations_so_far)
+
+
+def record_starting_job(
+    progress_log: ProgressLog | None, metric_writers: MetricWriters, iteration: int
+) -> None:
+    """Record the start of a launch (call on every rank when a launch starts training).
+
+    Under SLURM the metric writers get ``slurm/job_id`` and ``slurm/requeue_count`` at the
+    iteration the launch starts from. With a progress log (``logger.log_progress`` and
+    ``checkpoint.save``), ``Starting job`` is appended to ``progress.txt`` (under SLURM with
+    the node list and the requeue count).
+
+    Args:
+        progress_log: The run's ``progress.txt``, if kept.
+        metric_writers: The run's metric writers.
+        iteration: The iteration the launch starts from.
+    """
+    job = scheduler_job()
+    if job is not None:
+        metric_writers.log_metrics(job.metrics(), iteration)
+    if progress_log is not None:
+        progress_log.starting_job(None if job is None else job.progress_fields())

@@ -1,8 +1,10 @@
 """The two ends every run shares (GPT-style ``pretrain`` and the MIMO recipe alike).
 
-* At the start: which checkpoint a run resumes when ``checkpoint.load`` is unset
-  (:func:`adopt_own_save_dir`).
-* At the end: the ordered release of what the run started (:func:`run_state_teardown`,
+* At the start: the metric writers of the ``logger`` section
+  (:func:`build_run_metric_writers`), the checkpointing context of the ``checkpoint``
+  section (:func:`checkpointing_context_for`), which checkpoint a run resumes when
+  ``checkpoint.load`` is unset (:func:`adopt_own_save_dir`).
+* At the end: the ordered release of what the run started (:func:`run_teardown_steps`,
   :func:`run_teardown`), each step logged and never raised over an error that may already
   be propagating.
 """
@@ -11,13 +13,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
+
+from bridge.config import CheckpointConfig, LoggerConfig
+from bridge.logging import BackendSettings, MetricWriters, ReportSettings, build_metric_writers
+from bridge.resiliency import RunResiliency
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = [
     "TeardownStep",
     "adopt_own_save_dir",
-    "run_state_teardown",
+    "build_run_metric_writers",
+    "checkpointing_context_for",
     "run_teardown",
+    "run_teardown_steps",
     "save_dir_holds_checkpoint",
 ]
 
@@ -27,7 +37,61 @@ logger = logging.getLogger(__name__)
 TeardownStep = tuple[str, Callable[[], Any]]
 
 
-def save_dir_holds_checkpoint(checkpoint: Any) -> bool:
+def build_run_metric_writers(
+    logger_cfg: LoggerConfig,
+    *,
+    run_config: dict[str, Any] | None = None,
+    metrics_file: str | Path | None = None,
+    backend_settings: BackendSettings | None = None,
+    report_settings: ReportSettings | None = None,
+) -> MetricWriters:
+    """The run's metric writers from the ``logger`` section, plus ``metrics_file`` (JSON
+    lines, on the last rank) when given.
+
+    Args:
+        logger_cfg: The ``logger`` section.
+        run_config: The run's config as plain data, for the backends' run parameters.
+        metrics_file: Also write every metric to this JSON-lines file (last rank).
+        backend_settings: MLflow / Comet settings of bridge.logging.
+        report_settings: Optional reports of bridge.logging.
+    """
+    from bridge.train.metrics.metrics_file import JsonlMetricWriter
+
+    rank, world = global_rank(), global_world_size()
+    extra = metrics_file is not None and rank == world - 1
+    writers = build_metric_writers(
+        logger_cfg,
+        rank=rank,
+        world_size=world,
+        run_config=run_config,
+        backend_settings=backend_settings,
+        report_settings=report_settings,
+        asynchronous=not extra,
+    )
+    if not extra:
+        return writers
+    assert metrics_file is not None
+    return MetricWriters(
+        [*writers.writers, JsonlMetricWriter(metrics_file)],
+        report_settings=writers.report_settings,
+        asynchronous=True,
+    )
+
+
+def checkpointing_context_for(checkpoint: CheckpointConfig) -> dict[str, Any]:
+    """The checkpointing context of the ``checkpoint`` section (empty when the run neither
+    saves nor loads; else checked, locked and ready, see ``init_checkpointing_context``)."""
+    if all(
+        path is None
+        for path in (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
+    ):
+        return {}
+    from bridge.train.checkpointing import init_checkpointing_context
+
+    return init_checkpointing_context(checkpoint)
+
+
+def save_dir_holds_checkpoint(checkpoint: CheckpointConfig) -> bool:
     """Whether ``checkpoint.save`` holds a checkpoint of an earlier run to resume.
 
     Persistent checkpoints (tracker or complete ``iter_*``) count, and so do global
@@ -43,7 +107,7 @@ def save_dir_holds_checkpoint(checkpoint: Any) -> bool:
     return checkpoint_exists(non_persistent_dir(checkpoint, base=str(checkpoint.save)))
 
 
-def adopt_own_save_dir(checkpoint: Any) -> None:
+def adopt_own_save_dir(checkpoint: CheckpointConfig) -> None:
     """Resume the run that owns ``checkpoint.save`` when ``checkpoint.load`` is unset.
 
     torchrun restarts (and a user re-running the same command) rely on it: the save directory
@@ -58,36 +122,37 @@ def adopt_own_save_dir(checkpoint: Any) -> None:
         checkpoint.load = checkpoint.save
 
 
-def run_state_teardown(state: Any, clean: bool) -> list[TeardownStep]:
-    """The steps that release what a ``GlobalState`` holds, in order.
+def run_teardown_steps(
+    checkpoint: CheckpointConfig | None,
+    resiliency: RunResiliency,
+    metric_writers: MetricWriters,
+    *,
+    clean: bool,
+) -> list[TeardownStep]:
+    """The steps that release what a run started, in order.
 
-    Pending asynchronous saves are finished first (when the run saves), then fault tolerance
-    (``clean``: the job ended normally, so computed timeouts are stored), the straggler
-    monitors, the exit-signal handler (after the last save) and the metric writers.
+    Pending asynchronous saves are finished first (when the run saves), then the resiliency
+    objects (:meth:`bridge.resiliency.RunResiliency.teardown_steps`: fault tolerance,
+    ``clean`` meaning the job ended normally so computed timeouts are stored, the straggler
+    monitors, the exit-signal handler after the last save) and the metric writers.
+
+    Args:
+        checkpoint: The ``checkpoint`` section.
+        resiliency: The run's resiliency objects.
+        metric_writers: The run's metric writers.
+        clean: The run ended normally.
     """
     steps: list[TeardownStep] = []
-    cfg = state.cfg
-    if cfg.checkpoint is not None and cfg.checkpoint.save is not None:
+    if checkpoint is not None and checkpoint.save is not None:
 
         def finalize() -> None:
             from bridge.train.checkpointing import finalize_async_saves
 
-            finalize_async_saves(state, blocking=True, terminate=True)
+            finalize_async_saves(resiliency.fault_tolerance, blocking=True, terminate=True)
 
         steps.append(("finishing asynchronous checkpoint saves", finalize))
-    steps += [
-        ("shutting down fault tolerance", lambda: state.fault_tolerance.shutdown(clean=clean)),
-        (
-            "stopping the NVRx straggler monitor",
-            lambda: state.nvrx_straggler.shutdown() if state.nvrx_straggler else None,
-        ),
-        ("stopping straggler detection", state.straggler_timing.close),
-        (
-            "restoring the exit-signal handler",
-            lambda: state.exit_conditions.close() if state.exit_conditions else None,
-        ),
-        ("closing the metric writers", state.metric_writers.close),
-    ]
+    steps += resiliency.teardown_steps(clean)
+    steps.append(("closing the metric writers", metric_writers.close))
     return steps
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from bridge.config import TrainingConfig
+from core_utils.loop import TrainProgress
 
 __all__ = ["run_is_done"]
 
 
-def run_is_done(train_config: Any, train_state: Any) -> bool:
+def run_is_done(train_config: TrainingConfig, train_state: TrainProgress) -> bool:
     """Return whether the run has reached its configured length.
 
     A sample-based run (``train.train_samples`` set) is done once it has consumed that many

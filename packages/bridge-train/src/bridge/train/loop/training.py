@@ -1,348 +1,154 @@
-"""GPT-style training on the loop: the step, the save function and the run.
+"""GPT-style training from the reference's ``GlobalState``: the one place where a run's state
+and configuration are taken apart.
 
-:func:`run_training` is the loop a reader needs: it builds the run's components
-(:func:`bridge.train.loop.components.standard_components`: metrics, fault-tolerance
-heartbeat, straggler report, weight-hash check, profiler, GC, evaluation, checkpointer), puts
-the user's callbacks after them, and hands :func:`gpt_step_function`'s step to the
-model-agnostic driver :func:`bridge.train.loop.run_loop.run_loop`. Every save decision lives
-in the :class:`~bridge.train.loop.components.Checkpointer`; every log line in the
-:class:`~bridge.train.loop.components.MetricsProcessor`. The reference's own functions
-(``train``, ``train_step``, ...) are adapters over these in :mod:`bridge.train.api.train`;
-``save_checkpoint_and_time`` is the reference's and the loop's save. ``run_training``
-returns the process exit code (0 unless the rerun state machine asks for another).
-Checkpoints are written by :mod:`bridge.train.checkpointing`.
+:func:`run_training` (what ``pretrain`` and the reference's ``train`` run) and the helpers
+below build each part of the loop from its own section and the live objects it uses: the
+:class:`~bridge.train.loop.step.TrainStep` (``train``, ``model``, ``ddp`` and the engine's
+schedule), the :class:`~bridge.train.loop.components.MetricsProcessor` (``logger``,
+``train``, ``profiling``), the :class:`~bridge.train.loop.eval.Evaluation` (``train``), the
+:class:`~bridge.train.loop.saving.CheckpointWriter` (``checkpoint``) and the other components
+(:func:`bridge.train.loop.components.standard_components`). Then the user's callbacks join
+them and the model-agnostic driver :func:`core_utils.loop.run_loop` runs the step. Nothing
+built here sees the whole config or the ``GlobalState``. The reference's own functions
+(``train``, ``train_step``, ``evaluate``, ...) are adapters over these in
+:mod:`bridge.train.api`. ``run_training`` returns the process exit code (0 unless the rerun
+state machine asks for another).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bridge.logging import TrainingLogSettings, tokens_per_sample
+from bridge.train.checkpointing.async_save import finalize_async_saves
 from bridge.train.loop.batch_size import (
     ensure_num_microbatches_calculator,
-    get_num_microbatches,
     release_num_microbatches_calculator,
-    update_num_microbatches,
 )
 from bridge.train.loop.components import (
+    Checkpointer,
+    Evaluator,
+    MetricsProcessor,
+    close_components,
     loop_callback_list,
     standard_components,
 )
-from bridge.train.loop.components.checkpointer import finalize_async_checkpoints
-from bridge.train.loop.eval import evaluate_and_print_results
-from bridge.train.loop.forward_pre_hooks import (
-    disable_forward_pre_hook,
-    enable_forward_pre_hook,
-    should_toggle_forward_pre_hook,
-)
-from bridge.train.loop.losses import reduce_losses, zero_grad_buffers
-from bridge.train.loop.progress_log import compute_throughputs_and_append_to_progress_log
+from bridge.train.loop.eval import Evaluation
+from bridge.train.loop.forward_pre_hooks import should_toggle_forward_pre_hook
+from bridge.train.loop.profiling import profile_trace_dir
+from bridge.train.loop.progress_log import ProgressLog
 from bridge.train.loop.run_length import run_is_done
-from bridge.train.loop.run_loop import LoopContext, StepFunction, StepResult, run_loop
-from bridge.train.loop.state_injection import ForwardStepCallable, prepare_forward_step_func
-from bridge.train.metrics.flops import num_floating_point_operations
-from bridge.train.state import GlobalState
+from bridge.train.loop.saving import CheckpointWriter
+from bridge.train.loop.state_injection import prepare_forward_step_func
+from bridge.train.loop.step import TrainStep, data_parallel_size
+from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback
+from core_utils.loop import LoopContext, run_loop
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
-    "gpt_save_function",
-    "gpt_step_function",
-    "run_train_step",
+    "checkpoint_writer_of",
+    "evaluation_of",
+    "progress_log_of",
     "run_training",
-    "save_checkpoint_and_time",
+    "train_step_of",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------ the parts, from the state
 
 
-def _parallel_state() -> Any:
-    from megatron.core import parallel_state
-
-    return parallel_state
-
-
-def _data_parallel_size() -> int:
-    ps = _parallel_state()
-    return ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-
-
-def _dp_cp_group() -> Any:
-    ps = _parallel_state()
-    if not ps.model_parallel_is_initialized():
-        return None
-    return ps.get_data_parallel_group(with_context_parallel=True)
-
-
-def _is_last_pipeline_stage() -> bool:
-    ps = _parallel_state()
-    if not ps.model_parallel_is_initialized():
-        return True
-    return bool(ps.is_pipeline_last_stage(ignore_virtual=True))
-
-
-def _handle_mxfp8_param_buffer_copy(
-    optimizer: Any, reuse_grad_buf_for_mxfp8_param_ag: bool, overlap_param_gather: bool
-) -> None:
-    """Copy main params to param buffer for mxfp8 with grad buffer reuse.
-
-    With mxfp8 parameters whose all-gather reuses the gradient buffer and an overlapped
-    parameter gather, the parameter buffer must be refilled after the gradient buffer was
-    zeroed (the two share memory). Only megatron's distributed optimizer has such buffers.
-    """
-    if reuse_grad_buf_for_mxfp8_param_ag and overlap_param_gather:
-        copy = getattr(optimizer, "_copy_main_params_to_param_buffer", None)
-        if copy is not None:
-            copy()
-
-
-# ----------------------------------------------------------------------------- the step
-
-
-def run_train_step(
-    forward_step_func: ForwardStepCallable,
-    data_iterator: Any,
-    model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    global_state: GlobalState,
-) -> StepResult:
-    """One training iteration, as a :class:`~bridge.train.loop.run_loop.StepResult`.
-
-    Zeroes the gradient buffers, runs the engine's forward-backward schedule over this
-    iteration's micro-batches (megatron's rerun state machine may repeat it), steps the
-    optimizer and, if the update was applied, the scheduler (by the global batch size in
-    samples), and averages the reported losses over tokens of all micro-batches and
-    data-parallel ranks. The averaged losses stay on the device (no host synchronisation).
-
-    Args:
-        forward_step_func: Function that performs a forward step (already wrapped if needed)
-        data_iterator: Iterator over training data
-        model: list of model chunks
-        optimizer: Optimizer for model parameters
-        scheduler: Learning rate scheduler
-        global_state: Global training state
-
-    Returns:
-        The iteration's result (``train_state`` is not advanced here).
-    """
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-    cfg = global_state.cfg
-    train = cfg.train
-    assert train is not None and train.micro_batch_size is not None
-    timers = global_state.timers
-    rerun_state_machine = get_rerun_state_machine()
-    forward_backward_func = global_state.forward_backward_func
-    seq_length = int(getattr(cfg.model, "seq_length", 0) or 0)
-    ddp = cfg.ddp
-    num_microbatches = get_num_microbatches()
-
-    losses_reduced: list[Any] = []
-    while rerun_state_machine.should_run_forward_backward(data_iterator):
-        zero_grad_buffers(model, optimizer)
-        _handle_mxfp8_param_buffer_copy(
-            optimizer,
-            bool(getattr(ddp, "reuse_grad_buf_for_mxfp8_param_ag", False)),
-            bool(getattr(ddp, "overlap_param_gather", False)),
-        )
-        losses_reduced = forward_backward_func(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=train.micro_batch_size,
-            decoder_seq_length=seq_length,
-            forward_only=False,
-        )
-    should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
-    if should_exit:
-        return StepResult(
-            skipped=True, should_checkpoint=should_checkpoint, should_exit=True, exit_code=exit_code
-        )
-
-    if train.empty_unused_memory_level >= 1 and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-    timers("optimizer", log_level=1).start(barrier=False)
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    timers("optimizer").stop()
-
-    batch_size = num_microbatches * train.micro_batch_size * _data_parallel_size()
-    if update_successful:
-        scheduler.step(increment=batch_size)
-
-    if train.empty_unused_memory_level >= 2 and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-    losses = reduce_losses(losses_reduced, _dp_cp_group()) if _is_last_pipeline_stage() else {}
-    return StepResult(
-        losses=losses,
-        skipped=not update_successful,
-        grad_norm=grad_norm,
-        num_zeros_in_grad=num_zeros_in_grad,
-        should_checkpoint=should_checkpoint,
-        num_samples=batch_size,
-        flops=num_floating_point_operations(cfg.model, batch_size),
+def train_step_of(forward_step_func: ForwardStepCallable, state: GlobalState) -> TrainStep:
+    """The :class:`TrainStep` of a run's ``GlobalState`` (its config sections, engine,
+    timers and NVRx monitor; the state is injected into the forward step if it asks)."""
+    cfg = state.cfg
+    assert cfg.train is not None
+    return TrainStep(
+        forward_step_func=prepare_forward_step_func(forward_step_func, state),
+        forward_backward_func=state.forward_backward_func,
+        train=cfg.train,
+        model_config=cfg.model,
+        ddp_config=cfg.ddp,
+        timers=state.timers,
+        nvrx_straggler=state.nvrx_straggler,
     )
 
 
-def gpt_step_function(forward_step_func: ForwardStepCallable, state: GlobalState) -> StepFunction:
-    """The loop's step for megatron-style models: :func:`run_train_step` on the context.
-
-    The number of micro-batches follows the batch-size ramp-up; with nvidia-resiliency-ext
-    straggler detection the step is timed by its monitor.
-
-    Args:
-        forward_step_func: ``(data_iterator, model)`` or ``(state, data_iterator, model)``.
-        state: The run's global state (injected into the forward step when it asks).
-
-    Returns:
-        A :data:`~bridge.train.loop.run_loop.StepFunction`.
-    """
-    step_func = prepare_forward_step_func(forward_step_func, state)
-    nvrx = state.nvrx_straggler
-    run = nvrx.wrap(run_train_step) if nvrx is not None else run_train_step
-
-    def step(context: LoopContext) -> StepResult:
-        update_num_microbatches(context.train_state.consumed_train_samples)
-        result: StepResult = run(
-            step_func,
-            context.train_data_iterator,
-            context.model,
-            context.optimizer,
-            context.scheduler,
-            state,
-        )
-        return result
-
-    return step
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint_and_time(
-    state: GlobalState,
-    model: list[torch.nn.Module],
-    optimizer: Any,
-    opt_param_scheduler: Any,
-    num_floating_point_operations_so_far: float,
-    checkpointing_context: dict[str, Any],
-    non_persistent_ckpt: bool = False,
-    train_data_iterator: Any = None,
-) -> None:
-    """Saves a checkpoint and logs the timing.
-
-    Wraps the ``save_checkpoint`` function with timers and potentially disables/ enables
-    forward pre-hooks if distributed optimizer with overlapped parameter gather is used. The
-    save is a fault-tolerance checkpointing section; ``interval-time`` is paused so the save
-    does not count as iteration time. The metric writers are flushed before the save; after
-    a persistent save with ``logger.log_progress`` the throughputs are appended to
-    ``progress.txt``.
-
-    Args:
-        state: The global state object.
-        model: list of model chunks (MegatronModule instances).
-        optimizer: The optimizer instance.
-        opt_param_scheduler: The optimizer parameter scheduler instance.
-        num_floating_point_operations_so_far: Cumulative TFLOPs up to this point.
-        checkpointing_context: Dictionary holding checkpointing-related state.
-        non_persistent_ckpt: Flag indicating if this is a non-persistent (local) checkpoint.
-            Defaults to False.
-        train_data_iterator: Optional training data iterator to save its state.
-    """
-    from bridge.train.checkpointing import save_checkpoint
-
+def progress_log_of(state: GlobalState) -> ProgressLog | None:
+    """The run's ``progress.txt`` (``logger.log_progress`` and ``checkpoint.save``), with this
+    launch's start time and the FLOP counter it started training from."""
     cfg = state.cfg
-    timers = state.timers
-    timers("interval-time").stop()
-    # Metrics up to this iteration reach disk before the checkpoint commits, so a crash
-    # after the commit cannot lose the records of the steps the checkpoint holds.
-    state.metric_writers.flush()
-    toggle = should_toggle_forward_pre_hook(cfg)
-    if toggle:
-        disable_forward_pre_hook(model)
-    timers("save-checkpoint", log_level=0).start(barrier=True)
-    # The save call itself (synchronous part of an async save included) is an ordinary
-    # checkpointing section; finalizing async saves later is its own section.
-    with state.fault_tolerance.checkpointing():
-        save_checkpoint(
-            state,
-            model,
-            optimizer,
-            opt_param_scheduler,
-            num_floating_point_operations_so_far,
-            checkpointing_context=checkpointing_context,
-            non_persistent_ckpt=non_persistent_ckpt,
-            train_data_iterator=train_data_iterator,
-        )
-    timers("save-checkpoint").stop(barrier=True)
-    timers.log(["save-checkpoint"])
-    if toggle:
-        enable_forward_pre_hook(model)
-    if not non_persistent_ckpt:
-        state.last_saved_iteration = state.train_state.step
-    if not non_persistent_ckpt and cfg.logger is not None and cfg.logger.log_progress:
-        compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
-    timers("interval-time", log_level=0).start(barrier=True)
+    return ProgressLog.from_config(
+        cfg.logger,
+        cfg.checkpoint,
+        seq_length=int(getattr(cfg.model, "seq_length", 0) or 0),
+        start_time=state.start_time,
+        job_start_flops=state.job_start_flops,
+    )
 
 
-def gpt_save_function(checkpointing_context: dict[str, Any]) -> Any:
-    """The :data:`~bridge.train.loop.components.SaveFunction` of GPT-style training:
-    :func:`save_checkpoint_and_time` with the run's FLOPs so far."""
-
-    def save(context: LoopContext, non_persistent: bool) -> None:
-        state = context.state
-        save_checkpoint_and_time(
-            state,
-            context.model,
-            context.optimizer,
-            context.scheduler,
-            state.train_state.floating_point_operations_so_far,
-            checkpointing_context,
-            non_persistent_ckpt=non_persistent,
-            train_data_iterator=context.train_data_iterator,
-        )
-
-    return save
-
-
-def _finish_train(global_state: GlobalState) -> None:
-    """End of training: finish pending checkpoint saves, then stop the resiliency machinery.
-
-    Waits for asynchronous saves, shuts fault tolerance down (clean: computed timeouts are
-    stored), stops straggler detection, restores the exit-signal handler (after the last
-    save) and flushes the metric writers. Idempotent. Collective.
-    """
-    cfg = global_state.cfg
-    if cfg.checkpoint is not None and cfg.checkpoint.save is not None:
-        from bridge.train.checkpointing import finalize_async_saves
-
-        finalize_async_saves(global_state, blocking=True, terminate=True)
-    global_state.fault_tolerance.shutdown(clean=True)
-    if global_state.nvrx_straggler is not None:
-        global_state.nvrx_straggler.shutdown()
-    global_state.straggler_timing.close()
-    if global_state.exit_conditions is not None:
-        global_state.exit_conditions.close()
-    global_state.metric_writers.flush()
+def checkpoint_writer_of(
+    state: GlobalState, checkpointing_context: dict[str, Any]
+) -> CheckpointWriter:
+    """The run's :class:`~bridge.train.loop.saving.CheckpointWriter` (its ``checkpoint``
+    section and run config; the writers, fault tolerance and timers of the state)."""
+    cfg = state.cfg
+    assert cfg.checkpoint is not None
+    return CheckpointWriter(
+        cfg.checkpoint,
+        cfg,
+        checkpointing_context,
+        metric_writers=state.metric_writers,
+        fault_tolerance=state.fault_tolerance,
+        timers=state.timers,
+        toggle_forward_pre_hooks=should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer),
+        progress_log=progress_log_of(state),
+    )
 
 
-# ----------------------------------------------------------------------------- the loop
+def evaluation_of(
+    forward_step_func: ForwardStepCallable,
+    state: GlobalState,
+    process_non_loss_data_func: Callable[..., Any] | None = None,
+    non_loss_data_func: Callable[..., Any] | None = None,
+) -> Evaluation:
+    """The run's :class:`~bridge.train.loop.eval.Evaluation` (its ``train`` section, the
+    engine's schedule, fault tolerance, counters and writers; the state is injected into
+    the forward step if it asks)."""
+    cfg = state.cfg
+    assert cfg.train is not None
+    return Evaluation(
+        forward_step_func=prepare_forward_step_func(forward_step_func, state),
+        forward_backward_func=state.forward_backward_func,
+        train=cfg.train,
+        seq_length=int(getattr(cfg.model, "seq_length", 0) or 0),
+        train_state=state.train_state,
+        state=state,
+        fault_tolerance=state.fault_tolerance,
+        log_ppl=bool(cfg.logger is not None and cfg.logger.log_validation_ppl_to_tensorboard),
+        process_non_loss_data_func=process_non_loss_data_func,
+        non_loss_data_func=non_loss_data_func,
+        toggle_forward_pre_hooks=should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer),
+    )
+
+
+# ----------------------------------------------------------------------------- the run
 
 
 def run_training(
     forward_step_func: ForwardStepCallable,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     train_data_iterator: Any,
     valid_data_iterator: Any,
     global_state: GlobalState,
@@ -353,88 +159,108 @@ def run_training(
     callbacks: Sequence[Callback] = (),
     tokenizer: Any = None,
 ) -> int:
-    """:func:`train` with user callbacks (what :func:`bridge.train.pretrain` calls).
+    """:func:`bridge.train.train` with user callbacks (what :func:`bridge.train.pretrain`
+    calls): the components built from their sections, then the loop.
 
     Args:
-        forward_step_func: See :func:`train`.
-        model: See :func:`train`.
-        optimizer: See :func:`train`.
-        scheduler: See :func:`train`.
-        train_data_iterator: See :func:`train`.
-        valid_data_iterator: See :func:`train`.
-        global_state: See :func:`train`.
-        checkpointing_context: See :func:`train`.
-        process_non_loss_data_func: See :func:`train`.
-        non_loss_data_func: See :func:`train`.
+        forward_step_func: See :func:`bridge.train.train`.
+        model: See :func:`bridge.train.train`.
+        optimizer: See :func:`bridge.train.train`.
+        scheduler: See :func:`bridge.train.train`.
+        train_data_iterator: See :func:`bridge.train.train`.
+        valid_data_iterator: See :func:`bridge.train.train`.
+        global_state: See :func:`bridge.train.train`.
+        checkpointing_context: See :func:`bridge.train.train`.
+        process_non_loss_data_func: See :func:`bridge.train.train`.
+        non_loss_data_func: See :func:`bridge.train.train`.
         callbacks: User callbacks (:class:`bridge.train.Callback`), run after the loop's
             components and after the config's ``callbacks``.
         tokenizer: The run's tokenizer (the ``samples`` section generates with it).
 
     Returns:
-        The process exit code (see :func:`train`).
+        The process exit code (see :func:`bridge.train.train`).
 
     Raises:
         core_utils.CallbackError: A user callback raised (names callback, hook, iteration).
     """
     state, cfg = global_state, global_state.cfg
-    assert cfg.train is not None and cfg.logger is not None, "train and logger sections required"
-    owns_calculator = ensure_num_microbatches_calculator(cfg.train, _data_parallel_size())
+    train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
+    assert train is not None and logger_cfg is not None, "train and logger sections required"
+    owns_calculator = ensure_num_microbatches_calculator(train, data_parallel_size())
     for chunk in model:
         chunk.train()
-    toggle_hooks = should_toggle_forward_pre_hook(cfg)
-
-    def evaluate(context: LoopContext) -> None:
-        # Evaluation must see whole parameters, not ones a pending overlapped all-gather
-        # would still overwrite.
-        if toggle_hooks:
-            disable_forward_pre_hook(model)
-        evaluate_and_print_results(
-            state,
-            f"iteration {context.iteration}",
-            forward_step_func,
-            valid_data_iterator,
-            model,
-            cfg,
-            verbose=False,
-            write_to_tensorboard=True,
-            process_non_loss_data_func=process_non_loss_data_func,
-            non_loss_data_func=non_loss_data_func,
-        )
-        if toggle_hooks:
-            enable_forward_pre_hook(model)
-
-    async_saves = bool(cfg.checkpoint and cfg.checkpoint.save and cfg.checkpoint.async_save)
-    components = standard_components(
+    toggle_hooks = should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer)
+    seq_length = tokens_per_sample(cfg.model, cfg.dataset)
+    step = train_step_of(forward_step_func, state)
+    metrics = MetricsProcessor(
+        TrainingLogSettings(
+            logger=logger_cfg,
+            train=train,
+            profiling=cfg.profiling,
+            seq_length=seq_length,
+            data_parallel_size=cfg.data_parallel_size,
+        ),
         state,
-        save=gpt_save_function(checkpointing_context),
-        finalize=finalize_async_checkpoints if async_saves else None,
-        evaluate=evaluate,
+        model_config=cfg.model,
+        loaded_iteration=state.loaded_iteration,
+    )
+    evaluation = (
+        evaluation_of(forward_step_func, state, process_non_loss_data_func, non_loss_data_func)
+        if state.train_state.do_valid
+        else None
+    )
+    writer = checkpoint_writer_of(state, checkpointing_context) if checkpoint else None
+    components = standard_components(
+        metrics=metrics,
+        train=train,
+        log_interval=logger_cfg.log_interval,
+        checkpoint=checkpoint,
+        save=writer if writer is not None else _no_save,
+        resiliency=state.resiliency,
+        profiling=cfg.profiling,
+        profile_trace_dir=profile_trace_dir(logger_cfg, checkpoint),
+        evaluate=evaluation,
+        timers=state.timers,
         toggle_forward_pre_hooks=toggle_hooks,
+        samples=cfg.samples,
         tokenizer=tokenizer,
+        seq_length=getattr(cfg.model, "seq_length", None),
+        metric_writers=state.metric_writers,
     )
     context = LoopContext(
-        state,
+        state.train_state,
         model,
         optimizer,
         scheduler,
         train_data_iterator,
         valid_data_iterator,
         callbacks=loop_callback_list(components, [*cfg.callbacks, *callbacks]),
+        state=state,
     )
     state.timers("interval-time", log_level=0).start(barrier=True)
     try:
-        exit_code = run_loop(
-            context,
-            gpt_step_function(forward_step_func, state),
-            is_done=lambda c: run_is_done(cfg.train, c.train_state),
-        )
+        exit_code = run_loop(context, step, is_done=lambda c: run_is_done(train, c.train_state))
         state.timers("interval-time").stop()
-        _finish_train(state)
-    finally:
         for component in components:
-            close = getattr(component, "close", None)
-            if close is not None:
-                close()
+            if isinstance(component, Evaluator):
+                state.last_evaluated_iteration = component.last_evaluated_iteration
+            elif isinstance(component, Checkpointer):
+                state.last_saved_iteration = component.last_saved_iteration
+        # The end of training (the reference's _finish_train): pending saves committed, then
+        # the resiliency machinery stopped (fault tolerance cleanly: computed timeouts are
+        # stored); the exit-signal handler is restored after the last save.
+        if checkpoint is not None and checkpoint.save is not None:
+            finalize_async_saves(state.fault_tolerance, blocking=True, terminate=True)
+        for _, action in state.resiliency.teardown_steps(clean=True):
+            action()
+        state.metric_writers.flush()
+    finally:
+        close_components(components)
         if owns_calculator:
             release_num_microbatches_calculator()
     return exit_code
+
+
+def _no_save(context: LoopContext, non_persistent: bool) -> None:
+    """The save of a run without a ``checkpoint`` section (never called: nothing saves)."""
+    raise AssertionError("no checkpoint section: the checkpointer never saves")

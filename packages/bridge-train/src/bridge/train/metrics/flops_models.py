@@ -17,13 +17,17 @@ set to something else.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bridge.train.models.mamba_provider import MambaProvider
+    from bridge.train.models.t5_provider import T5ModelProvider
 
 __all__ = ["hybrid_floating_point_operations", "t5_floating_point_operations"]
 
 
 def hybrid_floating_point_operations(
-    model: Any, batch_size: int, seq_length: int, padded_vocab: int
+    model: MambaProvider, batch_size: int, seq_length: int, padded_vocab: int
 ) -> float:
     """Training FLOPs of a hybrid model (a ``MambaProvider``) for ``batch_size`` sequences.
 
@@ -75,7 +79,9 @@ def hybrid_floating_point_operations(
     return float(3 * forward)
 
 
-def t5_floating_point_operations(model: Any, batch_size: int, padded_vocab: int) -> float:
+def t5_floating_point_operations(
+    model: T5ModelProvider, batch_size: int, padded_vocab: int
+) -> float:
     """Training FLOPs of a T5 model (a ``T5ModelProvider``) for ``batch_size`` samples.
 
     megatron-LM has no T5-specific count; this one applies its per-layer conventions to an

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from bridge.train.engine._distributed_utils import model_parallel_groups, unwrap_model_chunks
 from core_utils.distributed import collective_device
+
+if TYPE_CHECKING:
+    from bridge.config import ModelConfigProtocol
 
 __all__ = ["calc_dtensor_params_l2_norm", "calc_params_l2_norm", "param_is_not_shared"]
 
@@ -49,7 +52,7 @@ def _norm_source(param: torch.Tensor, bf16: bool, force_create_fp32_copy: bool) 
 
 def calc_params_l2_norm(
     model: torch.nn.Module | list[torch.nn.Module],
-    model_config: Any,
+    model_config: ModelConfigProtocol | None,
     use_megatron_fsdp: bool = False,
     force_create_fp32_copy: bool = False,
 ) -> float:

@@ -8,22 +8,32 @@ T5 span-corruption data (:class:`bridge.train.data.t5_datasets.T5DatasetConfig`)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.state import ForwardStepCallable
 
+if TYPE_CHECKING:
+    from bridge.config import (
+        FinetuningDatasetConfig,
+        GPTDatasetConfig,
+        ModelConfigProtocol,
+        TokenizerConfig,
+        TokenizerConfigProtocol,
+    )
+    from bridge.train.models.t5_provider import T5ModelProvider
+
 __all__ = ["build_family_datasets", "default_forward_step", "family_tokenizer", "is_t5"]
 
 
-def is_t5(model_config: Any) -> bool:
+def is_t5(model_config: ModelConfigProtocol | None) -> TypeGuard[T5ModelProvider]:
     """Whether ``model_config`` describes a T5 (encoder-decoder) model."""
     from bridge.train.models.t5_provider import T5ModelProvider
 
     return isinstance(model_config, T5ModelProvider)
 
 
-def default_forward_step(model_config: Any) -> ForwardStepCallable:
+def default_forward_step(model_config: ModelConfigProtocol | None) -> ForwardStepCallable:
     """The forward step ``pretrain`` uses for ``model_config`` when none is given."""
     if is_t5(model_config):
         from bridge.train.models.t5_step import t5_forward_step
@@ -32,7 +42,11 @@ def default_forward_step(model_config: Any) -> ForwardStepCallable:
     return forward_step
 
 
-def family_tokenizer(dataset_config: Any, tokenizer_config: Any, tokenizer: Any) -> Any:
+def family_tokenizer(
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig | None,
+    tokenizer_config: TokenizerConfig | TokenizerConfigProtocol | None,
+    tokenizer: Any,
+) -> Any:
     """The tokenizer the model family's data reads: for indexed T5 data, ``tokenizer`` with
     the T5 sentinel and special tokens (:class:`bridge.train.data.t5_tokenizer.T5Tokenizer`,
     ``tokenizer.vocab_extra_ids`` sentinels); otherwise ``tokenizer`` itself."""
@@ -46,7 +60,10 @@ def family_tokenizer(dataset_config: Any, tokenizer_config: Any, tokenizer: Any)
 
 
 def build_family_datasets(
-    model_config: Any, dataset_config: Any, tokenizer: Any, num_samples: tuple[int, int, int]
+    model_config: ModelConfigProtocol | None,
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig | None,
+    tokenizer: Any,
+    num_samples: tuple[int, int, int],
 ) -> tuple[Any, Any, Any]:
     """Train, validation and test datasets for the model family.
 
@@ -57,9 +74,8 @@ def build_family_datasets(
     from bridge.train.data.datasets import build_train_valid_test_datasets
     from bridge.train.data.t5_datasets import T5DatasetConfig, build_t5_datasets
 
-    t5_data = isinstance(dataset_config, T5DatasetConfig)
     if is_t5(model_config):
-        if not t5_data:
+        if not isinstance(dataset_config, T5DatasetConfig):
             raise ConfigError(
                 "dataset",
                 "a T5 model needs T5 span-corruption data: _target_: "
@@ -72,6 +88,6 @@ def build_family_datasets(
                 f"{model_config.seq_length_dec}; they must be equal",
             )
         return build_t5_datasets(dataset_config, tokenizer, num_samples)
-    if t5_data:
+    if isinstance(dataset_config, T5DatasetConfig):
         raise ConfigError("dataset", "T5 span-corruption data needs a T5ModelProvider model")
     return build_train_valid_test_datasets(dataset_config, tokenizer, num_samples)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -43,6 +43,9 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 __all__ = [
     "Gemma3ModelProvider",
@@ -65,7 +68,13 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         eps: Added to the mean square.
     """
 
-    def __init__(self, config: Any = None, hidden_size: int = 0, eps: float = 1e-6, **_: Any):
+    def __init__(
+        self,
+        config: TransformerConfig | None = None,
+        hidden_size: int = 0,
+        eps: float = 1e-6,
+        **_: Any,
+    ):
         super().__init__()
         if getattr(config, "sequence_parallel", False):
             raise ValueError(
@@ -118,7 +127,7 @@ class LocalRopeSelfAttention(SelfAttention):
     """megatron's ``SelfAttention``; on a sliding-window layer its queries and keys rotate
     with ``config.rotary_base_local`` (default RoPE, no scaling) instead of the model's."""
 
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.local_rotary: Any = None
         if is_layer_window_attention(

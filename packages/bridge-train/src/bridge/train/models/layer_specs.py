@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
     from bridge.train.models.gpt_provider import GPTModelProvider
 
 __all__ = [
@@ -126,7 +128,7 @@ class SequenceParallelTorchNorm:
 
     def __new__(  # type: ignore[misc]
         cls,
-        config: Any,
+        config: TransformerConfig,
         hidden_size: int,
         eps: float = 1e-5,
         persist_layer_norm: bool = False,

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from bridge.config import CheckpointConfig, ModelConfigProtocol
+
+if TYPE_CHECKING:
+    from bridge.train.state import TrainState
 
 __all__ = ["install_adapter_checkpointing", "load_peft_checkpoints", "peft_checkpoint_mode"]
 
@@ -120,7 +125,7 @@ def peft_checkpoint_mode(
 
 
 @contextlib.contextmanager
-def _checkpoint_fields(checkpoint: Any, **values: Any) -> Iterator[None]:
+def _checkpoint_fields(checkpoint: CheckpointConfig, **values: Any) -> Iterator[None]:
     old = {name: getattr(checkpoint, name) for name in values}
     for name, value in values.items():
         setattr(checkpoint, name, value)
@@ -132,16 +137,29 @@ def _checkpoint_fields(checkpoint: Any, **values: Any) -> Iterator[None]:
 
 
 def load_peft_checkpoints(
-    state: Any,
+    checkpoint: CheckpointConfig,
+    train_state: TrainState,
     model: list[torch.nn.Module],
     optimizer: Any,
     scheduler: Any,
     checkpointing_context: dict[str, Any],
+    *,
+    model_config: ModelConfigProtocol | None = None,
 ) -> tuple[int, float]:
     """Load the base from ``pretrained_checkpoint``, then resume adapters if there are any.
 
-    ``state.cfg.checkpoint.load`` names the run to resume (``None``: start adapters afresh
-    at iteration 0).
+    ``checkpoint.load`` names the run to resume (``None``: start adapters afresh at
+    iteration 0).
+
+    Args:
+        checkpoint: The ``checkpoint`` section.
+        train_state: The run's counters (restored with the adapters).
+        model: Model chunks with the adapters applied.
+        optimizer: The optimizer, or None.
+        scheduler: The scheduler, or None.
+        checkpointing_context: From ``init_checkpointing_context``.
+        model_config: The run's model config: a checkpoint of another architecture is
+            refused when resuming (``None``: not checked).
 
     Returns:
         ``(iteration, floating_point_operations_so_far)`` of the resumed run, else ``(0, 0.0)``.
@@ -152,17 +170,22 @@ def load_peft_checkpoints(
     """
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
-    from bridge.train.checkpointing import find_latest_checkpoint, load_checkpoint
+    from bridge.train.checkpointing import find_latest_checkpoint, restore_checkpoint
 
-    checkpoint = state.cfg.checkpoint
     base = find_latest_checkpoint(checkpoint.pretrained_checkpoint)
     base_keys = frozenset(load_tensors_metadata(base.path)) if base is not None else frozenset()
     with (
         peft_checkpoint_mode(model, "base", base_keys),
         _checkpoint_fields(checkpoint, load=None, ckpt_step=None, non_persistent_ckpt_type=None),
     ):
-        load_checkpoint(
-            state, model, optimizer, scheduler, checkpointing_context=checkpointing_context
+        restore_checkpoint(
+            checkpoint,
+            train_state,
+            model,
+            optimizer,
+            scheduler,
+            model_config=model_config,
+            checkpointing_context=checkpointing_context,
         )
     if checkpoint.load is None:
         return 0, 0.0
@@ -170,7 +193,13 @@ def load_peft_checkpoints(
         peft_checkpoint_mode(model, "adapters"),
         _checkpoint_fields(checkpoint, pretrained_checkpoint=None),
     ):
-        iteration, flops = load_checkpoint(
-            state, model, optimizer, scheduler, checkpointing_context=checkpointing_context
+        iteration, flops = restore_checkpoint(
+            checkpoint,
+            train_state,
+            model,
+            optimizer,
+            scheduler,
+            model_config=model_config,
+            checkpointing_context=checkpointing_context,
         )
     return int(iteration), float(flops)

@@ -19,7 +19,11 @@ from bridge.train.loop.components.maintenance import (
 )
 from bridge.train.loop.components.metrics import MetricsProcessor
 from bridge.train.loop.components.profiler import Profiler
-from bridge.train.loop.components.standard import loop_callback_list, standard_components
+from bridge.train.loop.components.standard import (
+    close_components,
+    loop_callback_list,
+    standard_components,
+)
 
 __all__ = [
     "Checkpointer",
@@ -33,6 +37,7 @@ __all__ = [
     "SaveFunction",
     "WeightHashCheck",
     "WeightHashMismatchError",
+    "close_components",
     "loop_callback_list",
     "standard_components",
 ]

@@ -6,23 +6,24 @@ condition of :class:`bridge.resiliency.ExitConditions` (signal, duration,
 ``train.exit_interval``, a stop request), and a final save when the loop ends), commits
 finished asynchronous saves without blocking after every step and waits for them at the
 end. How a checkpoint is written is not its business: it calls a :data:`SaveFunction`
-(GPT training: :func:`bridge.train.loop.training.save_checkpoint_and_time`; MIMO plugs its
+(GPT training: :class:`bridge.train.loop.training.CheckpointWriter`; MIMO plugs its
 own) and, for asynchronous saves, a :data:`FinalizeFunction`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from bridge.config import CheckpointConfig
 from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank
+from core_utils.loop import LoopContext
 
 if TYPE_CHECKING:
-    from bridge.resiliency import ExitConditions, ExitDecision
-    from bridge.train.loop.run_loop import LoopContext
+    from bridge.resiliency import ExitConditions, ExitDecision, FaultTolerance
 
-__all__ = ["Checkpointer", "FinalizeFunction", "SaveFunction", "finalize_async_checkpoints"]
+__all__ = ["Checkpointer", "FinalizeFunction", "SaveFunction", "async_save_finalizer"]
 
 #: Writes a checkpoint of ``context`` at ``context.iteration``: ``(context, non_persistent)``.
 #: A collective; for an asynchronous save it returns once the background write is queued.
@@ -33,13 +34,22 @@ SaveFunction = Callable[["LoopContext", bool], None]
 FinalizeFunction = Callable[["LoopContext", bool], int]
 
 
-def finalize_async_checkpoints(context: LoopContext, blocking: bool) -> int:
-    """The :data:`FinalizeFunction` of bridge-train's checkpoint writer (GPT and MIMO)."""
-    from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
+def async_save_finalizer(fault_tolerance: FaultTolerance | None) -> FinalizeFunction:
+    """The :data:`FinalizeFunction` of bridge-train's checkpoint writer (GPT and MIMO).
 
-    before = pending_async_saves()
-    finalize_async_saves(context.state, blocking=blocking, terminate=blocking)
-    return before - pending_async_saves()
+    Args:
+        fault_tolerance: The run's fault-tolerance hooks (finalizing is a checkpointing
+            section), or ``None``.
+    """
+
+    def finalize(context: LoopContext, blocking: bool) -> int:
+        from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
+
+        before = pending_async_saves()
+        finalize_async_saves(fault_tolerance, blocking=blocking, terminate=blocking)
+        return before - pending_async_saves()
+
+    return finalize
 
 
 class Checkpointer(Callback):
@@ -50,16 +60,21 @@ class Checkpointer(Callback):
 
     Args:
         save: Writes one checkpoint.
-        checkpoint_config: The run's ``CheckpointConfig`` (``None``: never save).
+        checkpoint_config: The run's ``checkpoint`` section (``None``: never save).
         exit_conditions: Signal / duration / interval / stop-request exit conditions
             (``None``: only the run's length ends the loop).
         finalize: Commits finished asynchronous saves (``None``: saves are synchronous).
+
+    Attributes:
+        last_saved_iteration: Iteration of the last persistent checkpoint saved by this
+            loop (``None`` before the first one); the end of training saves one unless it
+            is the final iteration.
     """
 
     def __init__(
         self,
         save: SaveFunction,
-        checkpoint_config: Any,
+        checkpoint_config: CheckpointConfig | None,
         exit_conditions: ExitConditions | None = None,
         finalize: FinalizeFunction | None = None,
     ) -> None:
@@ -74,6 +89,29 @@ class Checkpointer(Callback):
         )
         #: The last decision of the exit conditions (``None`` before the first step).
         self.last_decision: ExitDecision | None = None
+        self.last_saved_iteration: int | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        checkpoint: CheckpointConfig | None,
+        save: SaveFunction,
+        *,
+        exit_conditions: ExitConditions | None = None,
+        fault_tolerance: FaultTolerance | None = None,
+    ) -> Checkpointer:
+        """The checkpointer of the ``checkpoint`` section: asynchronous saves are committed
+        by :func:`async_save_finalizer` when ``checkpoint.async_save`` is on.
+
+        Args:
+            checkpoint: The ``checkpoint`` section (``None``: never save).
+            save: Writes one checkpoint.
+            exit_conditions: The run's exit conditions.
+            fault_tolerance: The run's fault-tolerance hooks (for finalizing saves).
+        """
+        async_saves = checkpoint is not None and bool(checkpoint.save) and checkpoint.async_save
+        finalize = async_save_finalizer(fault_tolerance) if async_saves else None
+        return cls(save, checkpoint, exit_conditions=exit_conditions, finalize=finalize)
 
     # -- the writer ------------------------------------------------------------------------
     def save(self, context: LoopContext, *, non_persistent: bool = False) -> None:
@@ -85,7 +123,7 @@ class Checkpointer(Callback):
         """
         self.save_function(context, non_persistent)
         if not non_persistent:
-            context.state.last_saved_iteration = context.iteration
+            self.last_saved_iteration = context.iteration
         if self.finalize_function is None:
             context.saved()
 
@@ -144,12 +182,11 @@ class Checkpointer(Callback):
 
     def on_train_end(self, context: LoopContext) -> None:
         """Save the last iteration unless it was saved or the job failed; commit every save."""
-        state = context.state
         if (
             context.exit_code == 0
             and self.enabled
             and context.iteration > 0
-            and state.last_saved_iteration != context.iteration
+            and self.last_saved_iteration != context.iteration
         ):
             self.save(context)
         self.finalize(context, blocking=True)

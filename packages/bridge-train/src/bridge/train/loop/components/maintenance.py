@@ -20,7 +20,7 @@ from bridge.train.loop.forward_pre_hooks import (
 from core_utils.callbacks import Callback
 
 if TYPE_CHECKING:
-    from bridge.train.loop.run_loop import LoopContext
+    from core_utils.loop import LoopContext
 
 __all__ = [
     "DeviceSync",

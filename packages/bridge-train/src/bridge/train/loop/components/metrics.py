@@ -1,5 +1,8 @@
 """The metrics processor: the loss accumulator, memory-report flag, wall-clock history and
-console progress of the loop, and the call of the metric writers after every step."""
+console progress of the loop, and the call of the metric writers after every step.
+
+Built from the ``logger``, ``train`` and ``profiling`` sections (as
+:class:`bridge.logging.TrainingLogSettings`) and the run's counters, timers and writers."""
 
 from __future__ import annotations
 
@@ -8,19 +11,22 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from bridge.logging import ProgressReporter, training_log
+from bridge.config import ModelConfigProtocol, TrainingConfig
+from bridge.logging import LoggingState, ProgressReporter, TrainingLogSettings, log_training_step
 from bridge.train.metrics.moe import moe_track_names, report_moe_metrics
 from bridge.train.metrics.norms import calc_params_l2_norm
 from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank, global_world_size
 
 if TYPE_CHECKING:
-    from bridge.train.loop.run_loop import LoopContext
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from core_utils.loop import LoopContext
 
 __all__ = ["MetricsProcessor", "learning_rates"]
 
 
-def learning_rates(optimizer: Any) -> tuple[float | None, float | None]:
+def learning_rates(optimizer: MegatronOptimizer) -> tuple[float | None, float | None]:
     """``(learning rate, decoupled learning rate)`` of the optimizer's parameter groups."""
     learning_rate: float | None = None
     decoupled: float | None = None
@@ -41,9 +47,8 @@ def _stdout_is_terminal() -> bool:
         return False
 
 
-def _total_iterations(cfg: Any) -> int | None:
+def _total_iterations(train: TrainingConfig) -> int | None:
     """Iterations of the whole run (estimated for sample-based runs with ramp-up)."""
-    train = cfg.train
     if train.train_iters is not None:
         return int(train.train_iters)
     if train.train_samples is not None and train.global_batch_size:
@@ -52,19 +57,23 @@ def _total_iterations(cfg: Any) -> int | None:
 
 
 class MetricsProcessor(Callback):
-    """Calls :func:`bridge.logging.training_log` after every completed step, holding the
-    state it carries between steps. A mixture-of-experts model's auxiliary losses are
-    reported first (:func:`bridge.train.metrics.moe.report_moe_metrics`), so they join the
-    interval's losses.
+    """Calls :func:`bridge.logging.log_training_step` (the reference's ``training_log``)
+    after every completed step, holding the state it carries between steps. A
+    mixture-of-experts model's auxiliary losses are reported first
+    (:func:`bridge.train.metrics.moe.report_moe_metrics`), so they join the interval's
+    losses.
 
     The step's losses and gradient norm are handed over as the step left them (tensors on
-    the device when they are); ``training_log`` reads them on the host only for a metric
+    the device when they are); the logging reads them on the host only for a metric
     record or console line. The progress bar (last rank, on a terminal) reads the loss
     every step only when it is shown.
 
     Args:
-        state: The run's global state (config, writers, timers, counters).
-        seq_length: Tokens per sample for throughput metrics (``None``: from the config).
+        settings: The ``logger``, ``train`` and ``profiling`` sections, tokens per sample
+            and the data-parallel size.
+        state: The run's counters, timers, metric writers and start time.
+        model_config: The model config (``bf16``), for ``logger.log_params_norm``.
+        loaded_iteration: Iteration this job resumed from (0 for a fresh run).
         progress: Show the progress bar (default: on the last rank when stdout is a
             terminal).
 
@@ -75,14 +84,22 @@ class MetricsProcessor(Callback):
     """
 
     def __init__(
-        self, state: Any, *, seq_length: int | None = None, progress: bool | None = None
+        self,
+        settings: TrainingLogSettings,
+        state: LoggingState,
+        *,
+        model_config: ModelConfigProtocol | None = None,
+        loaded_iteration: int = 0,
+        progress: bool | None = None,
     ) -> None:
-        cfg = state.cfg
-        logger_cfg = cfg.logger
-        self.seq_length = seq_length or int(getattr(cfg.model, "seq_length", 0) or 0) or None
+        self.settings = settings
+        self.state = state
+        self.model_config = model_config
+        self.loaded_iteration = loaded_iteration
+        logger_cfg = settings.logger
         window = max(
             state.metric_writers.report_settings.throughput_window_size or 0,
-            getattr(logger_cfg, "throughput_window_size", None) or 0,
+            logger_cfg.throughput_window_size or 0,
             logger_cfg.log_interval,
         )
         # bridge.logging reads at most window + 1 timestamps.
@@ -90,9 +107,9 @@ class MetricsProcessor(Callback):
         self.total_loss_dict: dict[str, Any] = {}
         self.report_memory_flag = True
         self.log_params_norm = bool(logger_cfg.log_params_norm)
-        self.moe = bool(moe_track_names(cfg.model))
+        self.moe = bool(moe_track_names(model_config))
         self.tensorboard_interval = int(logger_cfg.tensorboard_log_interval)
-        total = _total_iterations(cfg)
+        total = _total_iterations(settings.train)
         step = int(state.train_state.step)
         if progress is None:
             last = global_rank() == global_world_size() - 1
@@ -111,12 +128,11 @@ class MetricsProcessor(Callback):
         assert result is not None
         if not result.completed:
             return
-        state = context.state
-        cfg = state.cfg
+        state = self.state
         self.history_wct.append(time.time() - state.start_time)
         learning_rate, decoupled_learning_rate = learning_rates(context.optimizer)
         params_norm = (
-            calc_params_l2_norm(context.model, cfg.model) if self.log_params_norm else None
+            calc_params_l2_norm(context.model, self.model_config) if self.log_params_norm else None
         )
         if self.moe:
             # Every rank (the reduction is collective); written at TensorBoard intervals.
@@ -125,13 +141,13 @@ class MetricsProcessor(Callback):
             writers = state.metric_writers
             due = context.iteration % self.tensorboard_interval == 0
             report_moe_metrics(
-                cfg.model,
+                self.model_config,
                 context.iteration,
                 get_num_microbatches(),
                 writers if writers.enabled and due else None,
                 self.total_loss_dict,
             )
-        self.report_memory_flag = training_log(
+        self.report_memory_flag = log_training_step(
             result.losses,
             self.total_loss_dict,
             learning_rate,
@@ -143,12 +159,11 @@ class MetricsProcessor(Callback):
             result.grad_norm,
             params_norm,
             result.num_zeros_in_grad,
-            cfg,
+            self.settings,
             state,
             self.history_wct,
             context.model,
-            loaded_iteration=state.loaded_iteration,
-            seq_length=self.seq_length,
+            loaded_iteration=self.loaded_iteration,
         )
         if self.progress.enabled and "lm loss" in result.losses:
             self.progress.update(context.iteration, {"lm loss": float(result.losses["lm loss"])})

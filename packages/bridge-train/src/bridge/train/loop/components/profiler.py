@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
 
 import torch
 
+from bridge.config import ProfilingConfig
 from bridge.train.loop.profiling import (
     TNvtxContext,
     should_profile_rank,
@@ -15,9 +16,7 @@ from bridge.train.loop.profiling import (
     stop_profiler,
 )
 from core_utils.callbacks import Callback
-
-if TYPE_CHECKING:
-    from bridge.train.loop.run_loop import LoopContext
+from core_utils.loop import LoopContext
 
 __all__ = ["Profiler", "step_profiler"]
 
@@ -26,7 +25,7 @@ def step_profiler(
     prof: torch.profiler.profile | None,
     nsys_nvtx_context: TNvtxContext | None,
     iteration: int,
-    profiling: Any,
+    profiling: ProfilingConfig | None,
 ) -> bool:
     """Step the torch profiler after ``iteration``; stop profiling at its end step.
 
@@ -47,13 +46,15 @@ class Profiler(Callback):
     """Profiles iterations ``[profile_step_start, profile_step_end)`` on the chosen ranks.
 
     Args:
-        cfg: The run's ``ConfigContainer`` (its ``profiling`` section; ``None``: off).
+        profiling: The ``profiling`` section.
+        trace_dir: Where the torch profiler writes its trace (see
+            :func:`bridge.train.loop.profiling.profile_trace_dir`).
     """
 
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.profiling = cfg.profiling
-        self.active_here = self.profiling is not None and should_profile_rank(self.profiling)
+    def __init__(self, profiling: ProfilingConfig, trace_dir: Path | None) -> None:
+        self.profiling = profiling
+        self.trace_dir = trace_dir
+        self.active_here = should_profile_rank(profiling)
         self.prof: torch.profiler.profile | None = None
         self.nsys_context: TNvtxContext | None = None
 
@@ -70,7 +71,7 @@ class Profiler(Callback):
             and not self.running
             and profiling.profile_step_start <= context.iteration < profiling.profile_step_end
         ):
-            self.prof, self.nsys_context = start_profiler(self.cfg)
+            self.prof, self.nsys_context = start_profiler(profiling, self.trace_dir)
 
     def on_step_end(self, context: LoopContext) -> None:
         """Step the profiler; stop it after the last profiled iteration."""

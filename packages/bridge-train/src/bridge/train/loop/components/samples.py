@@ -23,7 +23,7 @@ from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank
 
 if TYPE_CHECKING:
-    from bridge.train.loop.run_loop import LoopContext
+    from core_utils.loop import LoopContext
 
 __all__ = ["GenerationSamples"]
 
@@ -39,6 +39,8 @@ class GenerationSamples(Callback):
         seq_length: The model's context (``model.seq_length``).
         toggle_forward_pre_hooks: Disable forward pre-hooks while generating (the distributed
             optimizer's overlapped parameter gather), as around evaluation.
+        metric_writers: Where the completions are recorded as a table (``None``: printed
+            only).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class GenerationSamples(Callback):
         seq_length: int,
         *,
         toggle_forward_pre_hooks: bool = False,
+        metric_writers: Any = None,
     ) -> None:
         from bridge.train.generate.options import SamplingOptions
 
@@ -55,6 +58,7 @@ class GenerationSamples(Callback):
         self.tokenizer = tokenizer
         self.seq_length = int(seq_length)
         self.toggle = toggle_forward_pre_hooks
+        self.metric_writers = metric_writers
         self.evaluations = 0
         if section.greedy:
             self.options = SamplingOptions(section.max_new_tokens, stop=tuple(section.stop))
@@ -108,8 +112,8 @@ class GenerationSamples(Callback):
             for number, (prompt, text) in enumerate(rows, start=1):
                 lines.append(f"  [{number}] {prompt!r} -> {text!r}")
             print("\n".join(lines), flush=True)
-        writers = context.state.metric_writers
-        if writers.enabled:
+        writers = self.metric_writers
+        if writers is not None and writers.enabled:
             writers.log_table(self.section.tag, ["prompt", "completion"], rows, iteration)
 
     def generate(self, model: list[Any]) -> list[Any]:

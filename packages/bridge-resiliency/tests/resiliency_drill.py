@@ -1,19 +1,24 @@
-"""A tiny distributed training loop wired to every bridge.resiliency hook, for fault drills.
+"""The fault drills' trainer: a tiny distributed run wired to every bridge.resiliency hook.
 
-It is the reference integration of the package (the order of calls a trainer makes) and a
-fault-injection drill you can run under a launcher to check a setup end to end::
+A test helper of bridge-resiliency (not part of the shipped package). It is the reference
+integration of the package (the order of calls a trainer makes) and a fault-injection drill
+that runs under a launcher to check a setup end to end::
 
-    torchrun --nproc-per-node=2 --max-restarts=2 -m bridge.resiliency.testing \\
+    uv run torchrun --nproc-per-node=2 --max-restarts=2 \\
+        packages/bridge-resiliency/tests/resiliency_drill.py \\
         --save-dir /tmp/drill --train-iters 100 --fault-plan rank_killed,rank_hung \\
         --hang-timeout step:10,setup:60,checkpointing:60
 
     ft_launcher --nproc-per-node=2 --max-restarts=2 --ft-enable-nic-monitor=false \\
         --ft-rank-section-timeouts=setup:60,step:10,checkpointing:60 \\
-        --ft-rank-out-of-section-timeout=10 -m bridge.resiliency.testing \\
+        --ft-rank-out-of-section-timeout=10 packages/bridge-resiliency/tests/resiliency_drill.py \\
         --save-dir /tmp/drill --enable-ft-package --calc-ft-timeouts --fault-plan rank_hung
 
-Fault-tolerance heartbeats, straggler reports and NVRx straggler polls are the components
-of :mod:`bridge.resiliency.loop_components`, the same objects bridge-train's loop runs.
+The loop is the stack's one training loop, :func:`core_utils.loop.run_loop`, as
+bridge-train's: a tiny step function, and as components the resiliency objects of
+:class:`bridge.resiliency.RunResiliency` in :mod:`bridge.resiliency.loop_components`
+(fault-tolerance heartbeats, straggler reports, NVRx straggler polls, the same objects
+bridge-train's loop runs) followed by the drill's recorder and checkpointer.
 The model is a two-layer MLP trained with Adam on data that depends only on the iteration
 and the rank, with gradients averaged by an all-reduce (what DDP does), so a run that is
 interrupted and resumed reaches the same weights and losses bit for bit as one that was not.
@@ -47,20 +52,24 @@ from bridge.config import (
     TrainingConfig,
 )
 from bridge.config.atomic_files import atomic_write, fsync_directory
-from bridge.resiliency.elastic import init_process_group, restart_count
-from bridge.resiliency.errors import ResiliencyError
-from bridge.resiliency.exit_conditions import ExitConditions, ExitDecision
-from bridge.resiliency.fault_tolerance import FaultTolerance
-from bridge.resiliency.hang_watchdog import WatchdogTimeouts
-from bridge.resiliency.loop_components import (
+from bridge.resiliency import (
+    ExitConditions,
+    ExitDecision,
+    FaultTolerance,
     FaultToleranceHeartbeat,
+    NVRxStragglerMonitor,
     NVRxStragglerPoll,
+    ResiliencyError,
+    RunResiliency,
     StragglerReporter,
+    StragglerTiming,
+    WatchdogTimeouts,
+    init_process_group,
+    restart_count,
 )
-from bridge.resiliency.nvrx_straggler import NVRxStragglerMonitor
-from bridge.resiliency.straggler import StragglerTiming
-from core_utils.callbacks import CallbackList
+from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import dist_ready, global_rank, global_world_size
+from core_utils.loop import LoopContext, StepResult, run_loop
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -475,14 +484,155 @@ def _report_naming_last_rank(world: int) -> _StragglerReport:
 
 @dataclass
 class _DrillProgress:
-    """The loop context the resiliency components read (:class:`LoopProgress`)."""
+    """The drill's counters (:class:`core_utils.loop.TrainProgress`)."""
 
-    flops_per_iteration: float
-    iteration: int = 0
+    step: int = 0
+    consumed_train_samples: int = 0
+    skipped_train_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
 
-    @property
-    def step_flops(self) -> float:
-        return self.flops_per_iteration
+
+class _DrillStep:
+    """One iteration of the tiny model: the loop's step function.
+
+    Straggler timing covers data loading and the forward (megatron's stimer): the backward's
+    gradient all-reduce is where fast ranks wait for slow ones.
+    """
+
+    def __init__(
+        self,
+        options: TinyRunOptions,
+        model: _TinyModel,
+        optimizer: _TinyAdam,
+        timing: StragglerTiming,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.options, self.model, self.optimizer = options, model, optimizer
+        self.timing, self.rank, self.world = timing, rank, world
+        n_params = sum(p.numel() for p in model.parameters())
+        self.flops = 6.0 * n_params * 8 * world
+
+    def __call__(self, context: LoopContext) -> StepResult:
+        options, model = self.options, self.model
+        self.optimizer.zero_grad()
+        with self.timing.data():
+            x, y = _batch(options.seed, context.iteration, self.rank)
+        with self.timing.step():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            pause = options.step_sleep
+            if options.slow_rank == self.rank:
+                pause += options.slow_rank_sleep
+            if pause > 0:
+                time.sleep(pause)
+        loss.backward()
+        if dist_ready() and self.world > 1:
+            for param in model.parameters():
+                assert param.grad is not None
+                dist.all_reduce(param.grad)
+                param.grad.div_(self.world)
+        self.optimizer.step()
+        return StepResult(
+            losses={"loss": loss.detach()}, num_samples=8 * self.world, flops=self.flops
+        )
+
+
+class _DrillRecorder(Callback):
+    """Records every step's loss (``float.hex``, exact) and event; at
+    ``nvrx_straggler_report_at`` rank 0's NVRx monitor evaluates a report naming the last
+    rank a straggler (NVRx's detector that would produce it needs CUDA and CUPTI)."""
+
+    def __init__(
+        self,
+        result: TinyRunResult,
+        events: _EventLog,
+        options: TinyRunOptions,
+        monitor: NVRxStragglerMonitor | None,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.result, self.events, self.options = result, events, options
+        self.monitor, self.rank, self.world = monitor, rank, world
+
+    def on_step_end(self, context: LoopContext) -> None:
+        step_result = context.step_result
+        assert step_result is not None
+        iteration = context.iteration
+        loss = float(step_result.losses["loss"].item())
+        self.result.losses[iteration] = loss.hex()
+        self.events.write("step", iteration=iteration, loss=self.result.losses[iteration])
+        if (
+            self.rank == 0
+            and self.monitor is not None
+            and iteration == self.options.nvrx_straggler_report_at
+        ):
+            self.monitor.evaluate(_report_naming_last_rank(self.world))
+            self.events.write("straggler_report", iteration=iteration)
+
+
+class _DrillCheckpointer(Callback):
+    """The drill's save decisions: every ``save_interval`` iterations and at the end (with
+    the fault plan's kills inside saves), then the exit conditions (one more save when an
+    exit needs it); an exit stops the loop."""
+
+    def __init__(
+        self,
+        checkpointer: StepCheckpointer,
+        state: Callable[[], dict[str, Any]],
+        exits: ExitConditions,
+        fault_tolerance: FaultTolerance,
+        result: TinyRunResult,
+        events: _EventLog,
+        options: TinyRunOptions,
+        plan: str,
+        attempt: int,
+        rank: int,
+    ) -> None:
+        self.checkpointer, self.state, self.exits = checkpointer, state, exits
+        self.fault_tolerance, self.result, self.events = fault_tolerance, result, events
+        self.options, self.plan, self.attempt, self.rank = options, plan, attempt, rank
+        self.saves_this_attempt = 0
+
+    def on_step_end(self, context: LoopContext) -> None:
+        options, rank, events = self.options, self.rank, self.events
+        iteration = context.iteration
+        saved = False
+        if iteration % options.save_interval == 0 or iteration == options.train_iters:
+            before_commit: Callable[[Path], None] | None = None
+            before_tracker: Callable[[Path], None] | None = None
+            first_save = self.saves_this_attempt == 0
+            if rank == 0 and (
+                (self.plan == "kill_mid_save" and first_save)
+                or (options.kill_during_save_at == iteration and self.attempt == 0)
+            ):
+                before_commit = functools.partial(
+                    _kill_in_save, events, "killing_mid_save", iteration
+                )
+            elif rank == 0 and self.plan == "kill_before_tracker" and first_save:
+                before_tracker = functools.partial(
+                    _kill_in_save, events, "killing_before_tracker", iteration
+                )
+            with self.fault_tolerance.checkpointing():
+                saved = self.checkpointer.save(
+                    iteration,
+                    self.state(),
+                    before_commit=before_commit,
+                    before_tracker=before_tracker,
+                )
+            self.saves_this_attempt += int(saved)
+        decision = self.exits.check(iteration, saved_this_iteration=saved)
+        if decision.should_save:
+            slow_commit: Callable[[Path], None] | None = None
+            if options.exit_save_delay > 0:
+                slow_commit = functools.partial(
+                    _pause_in_save, events, iteration, options.exit_save_delay
+                )
+            with self.fault_tolerance.checkpointing():
+                self.checkpointer.save(iteration, self.state(), before_commit=slow_commit)
+        self.result.decision = decision
+        if decision.should_exit:
+            events.write("exit", iteration=iteration, reason=decision.reason)
+            context.request_stop(decision.message, decision.exit_code)
 
 
 def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
@@ -507,36 +657,28 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
     plan = _attempt_plan(options, attempt)
 
     # 1. Build the resiliency objects from config sections (before the model).
-    ft = FaultTolerance.from_config(
-        _fault_config(options, plan),
-        checkpoint_dir=options.save_dir,
-        rank=rank,
-        world_size=world,
-        hang_timeout=options.hang_timeout,
-    )
-    nvrx_stragglers = NVRxStragglerMonitor.from_config(
-        NVRxStragglerDetectionConfig(
+    resiliency = RunResiliency.build(
+        ft=_fault_config(options, plan),
+        straggler=StragglerDetectionConfig(
+            log_straggler=options.log_straggler, straggler_ctrlr_port=options.straggler_port
+        ),
+        nvrx_straggler=NVRxStragglerDetectionConfig(
             enabled=options.nvrx_straggler_report_at is not None, stop_if_detected=True
         ),
-        rank=rank,
-    )
-    exits = ExitConditions.from_config(
-        TrainingConfig(
+        train=TrainingConfig(
             train_iters=options.train_iters,
             exit_signal_handler=options.exit_signal_handler,
             exit_interval=options.exit_interval,
             exit_duration_in_mins=options.exit_duration_in_mins,
         ),
-        save_enabled=True,
-        stop_requesters=[nvrx_stragglers],
-    )
-    timing = StragglerTiming.from_config(
-        StragglerDetectionConfig(
-            log_straggler=options.log_straggler, straggler_ctrlr_port=options.straggler_port
-        ),
-        world_size=world,
+        checkpoint_dir=options.save_dir,
+        hang_timeout=options.hang_timeout,
         rank=rank,
+        world_size=world,
     )
+    ft = resiliency.fault_tolerance
+    exits = resiliency.exit_conditions
+    assert exits is not None
     checkpointer = StepCheckpointer(
         options.save_dir,
         rank=rank,
@@ -551,116 +693,52 @@ def run_tiny_training(options: TinyRunOptions) -> TinyRunResult:
         model = _TinyModel()
         optimizer = _TinyAdam(list(model.parameters()), lr=1e-2)
         loaded = checkpointer.load()
-        iteration = 0
+        progress = _DrillProgress()
         if loaded is not None:
             model.load_state_dict(loaded.state["model"])
             optimizer.load_state_dict(loaded.state["optimizer"])
-            iteration = loaded.iteration
-        result.start_iteration = iteration
+            progress.step = loaded.iteration
+        result.start_iteration = progress.step
         result.ft_monitor = ft.monitor
         result.ft_timeouts = ft.timeouts()
         events.write(
             "start",
-            iteration=iteration,
+            iteration=progress.step,
             world=world,
             ft_monitor=ft.monitor,
             ft_timeouts=result.ft_timeouts,
         )
         ft.on_setup_end(checkpoint_loaded=loaded is not None)
 
-        n_params = sum(p.numel() for p in model.parameters())
-        progress = _DrillProgress(flops_per_iteration=6.0 * n_params * 8 * world)
-        stragglers = StragglerReporter(timing, options.log_interval)
-        result.slowest_ranks = stragglers.slowest_ranks  # the reporter appends to it
-        # The same components bridge-train's loop runs, in its order.
-        components = CallbackList(
-            [FaultToleranceHeartbeat(ft), stragglers, NVRxStragglerPoll(nvrx_stragglers)]
-        )
-
         def state() -> dict[str, Any]:
             return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
-        saves_this_attempt = 0
-        # 3. The loop.
-        while iteration < options.train_iters:
-            progress.iteration = iteration
-            components.on_step_start(progress)
-            optimizer.zero_grad()
-            # Straggler timing covers data loading and the forward (megatron's stimer): the
-            # backward's gradient all-reduce is where fast ranks wait for slow ones.
-            with timing.data():
-                x, y = _batch(options.seed, iteration, rank)
-            with timing.step():
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                pause = options.step_sleep
-                if options.slow_rank == rank:
-                    pause += options.slow_rank_sleep
-                if pause > 0:
-                    time.sleep(pause)
-            loss.backward()
-            if dist_ready() and world > 1:
-                for param in model.parameters():
-                    assert param.grad is not None
-                    dist.all_reduce(param.grad)
-                    param.grad.div_(world)
-            optimizer.step()
-            iteration += 1
-            progress.iteration = iteration
-            # Heartbeat, straggler report every log_interval, NVRx assessments.
-            components.on_step_end(progress)
-            result.losses[iteration] = float(loss.item()).hex()
-            events.write("step", iteration=iteration, loss=result.losses[iteration])
-            if rank == 0 and iteration == options.nvrx_straggler_report_at:
-                nvrx_stragglers.evaluate(_report_naming_last_rank(world))
-                events.write("straggler_report", iteration=iteration)
-
-            saved = False
-            if iteration % options.save_interval == 0 or iteration == options.train_iters:
-                before_commit: Callable[[Path], None] | None = None
-                before_tracker: Callable[[Path], None] | None = None
-                first_save = saves_this_attempt == 0
-                if rank == 0 and (
-                    (plan == "kill_mid_save" and first_save)
-                    or (options.kill_during_save_at == iteration and attempt == 0)
-                ):
-                    before_commit = functools.partial(
-                        _kill_in_save, events, "killing_mid_save", iteration
-                    )
-                elif rank == 0 and plan == "kill_before_tracker" and first_save:
-                    before_tracker = functools.partial(
-                        _kill_in_save, events, "killing_before_tracker", iteration
-                    )
-                with ft.checkpointing():
-                    saved = checkpointer.save(
-                        iteration,
-                        state(),
-                        before_commit=before_commit,
-                        before_tracker=before_tracker,
-                    )
-                saves_this_attempt += int(saved)
-            decision = exits.check(iteration, saved_this_iteration=saved)
-            if decision.should_save:
-                slow_commit: Callable[[Path], None] | None = None
-                if options.exit_save_delay > 0:
-                    slow_commit = functools.partial(
-                        _pause_in_save, events, iteration, options.exit_save_delay
-                    )
-                with ft.checkpointing():
-                    checkpointer.save(iteration, state(), before_commit=slow_commit)
-            result.decision = decision
-            if decision.should_exit:
-                events.write("exit", iteration=iteration, reason=decision.reason)
-                break
-        result.iteration = iteration
+        # 3. The loop: the components bridge-train's loop runs, in its order, then the
+        # drill's recorder and checkpointer.
+        stragglers = StragglerReporter(resiliency.straggler_timing, options.log_interval)
+        result.slowest_ranks = stragglers.slowest_ranks  # the reporter appends to it
+        components: list[Callback] = [FaultToleranceHeartbeat(ft), stragglers]
+        if resiliency.nvrx_straggler is not None:
+            components.append(NVRxStragglerPoll(resiliency.nvrx_straggler))
+        components += [
+            _DrillRecorder(result, events, options, resiliency.nvrx_straggler, rank, world),
+            _DrillCheckpointer(
+                checkpointer, state, exits, ft, result, events, options, plan, attempt, rank
+            ),
+        ]
+        context = LoopContext(
+            progress, [model], optimizer, None, callbacks=CallbackList(components)
+        )
+        step = _DrillStep(options, model, optimizer, resiliency.straggler_timing, rank, world)
+        run_loop(context, step, lambda c: c.iteration >= options.train_iters)
+        result.iteration = context.iteration
         result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        events.write("finished", iteration=iteration)
+        events.write("finished", iteration=context.iteration)
         clean = True
     finally:
         # 4. Teardown: computed timeouts are stored only after a clean finish.
-        ft.shutdown(clean=clean)
-        nvrx_stragglers.shutdown()
-        timing.close()
-        exits.close()
+        for _, action in resiliency.teardown_steps(clean):
+            action()
     return result
 
 
@@ -673,7 +751,7 @@ def _hang_timeouts_argument(text: str) -> WatchdogTimeouts:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bridge.resiliency.testing",
+        prog="resiliency_drill.py",
         description="Tiny distributed training loop for fault-tolerance drills.",
     )
     for f in dataclasses.fields(TinyRunOptions):

@@ -11,26 +11,55 @@
     callbacks.on_train_end(context)
 
 Everything else (metrics and logging, evaluation, checkpoint and exit decisions, profiler,
-fault-tolerance heartbeats, straggler timing, weight-hash checks, garbage collection) is a
-:class:`core_utils.Callback` component in the :class:`core_utils.CallbackList` the context
-carries (see :mod:`bridge.train.loop.components`); users' callbacks follow the
-components and see the same :class:`LoopContext`. GPT training passes
-:func:`bridge.train.loop.training.run_train_step` (through ``gpt_step_function``); MIMO passes
-its own step function.
+fault-tolerance heartbeats, straggler timing, garbage collection) is a :class:`Callback`
+component in the :class:`CallbackList` the context carries; users' callbacks join the same
+list and see the same :class:`LoopContext`. Every training loop of the stack is this one:
+bridge-train's GPT pretraining and finetuning, its MIMO recipe, bridge.mimo's
+``train_mimo`` and the resiliency drills each pass their own step function and components.
+
+The loop knows nothing about models, configs or the trainer's state: the context carries
+the progress counters (any object with the fields of :class:`TrainProgress`), the model,
+optimizer, scheduler and iterators as the step and the components use them, and, for the
+user's callbacks, the trainer's own state object if it has one (``state``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from bridge.train.state import GlobalState, TrainState
 from core_utils.callbacks import CallbackList
 
-__all__ = ["LoopContext", "StepFunction", "StepResult", "advance_train_state", "run_loop"]
+__all__ = [
+    "LoopContext",
+    "StepFunction",
+    "StepResult",
+    "TrainProgress",
+    "advance_train_state",
+    "run_loop",
+]
+
+
+class TrainProgress(Protocol):
+    """The progress counters the loop advances after every completed step.
+
+    bridge-train's ``TrainState`` has them; a loop of one's own can pass any object with
+    these attributes (a small dataclass).
+
+    Attributes:
+        step: Iterations completed.
+        consumed_train_samples: Training samples consumed (over all data-parallel ranks).
+        skipped_train_samples: Samples of iterations whose update was skipped.
+        floating_point_operations_so_far: FLOPs executed so far.
+    """
+
+    step: int
+    consumed_train_samples: int
+    skipped_train_samples: int
+    floating_point_operations_so_far: float
 
 
 @dataclass
@@ -39,7 +68,7 @@ class StepResult:
 
     Values stay where the step left them: losses (and, where the optimizer returns tensors,
     the gradient norm and zero count) are tensors on the training device, so reading them
-    on the host (``float(...)``) waits for the device; the metrics processor does that only
+    on the host (``float(...)``) waits for the device; the metrics component does that only
     when a log line or metric record needs them.
 
     Attributes:
@@ -50,7 +79,7 @@ class StepResult:
         num_zeros_in_grad: Zeros in the gradient, when counted.
         should_checkpoint: The rerun state machine asks for a checkpoint.
         should_exit: The rerun state machine stops the job: the iteration did not
-            complete (``train_state`` is not advanced).
+            complete (the progress counters are not advanced).
         exit_code: The process exit code the rerun state machine asks for.
         num_samples: Samples of the global batch this iteration trained on.
         flops: Floating-point operations of this iteration (all ranks).
@@ -74,7 +103,7 @@ class StepResult:
     def as_tuple(
         self,
     ) -> tuple[dict[str, torch.Tensor], int, bool, bool, int, float | None, int | None]:
-        """The reference's 7-tuple ``(loss_dict, skipped_iter, should_checkpoint, should_exit,
+        """Megatron's 7-tuple ``(loss_dict, skipped_iter, should_checkpoint, should_exit,
         exit_code, grad_norm, num_zeros_in_grad)`` with host values for the norms."""
         return (
             self.losses,
@@ -92,26 +121,30 @@ class LoopContext:
     """The state every component and callback sees (the ``context`` of every hook).
 
     Attributes:
-        state: The run's global state (config, counters, timers, writers, resiliency).
+        train_state: The run's progress counters (advanced by :func:`run_loop`).
         model: Model chunks.
         optimizer: The optimizer.
         scheduler: The learning-rate scheduler.
-        train_data_iterator: Training iterator (its position is saved in checkpoints).
+        train_data_iterator: Training iterator.
         valid_data_iterator: Validation iterator, if any.
-        callbacks: The loop's components followed by the user's callbacks.
+        callbacks: The loop's components and the user's callbacks.
+        state: The trainer's own state object, for the user's callbacks (bridge-train:
+            its ``GlobalState``); ``None`` where the loop has none. Components never read
+            it: they are built with what they need.
         step_result: The latest iteration's result (``None`` before the first step).
         stop_requested: A component asked the loop to stop after this iteration.
         stop_reason: Why (the first request's reason).
         exit_code: The process exit code :func:`run_loop` returns.
     """
 
-    state: GlobalState
-    model: list[torch.nn.Module]
+    train_state: TrainProgress
+    model: list[Any]
     optimizer: Any
     scheduler: Any
     train_data_iterator: Any = None
     valid_data_iterator: Any = None
     callbacks: CallbackList = field(default_factory=CallbackList)
+    state: Any = None
     step_result: StepResult | None = None
     stop_requested: bool = False
     stop_reason: str | None = None
@@ -120,17 +153,7 @@ class LoopContext:
     @property
     def iteration(self) -> int:
         """Iterations completed so far (``train_state.step``)."""
-        return int(self.state.train_state.step)
-
-    @property
-    def train_state(self) -> TrainState:
-        """The run's progress counters (saved in checkpoints)."""
-        return self.state.train_state
-
-    @property
-    def config(self) -> Any:
-        """The run's ``ConfigContainer``."""
-        return self.state.cfg
+        return int(self.train_state.step)
 
     @property
     def step_flops(self) -> float:
@@ -142,7 +165,8 @@ class LoopContext:
         """Ask the loop to stop after the current iteration's components have run.
 
         The first request names the reason; a later non-zero exit code replaces a zero one,
-        so a failure is never reported as success.
+        so a failure is never reported as success. Every rank must take the same decision
+        (a component that stops on a rank-local condition reduces it first).
 
         Args:
             reason: Why, for the log (e.g. ``"exit signal received"``).
@@ -178,7 +202,7 @@ class LoopContext:
 StepFunction = Callable[[LoopContext], StepResult]
 
 
-def advance_train_state(train_state: TrainState, result: StepResult) -> None:
+def advance_train_state(train_state: TrainProgress, result: StepResult) -> None:
     """Count a completed iteration: step, consumed (and skipped) samples, FLOPs."""
     train_state.step += 1
     train_state.consumed_train_samples += result.num_samples
@@ -210,7 +234,7 @@ def run_loop(
         result = step(context)
         context.step_result = result
         if result.completed:
-            advance_train_state(context.state.train_state, result)
+            advance_train_state(context.train_state, result)
         else:
             context.request_stop("the rerun state machine stopped the job", result.exit_code)
         callbacks.on_step_end(context)

@@ -1,0 +1,162 @@
+"""The ``mimo`` recipe's rules about config sections (see :mod:`bridge.train.checks.rules`
+for the convention): what its sections must hold, and the settings the recipe does not
+implement, refused instead of ignored.
+
+The recipe trains bridge.mimo's tiny vision-language model on synthetic data with its own
+per-module layout (:mod:`bridge.train.models.mimo`): the ``model`` section is a
+:class:`~bridge.train.models.mimo.MimoModelConfig` (whose own checks cover the model's
+sizes), batch sizes count samples over all replicas of a module, and it has no dataset,
+tokenizer, adapters, communication-overlap or mixed-precision settings, no evaluation and no
+rerun state machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bridge.config import (
+    ConfigError,
+    OptimizerConfigProtocol,
+    RerunStateMachineConfig,
+    SchedulerConfig,
+    TrainingConfig,
+)
+from bridge.train.models.mimo import MimoModelConfig, mimo_layout
+
+__all__ = [
+    "REQUIRED_SECTIONS",
+    "check_required_sections",
+    "layout_fits_world_and_batches",
+    "learning_rate_is_set",
+    "length_and_batch_sizes_are_set",
+    "no_rerun_state_machine",
+    "schedule_fits_run",
+    "section_is_unused",
+    "unsupported_train_settings",
+]
+
+#: Sections every ``mimo`` run needs.
+REQUIRED_SECTIONS = ("train", "optimizer", "scheduler", "logger", "checkpoint")
+
+
+def check_required_sections(sections: dict[str, Any]) -> None:
+    """The sections the recipe cannot do without are there and ``model`` is its config.
+
+    Args:
+        sections: Section name -> value, for :data:`REQUIRED_SECTIONS` and ``model``.
+    """
+    for name in REQUIRED_SECTIONS:
+        if sections.get(name) is None:
+            raise ConfigError(name, "required section is missing")
+    if not isinstance(sections.get("model"), MimoModelConfig):
+        raise ConfigError(
+            "model._target_", "the mimo recipe needs bridge.train.models.mimo.MimoModelConfig"
+        )
+
+
+def length_and_batch_sizes_are_set(train: TrainingConfig) -> None:
+    """The run's length and both batch sizes are set (nothing derives them for MIMO)."""
+    if train.train_iters is None or train.train_iters < 1:
+        raise ConfigError("train.train_iters", "set how many iterations to train (>= 1)")
+    if train.global_batch_size is None or train.micro_batch_size is None:
+        raise ConfigError(
+            "train.global_batch_size",
+            "the mimo recipe needs train.global_batch_size and train.micro_batch_size (both "
+            "count samples over all replicas of a module)",
+        )
+
+
+def unsupported_train_settings(train: TrainingConfig) -> None:
+    """``train`` settings the recipe's loop does not implement."""
+    if train.eval_interval is not None and train.eval_iters > 0:
+        raise ConfigError(
+            "train.eval_interval",
+            f"got {train.eval_interval} with train.eval_iters={train.eval_iters}; the MIMO "
+            "recipe does not support evaluation: set train.eval_interval=null (or "
+            "train.eval_iters=0)",
+        )
+    if train.skip_train:
+        raise ConfigError(
+            "train.skip_train",
+            "got true; the MIMO recipe does not support it (it only trains): set "
+            "train.skip_train=false",
+        )
+    interval = train.check_weight_hash_across_dp_replicas_interval
+    if interval:
+        raise ConfigError(
+            "train.check_weight_hash_across_dp_replicas_interval",
+            f"got {interval}; the MIMO recipe's modules have data-parallel groups of their "
+            "own, which megatron's weight-hash check does not know: unset it",
+        )
+
+
+def layout_fits_world_and_batches(
+    model: MimoModelConfig, train: TrainingConfig, world_size: int
+) -> None:
+    """``model.layout`` places every module on the launched world and the batch sizes
+    divide every module's data-parallel size."""
+    layout = mimo_layout(model, world_size)
+    gbs, mbs = train.global_batch_size, train.micro_batch_size
+    if gbs is None or mbs is None:
+        return  # refused by length_and_batch_sizes_are_set
+    try:
+        layout.validate(world_size)
+        layout.validate_batch_sizes(gbs, mbs)
+        model.tiny_vlm_config()
+    except ValueError as exc:
+        raise ConfigError("train", str(exc)) from None
+
+
+def learning_rate_is_set(optimizer: OptimizerConfigProtocol) -> None:
+    """The AdamW of the recipe needs ``optimizer.lr``."""
+    if optimizer.lr is None:
+        raise ConfigError("optimizer.lr", "is required")
+
+
+def schedule_fits_run(scheduler: SchedulerConfig, train: TrainingConfig) -> None:
+    """The learning-rate schedule fits the run's length (megatron's sample-based steps)."""
+    from bridge.train.engine.scheduler import scheduler_steps
+
+    try:
+        scheduler_steps(scheduler, train)
+    except ValueError as exc:
+        raise ConfigError("scheduler", str(exc).removeprefix("scheduler: ")) from None
+
+
+def no_rerun_state_machine(rerun_state_machine: RerunStateMachineConfig) -> None:
+    """The recipe's step does not run megatron-core's rerun state machine."""
+    if rerun_state_machine.rerun_mode != "disabled":
+        raise ConfigError(
+            "rerun_state_machine.rerun_mode",
+            f"got {rerun_state_machine.rerun_mode!r}; the MIMO recipe does not run "
+            "megatron-core's rerun state machine: set rerun_mode='disabled'",
+        )
+    if rerun_state_machine.error_injection_rate:
+        raise ConfigError(
+            "rerun_state_machine.error_injection_rate",
+            f"got {rerun_state_machine.error_injection_rate}; the MIMO recipe does not run "
+            "megatron-core's rerun state machine, which injects these errors: set it to 0",
+        )
+
+
+def section_is_unused(name: str) -> Callable[[Any], None]:
+    """The rule that refuses section ``name``, which the recipe does not use, when it is set.
+
+    Args:
+        name: A ``ConfigContainer`` field the recipe ignores.
+
+    Returns:
+        A rule taking that one section's value (the registry passes it).
+    """
+
+    def unused(value: Any) -> None:
+        if value is not None:
+            raise ConfigError(
+                name,
+                "is set, but the mimo recipe does not use it (it trains its own model on "
+                f"synthetic data); remove the '{name}' section",
+            )
+
+    unused.__name__ = unused.__qualname__ = f"{name}_is_unused"
+    return unused

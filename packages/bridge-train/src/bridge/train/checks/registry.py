@@ -1,0 +1,142 @@
+"""The one registry of the trainer's config rules, keyed by section.
+
+:data:`REGISTRY` maps every ``ConfigContainer`` section to the trainer's rules about it, in
+the order they run; :data:`SECTIONS` is the order of the sections. A rule says which kinds
+of run it applies to: GPT-style runs (``pretrain`` / ``finetune``: GPT, T5, Mamba models)
+or the ``mimo`` recipe. Rules a section can check on its own (types, ranges, fields that
+exclude each other, cross-section arithmetic such as batch sizes) are bridge-config's and
+run first, in ``ConfigContainer.validate()``; the rules here need megatron-core, the files
+a run reads and writes, this machine or the trainer's knowledge of what it implements.
+:func:`bridge.train.checks.preflight.check_config_before_launch` runs them all in one
+pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from bridge.train.checks import mimo, rules
+
+__all__ = ["BOTH", "FACTS", "GPT", "MIMO", "REGISTRY", "SECTIONS", "Rule", "RunKind"]
+
+#: The kinds of run the trainer checks a config for.
+RunKind = Literal["gpt", "mimo"]
+
+GPT: frozenset[RunKind] = frozenset({"gpt"})
+MIMO: frozenset[RunKind] = frozenset({"mimo"})
+BOTH: frozenset[RunKind] = GPT | MIMO
+
+#: What a rule may read besides config sections: the launch's facts.
+FACTS = ("world_size", "cuda_available")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of the registry.
+
+    Attributes:
+        check: Raises :class:`bridge.config.ConfigError` for the first problem it finds.
+        runs: The kinds of run it applies to.
+        reads: What ``check`` is called with, in order: section names (``ConfigContainer``
+            fields) and :data:`FACTS`; by default its parameter names.
+    """
+
+    check: Callable[..., None]
+    runs: frozenset[RunKind] = BOTH
+    reads: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.reads:
+            object.__setattr__(self, "reads", tuple(inspect.signature(self.check).parameters))
+
+    def __call__(self, sections: Any, facts: dict[str, Any]) -> None:
+        """Run the check on ``sections`` (a ``ConfigContainer``) and ``facts``."""
+        self.check(*(facts[n] if n in facts else getattr(sections, n) for n in self.reads))
+
+
+def _unused_by_mimo(name: str) -> Rule:
+    return Rule(mimo.section_is_unused(name), MIMO, (name,))
+
+
+#: The order in which the pass visits the sections.
+SECTIONS: tuple[str, ...] = (
+    "model",
+    "train",
+    "optimizer",
+    "scheduler",
+    "dist",
+    "rng",
+    "rerun_state_machine",
+    "tokenizer",
+    "dataset",
+    "peft",
+    "samples",
+    "comm_overlap",
+    "mixed_precision",
+    "checkpoint",
+    "logger",
+    "profiling",
+    "nvrx_straggler",
+)
+
+#: Section -> the trainer's rules about it, in the order they run.
+REGISTRY: dict[str, tuple[Rule, ...]] = {
+    "model": (
+        Rule(rules.engine_can_run_model, GPT),
+        Rule(rules.layout_fits_world, GPT),
+    ),
+    "train": (
+        Rule(rules.evaluation_has_validation_data, GPT),
+        Rule(rules.dataset_index_fits_memory, GPT),
+        Rule(mimo.length_and_batch_sizes_are_set, MIMO),
+        Rule(mimo.unsupported_train_settings, MIMO),
+        Rule(mimo.layout_fits_world_and_batches, MIMO),
+    ),
+    "optimizer": (Rule(mimo.learning_rate_is_set, MIMO),),
+    "scheduler": (Rule(mimo.schedule_fits_run, MIMO),),
+    "dist": (Rule(rules.distributed_backend_resolves),),
+    "rng": (Rule(rules.initialisation_is_possible, GPT),),
+    "rerun_state_machine": (
+        Rule(rules.rerun_state_machine_needs_cuda, GPT),
+        Rule(mimo.no_rerun_state_machine, MIMO),
+    ),
+    "tokenizer": (
+        Rule(rules.tokenizer_can_be_built, GPT),
+        Rule(rules.hf_tokenizer_files_exist, GPT),
+        _unused_by_mimo("tokenizer"),
+    ),
+    "dataset": (
+        Rule(rules.dataset_is_given, GPT),
+        Rule(rules.data_is_sharded, GPT),
+        Rule(rules.data_paths_exist, GPT),
+        Rule(rules.data_files_are_sound, GPT),
+        Rule(rules.data_splits_hold_samples, GPT),
+        Rule(rules.t5_data_fits, GPT),
+        Rule(rules.finetuning_dataset_is_supported, GPT),
+        _unused_by_mimo("dataset"),
+    ),
+    "peft": (Rule(rules.peft_is_a_transform, GPT), _unused_by_mimo("peft")),
+    "samples": (Rule(rules.samples_can_be_generated, GPT), _unused_by_mimo("samples")),
+    "comm_overlap": (_unused_by_mimo("comm_overlap"),),
+    "mixed_precision": (_unused_by_mimo("mixed_precision"),),
+    "checkpoint": (
+        Rule(rules.checkpoint_settings_are_supported),
+        # The mimo recipe refuses an absent or foreign checkpoint when it loads
+        # (CheckpointError, naming exit_on_missing_checkpoint), as its docs say.
+        Rule(rules.load_directory_exists, GPT),
+        Rule(rules.checkpoint_directories_hold_runs, GPT),
+        Rule(rules.save_directory_is_writable),
+        # What a resume would load (the mimo recipe checks its own checkpoint when it
+        # loads): the same model, data, tokenizer and PEFT settings.
+        Rule(rules.resume_matches_run, GPT),
+    ),
+    "logger": (Rule(rules.logger_directories_are_writable),),
+    "profiling": (
+        Rule(rules.nsys_needs_cuda),
+        Rule(rules.profiler_has_a_trace_directory),
+    ),
+    "nvrx_straggler": (Rule(rules.nvrx_needs_cuda),),
+}

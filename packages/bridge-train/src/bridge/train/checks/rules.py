@@ -1,0 +1,595 @@
+"""The trainer's rules about config sections: what a section accepts but the trainer
+cannot honour, or cannot honour on this machine.
+
+Every rule is a function whose parameters are named after what it reads: config sections
+(``model``, ``train``, ``checkpoint``, ... as ``ConfigContainer`` names them) and the facts of
+the launch (``world_size``, ``cuda_available``). It returns nothing and raises one
+:class:`bridge.config.ConfigError` (naming the field and the fix) for the first problem it
+finds. :mod:`bridge.train.checks.registry` lists them by section, in the order the one
+pass (:func:`bridge.train.checks.preflight.check_config_before_launch`) runs them; rules a
+section can check without the trainer's knowledge live with the section in bridge-config.
+
+Rules that need megatron-core or the trainer's modules import them when they run, so
+importing this module stays cheap for the command's edge.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bridge.config import (
+    CheckpointConfig,
+    ConfigError,
+    DDPConfigProtocol,
+    DistributedInitConfig,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    LoggerConfig,
+    ModelConfigProtocol,
+    NVRxStragglerDetectionConfig,
+    OptimizerConfigProtocol,
+    PEFTProtocol,
+    ProfilingConfig,
+    RerunStateMachineConfig,
+    RNGConfig,
+    SamplesConfig,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
+    TrainingConfig,
+)
+from bridge.train.checks.launch import check_writable_directory
+from bridge.train.checks.layout import check_engine_config
+
+__all__ = [
+    "INDEX_BYTES_PER_SAMPLE",
+    "checkpoint_directories_hold_runs",
+    "checkpoint_settings_are_supported",
+    "data_files_are_sound",
+    "data_is_sharded",
+    "data_paths_exist",
+    "data_splits_hold_samples",
+    "dataset_index_fits_memory",
+    "dataset_is_given",
+    "distributed_backend_resolves",
+    "engine_can_run_model",
+    "evaluation_has_validation_data",
+    "finetuning_dataset_is_supported",
+    "hf_tokenizer_files_exist",
+    "layout_fits_world",
+    "load_directory_exists",
+    "logger_directories_are_writable",
+    "nsys_needs_cuda",
+    "nvrx_needs_cuda",
+    "peft_is_a_transform",
+    "profiler_has_a_trace_directory",
+    "rerun_state_machine_needs_cuda",
+    "resume_matches_run",
+    "samples_can_be_generated",
+    "save_directory_is_writable",
+    "t5_data_fits",
+    "tokenizer_can_be_built",
+]
+
+Dataset = GPTDatasetConfig | FinetuningDatasetConfig | None
+Tokenizer = TokenizerConfig | TokenizerConfigProtocol | None
+
+#: Bytes megatron-core's GPT dataset index takes per sample: the shuffle index (int64) and
+#: the sample index (two int64 per sample), rounded up.
+INDEX_BYTES_PER_SAMPLE = 24
+
+
+# ----------------------------------------------------------------------------------- model
+
+
+def engine_can_run_model(
+    model: ModelConfigProtocol,
+    ddp: DDPConfigProtocol,
+    optimizer: OptimizerConfigProtocol,
+    cuda_available: bool,
+) -> None:
+    """What the engine cannot run correctly on this machine (pipeline p2p modes, GPU-only
+    features without CUDA; see :mod:`bridge.train.checks.layout`)."""
+    check_engine_config(
+        model, ddp_config=ddp, optimizer_config=optimizer, cuda_available=cuda_available
+    )
+
+
+def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
+    """The parallel layout fits the launched world."""
+    from bridge.train.engine.initialize import validate_parallel_layout
+
+    try:
+        validate_parallel_layout(model, world_size)
+    except ValueError as exc:
+        raise ConfigError("model", str(exc)) from None
+
+
+def initialisation_is_possible(rng: RNGConfig, model: ModelConfigProtocol) -> None:
+    """``rng.layout_independent_init=true`` only for providers it covers (see
+    :mod:`bridge.train.models.layout_init`)."""
+    from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
+
+    try:
+        layout_independent_seed(rng, model)
+    except LayoutInitError as exc:
+        location, _, detail = str(exc).partition(": ")
+        raise ConfigError(location.split("=")[0], detail) from None
+
+
+# ----------------------------------------------------------------------------------- train
+
+
+def _validation_weight(dataset: Dataset) -> float | None:
+    """Weight of the validation part of the data, or None when it cannot be told."""
+    per_split = getattr(dataset, "blend_per_split", None)
+    if per_split is not None:
+        return 0.0 if len(per_split) < 2 or per_split[1] is None else 1.0
+    split = getattr(dataset, "split", None)
+    if split is None:
+        return None
+    from bridge.config import parse_split
+
+    try:
+        return parse_split(split)[1]
+    except ValueError:
+        return None
+
+
+def evaluation_has_validation_data(train: TrainingConfig, dataset: Dataset) -> None:
+    """Evaluation switched on (``train.eval_iters`` > 0) needs a validation part of the data
+    (``dataset.split`` with a validation weight, or a validation blend)."""
+    if dataset is None or not train.eval_iters or train.skip_train:
+        return
+    weight = _validation_weight(dataset)
+    if weight is None or weight > 0:
+        return
+    where = (
+        "dataset.blend_per_split has no validation blend"
+        if getattr(dataset, "blend_per_split", None) is not None
+        else f"dataset.split={getattr(dataset, 'split', None)!r} gives the validation part weight 0"
+    )
+    raise ConfigError(
+        "train.eval_iters",
+        f"is {train.eval_iters}, so the run evaluates, but {where}; give the validation "
+        "part data (e.g. dataset.split='98,2,0') or set train.eval_iters=0 to train "
+        "without evaluation",
+    )
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def dataset_index_fits_memory(train: TrainingConfig) -> None:
+    """A training length whose dataset index cannot be built on this machine is refused
+    (``train.train_iters=10**23`` spins for hours in megatron-core's index building)."""
+    from bridge.train.data.datasets import train_valid_test_num_samples
+
+    if train.global_batch_size is None or train.skip_train:
+        return
+    if train.train_iters is None and train.train_samples is None:
+        return
+    samples = sum(train_valid_test_num_samples(train))
+    memory = _physical_memory()
+    needed = samples * INDEX_BYTES_PER_SAMPLE
+    if memory is None or needed <= memory:
+        return
+    field = "train.train_samples" if train.train_samples is not None else "train.train_iters"
+    value = train.train_samples if train.train_samples is not None else train.train_iters
+    raise ConfigError(
+        field,
+        f"got {value}: that is {samples:.3g} samples, whose dataset index alone needs about "
+        f"{needed / 2**30:.3g} GiB ({INDEX_BYTES_PER_SAMPLE} bytes per sample), more than "
+        f"this machine's {memory / 2**30:.3g} GiB of memory; train for fewer iterations",
+    )
+
+
+# ------------------------------------------------------------------------------------ dist
+
+
+def distributed_backend_resolves(dist: DistributedInitConfig) -> None:
+    """``dist.distributed_backend`` works on this machine."""
+    from bridge.train.engine.initialize import resolve_distributed_backend
+
+    try:
+        resolve_distributed_backend(dist)
+    except ValueError as exc:
+        raise ConfigError("dist.distributed_backend", str(exc)) from None
+
+
+# ----------------------------------------------------------------------- rerun, profiling
+
+
+def rerun_state_machine_needs_cuda(
+    rerun_state_machine: RerunStateMachineConfig, cuda_available: bool
+) -> None:
+    """megatron-core's rerun state machine (any mode but ``disabled``) needs CUDA."""
+    mode = rerun_state_machine.rerun_mode
+    if not cuda_available and mode != "disabled":
+        raise ConfigError(
+            "rerun_state_machine.rerun_mode",
+            f"{mode!r} requires CUDA (megatron-core's rerun state machine saves and restores "
+            "CUDA RNG state); use rerun_mode='disabled' on CPU",
+        )
+
+
+def nsys_needs_cuda(profiling: ProfilingConfig | None, cuda_available: bool) -> None:
+    """Nsight Systems profiling brackets iterations with cudaProfilerStart/Stop."""
+    if profiling is None or not profiling.use_nsys_profiler or cuda_available:
+        return
+    from bridge.train.loop.profiling import nsys_unavailable_reason
+
+    raise ConfigError("profiling.use_nsys_profiler", str(nsys_unavailable_reason()))
+
+
+def profiler_has_a_trace_directory(
+    profiling: ProfilingConfig | None, logger: LoggerConfig | None, checkpoint: CheckpointConfig
+) -> None:
+    """The torch profiler writes its trace to ``logger.tensorboard_dir`` or
+    ``<checkpoint.save>/profile``: one must be set."""
+    if profiling is None or not profiling.use_pytorch_profiler:
+        return
+    from bridge.train.loop.profiling import profile_trace_dir
+
+    if profile_trace_dir(logger, checkpoint) is None:
+        raise ConfigError(
+            "profiling.use_pytorch_profiler",
+            "the trace needs a directory: set logger.tensorboard_dir (or checkpoint.save, "
+            "which gets a 'profile' subdirectory)",
+        )
+
+
+def nvrx_needs_cuda(
+    nvrx_straggler: NVRxStragglerDetectionConfig | None, cuda_available: bool
+) -> None:
+    """nvidia-resiliency-ext's straggler detection times CUDA kernels with CUPTI."""
+    if nvrx_straggler is not None and nvrx_straggler.enabled and not cuda_available:
+        raise ConfigError(
+            "nvrx_straggler.enabled",
+            "nvidia-resiliency-ext straggler detection requires CUDA and CUPTI; use "
+            "straggler.log_straggler=true on CPU",
+        )
+
+
+# ------------------------------------------------------------------------------- tokenizer
+
+# The files each file-based tokenizer type reads (all must exist before the run starts).
+_TOKENIZER_FILES: dict[str, tuple[str, ...]] = {
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+}
+
+
+def tokenizer_can_be_built(tokenizer: Tokenizer) -> None:
+    """A ``tokenizer.tokenizer_type`` this installation can build (its optional package and
+    the files it reads are there); ``tokenizer.hf_tokenizer_kwargs`` would be ignored."""
+    from bridge.train.data.tokenizer_packages import missing_tokenizer_package
+
+    if tokenizer is None:
+        return
+    if getattr(tokenizer, "hf_tokenizer_kwargs", None):
+        raise ConfigError(
+            "tokenizer.hf_tokenizer_kwargs",
+            "is not used: bridge-train reads tokenizer.json with Hugging Face tokenizers, not "
+            "AutoTokenizer.from_pretrained; remove it (add tokens with tokenizer.special_tokens)",
+        )
+    kind = tokenizer.tokenizer_type
+    if kind is None:
+        return
+    message = missing_tokenizer_package(kind)
+    if message is not None:
+        raise ConfigError("tokenizer.tokenizer_type", message)
+    for name in _TOKENIZER_FILES.get(kind, ()):
+        path = getattr(tokenizer, name, None)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(
+                f"tokenizer.{name}",
+                f"{str(path)!r} does not exist or is not a file; point it to the {kind} file",
+            )
+
+
+def hf_tokenizer_files_exist(tokenizer: Tokenizer) -> None:
+    """A Hugging Face tokenizer is read from a local directory (nothing is downloaded)."""
+    if tokenizer is None or tokenizer.tokenizer_type != "HuggingFaceTokenizer":
+        return
+    model_path = tokenizer.tokenizer_model
+    if model_path is not None and not Path(model_path).exists():
+        raise ConfigError(
+            "tokenizer.tokenizer_model",
+            f"{model_path!r} does not exist; give a local directory with tokenizer.json "
+            "(nothing is downloaded at run time)",
+        )
+
+
+# --------------------------------------------------------------------------------- dataset
+
+
+def dataset_is_given(dataset: Dataset) -> None:
+    """A training run reads data: the ``dataset`` section is required."""
+    if dataset is None:
+        raise ConfigError(
+            "dataset",
+            "required section is missing; add a 'dataset:' mapping (blend: [[<prefix>], null] "
+            "for data from bridge-preprocess-data, or _target_: "
+            "bridge.config.MockGPTDatasetConfig for mock data)",
+        )
+
+
+def data_is_sharded(dataset: Dataset) -> None:
+    """Every data-parallel rank reads only its own part of each global batch."""
+    if dataset is not None and not getattr(dataset, "data_sharding", True):
+        raise ConfigError(
+            "dataset.data_sharding",
+            "false is not supported: every data-parallel rank reads only its own part of "
+            "each global batch (the samplers shard by construction); set it to true",
+        )
+
+
+def data_paths_exist(dataset: Dataset) -> None:
+    """Every data file the section names exists."""
+    if dataset is None:
+        return
+    from bridge.train.data.datasets import check_data_paths
+
+    try:
+        check_data_paths(dataset)
+    except FileNotFoundError as exc:
+        text = str(exc)
+        location, _, detail = text.partition(": ")
+        raise ConfigError(location or "dataset", detail or text) from None
+
+
+def data_files_are_sound(
+    dataset: Dataset, tokenizer: Tokenizer, model: ModelConfigProtocol | None
+) -> None:
+    """Damaged ``.bin``/``.idx`` files and token ids beyond the vocabulary, named with the fix."""
+    if dataset is None:
+        return
+    from bridge.train.data.datasets import dataset_prefixes
+    from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
+
+    vocab = getattr(tokenizer, "vocab_size", None) or getattr(model, "vocab_size", None)
+    prefixes = dataset_prefixes(dataset)
+    if vocab is None and prefixes and tokenizer is not None:
+        from bridge.train.data.tokenizers import build_tokenizer
+
+        try:  # the tokenizer knows its size (byte-level: 256 + specials)
+            vocab = int(build_tokenizer(tokenizer).vocab_size)
+        except Exception:  # a tokenizer that cannot be built is reported when it is built
+            vocab = None
+    for field, prefix in prefixes:
+        try:
+            check_indexed_dataset(prefix, vocab, field)
+        except DataFileError as exc:
+            raise ConfigError(field, str(exc)) from None
+
+
+def data_splits_hold_samples(dataset: Dataset, train: TrainingConfig | None) -> None:
+    """Every train/validation/test split of ``.bin``/``.idx`` data holds a sample:
+    megatron-core would loop forever building a split without a document (see
+    :mod:`bridge.train.data.split_checks`)."""
+    if dataset is None or train is None:
+        return
+    from bridge.train.data.datasets import dataset_prefixes, train_valid_test_num_samples
+
+    if not dataset_prefixes(dataset):
+        return
+    from bridge.train.data.split_checks import check_split_samples
+    from bridge.train.data.t5_datasets import T5DatasetConfig
+
+    check_split_samples(
+        dataset,
+        train_valid_test_num_samples(train),
+        gpt_samples=not isinstance(dataset, T5DatasetConfig),
+    )
+
+
+def t5_data_fits(dataset: Dataset, tokenizer: Tokenizer) -> None:
+    """T5 span-corruption data and its tokenizer's sentinel tokens fit together."""
+    if dataset is None:
+        return
+    from bridge.train.data.t5_datasets import check_t5_data_config
+
+    check_t5_data_config(dataset, tokenizer)
+
+
+def finetuning_dataset_is_supported(dataset: Dataset, model: ModelConfigProtocol) -> None:
+    """A ``FinetuningDatasetConfig`` the trainer can honour: files, ``dataset_kwargs``,
+    loader settings, and packed-sequence settings against the model's attention."""
+    if not isinstance(dataset, FinetuningDatasetConfig):
+        return
+    from bridge.train.data.packing import check_packed_sequence_specs
+    from bridge.train.data.sft import check_finetuning_dataset
+
+    check_finetuning_dataset(dataset)
+    check_packed_sequence_specs(dataset.packed_sequence_specs, dataset.seq_length, model)
+
+
+# ------------------------------------------------------------------------------------ peft
+
+
+def peft_is_a_transform(peft: PEFTProtocol | None, model: ModelConfigProtocol) -> None:
+    """``peft`` is a transform the trainer can apply to this model."""
+    if peft is None:
+        return
+    if not callable(peft):
+        raise ConfigError(
+            "peft",
+            f"{type(peft).__qualname__} is not a PEFT transform: it must be callable as "
+            "peft(model, training=True) -> model (e.g. _target_: bridge.train.peft.LoRA)",
+        )
+    if getattr(model, "sequence_parallel", False):
+        raise ConfigError(
+            "model.sequence_parallel",
+            "adapters are applied without sequence parallelism; set it to false with peft",
+        )
+
+
+# --------------------------------------------------------------------------------- samples
+
+
+def samples_can_be_generated(
+    samples: SamplesConfig | None, model: ModelConfigProtocol, cuda_available: bool
+) -> None:
+    """Sample completions need a GPT-family model (what bridge-generate generates from) in
+    a layout megatron-core's static inference can run with the training model."""
+    if samples is None:
+        return
+    from bridge.train.models import GPTModelProvider, MambaProvider, T5ModelProvider
+
+    if isinstance(model, (T5ModelProvider, MambaProvider)) or not isinstance(
+        model, GPTModelProvider
+    ):
+        raise ConfigError(
+            "samples",
+            f"sample completions are generated from GPT-family models; "
+            f"{type(model).__name__} does not generate (unset samples)",
+        )
+    # What megatron-core's static inference path cannot do with the training model.
+    if model.pipeline_model_parallel_size > 1 and not cuda_available:
+        raise ConfigError(
+            "samples",
+            "pipeline-parallel generation needs GPUs (megatron-core's inference broadcasts "
+            "the last stage's logits with a CUDA-only check); unset samples on CPU",
+        )
+    if model.virtual_pipeline_model_parallel_size is not None:
+        raise ConfigError(
+            "samples",
+            "megatron-core's inference runs one model chunk per rank; unset samples or "
+            "model.virtual_pipeline_model_parallel_size",
+        )
+    if model.sequence_parallel:
+        raise ConfigError(
+            "samples",
+            "megatron-core's static inference refuses model.sequence_parallel (it supports it "
+            "for MoE layers only); unset samples or sequence_parallel",
+        )
+    if model.tensor_model_parallel_size > 1 and model.expert_model_parallel_size > 1:
+        raise ConfigError(
+            "samples",
+            "with tensor and expert parallelism megatron-core's inference switches the "
+            "model's sequence parallelism off and does not switch it back, which would "
+            "change training; unset samples",
+        )
+
+
+# ------------------------------------------------------------------------------ checkpoint
+
+
+def checkpoint_settings_are_supported(checkpoint: CheckpointConfig) -> None:
+    """Checkpoint settings this trainer cannot honour (formats, non-persistent types,
+    conversion, CUDA-only loading), refused whether or not the run saves."""
+    from bridge.train.checkpointing.context import check_checkpoint_config
+
+    check_checkpoint_config(checkpoint)
+
+
+def load_directory_exists(checkpoint: CheckpointConfig) -> None:
+    """``checkpoint.load`` naming a directory that does not exist would train from scratch
+    without a word (the first run of a resumable job, ``load == save``, is fine)."""
+    load = checkpoint.load
+    if load is None or Path(load).exists():
+        return
+    save = checkpoint.save
+    if save is not None and Path(save).resolve() == Path(load).resolve():
+        return
+    raise ConfigError(
+        "checkpoint.load",
+        f"{str(load)!r} does not exist, so nothing would be loaded and the run would start "
+        "from scratch; fix the path, or drop checkpoint.load (with checkpoint.save set a "
+        "run resumes from its own save directory)",
+    )
+
+
+def checkpoint_directories_hold_runs(checkpoint: CheckpointConfig) -> None:
+    """Checkpoint directories that cannot work.
+
+    A ``checkpoint.save`` directory that holds anything but a bridge-train run (the check of
+    :mod:`bridge.train.checkpointing`), applied to ``checkpoint.load`` too (unless it names
+    one checkpoint directory);
+    ``checkpoint.load`` without a checkpoint is refused with
+    ``checkpoint.exit_on_missing_checkpoint``; ``checkpoint.pretrained_checkpoint`` must
+    hold a checkpoint.
+    """
+    if all(getattr(checkpoint, name) is None for name in ("save", "load", "pretrained_checkpoint")):
+        return
+    from bridge.train.checkpointing import CheckpointError, checkpoint_exists
+    from bridge.train.checkpointing.layout import validate_save_dir
+
+    for field in ("save", "load"):
+        path = getattr(checkpoint, field)
+        if path is None or (field == "load" and checkpoint_exists(path)):
+            continue
+        try:
+            validate_save_dir(path, f"checkpoint.{field}")
+        except CheckpointError as exc:
+            raise ConfigError(f"checkpoint.{field}", _without_field(str(exc), field)) from None
+    load = checkpoint.load
+    if load is not None and checkpoint.exit_on_missing_checkpoint and not checkpoint_exists(load):
+        raise ConfigError(
+            "checkpoint.load",
+            f"{str(load)!r} holds no checkpoint and checkpoint.exit_on_missing_checkpoint is "
+            "set; fix the path, or unset exit_on_missing_checkpoint to train from scratch",
+        )
+    pretrained = checkpoint.pretrained_checkpoint
+    if pretrained is not None and not checkpoint_exists(pretrained):
+        raise ConfigError(
+            "checkpoint.pretrained_checkpoint",
+            f"{str(pretrained)!r} holds no checkpoint; point it at the save directory of a "
+            "bridge-train run",
+        )
+
+
+def resume_matches_run(
+    checkpoint: CheckpointConfig,
+    model: ModelConfigProtocol,
+    dataset: Dataset,
+    tokenizer: Tokenizer,
+    peft: PEFTProtocol | None,
+    train: TrainingConfig | None,
+) -> None:
+    """The checkpoint a resume would load was saved by this run: the same model
+    architecture, and, for a run that trains, the same data, tokenizer and PEFT settings
+    unless ``checkpoint.resume_with_changes`` is set (see :mod:`bridge.train.checks.resume`)."""
+    from bridge.train.checks.resume import check_resume_sections
+
+    check_resume_sections(
+        checkpoint,
+        model,
+        {"dataset": dataset, "tokenizer": tokenizer, "peft": peft},
+        trains=not (train is not None and train.skip_train),
+    )
+
+
+def _without_field(message: str, field: str) -> str:
+    """Drop a leading ``checkpoint.<field>=...`` from a message that gets the field as location."""
+    prefix = f"checkpoint.{field}="
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+def save_directory_is_writable(checkpoint: CheckpointConfig) -> None:
+    """``checkpoint.save`` can be created and written (a typo or a read-only mount fails at
+    start, not after the first hour of training)."""
+    if checkpoint.save is not None:
+        check_writable_directory(checkpoint.save, "checkpoint.save")
+
+
+# ---------------------------------------------------------------------------------- logger
+
+# Directory fields of the logger section a run writes to.
+_LOGGER_DIRECTORIES = ("tensorboard_dir", "wandb_save_dir", "comet_offline_dir")
+
+
+def logger_directories_are_writable(logger: LoggerConfig | None) -> None:
+    """Every output directory of the ``logger`` section can be created and written."""
+    if logger is None:
+        return
+    for name in _LOGGER_DIRECTORIES:
+        value = getattr(logger, name, None)
+        if value is not None:
+            check_writable_directory(value, f"logger.{name}")

@@ -1,0 +1,134 @@
+"""The one pass of launch checks: every section's rules, one problem per section, for GPT-style
+runs and the mimo recipe alike (``checks/registry.py``, ``checks/preflight.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+from bridge.config import ConfigContainer, ConfigError, LoggerConfig, SamplesConfig, load_config
+from bridge.train.checks.preflight import (
+    ConfigProblems,
+    check_config_before_launch,
+    check_section,
+    run_kind,
+)
+from bridge.train.checks.registry import FACTS, REGISTRY, SECTIONS
+from bridge.train.cli import EXIT_CONFIG_ERROR, main
+from bridge.train.recipes import recipe_path
+from bridge.train.testing import tiny_config_container
+
+
+def test_every_rule_reads_sections_and_facts_only() -> None:
+    fields = {f.name for f in dataclasses.fields(ConfigContainer)}
+    assert set(REGISTRY) <= set(SECTIONS) and set(SECTIONS) <= fields
+    for section, rules in REGISTRY.items():
+        for rule in rules:
+            assert set(rule.reads) <= fields | set(FACTS), (section, rule.check)
+            # Every rule is named for what it checks and says so in a docstring (the
+            # generated "unused by mimo" rules excepted).
+            if not rule.check.__name__.endswith("_is_unused"):
+                assert inspect.getdoc(rule.check), rule.check
+
+
+def test_one_problem_per_section_in_one_pass(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cfg = tiny_config_container(logger=LoggerConfig(tensorboard_dir=str(blocker / "tb")))
+    assert cfg.checkpoint is not None
+    cfg.checkpoint.load = str(tmp_path / "missing")
+    cfg.rerun_state_machine.rerun_mode = "validate_results"
+    with pytest.raises(ConfigProblems) as info:
+        check_config_before_launch(cfg, world_size=1, cuda_available=False)
+    problems = [str(p) for p in info.value.problems]
+    # In section order; str() of the error is the first one.
+    assert [p.split(":")[0] for p in problems] == [
+        "rerun_state_machine.rerun_mode",
+        "checkpoint.load",
+        "logger.tensorboard_dir",
+    ]
+    assert str(info.value) == problems[0]
+    assert "'validate_results' requires CUDA" in problems[0]
+    # Fixing the sections one by one leaves the others.
+    cfg.rerun_state_machine.rerun_mode = "disabled"
+    cfg.checkpoint.load = None
+    with pytest.raises(ConfigError, match=r"^logger\.tensorboard_dir: .* cannot be created"):
+        check_config_before_launch(cfg, world_size=1, cuda_available=False)
+    with pytest.raises(ConfigError, match=r"^logger\.tensorboard_dir: "):
+        check_section(cfg, "logger", 1)
+    check_section(cfg, "checkpoint", 1)
+
+
+def test_the_command_prints_every_section_s_problem(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(
+            [
+                "--dry-run",
+                "rerun_state_machine.rerun_mode=validate_results",
+                f"checkpoint.load={tmp_path / 'missing'}",
+            ]
+        )
+    assert info.value.code == EXIT_CONFIG_ERROR
+    lines = [
+        line for line in capsys.readouterr().err.splitlines() if not line.startswith("[bridge-")
+    ]
+    assert [line.split(":")[2].strip() for line in lines] == [
+        "rerun_state_machine.rerun_mode",
+        "checkpoint.load",
+    ]
+    assert all(line.startswith("bridge-train: error: ") for line in lines)
+
+
+def _mimo(*overrides: str) -> ConfigContainer:
+    return load_config(recipe_path("mimo"), ["train.train_iters=6", *overrides])
+
+
+def test_the_rules_main_brought_are_registry_rules() -> None:
+    """The split-sample, samples and resume checks run as rules of their sections."""
+    names = {
+        section: [rule.check.__name__ for rule in rules] for section, rules in REGISTRY.items()
+    }
+    assert "data_splits_hold_samples" in names["dataset"]
+    assert names["samples"] == ["samples_can_be_generated", "samples_is_unused"]
+    assert names["checkpoint"][-1] == "resume_matches_run"
+    # The mimo recipe has no samples: the section is refused, not ignored.
+    cfg = _mimo()
+    cfg.samples = SamplesConfig(prompts=["Hello"])
+    with pytest.raises(ConfigError, match=r"^samples: is set, but the mimo recipe does not use"):
+        check_section(cfg, "samples", world_size=1, cuda_available=False)
+
+
+def test_the_mimo_recipe_runs_the_same_pass_and_refuses_what_it_ignores(tmp_path: Path) -> None:
+    assert run_kind(_mimo().model) == "mimo"
+    assert run_kind(tiny_config_container().model) == "gpt"
+    check_config_before_launch(_mimo(), world_size=1, cuda_available=False)
+    cfg = _mimo("train.check_weight_hash_across_dp_replicas_interval=2")
+    cfg.dataset = tiny_config_container().dataset
+    cfg.rerun_state_machine.error_injection_rate = 3
+    with pytest.raises(ConfigProblems) as info:
+        check_config_before_launch(cfg, world_size=1, cuda_available=False)
+    assert [str(p) for p in info.value.problems] == [
+        "train.check_weight_hash_across_dp_replicas_interval: got 2; the MIMO recipe's modules "
+        "have data-parallel groups of their own, which megatron's weight-hash check does not "
+        "know: unset it",
+        "rerun_state_machine.error_injection_rate: got 3; the MIMO recipe does not run "
+        "megatron-core's rerun state machine, which injects these errors: set it to 0",
+        "dataset: is set, but the mimo recipe does not use it (it trains its own model on "
+        "synthetic data); remove the 'dataset' section",
+    ]
+    # The general rules of the sections both kinds of run share apply to MIMO too.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"^checkpoint\.save: .*is a file"):
+        check_config_before_launch(
+            _mimo(f"checkpoint.save={blocker}"), world_size=1, cuda_available=False
+        )
+    with pytest.raises(ConfigError, match=r"^profiling\.use_nsys_profiler: "):
+        check_config_before_launch(
+            _mimo("profiling.use_nsys_profiler=true"), world_size=1, cuda_available=False
+        )
