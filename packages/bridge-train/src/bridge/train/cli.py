@@ -40,9 +40,29 @@ import logging
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+import yaml
+
+from bridge.config import (
+    ConfigContainer,
+    ConfigError,
+    describe_fields,
+    diff_from_defaults,
+    load_config,
+)
+from bridge.config.notices import held_notices, print_held_notices, silence_known_fallback_notices
+from bridge.train.checks.launch import (
+    Terminated,
+    check_output_file,
+    interrupt_handlers,
+    shared_store_restart_notice,
+)
+from bridge.train.recipes import DEFAULT_RECIPE, RECIPES, recipe_path
 
 __all__ = ["EXIT_CALLBACK_ERROR", "EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "build_parser", "main"]
 
@@ -103,7 +123,6 @@ _SECTION_SUMMARIES = {
 
 
 def _sections_help() -> str:
-    from bridge.config import ConfigContainer, describe_fields
 
     lines = []
     for info in describe_fields(ConfigContainer):
@@ -115,7 +134,6 @@ def _sections_help() -> str:
 
 
 def _recipes_help() -> str:
-    from bridge.train.recipes import DEFAULT_RECIPE, RECIPES
 
     width = max(len(name) for name in RECIPES)
     lines = []
@@ -312,9 +330,6 @@ def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
     and the old class's fields left out, then the new section's fields that differ from the
     recipe's or, where the recipe had no such field, from the new class's defaults.
     """
-    import yaml
-
-    from bridge.config import ConfigError, diff_from_defaults
 
     with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
         recipe_cfg.validate(_launcher_world_size())
@@ -359,8 +374,6 @@ def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
-    from bridge.config import load_config
-    from bridge.train.recipes import DEFAULT_RECIPE, recipe_path
 
     if args.config is not None:
         path = Path(args.config)
@@ -394,7 +407,6 @@ def _override_value(overrides: Sequence[str], key: str) -> str | None:
 
 def _checkpoint_run_config(load: str) -> Path:
     """The ``run_config.yaml`` of the checkpoint ``checkpoint.load`` names."""
-    from bridge.config import ConfigError
     from bridge.train.generate.errors import GenerationError
     from bridge.train.generate.loading import locate_checkpoint
 
@@ -415,7 +427,6 @@ def _checkpoint_run_config(load: str) -> Path:
 
 def _version_text() -> str:
     """``bridge-train X (megatron-core Y, torch Z)`` from the installed metadata (no import)."""
-    from importlib.metadata import PackageNotFoundError, version
 
     def of(dist: str) -> str:
         try:
@@ -460,7 +471,6 @@ def _report_notices(held: Any, cfg: Any) -> None:
     repeats when the model is built (TE/Apex fallback, experimental MIMO classes, CUDA
     advice on a machine without CUDA) are silenced on every rank.
     """
-    from bridge.config.notices import silence_known_fallback_notices
 
     logger_cfg = getattr(cfg, "logger", None)
     level = getattr(logger_cfg, "logging_level", logging.INFO)
@@ -469,7 +479,6 @@ def _report_notices(held: Any, cfg: Any) -> None:
         silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
     if _launcher_rank() != 0:
         return
-    from bridge.config.notices import print_held_notices
 
     print_held_notices(
         held,
@@ -537,17 +546,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     # srun's tasks become torch's variables before anything reads them; an environment that
     # cannot be a real launch is refused here, in one line.
     launch = adopt_launch_environment()
-    from bridge.train.checks.launch import (
-        check_output_file,
-        shared_store_restart_notice,
-    )
 
     for notice in (shared_store_restart_notice(os.environ), launch_notice()):
         if notice is not None and launch.rank == 0:
             print(f"[bridge-train] warning: {notice}", file=sys.stderr, flush=True)
     if args.metrics_file is not None:
         check_output_file(args.metrics_file, "--metrics-file")
-    from bridge.config.notices import held_notices
 
     if args.eval_data is not None and not args.eval_only:
         parser.error("--eval-data needs --eval-only")
@@ -616,7 +620,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     and exit codes 130 and 143 (128 + the signal number); further signals while the run
     closes are ignored, except a second Ctrl-C, which exits at once.
     """
-    from bridge.train.checks.launch import Terminated, interrupt_handlers
 
     try:
         with interrupt_handlers():
@@ -709,7 +712,6 @@ def _write_elastic_error_file(path: str, line: str, offset_s: int) -> bool:
     when it collects it.
     """
     import json
-    import time
 
     data = {
         "message": {

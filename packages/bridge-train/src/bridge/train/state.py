@@ -35,6 +35,7 @@ from bridge.resiliency import (
     RunResiliency,
     StragglerTiming,
 )
+from bridge.train.engine.base import build_engine
 from core_utils import Timers
 
 if TYPE_CHECKING:
@@ -185,8 +186,6 @@ class GlobalState:
         the current pipeline layout (on CPU inside the CUDA emulation, see
         :attr:`bridge.train.engine.MegatronEngine.forward_backward_func`)."""
         if self.engine is None:
-            from bridge.train.engine.base import build_engine
-
             self.engine = build_engine()
         return self.engine.forward_backward_func
 

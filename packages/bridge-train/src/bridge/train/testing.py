@@ -12,6 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+from megatron.core.optimizer import OptimizerConfig
+
 from bridge.config import (
     CheckpointConfig,
     ConfigContainer,
@@ -66,7 +69,6 @@ def tiny_gpt_provider(**overrides: Any) -> GPTModelProvider:
 
 def tiny_optimizer_config(**overrides: Any) -> Any:
     """megatron ``OptimizerConfig``: Adam, lr 1e-3 (min 1e-4), weight decay 0.1, clip 1.0."""
-    from megatron.core.optimizer import OptimizerConfig
 
     values: dict[str, Any] = {
         "optimizer": "adam",
@@ -179,7 +181,6 @@ def write_tiny_sft_task(root: str | Path, train: int = 64, valid: int = 8) -> Pa
     Returns:
         ``root`` as a ``Path``.
     """
-    import torch
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

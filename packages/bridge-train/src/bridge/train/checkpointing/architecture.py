@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bridge.config import ModelConfigProtocol
+from bridge.config import ConfigContainer, ConfigError, ModelConfigProtocol
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS as MODEL_ARCHITECTURE_FIELDS
@@ -62,7 +62,6 @@ def check_same_architecture(
     path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
     if model_config is None or not path.is_file():
         return
-    from bridge.config import ConfigContainer, ConfigError
 
     try:
         saved = ConfigContainer.from_yaml(path).model

@@ -34,7 +34,9 @@ import queue as queue_module
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
+from torch.distributed.checkpoint.api import CheckpointException
 
 from core_utils import cpu_cuda_compat
 
@@ -70,7 +72,6 @@ def ensure_write_results_queue() -> None:
     """
     if torch.cuda.is_available():
         return
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     pid = os.getpid()
     if _RESULTS_QUEUE_PID[0] == pid and filesystem_async._results_queue is not None:
@@ -395,7 +396,6 @@ def finalize_async_saves(
 
 
 def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
-    from torch.distributed.checkpoint.api import CheckpointException
 
     from bridge.train.checkpointing.errors import CheckpointError
 

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import xxhash
 
 from bridge.train.checkpointing import _dist
@@ -151,7 +152,6 @@ def _gather(part: dict[str, Any]) -> dict[str, Any]:
     """Merge every rank's ``part`` on every rank (collective)."""
     if _dist.world_size() == 1:
         return part
-    import torch.distributed as dist
 
     parts: list[Any] = [None] * _dist.world_size()
     dist.all_gather_object(parts, part)

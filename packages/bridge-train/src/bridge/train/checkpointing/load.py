@@ -30,6 +30,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing import load_common_state_dict, load_tensors_metadata
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge.config import CheckpointConfig, ModelConfigProtocol
 from bridge.config.notices import held_notices, log_held_notices
@@ -346,9 +356,6 @@ def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan
 
 
 def _read_common(path: str) -> dict[str, Any]:
-    from megatron.core.dist_checkpointing import load_common_state_dict
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with warnings.catch_warnings():
@@ -461,8 +468,6 @@ def _saved_sharding_type(meta: dict[str, Any]) -> str | None:
 
 
 def _sharded_tensors(tree: Any) -> list[Any]:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     return [value for value in nested_values(tree) if isinstance(value, ShardedTensor)]
 
@@ -476,8 +481,6 @@ def _check_against_checkpoint(
     ``strict`` is False for model tensors, keys the checkpoint lacks. Missing model tensors
     are dropped from the template when not strict.
     """
-    from megatron.core.dist_checkpointing import load_tensors_metadata
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     saved = load_tensors_metadata(path)
     mismatched: dict[str, str] = {}
@@ -536,17 +539,9 @@ def _check_against_checkpoint(
 
 
 def _dist_load(template: dict[str, Any], path: str, cfg: CheckpointConfig) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-    from torch.distributed.checkpoint.api import CheckpointException
 
     strategy: Any = TorchDistLoadShardedStrategy()
     if cfg.fully_parallel_load and parallel_state.model_parallel_is_initialized():
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelLoadStrategyWrapper,
-        )
-
         strategy = FullyParallelLoadStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
         )
@@ -833,7 +828,6 @@ def _load_main_params(
             "fp32 main parameters (the model is not bf16/fp16); unset load_main_params_from_ckpt"
         )
     template = {"bridge_main_params": groups}
-    from megatron.core.dist_checkpointing import load_tensors_metadata
 
     saved = load_tensors_metadata(path)
     absent = [t.key for t in _sharded_tensors(template) if t.key not in saved]

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from typing import Any
 
 import numpy as np
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 __all__ = ["RNG_STATE_KEY", "capture_rng_state", "restore_rng_state", "rng_sharded_object"]
 
@@ -81,11 +84,9 @@ def _tracker_device() -> str:
 
 def _initialized_rng_tracker() -> Any:
     """megatron's tensor-parallel RNG tracker when it has states, else None."""
-    import sys
 
     if "megatron.core.tensor_parallel.random" not in sys.modules:
         return None  # never imported: nothing seeded it
-    from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     is_initialized = getattr(tracker, "is_initialized", None)
@@ -125,13 +126,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                 _tracker_device().upper(),
             )
             return
-        from megatron.core import tensor_parallel
 
         tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker_states))
 
 
 def rng_sharded_object(rank: int, world_size: int, state: dict[str, Any] | None) -> Any:
     """A ``ShardedObject`` holding rank ``rank``'s generator state (``None`` for loading)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return ShardedObject(RNG_STATE_KEY, state, (world_size,), (rank,), replica_id=0)

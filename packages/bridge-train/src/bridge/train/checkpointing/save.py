@@ -18,6 +18,7 @@ follows the tracker and never counts a directory without its marker.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import functools
 import logging
@@ -29,6 +30,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge.config import CheckpointConfig, ConfigError
 from bridge.config.atomic_files import fsync_directory
@@ -73,6 +87,7 @@ from bridge.train.checkpointing.state_dict import (
     build_save_state_dict,
 )
 from core_utils import cpu_cuda_compat
+from core_utils.distributed import collective_device
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -241,7 +256,6 @@ _RUNTIME_HOOK_FIELDS = (
 
 
 def _config_without_runtime_hooks(config: RunConfigFile) -> RunConfigFile:
-    import copy
 
     model = getattr(config, "model", None)
     hooks = [name for name in _RUNTIME_HOOK_FIELDS if getattr(model, name, None) is not None]
@@ -360,12 +374,6 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     every sharded object's key; values do not matter. Collective over the world, so every
     rank takes the same decision.
     """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedObject,
-        ShardedTensor,
-        ShardedTensorFactory,
-    )
 
     items: list[Any] = []
     for value in nested_values(sharded):
@@ -390,8 +398,6 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     changed = fingerprint != context.get("structure")
     context["structure"] = fingerprint
     if _dist.world_size() > 1:
-        from core_utils.distributed import collective_device
-
         flag = torch.tensor([int(changed)], device=collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         changed = bool(flag.item())
@@ -414,11 +420,6 @@ def _save_strategy(
     cached = context.get("save_strategy")
     if cached is not None and constant and not changed:
         return cached
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelSaveStrategyWrapper,
-    )
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     strategy: Any = TorchDistSaveShardedStrategy(cached_metadata=constant)
     if checkpoint_config.fully_parallel_save and parallel_state.model_parallel_is_initialized():
@@ -588,9 +589,6 @@ def write_checkpoint(
     # an unchanged structure skips it, as megatron does with a constant structure.
     changed = _structure_changed(sharded, context)
     strategy = _save_strategy(checkpoint_config, context, changed)
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with cpu_cuda_compat():

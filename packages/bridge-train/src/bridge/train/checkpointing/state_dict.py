@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.utils import unwrap_model
 
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, capture_rng_state, rng_sharded_object
@@ -57,7 +59,6 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
     one grid per module) describes itself through a ``checkpoint_parallel_layout()`` method
     returning JSON-able entries, which are added.
     """
-    from megatron.core import parallel_state
 
     layout: dict[str, Any] = {"world_size": _dist.world_size()}
     if parallel_state.model_parallel_is_initialized():
@@ -82,14 +83,12 @@ def unwrapped_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     forwards to the wrapped module, so checkpoints read and write the unwrapped chunks, as
     Megatron-LM does. Other wrappers are left as they are.
     """
-    from megatron.core.utils import unwrap_model
 
     return [unwrap_model(chunk) for chunk in model]
 
 
 def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     """``{"model": chunk.sharded_state_dict()}`` (one key per chunk with several chunks)."""
-    from megatron.core import parallel_state
 
     model = unwrapped_chunks(model)
 

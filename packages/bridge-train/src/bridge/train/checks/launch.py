@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -171,7 +172,6 @@ def interrupt_handlers() -> Iterator[None]:
     itself (the exit-signal handler of ``train.exit_signal_handler``) take precedence
     while they are installed. The previous handlers are restored on exit.
     """
-    import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield

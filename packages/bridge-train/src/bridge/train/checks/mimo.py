@@ -22,6 +22,7 @@ from bridge.config import (
     SchedulerConfig,
     TrainingConfig,
 )
+from bridge.train.engine.scheduler import scheduler_steps
 from bridge.train.models.mimo import MimoModelConfig, mimo_layout
 
 __all__ = [
@@ -116,7 +117,6 @@ def learning_rate_is_set(optimizer: OptimizerConfigProtocol) -> None:
 
 def schedule_fits_run(scheduler: SchedulerConfig, train: TrainingConfig) -> None:
     """The learning-rate schedule fits the run's length (megatron's sample-based steps)."""
-    from bridge.train.engine.scheduler import scheduler_steps
 
     try:
         scheduler_steps(scheduler, train)

@@ -30,7 +30,12 @@ import logging
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bridge.config import ConfigError
+from bridge.config import ConfigContainer, ConfigError
+from bridge.train.checkpointing import CheckpointError
+from bridge.train.checkpointing.architecture import check_same_architecture
+from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+from bridge.train.checkpointing.load import planned_load
+from bridge.train.loop.run_ends import adopt_own_save_dir
 
 __all__ = [
     "IDENTITY_SECTIONS",
@@ -84,9 +89,6 @@ def planned_resume(checkpoint: Any) -> Any:
     """
     if checkpoint is None or (checkpoint.load is None and checkpoint.save is None):
         return None
-    from bridge.train.checkpointing import CheckpointError
-    from bridge.train.checkpointing.load import planned_load
-    from bridge.train.loop.run_ends import adopt_own_save_dir
 
     probe = copy.copy(checkpoint)
     adopt_own_save_dir(probe)
@@ -157,8 +159,6 @@ def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
 
 
 def _saved_config(checkpoint_dir: str) -> Any:
-    from bridge.config import ConfigContainer
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 
     path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
     if not path.is_file():
@@ -213,7 +213,6 @@ def check_resume_sections(
     plan = planned_resume(checkpoint)
     if plan is None:
         return
-    from bridge.train.checkpointing.architecture import check_same_architecture
 
     check_same_architecture(model, plan.path, before_setup=True)
     if not trains:

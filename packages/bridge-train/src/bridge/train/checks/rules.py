@@ -37,9 +37,27 @@ from bridge.config import (
     TokenizerConfig,
     TokenizerConfigProtocol,
     TrainingConfig,
+    parse_split,
 )
+from bridge.train.checkpointing import CheckpointError, checkpoint_exists
+from bridge.train.checkpointing.context import check_checkpoint_config
+from bridge.train.checkpointing.layout import validate_save_dir
 from bridge.train.checks.launch import check_writable_directory
 from bridge.train.checks.layout import check_engine_config
+from bridge.train.data.datasets import (
+    check_data_paths,
+    dataset_prefixes,
+    train_valid_test_num_samples,
+)
+from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
+from bridge.train.data.packing import check_packed_sequence_specs
+from bridge.train.data.sft import check_finetuning_dataset
+from bridge.train.data.split_checks import check_split_samples
+from bridge.train.data.t5_datasets import T5DatasetConfig, check_t5_data_config
+from bridge.train.data.tokenizer_packages import missing_tokenizer_package
+from bridge.train.data.tokenizers import build_tokenizer
+from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
+from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 
 __all__ = [
     "INDEX_BYTES_PER_SAMPLE",
@@ -97,7 +115,6 @@ def engine_can_run_model(
 
 def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
     """The parallel layout fits the launched world."""
-    from bridge.train.engine.initialize import validate_parallel_layout
 
     try:
         validate_parallel_layout(model, world_size)
@@ -108,7 +125,6 @@ def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
 def initialisation_is_possible(rng: RNGConfig, model: ModelConfigProtocol) -> None:
     """``rng.layout_independent_init=true`` only for providers it covers (see
     :mod:`bridge.train.models.layout_init`)."""
-    from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 
     try:
         layout_independent_seed(rng, model)
@@ -128,7 +144,6 @@ def _validation_weight(dataset: Dataset) -> float | None:
     split = getattr(dataset, "split", None)
     if split is None:
         return None
-    from bridge.config import parse_split
 
     try:
         return parse_split(split)[1]
@@ -167,7 +182,6 @@ def _physical_memory() -> int | None:
 def dataset_index_fits_memory(train: TrainingConfig) -> None:
     """A training length whose dataset index cannot be built on this machine is refused
     (``train.train_iters=10**23`` spins for hours in megatron-core's index building)."""
-    from bridge.train.data.datasets import train_valid_test_num_samples
 
     if train.global_batch_size is None or train.skip_train:
         return
@@ -193,7 +207,6 @@ def dataset_index_fits_memory(train: TrainingConfig) -> None:
 
 def distributed_backend_resolves(dist: DistributedInitConfig) -> None:
     """``dist.distributed_backend`` works on this machine."""
-    from bridge.train.engine.initialize import resolve_distributed_backend
 
     try:
         resolve_distributed_backend(dist)
@@ -268,7 +281,6 @@ _TOKENIZER_FILES: dict[str, tuple[str, ...]] = {
 def tokenizer_can_be_built(tokenizer: Tokenizer) -> None:
     """A ``tokenizer.tokenizer_type`` this installation can build (its optional package and
     the files it reads are there); ``tokenizer.hf_tokenizer_kwargs`` would be ignored."""
-    from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 
     if tokenizer is None:
         return
@@ -334,7 +346,6 @@ def data_paths_exist(dataset: Dataset) -> None:
     """Every data file the section names exists."""
     if dataset is None:
         return
-    from bridge.train.data.datasets import check_data_paths
 
     try:
         check_data_paths(dataset)
@@ -350,14 +361,10 @@ def data_files_are_sound(
     """Damaged ``.bin``/``.idx`` files and token ids beyond the vocabulary, named with the fix."""
     if dataset is None:
         return
-    from bridge.train.data.datasets import dataset_prefixes
-    from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
 
     vocab = getattr(tokenizer, "vocab_size", None) or getattr(model, "vocab_size", None)
     prefixes = dataset_prefixes(dataset)
     if vocab is None and prefixes and tokenizer is not None:
-        from bridge.train.data.tokenizers import build_tokenizer
-
         try:  # the tokenizer knows its size (byte-level: 256 + specials)
             vocab = int(build_tokenizer(tokenizer).vocab_size)
         except Exception:  # a tokenizer that cannot be built is reported when it is built
@@ -375,12 +382,9 @@ def data_splits_hold_samples(dataset: Dataset, train: TrainingConfig | None) -> 
     :mod:`bridge.train.data.split_checks`)."""
     if dataset is None or train is None:
         return
-    from bridge.train.data.datasets import dataset_prefixes, train_valid_test_num_samples
 
     if not dataset_prefixes(dataset):
         return
-    from bridge.train.data.split_checks import check_split_samples
-    from bridge.train.data.t5_datasets import T5DatasetConfig
 
     check_split_samples(
         dataset,
@@ -393,7 +397,6 @@ def t5_data_fits(dataset: Dataset, tokenizer: Tokenizer) -> None:
     """T5 span-corruption data and its tokenizer's sentinel tokens fit together."""
     if dataset is None:
         return
-    from bridge.train.data.t5_datasets import check_t5_data_config
 
     check_t5_data_config(dataset, tokenizer)
 
@@ -403,8 +406,6 @@ def finetuning_dataset_is_supported(dataset: Dataset, model: ModelConfigProtocol
     loader settings, and packed-sequence settings against the model's attention."""
     if not isinstance(dataset, FinetuningDatasetConfig):
         return
-    from bridge.train.data.packing import check_packed_sequence_specs
-    from bridge.train.data.sft import check_finetuning_dataset
 
     check_finetuning_dataset(dataset)
     check_packed_sequence_specs(dataset.packed_sequence_specs, dataset.seq_length, model)
@@ -484,7 +485,6 @@ def samples_can_be_generated(
 def checkpoint_settings_are_supported(checkpoint: CheckpointConfig) -> None:
     """Checkpoint settings this trainer cannot honour (formats, non-persistent types,
     conversion, CUDA-only loading), refused whether or not the run saves."""
-    from bridge.train.checkpointing.context import check_checkpoint_config
 
     check_checkpoint_config(checkpoint)
 
@@ -518,8 +518,6 @@ def checkpoint_directories_hold_runs(checkpoint: CheckpointConfig) -> None:
     """
     if all(getattr(checkpoint, name) is None for name in ("save", "load", "pretrained_checkpoint")):
         return
-    from bridge.train.checkpointing import CheckpointError, checkpoint_exists
-    from bridge.train.checkpointing.layout import validate_save_dir
 
     for field in ("save", "load"):
         path = getattr(checkpoint, field)

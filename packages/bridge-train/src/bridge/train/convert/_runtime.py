@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
+from bridge.config import DistributedInitConfig
+from bridge.train.engine.initialize import destroy_distributed, initialize_distributed
 from bridge.train.models.families import ConversionError
 
 __all__ = ["single_process_megatron", "single_rank_copy"]
@@ -21,7 +25,6 @@ def single_rank_copy(provider: Any) -> Any:
     ``make_vocab_size_divisible_by * TP`` of the original, so its embedding has exactly the
     rows a model of the original layout has.
     """
-    import copy
 
     single = copy.copy(provider)
     single.make_vocab_size_divisible_by = (
@@ -47,9 +50,6 @@ def single_process_megatron(provider: Any) -> Iterator[None]:
     is set up as the megatron engine sets it up (its MoE layers ask for the CUDA device, which
     :func:`core_utils.cuda_emulation` answers on a machine without one).
     """
-    from megatron.core import parallel_state
-
-    from bridge.train.engine.initialize import destroy_distributed, initialize_distributed
 
     if dist.is_initialized() and dist.get_world_size() != 1:
         raise ConversionError(
@@ -62,7 +62,6 @@ def single_process_megatron(provider: Any) -> Iterator[None]:
             "megatron's parallel state is already initialised in this process; run the "
             "conversion in a fresh process (bridge-convert)"
         )
-    from bridge.config import DistributedInitConfig
 
     if getattr(provider, "num_moe_experts", None):
         # megatron-core's MoE layers allocate on the "current CUDA device": on CPU they run

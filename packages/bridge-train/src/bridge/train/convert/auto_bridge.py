@@ -38,6 +38,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bridge.train.convert.exporter import export_hf_checkpoint, write_side_files
+from bridge.train.convert.importer import import_hf_checkpoint
+from bridge.train.convert.model_weights import (
+    iter_full_parameters,
+    load_hf_weights,
+    padded_vocab_of,
+    save_hf_weights,
+)
+from bridge.train.convert.source import HFSource
 from bridge.train.models.families import (
     ConversionError,
     HFFamily,
@@ -46,6 +55,7 @@ from bridge.train.models.families import (
     supported_model_types,
     torch_dtype_of,
 )
+from bridge.train.models.families.mapping import HFTensorStacks
 
 __all__ = ["AutoBridge"]
 
@@ -78,7 +88,6 @@ class AutoBridge:
             ConversionError: Not a directory, no ``config.json``, or an unsupported
                 ``model_type`` or setting (one line naming it).
         """
-        from bridge.train.convert.source import HFSource
 
         source = HFSource(path)
         bridge = cls(source.family, source.config, source.directory)
@@ -131,8 +140,6 @@ class AutoBridge:
         Raises:
             ConversionError: Missing tensors or shapes that do not fit the model.
         """
-        from bridge.train.convert.model_weights import load_hf_weights
-        from bridge.train.convert.source import HFSource
 
         path = hf_path if hf_path is not None else self.hf_path
         if path is None:
@@ -148,7 +155,6 @@ class AutoBridge:
     # ---- megatron -> Hugging Face -----------------------------------------------------------
 
     def _mappings(self, model: Any) -> list[Any]:
-        from bridge.train.convert.model_weights import padded_vocab_of
 
         text = self.family.text_config(self.hf_config)
         _, prefix = self.family.export_config(self.hf_config, None)
@@ -157,8 +163,6 @@ class AutoBridge:
     def export_hf_weights(self, model: Any) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The model's weights under their Hugging Face names, one at a time, on rank 0
         (``None`` on the other ranks, which must iterate too: they send their pieces)."""
-        from bridge.train.convert.model_weights import iter_full_parameters
-        from bridge.train.models.families.mapping import HFTensorStacks
 
         mappings = self._mappings(model)
         by_name = {mapping.megatron: mapping for mapping in mappings}
@@ -183,7 +187,6 @@ class AutoBridge:
     ) -> list[Path]:
         """Write the weights (safetensors shards) into ``path``; call on every rank (rank 0
         writes). Returns the files written (on rank 0)."""
-        from bridge.train.convert.model_weights import save_hf_weights
 
         out = Path(path)
         if _rank() == 0:
@@ -225,7 +228,6 @@ class AutoBridge:
         Raises:
             ConversionError: ``path`` exists and is not empty.
         """
-        from bridge.train.convert.exporter import write_side_files
 
         out = Path(path).resolve()
         staging = out.with_name(out.name + ".exporting")
@@ -272,7 +274,6 @@ class AutoBridge:
     ) -> Path:
         """A Hugging Face directory -> a bridge-train checkpoint
         (:func:`~bridge.train.convert.import_hf_checkpoint`; one process)."""
-        from bridge.train.convert.importer import import_hf_checkpoint
 
         return import_hf_checkpoint(hf_path, megatron_path, **kwargs)
 
@@ -282,7 +283,6 @@ class AutoBridge:
     ) -> Path:
         """A bridge-train checkpoint -> a Hugging Face directory
         (:func:`~bridge.train.convert.export_hf_checkpoint`; one process)."""
-        from bridge.train.convert.exporter import export_hf_checkpoint
 
         return export_hf_checkpoint(megatron_path, hf_path, **kwargs)
 

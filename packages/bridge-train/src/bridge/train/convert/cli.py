@@ -21,6 +21,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from bridge.config.notices import held_notices, print_held_notices
+
 __all__ = ["EXIT_INPUT_ERROR", "build_parser", "main"]
 
 EXIT_INPUT_ERROR = 2
@@ -70,7 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``bridge-convert``; returns the exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from bridge.config.notices import held_notices, print_held_notices
 
     # torch's and megatron-core's import notices and megatron's "GPTModel IS DEPRECATED" say
     # nothing about a conversion: one line says they were held back (--verbose: in full).

@@ -14,6 +14,7 @@ run's config), or from ``hf_config_dir``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
+from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
+from bridge.train.checkpointing import CheckpointError, restore_checkpoint
+from bridge.train.checkpointing.integrity import recorded_files, verify_files
+from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint, read_marker
 from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
 from bridge.train.convert.model_weights import named_weights, weights_to_meta
@@ -42,14 +56,13 @@ from bridge.train.models.families import (
     torch_dtype_of,
 )
 from bridge.train.models.families.mapping import HFTensorStacks, declared_hf_tensors
+from bridge.train.state import TrainState
 
 __all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
 
 
 def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
     """``(checkpoint root, iteration directory)`` for a root or an ``iter_*`` directory."""
-    from bridge.train.checkpointing import CheckpointError
-    from bridge.train.checkpointing.layout import locate_checkpoint
 
     try:
         return locate_checkpoint(ckpt_dir)
@@ -195,9 +208,6 @@ def load_model_for_export(
     ``merge`` they are folded into the base weights (``bridge.train.peft.merge_adapters``),
     leaving a plain model. Needs megatron's parallel state (one rank).
     """
-    from bridge.config import CheckpointConfig
-    from bridge.train.checkpointing import CheckpointError, restore_checkpoint
-    from bridge.train.state import TrainState
 
     model = single.provide(pre_process=True, post_process=True)
     peft = getattr(run_config, "peft", None)
@@ -230,8 +240,6 @@ def load_model_for_export(
 
 def _verify(iteration_dir: Path) -> None:
     """The checks a load makes first: the saved files match the marker's checksums."""
-    from bridge.train.checkpointing.integrity import recorded_files, verify_files
-    from bridge.train.checkpointing.layout import read_marker
 
     try:
         files = recorded_files(iteration_dir, read_marker(iteration_dir))
@@ -271,7 +279,6 @@ def _whole_axes(item: Any) -> Any:
     list every layer's chunk as local in a one-process load; as an ordinary chunk of the
     same global tensor it is read alone (the stored chunks are the same).
     """
-    import dataclasses
 
     count = item.prepend_axis_num
     if not count:
@@ -297,17 +304,6 @@ def _stream_export(
     sharding); for each parameter, dist_checkpointing loads only that parameter's entries
     into a real tensor, which is converted and written out before the next is loaded.
     """
-    import dataclasses
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedTensor,
-        ShardedTensorFactory,
-        apply_factories,
-    )
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-    from torch.distributed.checkpoint.api import CheckpointException
 
     _verify(iteration_dir)
     single.use_cpu_initialization = True  # weights on the meta device, not a GPU
@@ -399,8 +395,6 @@ def export_hf_checkpoint(
         ConversionError: No checkpoint, no run config, a config of another architecture, a
             model no family matches (naming the fields), or an existing non-empty ``hf_dir``.
     """
-    from bridge.config import ConfigContainer, ConfigError
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 
     report = progress or (lambda message: None)
     root, iteration_dir = _locate(Path(ckpt_dir))

@@ -31,10 +31,16 @@ from typing import Any
 
 import torch
 
+from bridge.config import CheckpointConfig, ConfigContainer, GPTDatasetConfig, TokenizerConfig
+from bridge.train.checkpointing import init_checkpointing_context, write_checkpoint
+from bridge.train.checkpointing.save import SUPPLIED_SAVE_STRATEGY
 from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
 from bridge.train.convert.model_weights import named_weights, weights_to_meta
 from bridge.train.convert.source import HFSource, side_files
+from bridge.train.convert.streaming import StreamingSaveStrategy
 from bridge.train.models.families import ConversionError, provider_from_hf_config
+from bridge.train.recipes import recipe_path
+from bridge.train.state import TrainState
 
 __all__ = ["HF_SUBDIR", "IMPORT_RECORD", "check_layout", "import_hf_checkpoint"]
 
@@ -87,13 +93,6 @@ def _check_target_dir(out: Path) -> None:
 
 def _recipe(provider: Any, out: Path, tokenizer_dir: Path | None) -> Any:
     """The run config saved with the checkpoint: a finetuning starting point."""
-    from bridge.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        GPTDatasetConfig,
-        TokenizerConfig,
-    )
-    from bridge.train.recipes import recipe_path
 
     recipe = ConfigContainer.from_yaml(recipe_path("tiny_gpt"))
     recipe.model = provider
@@ -151,11 +150,6 @@ def import_hf_checkpoint(
             a tokenizer larger than the embedding, a layout the model does not divide into,
             or an existing non-empty ``ckpt_dir``.
     """
-    from bridge.config import CheckpointConfig
-    from bridge.train.checkpointing import init_checkpointing_context, write_checkpoint
-    from bridge.train.checkpointing.save import SUPPLIED_SAVE_STRATEGY
-    from bridge.train.convert.streaming import StreamingSaveStrategy
-    from bridge.train.state import TrainState
 
     hf = Path(hf_dir)
     out = Path(ckpt_dir).resolve()

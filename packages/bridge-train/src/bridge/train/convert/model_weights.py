@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
+from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
 from bridge.train.models.families.mapping import declared_hf_tensors
 
@@ -158,8 +160,6 @@ def local_parameters(model: Any) -> list[LocalParameter]:
                 split = bool(getattr(param, "tensor_model_parallel", False))
                 group = getattr(module, "tp_group", None) if split else None
                 if split and group is None:
-                    from megatron.core import parallel_state
-
                     group = (
                         parallel_state.get_expert_tensor_parallel_group()
                         if ".mlp.experts." in full
@@ -355,7 +355,6 @@ def save_hf_weights(
 
     Call on every rank of the model. Returns the files written (empty on other ranks).
     """
-    from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 
     census = _census(model)
     rank = dist.get_rank() if dist.is_initialized() else 0

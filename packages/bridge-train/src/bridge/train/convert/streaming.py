@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
@@ -30,6 +31,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 from bridge.train.convert.errors import ConversionError
+from bridge.train.convert.model_weights import named_weights
 
 __all__ = ["StreamingSaveStrategy"]
 
@@ -88,7 +90,6 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, model: torch.nn.Module, produce: Callable[[str], torch.Tensor]) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
-        from bridge.train.convert.model_weights import named_weights
 
         self._params = named_weights(model)
         self._name_of = {id(param): name for name, param in self._params.items()}
@@ -136,7 +137,6 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
     def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: Path) -> None:
         """Write ``sharded_state_dict`` (translated as megatron does) one tensor at a time."""
-        import torch.distributed.checkpoint as dcp
 
         sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica

@@ -14,6 +14,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from bridge.config import FinetuningDatasetConfig, convert_dataclass
+
 __all__ = [
     "build_gpt_dataset_config",
     "build_train_valid_test_datasets",
@@ -89,7 +91,6 @@ def build_gpt_dataset_config(dataset_config: Any, tokenizer: Any) -> Any:
     check_data_paths(dataset_config)
     if isinstance(dataset_config, GPTDatasetConfig):
         return dataclasses.replace(dataset_config, tokenizer=tokenizer)
-    from bridge.config import convert_dataclass
 
     overrides: dict[str, Any] = {"tokenizer": tokenizer}
     overrides["blend"] = _as_blend(getattr(dataset_config, "blend", None))
@@ -161,7 +162,6 @@ def build_train_valid_test_datasets(
         bridge.config.ConfigError: A split would get no sample (megatron-core would loop
             forever building it; see :mod:`bridge.train.data.split_checks`).
     """
-    from bridge.config import FinetuningDatasetConfig
 
     if isinstance(dataset_config, FinetuningDatasetConfig):
         from bridge.train.data.sft import build_sft_datasets

@@ -25,6 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from bridge.train.data.sft import (
+    SFTDataset,
+    build_sample,
+    load_tokenized_examples,
+    pad_id,
+    sft_settings,
+)
+
 __all__ = ["TokenWindows", "WholeBatches", "build_eval_file_dataset"]
 
 
@@ -51,7 +59,6 @@ class TokenWindows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return math.ceil((len(self.tokens) - 1) / self.seq_length)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        from bridge.train.data.sft import build_sample
 
         start = index * self.seq_length
         ids = self.tokens[start : start + self.seq_length + 1]
@@ -131,12 +138,6 @@ def build_eval_file_dataset(
         ValueError: The file cannot be read, is empty, or its records are neither SFT
             records nor ``{"text": ...}`` documents.
     """
-    from bridge.train.data.sft import (
-        SFTDataset,
-        load_tokenized_examples,
-        pad_id,
-        sft_settings,
-    )
 
     file = Path(path)
     if not file.is_file():

@@ -16,6 +16,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
+    SentencePieceTokenizer as _MegatronSentencePiece,
+)
+from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import (
+    SPECIAL_TOKENS,
+    TikTokenTokenizer,
+)
+
 from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 from bridge.train.data.tokenizers import Tokenizer
 
@@ -84,9 +92,6 @@ class SentencePieceTokenizer(Tokenizer):
         vocab_size: int | None = None,
     ) -> None:
         _require("SentencePieceTokenizer")
-        from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
-            SentencePieceTokenizer as _MegatronSentencePiece,
-        )
 
         file = _existing_file(path, "tokenizer_model", "a SentencePiece .model file")
         extra = _extra_tokens(special_tokens, vocab_extra_ids)
@@ -164,10 +169,6 @@ class TikTokenizer(Tokenizer):
         vocab_size: int | None = None,
     ) -> None:
         _require("TikTokenizer")
-        from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import (
-            SPECIAL_TOKENS,
-            TikTokenTokenizer,
-        )
 
         file = _existing_file(path, "tokenizer_model", "a tiktoken vocabulary (.json)")
         if file.suffix != ".json":

@@ -32,8 +32,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
+from bridge.config import ConfigError
 from bridge.train.data.sft import TokenizedExamples, build_sample, fit_examples
+from bridge.train.models.mamba_provider import MambaProvider
 
 __all__ = [
     "PACKED_BATCH_KEYS",
@@ -68,11 +71,9 @@ def check_packed_sequence_specs(specs: Any, seq_length: int | None, model: Any =
             ``cu_seqlens``), or Transformer Engine packing is asked for with context
             parallelism.
     """
-    from bridge.config import ConfigError
 
     if specs is None or specs.packed_sequence_size <= 0:
         return
-    from bridge.train.models.mamba_provider import MambaProvider
 
     if isinstance(model, MambaProvider):
         raise ConfigError(
@@ -254,7 +255,6 @@ def packed_seq_params(batch: dict[str, Any]) -> Any:
         ValueError: The micro-batch holds more than one sample (the ``thd`` layout packs
             examples into one sequence; use ``train.micro_batch_size=1``) or lacks a key.
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     missing = [key for key in ("tokens", *PACKED_BATCH_KEYS) if batch.get(key) is None]
     if missing:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from bridge.config.notices import held_notices, print_held_notices
 from bridge.train.data.tokenizers import Tokenizer, build_tokenizer
 
 __all__ = ["PreprocessProgress", "PreprocessResult", "build_parser", "main", "preprocess_data"]
@@ -360,7 +361,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocab_size=args.vocab_size,
         special_tokens=args.special_tokens,
     )
-    from bridge.config.notices import held_notices, print_held_notices
 
     # megatron-core's import notices (it writes the files) say nothing about the data.
     # A refused input is the one line the command prints (the notices do not matter then).

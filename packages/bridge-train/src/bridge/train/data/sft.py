@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bridge.config import ConfigError
 from bridge.config.atomic_files import atomic_write
 
 __all__ = [
@@ -114,7 +115,6 @@ def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
         bridge.config.ConfigError: An unknown key or a bad value (named
             ``dataset.dataset_kwargs.<key>``).
     """
-    from bridge.config import ConfigError
 
     values = dict(_KWARGS_DEFAULTS)
     for key, value in (dataset_kwargs or {}).items():
@@ -159,7 +159,6 @@ def check_finetuning_dataset(dataset_config: Any) -> None:
             and the fix. (``data_sharding: false`` is refused for every dataset by the
             launch checks.)
     """
-    from bridge.config import ConfigError
 
     if dataset_config.dataset_root is None:
         raise ConfigError(

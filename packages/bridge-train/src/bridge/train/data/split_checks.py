@@ -18,6 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+
 from bridge.config import ConfigError
 from bridge.train.data.datasets import dataset_prefixes
 from bridge.train.data.file_checks import read_sequence_lengths
@@ -28,10 +33,6 @@ _SPLIT_NAMES = ("train", "validation", "test")
 
 
 def _split_matrix(split: str) -> list[tuple[float, float] | None]:
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
 
     return list(convert_split_vector_to_split_matrix(parse_and_normalize_split(split)))
 

@@ -22,13 +22,21 @@ refused by :func:`check_t5_data_config` before anything runs.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.t5_dataset import (
+    T5MaskedWordPieceDataset,
+    T5MaskedWordPieceDatasetConfig,
+)
 
-from bridge.config import GPTDatasetConfig
+from bridge.config import ConfigError, GPTDatasetConfig, convert_dataclass
+from bridge.train.data.datasets import _as_blend, check_data_paths, dataset_prefixes
 
 __all__ = [
     "LONG_SENTENCE_TOKENS",
@@ -90,7 +98,6 @@ class T5DatasetConfig(GPTDatasetConfig):
             ValueError: A bad size or probability, a GPT-only option set, or a masking
                 option that megatron's dataset cannot honour.
         """
-        from bridge.config import ConfigError
 
         if not isinstance(self.sequence_length_dec, int) or self.sequence_length_dec < 4:
             raise ConfigError(
@@ -191,7 +198,6 @@ def check_t5_data_config(dataset_config: Any, tokenizer_config: Any) -> None:
     Raises:
         bridge.config.ConfigError: The field to change and the value that works.
     """
-    from bridge.config import ConfigError
 
     if not isinstance(dataset_config, T5DatasetConfig) or not dataset_config.is_indexed:
         return
@@ -332,19 +338,6 @@ def build_t5_datasets(
 def _build_indexed(
     dataset_config: T5DatasetConfig, tokenizer: Any, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
-    import warnings
-
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.core.datasets.t5_dataset import (
-        T5MaskedWordPieceDataset,
-        T5MaskedWordPieceDatasetConfig,
-    )
-
-    from bridge.config import convert_dataclass
-    from bridge.train.data.datasets import _as_blend, check_data_paths, dataset_prefixes
 
     if not hasattr(tokenizer, "additional_special_tokens_ids"):
         raise TypeError(

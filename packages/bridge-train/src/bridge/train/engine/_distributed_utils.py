@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
 
 def unwrap_model_chunks(model: Any) -> list[Any]:
     """Return ``model`` as a list of model chunks (a single module becomes a 1-list)."""
@@ -17,8 +20,6 @@ def model_parallel_groups(model: Any = None) -> Any:
     The collection of the (possibly wrapped) first model chunk is used when it has one;
     missing groups are filled from ``megatron.core.parallel_state``.
     """
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     pgc = None
     if model is not None:

@@ -6,6 +6,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import Float16Module
+
+from bridge.train.models.layout_init import check_supported, initialize_layout_independent
 
 if TYPE_CHECKING:
     from bridge.config import ModelConfigProtocol
@@ -28,8 +32,6 @@ def build_model_chunks(
         getattr(model_provider, "perform_initialization", True)
     )
     if draw:
-        from bridge.train.models.layout_init import check_supported
-
         check_supported(model_provider)
         model_provider.perform_initialization = False
     try:
@@ -41,8 +43,6 @@ def build_model_chunks(
         if draw:
             model_provider.perform_initialization = True
     if draw:
-        from bridge.train.models.layout_init import initialize_layout_independent
-
         assert layout_independent_seed is not None
         initialize_layout_independent(chunks, model_provider, layout_independent_seed)
     for hook in pre_wrap_hooks:
@@ -50,9 +50,6 @@ def build_model_chunks(
         if result is not None:
             chunks = list(result) if isinstance(result, (list, tuple)) else [result]
     # megatron's distributed checkpointing and schedules expect this attribute.
-    from megatron.core.tensor_parallel import (
-        set_defaults_if_not_set_tensor_model_parallel_attributes,
-    )
 
     for chunk in chunks:
         for param in chunk.parameters():
@@ -66,6 +63,5 @@ def cast_for_precision(
     """Wrap chunks in megatron's ``Float16Module`` for bf16/fp16 (inputs cast in, fp32 out)."""
     if not (getattr(model_config, "bf16", False) or getattr(model_config, "fp16", False)):
         return chunks
-    from megatron.core.transformer.module import Float16Module
 
     return [Float16Module(model_config, chunk) for chunk in chunks]

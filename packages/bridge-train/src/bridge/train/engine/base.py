@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from bridge.train.engine.megatron import MegatronEngine
+
 if TYPE_CHECKING:
     from bridge.config import (
         DDPConfigProtocol,
@@ -106,6 +108,5 @@ def build_engine() -> Engine:
     Returns:
         The engine.
     """
-    from bridge.train.engine.megatron import MegatronEngine
 
     return MegatronEngine()

@@ -23,12 +23,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
+from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import (
     adopt_launch_environment,
     guarded_rendezvous,
 )
+from core_utils import cuda_emulation, cuda_emulation_active
 from core_utils.distributed import global_world_size
+from core_utils.testing import find_free_port
 
 if TYPE_CHECKING:
     from bridge.config import (
@@ -142,8 +146,6 @@ def init_launch_process_group(backend: str, timeout: timedelta) -> None:
     """
     launch = adopt_launch_environment()
     if not (launch.distributed and launch.world_size > 1):
-        from core_utils.testing import find_free_port
-
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://127.0.0.1:{find_free_port()}",
@@ -152,7 +154,6 @@ def init_launch_process_group(backend: str, timeout: timedelta) -> None:
             timeout=timeout,
         )
         return
-    from bridge.resiliency import init_process_group
 
     guarded_rendezvous(
         launch,
@@ -189,7 +190,6 @@ def initialize_distributed(
         bridge.config.ConfigError: The launch environment cannot be a real launch.
         bridge.train.engine.launch_env.RendezvousTimeout: The ranks did not all meet.
     """
-    from megatron.core import parallel_state
 
     launch = adopt_launch_environment()
     backend = resolve_distributed_backend(dist_config)
@@ -265,7 +265,6 @@ def set_random_seed(
     """
     if seed < 0:
         raise ValueError(f"rng.seed must be >= 0, got {seed}")
-    from megatron.core import parallel_state
 
     rank_seed = seed
     if parallel_state.model_parallel_is_initialized():
@@ -275,11 +274,8 @@ def set_random_seed(
     random.seed(rank_seed)
     np.random.seed(rank_seed)
     torch.manual_seed(rank_seed)
-    from core_utils import cuda_emulation_active
 
     if (torch.cuda.is_available() and torch.cuda.device_count() > 0) or cuda_emulation_active():
-        from megatron.core import tensor_parallel
-
         tensor_parallel.model_parallel_cuda_manual_seed(
             rank_seed, te_rng_tracker=te_rng_tracker, inference_rng_tracker=inference_rng_tracker
         )
@@ -295,13 +291,10 @@ def _enter_cuda_emulation() -> bool:
         Whether the emulation is active (``False`` with CUDA).
     """
     if _STATE["emulation"] is None:
-        from core_utils import cuda_emulation
-
         stack = contextlib.ExitStack()
         active = stack.enter_context(cuda_emulation())
         _STATE["emulation"] = stack
         return bool(active)
-    from core_utils import cuda_emulation_active
 
     return cuda_emulation_active()
 
@@ -314,7 +307,6 @@ def _destroy_model_parallel() -> None:
     that builds a parallel state of its own drops the inherited object and hangs in its
     destructor, which waits for threads only the parent has.
     """
-    from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     for name, value in list(vars(parallel_state).items()):
@@ -325,7 +317,6 @@ def _destroy_model_parallel() -> None:
 def destroy_distributed() -> None:
     """Tear down megatron's parallel state, the process group if this module created it, and
     the CUDA emulation if :func:`initialize_distributed` entered it."""
-    from megatron.core import parallel_state
 
     try:
         if parallel_state.model_parallel_is_initialized():

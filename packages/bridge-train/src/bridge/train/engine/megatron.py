@@ -24,7 +24,17 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
+from bridge.config import convert_dataclass
 from bridge.train.engine._model_setup import build_model_chunks, cast_for_precision
 from bridge.train.engine.initialize import (
     _enter_cuda_emulation,
@@ -32,6 +42,7 @@ from bridge.train.engine.initialize import (
     validate_parallel_layout,
 )
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
+from core_utils import cuda_emulation_active
 from core_utils.distributed import global_world_size
 
 if TYPE_CHECKING:
@@ -102,19 +113,11 @@ class MegatronEngine:
         with overlapped all-gather) and ``finalize_model_grads_func`` on the model config, as
         megatron's training loop does.
         """
-        from megatron.core import parallel_state
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
 
         validate_parallel_layout(model_provider, torch.distributed.get_world_size())
         if ddp_config is None:
             ddp_config = DistributedDataParallelConfig()
         elif not isinstance(ddp_config, DistributedDataParallelConfig):
-            from bridge.config import convert_dataclass
-
             # bridge.config's DDP section mirrors megatron's field names.
             ddp_config = convert_dataclass(ddp_config, DistributedDataParallelConfig)
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -172,8 +175,6 @@ class MegatronEngine:
         The optimizer skips (and reports as skipped) an update whose gradient norm is not
         finite, as it does for an fp16 loss-scale overflow: see :func:`skip_non_finite_updates`.
         """
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.utils import get_model_config
 
         optimizer = get_megatron_optimizer(
             optimizer_config, model, use_gloo_process_groups=_gloo_groups_exist()
@@ -199,10 +200,6 @@ class MegatronEngine:
                 schedules place tensors on ``"cuda"``): :meth:`initialize_distributed` enters
                 it, or run the loop inside ``with core_utils.cuda_emulation():``.
         """
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from core_utils import cuda_emulation_active
 
         if not torch.cuda.is_available() and not cuda_emulation_active():
             raise RuntimeError(
@@ -274,7 +271,6 @@ def _gloo_groups_exist() -> bool:
     :func:`~bridge.train.engine.initialize.initialize_distributed` builds them only on an nccl world (on a
     gloo world the regular groups already are gloo groups).
     """
-    from megatron.core import parallel_state
 
     try:
         return parallel_state.get_data_parallel_group_gloo(with_context_parallel=True) is not None

@@ -29,6 +29,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from bridge.config import LoggerConfig
+from bridge.config.notices import held_notices, silence_known_fallback_notices
+
 __all__ = ["EXIT_INPUT_ERROR", "build_parser", "main"]
 
 EXIT_INPUT_ERROR = 2
@@ -271,7 +274,6 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
     args = parser.parse_args(argv)
     stdin = sys.stdin if stdin is None else stdin
     options = _options(args, parser)
-    from bridge.config.notices import held_notices, silence_known_fallback_notices
 
     # Other libraries' notices (megatron's GPTModel deprecation and tensor-parallel advice,
     # torch.distributed's deprecations and ShardedTensor notice while dist_checkpointing
@@ -280,7 +282,6 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
     warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
     warnings.filterwarnings("ignore", module=r"megatron\.|torch\.distributed\.")
     with held_notices():
-        from bridge.config import LoggerConfig
         from bridge.logging import setup_logging
         from bridge.train.generate.loading import load_generation_model
         from bridge.train.generate.prompts import read_prompts_file

@@ -28,7 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bridge.config import ConfigContainer, ConfigError
+from bridge.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    ConfigError,
+    GPTDatasetConfig,
+    LoggerConfig,
+    TrainingConfig,
+)
+from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+from bridge.train.checks.preflight import check_config_before_launch
+from bridge.train.data.datasets import train_valid_test_num_samples
+from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
+from bridge.train.loop.pretrain import _close, setup
+from bridge.train.loop.pretrain_mimo import MimoModelConfig
+from bridge.train.loop.training import evaluation_of
+from bridge.train.models.family import build_family_datasets, default_forward_step, is_t5
+from bridge.train.state import GlobalState
 
 __all__ = ["EvalOnlyPlan", "evaluate_checkpoint", "prepare_eval_only", "validation_start"]
 
@@ -67,7 +83,6 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
             ``checkpoint.pretrained_checkpoint`` unset), a MIMO run, or ``eval_data`` for a T5
             model or a file that does not exist.
     """
-    from bridge.config import CheckpointConfig, GPTDatasetConfig, LoggerConfig, TrainingConfig
 
     checkpoint = cfg.checkpoint or CheckpointConfig()
     if not (checkpoint.load or checkpoint.pretrained_checkpoint):
@@ -76,7 +91,6 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
             "--eval-only evaluates a checkpoint: set checkpoint.load=DIR (a checkpoint "
             "directory or one of its iter_* directories)",
         )
-    from bridge.train.loop.pretrain_mimo import MimoModelConfig
 
     if isinstance(cfg.model, MimoModelConfig):
         raise ConfigError("--eval-only", "is not supported for MIMO runs")
@@ -93,7 +107,6 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
     cfg.logger.log_validation_ppl_to_tensorboard = True
     if eval_data is None:
         return EvalOnlyPlan()
-    from bridge.train.models.family import is_t5
 
     if is_t5(cfg.model):
         raise ConfigError(
@@ -122,7 +135,6 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
 
 def _saved_train_section(path: str | None, fallback: Any) -> Any:
     """The ``train`` section of the loaded checkpoint's run config (else ``fallback``)."""
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 
     if path is None:
         return fallback
@@ -155,8 +167,6 @@ def validation_start(train_state: Any, saved_train: Any) -> int:
 def _datasets_function(
     cfg: ConfigContainer, plan: EvalOnlyPlan
 ) -> Callable[[Any], tuple[Any, Any, Any]]:
-    from bridge.train.data.datasets import train_valid_test_num_samples
-    from bridge.train.models.family import build_family_datasets
 
     train = cfg.train
     assert train is not None
@@ -173,7 +183,6 @@ def _datasets_function(
                 gbs = int(train.global_batch_size or 1)
                 sizes = (0, int(train.eval_iters or 0) * gbs, int(train.eval_iters or 0) * gbs)
             return build_family_datasets(cfg.model, cfg.dataset, out.tokenizer, sizes)
-        from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
 
         path = plan.eval_data
         try:
@@ -227,11 +236,6 @@ def evaluate_checkpoint(
     Raises:
         ConfigError: The config cannot run, or no checkpoint was found to load.
     """
-    from bridge.train.checks.preflight import check_config_before_launch
-    from bridge.train.loop.pretrain import _close, setup
-    from bridge.train.loop.training import evaluation_of
-    from bridge.train.models.family import default_forward_step
-    from bridge.train.state import GlobalState
 
     check_config_before_launch(cfg)
     step_func = forward_step_func or default_forward_step(cfg.model)

@@ -23,6 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.inference_request import InferenceRequest, Status
+from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+    GPTInferenceWrapper,
+)
 
 from bridge.train.generate.controller import (
     BatchState,
@@ -83,7 +89,6 @@ def inference_module(model: Any) -> torch.nn.Module:
             f"rank, got {len(chunks)}; megatron-core's inference does not run interleaved "
             "pipelines"
         )
-    from megatron.core.distributed import DistributedDataParallel
 
     module = chunks[0]
     while isinstance(module, DistributedDataParallel):
@@ -166,10 +171,6 @@ class TextGenerator:
         max_batch_size: int = 8,
         vocab_limit: int | None = None,
     ) -> None:
-        from megatron.core.inference.contexts import StaticInferenceContext
-        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-            GPTInferenceWrapper,
-        )
 
         if max_batch_size < 1:
             raise GenerationError(f"--batch-size must be >= 1, got {max_batch_size}")
@@ -277,8 +278,6 @@ class TextGenerator:
         on_text: TextCallback | None,
         return_logits: bool,
     ) -> list[Completion]:
-        from megatron.core.inference.contexts import StaticInferenceContext
-        from megatron.core.inference.inference_request import InferenceRequest, Status
 
         params = options.megatron_params()
         lengths = [len(ids) for _, ids in batch]

@@ -24,7 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
+from bridge.config import CheckpointConfig, ConfigContainer, ConfigError, DistributedInitConfig
+from bridge.train.checkpointing import CheckpointError, find_latest_checkpoint, restore_checkpoint
+from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+from bridge.train.checkpointing.layout import locate_checkpoint as locate
+from bridge.train.data.tokenizers import NullTokenizer, build_tokenizer
+from bridge.train.engine.base import build_engine
+from bridge.train.engine.initialize import destroy_distributed
 from bridge.train.generate.errors import GenerationError
+from bridge.train.generate.generator import TextGenerator
+from bridge.train.state import TrainState
 
 __all__ = [
     "GenerationModel",
@@ -43,8 +54,6 @@ def locate_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     Raises:
         GenerationError: ``path`` does not exist or holds no complete checkpoint.
     """
-    from bridge.train.checkpointing import CheckpointError
-    from bridge.train.checkpointing.layout import locate_checkpoint as locate
 
     try:
         return locate(path)
@@ -58,8 +67,6 @@ def read_run_config(iteration_dir: Path) -> Any:
     Raises:
         GenerationError: The file is missing or does not load.
     """
-    from bridge.config import ConfigContainer, ConfigError
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 
     file = iteration_dir / RUN_CONFIG_FILENAME
     if not file.is_file():
@@ -110,7 +117,6 @@ def generation_tokenizer(
         GenerationError: The tokenizer cannot be built, or it has more ids than the model
             embeds, or its end-of-document id is outside the model's vocabulary.
     """
-    from bridge.train.data.tokenizers import NullTokenizer, build_tokenizer
 
     provider = run_config.model
     section = run_config.tokenizer
@@ -213,7 +219,6 @@ class GenerationModel:
 
     def generator(self, max_batch_size: int = 8) -> Any:
         """A :class:`~bridge.train.generate.generator.TextGenerator` over this model."""
-        from bridge.train.generate.generator import TextGenerator
 
         return TextGenerator(
             self.model,
@@ -225,7 +230,6 @@ class GenerationModel:
 
 def _check_base(run_config: Any, where: Path) -> str | None:
     """The base checkpoint of a LoRA run (``None`` for other runs)."""
-    from bridge.train.checkpointing import find_latest_checkpoint
 
     if getattr(run_config, "peft", None) is None:
         return None
@@ -275,13 +279,6 @@ def load_generation_model(
     Raises:
         GenerationError: See the module docstring.
     """
-    import torch
-
-    from bridge.config import CheckpointConfig, DistributedInitConfig
-    from bridge.train.checkpointing import CheckpointError, restore_checkpoint
-    from bridge.train.engine.base import build_engine
-    from bridge.train.engine.initialize import destroy_distributed
-    from bridge.train.state import TrainState
 
     _, iteration_dir = locate_checkpoint(ckpt_dir)
     run_config = read_run_config(iteration_dir)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.core.inference.sampling_params import SamplingParams
+
 from bridge.train.generate.errors import GenerationError
 
 __all__ = ["SamplingOptions"]
@@ -97,7 +99,6 @@ class SamplingOptions:
 
     def megatron_params(self) -> Any:
         """megatron-core's ``SamplingParams`` for these options."""
-        from megatron.core.inference.sampling_params import SamplingParams
 
         params = SamplingParams(
             temperature=1.0 if self.greedy else float(self.temperature),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bridge.train.data.sft import chat_generation_prompt
 from bridge.train.generate.errors import GenerationError
 
 __all__ = ["PromptSpec", "parse_prompt_lines", "read_prompts_file", "render_prompts"]
@@ -116,7 +117,6 @@ def render_prompts(
         tokenizer: The checkpoint's tokenizer.
         chat: Render plain prompts as one user message each.
     """
-    from bridge.train.data.sft import chat_generation_prompt
 
     rendered: list[str | list[int]] = []
     for index, prompt in enumerate(prompts):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core import parallel_state
 
 from bridge.config import RNGConfig
 from bridge.train.engine.base import Engine, build_engine
@@ -100,7 +101,6 @@ def train_steps(
         ValueError: ``global_batch_size`` is not a multiple of
             ``micro_batch_size x data_parallel_size``.
     """
-    from megatron.core import parallel_state
 
     dp_size = parallel_state.get_data_parallel_world_size()
     if global_batch_size % (micro_batch_size * dp_size):

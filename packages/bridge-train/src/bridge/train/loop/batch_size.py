@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import math
 
+from megatron.core import num_microbatches_calculator as nmc
+
 from bridge.config import ConfigError, TrainingConfig
+from core_utils.distributed import global_rank
 
 __all__ = [
     "current_global_batch_size",
@@ -87,11 +90,9 @@ def ensure_num_microbatches_calculator(
         ConfigError: Ramp-up combined with ``decrease_batch_size_if_needed``, which
             megatron-core 0.19.2's step schedules do not support.
     """
-    from megatron.core import num_microbatches_calculator as nmc
 
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
         return False
-    from core_utils.distributed import global_rank
 
     rank = global_rank()
     schedule = None
@@ -120,21 +121,18 @@ def ensure_num_microbatches_calculator(
 
 def release_num_microbatches_calculator() -> None:
     """Destroy megatron's global micro-batch calculator (so another run can configure it)."""
-    from megatron.core import num_microbatches_calculator as nmc
 
     nmc.destroy_num_microbatches_calculator()
 
 
 def update_num_microbatches(consumed_samples: int) -> None:
     """Advance the calculator to ``consumed_samples`` (changes the batch during ramp-up)."""
-    from megatron.core import num_microbatches_calculator as nmc
 
     nmc.update_num_microbatches(consumed_samples, consistency_check=True)
 
 
 def get_num_microbatches() -> int:
     """Micro-batches each data-parallel rank runs this iteration."""
-    from megatron.core import num_microbatches_calculator as nmc
 
     return int(nmc.get_num_microbatches())
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
 
 from bridge.config import TrainingConfig
 from bridge.logging import LoggingState, log_validation_results
@@ -40,7 +41,6 @@ __all__ = ["Evaluation", "log_evaluation"]
 
 
 def _data_parallel_layout() -> tuple[int, Any, bool]:
-    from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return 1, None, True

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from core_utils.distributed import collective_device
+
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
 
@@ -32,8 +34,6 @@ def sum_loss_pairs(
                 pair = torch.cat([pair, pair.new_ones(1)])
             totals[name] = totals[name] + pair if name in totals else pair
     if group is not None and dist.is_initialized() and totals:
-        from core_utils.distributed import collective_device
-
         names = sorted(totals)
         stacked = torch.stack([totals[name] for name in names]).to(collective_device(group))
         dist.all_reduce(stacked, group=group)

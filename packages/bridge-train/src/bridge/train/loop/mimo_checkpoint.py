@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bridge.config import CheckpointConfig
+from bridge.train.checkpointing import restore_checkpoint
+from bridge.train.loop.run_ends import adopt_own_save_dir
 from bridge.train.models.mimo import MimoModelConfig
 from bridge.train.state import TrainState
 
@@ -118,8 +120,6 @@ def load_mimo_checkpoint(
     Returns:
         The iteration to continue from (0 when nothing was loaded).
     """
-    from bridge.train.checkpointing import restore_checkpoint
-    from bridge.train.loop.run_ends import adopt_own_save_dir
 
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:

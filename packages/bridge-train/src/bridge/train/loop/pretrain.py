@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 import yaml
+from megatron.core import rerun_state_machine as rsm
+from megatron.core.rerun_state_machine import RerunDataIterator
+from megatron.core.utils import get_model_config
 
 from bridge.config import (
     CheckpointConfig,
@@ -51,6 +54,7 @@ from bridge.logging import (
     start_memory_history_recording,
 )
 from bridge.resiliency import RunResiliency, WatchdogTimeouts
+from bridge.train.checkpointing import restore_checkpoint
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
@@ -77,6 +81,8 @@ from bridge.train.models.family import (
 )
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.models.layout_init import layout_independent_seed
+from bridge.train.peft.base import apply_peft
+from bridge.train.peft.checkpoint import load_peft_checkpoints
 from bridge.train.state import ForwardStepCallable, GlobalState, TrainState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
@@ -177,7 +183,6 @@ def _load_checkpoint(
     context = out.checkpointing_context
     if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
-        from bridge.train.peft.checkpoint import load_peft_checkpoints
 
         iteration, flops = load_peft_checkpoints(
             checkpoint,
@@ -189,8 +194,6 @@ def _load_checkpoint(
             model_config=model_config,
         )
     else:
-        from bridge.train.checkpointing import restore_checkpoint
-
         iteration, flops = restore_checkpoint(
             checkpoint,
             train_state,
@@ -209,7 +212,6 @@ def _peft_hooks(peft: PEFTProtocol | None) -> list[Callable[[list[torch.nn.Modul
     """``peft`` applied to the built chunks before wrapping (none without peft)."""
     if peft is None:
         return []
-    from bridge.train.peft.base import apply_peft
 
     return [lambda chunks: apply_peft(peft, chunks)]
 
@@ -302,7 +304,6 @@ def setup(
         optimizer_config=cfg.optimizer,
         layout_independent_seed=layout_independent_seed(cfg.rng, cfg.model),
     )
-    from megatron.core.utils import get_model_config
 
     get_model_config(model[0]).timers = state.timers
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, train)
@@ -337,7 +338,6 @@ def setup(
     iterators = build_train_valid_test_data_iterators(
         out.datasets, cfg.dataset, train, state.train_state
     )
-    from megatron.core.rerun_state_machine import RerunDataIterator
 
     out.train_data_iterator, out.valid_data_iterator, out.test_data_iterator = (
         None if it is None else RerunDataIterator(it) for it in iterators
@@ -366,7 +366,6 @@ def _report_run_plan(out: SetupOutput) -> None:
 
 
 def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
-    from megatron.core import rerun_state_machine as rsm
 
     rsm.destroy_rerun_state_machine()
     rsm.initialize_rerun_state_machine(
@@ -423,7 +422,6 @@ def _close(
 
 
 def _destroy_rerun_state_machine() -> None:
-    from megatron.core import rerun_state_machine as rsm
 
     rsm.destroy_rerun_state_machine()
 

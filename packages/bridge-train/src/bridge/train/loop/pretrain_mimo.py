@@ -49,11 +49,31 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+import bridge.mimo as mimo
 from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
+from bridge.logging import setup_logging
+from bridge.resiliency import RunResiliency
 from bridge.train.checks.preflight import check_config_before_launch
+from bridge.train.engine.initialize import init_launch_process_group, resolve_distributed_backend
+from bridge.train.engine.launch_env import adopt_launch_environment
+from bridge.train.engine.scheduler import build_optimizer_param_scheduler
+from bridge.train.loop.components import close_components, loop_callback_list, standard_components
+from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel, load_mimo_checkpoint
+from bridge.train.loop.profiling import profile_trace_dir
+from bridge.train.loop.progress_log import ProgressLog, record_starting_job
+from bridge.train.loop.run_ends import (
+    build_run_metric_writers,
+    checkpointing_context_for,
+    run_teardown,
+    run_teardown_steps,
+)
+from bridge.train.loop.saving import CheckpointWriter
 from bridge.train.models.mimo import MimoModelConfig, mimo_layout
-from core_utils.callbacks import Callback
+from bridge.train.state import GlobalState
+from core_utils.callbacks import Callback, CallbackList
+from core_utils.loop import LoopContext, run_loop
 
 __all__ = ["check_mimo_config", "pretrain_mimo"]
 
@@ -65,15 +85,9 @@ check_mimo_config = check_config_before_launch
 
 def _init_process_group(dist_config: DistributedInitConfig) -> bool:
     """Initialise torch.distributed for this launch; True if this call created it."""
-    import torch.distributed as dist
 
     if dist.is_initialized():
         return False
-    from bridge.train.engine.initialize import (
-        init_launch_process_group,
-        resolve_distributed_backend,
-    )
-    from bridge.train.engine.launch_env import adopt_launch_environment
 
     backend = resolve_distributed_backend(dist_config)
     if backend == "nccl":
@@ -113,31 +127,6 @@ def pretrain_mimo(
         ConfigError: See :func:`~bridge.train.checks.preflight.check_config_before_launch`.
         CheckpointError: A checkpoint cannot be loaded or saved (see docs/checkpoints.md).
     """
-    import torch.distributed as dist
-
-    import bridge.mimo as mimo
-    from bridge.logging import setup_logging
-    from bridge.resiliency import RunResiliency
-    from bridge.train.engine.launch_env import adopt_launch_environment
-    from bridge.train.engine.scheduler import build_optimizer_param_scheduler
-    from bridge.train.loop.components import (
-        close_components,
-        loop_callback_list,
-        standard_components,
-    )
-    from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel, load_mimo_checkpoint
-    from bridge.train.loop.profiling import profile_trace_dir
-    from bridge.train.loop.progress_log import ProgressLog, record_starting_job
-    from bridge.train.loop.run_ends import (
-        build_run_metric_writers,
-        checkpointing_context_for,
-        run_teardown,
-        run_teardown_steps,
-    )
-    from bridge.train.loop.saving import CheckpointWriter
-    from bridge.train.state import GlobalState
-    from core_utils.callbacks import CallbackList
-    from core_utils.loop import LoopContext, run_loop
 
     start_time = time.time() if start_time is None else start_time
     user_callbacks = [*cfg.callbacks, *callbacks]

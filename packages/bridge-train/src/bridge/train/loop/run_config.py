@@ -10,6 +10,7 @@ loads either file back.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,6 @@ def save_run_config(config: ConfigContainer, *, barrier: bool = True) -> Path | 
 def run_config_text(config: ConfigContainer) -> str:
     """The text ``ConfigContainer.to_yaml`` writes (loads back with ``from_yaml``): what
     ``run_config.yaml`` holds and ``bridge-train --print-config`` prints."""
-    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / RUN_CONFIG_FILE

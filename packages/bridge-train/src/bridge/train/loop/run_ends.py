@@ -19,6 +19,13 @@ from typing import Any
 from bridge.config import CheckpointConfig, LoggerConfig
 from bridge.logging import BackendSettings, MetricWriters, ReportSettings, build_metric_writers
 from bridge.resiliency import RunResiliency
+from bridge.train.checkpointing import (
+    checkpoint_exists,
+    finalize_async_saves,
+    init_checkpointing_context,
+)
+from bridge.train.checkpointing.context import non_persistent_dir
+from bridge.train.metrics.metrics_file import JsonlMetricWriter
 from core_utils.distributed import global_rank, global_world_size
 
 __all__ = [
@@ -55,7 +62,6 @@ def build_run_metric_writers(
         backend_settings: MLflow / Comet settings of bridge.logging.
         report_settings: Optional reports of bridge.logging.
     """
-    from bridge.train.metrics.metrics_file import JsonlMetricWriter
 
     rank, world = global_rank(), global_world_size()
     extra = metrics_file is not None and rank == world - 1
@@ -86,7 +92,6 @@ def checkpointing_context_for(checkpoint: CheckpointConfig) -> dict[str, Any]:
         for path in (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
     ):
         return {}
-    from bridge.train.checkpointing import init_checkpointing_context
 
     return init_checkpointing_context(checkpoint)
 
@@ -97,8 +102,6 @@ def save_dir_holds_checkpoint(checkpoint: CheckpointConfig) -> bool:
     Persistent checkpoints (tracker or complete ``iter_*``) count, and so do global
     non-persistent ones: a run killed before its first persistent save resumes from them.
     """
-    from bridge.train.checkpointing import checkpoint_exists
-    from bridge.train.checkpointing.context import non_persistent_dir
 
     if checkpoint_exists(checkpoint.save):
         return True
@@ -146,7 +149,6 @@ def run_teardown_steps(
     if checkpoint is not None and checkpoint.save is not None:
 
         def finalize() -> None:
-            from bridge.train.checkpointing import finalize_async_saves
 
             finalize_async_saves(resiliency.fault_tolerance, blocking=True, terminate=True)
 

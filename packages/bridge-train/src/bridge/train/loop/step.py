@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 from bridge.config import DDPConfigProtocol, TrainingConfig
 from bridge.resiliency import NVRxStragglerMonitor
@@ -35,7 +37,6 @@ __all__ = ["TrainStep", "data_parallel_size"]
 
 
 def _parallel_state() -> Any:
-    from megatron.core import parallel_state
 
     return parallel_state
 
@@ -133,7 +134,6 @@ class TrainStep:
         Returns:
             The iteration's result.
         """
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
 
         train = self.train
         assert train.micro_batch_size is not None

@@ -30,6 +30,8 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.train.models.gpt_provider import calculate_padded_vocab_size
+from bridge.train.models.mamba_provider import MambaProvider
+from bridge.train.models.t5_provider import T5ModelProvider
 
 __all__ = ["num_floating_point_operations"]
 
@@ -52,8 +54,6 @@ def _moe_layer_pattern(model: Any) -> list[int]:
 
 def _model_family_flops(model: Any, batch_size: int, seq_length: int) -> float | None:
     """FLOPs of the non-GPT providers (hybrid Mamba, T5), or None for a GPT model."""
-    from bridge.train.models.mamba_provider import MambaProvider
-    from bridge.train.models.t5_provider import T5ModelProvider
 
     if isinstance(model, T5ModelProvider):
         from bridge.train.metrics.flops_models import t5_floating_point_operations

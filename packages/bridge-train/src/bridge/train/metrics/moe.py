@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
 __all__ = ["moe_track_names", "report_moe_metrics"]
 
 _BALANCING_METRICS = {
@@ -64,7 +66,6 @@ def report_moe_metrics(
     names = moe_track_names(model_config)
     if not names:
         return ""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     return str(
         get_moe_metrics_tracker().report(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from bridge.train.engine._distributed_utils import model_parallel_groups, unwrap_model_chunks
 from core_utils.distributed import collective_device
@@ -77,7 +78,6 @@ def calc_params_l2_norm(
     Returns:
         The global L2 norm as a Python float (the same value on every rank).
     """
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     chunks = unwrap_model_chunks(model)
     if use_megatron_fsdp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 
 __all__ = ["prepare_to_build"]
 
@@ -33,7 +34,6 @@ def prepare_to_build(
         RuntimeError: The parallel state is not initialised, or its tensor-parallel size
             differs from ``provider.tensor_model_parallel_size``.
     """
-    from megatron.core import parallel_state
 
     name = type(provider).__name__
     if not parallel_state.model_parallel_is_initialized():

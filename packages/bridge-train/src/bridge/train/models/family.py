@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from bridge.config import ConfigError
+from bridge.train.data.datasets import build_train_valid_test_datasets
+from bridge.train.data.t5_datasets import T5DatasetConfig, build_t5_datasets
+from bridge.train.data.t5_tokenizer import T5Tokenizer
 from bridge.train.models.gpt_step import forward_step
+from bridge.train.models.t5_step import t5_forward_step
 from bridge.train.state import ForwardStepCallable
 
 if TYPE_CHECKING:
@@ -36,8 +41,6 @@ def is_t5(model_config: ModelConfigProtocol | None) -> TypeGuard[T5ModelProvider
 def default_forward_step(model_config: ModelConfigProtocol | None) -> ForwardStepCallable:
     """The forward step ``pretrain`` uses for ``model_config`` when none is given."""
     if is_t5(model_config):
-        from bridge.train.models.t5_step import t5_forward_step
-
         return t5_forward_step
     return forward_step
 
@@ -50,11 +53,8 @@ def family_tokenizer(
     """The tokenizer the model family's data reads: for indexed T5 data, ``tokenizer`` with
     the T5 sentinel and special tokens (:class:`bridge.train.data.t5_tokenizer.T5Tokenizer`,
     ``tokenizer.vocab_extra_ids`` sentinels); otherwise ``tokenizer`` itself."""
-    from bridge.train.data.t5_datasets import T5DatasetConfig
 
     if isinstance(dataset_config, T5DatasetConfig) and dataset_config.is_indexed:
-        from bridge.train.data.t5_tokenizer import T5Tokenizer
-
         return T5Tokenizer(tokenizer, int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0))
     return tokenizer
 
@@ -70,9 +70,6 @@ def build_family_datasets(
     Raises:
         bridge.config.ConfigError: A T5 model with non-T5 data or the other way round.
     """
-    from bridge.config import ConfigError
-    from bridge.train.data.datasets import build_train_valid_test_datasets
-    from bridge.train.data.t5_datasets import T5DatasetConfig, build_t5_datasets
 
     if is_t5(model_config):
         if not isinstance(dataset_config, T5DatasetConfig):

@@ -35,14 +35,20 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
+from core_utils.portable_attention import with_sdpa_core_attention
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -133,10 +139,6 @@ class LocalRopeSelfAttention(SelfAttention):
         if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, self.layer_number
         ):
-            from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-                RotaryEmbedding,
-            )
-
             self.local_rotary = RotaryEmbedding(
                 kv_channels=config.kv_channels,
                 rotary_percent=config.rotary_percent,
@@ -165,7 +167,6 @@ def gemma3_layer_spec(
     vp_stage: int | None = None,
 ) -> TransformerBlockSubmodules:
     """The block spec of a Gemma 3 decoder (see the module docstring)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     layer = copy.deepcopy(layer)
@@ -181,10 +182,7 @@ def gemma3_layer_spec(
     sub.mlp_bda = ModuleSpec(module=PostNormResidualAdd, params=dict(norm))
     sub.sharded_state_dict_keys_map = {}  # the norms are not fused into the linear layers
     if backend == "portable":
-        from core_utils.portable_attention import with_sdpa_core_attention
-
         layer = with_sdpa_core_attention(layer)
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(provider, vp_stage=vp_stage),

@@ -29,6 +29,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor,
 )
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
@@ -113,7 +114,6 @@ class GptOssModelProvider(GPTModelProvider):
         """Build the model (see :meth:`GPTModelProvider.provide`); every learnable
         ``softmax_offset`` (the attention sinks) is marked as split over tensor parallelism
         along the heads, as its shape is."""
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         model = super().provide(pre_process, post_process, vp_stage)
         for module in model.modules():

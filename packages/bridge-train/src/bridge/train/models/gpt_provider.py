@@ -13,6 +13,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bridge.train.models._provide import prepare_to_build
+from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
 from bridge.train.models.layer_specs import (
     LayerSpecBackend,
     build_gpt_layer_spec,
@@ -384,7 +385,5 @@ class GPTModelProvider(TransformerConfig):
             vp_stage=vp_stage,
         )
         if self.position_embedding_type in ("rope", "yarn"):
-            from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
-
             keep_rotary_on_cpu(model)
         return model

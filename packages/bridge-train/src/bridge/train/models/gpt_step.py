@@ -17,8 +17,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
+from bridge.train.data.packing import packed_seq_params
 from bridge.train.state import GlobalState
+from core_utils import get_batch_on_this_cp_rank
 
 __all__ = ["forward_step", "get_batch", "masked_next_token_loss"]
 
@@ -68,14 +72,11 @@ def get_batch(
         for key in _PACKED_KEYS
         if isinstance(raw.get(key), torch.Tensor)
     }
-    from megatron.core import parallel_state
 
     if (
         parallel_state.model_parallel_is_initialized()
         and parallel_state.get_context_parallel_world_size() > 1
     ):
-        from core_utils import get_batch_on_this_cp_rank
-
         batch = get_batch_on_this_cp_rank(batch)
     batch.update(packing)
     return batch
@@ -83,7 +84,6 @@ def get_batch(
 
 def _reads_packed_seq_params(model: torch.nn.Module) -> bool:
     """Whether the model's attention takes ``PackedSeqParams`` (the Transformer Engine spec)."""
-    from megatron.core.utils import get_model_config
 
     resolve = getattr(get_model_config(model), "resolved_layer_spec_backend", None)
     return resolve is not None and resolve() == "transformer_engine"
@@ -155,8 +155,6 @@ def forward_step(
     attention_mask = batch["attention_mask"]
     extra: dict[str, Any] = {}
     if batch.get("cu_seqlens") is not None and _reads_packed_seq_params(model):
-        from bridge.train.data.packing import packed_seq_params
-
         # Transformer Engine confines attention to each example through cu_seqlens.
         extra["packed_seq_params"] = packed_seq_params(batch)
         attention_mask = None

@@ -24,10 +24,24 @@ Four implementations are selectable (``GPTModelProvider.layer_spec_backend``):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import importlib.util
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.tensor_parallel.layers import RowParallelLinear
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from bridge.train.models.expert_linear import ExpertRowParallelLinear
+from core_utils.portable_attention import with_sdpa_core_attention
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -153,9 +167,6 @@ class SequenceParallelTorchNorm:
 
 def _sequence_parallel_norms(layer: Any) -> Any:
     """A copy of a layer spec whose norms are :class:`SequenceParallelTorchNorm`."""
-    import copy
-
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     layer = copy.deepcopy(layer)
     sub = layer.submodules
@@ -173,7 +184,6 @@ def _portable(spec: Any, provider: Any, vp_stage: int | None) -> Any:
     """Swap SDPA core attention into a layer spec or into every layer of a block spec; with
     sequence parallelism also the norms (a dense model's spec becomes a block spec, whose
     final norm can then be chosen too)."""
-    from core_utils.portable_attention import with_sdpa_core_attention
 
     layer_specs = getattr(spec, "layer_specs", None)
     if not provider.sequence_parallel:
@@ -181,10 +191,6 @@ def _portable(spec: Any, provider: Any, vp_stage: int | None) -> Any:
             spec.layer_specs = [with_sdpa_core_attention(layer) for layer in layer_specs]
             return spec
         return with_sdpa_core_attention(spec)
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
 
     if layer_specs is None:
         layer_specs = [spec] * get_num_layers_to_build(provider, vp_stage=vp_stage)
@@ -200,13 +206,6 @@ def _trainable_biased_experts(layer: Any) -> Any:
     """A copy of an MoE layer spec whose local experts' ``linear_fc2`` is
     :class:`~bridge.train.models.expert_linear.ExpertRowParallelLinear` (megatron's biased
     expert MLP otherwise fails its first backward; see that module). Other specs unchanged."""
-    import dataclasses
-    import functools
-
-    from megatron.core.tensor_parallel.layers import RowParallelLinear
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    from bridge.train.models.expert_linear import ExpertRowParallelLinear
 
     moe = getattr(layer.submodules, "mlp", None)
     moe_sub = moe.keywords.get("submodules") if isinstance(moe, functools.partial) else None
@@ -256,7 +255,6 @@ def build_gpt_layer_spec(
     Raises:
         ValueError: The model uses a feature the portable backend does not support.
     """
-    from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = backend == "transformer_engine"
     if backend == "portable":

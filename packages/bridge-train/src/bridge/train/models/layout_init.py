@@ -39,6 +39,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+from bridge.train.models.gpt_provider import GPTModelProvider
 
 __all__ = [
     "TILE_COLS",
@@ -77,7 +82,6 @@ def supports_layout_independent_init(provider: Any) -> bool:
     Args:
         provider: A model provider (its ``provide`` builds the model).
     """
-    from bridge.train.models.gpt_provider import GPTModelProvider
 
     return (
         isinstance(provider, GPTModelProvider)
@@ -240,9 +244,6 @@ def _init_rule(
 
 
 def _sharded_tensors(chunk: torch.nn.Module) -> Iterator[Any]:
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     sharded_state_dict: Any = chunk.sharded_state_dict  # a megatron module's method
     for entry in nested_values(sharded_state_dict()):

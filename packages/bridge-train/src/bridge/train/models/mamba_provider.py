@@ -30,10 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
+from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from bridge.train.models._provide import prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
+from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 
 __all__ = ["MambaProvider", "resolve_hybrid_backend"]
 
@@ -214,7 +218,6 @@ class MambaProvider(GPTModelProvider):
         """The layer pattern built (``hybrid_override_pattern`` or derived from the ratios)."""
         if self.hybrid_override_pattern is not None:
             return self.hybrid_override_pattern
-        from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
 
         return str(
             pattern_from_ratios(self.num_layers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio)
@@ -239,8 +242,6 @@ class MambaProvider(GPTModelProvider):
                 return spec(self, vp_stage=vp_stage)
             return spec(self)
         if self.resolved_layer_spec_backend() == "transformer_engine":
-            from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
             return hybrid_stack_spec
         main_pattern = self.layer_pattern.split("/")[0].replace("|", "")
         unsupported = sorted(set(main_pattern) - _PORTABLE_SYMBOLS)
@@ -250,7 +251,6 @@ class MambaProvider(GPTModelProvider):
                 "spec does not build (it has M, *, -); use model.layer_spec_backend="
                 "'transformer_engine' on GPU"
             )
-        from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 
         return build_portable_hybrid_stack_spec(self)
 
@@ -274,7 +274,6 @@ class MambaProvider(GPTModelProvider):
             ValueError: ``vocab_size`` is unset, or the backend cannot run here.
             RuntimeError: Megatron's parallel state is missing or has another TP size.
         """
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
 
         vocab = self.padded_vocab_size
         pre_process, post_process = prepare_to_build(self, pre_process, post_process, vp_stage)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+import bridge.mimo as mimo
 from bridge.config import ConfigError
 
 __all__ = ["MimoModelConfig", "mimo_layout"]
@@ -153,7 +154,6 @@ class MimoModelConfig:
 
     def tiny_vlm_config(self) -> Any:
         """bridge.mimo's ``TinyVLMConfig`` with these sizes."""
-        import bridge.mimo as mimo
 
         return mimo.TinyVLMConfig(
             vocab_size=self.vocab_size,
@@ -176,7 +176,6 @@ def mimo_layout(model: MimoModelConfig, world_size: int) -> Any:
     Raises:
         ConfigError: The layout cannot be built for this world size.
     """
-    import bridge.mimo as mimo
 
     kind = model.layout
     if kind == "auto":

@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
+from core_utils import cpu_cuda_compat
 
 __all__ = ["MLAModelProvider"]
 
@@ -112,8 +113,6 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
         """
         scope: Any = contextlib.nullcontext()
         if not torch.cuda.is_available():
-            from core_utils import cpu_cuda_compat
-
             scope = cpu_cuda_compat()
         with scope:
             return super().provide(pre_process, post_process, vp_stage)

@@ -29,19 +29,24 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from bridge.train.models.ssd_torch import causal_depthwise_conv1d, ssd_chunked_scan
+from core_utils.portable_attention import with_sdpa_core_attention
 
 __all__ = [
     "GatedGroupRMSNorm",
@@ -333,8 +338,6 @@ class PortableHybridStack(HybridStack):
         super().__init__(config, *args, post_layer_norm=False, **kwargs)
         self.post_layer_norm = post_layer_norm
         if self.post_process and post_layer_norm:
-            from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
             self.final_norm = WrappedTorchNorm(
                 config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
             )
@@ -353,11 +356,6 @@ def build_portable_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
     Returns:
         A ``ModuleSpec`` for megatron's ``HybridModel(hybrid_stack_spec=...)``.
     """
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    from core_utils.portable_attention import with_sdpa_core_attention
 
     gpt = with_sdpa_core_attention(
         get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=False)

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.models.T5 import T5Model, t5_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from bridge.train.models._provide import prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
+from core_utils.portable_attention import with_sdpa_core_attention
 
 __all__ = ["T5ModelProvider"]
 
@@ -107,15 +110,11 @@ class T5ModelProvider(GPTModelProvider):
         if self.transformer_layer_spec is not None:
             spec = self.transformer_layer_spec
             return spec(self) if callable(spec) else spec
-        from megatron.core.models.T5 import t5_spec
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         backend = self.resolved_layer_spec_backend()
         encoder = t5_spec.encoder_model_with_local_spec()
         decoder = t5_spec.decoder_model_with_local_spec()
         if backend == "portable":
-            from core_utils.portable_attention import with_sdpa_core_attention
-
             encoder = with_sdpa_core_attention(encoder)
             decoder = with_sdpa_core_attention(decoder)
         # megatron's local block specs end in a Transformer Engine norm; use the local one.
@@ -139,7 +138,6 @@ class T5ModelProvider(GPTModelProvider):
             ValueError: ``vocab_size`` is unset or the backend cannot run here.
             RuntimeError: Megatron's parallel state is missing or has another TP size.
         """
-        from megatron.core.models.T5 import T5Model
 
         vocab = self.padded_vocab_size
         # One pipeline stage (T5 refuses pipeline parallelism): both ends unless told.

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
 
 from bridge.train.models.gpt_step import masked_next_token_loss
 from bridge.train.state import GlobalState
@@ -57,7 +58,6 @@ def t5_forward_step(
         ``(per_token_losses, loss_func)``; ``loss_func`` is
         :func:`bridge.train.models.gpt_step.masked_next_token_loss` bound to the decoder's loss mask.
     """
-    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
 
     timers = getattr(state, "timers", None) if state is not None else None
     if timers is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from megatron.core import parallel_state, tensor_parallel
 
 from bridge.train.engine._distributed_utils import unwrap_model_chunks
 
@@ -65,8 +66,6 @@ class LinearForLastLayer(torch.nn.Linear):
         del weight, runtime_gather_output
         output = super().forward(input_).float()
         if self.sequence_parallel:
-            from megatron.core import tensor_parallel
-
             output = tensor_parallel.gather_from_sequence_parallel_region(
                 output, tensor_parallel_output_grad=False
             )
@@ -102,7 +101,6 @@ def create_value_head_hook(
         )
 
     def hook(model: ModelList | torch.nn.Module) -> ModelList:
-        from megatron.core import parallel_state
 
         chunks = unwrap_model_chunks(model)
         if parallel_state.model_parallel_is_initialized():

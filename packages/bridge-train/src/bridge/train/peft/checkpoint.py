@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core.dist_checkpointing import load_tensors_metadata
 
 from bridge.config import CheckpointConfig, ModelConfigProtocol
+from bridge.train.checkpointing import find_latest_checkpoint, restore_checkpoint
 
 if TYPE_CHECKING:
     from bridge.train.state import TrainState
@@ -168,9 +170,6 @@ def load_peft_checkpoints(
         bridge.train.checkpointing.CheckpointError: The base checkpoint lacks a tensor of
             the model or holds one of another shape (another architecture).
     """
-    from megatron.core.dist_checkpointing import load_tensors_metadata
-
-    from bridge.train.checkpointing import find_latest_checkpoint, restore_checkpoint
 
     base = find_latest_checkpoint(checkpoint.pretrained_checkpoint)
     base_keys = frozenset(load_tensors_metadata(base.path)) if base is not None else frozenset()

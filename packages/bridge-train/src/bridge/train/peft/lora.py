@@ -40,6 +40,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.utils import (
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
 
 from bridge.train.peft.base import PEFT
 
@@ -86,7 +91,6 @@ class LoRAAdapter(torch.nn.Module):
         seed: int,
         prefix: str,
     ) -> None:
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         super().__init__()
         config = base.config
@@ -179,10 +183,6 @@ class LoRAAdapter(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
     ) -> dict[str, Any]:
         """megatron sharded tensors of ``A`` and ``B`` (TP-sharded as their layers are)."""
-        from megatron.core.transformer.utils import (
-            make_sharded_tensors_for_checkpoint,
-            sharded_state_dict_default,
-        )
 
         # The parallel layer of the pair maps its own sharding; the plain one is replicated.
         parallel, plain = (

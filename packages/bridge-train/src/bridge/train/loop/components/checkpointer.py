@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bridge.config import CheckpointConfig
+from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
 from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank
 from core_utils.loop import LoopContext
@@ -43,7 +44,6 @@ def async_save_finalizer(fault_tolerance: FaultTolerance | None) -> FinalizeFunc
     """
 
     def finalize(context: LoopContext, blocking: bool) -> int:
-        from bridge.train.checkpointing import finalize_async_saves, pending_async_saves
 
         before = pending_async_saves()
         finalize_async_saves(fault_tolerance, blocking=blocking, terminate=blocking)

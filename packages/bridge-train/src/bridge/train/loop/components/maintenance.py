@@ -17,6 +17,7 @@ from bridge.train.loop.forward_pre_hooks import (
     disable_forward_pre_hook,
     enable_forward_pre_hook,
 )
+from core_utils import check_param_hashes_across_dp_replicas
 from core_utils.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ def check_weight_hash(
     """
     if not interval or iteration % interval != 0:
         return
-    from core_utils import check_param_hashes_across_dp_replicas
 
     if toggle_forward_pre_hooks:
         disable_forward_pre_hook(model)

@@ -19,6 +19,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from bridge.config import ConfigError
+from bridge.train.generate.errors import GenerationError
+from bridge.train.generate.generator import TextGenerator
+from bridge.train.generate.options import SamplingOptions
+from bridge.train.generate.prompts import PromptSpec, render_prompts
+from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable_forward_pre_hook
 from core_utils.callbacks import Callback
 from core_utils.distributed import global_rank
 
@@ -52,7 +58,6 @@ class GenerationSamples(Callback):
         toggle_forward_pre_hooks: bool = False,
         metric_writers: Any = None,
     ) -> None:
-        from bridge.train.generate.options import SamplingOptions
 
         self.section = section
         self.tokenizer = tokenizer
@@ -75,9 +80,6 @@ class GenerationSamples(Callback):
 
     def on_train_start(self, context: LoopContext) -> None:
         """Tokenize the prompts and check they fit the context, before the first step."""
-        from bridge.config import ConfigError
-        from bridge.train.generate.errors import GenerationError
-        from bridge.train.generate.prompts import PromptSpec, render_prompts
 
         try:
             rendered = render_prompts(
@@ -119,11 +121,6 @@ class GenerationSamples(Callback):
     def generate(self, model: list[Any]) -> list[Any]:
         """The completions of the prompts by ``model`` (collective over its model-parallel
         group); the model is back in training mode afterwards."""
-        from bridge.train.generate.generator import TextGenerator
-        from bridge.train.loop.forward_pre_hooks import (
-            disable_forward_pre_hook,
-            enable_forward_pre_hook,
-        )
 
         if self.toggle:
             disable_forward_pre_hook(model)

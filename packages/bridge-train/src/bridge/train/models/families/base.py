@@ -18,6 +18,8 @@ names the differing fields when there is none.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +28,7 @@ from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting
 from bridge.train.models.families.config_fields import require
 from bridge.train.models.families.errors import ConversionError
 from bridge.train.models.families.mapping import ParamMapping
+from bridge.train.models.gpt_provider import GPTModelProvider
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
@@ -77,7 +80,6 @@ class HFFamily:
 
     def provider_class(self) -> type:
         """The provider class the family builds (default :class:`GPTModelProvider`)."""
-        from bridge.train.models.gpt_provider import GPTModelProvider
 
         return GPTModelProvider
 
@@ -186,8 +188,6 @@ def _discover() -> None:
     """Import every module of this package once, so each family file registers itself."""
     if _DISCOVERED:
         return
-    import importlib
-    import pkgutil
 
     import bridge.train.models.families as package
 

@@ -69,6 +69,7 @@ from bridge.train.models.families.mapping import (
     routed_experts,
 )
 from bridge.train.models.families.moe import hf_moe_layers, moe_layer_pattern
+from bridge.train.models.mla_provider import MLAModelProvider
 
 __all__ = ["DeepseekV3Family"]
 
@@ -228,7 +229,6 @@ class DeepseekV3Family(LlamaFamily):
 
     def provider_class(self) -> type:
         """:class:`~bridge.train.models.mla_provider.MLAModelProvider`."""
-        from bridge.train.models.mla_provider import MLAModelProvider
 
         return MLAModelProvider
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.transformer.utils import is_layer_window_attention
+
 from bridge.train.models.families.base import HFFamily, register_family
 from bridge.train.models.families.config_fields import (
     attention_layer_types,
@@ -39,6 +41,7 @@ from bridge.train.models.families.mapping import (
     self_attention,
     vocab_rows,
 )
+from bridge.train.models.gemma3_provider import Gemma3ModelProvider
 
 __all__ = ["Gemma3Family"]
 
@@ -79,7 +82,6 @@ class Gemma3Family(HFFamily):
 
     def provider_class(self) -> type:
         """:class:`~bridge.train.models.gemma3_provider.Gemma3ModelProvider`."""
-        from bridge.train.models.gemma3_provider import Gemma3ModelProvider
 
         return Gemma3ModelProvider
 
@@ -230,8 +232,6 @@ class Gemma3Family(HFFamily):
             kinds = ["full_attention"] * provider.num_layers
             window = None
         else:
-            from megatron.core.transformer.utils import is_layer_window_attention
-
             kinds = [
                 "sliding_attention"
                 if is_layer_window_attention(provider.window_size, skip, i + 1)

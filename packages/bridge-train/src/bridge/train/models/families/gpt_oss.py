@@ -42,6 +42,8 @@ import math
 from typing import Any
 
 import torch
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
@@ -55,6 +57,7 @@ from bridge.train.models.families.config_fields import (
 from bridge.train.models.families.llama import LlamaFamily, hf_rope_parameters
 from bridge.train.models.families.mapping import ParamMapping, direct
 from bridge.train.models.families.moe import routed_moe_kwargs
+from bridge.train.models.gpt_oss_provider import GptOssModelProvider
 
 __all__ = ["GptOssFamily"]
 
@@ -182,7 +185,6 @@ class GptOssFamily(LlamaFamily):
 
     def provider_class(self) -> type:
         """:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`."""
-        from bridge.train.models.gpt_oss_provider import GptOssModelProvider
 
         return GptOssModelProvider
 
@@ -215,7 +217,6 @@ class GptOssFamily(LlamaFamily):
                 alpha,
                 f"megatron-core's quick_gelu fixes the sigmoid gain at {_QUICK_GELU_ALPHA}",
             )
-        from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         limit = config.get("swiglu_limit", 7.0)
         heads = int(self.require(config, "num_attention_heads"))
@@ -291,7 +292,6 @@ class GptOssFamily(LlamaFamily):
         the round trip refuses, for any other)."""
         if type(provider).__name__ != "GptOssModelProvider" or not provider.num_moe_experts:
             return {"model_type": self.name}
-        from megatron.core.transformer.utils import is_layer_window_attention
 
         if provider.window_size is None:
             kinds = ["full_attention"] * provider.num_layers
