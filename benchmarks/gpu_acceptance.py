@@ -138,7 +138,7 @@ class RowContext:
 
     def gpu_path(self) -> list[str]:
         """The overrides that put a recipe on the GPU path this run checks."""
-        return [*engine_overrides(), *precision_overrides("bf16"), *backend_overrides(self.mode)]
+        return [*precision_overrides("bf16"), *backend_overrides(self.mode)]
 
     def _run(self, argv: list[str], timeout: float, env: dict[str, str] | None) -> int:
         limit = max(1.0, min(timeout, self.remaining()))
@@ -212,15 +212,6 @@ class Row:
 
 
 # -- overrides -------------------------------------------------------------------------------
-
-
-def engine_overrides() -> list[str]:
-    """``train.engine=megatron`` while ``TrainingConfig`` has that field (it is being retired:
-    megatron-core's engine becomes the only one)."""
-    import bridge.config
-
-    names = {f.name for f in dataclasses.fields(bridge.config.TrainingConfig)}
-    return ["train.engine=megatron"] if "engine" in names else []
 
 
 def precision_overrides(precision: str) -> list[str]:
@@ -373,7 +364,6 @@ def row_cpu_vs_gpu(ctx: RowContext) -> dict[str, Any]:
         code = ctx.cli(
             [
                 *steps,
-                *engine_overrides(),
                 *precision_overrides(precision),
                 f"dist.distributed_backend={backend[0]}",
                 "--metrics-file",

@@ -8,9 +8,11 @@ writes the report the GPU run writes; the rows that need CUDA say so.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import tomllib
@@ -131,6 +133,7 @@ def test_training_flops_of_the_1b_shape() -> None:
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("gpu-acceptance")
+    scratch = tmp_path_factory.mktemp("gpu-acceptance-scratch")
     proc = subprocess.run(
         [
             sys.executable,
@@ -138,6 +141,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--dry-run",
             "--out",
             str(out),
+            "--scratch",
+            str(scratch),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -150,7 +155,28 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     report["_exit_code"] = proc.returncode
     report["_markdown"] = (out / "report.md").read_text(encoding="utf-8")
     report["_files"] = sorted(p.name for p in out.iterdir())
+    report["_left_running"] = _processes_naming(scratch)
     return report
+
+
+def _processes_naming(path: Path) -> list[str]:
+    """Command lines of live processes that name ``path`` (a row's step and its helpers)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(proc.info["cmdline"] or [])
+            if str(path) in line and proc.pid != os.getpid():
+                found.append(line[:200])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dry_run_leaves_no_process_behind(dry_run: dict[str, Any]) -> None:
+    # Steps leave with os._exit; their Manager servers and writers must not outlive them.
+    assert dry_run["_left_running"] == []
 
 
 def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -876,14 +876,26 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
-        os._exit(1)  # no teardown of half-built distributed state or worker processes
+        _exit_now(1)  # no teardown of half-built distributed state
     tmp = args.result.with_suffix(".tmp")
     tmp.write_text(json.dumps(_jsonable(result), indent=1), encoding="utf-8")
     tmp.replace(args.result)
     sys.stdout.flush()
     sys.stderr.flush()
     # dist_checkpointing's worker processes and the DataLoader can hold the exit up.
-    os._exit(0)
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once, and take this step's helper processes along: ``os._exit`` skips the
+    finalizers that would stop them (dist_checkpointing's Manager server, an async
+    checkpoint writer, DataLoader workers), which would otherwise outlive the run."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os._exit(code)
 
 
 if __name__ == "__main__":  # dist_checkpointing may start helper processes
