@@ -207,6 +207,28 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             )
             for p, c in zip(PROMPTS, completions, strict=True)
         )
+        # Keys rotated before caching: the same logits, bit for bit, as megatron's own
+        # static path (which rotates every cached key again at every step).
+        from bridge.train.generate import generator as generator_module
+        from bridge.train.generate.rotary_cache import rotate_keys_before_caching
+
+        with rotate_keys_before_caching(loaded.model[0]) as switched:
+            out["rotary_layers_switched"] = switched
+        rotating = generator_module.rotate_keys_before_caching
+        generator_module.rotate_keys_before_caching = lambda module: contextlib.nullcontext(0)
+        try:
+            plain = generator.generate(PROMPTS, greedy, return_logits=True)
+        finally:
+            generator_module.rotate_keys_before_caching = rotating
+        out["plain_greedy"] = [c.token_ids for c in plain]
+        out["plain_logits_equal"] = all(
+            torch.equal(a.logits, b.logits) for a, b in zip(plain, completions, strict=True)
+        )
+        out["instance_attributes_left"] = [
+            name
+            for name, module in loaded.model[0].named_modules()
+            if "_adjust_key_value_for_inference" in vars(module)
+        ]
         one_by_one = [generator.generate([p], greedy)[0].token_ids for p in PROMPTS]
         out["one_by_one"] = one_by_one
         sample = SamplingOptions.sampling(NEW, temperature=0.9, top_k=20, seed=7, stop_at_eod=False)
@@ -340,6 +362,17 @@ def test_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:
 
 def test_kv_cached_logits_equal_full_forward(generated: dict[str, Any]) -> None:
     assert generated["one"]["logit_error"] < 1e-5
+
+
+def test_rotating_keys_before_caching_changes_no_logit(generated: dict[str, Any]) -> None:
+    """Keys cached after RoPE (rotary_cache) against megatron's static path, which caches
+    them before RoPE and rotates the whole cache at every step: the same tokens and the
+    same logits bit for bit, on every attention layer, and nothing left on the modules."""
+    one = generated["one"]
+    assert one["rotary_layers_switched"] == 2
+    assert one["plain_greedy"] == one["greedy"]
+    assert one["plain_logits_equal"]
+    assert one["instance_attributes_left"] == []
 
 
 def test_moe_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:

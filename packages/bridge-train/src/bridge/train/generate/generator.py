@@ -29,6 +29,7 @@ from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
 )
+from megatron.core.inference.utils import InferenceMode
 
 from bridge.train.generate.controller import (
     BatchState,
@@ -37,6 +38,7 @@ from bridge.train.generate.controller import (
 )
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.options import SamplingOptions
+from bridge.train.generate.rotary_cache import rotate_keys_before_caching
 
 __all__ = ["Completion", "TextCallback", "TextGenerator", "inference_module"]
 
@@ -311,7 +313,10 @@ class TextGenerator:
         )
         self.controller.batch = state
         try:
-            done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
+            # InferenceMode: what megatron's StaticInferenceEngine switches on around this
+            # controller (the output layer then runs on the last position only).
+            with rotate_keys_before_caching(self.module), InferenceMode.active():
+                done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
         finally:
             self.controller.batch = None
             # The cache's memory is released with the context.
