@@ -61,6 +61,8 @@ class BatchState:
         stop: Stop strings (empty: none).
         record_logits: Keep every step's logits (``[rows, vocab]``, float32).
         listener: Receives the tokens of streamed requests.
+        left_padding: Padding slots before each row's prompt (empty: none), see
+            :meth:`GenerationController.prep_inference_input`.
         logits: The recorded logits, one tensor per step.
     """
 
@@ -68,6 +70,7 @@ class BatchState:
     stop: Sequence[str] = ()
     record_logits: bool = False
     listener: TokenListener | None = None
+    left_padding: Sequence[int] = ()
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -86,6 +89,34 @@ class GenerationController(TextGenerationController):
         super().__init__(inference_wrapped_model, tokenizer)
         self.vocab_limit = int(vocab_limit)
         self.batch: BatchState | None = None
+
+    def prep_inference_input(
+        self,
+        prompts_tokens: torch.Tensor,
+        active_requests: Any,
+        use_attention_mask: bool = False,
+    ) -> dict[str, Any]:
+        """megatron's inputs; for left-padded rows, a mask that hides the padding slots from
+        every query (causal besides, ``[batch, 1, s, s]``, ``True`` = masked as in megatron)
+        and each token's position in its own prompt.
+
+        megatron's loop slices the mask to ``[..., start:end, :end]`` at every step, so the
+        padding stays hidden while the rows decode; the position ids feed learned position
+        embeddings (rotary ones follow :class:`~bridge.train.generate.rotary_cache.LeftPaddedStaticContext`).
+        """
+        inference_input = super().prep_inference_input(
+            prompts_tokens, active_requests, use_attention_mask
+        )
+        if self.batch is None or not any(self.batch.left_padding):
+            return inference_input
+        device = prompts_tokens.device
+        padding = torch.tensor(list(self.batch.left_padding), device=device)
+        slots = torch.arange(prompts_tokens.size(1), device=device)
+        causal = slots[None, :] <= slots[:, None]
+        keep = causal[None] & (slots[None, :] >= padding[:, None])[:, None, :]
+        inference_input["attention_mask"] = ~keep[:, None]
+        inference_input["position_ids"] = (slots[None, :] - padding[:, None]).clamp(min=0)
+        return inference_input
 
     def sample_from_logits(
         self,
@@ -133,12 +164,17 @@ class GenerationController(TextGenerationController):
         if batch is None or not batch.stop:
             return done, lengths
         # The token just chosen is counted in ``lengths`` (megatron counts every token
-        # of an unfinished row): a stop ends the row with that token included.
+        # of an unfinished row): a stop ends the row with that token included. One
+        # transfer each for the flags and the tokens, not one per row.
+        finished = done.tolist()
+        started = generation_started.tolist()
+        padding = list(batch.left_padding) or [0] * len(batch.prompts)
+        rows = updated_prompts_tokens[:, : current_context_end_position + 1].tolist()
         for row, prompt in enumerate(batch.prompts):
-            if bool(done[row]) or not bool(generation_started[row]):
+            if finished[row] or not started[row]:
                 continue
-            start = len(prompt)
-            ids = updated_prompts_tokens[row, start : current_context_end_position + 1].tolist()
+            start = padding[row] + len(prompt)
+            ids = rows[row][start:]
             text = continuation_text(self.tokenizer, prompt, ids)
             if any(stop in text for stop in batch.stop):
                 done[row] = True

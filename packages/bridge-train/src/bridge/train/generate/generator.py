@@ -38,7 +38,11 @@ from bridge.train.generate.controller import (
 )
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.options import SamplingOptions
-from bridge.train.generate.rotary_cache import rotate_keys_before_caching
+from bridge.train.generate.rotary_cache import (
+    LeftPaddedStaticContext,
+    caches_rotated_keys,
+    rotate_keys_before_caching,
+)
 
 __all__ = ["Completion", "TextCallback", "TextGenerator", "inference_module"]
 
@@ -186,6 +190,9 @@ class TextGenerator:
             self.module, StaticInferenceContext(1, self.max_sequence_length)
         )
         self.controller = GenerationController(self.wrapper, tokenizer, limit)
+        # Prompts of different lengths are left-padded into one prefill where every
+        # attention layer can rotate each row by its own positions.
+        self.pads_prompts = caches_rotated_keys(self.module)
 
     # -- prompts ---------------------------------------------------------------------
 
@@ -283,13 +290,23 @@ class TextGenerator:
 
         params = options.megatron_params()
         lengths = [len(ids) for _, ids in batch]
+        longest = max(lengths)
+        # megatron's static path prefills up to the shortest prompt and then feeds longer
+        # prompts one token per step; left padding (masked, see the controller's
+        # prep_inference_input) puts every prompt's end in the same slot: one prefill.
+        padding = (
+            [longest - n for n in lengths]
+            if self.pads_prompts and len(set(lengths)) > 1
+            else [0] * len(batch)
+        )
         requests: OrderedDict[int, Any] = OrderedDict()
         for offset, (text, ids) in enumerate(batch):
             requests[first + offset] = InferenceRequest(
                 request_id=first + offset,
                 prompt=text,
                 sampling_params=params,
-                prompt_tokens=list(ids),
+                # The padding slots hold the prompt's first token; they are masked.
+                prompt_tokens=[ids[0]] * padding[offset] + list(ids),
                 status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
             )
         streams: OrderedDict[int, Any] | None = None
@@ -306,10 +323,19 @@ class TextGenerator:
             def listener(request_id: int, token_ids: list[int], done: bool) -> None:
                 texts[request_id].update(token_ids, done)
 
-        state = BatchState([ids for _, ids in batch], options.stop, return_logits, listener)
+        state = BatchState(
+            [ids for _, ids in batch],
+            options.stop,
+            return_logits,
+            listener,
+            left_padding=padding if any(padding) else (),
+        )
         # A KV cache sized for this batch: megatron allocates it at the first forward.
-        self.wrapper.inference_context = StaticInferenceContext(
-            len(batch), min(self.max_sequence_length, max(lengths) + options.max_new_tokens)
+        slots = min(self.max_sequence_length, longest + options.max_new_tokens)
+        self.wrapper.inference_context = (
+            LeftPaddedStaticContext(len(batch), slots, torch.tensor(padding))
+            if any(padding)
+            else StaticInferenceContext(len(batch), slots)
         )
         self.controller.batch = state
         try:
@@ -335,7 +361,7 @@ class TextGenerator:
                 reason = "length"
             logits = None
             if return_logits:
-                start = lengths[row] - shortest
+                start = 0 if any(padding) else lengths[row] - shortest
                 steps = state.logits[start : start + len(ids)]
                 logits = torch.stack([step[row] for step in steps]) if steps else None
             if request_id in texts:  # the rest of the text, and the end

@@ -28,12 +28,32 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.utils import deprecate_inference_params
 
-__all__ = ["rotate_keys_before_caching"]
+__all__ = ["LeftPaddedStaticContext", "caches_rotated_keys", "rotate_keys_before_caching"]
+
+
+class LeftPaddedStaticContext(StaticInferenceContext):
+    """megatron's ``StaticInferenceContext`` for prompts of different lengths left-padded to
+    the longest, so that one prefill covers them all.
+
+    Args:
+        max_batch_size: Rows of the KV cache.
+        max_sequence_length: Slots of the KV cache (longest prompt + new tokens).
+        left_padding: ``[batch]`` long tensor: padding slots before each row's prompt. Row
+            ``r``'s token in slot ``i`` is at position ``i - left_padding[r]`` of its prompt
+            (what its rotary embedding and learned position embedding use).
+    """
+
+    def __init__(
+        self, max_batch_size: int, max_sequence_length: int, left_padding: torch.Tensor
+    ) -> None:
+        super().__init__(max_batch_size, max_sequence_length)
+        self.left_padding = left_padding
 
 
 def _adjust_rotated(
@@ -56,13 +76,24 @@ def _adjust_rotated(
         and not self.config.flash_decode
     ):
         q_pos_emb, k_pos_emb = rotary_pos_emb
-        # The positions of the tokens in this step: megatron's own slice of q_pos_emb.
         start = inference_context.sequence_len_offset
         end = start + key.size(0)
+        padding = getattr(inference_context, "left_padding", None)
+        if padding is None:
+            # The positions of the tokens in this step: megatron's own slice of q_pos_emb.
+            q_pos_emb = None if q_pos_emb is None else q_pos_emb[start:end]
+            k_pos_emb = None if k_pos_emb is None else k_pos_emb[start:end]
+        else:
+            # Left-padded rows: each token rotates by its position in its own prompt, not
+            # by its slot ([s, b, 1, dim] rows of the [max_s, 1, 1, dim] embedding).
+            slots = torch.arange(start, end, device=padding.device)
+            positions = (slots[:, None] - padding[None, :]).clamp(min=0)
+            q_pos_emb = None if q_pos_emb is None else q_pos_emb[:, 0][positions]
+            k_pos_emb = None if k_pos_emb is None else k_pos_emb[:, 0][positions]
         if q_pos_emb is not None:
             query = apply_rotary_pos_emb(
                 query,
-                q_pos_emb[start:end],
+                q_pos_emb,
                 config=self.config,
                 mscale=self._yarn_concentration_factor,
                 cp_group=self.pg_collection.cp,
@@ -70,7 +101,7 @@ def _adjust_rotated(
         if k_pos_emb is not None:
             key = apply_rotary_pos_emb(
                 key,
-                k_pos_emb[start:end],
+                k_pos_emb,
                 config=self.config,
                 mscale=self._yarn_concentration_factor,
                 cp_group=self.pg_collection.cp,
@@ -90,6 +121,13 @@ def _eligible(module: torch.nn.Module) -> bool:
         and type(module)._adjust_key_value_for_inference
         is Attention._adjust_key_value_for_inference
     )
+
+
+def caches_rotated_keys(model: torch.nn.Module) -> bool:
+    """Whether :func:`rotate_keys_before_caching` switches every attention layer of
+    ``model`` (then each token's rotary position can follow a left-padded row's own
+    positions; multi-latent attention rotates by slot)."""
+    return all(_eligible(m) for m in model.modules() if isinstance(m, Attention))
 
 
 @contextlib.contextmanager
