@@ -3,7 +3,12 @@
 :class:`GenerationController` is megatron-core's ``TextGenerationController`` (its static
 batch path: prefill up to the shortest prompt, then one token per step through the KV cache
 of a ``StaticInferenceContext``, longer prompts fed their own tokens until they start
-generating) with three hooks on the methods that controller calls every step:
+generating) with four hooks on the methods that controller calls:
+
+* ``prep_inference_input`` (once per batch): for rows the generator left-padded to the
+  longest prompt, a mask hiding the padding and each token's position in its own prompt,
+  so every prompt ends in the same slot and the "shortest prompt" is all of them: one
+  prefill.
 
 * ``sample_from_logits``: only the tokenizer's ids can be chosen. The output layer has
   ``padded_vocab_size`` columns (rounded up for tensor parallelism); the rows past the real
