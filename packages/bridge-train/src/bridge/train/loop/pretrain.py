@@ -349,15 +349,17 @@ def setup(
 def _report_run_plan(out: SetupOutput) -> None:
     """Rank 0 says, before training, when the run will train nothing or ignore its
     pretrained weights (see :func:`bridge.train.checks.resume.run_plan_notices`)."""
-    from bridge.train.checks.resume import run_plan_notices
+    from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
 
-    state = out.state
-    assert state.cfg.train is not None
+    state, cfg = out.state, out.state.cfg
+    assert cfg.train is not None
     notices = run_plan_notices(
-        state.cfg,
+        cfg.checkpoint,
+        cfg.train,
+        {name: getattr(cfg, name) for name in IDENTITY_SECTIONS},
         loaded=out.checkpointing_context.get("loaded_checkpoint"),
         iteration=state.train_state.step,
-        done=run_is_done(state.cfg.train, state.train_state),
+        done=run_is_done(cfg.train, state.train_state),
         after_load=True,
     )
     if global_rank() == 0:
@@ -501,7 +503,7 @@ def pretrain(
         assert config.train is not None and config.checkpoint is not None
         _report_run_plan(out)
         record_starting_job(progress_log_of(state), state.metric_writers, state.train_state.step)
-        save_run_config(config)
+        save_run_config(config.checkpoint.save, config.to_yaml_text)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
             exit_code = run_training(
