@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import FinetuningDatasetConfig, convert_dataclass
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = [
     "build_gpt_dataset_config",
@@ -69,7 +70,7 @@ def check_data_paths(dataset_config: Any) -> None:
             )
 
 
-def build_gpt_dataset_config(dataset_config: Any, tokenizer: Any) -> Any:
+def build_gpt_dataset_config(dataset_config: Any, tokenizer: Tokenizer) -> Any:
     """megatron-core's ``GPTDatasetConfig`` from bridge-config's, with ``tokenizer`` attached.
 
     Every init field of megatron's class is copied from ``dataset_config`` when it has it
@@ -140,7 +141,7 @@ def train_valid_test_num_samples(train_config: Any) -> tuple[int, int, int]:
 
 
 def build_train_valid_test_datasets(
-    dataset_config: Any, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: Any, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
     """Build the train, validation and test datasets (``None`` for a split without data).
 

@@ -50,6 +50,7 @@ import torch
 
 from bridge.config import ConfigError
 from bridge.config.atomic_files import atomic_write
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = [
     "SFT_SPLIT_FILES",
@@ -220,7 +221,7 @@ class TokenizedExamples:
         )
 
 
-def _render_chat(tokenizer: Any, messages: Any, where: str) -> tuple[list[int], list[int]]:
+def _render_chat(tokenizer: Tokenizer, messages: Any, where: str) -> tuple[list[int], list[int]]:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list")
     ids: list[int] = []
@@ -251,7 +252,7 @@ def _chat_header(role: str) -> str:
     return f"<|{role}|>\n"
 
 
-def chat_generation_prompt(tokenizer: Any, messages: Any) -> list[int]:
+def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
     """Token ids of ``messages`` rendered as chat training records are, followed by the
     start of an assistant message: the prompt from which a chat-finetuned model answers.
 
@@ -272,7 +273,7 @@ def chat_generation_prompt(tokenizer: Any, messages: Any) -> list[int]:
 
 
 def _tokenize_record(
-    tokenizer: Any, settings: SFTSettings, record: Any, where: str
+    tokenizer: Tokenizer, settings: SFTSettings, record: Any, where: str
 ) -> tuple[list[int], list[int]]:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -317,7 +318,7 @@ def _tokenize_lines(
 
 
 def _tokenize_file(
-    path: Path, tokenizer: Any, settings: SFTSettings, workers: int
+    path: Path, tokenizer: Tokenizer, settings: SFTSettings, workers: int
 ) -> TokenizedExamples:
     numbered = [
         (number, line)
@@ -346,7 +347,7 @@ def _tokenize_file(
     return TokenizedExamples(tokens, flags, offsets)
 
 
-def _cache_key(path: Path, tokenizer: Any, settings: SFTSettings) -> str:
+def _cache_key(path: Path, tokenizer: Tokenizer, settings: SFTSettings) -> str:
     digest = hashlib.sha256()
     digest.update(path.read_bytes())
     identifiers = getattr(tokenizer, "unique_identifiers", None) or {"class": type(tokenizer)}
@@ -362,7 +363,7 @@ def _cache_key(path: Path, tokenizer: Any, settings: SFTSettings) -> str:
 
 def load_tokenized_examples(
     path: str | Path,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     settings: SFTSettings,
     *,
     cache_dir: str | Path | None = None,
@@ -441,7 +442,7 @@ def fit_example(
     return ids, flags
 
 
-def pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Tokenizer) -> int:
     """The tokenizer's pad id, or its end-of-document id when it has none."""
     pad = int(getattr(tokenizer, "pad", -1))
     return pad if pad >= 0 else int(tokenizer.eod)
@@ -588,7 +589,7 @@ def build_sample(
 
 
 def build_sft_datasets(
-    dataset_config: Any, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: Any, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
     """Train, validation and test datasets of a ``FinetuningDatasetConfig``.
 

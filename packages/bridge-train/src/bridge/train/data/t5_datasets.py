@@ -37,6 +37,7 @@ from megatron.core.datasets.t5_dataset import (
 
 from bridge.config import ConfigError, GPTDatasetConfig, convert_dataclass
 from bridge.train.data.datasets import _as_blend, check_data_paths, dataset_prefixes
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = [
     "LONG_SENTENCE_TOKENS",
@@ -305,7 +306,7 @@ class MockT5Dataset(torch.utils.data.Dataset):
 
 
 def build_t5_datasets(
-    dataset_config: T5DatasetConfig, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: T5DatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
     """The train, validation and test T5 datasets (``None`` for an empty split).
 
@@ -336,7 +337,7 @@ def build_t5_datasets(
 
 
 def _build_indexed(
-    dataset_config: T5DatasetConfig, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: T5DatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
 
     if not hasattr(tokenizer, "additional_special_tokens_ids"):
