@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bridge.config import ConfigError
+from bridge.config import ConfigError, FinetuningDatasetConfig
 from bridge.config.atomic_files import atomic_write
 from bridge.train.data.tokenizers import Tokenizer
 
@@ -140,8 +140,9 @@ def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
     return SFTSettings(**values)
 
 
-def _split_paths(dataset_config: Any) -> list[tuple[str, Path | None]]:
+def _split_paths(dataset_config: FinetuningDatasetConfig) -> list[tuple[str, Path | None]]:
     """``(field, path or None)`` per split: the flag that asks for it and its file."""
+    assert dataset_config.dataset_root is not None  # check_finetuning_dataset refuses None
     root = Path(dataset_config.dataset_root)
     wanted = (True, dataset_config.do_validation, dataset_config.do_test)
     fields = ("dataset.dataset_root", "dataset.do_validation", "dataset.do_test")
@@ -151,7 +152,7 @@ def _split_paths(dataset_config: Any) -> list[tuple[str, Path | None]]:
     ]
 
 
-def check_finetuning_dataset(dataset_config: Any) -> None:
+def check_finetuning_dataset(dataset_config: FinetuningDatasetConfig) -> None:
     """Refuse a ``FinetuningDatasetConfig`` the trainer cannot honour, before anything runs.
 
     Raises:
@@ -589,7 +590,7 @@ def build_sample(
 
 
 def build_sft_datasets(
-    dataset_config: Any, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
+    dataset_config: FinetuningDatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
     """Train, validation and test datasets of a ``FinetuningDatasetConfig``.
 
@@ -607,6 +608,7 @@ def build_sft_datasets(
     """
     check_finetuning_dataset(dataset_config)
     settings = sft_settings(dataset_config.dataset_kwargs)
+    assert dataset_config.dataset_root is not None  # checked above
     root = Path(dataset_config.dataset_root)
     cache_dir = Path(settings.cache_dir) if settings.cache_dir else root / ".sft_cache"
     specs = dataset_config.packed_sequence_specs
@@ -629,7 +631,7 @@ def build_sft_datasets(
             examples = examples.head(int(dataset_config.max_train_samples))
         name = SFT_SPLIT_FILES[split].removesuffix(".jsonl")
         seed = int(dataset_config.seed) if split == 0 else None
-        if packed_size is not None and packed_size > 0:
+        if specs is not None and packed_size is not None and packed_size > 0:
             from bridge.train.data.packing import PackedSFTDataset
 
             out.append(
@@ -645,10 +647,11 @@ def build_sft_datasets(
                 )
             )
         else:
+            assert dataset_config.seq_length is not None  # validate() requires it
             out.append(
                 SFTDataset(
                     examples,
-                    int(dataset_config.seq_length),
+                    dataset_config.seq_length,
                     pad_id(tokenizer),
                     settings.truncation,
                     num_samples=int(wanted),

@@ -35,7 +35,14 @@ from megatron.core.datasets.t5_dataset import (
     T5MaskedWordPieceDatasetConfig,
 )
 
-from bridge.config import ConfigError, GPTDatasetConfig, convert_dataclass
+from bridge.config import (
+    ConfigError,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
+    convert_dataclass,
+)
 from bridge.train.data.datasets import _as_blend, check_data_paths, dataset_prefixes
 from bridge.train.data.tokenizers import Tokenizer
 
@@ -184,7 +191,10 @@ def max_t5_spans(sequence_length: int, masking_probability: float) -> int:
     return int(float(masking_probability) * (int(sequence_length) - 2))
 
 
-def check_t5_data_config(dataset_config: Any, tokenizer_config: Any) -> None:
+def check_t5_data_config(
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+    tokenizer_config: TokenizerConfig | TokenizerConfigProtocol | None,
+) -> None:
     """Refuse an indexed T5 data config that megatron's T5 dataset cannot serve.
 
     Checks, for indexed data: a tokenizer is configured with enough sentinels

@@ -84,7 +84,9 @@ class GenerationController(TextGenerationController):
             at most the model's unpadded ``vocab_size``).
     """
 
-    def __init__(self, inference_wrapped_model: Any, tokenizer: Tokenizer, vocab_limit: int) -> None:
+    def __init__(
+        self, inference_wrapped_model: Any, tokenizer: Tokenizer, vocab_limit: int
+    ) -> None:
         super().__init__(inference_wrapped_model, tokenizer)
         self.vocab_limit = int(vocab_limit)
         self.batch: BatchState | None = None

@@ -203,7 +203,10 @@ def _datasets_function(
         train.eval_iters = len(padded) // gbs
         state.train_state.consumed_valid_samples = 0
         logger.info(
-            "evaluating %s: %d samples in %d global batches", path, len(file_dataset), train.eval_iters
+            "evaluating %s: %d samples in %d global batches",
+            path,
+            len(file_dataset),
+            train.eval_iters,
         )
         return None, padded, None
 

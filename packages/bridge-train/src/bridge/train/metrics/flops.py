@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.transformer import TransformerConfig
+
 from bridge.train.models.gpt_provider import calculate_padded_vocab_size
 from bridge.train.models.mamba_provider import MambaProvider
 from bridge.train.models.t5_provider import T5ModelProvider
@@ -86,7 +88,7 @@ def _latent_attention_macs(model: Any, s: int) -> float:
 
 
 def num_floating_point_operations(
-    model_config: Any, batch_size: int, seq_length: int | None = None
+    model_config: TransformerConfig, batch_size: int, seq_length: int | None = None
 ) -> float:
     """Training FLOPs (forward + backward) of one step over ``batch_size`` sequences.
 

@@ -88,4 +88,6 @@ def build_family_datasets(
         return build_t5_datasets(dataset_config, tokenizer, num_samples)
     if isinstance(dataset_config, T5DatasetConfig):
         raise ConfigError("dataset", "T5 span-corruption data needs a T5ModelProvider model")
+    if dataset_config is None:
+        raise ConfigError("dataset", "is not set; the run needs a dataset section to train on")
     return build_train_valid_test_datasets(dataset_config, tokenizer, num_samples)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from bridge.config import PEFTProtocol
+
 __all__ = ["PEFT", "adapter_parameter_names", "apply_peft"]
 
 _ADAPTER_NAMES_ATTR = "_bridge_peft_adapter_names"
@@ -95,7 +97,7 @@ def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def apply_peft(peft: Any, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Apply ``peft`` to every chunk and record which parameters are adapters.
 
     Adapter parameters are those left trainable by the transform; the names are recorded on
