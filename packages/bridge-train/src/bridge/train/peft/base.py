@@ -48,7 +48,7 @@ class PEFT(ABC):
             The module to keep in its place.
         """
 
-    def __call__(self, model: Any, training: bool = True) -> Any:
+    def __call__(self, model: torch.nn.Module, training: bool = True) -> Any:
         """Freeze ``model`` (a module or a list of chunks) and adapt its submodules."""
         chunks = model if isinstance(model, (list, tuple)) else [model]
         for chunk in chunks:
