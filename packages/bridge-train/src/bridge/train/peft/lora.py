@@ -335,7 +335,7 @@ def merge_adapters(model: ModelOrChunks) -> Any:
     Returns:
         ``model``.
     """
-    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    chunks: list[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
     for chunk in chunks:
         for module in list(chunk.modules()):
             adapter = module._modules.get("adapter")
