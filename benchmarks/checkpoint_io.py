@@ -98,7 +98,7 @@ def _build(directory: Path) -> dict[str, Any]:
             global_batch_size=2,
             micro_batch_size=2,
             seq_length=256,
-            state=state,
+            train_state=state.train_state,
         )
 
     step()

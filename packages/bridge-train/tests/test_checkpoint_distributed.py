@@ -110,7 +110,7 @@ class _Run:
             global_batch_size=GBS,
             micro_batch_size=MBS,
             seq_length=16,
-            state=self.state,
+            train_state=self.state.train_state,
         )
         return result.losses
 

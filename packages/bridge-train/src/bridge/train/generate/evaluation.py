@@ -253,7 +253,6 @@ def evaluate_checkpoint(
     results: dict[str, dict[str, float]] = {}
     try:
         out = setup(
-            cfg,
             state,
             metrics_file=metrics_file,
             backend_settings=backend_settings,

@@ -73,7 +73,7 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.run_length import run_is_done
-from bridge.train.loop.training import evaluation_of, progress_log_of, run_training
+from bridge.train.loop.training import evaluation_of, progress_log_of, train
 from bridge.train.models.family import (
     build_family_datasets,
     default_forward_step,
@@ -217,7 +217,6 @@ def _peft_hooks(peft: PEFTProtocol | None) -> list[Callable[[list[torch.nn.Modul
 
 
 def setup(
-    cfg: ConfigContainer,
     state: GlobalState,
     *,
     metrics_file: str | Path | None = None,
@@ -233,8 +232,7 @@ def setup(
     setup fails half-way.
 
     Args:
-        cfg: The validated config.
-        state: The global state to fill (``state.cfg`` is ``cfg``).
+        state: The global state to fill; ``state.cfg`` is the validated config.
         metrics_file: Also write every metric to this JSON-lines file (last rank).
         hang_timeout: Seconds (or per-phase timeouts) after which the built-in hang watchdog
             kills a rank that makes no progress (for ``torchrun --max-restarts``).
@@ -248,6 +246,7 @@ def setup(
     Returns:
         The built pieces.
     """
+    cfg = state.cfg
     train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
     assert train is not None and logger_cfg is not None and checkpoint is not None
     assert cfg.model is not None and cfg.optimizer is not None and cfg.scheduler is not None
@@ -493,7 +492,6 @@ def pretrain(
     clean = False
     try:
         out = setup(
-            config,
             state,
             metrics_file=metrics_file,
             hang_timeout=hang_timeout,
@@ -506,7 +504,7 @@ def pretrain(
         save_run_config(config.checkpoint.save, config.to_yaml_text)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
-            exit_code = run_training(
+            exit_code = train(
                 forward_step_func,
                 out.model,
                 out.optimizer,
