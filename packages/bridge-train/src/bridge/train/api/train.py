@@ -1,6 +1,6 @@
 """The reference's loop functions, as thin adapters over the loop and its components.
 
-``train`` is :func:`bridge.train.loop.training.train` itself (re-exported); ``train_step`` returns a
+``train`` runs :func:`bridge.train.loop.training.run_training`; ``train_step`` returns a
 :class:`~bridge.train.loop.step.TrainStep`'s result as the reference's 7-tuple;
 ``post_training_step_callbacks`` runs the functions the loop's components run after a step;
 ``save_checkpoint_and_time`` is the :class:`~bridge.train.loop.saving.CheckpointWriter`;
@@ -12,6 +12,7 @@ the components only their own sections. Their signatures and behaviour are the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ from bridge.train.loop.components.maintenance import (
 )
 from bridge.train.loop.components.profiler import step_profiler
 from bridge.train.loop.profiling import TNvtxContext
-from bridge.train.loop.training import checkpoint_writer_of, train, train_step_of
+from bridge.train.loop.training import checkpoint_writer_of, run_training, train_step_of
 from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.distributed import global_rank
 from core_utils.loop import LoopContext
@@ -41,6 +42,64 @@ __all__ = [
     "train",
     "train_step",
 ]
+
+
+def train(
+    forward_step_func: ForwardStepCallable,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    train_data_iterator: Any,
+    valid_data_iterator: Any,
+    global_state: GlobalState,
+    checkpointing_context: dict[str, Any],
+    process_non_loss_data_func: Callable[..., Any] | None = None,
+    non_loss_data_func: Callable[..., Any] | None = None,
+) -> int:
+    """Main training loop.
+
+    Handles the overall training process, including the iteration loop, calling train_step,
+    evaluation, checkpointing, logging, and exit conditions. Trains until ``train.train_iters``
+    iterations (or ``train.train_samples`` samples) are done or an exit condition holds;
+    saves a final checkpoint when ``checkpoint.save`` is set and the last iteration was not
+    saved. Every rank must call it.
+
+    Args:
+        forward_step_func: Callable that executes a single forward step.
+        model: list of model chunks (potentially wrapped in DDP).
+        optimizer: The optimizer instance.
+        scheduler: The learning rate scheduler instance.
+        train_data_iterator: Iterator for the training dataset.
+        valid_data_iterator: Iterator for the validation dataset.
+        global_state: The GlobalState object holding various training states.
+        checkpointing_context: Context dictionary for checkpointing.
+        process_non_loss_data_func: Optional function to process non-loss data during
+            evaluation.
+        non_loss_data_func: Optional function to compute non-loss data during evaluation.
+
+    Returns:
+        The exit code for the process: 0, or the rerun state machine's code when it stops
+        the job.
+
+    Raises:
+        core_utils.CallbackError: A user callback raised (names callback, hook, iteration).
+
+    .. warning::
+        This is an experimental API and is subject to change in backwards incompatible
+        ways without notice.
+    """
+    return run_training(
+        forward_step_func,
+        model,
+        optimizer,
+        scheduler,
+        train_data_iterator,
+        valid_data_iterator,
+        global_state,
+        checkpointing_context,
+        process_non_loss_data_func,
+        non_loss_data_func,
+    )
 
 
 def train_step(

@@ -17,7 +17,7 @@ from bridge.train.loop.progress_log import (
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.saving import CheckpointWriter
 from bridge.train.loop.step import TrainStep
-from bridge.train.loop.training import train
+from bridge.train.loop.training import run_training
 from core_utils.loop import LoopContext, StepFunction, StepResult, run_loop
 
 __all__ = [
@@ -36,8 +36,8 @@ __all__ = [
     "pretrain",
     "rampup_to_step_schedule",
     "run_loop",
+    "run_training",
     "save_run_config",
     "setup",
     "should_disable_forward_pre_hook",
-    "train",
 ]

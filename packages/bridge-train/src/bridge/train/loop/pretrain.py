@@ -73,7 +73,7 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.run_length import run_is_done
-from bridge.train.loop.training import evaluation_of, progress_log_of, train
+from bridge.train.loop.training import evaluation_of, progress_log_of, run_training
 from bridge.train.models.family import (
     build_family_datasets,
     default_forward_step,
@@ -504,7 +504,7 @@ def pretrain(
         save_run_config(config.checkpoint.save, config.to_yaml_text)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
-            exit_code = train(
+            exit_code = run_training(
                 forward_step_func,
                 out.model,
                 out.optimizer,

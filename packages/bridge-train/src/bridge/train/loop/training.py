@@ -1,7 +1,7 @@
 """GPT-style training from the reference's ``GlobalState``: the one place where a run's state
 and configuration are taken apart.
 
-:func:`train` (the reference's, which ``pretrain`` runs) and the helpers
+:func:`run_training` (what ``pretrain`` and the reference's ``train`` run) and the helpers
 below build each part of the loop from its own section and the live objects it uses: the
 :class:`~bridge.train.loop.step.TrainStep` (``train``, ``model``, ``ddp`` and the engine's
 schedule), the :class:`~bridge.train.loop.components.MetricsProcessor` (``logger``,
@@ -10,8 +10,8 @@ schedule), the :class:`~bridge.train.loop.components.MetricsProcessor` (``logger
 (:func:`bridge.train.loop.components.standard_components`). Then the user's callbacks join
 them and the model-agnostic driver :func:`core_utils.loop.run_loop` runs the step. Nothing
 built here sees the whole config or the ``GlobalState``. The reference's own functions
-(``train_step``, ``evaluate``, ...) are adapters over these in :mod:`bridge.train.api`,
-which re-exports ``train`` itself. ``train`` returns the process exit code (0 unless the rerun
+(``train``, ``train_step``, ``evaluate``, ...) are adapters over these in
+:mod:`bridge.train.api`. ``run_training`` returns the process exit code (0 unless the rerun
 state machine asks for another).
 """
 
@@ -58,7 +58,7 @@ __all__ = [
     "checkpoint_writer_of",
     "evaluation_of",
     "progress_log_of",
-    "train",
+    "run_training",
     "train_step_of",
 ]
 
@@ -145,7 +145,7 @@ def evaluation_of(
 # ----------------------------------------------------------------------------- the run
 
 
-def train(
+def run_training(
     forward_step_func: ForwardStepCallable,
     model: list[torch.nn.Module],
     optimizer: MegatronOptimizer,
@@ -160,48 +160,34 @@ def train(
     callbacks: Sequence[Callback] = (),
     tokenizer: Tokenizer | None = None,
 ) -> int:
-    """Main training loop.
-
-    Handles the overall training process, including the iteration loop, calling train_step,
-    evaluation, checkpointing, logging, and exit conditions. Trains until ``train.train_iters``
-    iterations (or ``train.train_samples`` samples) are done or an exit condition holds;
-    saves a final checkpoint when ``checkpoint.save`` is set and the last iteration was not
-    saved. Every rank must call it. The loop's components are built here from their own
-    sections, then :func:`core_utils.loop.run_loop` runs the step.
+    """:func:`bridge.train.train` with user callbacks (what :func:`bridge.train.pretrain`
+    calls): the components built from their sections, then the loop.
 
     Args:
-        forward_step_func: Callable that executes a single forward step.
-        model: list of model chunks (potentially wrapped in DDP).
-        optimizer: The optimizer instance.
-        scheduler: The learning rate scheduler instance.
-        train_data_iterator: Iterator for the training dataset.
-        valid_data_iterator: Iterator for the validation dataset.
-        global_state: The GlobalState object holding various training states.
-        checkpointing_context: Context dictionary for checkpointing.
-        process_non_loss_data_func: Optional function to process non-loss data during
-            evaluation.
-        non_loss_data_func: Optional function to compute non-loss data during evaluation.
+        forward_step_func: See :func:`bridge.train.train`.
+        model: See :func:`bridge.train.train`.
+        optimizer: See :func:`bridge.train.train`.
+        scheduler: See :func:`bridge.train.train`.
+        train_data_iterator: See :func:`bridge.train.train`.
+        valid_data_iterator: See :func:`bridge.train.train`.
+        global_state: See :func:`bridge.train.train`.
+        checkpointing_context: See :func:`bridge.train.train`.
+        process_non_loss_data_func: See :func:`bridge.train.train`.
+        non_loss_data_func: See :func:`bridge.train.train`.
         callbacks: User callbacks (:class:`bridge.train.Callback`), run after the loop's
-            components and after the config's ``callbacks`` (keyword only; not in the
-            reference: :func:`bridge.train.pretrain` passes its own).
-        tokenizer: The run's tokenizer, for the ``samples`` section (keyword only; not in
-            the reference).
+            components and after the config's ``callbacks``.
+        tokenizer: The run's tokenizer (the ``samples`` section generates with it).
 
     Returns:
-        The exit code for the process: 0, or the rerun state machine's code when it stops
-        the job.
+        The process exit code (see :func:`bridge.train.train`).
 
     Raises:
         core_utils.CallbackError: A user callback raised (names callback, hook, iteration).
-
-    .. warning::
-        This is an experimental API and is subject to change in backwards incompatible
-        ways without notice.
     """
     state, cfg = global_state, global_state.cfg
-    train_cfg, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
-    assert train_cfg is not None and logger_cfg is not None, "train and logger sections required"
-    owns_calculator = ensure_num_microbatches_calculator(train_cfg, data_parallel_size())
+    train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
+    assert train is not None and logger_cfg is not None, "train and logger sections required"
+    owns_calculator = ensure_num_microbatches_calculator(train, data_parallel_size())
     for chunk in model:
         chunk.train()
     toggle_hooks = should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer)
@@ -210,7 +196,7 @@ def train(
     metrics = MetricsProcessor(
         TrainingLogSettings(
             logger=logger_cfg,
-            train=train_cfg,
+            train=train,
             profiling=cfg.profiling,
             seq_length=seq_length,
             data_parallel_size=cfg.data_parallel_size,
@@ -227,7 +213,7 @@ def train(
     writer = checkpoint_writer_of(state, checkpointing_context) if checkpoint else None
     components = standard_components(
         metrics=metrics,
-        train=train_cfg,
+        train=train,
         log_interval=logger_cfg.log_interval,
         checkpoint=checkpoint,
         save=writer if writer is not None else _no_save,
@@ -254,7 +240,7 @@ def train(
     )
     state.timers("interval-time", log_level=0).start(barrier=True)
     try:
-        exit_code = run_loop(context, step, is_done=lambda c: run_is_done(train_cfg, c.train_state))
+        exit_code = run_loop(context, step, is_done=lambda c: run_is_done(train, c.train_state))
         state.timers("interval-time").stop()
         for component in components:
             if isinstance(component, Evaluator):
