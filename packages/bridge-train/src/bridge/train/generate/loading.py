@@ -31,6 +31,7 @@ from bridge.config import (
     ConfigContainer,
     ConfigError,
     DistributedInitConfig,
+    PEFTProtocol,
     TokenizerConfig,
     TokenizerConfigProtocol,
 )
@@ -242,7 +243,7 @@ class GenerationModel:
         )
 
 
-def _check_base(peft: Any, base: str | None, where: Path) -> str | None:
+def _check_base(peft: PEFTProtocol | None, base: str | None, where: Path) -> str | None:
     """The base checkpoint (``base``: ``checkpoint.pretrained_checkpoint``) of a LoRA run
     (``peft`` set; ``None`` for other runs)."""
 
