@@ -799,12 +799,19 @@ def _counting_sync_warnings(sites: dict[str, int]) -> Iterator[None]:
         warnings.simplefilter("always")
         shown = warnings.showwarning
 
-        def count(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        def count(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: Any = None,
+            line: str | None = None,
+        ) -> None:
             if _CUDA_SYNC_WARNING in str(message):
                 site = _sync_caller(traceback.extract_stack()[:-1])
                 sites[site] = sites.get(site, 0) + 1
             else:
-                shown(message, category, filename, lineno, *rest)
+                shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = count
         yield
