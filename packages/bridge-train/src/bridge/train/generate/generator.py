@@ -36,6 +36,7 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.utils import unwrap_model
 
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.generate.controller import (
     BatchState,
     GenerationController,
@@ -176,7 +177,7 @@ class TextGenerator:
     def __init__(
         self,
         model: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         max_sequence_length: int,
         max_batch_size: int = 8,
