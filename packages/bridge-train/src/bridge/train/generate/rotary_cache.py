@@ -18,10 +18,6 @@ would use for them, lets megatron's method cache the rotated keys, and hands bac
 embedding, so ``Attention.forward`` rotates nothing again. RoPE is applied element-wise per
 position, so every cached key holds the values the old path recomputed at every step: the
 attention inputs, hence the logits, are the same bit for bit.
-
-With :class:`LeftPaddedStaticContext` (prompts of different lengths left-padded into one
-prefill) each row's tokens rotate by their positions in their own prompt rather than by
-their slot, the rotation the row gets alone.
 """
 
 from __future__ import annotations
@@ -80,39 +76,21 @@ def _adjust_rotated(
         and not self.config.flash_decode
     ):
         q_pos_emb, k_pos_emb = rotary_pos_emb
-        # Self-attention rotates queries and keys by the same rows: one rotation of both
-        # (fewer small ops per layer and step, the same values: RoPE is element-wise).
-        together = (
-            q_pos_emb is k_pos_emb
-            and q_pos_emb is not None
-            and query.shape[:2] == key.shape[:2]
-            and query.size(-1) == key.size(-1)
-        )
         start = inference_context.sequence_len_offset
         end = start + key.size(0)
         padding = getattr(inference_context, "left_padding", None)
         if padding is None:
             # The positions of the tokens in this step: megatron's own slice of q_pos_emb.
             q_pos_emb = None if q_pos_emb is None else q_pos_emb[start:end]
-            k_pos_emb = None if k_pos_emb is None or together else k_pos_emb[start:end]
+            k_pos_emb = None if k_pos_emb is None else k_pos_emb[start:end]
         else:
             # Left-padded rows: each token rotates by its position in its own prompt, not
             # by its slot ([s, b, 1, dim] rows of the [max_s, 1, 1, dim] embedding).
             slots = torch.arange(start, end, device=padding.device)
             positions = (slots[:, None] - padding[None, :]).clamp(min=0)
             q_pos_emb = None if q_pos_emb is None else q_pos_emb[:, 0][positions]
-            k_pos_emb = None if k_pos_emb is None or together else k_pos_emb[:, 0][positions]
-        if together:
-            heads = query.size(2)
-            both = apply_rotary_pos_emb(
-                torch.cat((query, key), dim=2),
-                q_pos_emb,
-                config=self.config,
-                mscale=self._yarn_concentration_factor,
-                cp_group=self.pg_collection.cp,
-            )
-            query, key = both[:, :, :heads], both[:, :, heads:]
-        elif q_pos_emb is not None:
+            k_pos_emb = None if k_pos_emb is None else k_pos_emb[:, 0][positions]
+        if q_pos_emb is not None:
             query = apply_rotary_pos_emb(
                 query,
                 q_pos_emb,
@@ -120,7 +98,7 @@ def _adjust_rotated(
                 mscale=self._yarn_concentration_factor,
                 cp_group=self.pg_collection.cp,
             )
-        if k_pos_emb is not None and not together:
+        if k_pos_emb is not None:
             key = apply_rotary_pos_emb(
                 key,
                 k_pos_emb,
