@@ -21,6 +21,7 @@ import json
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -215,14 +216,16 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         # (Without left padding, which megatron's path does not have.)
         with rotate_keys_before_caching(loaded.model[0]) as switched:
             out["rotary_layers_switched"] = switched
-        rotating = generator_module.rotate_keys_before_caching
         generator.pads_prompts = False
         try:
             rotated = generator.generate(PROMPTS, greedy, return_logits=True)
-            generator_module.rotate_keys_before_caching = lambda _: contextlib.nullcontext(0)
-            plain = generator.generate(PROMPTS, greedy, return_logits=True)
+            with mock.patch.object(
+                generator_module,
+                "rotate_keys_before_caching",
+                lambda _: contextlib.nullcontext(0),
+            ):
+                plain = generator.generate(PROMPTS, greedy, return_logits=True)
         finally:
-            generator_module.rotate_keys_before_caching = rotating
             generator.pads_prompts = True
         out["plain_greedy"] = [c.token_ids for c in plain]
         out["plain_logits_equal"] = all(
