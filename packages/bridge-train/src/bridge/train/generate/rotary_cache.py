@@ -23,6 +23,7 @@ attention inputs, hence the logits, are the same bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -90,22 +91,14 @@ def _adjust_rotated(
             positions = (slots[:, None] - padding[None, :]).clamp(min=0)
             q_pos_emb = None if q_pos_emb is None else q_pos_emb[:, 0][positions]
             k_pos_emb = None if k_pos_emb is None else k_pos_emb[:, 0][positions]
-        if q_pos_emb is not None:
-            query = apply_rotary_pos_emb(
-                query,
-                q_pos_emb,
-                config=self.config,
-                mscale=self._yarn_concentration_factor,
-                cp_group=self.pg_collection.cp,
-            )
-        if k_pos_emb is not None:
-            key = apply_rotary_pos_emb(
-                key,
-                k_pos_emb,
-                config=self.config,
-                mscale=self._yarn_concentration_factor,
-                cp_group=self.pg_collection.cp,
-            )
+        rotate = functools.partial(
+            apply_rotary_pos_emb,
+            config=self.config,
+            mscale=self._yarn_concentration_factor,
+            cp_group=self.pg_collection.cp,
+        )
+        query = query if q_pos_emb is None else rotate(query, q_pos_emb)
+        key = key if k_pos_emb is None else rotate(key, k_pos_emb)
         rotary_pos_emb = None
     return Attention._adjust_key_value_for_inference(
         self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
