@@ -34,7 +34,9 @@ MIMO) are refused by :func:`check_supported` with the field to change, never hal
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -62,11 +64,30 @@ TILE_COLS = 1024
 """Columns of one tile (second dimension of the global tensor)."""
 
 # Modules (by the last component of a parameter's key) that megatron initialises with the
-# config's output_layer_init_method (scaled by depth) rather than its init_method.
-_OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2"})
+# config's output_layer_init_method (scaled by depth) rather than its init_method (out_proj:
+# the Mamba mixer's).
+_OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2", "out_proj"})
 _EMBEDDINGS = frozenset({"word_embeddings", "position_embeddings", "tokentype_embeddings"})
 _NORM_WEIGHTS = frozenset({"layer_norm_weight"})  # Transformer Engine's fused norm + linear
 _NORM_BIASES = frozenset({"layer_norm_bias"})
+# The Mamba mixer's gated group norm: mamba-ssm's RMSNormGated (megatron's ExtendedRMSNorm)
+# and the portable one start at ones whatever layernorm_zero_centered_gamma says.
+_GATED_NORMS = frozenset({"GatedGroupRMSNorm", "ExtendedRMSNorm", "RMSNormGated"})
+
+
+# The ``provide`` methods whose modules every rule below knows (by qualified name, so this
+# module imports none of the providers).
+_COVERED_BUILDS = frozenset(
+    f"bridge.train.models.{module}.{provider}.provide"
+    for module, provider in (
+        ("gpt_provider", "GPTModelProvider"),
+        ("t5_provider", "T5ModelProvider"),
+        ("mamba_provider", "MambaProvider"),
+        ("gemma3_provider", "Gemma3ModelProvider"),
+        ("mla_provider", "MLAModelProvider"),
+        ("gpt_oss_provider", "GptOssModelProvider"),
+    )
+)
 
 
 class LayoutInitError(ValueError):
@@ -74,19 +95,19 @@ class LayoutInitError(ValueError):
 
 
 def supports_layout_independent_init(provider: Any) -> bool:
-    """Whether ``provider`` builds modules this initialisation covers: megatron's
-    ``GPTModel`` (dense and MoE) as :meth:`GPTModelProvider.provide` builds it, for every
-    GPT family preset. Subclasses that build other models (T5, hybrid Mamba, Gemma 3, MLA,
-    GPT-OSS) override ``provide`` and are not covered yet.
+    """Whether ``provider`` builds modules this initialisation covers: a
+    :class:`GPTModelProvider` whose ``provide`` is one of this package's builds (GPT dense
+    and MoE with every family preset, T5, hybrid Mamba, Gemma 3, multi-latent attention /
+    DeepSeek-V3, gpt-oss), inherited or its own. A subclass with its own ``provide`` may
+    build modules not known here and keeps megatron's seeding unless asked.
 
     Args:
         provider: A model provider (its ``provide`` builds the model).
     """
-
-    return (
-        isinstance(provider, GPTModelProvider)
-        and type(provider).provide is GPTModelProvider.provide
-    )
+    if not isinstance(provider, GPTModelProvider):
+        return False
+    provide = type(provider).provide
+    return f"{provide.__module__}.{provide.__qualname__}" in _COVERED_BUILDS
 
 
 def check_supported(provider: Any, *, field: str = "rng.layout_independent_init") -> None:
@@ -97,9 +118,11 @@ def check_supported(provider: Any, *, field: str = "rng.layout_independent_init"
     """
     if not supports_layout_independent_init(provider):
         raise LayoutInitError(
-            f"{field}=true: layout-independent initialisation covers GPT providers (dense "
-            f"and MoE) only, not {type(provider).__name__}; set {field}=false (megatron's "
-            "per-stage seeding) or leave it unset (null: used where supported)"
+            f"{field}=true: layout-independent initialisation covers the providers whose "
+            "provide() is this package's (GPT, MoE, T5, hybrid Mamba, Gemma 3, MLA, "
+            f"gpt-oss), not {type(provider).__name__}, whose own provide() may build modules "
+            f"it does not know; set {field}=false (megatron's per-stage seeding) or leave it "
+            "unset (null: used where supported)"
         )
 
 
@@ -211,6 +234,62 @@ def _is_norm(module: torch.nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
+def _mixer_setting(module: torch.nn.Module, name: str) -> Any:
+    """A Mamba mixer's init setting: its attribute, else its constructor's default (megatron's
+    ``MambaLayer`` passes none of ``dt_min``, ``dt_max``, ``dt_init_floor``,
+    ``A_init_range``, so the defaults are what megatron draws with)."""
+    if hasattr(module, name):
+        return getattr(module, name)
+    parameter = inspect.signature(type(module).__init__).parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        raise LayoutInitError(
+            f"{type(module).__name__} has no init setting {name!r}; set "
+            "rng.layout_independent_init=false"
+        )
+    return parameter.default
+
+
+def _mamba_rule(module: torch.nn.Module, attribute: str) -> Callable[[torch.Tensor], Any] | float:
+    """megatron's ``MambaMixer`` init of its own (non-linear) parameters, element by element.
+
+    ``conv1d_weight``: ``kaiming_uniform_(a=sqrt(5))`` (fan-in ``d_conv``: the tile keeps
+    the last two axes whole, so the bound is the full tensor's) or ``uniform(+-conv_init)``;
+    ``conv1d_bias``: ``uniform(+-1/sqrt(d_conv))``; ``dt_bias``: the inverse softplus of
+    ``dt = exp(U[0,1) * (ln dt_max - ln dt_min) + ln dt_min)`` clamped at ``dt_init_floor``;
+    ``A_log``: ``ln U[A_init_range)``; ``D``: ones.
+    """
+    if attribute == "D":
+        return 1.0
+    if attribute == "conv1d_weight":
+        conv_init = _mixer_setting(module, "conv_init")
+        if conv_init is None:
+            return lambda tile: torch.nn.init.kaiming_uniform_(tile, a=math.sqrt(5))
+        return lambda tile: torch.nn.init.uniform_(tile, -conv_init, conv_init)
+    if attribute == "conv1d_bias":
+        bound = 1 / math.sqrt(_mixer_setting(module, "d_conv"))
+        return lambda tile: torch.nn.init.uniform_(tile, -bound, bound)
+    if attribute == "dt_bias":
+        low = math.log(_mixer_setting(module, "dt_min"))
+        high = math.log(_mixer_setting(module, "dt_max"))
+        floor = _mixer_setting(module, "dt_init_floor")
+
+        def dt_bias(tile: torch.Tensor) -> None:
+            dt = torch.exp(tile.uniform_() * (high - low) + low).clamp(min=floor)
+            tile.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
+
+        return dt_bias
+    if attribute == "A_log":
+        a_low, a_high = _mixer_setting(module, "A_init_range")
+        return lambda tile: tile.uniform_(a_low, a_high).log_()
+    raise LayoutInitError(
+        f"layout-independent initialisation does not know parameter {attribute!r} of "
+        f"{type(module).__name__}; set rng.layout_independent_init=false"
+    )
+
+
+_MAMBA_PARAMETERS = frozenset({"conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D"})
+
+
 def _init_rule(
     key: str, module: torch.nn.Module, attribute: str, config: Any
 ) -> Callable[[torch.Tensor], Any] | float:
@@ -222,10 +301,18 @@ def _init_rule(
         return gamma
     if attribute in _NORM_BIASES:
         return 0.0
+    if type(module).__name__ in _GATED_NORMS:
+        return 1.0
     if _is_norm(module):
         return gamma if attribute == "weight" else 0.0
+    if attribute in _MAMBA_PARAMETERS:
+        return _mamba_rule(module, attribute)
     if owner == "router":
         # megatron's TopKRouter draws its weight (and bias) with init_method.
+        return config.init_method
+    if attribute == "softmax_offset":
+        # The learnable attention sinks (gpt-oss): megatron's DotProductAttention draws
+        # them with init_method.
         return config.init_method
     if attribute == "bias":
         return 0.0
