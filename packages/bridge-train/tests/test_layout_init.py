@@ -6,6 +6,8 @@ The weights themselves (bit-identical under every layout) are checked with sever
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bridge.config import ConfigError, RNGConfig
@@ -17,8 +19,7 @@ from bridge.train.models.layout_init import (
 from bridge.train.models.t5_provider import T5ModelProvider
 from bridge.train.testing import tiny_gpt_provider
 
-
-_SMALL = {
+_SMALL: dict[str, Any] = {
     "encoder_num_layers": 1,
     "num_attention_heads": 4,
     "seq_length": 24,
@@ -63,7 +64,12 @@ def test_every_provider_of_this_package_uses_it_by_default() -> None:
 class _OwnBuild(T5ModelProvider):
     """A user's provider that builds its own modules (not known to the initialisation)."""
 
-    def provide(self, pre_process=None, post_process=None, vp_stage=None):  # type: ignore[no-untyped-def]
+    def provide(
+        self,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+        vp_stage: int | None = None,
+    ) -> Any:
         return super().provide(pre_process, post_process, vp_stage)
 
 

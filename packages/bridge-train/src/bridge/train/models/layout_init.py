@@ -27,8 +27,13 @@ tiles its shards overlap: about its own share of the parameters, more where a sh
 narrower than a tile (tensor-parallel row shards of small weights), plus one hash per tile.
 Measured in ``benchmarks/init_and_reshard.py``; see docs/checkpoints.md.
 
-Providers whose modules this module does not know (T5, hybrid Mamba, Gemma 3, MLA, GPT-OSS,
-MIMO) are refused by :func:`check_supported` with the field to change, never half-initialised.
+Covered: the ``provide`` of every provider of this package (GPT dense and MoE, T5, hybrid
+Mamba, Gemma 3, MLA / DeepSeek-V3, gpt-oss) and the mimo recipe's modules (each drawn with
+its own module's config: :func:`bridge.train.models.mimo.build_mimo_recipe_model`); the
+rules below name megatron's init for each kind of parameter, the Mamba mixer's own ones and
+torch ``Linear`` layers included. A provider with a ``provide`` of its own is refused by
+:func:`check_supported` with the field to change; a parameter no rule knows stops the build
+(:class:`LayoutInitError`), never left half-initialised.
 """
 
 from __future__ import annotations
@@ -90,24 +95,34 @@ _COVERED_BUILDS = frozenset(
 )
 
 
+# The mimo recipe's model section (its modules are built by bridge-mimo in pretrain_mimo).
+_MIMO_MODEL = "bridge.train.models.mimo.MimoModelConfig"
+
+
 class LayoutInitError(ValueError):
     """A model holds a parameter this initialisation does not know how to draw."""
 
 
 def supports_layout_independent_init(provider: Any) -> bool:
-    """Whether ``provider`` builds modules this initialisation covers: a
-    :class:`GPTModelProvider` whose ``provide`` is one of this package's builds (GPT dense
-    and MoE with every family preset, T5, hybrid Mamba, Gemma 3, multi-latent attention /
-    DeepSeek-V3, gpt-oss), inherited or its own. A subclass with its own ``provide`` may
-    build modules not known here and keeps megatron's seeding unless asked.
+    """Whether ``provider`` builds modules this initialisation covers: the mimo recipe's
+    model section, or a :class:`GPTModelProvider` whose ``provide`` is one of this
+    package's builds (GPT dense and MoE with every family preset, T5, hybrid Mamba,
+    Gemma 3, multi-latent attention / DeepSeek-V3, gpt-oss), inherited or its own. A
+    subclass with its own ``provide`` may build modules not known here and keeps megatron's
+    seeding unless asked.
 
     Args:
         provider: A model provider (its ``provide`` builds the model).
     """
+    if _qualified_name(type(provider)) == _MIMO_MODEL:
+        return True  # drawn per module by pretrain_mimo (each module's own config)
     if not isinstance(provider, GPTModelProvider):
         return False
-    provide = type(provider).provide
-    return f"{provide.__module__}.{provide.__qualname__}" in _COVERED_BUILDS
+    return _qualified_name(type(provider).provide) in _COVERED_BUILDS
+
+
+def _qualified_name(thing: Any) -> str:
+    return f"{thing.__module__}.{thing.__qualname__}"
 
 
 def check_supported(provider: Any, *, field: str = "rng.layout_independent_init") -> None:
@@ -219,14 +234,22 @@ def _fill_random(
                 view[target_index].copy_(tile[tuple(source)])
 
 
-def _parameter_owners(chunk: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module, str]]:
-    """``{storage address: (qualified name, owning module, attribute)}`` of every parameter."""
-    owners: dict[int, tuple[str, torch.nn.Module, str]] = {}
-    for module_name, module in chunk.named_modules():
+def _parameter_owners(
+    chunk: torch.nn.Module, config: Any
+) -> dict[int, tuple[str, torch.nn.Module, str, Any]]:
+    """``{storage address: (qualified name, owning module, attribute, config)}`` of every
+    parameter; ``config`` is the nearest enclosing module's (a MIMO model's modules each
+    have their own), else the one given."""
+    owners: dict[int, tuple[str, torch.nn.Module, str, Any]] = {}
+    configs: dict[str, Any] = {}
+    for module_name, module in chunk.named_modules():  # parents before their children
+        parent = module_name.rpartition(".")[0]
+        own = getattr(module, "config", None)
+        configs[module_name] = own if own is not None else configs.get(parent, config)
         for attribute, param in module.named_parameters(recurse=False):
             address = param.untyped_storage().data_ptr()
             name = f"{module_name}.{attribute}" if module_name else attribute
-            owners.setdefault(address, (name, module, attribute))
+            owners.setdefault(address, (name, module, attribute, configs[module_name]))
     return owners
 
 
@@ -294,6 +317,11 @@ def _init_rule(
     key: str, module: torch.nn.Module, attribute: str, config: Any
 ) -> Callable[[torch.Tensor], Any] | float:
     """The init method megatron applies to this parameter, or the constant it sets."""
+    if type(module) is torch.nn.Linear:
+        # torch's own init (kaiming_uniform_(a=sqrt(5)) and its bias rule): both are
+        # uniform(+-1/sqrt(in_features)) (the MIMO patch embedding and projection).
+        bound = 1 / math.sqrt(module.in_features)
+        return lambda tile: torch.nn.init.uniform_(tile, -bound, bound)
     parts = key.split(".")
     owner = parts[-2] if len(parts) >= 2 else ""
     gamma = 0.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 1.0
@@ -309,6 +337,9 @@ def _init_rule(
         return _mamba_rule(module, attribute)
     if owner == "router":
         # megatron's TopKRouter draws its weight (and bias) with init_method.
+        return config.init_method
+    if attribute == "position_embedding":
+        # bridge-mimo's PatchEncoder: a learned table drawn as normal(0, init_method_std).
         return config.init_method
     if attribute == "softmax_offset":
         # The learnable attention sinks (gpt-oss): megatron's DotProductAttention draws
@@ -351,7 +382,10 @@ def initialize_layout_independent(
     Args:
         chunks: This rank's model chunks (one per virtual pipeline stage), built under the
             current parallel state, not yet wrapped.
-        config: The model's ``TransformerConfig`` (its init methods and norm settings).
+        config: The model's ``TransformerConfig`` (its init methods and norm settings),
+            used for the parameters of modules without a ``config`` of their own or of an
+            enclosing module's (megatron modules carry theirs, and it wins: a MIMO model's
+            modules each have one); ``None`` where every module has one.
         seed: The run's seed (``rng.seed``).
 
     Raises:
@@ -361,7 +395,7 @@ def initialize_layout_independent(
     # Draws use torch's CPU generator, reseeded per tile; the caller's stream is restored.
     with torch.random.fork_rng(devices=[]):
         for chunk in chunks:
-            owners = _parameter_owners(chunk)
+            owners = _parameter_owners(chunk, config)
             done: set[int] = set()
             for sharded in _sharded_tensors(chunk):
                 data = sharded.data
@@ -372,8 +406,8 @@ def initialize_layout_independent(
                     continue  # a buffer (e.g. MoE token counts): megatron's value stands
                 if sharded.flattened_range is not None:
                     raise LayoutInitError(f"{sharded.key}: flattened shards are not drawn here")
-                _, module, attribute = owners[address]
-                rule = _init_rule(sharded.key, module, attribute, config)
+                _, module, attribute, module_config = owners[address]
+                rule = _init_rule(sharded.key, module, attribute, module_config)
                 if isinstance(rule, float):
                     data.fill_(rule)
                 else:
@@ -387,7 +421,7 @@ def initialize_layout_independent(
                         rule,
                     )
                 done.add(address)
-            missing = [name for address, (name, _, _) in owners.items() if address not in done]
+            missing = [name for address, (name, *_) in owners.items() if address not in done]
             if missing:
                 raise LayoutInitError(
                     f"parameters {missing[:5]} are not in the model's sharded state dict, so "
