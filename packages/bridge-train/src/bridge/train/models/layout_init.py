@@ -377,7 +377,7 @@ def _sharded_tensors(chunk: torch.nn.Module) -> Iterator[Any]:
 
 @torch.no_grad()
 def initialize_layout_independent(
-    chunks: Sequence[torch.nn.Module], config: TransformerConfig, seed: int
+    chunks: Sequence[torch.nn.Module], config: TransformerConfig | None, seed: int
 ) -> None:
     """Draw every parameter of ``chunks`` from its global identity (see the module docstring).
 
