@@ -308,8 +308,10 @@ ELASTIC_OVERRIDES: tuple[str, ...] = (
 ELASTIC_RTOL = 1e-5
 #: Rendezvous settings of the elastic drill (torch's defaults in brackets): a round completes
 #: 2 s after its minimum of nodes joined (30 s), and a lost node's agent counts as gone after
-#: 3 missed heartbeats 2 s apart (5 s apart), so the survivor's next round starts without it.
-ELASTIC_RDZV = ("last_call_timeout=2", "keep_alive_interval=2", "keep_alive_max_attempt=3")
+#: 3 missed heartbeats 3 s apart (5 s apart), so the survivor's next round starts without it.
+#: 9 s leave room for a live agent that a loaded machine does not schedule for a while: one
+#: taken for lost while it waits for the returning node would start a round without it.
+ELASTIC_RDZV = ("last_call_timeout=2", "keep_alive_interval=3", "keep_alive_max_attempt=3")
 
 
 def _entry_module() -> ModuleType:
