@@ -204,6 +204,20 @@ def wait_for(
         time.sleep(0.05)
 
 
+def finish(
+    agents: Sequence[tuple[subprocess.Popen[bytes], Path]], timeout: float, logs: Sequence[Path]
+) -> str:
+    """Wait for every agent to exit 0 and for every process its launches ran to be gone
+    (checked before the clean-up kills what is left); returns the output of ``logs``."""
+    seen: dict[int, psutil.Process] = {}
+    codes = [kit.wait_for_exit(agent, timeout, log, seen) for agent, log in agents]
+    alive = kit.left_running(seen.values(), timeout=30)
+    output = "\n".join(log.read_text(errors="replace") for log in logs)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    assert codes == [0] * len(agents), output[-8000:]
+    return output
+
+
 def assert_checkpoints_intact(save: Path) -> list[int]:
     """Every ``iter_*`` directory is complete and its files match the recorded checksums;
     returns the saved iterations."""
@@ -255,7 +269,6 @@ def test_two_node_launch_survives_a_lost_node_and_resumes_exactly(
 
     slow = {"DRILL_FIRST_ATTEMPT_STEP_SLEEP": FIRST_LAUNCH_STEP_SLEEP}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-replacement.log"]
-    seen: dict[int, psutil.Process] = {}
     with contextlib.ExitStack() as stack:
         node0 = stack.enter_context(node(command(host=True), logs[0], slow))
         node1 = stack.enter_context(node(command(host=False), logs[1], slow))
@@ -271,15 +284,7 @@ def test_two_node_launch_survives_a_lost_node_and_resumes_exactly(
         tracker_at_loss = kit.tracker_iteration(save)
         assert tracker_at_loss is not None and tracker_at_loss < kit.TRAIN_ITERS
         replacement = stack.enter_context(node(command(host=False), logs[2], {}))
-        codes = [
-            kit.wait_for_exit(agent, 900, log, seen)
-            for agent, log in ((node0, logs[0]), (replacement, logs[2]))
-        ]
-        # Checked before the clean-up: the launches themselves left nothing behind.
-        alive = kit.left_running(seen.values(), timeout=30)
-    assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    output = "\n".join(log.read_text(errors="replace") for log in logs)
-    assert codes == [0, 0], output[-8000:]
+        output = finish([(node0, logs[0]), (replacement, logs[2])], 900, logs)
     assert "rendezvous store shared" not in output  # a store per round: no warning
     assert kit.loaded_message(save, tracker_at_loss) in output, output[-8000:]
 
@@ -399,7 +404,6 @@ def test_elastic_launch_shrinks_to_the_surviving_node_and_grows_back(tmp_path: P
         "DRILL_HOLDS": f"{SHRINK_AT}:2,{GROW_AT}:1",
     }
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-back.log"]
-    seen: dict[int, psutil.Process] = {}
 
     def held(iteration: int, ranks: int) -> Callable[[], bool]:
         return lambda: all((marks / f"held.{iteration}.rank{r}").exists() for r in range(ranks))
@@ -414,14 +418,7 @@ def test_elastic_launch_shrinks_to_the_surviving_node_and_grows_back(tmp_path: P
         wait_for(held(GROW_AT, 1), [node0], 400, f"node 0 alone at {GROW_AT}", logs[:1])
         assert kit.tracker_iteration(save) == GROW_AT
         back = stack.enter_context(node(command(host=False), logs[2], hooks))
-        codes = [
-            kit.wait_for_exit(agent, 400, log, seen)
-            for agent, log in ((node0, logs[0]), (back, logs[2]))
-        ]
-        alive = kit.left_running(seen.values(), timeout=30)
-    assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    output = "\n".join(log.read_text(errors="replace") for log in logs)
-    assert codes == [0, 0], output[-8000:]
+        output = finish([(node0, logs[0]), (back, logs[2])], 400, logs)
     assert kit.loaded_message(save, SHRINK_AT) in output, output[-8000:]
     assert kit.loaded_message(save, GROW_AT) in output, output[-8000:]
 
