@@ -21,7 +21,9 @@ after the checkpoint of iteration 20 and both finish. The gradient sums then run
 order than in an uninterrupted run, so its reference is a run without torchrun that switched
 layout at the same iterations (forked ranks, within 1e-5), and the samples each iteration
 consumed are compared with that run's. The drill is sequenced by files its workers write
-(``tests/elastic_drill_entry.py``), never by sleeps.
+(``tests/elastic_drill_entry.py``), never by sleeps. The default run uses the per-parameter
+optimizer; the extended tier repeats it with megatron's distributed optimizer (its state
+resharded from 2 data-parallel ranks to 1 and back).
 """
 
 from __future__ import annotations
@@ -332,12 +334,14 @@ def _entry_module() -> ModuleType:
     return sys.modules[name]
 
 
-def _elastic_reference_rank(rank: int, world: int, out: str, start: int) -> int:
+def _elastic_reference_rank(
+    rank: int, world: int, out: str, start: int, overrides: Sequence[str]
+) -> int:
     """One phase of the reference: resume ``out/ckpt`` (if any) on ``world`` ranks and stop at
     the next checkpoint (``train.exit_interval``), recording the samples as the drill does."""
     config = load_config(
         recipe_path("tiny_gpt"),
-        [*ELASTIC_OVERRIDES, f"checkpoint.save={out}/ckpt", f"train.exit_interval={SHRINK_AT}"],
+        [*overrides, f"checkpoint.save={out}/ckpt", f"train.exit_interval={SHRINK_AT}"],
     )
     step = _entry_module().recording_step(Path(out) / f"samples.from{start}.rank{rank}")
     return pretrain(config, step, metrics_file=f"{out}/metrics.jsonl")
@@ -355,13 +359,17 @@ def consumed_by_round(marks: Path) -> dict[int, dict[int, list[str]]]:
     return {s: {i: sorted(d) for i, d in steps.items()} for s, steps in rounds.items()}
 
 
-def elastic_reference(out: Path) -> tuple[dict[int, float], dict[int, dict[int, list[str]]]]:
+def elastic_reference(
+    out: Path, overrides: Sequence[str]
+) -> tuple[dict[int, float], dict[int, dict[int, list[str]]]]:
     """The run the drill must equal, without torchrun or a lost node: DP2 for iterations
     1-10, resumed from that checkpoint at DP1 for 11-20, resumed from there at DP2 to the end
     (forked ranks, one launch per layout). Returns its losses and samples by round."""
     out.mkdir()
     for world, start in ((2, 0), (1, SHRINK_AT), (2, GROW_AT)):
-        codes = run_distributed(_elastic_reference_rank, world, str(out), start, timeout=300)
+        codes = run_distributed(
+            _elastic_reference_rank, world, str(out), start, list(overrides), timeout=300
+        )
         assert codes == [0] * world, (world, start, codes)
     records = kit.loss_records(out / "metrics.jsonl")
     assert [step for step, _ in records] == list(range(1, ELASTIC_ITERS + 1)), records
@@ -371,18 +379,34 @@ def elastic_reference(out: Path) -> tuple[dict[int, float], dict[int, dict[int, 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_elastic_launch_shrinks_to_the_surviving_node_and_grows_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        pytest.param((), id="per-parameter-optimizer"),
+        # megatron's distributed optimizer, its state saved fully reshardable: resharded
+        # from 2 data-parallel ranks to 1 and back.
+        pytest.param(
+            ("optimizer.use_distributed_optimizer=true", "ddp.use_distributed_optimizer=true"),
+            id="distributed-optimizer",
+            marks=pytest.mark.extended,
+        ),
+    ],
+)
+def test_elastic_launch_shrinks_to_the_surviving_node_and_grows_back(
+    tmp_path: Path, optimizer: tuple[str, ...]
+) -> None:
     """``torchrun --nnodes=1:2``, one rank per node: node 1 is lost after the checkpoint of
     iteration 10; node 0 goes on alone (data parallel 1, the same global batch in twice the
     micro-batches) from that checkpoint; node 1 comes back after the checkpoint of iteration
     20 and both finish at data parallel 2. Every loss is within 1e-5 of the reference that
     switched layout at the same iterations, each step consumed exactly its samples, and no
     process of any launch is left."""
-    loss_reference, samples_reference = elastic_reference(tmp_path / "reference")
+    overrides = [*ELASTIC_OVERRIDES, *optimizer]
+    loss_reference, samples_reference = elastic_reference(tmp_path / "reference", overrides)
     save, metrics, marks = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "marks"
     marks.mkdir()
     entry = Path(__file__).resolve().with_name("elastic_drill_entry.py")
-    args = ["--metrics-file", str(metrics), *ELASTIC_OVERRIDES, f"checkpoint.save={save}"]
+    args = ["--metrics-file", str(metrics), *overrides, f"checkpoint.save={save}"]
     endpoint, run_id = f"127.0.0.1:{find_free_port()}", f"bridge-elastic-{uuid.uuid4().hex[:8]}"
 
     def command(host: bool) -> list[str]:
