@@ -395,7 +395,8 @@ def elastic_reference(
 def test_elastic_launch_shrinks_to_the_surviving_node_and_grows_back(
     tmp_path: Path, optimizer: tuple[str, ...]
 ) -> None:
-    """``torchrun --nnodes=1:2``, one rank per node: node 1 is lost after the checkpoint of
+    """``torchrun --nnodes=1:2``, one rank per node: node 0 starts alone and takes node 1
+    in before the first step (a late second node); node 1 is lost after the checkpoint of
     iteration 10; node 0 goes on alone (data parallel 1, the same global batch in twice the
     micro-batches) from that checkpoint; node 1 comes back after the checkpoint of iteration
     20 and both finish at data parallel 2. Every loss is within 1e-5 of the reference that
@@ -434,6 +435,11 @@ def test_elastic_launch_shrinks_to_the_surviving_node_and_grows_back(
 
     with contextlib.ExitStack() as stack:
         node0 = stack.enter_context(node(command(host=True), logs[0], hooks))
+        # Node 1 starts once node 0 runs alone (its first round has the minimum of one node):
+        # node 0's agent then takes it in at once, before any step (a late second node).
+        wait_for(
+            lambda: (marks / "small-first-world").exists(), [node0], 400, "node 0 alone", logs[:1]
+        )
         node1 = stack.enter_context(node(command(host=False), logs[1], hooks))
         wait_for(held(SHRINK_AT, 2), [node0, node1], 400, f"both ranks at {SHRINK_AT}", logs[:2])
         assert kit.tracker_iteration(save) == SHRINK_AT
