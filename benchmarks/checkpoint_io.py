@@ -84,6 +84,7 @@ def _build(directory: Path) -> dict[str, Any]:
     assert cfg.optimizer is not None and cfg.scheduler is not None
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
     state = GlobalState(cfg=cfg)
+    assert cfg.train is not None
     iterator = tiny_mock_iterator(cfg.train, cfg.dataset)
 
     def step() -> None:
@@ -97,7 +98,7 @@ def _build(directory: Path) -> dict[str, Any]:
             global_batch_size=2,
             micro_batch_size=2,
             seq_length=256,
-            state=state,
+            train_state=state.train_state,
         )
 
     step()

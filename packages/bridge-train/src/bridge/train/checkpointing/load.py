@@ -47,8 +47,8 @@ from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
     check_checkpoint_config,
-    checkpoint_config_of,
     non_persistent_dir,
+    required_checkpoint_section,
 )
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.integrity import (
@@ -713,7 +713,7 @@ def _load_optimizer(
             inner.param_groups[index].update(checkpoint_bounds)
 
 
-def _regroup_chained_state(optimizer: Any, state: Any) -> Any:
+def _regroup_chained_state(optimizer: MegatronOptimizer, state: dict[Any, Any]) -> dict[Any, Any]:
     """Fit the loaded state of megatron's FP32 optimizers to this run's number of them.
 
     megatron builds one optimizer for dense and one for expert-parallel parameters, the
@@ -752,7 +752,7 @@ def _regroup_chained_state(optimizer: Any, state: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _steps_kept_by_fully_reshardable_load(optimizer: Any) -> Iterator[None]:
+def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Iterator[None]:
     """Let megatron's ``fully_reshardable`` loader keep torch Adam's per-parameter ``step``.
 
     Without Apex / Transformer Engine (as on CPU) megatron-core 0.19's
@@ -936,7 +936,7 @@ def load_checkpoint(
         See :func:`restore_checkpoint`.
     """
     return restore_checkpoint(
-        checkpoint_config_of(state),
+        required_checkpoint_section(state.cfg.checkpoint),
         state.train_state,
         model,
         optimizer,

@@ -24,9 +24,12 @@ parameters get their own).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.train.checkpointing.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = ["PORTABLE_OPTIMIZER_FORMAT", "convert_portable_optimizer_state"]
 
@@ -34,7 +37,9 @@ PORTABLE_OPTIMIZER_FORMAT = "portable"
 """``optimizer_format`` in the metadata of a checkpoint saved by the portable engine."""
 
 
-def convert_portable_optimizer_state(optimizer: Any, loaded: dict[str, Any], path: str) -> Any:
+def convert_portable_optimizer_state(
+    optimizer: MegatronOptimizer, loaded: dict[str, Any], path: str
+) -> Any:
     """The portable engine's loaded optimizer state in the layout ``optimizer`` loads.
 
     Args:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from bridge.config import DistributedInitConfig
 from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import (
     adopt_launch_environment,
@@ -53,7 +54,7 @@ __all__ = [
 _STATE: dict[str, Any] = {"owns_process_group": False, "emulation": None}
 
 
-def resolve_distributed_backend(dist_config: Any = None) -> str:
+def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None) -> str:
     """The torch.distributed backend to use: the configured one, checked against the machine.
 
     Args:
