@@ -71,6 +71,7 @@ def _config(job: dict[str, Any]) -> Any:
             load=job.get("load"),
             ckpt_step=job.get("ckpt_step"),
             exit_on_missing_checkpoint=job.get("load") is not None,
+            load_rng=job.get("load_rng", True),
         ),
     )
 
@@ -224,3 +225,33 @@ def test_cross_layout_resume_at_four_ranks(tmp_path: Path) -> None:
     _assert_close(_last_rank_records(tmp_path / "tp2pp2-as-single", 1), tp2pp2_ref, rtol=1e-5)
     _assert_close(_last_rank_records(tmp_path / "dp4-as-dp2", 2), dp4_ref, rtol=1e-5)
     _assert_close(_last_rank_records(tmp_path / "dp4-as-tp2pp2", 4), dp4_ref, rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(1200)
+def test_dropout_after_a_layout_change(tmp_path: Path) -> None:
+    """PP=2 with dropout saved at 10, continued under DP=2: the saved generator states are per
+    rank and not restored, the generators are reseeded from the seed and iteration 10. Two
+    such resumes train identically; a resume keeping its own seeds (``load_rng=False``: the
+    fresh-start state, whose masks a fresh DP=2 run draws from its first step) differs."""
+    pp2 = {"pipeline_model_parallel_size": 2}
+
+    def job(name: str, **fields: Any) -> dict[str, Any]:
+        return {"save": str(tmp_path / name), "metrics": str(tmp_path / name), **fields}
+
+    resumed = {"load": str(tmp_path / "pp2"), "ckpt_step": SAVE_AT}
+    jobs = [
+        job("pp2", layout=pp2),
+        job("pp2-as-dp2", **resumed),
+        job("pp2-as-dp2-again", **resumed),
+        job("pp2-as-dp2-own-seeds", load_rng=False, **resumed),
+    ]
+    assert run_distributed(_jobs, 2, jobs, timeout=1000) == [[0] * 4] * 2
+    first = _last_rank_records(tmp_path / "pp2-as-dp2", 2)
+    assert sorted(first) == list(range(SAVE_AT + 1, ITERS + 1))
+    assert first == _last_rank_records(tmp_path / "pp2-as-dp2-again", 2)
+    own_seeds = _last_rank_records(tmp_path / "pp2-as-dp2-own-seeds", 2)
+    assert sorted(own_seeds) == sorted(first)
+    assert any(first[step][0] != own_seeds[step][0] for step in first), "not reseeded"

@@ -17,9 +17,9 @@ the run continues where the portable run stopped.
 
 Converted: one optimizer over all parameters (what the portable engine built without
 expert parallelism), fp32 or bf16/fp16 with fp32 main parameters. Refused with the fix:
-megatron's distributed optimizer (its state is kept per data-parallel bucket; see
-``load._check_reshardable``) and a chained optimizer of several parts (MoE expert
-parameters get their own).
+megatron's distributed optimizer (see ``load._check_reshardable``) and a chained optimizer
+of several parts (MoE expert parameters get their own): this conversion builds one
+non-distributed optimizer's state.
 """
 
 from __future__ import annotations
