@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from bridge.train.checkpointing import CheckpointError
 from bridge.train.checkpointing.load import _check_reshardable
 from bridge.train.checkpointing.optimizer_conversion import (
+    checkpoint_group_bounds,
     conversion_template,
     converted_optimizer_state,
 )
@@ -169,3 +170,31 @@ def test_the_saved_step_must_be_one() -> None:
     )
     assert torch.equal(state["state"][0]["exp_avg"], torch.ones(2, 3))
     assert float(state["state"]["common_step"]) == 5.0
+
+
+def test_checkpoint_bounds_pair_groups_across_expert_parallelism() -> None:
+    """With scheduler.use_checkpoint_opt_param_scheduler the saved bounds are found for each
+    of this run's groups by weight-decay and learning-rate multipliers, whether or not the
+    expert parameters were optimised apart; ambiguous bounds are refused."""
+    keys = ("max_lr", "min_lr")
+
+    def group(wd_mult: float, lr: float, expert: bool = False) -> dict[str, Any]:
+        return {
+            "wd_mult": wd_mult,
+            "lr_mult": 1.0,
+            "is_expert_parallel": expert,
+            "max_lr": lr,
+            "min_lr": lr / 10,
+        }
+
+    one_part = FP32Optimizer()
+    one_part.param_groups = [group(1.0, 5e-4), group(0.0, 5e-4)]
+    saved_two_parts = {
+        0: {"param_groups": [group(1.0, 1e-3), group(0.0, 1e-3)]},
+        1: {"param_groups": [group(1.0, 1e-3, expert=True)]},
+    }
+    bounds = checkpoint_group_bounds(_Chained(one_part), saved_two_parts, keys, "ckpt")
+    assert [b for _, _, b in bounds] == [{"max_lr": 1e-3, "min_lr": 1e-4}] * 2
+    saved_two_parts[1]["param_groups"][0]["max_lr"] = 2e-3
+    with pytest.raises(CheckpointError, match="use_checkpoint_opt_param_scheduler"):
+        checkpoint_group_bounds(_Chained(one_part), saved_two_parts, keys, "ckpt")

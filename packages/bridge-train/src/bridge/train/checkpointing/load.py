@@ -71,6 +71,7 @@ from bridge.train.checkpointing.layout import (
 )
 from bridge.train.checkpointing.optimizer_conversion import (
     OptimizerConversion,
+    checkpoint_group_bounds,
     conversion_template,
     converted_optimizer_state,
 )
@@ -712,17 +713,29 @@ def _align_schedule_bounds(
 
 
 def _load_optimizer(
-    optimizer: MegatronOptimizer, state: dict[str, Any], scheduler: OptimizerParamScheduler | None
+    optimizer: MegatronOptimizer,
+    state: dict[str, Any],
+    scheduler: OptimizerParamScheduler | None,
+    converted_from: tuple[Any, str] | None = None,
 ) -> None:
     """Restore the optimizer state. The parameter groups' schedule bounds are the config's
     with ``override_opt_param_scheduler``, else the checkpoint's (as the scheduler's own
-    settings)."""
+    settings). ``converted_from``: ``(saved common optimizer state, path)`` when ``state``
+    was converted (it then carries this run's groups; the checkpoint's bounds come from
+    there)."""
     keep = bool(getattr(scheduler, "override_opt_param_scheduler", False))
     bounds = [
         {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
         for group in optimizer.param_groups
     ]
-    replaced = _align_schedule_bounds(optimizer, state)
+    if converted_from is None:
+        replaced = _align_schedule_bounds(optimizer, state)
+    elif getattr(scheduler, "use_checkpoint_opt_param_scheduler", False) and not keep:
+        # Without either flag the scheduler check (above) made sure the bounds are equal.
+        saved_common, path = converted_from
+        replaced = checkpoint_group_bounds(optimizer, saved_common, _GROUP_SCHEDULE_KEYS, path)
+    else:
+        replaced = []
     # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
     # only some of its formats' loaders disable autograd themselves.
     with torch.no_grad(), _steps_kept_by_fully_reshardable_load(optimizer):
@@ -1077,7 +1090,12 @@ def restore_checkpoint(
                 common.get("optimizer"),
                 plan.path,
             )
-            _load_optimizer(optimizer, converted, opt_param_scheduler)
+            _load_optimizer(
+                optimizer,
+                converted,
+                opt_param_scheduler,
+                converted_from=(common.get("optimizer"), plan.path),
+            )
             if conversion.main_params_from_model:
                 # Saved from an fp32 model: its (now loaded) weights are the main parameters.
                 optimizer.reload_model_params()

@@ -39,7 +39,12 @@ from megatron.core.dist_checkpointing.mapping import (
 
 from bridge.train.checkpointing.errors import CheckpointError
 
-__all__ = ["OptimizerConversion", "conversion_template", "converted_optimizer_state"]
+__all__ = [
+    "OptimizerConversion",
+    "checkpoint_group_bounds",
+    "conversion_template",
+    "converted_optimizer_state",
+]
 
 # The spellings of an fp32 main parameter's key: megatron's non-distributed mixed-precision
 # optimizer, and its distributed optimizer.
@@ -221,3 +226,59 @@ def converted_optimizer_state(
         if scaler is not None and getattr(inner, "grad_scaler", None) is not None:
             part["grad_scaler"] = scaler
     return state if len(inners) > 1 else parts[0]
+
+
+# What pairs a saved parameter group with one of this run's across a conversion: megatron's
+# group identity without ``is_expert_parallel`` (expert parameters are grouped apart only
+# when EP > 1) and without the learning-rate bounds being paired.
+_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr")
+
+
+def _param_groups(tree: Any) -> list[dict[str, Any]]:
+    """Every parameter group a saved optimizer's common state holds (all parts)."""
+    if isinstance(tree, dict):
+        found: list[dict[str, Any]] = []
+        for key, value in tree.items():
+            if key == "param_groups" and isinstance(value, list):
+                found.extend(g for g in value if isinstance(g, dict))
+            else:
+                found.extend(_param_groups(value))
+        return found
+    if isinstance(tree, (list, tuple)):
+        return [g for value in tree for g in _param_groups(value)]
+    return []
+
+
+def checkpoint_group_bounds(
+    optimizer: Any, saved_common: Any, bound_keys: tuple[str, ...], path: str
+) -> list[tuple[Any, int, dict[str, Any]]]:
+    """The checkpoint's schedule bounds (``max_lr``, ``min_lr``, ...) for each of this run's
+    parameter groups, for ``scheduler.use_checkpoint_opt_param_scheduler`` after a
+    conversion (the converted state carries this run's groups).
+
+    Returns:
+        ``(inner optimizer, group index, bounds)`` per group.
+
+    Raises:
+        CheckpointError: A group has no saved counterpart, or several with other bounds.
+    """
+    saved = _param_groups(saved_common)
+    result = []
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for index, group in enumerate(inner.param_groups):
+            identity = tuple(group.get(k) for k in _GROUP_IDENTITY)
+            candidates = {
+                tuple((k, g[k]) for k in bound_keys if k in g)
+                for g in saved
+                if tuple(g.get(k) for k in _GROUP_IDENTITY) == identity
+            }
+            if len(candidates) != 1:
+                raise CheckpointError(
+                    f"{path}: scheduler.use_checkpoint_opt_param_scheduler=True, but the "
+                    f"checkpoint's parameter groups with {dict(zip(_GROUP_IDENTITY, identity, strict=True))} "
+                    f"hold {len(candidates)} different learning-rate/weight-decay bounds for "
+                    "this run's converted optimizer; set scheduler.override_opt_param_scheduler"
+                    "=True to use the config's bounds"
+                )
+            result.append((inner, index, dict(candidates.pop())))
+    return result
