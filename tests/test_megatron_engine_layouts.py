@@ -13,7 +13,9 @@ other in one process group, so process start-up is paid once per world size.
 Tiers: the default run holds the one-process references (dense, MoE) and one 2-rank group
 with DP=2 + distributed optimizer, TP=2, PP=2 x VPP=2 and EP=2; the full matrix (world sizes
 2 and 4, bf16, overlapped reductions, sequence parallelism, the all-to-all dispatcher) is
-``extended``. Resuming under another layout is ``tests/test_megatron_checkpoints.py``.
+``extended``. Resuming under another layout (saved at step 5, continued under another layout,
+the optimizer switched between distributed and per-parameter, expert parallelism on or off)
+is here too (``test_resume_*``) and in ``tests/test_megatron_checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -440,7 +442,7 @@ def test_resume_switching_optimizer_and_experts(tmp_path: Path) -> None:
         _assert_same_samples(tmp_path, name, name.split("-as-")[0])
     # bf16, distributed -> per-parameter: the losses within 1e-5; the gradient norms are
     # computed differently by the two optimizers in bf16 (fresh runs of both differ by up
-    # to 5e-4 from step 3 on, measured), so they are compared with BF16_RTOL.
+    # to 5e-4 after 10 steps, measured), so they are compared with BF16_RTOL.
     resumed, uninterrupted = one["single_bf16_distopt-as-single_bf16"], one["single_bf16_distopt"]
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     for step in resumed:
