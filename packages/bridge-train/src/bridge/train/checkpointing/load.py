@@ -75,10 +75,6 @@ from bridge.train.checkpointing.optimizer_conversion import (
     conversion_template,
     converted_optimizer_state,
 )
-from bridge.train.checkpointing.portable_state import (
-    PORTABLE_OPTIMIZER_FORMAT,
-    convert_portable_optimizer_state,
-)
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
@@ -424,11 +420,10 @@ def _check_reshardable(
     state saved ``fully_reshardable`` (model space, the default, see
     ``state_dict.OPTIMIZER_SHARDING_METADATA``) too. The two convert into each other, and
     into another number of optimizer parts (expert parallelism on or off), through
-    :mod:`~bridge.train.checkpointing.optimizer_conversion`. Refused:
-    distributed-optimizer state of the older ``dp_reshardable`` format under other TP, PP
-    or VPP sizes, another optimizer kind or another number of parts (it is kept per
-    data-parallel bucket), and the retired portable engine's state into the distributed
-    optimizer (see :mod:`~bridge.train.checkpointing.portable_state`).
+    :mod:`~bridge.train.checkpointing.optimizer_conversion`, as does the retired portable
+    engine's per-parameter state. Refused: distributed-optimizer state of the older
+    ``dp_reshardable`` format under other TP, PP or VPP sizes, another optimizer kind or
+    another number of parts (it is kept per data-parallel bucket).
 
     Returns:
         Whether the optimizer state must be converted (another format or number of parts).
@@ -473,16 +468,6 @@ def _check_reshardable(
                 "checkpoint.load_optim=False to load the model (and train state) alone",
             )
         return False
-    if saved_fmt == PORTABLE_OPTIMIZER_FORMAT:
-        if (this_fmt or "").startswith("distributed:"):
-            raise refuse(
-                "the portable engine's per-parameter optimizer state is converted to "
-                "megatron's non-distributed optimizers only",
-                "set optimizer.use_distributed_optimizer and ddp.use_distributed_optimizer "
-                "to false, or checkpoint.load_optim=False to load the model (and train state) "
-                "alone",
-            )
-        return False  # converted by portable_state
     return saved_fmt != this_fmt or other_parts
 
 
@@ -1100,29 +1085,18 @@ def restore_checkpoint(
                 # Saved from an fp32 model: its (now loaded) weights are the main parameters.
                 optimizer.reload_model_params()
             if _dist.rank() == 0:
+                saved_parts = common[META_KEY].get("optimizer_parts")
                 logger.info(
-                    "%s holds %s optimizer state (%s part(s)); converted to this run's %s "
-                    "optimizer (%d part(s))",
+                    "%s holds %s optimizer state%s; converted to this run's %s optimizer "
+                    "(%d part(s))",
                     plan.path,
                     common[META_KEY].get("optimizer_format"),
-                    common[META_KEY].get("optimizer_parts"),
+                    f" ({saved_parts} part(s))" if saved_parts else "",
                     optimizer_format(optimizer),
                     len(getattr(optimizer, "chained_optimizers", None) or [optimizer]),
                 )
         elif load_optim:
-            saved_optimizer = loaded["optimizer"]
-            if common[META_KEY].get("optimizer_format") == PORTABLE_OPTIMIZER_FORMAT:
-                saved_optimizer = convert_portable_optimizer_state(
-                    optimizer, saved_optimizer, plan.path
-                )
-                if _dist.rank() == 0:
-                    logger.info(
-                        "%s was saved by the retired portable engine: its optimizer state "
-                        "(moments, step, loss scale, fp32 main parameters) is converted to "
-                        "megatron-core's optimizer",
-                        plan.path,
-                    )
-            _load_optimizer(optimizer, saved_optimizer, opt_param_scheduler)
+            _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
         elif optimizer is not None:
             if cfg.load_main_params_from_ckpt and not finetune:
                 _load_main_params(optimizer, model, plan.path, cfg)
