@@ -84,6 +84,7 @@ def _build(directory: Path) -> dict[str, Any]:
     assert cfg.optimizer is not None and cfg.scheduler is not None
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, cfg.train)
     state = GlobalState(cfg=cfg)
+    assert cfg.train is not None
     iterator = tiny_mock_iterator(cfg.train, cfg.dataset)
 
     def step() -> None:
@@ -97,17 +98,22 @@ def _build(directory: Path) -> dict[str, Any]:
             global_batch_size=2,
             micro_batch_size=2,
             seq_length=256,
-            state=state,
+            train_state=state.train_state,
         )
 
     step()
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model[0].named_parameters():
         tensors[f"model.{name}"] = param.detach()
-    for name, main in zip(optimizer.param_names(model), optimizer.get_parameters(), strict=True):
-        for key, value in optimizer.optimizer.state[main].items():
-            if value.dim() > 0:
-                tensors[f"optimizer.{key}.{name}"] = value
+    # The optimizer's own state, as the checkpoint holds it: the moments of every main
+    # parameter of megatron's (chained) optimizer.
+    for which, chained in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        inner = chained.optimizer
+        mains = [p for group in inner.param_groups for p in group["params"]]
+        for index, main in enumerate(mains):
+            for key, value in inner.state[main].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    tensors[f"optimizer.{which}.{key}.{index}"] = value
     return {
         "cfg": cfg,
         "model": model,

@@ -161,7 +161,7 @@ def run_layout(name: str) -> dict[str, list[float]]:
         global_batch_size=GLOBAL_BATCH,
         micro_batch_size=MICRO_BATCH,
         seq_length=provider.seq_length,
-        state=state,
+        train_state=state.train_state,
     )
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     mine = {"losses": result.losses, "grad_norms": result.grad_norms} if last else None

@@ -70,7 +70,8 @@ SCRIPT = textwrap.dedent(
         result = train_steps(
             engine, model, optimizer, scheduler, train_it,
             train_iters=cfg.train.train_iters, global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=cfg.train.micro_batch_size, seq_length=cfg.model.seq_length, state=state,
+            micro_batch_size=cfg.train.micro_batch_size, seq_length=cfg.model.seq_length,
+            train_state=state.train_state,
         )
         rank = torch.distributed.get_rank()
         with open(f"{out_path}.{rank}", "w") as f:

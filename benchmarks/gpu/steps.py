@@ -67,6 +67,7 @@ __all__ = [
     "env",
     "finetune",
     "gemm",
+    "generate",
     "host_syncs",
     "main",
     "probe",
@@ -742,6 +743,7 @@ def finetune(
         result["base_exit_code"] = code
         if code != 0:
             raise RuntimeError(f"the base run exited with {code}")
+        result["base_validation_loss"] = _last_validation_loss(read_metrics(metrics_file + ".base"))
     clock = _make_clock()
     code = _pretrain(recipe, overrides, Path(metrics_file), clock)
     records = read_metrics(metrics_file)
@@ -755,13 +757,64 @@ def finetune(
             r["throughput/tokens_per_sec"] for r in records if "throughput/tokens_per_sec" in r
         ],
         memory=_peak_memory_gb(),
+        validation_loss=_last_validation_loss(records),
     )
     return result
+
+
+def _last_validation_loss(records: list[dict[str, Any]]) -> float | None:
+    values = [float(r["lm loss validation"]) for r in records if "lm loss validation" in r]
+    return values[-1] if values else None
 
 
 # -- host syncs ------------------------------------------------------------------------------
 
 _CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+# Frames that are never "who asked": torch itself, the warnings machinery, and the
+# counting wrappers (host_syncs.py's TorchFunctionMode runs every torch call, so a warning
+# raised from C++ is otherwise filed under its ``return func(...)`` line).
+_NOT_A_CALLER = ("/torch/", "/warnings.py", "host_syncs.py", "gpu/steps.py")
+
+
+def _sync_caller(stack: list[traceback.FrameSummary]) -> str:
+    """``file:line (function)`` of the innermost caller outside torch, with its caller."""
+    callers = [f for f in stack if not any(part in f.filename for part in _NOT_A_CALLER)]
+    if not callers:
+        return "?"
+    names = [
+        f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno} ({f.name})"
+        for f in callers[-2:]
+    ]
+    return " <- ".join(reversed(names))
+
+
+@contextlib.contextmanager
+def _counting_sync_warnings(sites: dict[str, int]) -> Iterator[None]:
+    """Counts torch's synchronising-CUDA-call warnings by the caller that made them.
+
+    The warning's own location is the innermost Python frame, which is whatever wrapper
+    called into torch; the caller is found on the stack at the moment it is shown instead.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def count(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: Any = None,
+            line: str | None = None,
+        ) -> None:
+            if _CUDA_SYNC_WARNING in str(message):
+                site = _sync_caller(traceback.extract_stack()[:-1])
+                sites[site] = sites.get(site, 0) + 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = count
+        yield
 
 
 def host_syncs(overrides: list[str], log_interval: int) -> dict[str, Any]:
@@ -787,7 +840,6 @@ def host_syncs(overrides: list[str], log_interval: int) -> dict[str, Any]:
             super().__init__(*args)
             self.cuda_counts: dict[str, dict[str, int]] = {}
             self._capture: Any = None
-            self._records: list[Any] = []
 
         def _iteration_starts(self, completed: int) -> None:
             closing = self.open[0] if self.open is not None else None
@@ -795,17 +847,12 @@ def host_syncs(overrides: list[str], log_interval: int) -> dict[str, Any]:
             if closing is not None and self._capture is not None:
                 torch.cuda.set_sync_debug_mode(0)
                 self._capture.__exit__(None, None, None)
-                sites: dict[str, int] = {}
-                for record in self._records:
-                    if _CUDA_SYNC_WARNING in str(record.message):
-                        site = f"{record.filename.split('site-packages/')[-1]}:{record.lineno}"
-                        sites[site] = sites.get(site, 0) + 1
-                self.cuda_counts[closing] = sites
                 self._capture = None
             if cuda and self.open is not None:
-                self._capture = warnings.catch_warnings(record=True)
-                self._records = self._capture.__enter__()
-                warnings.simplefilter("always")
+                sites: dict[str, int] = {}
+                self.cuda_counts[self.open[0]] = sites
+                self._capture = _counting_sync_warnings(sites)
+                self._capture.__enter__()
                 torch.cuda.set_sync_debug_mode(1)
 
     windows = {
@@ -842,6 +889,51 @@ def host_syncs(overrides: list[str], log_interval: int) -> dict[str, Any]:
     return result
 
 
+# -- generation ------------------------------------------------------------------------------
+
+
+def generate(
+    checkpoint: str, prompts: list[str], new_tokens: list[int], rounds: int = 3
+) -> dict[str, Any]:
+    """Decode rate of ``bridge-generate``'s machinery, timed inside one process.
+
+    ``load_generation_model`` + ``TextGenerator`` (what the command runs), one warm-up
+    generation, then ``rounds`` alternating greedy generations of each length in
+    ``new_tokens`` (past the end-of-document token, so every prompt gets exactly that
+    many). The decode rate is the difference of the median times of the longest and the
+    shortest over the difference of their new tokens: the prompt's prefill cancels out.
+    Timing two whole processes instead (the first GPU run) left the start-up's noise in it.
+    """
+    from bridge.train.generate import SamplingOptions, load_generation_model
+
+    loaded = load_generation_model(checkpoint)
+    try:
+        generator = loaded.generator(max_batch_size=len(prompts))
+        generator.generate(prompts, SamplingOptions(max(new_tokens), stop_at_eod=False))
+        seconds: dict[int, list[float]] = {n: [] for n in new_tokens}
+        tokens: dict[int, int] = {}
+        for _ in range(rounds):
+            for n in new_tokens:
+                start = _now()
+                done = generator.generate(prompts, SamplingOptions(n, stop_at_eod=False))
+                seconds[n].append(_now() - start)
+                tokens[n] = sum(len(c.token_ids) for c in done)
+    finally:
+        loaded.close()
+    median = {n: statistics.median(v) for n, v in seconds.items()}
+    short, long = min(new_tokens), max(new_tokens)
+    rate = None
+    if median[long] > median[short]:
+        rate = (tokens[long] - tokens[short]) / (median[long] - median[short])
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "median_seconds": median,
+        "decode_tokens_per_s": rate,
+        "decode_step_ms": None if rate is None else 1e3 * len(prompts) / rate,
+    }
+
+
 STEPS: dict[str, Callable[..., dict[str, Any]]] = {
     "env": env,
     "gemm": gemm,
@@ -851,6 +943,7 @@ STEPS: dict[str, Callable[..., dict[str, Any]]] = {
     "checkpoint": checkpoint,
     "finetune": finetune,
     "host_syncs": host_syncs,
+    "generate": generate,
 }
 
 

@@ -96,6 +96,7 @@ class _Run:
 
     def train(self, iters: int) -> list[float]:
         if self._iterator is None:  # positioned at the consumed samples (resume)
+            assert self.state.cfg.train is not None
             self._iterator = tiny_mock_iterator(
                 self.state.cfg.train, train_state=self.state.train_state
             )
@@ -109,7 +110,7 @@ class _Run:
             global_batch_size=GBS,
             micro_batch_size=MBS,
             seq_length=16,
-            state=self.state,
+            train_state=self.state.train_state,
         )
         return result.losses
 

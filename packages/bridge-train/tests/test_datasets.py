@@ -160,7 +160,7 @@ def _single_rank(
         global_batch_size=4,
         micro_batch_size=2,
         seq_length=16,
-        state=global_state,
+        train_state=global_state.train_state,
     )
     out["losses"] = result.losses
     out["tokens_per_step"] = result.num_tokens

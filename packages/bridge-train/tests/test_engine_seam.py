@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -86,9 +87,12 @@ def test_nccl_without_cuda_is_refused_with_the_field_and_the_fix() -> None:
         resolve_distributed_backend(tiny_dist_config(distributed_backend="nccl"))
     assert resolve_distributed_backend(tiny_dist_config()) == "gloo"
     assert resolve_distributed_backend(None) == "gloo"
-    assert resolve_distributed_backend(SimpleNamespace(distributed_backend="auto")) == "gloo"
+    assert (
+        resolve_distributed_backend(cast(Any, SimpleNamespace(distributed_backend="auto")))
+        == "gloo"
+    )
     with pytest.raises(ValueError, match=r"'mpi' is not one of"):
-        resolve_distributed_backend(SimpleNamespace(distributed_backend="mpi"))
+        resolve_distributed_backend(cast(Any, SimpleNamespace(distributed_backend="mpi")))
 
 
 def test_parallel_layout_is_checked_against_world_size() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from bridge.config import DistributedDataParallelConfig
 from bridge.train import (
@@ -475,3 +476,48 @@ def test_cross_rank_reductions(two) -> None:
         assert r["and_mixed"] is False and r["and_true"] is True
         got, expected = r["dtensor"]
         assert got == pytest.approx(expected, rel=1e-6)
+
+
+class _HostValueRequests(TorchFunctionMode):
+    """Counts the tensor operations that hand a value to the host (a sync on a GPU)."""
+
+    SYNCING = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.cpu)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCING:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_grad_norm_keeps_the_per_parameter_norms_on_the_device() -> None:
+    """Without Transformer Engine or Apex, megatron's own fallback norm reads every
+    parameter's norm on the host (56 synchronising calls per tiny-GPT iteration on the first
+    GPU run); the engine gives grad clipping core-utils' norm, which reads none."""
+    from megatron.core import utils as megatron_utils
+    from megatron.core.optimizer import clip_grads
+
+    from bridge.train.engine.megatron import _use_sync_free_grad_norm
+    from core_utils import local_multi_tensor_l2_norm
+
+    original = clip_grads.l2_norm_impl
+    try:
+        _use_sync_free_grad_norm()
+        if original is megatron_utils.local_multi_tensor_l2_norm:
+            assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+        else:  # Transformer Engine's or Apex's kernel is installed and kept.
+            assert clip_grads.l2_norm_impl is original
+        grads = [torch.randn(7, 3), torch.randn(5), torch.randn(2, 2, 2)]
+        counter = _HostValueRequests()
+        with counter:
+            norm, _ = clip_grads.multi_tensor_applier(
+                clip_grads.l2_norm_impl, torch.zeros(1, dtype=torch.int), [grads], False
+            )
+        assert counter.count == 0
+        expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        torch.testing.assert_close(norm.reshape(()), expected, rtol=1e-6, atol=0)
+    finally:
+        clip_grads.l2_norm_impl = original

@@ -280,7 +280,14 @@ def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     run_config = ConfigContainer.from_yaml(iteration_dir / "run_config.yaml")
     single = single_rank_copy(run_config.model)
     with single_process_megatron(single):
-        model = load_model_for_export(iteration_dir, run_config, single, merge=False)
+        assert run_config.checkpoint is not None
+        model = load_model_for_export(
+            iteration_dir,
+            single,
+            peft=run_config.peft,
+            pretrained_checkpoint=run_config.checkpoint.pretrained_checkpoint,
+            merge=False,
+        )
         assert any(isinstance(m, LoRAAdapter) for m in model.modules())
         model.eval()
         with torch.no_grad():

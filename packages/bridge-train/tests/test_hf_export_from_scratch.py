@@ -171,7 +171,8 @@ def _train_and_export(rank: int, world: int, root: str, logits_of: Any) -> dict[
     run_config = ConfigContainer.from_yaml(Path(location.path) / "run_config.yaml")
     single = single_rank_copy(run_config.model)
     with single_process_megatron(single):
-        model = load_model_for_export(Path(location.path), run_config, single)
+        assert run_config.peft is None  # trained from scratch: no adapters, no base
+        model = load_model_for_export(Path(location.path), single)
         model.eval()
         logits = logits_of(model, None)
     return {"train": code, "export": (exported, err.getvalue()), "logits": logits}

@@ -269,7 +269,14 @@ def _export_and_trainer_logits(
         run_config = ConfigContainer.from_yaml(Path(location.path) / "run_config.yaml")
         single = single_rank_copy(run_config.model)
         with single_process_megatron(single):
-            model = load_model_for_export(Path(location.path), run_config, single, merge=False)
+            assert run_config.checkpoint is not None
+            model = load_model_for_export(
+                Path(location.path),
+                single,
+                peft=run_config.peft,
+                pretrained_checkpoint=run_config.checkpoint.pretrained_checkpoint,
+                merge=False,
+            )
             adapted = sorted(
                 name for name, module in model.named_modules() if isinstance(module, LoRAAdapter)
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -46,8 +47,9 @@ def test_sft_data_by_field_overrides_with_a_short_diff(capsys: pytest.CaptureFix
 
 def test_more_workers_than_cpus_are_capped_without_torch_warning() -> None:
     usable = loaders._usable_cpus()
-    config = SimpleNamespace(num_workers=usable + 6, pin_memory=True, dataloader_type="single")
-    train = SimpleNamespace(micro_batch_size=2, train_iters=1, eval_iters=0)
+    # Only the fields the loaders read (a whole dataset section needs its data files).
+    config: Any = SimpleNamespace(num_workers=usable + 6, pin_memory=True, dataloader_type="single")
+    train: Any = SimpleNamespace(micro_batch_size=2, train_iters=1, eval_iters=0)
     state = SimpleNamespace(consumed_train_samples=0, consumed_valid_samples=0)
     dataset = torch.utils.data.TensorDataset(torch.arange(8))
     train_loader, _, _ = loaders.build_train_valid_test_data_loaders(

@@ -94,7 +94,7 @@ def test_building_the_datasets_refuses_it_instead_of_hanging(tmp_path: Path) -> 
         [f"dataset.blend=[[{prefix}],null]", f"dataset.path_to_cache={tmp_path / 'cache'}"],
     )
     cfg.validate(world_size=1)
-    assert cfg.train is not None
+    assert cfg.train is not None and cfg.dataset is not None
     with pytest.raises(ConfigError, match=r"the validation split of .* gets no document"):
         build_train_valid_test_datasets(
             cfg.dataset, ByteLevelTokenizer(), train_valid_test_num_samples(cfg.train)

@@ -38,7 +38,7 @@ def test_get_attr_wrapped_model_walks_through_wrappers() -> None:
     with pytest.raises(RuntimeError, match=r"no attribute 'missing'.*_Wrapper"):
         core_utils.get_attr_wrapped_model(wrapped, "missing")
     with pytest.raises(RuntimeError, match="got a list of 1"):
-        core_utils.get_attr_wrapped_model([wrapped], "config")
+        core_utils.get_attr_wrapped_model([wrapped], "config")  # type: ignore[arg-type]
     assert core_utils.get_model_xattn(torch.nn.Linear(1, 1)) is False
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, overload
 
 import torch
 
 __all__ = [
+    "ModelOrChunks",
     "get_attr_wrapped_model",
     "get_model_config",
     "get_model_type",
@@ -14,6 +16,9 @@ __all__ = [
     "is_submodule",
     "unwrap_model",
 ]
+
+#: A model, or its chunks (one per virtual pipeline stage), wrapped or not.
+ModelOrChunks = torch.nn.Module | Sequence[torch.nn.Module]
 
 # megatron-core wrapper classes recognised by name, so that this module never imports
 # megatron-core: (defining-module prefix, class name).
@@ -28,7 +33,7 @@ _MEGATRON_WRAPPERS = frozenset(
 
 
 def get_attr_wrapped_model(
-    model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False
+    model: torch.nn.Module, attr: str, allow_none: bool = True, return_model_obj: bool = False
 ) -> Any:
     """Get ``attr`` from a model, looking through ``.module`` wrappers until one has it.
 
@@ -52,7 +57,7 @@ def get_attr_wrapped_model(
             f"get_attr_wrapped_model expects one model, got a list of {len(model)}; "
             "pass a single model chunk (e.g. model[0])"
         )
-    current = model
+    current: Any = model
 
     def missing(obj: Any) -> bool:
         if allow_none:
@@ -70,12 +75,12 @@ def get_attr_wrapped_model(
     return current if return_model_obj else getattr(current, attr)
 
 
-def get_model_type(model: Any) -> Any:
+def get_model_type(model: torch.nn.Module) -> Any:
     """Return the ``model_type`` attribute of a (wrapped) model."""
     return get_attr_wrapped_model(model, "model_type")
 
 
-def get_model_xattn(model: Any) -> bool:
+def get_model_xattn(model: torch.nn.Module) -> bool:
     """Return the (wrapped) model's ``xattn_needed`` attribute; ``False`` if it has none."""
     try:
         return bool(get_attr_wrapped_model(model, "xattn_needed"))
@@ -83,7 +88,7 @@ def get_model_xattn(model: Any) -> bool:
         return False
 
 
-def get_model_config(model: Any) -> Any:
+def get_model_config(model: torch.nn.Module) -> Any:
     """Return the first non-None ``config`` attribute of a (wrapped) model.
 
     Raises:
@@ -109,10 +114,10 @@ def _is_default_wrapper(obj: Any) -> bool:
 
 
 @overload
-def unwrap_model(model: list[Any], module_instances: Any = None) -> list[Any]: ...
+def unwrap_model(model: list[torch.nn.Module], module_instances: Any = None) -> list[Any]: ...
 @overload
-def unwrap_model(model: Any, module_instances: Any = None) -> Any: ...
-def unwrap_model(model: Any, module_instances: Any = None) -> Any:
+def unwrap_model(model: torch.nn.Module, module_instances: Any = None) -> Any: ...
+def unwrap_model(model: ModelOrChunks, module_instances: Any = None) -> Any:
     """Strip wrapper modules and return the model inside.
 
     Args:

@@ -15,7 +15,7 @@ tensors are on CUDA, and an equivalent ``torch.addmm_`` accumulation into
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,27 @@ import torch.distributed as dist
 from core_utils.distributed import all_gather_into
 from core_utils.memory_buffers import GlobalMemoryBuffer
 
-__all__ = ["drain_embedding_wgrad_compute", "prepare_input_tensors_for_wgrad_compute"]
+__all__ = [
+    "WgradConfig",
+    "drain_embedding_wgrad_compute",
+    "prepare_input_tensors_for_wgrad_compute",
+]
 
 _gather_buffers = GlobalMemoryBuffer()
+
+
+class WgradConfig(Protocol):
+    """What :func:`drain_embedding_wgrad_compute` reads of megatron's ``TransformerConfig``."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The activations are split along the sequence over the tensor-parallel group."""
+        ...
+
+    @property
+    def gradient_accumulation_fusion(self) -> bool:
+        """Weight gradients accumulate into ``weight.main_grad``."""
+        ...
 
 
 def prepare_input_tensors_for_wgrad_compute(
@@ -82,7 +100,7 @@ def _accumulate_wgrad(
 
 
 def drain_embedding_wgrad_compute(
-    config: Any,
+    config: WgradConfig,
     embedding_activation_buffer: list[torch.Tensor],
     grad_output_buffer: list[torch.Tensor],
     weight: torch.nn.Parameter,

@@ -774,8 +774,15 @@ class ConfigContainer:
             ConfigError: the file exists and ``overwrite`` is False, it cannot be written, or
                 a value cannot be represented.
         """
-        text = dump_yaml(escape_interpolations(self.to_dict()))
-        write_new_file(path, text, overwrite=overwrite)
+        write_new_file(path, self.to_yaml_text(), overwrite=overwrite)
+
+    def to_yaml_text(self) -> str:
+        """The YAML text :meth:`to_yaml` writes (it loads back with ``from_yaml``).
+
+        Raises:
+            ConfigError: a value cannot be represented.
+        """
+        return dump_yaml(escape_interpolations(self.to_dict()))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Self:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from bridge.config._codec import TARGET, encode, fields_left_out, join
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 #: Shown as the default of a field that has none (it must always be given).
 REQUIRED = "<required>"
@@ -67,7 +70,7 @@ def _diff_object(obj: Any, path: str, out: list[ConfigDiff]) -> None:
             out.append(ConfigDiff(where, expected, current))
 
 
-def diff_from_defaults(config: Any) -> list[ConfigDiff]:
+def diff_from_defaults(config: DataclassInstance) -> list[ConfigDiff]:
     """List every value of a config dataclass that differs from its declared default.
 
     Args:

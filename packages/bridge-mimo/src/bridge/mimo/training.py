@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ from bridge.mimo.parallel_utils import (
 )
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.loop import LoopContext, StepResult, run_loop
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = [
     "LossFn",
@@ -647,7 +650,7 @@ def mimo_log_record(
     iteration: int,
     consumed_samples: int,
     global_batch_size: int,
-    optimizer: Any,
+    optimizer: MegatronOptimizer,
     world_size: int,
 ) -> MimoLogRecord:
     """The :class:`MimoLogRecord` of the steps in ``window`` (the last logging interval).

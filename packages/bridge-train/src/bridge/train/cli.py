@@ -51,6 +51,8 @@ import yaml
 from bridge.config import (
     ConfigContainer,
     ConfigError,
+    ModelConfigProtocol,
+    TrainingConfig,
     describe_fields,
     diff_from_defaults,
     load_config,
@@ -321,7 +323,7 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
+def _overrides_of(recipe_cfg: ConfigContainer | None, run_cfg: ConfigContainer) -> list[str]:
     """``path: recipe value -> run value`` for every value the overrides changed.
 
     The recipe alone is validated like the run (when it validates), so values derived by
@@ -331,6 +333,8 @@ def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
     recipe's or, where the recipe had no such field, from the new class's defaults.
     """
 
+    if recipe_cfg is None:  # the run's config is a file of its own, not a recipe
+        return []
     with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
         recipe_cfg.validate(_launcher_world_size())
 
@@ -360,7 +364,7 @@ def _override_diff(recipe_cfg: Any, run_cfg: Any) -> list[str]:
         elif old != new:
             lines.append(f"  {key}: {old!r} -> {new!r}")
     for section in replaced:
-        obj = run_cfg
+        obj: Any = run_cfg
         for part in section.split("."):
             obj = getattr(obj, part, None)
         if obj is None:
@@ -464,16 +468,15 @@ def _is_callback_error(exc: BaseException) -> bool:
     return isinstance(cls, type) and isinstance(exc, cls)
 
 
-def _report_notices(held: Any, cfg: Any) -> None:
+def _report_notices(held: Any, level: int) -> None:
     """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
 
     Other ranks print none of them. Unless the level is DEBUG, the notices megatron-core
     repeats when the model is built (TE/Apex fallback, experimental MIMO classes, CUDA
-    advice on a machine without CUDA) are silenced on every rank.
+    advice on a machine without CUDA) are silenced on every rank. ``level`` is the run's
+    ``logger.logging_level``.
     """
 
-    logger_cfg = getattr(cfg, "logger", None)
-    level = getattr(logger_cfg, "logging_level", logging.INFO)
     if level > logging.DEBUG:
         torch = sys.modules.get("torch")  # imported with the config's classes, if at all
         silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
@@ -488,12 +491,14 @@ def _report_notices(held: Any, cfg: Any) -> None:
     )
 
 
-def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any, *, dry_run: bool = False) -> None:
+def _print_overrides(
+    path: Path, diff: list[str], save: str | None, *, dry_run: bool = False
+) -> None:
+    """The recipe, what the overrides changed in it (``diff``) and where the run's whole
+    config is saved (``save``: its ``checkpoint.save``)."""
     print(f"[bridge-train] recipe: {path}", flush=True)
-    diff = _override_diff(recipe_cfg, cfg) if recipe_cfg is not None else []
     print("[bridge-train] overrides (recipe -> this run):", flush=True)
     print("\n".join(diff) if diff else "  (none)", flush=True)
-    save = getattr(getattr(cfg, "checkpoint", None), "save", None)
     if not save:
         where = "--print-config"
     elif dry_run:  # nothing is written by a dry run
@@ -503,14 +508,18 @@ def _print_overrides(path: Path, recipe_cfg: Any, cfg: Any, *, dry_run: bool = F
     print(f"[bridge-train] full resolved config: {where}", flush=True)
 
 
-def _print_layout(cfg: Any, world: int) -> None:
+def _print_layout(
+    model: ModelConfigProtocol,
+    train: TrainingConfig,
+    data_parallel_size: int | None,
+    world: int,
+) -> None:
     """The parallel layout and batch plan ``--dry-run`` reports."""
-    model, train = cfg.model, cfg.train
     sizes = {
         "tensor": getattr(model, "tensor_model_parallel_size", 1),
         "pipeline": getattr(model, "pipeline_model_parallel_size", 1),
         "context": getattr(model, "context_parallel_size", 1),
-        "data": cfg.data_parallel_size,
+        "data": data_parallel_size,
     }
     print(f"[bridge-train] dry run: world size {world}", flush=True)
     print(
@@ -518,7 +527,7 @@ def _print_layout(cfg: Any, world: int) -> None:
         flush=True,
     )
     mbs, gbs = train.micro_batch_size, train.global_batch_size
-    micro = gbs // (mbs * cfg.data_parallel_size) if gbs and mbs else None
+    micro = gbs // (mbs * data_parallel_size) if gbs and mbs and data_parallel_size else None
     print(
         f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {sizes['data']} "
         f"= global {gbs}; train_iters {train.train_iters}",
@@ -576,23 +585,24 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         if _launcher_rank() == 0:
             # The text run_config.yaml holds: it loads back (--config) as this same run.
-            from bridge.train.loop.run_config import run_config_text
-
-            print(run_config_text(cfg), end="", flush=True)
+            print(cfg.to_yaml_text(), end="", flush=True)
         return 0
-    _report_notices(held, cfg)
+    _report_notices(held, cfg.logger.logging_level if cfg.logger else logging.INFO)
+    save = cfg.checkpoint.save if cfg.checkpoint else None
     if args.dry_run:
         if _launcher_rank() == 0:
-            _print_overrides(path, recipe_cfg, cfg, dry_run=True)
+            _print_overrides(path, _overrides_of(recipe_cfg, cfg), save, dry_run=True)
             if not mimo:
-                from bridge.train.checks.resume import run_plan_notices
+                from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
 
-                for notice in run_plan_notices(cfg):
+                identity = {name: getattr(cfg, name) for name in IDENTITY_SECTIONS}
+                for notice in run_plan_notices(cfg.checkpoint, cfg.train, identity):
                     print(f"[bridge-train] {notice}", flush=True)
-                _print_layout(cfg, _launcher_world_size())
+                assert cfg.train is not None  # validated
+                _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, _launcher_world_size())
         return 0
     if _launcher_rank() == 0 and not args.no_print_config:
-        _print_overrides(path, recipe_cfg, cfg)
+        _print_overrides(path, _overrides_of(recipe_cfg, cfg), save)
     if mimo:
         return pretrain_mimo(
             cfg, metrics_file=args.metrics_file, requeue_exit_code=args.requeue_exit_code

@@ -19,6 +19,8 @@ from bridge.config import (
     CheckpointConfig,
     ConfigContainer,
     DistributedInitConfig,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
     LoggerConfig,
     MockGPTDatasetConfig,
     RNGConfig,
@@ -131,7 +133,9 @@ def tiny_rng_config(**overrides: Any) -> RNGConfig:
 
 
 def tiny_mock_iterator(
-    train_config: Any, dataset_config: Any = None, train_state: TrainState | None = None
+    train_config: TrainingConfig,
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig | None = None,
+    train_state: TrainState | None = None,
 ) -> Iterator[Any]:
     """This rank's training iterator over mock data sized for ``train_config``.
 
@@ -139,6 +143,7 @@ def tiny_mock_iterator(
     """
     dataset_config = dataset_config if dataset_config is not None else tiny_mock_dataset_config()
     tokenizer = NullTokenizer(TINY_VOCAB)
+    assert train_config.train_iters is not None and train_config.global_batch_size is not None
     samples = train_config.train_iters * train_config.global_batch_size
     datasets = build_train_valid_test_datasets(dataset_config, tokenizer, (samples, 0, 0))
     state = train_state if train_state is not None else TrainState()

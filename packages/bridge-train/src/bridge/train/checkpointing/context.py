@@ -18,9 +18,9 @@ from bridge.train.checkpointing.lock import hold_save_dir_lock
 
 __all__ = [
     "check_checkpoint_config",
-    "checkpoint_config_of",
     "init_checkpointing_context",
     "non_persistent_dir",
+    "required_checkpoint_section",
 ]
 
 
@@ -133,14 +133,12 @@ def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str,
     return {"config": checkpoint_config, "save_strategy": None, "structure": None}
 
 
-def checkpoint_config_of(state: Any) -> Any:
-    """``state.cfg.checkpoint``, or a clear error when the state carries no checkpoint config.
+def required_checkpoint_section(checkpoint: CheckpointConfig | None) -> CheckpointConfig:
+    """``checkpoint`` (a run's ``cfg.checkpoint``), or a clear error when it is missing.
 
     Raises:
-        ConfigError: ``state.cfg`` or its ``checkpoint`` section is missing.
+        ConfigError: The run has no ``checkpoint`` section.
     """
-    cfg = getattr(state, "cfg", None)
-    checkpoint = getattr(cfg, "checkpoint", None)
     if checkpoint is None:
         raise ConfigError(
             "checkpoint",

@@ -49,8 +49,8 @@ from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
     check_checkpoint_config,
-    checkpoint_config_of,
     non_persistent_dir,
+    required_checkpoint_section,
 )
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.integrity import (
@@ -735,7 +735,7 @@ def _load_optimizer(
 
 
 @contextlib.contextmanager
-def _steps_kept_by_fully_reshardable_load(optimizer: Any) -> Iterator[None]:
+def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Iterator[None]:
     """Let megatron's ``fully_reshardable`` loader keep torch Adam's per-parameter ``step``.
 
     Without Apex / Transformer Engine (as on CPU) megatron-core 0.19's
@@ -948,7 +948,7 @@ def load_checkpoint(
         See :func:`restore_checkpoint`.
     """
     return restore_checkpoint(
-        checkpoint_config_of(state),
+        required_checkpoint_section(state.cfg.checkpoint),
         state.train_state,
         model,
         optimizer,

@@ -55,9 +55,9 @@ from bridge.train.checkpointing.async_save import (
 )
 from bridge.train.checkpointing.context import (
     check_checkpoint_config,
-    checkpoint_config_of,
     init_checkpointing_context,
     non_persistent_dir,
+    required_checkpoint_section,
 )
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.integrity import (
@@ -480,7 +480,7 @@ def save_checkpoint(
     """
     del train_data_iterator
     write_checkpoint(
-        checkpoint_config_of(state),
+        required_checkpoint_section(state.cfg.checkpoint),
         state.train_state,
         model,
         optimizer,

@@ -7,7 +7,7 @@ Three ways this looked like success while doing something else:
 
 * **A changed run.** An example script with a fixed save directory, run on a new corpus,
   continued the earlier run on the new data at the end of its learning-rate schedule.
-  :func:`check_resume` compares the data, tokenizer and PEFT settings with the run config
+  :func:`check_resume_sections` compares the data, tokenizer and PEFT settings with the run config
   saved in the checkpoint and refuses a difference, listing each field, unless
   ``checkpoint.resume_with_changes`` is set (then the differences are only listed). The
   model architecture is compared too (:mod:`bridge.train.checkpointing.architecture`,
@@ -30,19 +30,23 @@ import logging
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bridge.config import ConfigContainer, ConfigError
+from bridge.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    ConfigError,
+    ModelConfigProtocol,
+    TrainingConfig,
+)
 from bridge.train.checkpointing import CheckpointError
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
-from bridge.train.checkpointing.load import planned_load
+from bridge.train.checkpointing.load import PlannedLoad, planned_load
 from bridge.train.loop.run_ends import adopt_own_save_dir
 
 __all__ = [
     "IDENTITY_SECTIONS",
     "LOADER_FIELDS",
-    "changed_run_fields",
     "changed_sections",
-    "check_resume",
     "check_resume_sections",
     "planned_resume",
     "run_plan_notices",
@@ -76,7 +80,7 @@ LOADER_FIELDS: frozenset[str] = frozenset(
 )
 
 
-def planned_resume(checkpoint: Any) -> Any:
+def planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
     """The checkpoint this run would resume (not a weights-only start), or None.
 
     Args:
@@ -123,18 +127,8 @@ def _same(before: Any, now: Any) -> bool:
     return bool(before == now)
 
 
-def changed_run_fields(saved: Any, now: Any) -> list[str]:
-    """``section.field (saved X, this run Y)`` for every identity field that differs.
-
-    Args:
-        saved: The ``ConfigContainer`` a checkpoint was saved with.
-        now: This run's ``ConfigContainer``.
-    """
-    return changed_sections(saved, {name: getattr(now, name, None) for name in IDENTITY_SECTIONS})
-
-
 def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
-    """:func:`changed_run_fields` given this run's :data:`IDENTITY_SECTIONS` by name.
+    """``section.field (saved X, this run Y)`` for every identity field that differs.
 
     Args:
         saved: The ``ConfigContainer`` a checkpoint was saved with.
@@ -170,34 +164,19 @@ def _saved_config(checkpoint_dir: str) -> Any:
         return None
 
 
-def _resume_field(checkpoint: Any) -> str:
+def _resume_field(checkpoint: CheckpointConfig) -> str:
     return "checkpoint.load" if checkpoint.load is not None else "checkpoint.save"
 
 
-def check_resume(cfg: Any) -> None:
-    """Refuse to resume a checkpoint of a run with other data, tokenizer, PEFT or model.
-
-    Args:
-        cfg: The run's validated ``ConfigContainer``.
-
-    Raises:
-        ConfigError: The checkpoint to resume was saved with other data, tokenizer or PEFT
-            settings (each listed) and ``checkpoint.resume_with_changes`` is not set.
-        CheckpointError: It was saved from a model of another architecture.
-    """
-    check_resume_sections(
-        cfg.checkpoint,
-        cfg.model,
-        {name: getattr(cfg, name, None) for name in IDENTITY_SECTIONS},
-        trains=not (cfg.train is not None and cfg.train.skip_train),
-    )
-
-
 def check_resume_sections(
-    checkpoint: Any, model: Any, sections: dict[str, Any], *, trains: bool = True
+    checkpoint: CheckpointConfig,
+    model: ModelConfigProtocol | None,
+    sections: dict[str, Any],
+    *,
+    trains: bool = True,
 ) -> None:
-    """:func:`check_resume` given the sections it reads (the launch checks' ``checkpoint``
-    rule, :func:`bridge.train.checks.rules.resume_matches_run`).
+    """Refuse to resume a checkpoint of a run with other data, tokenizer, PEFT or model (the
+    launch checks' ``checkpoint`` rule, :func:`bridge.train.checks.rules.resume_matches_run`).
 
     Args:
         checkpoint: The ``checkpoint`` section.
@@ -208,7 +187,9 @@ def check_resume_sections(
             --eval-data`` does); only the architecture is compared then.
 
     Raises:
-        ConfigError, CheckpointError: As :func:`check_resume`.
+        ConfigError: The checkpoint to resume was saved with other data, tokenizer or PEFT
+            settings (each listed) and ``checkpoint.resume_with_changes`` is not set.
+        CheckpointError: It was saved from a model of another architecture.
     """
     plan = planned_resume(checkpoint)
     if plan is None:
@@ -227,7 +208,9 @@ def check_resume_sections(
         _refuse_changed_run(checkpoint, plan, changes)
 
 
-def _refuse_changed_run(checkpoint: Any, plan: Any, changes: list[str]) -> NoReturn:
+def _refuse_changed_run(
+    checkpoint: CheckpointConfig, plan: PlannedLoad, changes: list[str]
+) -> NoReturn:
     listed = "; ".join(changes)
     raise ConfigError(
         _resume_field(checkpoint),
@@ -245,7 +228,9 @@ def _is_within(path: str, directory: str) -> bool:
 
 
 def run_plan_notices(
-    cfg: Any,
+    checkpoint: CheckpointConfig | None,
+    train: TrainingConfig | None,
+    identity: dict[str, Any],
     *,
     loaded: str | None = None,
     iteration: int = 0,
@@ -258,7 +243,9 @@ def run_plan_notices(
     loaded (``pretrain``: what was loaded and where the run stands).
 
     Args:
-        cfg: The run's validated ``ConfigContainer``.
+        checkpoint: The run's ``checkpoint`` section.
+        train: The run's ``train`` section.
+        identity: This run's :data:`IDENTITY_SECTIONS` by name (what a resume compares).
         loaded: After the load: the checkpoint directory loaded, or None.
         iteration: After the load: the iteration the run starts at.
         done: After the load: whether the run has already reached its length.
@@ -268,7 +255,6 @@ def run_plan_notices(
     Returns:
         The notices, possibly none.
     """
-    checkpoint, train = cfg.checkpoint, cfg.train
     if checkpoint is None or train is None:
         return []
     pretrained = checkpoint.pretrained_checkpoint
@@ -283,13 +269,15 @@ def run_plan_notices(
     notices = []
     if checkpoint.resume_with_changes:
         saved = _saved_config(loaded)
-        changes = changed_run_fields(saved, cfg) if saved is not None else []
+        changes = changed_sections(saved, identity) if saved is not None else []
         if changes:
             notices.append(
                 f"resuming iteration {iteration} of {loaded} with changed settings "
                 f"(checkpoint.resume_with_changes): {'; '.join(changes)}"
             )
-    if pretrained is not None and cfg.peft is None:  # PEFT reads its base from it anyway
+    if (
+        pretrained is not None and identity.get("peft") is None
+    ):  # PEFT reads its base from it anyway
         notices.append(
             f"checkpoint.pretrained_checkpoint={pretrained} is not used: this run resumes "
             f"iteration {iteration} of {loaded} (a checkpoint to resume comes first); for a new "

@@ -56,6 +56,7 @@ from bridge.train.models.families import (
     torch_dtype_of,
 )
 from bridge.train.models.families.mapping import HFTensorStacks
+from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = ["AutoBridge"]
 
@@ -129,7 +130,9 @@ class AutoBridge:
         """
         return provider_from_hf_config(self.hf_config, **kwargs)
 
-    def load_hf_weights(self, model: Any, hf_path: str | os.PathLike[str] | None = None) -> None:
+    def load_hf_weights(
+        self, model: ModelOrChunks, hf_path: str | os.PathLike[str] | None = None
+    ) -> None:
         """Load the Hugging Face weights into a built model (every rank its own shards).
 
         Args:
@@ -154,13 +157,13 @@ class AutoBridge:
 
     # ---- megatron -> Hugging Face -----------------------------------------------------------
 
-    def _mappings(self, model: Any) -> list[Any]:
+    def _mappings(self, model: ModelOrChunks) -> list[Any]:
 
         text = self.family.text_config(self.hf_config)
         _, prefix = self.family.export_config(self.hf_config, None)
         return self.family.param_mappings(text, padded_vocab_of(model), prefix)
 
-    def export_hf_weights(self, model: Any) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def export_hf_weights(self, model: ModelOrChunks) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The model's weights under their Hugging Face names, one at a time, on rank 0
         (``None`` on the other ranks, which must iterate too: they send their pieces)."""
 
@@ -178,7 +181,7 @@ class AutoBridge:
 
     def save_hf_weights(
         self,
-        model: Any,
+        model: ModelOrChunks,
         path: str | os.PathLike[str],
         *,
         dtype: torch.dtype | None = None,
@@ -207,7 +210,7 @@ class AutoBridge:
 
     def save_hf_pretrained(
         self,
-        model: Any,
+        model: ModelOrChunks,
         path: str | os.PathLike[str],
         *,
         dtype: torch.dtype | None = None,

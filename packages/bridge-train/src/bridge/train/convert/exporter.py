@@ -33,7 +33,14 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
-from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
+from bridge.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    ConfigError,
+    PEFTProtocol,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
+)
 from bridge.train.checkpointing import CheckpointError, restore_checkpoint
 from bridge.train.checkpointing.integrity import recorded_files, verify_files
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint, read_marker
@@ -71,17 +78,16 @@ def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
 
 
 def _side_dir(
-    root: Path, run_config: Any, hf_config_dir: str | os.PathLike[str] | None
+    root: Path, pretrained: str | None, hf_config_dir: str | os.PathLike[str] | None
 ) -> Path | None:
     """Where the source's ``config.json`` and tokenizer are: ``hf_config_dir``, the ``hf/``
-    of the checkpoint or of the run's imported ``pretrained_checkpoint``; ``None`` for a
-    model trained from scratch."""
+    of the checkpoint or of the run's imported ``pretrained`` checkpoint
+    (``checkpoint.pretrained_checkpoint``); ``None`` for a model trained from scratch."""
     if hf_config_dir is not None:
         if not (Path(hf_config_dir) / "config.json").is_file():
             raise ConversionError(f"--hf-config {hf_config_dir} has no config.json")
         return Path(hf_config_dir)
     candidates = [root / HF_SUBDIR]
-    pretrained = getattr(getattr(run_config, "checkpoint", None), "pretrained_checkpoint", None)
     if pretrained:
         candidates.append(Path(pretrained) / HF_SUBDIR)
     for candidate in candidates:
@@ -105,7 +111,7 @@ def _check_architecture(provider: Any, config: dict[str, Any], side: Path) -> No
 
 def hf_files_for(
     provider: Any,
-    run_config: Any,
+    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None,
     side: Path | None,
     report: Callable[[str], None],
 ) -> tuple[HFFamily, dict[str, Any], str, dict[str, Any], Path | None]:
@@ -113,8 +119,8 @@ def hf_files_for(
 
     Args:
         provider: The checkpoint's model provider.
-        run_config: The checkpoint's run config (its tokenizer is used for a model trained
-            from scratch).
+        tokenizer: The checkpoint's ``tokenizer`` section (its files are copied for a model
+            trained from scratch).
         side: The source's ``config.json`` directory (``None``: trained from scratch).
         report: Progress messages.
 
@@ -132,7 +138,7 @@ def hf_files_for(
             f"no Hugging Face config.json came with this checkpoint: writing a "
             f"{family.name} ({family.architecture}) config.json from its model section"
         )
-        return family, config, family.hf_prefixes[0], config, _tokenizer_dir(run_config)
+        return family, config, family.hf_prefixes[0], config, _tokenizer_dir(tokenizer)
     source = read_hf_config(side)
     family = family_for(source)
     _check_architecture(provider, source, side)
@@ -188,9 +194,9 @@ def write_side_files(
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def _tokenizer_dir(run_config: Any) -> Path | None:
-    """The Hugging Face tokenizer directory of a run config (``HuggingFaceTokenizer``)."""
-    tokenizer = getattr(run_config, "tokenizer", None)
+def _tokenizer_dir(tokenizer: TokenizerConfig | TokenizerConfigProtocol | None) -> Path | None:
+    """The Hugging Face tokenizer directory of a ``tokenizer`` section
+    (``HuggingFaceTokenizer``)."""
     model = getattr(tokenizer, "tokenizer_model", None)
     if getattr(tokenizer, "tokenizer_type", None) != "HuggingFaceTokenizer" or not model:
         return None
@@ -199,19 +205,23 @@ def _tokenizer_dir(run_config: Any) -> Path | None:
 
 
 def load_model_for_export(
-    iteration_dir: Path, run_config: Any, single: Any, *, merge: bool = True
+    iteration_dir: Path,
+    single: Any,
+    *,
+    peft: PEFTProtocol | None = None,
+    pretrained_checkpoint: str | None = None,
+    merge: bool = True,
 ) -> Any:
     """Build ``single`` (a one-rank provider) and load the checkpoint into it.
 
     A run with a ``peft`` section saved adapters only: the base weights come from its
-    ``checkpoint.pretrained_checkpoint``, the adapters from ``iteration_dir``, and with
+    ``pretrained_checkpoint``, the adapters from ``iteration_dir``, and with
     ``merge`` they are folded into the base weights (``bridge.train.peft.merge_adapters``),
     leaving a plain model. Needs megatron's parallel state (one rank).
     """
 
     model = single.provide(pre_process=True, post_process=True)
-    peft = getattr(run_config, "peft", None)
-    pretrained = getattr(run_config.checkpoint, "pretrained_checkpoint", None)
+    pretrained = pretrained_checkpoint
     if peft is not None and not pretrained:
         raise ConversionError(
             f"{iteration_dir} holds adapters (the run has a peft section) but its run config "
@@ -408,8 +418,11 @@ def export_hf_checkpoint(
     except ConfigError as exc:
         raise ConversionError(f"{run_config_file}: {exc}") from None
     provider = run_config.model
-    side = _side_dir(root, run_config, hf_config_dir)
-    family, config, prefix, written, files_dir = hf_files_for(provider, run_config, side, report)
+    pretrained = run_config.checkpoint.pretrained_checkpoint if run_config.checkpoint else None
+    side = _side_dir(root, pretrained, hf_config_dir)
+    family, config, prefix, written, files_dir = hf_files_for(
+        provider, run_config.tokenizer, side, report
+    )
     out_dtype = dtype or torch_dtype_of(written)
 
     out = Path(hf_dir).resolve()
@@ -424,13 +437,15 @@ def export_hf_checkpoint(
     try:
         with single_process_megatron(single):
             mappings = family.param_mappings(config, single.padded_vocab_size, prefix)
-            if getattr(run_config, "peft", None) is None:
+            if run_config.peft is None:
                 files, total = _stream_export(
                     iteration_dir, single, mappings, out_dtype, staging, max_shard_bytes, report
                 )
             else:  # adapters are merged into the loaded base model
                 report(f"loading {iteration_dir}")
-                model = load_model_for_export(iteration_dir, run_config, single, merge=True)
+                model = load_model_for_export(
+                    iteration_dir, single, peft=run_config.peft, pretrained_checkpoint=pretrained
+                )
                 params = named_weights(model)
                 writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
                 stacks = HFTensorStacks()

@@ -35,6 +35,7 @@ from megatron.core import parallel_state
 from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
 from bridge.train.models.families.mapping import declared_hf_tensors
+from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = [
     "LocalParameter",
@@ -141,7 +142,7 @@ def _global_name(model: Any, name: str) -> str:
     return name
 
 
-def local_parameters(model: Any) -> list[LocalParameter]:
+def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
     """This rank's parameters (adapters excluded), named as in the one-process model.
 
     Args:
@@ -180,9 +181,9 @@ def local_parameters(model: Any) -> list[LocalParameter]:
     return found
 
 
-def padded_vocab_of(model: Any) -> int:
+def padded_vocab_of(model: ModelOrChunks) -> int:
     """Rows of the whole (unsplit) embedding / output layer of ``model``."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     config = _unwrap(chunks[0]).config
     padded = getattr(config, "padded_vocab_size", None)
     if isinstance(padded, int):
@@ -212,7 +213,7 @@ def _source_mapping(
     return mapping
 
 
-def load_hf_weights(model: Any, source: Any) -> None:
+def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
     """Copy the weights of ``source`` (a :class:`~bridge.train.convert.source.HFSource`)
     into every parameter of this rank's chunks.
 
@@ -289,7 +290,7 @@ class _Census:
     shapes: dict[str, tuple[list[int], torch.dtype]]
 
 
-def _census(model: Any) -> _Census:
+def _census(model: ModelOrChunks) -> _Census:
     """Collective: every rank's parameter names and whole shapes, once."""
     entries = {entry.name: entry for entry in local_parameters(model)}
     local: dict[str, tuple[list[int], str]] = {}
@@ -311,7 +312,7 @@ def _census(model: Any) -> _Census:
 
 
 def iter_full_parameters(
-    model: Any, names: list[str], census: _Census | None = None
+    model: ModelOrChunks, names: list[str], census: _Census | None = None
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The whole one-process parameters ``names``, in order, on rank 0 (``None`` elsewhere).
 
@@ -344,7 +345,7 @@ def iter_full_parameters(
 
 
 def save_hf_weights(
-    model: Any,
+    model: ModelOrChunks,
     mappings: list[ParamMapping],
     out: Path,
     dtype: torch.dtype | None,

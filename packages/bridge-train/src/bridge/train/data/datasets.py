@@ -14,7 +14,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from bridge.config import FinetuningDatasetConfig, convert_dataclass
+from bridge.config import (
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    TrainingConfig,
+    convert_dataclass,
+)
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = [
     "build_gpt_dataset_config",
@@ -34,7 +40,9 @@ def _as_blend(value: Any) -> tuple[list[str], list[float] | None] | None:
     return [str(p) for p in paths], None if weights is None else [float(w) for w in weights]
 
 
-def dataset_prefixes(dataset_config: Any) -> list[tuple[str, str]]:
+def dataset_prefixes(
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+) -> list[tuple[str, str]]:
     """``(field, prefix)`` for every dataset prefix of ``blend`` / ``blend_per_split``."""
     checks: list[tuple[str, str]] = []
     blend = _as_blend(getattr(dataset_config, "blend", None))
@@ -49,7 +57,7 @@ def dataset_prefixes(dataset_config: Any) -> list[tuple[str, str]]:
     return checks
 
 
-def check_data_paths(dataset_config: Any) -> None:
+def check_data_paths(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> None:
     """Check that every dataset prefix of ``blend`` / ``blend_per_split`` has its files.
 
     Args:
@@ -69,7 +77,9 @@ def check_data_paths(dataset_config: Any) -> None:
             )
 
 
-def build_gpt_dataset_config(dataset_config: Any, tokenizer: Any) -> Any:
+def build_gpt_dataset_config(
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig, tokenizer: Tokenizer
+) -> Any:
     """megatron-core's ``GPTDatasetConfig`` from bridge-config's, with ``tokenizer`` attached.
 
     Every init field of megatron's class is copied from ``dataset_config`` when it has it
@@ -106,7 +116,7 @@ def build_gpt_dataset_config(dataset_config: Any, tokenizer: Any) -> Any:
     return convert_dataclass(dataset_config, GPTDatasetConfig, **overrides)
 
 
-def train_valid_test_num_samples(train_config: Any) -> tuple[int, int, int]:
+def train_valid_test_num_samples(train_config: TrainingConfig) -> tuple[int, int, int]:
     """Samples needed per split, as megatron computes them.
 
     Training needs ``train_iters x global_batch_size`` (or ``train_samples``); validation
@@ -140,7 +150,9 @@ def train_valid_test_num_samples(train_config: Any) -> tuple[int, int, int]:
 
 
 def build_train_valid_test_datasets(
-    dataset_config: Any, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+    tokenizer: Tokenizer,
+    num_samples: tuple[int, int, int],
 ) -> tuple[Any, Any, Any]:
     """Build the train, validation and test datasets (``None`` for a split without data).
 

@@ -32,6 +32,7 @@ from bridge.train.data.sft import (
     pad_id,
     sft_settings,
 )
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = ["TokenWindows", "WholeBatches", "build_eval_file_dataset"]
 
@@ -101,7 +102,7 @@ def _first_record(path: Path) -> Any:
     raise ValueError(f"{path} holds no record")
 
 
-def _text_documents(path: Path, tokenizer: Any) -> np.ndarray:
+def _text_documents(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     ids: list[int] = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
@@ -117,7 +118,7 @@ def _text_documents(path: Path, tokenizer: Any) -> np.ndarray:
 
 def build_eval_file_dataset(
     path: str | os.PathLike[str],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     seq_length: int,
     *,
     dataset_kwargs: dict[str, Any] | None = None,

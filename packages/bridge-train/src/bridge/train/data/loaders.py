@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from bridge.config import FinetuningDatasetConfig, GPTDatasetConfig, TrainingConfig
 from bridge.train.data.samplers import CyclicRandomSampler, PretrainingSampler
 
 __all__ = [
@@ -49,7 +50,7 @@ def cyclic_iter(iterable: Iterable[Any]) -> Iterator[Any]:
             raise ValueError("cyclic_iter: the iterable is empty")
 
 
-def _dataloader_type(dataset_config: Any) -> str:
+def _dataloader_type(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> str:
     kind = getattr(dataset_config, "dataloader_type", None) or "single"
     if kind not in DATALOADER_TYPES:
         raise ValueError(f"dataset.dataloader_type={kind!r} is not one of {list(DATALOADER_TYPES)}")
@@ -140,7 +141,7 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _worker_count(dataset_config: Any) -> int:
+def _worker_count(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> int:
     """``num_workers``, capped at the CPUs this process may use.
 
     The reference's default is 8 workers per loader; on a laptop or a 2-core CI machine
@@ -177,7 +178,7 @@ def _data_parallel_layout(dp_rank: int | None, dp_size: int | None) -> tuple[int
     return 0, 1
 
 
-def _worker_init_fn(train_config: Any) -> Callable[[int], Any] | None:
+def _worker_init_fn(train_config: TrainingConfig) -> Callable[[int], Any] | None:
     """Signal guard for DataLoader workers (``train.exit_signal_handler_for_dataloader``).
 
     Workers share the rank's process group, so a launcher's SIGTERM reaches them too; a
@@ -192,8 +193,8 @@ def _worker_init_fn(train_config: Any) -> Callable[[int], Any] | None:
 
 def build_train_valid_test_data_loaders(
     datasets: tuple[Any, Any, Any],
-    dataset_config: Any,
-    train_config: Any,
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+    train_config: TrainingConfig,
     train_state: Any,
     *,
     data_parallel_rank: int | None = None,
@@ -257,8 +258,8 @@ def build_train_valid_test_data_loaders(
 
 def build_train_valid_test_data_iterators(
     datasets: tuple[Any, Any, Any],
-    dataset_config: Any,
-    train_config: Any,
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+    train_config: TrainingConfig,
     train_state: Any,
     *,
     data_parallel_rank: int | None = None,

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from bridge.config import ConfigError
+from bridge.config import ConfigError, ModelConfigProtocol
 from bridge.train.data.sft import TokenizedExamples, build_sample, fit_examples
 from bridge.train.models.mamba_provider import MambaProvider
 
@@ -52,7 +52,9 @@ PACKED_BATCH_KEYS = ("cu_seqlens", "cu_seqlens_count", "max_seqlen")
 _PACKED_BACKENDS = ("portable", "transformer_engine")
 
 
-def check_packed_sequence_specs(specs: Any, seq_length: int | None, model: Any = None) -> None:
+def check_packed_sequence_specs(
+    specs: Any, seq_length: int | None, model: ModelConfigProtocol | None = None
+) -> None:
     """Refuse packed-sequence settings this trainer cannot honour.
 
     Args:

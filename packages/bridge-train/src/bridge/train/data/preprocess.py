@@ -124,7 +124,7 @@ def _documents(
 _worker_tokenizer: Any = None
 
 
-def _worker_start(tokenizer: Any) -> None:
+def _worker_start(tokenizer: Tokenizer) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
 

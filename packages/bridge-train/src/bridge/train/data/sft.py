@@ -48,8 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bridge.config import ConfigError
+from bridge.config import ConfigError, FinetuningDatasetConfig
 from bridge.config.atomic_files import atomic_write
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = [
     "SFT_SPLIT_FILES",
@@ -139,8 +140,9 @@ def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
     return SFTSettings(**values)
 
 
-def _split_paths(dataset_config: Any) -> list[tuple[str, Path | None]]:
+def _split_paths(dataset_config: FinetuningDatasetConfig) -> list[tuple[str, Path | None]]:
     """``(field, path or None)`` per split: the flag that asks for it and its file."""
+    assert dataset_config.dataset_root is not None  # check_finetuning_dataset refuses None
     root = Path(dataset_config.dataset_root)
     wanted = (True, dataset_config.do_validation, dataset_config.do_test)
     fields = ("dataset.dataset_root", "dataset.do_validation", "dataset.do_test")
@@ -150,7 +152,7 @@ def _split_paths(dataset_config: Any) -> list[tuple[str, Path | None]]:
     ]
 
 
-def check_finetuning_dataset(dataset_config: Any) -> None:
+def check_finetuning_dataset(dataset_config: FinetuningDatasetConfig) -> None:
     """Refuse a ``FinetuningDatasetConfig`` the trainer cannot honour, before anything runs.
 
     Raises:
@@ -220,7 +222,7 @@ class TokenizedExamples:
         )
 
 
-def _render_chat(tokenizer: Any, messages: Any, where: str) -> tuple[list[int], list[int]]:
+def _render_chat(tokenizer: Tokenizer, messages: Any, where: str) -> tuple[list[int], list[int]]:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list")
     ids: list[int] = []
@@ -251,7 +253,7 @@ def _chat_header(role: str) -> str:
     return f"<|{role}|>\n"
 
 
-def chat_generation_prompt(tokenizer: Any, messages: Any) -> list[int]:
+def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
     """Token ids of ``messages`` rendered as chat training records are, followed by the
     start of an assistant message: the prompt from which a chat-finetuned model answers.
 
@@ -272,7 +274,7 @@ def chat_generation_prompt(tokenizer: Any, messages: Any) -> list[int]:
 
 
 def _tokenize_record(
-    tokenizer: Any, settings: SFTSettings, record: Any, where: str
+    tokenizer: Tokenizer, settings: SFTSettings, record: Any, where: str
 ) -> tuple[list[int], list[int]]:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -317,7 +319,7 @@ def _tokenize_lines(
 
 
 def _tokenize_file(
-    path: Path, tokenizer: Any, settings: SFTSettings, workers: int
+    path: Path, tokenizer: Tokenizer, settings: SFTSettings, workers: int
 ) -> TokenizedExamples:
     numbered = [
         (number, line)
@@ -346,7 +348,7 @@ def _tokenize_file(
     return TokenizedExamples(tokens, flags, offsets)
 
 
-def _cache_key(path: Path, tokenizer: Any, settings: SFTSettings) -> str:
+def _cache_key(path: Path, tokenizer: Tokenizer, settings: SFTSettings) -> str:
     digest = hashlib.sha256()
     digest.update(path.read_bytes())
     identifiers = getattr(tokenizer, "unique_identifiers", None) or {"class": type(tokenizer)}
@@ -362,7 +364,7 @@ def _cache_key(path: Path, tokenizer: Any, settings: SFTSettings) -> str:
 
 def load_tokenized_examples(
     path: str | Path,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     settings: SFTSettings,
     *,
     cache_dir: str | Path | None = None,
@@ -441,7 +443,7 @@ def fit_example(
     return ids, flags
 
 
-def pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Tokenizer) -> int:
     """The tokenizer's pad id, or its end-of-document id when it has none."""
     pad = int(getattr(tokenizer, "pad", -1))
     return pad if pad >= 0 else int(tokenizer.eod)
@@ -588,7 +590,7 @@ def build_sample(
 
 
 def build_sft_datasets(
-    dataset_config: Any, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: FinetuningDatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
     """Train, validation and test datasets of a ``FinetuningDatasetConfig``.
 
@@ -606,6 +608,7 @@ def build_sft_datasets(
     """
     check_finetuning_dataset(dataset_config)
     settings = sft_settings(dataset_config.dataset_kwargs)
+    assert dataset_config.dataset_root is not None  # checked above
     root = Path(dataset_config.dataset_root)
     cache_dir = Path(settings.cache_dir) if settings.cache_dir else root / ".sft_cache"
     specs = dataset_config.packed_sequence_specs
@@ -628,7 +631,7 @@ def build_sft_datasets(
             examples = examples.head(int(dataset_config.max_train_samples))
         name = SFT_SPLIT_FILES[split].removesuffix(".jsonl")
         seed = int(dataset_config.seed) if split == 0 else None
-        if packed_size is not None and packed_size > 0:
+        if specs is not None and packed_size is not None and packed_size > 0:
             from bridge.train.data.packing import PackedSFTDataset
 
             out.append(
@@ -644,10 +647,11 @@ def build_sft_datasets(
                 )
             )
         else:
+            assert dataset_config.seq_length is not None  # validate() requires it
             out.append(
                 SFTDataset(
                     examples,
-                    int(dataset_config.seq_length),
+                    dataset_config.seq_length,
                     pad_id(tokenizer),
                     settings.truncation,
                     num_samples=int(wanted),

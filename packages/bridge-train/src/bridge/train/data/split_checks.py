@@ -23,7 +23,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 
-from bridge.config import ConfigError
+from bridge.config import ConfigError, FinetuningDatasetConfig, GPTDatasetConfig
 from bridge.train.data.datasets import dataset_prefixes
 from bridge.train.data.file_checks import read_sequence_lengths
 
@@ -37,7 +37,9 @@ def _split_matrix(split: str) -> list[tuple[float, float] | None]:
     return list(convert_split_vector_to_split_matrix(parse_and_normalize_split(split)))
 
 
-def _ranges(dataset_config: Any) -> list[tuple[str, str, int, tuple[float, float]]]:
+def _ranges(
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+) -> list[tuple[str, str, int, tuple[float, float]]]:
     """``(field, prefix, split index, (begin, end) fraction)`` for every range megatron builds."""
     found: list[tuple[str, str, int, tuple[float, float]]] = []
     if getattr(dataset_config, "blend_per_split", None) is not None:
@@ -59,7 +61,10 @@ def _ranges(dataset_config: Any) -> list[tuple[str, str, int, tuple[float, float
 
 
 def check_split_samples(
-    dataset_config: Any, num_samples: tuple[int, int, int], *, gpt_samples: bool = True
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+    num_samples: tuple[int, int, int],
+    *,
+    gpt_samples: bool = True,
 ) -> None:
     """Refuse a split megatron-core would hang on or fill with one repeated document.
 

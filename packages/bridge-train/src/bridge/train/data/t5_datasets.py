@@ -35,8 +35,16 @@ from megatron.core.datasets.t5_dataset import (
     T5MaskedWordPieceDatasetConfig,
 )
 
-from bridge.config import ConfigError, GPTDatasetConfig, convert_dataclass
+from bridge.config import (
+    ConfigError,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
+    convert_dataclass,
+)
 from bridge.train.data.datasets import _as_blend, check_data_paths, dataset_prefixes
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = [
     "LONG_SENTENCE_TOKENS",
@@ -183,7 +191,10 @@ def max_t5_spans(sequence_length: int, masking_probability: float) -> int:
     return int(float(masking_probability) * (int(sequence_length) - 2))
 
 
-def check_t5_data_config(dataset_config: Any, tokenizer_config: Any) -> None:
+def check_t5_data_config(
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+    tokenizer_config: TokenizerConfig | TokenizerConfigProtocol | None,
+) -> None:
     """Refuse an indexed T5 data config that megatron's T5 dataset cannot serve.
 
     Checks, for indexed data: a tokenizer is configured with enough sentinels
@@ -305,7 +316,7 @@ class MockT5Dataset(torch.utils.data.Dataset):
 
 
 def build_t5_datasets(
-    dataset_config: T5DatasetConfig, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: T5DatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
     """The train, validation and test T5 datasets (``None`` for an empty split).
 
@@ -336,7 +347,7 @@ def build_t5_datasets(
 
 
 def _build_indexed(
-    dataset_config: T5DatasetConfig, tokenizer: Any, num_samples: tuple[int, int, int]
+    dataset_config: T5DatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
 ) -> tuple[Any, Any, Any]:
 
     if not hasattr(tokenizer, "additional_special_tokens_ids"):

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bridge.config import TokenizerConfig, TokenizerConfigProtocol
+
 __all__ = [
     "ByteLevelTokenizer",
     "HuggingFaceTokenizer",
@@ -307,7 +309,7 @@ def _read_special_token_settings(directory: Path) -> dict[str, Any]:
     return settings
 
 
-def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
+def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol) -> Tokenizer:
     """Build the tokenizer a ``TokenizerConfig`` describes.
 
     Every ``TokenizerConfig.tokenizer_type`` is built: ``"ByteLevelTokenizer"``
@@ -357,7 +359,7 @@ def build_tokenizer(tokenizer_config: Any) -> Tokenizer:
 
 
 def _build_file_tokenizer(
-    tokenizer_config: Any,
+    tokenizer_config: TokenizerConfig | TokenizerConfigProtocol,
     kind: str,
     specials: Sequence[str] | None,
     extra_ids: int,

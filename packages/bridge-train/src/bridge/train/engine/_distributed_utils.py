@@ -8,13 +8,15 @@ from typing import Any
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from core_utils.model_wrapping import ModelOrChunks
 
-def unwrap_model_chunks(model: Any) -> list[Any]:
+
+def unwrap_model_chunks(model: ModelOrChunks) -> list[Any]:
     """Return ``model`` as a list of model chunks (a single module becomes a 1-list)."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def model_parallel_groups(model: Any = None) -> Any:
+def model_parallel_groups(model: ModelOrChunks | None = None) -> Any:
     """Return a megatron ``ProcessGroupCollection`` for ``model`` (or the global defaults).
 
     The collection of the (possibly wrapped) first model chunk is used when it has one;

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from bridge.config import DistributedInitConfig
 from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import (
     adopt_launch_environment,
@@ -56,7 +57,7 @@ __all__ = [
 _STATE: dict[str, Any] = {"owns_process_group": False, "emulation": None}
 
 
-def resolve_distributed_backend(dist_config: Any = None) -> str:
+def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None) -> str:
     """The torch.distributed backend to use: the configured one, checked against the machine.
 
     Args:
@@ -233,12 +234,12 @@ def initialize_distributed(
     seed_from_rng_config(rng_config)
 
 
-def seed_from_rng_config(rng_config: Any, iteration: int = 0) -> int:
+def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> int:
     """:func:`set_random_seed` with the ``rng`` section's settings.
 
     Args:
         rng_config: The ``rng`` section (``seed``, ``data_parallel_random_init``,
-            ``te_rng_tracker``, ``inference_rng_tracker``).
+            ``te_rng_tracker``, ``inference_rng_tracker``); None: seed 1234, the defaults.
         iteration: 0 for a fresh start. A resume under another parallel layout, whose saved
             generator states (per rank) cannot be restored, passes the iteration it
             continues from: the base seed becomes :func:`resume_seed` of the two, so the

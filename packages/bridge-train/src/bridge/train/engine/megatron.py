@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core import utils as megatron_utils
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import clip_grads, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
@@ -42,7 +43,7 @@ from bridge.train.engine.initialize import (
     validate_parallel_layout,
 )
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
-from core_utils import cuda_emulation_active
+from core_utils import cuda_emulation_active, local_multi_tensor_l2_norm
 from core_utils.distributed import global_world_size
 
 if TYPE_CHECKING:
@@ -176,6 +177,7 @@ class MegatronEngine:
         finite, as it does for an fp16 loss-scale overflow: see :func:`skip_non_finite_updates`.
         """
 
+        _use_sync_free_grad_norm()
         optimizer = get_megatron_optimizer(
             optimizer_config, model, use_gloo_process_groups=_gloo_groups_exist()
         )
@@ -263,6 +265,20 @@ def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:
 
     optimizer.get_grad_norm = recording_get_grad_norm
     optimizer.step_with_ready_grads = guarded_step_with_ready_grads
+
+
+def _use_sync_free_grad_norm() -> None:
+    """Give megatron's grad clipping core-utils' L2 norm where it would use its own fallback.
+
+    Without Transformer Engine or Apex, megatron-core 0.19.2 computes the gradient norm with
+    ``megatron.core.utils.local_multi_tensor_l2_norm``, which builds a host tensor from one
+    norm per parameter: one device synchronisation per parameter tensor on every step (56 per
+    iteration of the tiny GPT on the first GPU run, docs/gpu.md). core-utils' stand-in has the
+    same signature and result and keeps every norm on the device. Installed fallbacks of
+    Transformer Engine or Apex are kept.
+    """
+    if clip_grads.l2_norm_impl is megatron_utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
 
 
 def _gloo_groups_exist() -> bool:

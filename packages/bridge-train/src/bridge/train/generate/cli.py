@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from bridge.config import LoggerConfig
 from bridge.config.notices import held_notices, silence_known_fallback_notices
+from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = ["EXIT_INPUT_ERROR", "build_parser", "main"]
 
@@ -230,7 +231,7 @@ def _run_batch(
             printer.completion(index, len(specs), completion, shown)
 
 
-def _shown(spec: Any, rendered: Any, tokenizer: Any) -> str:
+def _shown(spec: Any, rendered: Any, tokenizer: Tokenizer) -> str:
     """The prompt as printed: the text given, or the rendered chat prompt."""
     return spec.text if isinstance(rendered, str) else str(tokenizer.detokenize(rendered))
 

@@ -27,13 +27,15 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
+from bridge.train.data.tokenizers import Tokenizer
+
 __all__ = ["BatchState", "GenerationController", "TokenListener", "continuation_text"]
 
 #: Called with ``(request id, generated token ids so far, done)`` after every step.
 TokenListener = Callable[[int, list[int], bool], None]
 
 
-def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+def continuation_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
     """The text ``ids`` add after the prompt: the prompt and the new tokens decoded together,
     less the prompt's own text.
 
@@ -82,7 +84,9 @@ class GenerationController(TextGenerationController):
             at most the model's unpadded ``vocab_size``).
     """
 
-    def __init__(self, inference_wrapped_model: Any, tokenizer: Any, vocab_limit: int) -> None:
+    def __init__(
+        self, inference_wrapped_model: Any, tokenizer: Tokenizer, vocab_limit: int
+    ) -> None:
         super().__init__(inference_wrapped_model, tokenizer)
         self.vocab_limit = int(vocab_limit)
         self.batch: BatchState | None = None

@@ -32,8 +32,10 @@ from bridge.config import (
     CheckpointConfig,
     ConfigContainer,
     ConfigError,
+    FinetuningDatasetConfig,
     GPTDatasetConfig,
     LoggerConfig,
+    ModelConfigProtocol,
     TrainingConfig,
 )
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
@@ -165,11 +167,13 @@ def validation_start(train_state: Any, saved_train: Any) -> int:
 
 
 def _datasets_function(
-    cfg: ConfigContainer, plan: EvalOnlyPlan
+    model: ModelConfigProtocol | None,
+    dataset: GPTDatasetConfig | FinetuningDatasetConfig | None,
+    train: TrainingConfig,
+    plan: EvalOnlyPlan,
 ) -> Callable[[Any], tuple[Any, Any, Any]]:
-
-    train = cfg.train
-    assert train is not None
+    """The datasets an evaluation-only run builds: the run's own ``dataset`` section's
+    validation and test splits, or ``plan.eval_data``."""
 
     def build(out: Any) -> tuple[Any, Any, Any]:
         state = out.state
@@ -182,24 +186,27 @@ def _datasets_function(
             except ValueError:  # no training length: only evaluation needs samples
                 gbs = int(train.global_batch_size or 1)
                 sizes = (0, int(train.eval_iters or 0) * gbs, int(train.eval_iters or 0) * gbs)
-            return build_family_datasets(cfg.model, cfg.dataset, out.tokenizer, sizes)
+            return build_family_datasets(model, dataset, out.tokenizer, sizes)
 
         path = plan.eval_data
         try:
-            dataset = build_eval_file_dataset(
+            file_dataset = build_eval_file_dataset(
                 path,
                 out.tokenizer,
-                int(getattr(cfg.model, "seq_length", 0)),
+                int(getattr(model, "seq_length", 0)),
                 dataset_kwargs=plan.dataset_kwargs,
             )
         except ValueError as exc:
             raise ConfigError("--eval-data", str(exc)) from None
         gbs = int(train.global_batch_size or 1)
-        padded = WholeBatches(dataset, gbs)
+        padded = WholeBatches(file_dataset, gbs)
         train.eval_iters = len(padded) // gbs
         state.train_state.consumed_valid_samples = 0
         logger.info(
-            "evaluating %s: %d samples in %d global batches", path, len(dataset), train.eval_iters
+            "evaluating %s: %d samples in %d global batches",
+            path,
+            len(file_dataset),
+            train.eval_iters,
         )
         return None, padded, None
 
@@ -238,18 +245,19 @@ def evaluate_checkpoint(
     """
 
     check_config_before_launch(cfg)
+    train = cfg.train
+    assert train is not None  # prepare_eval_only sets it
     step_func = forward_step_func or default_forward_step(cfg.model)
     state = GlobalState(cfg=cfg)
     clean = False
     results: dict[str, dict[str, float]] = {}
     try:
         out = setup(
-            cfg,
             state,
             metrics_file=metrics_file,
             backend_settings=backend_settings,
             report_settings=report_settings,
-            datasets=_datasets_function(cfg, plan or EvalOnlyPlan()),
+            datasets=_datasets_function(cfg.model, cfg.dataset, train, plan or EvalOnlyPlan()),
         )
         if not out.checkpoint_loaded:
             raise ConfigError(

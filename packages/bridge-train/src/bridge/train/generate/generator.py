@@ -30,6 +30,7 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
     GPTInferenceWrapper,
 )
 
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.generate.controller import (
     BatchState,
     GenerationController,
@@ -165,7 +166,7 @@ class TextGenerator:
     def __init__(
         self,
         model: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         max_sequence_length: int,
         max_batch_size: int = 8,

@@ -22,20 +22,31 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from bridge.config import CheckpointConfig, ConfigContainer, ConfigError, DistributedInitConfig
+from bridge.config import (
+    CheckpointConfig,
+    ConfigContainer,
+    ConfigError,
+    DistributedInitConfig,
+    PEFTProtocol,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
+)
 from bridge.train.checkpointing import CheckpointError, find_latest_checkpoint, restore_checkpoint
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from bridge.train.checkpointing.layout import locate_checkpoint as locate
-from bridge.train.data.tokenizers import NullTokenizer, build_tokenizer
+from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.engine.base import build_engine
 from bridge.train.engine.initialize import destroy_distributed
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.generator import TextGenerator
 from bridge.train.state import TrainState
+
+if TYPE_CHECKING:
+    from bridge.train.models import GPTModelProvider
 
 __all__ = [
     "GenerationModel",
@@ -61,7 +72,7 @@ def locate_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
         raise GenerationError(str(exc)) from None
 
 
-def read_run_config(iteration_dir: Path) -> Any:
+def read_run_config(iteration_dir: Path) -> ConfigContainer:
     """The ``ConfigContainer`` saved with the checkpoint.
 
     Raises:
@@ -81,7 +92,8 @@ def read_run_config(iteration_dir: Path) -> Any:
         raise GenerationError(f"{file} cannot be read: {first}") from None
 
 
-def _check_family(provider: Any, where: Path) -> None:
+def _check_family(provider: Any, where: Path) -> GPTModelProvider:
+    """``provider``, refused unless it is a GPT-family provider."""
     from bridge.train.models import GPTModelProvider, MambaProvider, T5ModelProvider
 
     if isinstance(provider, T5ModelProvider):
@@ -99,16 +111,21 @@ def _check_family(provider: Any, where: Path) -> None:
             f"{where} holds a {type(provider).__name__} model; bridge-generate generates from "
             "GPT-family providers (bridge.train.models.GPTModelProvider)"
         )
+    return provider
 
 
 def generation_tokenizer(
-    run_config: Any, where: Path, tokenizer_model: str | os.PathLike[str] | None = None
-) -> Any:
+    section: TokenizerConfig | TokenizerConfigProtocol | None,
+    model_vocab_size: int,
+    where: Path,
+    tokenizer_model: str | os.PathLike[str] | None = None,
+) -> Tokenizer:
     """The tokenizer the run was trained with (its ``tokenizer`` section, or the null
     tokenizer of mock data when it has none), checked against the model's vocabulary.
 
     Args:
-        run_config: The checkpoint's config.
+        section: The checkpoint's ``tokenizer`` section.
+        model_vocab_size: The model's ``vocab_size``.
         where: The checkpoint (for messages).
         tokenizer_model: Use this ``tokenizer.tokenizer_model`` instead of the saved one (a
             tokenizer directory or file that moved).
@@ -118,8 +135,6 @@ def generation_tokenizer(
             embeds, or its end-of-document id is outside the model's vocabulary.
     """
 
-    provider = run_config.model
-    section = run_config.tokenizer
     if tokenizer_model is not None:
         if section is None or getattr(section, "tokenizer_type", None) is None:
             raise GenerationError(
@@ -130,7 +145,7 @@ def generation_tokenizer(
         section.tokenizer_model = str(tokenizer_model)
     try:
         if section is None or getattr(section, "tokenizer_type", None) is None:
-            tokenizer: Any = NullTokenizer(int(provider.vocab_size))
+            tokenizer: Tokenizer = NullTokenizer(model_vocab_size)
         else:
             tokenizer = build_tokenizer(section)
     except (ImportError, OSError, ValueError) as exc:
@@ -140,7 +155,7 @@ def generation_tokenizer(
         ) from None
     size = int(tokenizer.vocab_size)
     eod = int(tokenizer.eod)
-    model_vocab = int(provider.vocab_size)
+    model_vocab = model_vocab_size
     if size > model_vocab or not 0 <= eod < model_vocab:
         raise GenerationError(
             f"tokenizer mismatch: the tokenizer ({type(tokenizer).__name__}, {size} ids, "
@@ -151,9 +166,10 @@ def generation_tokenizer(
 
 
 def generation_provider(
-    run_config: Any, tensor_model_parallel_size: int, pipeline_model_parallel_size: int
+    provider: Any, tensor_model_parallel_size: int, pipeline_model_parallel_size: int
 ) -> Any:
-    """The run's model provider laid out for generation, with the saved padded vocabulary.
+    """A copy of the run's model ``provider`` laid out for generation, with the saved padded
+    vocabulary.
 
     The embedding's rows are ``ceil(vocab / (make_vocab_size_divisible_by * TP)) * ...`` of
     the saved layout; the copy keeps ``make_vocab_size_divisible_by * TP`` so that a
@@ -162,7 +178,6 @@ def generation_provider(
     Raises:
         GenerationError: The sizes do not divide the saved padding or the model.
     """
-    provider = run_config.model
     tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
     multiple = int(provider.make_vocab_size_divisible_by) * int(provider.tensor_model_parallel_size)
     if tp < 1 or multiple % tp:
@@ -228,12 +243,12 @@ class GenerationModel:
         )
 
 
-def _check_base(run_config: Any, where: Path) -> str | None:
-    """The base checkpoint of a LoRA run (``None`` for other runs)."""
+def _check_base(peft: PEFTProtocol | None, base: str | None, where: Path) -> str | None:
+    """The base checkpoint (``base``: ``checkpoint.pretrained_checkpoint``) of a LoRA run
+    (``peft`` set; ``None`` for other runs)."""
 
-    if getattr(run_config, "peft", None) is None:
+    if peft is None:
         return None
-    base = getattr(run_config.checkpoint, "pretrained_checkpoint", None)
     if not base:
         raise GenerationError(
             f"{where} holds LoRA adapters only, and its run config names no base model "
@@ -282,9 +297,15 @@ def load_generation_model(
 
     _, iteration_dir = locate_checkpoint(ckpt_dir)
     run_config = read_run_config(iteration_dir)
-    _check_family(run_config.model, iteration_dir)
-    tokenizer = generation_tokenizer(run_config, iteration_dir, tokenizer_model)
-    base = _check_base(run_config, iteration_dir)
+    saved_model = _check_family(run_config.model, iteration_dir)
+    assert saved_model.vocab_size is not None  # a saved run config is a validated one
+    tokenizer = generation_tokenizer(
+        run_config.tokenizer, saved_model.vocab_size, iteration_dir, tokenizer_model
+    )
+    saved = run_config.checkpoint
+    base = _check_base(
+        run_config.peft, saved.pretrained_checkpoint if saved else None, iteration_dir
+    )
     world = _world_size()
     pp = int(pipeline_model_parallel_size)
     tp = int(tensor_model_parallel_size) if tensor_model_parallel_size else max(world // pp, 1)
@@ -300,8 +321,8 @@ def load_generation_model(
             "(megatron/core/inference/communication_utils.py); pipeline-parallel generation "
             "needs GPUs, on CPU use --tp"
         )
-    provider = generation_provider(run_config, tp, pp)
-    peft = getattr(run_config, "peft", None)
+    provider = generation_provider(run_config.model, tp, pp)
+    peft = run_config.peft
     engine = build_engine()
     backend: Literal["nccl", "gloo"] = "nccl" if torch.cuda.is_available() else "gloo"
     engine.initialize_distributed(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.train.data.sft import chat_generation_prompt
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.generate.errors import GenerationError
 
 __all__ = ["PromptSpec", "parse_prompt_lines", "read_prompts_file", "render_prompts"]
@@ -108,7 +109,7 @@ def read_prompts_file(path: str | os.PathLike[str]) -> list[PromptSpec]:
 
 
 def render_prompts(
-    prompts: Sequence[PromptSpec], tokenizer: Any, *, chat: bool
+    prompts: Sequence[PromptSpec], tokenizer: Tokenizer, *, chat: bool
 ) -> list[str | list[int]]:
     """What :meth:`TextGenerator.generate` takes: texts, or token ids of chat prompts.
 

@@ -75,7 +75,7 @@ def train_steps(
     micro_batch_size: int,
     seq_length: int,
     forward_step_func: Callable[..., Any] = forward_step,
-    state: GlobalState | None = None,
+    train_state: TrainState | None = None,
     on_step: Callable[[int, BareLoopResult], None] | None = None,
 ) -> BareLoopResult:
     """Run ``train_iters`` training iterations.
@@ -90,8 +90,10 @@ def train_steps(
         global_batch_size: Samples per iteration over all data-parallel ranks.
         micro_batch_size: Samples per micro-batch per rank.
         seq_length: Sequence length.
-        forward_step_func: Forward step (``state`` injected when it asks for it).
-        state: Global state to inject (a fresh one by default); its ``train_state`` advances.
+        forward_step_func: Forward step; one that asks for the ``GlobalState`` gets a fresh
+            one (its timers time the batch fetch, as the trainer's do).
+        train_state: The counters to advance (a fresh ``TrainState`` by default), e.g. the
+            one a data iterator was positioned with.
         on_step: Called after every iteration with ``(iteration, result_so_far)``.
 
     Returns:
@@ -109,8 +111,8 @@ def train_steps(
             f"train.micro_batch_size={micro_batch_size} x data-parallel size {dp_size}"
         )
     num_microbatches = global_batch_size // (micro_batch_size * dp_size)
-    state = state if state is not None else GlobalState()
-    step_func = prepare_forward_step_func(forward_step_func, state)
+    train_state = train_state if train_state is not None else TrainState()
+    step_func = prepare_forward_step_func(forward_step_func, GlobalState())
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     result = BareLoopResult()
     for _ in range(train_iters):
@@ -143,9 +145,9 @@ def train_steps(
         result.grad_norms.append(None if grad_norm is None else float(grad_norm))
         result.learning_rates.append(learning_rate)
         result.update_successful.append(bool(ok))
-        advance_train_state(state.train_state, step)
+        advance_train_state(train_state, step)
         if on_step is not None:
-            on_step(state.train_state.step, result)
+            on_step(train_state.step, result)
     return result
 
 
@@ -208,8 +210,8 @@ def run_bare_loop(
     optimizer, scheduler = eng.setup_optimizer(
         model, optimizer_config, scheduler_config, train_config
     )
-    state = GlobalState()
-    iterator = data_iterator_factory(state.train_state)
+    train_state = TrainState()
+    iterator = data_iterator_factory(train_state)
     return train_steps(
         eng,
         model,
@@ -221,5 +223,5 @@ def run_bare_loop(
         micro_batch_size=micro_batch,
         seq_length=model_provider.seq_length,
         forward_step_func=forward_step_func,
-        state=state,
+        train_state=train_state,
     )

@@ -41,6 +41,7 @@ from bridge.config import (
     ModelConfigProtocol,
     PEFTProtocol,
     RerunStateMachineConfig,
+    RNGConfig,
     TokenizerConfig,
     TokenizerConfigProtocol,
 )
@@ -170,7 +171,7 @@ def _load_checkpoint(
     model_config: ModelConfigProtocol | None,
     train_state: TrainState,
     out: SetupOutput,
-    rng: Any,
+    rng: RNGConfig,
 ) -> bool:
     """Load what the checkpoint section asks for; True when a checkpoint was loaded.
 
@@ -222,9 +223,9 @@ def _load_checkpoint(
             logger.warning(
                 "dropout continues with generators seeded from rng.seed=%s and iteration %d "
                 "(base seed %d): the run's masks depend on its parallel layout",
-                getattr(rng, "seed", None),
+                rng.seed,
                 int(iteration),
-                resume_seed(int(getattr(rng, "seed", 1234)), int(iteration)),
+                resume_seed(int(rng.seed), int(iteration)),
             )
     return context.get("loaded_checkpoint") is not None
 
@@ -238,7 +239,6 @@ def _peft_hooks(peft: PEFTProtocol | None) -> list[Callable[[list[torch.nn.Modul
 
 
 def setup(
-    cfg: ConfigContainer,
     state: GlobalState,
     *,
     metrics_file: str | Path | None = None,
@@ -254,8 +254,7 @@ def setup(
     setup fails half-way.
 
     Args:
-        cfg: The validated config.
-        state: The global state to fill (``state.cfg`` is ``cfg``).
+        state: The global state to fill; ``state.cfg`` is the validated config.
         metrics_file: Also write every metric to this JSON-lines file (last rank).
         hang_timeout: Seconds (or per-phase timeouts) after which the built-in hang watchdog
             kills a rank that makes no progress (for ``torchrun --max-restarts``).
@@ -269,6 +268,7 @@ def setup(
     Returns:
         The built pieces.
     """
+    cfg = state.cfg
     train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
     assert train is not None and logger_cfg is not None and checkpoint is not None
     assert cfg.model is not None and cfg.optimizer is not None and cfg.scheduler is not None
@@ -370,15 +370,17 @@ def setup(
 def _report_run_plan(out: SetupOutput) -> None:
     """Rank 0 says, before training, when the run will train nothing or ignore its
     pretrained weights (see :func:`bridge.train.checks.resume.run_plan_notices`)."""
-    from bridge.train.checks.resume import run_plan_notices
+    from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
 
-    state = out.state
-    assert state.cfg.train is not None
+    state, cfg = out.state, out.state.cfg
+    assert cfg.train is not None
     notices = run_plan_notices(
-        state.cfg,
+        cfg.checkpoint,
+        cfg.train,
+        {name: getattr(cfg, name) for name in IDENTITY_SECTIONS},
         loaded=out.checkpointing_context.get("loaded_checkpoint"),
         iteration=state.train_state.step,
-        done=run_is_done(state.cfg.train, state.train_state),
+        done=run_is_done(cfg.train, state.train_state),
         after_load=True,
     )
     if global_rank() == 0:
@@ -512,7 +514,6 @@ def pretrain(
     clean = False
     try:
         out = setup(
-            config,
             state,
             metrics_file=metrics_file,
             hang_timeout=hang_timeout,
@@ -522,7 +523,7 @@ def pretrain(
         assert config.train is not None and config.checkpoint is not None
         _report_run_plan(out)
         record_starting_job(progress_log_of(state), state.metric_writers, state.train_state.step)
-        save_run_config(config)
+        save_run_config(config.checkpoint.save, config.to_yaml_text)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
             exit_code = run_training(

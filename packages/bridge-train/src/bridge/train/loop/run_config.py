@@ -10,52 +10,43 @@ loads either file back.
 
 from __future__ import annotations
 
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
-from bridge.config import ConfigContainer
 from bridge.config.atomic_files import atomic_write
 from core_utils.distributed import dist_ready, global_rank
 
-__all__ = ["RUN_CONFIG_FILE", "run_config_text", "save_run_config"]
+__all__ = ["RUN_CONFIG_FILE", "save_run_config"]
 
 RUN_CONFIG_FILE = "run_config.yaml"
 
 
-def save_run_config(config: ConfigContainer, *, barrier: bool = True) -> Path | None:
-    """Save ``config`` as ``<checkpoint.save>/run_config.yaml`` (rank 0; see module docstring).
+def save_run_config(
+    save: str | None, yaml_text: Callable[[], str], *, barrier: bool = True
+) -> Path | None:
+    """Write the run's resolved config as ``<save>/run_config.yaml`` on rank 0 (see the
+    module docstring).
 
     Args:
-        config: The run's (validated) configuration.
+        save: The run's ``checkpoint.save`` directory (None: nothing is written).
+        yaml_text: Gives the config's YAML (``ConfigContainer.to_yaml_text``); called only
+            where the file is written, so a run that saves nothing never serialises it.
         barrier: Wait for every rank afterwards (collective when torch.distributed is up),
             so no rank starts training before the file exists.
 
     Returns:
         The file on rank 0 when a save directory is configured, else ``None``.
     """
-    checkpoint: Any = config.checkpoint
-    save = None if checkpoint is None else checkpoint.save
     path: Path | None = None
     if save is not None and global_rank() == 0:
         directory = Path(save)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / RUN_CONFIG_FILE
-        text = run_config_text(config)
+        text = yaml_text()
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             atomic_write(path, text)
     if barrier and dist_ready():
         dist.barrier()
     return path
-
-
-def run_config_text(config: ConfigContainer) -> str:
-    """The text ``ConfigContainer.to_yaml`` writes (loads back with ``from_yaml``): what
-    ``run_config.yaml`` holds and ``bridge-train --print-config`` prints."""
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / RUN_CONFIG_FILE
-        config.to_yaml(target)
-        return target.read_text(encoding="utf-8")

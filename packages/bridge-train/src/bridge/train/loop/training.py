@@ -25,6 +25,7 @@ import torch
 
 from bridge.logging import TrainingLogSettings, tokens_per_sample
 from bridge.train.checkpointing.async_save import finalize_async_saves
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.loop.batch_size import (
     ensure_num_microbatches_calculator,
     release_num_microbatches_calculator,
@@ -157,7 +158,7 @@ def run_training(
     non_loss_data_func: Callable[..., Any] | None = None,
     *,
     callbacks: Sequence[Callback] = (),
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> int:
     """:func:`bridge.train.train` with user callbacks (what :func:`bridge.train.pretrain`
     calls): the components built from their sections, then the loop.

@@ -27,7 +27,7 @@ whole model for ``batch_size`` sequences.
 
 from __future__ import annotations
 
-from typing import Any
+from megatron.core.transformer import TransformerConfig
 
 from bridge.train.models.gpt_provider import calculate_padded_vocab_size
 from bridge.train.models.mamba_provider import MambaProvider
@@ -36,7 +36,7 @@ from bridge.train.models.t5_provider import T5ModelProvider
 __all__ = ["num_floating_point_operations"]
 
 
-def _moe_layer_pattern(model: Any) -> list[int]:
+def _moe_layer_pattern(model: TransformerConfig) -> list[int]:
     freq = getattr(model, "moe_layer_freq", 1)
     if isinstance(freq, int):
         if freq < 1:
@@ -52,7 +52,7 @@ def _moe_layer_pattern(model: Any) -> list[int]:
     raise ValueError(f"model.moe_layer_freq must be an int or a list, got {freq!r}")
 
 
-def _model_family_flops(model: Any, batch_size: int, seq_length: int) -> float | None:
+def _model_family_flops(model: TransformerConfig, batch_size: int, seq_length: int) -> float | None:
     """FLOPs of the non-GPT providers (hybrid Mamba, T5), or None for a GPT model."""
 
     if isinstance(model, T5ModelProvider):
@@ -69,7 +69,7 @@ def _model_family_flops(model: Any, batch_size: int, seq_length: int) -> float |
     return None
 
 
-def _latent_attention_macs(model: Any, s: int) -> float:
+def _latent_attention_macs(model: TransformerConfig, s: int) -> float:
     """Per-token forward multiply-accumulates of one multi-latent attention layer."""
     h, heads = model.hidden_size, model.num_attention_heads
     qk_width = heads * (model.qk_head_dim + model.qk_pos_emb_head_dim)
@@ -86,7 +86,7 @@ def _latent_attention_macs(model: Any, s: int) -> float:
 
 
 def num_floating_point_operations(
-    model_config: Any, batch_size: int, seq_length: int | None = None
+    model_config: TransformerConfig, batch_size: int, seq_length: int | None = None
 ) -> float:
     """Training FLOPs (forward + backward) of one step over ``batch_size`` sequences.
 

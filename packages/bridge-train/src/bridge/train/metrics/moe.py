@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 __all__ = ["moe_track_names", "report_moe_metrics"]
@@ -26,7 +27,7 @@ _BALANCING_METRICS = {
 }
 
 
-def moe_track_names(model_config: Any) -> list[str]:
+def moe_track_names(model_config: TransformerConfig) -> list[str]:
     """The auxiliary-loss metrics the model's router records (empty for dense models)."""
     if not getattr(model_config, "num_moe_experts", None):
         return []
@@ -42,7 +43,7 @@ def moe_track_names(model_config: Any) -> list[str]:
 
 
 def report_moe_metrics(
-    model_config: Any,
+    model_config: TransformerConfig,
     iteration: int,
     num_microbatches: int,
     writer: Any | None,

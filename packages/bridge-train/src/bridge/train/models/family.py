@@ -14,6 +14,7 @@ from bridge.config import ConfigError
 from bridge.train.data.datasets import build_train_valid_test_datasets
 from bridge.train.data.t5_datasets import T5DatasetConfig, build_t5_datasets
 from bridge.train.data.t5_tokenizer import T5Tokenizer
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.models.t5_step import t5_forward_step
 from bridge.train.state import ForwardStepCallable
@@ -48,7 +49,7 @@ def default_forward_step(model_config: ModelConfigProtocol | None) -> ForwardSte
 def family_tokenizer(
     dataset_config: GPTDatasetConfig | FinetuningDatasetConfig | None,
     tokenizer_config: TokenizerConfig | TokenizerConfigProtocol | None,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
 ) -> Any:
     """The tokenizer the model family's data reads: for indexed T5 data, ``tokenizer`` with
     the T5 sentinel and special tokens (:class:`bridge.train.data.t5_tokenizer.T5Tokenizer`,
@@ -62,7 +63,7 @@ def family_tokenizer(
 def build_family_datasets(
     model_config: ModelConfigProtocol | None,
     dataset_config: GPTDatasetConfig | FinetuningDatasetConfig | None,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     num_samples: tuple[int, int, int],
 ) -> tuple[Any, Any, Any]:
     """Train, validation and test datasets for the model family.
@@ -87,4 +88,6 @@ def build_family_datasets(
         return build_t5_datasets(dataset_config, tokenizer, num_samples)
     if isinstance(dataset_config, T5DatasetConfig):
         raise ConfigError("dataset", "T5 span-corruption data needs a T5ModelProvider model")
+    if dataset_config is None:
+        raise ConfigError("dataset", "is not set; the run needs a dataset section to train on")
     return build_train_valid_test_datasets(dataset_config, tokenizer, num_samples)

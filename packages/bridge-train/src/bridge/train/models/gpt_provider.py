@@ -12,6 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.models._provide import prepare_to_build
 from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
 from bridge.train.models.layer_specs import (
@@ -260,7 +261,7 @@ class GPTModelProvider(TransformerConfig):
             if getattr(self, name) is derived or _same_value(getattr(self, name), derived)
         )
 
-    def apply_tokenizer(self, tokenizer: Any) -> GPTModelProvider:
+    def apply_tokenizer(self, tokenizer: Tokenizer) -> GPTModelProvider:
         """Take ``vocab_size`` from ``tokenizer`` when unset; check it fits otherwise.
 
         Args:

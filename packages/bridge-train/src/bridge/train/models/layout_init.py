@@ -42,7 +42,9 @@ import torch
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.transformer import TransformerConfig
 
+from bridge.config import RNGConfig
 from bridge.train.models.gpt_provider import GPTModelProvider
 
 __all__ = [
@@ -103,7 +105,7 @@ def check_supported(provider: Any, *, field: str = "rng.layout_independent_init"
         )
 
 
-def layout_independent_seed(rng_config: Any, provider: Any) -> int | None:
+def layout_independent_seed(rng_config: RNGConfig, provider: Any) -> int | None:
     """The seed to draw weights with, or ``None`` for megatron's per-stage seeding.
 
     Resolves ``rng.layout_independent_init``: ``true`` requires a covered provider (see
@@ -212,7 +214,7 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 
 def _init_rule(
-    key: str, module: torch.nn.Module, attribute: str, config: Any
+    key: str, module: torch.nn.Module, attribute: str, config: TransformerConfig
 ) -> Callable[[torch.Tensor], Any] | float:
     """The init method megatron applies to this parameter, or the constant it sets."""
     parts = key.split(".")
@@ -257,7 +259,7 @@ def _sharded_tensors(chunk: torch.nn.Module) -> Iterator[Any]:
 
 @torch.no_grad()
 def initialize_layout_independent(
-    chunks: Sequence[torch.nn.Module], config: Any, seed: int
+    chunks: Sequence[torch.nn.Module], config: TransformerConfig, seed: int
 ) -> None:
     """Draw every parameter of ``chunks`` from its global identity (see the module docstring).
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from bridge.config import PEFTProtocol
+
 __all__ = ["PEFT", "adapter_parameter_names", "apply_peft"]
 
 _ADAPTER_NAMES_ATTR = "_bridge_peft_adapter_names"
@@ -46,7 +48,7 @@ class PEFT(ABC):
             The module to keep in its place.
         """
 
-    def __call__(self, model: Any, training: bool = True) -> Any:
+    def __call__(self, model: torch.nn.Module, training: bool = True) -> Any:
         """Freeze ``model`` (a module or a list of chunks) and adapt its submodules."""
         chunks = model if isinstance(model, (list, tuple)) else [model]
         for chunk in chunks:
@@ -95,7 +97,7 @@ def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def apply_peft(peft: Any, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Apply ``peft`` to every chunk and record which parameters are adapters.
 
     Adapter parameters are those left trainable by the transform; the names are recorded on

@@ -23,6 +23,9 @@ from bridge.config import CheckpointConfig, ModelConfigProtocol
 from bridge.train.checkpointing import find_latest_checkpoint, restore_checkpoint
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from bridge.train.state import TrainState
 
 __all__ = ["install_adapter_checkpointing", "load_peft_checkpoints", "peft_checkpoint_mode"]
@@ -142,8 +145,8 @@ def load_peft_checkpoints(
     checkpoint: CheckpointConfig,
     train_state: TrainState,
     model: list[torch.nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
     checkpointing_context: dict[str, Any],
     *,
     model_config: ModelConfigProtocol | None = None,

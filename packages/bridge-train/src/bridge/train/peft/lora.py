@@ -47,6 +47,7 @@ from megatron.core.transformer.utils import (
 )
 
 from bridge.train.peft.base import PEFT
+from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = ["LoRA", "LoRAAdapter", "merge_adapters"]
 
@@ -308,7 +309,7 @@ class LoRA(PEFT):
         module.sharded_state_dict = _base_and_adapter_sharded_state_dict.__get__(module)
         return module
 
-    def __call__(self, model: Any, training: bool = True) -> Any:
+    def __call__(self, model: torch.nn.Module, training: bool = True) -> Any:
         """Freeze the model, attach adapters to the targets; refuse when none matched."""
         result = super().__call__(model, training)
         chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -320,7 +321,7 @@ class LoRA(PEFT):
         return result
 
 
-def merge_adapters(model: Any) -> Any:
+def merge_adapters(model: ModelOrChunks) -> Any:
     """Fold every LoRA adapter into its base weight and remove it (in place).
 
     Afterwards the model is a plain megatron model (same parameter names as before LoRA)
@@ -334,7 +335,7 @@ def merge_adapters(model: Any) -> Any:
     Returns:
         ``model``.
     """
-    chunks = model if isinstance(model, (list, tuple)) else [model]
+    chunks: list[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
     for chunk in chunks:
         for module in list(chunk.modules()):
             adapter = module._modules.get("adapter")

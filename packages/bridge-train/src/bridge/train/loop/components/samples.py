@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from bridge.config import ConfigError
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.generator import TextGenerator
 from bridge.train.generate.options import SamplingOptions
@@ -52,7 +53,7 @@ class GenerationSamples(Callback):
     def __init__(
         self,
         section: Any,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         seq_length: int,
         *,
         toggle_forward_pre_hooks: bool = False,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -15,6 +14,7 @@ from bridge.resiliency.loop_components import (
     NVRxStragglerPoll,
     StragglerReporter,
 )
+from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.loop.components.checkpointer import Checkpointer, SaveFunction
 from bridge.train.loop.components.evaluation import EvaluateFunction, Evaluator
 from bridge.train.loop.components.maintenance import (
@@ -44,7 +44,7 @@ def standard_components(
     timers: Timers | None = None,
     toggle_forward_pre_hooks: bool = False,
     samples: SamplesConfig | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     seq_length: int | None = None,
     metric_writers: MetricWriters | None = None,
 ) -> list[Callback]:
