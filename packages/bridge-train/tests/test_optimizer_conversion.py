@@ -67,6 +67,9 @@ _THIS = {
         (_meta("distributed:fully_reshardable", 2), _Chained(DistributedOptimizer()), True),
         (_meta("megatron", 1), _Chained(FP32Optimizer(), FP32Optimizer()), True),
         (_meta("distributed:dp_reshardable"), _Chained(DistributedOptimizer()), False),
+        # The retired portable engine: per-parameter state with megatron's keys.
+        (_meta("portable"), _Chained(FP32Optimizer()), True),
+        (_meta("portable"), _Chained(DistributedOptimizer()), True),
     ],
 )
 def test_what_converts(saved: dict[str, Any], optimizer: Any, convert: bool) -> None:
@@ -91,11 +94,6 @@ def test_what_converts(saved: dict[str, Any], optimizer: Any, convert: bool) -> 
             _meta("distributed:dp_reshardable", tensor_model_parallel_size=2),
             _Chained(DistributedOptimizer()),
             "reshards across data-parallel sizes only",
-        ),
-        (
-            _meta("portable"),
-            _Chained(DistributedOptimizer()),
-            "megatron's non-distributed optimizers only",
         ),
     ],
 )
