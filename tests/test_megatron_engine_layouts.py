@@ -408,11 +408,11 @@ def test_resume_matrix(tmp_path: Path) -> None:
 @pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(3000)
+@pytest.mark.timeout(3600)
 def test_resume_switching_optimizer_and_experts(tmp_path: Path) -> None:
     """DP1 -> DP2 switching the distributed optimizer on, EP2 with the distributed optimizer
-    -> EP1 with the per-parameter one, bf16 distributed -> per-parameter at one process, and
-    EP2 -> EP1 in bf16.
+    -> EP1 with the per-parameter one and EP1 per-parameter -> EP2 distributed (one optimizer
+    part -> two), bf16 distributed -> per-parameter at one process, and EP2 -> EP1 in bf16.
 
     The fp32 cases and the bf16 optimizer switch (same layout) continue within 1e-5. EP2 ->
     EP1 in bf16 changes how the expert gradients are summed in bf16, so, as for every bf16
@@ -422,14 +422,24 @@ def test_resume_switching_optimizer_and_experts(tmp_path: Path) -> None:
     one = run_checkpoint_jobs(
         tmp_path,
         1,
-        [("single", None), ("single_bf16_distopt", None), ("single_bf16", "single_bf16_distopt")],
+        [
+            ("single", None),
+            ("single_bf16_distopt", None),
+            ("single_bf16", "single_bf16_distopt"),
+            ("moe", None),
+        ],
         900,
     )
     two = run_checkpoint_jobs(
         tmp_path,
         2,
-        [("dp2_distopt", "single"), ("moe_ep2_distopt", None), ("moe_ep2_bf16", None)],
-        1200,
+        [
+            ("dp2_distopt", "single"),
+            ("moe_ep2_distopt", "moe"),
+            ("moe_ep2_distopt", None),
+            ("moe_ep2_bf16", None),
+        ],
+        1500,
     )
     back = run_checkpoint_jobs(
         tmp_path, 1, [("moe", "moe_ep2_distopt"), ("moe_bf16", "moe_ep2_bf16")], 900
@@ -437,6 +447,7 @@ def test_resume_switching_optimizer_and_experts(tmp_path: Path) -> None:
     for name, uninterrupted, what in (
         ("single-as-dp2_distopt", one["single"], "DP1 plain -> DP2 distopt"),
         ("moe_ep2_distopt-as-moe", two["moe_ep2_distopt"], "EP2 distopt -> EP1 plain"),
+        ("moe-as-moe_ep2_distopt", one["moe"], "EP1 plain -> EP2 distopt"),
     ):
         _assert_continues({**two, **back}[name], uninterrupted, what)
         _assert_same_samples(tmp_path, name, name.split("-as-")[0])
