@@ -237,7 +237,7 @@ def _fill_random(
 
 
 def _parameter_owners(
-    chunk: torch.nn.Module, config: Any
+    chunk: torch.nn.Module, config: TransformerConfig | None
 ) -> dict[int, tuple[str, torch.nn.Module, str, Any]]:
     """``{storage address: (qualified name, owning module, attribute, config)}`` of every
     parameter; ``config`` is the nearest enclosing module's (a MIMO model's modules each
