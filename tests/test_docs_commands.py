@@ -84,6 +84,11 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
     (r"\btrain\.py\b", "a placeholder for the user's own training script"),
     (r"--nnodes[= ]2\b", "one command per node, started together (tests/test_train_multinode.py)"),
     (
+        r"--nnodes[= ]1:2\b",
+        "one command per machine (node-a, node-b); the elastic drill of "
+        "tests/test_train_multinode.py runs it on one machine",
+    ),
+    (
         r"^ft_launcher\b",
         "needs nvidia-resiliency-ext, which cannot share a venv with megatron-core",
     ),

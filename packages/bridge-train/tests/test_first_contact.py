@@ -219,8 +219,9 @@ def test_several_nodes_with_a_shared_rendezvous_store_are_warned_once(
     warnings = [line for line in capsys.readouterr().err.splitlines() if "rendezvous" in line]
     assert warnings == [
         "[bridge-train] warning: torchrun runs 2 nodes with --max-restarts=2 and one rendezvous "
-        "store shared by all rounds (torch's default): a node started to replace a lost one "
-        "cannot join it (the agents fail after 60 s); start every agent with "
+        "store shared by all rounds (torch's default): a node started to replace a lost one, "
+        "or one returning to an elastic --nnodes=MIN:MAX job, cannot join it (the agents fail "
+        "after 60 s); start every agent with "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/resiliency.md, 'Several nodes')"
     ]
     monkeypatch.setenv("RANK", "1")

@@ -48,10 +48,11 @@ class RNGConfig:
     layout_independent_init: bool | None = None
     """Draw every initial weight from the seed and its global identity (checkpoint key and
     position), so the same seed gives bit-identical weights under every TP, PP, VPP, EP and
-    DP size. ``true``: required (refused for providers it does not cover yet: T5, hybrid
-    Mamba, Gemma 3, MLA, GPT-OSS, MIMO); ``false``: megatron's per-stage seeding (weights depend on the layout);
-    ``null``: on where the provider is covered (GPT families, dense and MoE), megatron's
-    seeding elsewhere. See docs/checkpoints.md for its cost."""
+    DP size. ``true``: required (refused for a provider with a ``provide`` of its own);
+    ``false``: megatron's per-stage seeding (weights depend on the layout); ``null``: on
+    where the model is covered (every provider of bridge-train: GPT families, MoE, T5,
+    hybrid Mamba, Gemma 3, MLA / DeepSeek-V3, gpt-oss; and the mimo recipe's modules),
+    megatron's seeding elsewhere. See docs/checkpoints.md for its cost."""
 
     def __post_init__(self) -> None:
         """Check the field types, that the seed fits every generator and that the

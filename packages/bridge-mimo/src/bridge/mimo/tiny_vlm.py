@@ -45,6 +45,9 @@ class TinyVLMConfig:
         image_token_id: Token id that marks image positions in the input ids.
         vision_module: Name of the vision module in the layout.
         encoder_name: Name of the encoder inside the vision module.
+        perform_initialization: megatron's ``perform_initialization`` of both transformer
+            configs (``False``: the caller draws the weights, as bridge-train's
+            layout-independent initialisation does).
     """
 
     vocab_size: int = 32
@@ -61,6 +64,7 @@ class TinyVLMConfig:
     image_token_id: int = 3
     vision_module: str = "vision"
     encoder_name: str = "patch_encoder"
+    perform_initialization: bool = True
 
     @property
     def image_tokens(self) -> int:
@@ -108,6 +112,7 @@ def tiny_vlm_specs(config: TinyVLMConfig, infra: MegatronMIMOInfra) -> dict[str,
         config.language_hidden_size,
         config.language_heads,
         infra.tp_size(infra.language_module_name),
+        perform_initialization=config.perform_initialization,
     )
     language_model_spec = ModuleSpec(
         module=GPTModel,
@@ -126,6 +131,7 @@ def tiny_vlm_specs(config: TinyVLMConfig, infra: MegatronMIMOInfra) -> dict[str,
         config.encoder_hidden_size,
         config.encoder_heads,
         infra.tp_size(config.vision_module),
+        perform_initialization=config.perform_initialization,
     )
     vision_spec = ModuleSpec(
         module=VisionModalitySubmodules,

@@ -11,9 +11,11 @@ Which checkpoint (decided on rank 0 and shared, so every rank loads the same one
 * otherwise nothing: ``(0, 0.0)``, or an error with ``exit_on_missing_checkpoint``.
 
 What is restored: the model always; optimizer and scheduler with ``load_optim`` (and not
-``finetune``); this rank's RNG state with ``load_rng`` (and not ``finetune``, and only when
-the parallel layout matches the one saved); the train state unless ``finetune`` (which
-restarts at iteration 0).
+``finetune``; optimizer state of another format or number of parts is converted, see
+:mod:`~bridge.train.checkpointing.optimizer_conversion`); this rank's RNG state with
+``load_rng`` (and not ``finetune``, and only when the parallel layout matches the one saved:
+the generators are per rank); the train state unless ``finetune`` (which restarts at
+iteration 0).
 """
 
 from __future__ import annotations
@@ -67,9 +69,11 @@ from bridge.train.checkpointing.layout import (
     parse_iteration,
     read_marker,
 )
-from bridge.train.checkpointing.portable_state import (
-    PORTABLE_OPTIMIZER_FORMAT,
-    convert_portable_optimizer_state,
+from bridge.train.checkpointing.optimizer_conversion import (
+    OptimizerConversion,
+    checkpoint_group_bounds,
+    conversion_template,
+    converted_optimizer_state,
 )
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
@@ -78,6 +82,7 @@ from bridge.train.checkpointing.state_dict import (
     build_load_template,
     model_sharded_state_dict,
     model_state_keys,
+    optimizer_format,
     optimizer_sharded_state_dict,
     parallel_layout,
     unwrapped_chunks,
@@ -98,6 +103,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# The template entry optimizer tensors of another format are loaded under (see
+# optimizer_conversion): not "optimizer", whose saved common state has the other layout.
+CONVERTED_OPTIMIZER_KEY = "bridge_converted_optimizer"
 
 # Scheduler settings megatron's OptimizerParamScheduler checks against a checkpoint.
 _SCHEDULER_SETTINGS = (
@@ -402,24 +411,28 @@ def _check_reshardable(
     layout: dict[str, Any],
     chunks: int,
     optimizer: MegatronOptimizer | None,
-) -> None:
+) -> bool:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
     Every tensor is saved under its layout-free sharded key (global layer numbers and
     expert ids), so dist_checkpointing reshards model tensors across TP, PP, VPP, EP and DP
     sizes, per-parameter optimizer state with them, and megatron's distributed optimizer
     state saved ``fully_reshardable`` (model space, the default, see
-    ``state_dict.OPTIMIZER_SHARDING_METADATA``) too. Refused: distributed <-> per-parameter
-    optimizer state, and distributed-optimizer state of the older ``dp_reshardable`` format
-    under other TP, PP or VPP sizes (it is kept per data-parallel bucket).
+    ``state_dict.OPTIMIZER_SHARDING_METADATA``) too. The two convert into each other, and
+    into another number of optimizer parts (expert parallelism on or off), through
+    :mod:`~bridge.train.checkpointing.optimizer_conversion`, as does the retired portable
+    engine's per-parameter state. Refused: distributed-optimizer state of the older
+    ``dp_reshardable`` format under other TP, PP or VPP sizes, another optimizer kind or
+    another number of parts (it is kept per data-parallel bucket).
+
+    Returns:
+        Whether the optimizer state must be converted (another format or number of parts).
     """
     saved_layout = meta.get("parallel_layout") or {}
     saved_chunks = meta.get("model_chunks", 1)
     saved_fmt = meta.get("optimizer_format")
     this_fmt = None
     if optimizer is not None:
-        from bridge.train.checkpointing.state_dict import optimizer_format
-
         this_fmt = optimizer_format(optimizer)
 
     def refuse(reason: str, fix: str) -> CheckpointError:
@@ -429,36 +442,33 @@ def _check_reshardable(
         )
 
     if optimizer is None or saved_fmt is None:
-        return
-    saved_distributed = saved_fmt.startswith("distributed:")
-    if saved_distributed != (this_fmt or "").startswith("distributed:"):
-        raise refuse(
-            "distributed-optimizer state and per-parameter optimizer state do not convert "
-            "into each other",
-            "set optimizer.use_distributed_optimizer (and ddp.use_distributed_optimizer) as "
-            "saved, or checkpoint.load_optim=False to load the model (and train state) alone",
-        )
+        return False
     saved_parts = meta.get("optimizer_parts")
     this_parts = len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-    kinds = {type(o).__name__ for o in getattr(optimizer, "chained_optimizers", None) or []}
-    if saved_parts is not None and saved_parts != this_parts and kinds - {"FP32Optimizer"}:
-        raise refuse(
-            f"it holds {saved_parts} optimizer(s) (dense and expert-parallel parameters are "
-            f"optimised apart when expert parallelism is on), this run {this_parts}, and only "
-            "fp32 models with the per-parameter optimizer regroup their state",
-            "keep model.expert_model_parallel_size above 1 (or at 1) as saved, or set "
-            "checkpoint.load_optim=False to load the model (and train state) alone",
-        )
-    model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-    if saved_fmt == "distributed:dp_reshardable" and (
-        saved_chunks != chunks or any(saved_layout.get(k) != layout.get(k) for k in model_parallel)
-    ):
-        raise refuse(
-            "its distributed-optimizer state (dp_reshardable, saved before fully reshardable "
-            "checkpoints) reshards across data-parallel sizes only",
-            "load it with the saved tensor, pipeline and virtual pipeline sizes, or set "
-            "checkpoint.load_optim=False to load the model (and train state) alone",
-        )
+    other_parts = saved_parts is not None and saved_parts != this_parts
+    if saved_fmt == "distributed:dp_reshardable":
+        model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        if not (this_fmt or "").startswith("distributed:") or other_parts:
+            raise refuse(
+                "its distributed-optimizer state (dp_reshardable, saved before fully "
+                "reshardable checkpoints) is kept per data-parallel bucket and converts "
+                "neither to per-parameter state nor to another number of optimizer parts",
+                "set optimizer.use_distributed_optimizer and ddp.use_distributed_optimizer "
+                "to true and keep model.expert_model_parallel_size above 1 (or at 1) as "
+                "saved, or set checkpoint.load_optim=False to load the model (and train "
+                "state) alone",
+            )
+        if saved_chunks != chunks or any(
+            saved_layout.get(k) != layout.get(k) for k in model_parallel
+        ):
+            raise refuse(
+                "its distributed-optimizer state (dp_reshardable, saved before fully "
+                "reshardable checkpoints) reshards across data-parallel sizes only",
+                "load it with the saved tensor, pipeline and virtual pipeline sizes, or set "
+                "checkpoint.load_optim=False to load the model (and train state) alone",
+            )
+        return False
+    return saved_fmt != this_fmt or other_parts
 
 
 def _saved_sharding_type(meta: dict[str, Any]) -> str | None:
@@ -485,7 +495,9 @@ def _check_against_checkpoint(
     saved = load_tensors_metadata(path)
     mismatched: dict[str, str] = {}
     model_tensors = [t for key in model_keys for t in _sharded_tensors(template[key])]
-    optimizer_tensors = _sharded_tensors(template.get("optimizer", {}))
+    optimizer_tensors = _sharded_tensors(
+        [template.get("optimizer", {}), template.get(CONVERTED_OPTIMIZER_KEY, {})]
+    )
     for tensor in model_tensors + optimizer_tensors:
         found = saved.get(tensor.key)
         if found is None or tensor.key in mismatched:
@@ -527,9 +539,7 @@ def _check_against_checkpoint(
             path,
             sorted(missing_model),
         )
-    missing_optimizer = [
-        t.key for t in _sharded_tensors(template.get("optimizer", {})) if t.key not in saved
-    ]
+    missing_optimizer = [t.key for t in optimizer_tensors if t.key not in saved]
     if missing_optimizer:
         raise CheckpointError(
             f"{path} lacks optimizer state {sorted(missing_optimizer)[:5]}; it was saved with "
@@ -688,18 +698,29 @@ def _align_schedule_bounds(
 
 
 def _load_optimizer(
-    optimizer: MegatronOptimizer, state: dict[str, Any], scheduler: OptimizerParamScheduler | None
+    optimizer: MegatronOptimizer,
+    state: dict[str, Any],
+    scheduler: OptimizerParamScheduler | None,
+    converted_from: tuple[Any, str] | None = None,
 ) -> None:
     """Restore the optimizer state. The parameter groups' schedule bounds are the config's
     with ``override_opt_param_scheduler``, else the checkpoint's (as the scheduler's own
-    settings)."""
+    settings). ``converted_from``: ``(saved common optimizer state, path)`` when ``state``
+    was converted (it then carries this run's groups; the checkpoint's bounds come from
+    there)."""
     keep = bool(getattr(scheduler, "override_opt_param_scheduler", False))
     bounds = [
         {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
         for group in optimizer.param_groups
     ]
-    state = _regroup_chained_state(optimizer, state)
-    replaced = _align_schedule_bounds(optimizer, state)
+    if converted_from is None:
+        replaced = _align_schedule_bounds(optimizer, state)
+    elif getattr(scheduler, "use_checkpoint_opt_param_scheduler", False) and not keep:
+        # Without either flag the scheduler check (above) made sure the bounds are equal.
+        saved_common, path = converted_from
+        replaced = checkpoint_group_bounds(optimizer, saved_common, _GROUP_SCHEDULE_KEYS, path)
+    else:
+        replaced = []
     # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
     # only some of its formats' loaders disable autograd themselves.
     with torch.no_grad(), _steps_kept_by_fully_reshardable_load(optimizer):
@@ -713,44 +734,6 @@ def _load_optimizer(
             inner.param_groups[index].update(checkpoint_bounds)
 
 
-def _regroup_chained_state(optimizer: MegatronOptimizer, state: dict[Any, Any]) -> dict[Any, Any]:
-    """Fit the loaded state of megatron's FP32 optimizers to this run's number of them.
-
-    megatron builds one optimizer for dense and one for expert-parallel parameters, the
-    latter only when expert parallelism is on (EP > 1), so a checkpoint of EP=2 holds two
-    optimizers' common state (parameter groups, the shared Adam step) and one of EP=1 one.
-    The per-parameter tensors are loaded into this run's structure already (they are found
-    by their layout-free keys); here each of this run's optimizers gets them with its own
-    parameter groups and the saved step (megatron keeps all steps equal). Used only when the
-    counts differ; other optimizers than megatron's ``FP32Optimizer`` are refused before
-    loading (:func:`_check_reshardable`).
-    """
-    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    if not isinstance(state, dict):
-        return state
-    saved_parts = [state[k] for k in sorted(k for k in state if isinstance(k, int))]
-    multiple = len(inners) > 1
-    saved_count = len(saved_parts) if saved_parts else 1
-    if saved_count == len(inners):
-        return state
-    if not saved_parts:
-        saved_parts = [state]
-    steps = [
-        part["state"]["common_step"]
-        for part in saved_parts
-        if isinstance(part.get("state"), dict) and "common_step" in part["state"]
-    ]
-    regrouped: dict[int, Any] = {}
-    for index, inner in enumerate(inners):
-        part = state[index] if multiple else state
-        tensors = {k: v for k, v in part["state"].items() if k != "common_step"}
-        if steps:
-            tensors["common_step"] = steps[0]
-        groups = inner.state_dict()["param_groups"]
-        regrouped[index] = {"state": tensors, "param_groups": groups}
-    return regrouped if multiple else regrouped[0]
-
-
 @contextlib.contextmanager
 def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Iterator[None]:
     """Let megatron's ``fully_reshardable`` loader keep torch Adam's per-parameter ``step``.
@@ -760,7 +743,10 @@ def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Itera
     (from the saved parameter groups), then ``_set_main_param_and_optimizer_states`` copies
     every state tensor from the checkpoint, which holds no per-parameter ``step``:
     ``KeyError: 'step'``. For the duration of the load the step already in place is handed
-    in as its own source; :func:`_restore_distributed_optimizer_steps` then sets it.
+    in as its own source; :func:`_restore_distributed_optimizer_steps` then sets it. So is
+    a main parameter the checkpoint does not hold (per-parameter state of an fp32 model,
+    converted by :mod:`~bridge.train.checkpointing.optimizer_conversion`): it stays as it
+    is and is refreshed from the loaded model weights.
     """
     patched = []
     for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
@@ -774,6 +760,10 @@ def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Itera
             _inner: Any = inner,
             _original: Any = original,
         ) -> Any:
+            if "param" not in tensors:  # not in the checkpoint: keep it (optimizer_conversion)
+                group_index, group_order = _inner.model_param_group_index_map[model_param]
+                main = _inner.optimizer.param_groups[group_index]["params"][group_order]
+                tensors = {**tensors, "param": main}
             if "step" not in tensors:
                 group_index, group_order = _inner.model_param_group_index_map[model_param]
                 main = _inner.optimizer.param_groups[group_index]["params"][group_order]
@@ -860,10 +850,13 @@ def _read_checkpoint(
     optimizer: MegatronOptimizer | None,
     strict: bool,
     model_config: ModelConfigProtocol | None,
-) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, bool]:
+) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, str, OptimizerConversion | None]:
     """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
 
-    Returns ``(common, loaded, model keys, finetune, load_optim, load_rng)``.
+    Returns ``(common, loaded, model keys, finetune, load_optim, rng, conversion)``: ``rng``
+    is ``"restored"`` (the RNG state is read), ``"layout_changed"`` (not: the layout
+    differs) or ``"kept"`` (not asked for); ``conversion`` is set when the optimizer state is
+    of another format or number of parts.
     """
     common = _read_common(plan.path)
     meta = common[META_KEY]
@@ -881,16 +874,25 @@ def _read_checkpoint(
             "checkpoint.load_rng=False to keep this run's seeds"
         )
     layout = parallel_layout(model)
-    _check_reshardable(plan.path, meta, layout, len(model), optimizer if load_optim else None)
+    rng_skipped_for_layout = False
+    convert = _check_reshardable(
+        plan.path, meta, layout, len(model), optimizer if load_optim else None
+    )
     if load_rng and meta.get("parallel_layout") != layout:
+        # The generators are per rank (megatron seeds and draws them per pipeline stage,
+        # tensor and expert rank, and each rank draws for its own micro-batches), so another
+        # layout has no counterpart to restore them into; the caller reseeds (see
+        # restore_checkpoint's checkpointing_context["rng_state"]).
         if _dist.rank() == 0:
             logger.warning(
-                "not restoring RNG state: %s was saved with parallel layout %s, this run has %s",
+                "not restoring the RNG state of %s: it is per rank and was saved with "
+                "parallel layout %s, this run has %s",
                 plan.path,
                 meta.get("parallel_layout"),
                 layout,
             )
         load_rng = False
+        rng_skipped_for_layout = True
 
     keys = model_state_keys(len(model))
     template = build_load_template(
@@ -900,12 +902,22 @@ def _read_checkpoint(
         load_rng=load_rng,
         sharding_type=_saved_sharding_type(meta),
     )
+    conversion = None
+    if convert:
+        # Another optimizer format or number of parts: this run's own template, its
+        # tensors loaded by key under an entry of their own (the checkpoint's common
+        # optimizer state has the other layout, which dist_checkpointing would merge in).
+        conversion = conversion_template(
+            template.pop("optimizer"), load_tensors_metadata(plan.path)
+        )
+        template[CONVERTED_OPTIMIZER_KEY] = conversion.to_load
     _check_against_checkpoint(template, plan.path, keys, strict)
     if not finetune:  # shapes fit: the architecture must be the saved one too
         check_same_architecture(model_config, plan.path)
     loaded = _dist_load(template, plan.path, checkpoint_config)
 
-    return common, loaded, keys, finetune, load_optim, load_rng
+    rng = "restored" if load_rng else ("layout_changed" if rng_skipped_for_layout else "kept")
+    return common, loaded, keys, finetune, load_optim, rng, conversion
 
 
 def load_checkpoint(
@@ -980,7 +992,11 @@ def restore_checkpoint(
             their values).
         checkpointing_context: From :func:`init_checkpointing_context`; when given, its
             ``"loaded_checkpoint"`` entry is set to the directory loaded (``None`` when
-            nothing was loaded).
+            nothing was loaded), and ``"rng_state"`` to ``"restored"``, ``"kept"``
+            (``load_rng`` off or ``finetune``: this run's own seeds) or
+            ``"layout_changed"`` (the saved generator states are per rank and the layout
+            differs: the caller reseeds, as ``pretrain`` does with
+            :func:`bridge.train.engine.initialize.seed_from_rng_config`).
         skip_load_to_model_and_opt: Read the checkpoint and restore scheduler, RNG and
             train state, but do not copy into the model and optimizer.
 
@@ -1037,7 +1053,9 @@ def restore_checkpoint(
         log_held_notices(held, logger)
     if checkpointing_context is not None:
         checkpointing_context["loaded_checkpoint"] = plan.path
-    common, loaded, keys, finetune, load_optim, load_rng = read
+    common, loaded, keys, finetune, load_optim, rng, conversion = read
+    if checkpointing_context is not None:
+        checkpointing_context["rng_state"] = rng
     saved_schedule = (
         common.get("opt_param_scheduler")
         if load_optim and opt_param_scheduler is not None
@@ -1049,20 +1067,36 @@ def restore_checkpoint(
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
-        if load_optim:
-            saved_optimizer = loaded["optimizer"]
-            if common[META_KEY].get("optimizer_format") == PORTABLE_OPTIMIZER_FORMAT:
-                saved_optimizer = convert_portable_optimizer_state(
-                    optimizer, saved_optimizer, plan.path
+        if load_optim and conversion is not None and optimizer is not None:
+            converted = converted_optimizer_state(
+                optimizer,
+                conversion,
+                loaded[CONVERTED_OPTIMIZER_KEY],
+                common.get("optimizer"),
+                plan.path,
+            )
+            _load_optimizer(
+                optimizer,
+                converted,
+                opt_param_scheduler,
+                converted_from=(common.get("optimizer"), plan.path),
+            )
+            if conversion.main_params_from_model:
+                # Saved from an fp32 model: its (now loaded) weights are the main parameters.
+                optimizer.reload_model_params()
+            if _dist.rank() == 0:
+                saved_parts = common[META_KEY].get("optimizer_parts")
+                logger.info(
+                    "%s holds %s optimizer state%s; converted to this run's %s optimizer "
+                    "(%d part(s))",
+                    plan.path,
+                    common[META_KEY].get("optimizer_format"),
+                    f" ({saved_parts} part(s))" if saved_parts else "",
+                    optimizer_format(optimizer),
+                    len(getattr(optimizer, "chained_optimizers", None) or [optimizer]),
                 )
-                if _dist.rank() == 0:
-                    logger.info(
-                        "%s was saved by the retired portable engine: its optimizer state "
-                        "(moments, step, loss scale, fp32 main parameters) is converted to "
-                        "megatron-core's optimizer",
-                        plan.path,
-                    )
-            _load_optimizer(optimizer, saved_optimizer, opt_param_scheduler)
+        elif load_optim:
+            _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
         elif optimizer is not None:
             if cfg.load_main_params_from_ckpt and not finetune:
                 _load_main_params(optimizer, model, plan.path, cfg)
@@ -1070,7 +1104,7 @@ def restore_checkpoint(
                 optimizer.reload_model_params()
     if saved_schedule is not None:
         _load_scheduler(opt_param_scheduler, saved_schedule)
-    if load_rng:
+    if rng == "restored":
         restore_rng_state(loaded[RNG_STATE_KEY])
 
     if finetune:

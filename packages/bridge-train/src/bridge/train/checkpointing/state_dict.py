@@ -178,7 +178,8 @@ def optimizer_format(optimizer: MegatronOptimizer) -> str:
 
     ``"distributed:<sharding type>"`` for megatron's distributed optimizer (also chained),
     ``"megatron"`` for megatron's other optimizers. (Checkpoints of the retired portable
-    engine say ``"portable"``; see :mod:`~bridge.train.checkpointing.portable_state`.)
+    engine say ``"portable"``: per-parameter state with megatron's keys, converted like any
+    other format; see :mod:`~bridge.train.checkpointing.optimizer_conversion`.)
     """
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     names = {type(o).__name__ for o in inner}

@@ -66,9 +66,11 @@ def shared_store_restart_notice(environ: Mapping[str, str]) -> str | None:
 
     With ``--max-restarts`` and torch's default of one rendezvous store shared by every
     round (``TORCHELASTIC_USE_AGENT_STORE=True``), a node that joins in a later round (a
-    replacement for a lost one) waits for the store's address, which node 0's agent
-    publishes in the first round only: the agents fail after 60 s instead of resuming (torch
-    2.14, measured). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every agent avoids it.
+    replacement for a lost one, or a node returning to an elastic ``--nnodes=MIN:MAX`` job)
+    waits for the store's address, which node 0's agent publishes in the first round only:
+    the agents fail after 60 s instead of resuming (torch 2.14, measured for both).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every agent avoids it. An elastic job whose
+    first round has one node gets no notice: torchrun does not tell the ranks ``MAX``.
 
     Args:
         environ: The process environment (``os.environ``).
@@ -88,8 +90,9 @@ def shared_store_restart_notice(environ: Mapping[str, str]) -> str | None:
         return None
     return (
         f"torchrun runs {nodes} nodes with --max-restarts={restarts} and one rendezvous store "
-        "shared by all rounds (torch's default): a node started to replace a lost one cannot "
-        "join it (the agents fail after 60 s); start every agent with "
+        "shared by all rounds (torch's default): a node started to replace a lost one, or "
+        "one returning to an elastic --nnodes=MIN:MAX job, cannot join it (the agents fail "
+        "after 60 s); start every agent with "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/resiliency.md, 'Several nodes')"
     )
 

@@ -16,6 +16,7 @@ Face conversion) calls :func:`initialize_distributed` without it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,8 @@ __all__ = [
     "init_launch_process_group",
     "initialize_distributed",
     "resolve_distributed_backend",
+    "resume_seed",
+    "seed_from_rng_config",
     "set_random_seed",
     "validate_parallel_layout",
 ]
@@ -228,12 +231,46 @@ def initialize_distributed(
         create_gloo_process_groups=bool(getattr(dist_config, "use_gloo_process_groups", True))
         and backend == "nccl",
     )
-    set_random_seed(
-        int(getattr(rng_config, "seed", 1234)),
+    seed_from_rng_config(rng_config)
+
+
+def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> int:
+    """:func:`set_random_seed` with the ``rng`` section's settings.
+
+    Args:
+        rng_config: The ``rng`` section (``seed``, ``data_parallel_random_init``,
+            ``te_rng_tracker``, ``inference_rng_tracker``); None: seed 1234, the defaults.
+        iteration: 0 for a fresh start. A resume under another parallel layout, whose saved
+            generator states (per rank) cannot be restored, passes the iteration it
+            continues from: the base seed becomes :func:`resume_seed` of the two, so the
+            continuation is reproducible and does not replay the dropout masks a fresh
+            start at this layout drew.
+
+    Returns:
+        The seed used on this rank.
+    """
+    seed = int(getattr(rng_config, "seed", 1234))
+    return set_random_seed(
+        resume_seed(seed, iteration) if iteration else seed,
         data_parallel_random_init=bool(getattr(rng_config, "data_parallel_random_init", False)),
         te_rng_tracker=bool(getattr(rng_config, "te_rng_tracker", False)),
         inference_rng_tracker=bool(getattr(rng_config, "inference_rng_tracker", False)),
     )
+
+
+# Below 2**31 with room for megatron's per-rank offsets (100 x pipeline rank, 2718 + tensor
+# rank, expert ranks), which must stay valid seeds.
+_RESUME_SEED_RANGE = 2**31 - 2**24
+
+
+def resume_seed(seed: int, iteration: int) -> int:
+    """The base seed of a run resumed at ``iteration`` under another parallel layout.
+
+    A function of ``seed`` and ``iteration`` alone (a hash), so every rank of every layout
+    agrees on it and two resumes of the same checkpoint draw the same.
+    """
+    digest = hashlib.sha256(f"bridge-train resume {seed} {iteration}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % _RESUME_SEED_RANGE
 
 
 def set_random_seed(

@@ -41,6 +41,7 @@ from bridge.config import (
     ModelConfigProtocol,
     PEFTProtocol,
     RerunStateMachineConfig,
+    RNGConfig,
     TokenizerConfig,
     TokenizerConfigProtocol,
 )
@@ -60,7 +61,11 @@ from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.engine.base import Engine, build_engine
-from bridge.train.engine.initialize import destroy_distributed
+from bridge.train.engine.initialize import (
+    destroy_distributed,
+    resume_seed,
+    seed_from_rng_config,
+)
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.loop.batch_size import release_num_microbatches_calculator
 from bridge.train.loop.progress_log import record_starting_job
@@ -166,8 +171,12 @@ def _load_checkpoint(
     model_config: ModelConfigProtocol | None,
     train_state: TrainState,
     out: SetupOutput,
+    rng: RNGConfig,
 ) -> bool:
     """Load what the checkpoint section asks for; True when a checkpoint was loaded.
+
+    ``rng`` (the ``rng`` section) reseeds the generators when the saved ones could not be
+    restored because the parallel layout changed.
 
     ``checkpoint.load`` left unset resumes the run that owns ``checkpoint.save`` when that
     directory holds a checkpoint (torchrun restarts rely on this). Which checkpoint is then
@@ -205,6 +214,19 @@ def _load_checkpoint(
         )
     train_state.step = int(iteration)
     train_state.floating_point_operations_so_far = float(flops)
+    if context.get("rng_state") == "layout_changed":
+        # The saved generators are per rank of another layout: reseed from (seed,
+        # iteration) rather than leave this layout's fresh-start state, whose dropout masks
+        # a resume would otherwise replay from its first step on.
+        seed_from_rng_config(rng, int(iteration))
+        if global_rank() == 0:
+            logger.warning(
+                "dropout continues with generators seeded from rng.seed=%s and iteration %d "
+                "(base seed %d): the run's masks depend on its parallel layout",
+                rng.seed,
+                int(iteration),
+                resume_seed(int(rng.seed), int(iteration)),
+            )
     return context.get("loaded_checkpoint") is not None
 
 
@@ -321,7 +343,7 @@ def setup(
         tokenizer=tokenizer,
     )
     out.checkpoint_loaded = _load_checkpoint(
-        checkpoint, cfg.peft, cfg.model, state.train_state, out
+        checkpoint, cfg.peft, cfg.model, state.train_state, out, cfg.rng
     )
     state.loaded_iteration = state.train_state.step
     state.job_start_flops = state.train_state.floating_point_operations_so_far

@@ -70,7 +70,8 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.saving import CheckpointWriter
-from bridge.train.models.mimo import MimoModelConfig, mimo_layout
+from bridge.train.models.layout_init import layout_independent_seed
+from bridge.train.models.mimo import MimoModelConfig, build_mimo_recipe_model, mimo_layout
 from bridge.train.state import GlobalState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.loop import LoopContext, run_loop
@@ -177,7 +178,10 @@ def pretrain_mimo(
                 "model.vocab_size",
                 f"got {vlm.vocab_size}; the synthetic captions need {dataset.vocab_size} ids",
             )
-        model = mimo.build_mimo_model(infra, init_seed=seed, **mimo.tiny_vlm_specs(vlm, infra))
+        model = build_mimo_recipe_model(
+            model_cfg, infra, seed, layout_independent_seed(cfg.rng, model_cfg)
+        )
+        chunk = MimoCheckpointModel(model, layout)
         if dist.get_backend() == "nccl":
             # The step keeps batches where the process group's backend works: gloo -> CPU.
             model.cuda()
@@ -196,7 +200,6 @@ def pretrain_mimo(
         )
         assert cfg.scheduler is not None  # a required section of the recipe
         scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, train)
-        chunk = MimoCheckpointModel(model, layout)
         checkpointing_context = checkpointing_context_for(checkpoint)
         loaded = 0
         if checkpointing_context:

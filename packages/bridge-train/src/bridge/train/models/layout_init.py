@@ -27,14 +27,21 @@ tiles its shards overlap: about its own share of the parameters, more where a sh
 narrower than a tile (tensor-parallel row shards of small weights), plus one hash per tile.
 Measured in ``benchmarks/init_and_reshard.py``; see docs/checkpoints.md.
 
-Providers whose modules this module does not know (T5, hybrid Mamba, Gemma 3, MLA, GPT-OSS,
-MIMO) are refused by :func:`check_supported` with the field to change, never half-initialised.
+Covered: the ``provide`` of every provider of this package (GPT dense and MoE, T5, hybrid
+Mamba, Gemma 3, MLA / DeepSeek-V3, gpt-oss) and the mimo recipe's modules (each drawn with
+its own module's config: :func:`bridge.train.models.mimo.build_mimo_recipe_model`); the
+rules below name megatron's init for each kind of parameter, the Mamba mixer's own ones and
+torch ``Linear`` layers included. A provider with a ``provide`` of its own is refused by
+:func:`check_supported` with the field to change; a parameter no rule knows stops the build
+(:class:`LayoutInitError`), never left half-initialised.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -64,11 +71,34 @@ TILE_COLS = 1024
 """Columns of one tile (second dimension of the global tensor)."""
 
 # Modules (by the last component of a parameter's key) that megatron initialises with the
-# config's output_layer_init_method (scaled by depth) rather than its init_method.
-_OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2"})
+# config's output_layer_init_method (scaled by depth) rather than its init_method (out_proj:
+# the Mamba mixer's).
+_OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2", "out_proj"})
 _EMBEDDINGS = frozenset({"word_embeddings", "position_embeddings", "tokentype_embeddings"})
 _NORM_WEIGHTS = frozenset({"layer_norm_weight"})  # Transformer Engine's fused norm + linear
 _NORM_BIASES = frozenset({"layer_norm_bias"})
+# The Mamba mixer's gated group norm: mamba-ssm's RMSNormGated (megatron's ExtendedRMSNorm)
+# and the portable one start at ones whatever layernorm_zero_centered_gamma says.
+_GATED_NORMS = frozenset({"GatedGroupRMSNorm", "ExtendedRMSNorm", "RMSNormGated"})
+
+
+# The ``provide`` methods whose modules every rule below knows (by qualified name, so this
+# module imports none of the providers).
+_COVERED_BUILDS = frozenset(
+    f"bridge.train.models.{module}.{provider}.provide"
+    for module, provider in (
+        ("gpt_provider", "GPTModelProvider"),
+        ("t5_provider", "T5ModelProvider"),
+        ("mamba_provider", "MambaProvider"),
+        ("gemma3_provider", "Gemma3ModelProvider"),
+        ("mla_provider", "MLAModelProvider"),
+        ("gpt_oss_provider", "GptOssModelProvider"),
+    )
+)
+
+
+# The mimo recipe's model section (its modules are built by bridge-mimo in pretrain_mimo).
+_MIMO_MODEL = "bridge.train.models.mimo.MimoModelConfig"
 
 
 class LayoutInitError(ValueError):
@@ -76,19 +106,25 @@ class LayoutInitError(ValueError):
 
 
 def supports_layout_independent_init(provider: Any) -> bool:
-    """Whether ``provider`` builds modules this initialisation covers: megatron's
-    ``GPTModel`` (dense and MoE) as :meth:`GPTModelProvider.provide` builds it, for every
-    GPT family preset. Subclasses that build other models (T5, hybrid Mamba, Gemma 3, MLA,
-    GPT-OSS) override ``provide`` and are not covered yet.
+    """Whether ``provider`` builds modules this initialisation covers: the mimo recipe's
+    model section, or a :class:`GPTModelProvider` whose ``provide`` is one of this
+    package's builds (GPT dense and MoE with every family preset, T5, hybrid Mamba,
+    Gemma 3, multi-latent attention / DeepSeek-V3, gpt-oss), inherited or its own. A
+    subclass with its own ``provide`` may build modules not known here and keeps megatron's
+    seeding unless asked.
 
     Args:
         provider: A model provider (its ``provide`` builds the model).
     """
+    if _qualified_name(type(provider)) == _MIMO_MODEL:
+        return True  # drawn per module by pretrain_mimo (each module's own config)
+    if not isinstance(provider, GPTModelProvider):
+        return False
+    return _qualified_name(type(provider).provide) in _COVERED_BUILDS
 
-    return (
-        isinstance(provider, GPTModelProvider)
-        and type(provider).provide is GPTModelProvider.provide
-    )
+
+def _qualified_name(thing: Any) -> str:
+    return f"{thing.__module__}.{thing.__qualname__}"
 
 
 def check_supported(provider: Any, *, field: str = "rng.layout_independent_init") -> None:
@@ -99,9 +135,11 @@ def check_supported(provider: Any, *, field: str = "rng.layout_independent_init"
     """
     if not supports_layout_independent_init(provider):
         raise LayoutInitError(
-            f"{field}=true: layout-independent initialisation covers GPT providers (dense "
-            f"and MoE) only, not {type(provider).__name__}; set {field}=false (megatron's "
-            "per-stage seeding) or leave it unset (null: used where supported)"
+            f"{field}=true: layout-independent initialisation covers the providers whose "
+            "provide() is this package's (GPT, MoE, T5, hybrid Mamba, Gemma 3, MLA, "
+            f"gpt-oss), not {type(provider).__name__}, whose own provide() may build modules "
+            f"it does not know; set {field}=false (megatron's per-stage seeding) or leave it "
+            "unset (null: used where supported)"
         )
 
 
@@ -198,14 +236,22 @@ def _fill_random(
                 view[target_index].copy_(tile[tuple(source)])
 
 
-def _parameter_owners(chunk: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module, str]]:
-    """``{storage address: (qualified name, owning module, attribute)}`` of every parameter."""
-    owners: dict[int, tuple[str, torch.nn.Module, str]] = {}
-    for module_name, module in chunk.named_modules():
+def _parameter_owners(
+    chunk: torch.nn.Module, config: TransformerConfig | None
+) -> dict[int, tuple[str, torch.nn.Module, str, Any]]:
+    """``{storage address: (qualified name, owning module, attribute, config)}`` of every
+    parameter; ``config`` is the nearest enclosing module's (a MIMO model's modules each
+    have their own), else the one given."""
+    owners: dict[int, tuple[str, torch.nn.Module, str, Any]] = {}
+    configs: dict[str, Any] = {}
+    for module_name, module in chunk.named_modules():  # parents before their children
+        parent = module_name.rpartition(".")[0]
+        own = getattr(module, "config", None)
+        configs[module_name] = own if own is not None else configs.get(parent, config)
         for attribute, param in module.named_parameters(recurse=False):
             address = param.untyped_storage().data_ptr()
             name = f"{module_name}.{attribute}" if module_name else attribute
-            owners.setdefault(address, (name, module, attribute))
+            owners.setdefault(address, (name, module, attribute, configs[module_name]))
     return owners
 
 
@@ -213,10 +259,71 @@ def _is_norm(module: torch.nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
+def _mixer_setting(module: torch.nn.Module, name: str) -> Any:
+    """A Mamba mixer's init setting: its attribute, else its constructor's default (megatron's
+    ``MambaLayer`` passes none of ``dt_min``, ``dt_max``, ``dt_init_floor``,
+    ``A_init_range``, so the defaults are what megatron draws with)."""
+    if hasattr(module, name):
+        return getattr(module, name)
+    parameter = inspect.signature(type(module).__init__).parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        raise LayoutInitError(
+            f"{type(module).__name__} has no init setting {name!r}; set "
+            "rng.layout_independent_init=false"
+        )
+    return parameter.default
+
+
+def _mamba_rule(module: torch.nn.Module, attribute: str) -> Callable[[torch.Tensor], Any] | float:
+    """megatron's ``MambaMixer`` init of its own (non-linear) parameters, element by element.
+
+    ``conv1d_weight``: ``kaiming_uniform_(a=sqrt(5))`` (fan-in ``d_conv``: the tile keeps
+    the last two axes whole, so the bound is the full tensor's) or ``uniform(+-conv_init)``;
+    ``conv1d_bias``: ``uniform(+-1/sqrt(d_conv))``; ``dt_bias``: the inverse softplus of
+    ``dt = exp(U[0,1) * (ln dt_max - ln dt_min) + ln dt_min)`` clamped at ``dt_init_floor``;
+    ``A_log``: ``ln U[A_init_range)``; ``D``: ones.
+    """
+    if attribute == "D":
+        return 1.0
+    if attribute == "conv1d_weight":
+        conv_init = _mixer_setting(module, "conv_init")
+        if conv_init is None:
+            return lambda tile: torch.nn.init.kaiming_uniform_(tile, a=math.sqrt(5))
+        return lambda tile: torch.nn.init.uniform_(tile, -conv_init, conv_init)
+    if attribute == "conv1d_bias":
+        bound = 1 / math.sqrt(_mixer_setting(module, "d_conv"))
+        return lambda tile: torch.nn.init.uniform_(tile, -bound, bound)
+    if attribute == "dt_bias":
+        low = math.log(_mixer_setting(module, "dt_min"))
+        high = math.log(_mixer_setting(module, "dt_max"))
+        floor = _mixer_setting(module, "dt_init_floor")
+
+        def dt_bias(tile: torch.Tensor) -> None:
+            dt = torch.exp(tile.uniform_() * (high - low) + low).clamp(min=floor)
+            tile.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
+
+        return dt_bias
+    if attribute == "A_log":
+        a_low, a_high = _mixer_setting(module, "A_init_range")
+        return lambda tile: tile.uniform_(a_low, a_high).log_()
+    raise LayoutInitError(
+        f"layout-independent initialisation does not know parameter {attribute!r} of "
+        f"{type(module).__name__}; set rng.layout_independent_init=false"
+    )
+
+
+_MAMBA_PARAMETERS = frozenset({"conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D"})
+
+
 def _init_rule(
     key: str, module: torch.nn.Module, attribute: str, config: TransformerConfig
 ) -> Callable[[torch.Tensor], Any] | float:
     """The init method megatron applies to this parameter, or the constant it sets."""
+    if type(module) is torch.nn.Linear:
+        # torch's own init (kaiming_uniform_(a=sqrt(5)) and its bias rule): both are
+        # uniform(+-1/sqrt(in_features)) (the MIMO patch embedding and projection).
+        bound = 1 / math.sqrt(module.in_features)
+        return lambda tile: torch.nn.init.uniform_(tile, -bound, bound)
     parts = key.split(".")
     owner = parts[-2] if len(parts) >= 2 else ""
     gamma = 0.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 1.0
@@ -224,10 +331,21 @@ def _init_rule(
         return gamma
     if attribute in _NORM_BIASES:
         return 0.0
+    if type(module).__name__ in _GATED_NORMS:
+        return 1.0
     if _is_norm(module):
         return gamma if attribute == "weight" else 0.0
+    if attribute in _MAMBA_PARAMETERS:
+        return _mamba_rule(module, attribute)
     if owner == "router":
         # megatron's TopKRouter draws its weight (and bias) with init_method.
+        return config.init_method
+    if attribute == "position_embedding":
+        # bridge-mimo's PatchEncoder: a learned table drawn as normal(0, init_method_std).
+        return config.init_method
+    if attribute == "softmax_offset":
+        # The learnable attention sinks (gpt-oss): megatron's DotProductAttention draws
+        # them with init_method.
         return config.init_method
     if attribute == "bias":
         return 0.0
@@ -259,14 +377,17 @@ def _sharded_tensors(chunk: torch.nn.Module) -> Iterator[Any]:
 
 @torch.no_grad()
 def initialize_layout_independent(
-    chunks: Sequence[torch.nn.Module], config: TransformerConfig, seed: int
+    chunks: Sequence[torch.nn.Module], config: TransformerConfig | None, seed: int
 ) -> None:
     """Draw every parameter of ``chunks`` from its global identity (see the module docstring).
 
     Args:
         chunks: This rank's model chunks (one per virtual pipeline stage), built under the
             current parallel state, not yet wrapped.
-        config: The model's ``TransformerConfig`` (its init methods and norm settings).
+        config: The model's ``TransformerConfig`` (its init methods and norm settings),
+            used for the parameters of modules without a ``config`` of their own or of an
+            enclosing module's (megatron modules carry theirs, and it wins: a MIMO model's
+            modules each have one); ``None`` where every module has one.
         seed: The run's seed (``rng.seed``).
 
     Raises:
@@ -276,7 +397,7 @@ def initialize_layout_independent(
     # Draws use torch's CPU generator, reseeded per tile; the caller's stream is restored.
     with torch.random.fork_rng(devices=[]):
         for chunk in chunks:
-            owners = _parameter_owners(chunk)
+            owners = _parameter_owners(chunk, config)
             done: set[int] = set()
             for sharded in _sharded_tensors(chunk):
                 data = sharded.data
@@ -287,8 +408,8 @@ def initialize_layout_independent(
                     continue  # a buffer (e.g. MoE token counts): megatron's value stands
                 if sharded.flattened_range is not None:
                     raise LayoutInitError(f"{sharded.key}: flattened shards are not drawn here")
-                _, module, attribute = owners[address]
-                rule = _init_rule(sharded.key, module, attribute, config)
+                _, module, attribute, module_config = owners[address]
+                rule = _init_rule(sharded.key, module, attribute, module_config)
                 if isinstance(rule, float):
                     data.fill_(rule)
                 else:
@@ -302,7 +423,7 @@ def initialize_layout_independent(
                         rule,
                     )
                 done.add(address)
-            missing = [name for address, (name, _, _) in owners.items() if address not in done]
+            missing = [name for address, (name, *_) in owners.items() if address not in done]
             if missing:
                 raise LayoutInitError(
                     f"parameters {missing[:5]} are not in the model's sharded state dict, so "

@@ -16,6 +16,7 @@ The run itself is :func:`bridge.train.loop.pretrain_mimo.pretrain_mimo`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,8 +24,9 @@ import torch
 
 import bridge.mimo as mimo
 from bridge.config import ConfigError
+from bridge.train.models.layout_init import initialize_layout_independent
 
-__all__ = ["MimoModelConfig", "mimo_layout"]
+__all__ = ["MimoModelConfig", "build_mimo_recipe_model", "mimo_layout"]
 
 
 @dataclass(kw_only=True)
@@ -203,3 +205,31 @@ def mimo_layout(model: MimoModelConfig, world_size: int) -> Any:
             "language": mimo.ModulePlacement(ranks=range(half, world_size), tp=tp),
         }
     )
+
+
+def build_mimo_recipe_model(
+    model: MimoModelConfig, infra: Any, seed: int, layout_seed: int | None
+) -> Any:
+    """Build this rank's modules of the tiny vision-language model (on the CPU).
+
+    Args:
+        model: The ``model`` section.
+        infra: bridge.mimo's infra of the job's layout.
+        seed: ``rng.seed`` (bridge.mimo seeds each leaf module's draw from it).
+        layout_seed: The seed of layout-independent initialisation
+            (:func:`~bridge.train.models.layout_init.layout_independent_seed`), or ``None``.
+            When set, megatron's own draw is skipped and every module's shards are drawn
+            from their sharded keys, each module with its own config's init methods (the
+            vision encoder's and the language model's), so every module layout starts from
+            the same weights with no rank drawing more than its shards plus one tile.
+
+    Returns:
+        bridge.mimo's ``MimoModel``.
+    """
+    vlm = model.tiny_vlm_config()
+    if layout_seed is not None:
+        vlm = dataclasses.replace(vlm, perform_initialization=False)
+    built = mimo.build_mimo_model(infra, init_seed=seed, **mimo.tiny_vlm_specs(vlm, infra))
+    if layout_seed is not None:
+        initialize_layout_independent([built], None, layout_seed)
+    return built

@@ -157,6 +157,11 @@ class PortableMambaMixer(MegatronModule):
         self.config = config
         self.d_model = d_model
         self.d_conv = d_conv
+        # The init settings, kept as megatron's mixer keeps conv_init (layout-independent
+        # initialisation draws these parameters again from them).
+        self.conv_init = conv_init
+        self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
+        self.A_init_range = A_init_range
         self.chunk_size = chunk_size
         self.layer_number = layer_number
         self.D_has_hdim = D_has_hdim

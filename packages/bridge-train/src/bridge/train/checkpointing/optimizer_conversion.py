@@ -1,0 +1,288 @@
+"""Optimizer state saved by another kind of megatron optimizer, loaded into this run's.
+
+Every per-parameter optimizer tensor is saved under its parameter's layout-free sharded key
+by megatron-core's non-distributed optimizers (``optimizer.state.exp_avg.<key>``, fp32 main
+parameters of a bf16/fp16 model as ``optimizer.state.fp32_param.<key>``) and by its
+distributed optimizer in the ``fully_reshardable`` format (the same moment keys, the fp32
+main parameter as ``optimizer.state.param.<key>``). So the tensors of one kind load into
+the template of the other; what differs is the layout around them: how many optimizer parts
+there are (megatron optimises expert-parallel parameters apart when expert parallelism is
+on), how they are numbered and grouped, and where the Adam step and the loss scale live.
+
+:func:`conversion_template` builds this run's own optimizer template with the main-parameter
+keys pointed at the checkpoint's spelling, :func:`converted_optimizer_state` then lays the
+loaded tensors out as this run's optimizer loads them, with this run's parameter groups
+(hyperparameters are the config's, the learning rate and weight decay the restored
+scheduler's) and the saved step and loss scale. Main parameters the checkpoint does not hold
+(it was saved from an fp32 model, whose weights are the main parameters) are refreshed from
+the loaded model weights, which is exact for them.
+
+Used when the saved optimizer format (distributed or per-parameter) or the number of
+optimizer parts differs from this run's: the distributed optimizer switched on or off, and
+expert parallelism switched on or off, also with bf16. Checkpoints of bridge-train's retired
+portable engine (``optimizer_format: portable``) are per-parameter state under megatron's own
+keys (``optimizer.state.exp_avg.<key>``, ``optimizer.state.fp32_param.<key>``, the step as
+``common_step``, the loss scale as ``grad_scaler``), so they convert the same way, into any of
+megatron's optimizers. Distributed-optimizer state of the
+older ``dp_reshardable`` format is kept per data-parallel bucket and cannot be converted
+(refused in ``load._check_reshardable``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+
+from bridge.train.checkpointing.errors import CheckpointError
+
+__all__ = [
+    "OptimizerConversion",
+    "checkpoint_group_bounds",
+    "conversion_template",
+    "converted_optimizer_state",
+]
+
+# The spellings of an fp32 main parameter's key: megatron's non-distributed mixed-precision
+# optimizer, and its distributed optimizer.
+_MAIN_PARAM_PREFIXES = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+
+# Stands for a main parameter the checkpoint does not hold until it is dropped or replaced.
+_FROM_MODEL = object()
+
+
+@dataclass
+class OptimizerConversion:
+    """This run's optimizer template, to be loaded from a checkpoint of another format.
+
+    Attributes:
+        template: ``optimizer.sharded_state_dict(..., is_loading=True)`` with the main
+            parameters' keys renamed to the checkpoint's spelling.
+        to_load: The sharded tensors (and factories) of ``template`` that the checkpoint
+            holds, numbered in template order; load them as a template entry of their own.
+        main_params_from_model: Parts whose fp32 main parameters the checkpoint does not
+            hold; they are refreshed from the loaded model weights.
+    """
+
+    template: Any
+    to_load: dict[int, Any] = field(default_factory=dict)
+    main_params_from_model: bool = False
+
+
+def _main_param_alternative(key: str, saved_keys: Any) -> str | None:
+    """The checkpoint's key of the main parameter ``key`` names, or None if it has none."""
+    for prefix in _MAIN_PARAM_PREFIXES:
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            for other in _MAIN_PARAM_PREFIXES:
+                if other + rest in saved_keys:
+                    return other + rest
+            return None
+    return key  # not a main parameter: loaded under its own key
+
+
+def conversion_template(optimizer_template: Any, saved_keys: Any) -> OptimizerConversion:
+    """Point ``optimizer_template``'s main-parameter keys at the checkpoint's spelling.
+
+    Args:
+        optimizer_template: This run's optimizer sharded state dict for loading.
+        saved_keys: The checkpoint's tensor keys (``load_tensors_metadata``).
+
+    Returns:
+        The conversion plan; the template is changed in place.
+    """
+    conversion = OptimizerConversion(optimizer_template)
+    index = 0
+
+    def plan(value: Any) -> Any:
+        nonlocal index
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            return value
+        key = _main_param_alternative(value.key, saved_keys)
+        if key is None:
+            # An fp32 model's checkpoint: its weights are the main parameters.
+            conversion.main_params_from_model = True
+            return value
+        if key != value.key:
+            value = replace(value, key=key)
+        conversion.to_load[index] = value
+        index += 1
+        return value
+
+    dict_list_map_inplace(plan, optimizer_template)
+    return conversion
+
+
+def _steps(tree: Any) -> set[float]:
+    """Every Adam step a saved optimizer's common state records (``common_step`` of the
+    per-parameter optimizers, ``step`` of the distributed optimizer's parameter groups)."""
+    found: set[float] = set()
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key == "common_step" and value is not None:
+                found.add(float(value))
+            elif key == "param_groups" and isinstance(value, list):
+                found.update(float(g["step"]) for g in value if g.get("step") is not None)
+            else:
+                found |= _steps(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            found |= _steps(value)
+    return found
+
+
+def _grad_scaler(tree: Any) -> Any:
+    """The loss scaler's saved state (fp16), or None."""
+    if isinstance(tree, dict):
+        if isinstance(tree.get("grad_scaler"), dict):
+            return tree["grad_scaler"]
+        for value in tree.values():
+            found = _grad_scaler(value)
+            if found is not None:
+                return found
+    return None
+
+
+def converted_optimizer_state(
+    optimizer: Any,
+    conversion: OptimizerConversion,
+    loaded: dict[int, Any],
+    saved_common: Any,
+    path: str,
+) -> Any:
+    """The state ``optimizer.load_state_dict`` takes, from another format's checkpoint.
+
+    Args:
+        optimizer: This run's megatron optimizer (chained or not).
+        conversion: From :func:`conversion_template`.
+        loaded: The loaded tensors of ``conversion.to_load`` (same numbering).
+        saved_common: The checkpoint's common (non-tensor) ``optimizer`` entry.
+        path: The checkpoint directory (for messages).
+
+    Returns:
+        The state dict for ``optimizer.load_state_dict``.
+
+    Raises:
+        CheckpointError: The checkpoint records no step, or differing steps.
+    """
+    steps = _steps(saved_common)
+    if len(steps) != 1:
+        raise CheckpointError(
+            f"{path}: its optimizer state records "
+            + ("no Adam step" if not steps else f"differing steps {sorted(steps)}")
+            + ", so it cannot be converted to this run's optimizer; set "
+            "checkpoint.load_optim=False to load the model (and train state) alone"
+        )
+    step = steps.pop()
+    scaler = _grad_scaler(saved_common)
+    # Walk the template in the order conversion_template numbered it, matching the tensors
+    # loaded by identity; the others are main parameters refreshed from the model later.
+    order = iter(sorted(conversion.to_load))
+    expected = next(order, None)
+
+    def fill(value: Any) -> Any:
+        nonlocal expected
+        if isinstance(value, LocalNonpersistentObject):  # megatron's parameter indices
+            return value.unwrap()
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            return value
+        if expected is not None and conversion.to_load[expected] is value:
+            tensor = loaded[expected]
+            expected = next(order, None)
+            return tensor
+        return _FROM_MODEL
+
+    state = conversion.template
+    dict_list_map_inplace(fill, state)
+    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    parts = [state[i] for i in range(len(inners))] if len(inners) > 1 else [state]
+    for inner, part in zip(inners, parts, strict=True):
+        kind = type(inner).__name__
+        if kind == "DistributedOptimizer":
+            for group in part["optimizer"]["param_groups"]:
+                group["step"] = step
+            # Left out, megatron's loader keeps the main parameter as it is (a view of an
+            # fp32 model's loaded weight, else refreshed from the model afterwards).
+            for tensors in part["param_state"].values():
+                if tensors.get("param") is _FROM_MODEL:
+                    del tensors["param"]
+        elif hasattr(inner, "fp32_from_float16_groups"):
+            part["optimizer"]["state"]["common_step"] = torch.tensor(step)
+            # Copied onto themselves, then refreshed from the model afterwards.
+            part["fp32_from_fp16_params"] = [
+                [
+                    own if value is _FROM_MODEL else value
+                    for value, own in zip(saved, mine, strict=True)
+                ]
+                for saved, mine in zip(
+                    part["fp32_from_fp16_params"], inner.fp32_from_float16_groups, strict=True
+                )
+            ]
+        else:
+            part["state"]["common_step"] = torch.tensor(step)
+        if scaler is not None and getattr(inner, "grad_scaler", None) is not None:
+            part["grad_scaler"] = scaler
+    return state if len(inners) > 1 else parts[0]
+
+
+# What pairs a saved parameter group with one of this run's across a conversion: megatron's
+# group identity without ``is_expert_parallel`` (expert parameters are grouped apart only
+# when EP > 1) and without the learning-rate bounds being paired.
+_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr")
+
+
+def _param_groups(tree: Any) -> list[dict[str, Any]]:
+    """Every parameter group a saved optimizer's common state holds (all parts)."""
+    if isinstance(tree, dict):
+        found: list[dict[str, Any]] = []
+        for key, value in tree.items():
+            if key == "param_groups" and isinstance(value, list):
+                found.extend(g for g in value if isinstance(g, dict))
+            else:
+                found.extend(_param_groups(value))
+        return found
+    if isinstance(tree, (list, tuple)):
+        return [g for value in tree for g in _param_groups(value)]
+    return []
+
+
+def checkpoint_group_bounds(
+    optimizer: Any, saved_common: Any, bound_keys: tuple[str, ...], path: str
+) -> list[tuple[Any, int, dict[str, Any]]]:
+    """The checkpoint's schedule bounds (``max_lr``, ``min_lr``, ...) for each of this run's
+    parameter groups, for ``scheduler.use_checkpoint_opt_param_scheduler`` after a
+    conversion (the converted state carries this run's groups).
+
+    Returns:
+        ``(inner optimizer, group index, bounds)`` per group.
+
+    Raises:
+        CheckpointError: A group has no saved counterpart, or several with other bounds.
+    """
+    saved = _param_groups(saved_common)
+    result = []
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for index, group in enumerate(inner.param_groups):
+            identity = tuple(group.get(k) for k in _GROUP_IDENTITY)
+            candidates = {
+                tuple((k, g[k]) for k in bound_keys if k in g)
+                for g in saved
+                if tuple(g.get(k) for k in _GROUP_IDENTITY) == identity
+            }
+            if len(candidates) != 1:
+                raise CheckpointError(
+                    f"{path}: scheduler.use_checkpoint_opt_param_scheduler=True, but the "
+                    f"checkpoint's parameter groups with {dict(zip(_GROUP_IDENTITY, identity, strict=True))} "
+                    f"hold {len(candidates)} different learning-rate/weight-decay bounds for "
+                    "this run's converted optimizer; set scheduler.override_opt_param_scheduler"
+                    "=True to use the config's bounds"
+                )
+            result.append((inner, index, dict(candidates.pop())))
+    return result
