@@ -110,8 +110,9 @@ class GenerationController(TextGenerationController):
         and each token's position in its own prompt.
 
         megatron's loop slices the mask to ``[..., start:end, :end]`` at every step, so the
-        padding stays hidden while the rows decode; the position ids feed learned position
-        embeddings (rotary ones follow :class:`~bridge.train.generate.rotary_cache.LeftPaddedStaticContext`).
+        padding stays hidden while the rows decode. The position ids are what a position
+        embedding table reads; rotary embeddings ignore them in megatron and follow
+        :class:`~bridge.train.generate.rotary_cache.LeftPaddedStaticContext` instead.
         """
         inference_input = super().prep_inference_input(
             prompts_tokens, active_requests, use_attention_mask

@@ -172,6 +172,11 @@ class TextGenerator:
             ``seq_length``: learned position embeddings have no more rows).
         max_batch_size: Prompts generated together at most; more are done in turn.
         vocab_limit: Token ids that may be generated (default: the tokenizer's vocabulary).
+
+    Attributes:
+        pads_prompts: Whether prompts of different lengths are left-padded into one prefill
+            (every attention layer caches rotated keys and positions are not a learned
+            table); otherwise megatron's static path feeds longer prompts token by token.
     """
 
     def __init__(
