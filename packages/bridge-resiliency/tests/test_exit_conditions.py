@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
@@ -103,6 +104,43 @@ def test_signal_is_recorded_not_fatal_and_the_handler_is_restored() -> None:
         exits.close()
     assert signal.getsignal(signal.SIGUSR1) is before
     exits.close()  # idempotent
+
+
+def test_a_process_forked_from_the_trainer_neither_reports_nor_dies_of_the_signal() -> None:
+    """megatron's fork-per-save checkpoint writer and data loader workers are forked from
+    the trainer and inherit the handler: the signal sent to the rank's process group must
+    not end them (the writer finishes what the rank commits) and must not be reported as
+    the rank's (the elastic drill logged every SIGTERM twice)."""
+    exits = ExitConditions.from_config(
+        TrainingConfig(train_iters=5, exit_signal_handler=True, exit_signal=signal.SIGUSR2),
+        save_enabled=True,
+    )
+    try:
+        handler = exits.signal_handler
+        assert handler is not None
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: wait for the signal, let the handler run, report its count
+            os.close(read)
+            woken_read, woken_write = os.pipe()
+            os.set_blocking(woken_write, False)
+            signal.set_wakeup_fd(woken_write)  # a byte per signal, before the handler runs
+            os.write(write, b"x")
+            select.select([woken_read], [], [], 20)
+            time.sleep(0.1)  # the Python-level handler runs between these bytecodes
+            os._exit(10 + handler.count)
+        os.close(write)
+        assert os.read(read, 1) == b"x"
+        os.close(read)
+        os.kill(pid, signal.SIGUSR2)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status), f"the child died of the signal: {status}"
+        assert os.WEXITSTATUS(status) == 10, "the child counted the rank's signal"
+        # The trainer's own process still records it.
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert handler.count == 1
+    finally:
+        exits.close()
 
 
 def test_switched_off_requesters_add_no_collective() -> None:

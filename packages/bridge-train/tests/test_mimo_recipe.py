@@ -77,6 +77,15 @@ def test_split_layout_of_four_ranks() -> None:
             ["train.skip_train=true"],
             "train.skip_train: got true; the MIMO recipe does not support it",
         ),
+        (
+            ["rng.layout_independent_init=false", "rng.data_parallel_random_init=true"],
+            "rng.data_parallel_random_init: got true; the MIMO recipe draws every module once "
+            "for all its data-parallel ranks and would ignore it",
+        ),
+        (
+            ["rng.te_rng_tracker=true"],
+            "rng.te_rng_tracker: got true; the MIMO recipe sets up no CUDA RNG tracker",
+        ),
     ],
 )
 def test_unsupported_train_settings_are_refused(overrides: list[str], message: str) -> None:

@@ -63,6 +63,7 @@ class ExitSignalHandler:
             )
         self.count = 0
         self._previous: _Handler = None
+        self._pid = os.getpid()
         self._installed = False
         if install:
             self.install()
@@ -91,6 +92,7 @@ class ExitSignalHandler:
                 "main thread; build the handler (or ExitConditions) in the main thread"
             )
         self._previous = signal.signal(self.signal, self._handle)
+        self._pid = os.getpid()
         self._installed = True
 
     def release(self) -> None:
@@ -101,6 +103,14 @@ class ExitSignalHandler:
         self._installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # A process forked from the trainer (megatron's fork-per-save checkpoint writer, a
+        # data loader worker) inherits this handler. It must not report the rank's signal
+        # (the elastic drill's logs showed each SIGTERM twice, once from such a child), and
+        # it must not die either: the writer finishes the checkpoint the rank commits, the
+        # worker serves the batches the rank needs to reach its save (what
+        # DataloaderSignalGuard makes explicit). The rank ends them when it exits.
+        if os.getpid() != self._pid:
+            return
         # Runs in the main thread between two bytecodes: only count, never raise, so a
         # checkpoint being written when the signal arrives is completed.
         self.count += 1

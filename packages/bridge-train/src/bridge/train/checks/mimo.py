@@ -19,6 +19,7 @@ from bridge.config import (
     ConfigError,
     OptimizerConfigProtocol,
     RerunStateMachineConfig,
+    RNGConfig,
     SchedulerConfig,
     TrainingConfig,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "no_rerun_state_machine",
     "schedule_fits_run",
     "section_is_unused",
+    "unsupported_rng_settings",
     "unsupported_train_settings",
 ]
 
@@ -90,6 +92,21 @@ def unsupported_train_settings(train: TrainingConfig) -> None:
             f"got {interval}; the MIMO recipe's modules have data-parallel groups of their "
             "own, which megatron's weight-hash check does not know: unset it",
         )
+
+
+def unsupported_rng_settings(rng: RNGConfig) -> None:
+    """``rng`` settings the recipe does not act on: it seeds its modules with ``rng.seed``
+    (and ``rng.layout_independent_init``) alone, through bridge-mimo's own set-up."""
+    for name, meaning in (
+        ("data_parallel_random_init", "draws every module once for all its data-parallel ranks"),
+        ("te_rng_tracker", "sets up no CUDA RNG tracker"),
+        ("inference_rng_tracker", "sets up no CUDA RNG tracker"),
+    ):
+        if getattr(rng, name):
+            raise ConfigError(
+                f"rng.{name}",
+                f"got true; the MIMO recipe {meaning} and would ignore it: set rng.{name}=false",
+            )
 
 
 def layout_fits_world_and_batches(

@@ -98,7 +98,10 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     "optimizer": (Rule(mimo.learning_rate_is_set, MIMO),),
     "scheduler": (Rule(mimo.schedule_fits_run, MIMO),),
     "dist": (Rule(rules.distributed_backend_resolves),),
-    "rng": (Rule(rules.initialisation_is_possible, BOTH),),
+    "rng": (
+        Rule(rules.initialisation_is_possible, BOTH),
+        Rule(mimo.unsupported_rng_settings, MIMO),
+    ),
     "rerun_state_machine": (
         Rule(rules.rerun_state_machine_needs_cuda, GPT),
         Rule(mimo.no_rerun_state_machine, MIMO),
