@@ -27,15 +27,14 @@ Each wait gives up after :data:`WAIT_LIMIT` seconds (exit 3), so nothing waits f
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WAIT_LIMIT", "SampleRecorder", "recording_step", "resumed_from"]
+__all__ = ["WAIT_LIMIT", "recording_step", "resumed_from"]
 
 #: Seconds any hold or wait lasts at most before the worker gives up (exit 3).
 WAIT_LIMIT = 600.0
@@ -48,32 +47,13 @@ def resumed_from(save: Path) -> int:
     return int(tracker.read_text().strip()) if tracker.exists() else 0
 
 
-class SampleRecorder:
-    """An iterator over the trainer's micro-batches that appends, for every sample, the
-    iteration counter and a digest of its tokens to ``path``."""
-
-    def __init__(self, inner: Iterator[Any], state: Any, path: Path) -> None:
-        self.inner, self.state, self.path = inner, state, path
-
-    def __iter__(self) -> SampleRecorder:
-        return self
-
-    def __next__(self) -> Any:
-        batch = next(self.inner)
-        step = int(self.state.train_state.step)
-        with self.path.open("a", encoding="utf-8") as out:
-            for row in batch["tokens"]:
-                digest = hashlib.sha256(row.cpu().numpy().tobytes()).hexdigest()[:16]
-                out.write(f"{step} {digest}\n")
-        return batch
-
-
 def recording_step(
     path: Path, holds: set[tuple[int, int]] | None = None, marks: Path | None = None
 ) -> Callable[[Any, Any, Any], Any]:
     """:func:`bridge.train.forward_step` recording its samples into ``path``, and holding
     once at each ``(iteration, world)`` of ``holds`` (see the module docstring)."""
     from bridge.train import forward_step
+    from bridge.train.testing import SampleRecorder
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0")
     pending = set(holds or ())

@@ -29,6 +29,7 @@ from bridge.config import DistributedDataParallelConfig, LoggerConfig
 from bridge.train import forward_step, pretrain
 from bridge.train.metrics import read_metrics_file
 from bridge.train.testing import (
+    SampleRecorder,
     tiny_config_container,
     tiny_gpt_provider,
     tiny_optimizer_config,
@@ -150,34 +151,12 @@ def _fresh_runs(rank: int, world: int, out: str, layouts: list[str]) -> int:
     return 0
 
 
-class _SampleRecorder:
-    """An iterator over the trainer's micro-batches that appends, for every sample, the step
-    and a digest of its tokens to a file (one per rank): which samples each step consumed."""
-
-    def __init__(self, inner: Any, state: Any, path: str) -> None:
-        self.inner, self.state, self.path = inner, state, path
-
-    def __iter__(self) -> _SampleRecorder:
-        return self
-
-    def __next__(self) -> Any:
-        import hashlib
-
-        batch = next(self.inner)
-        step = int(self.state.train_state.step)
-        with open(self.path, "a", encoding="utf-8") as out:
-            for row in batch["tokens"]:
-                digest = hashlib.sha256(row.cpu().numpy().tobytes()).hexdigest()[:16]
-                out.write(f"{step} {digest}\n")
-        return batch
-
-
 def _recording_step(path: str) -> Any:
     """:func:`bridge.train.forward_step` recording the samples it consumes into ``path``."""
 
     def step(state: Any, data_iterator: Any, model: Any) -> Any:
         if data_iterator is not None:
-            data_iterator = _SampleRecorder(data_iterator, state, path)
+            data_iterator = SampleRecorder(data_iterator, state, path)
         return forward_step(state, data_iterator, model)
 
     return step

@@ -7,6 +7,7 @@ dropout, so runs are comparable across parallel layouts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from bridge.train.state import TrainState
 
 __all__ = [
     "TINY_VOCAB",
+    "SampleRecorder",
     "tiny_config_container",
     "tiny_dist_config",
     "tiny_gpt_provider",
@@ -51,6 +53,30 @@ __all__ = [
 
 TINY_VOCAB = 128
 """Vocabulary size of the tiny model and of the null tokenizer of its mock data."""
+
+
+class SampleRecorder:
+    """Wraps a forward step's micro-batch iterator and appends, for every sample it hands
+    out, a line ``"<iteration> <digest>"`` to ``path`` (the iteration being trained, read
+    from ``state.train_state.step``; the digest: the first 16 hex digits of the SHA-256 of
+    the sample's tokens). Which samples each iteration consumed, checkable across restarts
+    and layouts: wrap the iterator inside the forward step (one file per rank).
+    """
+
+    def __init__(self, inner: Iterator[Any], state: Any, path: str | Path) -> None:
+        self.inner, self.state, self.path = inner, state, Path(path)
+
+    def __iter__(self) -> SampleRecorder:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.inner)
+        step = int(self.state.train_state.step)
+        with self.path.open("a", encoding="utf-8") as out:
+            for row in batch["tokens"]:
+                digest = hashlib.sha256(row.cpu().numpy().tobytes()).hexdigest()[:16]
+                out.write(f"{step} {digest}\n")
+        return batch
 
 
 def tiny_gpt_provider(**overrides: Any) -> GPTModelProvider:
