@@ -21,6 +21,7 @@ import json
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -207,8 +208,49 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             )
             for p, c in zip(PROMPTS, completions, strict=True)
         )
-        one_by_one = [generator.generate([p], greedy)[0].token_ids for p in PROMPTS]
-        out["one_by_one"] = one_by_one
+        # Keys rotated before caching: the same logits, bit for bit, as megatron's own
+        # static path (which rotates every cached key again at every step).
+        from bridge.train.generate import generator as generator_module
+        from bridge.train.generate.rotary_cache import rotate_keys_before_caching
+
+        # (Without left padding, which megatron's path does not have.)
+        with rotate_keys_before_caching(loaded.model[0]) as switched:
+            out["rotary_layers_switched"] = switched
+        generator.pads_prompts = False
+        try:
+            rotated = generator.generate(PROMPTS, greedy, return_logits=True)
+            with mock.patch.object(
+                generator_module,
+                "rotate_keys_before_caching",
+                lambda _: contextlib.nullcontext(0),
+            ):
+                plain = generator.generate(PROMPTS, greedy, return_logits=True)
+        finally:
+            generator.pads_prompts = True
+        out["plain_greedy"] = [c.token_ids for c in plain]
+        out["plain_logits_equal"] = all(
+            torch.equal(a.logits, b.logits) for a, b in zip(plain, rotated, strict=True)
+        )
+        out["instance_attributes_left"] = [
+            name
+            for name, module in loaded.model[0].named_modules()
+            if "_adjust_key_value_for_inference" in vars(module)
+        ]
+        alone = [generator.generate([p], greedy, return_logits=True)[0] for p in PROMPTS]
+        out["one_by_one"] = [c.token_ids for c in alone]
+        out["batched_vs_alone_logit_error"] = max(
+            float((a.logits - b.logits).abs().max())
+            for a, b in zip(alone, completions, strict=True)
+        )
+        # Prompts of 3 to 12 tokens in one batch: one prefill, then one step per new token
+        # (megatron's static path alone takes 12 - 3 steps more, feeding the longer prompts).
+        forwards: list[int] = []
+        hook = loaded.model[0].register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            generator.generate(PROMPTS, greedy)
+        finally:
+            hook.remove()
+        out["batched_forward_steps"] = len(forwards)
         sample = SamplingOptions.sampling(NEW, temperature=0.9, top_k=20, seed=7, stop_at_eod=False)
         out["sampled"] = [
             [c.token_ids for c in generator.generate(PROMPTS, sample)] for _ in range(2)
@@ -228,9 +270,10 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             if tokenizer.detokenize(ids[j : j + 1]) not in tokenizer.detokenize(ids[:j])
         )
         stop = tokenizer.detokenize(ids[cut : cut + 1])
+        # In a batch: the row is left-padded, the stop string is found after its padding.
         stopped = generator.generate(
-            [PROMPTS[1]], SamplingOptions(NEW, stop=(stop,), stop_at_eod=False)
-        )[0]
+            PROMPTS, SamplingOptions(NEW, stop=(stop,), stop_at_eod=False)
+        )[1]
         out["stop"] = {
             "cut": cut,
             "word": stop,
@@ -241,9 +284,9 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         }
         pieces: list[tuple[int, str, bool]] = []
         streamed = generator.generate(
-            [PROMPTS[0]],
+            PROMPTS,
             SamplingOptions(NEW, stop_at_eod=False),
-            on_text=lambda i, text, done: pieces.append((i, text, done)),
+            on_text=lambda i, text, done: pieces.append((i, text, done)) if i == 0 else None,
         )[0]
         out["stream"] = {"pieces": pieces, "text": streamed.text}
     finally:
@@ -340,6 +383,26 @@ def test_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:
 
 def test_kv_cached_logits_equal_full_forward(generated: dict[str, Any]) -> None:
     assert generated["one"]["logit_error"] < 1e-5
+
+
+def test_prompts_of_different_lengths_share_one_prefill(generated: dict[str, Any]) -> None:
+    """Left-padded and masked: one forward for all four prompts, then one per new token;
+    each row's logits are the ones it gets alone (row 0, the shortest, is padded most)."""
+    one = generated["one"]
+    assert one["batched_forward_steps"] == NEW
+    assert one["batched_vs_alone_logit_error"] < 1e-5
+    assert one["greedy"] == one["one_by_one"]
+
+
+def test_rotating_keys_before_caching_changes_no_logit(generated: dict[str, Any]) -> None:
+    """Keys cached after RoPE (rotary_cache) against megatron's static path, which caches
+    them before RoPE and rotates the whole cache at every step: the same tokens and the
+    same logits bit for bit, on every attention layer, and nothing left on the modules."""
+    one = generated["one"]
+    assert one["rotary_layers_switched"] == 2
+    assert one["plain_greedy"] == one["greedy"]
+    assert one["plain_logits_equal"]
+    assert one["instance_attributes_left"] == []
 
 
 def test_moe_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:

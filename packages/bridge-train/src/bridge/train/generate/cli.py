@@ -27,11 +27,13 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from bridge.config import LoggerConfig
 from bridge.config.notices import held_notices, silence_known_fallback_notices
-from bridge.train.data.tokenizers import Tokenizer
+
+if TYPE_CHECKING:  # bridge.train.data imports torch: `bridge-generate --help` stays fast
+    from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = ["EXIT_INPUT_ERROR", "build_parser", "main"]
 

@@ -3,7 +3,12 @@
 :class:`GenerationController` is megatron-core's ``TextGenerationController`` (its static
 batch path: prefill up to the shortest prompt, then one token per step through the KV cache
 of a ``StaticInferenceContext``, longer prompts fed their own tokens until they start
-generating) with three hooks on the methods that controller calls every step:
+generating) with four hooks on the methods that controller calls:
+
+* ``prep_inference_input`` (once per batch): for rows the generator left-padded to the
+  longest prompt, a mask hiding the padding and each token's position in its own prompt,
+  so every prompt ends in the same slot and the "shortest prompt" is all of them: one
+  prefill.
 
 * ``sample_from_logits``: only the tokenizer's ids can be chosen. The output layer has
   ``padded_vocab_size`` columns (rounded up for tensor parallelism); the rows past the real
@@ -63,6 +68,8 @@ class BatchState:
         stop: Stop strings (empty: none).
         record_logits: Keep every step's logits (``[rows, vocab]``, float32).
         listener: Receives the tokens of streamed requests.
+        left_padding: Padding slots before each row's prompt (empty: none), see
+            :meth:`GenerationController.prep_inference_input`.
         logits: The recorded logits, one tensor per step.
     """
 
@@ -70,6 +77,7 @@ class BatchState:
     stop: Sequence[str] = ()
     record_logits: bool = False
     listener: TokenListener | None = None
+    left_padding: Sequence[int] = ()
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -90,6 +98,35 @@ class GenerationController(TextGenerationController):
         super().__init__(inference_wrapped_model, tokenizer)
         self.vocab_limit = int(vocab_limit)
         self.batch: BatchState | None = None
+
+    def prep_inference_input(
+        self,
+        prompts_tokens: torch.Tensor,
+        active_requests: Any,
+        use_attention_mask: bool = False,
+    ) -> dict[str, Any]:
+        """megatron's inputs; for left-padded rows, a mask that hides the padding slots from
+        every query (causal besides, ``[batch, 1, s, s]``, ``True`` = masked as in megatron)
+        and each token's position in its own prompt.
+
+        megatron's loop slices the mask to ``[..., start:end, :end]`` at every step, so the
+        padding stays hidden while the rows decode. The position ids are what a position
+        embedding table reads; rotary embeddings ignore them in megatron and follow
+        :class:`~bridge.train.generate.rotary_cache.LeftPaddedStaticContext` instead.
+        """
+        inference_input = super().prep_inference_input(
+            prompts_tokens, active_requests, use_attention_mask
+        )
+        if self.batch is None or not any(self.batch.left_padding):
+            return inference_input
+        device = prompts_tokens.device
+        padding = torch.tensor(list(self.batch.left_padding), device=device)
+        slots = torch.arange(prompts_tokens.size(1), device=device)
+        causal = slots[None, :] <= slots[:, None]
+        keep = causal[None] & (slots[None, :] >= padding[:, None])[:, None, :]
+        inference_input["attention_mask"] = ~keep[:, None]
+        inference_input["position_ids"] = (slots[None, :] - padding[:, None]).clamp(min=0)
+        return inference_input
 
     def sample_from_logits(
         self,
@@ -137,12 +174,17 @@ class GenerationController(TextGenerationController):
         if batch is None or not batch.stop:
             return done, lengths
         # The token just chosen is counted in ``lengths`` (megatron counts every token
-        # of an unfinished row): a stop ends the row with that token included.
+        # of an unfinished row): a stop ends the row with that token included. One
+        # transfer each for the flags and the tokens, not one per row.
+        finished = done.tolist()
+        started = generation_started.tolist()
+        padding = list(batch.left_padding) or [0] * len(batch.prompts)
+        rows = updated_prompts_tokens[:, : current_context_end_position + 1].tolist()
         for row, prompt in enumerate(batch.prompts):
-            if bool(done[row]) or not bool(generation_started[row]):
+            if finished[row] or not started[row]:
                 continue
-            start = len(prompt)
-            ids = updated_prompts_tokens[row, start : current_context_end_position + 1].tolist()
+            start = padding[row] + len(prompt)
+            ids = rows[row][start:]
             text = continuation_text(self.tokenizer, prompt, ids)
             if any(stop in text for stop in batch.stop):
                 done[row] = True

@@ -4,7 +4,11 @@ Prompts go through megatron-core's inference machinery: the model is wrapped in 
 ``GPTInferenceWrapper`` with a ``StaticInferenceContext`` (the KV cache, sized for each
 batch) and driven by its text generation controller's static-batch path
 (:class:`~bridge.train.generate.controller.GenerationController`), the path megatron's
-``StaticInferenceEngine(legacy=True)`` runs. Prompts of different lengths share a batch.
+``StaticInferenceEngine(legacy=True)`` runs, under megatron's ``InferenceMode`` as that engine
+runs it. Two changes make it fast on a CPU (see :mod:`~bridge.train.generate.rotary_cache`):
+keys enter the KV cache already rotated, and prompts of different lengths are left-padded
+(the padding masked, each row positioned by its own prompt) into one prefill, where megatron
+alone prefills up to the shortest prompt and feeds the longer ones one token per step.
 Under tensor or pipeline parallelism every rank of the model-parallel group calls
 :meth:`TextGenerator.generate` with the same prompts and options, and every rank gets the
 same completions (the logits are gathered over the tensor-parallel group and broadcast from
@@ -29,6 +33,8 @@ from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
 )
+from megatron.core.inference.utils import InferenceMode
+from megatron.core.utils import unwrap_model
 
 from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.generate.controller import (
@@ -38,6 +44,11 @@ from bridge.train.generate.controller import (
 )
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.options import SamplingOptions
+from bridge.train.generate.rotary_cache import (
+    LeftPaddedStaticContext,
+    caches_rotated_keys,
+    rotate_keys_before_caching,
+)
 
 __all__ = ["Completion", "TextCallback", "TextGenerator", "inference_module"]
 
@@ -161,6 +172,11 @@ class TextGenerator:
             ``seq_length``: learned position embeddings have no more rows).
         max_batch_size: Prompts generated together at most; more are done in turn.
         vocab_limit: Token ids that may be generated (default: the tokenizer's vocabulary).
+
+    Attributes:
+        pads_prompts: Whether prompts of different lengths are left-padded into one prefill
+            (every attention layer caches rotated keys and positions are not a learned
+            table); otherwise megatron's static path feeds longer prompts token by token.
     """
 
     def __init__(
@@ -185,6 +201,16 @@ class TextGenerator:
             self.module, StaticInferenceContext(1, self.max_sequence_length)
         )
         self.controller = GenerationController(self.wrapper, tokenizer, limit)
+        # Prompts of different lengths are left-padded into one prefill where every
+        # attention layer can rotate each row by its own positions. Not with learned
+        # absolute positions (GPT-2): there the KV-cached logits of the tiny test model sit
+        # at the 1e-5 bound's edge in fp32 on megatron's own path (9.8e-6 batched, 2.0e-5
+        # for one prompt alone), and left-padded they measured 1.1e-5; that path keeps
+        # megatron's token-by-token prefill until it is shown within the bound.
+        self.pads_prompts = caches_rotated_keys(self.module) and (
+            getattr(unwrap_model(self.module), "position_embedding_type", None)
+            != "learned_absolute"
+        )
 
     # -- prompts ---------------------------------------------------------------------
 
@@ -282,13 +308,23 @@ class TextGenerator:
 
         params = options.megatron_params()
         lengths = [len(ids) for _, ids in batch]
+        longest = max(lengths)
+        # megatron's static path prefills up to the shortest prompt and then feeds longer
+        # prompts one token per step; left padding (masked, see the controller's
+        # prep_inference_input) puts every prompt's end in the same slot: one prefill.
+        padding = (
+            [longest - n for n in lengths]
+            if self.pads_prompts and len(set(lengths)) > 1
+            else [0] * len(batch)
+        )
         requests: OrderedDict[int, Any] = OrderedDict()
         for offset, (text, ids) in enumerate(batch):
             requests[first + offset] = InferenceRequest(
                 request_id=first + offset,
                 prompt=text,
                 sampling_params=params,
-                prompt_tokens=list(ids),
+                # The padding slots hold the prompt's first token; they are masked.
+                prompt_tokens=[ids[0]] * padding[offset] + list(ids),
                 status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
             )
         streams: OrderedDict[int, Any] | None = None
@@ -305,14 +341,26 @@ class TextGenerator:
             def listener(request_id: int, token_ids: list[int], done: bool) -> None:
                 texts[request_id].update(token_ids, done)
 
-        state = BatchState([ids for _, ids in batch], options.stop, return_logits, listener)
+        state = BatchState(
+            [ids for _, ids in batch],
+            options.stop,
+            return_logits,
+            listener,
+            left_padding=padding if any(padding) else (),
+        )
         # A KV cache sized for this batch: megatron allocates it at the first forward.
-        self.wrapper.inference_context = StaticInferenceContext(
-            len(batch), min(self.max_sequence_length, max(lengths) + options.max_new_tokens)
+        slots = min(self.max_sequence_length, longest + options.max_new_tokens)
+        self.wrapper.inference_context = (
+            LeftPaddedStaticContext(len(batch), slots, torch.tensor(padding))
+            if any(padding)
+            else StaticInferenceContext(len(batch), slots)
         )
         self.controller.batch = state
         try:
-            done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
+            # InferenceMode: what megatron's StaticInferenceEngine switches on around this
+            # controller (the output layer then runs on the last position only).
+            with rotate_keys_before_caching(self.module), InferenceMode.active():
+                done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
         finally:
             self.controller.batch = None
             # The cache's memory is released with the context.
@@ -331,7 +379,7 @@ class TextGenerator:
                 reason = "length"
             logits = None
             if return_logits:
-                start = lengths[row] - shortest
+                start = 0 if any(padding) else lengths[row] - shortest
                 steps = state.logits[start : start + len(ids)]
                 logits = torch.stack([step[row] for step in steps]) if steps else None
             if request_id in texts:  # the rest of the text, and the end

@@ -1,0 +1,150 @@
+"""Keys enter the KV cache already rotated: :func:`rotate_keys_before_caching`.
+
+megatron-core 0.19.2's static-batch inference path (``Attention._adjust_key_value_for_inference``
+without ``flash_decode``) stores keys in the KV cache *before* rotary embedding, then
+returns the whole cache with ``k_pos_emb[:sequence_end]`` so that ``Attention.forward``
+rotates every cached key again at every step: per layer and step, work (and a ``cos``/``sin``
+of the whole prefix) that grows with the sequence. Rotating once, before caching, is what
+megatron does itself with ``flash_decode``; that path does not run here: its decode step
+calls flash-attention's ``flash_attn_with_kvcache`` (CUDA), and without flash-attention
+installed its ``apply_rotary_pos_emb_with_cos_sin`` fallback takes ``cos``/``sin`` of the
+already computed cosines and sines (``rope_utils._apply_rotary_pos_emb_bshd`` treats its
+input as angles), so it rotates by the wrong angles.
+
+So, for the duration of a generation, each attention module's
+``_adjust_key_value_for_inference`` first rotates the new queries and keys with the same
+``apply_rotary_pos_emb`` and the same rows of the rotary embedding that ``Attention.forward``
+would use for them, lets megatron's method cache the rotated keys, and hands back no rotary
+embedding, so ``Attention.forward`` rotates nothing again. RoPE is applied element-wise per
+position, so every cached key holds the values the old path recomputed at every step: the
+attention inputs, hence the logits, are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import Attention
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+from megatron.core.utils import deprecate_inference_params
+
+__all__ = ["LeftPaddedStaticContext", "caches_rotated_keys", "rotate_keys_before_caching"]
+
+
+class LeftPaddedStaticContext(StaticInferenceContext):
+    """megatron's ``StaticInferenceContext`` for prompts of different lengths left-padded to
+    the longest, so that one prefill covers them all.
+
+    Args:
+        max_batch_size: Rows of the KV cache.
+        max_sequence_length: Slots of the KV cache (longest prompt + new tokens).
+        left_padding: ``[batch]`` long tensor: padding slots before each row's prompt. Row
+            ``r``'s token in slot ``i`` is at position ``i - left_padding[r]`` of its prompt
+            (what its rotary embedding and learned position embedding use).
+    """
+
+    def __init__(
+        self, max_batch_size: int, max_sequence_length: int, left_padding: torch.Tensor
+    ) -> None:
+        super().__init__(max_batch_size, max_sequence_length)
+        self.left_padding = left_padding
+
+
+def _adjust_rotated(
+    self: Attention,
+    inference_context: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rotary_pos_emb: Any,
+    *args: Any,
+    inference_params: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """megatron's ``_adjust_key_value_for_inference`` on rotated queries and keys."""
+    inference_context = deprecate_inference_params(inference_context, inference_params)
+    if (
+        inference_context is not None
+        and inference_context.is_static_batching()
+        and rotary_pos_emb is not None
+        and not self.config.flash_decode
+    ):
+        q_pos_emb, k_pos_emb = rotary_pos_emb
+        start = inference_context.sequence_len_offset
+        end = start + key.size(0)
+        padding = getattr(inference_context, "left_padding", None)
+        if padding is None:
+            # The positions of the tokens in this step: megatron's own slice of q_pos_emb.
+            q_pos_emb = None if q_pos_emb is None else q_pos_emb[start:end]
+            k_pos_emb = None if k_pos_emb is None else k_pos_emb[start:end]
+        else:
+            # Left-padded rows: each token rotates by its position in its own prompt, not
+            # by its slot ([s, b, 1, dim] rows of the [max_s, 1, 1, dim] embedding).
+            slots = torch.arange(start, end, device=padding.device)
+            positions = (slots[:, None] - padding[None, :]).clamp(min=0)
+            q_pos_emb = None if q_pos_emb is None else q_pos_emb[:, 0][positions]
+            k_pos_emb = None if k_pos_emb is None else k_pos_emb[:, 0][positions]
+        rotate = functools.partial(
+            apply_rotary_pos_emb,
+            config=self.config,
+            mscale=self._yarn_concentration_factor,
+            cp_group=self.pg_collection.cp,
+        )
+        query = query if q_pos_emb is None else rotate(query, q_pos_emb)
+        key = key if k_pos_emb is None else rotate(key, k_pos_emb)
+        rotary_pos_emb = None
+    return Attention._adjust_key_value_for_inference(
+        self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
+    )
+
+
+def _eligible(module: torch.nn.Module) -> bool:
+    # Multi-latent attention rotates its own positional part before caching; a class that
+    # overrides the method has its own idea of the cache.
+    return (
+        isinstance(module, Attention)
+        and not isinstance(module, MultiLatentAttention)
+        and type(module)._adjust_key_value_for_inference
+        is Attention._adjust_key_value_for_inference
+    )
+
+
+def caches_rotated_keys(model: torch.nn.Module) -> bool:
+    """Whether :func:`rotate_keys_before_caching` switches every attention layer of
+    ``model`` (then each token's rotary position can follow a left-padded row's own
+    positions; multi-latent attention rotates by slot)."""
+    return all(_eligible(m) for m in model.modules() if isinstance(m, Attention))
+
+
+@contextlib.contextmanager
+def rotate_keys_before_caching(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block, ``model``'s attention layers cache rotated keys (module docstring).
+
+    Only the modules' instance attribute changes; it is removed on exit, whatever happens,
+    so the model trains and runs a plain forward exactly as before.
+
+    Args:
+        model: The model (any ``torch.nn.Module`` holding megatron attention layers).
+
+    Yields:
+        The number of attention layers switched (0: nothing to do, e.g. multi-latent
+        attention or no attention layer at all).
+    """
+    switched = [module for module in model.modules() if _eligible(module)]
+    for module in switched:
+        # An instance attribute shadows the class's method for this module only.
+        object.__setattr__(
+            module, "_adjust_key_value_for_inference", types.MethodType(_adjust_rotated, module)
+        )
+    try:
+        yield len(switched)
+    finally:
+        for module in switched:
+            module.__dict__.pop("_adjust_key_value_for_inference", None)
