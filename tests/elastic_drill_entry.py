@@ -65,7 +65,7 @@ def recording_step(
             (marks / f"held.{iteration}.rank{rank}").touch()
             wait_for(marks / f"release.{iteration}")
         if data_iterator is not None:
-            data_iterator = SampleRecorder(data_iterator, state, path)
+            data_iterator = SampleRecorder(data_iterator, state.train_state, path)
         return forward_step(state, data_iterator, model)
 
     return step

@@ -156,7 +156,7 @@ def _recording_step(path: str) -> Any:
 
     def step(state: Any, data_iterator: Any, model: Any) -> Any:
         if data_iterator is not None:
-            data_iterator = SampleRecorder(data_iterator, state, path)
+            data_iterator = SampleRecorder(data_iterator, state.train_state, path)
         return forward_step(state, data_iterator, model)
 
     return step

@@ -58,20 +58,21 @@ TINY_VOCAB = 128
 class SampleRecorder:
     """Wraps a forward step's micro-batch iterator and appends, for every sample it hands
     out, a line ``"<iteration> <digest>"`` to ``path`` (the iteration being trained, read
-    from ``state.train_state.step``; the digest: the first 16 hex digits of the SHA-256 of
-    the sample's tokens). Which samples each iteration consumed, checkable across restarts
-    and layouts: wrap the iterator inside the forward step (one file per rank).
+    from ``train_state.step``; the digest: the first 16 hex digits of the SHA-256 of the
+    sample's tokens). Which samples each iteration consumed, checkable across restarts and
+    layouts: wrap the iterator inside the forward step (one file per rank), e.g.
+    ``SampleRecorder(data_iterator, state.train_state, path)``.
     """
 
-    def __init__(self, inner: Iterator[Any], state: Any, path: str | Path) -> None:
-        self.inner, self.state, self.path = inner, state, Path(path)
+    def __init__(self, inner: Iterator[Any], train_state: TrainState, path: str | Path) -> None:
+        self.inner, self.train_state, self.path = inner, train_state, Path(path)
 
     def __iter__(self) -> SampleRecorder:
         return self
 
     def __next__(self) -> Any:
         batch = next(self.inner)
-        step = int(self.state.train_state.step)
+        step = int(self.train_state.step)
         with self.path.open("a", encoding="utf-8") as out:
             for row in batch["tokens"]:
                 digest = hashlib.sha256(row.cpu().numpy().tobytes()).hexdigest()[:16]
