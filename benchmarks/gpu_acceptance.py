@@ -303,7 +303,9 @@ def _check_losses(losses: list[float], what: str) -> None:
 
 
 def _max_rel_diff(pairs: list[tuple[float, float]]) -> float | None:
-    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=None)
+    measured = [a for a, _ in pairs]
+    reference = [b for _, b in pairs]
+    return max(_relative_differences(measured, reference), default=None)
 
 
 def _last(records: list[dict[str, Any]], key: str) -> Any:

@@ -77,13 +77,22 @@ def _call_site() -> str | None:
     stack = traceback.extract_stack()[:-3]
     if any("/torch/optim/" in frame.filename for frame in stack[-6:]):
         return None
-    for frame in reversed(stack):
-        path = frame.filename
-        if "/torch/" in path or path == __file__:
-            continue
-        short = path.split("site-packages/")[-1].split("/src/")[-1]
-        return f"{short}:{frame.lineno} ({frame.name})"
-    return "?"
+    return describe_caller(stack, ("/torch/", __file__))
+
+
+def describe_caller(
+    stack: list[traceback.FrameSummary], skip: tuple[str, ...], depth: int = 1
+) -> str:
+    """``file:line (function)`` of the innermost frame of ``stack`` whose file name contains
+    none of ``skip``, followed by its ``depth - 1`` callers (``a <- b``); ``?`` if none."""
+    callers = [f for f in stack if not any(part in f.filename for part in skip)]
+    if not callers:
+        return "?"
+    names = [
+        f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno} ({f.name})"
+        for f in callers[-depth:]
+    ]
+    return " <- ".join(reversed(names))
 
 
 class SyncCounter(TorchFunctionMode):

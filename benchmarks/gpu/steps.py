@@ -770,22 +770,21 @@ def _last_validation_loss(records: list[dict[str, Any]]) -> float | None:
 # -- host syncs ------------------------------------------------------------------------------
 
 _CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def _host_syncs_script() -> Any:
+    """``benchmarks/host_syncs.py`` (the windows and the call-site naming are its own)."""
+    if str(_BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(_BENCHMARKS))
+    import host_syncs  # type: ignore[import-not-found]
+
+    return host_syncs
+
+
 # Frames that are never "who asked": torch itself, the warnings machinery, and the
 # counting wrappers (host_syncs.py's TorchFunctionMode runs every torch call, so a warning
 # raised from C++ is otherwise filed under its ``return func(...)`` line).
 _NOT_A_CALLER = ("/torch/", "/warnings.py", "host_syncs.py", "gpu/steps.py")
-
-
-def _sync_caller(stack: list[traceback.FrameSummary]) -> str:
-    """``file:line (function)`` of the innermost caller outside torch, with its caller."""
-    callers = [f for f in stack if not any(part in f.filename for part in _NOT_A_CALLER)]
-    if not callers:
-        return "?"
-    names = [
-        f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno} ({f.name})"
-        for f in callers[-2:]
-    ]
-    return " <- ".join(reversed(names))
 
 
 @contextlib.contextmanager
@@ -795,6 +794,7 @@ def _counting_sync_warnings(sites: dict[str, int]) -> Iterator[None]:
     The warning's own location is the innermost Python frame, which is whatever wrapper
     called into torch; the caller is found on the stack at the moment it is shown instead.
     """
+    describe_caller = _host_syncs_script().describe_caller
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         shown = warnings.showwarning
@@ -808,7 +808,7 @@ def _counting_sync_warnings(sites: dict[str, int]) -> Iterator[None]:
             line: str | None = None,
         ) -> None:
             if _CUDA_SYNC_WARNING in str(message):
-                site = _sync_caller(traceback.extract_stack()[:-1])
+                site = describe_caller(traceback.extract_stack()[:-1], _NOT_A_CALLER, depth=2)
                 sites[site] = sites.get(site, 0) + 1
             else:
                 shown(message, category, filename, lineno, file, line)
@@ -828,14 +828,13 @@ def host_syncs(overrides: list[str], log_interval: int) -> dict[str, Any]:
     """
     import torch
 
-    sys.path.insert(0, str(_BENCHMARKS))
-    from host_syncs import _IterationWindows  # type: ignore[import-not-found]
+    iteration_windows: Any = _host_syncs_script()._IterationWindows
 
     from bridge.train import forward_step, pretrain
 
     cuda = torch.cuda.is_available()
 
-    class Windows(_IterationWindows):
+    class Windows(iteration_windows):
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.cuda_counts: dict[str, dict[str, int]] = {}
