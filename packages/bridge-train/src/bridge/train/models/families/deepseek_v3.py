@@ -61,7 +61,7 @@ from bridge.train.models.families.config_fields import (
     yarn_mscale,
     yarn_parameters,
 )
-from bridge.train.models.families.llama import LlamaFamily
+from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
 from bridge.train.models.families.mapping import (
     ParamMapping,
     direct,
@@ -313,22 +313,12 @@ class DeepseekV3Family(LlamaFamily):
         first_dense = _first_dense(config)
         v_head_dim = int(self.require(config, "v_head_dim"))
         return {
-            "num_layers": layers,
-            "hidden_size": int(self.require(config, "hidden_size")),
-            "num_attention_heads": heads,
+            **decoder_kwargs(config),
             "num_query_groups": heads,
             "kv_channels": v_head_dim,
-            "vocab_size": int(self.require(config, "vocab_size")),
-            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
             "position_embedding_type": "rope",
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": eps,
-            "gated_linear_unit": True,
             "activation_func": silu_activation(config),
             "add_bias_linear": False,
-            "add_qkv_bias": False,
-            "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
-            "hidden_dropout": 0.0,
             # multi-latent attention
             "multi_latent_attention": True,
             "qk_layernorm": True,
@@ -422,15 +412,11 @@ class DeepseekV3Family(LlamaFamily):
                 mscale_all_dim=float(provider.mscale_all_dim),
             )
         groups = provider.moe_router_num_groups
+        config = decoder_hf_config(self, provider)
+        del config["head_dim"]  # transformers derives it from the latent head sizes
         return {
-            "architectures": [self.architecture],
-            "model_type": self.name,
-            "vocab_size": int(provider.vocab_size),
-            "hidden_size": int(provider.hidden_size),
-            "intermediate_size": int(provider.ffn_hidden_size),
+            **config,
             "moe_intermediate_size": int(provider.moe_ffn_hidden_size),
-            "num_hidden_layers": int(provider.num_layers),
-            "num_attention_heads": int(provider.num_attention_heads),
             "num_key_value_heads": int(provider.num_attention_heads),
             "n_shared_experts": shared // int(provider.moe_ffn_hidden_size),
             "n_routed_experts": int(provider.num_moe_experts),
@@ -446,15 +432,10 @@ class DeepseekV3Family(LlamaFamily):
             "first_k_dense_replace": first_dense,
             "norm_topk_prob": int(provider.moe_router_topk) > 1,
             "hidden_act": "silu",
-            "max_position_embeddings": int(provider.seq_length),
-            "rms_norm_eps": float(provider.layernorm_epsilon),
-            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
             "rope_parameters": rope,
             "rope_interleave": True,
             "attention_bias": False,
-            "attention_dropout": float(provider.attention_dropout),
             "num_nextn_predict_layers": 0,
             "aux_loss_alpha": float(provider.moe_aux_loss_coeff or 0.0),
             "seq_aux": provider.moe_router_load_balancing_type == "seq_aux_loss",
-            "dtype": str(provider.params_dtype).removeprefix("torch."),
         }
