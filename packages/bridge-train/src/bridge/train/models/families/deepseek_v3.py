@@ -364,17 +364,9 @@ class DeepseekV3Family(LlamaFamily):
         and shared experts on the others."""
         if layer < _first_dense(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
-        experts = [
-            (
-                f"{h}mlp.experts.{e}.gate_proj.weight",
-                f"{h}mlp.experts.{e}.up_proj.weight",
-                f"{h}mlp.experts.{e}.down_proj.weight",
-            )
-            for e in range(_experts(config))
-        ]
         shared = f"{h}mlp.shared_experts."
         return [
-            *routed_experts(m, f"{h}mlp.gate.weight", experts),
+            *routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config)),
             direct(f"{m}mlp.router.expert_bias", f"{h}mlp.gate.e_score_correction_bias"),
             gated_fc1(
                 f"{m}mlp.shared_experts.linear_fc1.weight",

@@ -211,21 +211,29 @@ def gated_fc1(megatron: str, gate: str, up: str) -> ParamMapping:
 
 
 def routed_experts(
-    layer: str, router: str, experts: list[tuple[str, str, str]]
+    layer: str,
+    router: str,
+    hf_experts: str,
+    count: int,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> list[ParamMapping]:
     """A mixture-of-experts MLP: the router and every expert's gated MLP.
 
     Args:
         layer: The megatron layer prefix (``decoder.layers.{i}.``).
         router: The Hugging Face router (gate) weight.
-        experts: Per expert, in expert order, its Hugging Face gate, up and down weights.
+        hf_experts: The Hugging Face experts' prefix; expert ``e``'s weights are
+            ``{hf_experts}{e}.{name}.weight``.
+        count: How many experts.
+        names: The Hugging Face names of an expert's gate, up and down projections.
     """
+    gate, up, down = names
     maps = [direct(f"{layer}mlp.router.weight", router)]
-    for index, (gate, up, down) in enumerate(experts):
-        expert = f"{layer}mlp.experts.local_experts.{index}."
+    for e in range(count):
+        expert, hf = f"{layer}mlp.experts.local_experts.{e}.", f"{hf_experts}{e}."
         maps += [
-            gated_fc1(f"{expert}linear_fc1.weight", gate, up),
-            direct(f"{expert}linear_fc2.weight", down),
+            gated_fc1(f"{expert}linear_fc1.weight", f"{hf}{gate}.weight", f"{hf}{up}.weight"),
+            direct(f"{expert}linear_fc2.weight", f"{hf}{down}.weight"),
         ]
     return maps
 

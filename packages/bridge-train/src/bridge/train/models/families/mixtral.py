@@ -56,15 +56,8 @@ class MixtralFamily(MistralFamily):
     ) -> list[ParamMapping]:
         """The router (``block_sparse_moe.gate``) and the experts (``w1``, ``w3``, ``w2``)."""
         moe = f"{h}block_sparse_moe."
-        experts = [
-            (
-                f"{moe}experts.{e}.w1.weight",
-                f"{moe}experts.{e}.w3.weight",
-                f"{moe}experts.{e}.w2.weight",
-            )
-            for e in range(int(config["num_local_experts"]))
-        ]
-        return routed_experts(m, f"{moe}gate.weight", experts)
+        count = int(config["num_local_experts"])
+        return routed_experts(m, f"{moe}gate.weight", f"{moe}experts.", count, ("w1", "w3", "w2"))
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
         """Expert fields; Mixtral has experts on every layer and one FFN width."""

@@ -67,15 +67,7 @@ class Qwen3MoeFamily(Qwen3Family):
         """Router + experts on expert layers; the dense SwiGLU MLP elsewhere."""
         if layer not in _moe_layers(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
-        experts = [
-            (
-                f"{h}mlp.experts.{e}.gate_proj.weight",
-                f"{h}mlp.experts.{e}.up_proj.weight",
-                f"{h}mlp.experts.{e}.down_proj.weight",
-            )
-            for e in range(_experts(config))
-        ]
-        return routed_experts(m, f"{h}mlp.gate.weight", experts)
+        return routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config))
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
         """Expert fields from the provider's MoE settings."""
