@@ -128,6 +128,8 @@ class PortableMambaMixer(MegatronModule):
         norm_before_gate: bool = False,
         dt_min: float = 0.001,
         dt_max: float = 0.1,
+        # dt_init, dt_scale: accepted and unused, as by megatron's mixer (no config field
+        # sets them); pp_layer_offset: megatron's mixer uses it only for inference.
         dt_init: str = "random",
         dt_scale: float = 1.0,
         dt_init_floor: float = 1e-4,
