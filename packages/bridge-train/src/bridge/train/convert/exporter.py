@@ -47,10 +47,7 @@ from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkp
 from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
 from bridge.train.convert.model_weights import named_weights, weights_to_meta
-from bridge.train.convert.safetensors_io import (
-    ShardedSafetensorsWriter,
-    StreamingSafetensorsWriter,
-)
+from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.convert.source import side_files
 from bridge.train.models.families import (
     ConversionError,
@@ -62,7 +59,7 @@ from bridge.train.models.families import (
     read_hf_config,
     torch_dtype_of,
 )
-from bridge.train.models.families.mapping import HFTensorStacks, declared_hf_tensors
+from bridge.train.models.families.mapping import declared_hf_tensors
 from bridge.train.state import TrainState
 
 __all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
@@ -330,7 +327,7 @@ def _stream_export(
         root = data._base if data._base is not None else data
         if root.is_meta and id(root) in name_of:
             entries.setdefault(name_of[id(root)], {})[key] = item
-    declared = declared_hf_tensors(mappings, lambda m: params[m.megatron], out_dtype)
+    declared = declared_hf_tensors(mappings, lambda m: params[m.megatron].to("meta"), out_dtype)
     writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
     strategy = TorchDistLoadShardedStrategy()
     for count, mapping in enumerate(mappings, start=1):
@@ -447,13 +444,15 @@ def export_hf_checkpoint(
                     iteration_dir, single, peft=run_config.peft, pretrained_checkpoint=pretrained
                 )
                 params = named_weights(model)
-                writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
-                stacks = HFTensorStacks()
+                declared = declared_hf_tensors(
+                    mappings, lambda m: params[m.megatron].to("meta"), out_dtype
+                )
+                writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
                 with torch.no_grad():
                     for count, mapping in enumerate(mappings, start=1):
                         tensors = mapping.to_hf(params[mapping.megatron].detach())
-                        for name, tensor in stacks.add(mapping, tensors):
-                            writer.add(name, tensor.to(out_dtype).contiguous())
+                        for name, tensor in zip(mapping.hf, tensors, strict=True):
+                            writer.write(name, tensor.to(out_dtype).contiguous(), mapping.stack)
                         report(f"[{count}/{len(mappings)}] {mapping.megatron}")
                     files = writer.close()
                 total = writer.total_bytes
