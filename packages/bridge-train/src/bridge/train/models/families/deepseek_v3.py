@@ -56,6 +56,7 @@ from typing import Any
 from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
     refuse,
+    rope_settings,
     rope_theta_and_scaling,
     silu_activation,
     yarn_mscale,
@@ -92,11 +93,17 @@ def _first_dense(config: dict[str, Any]) -> int:
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """MLA's RoPE fields: plain RoPE, or YaRN as megatron's MLA computes it."""
     theta, scaling = rope_theta_and_scaling(config)
-    if float(theta) != int(theta):
-        raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ("default", "yarn"):
+        raise refuse(
+            config,
+            "rope_parameters.rope_type",
+            kind,
+            "megatron-core's multi-latent attention implements the 'default' and 'yarn' RoPE",
+        )
     plain = {
-        "rotary_base": int(theta),
+        # An integer base and fully rotated heads (YaRN's own fields are read below).
+        **rope_settings(config, theta, scaling if kind == "default" else None),
         "rope_type": "rope",
         # mscale(1, 0) = 1: no change to the softmax scale.
         "rotary_scaling_factor": 1.0,
@@ -104,19 +111,7 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "mscale_all_dim": 0.0,
     }
     if kind == "default":
-        partial = (scaling or {}).get("partial_rotary_factor", config.get("partial_rotary_factor"))
-        if partial is not None and float(partial) != 1.0:
-            raise refuse(
-                config, "partial_rotary_factor", partial, "only fully rotated heads are implemented"
-            )
         return plain
-    if kind != "yarn":
-        raise refuse(
-            config,
-            "rope_parameters.rope_type",
-            kind,
-            "megatron-core's multi-latent attention implements the 'default' and 'yarn' RoPE",
-        )
     assert scaling is not None
     yarn = yarn_parameters(config, scaling)
     if not yarn.truncate:
