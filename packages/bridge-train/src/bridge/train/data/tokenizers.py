@@ -23,6 +23,7 @@ __all__ = [
     "HuggingFaceTokenizer",
     "NullTokenizer",
     "Tokenizer",
+    "added_tokens",
     "build_tokenizer",
 ]
 
@@ -30,12 +31,25 @@ _BYTE_IDS = 256
 _DEFAULT_SPECIALS = ("<eod>", "<pad>")
 
 
+def added_tokens(special_tokens: Sequence[str] | None, vocab_extra_ids: int) -> list[str]:
+    """``special_tokens`` followed by ``vocab_extra_ids`` sentinels ``<extra_id_N>``."""
+    return [*(special_tokens or ()), *(f"<extra_id_{i}>" for i in range(vocab_extra_ids))]
+
+
 class Tokenizer:
     """Common interface of the trainer's tokenizers.
+
+    ``vocab_size``, ``eod`` and ``pad`` return ``_vocab_size``, ``_eod`` and ``_pad``, which
+    a subclass sets in its constructor unless it overrides the property; each tokenizer's
+    docstring says what they are for it.
 
     Attributes:
         unique_identifiers: Ordered description of the tokenizer (class and settings).
     """
+
+    _vocab_size: int
+    _eod: int
+    _pad: int
 
     def __init__(self, **identifiers: Any) -> None:
         self.unique_identifiers: OrderedDict[str, Any] = OrderedDict(
@@ -45,17 +59,17 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of token ids the model must embed."""
-        raise NotImplementedError
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
         """End-of-document id, appended after every document by preprocessing."""
-        raise NotImplementedError
+        return self._eod
 
     @property
     def pad(self) -> int:
-        """Padding id."""
-        raise NotImplementedError
+        """Padding id (-1 when the tokenizer has none)."""
+        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Encode ``text`` to ids (no EOD appended)."""
@@ -93,7 +107,7 @@ class ByteLevelTokenizer(Tokenizer):
         for token in _DEFAULT_SPECIALS:
             if token not in specials:
                 specials.append(token)
-        specials += [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        specials = added_tokens(specials, vocab_extra_ids)
         if len(set(specials)) != len(specials):
             raise ValueError(f"tokenizer.special_tokens has duplicates: {specials}")
         self._special_ids = {token: _BYTE_IDS + i for i, token in enumerate(specials)}
@@ -106,11 +120,6 @@ class ByteLevelTokenizer(Tokenizer):
             )
         self._vocab_size = vocab_size if vocab_size is not None else needed
         super().__init__(special_tokens=tuple(specials), vocab_size=self._vocab_size)
-
-    @property
-    def vocab_size(self) -> int:
-        """256 bytes + special tokens (or the configured size)."""
-        return self._vocab_size
 
     @property
     def eod(self) -> int:
@@ -173,11 +182,6 @@ class NullTokenizer(Tokenizer):
             )
         self._vocab_size = int(vocab_size)
         super().__init__(vocab_size=self._vocab_size)
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids, EOD included."""
-        return self._vocab_size
 
     @property
     def eod(self) -> int:
@@ -243,7 +247,7 @@ class HuggingFaceTokenizer(Tokenizer):
                 "tokenizer there (tokenizer.save_pretrained(dir)) or point to another directory"
             )
         self._tokenizer = _HFTokenizer.from_file(str(file))
-        extra = list(special_tokens or ()) + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        extra = added_tokens(special_tokens, vocab_extra_ids)
         if extra:
             self._tokenizer.add_special_tokens(extra)
         settings = _read_special_token_settings(directory)
@@ -255,9 +259,9 @@ class HuggingFaceTokenizer(Tokenizer):
                 f"the tokenizer in {str(path)!r} has no end-of-document token (eos_token, </s>, "
                 "<|endoftext|>); add one with tokenizer.special_tokens"
             )
-        self._eod: int = eod
+        self._eod = eod
         pad = self._first_token_id([settings.get("pad_token"), "<pad>", "[PAD]"])
-        self._pad: int = eod if pad is None else pad
+        self._pad = eod if pad is None else pad
         super().__init__(path=str(directory.resolve()), special_tokens=tuple(extra))
 
     def _first_token_id(self, candidates: Sequence[Any]) -> int | None:
@@ -274,16 +278,6 @@ class HuggingFaceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         """Vocabulary size including added tokens."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id."""
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        """Padding id."""
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Encode without adding special tokens."""
