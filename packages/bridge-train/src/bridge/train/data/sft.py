@@ -109,7 +109,7 @@ def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
             ``dataset.dataset_kwargs.<key>``).
     """
 
-    values = {f.name: f.default for f in dataclasses.fields(SFTSettings)}
+    values: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SFTSettings)}
     for key, value in (dataset_kwargs or {}).items():
         if key not in values:
             raise ConfigError(

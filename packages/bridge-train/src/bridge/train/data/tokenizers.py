@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import TokenizerConfig, TokenizerConfigProtocol
+from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
 
 __all__ = [
     "ByteLevelTokenizer",
@@ -28,6 +29,14 @@ __all__ = [
 ]
 
 _BYTE_IDS = 256
+# What each tokenizer type cannot be built without.
+_REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "NullTokenizer": ("vocab_size",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+}
 _DEFAULT_SPECIALS = ("<eod>", "<pad>")
 
 
@@ -324,62 +333,33 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
         ImportError: The type's optional package is missing (names the extra to install).
     """
     kind = getattr(tokenizer_config, "tokenizer_type", None)
+    if kind not in TOKENIZER_EXTRAS:
+        raise ValueError(
+            f"tokenizer.tokenizer_type={kind!r} is not a tokenizer type; use one of "
+            f"{', '.join(map(repr, TOKENIZER_EXTRAS))}"
+        )
+    for name in _REQUIRED_FIELDS.get(kind, ()):
+        if getattr(tokenizer_config, name, None) in (None, ""):
+            hint = (
+                " (a local directory with tokenizer.json)" if kind == "HuggingFaceTokenizer" else ""
+            )
+            raise ValueError(f"tokenizer.{name} is required for tokenizer_type={kind!r}{hint}")
     specials = getattr(tokenizer_config, "special_tokens", None)
     extra_ids = int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0)
-    vocab_size = getattr(tokenizer_config, "vocab_size", None)
+    # Set where the type requires them (checked above).
+    vocab_size: Any = getattr(tokenizer_config, "vocab_size", None)
+    model: Any = getattr(tokenizer_config, "tokenizer_model", None)
     if kind == "ByteLevelTokenizer":
         return ByteLevelTokenizer(
             special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size
         )
     if kind == "NullTokenizer":
-        if vocab_size is None:
-            raise ValueError("tokenizer.vocab_size is required for tokenizer_type='NullTokenizer'")
         return NullTokenizer(int(vocab_size) + extra_ids)
     if kind == "HuggingFaceTokenizer":
-        model = getattr(tokenizer_config, "tokenizer_model", None)
-        if not model:
-            raise ValueError(
-                "tokenizer.tokenizer_model is required for tokenizer_type='HuggingFaceTokenizer' "
-                "(a local directory with tokenizer.json)"
-            )
         return HuggingFaceTokenizer(model, special_tokens=specials, vocab_extra_ids=extra_ids)
-    if kind in ("SentencePieceTokenizer", "TikTokenizer", "GPT2BPETokenizer"):
-        return _build_file_tokenizer(tokenizer_config, kind, specials, extra_ids, vocab_size)
-    raise ValueError(
-        f"tokenizer.tokenizer_type={kind!r} is not a tokenizer type; use one of "
-        "'ByteLevelTokenizer', 'HuggingFaceTokenizer', 'NullTokenizer', "
-        "'SentencePieceTokenizer', 'TikTokenizer', 'GPT2BPETokenizer'"
-    )
-
-
-def _build_file_tokenizer(
-    tokenizer_config: TokenizerConfig | TokenizerConfigProtocol,
-    kind: str,
-    specials: Sequence[str] | None,
-    extra_ids: int,
-    vocab_size: int | None,
-) -> Tokenizer:
     from bridge.train.data import file_tokenizers
 
-    if kind == "GPT2BPETokenizer":
-        vocab_file = getattr(tokenizer_config, "vocab_file", None)
-        merge_file = getattr(tokenizer_config, "merge_file", None)
-        if not vocab_file or not merge_file:
-            missing = "vocab_file" if not vocab_file else "merge_file"
-            raise ValueError(f"tokenizer.{missing} is required for tokenizer_type={kind!r}")
-        return file_tokenizers.GPT2BPETokenizer(
-            vocab_file,
-            merge_file,
-            special_tokens=specials,
-            vocab_extra_ids=extra_ids,
-            vocab_size=vocab_size,
-        )
-    model = getattr(tokenizer_config, "tokenizer_model", None)
-    if not model:
-        raise ValueError(f"tokenizer.tokenizer_model is required for tokenizer_type={kind!r}")
-    cls = (
-        file_tokenizers.SentencePieceTokenizer
-        if kind == "SentencePieceTokenizer"
-        else file_tokenizers.TikTokenizer
-    )
-    return cls(model, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)
+    files = ("vocab_file", "merge_file") if kind == "GPT2BPETokenizer" else ("tokenizer_model",)
+    cls = getattr(file_tokenizers, kind)
+    paths = [getattr(tokenizer_config, name) for name in files]
+    return cls(*paths, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)
