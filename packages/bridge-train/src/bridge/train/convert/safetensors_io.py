@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from bridge.train.convert.errors import ConversionError
+from bridge.train.models.families import ConversionError
 
 __all__ = [
     "INDEX_FILENAME",
