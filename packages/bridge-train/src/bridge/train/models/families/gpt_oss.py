@@ -61,7 +61,7 @@ from bridge.train.models.families.llama import (
     decoder_kwargs,
     hf_rope_parameters,
 )
-from bridge.train.models.families.mapping import ParamMapping, direct
+from bridge.train.models.families.mapping import SAME, TRANSPOSED, ParamMapping, direct
 from bridge.train.models.families.moe import routed_moe_kwargs
 from bridge.train.models.gpt_oss_provider import GptOssModelProvider
 
@@ -144,30 +144,14 @@ def _expert_fc1_bias_to_hf(t: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.stack([gate, up], dim=-1).reshape(-1).contiguous(),)
 
 
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
-
-
-def _transposed_back(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t.t().contiguous(),)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _one(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t,)
-
-
 def _stacked_experts(layer: str, hf_experts: str, experts: int, hidden: int) -> list[ParamMapping]:
     """Each expert's slice of the four stacked tensors, tensor by tensor in expert order."""
     fc1_to_megatron, fc1_to_hf = _expert_fc1_weight(hidden)
     kinds = (
         ("linear_fc1.weight", "gate_up_proj", fc1_to_megatron, fc1_to_hf),
         ("linear_fc1.bias", "gate_up_proj_bias", _expert_fc1_bias, _expert_fc1_bias_to_hf),
-        ("linear_fc2.weight", "down_proj", _transposed, _transposed_back),
-        ("linear_fc2.bias", "down_proj_bias", _same, _one),
+        ("linear_fc2.weight", "down_proj", *TRANSPOSED),
+        ("linear_fc2.bias", "down_proj_bias", *SAME),
     )
     return [
         ParamMapping(

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "SAME",
+    "TRANSPOSED",
     "HFTensorStacks",
     "ParamMapping",
     "declared_hf_tensors",
@@ -148,11 +150,15 @@ def _transposed_one(t: torch.Tensor) -> tuple[torch.Tensor]:
     return (t.t().contiguous(),)
 
 
+# (to megatron, to Hugging Face) of one tensor kept as it is, or transposed (2-D, stored
+# ``[in, out]``).
+SAME = (_same, _one)
+TRANSPOSED = (_transposed, _transposed_one)
+
+
 def direct(megatron: str, hf: str, *, transpose: bool = False) -> ParamMapping:
     """The same tensor under two names (``transpose``: a 2-D tensor stored ``[in, out]``)."""
-    if transpose:
-        return ParamMapping(megatron, (hf,), _transposed, _transposed_one)
-    return ParamMapping(megatron, (hf,), _same, _one)
+    return ParamMapping(megatron, (hf,), *(TRANSPOSED if transpose else SAME))
 
 
 def vocab_rows(megatron: str, hf: str, padded_vocab: int, vocab: int) -> ParamMapping:
