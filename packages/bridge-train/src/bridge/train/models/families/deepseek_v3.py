@@ -56,6 +56,7 @@ from typing import Any
 from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
     refuse,
+    require,
     rope_settings,
     rope_theta_and_scaling,
     silu_activation,
@@ -245,7 +246,7 @@ class DeepseekV3Family(LlamaFamily):
 
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """DeepSeek-V3's fields (see the module docstring)."""
-        heads = int(self.require(config, "num_attention_heads"))
+        heads = int(require(config, "num_attention_heads"))
         kv_heads = config.get("num_key_value_heads")
         if kv_heads is not None and int(kv_heads) != heads:
             raise refuse(
@@ -287,10 +288,10 @@ class DeepseekV3Family(LlamaFamily):
                 f"transformers' latent norms use {_LATENT_NORM_EPS} whatever rms_norm_eps "
                 "says, megatron-core one epsilon for every norm",
             )
-        layers = int(self.require(config, "num_hidden_layers"))
+        layers = int(require(config, "num_hidden_layers"))
         experts = _experts(config)
-        topk = int(self.require(config, "num_experts_per_tok"))
-        expert_ffn = int(self.require(config, "moe_intermediate_size"))
+        topk = int(require(config, "num_experts_per_tok"))
+        expert_ffn = int(require(config, "moe_intermediate_size"))
         shared = config.get("n_shared_experts")
         if shared is None or int(shared) < 1:
             raise refuse(
@@ -306,7 +307,7 @@ class DeepseekV3Family(LlamaFamily):
                 "every layer from first_k_dense_replace on",
             )
         first_dense = _first_dense(config)
-        v_head_dim = int(self.require(config, "v_head_dim"))
+        v_head_dim = int(require(config, "v_head_dim"))
         return {
             **decoder_kwargs(config),
             "num_query_groups": heads,
@@ -318,13 +319,13 @@ class DeepseekV3Family(LlamaFamily):
             "multi_latent_attention": True,
             "qk_layernorm": True,
             "q_lora_rank": int(config["q_lora_rank"]),
-            "kv_lora_rank": int(self.require(config, "kv_lora_rank")),
-            "qk_head_dim": int(self.require(config, "qk_nope_head_dim")),
-            "qk_pos_emb_head_dim": int(self.require(config, "qk_rope_head_dim")),
+            "kv_lora_rank": int(require(config, "kv_lora_rank")),
+            "qk_head_dim": int(require(config, "qk_nope_head_dim")),
+            "qk_pos_emb_head_dim": int(require(config, "qk_rope_head_dim")),
             "v_head_dim": v_head_dim,
             **_rope_kwargs(config),
             # experts
-            "ffn_hidden_size": int(self.require(config, "intermediate_size")),
+            "ffn_hidden_size": int(require(config, "intermediate_size")),
             "num_moe_experts": experts,
             "moe_router_topk": topk,
             "moe_ffn_hidden_size": expert_ffn,

@@ -31,6 +31,7 @@ from bridge.train.models.families.config_fields import (
     hf_layer_windows,
     layer_window_kwargs,
     refuse,
+    require,
     rope_settings,
 )
 from bridge.train.models.families.llama import (
@@ -151,7 +152,7 @@ class Gemma3Family(HFFamily):
             )
         return {
             **decoder,
-            "ffn_hidden_size": int(self.require(config, "intermediate_size")),
+            "ffn_hidden_size": int(require(config, "intermediate_size")),
             "position_embedding_type": "rope",
             "layernorm_zero_centered_gamma": True,
             "activation_func": gelu_tanh,

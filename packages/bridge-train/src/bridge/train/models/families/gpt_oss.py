@@ -50,6 +50,7 @@ from bridge.train.models.families.config_fields import (
     hf_layer_windows,
     layer_window_kwargs,
     refuse,
+    require,
     rope_settings,
     rope_theta_and_scaling,
     yarn_mscale,
@@ -209,7 +210,7 @@ class GptOssFamily(LlamaFamily):
             )
 
         limit = config.get("swiglu_limit", 7.0)
-        ffn = int(self.require(config, "intermediate_size"))
+        ffn = int(require(config, "intermediate_size"))
         return {
             **decoder_kwargs(config, eps=1e-5),
             "activation_func": quick_gelu,
@@ -220,8 +221,8 @@ class GptOssFamily(LlamaFamily):
             "ffn_hidden_size": ffn,
             **_rope_kwargs(config),
             **routed_moe_kwargs(
-                experts=int(self.require(config, "num_local_experts")),
-                topk=int(self.require(config, "num_experts_per_tok")),
+                experts=int(require(config, "num_local_experts")),
+                topk=int(require(config, "num_experts_per_tok")),
                 expert_ffn=ffn,
                 normalize=True,
                 pattern=1,

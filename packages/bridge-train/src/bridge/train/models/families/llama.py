@@ -141,7 +141,7 @@ class LlamaFamily(HFFamily):
 
     def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """MLP fields: the dense SwiGLU width."""
-        return {"ffn_hidden_size": int(self.require(config, "intermediate_size"))}
+        return {"ffn_hidden_size": int(require(config, "intermediate_size"))}
 
     # ---- weights -------------------------------------------------------------------------
 
