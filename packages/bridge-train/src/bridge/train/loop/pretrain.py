@@ -68,6 +68,7 @@ from bridge.train.engine.initialize import (
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.loop.batch_size import release_num_microbatches_calculator
+from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.run_ends import (
@@ -78,7 +79,7 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.run_length import run_is_done
-from bridge.train.loop.training import evaluation_of, progress_log_of, run_training
+from bridge.train.loop.training import run_components, run_training
 from bridge.train.models.family import (
     build_family_datasets,
     default_forward_step,
@@ -401,27 +402,20 @@ def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
 
 
 def _final_evaluation(
-    out: SetupOutput,
-    forward_step_func: ForwardStepCallable,
-    process_non_loss_data_func: Callable[..., Any] | None,
-    non_loss_data_func: Callable[..., Any] | None,
+    out: SetupOutput, evaluation: Evaluation, last_evaluated_iteration: int | None
 ) -> None:
-    state = out.state
-    step = state.train_state.step
+    """Validation (unless the loop just validated this iteration) and test at the end."""
+    train_state = out.state.train_state
+    step = train_state.step
     splits = []
     if (
-        state.train_state.do_valid
+        train_state.do_valid
         and out.valid_data_iterator is not None
-        and state.last_evaluated_iteration != step
+        and last_evaluated_iteration != step
     ):
         splits.append(("validation", out.valid_data_iterator))
-    if state.train_state.do_test and out.test_data_iterator is not None:
+    if train_state.do_test and out.test_data_iterator is not None:
         splits.append(("test", out.test_data_iterator))
-    if not splits:
-        return
-    evaluation = evaluation_of(
-        forward_step_func, state, process_non_loss_data_func, non_loss_data_func
-    )
     for split, iterator in splits:
         evaluation.evaluate_and_log(
             f"iteration {step} on {split} set", iterator, out.model, split=split
@@ -522,30 +516,33 @@ def pretrain(
         )
         assert config.train is not None and config.checkpoint is not None
         _report_run_plan(out)
-        record_starting_job(progress_log_of(state), state.metric_writers, state.train_state.step)
+        components = run_components(
+            state,
+            forward_step_func,
+            out.checkpointing_context,
+            process_non_loss_data_func,
+            non_loss_data_func,
+            loop=True,
+            callbacks=callbacks,
+            tokenizer=out.tokenizer,
+        )
+        assert components.evaluation is not None
+        record_starting_job(components.progress_log, state.metric_writers, state.train_state.step)
         save_run_config(config.checkpoint.save, config.to_yaml_text)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
             exit_code = run_training(
-                forward_step_func,
+                components,
                 out.model,
                 out.optimizer,
                 out.scheduler,
                 out.train_data_iterator,
                 out.valid_data_iterator,
-                state,
-                out.checkpointing_context,
-                process_non_loss_data_func=process_non_loss_data_func,
-                non_loss_data_func=non_loss_data_func,
-                callbacks=callbacks,
-                tokenizer=out.tokenizer,
             )
         if exit_code == 0 and (
             config.train.skip_train or run_is_done(config.train, state.train_state)
         ):
-            _final_evaluation(
-                out, forward_step_func, process_non_loss_data_func, non_loss_data_func
-            )
+            _final_evaluation(out, components.evaluation, components.last_evaluated_iteration)
         elif exit_code == 0:
             exit_code = requeue_exit_code  # stopped early on purpose, after saving
         state.metric_writers.flush()

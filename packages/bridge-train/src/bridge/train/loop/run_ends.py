@@ -131,6 +131,7 @@ def run_teardown_steps(
     metric_writers: MetricWriters,
     *,
     clean: bool,
+    close_writers: bool = True,
 ) -> list[TeardownStep]:
     """The steps that release what a run started, in order.
 
@@ -144,6 +145,8 @@ def run_teardown_steps(
         resiliency: The run's resiliency objects.
         metric_writers: The run's metric writers.
         clean: The run ended normally.
+        close_writers: Close the metric writers (else flush them: the run goes on, e.g. to
+            its final evaluation).
     """
     steps: list[TeardownStep] = []
     if checkpoint is not None and checkpoint.save is not None:
@@ -154,7 +157,10 @@ def run_teardown_steps(
 
         steps.append(("finishing asynchronous checkpoint saves", finalize))
     steps += resiliency.teardown_steps(clean)
-    steps.append(("closing the metric writers", metric_writers.close))
+    if close_writers:
+        steps.append(("closing the metric writers", metric_writers.close))
+    else:
+        steps.append(("flushing the metric writers", metric_writers.flush))
     return steps
 
 
