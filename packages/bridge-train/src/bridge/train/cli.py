@@ -125,7 +125,6 @@ _SECTION_SUMMARIES = {
 
 
 def _sections_help() -> str:
-
     lines = []
     for info in describe_fields(ConfigContainer):
         if not info.settable:
@@ -136,7 +135,6 @@ def _sections_help() -> str:
 
 
 def _recipes_help() -> str:
-
     width = max(len(name) for name in RECIPES)
     lines = []
     for recipe in RECIPES.values():
@@ -326,16 +324,12 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def _overrides_of(
     before: dict[str, Any], after: dict[str, Any], run_diffs: Sequence[ConfigDiff]
 ) -> list[str]:
-    """``path: recipe value -> run value`` for every value the overrides changed.
-
-    ``before`` and ``after`` are the recipe's and the run's values by dotted path (the recipe
-    validated like the run when it validates, so values derived by ``validate()`` differ
-    only where the overrides changed what they derive from); ``run_diffs`` are the run's
-    values that differ from their class's defaults (``ConfigContainer.diff_from_defaults``).
-    A section whose class the overrides replaced (``dataset._target_=...``) is one line for
-    the class and the old class's fields left out, then the new section's fields that
-    differ from the recipe's or, where the recipe had no such field, from the new class's
-    defaults.
+    """``path: recipe value -> run value`` for every value the overrides changed, from the
+    recipe's and the run's values by dotted path (the recipe validated like the run when it
+    validates) and the run's ``diff_from_defaults()``. A section whose class the overrides
+    replaced (``dataset._target_=...``) is one line for the class and the old class's fields
+    left out, then the new section's fields that differ from the recipe's or, where the
+    recipe had no such field, from the new class's defaults.
     """
     replaced = sorted(
         key.removesuffix("._target_")

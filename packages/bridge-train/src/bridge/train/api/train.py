@@ -1,8 +1,7 @@
 """The reference's loop functions, as thin adapters over the loop and its components.
 
-Each builds what it needs with :func:`bridge.train.loop.training.run_components` (the one
-place the ``GlobalState`` is taken apart). ``train`` runs
-:func:`bridge.train.loop.training.run_training`; ``train_step`` returns a
+Each builds its parts with :func:`bridge.train.loop.training.run_components`, the one place
+the ``GlobalState`` is taken apart. ``train`` runs ``run_training``; ``train_step`` returns a
 :class:`~bridge.train.loop.step.TrainStep`'s result as the reference's 7-tuple;
 ``post_training_step_callbacks`` runs the functions the loop's components run after a step;
 ``save_checkpoint_and_time`` is the :class:`~bridge.train.loop.saving.CheckpointWriter`;

@@ -20,7 +20,6 @@ every problem without a traceback and exits with code 2.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -133,7 +132,7 @@ def check_config_before_launch(
             {name: getattr(cfg, name) for name in (*mimo.REQUIRED_SECTIONS, "model")}
         )
     # Built once, after validate() completed the sections: each rule gets what it reads.
-    values = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, **facts}
+    values = {**vars(cfg), **facts}
     problems = [
         problem
         for section in SECTIONS

@@ -26,7 +26,6 @@ as for GPT, and the writer it is given is GPT's too
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,8 +45,6 @@ __all__ = [
     "describe_mimo_layout",
     "load_mimo_checkpoint",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def describe_mimo_layout(layout: Any) -> dict[str, str]:

@@ -21,6 +21,7 @@ Order of work (every rank)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -159,13 +160,6 @@ def _progress(message: str) -> None:
         logger.info(message)
 
 
-def _uses_checkpoints(checkpoint: CheckpointConfig) -> bool:
-    return any(
-        path is not None
-        for path in (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
-    )
-
-
 def _load_checkpoint(
     checkpoint: CheckpointConfig,
     peft: PEFTProtocol | None,
@@ -184,7 +178,8 @@ def _load_checkpoint(
     loaded (``ckpt_step``, non-persistent ones, ``pretrained_checkpoint`` when ``load``
     holds nothing, ``exit_on_missing_checkpoint``) is decided by ``restore_checkpoint``.
     """
-    if not _uses_checkpoints(checkpoint):
+    paths = (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
+    if all(path is None for path in paths):
         return False
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
@@ -193,7 +188,6 @@ def _load_checkpoint(
     context = out.checkpointing_context
     if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
-
         iteration, flops = load_peft_checkpoints(
             checkpoint,
             train_state,
@@ -229,14 +223,6 @@ def _load_checkpoint(
                 resume_seed(int(rng.seed), int(iteration)),
             )
     return context.get("loaded_checkpoint") is not None
-
-
-def _peft_hooks(peft: PEFTProtocol | None) -> list[Callable[[list[torch.nn.Module]], Any]]:
-    """``peft`` applied to the built chunks before wrapping (none without peft)."""
-    if peft is None:
-        return []
-
-    return [lambda chunks: apply_peft(peft, chunks)]
 
 
 def setup(
@@ -321,7 +307,7 @@ def setup(
     model = engine.setup_model(
         cfg.model,
         cfg.ddp,
-        pre_wrap_hooks=_peft_hooks(cfg.peft),
+        pre_wrap_hooks=[] if cfg.peft is None else [functools.partial(apply_peft, cfg.peft)],
         data_parallel_random_init=cfg.rng.data_parallel_random_init,
         optimizer_config=cfg.optimizer,
         layout_independent_seed=layout_independent_seed(cfg.rng, cfg.model),
@@ -390,7 +376,6 @@ def _report_run_plan(out: SetupOutput) -> None:
 
 
 def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
-
     rsm.destroy_rerun_state_machine()
     rsm.initialize_rerun_state_machine(
         mode=rsm.RerunMode(settings.rerun_mode),
@@ -431,16 +416,11 @@ def _close(
     """Release everything pretrain started; never raises (errors are logged)."""
     steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
-        ("releasing the rerun state machine", _destroy_rerun_state_machine),
+        ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
         ("releasing the micro-batch calculator", release_num_microbatches_calculator),
         ("destroying the process group", destroy_distributed),
     ]
     run_teardown(steps, "pretrain")
-
-
-def _destroy_rerun_state_machine() -> None:
-
-    rsm.destroy_rerun_state_machine()
 
 
 def pretrain(

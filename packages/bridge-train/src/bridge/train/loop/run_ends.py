@@ -152,15 +152,14 @@ def run_teardown_steps(
     if checkpoint is not None and checkpoint.save is not None:
 
         def finalize() -> None:
-
             finalize_async_saves(resiliency.fault_tolerance, blocking=True, terminate=True)
 
         steps.append(("finishing asynchronous checkpoint saves", finalize))
     steps += resiliency.teardown_steps(clean)
-    if close_writers:
-        steps.append(("closing the metric writers", metric_writers.close))
-    else:
-        steps.append(("flushing the metric writers", metric_writers.flush))
+    writers = (
+        ("closing", metric_writers.close) if close_writers else ("flushing", metric_writers.flush)
+    )
+    steps.append((f"{writers[0]} the metric writers", writers[1]))
     return steps
 
 

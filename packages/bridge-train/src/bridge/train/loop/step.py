@@ -37,7 +37,6 @@ __all__ = ["TrainStep", "data_parallel_size"]
 
 
 def _parallel_state() -> Any:
-
     return parallel_state
 
 

@@ -1,33 +1,25 @@
-"""GPT-style training: a run's components, built once from their sections, and the loop
-that runs them.
+"""GPT-style training: a run's components, built once from their sections, and the loop.
 
-:func:`run_components` is the one place where a run's ``GlobalState`` is taken apart: it
-builds each part from its own section and the live objects it uses, the
-:class:`~bridge.train.loop.step.TrainStep` (``train``, ``model``, ``ddp`` and the engine's
+:func:`run_components` is the one place a ``GlobalState`` is taken apart: it builds the
+:class:`~bridge.train.loop.step.TrainStep` (``train``, ``model``, ``ddp``, the engine's
 schedule), the :class:`~bridge.train.loop.eval.Evaluation` (``train``), the
-:class:`~bridge.train.loop.saving.CheckpointWriter` (``checkpoint``) with its
-:class:`~bridge.train.loop.progress_log.ProgressLog` (``logger``, ``checkpoint``) and, for a
-loop, the :class:`~bridge.train.loop.components.MetricsProcessor` (``logger``, ``train``,
-``profiling``) and the other components
-(:func:`bridge.train.loop.components.standard_components`). ``pretrain``, the ``--eval-only``
-run and the reference's functions (``train``, ``train_step``, ``evaluate``, ... in
-:mod:`bridge.train.api`) call it and use the parts they need. :func:`run_training` takes the
-built components with the model, optimizer, scheduler and iterators and runs the
-model-agnostic driver :func:`core_utils.loop.run_loop`; it returns the process exit code (0
-unless the rerun state machine asks for another). Nothing built here holds the whole config
-or reads the ``GlobalState``: the user's callbacks find it in ``LoopContext.state``.
+:class:`~bridge.train.loop.saving.CheckpointWriter` (``checkpoint``) with its ``progress.txt``
+(``logger``) and, for a loop, the :class:`~bridge.train.loop.components.MetricsProcessor`
+(``logger``, ``train``, ``profiling``) and the other components
+(:func:`~bridge.train.loop.components.standard_components`), for ``pretrain``, the eval-only
+run and the reference's adapters (:mod:`bridge.train.api`). :func:`run_training` runs them
+over the model, optimizer, scheduler and iterators with :func:`core_utils.loop.run_loop`.
+No part holds the whole config or the ``GlobalState`` (callbacks see ``LoopContext.state``).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bridge.config import TrainingConfig
 from bridge.logging import MetricWriters, TrainingLogSettings, tokens_per_sample
 from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.loop.batch_size import (
@@ -60,9 +52,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-__all__ = ["LoggedRun", "LoopParts", "RunComponents", "run_components", "run_training"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["LoggedRun", "RunComponents", "run_components", "run_training"]
 
 
 @dataclass(frozen=True)
@@ -77,64 +67,42 @@ class LoggedRun:
 
 
 @dataclass
-class LoopParts:
-    """What :func:`run_training` runs besides the step.
-
-    Attributes:
-        components: The loop's components in order
-            (:func:`~bridge.train.loop.components.standard_components`).
-        callbacks: The config's ``callbacks``, then the caller's.
-        train: The ``train`` section (run length, micro-batch calculator).
-        train_state: The counters the loop advances.
-        timers: The run's timers (``interval-time`` runs during the loop).
-        end_steps: What ends a run whose loop finished, in order: pending asynchronous saves
-            committed, the resiliency machinery stopped cleanly (computed fault-tolerance
-            timeouts stored; the exit-signal handler restored after the last save), the
-            metric writers flushed.
-        callback_state: What ``LoopContext.state`` shows the user's callbacks (the run's
-            ``GlobalState``); no component reads it.
-    """
-
-    components: list[Callback]
-    callbacks: list[Callback]
-    train: TrainingConfig
-    train_state: TrainState
-    timers: Timers
-    end_steps: list[TeardownStep]
-    callback_state: GlobalState
-
-
-@dataclass
 class RunComponents:
     """A GPT run's parts, each built once by :func:`run_components`.
 
     Attributes:
+        run: The run's counters, timers, writers and start time.
         step: The train step (``None``: built without a forward step).
         evaluation: The evaluation (``None``: built without a forward step).
         checkpoint_writer: The checkpoint writer (``None``: no ``checkpoint`` section).
         progress_log: ``progress.txt`` (``None``: not kept).
-        loop: The loop's components (``None``: not built for a loop).
+        loop: The loop's components in order (empty: not built for a loop).
+        callbacks: The config's ``callbacks``, then the caller's.
+        end_steps: What ends a finished loop (:func:`run_teardown_steps`, writers flushed).
+        callback_state: ``LoopContext.state``, for the user's callbacks (no component reads it).
     """
 
+    run: LoggedRun
     step: TrainStep | None
     evaluation: Evaluation | None
     checkpoint_writer: CheckpointWriter | None
     progress_log: ProgressLog | None
-    loop: LoopParts | None = None
+    loop: list[Callback] = field(default_factory=list)
+    callbacks: list[Callback] = field(default_factory=list)
+    end_steps: list[TeardownStep] = field(default_factory=list)
+    callback_state: GlobalState | None = None
 
     @property
     def last_evaluated_iteration(self) -> int | None:
         """Iteration of the loop's last validation run (``None``: none yet)."""
-        loop = self.loop.components if self.loop is not None else []
-        found = [c.last_evaluated_iteration for c in loop if isinstance(c, Evaluator)]
-        return found[0] if found else None
+        found = (c.last_evaluated_iteration for c in self.loop if isinstance(c, Evaluator))
+        return next(found, None)
 
     @property
     def last_saved_iteration(self) -> int | None:
         """Iteration of the loop's last persistent checkpoint (``None``: none yet)."""
-        loop = self.loop.components if self.loop is not None else []
-        found = [c.last_saved_iteration for c in loop if isinstance(c, Checkpointer)]
-        return found[0] if found else None
+        found = (c.last_saved_iteration for c in self.loop if isinstance(c, Checkpointer))
+        return next(found, None)
 
 
 def run_components(
@@ -152,7 +120,7 @@ def run_components(
     ``state`` (the engine's schedule, timers, writers, resiliency objects, counters).
 
     Args:
-        state: The run's state, after :func:`bridge.train.setup` (or filled by the caller).
+        state: The run's state, filled (by :func:`bridge.train.setup` or the caller).
         forward_step_func: The forward step (the state is injected if it asks); without
             one, no step and no evaluation are built.
         checkpointing_context: The checkpointing context the writer keeps between saves.
@@ -216,11 +184,10 @@ def run_components(
             toggle_forward_pre_hooks=toggle_hooks,
             progress_log=progress_log,
         )
-    parts = RunComponents(step, evaluation, writer, progress_log)
+    parts = RunComponents(logged, step, evaluation, writer, progress_log)
     if not loop:
         return parts
-    assert step is not None, "a loop needs a forward step"
-    assert train is not None and logger_cfg is not None, "train and logger sections required"
+    assert step and train and logger_cfg, "a loop needs a forward step, train and logger"
     metrics = MetricsProcessor(
         TrainingLogSettings(
             logger=logger_cfg,
@@ -233,7 +200,7 @@ def run_components(
         model_config=cfg.model,
         loaded_iteration=state.loaded_iteration,
     )
-    components = standard_components(
+    parts.loop = standard_components(
         metrics=metrics,
         train=train,
         log_interval=logger_cfg.log_interval,
@@ -250,17 +217,11 @@ def run_components(
         seq_length=getattr(cfg.model, "seq_length", None),
         metric_writers=state.metric_writers,
     )
-    parts.loop = LoopParts(
-        components=components,
-        callbacks=[*cfg.callbacks, *callbacks],
-        train=train,
-        train_state=state.train_state,
-        timers=state.timers,
-        end_steps=run_teardown_steps(
-            checkpoint, state.resiliency, state.metric_writers, clean=True, close_writers=False
-        ),
-        callback_state=state,
+    parts.callbacks = [*cfg.callbacks, *callbacks]
+    parts.end_steps = run_teardown_steps(
+        checkpoint, state.resiliency, state.metric_writers, clean=True, close_writers=False
     )
+    parts.callback_state = state
     return parts
 
 
@@ -289,31 +250,31 @@ def run_training(
     Raises:
         core_utils.CallbackError: A user callback raised (names callback, hook, iteration).
     """
-    parts, step = components.loop, components.step
-    assert parts is not None and step is not None, "build the components with loop=True"
-    owns_calculator = ensure_num_microbatches_calculator(parts.train, data_parallel_size())
+    step, run = components.step, components.run
+    assert step is not None and components.loop, "build the components with loop=True"
+    owns_calculator = ensure_num_microbatches_calculator(step.train, data_parallel_size())
     for chunk in model:
         chunk.train()
     context = LoopContext(
-        parts.train_state,
+        run.train_state,
         model,
         optimizer,
         scheduler,
         train_data_iterator,
         valid_data_iterator,
-        callbacks=loop_callback_list(parts.components, parts.callbacks),
-        state=parts.callback_state,
+        callbacks=loop_callback_list(components.loop, components.callbacks),
+        state=components.callback_state,
     )
-    parts.timers("interval-time", log_level=0).start(barrier=True)
+    run.timers("interval-time", log_level=0).start(barrier=True)
     try:
         exit_code = run_loop(
-            context, step, is_done=lambda c: run_is_done(parts.train, c.train_state)
+            context, step, is_done=lambda c: run_is_done(step.train, c.train_state)
         )
-        parts.timers("interval-time").stop()
-        for _, action in parts.end_steps:
+        run.timers("interval-time").stop()
+        for _, action in components.end_steps:
             action()
     finally:
-        close_components(parts.components)
+        close_components(components.loop)
         if owns_calculator:
             release_num_microbatches_calculator()
     return exit_code

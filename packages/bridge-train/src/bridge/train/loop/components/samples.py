@@ -16,7 +16,6 @@ component and pays nothing.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from bridge.config import ConfigError
@@ -33,8 +32,6 @@ if TYPE_CHECKING:
     from core_utils.loop import LoopContext
 
 __all__ = ["GenerationSamples"]
-
-logger = logging.getLogger(__name__)
 
 
 class GenerationSamples(Callback):
@@ -59,7 +56,6 @@ class GenerationSamples(Callback):
         toggle_forward_pre_hooks: bool = False,
         metric_writers: Any = None,
     ) -> None:
-
         self.section = section
         self.tokenizer = tokenizer
         self.seq_length = int(seq_length)
