@@ -18,7 +18,6 @@ import pytest
 import bridge.train as bt
 from bridge.config import CheckpointConfig, LoggerConfig
 from bridge.train.checks.preflight import check_config_before_launch
-from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.testing import tiny_config_container, tiny_train_config
 from core_utils.testing import run_distributed
 
@@ -47,8 +46,6 @@ def _adapters_run(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "evaluated": state.last_evaluated_iteration,
         "saved": state.last_saved_iteration,
     }
-    # train() released the micro-batch calculator it created; setup() makes none.
-    ensure_num_microbatches_calculator(cfg.train, 1)
     step = bt.train_step(bt.forward_step, out.train_data_iterator, *args, state)
     result["step_tuple"] = (len(step), float(step[0]["lm loss"]), step[1])
     valid_before = state.train_state.consumed_valid_samples

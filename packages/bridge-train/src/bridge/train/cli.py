@@ -365,7 +365,6 @@ def _overrides_of(
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
-
     if args.config is not None:
         path = Path(args.config)
     elif (
@@ -463,7 +462,6 @@ def _report_notices(held: Any, level: int) -> None:
     advice on a machine without CUDA) are silenced on every rank. ``level`` is the run's
     ``logger.logging_level``.
     """
-
     if level > logging.DEBUG:
         torch = sys.modules.get("torch")  # imported with the config's classes, if at all
         silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
@@ -630,7 +628,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     and exit codes 130 and 143 (128 + the signal number); further signals while the run
     closes are ignored, except a second Ctrl-C, which exits at once.
     """
-
     try:
         with interrupt_handlers():
             code = run(argv)

@@ -117,7 +117,6 @@ def load_mimo_checkpoint(
     Returns:
         The iteration to continue from (0 when nothing was loaded).
     """
-
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0

@@ -4,7 +4,8 @@ Order of work (every rank)::
 
     check the config (before any process group; ConfigError names the field)
     Python logging, CUDA memory history
-    engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds
+    engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds;
+      megatron's micro-batch calculator (what train_step reads)
     timers; resiliency from its sections (bridge.resiliency.RunResiliency: fault tolerance,
       straggler detection, exit conditions, which install the exit-signal handler; the
       fault-tolerance setup section starts); metric writers from the logger section
@@ -68,7 +69,10 @@ from bridge.train.engine.initialize import (
     seed_from_rng_config,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
-from bridge.train.loop.batch_size import release_num_microbatches_calculator
+from bridge.train.loop.batch_size import (
+    ensure_num_microbatches_calculator,
+    release_num_microbatches_calculator,
+)
 from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
@@ -80,6 +84,7 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.run_length import run_is_done
+from bridge.train.loop.step import data_parallel_size
 from bridge.train.loop.training import run_components, run_training
 from bridge.train.models.family import (
     build_family_datasets,
@@ -234,7 +239,9 @@ def setup(
     report_settings: ReportSettings | None = None,
     datasets: DatasetsFunction | None = None,
 ) -> SetupOutput:
-    """Initialise distributed training and build everything :func:`train` needs.
+    """Initialise distributed training and build everything :func:`train` needs (also
+    megatron's micro-batch calculator, which :func:`bridge.train.train_step` reads; the
+    caller releases it, as ``pretrain`` does when it closes).
 
     The config must have passed :func:`check_config_before_launch`. Objects are attached
     to ``state`` as soon as they exist, so a caller's ``finally`` can close them even when
@@ -266,6 +273,7 @@ def setup(
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
     world = global_world_size()
     cfg.validate(world)
+    ensure_num_microbatches_calculator(train, data_parallel_size())  # released by the caller
     state.timers = build_timers(logger_cfg)
 
     # Built from their sections before the checkpoint is loaded, so a signal that arrives

@@ -62,7 +62,6 @@ def build_run_metric_writers(
         backend_settings: MLflow / Comet settings of bridge.logging.
         report_settings: Optional reports of bridge.logging.
     """
-
     rank, world = global_rank(), global_world_size()
     extra = metrics_file is not None and rank == world - 1
     writers = build_metric_writers(
@@ -102,7 +101,6 @@ def save_dir_holds_checkpoint(checkpoint: CheckpointConfig) -> bool:
     Persistent checkpoints (tracker or complete ``iter_*``) count, and so do global
     non-persistent ones: a run killed before its first persistent save resumes from them.
     """
-
     if checkpoint_exists(checkpoint.save):
         return True
     if checkpoint.non_persistent_ckpt_type != "global":

@@ -133,7 +133,6 @@ class TrainStep:
         Returns:
             The iteration's result.
         """
-
         train = self.train
         assert train.micro_batch_size is not None
         timers = self.timers

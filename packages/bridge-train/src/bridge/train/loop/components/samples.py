@@ -77,7 +77,6 @@ class GenerationSamples(Callback):
 
     def on_train_start(self, context: LoopContext) -> None:
         """Tokenize the prompts and check they fit the context, before the first step."""
-
         try:
             rendered = render_prompts(
                 [PromptSpec(p) for p in self.section.prompts],
@@ -118,7 +117,6 @@ class GenerationSamples(Callback):
     def generate(self, model: list[Any]) -> list[Any]:
         """The completions of the prompts by ``model`` (collective over its model-parallel
         group); the model is back in training mode afterwards."""
-
         if self.toggle:
             disable_forward_pre_hook(model)
         try:
