@@ -343,3 +343,87 @@ def randomize_hf(model: Any, seed: int = 1234) -> Any:
 def randomized() -> Any:
     """:func:`randomize_hf`."""
     return randomize_hf
+
+
+# ---- the parity tests every family file shares ------------------------------------------
+#
+# A test_hf_family_*.py file declares ``PARITY = {"model": build, "layouts": [...]}`` (and
+# optionally ``"convert": [import args]`` for a bridge-convert round trip, ``"four_ranks":
+# [layouts]`` for the extended tier); ``build(randomized)`` returns the tiny transformers
+# model. The hook below then collects :class:`ParityTests` (with :class:`ConvertRoundTrip`
+# and :class:`FourRanks` when asked) in that file, run against one module-scoped 2-rank
+# group (the ``parity`` fixture).
+
+
+def _layout_name(layout: dict[str, int]) -> str:
+    return ",".join(f"{k}{v}" for k, v in layout.items())
+
+
+@pytest.fixture(scope="module")
+def parity(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The module's ``PARITY`` run once: :meth:`FamilyParity.run` (and
+    :meth:`FamilyParity.convert_round_trip` when it names ``convert``)."""
+    spec = request.module.PARITY
+    checks = FamilyParity(tmp_path_factory.mktemp("parity"))
+    result = checks.run(spec["model"](randomize_hf), spec["layouts"])
+    if "convert" in spec:
+        result["convert"] = checks.convert_round_trip(result["hf"], *spec["convert"])
+    return {"checks": checks, **result}
+
+
+class ParityTests:
+    """Logits at every layout equal transformers'; ``save_hf_pretrained`` of the first
+    layout's model is the source bit for bit and loads in transformers."""
+
+    @pytest.mark.multiprocess
+    @pytest.mark.timeout(900)
+    def test_logits_match_transformers(self, parity: dict[str, Any], layout: str) -> None:
+        parity["checks"].assert_logits_match(parity, layout)
+
+    @pytest.mark.multiprocess
+    @pytest.mark.timeout(900)
+    def test_save_of_a_load_is_bit_identical_and_loads(self, parity: dict[str, Any]) -> None:
+        parity["checks"].assert_saved_is_source(parity)
+
+
+class ConvertRoundTrip:
+    """``bridge-convert`` import then export is the source bit for bit."""
+
+    @pytest.mark.multiprocess
+    @pytest.mark.timeout(900)
+    def test_bridge_convert_round_trip_is_bit_identical(self, parity: dict[str, Any]) -> None:
+        parity["checks"].assert_convert_round_trip_is_source(parity)
+
+
+class FourRanks:
+    """The ``four_ranks`` layouts (expert x tensor parallel) on four ranks, and their save."""
+
+    @pytest.mark.extended
+    @pytest.mark.multiprocess
+    @pytest.mark.timeout(1200)
+    def test_four_ranks(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+        spec = request.module.PARITY
+        checks = FamilyParity(tmp_path)
+        result = checks.run(spec["model"](randomize_hf), spec["four_ranks"], world=4)
+        for layout in spec["four_ranks"]:
+            checks.assert_logits_match(result, _layout_name(layout))
+        checks.assert_saved_is_source(result)
+
+
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: object) -> Any:
+    """Collect the shared parity tests where a family file declares ``PARITY``."""
+    if name != "PARITY" or not isinstance(obj, dict):
+        return None
+    bases: list[type] = [ParityTests]
+    bases += [ConvertRoundTrip] if "convert" in obj else []
+    bases += [FourRanks] if "four_ranks" in obj else []
+    tests = type("TestFamilyParity", tuple(bases), {"__doc__": ParityTests.__doc__})
+    setattr(collector.obj, tests.__name__, tests)  # where pytest looks the class up
+    return pytest.Class.from_parent(collector, name=tests.__name__)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``layout``: each of the module's ``PARITY`` layouts."""
+    spec = getattr(metafunc.module, "PARITY", None)
+    if spec is not None and "layout" in metafunc.fixturenames:
+        metafunc.parametrize("layout", [_layout_name(layout) for layout in spec["layouts"]])

@@ -197,46 +197,10 @@ def test_multi_token_prediction_layers_are_skipped(
     assert written["num_nextn_predict_layers"] == 0
 
 
-@pytest.fixture(scope="module")
-def parity(
-    tmp_path_factory: pytest.TempPathFactory, family_parity: Any, randomized: Any
-) -> dict[str, Any]:
-    checks = family_parity(tmp_path_factory.mktemp("deepseek_v3"))
-    result = checks.run(_model(randomized), [{"ep": 2}, {"tp": 2}, {"tp": 1}])
-    return {
-        "checks": checks,
-        "convert": checks.convert_round_trip(result["hf"], "--ep", "2"),
-        **result,
-    }
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["ep2", "tp2", "tp1"])
-def test_logits_match_transformers(parity: dict[str, Any], layout: str) -> None:
-    parity["checks"].assert_logits_match(parity, layout)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_save_of_an_expert_parallel_load_is_bit_identical(parity: dict[str, Any]) -> None:
-    parity["checks"].assert_saved_is_source(parity)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_bridge_convert_round_trip_is_bit_identical(parity: dict[str, Any]) -> None:
-    parity["checks"].assert_convert_round_trip_is_source(parity)
-
-
-@pytest.mark.extended
-@pytest.mark.multiprocess
-@pytest.mark.timeout(1200)
-def test_expert_and_tensor_parallel_on_four_ranks(
-    tmp_path: Path, family_parity: Any, randomized: Any
-) -> None:
-    checks = family_parity(tmp_path)
-    result = checks.run(_model(randomized), [{"ep": 2, "tp": 2}], world=4)
-    error = checks.relative_error(result["layouts"]["ep2,tp2"], result["reference"])
-    assert error <= 1e-5, error
-    checks.assert_saved_is_source(result)
+# The shared parity tests (conftest.py); extended tier: EP=2 x TP=2 on four ranks.
+PARITY = {
+    "model": _model,
+    "layouts": [{"ep": 2}, {"tp": 2}, {"tp": 1}],
+    "convert": ["--ep", "2"],
+    "four_ranks": [{"ep": 2, "tp": 2}],
+}

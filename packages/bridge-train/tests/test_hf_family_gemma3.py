@@ -110,34 +110,13 @@ def _randomized_norms(model: Any) -> Any:
     return model.float().eval()
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory: pytest.TempPathFactory, family_parity: Any) -> dict[str, Any]:
+def _text_model(randomized: Any) -> Any:
     torch.manual_seed(0)
-    model = _randomized_norms(transformers.Gemma3ForCausalLM(_text_config()))
-    checks = family_parity(tmp_path_factory.mktemp("gemma3_text"))
-    result = checks.run(model, [{"tp": 2}, {"tp": 1}])
-    return {
-        "checks": checks,
-        "convert": checks.convert_round_trip(result["hf"], "--tp", "2"),
-        **result,
-    }
+    return _randomized_norms(transformers.Gemma3ForCausalLM(_text_config()))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["tp2", "tp1"])
-def test_text_logits_match_transformers(text: dict[str, Any], layout: str) -> None:
-    text["checks"].assert_logits_match(text, layout)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("how", ["save_hf_pretrained", "bridge-convert"])
-def test_text_round_trips_are_bit_identical(text: dict[str, Any], how: str) -> None:
-    if how == "save_hf_pretrained":
-        text["checks"].assert_saved_is_source(text)
-        return
-    text["checks"].assert_convert_round_trip_is_source(text)
+# The shared parity tests (conftest.py) of the text model.
+PARITY = {"model": _text_model, "layouts": [{"tp": 2}, {"tp": 1}], "convert": ["--tp", "2"]}
 
 
 @pytest.mark.multiprocess

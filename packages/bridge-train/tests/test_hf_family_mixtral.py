@@ -54,25 +54,11 @@ def test_refusals_name_the_field(changes: dict[str, Any], needle: str, family_pa
     assert needle in message, message
 
 
-@pytest.fixture(scope="module")
-def parity(
-    tmp_path_factory: pytest.TempPathFactory, family_parity: Any, randomized: Any
-) -> dict[str, Any]:
+def _model(randomized: Any) -> Any:
     torch.manual_seed(0)
     config = transformers.MixtralConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"})
-    model = randomized(transformers.MixtralForCausalLM(config))
-    checks = family_parity(tmp_path_factory.mktemp("mixtral"))
-    return {"checks": checks, **checks.run(model, [{"ep": 2}, {"tp": 2}, {"tp": 1}])}
+    return randomized(transformers.MixtralForCausalLM(config))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["ep2", "tp2", "tp1"])
-def test_logits_match_transformers(parity: dict[str, Any], layout: str) -> None:
-    parity["checks"].assert_logits_match(parity, layout)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_save_of_an_expert_parallel_load_is_bit_identical(parity: dict[str, Any]) -> None:
-    parity["checks"].assert_saved_is_source(parity)
+# The shared parity tests (conftest.py).
+PARITY = {"model": _model, "layouts": [{"ep": 2}, {"tp": 2}, {"tp": 1}]}

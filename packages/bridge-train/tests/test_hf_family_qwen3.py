@@ -59,25 +59,11 @@ def test_refusals_name_the_field(changes: dict[str, Any], needle: str, family_pa
     assert needle in message, message
 
 
-@pytest.fixture(scope="module")
-def parity(
-    tmp_path_factory: pytest.TempPathFactory, family_parity: Any, randomized: Any
-) -> dict[str, Any]:
+def _model(randomized: Any) -> Any:
     torch.manual_seed(0)
     config = transformers.Qwen3Config(**{k: v for k, v in CONFIG.items() if k != "model_type"})
-    model = randomized(transformers.Qwen3ForCausalLM(config))
-    checks = family_parity(tmp_path_factory.mktemp("qwen3"))
-    return {"checks": checks, **checks.run(model, [{"tp": 2}, {"tp": 1}, {"pp": 2}])}
+    return randomized(transformers.Qwen3ForCausalLM(config))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["tp2", "tp1", "pp2"])
-def test_logits_match_transformers(parity: dict[str, Any], layout: str) -> None:
-    parity["checks"].assert_logits_match(parity, layout)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_save_of_a_load_is_bit_identical_and_loads(parity: dict[str, Any]) -> None:
-    parity["checks"].assert_saved_is_source(parity)
+# The shared parity tests (conftest.py).
+PARITY = {"model": _model, "layouts": [{"tp": 2}, {"tp": 1}, {"pp": 2}]}

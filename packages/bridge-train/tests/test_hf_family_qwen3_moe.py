@@ -75,25 +75,8 @@ def _model(randomized: Any, **changes: Any) -> Any:
     return randomized(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**settings)))
 
 
-@pytest.fixture(scope="module")
-def parity(
-    tmp_path_factory: pytest.TempPathFactory, family_parity: Any, randomized: Any
-) -> dict[str, Any]:
-    checks = family_parity(tmp_path_factory.mktemp("qwen3_moe"))
-    return {"checks": checks, **checks.run(_model(randomized), [{"ep": 2}, {"tp": 2}, {"tp": 1}])}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["ep2", "tp2", "tp1"])
-def test_logits_match_transformers(parity: dict[str, Any], layout: str) -> None:
-    parity["checks"].assert_logits_match(parity, layout)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_save_of_an_expert_parallel_load_is_bit_identical(parity: dict[str, Any]) -> None:
-    parity["checks"].assert_saved_is_source(parity)
+# The shared parity tests (conftest.py).
+PARITY = {"model": _model, "layouts": [{"ep": 2}, {"tp": 2}, {"tp": 1}]}
 
 
 @pytest.mark.extended

@@ -223,3 +223,16 @@ def test_vocab_size_comes_from_the_tokenizer_when_unset() -> None:
         ValueError, match=r"model.vocab_size=128 is smaller than the tokenizer's vocabulary \(258\)"
     ):
         tiny_gpt_provider(vocab_size=128).apply_tokenizer(ByteLevelTokenizer())
+
+
+@pytest.mark.parametrize(
+    "field", ["layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"]
+)
+def test_sequence_parallel_torch_norm_refuses_settings_torch_norms_ignore(field: str) -> None:
+    from bridge.train.models.layer_specs import SequenceParallelTorchNorm
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, **{field: True})
+    with pytest.raises(ValueError, match=f"model.{field}=True is not supported"):
+        SequenceParallelTorchNorm(config, 8)
+    norm = SequenceParallelTorchNorm(dataclasses.replace(config, **{field: False}), 8)
+    assert isinstance(norm, torch.nn.LayerNorm)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import os
+import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,11 @@ import torch
 from bridge.train.convert.safetensors_io import (
     INDEX_FILENAME,
     SINGLE_FILENAME,
-    ShardedSafetensorsWriter,
     StreamingSafetensorsWriter,
 )
 
 safetensors = pytest.importorskip("safetensors")
+pytest.importorskip("safetensors.torch")
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -38,15 +39,21 @@ def _plain_file_mode(directory: Path) -> int:
     return probe.stat().st_mode & 0o777
 
 
+def _stream(directory: Path, tensors: dict[str, torch.Tensor], **kwargs: int) -> list[Path]:
+    writer = StreamingSafetensorsWriter(
+        directory, [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()], **kwargs
+    )
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+    return writer.close()
+
+
 @pytest.mark.parametrize("max_shard_bytes", [1 << 20, 64])
-def test_buffered_shards_read_back_with_the_mode_of_other_files(
+def test_shards_read_back_with_the_mode_of_other_files(
     tmp_path: Path, max_shard_bytes: int
 ) -> None:
     tensors = _tensors()
-    writer = ShardedSafetensorsWriter(tmp_path, max_shard_bytes)
-    for name, tensor in tensors.items():
-        writer.add(name, tensor)
-    files = writer.close()
+    files = _stream(tmp_path, tensors, max_shard_bytes=max_shard_bytes)
     shards = [f for f in files if f.name != INDEX_FILENAME]
     assert (len(shards) == 1) == (max_shard_bytes > 1000)
     if len(shards) == 1:
@@ -64,21 +71,9 @@ def test_buffered_shards_read_back_with_the_mode_of_other_files(
     ]
 
 
-def test_streaming_and_buffered_shards_are_the_same_bytes(tmp_path: Path) -> None:
+def test_a_streamed_file_is_the_bytes_safetensors_writes(tmp_path: Path) -> None:
     tensors = _tensors()
-    streamed, buffered = tmp_path / "streamed", tmp_path / "buffered"
-    streamed.mkdir()
-    buffered.mkdir()
-    stream = StreamingSafetensorsWriter(
-        streamed, [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-    )
-    batch = ShardedSafetensorsWriter(buffered)
-    for name, tensor in tensors.items():
-        stream.write(name, tensor)
-        batch.add(name, tensor)
-    stream.close()
-    batch.close()
-    assert (streamed / SINGLE_FILENAME).read_bytes() == (buffered / SINGLE_FILENAME).read_bytes()
-    assert (
-        os.stat(streamed / SINGLE_FILENAME).st_mode == os.stat(buffered / SINGLE_FILENAME).st_mode
-    )
+    expected = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    order = json.loads(expected[8 : 8 + struct.unpack("<Q", expected[:8])[0]])
+    (written,) = _stream(tmp_path, {name: tensors[name] for name in order if name in tensors})
+    assert written.read_bytes() == expected

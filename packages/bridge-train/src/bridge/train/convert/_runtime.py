@@ -1,10 +1,13 @@
-"""One-process megatron runtime for conversions (internal)."""
+"""One-process megatron runtime and output directories for conversions (internal)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -14,7 +17,32 @@ from bridge.config import DistributedInitConfig
 from bridge.train.engine.initialize import destroy_distributed, initialize_distributed
 from bridge.train.models.families import ConversionError
 
-__all__ = ["single_process_megatron", "single_rank_copy"]
+__all__ = ["refuse_nonempty", "single_process_megatron", "single_rank_copy", "staged"]
+
+
+def refuse_nonempty(out: Path, advice: str) -> None:
+    """Refuse an output path that exists and is not an empty directory (nothing there is
+    overwritten); ``advice`` ends the message."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"{out} already exists and is not empty; {advice}")
+
+
+@contextlib.contextmanager
+def staged(out: Path, suffix: str) -> Iterator[Path]:
+    """A fresh ``out`` + ``suffix`` directory to write into, renamed to ``out`` (absent or
+    empty: :func:`refuse_nonempty`) when the block completes and removed when it fails, so
+    ``out`` appears only complete."""
+    staging = out.with_name(out.name + suffix)
+    shutil.rmtree(staging, ignore_errors=True)  # our own leftover of an interrupted run
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def single_rank_copy(provider: Any) -> Any:

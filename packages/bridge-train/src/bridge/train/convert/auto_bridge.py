@@ -29,8 +29,8 @@ never loads weights by itself (build the model, then :meth:`load_hf_weights`);
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bridge.train.convert._runtime import refuse_nonempty, staged
 from bridge.train.convert.exporter import export_hf_checkpoint, write_side_files
 from bridge.train.convert.importer import import_hf_checkpoint
 from bridge.train.convert.model_weights import (
@@ -233,18 +234,17 @@ class AutoBridge:
         """
 
         out = Path(path).resolve()
-        staging = out.with_name(out.name + ".exporting")
         problem = ""
         if _rank() == 0:
-            if out.exists() and (not out.is_dir() or any(out.iterdir())):
-                problem = f"{out} already exists and is not empty; save into a new directory"
-            else:
-                shutil.rmtree(staging, ignore_errors=True)
-                staging.mkdir(parents=True)
+            try:
+                refuse_nonempty(out, "save into a new directory")
+            except ConversionError as exc:
+                problem = str(exc)
         problem = _broadcast(problem)
         if problem:
             raise ConversionError(problem)
-        try:
+        staging = out.with_name(out.name + ".exporting")  # rank 0 makes it, and renames it
+        with staged(out, ".exporting") if _rank() == 0 else contextlib.nullcontext(staging):
             self.save_hf_weights(
                 model, staging, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress
             )
@@ -258,13 +258,6 @@ class AutoBridge:
                     dtype or self.dtype,
                     copy_config=dtype is None,
                 )
-                if out.exists():
-                    out.rmdir()
-                os.replace(staging, out)
-        except BaseException:
-            if _rank() == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return out

@@ -122,7 +122,3 @@ def _convert(args: argparse.Namespace) -> tuple[int, str]:
     except ConversionError as exc:
         return EXIT_INPUT_ERROR, f"bridge-convert: error: {exc}"
     return 0, f"bridge-convert: {args.direction} done: {out} ({time.monotonic() - started:.1f} s)"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
@@ -44,13 +45,15 @@ from bridge.config import (
 from bridge.train.checkpointing import CheckpointError, restore_checkpoint
 from bridge.train.checkpointing.integrity import recorded_files, verify_files
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint, read_marker
-from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
+from bridge.train.convert._runtime import (
+    refuse_nonempty,
+    single_process_megatron,
+    single_rank_copy,
+    staged,
+)
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
 from bridge.train.convert.model_weights import named_weights, weights_to_meta
-from bridge.train.convert.safetensors_io import (
-    ShardedSafetensorsWriter,
-    StreamingSafetensorsWriter,
-)
+from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.convert.source import side_files
 from bridge.train.models.families import (
     ConversionError,
@@ -62,7 +65,7 @@ from bridge.train.models.families import (
     read_hf_config,
     torch_dtype_of,
 )
-from bridge.train.models.families.mapping import HFTensorStacks, declared_hf_tensors
+from bridge.train.models.families.mapping import declared_hf_tensors
 from bridge.train.state import TrainState
 
 __all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
@@ -265,23 +268,6 @@ def _verify(iteration_dir: Path) -> None:
         )
 
 
-def _tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {key: _tree_map(fn, value) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_tree_map(fn, value) for value in tree]
-    return fn(tree)
-
-
-def _leaves(tree: Any) -> list[Any]:
-    """The leaves of nested dicts and lists, in order."""
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    if isinstance(tree, list):
-        return [leaf for value in tree for leaf in _leaves(value)]
-    return [tree]
-
-
 def _whole_axes(item: Any) -> Any:
     """``item`` with its prepended (stacked-layer) axes as ordinary axes of length 1.
 
@@ -330,7 +316,7 @@ def _stream_export(
         root = data._base if data._base is not None else data
         if root.is_meta and id(root) in name_of:
             entries.setdefault(name_of[id(root)], {})[key] = item
-    declared = declared_hf_tensors(mappings, lambda m: params[m.megatron], out_dtype)
+    declared = declared_hf_tensors(mappings, lambda m: params[m.megatron].to("meta"), out_dtype)
     writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
     strategy = TorchDistLoadShardedStrategy()
     for count, mapping in enumerate(mappings, start=1):
@@ -345,8 +331,8 @@ def _stream_export(
             view = real.as_strided(data.shape, data.stride(), data.storage_offset())
             template[key] = dataclasses.replace(item, data=view)
         apply_factories(template)  # a gated fc1's halves: views of ``real`` too
-        template = {key: _tree_map(_whole_axes, value) for key, value in template.items()}
-        targets = _leaves(template)
+        template = dict_list_map_outplace(_whole_axes, template)
+        targets = list(nested_values(template))
         try:
             # One layer's parameter is part of a key stacked over the layers: the
             # whole-key access check does not apply to a partial load.
@@ -355,7 +341,7 @@ def _stream_export(
             )
         except (CheckpointException, CheckpointingException) as exc:
             raise ConversionError(f"loading {iteration_dir} failed: {exc}") from None
-        results = _leaves({key: loaded[key] for key in template})
+        results = list(nested_values({key: loaded[key] for key in template}))
         with torch.no_grad():
             for target, value in zip(targets, results, strict=True):
                 if value.data_ptr() != target.data.data_ptr():  # loaded in place, or copied
@@ -426,15 +412,10 @@ def export_hf_checkpoint(
     out_dtype = dtype or torch_dtype_of(written)
 
     out = Path(hf_dir).resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConversionError(f"{out} already exists and is not empty; export into a new directory")
-    staging = out.with_name(out.name + ".exporting")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    refuse_nonempty(out, "export into a new directory")
     single = single_rank_copy(provider)
     single.perform_initialization = False
-    try:
+    with staged(out, ".exporting") as staging:
         with single_process_megatron(single):
             mappings = family.param_mappings(config, single.padded_vocab_size, prefix)
             if run_config.peft is None:
@@ -447,23 +428,19 @@ def export_hf_checkpoint(
                     iteration_dir, single, peft=run_config.peft, pretrained_checkpoint=pretrained
                 )
                 params = named_weights(model)
-                writer = ShardedSafetensorsWriter(staging, max_shard_bytes)
-                stacks = HFTensorStacks()
+                declared = declared_hf_tensors(
+                    mappings, lambda m: params[m.megatron].to("meta"), out_dtype
+                )
+                writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
                 with torch.no_grad():
                     for count, mapping in enumerate(mappings, start=1):
                         tensors = mapping.to_hf(params[mapping.megatron].detach())
-                        for name, tensor in stacks.add(mapping, tensors):
-                            writer.add(name, tensor.to(out_dtype).contiguous())
+                        for name, tensor in zip(mapping.hf, tensors, strict=True):
+                            writer.write(name, tensor.to(out_dtype).contiguous(), mapping.stack)
                         report(f"[{count}/{len(mappings)}] {mapping.megatron}")
                     files = writer.close()
                 total = writer.total_bytes
                 del model, params
         report(f"wrote {len(files)} file(s), {total / 1e9:.3f} GB")
         write_side_files(staging, family, written, files_dir, out_dtype, copy_config=dtype is None)
-        if out.exists():
-            out.rmdir()
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out

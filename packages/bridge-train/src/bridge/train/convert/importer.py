@@ -34,7 +34,12 @@ import torch
 from bridge.config import CheckpointConfig, ConfigContainer, GPTDatasetConfig, TokenizerConfig
 from bridge.train.checkpointing import init_checkpointing_context, write_checkpoint
 from bridge.train.checkpointing.save import SUPPLIED_SAVE_STRATEGY
-from bridge.train.convert._runtime import single_process_megatron, single_rank_copy
+from bridge.train.convert._runtime import (
+    refuse_nonempty,
+    single_process_megatron,
+    single_rank_copy,
+    staged,
+)
 from bridge.train.convert.model_weights import named_weights, weights_to_meta
 from bridge.train.convert.source import HFSource, side_files
 from bridge.train.convert.streaming import StreamingSaveStrategy
@@ -80,14 +85,6 @@ def check_layout(target: Any) -> None:
             f"--tp {tp} does not divide the model's {groups} key/value heads "
             "(num_key_value_heads); megatron-core needs whole query groups on every "
             "tensor-parallel rank"
-        )
-
-
-def _check_target_dir(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConversionError(
-            f"{out} already exists and is not empty; import into a new directory (nothing "
-            "there is overwritten)"
         )
 
 
@@ -165,7 +162,7 @@ def import_hf_checkpoint(
         seq_length=seq_length,
     )
     check_layout(target)
-    _check_target_dir(out)
+    refuse_nonempty(out, "import into a new directory (nothing there is overwritten)")
     tokenizer_vocab = _tokenizer_vocab(hf)
     if tokenizer_vocab is not None and tokenizer_vocab > target.vocab_size:
         raise ConversionError(
@@ -182,17 +179,13 @@ def import_hf_checkpoint(
             f"model (first {skipped[0]!r})"
         )
 
-    staging = out.with_name(out.name + ".importing")
-    if staging.exists():
-        shutil.rmtree(staging)  # our own leftover of an interrupted import
-    staging.mkdir(parents=True)
     single = single_rank_copy(target)
     single.perform_initialization = False  # the model is built on the meta device
     # megatron places weights on the GPU explicitly unless they are initialised on the CPU;
     # with CPU initialisation it leaves the device to the meta-device context below.
     single.use_cpu_initialization = True
     tokenizer_dir = out / HF_SUBDIR if tokenizer_vocab is not None else None
-    try:
+    with staged(out, ".importing") as staging:
         with single_process_megatron(single):
             with torch.device("meta"):  # shapes and sharding only: no parameter memory
                 model = single.provide(pre_process=True, post_process=True)
@@ -245,12 +238,6 @@ def import_hf_checkpoint(
             "pipeline_model_parallel_size": pipeline_model_parallel_size,
         }
         (staging / HF_SUBDIR / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # checked empty above
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
 
 

@@ -269,16 +269,14 @@ def _gathered(entry: LocalParameter) -> torch.Tensor:
     local = _with_adapter(entry).contiguous()
     if entry.group is None:
         return local
-    if entry.gated:
-        halves = []
-        for half in torch.chunk(local, 2, dim=0):
-            parts = [torch.empty_like(half) for _ in range(entry.parts)]
-            dist.all_gather(parts, half.contiguous(), group=entry.group)
-            halves.append(torch.cat(parts, dim=0))
-        return torch.cat(halves, dim=0)
-    parts = [torch.empty_like(local) for _ in range(entry.parts)]
-    dist.all_gather(parts, local, group=entry.group)
-    return torch.cat(parts, dim=entry.dim)
+    # A gated fc1 is split as [gate piece; up piece]: gather each half on its own.
+    halves = torch.chunk(local, 2, dim=0) if entry.gated else (local,)
+    gathered = []
+    for half in halves:
+        parts = [torch.empty_like(half) for _ in range(entry.parts)]
+        dist.all_gather(parts, half.contiguous(), group=entry.group)
+        gathered.append(torch.cat(parts, dim=entry.dim))
+    return torch.cat(gathered, dim=0)
 
 
 @dataclass
@@ -311,6 +309,14 @@ def _census(model: ModelOrChunks) -> _Census:
     return _Census(entries, owner, shapes)
 
 
+def _require_held(census: _Census, names: list[str]) -> None:
+    missing = [name for name in names if name not in census.owner]
+    if missing:
+        raise ConversionError(
+            f"no rank holds {missing[0]!r}: the model was built from another config"
+        )
+
+
 def iter_full_parameters(
     model: ModelOrChunks, names: list[str], census: _Census | None = None
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -322,11 +328,7 @@ def iter_full_parameters(
     census = census or _census(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
-    missing = [name for name in names if name not in census.owner]
-    if missing:
-        raise ConversionError(
-            f"no rank holds {missing[0]!r}: the model was built from another config"
-        )
+    _require_held(census, names)
     for name in names:
         full: torch.Tensor | None = None
         if name in census.entries:
@@ -358,14 +360,11 @@ def save_hf_weights(
     """
 
     census = _census(model)
+    names = [mapping.megatron for mapping in mappings]
+    _require_held(census, names)
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = None
     if rank == 0:
-        for mapping in mappings:
-            if mapping.megatron not in census.shapes:
-                raise ConversionError(
-                    f"no rank holds {mapping.megatron!r}: the model was built from another config"
-                )
 
         def meta_of(mapping: ParamMapping) -> torch.Tensor:
             shape, param_dtype = census.shapes[mapping.megatron]
@@ -374,7 +373,6 @@ def save_hf_weights(
         declared = declared_hf_tensors(mappings, meta_of, dtype)
         writer = StreamingSafetensorsWriter(out, declared, max_shard_bytes)
     by_name = {mapping.megatron: mapping for mapping in mappings}
-    names = [mapping.megatron for mapping in mappings]
     for count, (name, full) in enumerate(iter_full_parameters(model, names, census), start=1):
         if writer is None or full is None:
             continue

@@ -10,13 +10,12 @@ from typing import Any
 
 import torch
 
-from bridge.train.convert.errors import ConversionError
+from bridge.train.models.families import ConversionError
 
 __all__ = [
     "INDEX_FILENAME",
     "SINGLE_FILENAME",
     "SafetensorsReader",
-    "ShardedSafetensorsWriter",
     "StreamingSafetensorsWriter",
 ]
 
@@ -119,76 +118,6 @@ class SafetensorsReader:
         self._handles.clear()
 
 
-class ShardedSafetensorsWriter:
-    """Write tensors into ``model-0000i-of-0000n.safetensors`` shards of bounded size.
-
-    Tensors are buffered until a shard is full, then written; :meth:`close` writes the last
-    shard and the index (or ``model.safetensors`` alone when everything fit in one shard).
-
-    Args:
-        out_dir: Directory to write into.
-        max_shard_bytes: Bytes per shard (a larger tensor gets a shard of its own).
-    """
-
-    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3) -> None:
-        self.out_dir = Path(out_dir)
-        self.max_shard_bytes = int(max_shard_bytes)
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffered = 0
-        self._shards: list[dict[str, torch.Tensor] | str] = []
-        self._weight_map: dict[str, int] = {}
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue ``tensor`` under ``name`` (written when its shard is full)."""
-        size = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffered + size > self.max_shard_bytes:
-            self._flush()
-        self._buffer[name] = tensor.contiguous()
-        self._buffered += size
-        self.total_bytes += size
-        self._weight_map[name] = len(self._shards)
-
-    def _flush(self) -> None:
-        path = self.out_dir / f"shard-{len(self._shards):05d}.tmp"
-        entries = [
-            (name, tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
-            for name, tensor in self._buffer.items()
-        ]
-        # Written here rather than by safetensors.torch.save_file, which creates its files
-        # with mode 0600: the shards get the mode of every other file of the export.
-        with open(path, "wb") as handle:
-            handle.write(_header(entries))
-            for tensor in self._buffer.values():
-                handle.write(_tensor_bytes(tensor))
-            handle.flush()
-            os.fsync(handle.fileno())
-        self._shards.append(str(path))
-        self._buffer, self._buffered = {}, 0
-
-    def close(self) -> list[Path]:
-        """Write the last shard and the index; returns the files written."""
-        if self._buffer or not self._shards:
-            self._flush()
-        count = len(self._shards)
-        if count == 1:
-            final = [self.out_dir / SINGLE_FILENAME]
-        else:
-            final = [
-                self.out_dir / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)
-            ]
-        for temp, path in zip(self._shards, final, strict=True):
-            os.replace(str(temp), path)
-        if count > 1:
-            index = {
-                "metadata": {"total_size": self.total_bytes},
-                "weight_map": {name: final[i].name for name, i in self._weight_map.items()},
-            }
-            (self.out_dir / INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
-            final.append(self.out_dir / INDEX_FILENAME)
-        return final
-
-
 # safetensors' names of the dtypes a converted model is written in.
 _SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -237,10 +166,11 @@ class StreamingSafetensorsWriter:
 
     The safetensors header (names, dtypes, shapes, offsets) comes first in a file, so the
     tensors are declared up front (``entries``, in the order :meth:`write` will get them)
-    and split into shards as :class:`ShardedSafetensorsWriter` splits them; each tensor's
-    bytes go to disk when it is written, so only the tensor in hand is resident. The files
-    are what ``safetensors.torch.save_file`` writes (header padded to 8 bytes, data in
-    header order, ``{"format": "pt"}`` metadata); ``safetensors`` and ``transformers`` read
+    and split into shards of at most ``max_shard_bytes`` in that order; each tensor's bytes
+    go to disk when it is written, so only the tensor in hand is resident. The files are
+    what ``safetensors.torch.save_file`` writes (header padded to 8 bytes, data in header
+    order, ``{"format": "pt"}`` metadata), but with the mode of every other file of the
+    export (``save_file`` creates them 0600); ``safetensors`` and ``transformers`` read
     them.
 
     Args:

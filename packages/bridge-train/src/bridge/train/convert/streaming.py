@@ -30,8 +30,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 
-from bridge.train.convert.errors import ConversionError
 from bridge.train.convert.model_weights import named_weights
+from bridge.train.models.families import ConversionError
 
 __all__ = ["StreamingSaveStrategy"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -13,7 +12,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bridge.train.data.tokenizers import Tokenizer
-from bridge.train.models._provide import prepare_to_build
+from bridge.train.models._provide import call_layer_spec, prepare_to_build
 from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
 from bridge.train.models.layer_specs import (
     LayerSpecBackend,
@@ -240,10 +239,8 @@ class GPTModelProvider(TransformerConfig):
         Returns:
             ``self``.
         """
-        for name, derived in getattr(self, "_derived_values", {}).items():
-            current = getattr(self, name)
-            if current is derived or _same_value(current, derived):
-                setattr(self, name, None)
+        for name in self.derived_fields:
+            setattr(self, name, None)
         self.__post_init__()
         return self
 
@@ -323,11 +320,7 @@ class GPTModelProvider(TransformerConfig):
         spec = self.transformer_layer_spec
         if spec is None:
             return build_gpt_layer_spec(self, self.resolved_layer_spec_backend(), vp_stage)
-        if isinstance(spec, ModuleSpec) or not callable(spec):
-            return spec
-        if "vp_stage" in inspect.signature(spec).parameters:
-            return spec(self, vp_stage=vp_stage)
-        return spec(self)
+        return call_layer_spec(spec, self, vp_stage)
 
     def provide(
         self,
@@ -359,16 +352,16 @@ class GPTModelProvider(TransformerConfig):
         """
 
         vocab = self.padded_vocab_size
-        pre_process, post_process = prepare_to_build(self, pre_process, post_process, vp_stage)
-        spec = self.layer_spec(vp_stage)
-        if self.transformer_layer_spec is None:
-            backend = self.resolved_layer_spec_backend()
-            self.transformer_impl = (
-                "transformer_engine" if backend == "transformer_engine" else "local"
-            )
+        pre_process, post_process = prepare_to_build(
+            self,
+            pre_process,
+            post_process,
+            vp_stage,
+            spec_given=self.transformer_layer_spec is not None,
+        )
         model = GPTModel(
             config=self,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=self.layer_spec(vp_stage),
             vocab_size=vocab,
             max_sequence_length=self.seq_length,
             pre_process=pre_process,

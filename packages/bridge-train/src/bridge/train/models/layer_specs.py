@@ -149,10 +149,18 @@ class SequenceParallelTorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ) -> torch.nn.Module:
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError(
-                "model.layernorm_zero_centered_gamma=True is not supported by torch's norms"
-            )
+        # megatron's specs pass the norm settings as arguments, but its torch norm (like this
+        # one) reads them from the config: refuse there what torch's norms cannot do.
+        for field in (
+            "layernorm_zero_centered_gamma",
+            "persist_layer_norm",
+            "memory_efficient_layer_norm",
+        ):
+            if getattr(config, field):
+                raise ValueError(
+                    f"model.{field}=True is not supported by torch's norms (the portable "
+                    "layer spec with sequence parallelism); set it to False"
+                )
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in kinds:
             raise ValueError(

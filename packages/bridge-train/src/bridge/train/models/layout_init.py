@@ -337,15 +337,10 @@ def _init_rule(
         return gamma if attribute == "weight" else 0.0
     if attribute in _MAMBA_PARAMETERS:
         return _mamba_rule(module, attribute)
-    if owner == "router":
-        # megatron's TopKRouter draws its weight (and bias) with init_method.
-        return config.init_method
-    if attribute == "position_embedding":
-        # bridge-mimo's PatchEncoder: a learned table drawn as normal(0, init_method_std).
-        return config.init_method
-    if attribute == "softmax_offset":
-        # The learnable attention sinks (gpt-oss): megatron's DotProductAttention draws
-        # them with init_method.
+    if owner == "router" or attribute in ("position_embedding", "softmax_offset"):
+        # Drawn with init_method: megatron's TopKRouter its weight (and bias), bridge-mimo's
+        # PatchEncoder its learned table (normal(0, init_method_std)), megatron's
+        # DotProductAttention the learnable attention sinks (gpt-oss).
         return config.init_method
     if attribute == "bias":
         return 0.0

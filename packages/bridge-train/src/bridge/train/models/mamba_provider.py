@@ -24,7 +24,6 @@ megatron has no non-Transformer-Engine hybrid spec, so ``"local"`` is refused.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,7 +34,7 @@ from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from bridge.train.models._provide import prepare_to_build
+from bridge.train.models._provide import call_layer_spec, prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 
@@ -234,13 +233,8 @@ class MambaProvider(GPTModelProvider):
             ValueError: The backend cannot run here, or the pattern uses a layer kind the
                 portable spec does not build.
         """
-        spec = self.mamba_stack_spec
-        if spec is not None:
-            if isinstance(spec, ModuleSpec) or not callable(spec):
-                return spec
-            if "vp_stage" in inspect.signature(spec).parameters:
-                return spec(self, vp_stage=vp_stage)
-            return spec(self)
+        if self.mamba_stack_spec is not None:
+            return call_layer_spec(self.mamba_stack_spec, self, vp_stage)
         if self.resolved_layer_spec_backend() == "transformer_engine":
             return hybrid_stack_spec
         main_pattern = self.layer_pattern.split("/")[0].replace("|", "")
@@ -276,16 +270,12 @@ class MambaProvider(GPTModelProvider):
         """
 
         vocab = self.padded_vocab_size
-        pre_process, post_process = prepare_to_build(self, pre_process, post_process, vp_stage)
-        spec = self.layer_spec(vp_stage)
-        if self.mamba_stack_spec is None:
-            backend = self.resolved_layer_spec_backend()
-            self.transformer_impl = (
-                "transformer_engine" if backend == "transformer_engine" else "local"
-            )
+        pre_process, post_process = prepare_to_build(
+            self, pre_process, post_process, vp_stage, spec_given=self.mamba_stack_spec is not None
+        )
         return HybridModel(
             config=self,
-            hybrid_stack_spec=spec,
+            hybrid_stack_spec=self.layer_spec(vp_stage),
             vocab_size=vocab,
             max_sequence_length=self.seq_length,
             hybrid_layer_pattern=self.layer_pattern,

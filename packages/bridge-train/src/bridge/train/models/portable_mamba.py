@@ -128,6 +128,8 @@ class PortableMambaMixer(MegatronModule):
         norm_before_gate: bool = False,
         dt_min: float = 0.001,
         dt_max: float = 0.1,
+        # dt_init, dt_scale: accepted and unused, as by megatron's mixer (no config field
+        # sets them); pp_layer_offset: megatron's mixer uses it only for inference.
         dt_init: str = "random",
         dt_scale: float = 1.0,
         dt_init_floor: float = 1e-4,
@@ -212,17 +214,13 @@ class PortableMambaMixer(MegatronModule):
             tp_comm_buffer_name="fc1",
             tp_group=self.tp_group,
         )
-        local_group_state = self.ngroups_local_tp * self.d_state
-        self.in_proj.weight.partition_sizes = [
-            self.d_inner_local_tp,
-            self.d_inner_local_tp,
-            local_group_state,
-            local_group_state,
-            self.nheads_local_tp,
-        ]
+        # partition_sizes: the per-rank blocks of the packed components (megatron's
+        # resharding reads it).
+        self.in_proj.weight.partition_sizes = [part // tp_size for part in in_proj_parts]
         dtype = config.params_dtype
         conv_parts = [self.d_inner, group_state, group_state]
-        conv_dim_local = self.d_inner_local_tp + 2 * local_group_state
+        local_conv_parts = [part // tp_size for part in conv_parts]
+        conv_dim_local = sum(local_conv_parts)
         self.conv1d_weight = torch.nn.Parameter(torch.empty(conv_dim_local, 1, d_conv, dtype=dtype))
         self.conv1d_bias = torch.nn.Parameter(torch.empty(conv_dim_local, dtype=dtype))
         self.dt_bias = torch.nn.Parameter(torch.empty(self.nheads_local_tp, dtype=dtype))
@@ -232,9 +230,6 @@ class PortableMambaMixer(MegatronModule):
         )
         for param in (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A_log, self.D):
             set_tensor_model_parallel_attributes(param, True, 0, 1)
-        # partition_sizes: the per-rank blocks of the packed components (megatron's
-        # resharding reads it).
-        local_conv_parts = [self.d_inner_local_tp, local_group_state, local_group_state]
         self.conv1d_weight.partition_sizes = local_conv_parts  # type: ignore[attr-defined]
         self.conv1d_bias.partition_sizes = local_conv_parts  # type: ignore[attr-defined]
 

@@ -19,7 +19,7 @@ import torch
 from megatron.core.models.T5 import T5Model, t5_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from bridge.train.models._provide import prepare_to_build
+from bridge.train.models._provide import call_layer_spec, prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
 from core_utils.portable_attention import with_sdpa_core_attention
 
@@ -108,8 +108,7 @@ class T5ModelProvider(GPTModelProvider):
     def layer_spec(self, vp_stage: int | None = None) -> Any:
         """``(encoder_block_spec, decoder_block_spec)`` (``transformer_layer_spec`` when set)."""
         if self.transformer_layer_spec is not None:
-            spec = self.transformer_layer_spec
-            return spec(self) if callable(spec) else spec
+            return call_layer_spec(self.transformer_layer_spec, self, vp_stage)
 
         backend = self.resolved_layer_spec_backend()
         encoder = t5_spec.encoder_model_with_local_spec()
@@ -146,10 +145,9 @@ class T5ModelProvider(GPTModelProvider):
             True if pre_process is None else pre_process,
             True if post_process is None else post_process,
             vp_stage,
+            spec_given=self.transformer_layer_spec is not None,
         )
         encoder_spec, decoder_spec = self.layer_spec(vp_stage)
-        if self.transformer_layer_spec is None:
-            self.transformer_impl = "local"
         encoder_config = copy.deepcopy(self)
         encoder_config.num_layers = self.encoder_layers
         return T5Model(

@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 import torch
 
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting
-from bridge.train.models.families.config_fields import require
 from bridge.train.models.families.errors import ConversionError
 from bridge.train.models.families.mapping import ParamMapping
 from bridge.train.models.gpt_provider import GPTModelProvider
@@ -153,11 +152,6 @@ class HFFamily:
             for key in ("bos_token_id", "eos_token_id", "pad_token_id")
             if config.get(key) is not None
         }
-
-    @staticmethod
-    def require(config: dict[str, Any], key: str) -> Any:
-        """``config[key]``, refusing a config without it."""
-        return require(config, key)
 
 
 _REGISTRY: dict[str, HFFamily] = {}

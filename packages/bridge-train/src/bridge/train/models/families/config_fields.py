@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.families.errors import ConversionError
 
@@ -26,6 +27,8 @@ __all__ = [
     "YarnParameters",
     "attention_layer_types",
     "gelu_tanh",
+    "hf_layer_windows",
+    "layer_window_kwargs",
     "read_hf_config",
     "refuse",
     "require",
@@ -202,6 +205,33 @@ def attention_layer_types(config: dict[str, Any], pattern: int) -> list[str]:
             f"one of {list(kinds_known)} per layer ({layers}) is implemented",
         )
     return list(kinds)
+
+
+def layer_window_kwargs(config: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
+    """``window_size`` and ``window_attn_skip_freq`` for per-layer ``kinds``
+    (:func:`attention_layer_types`); none when no layer is ``sliding_attention``."""
+    if "sliding_attention" not in kinds:
+        return {}
+    window = int(require(config, "sliding_window"))
+    return {
+        "window_size": (window - 1, 0),
+        "window_attn_skip_freq": [int(kind == "sliding_attention") for kind in kinds],
+    }
+
+
+def hf_layer_windows(provider: Any) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` of ``config.json`` for a provider's windows
+    (what :func:`layer_window_kwargs` reads back)."""
+    if provider.window_size is None:
+        return {"sliding_window": None, "layer_types": ["full_attention"] * provider.num_layers}
+    skip = provider.window_attn_skip_freq
+    kinds = [
+        "sliding_attention"
+        if is_layer_window_attention(provider.window_size, skip, i + 1)
+        else "full_attention"
+        for i in range(provider.num_layers)
+    ]
+    return {"sliding_window": int(provider.window_size[0]) + 1, "layer_types": kinds}
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -56,12 +56,14 @@ from typing import Any
 from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
     refuse,
+    require,
+    rope_settings,
     rope_theta_and_scaling,
     silu_activation,
     yarn_mscale,
     yarn_parameters,
 )
-from bridge.train.models.families.llama import LlamaFamily
+from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
 from bridge.train.models.families.mapping import (
     ParamMapping,
     direct,
@@ -92,11 +94,17 @@ def _first_dense(config: dict[str, Any]) -> int:
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """MLA's RoPE fields: plain RoPE, or YaRN as megatron's MLA computes it."""
     theta, scaling = rope_theta_and_scaling(config)
-    if float(theta) != int(theta):
-        raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ("default", "yarn"):
+        raise refuse(
+            config,
+            "rope_parameters.rope_type",
+            kind,
+            "megatron-core's multi-latent attention implements the 'default' and 'yarn' RoPE",
+        )
     plain = {
-        "rotary_base": int(theta),
+        # An integer base and fully rotated heads (YaRN's own fields are read below).
+        **rope_settings(config, theta, scaling if kind == "default" else None),
         "rope_type": "rope",
         # mscale(1, 0) = 1: no change to the softmax scale.
         "rotary_scaling_factor": 1.0,
@@ -104,19 +112,7 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "mscale_all_dim": 0.0,
     }
     if kind == "default":
-        partial = (scaling or {}).get("partial_rotary_factor", config.get("partial_rotary_factor"))
-        if partial is not None and float(partial) != 1.0:
-            raise refuse(
-                config, "partial_rotary_factor", partial, "only fully rotated heads are implemented"
-            )
         return plain
-    if kind != "yarn":
-        raise refuse(
-            config,
-            "rope_parameters.rope_type",
-            kind,
-            "megatron-core's multi-latent attention implements the 'default' and 'yarn' RoPE",
-        )
     assert scaling is not None
     yarn = yarn_parameters(config, scaling)
     if not yarn.truncate:
@@ -250,7 +246,7 @@ class DeepseekV3Family(LlamaFamily):
 
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """DeepSeek-V3's fields (see the module docstring)."""
-        heads = int(self.require(config, "num_attention_heads"))
+        heads = int(require(config, "num_attention_heads"))
         kv_heads = config.get("num_key_value_heads")
         if kv_heads is not None and int(kv_heads) != heads:
             raise refuse(
@@ -292,10 +288,10 @@ class DeepseekV3Family(LlamaFamily):
                 f"transformers' latent norms use {_LATENT_NORM_EPS} whatever rms_norm_eps "
                 "says, megatron-core one epsilon for every norm",
             )
-        layers = int(self.require(config, "num_hidden_layers"))
+        layers = int(require(config, "num_hidden_layers"))
         experts = _experts(config)
-        topk = int(self.require(config, "num_experts_per_tok"))
-        expert_ffn = int(self.require(config, "moe_intermediate_size"))
+        topk = int(require(config, "num_experts_per_tok"))
+        expert_ffn = int(require(config, "moe_intermediate_size"))
         shared = config.get("n_shared_experts")
         if shared is None or int(shared) < 1:
             raise refuse(
@@ -311,35 +307,25 @@ class DeepseekV3Family(LlamaFamily):
                 "every layer from first_k_dense_replace on",
             )
         first_dense = _first_dense(config)
-        v_head_dim = int(self.require(config, "v_head_dim"))
+        v_head_dim = int(require(config, "v_head_dim"))
         return {
-            "num_layers": layers,
-            "hidden_size": int(self.require(config, "hidden_size")),
-            "num_attention_heads": heads,
+            **decoder_kwargs(config),
             "num_query_groups": heads,
             "kv_channels": v_head_dim,
-            "vocab_size": int(self.require(config, "vocab_size")),
-            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
             "position_embedding_type": "rope",
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": eps,
-            "gated_linear_unit": True,
             "activation_func": silu_activation(config),
             "add_bias_linear": False,
-            "add_qkv_bias": False,
-            "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
-            "hidden_dropout": 0.0,
             # multi-latent attention
             "multi_latent_attention": True,
             "qk_layernorm": True,
             "q_lora_rank": int(config["q_lora_rank"]),
-            "kv_lora_rank": int(self.require(config, "kv_lora_rank")),
-            "qk_head_dim": int(self.require(config, "qk_nope_head_dim")),
-            "qk_pos_emb_head_dim": int(self.require(config, "qk_rope_head_dim")),
+            "kv_lora_rank": int(require(config, "kv_lora_rank")),
+            "qk_head_dim": int(require(config, "qk_nope_head_dim")),
+            "qk_pos_emb_head_dim": int(require(config, "qk_rope_head_dim")),
             "v_head_dim": v_head_dim,
             **_rope_kwargs(config),
             # experts
-            "ffn_hidden_size": int(self.require(config, "intermediate_size")),
+            "ffn_hidden_size": int(require(config, "intermediate_size")),
             "num_moe_experts": experts,
             "moe_router_topk": topk,
             "moe_ffn_hidden_size": expert_ffn,
@@ -374,17 +360,9 @@ class DeepseekV3Family(LlamaFamily):
         and shared experts on the others."""
         if layer < _first_dense(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
-        experts = [
-            (
-                f"{h}mlp.experts.{e}.gate_proj.weight",
-                f"{h}mlp.experts.{e}.up_proj.weight",
-                f"{h}mlp.experts.{e}.down_proj.weight",
-            )
-            for e in range(_experts(config))
-        ]
         shared = f"{h}mlp.shared_experts."
         return [
-            *routed_experts(m, f"{h}mlp.gate.weight", experts),
+            *routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config)),
             direct(f"{m}mlp.router.expert_bias", f"{h}mlp.gate.e_score_correction_bias"),
             gated_fc1(
                 f"{m}mlp.shared_experts.linear_fc1.weight",
@@ -422,15 +400,11 @@ class DeepseekV3Family(LlamaFamily):
                 mscale_all_dim=float(provider.mscale_all_dim),
             )
         groups = provider.moe_router_num_groups
+        config = decoder_hf_config(self, provider)
+        del config["head_dim"]  # transformers derives it from the latent head sizes
         return {
-            "architectures": [self.architecture],
-            "model_type": self.name,
-            "vocab_size": int(provider.vocab_size),
-            "hidden_size": int(provider.hidden_size),
-            "intermediate_size": int(provider.ffn_hidden_size),
+            **config,
             "moe_intermediate_size": int(provider.moe_ffn_hidden_size),
-            "num_hidden_layers": int(provider.num_layers),
-            "num_attention_heads": int(provider.num_attention_heads),
             "num_key_value_heads": int(provider.num_attention_heads),
             "n_shared_experts": shared // int(provider.moe_ffn_hidden_size),
             "n_routed_experts": int(provider.num_moe_experts),
@@ -446,15 +420,10 @@ class DeepseekV3Family(LlamaFamily):
             "first_k_dense_replace": first_dense,
             "norm_topk_prob": int(provider.moe_router_topk) > 1,
             "hidden_act": "silu",
-            "max_position_embeddings": int(provider.seq_length),
-            "rms_norm_eps": float(provider.layernorm_epsilon),
-            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
             "rope_parameters": rope,
             "rope_interleave": True,
             "attention_bias": False,
-            "attention_dropout": float(provider.attention_dropout),
             "num_nextn_predict_layers": 0,
             "aux_loss_alpha": float(provider.moe_aux_loss_coeff or 0.0),
             "seq_aux": provider.moe_router_load_balancing_type == "seq_aux_loss",
-            "dtype": str(provider.params_dtype).removeprefix("torch."),
         }

@@ -24,16 +24,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.core.transformer.utils import is_layer_window_attention
-
 from bridge.train.models.families.base import HFFamily, register_family
 from bridge.train.models.families.config_fields import (
     attention_layer_types,
     gelu_tanh,
+    hf_layer_windows,
+    layer_window_kwargs,
     refuse,
+    require,
     rope_settings,
 )
-from bridge.train.models.families.llama import hf_rope_parameters
+from bridge.train.models.families.llama import (
+    decoder_hf_config,
+    decoder_kwargs,
+    hf_rope_parameters,
+)
 from bridge.train.models.families.mapping import (
     ParamMapping,
     direct,
@@ -129,8 +134,7 @@ class Gemma3Family(HFFamily):
         act = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
         if act not in ("gelu_pytorch_tanh", "gelu_new"):
             raise refuse(config, "hidden_activation", act, "only the tanh GELU is implemented")
-        heads = int(self.require(config, "num_attention_heads"))
-        head_dim = int(config.get("head_dim") or int(self.require(config, "hidden_size")) // heads)
+        decoder = decoder_kwargs(config, tied=True)
         kinds = _layer_types(config)
         full, local = _ropes(config)
         local_settings = rope_settings(
@@ -146,27 +150,16 @@ class Gemma3Family(HFFamily):
                 local.get("rope_type"),
                 "the sliding-window layers' RoPE is implemented without scaling",
             )
-        kwargs: dict[str, Any] = {
-            "num_layers": len(kinds),
-            "hidden_size": int(config["hidden_size"]),
-            "ffn_hidden_size": int(self.require(config, "intermediate_size")),
-            "num_attention_heads": heads,
-            "num_query_groups": int(config.get("num_key_value_heads") or heads),
-            "kv_channels": head_dim,
-            "vocab_size": int(self.require(config, "vocab_size")),
-            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", True)),
+        return {
+            **decoder,
+            "ffn_hidden_size": int(require(config, "intermediate_size")),
             "position_embedding_type": "rope",
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
             "layernorm_zero_centered_gamma": True,
-            "gated_linear_unit": True,
             "activation_func": gelu_tanh,
             "add_bias_linear": False,
-            "add_qkv_bias": False,
             "qk_layernorm": True,
-            "softmax_scale": float(config.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
-            "hidden_dropout": 0.0,
+            "softmax_scale": float(config.get("query_pre_attn_scalar", decoder["kv_channels"]))
+            ** -0.5,
             "rotary_base_local": local_settings["rotary_base"],
             **rope_settings(
                 config,
@@ -174,12 +167,8 @@ class Gemma3Family(HFFamily):
                 full,
                 field="rope_parameters.full_attention",
             ),
+            **layer_window_kwargs(config, kinds),
         }
-        if "sliding_attention" in kinds:
-            window = int(self.require(config, "sliding_window"))
-            kwargs["window_size"] = (window - 1, 0)
-            kwargs["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in kinds]
-        return kwargs
 
     def param_mappings(
         self, config: dict[str, Any], padded_vocab: int, prefix: str
@@ -227,34 +216,11 @@ class Gemma3Family(HFFamily):
         """A ``gemma3_text`` ``config.json`` for a Gemma 3 provider."""
         if type(provider).__name__ != "Gemma3ModelProvider":
             return {"model_type": "gemma3_text"}  # incomplete: the round trip refuses it
-        skip = provider.window_attn_skip_freq
-        if provider.window_size is None:
-            kinds = ["full_attention"] * provider.num_layers
-            window = None
-        else:
-            kinds = [
-                "sliding_attention"
-                if is_layer_window_attention(provider.window_size, skip, i + 1)
-                else "full_attention"
-                for i in range(provider.num_layers)
-            ]
-            window = int(provider.window_size[0]) + 1
         return {
-            "architectures": [self.architecture],
-            "model_type": "gemma3_text",
-            "vocab_size": int(provider.vocab_size),
-            "hidden_size": int(provider.hidden_size),
-            "intermediate_size": int(provider.ffn_hidden_size),
-            "num_hidden_layers": int(provider.num_layers),
-            "num_attention_heads": int(provider.num_attention_heads),
-            "num_key_value_heads": int(provider.num_query_groups),
-            "head_dim": int(provider.kv_channels),
+            **decoder_hf_config(self, provider),
+            **hf_layer_windows(provider),
             "hidden_activation": "gelu_pytorch_tanh",
-            "max_position_embeddings": int(provider.seq_length),
-            "rms_norm_eps": float(provider.layernorm_epsilon),
             "query_pre_attn_scalar": _query_pre_attn_scalar(provider),
-            "sliding_window": window,
-            "layer_types": kinds,
             "rope_parameters": {
                 "full_attention": hf_rope_parameters(provider),
                 "sliding_attention": {
@@ -262,9 +228,7 @@ class Gemma3Family(HFFamily):
                     "rope_theta": float(provider.rotary_base_local),
                 },
             },
-            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
             "attention_bias": False,
             "attn_logit_softcapping": None,
             "final_logit_softcapping": None,
-            "dtype": str(provider.params_dtype).removeprefix("torch."),
         }

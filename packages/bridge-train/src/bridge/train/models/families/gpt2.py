@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from bridge.train.models.families.base import HFFamily, register_family
-from bridge.train.models.families.config_fields import gelu_tanh, refuse
+from bridge.train.models.families.config_fields import gelu_tanh, refuse, require
 from bridge.train.models.families.mapping import ParamMapping, direct, fused_qkv, vocab_rows
 
 __all__ = ["GPT2Family"]
@@ -76,14 +76,14 @@ class GPT2Family(HFFamily):
             raise refuse(
                 config, "activation_function", act, f"use one of {', '.join(_ACTIVATIONS)}"
             )
-        hidden = int(self.require(config, "n_embd"))
+        hidden = int(require(config, "n_embd"))
         return {
-            "num_layers": int(self.require(config, "n_layer")),
+            "num_layers": int(require(config, "n_layer")),
             "hidden_size": hidden,
             "ffn_hidden_size": int(config.get("n_inner") or 4 * hidden),
-            "num_attention_heads": int(self.require(config, "n_head")),
-            "vocab_size": int(self.require(config, "vocab_size")),
-            "seq_length": int(self.require(config, "n_positions")),
+            "num_attention_heads": int(require(config, "n_head")),
+            "vocab_size": int(require(config, "vocab_size")),
+            "seq_length": int(require(config, "n_positions")),
             "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", True)),
             "position_embedding_type": "learned_absolute",
             "normalization": "LayerNorm",

@@ -43,19 +43,26 @@ from typing import Any
 
 import torch
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
-from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
     attention_layer_types,
+    hf_layer_windows,
+    layer_window_kwargs,
     refuse,
+    require,
     rope_settings,
     rope_theta_and_scaling,
     yarn_mscale,
     yarn_parameters,
 )
-from bridge.train.models.families.llama import LlamaFamily, hf_rope_parameters
-from bridge.train.models.families.mapping import ParamMapping, direct
+from bridge.train.models.families.llama import (
+    LlamaFamily,
+    decoder_hf_config,
+    decoder_kwargs,
+    hf_rope_parameters,
+)
+from bridge.train.models.families.mapping import SAME, TRANSPOSED, ParamMapping, direct
 from bridge.train.models.families.moe import routed_moe_kwargs
 from bridge.train.models.gpt_oss_provider import GptOssModelProvider
 
@@ -138,30 +145,14 @@ def _expert_fc1_bias_to_hf(t: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.stack([gate, up], dim=-1).reshape(-1).contiguous(),)
 
 
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
-
-
-def _transposed_back(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t.t().contiguous(),)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _one(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t,)
-
-
 def _stacked_experts(layer: str, hf_experts: str, experts: int, hidden: int) -> list[ParamMapping]:
     """Each expert's slice of the four stacked tensors, tensor by tensor in expert order."""
     fc1_to_megatron, fc1_to_hf = _expert_fc1_weight(hidden)
     kinds = (
         ("linear_fc1.weight", "gate_up_proj", fc1_to_megatron, fc1_to_hf),
         ("linear_fc1.bias", "gate_up_proj_bias", _expert_fc1_bias, _expert_fc1_bias_to_hf),
-        ("linear_fc2.weight", "down_proj", _transposed, _transposed_back),
-        ("linear_fc2.bias", "down_proj_bias", _same, _one),
+        ("linear_fc2.weight", "down_proj", *TRANSPOSED),
+        ("linear_fc2.bias", "down_proj_bias", *SAME),
     )
     return [
         ParamMapping(
@@ -219,45 +210,26 @@ class GptOssFamily(LlamaFamily):
             )
 
         limit = config.get("swiglu_limit", 7.0)
-        heads = int(self.require(config, "num_attention_heads"))
-        hidden = int(self.require(config, "hidden_size"))
-        ffn = int(self.require(config, "intermediate_size"))
-        kinds = attention_layer_types(config, 2)
-        kwargs: dict[str, Any] = {
-            "num_layers": len(kinds),
-            "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "num_query_groups": int(config.get("num_key_value_heads") or heads),
-            "kv_channels": int(config.get("head_dim") or hidden // heads),
-            "vocab_size": int(self.require(config, "vocab_size")),
-            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-5)),
-            "gated_linear_unit": True,
+        ffn = int(require(config, "intermediate_size"))
+        return {
+            **decoder_kwargs(config, eps=1e-5),
             "activation_func": quick_gelu,
             "activation_func_clamp_value": None if limit is None else float(limit),
             "glu_linear_offset": 1.0,
             "add_bias_linear": True,
-            "add_qkv_bias": False,
             "softmax_type": "learnable",
-            "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
-            "hidden_dropout": 0.0,
             "ffn_hidden_size": ffn,
             **_rope_kwargs(config),
             **routed_moe_kwargs(
-                experts=int(self.require(config, "num_local_experts")),
-                topk=int(self.require(config, "num_experts_per_tok")),
+                experts=int(require(config, "num_local_experts")),
+                topk=int(require(config, "num_experts_per_tok")),
                 expert_ffn=ffn,
                 normalize=True,
                 pattern=1,
                 aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0) or 0.0),
             ),
+            **layer_window_kwargs(config, attention_layer_types(config, 2)),
         }
-        if "sliding_attention" in kinds:
-            window = int(self.require(config, "sliding_window"))
-            kwargs["window_size"] = (window - 1, 0)
-            kwargs["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in kinds]
-        return kwargs
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -292,19 +264,6 @@ class GptOssFamily(LlamaFamily):
         the round trip refuses, for any other)."""
         if type(provider).__name__ != "GptOssModelProvider" or not provider.num_moe_experts:
             return {"model_type": self.name}
-
-        if provider.window_size is None:
-            kinds = ["full_attention"] * provider.num_layers
-            window = None
-        else:
-            skip = provider.window_attn_skip_freq
-            kinds = [
-                "sliding_attention"
-                if is_layer_window_attention(provider.window_size, skip, i + 1)
-                else "full_attention"
-                for i in range(provider.num_layers)
-            ]
-            window = int(provider.window_size[0]) + 1
         if provider.position_embedding_type == "yarn":
             rope: dict[str, Any] = {
                 "rope_type": "yarn",
@@ -325,27 +284,14 @@ class GptOssFamily(LlamaFamily):
         else:
             rope = hf_rope_parameters(provider)
         return {
-            "architectures": [self.architecture],
-            "model_type": self.name,
-            "vocab_size": int(provider.vocab_size),
-            "hidden_size": int(provider.hidden_size),
+            **decoder_hf_config(self, provider),
+            **hf_layer_windows(provider),
             "intermediate_size": int(provider.moe_ffn_hidden_size),
-            "num_hidden_layers": int(provider.num_layers),
-            "num_attention_heads": int(provider.num_attention_heads),
-            "num_key_value_heads": int(provider.num_query_groups),
-            "head_dim": int(provider.kv_channels),
             "num_local_experts": int(provider.num_moe_experts),
             "num_experts_per_tok": int(provider.moe_router_topk),
-            "sliding_window": window,
-            "layer_types": kinds,
-            "max_position_embeddings": int(provider.seq_length),
-            "rms_norm_eps": float(provider.layernorm_epsilon),
             "rope_parameters": rope,
             "swiglu_alpha": _QUICK_GELU_ALPHA,
             "swiglu_limit": provider.activation_func_clamp_value,
             "router_aux_loss_coef": float(provider.moe_aux_loss_coeff or 0.0),
             "attention_bias": True,
-            "attention_dropout": float(provider.attention_dropout),
-            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
-            "dtype": str(provider.params_dtype).removeprefix("torch."),
         }

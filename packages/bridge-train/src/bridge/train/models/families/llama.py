@@ -20,6 +20,7 @@ import torch
 from bridge.train.models.families.base import HFFamily, register_family
 from bridge.train.models.families.config_fields import (
     refuse,
+    require,
     rope_settings,
     rope_theta_and_scaling,
     silu_activation,
@@ -32,7 +33,57 @@ from bridge.train.models.families.mapping import (
     vocab_rows,
 )
 
-__all__ = ["LlamaFamily", "hf_rope_parameters"]
+__all__ = ["LlamaFamily", "decoder_hf_config", "decoder_kwargs", "hf_rope_parameters"]
+
+
+def decoder_kwargs(
+    config: dict[str, Any], *, eps: float = 1e-6, tied: bool = False
+) -> dict[str, Any]:
+    """The provider fields every RMSNorm, gated-MLP decoder family reads alike: sizes,
+    heads, vocabulary, norm, dropout (no Q/K/V-only bias).
+
+    Args:
+        config: The language-model ``config.json``.
+        eps: The family's default ``rms_norm_eps``.
+        tied: The family's default ``tie_word_embeddings``.
+    """
+    heads = int(require(config, "num_attention_heads"))
+    hidden = int(require(config, "hidden_size"))
+    return {
+        "num_layers": int(require(config, "num_hidden_layers")),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": int(config.get("num_key_value_heads") or heads),
+        "kv_channels": int(config.get("head_dim") or hidden // heads),
+        "vocab_size": int(require(config, "vocab_size")),
+        "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", tied)),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(config.get("rms_norm_eps", eps)),
+        "gated_linear_unit": True,
+        "add_qkv_bias": False,
+        "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
+        "hidden_dropout": 0.0,
+    }
+
+
+def decoder_hf_config(family: HFFamily, provider: Any) -> dict[str, Any]:
+    """The ``config.json`` fields :func:`decoder_kwargs` reads, written for ``provider``."""
+    return {
+        "architectures": [family.architecture],
+        "model_type": family.name,
+        "vocab_size": int(provider.vocab_size),
+        "hidden_size": int(provider.hidden_size),
+        "intermediate_size": int(provider.ffn_hidden_size),
+        "num_hidden_layers": int(provider.num_layers),
+        "num_attention_heads": int(provider.num_attention_heads),
+        "num_key_value_heads": int(provider.num_query_groups),
+        "head_dim": int(provider.kv_channels),
+        "max_position_embeddings": int(provider.seq_length),
+        "rms_norm_eps": float(provider.layernorm_epsilon),
+        "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
+        "attention_dropout": float(provider.attention_dropout),
+        "dtype": str(getattr(provider, "params_dtype", torch.float32)).removeprefix("torch."),
+    }
 
 
 def hf_rope_parameters(provider: Any) -> dict[str, Any]:
@@ -51,10 +102,6 @@ def hf_rope_parameters(provider: Any) -> dict[str, Any]:
     return params
 
 
-def _dtype_name(provider: Any) -> str:
-    return str(getattr(provider, "params_dtype", torch.float32)).removeprefix("torch.")
-
-
 @register_family
 class LlamaFamily(HFFamily):
     """Llama, and the layout of every Llama-shaped decoder (see the module docstring)."""
@@ -66,26 +113,12 @@ class LlamaFamily(HFFamily):
 
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """Provider fields of a Llama-shaped ``config`` (hooks add the family's own)."""
-        heads = int(self.require(config, "num_attention_heads"))
-        hidden = int(self.require(config, "hidden_size"))
         theta, scaling = rope_theta_and_scaling(config)
         kwargs: dict[str, Any] = {
-            "num_layers": int(self.require(config, "num_hidden_layers")),
-            "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "num_query_groups": int(config.get("num_key_value_heads") or heads),
-            "kv_channels": int(config.get("head_dim") or hidden // heads),
-            "vocab_size": int(self.require(config, "vocab_size")),
-            "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
+            **decoder_kwargs(config),
             "position_embedding_type": "rope",
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
-            "gated_linear_unit": True,
             "activation_func": silu_activation(config),
             "add_bias_linear": False,
-            "add_qkv_bias": False,
-            "attention_dropout": float(config.get("attention_dropout", 0.0)),
-            "hidden_dropout": 0.0,
             **rope_settings(config, theta, scaling),
         }
         kwargs.update(self.attention_kwargs(config))
@@ -108,7 +141,7 @@ class LlamaFamily(HFFamily):
 
     def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """MLP fields: the dense SwiGLU width."""
-        return {"ffn_hidden_size": int(self.require(config, "intermediate_size"))}
+        return {"ffn_hidden_size": int(require(config, "intermediate_size"))}
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -182,26 +215,12 @@ class LlamaFamily(HFFamily):
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A Llama-shaped ``config.json`` for ``provider`` (:meth:`hf_extra` adds the
         family's own fields)."""
-        config: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": self.name,
-            "vocab_size": int(provider.vocab_size),
-            "hidden_size": int(provider.hidden_size),
-            "intermediate_size": int(provider.ffn_hidden_size),
-            "num_hidden_layers": int(provider.num_layers),
-            "num_attention_heads": int(provider.num_attention_heads),
-            "num_key_value_heads": int(provider.num_query_groups),
-            "head_dim": int(provider.kv_channels),
+        return {
+            **decoder_hf_config(self, provider),
             "hidden_act": "silu",
-            "max_position_embeddings": int(provider.seq_length),
-            "rms_norm_eps": float(provider.layernorm_epsilon),
             "rope_parameters": hf_rope_parameters(provider),
-            "tie_word_embeddings": bool(provider.share_embeddings_and_output_weights),
-            "attention_dropout": float(provider.attention_dropout),
-            "dtype": _dtype_name(provider),
+            **self.hf_extra(provider),
         }
-        config.update(self.hf_extra(provider))
-        return config
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
         """The family's own ``config.json`` fields for ``provider``."""

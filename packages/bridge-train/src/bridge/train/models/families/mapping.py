@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "SAME",
+    "TRANSPOSED",
     "HFTensorStacks",
     "ParamMapping",
     "declared_hf_tensors",
@@ -148,11 +150,15 @@ def _transposed_one(t: torch.Tensor) -> tuple[torch.Tensor]:
     return (t.t().contiguous(),)
 
 
+# (to megatron, to Hugging Face) of one tensor kept as it is, or transposed (2-D, stored
+# ``[in, out]``).
+SAME = (_same, _one)
+TRANSPOSED = (_transposed, _transposed_one)
+
+
 def direct(megatron: str, hf: str, *, transpose: bool = False) -> ParamMapping:
     """The same tensor under two names (``transpose``: a 2-D tensor stored ``[in, out]``)."""
-    if transpose:
-        return ParamMapping(megatron, (hf,), _transposed, _transposed_one)
-    return ParamMapping(megatron, (hf,), _same, _one)
+    return ParamMapping(megatron, (hf,), *(TRANSPOSED if transpose else SAME))
 
 
 def vocab_rows(megatron: str, hf: str, padded_vocab: int, vocab: int) -> ParamMapping:
@@ -211,21 +217,29 @@ def gated_fc1(megatron: str, gate: str, up: str) -> ParamMapping:
 
 
 def routed_experts(
-    layer: str, router: str, experts: list[tuple[str, str, str]]
+    layer: str,
+    router: str,
+    hf_experts: str,
+    count: int,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> list[ParamMapping]:
     """A mixture-of-experts MLP: the router and every expert's gated MLP.
 
     Args:
         layer: The megatron layer prefix (``decoder.layers.{i}.``).
         router: The Hugging Face router (gate) weight.
-        experts: Per expert, in expert order, its Hugging Face gate, up and down weights.
+        hf_experts: The Hugging Face experts' prefix; expert ``e``'s weights are
+            ``{hf_experts}{e}.{name}.weight``.
+        count: How many experts.
+        names: The Hugging Face names of an expert's gate, up and down projections.
     """
+    gate, up, down = names
     maps = [direct(f"{layer}mlp.router.weight", router)]
-    for index, (gate, up, down) in enumerate(experts):
-        expert = f"{layer}mlp.experts.local_experts.{index}."
+    for e in range(count):
+        expert, hf = f"{layer}mlp.experts.local_experts.{e}.", f"{hf_experts}{e}."
         maps += [
-            gated_fc1(f"{expert}linear_fc1.weight", gate, up),
-            direct(f"{expert}linear_fc2.weight", down),
+            gated_fc1(f"{expert}linear_fc1.weight", f"{hf}{gate}.weight", f"{hf}{up}.weight"),
+            direct(f"{expert}linear_fc2.weight", f"{hf}{down}.weight"),
         ]
     return maps
 

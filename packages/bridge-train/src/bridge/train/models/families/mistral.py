@@ -12,21 +12,7 @@ from typing import Any
 from bridge.train.models.families.base import register_family
 from bridge.train.models.families.llama import LlamaFamily
 
-__all__ = ["MistralFamily", "hf_sliding_window", "sliding_window_kwargs"]
-
-
-def sliding_window_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    """``window_size`` for a ``sliding_window`` on every layer (none when unset)."""
-    window = config.get("sliding_window")
-    return {} if window is None else {"window_size": (int(window) - 1, 0)}
-
-
-def hf_sliding_window(provider: Any) -> int | None:
-    """The ``sliding_window`` of a provider whose every layer has the same causal window."""
-    window = provider.window_size
-    if window is None:
-        return None
-    return int(window[0]) + 1
+__all__ = ["MistralFamily"]
 
 
 @register_family
@@ -38,8 +24,10 @@ class MistralFamily(LlamaFamily):
 
     def attention_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """No biases; a sliding window on every layer when ``sliding_window`` is set."""
-        return sliding_window_kwargs(config)
+        window = config.get("sliding_window")
+        return {} if window is None else {"window_size": (int(window) - 1, 0)}
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
-        """``sliding_window`` from ``window_size``."""
-        return {"sliding_window": hf_sliding_window(provider)}
+        """``sliding_window`` from ``window_size`` (the same causal window on every layer)."""
+        window = provider.window_size
+        return {"sliding_window": None if window is None else int(window[0]) + 1}

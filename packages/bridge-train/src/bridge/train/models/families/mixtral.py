@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.train.models.families.base import register_family
-from bridge.train.models.families.config_fields import refuse, silu_activation
+from bridge.train.models.families.config_fields import refuse, require, silu_activation
 from bridge.train.models.families.mapping import ParamMapping, routed_experts
 from bridge.train.models.families.mistral import MistralFamily
 from bridge.train.models.families.moe import hf_moe_layers, routed_moe_kwargs
@@ -38,12 +38,12 @@ class MixtralFamily(MistralFamily):
                 jitter,
                 "megatron-core's router has no input jitter; set it to 0.0",
             )
-        ffn = int(self.require(config, "intermediate_size"))
+        ffn = int(require(config, "intermediate_size"))
         return {
             "ffn_hidden_size": ffn,
             **routed_moe_kwargs(
-                experts=int(self.require(config, "num_local_experts")),
-                topk=int(self.require(config, "num_experts_per_tok")),
+                experts=int(require(config, "num_local_experts")),
+                topk=int(require(config, "num_experts_per_tok")),
                 expert_ffn=ffn,
                 normalize=True,
                 pattern=1,
@@ -56,15 +56,8 @@ class MixtralFamily(MistralFamily):
     ) -> list[ParamMapping]:
         """The router (``block_sparse_moe.gate``) and the experts (``w1``, ``w3``, ``w2``)."""
         moe = f"{h}block_sparse_moe."
-        experts = [
-            (
-                f"{moe}experts.{e}.w1.weight",
-                f"{moe}experts.{e}.w3.weight",
-                f"{moe}experts.{e}.w2.weight",
-            )
-            for e in range(int(config["num_local_experts"]))
-        ]
-        return routed_experts(m, f"{moe}gate.weight", experts)
+        count = int(config["num_local_experts"])
+        return routed_experts(m, f"{moe}gate.weight", f"{moe}experts.", count, ("w1", "w3", "w2"))
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
         """Expert fields; Mixtral has experts on every layer and one FFN width."""

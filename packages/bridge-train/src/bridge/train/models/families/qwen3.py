@@ -15,21 +15,7 @@ from bridge.train.models.families.config_fields import refuse
 from bridge.train.models.families.llama import LlamaFamily
 from bridge.train.models.families.qwen2 import refuse_sliding_windows
 
-__all__ = ["Qwen3Family", "qwen3_attention_kwargs"]
-
-
-def qwen3_attention_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    """QK-norm, no biases, no sliding windows (Qwen3 and Qwen3-MoE)."""
-    refuse_sliding_windows(config)
-    if config.get("attention_bias"):
-        raise refuse(
-            config,
-            "attention_bias",
-            True,
-            "a bias on Q, K, V and the output projection without one on the MLP is not "
-            "expressible in megatron-core (add_bias_linear covers both)",
-        )
-    return {"qk_layernorm": True}
+__all__ = ["Qwen3Family"]
 
 
 @register_family
@@ -40,8 +26,17 @@ class Qwen3Family(LlamaFamily):
     architecture = "Qwen3ForCausalLM"
 
     def attention_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
-        """QK-norm; no biases."""
-        return qwen3_attention_kwargs(config)
+        """QK-norm, no biases, no sliding windows (Qwen3 and Qwen3-MoE)."""
+        refuse_sliding_windows(config)
+        if config.get("attention_bias"):
+            raise refuse(
+                config,
+                "attention_bias",
+                True,
+                "a bias on Q, K, V and the output projection without one on the MLP is not "
+                "expressible in megatron-core (add_bias_linear covers both)",
+            )
+        return {"qk_layernorm": True}
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
         """No bias, no sliding window."""

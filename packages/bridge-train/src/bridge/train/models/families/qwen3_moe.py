@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.train.models.families.base import register_family
-from bridge.train.models.families.config_fields import refuse, silu_activation
+from bridge.train.models.families.config_fields import refuse, require, silu_activation
 from bridge.train.models.families.mapping import ParamMapping, routed_experts
 from bridge.train.models.families.moe import hf_moe_layers, moe_layer_pattern, routed_moe_kwargs
 from bridge.train.models.families.qwen3 import Qwen3Family
@@ -48,13 +48,13 @@ class Qwen3MoeFamily(Qwen3Family):
     def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """Dense width for ``mlp_only_layers``, and the routed experts."""
         silu_activation(config)
-        layers = int(self.require(config, "num_hidden_layers"))
+        layers = int(require(config, "num_hidden_layers"))
         return {
-            "ffn_hidden_size": int(self.require(config, "intermediate_size")),
+            "ffn_hidden_size": int(require(config, "intermediate_size")),
             **routed_moe_kwargs(
                 experts=_experts(config),
-                topk=int(self.require(config, "num_experts_per_tok")),
-                expert_ffn=int(self.require(config, "moe_intermediate_size")),
+                topk=int(require(config, "num_experts_per_tok")),
+                expert_ffn=int(require(config, "moe_intermediate_size")),
                 normalize=bool(config.get("norm_topk_prob", False)),
                 pattern=moe_layer_pattern(layers, _moe_layers(config)),
                 aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0) or 0.0),
@@ -67,15 +67,7 @@ class Qwen3MoeFamily(Qwen3Family):
         """Router + experts on expert layers; the dense SwiGLU MLP elsewhere."""
         if layer not in _moe_layers(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
-        experts = [
-            (
-                f"{h}mlp.experts.{e}.gate_proj.weight",
-                f"{h}mlp.experts.{e}.up_proj.weight",
-                f"{h}mlp.experts.{e}.down_proj.weight",
-            )
-            for e in range(_experts(config))
-        ]
-        return routed_experts(m, f"{h}mlp.gate.weight", experts)
+        return routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config))
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
         """Expert fields from the provider's MoE settings."""
