@@ -87,6 +87,7 @@ from bridge.train.checkpointing.state_dict import (
     parallel_layout,
     unwrapped_chunks,
 )
+from bridge.train.engine.initialize import resume_seed
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -107,6 +108,11 @@ logger = logging.getLogger(__name__)
 # The template entry optimizer tensors of another format are loaded under (see
 # optimizer_conversion): not "optimizer", whose saved common state has the other layout.
 CONVERTED_OPTIMIZER_KEY = "bridge_converted_optimizer"
+
+# The checkpointing_context entry a caller sets to its rng.seed when it reseeds the
+# generators after a resume under another layout ("rng_state" == "layout_changed", see
+# seed_from_rng_config), so that the one warning of that event can say so.
+RESEEDS_RNG_KEY = "reseeds_rng_from"
 
 # Scheduler settings megatron's OptimizerParamScheduler checks against a checkpoint.
 _SCHEDULER_SETTINGS = (
@@ -388,21 +394,51 @@ def _read_common(path: str) -> dict[str, Any]:
     return common
 
 
+# The sizes a layout is described by, in this order.
+_LAYOUT_SIZES = (
+    ("TP", "tensor_model_parallel_size"),
+    ("PP", "pipeline_model_parallel_size"),
+    ("CP", "context_parallel_size"),
+    ("DP", "data_parallel_size"),
+    ("EP", "expert_model_parallel_size"),
+    ("ETP", "expert_tensor_parallel_size"),
+)
+
+
+def _layout_sizes(layout: dict[str, Any]) -> str:
+    """``"TP2 PP1 CP1 DP1 EP1 ETP1"``: the sizes ``layout`` records (a MIMO model's own
+    description added), or ``"no model parallelism"``."""
+    sizes = [f"{short}{layout[name]}" for short, name in _LAYOUT_SIZES if name in layout]
+    if "mimo_layout" in layout:
+        sizes.append(str(layout["mimo_layout"]))
+    return " ".join(sizes) or "no model parallelism"
+
+
 def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None) -> str:
-    sizes = " x ".join(
-        f"{short}{layout[name]}"
-        for short, name in (
-            ("TP", "tensor_model_parallel_size"),
-            ("PP", "pipeline_model_parallel_size"),
-            ("CP", "context_parallel_size"),
-            ("DP", "data_parallel_size"),
-        )
-        if name in layout
-    )
     details = [f"world {layout.get('world_size')}", f"{chunks} model chunk(s)"]
     if optimizer:
         details.append(f"{optimizer} optimizer")
-    return f"{sizes or 'no model parallelism'} ({', '.join(details)})"
+    return f"{_layout_sizes(layout)} ({', '.join(details)})"
+
+
+def _rng_layout_changed(saved: dict[str, Any], layout: dict[str, Any]) -> bool:
+    """Whether this rank's saved generator states were another layout's rank's.
+
+    megatron seeds per pipeline rank (the default generator), tensor rank
+    (``model-parallel-rng``) and expert-model and expert-tensor rank
+    (``expert-parallel-rng``, see ``model_parallel_cuda_manual_seed``), so a change of any
+    of those sizes, or of the world, CP or DP size, gives a global rank other coordinates
+    and its saved states would be wrong for it. The virtual-pipeline size is not compared:
+    no seed depends on the virtual stage, so under another VPP size every rank keeps its
+    coordinates and its saved streams are its own. Checkpoints saved before the expert
+    sizes were recorded are compared on the sizes they record.
+    """
+    expert = {"expert_model_parallel_size", "expert_tensor_parallel_size"}
+    return any(
+        saved.get(key) != layout.get(key)
+        for key in saved.keys() | layout.keys()
+        if key in saved or key not in expert
+    )
 
 
 def _check_reshardable(
@@ -874,25 +910,14 @@ def _read_checkpoint(
             "checkpoint.load_rng=False to keep this run's seeds"
         )
     layout = parallel_layout(model)
-    rng_skipped_for_layout = False
     convert = _check_reshardable(
         plan.path, meta, layout, len(model), optimizer if load_optim else None
     )
-    if load_rng and meta.get("parallel_layout") != layout:
-        # The generators are per rank (megatron seeds and draws them per pipeline stage,
-        # tensor and expert rank, and each rank draws for its own micro-batches), so another
-        # layout has no counterpart to restore them into; the caller reseeds (see
-        # restore_checkpoint's checkpointing_context["rng_state"]).
-        if _dist.rank() == 0:
-            logger.warning(
-                "not restoring the RNG state of %s: it is per rank and was saved with "
-                "parallel layout %s, this run has %s",
-                plan.path,
-                meta.get("parallel_layout"),
-                layout,
-            )
-        load_rng = False
-        rng_skipped_for_layout = True
+    # The generators are per rank: another layout has no counterpart to restore them into;
+    # restore_checkpoint names both layouts and the caller reseeds (its
+    # checkpointing_context["rng_state"]).
+    layout_changed = load_rng and _rng_layout_changed(meta.get("parallel_layout") or {}, layout)
+    load_rng = load_rng and not layout_changed
 
     keys = model_state_keys(len(model))
     template = build_load_template(
@@ -916,7 +941,7 @@ def _read_checkpoint(
         check_same_architecture(model_config, plan.path)
     loaded = _dist_load(template, plan.path, checkpoint_config)
 
-    rng = "restored" if load_rng else ("layout_changed" if rng_skipped_for_layout else "kept")
+    rng = "restored" if load_rng else ("layout_changed" if layout_changed else "kept")
     return common, loaded, keys, finetune, load_optim, rng, conversion
 
 
@@ -996,7 +1021,9 @@ def restore_checkpoint(
             (``load_rng`` off or ``finetune``: this run's own seeds) or
             ``"layout_changed"`` (the saved generator states are per rank and the layout
             differs: the caller reseeds, as ``pretrain`` does with
-            :func:`bridge.train.engine.initialize.seed_from_rng_config`).
+            :func:`bridge.train.engine.initialize.seed_from_rng_config`, and sets
+            ``checkpointing_context["reseeds_rng_from"]`` to ``rng.seed`` before the load
+            so that the warning naming both layouts says so).
         skip_load_to_model_and_opt: Read the checkpoint and restore scheduler, RNG and
             train state, but do not copy into the model and optimizer.
 
@@ -1056,6 +1083,21 @@ def restore_checkpoint(
     common, loaded, keys, finetune, load_optim, rng, conversion = read
     if checkpointing_context is not None:
         checkpointing_context["rng_state"] = rng
+    if rng == "layout_changed" and _dist.rank() == 0:
+        iteration = int(common["iteration"])
+        logger.warning(
+            "resuming iteration %d of %s under another parallel layout (%s -> %s): its RNG "
+            "states are per rank and not restored; %s",
+            iteration,
+            plan.path,
+            _layout_sizes(common[META_KEY].get("parallel_layout") or {}),
+            _layout_sizes(parallel_layout(model)),
+            "the generators keep this run's initial seeds"
+            if (seed := (checkpointing_context or {}).get(RESEEDS_RNG_KEY)) is None
+            else f"the generators are reseeded from rng.seed={seed} and iteration {iteration} "
+            f"(base seed {resume_seed(int(seed), iteration)}; dropout masks depend on the "
+            "layout)",
+        )
     saved_schedule = (
         common.get("opt_param_scheduler")
         if load_optim and opt_param_scheduler is not None

@@ -53,7 +53,7 @@ def model_state_keys(num_chunks: int) -> list[str]:
 
 
 def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any]:
-    """World size and model-parallel sizes of the running job.
+    """World size and model-parallel sizes (expert sizes included) of the running job.
 
     A model chunk whose parallelism is not megatron's global parallel state (a MIMO model:
     one grid per module) describes itself through a ``checkpoint_parallel_layout()`` method
@@ -67,6 +67,8 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
             context_parallel_size=parallel_state.get_context_parallel_world_size(),
             data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
     for chunk in unwrapped_chunks(model or []):
         describe = getattr(chunk, "checkpoint_parallel_layout", None)
