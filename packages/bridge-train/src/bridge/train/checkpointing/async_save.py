@@ -38,6 +38,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
+from bridge.train.checkpointing.errors import CheckpointError
 from core_utils import cpu_cuda_compat
 
 if TYPE_CHECKING:
@@ -396,9 +397,6 @@ def finalize_async_saves(
 
 
 def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
-
-    from bridge.train.checkpointing.errors import CheckpointError
-
     try:
         with cpu_cuda_compat():
             if terminate:
@@ -408,9 +406,9 @@ def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
                     _QUEUE.update(pid=None, queue=None)
             else:
                 current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
-    except (CheckpointException, Exception) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
+    except CheckpointError:
+        raise
+    except (CheckpointException, Exception) as exc:  # torch's is a BaseException
         _abandon(current)
         raise CheckpointError(
             f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
