@@ -80,9 +80,11 @@ from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
     META_KEY,
     build_load_template,
+    distributed_parts,
     model_sharded_state_dict,
     model_state_keys,
     optimizer_format,
+    optimizer_parts,
     optimizer_sharded_state_dict,
     parallel_layout,
     unwrapped_chunks,
@@ -480,7 +482,7 @@ def _check_reshardable(
     if optimizer is None or saved_fmt is None:
         return False
     saved_parts = meta.get("optimizer_parts")
-    this_parts = len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    this_parts = len(optimizer_parts(optimizer))
     other_parts = saved_parts is not None and saved_parts != this_parts
     if saved_fmt == "distributed:dp_reshardable":
         model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
@@ -695,7 +697,7 @@ def _align_schedule_bounds(
         bounds were replaced, so the caller can decide which bounds the run keeps (torch's
         load replaces the group dicts, hence indices).
     """
-    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    inners = optimizer_parts(optimizer)
     parts = (
         [saved_state]
         if len(inners) == 1
@@ -785,9 +787,7 @@ def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Itera
     is and is refreshed from the loaded model weights.
     """
     patched = []
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if type(inner).__name__ != "DistributedOptimizer":
-            continue
+    for inner in distributed_parts(optimizer):
         original = inner._set_main_param_and_optimizer_states
 
         def keep_step(
@@ -828,9 +828,7 @@ def _restore_distributed_optimizer_steps(optimizer: MegatronOptimizer) -> None:
     parameter. Either way the bias correction after a resume would be wrong: each parameter
     gets its own tensor holding the loaded count.
     """
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if type(inner).__name__ != "DistributedOptimizer":
-            continue
+    for inner in distributed_parts(optimizer):
         torch_optimizer = inner.optimizer
         for group in torch_optimizer.param_groups:
             step = group.get("step")
@@ -866,17 +864,8 @@ def _load_main_params(
     live = [t.data for t in _sharded_tensors(template)]
     loaded = _dist_load(template, path, cfg)
     with torch.no_grad():
-        for target, value in zip(live, _leaves(loaded["bridge_main_params"]), strict=True):
+        for target, value in zip(live, nested_values(loaded["bridge_main_params"]), strict=True):
             target.copy_(value)
-
-
-def _leaves(tree: Any) -> list[Any]:
-    """Leaves of nested dicts, lists and tuples, in order."""
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for value in tree for leaf in _leaves(value)]
-    return [tree]
 
 
 def _read_checkpoint(
@@ -1135,7 +1124,7 @@ def restore_checkpoint(
                     common[META_KEY].get("optimizer_format"),
                     f" ({saved_parts} part(s))" if saved_parts else "",
                     optimizer_format(optimizer),
-                    len(getattr(optimizer, "chained_optimizers", None) or [optimizer]),
+                    len(optimizer_parts(optimizer)),
                 )
         elif load_optim:
             _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
