@@ -280,7 +280,7 @@ def test_non_persistent_directory_newer_than_the_persistent_one_wins(tmp_path: P
     pretrained = _plan_load(
         CheckpointConfig(load=str(tmp_path / "empty"), pretrained_checkpoint=str(run))
     )
-    assert pretrained is not None and pretrained.finetune and pretrained.iteration == 20
+    assert pretrained is not None and pretrained.weights_only and pretrained.iteration == 20
 
 
 def test_marker_content_is_json(tmp_path: Path) -> None:

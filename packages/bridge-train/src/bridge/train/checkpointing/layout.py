@@ -103,10 +103,8 @@ def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     marker = Path(path) / MARKER_FILENAME
     try:
         data = json.loads(marker.read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
     except (OSError, ValueError):
-        return None  # a torn or unreadable marker means "not complete"
+        return None  # missing, or torn or unreadable: "not complete"
     return data if isinstance(data, dict) else None
 
 

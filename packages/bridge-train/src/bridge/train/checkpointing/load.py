@@ -148,11 +148,26 @@ def checkpoint_exists(path: str | os.PathLike[str] | None) -> bool:
 
 
 @dataclass(frozen=True)
-class _LoadPlan:
+class PlannedLoad:
+    """The checkpoint :func:`load_checkpoint` would load (see :func:`planned_load`).
+
+    Attributes:
+        path: The checkpoint directory (``iter_*``).
+        iteration: Its iteration.
+        weights_only: Loaded as a finetune start (``checkpoint.finetune`` or
+            ``checkpoint.pretrained_checkpoint``): weights only, a new run at iteration 0.
+        source: The setting it comes from (``"checkpoint.load"``, ``"non-persistent"``,
+            ``"checkpoint.pretrained_checkpoint"``).
+    """
+
     path: str
     iteration: int
-    finetune: bool
+    weights_only: bool
     source: str
+
+
+@dataclass(frozen=True)
+class _LoadPlan(PlannedLoad):
     # Older complete checkpoints to use, newest first, if this one fails verification (only
     # for "the newest checkpoint" of a save directory, never for an explicitly named one).
     fallbacks: tuple[CheckpointLocation, ...] = ()
@@ -253,25 +268,6 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
     return None
 
 
-@dataclass(frozen=True)
-class PlannedLoad:
-    """The checkpoint :func:`load_checkpoint` would load (see :func:`planned_load`).
-
-    Attributes:
-        path: The checkpoint directory (``iter_*``).
-        iteration: Its iteration.
-        weights_only: Loaded as a finetune start (``checkpoint.finetune`` or
-            ``checkpoint.pretrained_checkpoint``): weights only, a new run at iteration 0.
-        source: The setting it comes from (``"checkpoint.load"``, ``"non-persistent"``,
-            ``"checkpoint.pretrained_checkpoint"``).
-    """
-
-    path: str
-    iteration: int
-    weights_only: bool
-    source: str
-
-
 def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
     """Which checkpoint :func:`load_checkpoint` would load, read from this process's files.
 
@@ -283,10 +279,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
         CheckpointError: What :func:`load_checkpoint` would raise choosing it (a missing
             ``ckpt_step`` or ``pretrained_checkpoint``, ...).
     """
-    plan = _plan_load(checkpoint_config)
-    if plan is None:
-        return None
-    return PlannedLoad(plan.path, plan.iteration, plan.finetune, plan.source)
+    return _plan_load(checkpoint_config)
 
 
 def _local_damage(path: str) -> dict[str, str] | None:
@@ -319,11 +312,6 @@ def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
     return gather_problems(part)
 
 
-def _damage(path: str) -> list[str]:
-    """What is wrong with the files of the checkpoint ``path`` (collective; empty if intact)."""
-    return _gather_damage(path, _local_damage(path))
-
-
 def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan:
     """``plan``, or the newest fallback whose files match their checksums (collective).
 
@@ -339,7 +327,11 @@ def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan
     ]
     first_problem = ""
     for index, candidate in enumerate(candidates):
-        problems = first if (index == 0 and first is not None) else _damage(candidate.path)
+        problems = (
+            first
+            if (index == 0 and first is not None)
+            else _gather_damage(candidate.path, _local_damage(candidate.path))
+        )
         if not problems:
             if index and _dist.rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
@@ -351,7 +343,7 @@ def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan
                     candidate.iteration,
                     candidate.path,
                 )
-            return _LoadPlan(candidate.path, candidate.iteration, plan.finetune, plan.source)
+            return _LoadPlan(candidate.path, candidate.iteration, plan.weights_only, plan.source)
         if not index:
             first_problem = problems[0] + (
                 f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
@@ -617,19 +609,16 @@ def _check_scheduler_settings(
     override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
     from_checkpoint = bool(getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
     if not override and not from_checkpoint:
-        differing = [
-            f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
-            for name in _SCHEDULER_SETTINGS
-            if name in saved
-            and hasattr(scheduler, name)
-            and getattr(scheduler, name) != saved[name]
-        ]
-        lengths = {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}
         changed = [
             name
             for name in _SCHEDULER_SETTINGS
             if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
         ]
+        differing = [
+            f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
+            for name in changed
+        ]
+        lengths = {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}
         if differing and set(changed) <= lengths:
             # Only the schedule's lengths differ: the run was extended (or shortened) with
             # train.train_iters. The checkpoint's schedule keeps the learning rate
@@ -656,13 +645,6 @@ def _check_scheduler_settings(
                 "values, or scheduler.use_checkpoint_opt_param_scheduler=True to take the "
                 "checkpoint's"
             )
-
-
-def _load_scheduler(scheduler: OptimizerParamScheduler, saved: dict[str, Any]) -> None:
-    """Restore megatron's OptimizerParamScheduler exactly (not on top of its current steps)."""
-    # megatron's load_state_dict advances by the saved step count from the current one.
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(saved)
 
 
 # Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
@@ -875,17 +857,17 @@ def _read_checkpoint(
     optimizer: MegatronOptimizer | None,
     strict: bool,
     model_config: ModelConfigProtocol | None,
-) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, str, OptimizerConversion | None]:
+) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, str, OptimizerConversion | None]:
     """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
 
-    Returns ``(common, loaded, model keys, finetune, load_optim, rng, conversion)``: ``rng``
+    Returns ``(common, loaded, model keys, load_optim, rng, conversion)``: ``rng``
     is ``"restored"`` (the RNG state is read), ``"layout_changed"`` (not: the layout
     differs) or ``"kept"`` (not asked for); ``conversion`` is set when the optimizer state is
     of another format or number of parts.
     """
     common = _read_common(plan.path)
     meta = common[META_KEY]
-    finetune = plan.finetune
+    finetune = plan.weights_only
     load_optim = bool(checkpoint_config.load_optim) and not finetune and optimizer is not None
     load_rng = bool(checkpoint_config.load_rng) and not finetune
     if load_optim and not meta.get("optimizer"):
@@ -931,7 +913,7 @@ def _read_checkpoint(
     loaded = _dist_load(template, plan.path, checkpoint_config)
 
     rng = "restored" if load_rng else ("layout_changed" if layout_changed else "kept")
-    return common, loaded, keys, finetune, load_optim, rng, conversion
+    return common, loaded, keys, load_optim, rng, conversion
 
 
 def load_checkpoint(
@@ -950,16 +932,8 @@ def load_checkpoint(
     place are ``state.train_state``.
 
     Args:
-        state: The run's ``GlobalState``.
-        model: See :func:`restore_checkpoint`.
-        optimizer: See :func:`restore_checkpoint`.
-        opt_param_scheduler: See :func:`restore_checkpoint`.
-        strict: See :func:`restore_checkpoint`.
-        checkpointing_context: See :func:`restore_checkpoint`.
-        skip_load_to_model_and_opt: See :func:`restore_checkpoint`.
-
-    Returns:
-        See :func:`restore_checkpoint`.
+        state: The run's ``GlobalState``; the other arguments, the return value and the
+            errors are :func:`restore_checkpoint`'s.
     """
     return restore_checkpoint(
         required_checkpoint_section(state.cfg.checkpoint),
@@ -1069,7 +1043,8 @@ def restore_checkpoint(
         log_held_notices(held, logger)
     if checkpointing_context is not None:
         checkpointing_context["loaded_checkpoint"] = plan.path
-    common, loaded, keys, finetune, load_optim, rng, conversion = read
+    common, loaded, keys, load_optim, rng, conversion = read
+    finetune = plan.weights_only
     if checkpointing_context is not None:
         checkpointing_context["rng_state"] = rng
     if rng == "layout_changed" and _dist.rank() == 0:
@@ -1133,8 +1108,11 @@ def restore_checkpoint(
                 _load_main_params(optimizer, model, plan.path, cfg)
             else:
                 optimizer.reload_model_params()
-    if saved_schedule is not None:
-        _load_scheduler(opt_param_scheduler, saved_schedule)
+    if saved_schedule is not None and opt_param_scheduler is not None:
+        # Exactly: megatron's load_state_dict advances by the saved step count from the
+        # current one.
+        opt_param_scheduler.num_steps = 0
+        opt_param_scheduler.load_state_dict(saved_schedule)
     if rng == "restored":
         restore_rng_state(loaded[RNG_STATE_KEY])
 
