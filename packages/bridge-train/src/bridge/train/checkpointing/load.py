@@ -198,33 +198,23 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
                 f"checkpoint.ckpt_step={step}: checkpoint.load={str(load)!r} "
                 f"{'holds no checkpoints' if os.path.isdir(load) else 'does not exist'}"
             )
+    # The persistent checkpoint, then the older complete ones it may fall back to.
+    chain: tuple[CheckpointLocation, ...] = () if persistent is None else (persistent,)
+    if persistent is not None and may_fall_back:
+        chain += _older_complete(str(load), persistent.iteration)
     if step is None and cfg.non_persistent_ckpt_type == "global":
-        explicit = cfg.non_persistent_global_ckpt_dir
-        np_root = explicit or (non_persistent_dir(cfg, base=str(load)) if load else None)
+        np_root = non_persistent_dir(cfg, base=str(load or ""))
         latest_np = find_latest_checkpoint(np_root) if np_root else None
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
-            fallbacks = _older_complete(str(np_root), latest_np.iteration)
-            if persistent is not None:
-                fallbacks = tuple(
-                    sorted(
-                        fallbacks
-                        + (persistent,)
-                        + (
-                            _older_complete(str(load), persistent.iteration)
-                            if may_fall_back
-                            else ()
-                        ),
-                        key=lambda location: -location.iteration,
-                    )
-                )
+            fallbacks = _older_complete(str(np_root), latest_np.iteration) + chain
             return _LoadPlan(
                 latest_np.path,
                 latest_np.iteration,
                 bool(cfg.finetune),
                 "non-persistent",
-                fallbacks,
+                tuple(sorted(fallbacks, key=lambda location: -location.iteration)),
             )
     if persistent is not None:
         return _LoadPlan(
@@ -232,7 +222,7 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
             persistent.iteration,
             bool(cfg.finetune),
             "checkpoint.load",
-            _older_complete(str(load), persistent.iteration) if may_fall_back else (),
+            chain[1:],
             explicit=not may_fall_back,
         )
     if cfg.pretrained_checkpoint:
@@ -312,42 +302,31 @@ def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
     return gather_problems(part)
 
 
-def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan:
-    """``plan``, or the newest fallback whose files match their checksums (collective).
+def _verified_plan(plan: _LoadPlan, problems: list[str]) -> _LoadPlan:
+    """The newest of ``plan``'s fallbacks whose files match their checksums (collective).
 
-    ``first``: the problems of ``plan``'s own checkpoint when they are already known.
+    ``problems``: what is wrong with ``plan``'s own checkpoint.
 
     Raises:
         CheckpointError: The checkpoint is damaged and no allowed fallback verifies. Nothing
             is deleted.
     """
-    candidates = [
-        CheckpointLocation(plan.iteration, plan.path),
-        *plan.fallbacks,
-    ]
-    first_problem = ""
-    for index, candidate in enumerate(candidates):
-        problems = (
-            first
-            if (index == 0 and first is not None)
-            else _gather_damage(candidate.path, _local_damage(candidate.path))
-        )
-        if not problems:
-            if index and _dist.rank() == 0:
+    first_problem = problems[0] + (
+        f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+    )
+    for skipped, candidate in enumerate(plan.fallbacks):
+        if not _gather_damage(candidate.path, _local_damage(candidate.path)):
+            if _dist.rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
                     "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
                     "older checkpoint whose files verify, instead (nothing was deleted)",
                     plan.path,
                     first_problem,
-                    f"; {len(skipped)} more" if (skipped := candidates[1:index]) else "",
+                    f"; {skipped} more" if skipped else "",
                     candidate.iteration,
                     candidate.path,
                 )
             return _LoadPlan(candidate.path, candidate.iteration, plan.weights_only, plan.source)
-        if not index:
-            first_problem = problems[0] + (
-                f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
-            )
     if plan.fallbacks:
         why = "and no older checkpoint's files verify either"
     elif plan.explicit:
