@@ -440,9 +440,7 @@ def _check_reshardable(
     saved_layout = meta.get("parallel_layout") or {}
     saved_chunks = meta.get("model_chunks", 1)
     saved_fmt = meta.get("optimizer_format")
-    this_fmt = None
-    if optimizer is not None:
-        this_fmt = optimizer_format(optimizer)
+    this_fmt = None if optimizer is None else optimizer_format(optimizer)
 
     def refuse(reason: str, fix: str) -> CheckpointError:
         return CheckpointError(
@@ -492,16 +490,15 @@ def _sharded_tensors(tree: Any) -> list[Any]:
 
 
 def _check_against_checkpoint(
-    template: dict[str, Any], path: str, model_keys: list[str], strict: bool
+    template: dict[str, Any], saved: dict[str, Any], path: str, model_keys: list[str], strict: bool
 ) -> None:
     """Compare the template's tensors with the checkpoint's before loading anything.
 
-    Raises ``CheckpointError`` naming mismatched keys (global shapes differ) and, unless
-    ``strict`` is False for model tensors, keys the checkpoint lacks. Missing model tensors
-    are dropped from the template when not strict.
+    ``saved``: the checkpoint's ``load_tensors_metadata``. Raises ``CheckpointError`` naming
+    mismatched keys (global shapes differ) and, unless ``strict`` is False for model tensors,
+    keys the checkpoint lacks. Missing model tensors are dropped from the template when not
+    strict.
     """
-
-    saved = load_tensors_metadata(path)
     mismatched: dict[str, str] = {}
     model_tensors = [t for key in model_keys for t in _sharded_tensors(template[key])]
     optimizer_tensors = _sharded_tensors(
@@ -757,16 +754,13 @@ def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Itera
             _inner: Any = inner,
             _original: Any = original,
         ) -> Any:
+            group_index, group_order = _inner.model_param_group_index_map[model_param]
+            main = _inner.optimizer.param_groups[group_index]["params"][group_order]
             if "param" not in tensors:  # not in the checkpoint: keep it (optimizer_conversion)
-                group_index, group_order = _inner.model_param_group_index_map[model_param]
-                main = _inner.optimizer.param_groups[group_index]["params"][group_order]
                 tensors = {**tensors, "param": main}
-            if "step" not in tensors:
-                group_index, group_order = _inner.model_param_group_index_map[model_param]
-                main = _inner.optimizer.param_groups[group_index]["params"][group_order]
-                step = _inner.optimizer.state.get(main, {}).get("step")
-                if isinstance(step, torch.Tensor):
-                    tensors = {**tensors, "step": step}
+            step = _inner.optimizer.state.get(main, {}).get("step")
+            if "step" not in tensors and isinstance(step, torch.Tensor):
+                tensors = {**tensors, "step": step}
             return _original(model_param, tensors)
 
         inner._set_main_param_and_optimizer_states = keep_step
@@ -878,15 +872,14 @@ def _read_checkpoint(
         sharding_type=_saved_sharding_type(meta),
     )
     conversion = None
+    saved = load_tensors_metadata(plan.path)
     if convert:
         # Another optimizer format or number of parts: this run's own template, its
         # tensors loaded by key under an entry of their own (the checkpoint's common
         # optimizer state has the other layout, which dist_checkpointing would merge in).
-        conversion = conversion_template(
-            template.pop("optimizer"), load_tensors_metadata(plan.path)
-        )
+        conversion = conversion_template(template.pop("optimizer"), saved)
         template[CONVERTED_OPTIMIZER_KEY] = conversion.to_load
-    _check_against_checkpoint(template, plan.path, keys, strict)
+    _check_against_checkpoint(template, saved, plan.path, keys, strict)
     if not finetune:  # shapes fit: the architecture must be the saved one too
         check_same_architecture(model_config, plan.path)
     loaded = _dist_load(template, plan.path, checkpoint_config)
@@ -986,9 +979,9 @@ def restore_checkpoint(
     cfg = checkpoint_config
     check_checkpoint_config(cfg)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
+    context = checkpointing_context if checkpointing_context is not None else {}
+    context["loaded_checkpoint"] = None
     plan: _LoadPlan | None = _dist.run_on_rank0(_plan_load, cfg)
-    if checkpointing_context is not None:
-        checkpointing_context["loaded_checkpoint"] = None if plan is None else plan.path
     if plan is None:
         if cfg.load and _dist.rank() == 0:
             logger.warning(
@@ -1020,12 +1013,9 @@ def restore_checkpoint(
             raise failure
     if _dist.rank() == 0:
         log_held_notices(held, logger)
-    if checkpointing_context is not None:
-        checkpointing_context["loaded_checkpoint"] = plan.path
     common, loaded, keys, load_optim, rng, conversion = read
     finetune = plan.weights_only
-    if checkpointing_context is not None:
-        checkpointing_context["rng_state"] = rng
+    context.update(loaded_checkpoint=plan.path, rng_state=rng)
     if rng == "layout_changed" and _dist.rank() == 0:
         iteration = int(common["iteration"])
         logger.warning(
@@ -1036,7 +1026,7 @@ def restore_checkpoint(
             _layout_sizes(common[META_KEY].get("parallel_layout") or {}),
             _layout_sizes(parallel_layout(model)),
             "the generators keep this run's initial seeds"
-            if (seed := (checkpointing_context or {}).get(RESEEDS_RNG_KEY)) is None
+            if (seed := context.get(RESEEDS_RNG_KEY)) is None
             else f"the generators are reseeded from rng.seed={seed} and iteration {iteration} "
             f"(base seed {resume_seed(int(seed), iteration)}; dropout masks depend on the "
             "layout)",
@@ -1052,19 +1042,16 @@ def restore_checkpoint(
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
-        if load_optim and conversion is not None and optimizer is not None:
+        if conversion is not None and optimizer is not None:
+            saved_optimizer = common.get("optimizer")
             converted = converted_optimizer_state(
-                optimizer,
-                conversion,
-                loaded[CONVERTED_OPTIMIZER_KEY],
-                common.get("optimizer"),
-                plan.path,
+                optimizer, conversion, loaded[CONVERTED_OPTIMIZER_KEY], saved_optimizer, plan.path
             )
             _load_optimizer(
                 optimizer,
                 converted,
                 opt_param_scheduler,
-                converted_from=(common.get("optimizer"), plan.path),
+                converted_from=(saved_optimizer, plan.path),
             )
             if conversion.main_params_from_model:
                 # Saved from an fp32 model: its (now loaded) weights are the main parameters.
