@@ -77,22 +77,13 @@ def _config(job: dict[str, Any]) -> Any:
     )
 
 
-class _Warnings(logging.Handler):
-    def __init__(self, path: str) -> None:
-        super().__init__(logging.WARNING)
-        self.path = path
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(record.getMessage().replace("\n", " ") + "\n")
-
-
 def _jobs(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[Any]:
     """Run each job's ``pretrain`` in turn; their exit codes. The trainer's warnings go to
-    ``<metrics>.warnings.<rank>``, one line each."""
+    ``<metrics>.warnings.<rank>``."""
     codes = []
     for job in jobs:
-        handler = _Warnings(f"{job['metrics']}.warnings.{rank}")
+        handler = logging.FileHandler(f"{job['metrics']}.warnings.{rank}", encoding="utf-8")
+        handler.setLevel(logging.WARNING)
         logging.getLogger("bridge.train").addHandler(handler)
         try:
             codes.append(
@@ -100,6 +91,7 @@ def _jobs(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[Any]:
             )
         finally:
             logging.getLogger("bridge.train").removeHandler(handler)
+            handler.close()
     return codes
 
 

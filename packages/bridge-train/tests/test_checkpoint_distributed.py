@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import signal
+from logging.handlers import BufferingHandler
 from pathlib import Path
 from typing import Any
 
@@ -472,15 +473,6 @@ def _crash_during_async_write(rank: int, world: int, root: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _single_b(rank: int, world: int, root: str, dp2_saved: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     _reseed_differently()
@@ -502,12 +494,13 @@ def _single_b(rank: int, world: int, root: str, dp2_saved: dict[str, Any]) -> di
         out[f"{name}_listing_after_next_save"] = sorted(os.listdir(Path(root) / name))
 
     dp_into_one = _Run(_config(seed=4321, load=f"{root}/dp2"))
-    warnings = _Warnings()
+    warnings = BufferingHandler(capacity=1000)
+    warnings.setLevel(logging.WARNING)
     logging.getLogger("bridge.train").addHandler(warnings)
     # As pretrain loads: it reseeds after a layout change and says so through the context.
     out["dp2_into_one_return"] = dp_into_one.load(checkpointing_context={"reseeds_rng_from": 4321})
     logging.getLogger("bridge.train").removeHandler(warnings)
-    out["dp2_into_one_warnings"] = warnings.messages
+    out["dp2_into_one_warnings"] = [record.getMessage() for record in warnings.buffer]
     out["dp2_into_one_mismatch"] = _equal_local(dp2_saved, dp_into_one.snapshot())
     return out
 

@@ -159,12 +159,13 @@ def complete_iterations(root: str | os.PathLike[str]) -> list[int]:
     base = Path(root)
     if not base.is_dir():
         return []
-    found = []
-    for entry in base.iterdir():
-        iteration = parse_iteration(entry.name)
-        if iteration is not None and entry.is_dir() and is_complete_checkpoint(entry):
-            found.append(iteration)
-    return sorted(found)
+    return sorted(
+        iteration
+        for entry in base.iterdir()
+        if (iteration := parse_iteration(entry.name)) is not None
+        and entry.is_dir()
+        and is_complete_checkpoint(entry)
+    )
 
 
 @dataclass(frozen=True)

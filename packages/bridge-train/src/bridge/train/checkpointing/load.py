@@ -510,10 +510,8 @@ def _check_against_checkpoint(
             continue
         saved_shape, shape = tuple(found.global_shape), tuple(tensor.global_shape)
         # Embedding and output tables may differ in their padded vocabulary (axis 0) only.
-        compared = (
-            (saved_shape[1:], shape[1:]) if tensor.allow_shape_mismatch else (saved_shape, shape)
-        )
-        if compared[0] != compared[1]:
+        first = 1 if tensor.allow_shape_mismatch else 0
+        if saved_shape[first:] != shape[first:]:
             mismatched[tensor.key] = f"{tensor.key} (checkpoint {saved_shape}, model {shape})"
     if mismatched:
         listed = list(mismatched.values())
