@@ -289,6 +289,19 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             on_text=lambda i, text, done: pieces.append((i, text, done)) if i == 0 else None,
         )[0]
         out["stream"] = {"pieces": pieces, "text": streamed.text}
+        # Megatron's InferenceMode flag: off after a generation started with it off, still on
+        # after one started inside the caller's own inference block.
+        from megatron.core.inference.utils import InferenceMode
+
+        short = SamplingOptions(2, stop_at_eod=False)
+        generator.generate(PROMPTS[:1], short)
+        out["inference_mode_after"] = {"off": InferenceMode.is_active()}
+        InferenceMode.set_active()
+        try:
+            generator.generate(PROMPTS[:1], short)
+            out["inference_mode_after"]["on"] = InferenceMode.is_active()
+        finally:
+            InferenceMode.unset_active()
     finally:
         loaded.close()
 
@@ -442,6 +455,30 @@ def test_streamed_text_adds_up_to_the_completion(generated: dict[str, Any]) -> N
     assert len(pieces) > 1 and all(index == 0 for index, _, _ in pieces)
     assert "".join(text for _, text, _ in pieces) == stream["text"]
     assert [done for _, _, done in pieces] == [False] * (len(pieces) - 1) + [True]
+
+
+def test_generation_leaves_the_callers_inference_mode_as_it_was(
+    generated: dict[str, Any],
+) -> None:
+    assert generated["one"]["inference_mode_after"] == {"off": False, "on": True}
+
+
+def test_inference_mode_active_restores_the_previous_state() -> None:
+    from megatron.core.inference.utils import InferenceMode
+
+    from bridge.train.generate.generator import inference_mode_active
+
+    assert not InferenceMode.is_active()
+    with inference_mode_active():
+        assert InferenceMode.is_active()
+    assert not InferenceMode.is_active()
+    InferenceMode.set_active()
+    try:
+        with pytest.raises(RuntimeError), inference_mode_active():
+            raise RuntimeError("the block fails")
+        assert InferenceMode.is_active()
+    finally:
+        InferenceMode.unset_active()
 
 
 def test_command_json_output(generated: dict[str, Any]) -> None:

@@ -112,6 +112,20 @@ def test_data_config_refuses_what_it_does_not_read() -> None:
         _data(masking_probability=1.5)
 
 
+def test_indexed_masking_fields_reach_megatrons_dataset_config() -> None:
+    # Indexed data hands every masking field to megatron's T5 dataset config by name; one
+    # megatron does not have would be dropped there without a word.
+    import dataclasses
+
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
+
+    from bridge.train.data.t5_datasets import _INDEXED_ONLY
+
+    megatron_fields = {f.name for f in dataclasses.fields(T5MaskedWordPieceDatasetConfig)}
+    read = {*_INDEXED_ONLY, "masking_probability", "masking_do_permutation"}
+    assert read <= megatron_fields, read - megatron_fields
+
+
 def test_family_dispatch_checks_model_and_data_agree() -> None:
     from bridge.train import forward_step, t5_forward_step
     from bridge.train.data import NullTokenizer

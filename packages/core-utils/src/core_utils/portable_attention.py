@@ -36,7 +36,7 @@ class SDPACoreAttention(MegatronModule):
     """Core attention (softmax(QK^T * scale + mask) V) through torch SDPA.
 
     Tensors follow megatron's layout: query ``[sq, b, np, hn]``, key and value
-    ``[sk, b, ng, hn]`` (``ng`` query groups, repeated for grouped-query attention), and the
+    ``[sk, b, ng, hn]`` (``ng`` query groups, shared by the query heads of a group), and the
     output is ``[sq, b, np * hn]``. ``attention_mask`` follows megatron's convention: ``True``
     marks positions that must NOT be attended to (``[b, 1, sq, sk]`` or broadcastable, for
     self- and cross-attention alike). A causal ``attn_mask_type`` adds the causal mask on
@@ -178,10 +178,7 @@ class SDPACoreAttention(MegatronModule):
 
         # From the tensors, not the config: cross-attention keys have one head per query
         # head even when self-attention uses grouped queries.
-        repeat = query.size(2) // key.size(2)
-        if repeat > 1:
-            key = key.repeat_interleave(repeat, dim=2)
-            value = value.repeat_interleave(repeat, dim=2)
+        grouped = query.size(2) != key.size(2)
 
         # [s, b, n, h] -> [b, n, s, h]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -212,6 +209,10 @@ class SDPACoreAttention(MegatronModule):
             keep = keep | empty
             q = q.masked_fill(empty, 0.0)
         if self.softmax_offset is not None:
+            if grouped:
+                # The explicit sink path has no grouped form: repeat the KV heads.
+                repeat = q.size(1) // k.size(1)
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             context = self._attend_with_sink(q, k, v, keep, causal)
             b, n, _, h = context.shape
             return context.permute(2, 0, 1, 3).reshape(sq, b, n * h)
@@ -223,6 +224,9 @@ class SDPACoreAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=causal,
             scale=self.softmax_scale,
+            # SDPA maps query heads to KV groups itself (torch >= 2.5), so the KV cache is
+            # not copied once per query head on every decoding step.
+            enable_gqa=grouped,
         )
         # [b, n, sq, h] -> [sq, b, n * h]
         b, n, _, h = context.shape

@@ -48,16 +48,12 @@ ForwardStepCallable = Callable[..., Any]
 ``(state, data_iterator, model)`` returning ``(output, loss_func)`` (see
 :mod:`bridge.train.loop.state_injection`)."""
 
-# dtype each TrainState field is stored with in a state dict.
-_FIELD_DTYPES: dict[str, torch.dtype] = {
-    "step": torch.int64,
-    "consumed_train_samples": torch.int64,
-    "skipped_train_samples": torch.int64,
-    "consumed_valid_samples": torch.int64,
-    "floating_point_operations_so_far": torch.float64,
-    "do_train": torch.bool,
-    "do_valid": torch.bool,
-    "do_test": torch.bool,
+# Per annotated type of a TrainState field: the dtype it is stored with in a state dict, and
+# the Python type it is restored as.
+_STORED_AS: dict[str, tuple[torch.dtype, type]] = {
+    "int": (torch.int64, int),
+    "float": (torch.float64, float),
+    "bool": (torch.bool, bool),
 }
 
 
@@ -95,7 +91,7 @@ class TrainState:
             A dict keyed by field name.
         """
         return {
-            f.name: torch.tensor(getattr(self, f.name), dtype=_FIELD_DTYPES[f.name])
+            f.name: torch.tensor(getattr(self, f.name), dtype=_STORED_AS[str(f.type)][0])
             for f in fields(self)
         }
 
@@ -118,13 +114,7 @@ class TrainState:
             value = state_dict[f.name]
             if isinstance(value, torch.Tensor):
                 value = value.item()
-            if _FIELD_DTYPES[f.name] is torch.bool:
-                value = bool(value)
-            elif _FIELD_DTYPES[f.name] is torch.float64:
-                value = float(value)
-            else:
-                value = int(value)
-            setattr(self, f.name, value)
+            setattr(self, f.name, _STORED_AS[str(f.type)][1](value))
 
 
 def _default_timers() -> Timers:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
     SentencePieceTokenizer as _MegatronSentencePiece,
@@ -25,7 +26,7 @@ from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import (
 )
 
 from bridge.train.data.tokenizer_packages import missing_tokenizer_package
-from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.data.tokenizers import Tokenizer, added_tokens
 
 __all__ = [
     "GPT2BPETokenizer",
@@ -38,10 +39,6 @@ _GPT2_EOD = "<|endoftext|>"
 # megatron-core's tiktoken tokenizer reserves this many ids for special tokens (its default,
 # which tiktoken vocabularies of released models rely on).
 _TIKTOKEN_SPECIAL_IDS = 1000
-
-
-def _extra_tokens(special_tokens: Sequence[str] | None, vocab_extra_ids: int) -> list[str]:
-    return list(special_tokens or ()) + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
 
 
 def _existing_file(path: str | Path, field: str, what: str) -> Path:
@@ -65,7 +62,23 @@ def _reported_size(actual: int, vocab_size: int | None, extra_ids: int) -> int:
     return total
 
 
-class SentencePieceTokenizer(Tokenizer):
+class _MegatronLibraryTokenizer(Tokenizer):
+    """A tokenizer of megatron-core's text libraries (``self._tokenizer``) behind the
+    trainer's interface."""
+
+    _tokenizer: Any
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode ``text`` (no BOS/EOS added; tiktoken turns special-token strings into
+        their ids)."""
+        return [int(i) for i in self._tokenizer.text_to_ids(text)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decode ids to text."""
+        return str(self._tokenizer.ids_to_text([int(i) for i in ids]))
+
+
+class SentencePieceTokenizer(_MegatronLibraryTokenizer):
     """A SentencePiece ``.model`` file, read by megatron-core's SentencePiece tokenizer.
 
     The end-of-document id is the model's ``eos`` (``</s>`` by default); the pad id is the
@@ -94,7 +107,7 @@ class SentencePieceTokenizer(Tokenizer):
         _require("SentencePieceTokenizer")
 
         file = _existing_file(path, "tokenizer_model", "a SentencePiece .model file")
-        extra = _extra_tokens(special_tokens, vocab_extra_ids)
+        extra = added_tokens(special_tokens, vocab_extra_ids)
         # megatron adds tokens after the model's pieces only in its "legacy" mode.
         self._tokenizer = _MegatronSentencePiece(
             str(file), special_tokens=extra or None, legacy=bool(extra)
@@ -114,31 +127,8 @@ class SentencePieceTokenizer(Tokenizer):
             path=str(file.resolve()), special_tokens=tuple(extra), vocab_size=self._vocab_size
         )
 
-    @property
-    def vocab_size(self) -> int:
-        """The model's pieces plus added tokens (or the configured size)."""
-        return self._vocab_size
 
-    @property
-    def eod(self) -> int:
-        """The model's ``eos`` id."""
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        """The model's ``pad`` id, -1 if it has none."""
-        return self._pad
-
-    def tokenize(self, text: str) -> list[int]:
-        """Encode ``text`` (no BOS/EOS added)."""
-        return [int(i) for i in self._tokenizer.text_to_ids(text)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Decode ids to text."""
-        return str(self._tokenizer.ids_to_text([int(i) for i in ids]))
-
-
-class TikTokenizer(Tokenizer):
+class TikTokenizer(_MegatronLibraryTokenizer):
     """A tiktoken vocabulary, read by megatron-core's TikToken tokenizer.
 
     The file is megatron's tiktoken JSON: a list of ``{"rank", "token_bytes" (base64),
@@ -187,7 +177,7 @@ class TikTokenizer(Tokenizer):
                 f"tokenizer.tokenizer_model={str(path)!r} is not a tiktoken vocabulary: "
                 "expected a JSON list of at least the 256 byte entries"
             )
-        specials = [*SPECIAL_TOKENS, *_extra_tokens(special_tokens, vocab_extra_ids)]
+        specials = [*SPECIAL_TOKENS, *added_tokens(special_tokens, vocab_extra_ids)]
         if len(specials) > _TIKTOKEN_SPECIAL_IDS:
             raise ValueError(
                 f"tokenizer.special_tokens: at most {_TIKTOKEN_SPECIAL_IDS - len(SPECIAL_TOKENS)} "
@@ -219,11 +209,6 @@ class TikTokenizer(Tokenizer):
         )
 
     @property
-    def vocab_size(self) -> int:
-        """Special ids plus the vocabulary's entries."""
-        return self._vocab_size
-
-    @property
     def eod(self) -> int:
         """Id of ``</s>``."""
         return int(self._tokenizer.eod)
@@ -232,14 +217,6 @@ class TikTokenizer(Tokenizer):
     def pad(self) -> int:
         """Id of ``<pad>``."""
         return int(self._tokenizer.pad_id)
-
-    def tokenize(self, text: str) -> list[int]:
-        """Encode ``text``; special-token strings in it become their ids."""
-        return [int(i) for i in self._tokenizer.text_to_ids(text)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Decode ids to text."""
-        return str(self._tokenizer.ids_to_text([int(i) for i in ids]))
 
 
 class GPT2BPETokenizer(Tokenizer):
@@ -293,9 +270,10 @@ class GPT2BPETokenizer(Tokenizer):
                 "end of document; add it to the vocabulary"
             )
         # Registered as special so that it is never split when it appears in text.
-        extra = _extra_tokens(special_tokens, vocab_extra_ids)
+        extra = added_tokens(special_tokens, vocab_extra_ids)
         self._tokenizer.add_special_tokens([_GPT2_EOD, *extra])
-        self._eod = int(eod)
+        # GPT-2 has no pad token.
+        self._eod = self._pad = int(eod)
         self._vocab_size = _reported_size(
             int(self._tokenizer.get_vocab_size(with_added_tokens=True)), vocab_size, vocab_extra_ids
         )
@@ -305,21 +283,6 @@ class GPT2BPETokenizer(Tokenizer):
             special_tokens=tuple(extra),
             vocab_size=self._vocab_size,
         )
-
-    @property
-    def vocab_size(self) -> int:
-        """The vocabulary plus added tokens (or the configured size)."""
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        """Id of ``<|endoftext|>``."""
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        """Id of ``<|endoftext|>`` (GPT-2 has no pad token)."""
-        return self._eod
 
     def tokenize(self, text: str) -> list[int]:
         """Encode ``text``."""

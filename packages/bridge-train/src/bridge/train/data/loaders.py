@@ -94,24 +94,17 @@ def build_data_loader(
     if dataset is None or len(dataset) == 0:
         return None
     sampler: Any
+    position = (
+        len(dataset),
+        consumed_samples,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+    )
     if dataloader_type == "single":
-        sampler = PretrainingSampler(
-            len(dataset),
-            consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-            drop_last=drop_last,
-        )
+        sampler = PretrainingSampler(*position, drop_last=drop_last)
     elif dataloader_type == "cyclic":
-        sampler = CyclicRandomSampler(
-            len(dataset),
-            consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-            seed=seed,
-        )
+        sampler = CyclicRandomSampler(*position, seed=seed)
     else:
         raise ValueError(
             f"build_data_loader: dataloader_type={dataloader_type!r} needs 'single' or 'cyclic'"
@@ -267,13 +260,7 @@ def build_train_valid_test_data_iterators(
 ) -> tuple[Iterator[Any] | None, Iterator[Any] | None, Iterator[Any] | None]:
     """Iterators over the three splits (see the module docstring for their behaviour).
 
-    Args:
-        datasets: ``(train_ds, valid_ds, test_ds)``.
-        dataset_config: The dataset config.
-        train_config: ``TrainingConfig``.
-        train_state: ``TrainState`` (consumed samples, and ``do_*`` flags it sets).
-        data_parallel_rank: Defaults to megatron's data-parallel rank.
-        data_parallel_size: Defaults to megatron's data-parallel size.
+    The arguments are :func:`build_train_valid_test_data_loaders`'.
 
     Returns:
         ``(train_iterator, valid_iterator, test_iterator)``, ``None`` for a missing split.
@@ -288,11 +275,9 @@ def build_train_valid_test_data_iterators(
         data_parallel_size=data_parallel_size,
     )
     train, valid, test = loaders
+    # Under "single" evaluation restarts its split whenever it runs out.
+    evaluation = cyclic_iter if kind == "single" else iter
     train_it = None if train is None else iter(train)
-    if kind == "single":
-        valid_it = None if valid is None else iter(cyclic_iter(valid))
-        test_it = None if test is None else iter(cyclic_iter(test))
-    else:
-        valid_it = None if valid is None else iter(valid)
-        test_it = None if test is None else iter(test)
+    valid_it = None if valid is None else iter(evaluation(valid))
+    test_it = None if test is None else iter(evaluation(test))
     return train_it, valid_it, test_it

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bridge.config.notices import held_notices, print_held_notices
+from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
 from bridge.train.data.tokenizers import Tokenizer, build_tokenizer
 
 __all__ = ["PreprocessProgress", "PreprocessResult", "build_parser", "main", "preprocess_data"]
@@ -288,14 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer-type",
         default="ByteLevelTokenizer",
-        choices=[
-            "ByteLevelTokenizer",
-            "HuggingFaceTokenizer",
-            "NullTokenizer",
-            "SentencePieceTokenizer",
-            "TikTokenizer",
-            "GPT2BPETokenizer",
-        ],
+        choices=list(TOKENIZER_EXTRAS),
     )
     parser.add_argument(
         "--tokenizer-model",

@@ -35,6 +35,7 @@ tokenize a file when it is not cached.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -70,15 +71,6 @@ SFT_SPLIT_FILES = ("training.jsonl", "validation.jsonl", "test.jsonl")
 """File names of the train, validation and test splits under ``dataset_root``."""
 
 TRUNCATION_POLICIES = ("left", "right", "drop")
-
-_KWARGS_DEFAULTS: dict[str, Any] = {
-    "prompt_key": "input",
-    "answer_key": "output",
-    "prompt_template": None,
-    "truncation": "left",
-    "add_eod": True,
-    "cache_dir": None,
-}
 
 
 @dataclass(frozen=True)
@@ -117,7 +109,7 @@ def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
             ``dataset.dataset_kwargs.<key>``).
     """
 
-    values = dict(_KWARGS_DEFAULTS)
+    values: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SFTSettings)}
     for key, value in (dataset_kwargs or {}).items():
         if key not in values:
             raise ConfigError(
@@ -629,34 +621,28 @@ def build_sft_datasets(
         )
         if split == 0 and dataset_config.max_train_samples is not None:
             examples = examples.head(int(dataset_config.max_train_samples))
-        name = SFT_SPLIT_FILES[split].removesuffix(".jsonl")
-        seed = int(dataset_config.seed) if split == 0 else None
+        common: dict[str, Any] = {
+            "num_samples": int(wanted),
+            "shuffle_seed": int(dataset_config.seed) if split == 0 else None,
+            "name": SFT_SPLIT_FILES[split].removesuffix(".jsonl"),
+        }
+        pad = pad_id(tokenizer)
         if specs is not None and packed_size is not None and packed_size > 0:
             from bridge.train.data.packing import PackedSFTDataset
 
+            pad_cu_seqlens = bool(specs.pad_cu_seqlens)
             out.append(
                 PackedSFTDataset(
                     examples,
                     int(packed_size),
-                    pad_id(tokenizer),
+                    pad,
                     settings.truncation,
-                    num_samples=int(wanted),
-                    shuffle_seed=seed,
-                    name=name,
-                    pad_cu_seqlens=bool(specs.pad_cu_seqlens),
+                    **common,
+                    pad_cu_seqlens=pad_cu_seqlens,
                 )
             )
         else:
             assert dataset_config.seq_length is not None  # validate() requires it
-            out.append(
-                SFTDataset(
-                    examples,
-                    dataset_config.seq_length,
-                    pad_id(tokenizer),
-                    settings.truncation,
-                    num_samples=int(wanted),
-                    shuffle_seed=seed,
-                    name=name,
-                )
-            )
+            seq_length = dataset_config.seq_length
+            out.append(SFTDataset(examples, seq_length, pad, settings.truncation, **common))
     return out[0], out[1], out[2]

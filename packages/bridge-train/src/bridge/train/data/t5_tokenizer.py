@@ -90,11 +90,6 @@ class T5Tokenizer(Tokenizer):
         super().__init__(base=dict(base.unique_identifiers), num_sentinels=int(num_sentinels))
 
     @property
-    def vocab_size(self) -> int:
-        """The base vocabulary plus the added tokens."""
-        return self._vocab_size
-
-    @property
     def eod(self) -> int:
         """The base tokenizer's end-of-document id."""
         return int(self.base.eod)
@@ -103,11 +98,6 @@ class T5Tokenizer(Tokenizer):
     def eos(self) -> int:
         """End of the decoder target: the end-of-document id."""
         return int(self.base.eod)
-
-    @property
-    def pad(self) -> int:
-        """The base pad id, or the added ``<pad>``."""
-        return self._pad
 
     @property
     def bos(self) -> int:

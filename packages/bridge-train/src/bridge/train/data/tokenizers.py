@@ -17,25 +17,48 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import TokenizerConfig, TokenizerConfigProtocol
+from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
 
 __all__ = [
     "ByteLevelTokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
     "Tokenizer",
+    "added_tokens",
     "build_tokenizer",
 ]
 
 _BYTE_IDS = 256
+# What each tokenizer type cannot be built without.
+_REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "NullTokenizer": ("vocab_size",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+}
 _DEFAULT_SPECIALS = ("<eod>", "<pad>")
+
+
+def added_tokens(special_tokens: Sequence[str] | None, vocab_extra_ids: int) -> list[str]:
+    """``special_tokens`` followed by ``vocab_extra_ids`` sentinels ``<extra_id_N>``."""
+    return [*(special_tokens or ()), *(f"<extra_id_{i}>" for i in range(vocab_extra_ids))]
 
 
 class Tokenizer:
     """Common interface of the trainer's tokenizers.
 
+    ``vocab_size``, ``eod`` and ``pad`` return ``_vocab_size``, ``_eod`` and ``_pad``, which
+    a subclass sets in its constructor unless it overrides the property; each tokenizer's
+    docstring says what they are for it.
+
     Attributes:
         unique_identifiers: Ordered description of the tokenizer (class and settings).
     """
+
+    _vocab_size: int
+    _eod: int
+    _pad: int
 
     def __init__(self, **identifiers: Any) -> None:
         self.unique_identifiers: OrderedDict[str, Any] = OrderedDict(
@@ -45,17 +68,17 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of token ids the model must embed."""
-        raise NotImplementedError
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
         """End-of-document id, appended after every document by preprocessing."""
-        raise NotImplementedError
+        return self._eod
 
     @property
     def pad(self) -> int:
-        """Padding id."""
-        raise NotImplementedError
+        """Padding id (-1 when the tokenizer has none)."""
+        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Encode ``text`` to ids (no EOD appended)."""
@@ -93,7 +116,7 @@ class ByteLevelTokenizer(Tokenizer):
         for token in _DEFAULT_SPECIALS:
             if token not in specials:
                 specials.append(token)
-        specials += [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        specials = added_tokens(specials, vocab_extra_ids)
         if len(set(specials)) != len(specials):
             raise ValueError(f"tokenizer.special_tokens has duplicates: {specials}")
         self._special_ids = {token: _BYTE_IDS + i for i, token in enumerate(specials)}
@@ -106,11 +129,6 @@ class ByteLevelTokenizer(Tokenizer):
             )
         self._vocab_size = vocab_size if vocab_size is not None else needed
         super().__init__(special_tokens=tuple(specials), vocab_size=self._vocab_size)
-
-    @property
-    def vocab_size(self) -> int:
-        """256 bytes + special tokens (or the configured size)."""
-        return self._vocab_size
 
     @property
     def eod(self) -> int:
@@ -173,11 +191,6 @@ class NullTokenizer(Tokenizer):
             )
         self._vocab_size = int(vocab_size)
         super().__init__(vocab_size=self._vocab_size)
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids, EOD included."""
-        return self._vocab_size
 
     @property
     def eod(self) -> int:
@@ -243,7 +256,7 @@ class HuggingFaceTokenizer(Tokenizer):
                 "tokenizer there (tokenizer.save_pretrained(dir)) or point to another directory"
             )
         self._tokenizer = _HFTokenizer.from_file(str(file))
-        extra = list(special_tokens or ()) + [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        extra = added_tokens(special_tokens, vocab_extra_ids)
         if extra:
             self._tokenizer.add_special_tokens(extra)
         settings = _read_special_token_settings(directory)
@@ -255,9 +268,9 @@ class HuggingFaceTokenizer(Tokenizer):
                 f"the tokenizer in {str(path)!r} has no end-of-document token (eos_token, </s>, "
                 "<|endoftext|>); add one with tokenizer.special_tokens"
             )
-        self._eod: int = eod
+        self._eod = eod
         pad = self._first_token_id([settings.get("pad_token"), "<pad>", "[PAD]"])
-        self._pad: int = eod if pad is None else pad
+        self._pad = eod if pad is None else pad
         super().__init__(path=str(directory.resolve()), special_tokens=tuple(extra))
 
     def _first_token_id(self, candidates: Sequence[Any]) -> int | None:
@@ -274,16 +287,6 @@ class HuggingFaceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         """Vocabulary size including added tokens."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id."""
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        """Padding id."""
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Encode without adding special tokens."""
@@ -330,62 +333,33 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
         ImportError: The type's optional package is missing (names the extra to install).
     """
     kind = getattr(tokenizer_config, "tokenizer_type", None)
+    if kind not in TOKENIZER_EXTRAS:
+        raise ValueError(
+            f"tokenizer.tokenizer_type={kind!r} is not a tokenizer type; use one of "
+            f"{', '.join(map(repr, TOKENIZER_EXTRAS))}"
+        )
+    for name in _REQUIRED_FIELDS.get(kind, ()):
+        if getattr(tokenizer_config, name, None) in (None, ""):
+            hint = (
+                " (a local directory with tokenizer.json)" if kind == "HuggingFaceTokenizer" else ""
+            )
+            raise ValueError(f"tokenizer.{name} is required for tokenizer_type={kind!r}{hint}")
     specials = getattr(tokenizer_config, "special_tokens", None)
     extra_ids = int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0)
-    vocab_size = getattr(tokenizer_config, "vocab_size", None)
+    # Set where the type requires them (checked above).
+    vocab_size: Any = getattr(tokenizer_config, "vocab_size", None)
+    model: Any = getattr(tokenizer_config, "tokenizer_model", None)
     if kind == "ByteLevelTokenizer":
         return ByteLevelTokenizer(
             special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size
         )
     if kind == "NullTokenizer":
-        if vocab_size is None:
-            raise ValueError("tokenizer.vocab_size is required for tokenizer_type='NullTokenizer'")
         return NullTokenizer(int(vocab_size) + extra_ids)
     if kind == "HuggingFaceTokenizer":
-        model = getattr(tokenizer_config, "tokenizer_model", None)
-        if not model:
-            raise ValueError(
-                "tokenizer.tokenizer_model is required for tokenizer_type='HuggingFaceTokenizer' "
-                "(a local directory with tokenizer.json)"
-            )
         return HuggingFaceTokenizer(model, special_tokens=specials, vocab_extra_ids=extra_ids)
-    if kind in ("SentencePieceTokenizer", "TikTokenizer", "GPT2BPETokenizer"):
-        return _build_file_tokenizer(tokenizer_config, kind, specials, extra_ids, vocab_size)
-    raise ValueError(
-        f"tokenizer.tokenizer_type={kind!r} is not a tokenizer type; use one of "
-        "'ByteLevelTokenizer', 'HuggingFaceTokenizer', 'NullTokenizer', "
-        "'SentencePieceTokenizer', 'TikTokenizer', 'GPT2BPETokenizer'"
-    )
-
-
-def _build_file_tokenizer(
-    tokenizer_config: TokenizerConfig | TokenizerConfigProtocol,
-    kind: str,
-    specials: Sequence[str] | None,
-    extra_ids: int,
-    vocab_size: int | None,
-) -> Tokenizer:
     from bridge.train.data import file_tokenizers
 
-    if kind == "GPT2BPETokenizer":
-        vocab_file = getattr(tokenizer_config, "vocab_file", None)
-        merge_file = getattr(tokenizer_config, "merge_file", None)
-        if not vocab_file or not merge_file:
-            missing = "vocab_file" if not vocab_file else "merge_file"
-            raise ValueError(f"tokenizer.{missing} is required for tokenizer_type={kind!r}")
-        return file_tokenizers.GPT2BPETokenizer(
-            vocab_file,
-            merge_file,
-            special_tokens=specials,
-            vocab_extra_ids=extra_ids,
-            vocab_size=vocab_size,
-        )
-    model = getattr(tokenizer_config, "tokenizer_model", None)
-    if not model:
-        raise ValueError(f"tokenizer.tokenizer_model is required for tokenizer_type={kind!r}")
-    cls = (
-        file_tokenizers.SentencePieceTokenizer
-        if kind == "SentencePieceTokenizer"
-        else file_tokenizers.TikTokenizer
-    )
-    return cls(model, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)
+    files = ("vocab_file", "merge_file") if kind == "GPT2BPETokenizer" else ("tokenizer_model",)
+    cls = getattr(file_tokenizers, kind)
+    paths = [getattr(tokenizer_config, name) for name in files]
+    return cls(*paths, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)

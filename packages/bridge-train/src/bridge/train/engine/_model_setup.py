@@ -1,4 +1,4 @@
-"""Model-chunk construction shared by both engines (internal)."""
+"""The engine's model chunks: one per virtual stage, drawn layout-independently, cast (internal)."""
 
 from __future__ import annotations
 

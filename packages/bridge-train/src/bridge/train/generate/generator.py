@@ -20,9 +20,10 @@ attention runs flash-attention kernels, which need CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,13 @@ from bridge.train.generate.rotary_cache import (
     rotate_keys_before_caching,
 )
 
-__all__ = ["Completion", "TextCallback", "TextGenerator", "inference_module"]
+__all__ = [
+    "Completion",
+    "TextCallback",
+    "TextGenerator",
+    "inference_mode_active",
+    "inference_module",
+]
 
 DEFAULT_SEED = 1234
 """Seed of the sampling generator when :attr:`SamplingOptions.seed` is ``None``
@@ -115,6 +122,23 @@ class _Stream:
 
     def finish(self, exception: Any = None) -> None:
         self.finished = True
+
+
+@contextlib.contextmanager
+def inference_mode_active() -> Iterator[None]:
+    """Megatron's process-wide ``InferenceMode`` flag on for the block, then back as it was.
+
+    ``InferenceMode.active()`` switches the flag off on exit even when the caller had it on
+    (say, an evaluation that generates inside its own inference block), which would send the
+    caller's later forwards down the training path.
+    """
+    was_active = InferenceMode.is_active()
+    InferenceMode.set_active()
+    try:
+        yield
+    finally:
+        if not was_active:
+            InferenceMode.unset_active()
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -359,7 +383,7 @@ class TextGenerator:
         try:
             # InferenceMode: what megatron's StaticInferenceEngine switches on around this
             # controller (the output layer then runs on the last position only).
-            with rotate_keys_before_caching(self.module), InferenceMode.active():
+            with rotate_keys_before_caching(self.module), inference_mode_active():
                 done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
         finally:
             self.controller.batch = None

@@ -13,6 +13,7 @@ optimizer, scheduler, RNG and train state from that adapter-only checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -176,32 +177,26 @@ def load_peft_checkpoints(
 
     base = find_latest_checkpoint(checkpoint.pretrained_checkpoint)
     base_keys = frozenset(load_tensors_metadata(base.path)) if base is not None else frozenset()
+    restore = functools.partial(
+        restore_checkpoint,
+        checkpoint,
+        train_state,
+        model,
+        optimizer,
+        scheduler,
+        model_config=model_config,
+        checkpointing_context=checkpointing_context,
+    )
     with (
         peft_checkpoint_mode(model, "base", base_keys),
         _checkpoint_fields(checkpoint, load=None, ckpt_step=None, non_persistent_ckpt_type=None),
     ):
-        restore_checkpoint(
-            checkpoint,
-            train_state,
-            model,
-            optimizer,
-            scheduler,
-            model_config=model_config,
-            checkpointing_context=checkpointing_context,
-        )
+        restore()
     if checkpoint.load is None:
         return 0, 0.0
     with (
         peft_checkpoint_mode(model, "adapters"),
         _checkpoint_fields(checkpoint, pretrained_checkpoint=None),
     ):
-        iteration, flops = restore_checkpoint(
-            checkpoint,
-            train_state,
-            model,
-            optimizer,
-            scheduler,
-            model_config=model_config,
-            checkpointing_context=checkpointing_context,
-        )
+        iteration, flops = restore()
     return int(iteration), float(flops)

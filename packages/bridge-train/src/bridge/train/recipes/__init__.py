@@ -1,19 +1,8 @@
 """Built-in recipes of the ``bridge-train`` command (YAML files shipped with the package).
 
-* ``tiny_gpt`` (the default): a tiny GPT on megatron-core's mock data, CPU, about a minute;
-* ``text_corpus``: a small GPT on a local text corpus preprocessed with
-  ``bridge-preprocess-data`` (byte-level tokenizer, ``.bin``/``.idx`` files);
-* ``tiny_hybrid``: a tiny hybrid Mamba / attention / MLP model (``MambaProvider``) on mock
-  data, CPU, about a minute;
-* ``tiny_t5``: a tiny T5 encoder-decoder (``T5ModelProvider``) on generated
-  span-corruption data, CPU, about a minute;
-* ``sft`` / ``sft_lora``: supervised finetuning on a JSONL prompt/answer task, full or
-  with LoRA adapters on a frozen base;
-* ``mimo``: a vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs,
-  every module on its own ranks.
-
-``bridge-train --recipe NAME [overrides]`` runs one; :func:`recipe_path` gives its file,
-which you can copy and edit (``bridge-train --config my_recipe.yaml``).
+:data:`RECIPES` lists them, each with its one-line summary (``bridge-train --help`` shows
+them). ``bridge-train --recipe NAME [overrides]`` runs one; :func:`recipe_path` gives its
+file, which you can copy and edit (``bridge-train --config my_recipe.yaml``).
 """
 
 from __future__ import annotations
@@ -31,13 +20,16 @@ class Recipe:
 
     Attributes:
         name: What ``--recipe`` takes.
-        filename: The YAML file inside ``bridge.train.recipes``.
         summary: One line for ``bridge-train --help``.
     """
 
     name: str
-    filename: str
     summary: str
+
+    @property
+    def filename(self) -> str:
+        """The YAML file inside ``bridge.train.recipes``: ``<name>.yaml``."""
+        return f"{self.name}.yaml"
 
 
 RECIPES: dict[str, Recipe] = {
@@ -45,41 +37,34 @@ RECIPES: dict[str, Recipe] = {
     for recipe in (
         Recipe(
             "tiny_gpt",
-            "tiny_gpt.yaml",
             "4-layer GPT on mock data, CPU, about a minute (the default)",
         ),
         Recipe(
             "text_corpus",
-            "text_corpus.yaml",
             "small GPT on a local text corpus (byte-level tokenizer; set dataset.blend to "
             "the prefix written by bridge-preprocess-data)",
         ),
         Recipe(
             "tiny_hybrid",
-            "tiny_hybrid.yaml",
             "4-layer hybrid Mamba model (pattern M*M-) on mock data, CPU, about a minute",
         ),
         Recipe(
             "tiny_t5",
-            "tiny_t5.yaml",
             "T5 encoder-decoder (2 + 2 layers) on generated span-corruption data, CPU, about "
             "a minute",
         ),
         Recipe(
             "sft",
-            "sft.yaml",
             "supervised finetuning on a JSONL prompt/answer task (examples/data/sft_addition), "
             "answer-only loss",
         ),
         Recipe(
             "sft_lora",
-            "sft_lora.yaml",
             "the sft recipe with LoRA adapters on a frozen base (checkpoint."
             "pretrained_checkpoint, default runs/gpt_text_corpus)",
         ),
         Recipe(
             "mimo",
-            "mimo.yaml",
             "vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs; "
             "1, 2 or 4 ranks",
         ),
