@@ -636,6 +636,13 @@ def _saved_param_groups(inner: Any, saved_state: Any) -> list[dict[str, Any]] | 
     return groups if isinstance(groups, list) else None
 
 
+def _group_structure(group: dict[str, Any]) -> tuple[Any, ...]:
+    """The key megatron pairs parameter groups by, less the schedule bounds."""
+    return tuple(
+        group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+    )
+
+
 def _align_schedule_bounds(
     optimizer: MegatronOptimizer, saved_state: Any
 ) -> list[tuple[Any, int, dict]]:
@@ -665,18 +672,11 @@ def _align_schedule_bounds(
         current_groups = inner.param_groups
         if saved_groups is None or len(saved_groups) != len(current_groups):
             continue
-
-        def structure(group: dict[str, Any]) -> tuple[Any, ...]:
-            return tuple(
-                group.get(key)
-                for key in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-            )
-
-        by_structure = {structure(g): g for g in saved_groups}
+        by_structure = {_group_structure(g): g for g in saved_groups}
         if len(by_structure) != len(saved_groups):
             continue  # ambiguous: leave megatron's own pairing (and its error) alone
         for index, current in enumerate(current_groups):
-            saved = by_structure.get(structure(current))
+            saved = by_structure.get(_group_structure(current))
             if saved is None:
                 break
             if all(saved.get(k) == current.get(k) for k in _GROUP_SCHEDULE_KEYS):
@@ -684,10 +684,8 @@ def _align_schedule_bounds(
             bounds = {k: saved[k] for k in _GROUP_SCHEDULE_KEYS if k in saved}
             replaced.append((inner, index, bounds))
             for key in _GROUP_SCHEDULE_KEYS:
-                if key in current:
-                    saved[key] = current[key]
-                else:
-                    saved.pop(key, None)
+                saved.pop(key, None)
+            saved.update({k: current[k] for k in _GROUP_SCHEDULE_KEYS if k in current})
     return replaced
 
 
