@@ -58,8 +58,8 @@ def test_one_problem_per_section_in_one_pass(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^logger\.tensorboard_dir: .* cannot be created"):
         check_config_before_launch(cfg, world_size=1, cuda_available=False)
     with pytest.raises(ConfigError, match=r"^logger\.tensorboard_dir: "):
-        check_section(cfg, "logger", 1)
-    check_section(cfg, "checkpoint", 1)
+        check_section(vars(cfg), "logger", 1)
+    check_section(vars(cfg), "checkpoint", 1)
 
 
 def test_the_command_prints_every_section_s_problem(
@@ -100,7 +100,7 @@ def test_the_rules_main_brought_are_registry_rules() -> None:
     cfg = _mimo()
     cfg.samples = SamplesConfig(prompts=["Hello"])
     with pytest.raises(ConfigError, match=r"^samples: is set, but the mimo recipe does not use"):
-        check_section(cfg, "samples", world_size=1, cuda_available=False)
+        check_section(vars(cfg), "samples", world_size=1, cuda_available=False)
 
 
 def test_the_mimo_recipe_runs_the_same_pass_and_refuses_what_it_ignores(tmp_path: Path) -> None:

@@ -165,9 +165,9 @@ def test_packed_launch_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ConfigError, match=r"train\.micro_batch_size"):
         config.validate(1)
     config.train.micro_batch_size = 1
-    check_section(config, "dataset", 1)
+    check_section(vars(config), "dataset", 1)
     config.dataset.packed_sequence_specs.pad_cu_seqlens = True  # read by TE
-    check_section(config, "dataset", 1)
+    check_section(vars(config), "dataset", 1)
     config.model.context_parallel_size = 2
     with pytest.raises(ConfigError, match=r"model\.context_parallel_size"):
-        check_section(config, "dataset", 1)
+        check_section(vars(config), "dataset", 1)

@@ -50,11 +50,11 @@ import yaml
 
 from bridge.config import (
     ConfigContainer,
+    ConfigDiff,
     ConfigError,
     ModelConfigProtocol,
     TrainingConfig,
     describe_fields,
-    diff_from_defaults,
     load_config,
 )
 from bridge.config.notices import held_notices, print_held_notices, silence_known_fallback_notices
@@ -125,7 +125,6 @@ _SECTION_SUMMARIES = {
 
 
 def _sections_help() -> str:
-
     lines = []
     for info in describe_fields(ConfigContainer):
         if not info.settable:
@@ -136,7 +135,6 @@ def _sections_help() -> str:
 
 
 def _recipes_help() -> str:
-
     width = max(len(name) for name in RECIPES)
     lines = []
     for recipe in RECIPES.values():
@@ -323,23 +321,16 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _overrides_of(recipe_cfg: ConfigContainer | None, run_cfg: ConfigContainer) -> list[str]:
-    """``path: recipe value -> run value`` for every value the overrides changed.
-
-    The recipe alone is validated like the run (when it validates), so values derived by
-    ``validate()`` differ only where the overrides changed what they derive from. A section
-    whose class the overrides replaced (``dataset._target_=...``) is one line for the class
-    and the old class's fields left out, then the new section's fields that differ from the
-    recipe's or, where the recipe had no such field, from the new class's defaults.
+def _overrides_of(
+    before: dict[str, Any], after: dict[str, Any], run_diffs: Sequence[ConfigDiff]
+) -> list[str]:
+    """``path: recipe value -> run value`` for every value the overrides changed, from the
+    recipe's and the run's values by dotted path (the recipe validated like the run when it
+    validates) and the run's ``diff_from_defaults()``. A section whose class the overrides
+    replaced (``dataset._target_=...``) is one line for the class and the old class's fields
+    left out, then the new section's fields that differ from the recipe's or, where the
+    recipe had no such field, from the new class's defaults.
     """
-
-    if recipe_cfg is None:  # the run's config is a file of its own, not a recipe
-        return []
-    with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
-        recipe_cfg.validate(_launcher_world_size())
-
-    before = _flatten(yaml.safe_load(recipe_cfg.format_yaml()))
-    after = _flatten(yaml.safe_load(run_cfg.format_yaml()))
     replaced = sorted(
         key.removesuffix("._target_")
         for key in set(before) & set(after)
@@ -363,22 +354,17 @@ def _overrides_of(recipe_cfg: ConfigContainer | None, run_cfg: ConfigContainer) 
             continue  # reported below when it differs from the new class's default
         elif old != new:
             lines.append(f"  {key}: {old!r} -> {new!r}")
+    defaults = {diff.path: diff.default for diff in run_diffs}
     for section in replaced:
-        obj: Any = run_cfg
-        for part in section.split("."):
-            obj = getattr(obj, part, None)
-        if obj is None:
-            continue
-        for diff in diff_from_defaults(obj):
-            key = f"{section}.{diff.path}"
-            if key not in before and key in after and "." not in diff.path:
-                lines.append(f"  {key}: <default {diff.default!r}> -> {after[key]!r}")
+        for key, default in defaults.items():
+            field_name = key.removeprefix(section + ".")
+            if field_name != key and "." not in field_name and key not in before and key in after:
+                lines.append(f"  {key}: <default {default!r}> -> {after[key]!r}")
     return lines
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
-
     if args.config is not None:
         path = Path(args.config)
     elif (
@@ -476,7 +462,6 @@ def _report_notices(held: Any, level: int) -> None:
     advice on a machine without CUDA) are silenced on every rank. ``level`` is the run's
     ``logger.logging_level``.
     """
-
     if level > logging.DEBUG:
         torch = sys.modules.get("torch")  # imported with the config's classes, if at all
         silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
@@ -589,9 +574,22 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 0
     _report_notices(held, cfg.logger.logging_level if cfg.logger else logging.INFO)
     save = cfg.checkpoint.save if cfg.checkpoint else None
+    overrides: list[str] = []  # what the command-line overrides changed in the recipe
+    if (
+        recipe_cfg is not None
+        and _launcher_rank() == 0
+        and (args.dry_run or not args.no_print_config)
+    ):
+        with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
+            recipe_cfg.validate(_launcher_world_size())
+        overrides = _overrides_of(
+            _flatten(yaml.safe_load(recipe_cfg.format_yaml())),
+            _flatten(yaml.safe_load(cfg.format_yaml())),
+            cfg.diff_from_defaults(),
+        )
     if args.dry_run:
         if _launcher_rank() == 0:
-            _print_overrides(path, _overrides_of(recipe_cfg, cfg), save, dry_run=True)
+            _print_overrides(path, overrides, save, dry_run=True)
             if not mimo:
                 from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
 
@@ -602,7 +600,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, _launcher_world_size())
         return 0
     if _launcher_rank() == 0 and not args.no_print_config:
-        _print_overrides(path, _overrides_of(recipe_cfg, cfg), save)
+        _print_overrides(path, overrides, save)
     if mimo:
         return pretrain_mimo(
             cfg, metrics_file=args.metrics_file, requeue_exit_code=args.requeue_exit_code
@@ -630,7 +628,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     and exit codes 130 and 143 (128 + the signal number); further signals while the run
     closes are ignored, except a second Ctrl-C, which exits at once.
     """
-
     try:
         with interrupt_handlers():
             code = run(argv)

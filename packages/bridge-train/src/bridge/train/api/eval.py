@@ -17,7 +17,7 @@ import torch
 
 from bridge.config import ConfigContainer
 from bridge.train.loop.eval import log_evaluation
-from bridge.train.loop.training import evaluation_of
+from bridge.train.loop.training import run_components
 from bridge.train.state import ForwardStepCallable, GlobalState
 
 __all__ = ["evaluate", "evaluate_and_print_results"]
@@ -61,9 +61,10 @@ def evaluate(
         reported name to its token average. The time-limit flag is always False here: the
         exit conditions are checked after evaluation by the training loop.
     """
-    evaluation = evaluation_of(
-        forward_step_func, state, process_non_loss_data_func, non_loss_data_func
-    )
+    evaluation = run_components(
+        state, forward_step_func, None, process_non_loss_data_func, non_loss_data_func
+    ).evaluation
+    assert evaluation is not None
     if config is not state.cfg:  # the sections of the config given, as the reference reads
         assert config.train is not None, "evaluation needs the train section"
         evaluation = dataclasses.replace(

@@ -1,12 +1,13 @@
 """The reference's loop functions, as thin adapters over the loop and its components.
 
-``train`` runs :func:`bridge.train.loop.training.run_training`; ``train_step`` returns a
+Each builds its parts with :func:`bridge.train.loop.training.run_components`, the one place
+the ``GlobalState`` is taken apart. ``train`` runs ``run_training``; ``train_step`` returns a
 :class:`~bridge.train.loop.step.TrainStep`'s result as the reference's 7-tuple;
 ``post_training_step_callbacks`` runs the functions the loop's components run after a step;
 ``save_checkpoint_and_time`` is the :class:`~bridge.train.loop.saving.CheckpointWriter`;
 ``checkpoint_and_decide_exit`` asks the :class:`~bridge.train.loop.components.Checkpointer`.
-Each takes the ``GlobalState`` or the whole config, as the reference documents, and hands
-the components only their own sections. Their signatures and behaviour are the reference's
+Each takes the ``GlobalState`` or the whole config, as the reference documents; the
+components get only their own sections. Their signatures and behaviour are the reference's
 (shared/reference 001); the loop itself never calls them.
 """
 
@@ -26,7 +27,7 @@ from bridge.train.loop.components.maintenance import (
 )
 from bridge.train.loop.components.profiler import step_profiler
 from bridge.train.loop.profiling import TNvtxContext
-from bridge.train.loop.training import checkpoint_writer_of, run_training, train_step_of
+from bridge.train.loop.training import run_components, run_training
 from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.distributed import global_rank
 from core_utils.loop import LoopContext
@@ -88,18 +89,20 @@ def train(
         This is an experimental API and is subject to change in backwards incompatible
         ways without notice.
     """
-    return run_training(
-        forward_step_func,
-        model,
-        optimizer,
-        scheduler,
-        train_data_iterator,
-        valid_data_iterator,
+    components = run_components(
         global_state,
+        forward_step_func,
         checkpointing_context,
         process_non_loss_data_func,
         non_loss_data_func,
+        loop=True,
     )
+    exit_code = run_training(
+        components, model, optimizer, scheduler, train_data_iterator, valid_data_iterator
+    )
+    global_state.last_evaluated_iteration = components.last_evaluated_iteration
+    global_state.last_saved_iteration = components.last_saved_iteration
+    return exit_code
 
 
 def train_step(
@@ -133,7 +136,8 @@ def train_step(
             grad_norm: Gradient norm if available, None otherwise
             num_zeros_in_grad: Number of zeros in gradient if available, None otherwise
     """
-    step = train_step_of(forward_step_func, global_state)
+    step = run_components(global_state, forward_step_func).step
+    assert step is not None
     return step.run(data_iterator, model, optimizer, scheduler).as_tuple()
 
 
@@ -228,7 +232,8 @@ def save_checkpoint_and_time(
         train_data_iterator: Optional training data iterator to save its state.
     """
     del train_data_iterator  # the samplers resume from the consumed-samples counter
-    writer = checkpoint_writer_of(state, checkpointing_context)
+    writer = run_components(state, checkpointing_context=checkpointing_context).checkpoint_writer
+    assert writer is not None, "save_checkpoint_and_time needs the checkpoint section"
     writer.save(
         state.train_state,
         model,

@@ -175,7 +175,6 @@ def interrupt_handlers() -> Iterator[None]:
     itself (the exit-signal handler of ``train.exit_signal_handler``) take precedence
     while they are installed. The previous handlers are restored on exit.
     """
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return

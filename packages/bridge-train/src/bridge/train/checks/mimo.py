@@ -134,7 +134,6 @@ def learning_rate_is_set(optimizer: OptimizerConfigProtocol) -> None:
 
 def schedule_fits_run(scheduler: SchedulerConfig, train: TrainingConfig) -> None:
     """The learning-rate schedule fits the run's length (megatron's sample-based steps)."""
-
     try:
         scheduler_steps(scheduler, train)
     except ValueError as exc:

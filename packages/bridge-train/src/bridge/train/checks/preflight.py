@@ -20,7 +20,7 @@ every problem without a traceback and exits with code 2.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,21 +62,19 @@ def _facts(world_size: int | None, cuda_available: bool | None) -> dict[str, Any
     return {"world_size": world, "cuda_available": cuda}
 
 
-def _first_problem(
-    cfg: ConfigContainer, section: str, kind: RunKind, facts: dict[str, Any]
-) -> ConfigError | None:
+def _first_problem(values: Mapping[str, Any], section: str, kind: RunKind) -> ConfigError | None:
     for rule in REGISTRY.get(section, ()):
         if kind not in rule.runs:
             continue
         try:
-            rule(cfg, facts)
+            rule(values)
         except ConfigError as exc:
             return exc
     return None
 
 
 def check_section(
-    cfg: ConfigContainer,
+    sections: Mapping[str, Any],
     section: str,
     world_size: int | None = None,
     *,
@@ -85,7 +83,8 @@ def check_section(
     """Run the trainer's rules about one section (of a config that passed ``validate()``).
 
     Args:
-        cfg: The run's configuration.
+        sections: The config's sections by name (at least those the section's rules read,
+            and ``model``), e.g. ``vars(cfg)``.
         section: A key of :data:`~bridge.train.checks.registry.REGISTRY`.
         world_size: Number of ranks (default: the process group's, else ``$WORLD_SIZE``,
             else 1).
@@ -97,7 +96,8 @@ def check_section(
     """
     if section not in REGISTRY:
         raise KeyError(f"no rules for section {section!r}; sections: {', '.join(SECTIONS)}")
-    problem = _first_problem(cfg, section, run_kind(cfg.model), _facts(world_size, cuda_available))
+    values = {**sections, **_facts(world_size, cuda_available)}
+    problem = _first_problem(values, section, run_kind(sections["model"]))
     if problem is not None:
         raise problem
 
@@ -131,10 +131,12 @@ def check_config_before_launch(
         mimo.check_required_sections(
             {name: getattr(cfg, name) for name in (*mimo.REQUIRED_SECTIONS, "model")}
         )
+    # Built once, after validate() completed the sections: each rule gets what it reads.
+    values = {**vars(cfg), **facts}
     problems = [
         problem
         for section in SECTIONS
-        if (problem := _first_problem(cfg, section, kind, facts)) is not None
+        if (problem := _first_problem(values, section, kind)) is not None
     ]
     if problems:
         raise ConfigProblems(problems)

@@ -14,7 +14,7 @@ pass.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,9 +52,9 @@ class Rule:
         if not self.reads:
             object.__setattr__(self, "reads", tuple(inspect.signature(self.check).parameters))
 
-    def __call__(self, sections: Any, facts: dict[str, Any]) -> None:
-        """Run the check on ``sections`` (a ``ConfigContainer``) and ``facts``."""
-        self.check(*(facts[n] if n in facts else getattr(sections, n) for n in self.reads))
+    def __call__(self, values: Mapping[str, Any]) -> None:
+        """Run the check on what it reads of ``values`` (sections by name and facts)."""
+        self.check(*(values[name] for name in self.reads))
 
 
 def _unused_by_mimo(name: str) -> Rule:

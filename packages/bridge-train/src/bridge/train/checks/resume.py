@@ -153,7 +153,6 @@ def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
 
 
 def _saved_config(checkpoint_dir: str) -> Any:
-
     path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
     if not path.is_file():
         return None

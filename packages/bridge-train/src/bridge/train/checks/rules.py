@@ -115,7 +115,6 @@ def engine_can_run_model(
 
 def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
     """The parallel layout fits the launched world."""
-
     try:
         validate_parallel_layout(model, world_size)
     except ValueError as exc:
@@ -125,7 +124,6 @@ def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
 def initialisation_is_possible(rng: RNGConfig, model: ModelConfigProtocol) -> None:
     """``rng.layout_independent_init=true`` only for providers it covers (see
     :mod:`bridge.train.models.layout_init`)."""
-
     try:
         layout_independent_seed(rng, model)
     except LayoutInitError as exc:
@@ -182,7 +180,6 @@ def _physical_memory() -> int | None:
 def dataset_index_fits_memory(train: TrainingConfig) -> None:
     """A training length whose dataset index cannot be built on this machine is refused
     (``train.train_iters=10**23`` spins for hours in megatron-core's index building)."""
-
     if train.global_batch_size is None or train.skip_train:
         return
     if train.train_iters is None and train.train_samples is None:
@@ -207,7 +204,6 @@ def dataset_index_fits_memory(train: TrainingConfig) -> None:
 
 def distributed_backend_resolves(dist: DistributedInitConfig) -> None:
     """``dist.distributed_backend`` works on this machine."""
-
     try:
         resolve_distributed_backend(dist)
     except ValueError as exc:
@@ -281,7 +277,6 @@ _TOKENIZER_FILES: dict[str, tuple[str, ...]] = {
 def tokenizer_can_be_built(tokenizer: Tokenizer) -> None:
     """A ``tokenizer.tokenizer_type`` this installation can build (its optional package and
     the files it reads are there); ``tokenizer.hf_tokenizer_kwargs`` would be ignored."""
-
     if tokenizer is None:
         return
     if getattr(tokenizer, "hf_tokenizer_kwargs", None):
@@ -485,7 +480,6 @@ def samples_can_be_generated(
 def checkpoint_settings_are_supported(checkpoint: CheckpointConfig) -> None:
     """Checkpoint settings this trainer cannot honour (formats, non-persistent types,
     conversion, CUDA-only loading), refused whether or not the run saves."""
-
     check_checkpoint_config(checkpoint)
 
 

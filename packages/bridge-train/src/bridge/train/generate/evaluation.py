@@ -44,7 +44,7 @@ from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
 from bridge.train.loop.pretrain import _close, setup
 from bridge.train.loop.pretrain_mimo import MimoModelConfig
-from bridge.train.loop.training import evaluation_of
+from bridge.train.loop.training import run_components
 from bridge.train.models.family import build_family_datasets, default_forward_step, is_t5
 from bridge.train.state import GlobalState
 
@@ -270,7 +270,8 @@ def evaluate_checkpoint(
             ("validation", out.valid_data_iterator, state.train_state.do_valid),
             ("test", out.test_data_iterator, state.train_state.do_test),
         ]
-        evaluation = evaluation_of(step_func, state)
+        evaluation = run_components(state, step_func).evaluation
+        assert evaluation is not None
         for split, iterator, wanted in splits:
             if iterator is None or not wanted:
                 continue

@@ -103,7 +103,6 @@ def train_steps(
         ValueError: ``global_batch_size`` is not a multiple of
             ``micro_batch_size x data_parallel_size``.
     """
-
     dp_size = parallel_state.get_data_parallel_world_size()
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(

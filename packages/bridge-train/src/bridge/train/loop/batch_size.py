@@ -90,7 +90,6 @@ def ensure_num_microbatches_calculator(
         ConfigError: Ramp-up combined with ``decrease_batch_size_if_needed``, which
             megatron-core 0.19.2's step schedules do not support.
     """
-
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
         return False
 
@@ -121,19 +120,16 @@ def ensure_num_microbatches_calculator(
 
 def release_num_microbatches_calculator() -> None:
     """Destroy megatron's global micro-batch calculator (so another run can configure it)."""
-
     nmc.destroy_num_microbatches_calculator()
 
 
 def update_num_microbatches(consumed_samples: int) -> None:
     """Advance the calculator to ``consumed_samples`` (changes the batch during ramp-up)."""
-
     nmc.update_num_microbatches(consumed_samples, consistency_check=True)
 
 
 def get_num_microbatches() -> int:
     """Micro-batches each data-parallel rank runs this iteration."""
-
     return int(nmc.get_num_microbatches())
 
 

@@ -41,7 +41,6 @@ __all__ = ["Evaluation", "log_evaluation"]
 
 
 def _data_parallel_layout() -> tuple[int, Any, bool]:
-
     if not ps.model_parallel_is_initialized():
         return 1, None, True
     return (

@@ -26,7 +26,6 @@ as for GPT, and the writer it is given is GPT's too
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,8 +45,6 @@ __all__ = [
     "describe_mimo_layout",
     "load_mimo_checkpoint",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def describe_mimo_layout(layout: Any) -> dict[str, str]:
@@ -120,7 +117,6 @@ def load_mimo_checkpoint(
     Returns:
         The iteration to continue from (0 when nothing was loaded).
     """
-
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0

@@ -4,7 +4,8 @@ Order of work (every rank)::
 
     check the config (before any process group; ConfigError names the field)
     Python logging, CUDA memory history
-    engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds
+    engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds;
+      megatron's micro-batch calculator (what train_step reads)
     timers; resiliency from its sections (bridge.resiliency.RunResiliency: fault tolerance,
       straggler detection, exit conditions, which install the exit-signal handler; the
       fault-tolerance setup section starts); metric writers from the logger section
@@ -21,6 +22,7 @@ Order of work (every rank)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -66,7 +68,11 @@ from bridge.train.engine.initialize import (
     seed_from_rng_config,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
-from bridge.train.loop.batch_size import release_num_microbatches_calculator
+from bridge.train.loop.batch_size import (
+    ensure_num_microbatches_calculator,
+    release_num_microbatches_calculator,
+)
+from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.run_ends import (
@@ -77,7 +83,8 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.run_length import run_is_done
-from bridge.train.loop.training import evaluation_of, progress_log_of, run_training
+from bridge.train.loop.step import data_parallel_size
+from bridge.train.loop.training import run_components, run_training
 from bridge.train.models.family import (
     build_family_datasets,
     default_forward_step,
@@ -157,13 +164,6 @@ def _progress(message: str) -> None:
         logger.info(message)
 
 
-def _uses_checkpoints(checkpoint: CheckpointConfig) -> bool:
-    return any(
-        path is not None
-        for path in (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
-    )
-
-
 def _load_checkpoint(
     checkpoint: CheckpointConfig,
     peft: PEFTProtocol | None,
@@ -182,7 +182,8 @@ def _load_checkpoint(
     loaded (``ckpt_step``, non-persistent ones, ``pretrained_checkpoint`` when ``load``
     holds nothing, ``exit_on_missing_checkpoint``) is decided by ``restore_checkpoint``.
     """
-    if not _uses_checkpoints(checkpoint):
+    paths = (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
+    if all(path is None for path in paths):
         return False
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
@@ -192,7 +193,6 @@ def _load_checkpoint(
     context["reseeds_rng_from"] = rng.seed  # as below; the load's warning says so
     if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
-
         iteration, flops = load_peft_checkpoints(
             checkpoint,
             train_state,
@@ -222,14 +222,6 @@ def _load_checkpoint(
     return context.get("loaded_checkpoint") is not None
 
 
-def _peft_hooks(peft: PEFTProtocol | None) -> list[Callable[[list[torch.nn.Module]], Any]]:
-    """``peft`` applied to the built chunks before wrapping (none without peft)."""
-    if peft is None:
-        return []
-
-    return [lambda chunks: apply_peft(peft, chunks)]
-
-
 def setup(
     state: GlobalState,
     *,
@@ -239,7 +231,9 @@ def setup(
     report_settings: ReportSettings | None = None,
     datasets: DatasetsFunction | None = None,
 ) -> SetupOutput:
-    """Initialise distributed training and build everything :func:`train` needs.
+    """Initialise distributed training and build everything :func:`train` needs (also
+    megatron's micro-batch calculator, which :func:`bridge.train.train_step` reads; the
+    caller releases it, as ``pretrain`` does when it closes).
 
     The config must have passed :func:`check_config_before_launch`. Objects are attached
     to ``state`` as soon as they exist, so a caller's ``finally`` can close them even when
@@ -271,6 +265,7 @@ def setup(
     engine.initialize_distributed(cfg.model, cfg.dist, cfg.rng)
     world = global_world_size()
     cfg.validate(world)
+    ensure_num_microbatches_calculator(train, data_parallel_size())  # released by the caller
     state.timers = build_timers(logger_cfg)
 
     # Built from their sections before the checkpoint is loaded, so a signal that arrives
@@ -312,7 +307,7 @@ def setup(
     model = engine.setup_model(
         cfg.model,
         cfg.ddp,
-        pre_wrap_hooks=_peft_hooks(cfg.peft),
+        pre_wrap_hooks=[] if cfg.peft is None else [functools.partial(apply_peft, cfg.peft)],
         data_parallel_random_init=cfg.rng.data_parallel_random_init,
         optimizer_config=cfg.optimizer,
         layout_independent_seed=layout_independent_seed(cfg.rng, cfg.model),
@@ -381,7 +376,6 @@ def _report_run_plan(out: SetupOutput) -> None:
 
 
 def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
-
     rsm.destroy_rerun_state_machine()
     rsm.initialize_rerun_state_machine(
         mode=rsm.RerunMode(settings.rerun_mode),
@@ -393,27 +387,20 @@ def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
 
 
 def _final_evaluation(
-    out: SetupOutput,
-    forward_step_func: ForwardStepCallable,
-    process_non_loss_data_func: Callable[..., Any] | None,
-    non_loss_data_func: Callable[..., Any] | None,
+    out: SetupOutput, evaluation: Evaluation, last_evaluated_iteration: int | None
 ) -> None:
-    state = out.state
-    step = state.train_state.step
+    """Validation (unless the loop just validated this iteration) and test at the end."""
+    train_state = out.state.train_state
+    step = train_state.step
     splits = []
     if (
-        state.train_state.do_valid
+        train_state.do_valid
         and out.valid_data_iterator is not None
-        and state.last_evaluated_iteration != step
+        and last_evaluated_iteration != step
     ):
         splits.append(("validation", out.valid_data_iterator))
-    if state.train_state.do_test and out.test_data_iterator is not None:
+    if train_state.do_test and out.test_data_iterator is not None:
         splits.append(("test", out.test_data_iterator))
-    if not splits:
-        return
-    evaluation = evaluation_of(
-        forward_step_func, state, process_non_loss_data_func, non_loss_data_func
-    )
     for split, iterator in splits:
         evaluation.evaluate_and_log(
             f"iteration {step} on {split} set", iterator, out.model, split=split
@@ -429,16 +416,11 @@ def _close(
     """Release everything pretrain started; never raises (errors are logged)."""
     steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
-        ("releasing the rerun state machine", _destroy_rerun_state_machine),
+        ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
         ("releasing the micro-batch calculator", release_num_microbatches_calculator),
         ("destroying the process group", destroy_distributed),
     ]
     run_teardown(steps, "pretrain")
-
-
-def _destroy_rerun_state_machine() -> None:
-
-    rsm.destroy_rerun_state_machine()
 
 
 def pretrain(
@@ -514,30 +496,33 @@ def pretrain(
         )
         assert config.train is not None and config.checkpoint is not None
         _report_run_plan(out)
-        record_starting_job(progress_log_of(state), state.metric_writers, state.train_state.step)
+        components = run_components(
+            state,
+            forward_step_func,
+            out.checkpointing_context,
+            process_non_loss_data_func,
+            non_loss_data_func,
+            loop=True,
+            callbacks=callbacks,
+            tokenizer=out.tokenizer,
+        )
+        assert components.evaluation is not None
+        record_starting_job(components.progress_log, state.metric_writers, state.train_state.step)
         save_run_config(config.checkpoint.save, config.to_yaml_text)
         exit_code = 0
         if not config.train.skip_train and not run_is_done(config.train, state.train_state):
             exit_code = run_training(
-                forward_step_func,
+                components,
                 out.model,
                 out.optimizer,
                 out.scheduler,
                 out.train_data_iterator,
                 out.valid_data_iterator,
-                state,
-                out.checkpointing_context,
-                process_non_loss_data_func=process_non_loss_data_func,
-                non_loss_data_func=non_loss_data_func,
-                callbacks=callbacks,
-                tokenizer=out.tokenizer,
             )
         if exit_code == 0 and (
             config.train.skip_train or run_is_done(config.train, state.train_state)
         ):
-            _final_evaluation(
-                out, forward_step_func, process_non_loss_data_func, non_loss_data_func
-            )
+            _final_evaluation(out, components.evaluation, components.last_evaluated_iteration)
         elif exit_code == 0:
             exit_code = requeue_exit_code  # stopped early on purpose, after saving
         state.metric_writers.flush()

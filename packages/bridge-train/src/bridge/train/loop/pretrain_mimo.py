@@ -86,7 +86,6 @@ check_mimo_config = check_config_before_launch
 
 def _init_process_group(dist_config: DistributedInitConfig) -> bool:
     """Initialise torch.distributed for this launch; True if this call created it."""
-
     if dist.is_initialized():
         return False
 
@@ -128,7 +127,6 @@ def pretrain_mimo(
         ConfigError: See :func:`~bridge.train.checks.preflight.check_config_before_launch`.
         CheckpointError: A checkpoint cannot be loaded or saved (see docs/checkpoints.md).
     """
-
     start_time = time.time() if start_time is None else start_time
     user_callbacks = [*cfg.callbacks, *callbacks]
     CallbackList((), user_callbacks)  # refuse a non-callback before anything is built

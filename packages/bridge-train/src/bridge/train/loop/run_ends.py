@@ -62,7 +62,6 @@ def build_run_metric_writers(
         backend_settings: MLflow / Comet settings of bridge.logging.
         report_settings: Optional reports of bridge.logging.
     """
-
     rank, world = global_rank(), global_world_size()
     extra = metrics_file is not None and rank == world - 1
     writers = build_metric_writers(
@@ -102,7 +101,6 @@ def save_dir_holds_checkpoint(checkpoint: CheckpointConfig) -> bool:
     Persistent checkpoints (tracker or complete ``iter_*``) count, and so do global
     non-persistent ones: a run killed before its first persistent save resumes from them.
     """
-
     if checkpoint_exists(checkpoint.save):
         return True
     if checkpoint.non_persistent_ckpt_type != "global":
@@ -131,6 +129,7 @@ def run_teardown_steps(
     metric_writers: MetricWriters,
     *,
     clean: bool,
+    close_writers: bool = True,
 ) -> list[TeardownStep]:
     """The steps that release what a run started, in order.
 
@@ -144,17 +143,21 @@ def run_teardown_steps(
         resiliency: The run's resiliency objects.
         metric_writers: The run's metric writers.
         clean: The run ended normally.
+        close_writers: Close the metric writers (else flush them: the run goes on, e.g. to
+            its final evaluation).
     """
     steps: list[TeardownStep] = []
     if checkpoint is not None and checkpoint.save is not None:
 
         def finalize() -> None:
-
             finalize_async_saves(resiliency.fault_tolerance, blocking=True, terminate=True)
 
         steps.append(("finishing asynchronous checkpoint saves", finalize))
     steps += resiliency.teardown_steps(clean)
-    steps.append(("closing the metric writers", metric_writers.close))
+    writers = (
+        ("closing", metric_writers.close) if close_writers else ("flushing", metric_writers.flush)
+    )
+    steps.append((f"{writers[0]} the metric writers", writers[1]))
     return steps
 
 

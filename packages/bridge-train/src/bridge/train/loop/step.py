@@ -37,7 +37,6 @@ __all__ = ["TrainStep", "data_parallel_size"]
 
 
 def _parallel_state() -> Any:
-
     return parallel_state
 
 
@@ -134,7 +133,6 @@ class TrainStep:
         Returns:
             The iteration's result.
         """
-
         train = self.train
         assert train.micro_batch_size is not None
         timers = self.timers

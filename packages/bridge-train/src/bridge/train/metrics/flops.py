@@ -54,7 +54,6 @@ def _moe_layer_pattern(model: TransformerConfig) -> list[int]:
 
 def _model_family_flops(model: TransformerConfig, batch_size: int, seq_length: int) -> float | None:
     """FLOPs of the non-GPT providers (hybrid Mamba, T5), or None for a GPT model."""
-
     if isinstance(model, T5ModelProvider):
         from bridge.train.metrics.flops_models import t5_floating_point_operations
 

@@ -78,7 +78,6 @@ def calc_params_l2_norm(
     Returns:
         The global L2 norm as a Python float (the same value on every rank).
     """
-
     chunks = unwrap_model_chunks(model)
     if use_megatron_fsdp:
         return calc_dtensor_params_l2_norm([p for chunk in chunks for p in chunk.parameters()])

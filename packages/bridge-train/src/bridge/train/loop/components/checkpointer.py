@@ -44,7 +44,6 @@ def async_save_finalizer(fault_tolerance: FaultTolerance | None) -> FinalizeFunc
     """
 
     def finalize(context: LoopContext, blocking: bool) -> int:
-
         before = pending_async_saves()
         finalize_async_saves(fault_tolerance, blocking=blocking, terminate=blocking)
         return before - pending_async_saves()

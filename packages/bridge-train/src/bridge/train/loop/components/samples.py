@@ -16,7 +16,6 @@ component and pays nothing.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from bridge.config import ConfigError
@@ -33,8 +32,6 @@ if TYPE_CHECKING:
     from core_utils.loop import LoopContext
 
 __all__ = ["GenerationSamples"]
-
-logger = logging.getLogger(__name__)
 
 
 class GenerationSamples(Callback):
@@ -59,7 +56,6 @@ class GenerationSamples(Callback):
         toggle_forward_pre_hooks: bool = False,
         metric_writers: Any = None,
     ) -> None:
-
         self.section = section
         self.tokenizer = tokenizer
         self.seq_length = int(seq_length)
@@ -81,7 +77,6 @@ class GenerationSamples(Callback):
 
     def on_train_start(self, context: LoopContext) -> None:
         """Tokenize the prompts and check they fit the context, before the first step."""
-
         try:
             rendered = render_prompts(
                 [PromptSpec(p) for p in self.section.prompts],
@@ -122,7 +117,6 @@ class GenerationSamples(Callback):
     def generate(self, model: list[Any]) -> list[Any]:
         """The completions of the prompts by ``model`` (collective over its model-parallel
         group); the model is back in training mode afterwards."""
-
         if self.toggle:
             disable_forward_pre_hook(model)
         try:
