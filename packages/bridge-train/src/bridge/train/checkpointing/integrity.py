@@ -141,10 +141,7 @@ def _gather(part: dict[str, Any]) -> dict[str, Any]:
 
     parts: list[Any] = [None] * _dist.world_size()
     dist.all_gather_object(parts, part)
-    merged: dict[str, Any] = {}
-    for piece in parts:
-        merged.update(piece)
-    return merged
+    return {name: value for piece in parts for name, value in piece.items()}
 
 
 def checksum_files(
