@@ -20,6 +20,7 @@ DP sizes is in tests/test_megatron_engine_layouts.py.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -77,11 +78,21 @@ def _config(job: dict[str, Any]) -> Any:
 
 
 def _jobs(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[Any]:
-    """Run each job's ``pretrain`` in turn; their exit codes."""
-    return [
-        pretrain(_config(job), forward_step, metrics_file=f"{job['metrics']}.{rank}")
-        for job in jobs
-    ]
+    """Run each job's ``pretrain`` in turn; their exit codes. The trainer's warnings go to
+    ``<metrics>.warnings.<rank>``."""
+    codes = []
+    for job in jobs:
+        handler = logging.FileHandler(f"{job['metrics']}.warnings.{rank}", encoding="utf-8")
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("bridge.train").addHandler(handler)
+        try:
+            codes.append(
+                pretrain(_config(job), forward_step, metrics_file=f"{job['metrics']}.{rank}")
+            )
+        finally:
+            logging.getLogger("bridge.train").removeHandler(handler)
+            handler.close()
+    return codes
 
 
 def _records(path: Path) -> dict[int, tuple[float, Any]]:
@@ -171,6 +182,13 @@ def test_resume_is_exact_with_pp2_and_with_dp2_distributed_optimizer_and_across_
     _assert_close(_last_rank_records(tmp_path / "dp2-resumed", 2), dp2_ref, rtol=0)
     nodrop_ref = _last_rank_records(tmp_path / "pp2-nodrop", 2)
     _assert_close(_last_rank_records(tmp_path / "pp2-as-dp2", 2), nodrop_ref, rtol=1e-5)
+    # One warning for the RNG state left behind by the layout change, naming both layouts
+    # and the reseed pretrain does.
+    warnings = (tmp_path / "pp2-as-dp2.warnings.0").read_text(encoding="utf-8").splitlines()
+    rng_lines = [line for line in warnings if "RNG" in line or "seed" in line]
+    assert len(rng_lines) == 1, warnings
+    assert "(TP1 PP2 CP1 DP1 EP1 ETP1 -> TP1 PP1 CP1 DP2 EP1 ETP1)" in rng_lines[0]
+    assert f"reseeded from rng.seed=1234 and iteration {SAVE_AT}" in rng_lines[0]
     _assert_close(_last_rank_records(tmp_path / "pp2-as-dp2-distopt", 2), nodrop_ref, rtol=1e-5)
 
 

@@ -20,6 +20,7 @@ is here too (``test_resume_*``) and in ``tests/test_megatron_checkpoints.py``.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,15 @@ def _checkpoint_runs(rank: int, world: int, out: str, jobs: list[tuple[str, str 
         )
         config = layout_config(layout, checkpoint=checkpoint)
         step = _recording_step(f"{out}/{name}.samples.{rank}")
-        code = pretrain(config, step, metrics_file=f"{out}/{name}.metrics.{rank}")
+        # The trainer's warnings, for the checks of what a resume says.
+        warnings = logging.FileHandler(f"{out}/{name}.warnings.{rank}", encoding="utf-8")
+        warnings.setLevel(logging.WARNING)
+        logging.getLogger("bridge.train").addHandler(warnings)
+        try:
+            code = pretrain(config, step, metrics_file=f"{out}/{name}.metrics.{rank}")
+        finally:
+            logging.getLogger("bridge.train").removeHandler(warnings)
+            warnings.close()
         assert code == 0, f"{name}: pretrain returned {code}"
     return 0
 
@@ -344,6 +353,23 @@ def test_resume_under_another_layout_continues_the_run(tmp_path: Path) -> None:
         four["tp2_pp2_distopt-as-dp2_distopt"], four["tp2_pp2_distopt"], "TP2xPP2 -> DP4"
     )
     _assert_same_samples(tmp_path, "tp2_pp2_distopt-as-dp2_distopt", "tp2_pp2_distopt")
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_expert_parallel_change_reseeds_the_generators(tmp_path: Path) -> None:
+    """EP=2 saved, continued at EP=1 on the same two ranks: world, TP, PP, CP and DP sizes are
+    the same, but megatron seeds ``expert-parallel-rng`` per expert rank, so the saved
+    generator states are not restored (one warning naming both layouts) and the run is
+    reseeded; the model and optimizer state still continue the run (1e-5)."""
+    runs = run_checkpoint_jobs(tmp_path, 2, [("moe_ep2", None), ("moe", "moe_ep2")], 1500)
+    _assert_continues(runs["moe_ep2-as-moe"], runs["moe_ep2"], "EP2 -> EP1 at DP2")
+    warnings = (tmp_path / "moe_ep2-as-moe.warnings.0").read_text(encoding="utf-8")
+    (line,) = [line for line in warnings.splitlines() if "RNG" in line]
+    assert "(TP1 PP1 CP1 DP2 EP2 ETP1 -> TP1 PP1 CP1 DP2 EP1 ETP1)" in line, line
+    assert f"reseeded from rng.seed=1234 and iteration {SAVE_AT}" in line, line
 
 
 @pytest.mark.extended

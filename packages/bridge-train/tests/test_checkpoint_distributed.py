@@ -18,9 +18,11 @@ Launches (each a fresh set of forked processes; module-scoped fixtures run each 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import signal
+from logging.handlers import BufferingHandler
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
 from bridge.train import GlobalState
 from bridge.train.checkpointing import (
     CheckpointError,
+    checkpoint_dir_name,
     finalize_async_saves,
     init_checkpointing_context,
     load_checkpoint,
@@ -39,6 +42,7 @@ from bridge.train.checkpointing import (
     save_checkpoint,
 )
 from bridge.train.engine import MegatronEngine
+from bridge.train.engine.initialize import resume_seed
 from bridge.train.loop.bare_loop import train_steps
 from bridge.train.testing import (
     tiny_dist_config,
@@ -490,7 +494,13 @@ def _single_b(rank: int, world: int, root: str, dp2_saved: dict[str, Any]) -> di
         out[f"{name}_listing_after_next_save"] = sorted(os.listdir(Path(root) / name))
 
     dp_into_one = _Run(_config(seed=4321, load=f"{root}/dp2"))
-    out["dp2_into_one_return"] = dp_into_one.load()
+    warnings = BufferingHandler(capacity=1000)
+    warnings.setLevel(logging.WARNING)
+    logging.getLogger("bridge.train").addHandler(warnings)
+    # As pretrain loads: it reseeds after a layout change and says so through the context.
+    out["dp2_into_one_return"] = dp_into_one.load(checkpointing_context={"reseeds_rng_from": 4321})
+    logging.getLogger("bridge.train").removeHandler(warnings)
+    out["dp2_into_one_warnings"] = [record.getMessage() for record in warnings.buffer]
     out["dp2_into_one_mismatch"] = _equal_local(dp2_saved, dp_into_one.snapshot())
     return out
 
@@ -630,10 +640,18 @@ def test_single_process_resume_is_exact(single_a: dict[str, Any], single_b: dict
 
 @pytest.mark.timeout(300)
 def test_data_parallel_checkpoint_loads_into_one_process(
-    phase_a: list[dict[str, Any]], single_b: dict[str, Any]
+    root: str, phase_a: list[dict[str, Any]], single_b: dict[str, Any]
 ) -> None:
     assert single_b["dp2_into_one_return"] == (K, FLOPS)
     assert single_b["dp2_into_one_mismatch"] == []
+    # One line for the one event: both layouts, and what happens to the generators.
+    (rng_warning,) = [m for m in single_b["dp2_into_one_warnings"] if "RNG" in m]
+    assert rng_warning == (
+        f"resuming iteration {K} of {Path(root) / 'dp2' / checkpoint_dir_name(K)} under another parallel layout "
+        "(TP1 PP1 CP1 DP2 EP1 ETP1 -> TP1 PP1 CP1 DP1 EP1 ETP1): its RNG states are per rank "
+        f"and not restored; the generators are reseeded from rng.seed=4321 and iteration {K} "
+        f"(base seed {resume_seed(4321, K)}; dropout masks depend on the layout)"
+    )
 
 
 @pytest.mark.timeout(300)

@@ -280,9 +280,39 @@ def test_non_persistent_directory_newer_than_the_persistent_one_wins(tmp_path: P
     pretrained = _plan_load(
         CheckpointConfig(load=str(tmp_path / "empty"), pretrained_checkpoint=str(run))
     )
-    assert pretrained is not None and pretrained.finetune and pretrained.iteration == 20
+    assert pretrained is not None and pretrained.weights_only and pretrained.iteration == 20
 
 
 def test_marker_content_is_json(tmp_path: Path) -> None:
     path = _complete(tmp_path, 3)
     assert json.loads((path / MARKER_FILENAME).read_text()) == {"iteration": 3}
+
+
+# ---------------------------------------------------------------------------- RNG state and layout
+
+
+def test_rng_state_follows_expert_sizes_not_the_virtual_pipeline() -> None:
+    """megatron seeds ``expert-parallel-rng`` per expert-model and expert-tensor rank, so an
+    EP-only change makes a rank's saved states another rank's (reseeded, not restored); no
+    seed depends on the virtual stage, so VPP (not part of the layout) never does. A
+    checkpoint from before the expert sizes were recorded is compared on what it records."""
+    from bridge.train.checkpointing.load import _layout_sizes, _rng_layout_changed
+
+    dense = {
+        "world_size": 2,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "context_parallel_size": 1,
+        "data_parallel_size": 2,
+    }
+    ep1 = {**dense, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
+    ep2 = {**ep1, "expert_model_parallel_size": 2}
+    etp2 = {**ep1, "expert_tensor_parallel_size": 2}
+    assert not _rng_layout_changed(ep1, dict(ep1))
+    assert _rng_layout_changed(ep1, ep2) and _rng_layout_changed(ep2, ep1)
+    assert _rng_layout_changed(ep1, etp2)
+    assert not _rng_layout_changed(dense, ep2)  # saved before the expert sizes were recorded
+    assert _rng_layout_changed(dense, {**ep2, "data_parallel_size": 1, "world_size": 1})
+    assert _layout_sizes(ep2) == "TP1 PP1 CP1 DP2 EP2 ETP1"
+    assert _layout_sizes({"world_size": 4, "mimo_layout": "llm TP2"}) == "llm TP2"
+    assert _layout_sizes({"world_size": 1}) == "no model parallelism"

@@ -104,7 +104,7 @@ def test_what_is_refused_names_both_layouts(
         _check_reshardable("ckpt", saved, _THIS, 1, optimizer)
     message = str(raised.value)
     assert message.startswith("ckpt was saved as TP")
-    assert "this run is TP1 x PP1 x CP1 x DP2" in message
+    assert "this run is TP1 PP1 CP1 DP2" in message
     assert reason in message
     assert "checkpoint.load_optim=False" in message
 

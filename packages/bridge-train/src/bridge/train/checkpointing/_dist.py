@@ -6,28 +6,21 @@ from typing import Any
 
 import torch.distributed as dist
 
+from bridge.train.checkpointing.errors import CheckpointError
+
 # The checkpoint code's names for core_utils' helpers: the process group's view only (a
 # checkpoint records the layout it was saved under, never a launcher's guess).
 from core_utils.distributed import dist_ready as ready
 from core_utils.distributed import global_rank as rank
 from core_utils.distributed import global_world_size as world_size
 
-__all__ = ["barrier", "broadcast_from_rank0", "rank", "ready", "run_on_rank0", "world_size"]
+__all__ = ["barrier", "rank", "ready", "run_on_rank0", "world_size"]
 
 
 def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
     if ready():
         dist.barrier()
-
-
-def broadcast_from_rank0(value: Any) -> Any:
-    """Return rank 0's ``value`` on every rank (a picklable object)."""
-    if not ready() or world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def run_on_rank0(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -37,8 +30,6 @@ def run_on_rank0(fn: Any, *args: Any, **kwargs: Any) -> Any:
     a :class:`~bridge.train.checkpointing.errors.CheckpointError` with the same message, so
     no rank is left waiting in a collective.
     """
-    from bridge.train.checkpointing.errors import CheckpointError
-
     error: Exception | None = None
     result: Any = None
     if rank() == 0:
@@ -46,8 +37,10 @@ def run_on_rank0(fn: Any, *args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
         except Exception as exc:
             error = exc
-    shared = broadcast_from_rank0((error is None, result if error is None else str(error)))
-    ok, payload = shared
+    shared = [(error is None, result if error is None else str(error))]
+    if ready() and world_size() > 1:
+        dist.broadcast_object_list(shared, src=0)
+    ok, payload = shared[0]
     if ok:
         return payload
     if error is not None:

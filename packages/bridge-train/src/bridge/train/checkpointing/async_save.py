@@ -38,6 +38,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
+from bridge.train.checkpointing.errors import CheckpointError
 from core_utils import cpu_cuda_compat
 
 if TYPE_CHECKING:
@@ -192,7 +193,8 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         self._finished: dict[int, str | None] = {}
         self._next_idx = 0
 
-    def _ensure_started(self) -> None:
+    def warmup(self) -> None:
+        """Start the writer process now (before the model occupies memory), unless running."""
         if self._process is not None and self._process.is_alive():
             return
         ctx = mp.get_context("fork")
@@ -203,10 +205,6 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         )
         self._process.start()
 
-    def warmup(self) -> None:
-        """Start the writer process now (before the model occupies memory)."""
-        self._ensure_started()
-
     def schedule_async_call(self, async_req: Any) -> None:
         """Queue ``async_req``'s write function on the writer (its tensors are copied first)."""
         call_idx = self._next_idx
@@ -215,7 +213,7 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         if async_req.async_fn is None:
             self._finish(call_idx, None)  # nothing to write on this rank
             return
-        self._ensure_started()
+        self.warmup()
         args = list(async_req.async_fn_args)
         # args are (rank, write_buckets, results_queue). A preload function would only move
         # CUDA tensors to the host; the shared-memory snapshot does that job here.
@@ -234,27 +232,22 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         if self._arena is not None and self._arena.busy_with == idx:
             self._arena.busy_with = None  # the writer no longer reads it
 
-    def _drain(self, wait_for: int | None) -> None:
-        """Record finished writes; with ``wait_for``, until that one finished (or the writer died)."""
-        while True:
+    def _drain(self, current: int, blocking: bool) -> None:
+        """Record finished writes until ``current`` has finished or, unless ``blocking``, no
+        more are reported; a writer that died finishes ``current``."""
+        while current not in self._finished:
             try:
-                idx, error = (
-                    self._completions.get(timeout=0.1)
-                    if wait_for is not None
-                    else (self._completions.get_nowait())
-                )
+                get = self._completions.get
+                idx, error = get(timeout=0.1) if blocking else get(block=False)
             except queue_module.Empty:
-                if wait_for is None or wait_for in self._finished:
-                    return
                 if not self._process.is_alive():
-                    self._finish(wait_for, f"writer exited with code {self._process.exitcode}")
-                    return
-                continue
+                    self._finish(current, f"writer exited with code {self._process.exitcode}")
+                if blocking:
+                    continue
+                return
             self._finish(idx, error)
             if error is not None:
                 logger.error("asynchronous checkpoint write %d failed: %s", idx, error)
-            if wait_for is not None and wait_for in self._finished:
-                return
 
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
         """Whether the oldest queued write has finished on every rank.
@@ -262,10 +255,8 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         Collective (an all-reduce over the world) unless ``no_dist``.
         """
         current = self._in_flight[0] if self._in_flight else None
-        if current is not None and current not in self._finished and self._process is not None:
-            self._drain(current if blocking else None)
-            if current not in self._finished and not self._process.is_alive():
-                self._finish(current, f"writer exited with code {self._process.exitcode}")
+        if current is not None and self._process is not None:
+            self._drain(current, blocking)
         alive = int(current is not None and current not in self._finished)
         done = not alive if no_dist else bool(self.sync_all_async_calls(alive))
         if done and current is not None:
@@ -396,9 +387,6 @@ def finalize_async_saves(
 
 
 def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
-
-    from bridge.train.checkpointing.errors import CheckpointError
-
     try:
         with cpu_cuda_compat():
             if terminate:
@@ -408,9 +396,9 @@ def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
                     _QUEUE.update(pid=None, queue=None)
             else:
                 current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
-    except (CheckpointException, Exception) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
+    except CheckpointError:
+        raise
+    except (CheckpointException, Exception) as exc:  # torch's is a BaseException
         _abandon(current)
         raise CheckpointError(
             f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "

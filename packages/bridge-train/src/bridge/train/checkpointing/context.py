@@ -30,10 +30,9 @@ def non_persistent_dir(checkpoint_config: CheckpointConfig, base: str | None = N
     ``non_persistent_global_ckpt_dir`` when set, else ``<base>/non_persistent`` where
     ``base`` defaults to ``checkpoint.save``.
     """
-    explicit = getattr(checkpoint_config, "non_persistent_global_ckpt_dir", None)
-    if explicit:
-        return str(explicit)
-    base = base if base is not None else getattr(checkpoint_config, "save", None)
+    if checkpoint_config.non_persistent_global_ckpt_dir:
+        return str(checkpoint_config.non_persistent_global_ckpt_dir)
+    base = checkpoint_config.save if base is None else base
     return os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None
 
 

@@ -55,35 +55,21 @@ _THREADS = 4
 _MARKER = "checkpoint_complete.json"  # layout.MARKER_FILENAME (layout imports this module's users)
 
 
-class _Crc32:
-    """CRC-32 with the ``update`` / ``hexdigest`` of a hashlib-style object."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: memoryview) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def _feed(hasher: Any, fd: int, start: int, end: int | None = None) -> int:
-    """Feed bytes ``start:end`` of ``fd`` (``None``: to the end) to ``hasher``; the count fed."""
-    done = start
-    while end is None or done < end:
-        chunk = os.pread(fd, _CHUNK if end is None else min(_CHUNK, end - done), done)
-        if not chunk:
-            break
-        hasher.update(chunk)
-        done += len(chunk)
-    return done - start
-
-
-def _stream_hash(path: str | os.PathLike[str], hasher: Any) -> tuple[int, str]:
+def _crc32(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """Size and CRC-32 of one file (the algorithm of checkpoints saved before)."""
+    value = size = 0
     with open(path, "rb", buffering=0) as handle:
-        size = _feed(hasher, handle.fileno(), 0)
-    return size, hasher.hexdigest()
+        while chunk := handle.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+            size += len(chunk)
+    return size, f"{value:08x}"
+
+
+def _feed(hasher: Any, fd: int, start: int, end: int) -> None:
+    """Feed bytes ``start:end`` of ``fd`` to ``hasher``."""
+    while start < end and (chunk := os.pread(fd, min(_CHUNK, end - start), start)):
+        hasher.update(chunk)
+        start += len(chunk)
 
 
 def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
@@ -122,7 +108,7 @@ def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
 
 _HASHERS: dict[str, Callable[[str | os.PathLike[str]], tuple[int, str]]] = {
     "xxh3_64_tree": _tree_hash,
-    "crc32": lambda path: _stream_hash(path, _Crc32()),
+    "crc32": _crc32,
 }
 
 #: Algorithms a load can verify: the current one and those of older checkpoints.
@@ -155,10 +141,7 @@ def _gather(part: dict[str, Any]) -> dict[str, Any]:
 
     parts: list[Any] = [None] * _dist.world_size()
     dist.all_gather_object(parts, part)
-    merged: dict[str, Any] = {}
-    for piece in parts:
-        merged.update(piece)
-    return merged
+    return {name: value for piece in parts for name, value in piece.items()}
 
 
 def checksum_files(

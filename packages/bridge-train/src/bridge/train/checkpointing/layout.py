@@ -103,10 +103,8 @@ def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     marker = Path(path) / MARKER_FILENAME
     try:
         data = json.loads(marker.read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
     except (OSError, ValueError):
-        return None  # a torn or unreadable marker means "not complete"
+        return None  # missing, or torn or unreadable: "not complete"
     return data if isinstance(data, dict) else None
 
 
@@ -161,12 +159,13 @@ def complete_iterations(root: str | os.PathLike[str]) -> list[int]:
     base = Path(root)
     if not base.is_dir():
         return []
-    found = []
-    for entry in base.iterdir():
-        iteration = parse_iteration(entry.name)
-        if iteration is not None and entry.is_dir() and is_complete_checkpoint(entry):
-            found.append(iteration)
-    return sorted(found)
+    return sorted(
+        iteration
+        for entry in base.iterdir()
+        if (iteration := parse_iteration(entry.name)) is not None
+        and entry.is_dir()
+        and is_complete_checkpoint(entry)
+    )
 
 
 @dataclass(frozen=True)

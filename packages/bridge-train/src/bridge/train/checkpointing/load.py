@@ -80,13 +80,16 @@ from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
     META_KEY,
     build_load_template,
+    distributed_parts,
     model_sharded_state_dict,
     model_state_keys,
     optimizer_format,
+    optimizer_parts,
     optimizer_sharded_state_dict,
     parallel_layout,
     unwrapped_chunks,
 )
+from bridge.train.engine.initialize import resume_seed
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -107,6 +110,11 @@ logger = logging.getLogger(__name__)
 # The template entry optimizer tensors of another format are loaded under (see
 # optimizer_conversion): not "optimizer", whose saved common state has the other layout.
 CONVERTED_OPTIMIZER_KEY = "bridge_converted_optimizer"
+
+# The checkpointing_context entry a caller sets to its rng.seed when it reseeds the
+# generators after a resume under another layout ("rng_state" == "layout_changed", see
+# seed_from_rng_config), so that the one warning of that event can say so.
+RESEEDS_RNG_KEY = "reseeds_rng_from"
 
 # Scheduler settings megatron's OptimizerParamScheduler checks against a checkpoint.
 _SCHEDULER_SETTINGS = (
@@ -140,11 +148,26 @@ def checkpoint_exists(path: str | os.PathLike[str] | None) -> bool:
 
 
 @dataclass(frozen=True)
-class _LoadPlan:
+class PlannedLoad:
+    """The checkpoint :func:`load_checkpoint` would load (see :func:`planned_load`).
+
+    Attributes:
+        path: The checkpoint directory (``iter_*``).
+        iteration: Its iteration.
+        weights_only: Loaded as a finetune start (``checkpoint.finetune`` or
+            ``checkpoint.pretrained_checkpoint``): weights only, a new run at iteration 0.
+        source: The setting it comes from (``"checkpoint.load"``, ``"non-persistent"``,
+            ``"checkpoint.pretrained_checkpoint"``).
+    """
+
     path: str
     iteration: int
-    finetune: bool
+    weights_only: bool
     source: str
+
+
+@dataclass(frozen=True)
+class _LoadPlan(PlannedLoad):
     # Older complete checkpoints to use, newest first, if this one fails verification (only
     # for "the newest checkpoint" of a save directory, never for an explicitly named one).
     fallbacks: tuple[CheckpointLocation, ...] = ()
@@ -175,33 +198,23 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
                 f"checkpoint.ckpt_step={step}: checkpoint.load={str(load)!r} "
                 f"{'holds no checkpoints' if os.path.isdir(load) else 'does not exist'}"
             )
+    # The persistent checkpoint, then the older complete ones it may fall back to.
+    chain: tuple[CheckpointLocation, ...] = () if persistent is None else (persistent,)
+    if persistent is not None and may_fall_back:
+        chain += _older_complete(str(load), persistent.iteration)
     if step is None and cfg.non_persistent_ckpt_type == "global":
-        explicit = cfg.non_persistent_global_ckpt_dir
-        np_root = explicit or (non_persistent_dir(cfg, base=str(load)) if load else None)
+        np_root = non_persistent_dir(cfg, base=str(load or ""))
         latest_np = find_latest_checkpoint(np_root) if np_root else None
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
-            fallbacks = _older_complete(str(np_root), latest_np.iteration)
-            if persistent is not None:
-                fallbacks = tuple(
-                    sorted(
-                        fallbacks
-                        + (persistent,)
-                        + (
-                            _older_complete(str(load), persistent.iteration)
-                            if may_fall_back
-                            else ()
-                        ),
-                        key=lambda location: -location.iteration,
-                    )
-                )
+            fallbacks = _older_complete(str(np_root), latest_np.iteration) + chain
             return _LoadPlan(
                 latest_np.path,
                 latest_np.iteration,
                 bool(cfg.finetune),
                 "non-persistent",
-                fallbacks,
+                tuple(sorted(fallbacks, key=lambda location: -location.iteration)),
             )
     if persistent is not None:
         return _LoadPlan(
@@ -209,7 +222,7 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
             persistent.iteration,
             bool(cfg.finetune),
             "checkpoint.load",
-            _older_complete(str(load), persistent.iteration) if may_fall_back else (),
+            chain[1:],
             explicit=not may_fall_back,
         )
     if cfg.pretrained_checkpoint:
@@ -245,25 +258,6 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
     return None
 
 
-@dataclass(frozen=True)
-class PlannedLoad:
-    """The checkpoint :func:`load_checkpoint` would load (see :func:`planned_load`).
-
-    Attributes:
-        path: The checkpoint directory (``iter_*``).
-        iteration: Its iteration.
-        weights_only: Loaded as a finetune start (``checkpoint.finetune`` or
-            ``checkpoint.pretrained_checkpoint``): weights only, a new run at iteration 0.
-        source: The setting it comes from (``"checkpoint.load"``, ``"non-persistent"``,
-            ``"checkpoint.pretrained_checkpoint"``).
-    """
-
-    path: str
-    iteration: int
-    weights_only: bool
-    source: str
-
-
 def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
     """Which checkpoint :func:`load_checkpoint` would load, read from this process's files.
 
@@ -275,10 +269,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
         CheckpointError: What :func:`load_checkpoint` would raise choosing it (a missing
             ``ckpt_step`` or ``pretrained_checkpoint``, ...).
     """
-    plan = _plan_load(checkpoint_config)
-    if plan is None:
-        return None
-    return PlannedLoad(plan.path, plan.iteration, plan.finetune, plan.source)
+    return _plan_load(checkpoint_config)
 
 
 def _local_damage(path: str) -> dict[str, str] | None:
@@ -311,43 +302,31 @@ def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
     return gather_problems(part)
 
 
-def _damage(path: str) -> list[str]:
-    """What is wrong with the files of the checkpoint ``path`` (collective; empty if intact)."""
-    return _gather_damage(path, _local_damage(path))
+def _verified_plan(plan: _LoadPlan, problems: list[str]) -> _LoadPlan:
+    """The newest of ``plan``'s fallbacks whose files match their checksums (collective).
 
-
-def _verified_plan(plan: _LoadPlan, first: list[str] | None = None) -> _LoadPlan:
-    """``plan``, or the newest fallback whose files match their checksums (collective).
-
-    ``first``: the problems of ``plan``'s own checkpoint when they are already known.
+    ``problems``: what is wrong with ``plan``'s own checkpoint.
 
     Raises:
         CheckpointError: The checkpoint is damaged and no allowed fallback verifies. Nothing
             is deleted.
     """
-    candidates = [
-        CheckpointLocation(plan.iteration, plan.path),
-        *plan.fallbacks,
-    ]
-    first_problem = ""
-    for index, candidate in enumerate(candidates):
-        problems = first if (index == 0 and first is not None) else _damage(candidate.path)
-        if not problems:
-            if index and _dist.rank() == 0:
+    first_problem = problems[0] + (
+        f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+    )
+    for skipped, candidate in enumerate(plan.fallbacks):
+        if not _gather_damage(candidate.path, _local_damage(candidate.path)):
+            if _dist.rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
                     "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
                     "older checkpoint whose files verify, instead (nothing was deleted)",
                     plan.path,
                     first_problem,
-                    f"; {len(skipped)} more" if (skipped := candidates[1:index]) else "",
+                    f"; {skipped} more" if skipped else "",
                     candidate.iteration,
                     candidate.path,
                 )
-            return _LoadPlan(candidate.path, candidate.iteration, plan.finetune, plan.source)
-        if not index:
-            first_problem = problems[0] + (
-                f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
-            )
+            return _LoadPlan(candidate.path, candidate.iteration, plan.weights_only, plan.source)
     if plan.fallbacks:
         why = "and no older checkpoint's files verify either"
     elif plan.explicit:
@@ -388,21 +367,51 @@ def _read_common(path: str) -> dict[str, Any]:
     return common
 
 
+# The sizes a layout is described by, in this order.
+_LAYOUT_SIZES = (
+    ("TP", "tensor_model_parallel_size"),
+    ("PP", "pipeline_model_parallel_size"),
+    ("CP", "context_parallel_size"),
+    ("DP", "data_parallel_size"),
+    ("EP", "expert_model_parallel_size"),
+    ("ETP", "expert_tensor_parallel_size"),
+)
+
+
+def _layout_sizes(layout: dict[str, Any]) -> str:
+    """``"TP2 PP1 CP1 DP1 EP1 ETP1"``: the sizes ``layout`` records (a MIMO model's own
+    description added), or ``"no model parallelism"``."""
+    sizes = [f"{short}{layout[name]}" for short, name in _LAYOUT_SIZES if name in layout]
+    if "mimo_layout" in layout:
+        sizes.append(str(layout["mimo_layout"]))
+    return " ".join(sizes) or "no model parallelism"
+
+
 def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None) -> str:
-    sizes = " x ".join(
-        f"{short}{layout[name]}"
-        for short, name in (
-            ("TP", "tensor_model_parallel_size"),
-            ("PP", "pipeline_model_parallel_size"),
-            ("CP", "context_parallel_size"),
-            ("DP", "data_parallel_size"),
-        )
-        if name in layout
-    )
     details = [f"world {layout.get('world_size')}", f"{chunks} model chunk(s)"]
     if optimizer:
         details.append(f"{optimizer} optimizer")
-    return f"{sizes or 'no model parallelism'} ({', '.join(details)})"
+    return f"{_layout_sizes(layout)} ({', '.join(details)})"
+
+
+def _rng_layout_changed(saved: dict[str, Any], layout: dict[str, Any]) -> bool:
+    """Whether this rank's saved generator states were another layout's rank's.
+
+    megatron seeds per pipeline rank (the default generator), tensor rank
+    (``model-parallel-rng``) and expert-model and expert-tensor rank
+    (``expert-parallel-rng``, see ``model_parallel_cuda_manual_seed``), so a change of any
+    of those sizes, or of the world, CP or DP size, gives a global rank other coordinates
+    and its saved states would be wrong for it. The virtual-pipeline size is not compared:
+    no seed depends on the virtual stage, so under another VPP size every rank keeps its
+    coordinates and its saved streams are its own. Checkpoints saved before the expert
+    sizes were recorded are compared on the sizes they record.
+    """
+    expert = {"expert_model_parallel_size", "expert_tensor_parallel_size"}
+    return any(
+        saved.get(key) != layout.get(key)
+        for key in saved.keys() | layout.keys()
+        if key in saved or key not in expert
+    )
 
 
 def _check_reshardable(
@@ -431,9 +440,7 @@ def _check_reshardable(
     saved_layout = meta.get("parallel_layout") or {}
     saved_chunks = meta.get("model_chunks", 1)
     saved_fmt = meta.get("optimizer_format")
-    this_fmt = None
-    if optimizer is not None:
-        this_fmt = optimizer_format(optimizer)
+    this_fmt = None if optimizer is None else optimizer_format(optimizer)
 
     def refuse(reason: str, fix: str) -> CheckpointError:
         return CheckpointError(
@@ -444,7 +451,7 @@ def _check_reshardable(
     if optimizer is None or saved_fmt is None:
         return False
     saved_parts = meta.get("optimizer_parts")
-    this_parts = len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    this_parts = len(optimizer_parts(optimizer))
     other_parts = saved_parts is not None and saved_parts != this_parts
     if saved_fmt == "distributed:dp_reshardable":
         model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
@@ -483,16 +490,15 @@ def _sharded_tensors(tree: Any) -> list[Any]:
 
 
 def _check_against_checkpoint(
-    template: dict[str, Any], path: str, model_keys: list[str], strict: bool
+    template: dict[str, Any], saved: dict[str, Any], path: str, model_keys: list[str], strict: bool
 ) -> None:
     """Compare the template's tensors with the checkpoint's before loading anything.
 
-    Raises ``CheckpointError`` naming mismatched keys (global shapes differ) and, unless
-    ``strict`` is False for model tensors, keys the checkpoint lacks. Missing model tensors
-    are dropped from the template when not strict.
+    ``saved``: the checkpoint's ``load_tensors_metadata``. Raises ``CheckpointError`` naming
+    mismatched keys (global shapes differ) and, unless ``strict`` is False for model tensors,
+    keys the checkpoint lacks. Missing model tensors are dropped from the template when not
+    strict.
     """
-
-    saved = load_tensors_metadata(path)
     mismatched: dict[str, str] = {}
     model_tensors = [t for key in model_keys for t in _sharded_tensors(template[key])]
     optimizer_tensors = _sharded_tensors(
@@ -504,10 +510,8 @@ def _check_against_checkpoint(
             continue
         saved_shape, shape = tuple(found.global_shape), tuple(tensor.global_shape)
         # Embedding and output tables may differ in their padded vocabulary (axis 0) only.
-        compared = (
-            (saved_shape[1:], shape[1:]) if tensor.allow_shape_mismatch else (saved_shape, shape)
-        )
-        if compared[0] != compared[1]:
+        first = 1 if tensor.allow_shape_mismatch else 0
+        if saved_shape[first:] != shape[first:]:
             mismatched[tensor.key] = f"{tensor.key} (checkpoint {saved_shape}, model {shape})"
     if mismatched:
         listed = list(mismatched.values())
@@ -579,19 +583,16 @@ def _check_scheduler_settings(
     override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
     from_checkpoint = bool(getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
     if not override and not from_checkpoint:
-        differing = [
-            f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
-            for name in _SCHEDULER_SETTINGS
-            if name in saved
-            and hasattr(scheduler, name)
-            and getattr(scheduler, name) != saved[name]
-        ]
-        lengths = {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}
         changed = [
             name
             for name in _SCHEDULER_SETTINGS
             if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
         ]
+        differing = [
+            f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
+            for name in changed
+        ]
+        lengths = {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}
         if differing and set(changed) <= lengths:
             # Only the schedule's lengths differ: the run was extended (or shortened) with
             # train.train_iters. The checkpoint's schedule keeps the learning rate
@@ -620,13 +621,6 @@ def _check_scheduler_settings(
             )
 
 
-def _load_scheduler(scheduler: OptimizerParamScheduler, saved: dict[str, Any]) -> None:
-    """Restore megatron's OptimizerParamScheduler exactly (not on top of its current steps)."""
-    # megatron's load_state_dict advances by the saved step count from the current one.
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(saved)
-
-
 # Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
 _GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
@@ -640,6 +634,13 @@ def _saved_param_groups(inner: Any, saved_state: Any) -> list[dict[str, Any]] | 
     torch_state = saved_state.get("optimizer", saved_state)
     groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
     return groups if isinstance(groups, list) else None
+
+
+def _group_structure(group: dict[str, Any]) -> tuple[Any, ...]:
+    """The key megatron pairs parameter groups by, less the schedule bounds."""
+    return tuple(
+        group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+    )
 
 
 def _align_schedule_bounds(
@@ -659,7 +660,7 @@ def _align_schedule_bounds(
         bounds were replaced, so the caller can decide which bounds the run keeps (torch's
         load replaces the group dicts, hence indices).
     """
-    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    inners = optimizer_parts(optimizer)
     parts = (
         [saved_state]
         if len(inners) == 1
@@ -671,18 +672,11 @@ def _align_schedule_bounds(
         current_groups = inner.param_groups
         if saved_groups is None or len(saved_groups) != len(current_groups):
             continue
-
-        def structure(group: dict[str, Any]) -> tuple[Any, ...]:
-            return tuple(
-                group.get(key)
-                for key in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-            )
-
-        by_structure = {structure(g): g for g in saved_groups}
+        by_structure = {_group_structure(g): g for g in saved_groups}
         if len(by_structure) != len(saved_groups):
             continue  # ambiguous: leave megatron's own pairing (and its error) alone
         for index, current in enumerate(current_groups):
-            saved = by_structure.get(structure(current))
+            saved = by_structure.get(_group_structure(current))
             if saved is None:
                 break
             if all(saved.get(k) == current.get(k) for k in _GROUP_SCHEDULE_KEYS):
@@ -690,10 +684,8 @@ def _align_schedule_bounds(
             bounds = {k: saved[k] for k in _GROUP_SCHEDULE_KEYS if k in saved}
             replaced.append((inner, index, bounds))
             for key in _GROUP_SCHEDULE_KEYS:
-                if key in current:
-                    saved[key] = current[key]
-                else:
-                    saved.pop(key, None)
+                saved.pop(key, None)
+            saved.update({k: current[k] for k in _GROUP_SCHEDULE_KEYS if k in current})
     return replaced
 
 
@@ -749,9 +741,7 @@ def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Itera
     is and is refreshed from the loaded model weights.
     """
     patched = []
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if type(inner).__name__ != "DistributedOptimizer":
-            continue
+    for inner in distributed_parts(optimizer):
         original = inner._set_main_param_and_optimizer_states
 
         def keep_step(
@@ -760,16 +750,13 @@ def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Itera
             _inner: Any = inner,
             _original: Any = original,
         ) -> Any:
+            group_index, group_order = _inner.model_param_group_index_map[model_param]
+            main = _inner.optimizer.param_groups[group_index]["params"][group_order]
             if "param" not in tensors:  # not in the checkpoint: keep it (optimizer_conversion)
-                group_index, group_order = _inner.model_param_group_index_map[model_param]
-                main = _inner.optimizer.param_groups[group_index]["params"][group_order]
                 tensors = {**tensors, "param": main}
-            if "step" not in tensors:
-                group_index, group_order = _inner.model_param_group_index_map[model_param]
-                main = _inner.optimizer.param_groups[group_index]["params"][group_order]
-                step = _inner.optimizer.state.get(main, {}).get("step")
-                if isinstance(step, torch.Tensor):
-                    tensors = {**tensors, "step": step}
+            step = _inner.optimizer.state.get(main, {}).get("step")
+            if "step" not in tensors and isinstance(step, torch.Tensor):
+                tensors = {**tensors, "step": step}
             return _original(model_param, tensors)
 
         inner._set_main_param_and_optimizer_states = keep_step
@@ -792,9 +779,7 @@ def _restore_distributed_optimizer_steps(optimizer: MegatronOptimizer) -> None:
     parameter. Either way the bias correction after a resume would be wrong: each parameter
     gets its own tensor holding the loaded count.
     """
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if type(inner).__name__ != "DistributedOptimizer":
-            continue
+    for inner in distributed_parts(optimizer):
         torch_optimizer = inner.optimizer
         for group in torch_optimizer.param_groups:
             step = group.get("step")
@@ -830,17 +815,8 @@ def _load_main_params(
     live = [t.data for t in _sharded_tensors(template)]
     loaded = _dist_load(template, path, cfg)
     with torch.no_grad():
-        for target, value in zip(live, _leaves(loaded["bridge_main_params"]), strict=True):
+        for target, value in zip(live, nested_values(loaded["bridge_main_params"]), strict=True):
             target.copy_(value)
-
-
-def _leaves(tree: Any) -> list[Any]:
-    """Leaves of nested dicts, lists and tuples, in order."""
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for value in tree for leaf in _leaves(value)]
-    return [tree]
 
 
 def _read_checkpoint(
@@ -850,17 +826,17 @@ def _read_checkpoint(
     optimizer: MegatronOptimizer | None,
     strict: bool,
     model_config: ModelConfigProtocol | None,
-) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, bool, str, OptimizerConversion | None]:
+) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, str, OptimizerConversion | None]:
     """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
 
-    Returns ``(common, loaded, model keys, finetune, load_optim, rng, conversion)``: ``rng``
+    Returns ``(common, loaded, model keys, load_optim, rng, conversion)``: ``rng``
     is ``"restored"`` (the RNG state is read), ``"layout_changed"`` (not: the layout
     differs) or ``"kept"`` (not asked for); ``conversion`` is set when the optimizer state is
     of another format or number of parts.
     """
     common = _read_common(plan.path)
     meta = common[META_KEY]
-    finetune = plan.finetune
+    finetune = plan.weights_only
     load_optim = bool(checkpoint_config.load_optim) and not finetune and optimizer is not None
     load_rng = bool(checkpoint_config.load_rng) and not finetune
     if load_optim and not meta.get("optimizer"):
@@ -874,25 +850,14 @@ def _read_checkpoint(
             "checkpoint.load_rng=False to keep this run's seeds"
         )
     layout = parallel_layout(model)
-    rng_skipped_for_layout = False
     convert = _check_reshardable(
         plan.path, meta, layout, len(model), optimizer if load_optim else None
     )
-    if load_rng and meta.get("parallel_layout") != layout:
-        # The generators are per rank (megatron seeds and draws them per pipeline stage,
-        # tensor and expert rank, and each rank draws for its own micro-batches), so another
-        # layout has no counterpart to restore them into; the caller reseeds (see
-        # restore_checkpoint's checkpointing_context["rng_state"]).
-        if _dist.rank() == 0:
-            logger.warning(
-                "not restoring the RNG state of %s: it is per rank and was saved with "
-                "parallel layout %s, this run has %s",
-                plan.path,
-                meta.get("parallel_layout"),
-                layout,
-            )
-        load_rng = False
-        rng_skipped_for_layout = True
+    # The generators are per rank: another layout has no counterpart to restore them into;
+    # restore_checkpoint names both layouts and the caller reseeds (its
+    # checkpointing_context["rng_state"]).
+    layout_changed = load_rng and _rng_layout_changed(meta.get("parallel_layout") or {}, layout)
+    load_rng = load_rng and not layout_changed
 
     keys = model_state_keys(len(model))
     template = build_load_template(
@@ -903,21 +868,20 @@ def _read_checkpoint(
         sharding_type=_saved_sharding_type(meta),
     )
     conversion = None
+    saved = load_tensors_metadata(plan.path)
     if convert:
         # Another optimizer format or number of parts: this run's own template, its
         # tensors loaded by key under an entry of their own (the checkpoint's common
         # optimizer state has the other layout, which dist_checkpointing would merge in).
-        conversion = conversion_template(
-            template.pop("optimizer"), load_tensors_metadata(plan.path)
-        )
+        conversion = conversion_template(template.pop("optimizer"), saved)
         template[CONVERTED_OPTIMIZER_KEY] = conversion.to_load
-    _check_against_checkpoint(template, plan.path, keys, strict)
+    _check_against_checkpoint(template, saved, plan.path, keys, strict)
     if not finetune:  # shapes fit: the architecture must be the saved one too
         check_same_architecture(model_config, plan.path)
     loaded = _dist_load(template, plan.path, checkpoint_config)
 
-    rng = "restored" if load_rng else ("layout_changed" if rng_skipped_for_layout else "kept")
-    return common, loaded, keys, finetune, load_optim, rng, conversion
+    rng = "restored" if load_rng else ("layout_changed" if layout_changed else "kept")
+    return common, loaded, keys, load_optim, rng, conversion
 
 
 def load_checkpoint(
@@ -936,16 +900,8 @@ def load_checkpoint(
     place are ``state.train_state``.
 
     Args:
-        state: The run's ``GlobalState``.
-        model: See :func:`restore_checkpoint`.
-        optimizer: See :func:`restore_checkpoint`.
-        opt_param_scheduler: See :func:`restore_checkpoint`.
-        strict: See :func:`restore_checkpoint`.
-        checkpointing_context: See :func:`restore_checkpoint`.
-        skip_load_to_model_and_opt: See :func:`restore_checkpoint`.
-
-    Returns:
-        See :func:`restore_checkpoint`.
+        state: The run's ``GlobalState``; the other arguments, the return value and the
+            errors are :func:`restore_checkpoint`'s.
     """
     return restore_checkpoint(
         required_checkpoint_section(state.cfg.checkpoint),
@@ -996,7 +952,9 @@ def restore_checkpoint(
             (``load_rng`` off or ``finetune``: this run's own seeds) or
             ``"layout_changed"`` (the saved generator states are per rank and the layout
             differs: the caller reseeds, as ``pretrain`` does with
-            :func:`bridge.train.engine.initialize.seed_from_rng_config`).
+            :func:`bridge.train.engine.initialize.seed_from_rng_config`, and sets
+            ``checkpointing_context["reseeds_rng_from"]`` to ``rng.seed`` before the load
+            so that the warning naming both layouts says so).
         skip_load_to_model_and_opt: Read the checkpoint and restore scheduler, RNG and
             train state, but do not copy into the model and optimizer.
 
@@ -1017,9 +975,9 @@ def restore_checkpoint(
     cfg = checkpoint_config
     check_checkpoint_config(cfg)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
+    context = checkpointing_context if checkpointing_context is not None else {}
+    context["loaded_checkpoint"] = None
     plan: _LoadPlan | None = _dist.run_on_rank0(_plan_load, cfg)
-    if checkpointing_context is not None:
-        checkpointing_context["loaded_checkpoint"] = None if plan is None else plan.path
     if plan is None:
         if cfg.load and _dist.rank() == 0:
             logger.warning(
@@ -1051,11 +1009,24 @@ def restore_checkpoint(
             raise failure
     if _dist.rank() == 0:
         log_held_notices(held, logger)
-    if checkpointing_context is not None:
-        checkpointing_context["loaded_checkpoint"] = plan.path
-    common, loaded, keys, finetune, load_optim, rng, conversion = read
-    if checkpointing_context is not None:
-        checkpointing_context["rng_state"] = rng
+    common, loaded, keys, load_optim, rng, conversion = read
+    finetune = plan.weights_only
+    context.update(loaded_checkpoint=plan.path, rng_state=rng)
+    if rng == "layout_changed" and _dist.rank() == 0:
+        iteration = int(common["iteration"])
+        logger.warning(
+            "resuming iteration %d of %s under another parallel layout (%s -> %s): its RNG "
+            "states are per rank and not restored; %s",
+            iteration,
+            plan.path,
+            _layout_sizes(common[META_KEY].get("parallel_layout") or {}),
+            _layout_sizes(parallel_layout(model)),
+            "the generators keep this run's initial seeds"
+            if (seed := context.get(RESEEDS_RNG_KEY)) is None
+            else f"the generators are reseeded from rng.seed={seed} and iteration {iteration} "
+            f"(base seed {resume_seed(int(seed), iteration)}; dropout masks depend on the "
+            "layout)",
+        )
     saved_schedule = (
         common.get("opt_param_scheduler")
         if load_optim and opt_param_scheduler is not None
@@ -1067,19 +1038,16 @@ def restore_checkpoint(
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
-        if load_optim and conversion is not None and optimizer is not None:
+        if conversion is not None and optimizer is not None:
+            saved_optimizer = common.get("optimizer")
             converted = converted_optimizer_state(
-                optimizer,
-                conversion,
-                loaded[CONVERTED_OPTIMIZER_KEY],
-                common.get("optimizer"),
-                plan.path,
+                optimizer, conversion, loaded[CONVERTED_OPTIMIZER_KEY], saved_optimizer, plan.path
             )
             _load_optimizer(
                 optimizer,
                 converted,
                 opt_param_scheduler,
-                converted_from=(common.get("optimizer"), plan.path),
+                converted_from=(saved_optimizer, plan.path),
             )
             if conversion.main_params_from_model:
                 # Saved from an fp32 model: its (now loaded) weights are the main parameters.
@@ -1093,7 +1061,7 @@ def restore_checkpoint(
                     common[META_KEY].get("optimizer_format"),
                     f" ({saved_parts} part(s))" if saved_parts else "",
                     optimizer_format(optimizer),
-                    len(getattr(optimizer, "chained_optimizers", None) or [optimizer]),
+                    len(optimizer_parts(optimizer)),
                 )
         elif load_optim:
             _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
@@ -1102,8 +1070,11 @@ def restore_checkpoint(
                 _load_main_params(optimizer, model, plan.path, cfg)
             else:
                 optimizer.reload_model_params()
-    if saved_schedule is not None:
-        _load_scheduler(opt_param_scheduler, saved_schedule)
+    if saved_schedule is not None and opt_param_scheduler is not None:
+        # Exactly: megatron's load_state_dict advances by the saved step count from the
+        # current one.
+        opt_param_scheduler.num_steps = 0
+        opt_param_scheduler.load_state_dict(saved_schedule)
     if rng == "restored":
         restore_rng_state(loaded[RNG_STATE_KEY])
 

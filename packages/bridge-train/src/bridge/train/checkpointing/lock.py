@@ -32,17 +32,6 @@ LOCK_FILENAME = "checkpoint.lock"
 _HELD: dict[str, int] = {}
 
 
-def _forget_in_child() -> None:
-    """A forked child closes its copies (the parent keeps the lock)."""
-    for fd in _HELD.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 def hold_save_dir_lock(directory: str | os.PathLike[str], field: str = "checkpoint.save") -> None:
     """Take the exclusive lock of ``directory`` for this process (created if needed).
 
@@ -121,3 +110,7 @@ def release_save_dir_locks() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _HELD.clear()
+
+
+# A forked child closes its copies (the parent keeps the lock).
+os.register_at_fork(after_in_child=release_save_dir_locks)

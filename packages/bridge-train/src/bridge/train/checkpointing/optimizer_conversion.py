@@ -30,6 +30,7 @@ older ``dp_reshardable`` format is kept per data-parallel bucket and cannot be c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +43,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.state_dict import optimizer_parts
 
 __all__ = [
     "OptimizerConversion",
@@ -120,34 +122,33 @@ def conversion_template(optimizer_template: Any, saved_keys: Any) -> OptimizerCo
     return conversion
 
 
+def _values_under(tree: Any, name: str) -> Iterator[Any]:
+    """Every value stored under the key ``name`` in nested dicts, lists and tuples."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from [value] if key == name else _values_under(value, name)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _values_under(value, name)
+
+
+def _param_groups(tree: Any) -> list[dict[str, Any]]:
+    """Every parameter group a saved optimizer's common state holds (all parts)."""
+    return [
+        group
+        for groups in _values_under(tree, "param_groups")
+        if isinstance(groups, list)
+        for group in groups
+        if isinstance(group, dict)
+    ]
+
+
 def _steps(tree: Any) -> set[float]:
     """Every Adam step a saved optimizer's common state records (``common_step`` of the
     per-parameter optimizers, ``step`` of the distributed optimizer's parameter groups)."""
-    found: set[float] = set()
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            if key == "common_step" and value is not None:
-                found.add(float(value))
-            elif key == "param_groups" and isinstance(value, list):
-                found.update(float(g["step"]) for g in value if g.get("step") is not None)
-            else:
-                found |= _steps(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            found |= _steps(value)
-    return found
-
-
-def _grad_scaler(tree: Any) -> Any:
-    """The loss scaler's saved state (fp16), or None."""
-    if isinstance(tree, dict):
-        if isinstance(tree.get("grad_scaler"), dict):
-            return tree["grad_scaler"]
-        for value in tree.values():
-            found = _grad_scaler(value)
-            if found is not None:
-                return found
-    return None
+    return {float(v) for v in _values_under(tree, "common_step") if v is not None} | {
+        float(g["step"]) for g in _param_groups(tree) if g.get("step") is not None
+    }
 
 
 def converted_optimizer_state(
@@ -181,7 +182,10 @@ def converted_optimizer_state(
             "checkpoint.load_optim=False to load the model (and train state) alone"
         )
     step = steps.pop()
-    scaler = _grad_scaler(saved_common)
+    # The loss scaler's saved state (fp16), or None.
+    scaler = next(
+        (v for v in _values_under(saved_common, "grad_scaler") if isinstance(v, dict)), None
+    )
     # Walk the template in the order conversion_template numbered it, matching the tensors
     # loaded by identity; the others are main parameters refreshed from the model later.
     order = iter(sorted(conversion.to_load))
@@ -201,11 +205,10 @@ def converted_optimizer_state(
 
     state = conversion.template
     dict_list_map_inplace(fill, state)
-    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    inners = optimizer_parts(optimizer)
     parts = [state[i] for i in range(len(inners))] if len(inners) > 1 else [state]
     for inner, part in zip(inners, parts, strict=True):
-        kind = type(inner).__name__
-        if kind == "DistributedOptimizer":
+        if type(inner).__name__ == "DistributedOptimizer":
             for group in part["optimizer"]["param_groups"]:
                 group["step"] = step
             # Left out, megatron's loader keeps the main parameter as it is (a view of an
@@ -238,21 +241,6 @@ def converted_optimizer_state(
 _GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr")
 
 
-def _param_groups(tree: Any) -> list[dict[str, Any]]:
-    """Every parameter group a saved optimizer's common state holds (all parts)."""
-    if isinstance(tree, dict):
-        found: list[dict[str, Any]] = []
-        for key, value in tree.items():
-            if key == "param_groups" and isinstance(value, list):
-                found.extend(g for g in value if isinstance(g, dict))
-            else:
-                found.extend(_param_groups(value))
-        return found
-    if isinstance(tree, (list, tuple)):
-        return [g for value in tree for g in _param_groups(value)]
-    return []
-
-
 def checkpoint_group_bounds(
     optimizer: Any, saved_common: Any, bound_keys: tuple[str, ...], path: str
 ) -> list[tuple[Any, int, dict[str, Any]]]:
@@ -268,7 +256,7 @@ def checkpoint_group_bounds(
     """
     saved = _param_groups(saved_common)
     result = []
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    for inner in optimizer_parts(optimizer):
         for index, group in enumerate(inner.param_groups):
             identity = tuple(group.get(k) for k in _GROUP_IDENTITY)
             candidates = {

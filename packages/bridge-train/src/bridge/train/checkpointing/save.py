@@ -64,6 +64,7 @@ from bridge.train.checkpointing.integrity import (
     CHECKSUM_ALGORITHM,
     checksum_file,
     checksum_files,
+    recorded_files,
     verify_files,
 )
 from bridge.train.checkpointing.layout import (
@@ -271,13 +272,12 @@ def _config_without_runtime_hooks(config: RunConfigFile) -> RunConfigFile:
 
 def _is_damaged(path: Path) -> bool:
     """Whether a checkpoint directory about to be replaced fails its own checks (rank 0)."""
-    marker = read_marker(path)
-    if marker is None:
-        return True  # incomplete: a staging leftover renamed by hand, or a torn marker
-    files = marker.get("files")
-    if not isinstance(files, dict):
-        return False  # saved before checksums existed: nothing to check against
-    return bool(verify_files(path, files, collective=False))
+    try:
+        files = recorded_files(path, read_marker(path))
+    except ValueError:  # incomplete (a staging leftover renamed by hand, a torn marker)
+        return True
+    # None: saved before checksums existed, nothing to check against.
+    return files is not None and bool(verify_files(path, files, collective=False))
 
 
 def _damaged_path(path: Path) -> Path:

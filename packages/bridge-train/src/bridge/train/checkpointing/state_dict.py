@@ -35,8 +35,10 @@ __all__ = [
     "OPTIMIZER_SHARDING_METADATA",
     "build_load_template",
     "build_save_state_dict",
+    "distributed_parts",
     "model_state_keys",
     "optimizer_format",
+    "optimizer_parts",
     "optimizer_sharded_state_dict",
     "parallel_layout",
     "unwrapped_chunks",
@@ -53,7 +55,7 @@ def model_state_keys(num_chunks: int) -> list[str]:
 
 
 def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any]:
-    """World size and model-parallel sizes of the running job.
+    """World size and model-parallel sizes (expert sizes included) of the running job.
 
     A model chunk whose parallelism is not megatron's global parallel state (a MIMO model:
     one grid per module) describes itself through a ``checkpoint_parallel_layout()`` method
@@ -67,6 +69,8 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
             context_parallel_size=parallel_state.get_context_parallel_world_size(),
             data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
     for chunk in unwrapped_chunks(model or []):
         describe = getattr(chunk, "checkpoint_parallel_layout", None)
@@ -148,6 +152,16 @@ def optimizer_sharded_state_dict(
     return optimizer.sharded_state_dict(model_state, is_loading, metadata=metadata)
 
 
+def optimizer_parts(optimizer: MegatronOptimizer) -> list[Any]:
+    """A ``ChainedOptimizer``'s parts (dense and expert-parallel), else ``[optimizer]``."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
+def distributed_parts(optimizer: MegatronOptimizer) -> list[Any]:
+    """The parts of ``optimizer`` that are megatron's ``DistributedOptimizer``."""
+    return [p for p in optimizer_parts(optimizer) if type(p).__name__ == "DistributedOptimizer"]
+
+
 def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
     """Give a fresh megatron distributed optimizer the state tensors a load overwrites.
 
@@ -157,9 +171,7 @@ def allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
     no state at all. This allocates zero state (megatron's ``init_state_fn``) and step 0,
     the values a load then replaces; an optimizer that already has state is left alone.
     """
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if type(inner).__name__ != "DistributedOptimizer":
-            continue
+    for inner in distributed_parts(optimizer):
         torch_optimizer = inner.optimizer
         if len(torch_optimizer.state) > 0:
             continue
@@ -181,9 +193,7 @@ def optimizer_format(optimizer: MegatronOptimizer) -> str:
     engine say ``"portable"``: per-parameter state with megatron's keys, converted like any
     other format; see :mod:`~bridge.train.checkpointing.optimizer_conversion`.)
     """
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    names = {type(o).__name__ for o in inner}
-    if "DistributedOptimizer" in names:
+    if distributed_parts(optimizer):
         return f"distributed:{OPTIMIZER_SHARDING_METADATA['distrib_optim_sharding_type']}"
     return "megatron"
 
@@ -237,11 +247,7 @@ def build_save_state_dict(
         "optimizer": has_optimizer,
         "optimizer_format": optimizer_format(optimizer) if has_optimizer else None,
         # megatron's dense and expert-parallel optimizers (chained): how many were saved.
-        "optimizer_parts": (
-            len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-            if has_optimizer
-            else None
-        ),
+        "optimizer_parts": len(optimizer_parts(optimizer)) if has_optimizer else None,
         "opt_param_scheduler": opt_param_scheduler is not None,
         "rng": bool(save_rng),
     }

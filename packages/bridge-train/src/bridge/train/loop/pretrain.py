@@ -65,7 +65,6 @@ from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokeniz
 from bridge.train.engine.base import Engine, build_engine
 from bridge.train.engine.initialize import (
     destroy_distributed,
-    resume_seed,
     seed_from_rng_config,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
@@ -191,6 +190,7 @@ def _load_checkpoint(
         return False
     _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
     context = out.checkpointing_context
+    context["reseeds_rng_from"] = rng.seed  # as below; the load's warning says so
     if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
         iteration, flops = load_peft_checkpoints(
@@ -219,14 +219,6 @@ def _load_checkpoint(
         # iteration) rather than leave this layout's fresh-start state, whose dropout masks
         # a resume would otherwise replay from its first step on.
         seed_from_rng_config(rng, int(iteration))
-        if global_rank() == 0:
-            logger.warning(
-                "dropout continues with generators seeded from rng.seed=%s and iteration %d "
-                "(base seed %d): the run's masks depend on its parallel layout",
-                rng.seed,
-                int(iteration),
-                resume_seed(int(rng.seed), int(iteration)),
-            )
     return context.get("loaded_checkpoint") is not None
 
 
