@@ -317,9 +317,7 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             hook.remove()
         _modes()
         out["modes"] = {"forward": modes[:-1], "outside": modes[-1]}
-        hook = loaded.model[0].register_forward_pre_hook(
-            lambda *_: torch.zeros(1, device="cuda")
-        )
+        hook = loaded.model[0].register_forward_pre_hook(lambda *_: torch.zeros(1, device="cuda"))
         try:
             generator.generate(PROMPTS[:1], short)
         except Exception as exc:  # asserted by the test

@@ -51,9 +51,8 @@ def test_a_cuda_device_inside_fails_loudly_naming_the_block(
 
 
 def test_pin_memory_inside_fails_loudly(no_cuda: None) -> None:
-    with cuda_emulation(), without_device_rewriting():
-        with pytest.raises(RuntimeError):
-            torch.ones(1).pin_memory()
+    with cuda_emulation(), without_device_rewriting(), pytest.raises(RuntimeError):
+        torch.ones(1).pin_memory()
 
 
 def test_process_wide_patches_still_apply_and_type_names_are_the_real_ones(

@@ -308,8 +308,7 @@ def without_device_rewriting() -> Iterator[bool]:
         mode is None
         or getattr(_thread_state, "suspended", None) is not None
         or torch._C._len_torch_function_stack() == 0
-        or torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
-        is not mode
+        or torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is not mode
     ):
         yield False
         return

@@ -18,11 +18,17 @@ would use for them, lets megatron's method cache the rotated keys, and hands bac
 embedding, so ``Attention.forward`` rotates nothing again. RoPE is applied element-wise per
 position, so every cached key holds the values the old path recomputed at every step: the
 attention inputs, hence the logits, are the same bit for bit.
+
+megatron's unfused rotation takes ``cos``/``sin`` of its angles for each tensor it rotates,
+twice per layer and step, the same values every time; here the layers of a model share one
+computation per step and rotary table (:class:`_StepRotation`, megatron's expressions and
+formula, so again the same values bit for bit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -135,34 +141,44 @@ class _StepRotation:
         return t * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-def _step_rotation(
-    attention: Attention,
-    inference_context: Any,
-    rotary_pos_emb: Any,
-    start: int,
-    end: int,
-    dtype: torch.dtype,
-) -> _StepRotation:
-    """The :class:`_StepRotation` of this step for ``attention``'s rotary embedding: made by
-    the first layer that needs it, kept on the context until the step moves on (layers with
-    their own rotary embedding, like Gemma 3's local and global ones, get one each)."""
-    step = (start, end)
-    rotations = getattr(inference_context, "_bridge_step_rotations", None)
-    if rotations is None or rotations[0] != step:
-        rotations = (step, {})
-        inference_context._bridge_step_rotations = rotations
-    key = (
-        id(rotary_pos_emb[0]),
-        id(rotary_pos_emb[1]),
-        dtype,
-        attention._yarn_concentration_factor,
-        id(attention.config),
-    )
-    rotation = rotations[1].get(key)
-    if rotation is None:
-        rotation = _StepRotation(attention, inference_context, rotary_pos_emb, start, end, dtype)
-        rotations[1][key] = rotation
-    return rotation
+class _StepRotations:
+    """The :class:`_StepRotation` objects of the current forward step, shared by the attention
+    layers of one model: made by the first layer that needs one, dropped when the step (or
+    the inference context) moves on. Layers with a rotary table of their own (Gemma 3's
+    local and global ones) get one each."""
+
+    def __init__(self) -> None:
+        self.step: tuple[Any, int, int] | None = None
+        self.rotations: dict[tuple[int, int, torch.dtype, float, int], _StepRotation] = {}
+
+    def get(
+        self,
+        attention: Attention,
+        inference_context: Any,
+        rotary_pos_emb: Any,
+        start: int,
+        end: int,
+        dtype: torch.dtype,
+    ) -> _StepRotation:
+        step = self.step
+        if step is None or step[0] is not inference_context or step[1:] != (start, end):
+            self.step = (inference_context, start, end)
+            self.rotations = {}
+        # Object ids are safe keys: each rotation holds the objects it was made from.
+        key = (
+            id(rotary_pos_emb[0]),
+            id(rotary_pos_emb[1]),
+            dtype,
+            float(attention._yarn_concentration_factor),
+            id(attention.config),
+        )
+        rotation = self.rotations.get(key)
+        if rotation is None:
+            rotation = _StepRotation(
+                attention, inference_context, rotary_pos_emb, start, end, dtype
+            )
+            self.rotations[key] = rotation
+        return rotation
 
 
 def _adjust_rotated(
@@ -173,6 +189,7 @@ def _adjust_rotated(
     value: torch.Tensor,
     rotary_pos_emb: Any,
     *args: Any,
+    rotations: _StepRotations,
     inference_params: Any = None,
     **kwargs: Any,
 ) -> Any:
@@ -186,7 +203,7 @@ def _adjust_rotated(
     ):
         start = inference_context.sequence_len_offset
         end = start + key.size(0)
-        rotate = _step_rotation(self, inference_context, rotary_pos_emb, start, end, query.dtype)
+        rotate = rotations.get(self, inference_context, rotary_pos_emb, start, end, query.dtype)
         query = rotate(query, 0)
         key = rotate(key, 1)
         rotary_pos_emb = None
@@ -228,10 +245,11 @@ def rotate_keys_before_caching(model: torch.nn.Module) -> Iterator[int]:
         attention or no attention layer at all).
     """
     switched = [module for module in model.modules() if _eligible(module)]
+    adjust = functools.partial(_adjust_rotated, rotations=_StepRotations())
     for module in switched:
         # An instance attribute shadows the class's method for this module only.
         object.__setattr__(
-            module, "_adjust_key_value_for_inference", types.MethodType(_adjust_rotated, module)
+            module, "_adjust_key_value_for_inference", types.MethodType(adjust, module)
         )
     try:
         yield len(switched)
