@@ -79,7 +79,9 @@ Scope
     installs the process-wide patches, the matching exit restores every original attribute;
     the device-rewriting mode is pushed once per thread. Active only when
     ``torch.cuda.is_available()`` is ``False`` at the outermost entry; with a GPU the scope
-    does nothing.
+    does nothing. :func:`without_device_rewriting` suspends the mode for a block that names
+    no CUDA device (its cost: every torch call of the thread dispatches into it); a CUDA
+    device named inside such a block fails loudly.
 """
 
 from __future__ import annotations
