@@ -55,6 +55,7 @@ import bridge.mimo as mimo
 from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
 from bridge.logging import setup_logging
 from bridge.resiliency import RunResiliency
+from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.engine.initialize import init_launch_process_group, resolve_distributed_backend
 from bridge.train.engine.launch_env import adopt_launch_environment
@@ -96,6 +97,7 @@ def _init_process_group(dist_config: DistributedInitConfig) -> bool:
     return True
 
 
+@one_lookup_per_launch()  # the checks and the load resume the same checkpoint
 def pretrain_mimo(
     cfg: ConfigContainer,
     *,
