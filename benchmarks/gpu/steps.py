@@ -266,6 +266,8 @@ class _BareRun:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
+        from bridge.train.engine.megatron import use_sync_free_grad_norm
+
         self.exit_stack = contextlib.ExitStack()
         if not torch.cuda.is_available():
             # megatron-core's DDP and optimizers assume CUDA; on CPU they run under the
@@ -310,6 +312,9 @@ class _BareRun:
         provider.no_sync_func = self.model.no_sync
         provider.finalize_model_grads_func = finalize_model_grads
         opt = cfg.optimizer
+        # The grad norm the trainer's engine installs (no host sync per parameter), so the
+        # step-time ratio compares the framework, not two norm implementations.
+        use_sync_free_grad_norm()
         self.optimizer = get_megatron_optimizer(opt, [self.model])
         self.global_batch = cfg.train.global_batch_size
         sched = cfg.scheduler

@@ -500,12 +500,12 @@ def test_grad_norm_keeps_the_per_parameter_norms_on_the_device() -> None:
     from megatron.core import utils as megatron_utils
     from megatron.core.optimizer import clip_grads
 
-    from bridge.train.engine.megatron import _use_sync_free_grad_norm
+    from bridge.train.engine.megatron import use_sync_free_grad_norm
     from core_utils import local_multi_tensor_l2_norm
 
     original = clip_grads.l2_norm_impl
     try:
-        _use_sync_free_grad_norm()
+        use_sync_free_grad_norm()
         if original is megatron_utils.local_multi_tensor_l2_norm:
             assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
         else:  # Transformer Engine's or Apex's kernel is installed and kept.

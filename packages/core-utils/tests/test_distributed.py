@@ -142,10 +142,11 @@ def _logging_and_cp(rank: int, out: dict[str, Any]) -> None:
 
 
 def _on_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    from core_utils.distributed import global_rank, global_world_size
+    from core_utils.distributed import broadcast_from_rank0, global_rank, global_world_size
 
     # The process group, not the launcher's environment, answers once it exists.
     out: dict[str, Any] = {"global": (global_rank(), global_world_size())}
+    out["broadcast"] = broadcast_from_rank0({"from": rank, "prompts": ["a", None]})
     out["global_launcher"] = (
         global_rank(launcher_fallback=True),
         global_world_size(launcher_fallback=True),
@@ -165,6 +166,7 @@ def test_distributed_helpers_on_two_gloo_ranks() -> None:
     for rank, out in enumerate(results):
         assert out["global"] == out["global_launcher"] == (rank, 2)
         assert out["pg"] == (2, rank, 0, 1, 0)
+        assert out["broadcast"] == {"from": 0, "prompts": ["a", None]}
         # Identical replicas match; a drifted replica is detected.
         assert out["same"] is True and out["same_cross"] is True
         assert out["diverged_cross"] is False
@@ -183,3 +185,10 @@ def test_distributed_helpers_on_two_gloo_ranks() -> None:
     assert results[1]["logged"] == ["only rank 1", "stage head"]
     # cp=2 over 8 tokens: rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2.
     assert results[0]["cp"] == [[0, 1, 6, 7]] and results[1]["cp"] == [[2, 3, 4, 5]]
+
+
+def test_broadcast_from_rank0_without_a_process_group_returns_the_value() -> None:
+    from core_utils.distributed import broadcast_from_rank0
+
+    value = {"prompts": ["a"]}
+    assert broadcast_from_rank0(value) is value

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_into",
+    "broadcast_from_rank0",
     "collective_device",
     "dist_ready",
     "global_rank",
@@ -23,6 +24,19 @@ __all__ = [
 def dist_ready() -> bool:
     """Return whether a default process group exists."""
     return dist.is_available() and dist.is_initialized()
+
+
+def broadcast_from_rank0[T](value: T) -> T:
+    """Rank 0's ``value`` (any picklable object) on every rank of the default group.
+
+    Without a process group, or in a group of one, ``value`` is returned as it is. A
+    collective: every rank of the group must call it.
+    """
+    if not dist_ready() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _launcher_value(variable: str, default: int) -> int:

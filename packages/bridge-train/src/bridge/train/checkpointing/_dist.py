@@ -10,6 +10,7 @@ from bridge.train.checkpointing.errors import CheckpointError
 
 # The checkpoint code's names for core_utils' helpers: the process group's view only (a
 # checkpoint records the layout it was saved under, never a launcher's guess).
+from core_utils.distributed import broadcast_from_rank0
 from core_utils.distributed import dist_ready as ready
 from core_utils.distributed import global_rank as rank
 from core_utils.distributed import global_world_size as world_size
@@ -37,10 +38,7 @@ def run_on_rank0(fn: Any, *args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
         except Exception as exc:
             error = exc
-    shared = [(error is None, result if error is None else str(error))]
-    if ready() and world_size() > 1:
-        dist.broadcast_object_list(shared, src=0)
-    ok, payload = shared[0]
+    ok, payload = broadcast_from_rank0((error is None, result if error is None else str(error)))
     if ok:
         return payload
     if error is not None:

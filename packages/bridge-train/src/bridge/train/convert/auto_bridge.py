@@ -57,6 +57,7 @@ from bridge.train.models.families import (
     torch_dtype_of,
 )
 from bridge.train.models.families.mapping import HFTensorStacks
+from core_utils.distributed import broadcast_from_rank0
 from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = ["AutoBridge"]
@@ -240,7 +241,7 @@ class AutoBridge:
                 refuse_nonempty(out, "save into a new directory")
             except ConversionError as exc:
                 problem = str(exc)
-        problem = _broadcast(problem)
+        problem = broadcast_from_rank0(problem)
         if problem:
             raise ConversionError(problem)
         staging = out.with_name(out.name + ".exporting")  # rank 0 makes it, and renames it
@@ -285,12 +286,3 @@ class AutoBridge:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _broadcast(message: str) -> str:
-    """Rank 0's ``message`` on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return message
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])

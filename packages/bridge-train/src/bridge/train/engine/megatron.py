@@ -59,7 +59,7 @@ if TYPE_CHECKING:
         TrainingConfig,
     )
 
-__all__ = ["MegatronEngine", "skip_non_finite_updates"]
+__all__ = ["MegatronEngine", "skip_non_finite_updates", "use_sync_free_grad_norm"]
 
 
 class MegatronEngine:
@@ -177,7 +177,7 @@ class MegatronEngine:
         finite, as it does for an fp16 loss-scale overflow: see :func:`skip_non_finite_updates`.
         """
 
-        _use_sync_free_grad_norm()
+        use_sync_free_grad_norm()
         optimizer = get_megatron_optimizer(
             optimizer_config, model, use_gloo_process_groups=_gloo_groups_exist()
         )
@@ -267,7 +267,7 @@ def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:
     optimizer.step_with_ready_grads = guarded_step_with_ready_grads
 
 
-def _use_sync_free_grad_norm() -> None:
+def use_sync_free_grad_norm() -> None:
     """Give megatron's grad clipping core-utils' L2 norm where it would use its own fallback.
 
     Without Transformer Engine or Apex, megatron-core 0.19.2 computes the gradient norm with

@@ -145,6 +145,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
 def _given_prompts(args: argparse.Namespace, stdin: TextIO) -> list[Any] | None:
     """The prompts of the command line, the file and piped stdin; ``None``: interactive."""
     from bridge.train.generate.prompts import PromptSpec, parse_prompt_lines, read_prompts_file
+    from core_utils.distributed import broadcast_from_rank0
 
     prompts = [PromptSpec(text) for text in args.prompt]
     if args.prompts_file is not None:
@@ -155,18 +156,7 @@ def _given_prompts(args: argparse.Namespace, stdin: TextIO) -> list[Any] | None:
     piped = None
     if _rank() == 0 and not stdin.isatty():
         piped = parse_prompt_lines(stdin.read().splitlines(), "<stdin>", jsonl=False)
-    return _shared(piped)
-
-
-def _shared(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (as it is, in one process)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_from_rank0(piped)
 
 
 class _Printer:
@@ -243,6 +233,7 @@ def _interactive(
 ) -> None:
     from bridge.train.generate.errors import GenerationError
     from bridge.train.generate.prompts import PromptSpec, render_prompts
+    from core_utils.distributed import broadcast_from_rank0
 
     if printer.out is not None:
         print(f"{_PROG}: enter a prompt per line; Ctrl-D ends", file=sys.stderr, flush=True)
@@ -253,7 +244,7 @@ def _interactive(
                 line = input("> ")
             except EOFError:
                 line = None
-        line = _shared(line)
+        line = broadcast_from_rank0(line)
         if line is None:
             return
         if not line.strip():
