@@ -1,8 +1,10 @@
 """MIMO checkpoints through the ``mimo`` recipe: exact resume under two heterogeneous
-layouts, a layout change, SIGTERM save-and-exit, damaged and absent checkpoints.
+layouts, layout changes (the generators reseeded), SIGTERM save-and-exit, damaged and absent
+checkpoints.
 
 Every check runs the real recipe (``pretrain_mimo``) several times inside one process group
-launch, and compares per-iteration losses from the metrics file.
+launch, and compares per-iteration losses from the metrics file and, where the RNG state
+matters, what a callback draws from every generator before each step.
 """
 
 from __future__ import annotations
@@ -240,7 +242,8 @@ def _four_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     saved = _iterations(ckpt)
     assert _run(tmp, "resumed", f"checkpoint.save={ckpt}") == 0
     # Another MIMO layout: language TP 2 -> DP 2 (megatron reshards the TP shards, and the
-    # per-parameter optimizer state with them).
+    # per-parameter optimizer state with them); the generators are reseeded.
+    relaid = _Draws()
     assert (
         _run(
             tmp,
@@ -248,9 +251,12 @@ def _four_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
             f"checkpoint.load={ckpt}",
             "checkpoint.ckpt_step=3",
             "model.language_parallel=dp",
+            callbacks=(relaid,),
         )
         == 0
     )
+    seed_process_generators(resume_seed(1234, 3))
+    assert relaid.draws == {i: _draw() for i in (4, 5, 6)}
     return {"saved": saved}
 
 
