@@ -22,11 +22,11 @@ from bridge.train.checkpointing import (
     checkpoint_exists,
     find_latest_checkpoint,
     init_checkpointing_context,
+    layout,
     load_checkpoint,
     read_tracker,
     save_checkpoint,
 )
-from bridge.train.checkpointing import layout
 from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
     TRACKER_FILENAME,

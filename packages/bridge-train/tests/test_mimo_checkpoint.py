@@ -75,6 +75,17 @@ def _draw() -> tuple[float, ...]:
     return (*torch.rand(2).tolist(), random.random(), float(np.random.rand()))
 
 
+def _resume_three_relaid(tmp: Path, ckpt: Path, *layout: str) -> dict[int, tuple[float, ...]]:
+    """Run "relaid": checkpoint 3 of ``ckpt`` continued under another ``layout``. Every rank's
+    generators draw what ones seeded from rng.seed and iteration 3 draw; returns the draws."""
+    relaid = _Draws()
+    steps = ("checkpoint.ckpt_step=3", *layout)
+    assert _run(tmp, "relaid", f"checkpoint.load={ckpt}", *steps, callbacks=(relaid,)) == 0
+    seed_process_generators(resume_seed(1234, 3))
+    assert relaid.draws == {i: _draw() for i in (4, 5, 6)}
+    return relaid.draws
+
+
 def _losses(tmp: Path, metrics: str) -> dict[int, float]:
     lines = (tmp / f"{metrics}.jsonl").read_text().splitlines()
     return {int(r["step"]): float(r["lm loss"]) for r in map(json.loads, lines)}
@@ -136,25 +147,13 @@ def _two_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     assert resumed.draws == {i: straight.draws[i] for i in (4, 5, 6)}
     # Another layout (both modules on both ranks): the saved states are other ranks', so
     # every generator is reseeded from rng.seed and iteration 3, on every rank alike.
-    relaid, warnings = _Draws(), BufferingHandler(100)
+    warnings = BufferingHandler(100)
     logging.getLogger("bridge.train.checkpointing.load").addHandler(warnings)
     try:
-        assert (
-            _run(
-                tmp,
-                "relaid",
-                f"checkpoint.load={ckpt}",
-                "checkpoint.ckpt_step=3",
-                "model.layout=colocated",
-                callbacks=(relaid,),
-            )
-            == 0
-        )
+        relaid = _resume_three_relaid(tmp, ckpt, "model.layout=colocated")
     finally:
         logging.getLogger("bridge.train.checkpointing.load").removeHandler(warnings)
-    seed_process_generators(resume_seed(1234, 3))
-    assert relaid.draws == {i: _draw() for i in (4, 5, 6)}
-    assert relaid.draws[4] not in (straight.draws[4], straight.draws[1])
+    assert relaid[4] not in (straight.draws[4], straight.draws[1])
     out["relaid_warnings"] = [
         r.getMessage() for r in warnings.buffer if "another parallel layout" in r.getMessage()
     ]
@@ -243,20 +242,7 @@ def _four_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     assert _run(tmp, "resumed", f"checkpoint.save={ckpt}") == 0
     # Another MIMO layout: language TP 2 -> DP 2 (megatron reshards the TP shards, and the
     # per-parameter optimizer state with them); the generators are reseeded.
-    relaid = _Draws()
-    assert (
-        _run(
-            tmp,
-            "relaid",
-            f"checkpoint.load={ckpt}",
-            "checkpoint.ckpt_step=3",
-            "model.language_parallel=dp",
-            callbacks=(relaid,),
-        )
-        == 0
-    )
-    seed_process_generators(resume_seed(1234, 3))
-    assert relaid.draws == {i: _draw() for i in (4, 5, 6)}
+    _resume_three_relaid(tmp, ckpt, "model.language_parallel=dp")
     return {"saved": saved}
 
 

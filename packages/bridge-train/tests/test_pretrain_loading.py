@@ -73,7 +73,7 @@ def _launch_command(rank: int, world: int, metrics: str, save: str) -> tuple[lis
         lookups[0] += 1
         return look(base, step)
 
-    layout._find_latest = spy  # type: ignore[assignment]
+    layout._find_latest = spy
     config = Path(metrics).with_suffix(".yaml")
     tiny_config_container(
         train=tiny_train_config(train_iters=4),
