@@ -47,6 +47,7 @@ import torch.distributed as dist
 # A sibling script (benchmarks/ is on sys.path when this file runs), not an installed module.
 from framework_overhead import (  # type: ignore[import-not-found]
     GLOBAL_BATCH,
+    LOSS_AGREEMENT,
     MICRO_BATCH,
     MODEL,
     _StepClock,
@@ -110,6 +111,7 @@ def run_megatron_loop(steps: int, warmup: int, threads: int) -> tuple[float, flo
     from bridge.train.engine import build_engine
     from bridge.train.engine.initialize import destroy_distributed
     from bridge.train.loop.bare_loop import train_steps
+    from bridge.train.models.layout_init import layout_independent_seed
 
     torch.set_num_threads(threads)
     train = tiny_train_config(
@@ -119,7 +121,10 @@ def run_megatron_loop(steps: int, warmup: int, threads: int) -> tuple[float, flo
     engine = build_engine()
     engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
     try:
-        model = engine.setup_model(provider)
+        # The trainer's default initial weights (rng.layout_independent_init), as the bare
+        # loop draws them too: all three sides train the same model.
+        seed = layout_independent_seed(tiny_rng_config(), provider)
+        model = engine.setup_model(provider, layout_independent_seed=seed)
         optimizer, scheduler = engine.setup_optimizer(
             model, tiny_optimizer_config(), tiny_scheduler_config(), train
         )
@@ -202,6 +207,11 @@ def _report(title: str, results: dict[str, list[tuple[float, float]]], losses: A
         if side != "megatron-loop" and side_losses:
             diff = max(abs(a - b) for a, b in zip(reference, side_losses, strict=True))
             print(f"  max |loss difference| {side} vs megatron-loop: {diff:.3g}")
+            if diff > LOSS_AGREEMENT:  # then the ratios above compare different trainings
+                raise SystemExit(
+                    f"engine_overhead: {side} and megatron-loop trained differently (loss "
+                    f"difference {diff:.3g} > {LOSS_AGREEMENT}); the ratios compare nothing"
+                )
 
 
 def main() -> None:
