@@ -22,6 +22,7 @@ from bridge.train.checkpointing import (
     checkpoint_exists,
     find_latest_checkpoint,
     init_checkpointing_context,
+    layout,
     load_checkpoint,
     read_tracker,
     save_checkpoint,
@@ -123,6 +124,60 @@ def test_ckpt_step_and_checkpoint_directories(tmp_path: Path) -> None:
     assert checkpoint_exists(tmp_path / "iter_0000010")
     assert not checkpoint_exists(tmp_path / "missing")
     assert not checkpoint_exists(None)
+
+
+def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every directory the tracker lookup itself (not an answer handed on) reads."""
+    looked: list[Path] = []
+    look = layout._find_latest
+
+    def spy(base: Path, step: int | None) -> Any:
+        looked.append(base)
+        return look(base, step)
+
+    monkeypatch.setattr(layout, "_find_latest", spy)
+    return looked
+
+
+def test_one_lookup_per_launch_and_a_commit_is_never_hidden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    looked = _count_lookups(monkeypatch)
+    _complete(tmp_path, 10)
+    (tmp_path / "iter_0000020").mkdir()  # the tracker's iteration has no marker: fallback
+    write_tracker(tmp_path, 20)
+    with caplog.at_level(logging.ERROR), layout.one_lookup_per_launch():
+        answers = [find_latest_checkpoint(tmp_path) for _ in range(3)]
+        with layout.one_lookup_per_launch():  # pretrain inside bridge-train's launch
+            answers.append(find_latest_checkpoint(str(tmp_path)))
+        assert {a.iteration for a in answers if a is not None} == {10}
+        assert len(looked) == 1
+        assert caplog.text.count("names iteration 20") == 1  # the fallback said once
+        # A commit in between (here by this process) is seen at once...
+        _complete(tmp_path, 30)
+        write_tracker(tmp_path, 30)
+        latest = find_latest_checkpoint(tmp_path)
+        assert latest is not None and latest.iteration == 30 and len(looked) == 2
+        # ...and so is one by another process (the tracker replaced, nothing forgotten here).
+        _complete(tmp_path, 40)
+        layout.atomic_write(tmp_path / TRACKER_FILENAME, "40\n")
+        latest = find_latest_checkpoint(tmp_path)
+        assert latest is not None and latest.iteration == 40 and len(looked) == 3
+        # An error is an answer too: raised again to every asker, looked up once.
+        with pytest.raises(CheckpointError, match="ckpt_step=15"):
+            find_latest_checkpoint(tmp_path, step=15)
+        with pytest.raises(CheckpointError, match="ckpt_step=15"):
+            find_latest_checkpoint(tmp_path, step=15)
+        assert len(looked) == 4
+    # Outside a launch every call looks again; the next launch reports its fallback again.
+    (tmp_path / "iter_0000040" / MARKER_FILENAME).unlink()
+    assert find_latest_checkpoint(tmp_path) is not None
+    assert find_latest_checkpoint(tmp_path) is not None
+    assert len(looked) == 6
+    caplog.clear()
+    with caplog.at_level(logging.ERROR), layout.one_lookup_per_launch():
+        find_latest_checkpoint(tmp_path)
+    assert caplog.text.count("names iteration 40") == 1
 
 
 # ---------------------------------------------------------------------------- save directory

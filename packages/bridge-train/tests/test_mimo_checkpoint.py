@@ -1,15 +1,19 @@
 """MIMO checkpoints through the ``mimo`` recipe: exact resume under two heterogeneous
-layouts, a layout change, SIGTERM save-and-exit, damaged and absent checkpoints.
+layouts, layout changes (the generators reseeded), SIGTERM save-and-exit, damaged and absent
+checkpoints.
 
 Every check runs the real recipe (``pretrain_mimo``) several times inside one process group
-launch, and compares per-iteration losses from the metrics file.
+launch, and compares per-iteration losses from the metrics file and, where the RNG state
+matters, what a callback draws from every generator before each step.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+from logging.handlers import BufferingHandler
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ import pytest
 
 from bridge.config import load_config
 from bridge.train.checkpointing import CheckpointError, read_tracker
+from bridge.train.engine.initialize import resume_seed, seed_process_generators
 from bridge.train.loop.pretrain_mimo import pretrain_mimo
 from bridge.train.recipes import recipe_path
 from core_utils.callbacks import Callback
@@ -48,6 +53,37 @@ class _Events(Callback):
 
     def on_save(self, context: Any) -> None:
         self.events.append(("save", context.iteration))
+
+
+class _Draws(Callback):
+    """Draws from every generator a checkpoint's RNG state holds before each step, as
+    dropout would (the tiny VLM has none), keyed by the iteration about to run."""
+
+    def __init__(self) -> None:
+        self.draws: dict[int, tuple[float, ...]] = {}
+
+    def on_step_start(self, context: Any) -> None:
+        self.draws[context.iteration + 1] = _draw()
+
+
+def _draw() -> tuple[float, ...]:
+    import random
+
+    import numpy as np
+    import torch
+
+    return (*torch.rand(2).tolist(), random.random(), float(np.random.rand()))
+
+
+def _resume_three_relaid(tmp: Path, ckpt: Path, *layout: str) -> dict[int, tuple[float, ...]]:
+    """Run "relaid": checkpoint 3 of ``ckpt`` continued under another ``layout``. Every rank's
+    generators draw what ones seeded from rng.seed and iteration 3 draw; returns the draws."""
+    relaid = _Draws()
+    steps = ("checkpoint.ckpt_step=3", *layout)
+    assert _run(tmp, "relaid", f"checkpoint.load={ckpt}", *steps, callbacks=(relaid,)) == 0
+    seed_process_generators(resume_seed(1234, 3))
+    assert relaid.draws == {i: _draw() for i in (4, 5, 6)}
+    return relaid.draws
 
 
 def _losses(tmp: Path, metrics: str) -> dict[int, float]:
@@ -84,7 +120,8 @@ def _two_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 
     ckpt = tmp / "ckpt"
     out: dict[str, Any] = {}
-    assert _run(tmp, "straight") == 0
+    straight = _Draws()
+    assert _run(tmp, "straight", callbacks=(straight,)) == 0
     # SIGTERM reaches rank 1 during iteration 3: every rank saves iteration 3, then exits
     # with the code GPT uses (0: ended on purpose, resumable). Iteration 2 is the interval's.
     original = _sigterm_at_step(1, 3)
@@ -96,15 +133,30 @@ def _two_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
             f"checkpoint.save={ckpt}",
             "checkpoint.save_interval=2",
             "train.exit_signal_handler=true",
-            callbacks=(events,),
+            callbacks=(events, _Draws()),
         )
     finally:
         mimo.MimoTrainStep.__call__ = original  # type: ignore[method-assign]
     out["events"] = events.events
     out["after_signal"] = _iterations(ckpt)
     # Resumes the save directory's newest checkpoint (3), and its data position.
-    assert _run(tmp, "resumed", f"checkpoint.save={ckpt}") == 0
+    resumed = _Draws()
+    assert _run(tmp, "resumed", f"checkpoint.save={ckpt}", callbacks=(resumed,)) == 0
     out["after_resume"] = _iterations(ckpt)
+    # The same layout: every generator continues where the uninterrupted run's stood.
+    assert resumed.draws == {i: straight.draws[i] for i in (4, 5, 6)}
+    # Another layout (both modules on both ranks): the saved states are other ranks', so
+    # every generator is reseeded from rng.seed and iteration 3, on every rank alike.
+    warnings = BufferingHandler(100)
+    logging.getLogger("bridge.train.checkpointing.load").addHandler(warnings)
+    try:
+        relaid = _resume_three_relaid(tmp, ckpt, "model.layout=colocated")
+    finally:
+        logging.getLogger("bridge.train.checkpointing.load").removeHandler(warnings)
+    assert relaid[4] not in (straight.draws[4], straight.draws[1])
+    out["relaid_warnings"] = [
+        r.getMessage() for r in warnings.buffer if "another parallel layout" in r.getMessage()
+    ]
     # A damaged newest checkpoint: the newest older one that verifies is loaded instead.
     if rank == 0:
         shard = sorted((ckpt / "iter_0000006").glob("*.distcp"))[0]
@@ -133,7 +185,7 @@ def _two_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 def test_two_rank_resume_signal_and_damage(tmp_path: Path) -> None:
     results = run_distributed(_two_rank_checks, 2, tmp_path, timeout=360)
     out = results[0]
-    assert results[1] == out
+    assert {**results[1], "relaid_warnings": []} == {**out, "relaid_warnings": []}
     straight = _losses(tmp_path, "straight")
     assert sorted(straight) == [1, 2, 3, 4, 5, 6]
     # SIGTERM: exit code 0, the interval's checkpoint and exactly one for the signal.
@@ -155,6 +207,20 @@ def test_two_rank_resume_signal_and_damage(tmp_path: Path) -> None:
     assert "iter_0000006.damaged" in out["after_damage"]
     assert "does not exist and checkpoint.exit_on_missing_checkpoint=True" in out["absent"]
     assert str(tmp_path / "typo") in out["absent"]
+    # The layout change: one warning (rank 0) naming both layouts and the reseed; the model
+    # and optimizer resharded (no dropout: the losses continue within fp32 rounding).
+    (warning,) = results[0]["relaid_warnings"]
+    assert results[1]["relaid_warnings"] == []
+    assert (
+        "(vision rank 0 TP1 DP1, language rank 1 TP1 DP1 -> language ranks 0-1 TP1 DP2, "
+        "vision ranks 0-1 TP1 DP2)" in warning
+    )
+    assert "reseeded from rng.seed=1234 and iteration 3" in warning
+    assert f"base seed {resume_seed(1234, 3)}" in warning
+    relaid = _losses(tmp_path, "relaid")
+    assert sorted(relaid) == [4, 5, 6]
+    for iteration, loss in relaid.items():
+        assert loss == pytest.approx(straight[iteration], rel=1e-5, abs=1e-6)
 
 
 def _four_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
@@ -175,17 +241,8 @@ def _four_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     saved = _iterations(ckpt)
     assert _run(tmp, "resumed", f"checkpoint.save={ckpt}") == 0
     # Another MIMO layout: language TP 2 -> DP 2 (megatron reshards the TP shards, and the
-    # per-parameter optimizer state with them).
-    assert (
-        _run(
-            tmp,
-            "relaid",
-            f"checkpoint.load={ckpt}",
-            "checkpoint.ckpt_step=3",
-            "model.language_parallel=dp",
-        )
-        == 0
-    )
+    # per-parameter optimizer state with them); the generators are reseeded.
+    _resume_three_relaid(tmp, ckpt, "model.language_parallel=dp")
     return {"saved": saved}
 
 

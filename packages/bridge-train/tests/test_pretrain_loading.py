@@ -56,6 +56,33 @@ def _launch(rank: int, world: int, metrics: str, kill_at: Any, sections: dict) -
     return handler.messages
 
 
+def _launch_command(rank: int, world: int, metrics: str, save: str) -> tuple[list[str], int]:
+    """``bridge-train`` resuming ``save`` for 4 iterations; returns what the checkpoint
+    code logged and how often the tracker lookup itself ran."""
+    from bridge.train.checkpointing import layout
+    from bridge.train.cli import run
+
+    handler = _LoadMessages()
+    checkpoint_logger = logging.getLogger("bridge.train.checkpointing")
+    checkpoint_logger.addHandler(handler)
+    checkpoint_logger.setLevel(logging.INFO)
+    lookups = [0]
+    look = layout._find_latest
+
+    def spy(base: Path, step: int | None) -> Any:
+        lookups[0] += 1
+        return look(base, step)
+
+    layout._find_latest = spy
+    config = Path(metrics).with_suffix(".yaml")
+    tiny_config_container(
+        train=tiny_train_config(train_iters=4),
+        checkpoint=CheckpointConfig(save=save, save_interval=2),
+    ).to_yaml(config)
+    assert run(["--config", str(config), "--metrics-file", metrics, "--no-print-config"]) == 0
+    return handler.messages, lookups[0]
+
+
 def _run(tmp_path: Path, name: str, kill_at: Any = None, **sections: Any) -> list[str]:
     metrics = str(tmp_path / f"{name}.jsonl")
     (messages,) = run_distributed(_launch, 1, metrics, kill_at, sections, timeout=150)
@@ -110,6 +137,19 @@ def test_pretrained_ckpt_step_and_non_persistent_resume(tmp_path: Path) -> None:
     resumed = _losses(tmp_path, "step2")
     assert sorted(resumed) == [3, 4]
     assert resumed == {3: reference[3], 4: reference[4]}  # exact continuation
+
+    # The tracker names a torn iteration 4: bridge-train's checks, pretrain's checks and the
+    # load all resume iteration 2, looked up once in the launch and reported once.
+    torn = tmp_path / "torn"
+    shutil.copytree(trained, torn)
+    (torn / "iter_0000004" / "checkpoint_complete.json").unlink()
+    ((messages, lookups),) = run_distributed(
+        _launch_command, 1, str(tmp_path / "torn.jsonl"), str(torn), timeout=150
+    )
+    assert lookups == 1
+    assert sum("The tracker" in m and "names iteration 4" in m for m in messages) == 1, messages
+    assert any("checkpoint.load checkpoint of iteration 2" in m for m in messages), messages
+    assert _losses(tmp_path, "torn") == resumed
 
     # Only non-persistent checkpoints exist when the run dies: the next launch resumes
     # from the newest one, and the end of training writes a persistent checkpoint.

@@ -531,6 +531,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         bridge.config.ConfigError: (and the other configuration errors) for :func:`main`
             to report.
     """
+    with contextlib.ExitStack() as launch_scope:
+        return _run(argv, launch_scope)
+
+
+def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
+    """:func:`run`; what enters ``launch_scope`` lasts until the launch ends."""
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     _config_from_first_argument(args, parser)
@@ -558,8 +564,12 @@ def run(argv: Sequence[str] | None = None) -> int:
             eval_plan = prepare_eval_only(cfg, eval_data=args.eval_data)
         # The one pass of checks (what --dry-run promises): the sections' own rules, then
         # the trainer's rules about each section, for a GPT-style run or the mimo recipe.
+        from bridge.train.checkpointing.layout import one_lookup_per_launch
         from bridge.train.checks.preflight import check_config_before_launch, run_kind
 
+        # The checks, the dry run's notices and the load resume the same checkpoint: the
+        # save directory is looked up once (and a tracker fallback reported once).
+        launch_scope.enter_context(one_lookup_per_launch())
         check_config_before_launch(cfg)
         mimo = run_kind(cfg.model) == "mimo"
         # Imported here too: the import's notices (megatron-core's) are held like the rest.

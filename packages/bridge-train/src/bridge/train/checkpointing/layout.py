@@ -17,14 +17,26 @@ A save directory holds::
 
 The tracker is the commit point: a checkpoint counts once its directory carries the marker
 and the tracker names an iteration at least as new as it.
+
+Which checkpoint a directory resumes (:func:`find_latest_checkpoint`, with the tracker
+fallback) is wanted several times in one launch: by the launch checks (``bridge-train``'s
+and ``pretrain``'s own), by the run-plan notices and by the load. Inside
+:func:`one_lookup_per_launch` (``bridge-train``, ``pretrain`` and ``pretrain_mimo`` run in
+it) each directory is looked up once and the answer, or the error, handed to every later
+asker; the tracker fallback's error line is logged once. An answer is dropped when the
+directory changes under it: a commit (this process's :func:`write_tracker`, or any
+process's: the tracker is replaced by a rename, which changes the tracker's inode and the
+directory's modification time, both compared on every reuse) is never hidden.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +58,7 @@ __all__ = [
     "find_latest_checkpoint",
     "is_complete_checkpoint",
     "locate_checkpoint",
+    "one_lookup_per_launch",
     "read_marker",
     "read_tracker",
     "validate_save_dir",
@@ -53,8 +66,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-# Fallbacks already reported: the checks before launch, the progress line and the load
-# each look the checkpoint up, and the user is told once.
+# Tracker fallbacks already reported (outside a launch too: bridge-convert and generation
+# look a directory up, then load it); cleared when a launch starts, so each launch says it.
 _REPORTED_FALLBACKS: set[tuple[str, int, int]] = set()
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -152,19 +165,97 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
 def write_tracker(root: str | os.PathLike[str], iteration: int) -> None:
     """Commit ``iteration`` as the newest checkpoint of ``root`` (atomic, durable)."""
     atomic_write(Path(root) / TRACKER_FILENAME, f"{iteration}\n")
+    _forget_lookups()  # the launch's answers predate this commit
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    stamp: tuple[tuple[int, int, int] | None, ...]  # _stamp of the directory when looked up
+    value: Any
+    error: CheckpointError | None
+
+
+# The answers of the running launch (see one_lookup_per_launch): (what, directory, step) ->
+# its lookup; None outside a launch, where every call looks again.
+_LAUNCH_LOOKUPS: dict[tuple[str, str, int | None], _Lookup] | None = None
+
+
+@contextlib.contextmanager
+def one_lookup_per_launch() -> Iterator[None]:
+    """Inside it, each directory's checkpoint lookup runs once (see the module docstring).
+
+    Usable as a decorator (``@one_lookup_per_launch()``); a nested use shares the enclosing
+    launch's answers. Leaving the outermost one forgets them.
+    """
+    global _LAUNCH_LOOKUPS
+    if _LAUNCH_LOOKUPS is not None:
+        yield
+        return
+    _LAUNCH_LOOKUPS = {}
+    _REPORTED_FALLBACKS.clear()
+    try:
+        yield
+    finally:
+        _LAUNCH_LOOKUPS = None
+
+
+def _forget_lookups() -> None:
+    if _LAUNCH_LOOKUPS is not None:
+        _LAUNCH_LOOKUPS.clear()
+
+
+def _stamp(base: Path) -> tuple[tuple[int, int, int] | None, ...]:
+    """What a commit, a rename or a deletion in ``base`` changes: inode, modification time
+    and size of the directory, its tracker and (for an ``iter_*`` directory) its marker."""
+    stamp: list[tuple[int, int, int] | None] = []
+    for path in (base, base / TRACKER_FILENAME, base / MARKER_FILENAME):
+        try:
+            info = path.stat()
+        except OSError:
+            stamp.append(None)
+        else:
+            stamp.append((info.st_ino, info.st_mtime_ns, info.st_size))
+    return tuple(stamp)
+
+
+def _once_per_launch[T](
+    what: str, root: str | os.PathLike[str], step: int | None, look: Callable[[], T]
+) -> T:
+    """``look()``, or inside a launch its answer (or error) for this directory unchanged."""
+    if _LAUNCH_LOOKUPS is None:
+        return look()
+    base = Path(root)
+    key = (what, str(base.resolve()), step)
+    stamp = _stamp(base)  # taken first: a change while looking is seen by the next asker
+    found = _LAUNCH_LOOKUPS.get(key)
+    if found is None or found.stamp != stamp:
+        try:
+            found = _Lookup(stamp, look(), None)
+        except CheckpointError as exc:
+            found = _Lookup(stamp, None, exc)
+        _LAUNCH_LOOKUPS[key] = found
+    if found.error is not None:
+        raise found.error.with_traceback(None)
+    return found.value
 
 
 def complete_iterations(root: str | os.PathLike[str]) -> list[int]:
     """Iterations of the complete checkpoint directories under ``root``, ascending."""
+    return list(_once_per_launch("complete", root, None, lambda: _complete_iterations(root)))
+
+
+def _complete_iterations(root: str | os.PathLike[str]) -> tuple[int, ...]:
     base = Path(root)
     if not base.is_dir():
-        return []
-    return sorted(
-        iteration
-        for entry in base.iterdir()
-        if (iteration := parse_iteration(entry.name)) is not None
-        and entry.is_dir()
-        and is_complete_checkpoint(entry)
+        return ()
+    return tuple(
+        sorted(
+            iteration
+            for entry in base.iterdir()
+            if (iteration := parse_iteration(entry.name)) is not None
+            and entry.is_dir()
+            and is_complete_checkpoint(entry)
+        )
     )
 
 
@@ -207,7 +298,11 @@ def find_latest_checkpoint(
     """
     if root is None:
         return None
-    base = Path(root)
+    return _once_per_launch("latest", root, step, lambda: _find_latest(Path(root), step))
+
+
+def _find_latest(base: Path, step: int | None) -> CheckpointLocation | None:
+    """:func:`find_latest_checkpoint`'s lookup itself (run once per launch and directory)."""
     own_iteration = parse_iteration(base.name)
     if own_iteration is not None and base.is_dir() and (base / MARKER_FILENAME).exists():
         if not is_complete_checkpoint(base):

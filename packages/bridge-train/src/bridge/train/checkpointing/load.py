@@ -113,7 +113,8 @@ CONVERTED_OPTIMIZER_KEY = "bridge_converted_optimizer"
 
 # The checkpointing_context entry a caller sets to its rng.seed when it reseeds the
 # generators after a resume under another layout ("rng_state" == "layout_changed", see
-# seed_from_rng_config), so that the one warning of that event can say so.
+# seed_from_rng_config and mimo_checkpoint.load_mimo_checkpoint), so that the one warning
+# of that event can say so.
 RESEEDS_RNG_KEY = "reseeds_rng_from"
 
 # Scheduler settings megatron's OptimizerParamScheduler checks against a checkpoint.
@@ -382,8 +383,11 @@ def _layout_sizes(layout: dict[str, Any]) -> str:
     """``"TP2 PP1 CP1 DP1 EP1 ETP1"``: the sizes ``layout`` records (a MIMO model's own
     description added), or ``"no model parallelism"``."""
     sizes = [f"{short}{layout[name]}" for short, name in _LAYOUT_SIZES if name in layout]
-    if "mimo_layout" in layout:
-        sizes.append(str(layout["mimo_layout"]))
+    modules = layout.get("mimo_layout")
+    if isinstance(modules, dict):  # module -> "ranks 0-1 TP1 DP2"
+        sizes.append(", ".join(f"{name} {placement}" for name, placement in modules.items()))
+    elif modules is not None:
+        sizes.append(str(modules))
     return " ".join(sizes) or "no model parallelism"
 
 
@@ -952,7 +956,9 @@ def restore_checkpoint(
             (``load_rng`` off or ``finetune``: this run's own seeds) or
             ``"layout_changed"`` (the saved generator states are per rank and the layout
             differs: the caller reseeds, as ``pretrain`` does with
-            :func:`bridge.train.engine.initialize.seed_from_rng_config`, and sets
+            :func:`bridge.train.engine.initialize.seed_from_rng_config` and the ``mimo``
+            recipe with :func:`~bridge.train.engine.initialize.seed_process_generators`
+            (both from :func:`~bridge.train.engine.initialize.resume_seed`), and sets
             ``checkpointing_context["reseeds_rng_from"]`` to ``rng.seed`` before the load
             so that the warning naming both layouts says so).
         skip_load_to_model_and_opt: Read the checkpoint and restore scheduler, RNG and

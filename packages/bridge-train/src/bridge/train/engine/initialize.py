@@ -50,6 +50,7 @@ __all__ = [
     "resolve_distributed_backend",
     "resume_seed",
     "seed_from_rng_config",
+    "seed_process_generators",
     "set_random_seed",
     "validate_parallel_layout",
 ]
@@ -273,6 +274,18 @@ def resume_seed(seed: int, iteration: int) -> int:
     return int.from_bytes(digest[:8], "little") % _RESUME_SEED_RANGE
 
 
+def seed_process_generators(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA
+    device) with ``seed``: what a checkpoint's RNG state holds, megatron's tracker aside.
+
+    :func:`set_random_seed` starts with it; a run without megatron's parallel state (the
+    ``mimo`` recipe: one grid per module) seeds with it alone.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def set_random_seed(
     seed: int,
     data_parallel_random_init: bool = False,
@@ -309,9 +322,7 @@ def set_random_seed(
         rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
         if data_parallel_random_init:
             rank_seed += 10 * parallel_state.get_data_parallel_rank()
-    random.seed(rank_seed)
-    np.random.seed(rank_seed)
-    torch.manual_seed(rank_seed)
+    seed_process_generators(rank_seed)
 
     if (torch.cuda.is_available() and torch.cuda.device_count() > 0) or cuda_emulation_active():
         tensor_parallel.model_parallel_cuda_manual_seed(

@@ -13,7 +13,9 @@ checkpoints are handled exactly as for GPT. What is MIMO-specific is small:
 * the optimizer is bridge.mimo's ``MultiModuleOptimizer``, whose per-parameter state follows
   its parameter's sharding (it reshards with the model);
 * the layout recorded with the checkpoint names every module's ranks, TP and DP, so RNG
-  state (per rank) is restored only under the same layout;
+  state (per rank) is restored only under the same layout; when any module's layout
+  changed, the generators are reseeded from ``rng.seed`` and the resumed iteration (as
+  ``pretrain`` does for GPT), and the load's one warning names both layouts and says so;
 * the data position is the train state's ``consumed_train_samples``, which the MIMO loader
   resumes from (the same order, neither restarted nor replayed).
 
@@ -32,6 +34,8 @@ import torch
 
 from bridge.config import CheckpointConfig
 from bridge.train.checkpointing import restore_checkpoint
+from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
+from bridge.train.engine.initialize import resume_seed, seed_process_generators
 from bridge.train.loop.run_ends import adopt_own_save_dir
 from bridge.train.models.mimo import MimoModelConfig
 from bridge.train.state import TrainState
@@ -96,6 +100,7 @@ def load_mimo_checkpoint(
     scheduler: OptimizerParamScheduler,
     checkpointing_context: dict[str, Any],
     *,
+    rng_seed: int,
     model_config: MimoModelConfig | None = None,
 ) -> int:
     """Load what ``checkpoint.load`` names, or resume the run owning ``checkpoint.save``.
@@ -112,6 +117,10 @@ def load_mimo_checkpoint(
         optimizer: The multi-module optimizer.
         scheduler: The scheduler.
         checkpointing_context: From ``init_checkpointing_context``.
+        rng_seed: ``rng.seed``: after a resume under another layout (any module's ranks,
+            TP or DP), whose saved per-rank generator states belong to other ranks, every
+            generator is reseeded from it and the resumed iteration
+            (:func:`~bridge.train.engine.initialize.resume_seed`).
         model_config: The run's model config (architecture check).
 
     Returns:
@@ -120,6 +129,7 @@ def load_mimo_checkpoint(
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0
+    checkpointing_context[RESEEDS_RNG_KEY] = rng_seed  # as below; the load's warning says so
     iteration, _ = restore_checkpoint(
         checkpoint,
         train_state,
@@ -129,4 +139,9 @@ def load_mimo_checkpoint(
         model_config=model_config,
         checkpointing_context=checkpointing_context,
     )
+    if checkpointing_context.get("rng_state") == "layout_changed":
+        # The saved generators are other ranks' (another module layout): reseed from (seed,
+        # iteration), reproducibly, rather than keep the fresh start's streams, which a
+        # resume would then replay from their first draw on.
+        seed_process_generators(resume_seed(rng_seed, iteration))
     return iteration

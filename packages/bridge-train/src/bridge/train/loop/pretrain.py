@@ -58,6 +58,7 @@ from bridge.logging import (
 )
 from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checkpointing import restore_checkpoint
+from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
@@ -423,6 +424,7 @@ def _close(
     run_teardown(steps, "pretrain")
 
 
+@one_lookup_per_launch()  # the checks and the load resume the same checkpoint
 def pretrain(
     config: ConfigContainer,
     forward_step_func: ForwardStepCallable = forward_step,

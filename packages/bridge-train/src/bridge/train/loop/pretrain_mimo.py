@@ -55,8 +55,13 @@ import bridge.mimo as mimo
 from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
 from bridge.logging import setup_logging
 from bridge.resiliency import RunResiliency
+from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
-from bridge.train.engine.initialize import init_launch_process_group, resolve_distributed_backend
+from bridge.train.engine.initialize import (
+    init_launch_process_group,
+    resolve_distributed_backend,
+    seed_process_generators,
+)
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from bridge.train.loop.components import close_components, loop_callback_list, standard_components
@@ -96,6 +101,7 @@ def _init_process_group(dist_config: DistributedInitConfig) -> bool:
     return True
 
 
+@one_lookup_per_launch()  # the checks and the load resume the same checkpoint
 def pretrain_mimo(
     cfg: ConfigContainer,
     *,
@@ -158,7 +164,7 @@ def pretrain_mimo(
         state.adopt_resiliency(resiliency)
         resiliency.start_setup()
         seed = cfg.rng.seed
-        torch.manual_seed(seed)
+        seed_process_generators(seed)  # a resume restores or reseeds them (see the load)
         layout = mimo_layout(model_cfg, world)
         infra = mimo.build_megatron_mimo_infra(layout)
         vlm = model_cfg.tiny_vlm_config()
@@ -208,6 +214,7 @@ def pretrain_mimo(
                 optimizer,
                 scheduler,
                 checkpointing_context,
+                rng_seed=seed,
                 model_config=model_cfg,
             )
         state.loaded_iteration = loaded
