@@ -302,6 +302,29 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             out["inference_mode_after"]["on"] = InferenceMode.is_active()
         finally:
             InferenceMode.unset_active()
+        # The forward steps run without the CUDA emulation's device rewriting (the loop
+        # around them keeps it); a CUDA device named inside a forward fails loudly.
+        modes: list[list[str]] = []
+
+        def _modes(*_: Any) -> None:
+            stack = torch.overrides._get_current_function_mode_stack()
+            modes.append([type(mode).__name__ for mode in stack])
+
+        hook = loaded.model[0].register_forward_pre_hook(_modes)
+        try:
+            generator.generate(PROMPTS[:1], short)
+        finally:
+            hook.remove()
+        _modes()
+        out["modes"] = {"forward": modes[:-1], "outside": modes[-1]}
+        hook = loaded.model[0].register_forward_pre_hook(lambda *_: torch.zeros(1, device="cuda"))
+        try:
+            generator.generate(PROMPTS[:1], short)
+        except Exception as exc:  # asserted by the test
+            out["cuda_in_forward"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            hook.remove()
+        out["after_cuda_in_forward"] = [c.token_ids for c in generator.generate(PROMPTS, greedy)]
     finally:
         loaded.close()
 
@@ -416,6 +439,19 @@ def test_rotating_keys_before_caching_changes_no_logit(generated: dict[str, Any]
     assert one["plain_greedy"] == one["greedy"]
     assert one["plain_logits_equal"]
     assert one["instance_attributes_left"] == []
+
+
+def test_forward_steps_run_without_the_device_rewriting(generated: dict[str, Any]) -> None:
+    """On CPU the CUDA emulation's TorchFunctionMode is suspended for megatron's forward steps
+    (core_utils.without_device_rewriting) and active around them; a CUDA device named in a
+    forward fails loudly, and the generator works as before afterwards."""
+    one = generated["one"]
+    assert one["modes"]["outside"] == ["_CudaToCpuMode"]
+    assert len(one["modes"]["forward"]) == 2  # the prefill and one decoding step
+    assert all(stack == [] for stack in one["modes"]["forward"])
+    assert one["cuda_in_forward"].startswith("CudaEmulationError: a CUDA tensor created at")
+    assert "without_device_rewriting()" in one["cuda_in_forward"]
+    assert one["after_cuda_in_forward"] == one["greedy"]
 
 
 def test_moe_greedy_equals_transformers_generate(generated: dict[str, Any]) -> None:

@@ -13,7 +13,12 @@ from core_utils.async_utils import get_asyncio_loop, trace_async_exceptions
 from core_utils.callbacks import Callback, CallbackError, CallbackList
 from core_utils.context_parallel import get_batch_on_this_cp_rank
 from core_utils.cuda_compat import cpu_cuda_compat, cuda_compat_active
-from core_utils.cuda_emulation import CudaEmulationError, cuda_emulation, cuda_emulation_active
+from core_utils.cuda_emulation import (
+    CudaEmulationError,
+    cuda_emulation,
+    cuda_emulation_active,
+    without_device_rewriting,
+)
 from core_utils.decorators import (
     deprecate_inference_params,
     deprecated,
@@ -172,4 +177,5 @@ __all__ = [
     "to_local_if_dtensor",
     "trace_async_exceptions",
     "unwrap_model",
+    "without_device_rewriting",
 ]

@@ -79,7 +79,9 @@ Scope
     installs the process-wide patches, the matching exit restores every original attribute;
     the device-rewriting mode is pushed once per thread. Active only when
     ``torch.cuda.is_available()`` is ``False`` at the outermost entry; with a GPU the scope
-    does nothing.
+    does nothing. :func:`without_device_rewriting` suspends the mode for a block that names
+    no CUDA device (its cost: every torch call of the thread dispatches into it); a CUDA
+    device named inside such a block fails loudly.
 """
 
 from __future__ import annotations
@@ -98,7 +100,12 @@ from torch.overrides import TorchFunctionMode
 
 from core_utils.cuda_compat import _COMPAT, _ScopedPatchSet
 
-__all__ = ["CudaEmulationError", "cuda_emulation", "cuda_emulation_active"]
+__all__ = [
+    "CudaEmulationError",
+    "cuda_emulation",
+    "cuda_emulation_active",
+    "without_device_rewriting",
+]
 
 _CPU = torch.device("cpu")
 _thread_state = threading.local()
@@ -238,22 +245,99 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _thread_mode() -> Iterator[None]:
-    """Push the device-rewriting mode once per thread (nested entries reuse it)."""
+    """Push the device-rewriting mode once per thread (nested entries reuse it).
+
+    A scope opened inside :func:`without_device_rewriting` asked for the emulation, so it
+    gets the mode back for its body.
+    """
     depth = getattr(_thread_state, "depth", 0)
     if depth:
+        suspended = getattr(_thread_state, "suspended", None)
         _thread_state.depth = depth + 1
+        _thread_state.suspended = None
         try:
-            yield
+            if suspended is None:
+                yield
+            else:
+                with suspended:
+                    yield
         finally:
             _thread_state.depth -= 1
+            _thread_state.suspended = suspended
         return
     mode = _CudaToCpuMode()
     _thread_state.depth = 1
+    _thread_state.mode = mode
+    _thread_state.suspended = None
     with mode:
         try:
             yield
         finally:
             _thread_state.depth = 0
+            _thread_state.mode = None
+
+
+@contextlib.contextmanager
+def without_device_rewriting() -> Iterator[bool]:
+    """Run the body without the device-rewriting mode, for code that asks for no CUDA device.
+
+    Every torch call of a thread under the emulation pays torch's dispatch into the Python
+    mode (~4-5 us a call on a 2-core machine; hundreds of calls per forward of a small
+    model). Code that places nothing on ``"cuda"`` by name needs none of it: megatron's
+    ``torch.cuda.current_device()`` is already the CPU (a process-wide patch, which stays),
+    as are streams, events, the CUDA RNG and autocast. Inside this block:
+
+    * a literal CUDA device (``device="cuda"``, ``"cuda:N"``, an ``int`` index,
+      ``Tensor.cuda()``, ``Tensor.to("cuda")``) is not rewritten: it reaches torch, whose
+      CUDA initialisation raises :class:`CudaEmulationError` naming the line and this block
+      (``pin_memory()`` raises torch's own no-driver error). Nothing lands silently
+      elsewhere;
+    * ``Tensor.type()`` reports the tensor's real (CPU) type name, as outside the emulation:
+      megatron's optimizers, which check CUDA type names, must not run here;
+    * a :func:`cuda_emulation` scope opened inside gets the mode back for its body.
+
+    It is a no-op (the body runs under the mode, only slower) when this thread has no
+    device-rewriting mode (a GPU, or no emulation scope), when another
+    ``TorchFunctionMode`` was pushed above it (a profiler's or counter's: popping ours from
+    under it would reorder the stack), or inside another such block.
+
+    Yields:
+        ``True`` when the mode is suspended for the body, ``False`` when the block changes
+        nothing.
+    """
+    mode = getattr(_thread_state, "mode", None)
+    if (
+        mode is None
+        or getattr(_thread_state, "suspended", None) is not None
+        or torch._C._len_torch_function_stack() == 0
+        or torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is not mode
+    ):
+        yield False
+        return
+    torch._C._pop_torch_function_stack()
+    _thread_state.suspended = _Resumed(mode)
+    try:
+        yield True
+    finally:
+        _thread_state.suspended = None
+        torch._C._push_on_torch_function_stack(mode)
+
+
+class _Resumed:
+    """The mode pushed again for a :func:`cuda_emulation` scope nested in a suspension."""
+
+    def __init__(self, mode: _CudaToCpuMode) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        torch._C._push_on_torch_function_stack(self.mode)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._pop_torch_function_stack()
+
+
+def _device_rewriting_suspended() -> bool:
+    return getattr(_thread_state, "suspended", None) is not None
 
 
 # -- streams, events, RNG ---------------------------------------------------------------
@@ -403,6 +487,12 @@ def _uncovered_lazy_init() -> None:
         caller = frame.f_back
         where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
         what = f"{module}.{frame.f_code.co_qualname} (called from {where})"
+    elif _device_rewriting_suspended():
+        what = (
+            f"a CUDA tensor created at {frame.f_code.co_filename}:{frame.f_lineno} "
+            f"({frame.f_code.co_qualname}), inside core_utils.without_device_rewriting() "
+            "(a block declared to ask for no CUDA device; move the request out of it),"
+        )
     else:
         # torch's C++ side initialising CUDA for a tensor the device-rewriting mode did not
         # see (for example created in a thread that was running before the scope began).

@@ -50,6 +50,7 @@ from bridge.train.generate.rotary_cache import (
     caches_rotated_keys,
     rotate_keys_before_caching,
 )
+from core_utils import without_device_rewriting
 
 __all__ = [
     "Completion",
@@ -113,6 +114,26 @@ def inference_module(model: Any) -> torch.nn.Module:
     while isinstance(module, DistributedDataParallel):
         module = module.module
     return module
+
+
+class _InferenceWrapper(GPTInferenceWrapper):
+    """megatron's ``GPTInferenceWrapper`` whose forward steps run without the CUDA
+    emulation's device rewriting (:func:`core_utils.without_device_rewriting`).
+
+    On CPU every torch call of the thread otherwise pays the emulation's dispatch into
+    Python, ~700 calls per decoding step of a small model. megatron's forward places its
+    tensors on ``torch.cuda.current_device()`` (the CPU under the emulation), never on
+    ``"cuda"`` by name; were one named there, it fails loudly instead of being rewritten.
+    The controller's loop around the step keeps the emulation: it calls ``.cuda()`` itself.
+    On a GPU nothing changes.
+    """
+
+    def run_one_forward_step(
+        self, inference_input: dict[str, Any], recv_buffer_seq_len: int | None = None
+    ) -> torch.Tensor:
+        """megatron's forward step, with the device rewriting suspended."""
+        with without_device_rewriting():
+            return super().run_one_forward_step(inference_input, recv_buffer_seq_len)
 
 
 class _Stream:
@@ -221,7 +242,7 @@ class TextGenerator:
         self.max_batch_size = int(max_batch_size)
         limit = int(tokenizer.vocab_size if vocab_limit is None else vocab_limit)
         self.vocab_limit = limit
-        self.wrapper = GPTInferenceWrapper(
+        self.wrapper = _InferenceWrapper(
             self.module, StaticInferenceContext(1, self.max_sequence_length)
         )
         self.controller = GenerationController(self.wrapper, tokenizer, limit)
