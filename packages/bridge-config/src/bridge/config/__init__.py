@@ -34,10 +34,11 @@ from bridge.config._resiliency import (
 )
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
 from bridge.config._samples import SamplesConfig
-from bridge.config._tokenizer import TokenizerConfig
+from bridge.config._tokenizer import TOKENIZER_REQUIRED_FIELDS, TokenizerConfig
 from bridge.config._training import SchedulerConfig, TrainingConfig
 
 __all__ = [
+    "TOKENIZER_REQUIRED_FIELDS",
     "CheckpointConfig",
     "CommOverlapConfigProtocol",
     "ConfigContainer",

@@ -25,8 +25,9 @@ _BYTE_VOCAB = 256
 # Special tokens the byte-level tokenizer always has (end of document, padding).
 _BYTE_LEVEL_SPECIALS = ("<eod>", "<pad>")
 
-# What each tokenizer type cannot be built without.
-_REQUIRED: dict[str, tuple[str, ...]] = {
+#: What each tokenizer type cannot be built without (the section checks it; the trainer's
+#: ``build_tokenizer`` checks the same for a config given to it directly).
+TOKENIZER_REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "NullTokenizer": ("vocab_size",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
     "SentencePieceTokenizer": ("tokenizer_model",),
@@ -88,7 +89,7 @@ class TokenizerConfig:
         kind = self.tokenizer_type
         if kind is None:
             return
-        for name in _REQUIRED.get(kind, ()):
+        for name in TOKENIZER_REQUIRED_FIELDS.get(kind, ()):
             if getattr(self, name) is None:
                 raise field_error(
                     self, name, None, f"it is required when tokenizer_type is {kind!r}"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bridge.config import TokenizerConfig, TokenizerConfigProtocol
+from bridge.config import TOKENIZER_REQUIRED_FIELDS, TokenizerConfig, TokenizerConfigProtocol
 from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
 
 __all__ = [
@@ -29,14 +29,6 @@ __all__ = [
 ]
 
 _BYTE_IDS = 256
-# What each tokenizer type cannot be built without.
-_REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
-    "NullTokenizer": ("vocab_size",),
-    "HuggingFaceTokenizer": ("tokenizer_model",),
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "TikTokenizer": ("tokenizer_model",),
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-}
 _DEFAULT_SPECIALS = ("<eod>", "<pad>")
 
 
@@ -338,7 +330,7 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
             f"tokenizer.tokenizer_type={kind!r} is not a tokenizer type; use one of "
             f"{', '.join(map(repr, TOKENIZER_EXTRAS))}"
         )
-    for name in _REQUIRED_FIELDS.get(kind, ()):
+    for name in TOKENIZER_REQUIRED_FIELDS.get(kind, ()):
         if getattr(tokenizer_config, name, None) in (None, ""):
             hint = (
                 " (a local directory with tokenizer.json)" if kind == "HuggingFaceTokenizer" else ""
