@@ -180,6 +180,26 @@ def test_one_lookup_per_launch_and_a_commit_is_never_hidden(
     assert caplog.text.count("names iteration 40") == 1
 
 
+def test_a_marker_removed_by_hand_during_a_launch_is_not_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Deleting iter_*/checkpoint_complete.json changes no stamp of the save directory: the
+    # launch's answer must still stop naming that checkpoint as complete.
+    looked = _count_lookups(monkeypatch)
+    _complete(tmp_path, 10)
+    _complete(tmp_path, 20)
+    write_tracker(tmp_path, 20)
+    with layout.one_lookup_per_launch():
+        latest = find_latest_checkpoint(tmp_path)
+        assert latest is not None and latest.iteration == 20
+        assert layout.complete_iterations(tmp_path) == [10, 20]
+        (tmp_path / "iter_0000020" / MARKER_FILENAME).unlink()
+        latest = find_latest_checkpoint(tmp_path)
+        assert latest is not None and latest.iteration == 10  # the fallback, as outside
+        assert layout.complete_iterations(tmp_path) == [10]
+        assert find_latest_checkpoint(tmp_path) == latest and len(looked) == 2
+
+
 # ---------------------------------------------------------------------------- save directory
 
 

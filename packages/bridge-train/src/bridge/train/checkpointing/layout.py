@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,6 +173,9 @@ class _Lookup:
     stamp: tuple[tuple[int, int, int] | None, ...]  # _stamp of the directory when looked up
     value: Any
     error: CheckpointError | None
+    # The markers of the checkpoints the answer names, as they were: deleting or rewriting
+    # one by hand changes no stamp of the directory above it.
+    markers: tuple[tuple[int, int, int] | None, ...] = ()
 
 
 # The answers of the running launch (see one_lookup_per_launch): (what, directory, step) ->
@@ -207,8 +210,12 @@ def _forget_lookups() -> None:
 def _stamp(base: Path) -> tuple[tuple[int, int, int] | None, ...]:
     """What a commit, a rename or a deletion in ``base`` changes: inode, modification time
     and size of the directory, its tracker and (for an ``iter_*`` directory) its marker."""
+    return _stats((base, base / TRACKER_FILENAME, base / MARKER_FILENAME))
+
+
+def _stats(paths: Iterable[Path]) -> tuple[tuple[int, int, int] | None, ...]:
     stamp: list[tuple[int, int, int] | None] = []
-    for path in (base, base / TRACKER_FILENAME, base / MARKER_FILENAME):
+    for path in paths:
         try:
             info = path.stat()
         except OSError:
@@ -216,6 +223,15 @@ def _stamp(base: Path) -> tuple[tuple[int, int, int] | None, ...]:
         else:
             stamp.append((info.st_ino, info.st_mtime_ns, info.st_size))
     return tuple(stamp)
+
+
+def _named_markers(base: Path, value: Any) -> tuple[tuple[int, int, int] | None, ...]:
+    """The stamps of the completion markers of the checkpoints a lookup's answer names."""
+    if isinstance(value, CheckpointLocation):
+        return _stats([Path(value.path) / MARKER_FILENAME])
+    if isinstance(value, tuple):
+        return _stats(base / checkpoint_dir_name(i) / MARKER_FILENAME for i in value)
+    return ()
 
 
 def _once_per_launch[T](
@@ -228,9 +244,10 @@ def _once_per_launch[T](
     key = (what, str(base.resolve()), step)
     stamp = _stamp(base)  # taken first: a change while looking is seen by the next asker
     found = _LAUNCH_LOOKUPS.get(key)
-    if found is None or found.stamp != stamp:
+    if found is None or found.stamp != stamp or found.markers != _named_markers(base, found.value):
         try:
-            found = _Lookup(stamp, look(), None)
+            value = look()
+            found = _Lookup(stamp, value, None, _named_markers(base, value))
         except CheckpointError as exc:
             found = _Lookup(stamp, None, exc)
         _LAUNCH_LOOKUPS[key] = found
