@@ -59,6 +59,7 @@ from bridge.logging import (
 from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checkpointing import restore_checkpoint
 from bridge.train.checkpointing.layout import one_lookup_per_launch
+from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
@@ -191,7 +192,7 @@ def _load_checkpoint(
         return False
     _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
     context = out.checkpointing_context
-    context["reseeds_rng_from"] = rng.seed  # as below; the load's warning says so
+    context[RESEEDS_RNG_KEY] = rng.seed  # as below; the load's warning says so
     if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
         iteration, flops = load_peft_checkpoints(
