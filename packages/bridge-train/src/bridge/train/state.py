@@ -145,13 +145,15 @@ class GlobalState:
             started training (after a checkpoint was loaded): the job's own FLOPs are the
             counter minus this.
         loaded_iteration: Iteration this job resumed from (0 for a fresh run).
-        last_saved_iteration: Iteration of the last persistent checkpoint this job saved
-            (``None`` before the first one); the end of training saves one unless it is the
-            final iteration (a non-persistent checkpoint does not count).
+        last_saved_iteration: Iteration of the last persistent checkpoint this job's loop
+            saved (``None``: none; a non-persistent checkpoint does not count); set when
+            the loop of :func:`bridge.train.pretrain` / :func:`bridge.train.train` ends and
+            by :func:`bridge.train.save_checkpoint_and_time`.
         engine: The engine the model was built with (:func:`bridge.train.pretrain` sets it).
             The loop takes its forward-backward schedule from it; ``None`` means megatron-core's
             engine (built on first use).
-        last_evaluated_iteration: Iteration of the last validation run of this job.
+        last_evaluated_iteration: Iteration of the last validation run of this job's loop
+            (``None``: none), set when the loop ends as ``last_saved_iteration`` is.
     """
 
     cfg: ConfigContainer = field(default_factory=ConfigContainer)

@@ -64,7 +64,6 @@ def evaluate(
     evaluation = run_components(
         state, forward_step_func, None, process_non_loss_data_func, non_loss_data_func
     ).evaluation
-    assert evaluation is not None
     if config is not state.cfg:  # the sections of the config given, as the reference reads
         assert config.train is not None, "evaluation needs the train section"
         evaluation = dataclasses.replace(

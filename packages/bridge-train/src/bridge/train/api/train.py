@@ -95,14 +95,10 @@ def train(
         checkpointing_context,
         process_non_loss_data_func,
         non_loss_data_func,
-        loop=True,
     )
-    exit_code = run_training(
+    return run_training(
         components, model, optimizer, scheduler, train_data_iterator, valid_data_iterator
     )
-    global_state.last_evaluated_iteration = components.last_evaluated_iteration
-    global_state.last_saved_iteration = components.last_saved_iteration
-    return exit_code
 
 
 def train_step(
@@ -137,7 +133,6 @@ def train_step(
             num_zeros_in_grad: Number of zeros in gradient if available, None otherwise
     """
     step = run_components(global_state, forward_step_func).step
-    assert step is not None
     return step.run(data_iterator, model, optimizer, scheduler).as_tuple()
 
 

@@ -388,9 +388,7 @@ def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
     )
 
 
-def _final_evaluation(
-    out: SetupOutput, evaluation: Evaluation, last_evaluated_iteration: int | None
-) -> None:
+def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
     """Validation (unless the loop just validated this iteration) and test at the end."""
     train_state = out.state.train_state
     step = train_state.step
@@ -398,7 +396,7 @@ def _final_evaluation(
     if (
         train_state.do_valid
         and out.valid_data_iterator is not None
-        and last_evaluated_iteration != step
+        and out.state.last_evaluated_iteration != step
     ):
         splits.append(("validation", out.valid_data_iterator))
     if train_state.do_test and out.test_data_iterator is not None:
@@ -505,11 +503,9 @@ def pretrain(
             out.checkpointing_context,
             process_non_loss_data_func,
             non_loss_data_func,
-            loop=True,
             callbacks=callbacks,
             tokenizer=out.tokenizer,
         )
-        assert components.evaluation is not None
         record_starting_job(components.progress_log, state.metric_writers, state.train_state.step)
         save_run_config(config.checkpoint.save, config.to_yaml_text)
         exit_code = 0
@@ -525,7 +521,7 @@ def pretrain(
         if exit_code == 0 and (
             config.train.skip_train or run_is_done(config.train, state.train_state)
         ):
-            _final_evaluation(out, components.evaluation, components.last_evaluated_iteration)
+            _final_evaluation(out, components.evaluation)
         elif exit_code == 0:
             exit_code = requeue_exit_code  # stopped early on purpose, after saving
         state.metric_writers.flush()

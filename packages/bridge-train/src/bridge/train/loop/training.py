@@ -1,21 +1,24 @@
-"""GPT-style training: a run's components, built once from their sections, and the loop.
+"""GPT-style training: a run's components, built from their sections on first use, and the loop.
 
-:func:`run_components` is the one place a ``GlobalState`` is taken apart: it builds the
+:func:`run_components` is the one place a ``GlobalState`` is taken apart: its
+:class:`RunComponents` builds, each when first asked for, the
 :class:`~bridge.train.loop.step.TrainStep` (``train``, ``model``, ``ddp``, the engine's
 schedule), the :class:`~bridge.train.loop.eval.Evaluation` (``train``), the
 :class:`~bridge.train.loop.saving.CheckpointWriter` (``checkpoint``) with its ``progress.txt``
-(``logger``) and, for a loop, the :class:`~bridge.train.loop.components.MetricsProcessor`
-(``logger``, ``train``, ``profiling``) and the other components
-(:func:`~bridge.train.loop.components.standard_components`), for ``pretrain``, the eval-only
-run and the reference's adapters (:mod:`bridge.train.api`). :func:`run_training` runs them
-over the model, optimizer, scheduler and iterators with :func:`core_utils.loop.run_loop`.
-No part holds the whole config or the ``GlobalState`` (callbacks see ``LoopContext.state``).
+(``logger``) and the loop's components (the
+:class:`~bridge.train.loop.components.MetricsProcessor` from ``logger``, ``train`` and
+``profiling``, then :func:`~bridge.train.loop.components.standard_components`), for
+``pretrain``, the eval-only run and the reference's adapters (:mod:`bridge.train.api`), so
+an adapter that needs one part builds only that part. :func:`run_training` runs them over
+the model, optimizer, scheduler and iterators with :func:`core_utils.loop.run_loop`. No part
+holds the whole config or the ``GlobalState`` (callbacks see ``LoopContext.state``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +41,7 @@ from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.forward_pre_hooks import should_toggle_forward_pre_hook
 from bridge.train.loop.profiling import profile_trace_dir
 from bridge.train.loop.progress_log import ProgressLog
-from bridge.train.loop.run_ends import TeardownStep, run_teardown_steps
+from bridge.train.loop.run_ends import run_teardown_steps
 from bridge.train.loop.run_length import run_is_done
 from bridge.train.loop.saving import CheckpointWriter
 from bridge.train.loop.state_injection import prepare_forward_step_func
@@ -68,41 +71,132 @@ class LoggedRun:
 
 @dataclass
 class RunComponents:
-    """A GPT run's parts, each built once by :func:`run_components`.
+    """A GPT run's parts, each built once, when first used, from ``state`` (see
+    :func:`run_components` for the attributes)."""
 
-    Attributes:
-        run: The run's counters, timers, writers and start time.
-        step: The train step (``None``: built without a forward step).
-        evaluation: The evaluation (``None``: built without a forward step).
-        checkpoint_writer: The checkpoint writer (``None``: no ``checkpoint`` section).
-        progress_log: ``progress.txt`` (``None``: not kept).
-        loop: The loop's components in order (empty: not built for a loop).
-        callbacks: The config's ``callbacks``, then the caller's.
-        end_steps: What ends a finished loop (:func:`run_teardown_steps`, writers flushed).
-        callback_state: ``LoopContext.state``, for the user's callbacks (no component reads it).
-    """
+    state: GlobalState
+    forward_step_func: ForwardStepCallable | None = None
+    checkpointing_context: dict[str, Any] = field(default_factory=dict)
+    process_non_loss_data_func: Callable[..., Any] | None = None
+    non_loss_data_func: Callable[..., Any] | None = None
+    callbacks: Sequence[Callback] = ()
+    tokenizer: Tokenizer | None = None
 
-    run: LoggedRun
-    step: TrainStep | None
-    evaluation: Evaluation | None
-    checkpoint_writer: CheckpointWriter | None
-    progress_log: ProgressLog | None
-    loop: list[Callback] = field(default_factory=list)
-    callbacks: list[Callback] = field(default_factory=list)
-    end_steps: list[TeardownStep] = field(default_factory=list)
-    callback_state: GlobalState | None = None
+    @cached_property
+    def run(self) -> LoggedRun:
+        """The run's counters, timers, writers and start time."""
+        state = self.state
+        return LoggedRun(state.train_state, state.timers, state.metric_writers, state.start_time)
 
-    @property
-    def last_evaluated_iteration(self) -> int | None:
-        """Iteration of the loop's last validation run (``None``: none yet)."""
-        found = (c.last_evaluated_iteration for c in self.loop if isinstance(c, Evaluator))
-        return next(found, None)
+    def __post_init__(self) -> None:
+        cfg = self.state.cfg
+        self._toggle_hooks = should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer)
+        self._seq_length = int(getattr(cfg.model, "seq_length", 0) or 0)
 
-    @property
-    def last_saved_iteration(self) -> int | None:
-        """Iteration of the loop's last persistent checkpoint (``None``: none yet)."""
-        found = (c.last_saved_iteration for c in self.loop if isinstance(c, Checkpointer))
-        return next(found, None)
+    @cached_property
+    def _forward_step(self) -> ForwardStepCallable:
+        if self.forward_step_func is None:
+            raise ValueError("run_components: the train step and evaluation need a forward step")
+        return prepare_forward_step_func(self.forward_step_func, self.state)
+
+    @cached_property
+    def step(self) -> TrainStep:
+        """The train step (``train``, ``model``, ``ddp`` sections; the engine's schedule)."""
+        state, cfg = self.state, self.state.cfg
+        assert cfg.train is not None, "the train section is required"
+        return TrainStep(
+            forward_step_func=self._forward_step,
+            forward_backward_func=state.forward_backward_func,
+            train=cfg.train,
+            model_config=cfg.model,
+            ddp_config=cfg.ddp,
+            timers=state.timers,
+            nvrx_straggler=state.nvrx_straggler,
+        )
+
+    @cached_property
+    def evaluation(self) -> Evaluation:
+        """The evaluation (``train`` section; ``logger.log_validation_ppl_to_tensorboard``)."""
+        state, cfg = self.state, self.state.cfg
+        assert cfg.train is not None, "the train section is required"
+        return Evaluation(
+            forward_step_func=self._forward_step,
+            forward_backward_func=state.forward_backward_func,
+            train=cfg.train,
+            seq_length=self._seq_length,
+            train_state=state.train_state,
+            state=self.run,
+            fault_tolerance=state.fault_tolerance,
+            log_ppl=bool(cfg.logger is not None and cfg.logger.log_validation_ppl_to_tensorboard),
+            process_non_loss_data_func=self.process_non_loss_data_func,
+            non_loss_data_func=self.non_loss_data_func,
+            toggle_forward_pre_hooks=self._toggle_hooks,
+        )
+
+    @cached_property
+    def progress_log(self) -> ProgressLog | None:
+        """``progress.txt`` (``None``: not kept)."""
+        return ProgressLog.from_config(
+            self.state.cfg.logger,
+            self.state.cfg.checkpoint,
+            seq_length=self._seq_length,
+            start_time=self.state.start_time,
+            job_start_flops=self.state.job_start_flops,
+        )
+
+    @cached_property
+    def checkpoint_writer(self) -> CheckpointWriter | None:
+        """The checkpoint writer (``None``: no ``checkpoint`` section)."""
+        state, checkpoint = self.state, self.state.cfg.checkpoint
+        if checkpoint is None:
+            return None
+        return CheckpointWriter(
+            checkpoint,
+            state.cfg,
+            self.checkpointing_context,
+            metric_writers=state.metric_writers,
+            fault_tolerance=state.fault_tolerance,
+            timers=state.timers,
+            toggle_forward_pre_hooks=self._toggle_hooks,
+            progress_log=self.progress_log,
+        )
+
+    @cached_property
+    def loop(self) -> list[Callback]:
+        """The loop's components in order (needs a forward step and the ``train`` and
+        ``logger`` sections)."""
+        state, cfg = self.state, self.state.cfg
+        train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
+        assert train and logger_cfg, "a loop needs the train and logger sections"
+        metrics = MetricsProcessor(
+            TrainingLogSettings(
+                logger=logger_cfg,
+                train=train,
+                profiling=cfg.profiling,
+                seq_length=tokens_per_sample(cfg.model, cfg.dataset),
+                data_parallel_size=cfg.data_parallel_size,
+            ),
+            self.run,
+            model_config=cfg.model,
+            loaded_iteration=state.loaded_iteration,
+        )
+        return standard_components(
+            metrics=metrics,
+            train=train,
+            log_interval=logger_cfg.log_interval,
+            checkpoint=checkpoint,
+            save=self.checkpoint_writer or _no_save,
+            resiliency=state.resiliency,
+            profiling=cfg.profiling,
+            profile_trace_dir=profile_trace_dir(logger_cfg, checkpoint),
+            evaluate=self.evaluation if state.train_state.do_valid else None,
+            timers=state.timers,
+            toggle_forward_pre_hooks=self._toggle_hooks,
+            samples=cfg.samples,
+            tokenizer=self.tokenizer,
+            seq_length=getattr(cfg.model, "seq_length", None),
+            metric_writers=state.metric_writers,
+        )
 
 
 def run_components(
@@ -112,117 +206,39 @@ def run_components(
     process_non_loss_data_func: Callable[..., Any] | None = None,
     non_loss_data_func: Callable[..., Any] | None = None,
     *,
-    loop: bool = False,
     callbacks: Sequence[Callback] = (),
     tokenizer: Tokenizer | None = None,
 ) -> RunComponents:
-    """Build a run's parts from the sections of ``state.cfg`` and the live objects of
-    ``state`` (the engine's schedule, timers, writers, resiliency objects, counters).
+    """A run's parts, from the sections of ``state.cfg`` and the live objects of ``state``
+    (the engine's schedule, timers, writers, resiliency objects, counters); each part is
+    built when first used.
+
+    The parts: ``run`` (counters, timers, writers, start time), ``step`` and ``evaluation``
+    (both need ``forward_step_func``), ``checkpoint_writer`` (``None`` without a
+    ``checkpoint`` section) with its ``progress_log`` (``None``: not kept), and ``loop``,
+    the loop's components in order (also needs the ``train`` and ``logger`` sections).
 
     Args:
         state: The run's state, filled (by :func:`bridge.train.setup` or the caller).
-        forward_step_func: The forward step (the state is injected if it asks); without
-            one, no step and no evaluation are built.
+        forward_step_func: The forward step (the state is injected if it asks).
         checkpointing_context: The checkpointing context the writer keeps between saves.
         process_non_loss_data_func: See :func:`bridge.train.evaluate_and_print_results`.
         non_loss_data_func: See :func:`bridge.train.evaluate`.
-        loop: Also build the loop's components (needs a forward step and the ``train`` and
-            ``logger`` sections).
         callbacks: The caller's callbacks, run after the config's ``callbacks``.
         tokenizer: The run's tokenizer (the ``samples`` section generates with it).
 
     Returns:
         The parts.
     """
-    cfg = state.cfg
-    train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
-    seq_length = int(getattr(cfg.model, "seq_length", 0) or 0)
-    toggle_hooks = should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer)
-    logged = LoggedRun(state.train_state, state.timers, state.metric_writers, state.start_time)
-    step = evaluation = None
-    if forward_step_func is not None:
-        assert train is not None, "the train section is required"
-        forward_step_func = prepare_forward_step_func(forward_step_func, state)
-        step = TrainStep(
-            forward_step_func=forward_step_func,
-            forward_backward_func=state.forward_backward_func,
-            train=train,
-            model_config=cfg.model,
-            ddp_config=cfg.ddp,
-            timers=state.timers,
-            nvrx_straggler=state.nvrx_straggler,
-        )
-        evaluation = Evaluation(
-            forward_step_func=forward_step_func,
-            forward_backward_func=state.forward_backward_func,
-            train=train,
-            seq_length=seq_length,
-            train_state=state.train_state,
-            state=logged,
-            fault_tolerance=state.fault_tolerance,
-            log_ppl=bool(logger_cfg is not None and logger_cfg.log_validation_ppl_to_tensorboard),
-            process_non_loss_data_func=process_non_loss_data_func,
-            non_loss_data_func=non_loss_data_func,
-            toggle_forward_pre_hooks=toggle_hooks,
-        )
-    progress_log = ProgressLog.from_config(
-        logger_cfg,
-        checkpoint,
-        seq_length=seq_length,
-        start_time=state.start_time,
-        job_start_flops=state.job_start_flops,
+    return RunComponents(
+        state,
+        forward_step_func,
+        checkpointing_context if checkpointing_context is not None else {},
+        process_non_loss_data_func,
+        non_loss_data_func,
+        callbacks,
+        tokenizer,
     )
-    writer = None
-    if checkpoint is not None:
-        writer = CheckpointWriter(
-            checkpoint,
-            cfg,
-            checkpointing_context if checkpointing_context is not None else {},
-            metric_writers=state.metric_writers,
-            fault_tolerance=state.fault_tolerance,
-            timers=state.timers,
-            toggle_forward_pre_hooks=toggle_hooks,
-            progress_log=progress_log,
-        )
-    parts = RunComponents(logged, step, evaluation, writer, progress_log)
-    if not loop:
-        return parts
-    assert step and train and logger_cfg, "a loop needs a forward step, train and logger"
-    metrics = MetricsProcessor(
-        TrainingLogSettings(
-            logger=logger_cfg,
-            train=train,
-            profiling=cfg.profiling,
-            seq_length=tokens_per_sample(cfg.model, cfg.dataset),
-            data_parallel_size=cfg.data_parallel_size,
-        ),
-        logged,
-        model_config=cfg.model,
-        loaded_iteration=state.loaded_iteration,
-    )
-    parts.loop = standard_components(
-        metrics=metrics,
-        train=train,
-        log_interval=logger_cfg.log_interval,
-        checkpoint=checkpoint,
-        save=writer if writer is not None else _no_save,
-        resiliency=state.resiliency,
-        profiling=cfg.profiling,
-        profile_trace_dir=profile_trace_dir(logger_cfg, checkpoint),
-        evaluate=evaluation if state.train_state.do_valid else None,
-        timers=state.timers,
-        toggle_forward_pre_hooks=toggle_hooks,
-        samples=cfg.samples,
-        tokenizer=tokenizer,
-        seq_length=getattr(cfg.model, "seq_length", None),
-        metric_writers=state.metric_writers,
-    )
-    parts.callbacks = [*cfg.callbacks, *callbacks]
-    parts.end_steps = run_teardown_steps(
-        checkpoint, state.resiliency, state.metric_writers, clean=True, close_writers=False
-    )
-    parts.callback_state = state
-    return parts
 
 
 def run_training(
@@ -234,10 +250,11 @@ def run_training(
     valid_data_iterator: Any,
 ) -> int:
     """:func:`bridge.train.train` over built components (what :func:`bridge.train.pretrain`
-    calls): the loop, then the end of training.
+    calls): the loop, then the end of training; the state's ``last_saved_iteration`` and
+    ``last_evaluated_iteration`` are this loop's afterwards.
 
     Args:
-        components: From :func:`run_components` with ``loop=True``.
+        components: From :func:`run_components` with a forward step.
         model: See :func:`bridge.train.train`.
         optimizer: See :func:`bridge.train.train`.
         scheduler: See :func:`bridge.train.train`.
@@ -250,8 +267,7 @@ def run_training(
     Raises:
         core_utils.CallbackError: A user callback raised (names callback, hook, iteration).
     """
-    step, run = components.step, components.run
-    assert step is not None and components.loop, "build the components with loop=True"
+    step, run, state = components.step, components.run, components.state
     owns_calculator = ensure_num_microbatches_calculator(step.train, data_parallel_size())
     for chunk in model:
         chunk.train()
@@ -262,8 +278,10 @@ def run_training(
         scheduler,
         train_data_iterator,
         valid_data_iterator,
-        callbacks=loop_callback_list(components.loop, components.callbacks),
-        state=components.callback_state,
+        callbacks=loop_callback_list(
+            components.loop, [*state.cfg.callbacks, *components.callbacks]
+        ),
+        state=state,
     )
     run.timers("interval-time", log_level=0).start(barrier=True)
     try:
@@ -271,12 +289,24 @@ def run_training(
             context, step, is_done=lambda c: run_is_done(step.train, c.train_state)
         )
         run.timers("interval-time").stop()
-        for _, action in components.end_steps:
+        end_steps = run_teardown_steps(
+            state.cfg.checkpoint,
+            state.resiliency,
+            state.metric_writers,
+            clean=True,
+            close_writers=False,
+        )
+        for _, action in end_steps:
             action()
     finally:
         close_components(components.loop)
         if owns_calculator:
             release_num_microbatches_calculator()
+        loop = components.loop
+        evaluated = (c.last_evaluated_iteration for c in loop if isinstance(c, Evaluator))
+        saved = (c.last_saved_iteration for c in loop if isinstance(c, Checkpointer))
+        state.last_evaluated_iteration = next(evaluated, None)
+        state.last_saved_iteration = next(saved, None)
     return exit_code
 
 
