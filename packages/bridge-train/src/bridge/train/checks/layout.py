@@ -187,7 +187,6 @@ def _after_location(message: str) -> str:
 
 def check_engine_config(
     model_config: ModelConfigProtocol,
-    *,
     ddp_config: DDPConfigProtocol | None = None,
     optimizer_config: OptimizerConfigProtocol | None = None,
     cuda_available: bool | None = None,

@@ -18,7 +18,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bridge.train.checkpointing.context import check_checkpoint_config
 from bridge.train.checks import mimo, rules
+from bridge.train.checks.layout import check_engine_config
+from bridge.train.data.t5_datasets import check_t5_data_config
 
 __all__ = ["BOTH", "FACTS", "GPT", "MIMO", "REGISTRY", "SECTIONS", "Rule", "RunKind"]
 
@@ -85,7 +88,9 @@ SECTIONS: tuple[str, ...] = (
 #: Section -> the trainer's rules about it, in the order they run.
 REGISTRY: dict[str, tuple[Rule, ...]] = {
     "model": (
-        Rule(rules.engine_can_run_model, GPT),
+        # What the engine cannot run correctly on this machine (pipeline p2p modes,
+        # GPU-only features without CUDA).
+        Rule(check_engine_config, GPT, ("model", "ddp", "optimizer", "cuda_available")),
         Rule(rules.layout_fits_world, GPT),
     ),
     "train": (
@@ -117,7 +122,8 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(rules.data_paths_exist, GPT),
         Rule(rules.data_files_are_sound, GPT),
         Rule(rules.data_splits_hold_samples, GPT),
-        Rule(rules.t5_data_fits, GPT),
+        # T5 span-corruption data and its tokenizer's sentinel tokens fit together.
+        Rule(check_t5_data_config, GPT, ("dataset", "tokenizer")),
         Rule(rules.finetuning_dataset_is_supported, GPT),
         _unused_by_mimo("dataset"),
     ),
@@ -126,7 +132,9 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     "comm_overlap": (_unused_by_mimo("comm_overlap"),),
     "mixed_precision": (_unused_by_mimo("mixed_precision"),),
     "checkpoint": (
-        Rule(rules.checkpoint_settings_are_supported),
+        # Settings this trainer cannot honour (formats, non-persistent types, conversion,
+        # CUDA-only loading), refused whether or not the run saves.
+        Rule(check_checkpoint_config, reads=("checkpoint",)),
         # The mimo recipe refuses an absent or foreign checkpoint when it loads
         # (CheckpointError, naming exit_on_missing_checkpoint), as its docs say.
         Rule(rules.load_directory_exists, GPT),

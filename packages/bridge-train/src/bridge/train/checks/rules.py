@@ -21,14 +21,12 @@ from pathlib import Path
 from bridge.config import (
     CheckpointConfig,
     ConfigError,
-    DDPConfigProtocol,
     DistributedInitConfig,
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     LoggerConfig,
     ModelConfigProtocol,
     NVRxStragglerDetectionConfig,
-    OptimizerConfigProtocol,
     PEFTProtocol,
     ProfilingConfig,
     RerunStateMachineConfig,
@@ -40,10 +38,8 @@ from bridge.config import (
     parse_split,
 )
 from bridge.train.checkpointing import CheckpointError, checkpoint_exists
-from bridge.train.checkpointing.context import check_checkpoint_config
 from bridge.train.checkpointing.layout import validate_save_dir
 from bridge.train.checks.launch import check_writable_directory
-from bridge.train.checks.layout import check_engine_config
 from bridge.train.data.datasets import (
     check_data_paths,
     dataset_prefixes,
@@ -53,7 +49,7 @@ from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
 from bridge.train.data.packing import check_packed_sequence_specs
 from bridge.train.data.sft import check_finetuning_dataset
 from bridge.train.data.split_checks import check_split_samples
-from bridge.train.data.t5_datasets import T5DatasetConfig, check_t5_data_config
+from bridge.train.data.t5_datasets import T5DatasetConfig
 from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 from bridge.train.data.tokenizers import build_tokenizer
 from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
@@ -62,7 +58,6 @@ from bridge.train.models.layout_init import LayoutInitError, layout_independent_
 __all__ = [
     "INDEX_BYTES_PER_SAMPLE",
     "checkpoint_directories_hold_runs",
-    "checkpoint_settings_are_supported",
     "data_files_are_sound",
     "data_is_sharded",
     "data_paths_exist",
@@ -70,7 +65,6 @@ __all__ = [
     "dataset_index_fits_memory",
     "dataset_is_given",
     "distributed_backend_resolves",
-    "engine_can_run_model",
     "evaluation_has_validation_data",
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
@@ -85,7 +79,6 @@ __all__ = [
     "resume_matches_run",
     "samples_can_be_generated",
     "save_directory_is_writable",
-    "t5_data_fits",
     "tokenizer_can_be_built",
 ]
 
@@ -98,19 +91,6 @@ INDEX_BYTES_PER_SAMPLE = 24
 
 
 # ----------------------------------------------------------------------------------- model
-
-
-def engine_can_run_model(
-    model: ModelConfigProtocol,
-    ddp: DDPConfigProtocol,
-    optimizer: OptimizerConfigProtocol,
-    cuda_available: bool,
-) -> None:
-    """What the engine cannot run correctly on this machine (pipeline p2p modes, GPU-only
-    features without CUDA; see :mod:`bridge.train.checks.layout`)."""
-    check_engine_config(
-        model, ddp_config=ddp, optimizer_config=optimizer, cuda_available=cuda_available
-    )
 
 
 def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
@@ -388,14 +368,6 @@ def data_splits_hold_samples(dataset: Dataset, train: TrainingConfig | None) -> 
     )
 
 
-def t5_data_fits(dataset: Dataset, tokenizer: Tokenizer) -> None:
-    """T5 span-corruption data and its tokenizer's sentinel tokens fit together."""
-    if dataset is None:
-        return
-
-    check_t5_data_config(dataset, tokenizer)
-
-
 def finetuning_dataset_is_supported(dataset: Dataset, model: ModelConfigProtocol) -> None:
     """A ``FinetuningDatasetConfig`` the trainer can honour: files, ``dataset_kwargs``,
     loader settings, and packed-sequence settings against the model's attention."""
@@ -475,12 +447,6 @@ def samples_can_be_generated(
 
 
 # ------------------------------------------------------------------------------ checkpoint
-
-
-def checkpoint_settings_are_supported(checkpoint: CheckpointConfig) -> None:
-    """Checkpoint settings this trainer cannot honour (formats, non-persistent types,
-    conversion, CUDA-only loading), refused whether or not the run saves."""
-    check_checkpoint_config(checkpoint)
 
 
 def load_directory_exists(checkpoint: CheckpointConfig) -> None:
