@@ -34,6 +34,7 @@ from bridge.resiliency import (
     NVRxStragglerMonitor,
     RunResiliency,
     StragglerTiming,
+    WatchdogTimeouts,
 )
 from bridge.train.engine.base import build_engine
 from core_utils import Timers
@@ -197,6 +198,36 @@ class GlobalState:
         self.straggler_timing = resiliency.straggler_timing
         self.nvrx_straggler = resiliency.nvrx_straggler
         self.exit_conditions = resiliency.exit_conditions
+
+    def start_resiliency(
+        self, hang_timeout: float | WatchdogTimeouts | None = None
+    ) -> RunResiliency:
+        """Build and hold the run's resiliency objects from the ``ft``, ``straggler``,
+        ``nvrx_straggler``, ``train`` and ``checkpoint`` sections, and start the
+        fault-tolerance setup section; done before the checkpoint is loaded, so that a
+        signal arriving while it loads is not lost.
+
+        Args:
+            hang_timeout: Seconds (or per-phase timeouts) of the built-in hang watchdog.
+
+        Returns:
+            The objects, as :attr:`resiliency` gives them.
+        """
+        cfg = self.cfg
+        assert cfg.train is not None and cfg.checkpoint is not None
+        resiliency = RunResiliency.build(
+            ft=cfg.ft,
+            straggler=cfg.straggler,
+            nvrx_straggler=cfg.nvrx_straggler,
+            train=cfg.train,
+            checkpoint_dir=cfg.checkpoint.save,
+            async_save=cfg.checkpoint.async_save,
+            start_time=self.start_time,
+            hang_timeout=hang_timeout,
+        )
+        self.adopt_resiliency(resiliency)
+        resiliency.start_setup()
+        return resiliency
 
     @property
     def signal_handler(self) -> ExitSignalHandler | None:

@@ -26,28 +26,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.core import parallel_state as ps
 
 from bridge.config import TrainingConfig
 from bridge.logging import LoggingState, log_validation_results
 from bridge.resiliency import FaultTolerance
 from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable_forward_pre_hook
 from bridge.train.loop.losses import reduce_loss_dicts
+from bridge.train.loop.step import data_parallel_layout
 from bridge.train.state import ForwardStepCallable, TrainState
 from core_utils.distributed import global_rank, global_world_size
 from core_utils.loop import LoopContext
 
 __all__ = ["Evaluation", "log_evaluation"]
-
-
-def _data_parallel_layout() -> tuple[int, Any, bool]:
-    if not ps.model_parallel_is_initialized():
-        return 1, None, True
-    return (
-        ps.get_data_parallel_world_size(),
-        ps.get_data_parallel_group(with_context_parallel=True),
-        bool(ps.is_pipeline_last_stage(ignore_virtual=True)),
-    )
 
 
 def _is_last_rank() -> bool:
@@ -98,7 +88,7 @@ class Evaluation:
         """:func:`evaluate`: ``(losses, collected non-loss data or None, False)``."""
         train = self.train
         assert train.micro_batch_size is not None
-        dp_size, dp_cp_group, last_stage = _data_parallel_layout()
+        dp_size, dp_cp_group, last_stage = data_parallel_layout()
         gbs = int(train.global_batch_size or train.micro_batch_size * dp_size)
         num_microbatches = max(gbs // (train.micro_batch_size * dp_size), 1)
         manual_gc = bool(train.manual_gc and train.manual_gc_eval)

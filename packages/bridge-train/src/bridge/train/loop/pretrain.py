@@ -270,20 +270,7 @@ def setup(
     ensure_num_microbatches_calculator(train, data_parallel_size())  # released by the caller
     state.timers = build_timers(logger_cfg)
 
-    # Built from their sections before the checkpoint is loaded, so a signal that arrives
-    # while loading is not lost; the fault-tolerance setup section starts at once.
-    resiliency = RunResiliency.build(
-        ft=cfg.ft,
-        straggler=cfg.straggler,
-        nvrx_straggler=cfg.nvrx_straggler,
-        train=train,
-        checkpoint_dir=checkpoint.save,
-        async_save=checkpoint.async_save,
-        start_time=state.start_time,
-        hang_timeout=hang_timeout,
-    )
-    state.adopt_resiliency(resiliency)
-    resiliency.start_setup()
+    resiliency = state.start_resiliency(hang_timeout)
     # The config as plain data for the backends' run parameters (never fails), with the
     # SLURM job (``slurm_job``) when there is one.
     plain = yaml.safe_load(cfg.format_yaml())

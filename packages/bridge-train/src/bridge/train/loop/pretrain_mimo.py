@@ -54,7 +54,6 @@ import torch.distributed as dist
 import bridge.mimo as mimo
 from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
 from bridge.logging import setup_logging
-from bridge.resiliency import RunResiliency
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.engine.initialize import (
@@ -152,17 +151,7 @@ def pretrain_mimo(
     clean = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        resiliency = RunResiliency.build(
-            ft=cfg.ft,
-            straggler=cfg.straggler,
-            nvrx_straggler=cfg.nvrx_straggler,
-            train=train,
-            checkpoint_dir=checkpoint.save,
-            async_save=checkpoint.async_save,
-            start_time=start_time,
-        )
-        state.adopt_resiliency(resiliency)
-        resiliency.start_setup()
+        resiliency = state.start_resiliency()
         seed = cfg.rng.seed
         seed_process_generators(seed)  # a resume restores or reseeds them (see the load)
         layout = mimo_layout(model_cfg, world)

@@ -30,34 +30,28 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-__all__ = ["TrainStep", "data_parallel_size"]
+__all__ = ["TrainStep", "data_parallel_layout", "data_parallel_size"]
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _parallel_state() -> Any:
-    return parallel_state
-
-
 def data_parallel_size() -> int:
     """The data-parallel size of megatron's parallel state (1 before it exists)."""
-    ps = _parallel_state()
-    return ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    return data_parallel_layout()[0]
 
 
-def _dp_cp_group() -> Any:
-    ps = _parallel_state()
-    if not ps.model_parallel_is_initialized():
-        return None
-    return ps.get_data_parallel_group(with_context_parallel=True)
-
-
-def _is_last_pipeline_stage() -> bool:
-    ps = _parallel_state()
-    if not ps.model_parallel_is_initialized():
-        return True
-    return bool(ps.is_pipeline_last_stage(ignore_virtual=True))
+def data_parallel_layout() -> tuple[int, Any, bool]:
+    """``(data-parallel size, data+context-parallel group, last pipeline stage)`` of
+    megatron's parallel state (``(1, None, True)`` before it exists): where the step's and
+    the evaluation's losses are reduced."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, None, True
+    return (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        bool(parallel_state.is_pipeline_last_stage(ignore_virtual=True)),
+    )
 
 
 def _handle_mxfp8_param_buffer_copy(
@@ -175,14 +169,15 @@ class TrainStep:
         update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
         timers("optimizer").stop()
 
-        batch_size = num_microbatches * train.micro_batch_size * data_parallel_size()
+        dp_size, dp_cp_group, last_stage = data_parallel_layout()
+        batch_size = num_microbatches * train.micro_batch_size * dp_size
         if update_successful:
             scheduler.step(increment=batch_size)
 
         if train.empty_unused_memory_level >= 2 and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-        losses = reduce_losses(losses_reduced, _dp_cp_group()) if _is_last_pipeline_stage() else {}
+        losses = reduce_losses(losses_reduced, dp_cp_group) if last_stage else {}
         return StepResult(
             losses=losses,
             skipped=not update_successful,
