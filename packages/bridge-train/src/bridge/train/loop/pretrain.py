@@ -193,27 +193,17 @@ def _load_checkpoint(
     _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
     context = out.checkpointing_context
     context[RESEEDS_RNG_KEY] = rng.seed  # as below; the load's warning says so
-    if peft is not None:
-        # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
-        iteration, flops = load_peft_checkpoints(
-            checkpoint,
-            train_state,
-            out.model,
-            out.optimizer,
-            out.scheduler,
-            context,
-            model_config=model_config,
-        )
-    else:
-        iteration, flops = restore_checkpoint(
-            checkpoint,
-            train_state,
-            out.model,
-            out.optimizer,
-            out.scheduler,
-            model_config=model_config,
-            checkpointing_context=context,
-        )
+    # PEFT: base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
+    load = restore_checkpoint if peft is None else load_peft_checkpoints
+    iteration, flops = load(
+        checkpoint,
+        train_state,
+        out.model,
+        out.optimizer,
+        out.scheduler,
+        checkpointing_context=context,
+        model_config=model_config,
+    )
     train_state.step = int(iteration)
     train_state.floating_point_operations_so_far = float(flops)
     if context.get("rng_state") == "layout_changed":

@@ -66,7 +66,7 @@ from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from bridge.train.loop.components import close_components, loop_callback_list, standard_components
 from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel, load_mimo_checkpoint
 from bridge.train.loop.profiling import profile_trace_dir
-from bridge.train.loop.progress_log import ProgressLog, record_starting_job
+from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_ends import (
     build_run_metric_writers,
     checkpointing_context_for,
@@ -74,6 +74,7 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.saving import CheckpointWriter
+from bridge.train.loop.training import run_components
 from bridge.train.models.layout_init import layout_independent_seed
 from bridge.train.models.mimo import MimoModelConfig, build_mimo_recipe_model, mimo_layout
 from bridge.train.state import GlobalState
@@ -250,13 +251,7 @@ def pretrain_mimo(
             writers.log_metrics(record.as_metrics(), record.iteration)
 
         train_iters = int(train.train_iters or 0)
-        progress_log = ProgressLog.from_config(
-            logger_cfg,
-            checkpoint,
-            seq_length=model_cfg.seq_length,
-            start_time=start_time,
-            job_start_flops=state.job_start_flops,
-        )
+        progress_log = run_components(state).progress_log  # as for GPT
         record_starting_job(progress_log, writers, state.train_state.step)
         step_function = mimo.MimoStepFunction(step, data, scheduler)
         components = standard_components(
