@@ -133,12 +133,16 @@ def _two_rank_checks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
             f"checkpoint.save={ckpt}",
             "checkpoint.save_interval=2",
             "train.exit_signal_handler=true",
+            "logger.log_progress=true",
             callbacks=(events, _Draws()),
         )
     finally:
         mimo.MimoTrainStep.__call__ = original  # type: ignore[method-assign]
     out["events"] = events.events
     out["after_signal"] = _iterations(ckpt)
+    out["progress"] = [
+        line.split("\t")[3:5] for line in (ckpt / "progress.txt").read_text().splitlines()
+    ]
     # Resumes the save directory's newest checkpoint (3), and its data position.
     resumed = _Draws()
     assert _run(tmp, "resumed", f"checkpoint.save={ckpt}", callbacks=(resumed,)) == 0
@@ -193,6 +197,12 @@ def test_two_rank_resume_signal_and_damage(tmp_path: Path) -> None:
     assert out["after_signal"] == ["iter_0000002", "iter_0000003"]
     # A user callback runs in the MIMO loop too (the save at 2 is seen before step 3 ends).
     assert out["events"] == [("step", 1), ("step", 2), ("save", 2), ("step", 3), ("save", 3)]
+    # logger.log_progress: progress.txt as for GPT (the launch, then each persistent save).
+    assert out["progress"] == [
+        ["Starting job"],
+        ["Saved checkpoint", "Iteration: 2"],
+        ["Saved checkpoint", "Iteration: 3"],
+    ]
     assert read_tracker(tmp_path / "ckpt") == 6
     signalled = _losses(tmp_path, "signalled")
     assert sorted(signalled) == [1, 2, 3]
