@@ -476,9 +476,6 @@ def checkpoint_directories_hold_runs(checkpoint: CheckpointConfig) -> None:
     ``checkpoint.exit_on_missing_checkpoint``; ``checkpoint.pretrained_checkpoint`` must
     hold a checkpoint.
     """
-    if all(getattr(checkpoint, name) is None for name in ("save", "load", "pretrained_checkpoint")):
-        return
-
     for field in ("save", "load"):
         path = getattr(checkpoint, field)
         if path is None or (field == "load" and checkpoint_exists(path)):

@@ -40,10 +40,6 @@ from core_utils.loop import LoopContext
 __all__ = ["Evaluation", "log_evaluation"]
 
 
-def _is_last_rank() -> bool:
-    return global_rank() == global_world_size() - 1
-
-
 @dataclass
 class Evaluation:
     """Evaluates the model on a split and logs the result (see the module docstring).
@@ -212,7 +208,7 @@ def log_evaluation(
     iteration = state.train_state.step
     if write_to_tensorboard:
         log_validation_results(prefix, losses, iteration, state, split=split, log_ppl=log_ppl)
-    elif _is_last_rank():
+    elif global_rank() == global_world_size() - 1:
         line = f" {split} loss at {prefix} | " + "".join(
             f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
             for k, v in losses.items()

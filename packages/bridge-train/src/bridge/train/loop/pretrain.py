@@ -184,9 +184,6 @@ def _load_checkpoint(
     loaded (``ckpt_step``, non-persistent ones, ``pretrained_checkpoint`` when ``load``
     holds nothing, ``exit_on_missing_checkpoint``) is decided by ``restore_checkpoint``.
     """
-    paths = (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
-    if all(path is None for path in paths):
-        return False
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return False

@@ -35,7 +35,6 @@ __all__ = [
     "checkpointing_context_for",
     "run_teardown",
     "run_teardown_steps",
-    "save_dir_holds_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,32 +94,23 @@ def checkpointing_context_for(checkpoint: CheckpointConfig) -> dict[str, Any]:
     return init_checkpointing_context(checkpoint)
 
 
-def save_dir_holds_checkpoint(checkpoint: CheckpointConfig) -> bool:
-    """Whether ``checkpoint.save`` holds a checkpoint of an earlier run to resume.
-
-    Persistent checkpoints (tracker or complete ``iter_*``) count, and so do global
-    non-persistent ones: a run killed before its first persistent save resumes from them.
-    """
-    if checkpoint_exists(checkpoint.save):
-        return True
-    if checkpoint.non_persistent_ckpt_type != "global":
-        return False
-    return checkpoint_exists(non_persistent_dir(checkpoint, base=str(checkpoint.save)))
-
-
 def adopt_own_save_dir(checkpoint: CheckpointConfig) -> None:
     """Resume the run that owns ``checkpoint.save`` when ``checkpoint.load`` is unset.
 
     torchrun restarts (and a user re-running the same command) rely on it: the save directory
     holding a checkpoint becomes ``checkpoint.load``. Which checkpoint in it is loaded is
-    ``load_checkpoint``'s decision.
+    ``load_checkpoint``'s decision. Persistent checkpoints (tracker or complete ``iter_*``)
+    count, and so do global non-persistent ones: a run killed before its first persistent
+    save resumes from them.
     """
-    if (
-        checkpoint.load is None
-        and checkpoint.save is not None
-        and save_dir_holds_checkpoint(checkpoint)
+    save = checkpoint.save
+    if checkpoint.load is not None or save is None:
+        return
+    if checkpoint_exists(save) or (
+        checkpoint.non_persistent_ckpt_type == "global"
+        and checkpoint_exists(non_persistent_dir(checkpoint, base=str(save)))
     ):
-        checkpoint.load = checkpoint.save
+        checkpoint.load = save
 
 
 def run_teardown_steps(

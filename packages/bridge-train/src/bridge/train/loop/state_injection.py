@@ -131,6 +131,4 @@ def prepare_forward_step_func(
     Returns:
         The wrapped function (if injection is needed) or the original one.
     """
-    return maybe_inject_state(
-        forward_step_func, state, needs_injection=needs_global_state_injection(forward_step_func)
-    )
+    return maybe_inject_state(forward_step_func, state)

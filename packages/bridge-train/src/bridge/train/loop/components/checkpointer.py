@@ -24,7 +24,7 @@ from core_utils.loop import LoopContext
 if TYPE_CHECKING:
     from bridge.resiliency import ExitConditions, ExitDecision, FaultTolerance
 
-__all__ = ["Checkpointer", "FinalizeFunction", "SaveFunction", "async_save_finalizer"]
+__all__ = ["Checkpointer", "FinalizeFunction", "SaveFunction"]
 
 #: Writes a checkpoint of ``context`` at ``context.iteration``: ``(context, non_persistent)``.
 #: A collective; for an asynchronous save it returns once the background write is queued.
@@ -33,22 +33,6 @@ SaveFunction = Callable[["LoopContext", bool], None]
 #: Commits finished asynchronous saves: ``(context, blocking) -> number committed``.
 #: ``blocking=True`` (at the end of training) waits for every pending save. A collective.
 FinalizeFunction = Callable[["LoopContext", bool], int]
-
-
-def async_save_finalizer(fault_tolerance: FaultTolerance | None) -> FinalizeFunction:
-    """The :data:`FinalizeFunction` of bridge-train's checkpoint writer (GPT and MIMO).
-
-    Args:
-        fault_tolerance: The run's fault-tolerance hooks (finalizing is a checkpointing
-            section), or ``None``.
-    """
-
-    def finalize(context: LoopContext, blocking: bool) -> int:
-        before = pending_async_saves()
-        finalize_async_saves(fault_tolerance, blocking=blocking, terminate=blocking)
-        return before - pending_async_saves()
-
-    return finalize
 
 
 class Checkpointer(Callback):
@@ -99,8 +83,9 @@ class Checkpointer(Callback):
         exit_conditions: ExitConditions | None = None,
         fault_tolerance: FaultTolerance | None = None,
     ) -> Checkpointer:
-        """The checkpointer of the ``checkpoint`` section: asynchronous saves are committed
-        by :func:`async_save_finalizer` when ``checkpoint.async_save`` is on.
+        """The checkpointer of the ``checkpoint`` section: with ``checkpoint.async_save``,
+        finished asynchronous saves are committed by bridge-train's checkpointing (a
+        fault-tolerance checkpointing section).
 
         Args:
             checkpoint: The ``checkpoint`` section (``None``: never save).
@@ -108,9 +93,19 @@ class Checkpointer(Callback):
             exit_conditions: The run's exit conditions.
             fault_tolerance: The run's fault-tolerance hooks (for finalizing saves).
         """
+
+        def finalize(context: LoopContext, blocking: bool) -> int:
+            before = pending_async_saves()
+            finalize_async_saves(fault_tolerance, blocking=blocking, terminate=blocking)
+            return before - pending_async_saves()
+
         async_saves = checkpoint is not None and bool(checkpoint.save) and checkpoint.async_save
-        finalize = async_save_finalizer(fault_tolerance) if async_saves else None
-        return cls(save, checkpoint, exit_conditions=exit_conditions, finalize=finalize)
+        return cls(
+            save,
+            checkpoint,
+            exit_conditions=exit_conditions,
+            finalize=finalize if async_saves else None,
+        )
 
     # -- the writer ------------------------------------------------------------------------
     def save(self, context: LoopContext, *, non_persistent: bool = False) -> None:
