@@ -160,9 +160,7 @@ def _physical_memory() -> int | None:
 def dataset_index_fits_memory(train: TrainingConfig) -> None:
     """A training length whose dataset index cannot be built on this machine is refused
     (``train.train_iters=10**23`` spins for hours in megatron-core's index building)."""
-    if train.global_batch_size is None or train.skip_train:
-        return
-    if train.train_iters is None and train.train_samples is None:
+    if train.skip_train:  # validate() set the batch size and one of the lengths otherwise
         return
     samples = sum(train_valid_test_num_samples(train))
     memory = _physical_memory()
