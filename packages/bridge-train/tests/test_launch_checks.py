@@ -19,7 +19,7 @@ from bridge.train.checks.preflight import (
 from bridge.train.checks.registry import FACTS, REGISTRY, SECTIONS
 from bridge.train.cli import EXIT_CONFIG_ERROR, main
 from bridge.train.recipes import recipe_path
-from bridge.train.testing import tiny_config_container
+from bridge.train.testing import tiny_config_container, tiny_train_config
 
 
 def test_every_rule_reads_sections_and_facts_only() -> None:
@@ -132,3 +132,13 @@ def test_the_mimo_recipe_runs_the_same_pass_and_refuses_what_it_ignores(tmp_path
         check_config_before_launch(
             _mimo("profiling.use_nsys_profiler=true"), world_size=1, cuda_available=False
         )
+
+
+def test_a_training_length_whose_dataset_index_cannot_fit_in_memory_is_refused() -> None:
+    cfg = tiny_config_container(train=tiny_train_config(train_iters=10**15))
+    cfg.validate(1)
+    with pytest.raises(ConfigError, match=r"^train\.train_iters: got 10{15}: .* dataset index"):
+        check_section(vars(cfg), "train", 1)
+    assert cfg.train is not None
+    cfg.train.skip_train = True  # evaluation only: no training index is built
+    check_section(vars(cfg), "train", 1)
