@@ -1,10 +1,6 @@
 """Megatron-Bridge's evaluation functions, as thin adapters over
-:class:`~bridge.train.loop.eval.Evaluation` (what the loop's evaluator runs).
-
-:func:`evaluate` averages the losses of ``train.eval_iters`` forward-only batches;
-:func:`evaluate_and_print_results` also prints them and writes them to the metric writers
-(:func:`~bridge.train.loop.eval.log_evaluation`). Both take the ``GlobalState`` and the
-config, as Megatron-Bridge's do; the evaluation itself sees only its sections.
+:class:`~bridge.train.loop.eval.Evaluation` (what the loop's evaluator runs); they take the
+``GlobalState`` and the config, as Megatron-Bridge's do, the evaluation only its sections.
 """
 
 from __future__ import annotations

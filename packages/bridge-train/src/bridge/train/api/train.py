@@ -1,14 +1,7 @@
-"""The reference's loop functions, as thin adapters over the loop and its components.
-
-Each builds its parts with :func:`bridge.train.loop.training.run_components`, the one place
-the ``GlobalState`` is taken apart. ``train`` runs ``run_training``; ``train_step`` returns a
-:class:`~bridge.train.loop.step.TrainStep`'s result as the reference's 7-tuple;
-``post_training_step_callbacks`` runs the functions the loop's components run after a step;
-``save_checkpoint_and_time`` is the :class:`~bridge.train.loop.saving.CheckpointWriter`;
-``checkpoint_and_decide_exit`` asks the :class:`~bridge.train.loop.components.Checkpointer`.
-Each takes the ``GlobalState`` or the whole config, as the reference documents; the
-components get only their own sections. Their signatures and behaviour are the reference's
-(shared/reference 001); the loop itself never calls them.
+"""The reference's loop functions (shared/reference 001: signatures and behaviour), as thin
+adapters over the loop's parts, which :func:`bridge.train.loop.training.run_components`
+builds from the ``GlobalState`` or the whole config they take; the loop itself never calls
+them.
 """
 
 from __future__ import annotations

@@ -13,14 +13,8 @@ TensorBoard / W&B / ... metric writers, ``--metrics-file``) and
 :class:`~bridge.mimo.MimoStepFunction` run by the stack's one loop,
 :func:`core_utils.loop.run_loop`.
 
-Where each module runs (``model.layout``):
-
-* ``auto`` (default): one rank: both modules colocated; an even number ``W >= 2`` of ranks:
-  the vision encoder data-parallel on ranks ``0 .. W/2-1`` and the language model on ranks
-  ``W/2 .. W-1`` (tensor parallel 2 when ``model.language_parallel=tp`` and ``W/2`` is even,
-  else data parallel);
-* ``colocated``: both modules on every rank, data parallel over all of them;
-* ``split``: the non-colocated layout above (needs an even world size).
+Where each module runs (``model.layout``) is :func:`bridge.train.models.mimo.mimo_layout`'s
+decision (see :mod:`bridge.train.models.mimo`).
 
 The cross-module data path (``model.communicator``) is ``auto`` by default: megatron-core's
 BridgeCommunicator when the job runs on CUDA and the layout fits it, torch.distributed
@@ -33,12 +27,8 @@ for the GPT recipes: checkpoints are saved and resumed with bridge-train's check
 functions (see :mod:`bridge.train.loop.mimo_checkpoint`), ``train.exit_interval`` /
 ``train.exit_duration_in_mins`` / ``train.exit_signal_handler`` end the run early (saving
 first when ``checkpoint.save`` is set) as they do there. What this recipe does not
-implement is refused by the launch checks (:mod:`bridge.train.checks.mimo`) instead of
-being ignored: evaluation
-(``train.eval_interval`` with ``train.eval_iters > 0``: the synthetic data has no
-validation split), ``train.skip_train`` and the weight-hash check across data-parallel
-replicas (``train.check_weight_hash_across_dp_replicas_interval``: MIMO modules have their
-own data-parallel groups, which megatron's check does not know).
+implement (evaluation, ``train.skip_train``, the weight-hash check) is refused by the
+launch checks (:mod:`bridge.train.checks.mimo`, which says why) instead of being ignored.
 """
 
 from __future__ import annotations
