@@ -118,10 +118,6 @@ class TrainState:
             setattr(self, f.name, _STORED_AS[str(f.type)][1](value))
 
 
-def _default_timers() -> Timers:
-    return Timers(0, "minmax")
-
-
 @dataclass
 class GlobalState:
     """State shared by the training loop and forward-step functions.
@@ -159,7 +155,7 @@ class GlobalState:
 
     cfg: ConfigContainer = field(default_factory=ConfigContainer)
     train_state: TrainState = field(default_factory=TrainState)
-    timers: Timers = field(default_factory=_default_timers)
+    timers: Timers = field(default_factory=lambda: Timers(0, "minmax"))
     start_time: float = field(default_factory=time.time)
     metric_writers: MetricWriters = field(default_factory=MetricWriters)
     fault_tolerance: FaultTolerance = field(default_factory=NullFaultTolerance)

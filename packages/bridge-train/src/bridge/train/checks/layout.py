@@ -158,7 +158,10 @@ def _check_megatron_on_cpu(
         try:
             resolve()
         except ValueError as exc:
-            raise ConfigError("model.layer_spec_backend", _after_location(str(exc))) from None
+            # "model.x='y' requires ..." -> "'y' requires ..." (the location is separate).
+            head, sep, rest = str(exc).partition("=")
+            detail = rest if sep and head.startswith("model.") and " " not in head else str(exc)
+            raise ConfigError("model.layer_spec_backend", detail) from None
     if getattr(ddp_config, "use_megatron_fsdp", False):
         raise ConfigError(
             "ddp.use_megatron_fsdp",
@@ -177,12 +180,6 @@ def _check_megatron_on_cpu(
             "offloading the optimizer from GPU to host needs a GPU; on CPU the optimizer "
             "already runs on the host: set optimizer.optimizer_cpu_offload=false",
         )
-
-
-def _after_location(message: str) -> str:
-    """``"model.x='y' requires ..."`` -> ``"'y' requires ..."`` (the location is separate)."""
-    head, sep, rest = message.partition("=")
-    return rest if sep and head.startswith("model.") and " " not in head else message
 
 
 def check_engine_config(

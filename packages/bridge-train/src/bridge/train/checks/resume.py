@@ -28,7 +28,7 @@ import copy
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from bridge.config import (
     CheckpointConfig,
@@ -163,10 +163,6 @@ def _saved_config(checkpoint_dir: str) -> Any:
         return None
 
 
-def _resume_field(checkpoint: CheckpointConfig) -> str:
-    return "checkpoint.load" if checkpoint.load is not None else "checkpoint.save"
-
-
 def check_resume_sections(
     checkpoint: CheckpointConfig,
     model: ModelConfigProtocol | None,
@@ -204,21 +200,15 @@ def check_resume_sections(
         return
     changes = changed_sections(saved, sections)
     if changes and not checkpoint.resume_with_changes:
-        _refuse_changed_run(checkpoint, plan, changes)
-
-
-def _refuse_changed_run(
-    checkpoint: CheckpointConfig, plan: PlannedLoad, changes: list[str]
-) -> NoReturn:
-    listed = "; ".join(changes)
-    raise ConfigError(
-        _resume_field(checkpoint),
-        f"would resume iteration {plan.iteration} of {plan.path}, which was saved by a run "
-        f"with other settings: {listed}. Resuming would continue that run (its learning-rate "
-        "schedule, its data position) as if nothing had changed. Start a new run with a new "
-        f"checkpoint.save, start from its weights with checkpoint.pretrained_checkpoint="
-        f"{Path(plan.path).parent}, or set checkpoint.resume_with_changes=true to continue it",
-    )
+        raise ConfigError(
+            "checkpoint.load" if checkpoint.load is not None else "checkpoint.save",
+            f"would resume iteration {plan.iteration} of {plan.path}, which was saved by a "
+            f"run with other settings: {'; '.join(changes)}. Resuming would continue that run "
+            "(its learning-rate schedule, its data position) as if nothing had changed. Start "
+            "a new run with a new checkpoint.save, start from its weights with "
+            f"checkpoint.pretrained_checkpoint={Path(plan.path).parent}, or set "
+            "checkpoint.resume_with_changes=true to continue it",
+        )
 
 
 def _is_within(path: str, directory: str) -> bool:

@@ -150,20 +150,16 @@ def evaluation_has_validation_data(train: TrainingConfig, dataset: Dataset) -> N
     )
 
 
-def _physical_memory() -> int | None:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def dataset_index_fits_memory(train: TrainingConfig) -> None:
     """A training length whose dataset index cannot be built on this machine is refused
     (``train.train_iters=10**23`` spins for hours in megatron-core's index building)."""
     if train.skip_train:  # validate() set the batch size and one of the lengths otherwise
         return
     samples = sum(train_valid_test_num_samples(train))
-    memory = _physical_memory()
+    try:
+        memory: int | None = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        memory = None
     needed = samples * INDEX_BYTES_PER_SAMPLE
     if memory is None or needed <= memory:
         return
@@ -481,7 +477,9 @@ def checkpoint_directories_hold_runs(checkpoint: CheckpointConfig) -> None:
         try:
             validate_save_dir(path, f"checkpoint.{field}")
         except CheckpointError as exc:
-            raise ConfigError(f"checkpoint.{field}", _without_field(str(exc), field)) from None
+            # The message's leading "checkpoint.<field>=" is the error's location here.
+            detail = str(exc).removeprefix(f"checkpoint.{field}=")
+            raise ConfigError(f"checkpoint.{field}", detail) from None
     load = checkpoint.load
     if load is not None and checkpoint.exit_on_missing_checkpoint and not checkpoint_exists(load):
         raise ConfigError(
@@ -517,12 +515,6 @@ def resume_matches_run(
         {"dataset": dataset, "tokenizer": tokenizer, "peft": peft},
         trains=not (train is not None and train.skip_train),
     )
-
-
-def _without_field(message: str, field: str) -> str:
-    """Drop a leading ``checkpoint.<field>=...`` from a message that gets the field as location."""
-    prefix = f"checkpoint.{field}="
-    return message[len(prefix) :] if message.startswith(prefix) else message
 
 
 def save_directory_is_writable(checkpoint: CheckpointConfig) -> None:

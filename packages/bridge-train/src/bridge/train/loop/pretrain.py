@@ -42,7 +42,6 @@ from bridge.config import (
     ConfigError,
     ModelConfigProtocol,
     PEFTProtocol,
-    RerunStateMachineConfig,
     RNGConfig,
     TokenizerConfig,
     TokenizerConfigProtocol,
@@ -291,7 +290,15 @@ def setup(
 
     get_model_config(model[0]).timers = state.timers
     optimizer, scheduler = engine.setup_optimizer(model, cfg.optimizer, cfg.scheduler, train)
-    _initialize_rerun_state_machine(cfg.rerun_state_machine)
+    rerun = cfg.rerun_state_machine
+    rsm.destroy_rerun_state_machine()
+    rsm.initialize_rerun_state_machine(
+        mode=rsm.RerunMode(rerun.rerun_mode),
+        error_injector=rsm.RerunErrorInjector(
+            error_injection_rate=rerun.error_injection_rate,
+            error_injection_type=rsm.RerunDiagnostic(rerun.error_injection_type),
+        ),
+    )
 
     out = SetupOutput(
         state=state,
@@ -349,17 +356,6 @@ def _report_run_plan(out: SetupOutput) -> None:
     if global_rank() == 0:
         for notice in notices:
             logger.warning(notice)
-
-
-def _initialize_rerun_state_machine(settings: RerunStateMachineConfig) -> None:
-    rsm.destroy_rerun_state_machine()
-    rsm.initialize_rerun_state_machine(
-        mode=rsm.RerunMode(settings.rerun_mode),
-        error_injector=rsm.RerunErrorInjector(
-            error_injection_rate=settings.error_injection_rate,
-            error_injection_type=rsm.RerunDiagnostic(settings.error_injection_type),
-        ),
-    )
 
 
 def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
