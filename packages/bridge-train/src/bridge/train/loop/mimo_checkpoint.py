@@ -19,7 +19,8 @@ checkpoints are handled exactly as for GPT. What is MIMO-specific is small:
 * the data position is the train state's ``consumed_train_samples``, which the MIMO loader
   resumes from (the same order, neither restarted nor replayed).
 
-The save decisions (``checkpoint.save_interval``, ``non_persistent_save_interval``, an
+The load is :func:`~bridge.train.loop.run_ends.load_run_checkpoint`, GPT's, with the MIMO
+reseed. The save decisions (``checkpoint.save_interval``, ``non_persistent_save_interval``, an
 early exit: exit signal, duration, ``train.exit_interval``; the end of training; committing
 asynchronous saves) are the shared loop's :class:`~bridge.train.loop.components.Checkpointer`,
 as for GPT, and the writer it is given is GPT's too
@@ -32,22 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bridge.config import CheckpointConfig
-from bridge.train.checkpointing import restore_checkpoint
-from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
-from bridge.train.engine.initialize import resume_seed, seed_process_generators
-from bridge.train.loop.run_ends import adopt_own_save_dir
-from bridge.train.models.mimo import MimoModelConfig
-from bridge.train.state import TrainState
-
 if TYPE_CHECKING:
-    from megatron.core.optimizer import MegatronOptimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    pass
 
 __all__ = [
     "MimoCheckpointModel",
     "describe_mimo_layout",
-    "load_mimo_checkpoint",
 ]
 
 
@@ -90,58 +81,3 @@ class MimoCheckpointModel(torch.nn.Module):
     def checkpoint_parallel_layout(self) -> dict[str, Any]:
         """The MIMO layout, recorded in the checkpoint and compared on load."""
         return {"mimo_layout": describe_mimo_layout(self._layout)}
-
-
-def load_mimo_checkpoint(
-    checkpoint: CheckpointConfig,
-    train_state: TrainState,
-    chunk: MimoCheckpointModel,
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
-    checkpointing_context: dict[str, Any],
-    *,
-    rng_seed: int,
-    model_config: MimoModelConfig | None = None,
-) -> int:
-    """Load what ``checkpoint.load`` names, or resume the run owning ``checkpoint.save``.
-
-    Everything else (which checkpoint, ``ckpt_step``, damaged or absent checkpoints,
-    ``finetune``, ``load_optim``, ``load_rng``, the architecture check) is
-    :func:`~bridge.train.checkpointing.restore_checkpoint`'s, exactly as for GPT.
-
-    Args:
-        checkpoint: The ``checkpoint`` section.
-        train_state: The run's counters (restored in place; ``consumed_train_samples`` is
-            the data position).
-        chunk: The MIMO model.
-        optimizer: The multi-module optimizer.
-        scheduler: The scheduler.
-        checkpointing_context: From ``init_checkpointing_context``.
-        rng_seed: ``rng.seed``: after a resume under another layout (any module's ranks,
-            TP or DP), whose saved per-rank generator states belong to other ranks, every
-            generator is reseeded from it and the resumed iteration
-            (:func:`~bridge.train.engine.initialize.resume_seed`).
-        model_config: The run's model config (architecture check).
-
-    Returns:
-        The iteration to continue from (0 when nothing was loaded).
-    """
-    adopt_own_save_dir(checkpoint)
-    if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
-        return 0
-    checkpointing_context[RESEEDS_RNG_KEY] = rng_seed  # as below; the load's warning says so
-    iteration, _ = restore_checkpoint(
-        checkpoint,
-        train_state,
-        [chunk],
-        optimizer,
-        scheduler,
-        model_config=model_config,
-        checkpointing_context=checkpointing_context,
-    )
-    if checkpointing_context.get("rng_state") == "layout_changed":
-        # The saved generators are other ranks' (another module layout): reseed from (seed,
-        # iteration), reproducibly, rather than keep the fresh start's streams, which a
-        # resume would then replay from their first draw on.
-        seed_process_generators(resume_seed(rng_seed, iteration))
-    return iteration

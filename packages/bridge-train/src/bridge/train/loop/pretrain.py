@@ -41,8 +41,6 @@ from bridge.config import (
     ConfigContainer,
     ConfigError,
     ModelConfigProtocol,
-    PEFTProtocol,
-    RNGConfig,
     TokenizerConfig,
     TokenizerConfigProtocol,
 )
@@ -56,9 +54,7 @@ from bridge.logging import (
     start_memory_history_recording,
 )
 from bridge.resiliency import RunResiliency, WatchdogTimeouts
-from bridge.train.checkpointing import restore_checkpoint
 from bridge.train.checkpointing.layout import one_lookup_per_launch
-from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
@@ -77,9 +73,9 @@ from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.run_ends import (
-    adopt_own_save_dir,
     build_run_metric_writers,
     checkpointing_context_for,
+    load_run_checkpoint,
     run_teardown,
     run_teardown_steps,
 )
@@ -94,8 +90,7 @@ from bridge.train.models.family import (
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.models.layout_init import layout_independent_seed
 from bridge.train.peft.base import apply_peft
-from bridge.train.peft.checkpoint import load_peft_checkpoints
-from bridge.train.state import ForwardStepCallable, GlobalState, TrainState
+from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
 
@@ -163,51 +158,6 @@ def _progress(message: str) -> None:
     on a CPU, and a silent terminal looks hung."""
     if global_rank() == 0:
         logger.info(message)
-
-
-def _load_checkpoint(
-    checkpoint: CheckpointConfig,
-    peft: PEFTProtocol | None,
-    model_config: ModelConfigProtocol | None,
-    train_state: TrainState,
-    out: SetupOutput,
-    rng: RNGConfig,
-) -> bool:
-    """Load what the checkpoint section asks for; True when a checkpoint was loaded.
-
-    ``rng`` (the ``rng`` section) reseeds the generators when the saved ones could not be
-    restored because the parallel layout changed.
-
-    ``checkpoint.load`` left unset resumes the run that owns ``checkpoint.save`` when that
-    directory holds a checkpoint (torchrun restarts rely on this). Which checkpoint is then
-    loaded (``ckpt_step``, non-persistent ones, ``pretrained_checkpoint`` when ``load``
-    holds nothing, ``exit_on_missing_checkpoint``) is decided by ``restore_checkpoint``.
-    """
-    adopt_own_save_dir(checkpoint)
-    if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
-        return False
-    _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
-    context = out.checkpointing_context
-    context[RESEEDS_RNG_KEY] = rng.seed  # as below; the load's warning says so
-    # PEFT: base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
-    load = restore_checkpoint if peft is None else load_peft_checkpoints
-    iteration, flops = load(
-        checkpoint,
-        train_state,
-        out.model,
-        out.optimizer,
-        out.scheduler,
-        checkpointing_context=context,
-        model_config=model_config,
-    )
-    train_state.step = int(iteration)
-    train_state.floating_point_operations_so_far = float(flops)
-    if context.get("rng_state") == "layout_changed":
-        # The saved generators are per rank of another layout: reseed from (seed,
-        # iteration) rather than leave this layout's fresh-start state, whose dropout masks
-        # a resume would otherwise replay from its first step on.
-        seed_from_rng_config(rng, int(iteration))
-    return context.get("loaded_checkpoint") is not None
 
 
 def setup(
@@ -312,9 +262,19 @@ def setup(
         checkpointing_context=checkpointing_context_for(checkpoint),
         tokenizer=tokenizer,
     )
-    out.checkpoint_loaded = _load_checkpoint(
-        checkpoint, cfg.peft, cfg.model, state.train_state, out, cfg.rng
+    load_run_checkpoint(
+        checkpoint,
+        state.train_state,
+        model,
+        optimizer,
+        scheduler,
+        out.checkpointing_context,
+        rng_seed=cfg.rng.seed,
+        reseed=functools.partial(seed_from_rng_config, cfg.rng),
+        model_config=cfg.model,
+        peft=cfg.peft,
     )
+    out.checkpoint_loaded = out.checkpointing_context.get("loaded_checkpoint") is not None
     state.loaded_iteration = state.train_state.step
     state.job_start_flops = state.train_state.floating_point_operations_so_far
 

@@ -49,17 +49,19 @@ from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.engine.initialize import (
     init_launch_process_group,
     resolve_distributed_backend,
+    resume_seed,
     seed_process_generators,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from bridge.train.loop.components import close_components, loop_callback_list, standard_components
-from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel, load_mimo_checkpoint
+from bridge.train.loop.mimo_checkpoint import MimoCheckpointModel
 from bridge.train.loop.profiling import profile_trace_dir
 from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_ends import (
     build_run_metric_writers,
     checkpointing_context_for,
+    load_run_checkpoint,
     run_teardown,
     run_teardown_steps,
 )
@@ -185,18 +187,17 @@ def pretrain_mimo(
         assert cfg.scheduler is not None  # a required section of the recipe
         scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, train)
         checkpointing_context = checkpointing_context_for(checkpoint)
-        loaded = 0
-        if checkpointing_context:
-            loaded = load_mimo_checkpoint(
-                checkpoint,
-                state.train_state,
-                chunk,
-                optimizer,
-                scheduler,
-                checkpointing_context,
-                rng_seed=seed,
-                model_config=model_cfg,
-            )
+        loaded = load_run_checkpoint(
+            checkpoint,
+            state.train_state,
+            [chunk],
+            optimizer,
+            scheduler,
+            checkpointing_context,
+            rng_seed=seed,
+            reseed=lambda iteration: seed_process_generators(resume_seed(seed, iteration)),
+            model_config=model_cfg,
+        )
         state.loaded_iteration = loaded
         state.job_start_flops = state.train_state.floating_point_operations_so_far
         resiliency.fault_tolerance.on_setup_end(checkpoint_loaded=loaded > 0)

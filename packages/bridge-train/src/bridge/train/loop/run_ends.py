@@ -3,7 +3,8 @@
 * At the start: the metric writers of the ``logger`` section
   (:func:`build_run_metric_writers`), the checkpointing context of the ``checkpoint``
   section (:func:`checkpointing_context_for`), which checkpoint a run resumes when
-  ``checkpoint.load`` is unset (:func:`adopt_own_save_dir`).
+  ``checkpoint.load`` is unset (:func:`adopt_own_save_dir`) and its load
+  (:func:`load_run_checkpoint`).
 * At the end: the ordered release of what the run started (:func:`run_teardown_steps`,
   :func:`run_teardown`), each step logged and never raised over an error that may already
   be propagating.
@@ -14,25 +15,36 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bridge.config import CheckpointConfig, LoggerConfig
+import torch
+
+from bridge.config import CheckpointConfig, LoggerConfig, ModelConfigProtocol, PEFTProtocol
 from bridge.logging import BackendSettings, MetricWriters, ReportSettings, build_metric_writers
 from bridge.resiliency import RunResiliency
 from bridge.train.checkpointing import (
     checkpoint_exists,
     finalize_async_saves,
     init_checkpointing_context,
+    restore_checkpoint,
 )
 from bridge.train.checkpointing.context import non_persistent_dir
+from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
 from bridge.train.metrics.metrics_file import JsonlMetricWriter
+from bridge.train.peft.checkpoint import load_peft_checkpoints
+from bridge.train.state import TrainState
 from core_utils.distributed import global_rank, global_world_size
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "TeardownStep",
     "adopt_own_save_dir",
     "build_run_metric_writers",
     "checkpointing_context_for",
+    "load_run_checkpoint",
     "run_teardown",
     "run_teardown_steps",
 ]
@@ -111,6 +123,75 @@ def adopt_own_save_dir(checkpoint: CheckpointConfig) -> None:
         and checkpoint_exists(non_persistent_dir(checkpoint, base=str(save)))
     ):
         checkpoint.load = save
+
+
+def load_run_checkpoint(
+    checkpoint: CheckpointConfig,
+    train_state: TrainState,
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    checkpointing_context: dict[str, Any],
+    *,
+    rng_seed: int,
+    reseed: Callable[[int], object],
+    model_config: ModelConfigProtocol | None = None,
+    peft: PEFTProtocol | None = None,
+) -> int:
+    """Load what the ``checkpoint`` section asks for (GPT-style runs and the MIMO recipe).
+
+    ``checkpoint.load`` left unset resumes the run that owns ``checkpoint.save`` when that
+    directory holds a checkpoint (:func:`adopt_own_save_dir`; torchrun restarts rely on
+    it). Which checkpoint is then loaded (``ckpt_step``, non-persistent ones,
+    ``pretrained_checkpoint`` when ``load`` holds nothing, ``exit_on_missing_checkpoint``,
+    damaged ones, the architecture check) is ``restore_checkpoint``'s decision; with
+    ``peft`` the base weights come from ``pretrained_checkpoint`` and the adapters from the
+    run's own checkpoints (``load_peft_checkpoints``).
+
+    Args:
+        checkpoint: The ``checkpoint`` section.
+        train_state: The run's counters, restored in place.
+        model: Model chunks.
+        optimizer: The optimizer.
+        scheduler: The scheduler.
+        checkpointing_context: From :func:`checkpointing_context_for`.
+        rng_seed: ``rng.seed``, named in the load's warning when the generators are
+            reseeded.
+        reseed: Called with the resumed iteration when the saved generators belong to
+            another parallel layout (``pretrain``: ``seed_from_rng_config``; MIMO: its
+            process generators from ``resume_seed``).
+        model_config: The run's model config (architecture check).
+        peft: The ``peft`` section, if any.
+
+    Returns:
+        The iteration loaded (0 when nothing was).
+    """
+    adopt_own_save_dir(checkpoint)
+    if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
+        return 0
+    if global_rank() == 0:  # the load takes seconds; a silent terminal looks hung
+        logger.info(
+            "loading the checkpoint (%s)", checkpoint.load or checkpoint.pretrained_checkpoint
+        )
+    checkpointing_context[RESEEDS_RNG_KEY] = rng_seed  # as below; the load's warning says so
+    load = restore_checkpoint if peft is None else load_peft_checkpoints
+    iteration, flops = load(
+        checkpoint,
+        train_state,
+        model,
+        optimizer,
+        scheduler,
+        checkpointing_context=checkpointing_context,
+        model_config=model_config,
+    )
+    train_state.step = int(iteration)
+    train_state.floating_point_operations_so_far = float(flops)
+    if checkpointing_context.get("rng_state") == "layout_changed":
+        # The saved generators are per rank of another layout: reseed from (seed,
+        # iteration), reproducibly, rather than keep this layout's fresh-start streams,
+        # whose dropout masks a resume would otherwise replay from its first step on.
+        reseed(int(iteration))
+    return int(iteration)
 
 
 def run_teardown_steps(
