@@ -383,34 +383,26 @@ def finalize_async_saves(
         else contextlib.nullcontext()
     )
     with section:
-        _finalize(current, blocking=blocking, terminate=terminate)
-
-
-def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
-    try:
-        with cpu_cuda_compat():
-            if terminate:
-                try:
-                    current.close()
-                finally:
-                    _QUEUE.update(pid=None, queue=None)
-            else:
-                current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
-    except CheckpointError:
-        raise
-    except (CheckpointException, Exception) as exc:  # torch's is a BaseException
-        _abandon(current)
-        raise CheckpointError(
-            f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
-            "remains the newest one (its tracker was not updated)"
-        ) from exc
-
-
-def _abandon(current: Any) -> None:
-    """Drop a queue whose save failed, stopping its writer without finalizing anything."""
-    current.async_calls.clear()
-    try:
-        with cpu_cuda_compat():
-            current.close(abort=True)
-    finally:
-        _QUEUE.update(pid=None, queue=None)
+        try:
+            with cpu_cuda_compat():
+                if terminate:
+                    try:
+                        current.close()
+                    finally:
+                        _QUEUE.update(pid=None, queue=None)
+                else:
+                    current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
+        except CheckpointError:
+            raise
+        except (CheckpointException, Exception) as exc:  # torch's is a BaseException
+            # Drop the failed queue, stopping its writer without finalizing anything.
+            current.async_calls.clear()
+            try:
+                with cpu_cuda_compat():
+                    current.close(abort=True)
+            finally:
+                _QUEUE.update(pid=None, queue=None)
+            raise CheckpointError(
+                f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
+                "remains the newest one (its tracker was not updated)"
+            ) from exc

@@ -35,10 +35,12 @@ import torch.distributed as dist
 import xxhash
 
 from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing.layout import MARKER_FILENAME, read_marker
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "VERIFIABLE_ALGORITHMS",
+    "checkpoint_problems",
     "checksum_file",
     "checksum_files",
     "gather_problems",
@@ -52,7 +54,6 @@ CHECKSUM_ALGORITHM = "xxh3_64_tree"
 _CHUNK = 8 << 20
 _SEGMENT = 32 << 20  # part of the algorithm: changing it changes every recorded hash
 _THREADS = 4
-_MARKER = "checkpoint_complete.json"  # layout.MARKER_FILENAME (layout imports this module's users)
 
 
 def _crc32(path: str | os.PathLike[str]) -> tuple[int, str]:
@@ -224,7 +225,7 @@ def local_problems(
     if not share or _dist.rank() == 0:
         # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
         for entry in base.iterdir():
-            if entry.name not in recorded and entry.name != _MARKER and entry.is_file():
+            if entry.name not in recorded and entry.name != MARKER_FILENAME and entry.is_file():
                 part[entry.name] = (
                     f"{entry} is not part of the checkpoint as saved (a file added later)"
                 )
@@ -266,7 +267,35 @@ def recorded_files(
         )
     else:
         return files
-    raise ValueError(f"{Path(directory) / _MARKER} {problem}")
+    raise ValueError(f"{Path(directory) / MARKER_FILENAME} {problem}")
+
+
+def checkpoint_problems(
+    directory: str | os.PathLike[str], share: bool = True
+) -> dict[str, str] | None:
+    """:func:`local_problems` of ``directory`` against its own completion marker.
+
+    No collective (safe in a thread); an unreadable marker or directory is a problem too.
+
+    Args:
+        directory: The checkpoint directory.
+        share: Check only this rank's round-robin share (merge with
+            :func:`gather_problems`), else every file.
+
+    Returns:
+        ``{file name: one line saying what is wrong}``, or ``None`` for a checkpoint saved
+        before checksums existed (nothing to check against).
+    """
+    try:
+        files = recorded_files(directory, read_marker(directory))
+    except ValueError as exc:  # incomplete (a staging leftover renamed by hand, a torn marker)
+        return {MARKER_FILENAME: str(exc)}
+    if files is None:
+        return None
+    try:
+        return local_problems(directory, files, share)
+    except OSError as exc:
+        return {str(directory): f"{directory} cannot be read ({exc.strerror or exc})"}
 
 
 def verify_files(

@@ -54,13 +54,8 @@ from bridge.train.checkpointing.context import (
     required_checkpoint_section,
 )
 from bridge.train.checkpointing.errors import CheckpointError
-from bridge.train.checkpointing.integrity import (
-    gather_problems,
-    local_problems,
-    recorded_files,
-)
+from bridge.train.checkpointing.integrity import checkpoint_problems, gather_problems
 from bridge.train.checkpointing.layout import (
-    MARKER_FILENAME,
     TRACKER_FILENAME,
     CheckpointLocation,
     checkpoint_dir_name,
@@ -68,7 +63,6 @@ from bridge.train.checkpointing.layout import (
     find_latest_checkpoint,
     is_complete_checkpoint,
     parse_iteration,
-    read_marker,
 )
 from bridge.train.checkpointing.optimizer_conversion import (
     OptimizerConversion,
@@ -265,25 +259,8 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
     return None
 
 
-def _local_damage(path: str) -> dict[str, str] | None:
-    """This rank's share of the check of ``path`` (no collective; may run in a thread).
-
-    ``None`` for a checkpoint saved before checksums existed (nothing to check against).
-    """
-    try:
-        files = recorded_files(path, read_marker(path))
-    except ValueError as exc:
-        return {MARKER_FILENAME: str(exc)}
-    if files is None:
-        return None
-    try:
-        return local_problems(path, files)
-    except OSError as exc:
-        return {path: f"{path} cannot be read ({exc.strerror or exc})"}
-
-
 def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
-    """Every rank's :func:`_local_damage` of ``path`` (collective; empty if intact)."""
+    """Every rank's ``checkpoint_problems`` of ``path`` (collective; empty if intact)."""
     if part is None:
         if _dist.rank() == 0:
             logger.warning(
@@ -308,7 +285,7 @@ def _verified_plan(plan: _LoadPlan, problems: list[str]) -> _LoadPlan:
         f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
     )
     for skipped, candidate in enumerate(plan.fallbacks):
-        if not _gather_damage(candidate.path, _local_damage(candidate.path)):
+        if not _gather_damage(candidate.path, checkpoint_problems(candidate.path)):
             if _dist.rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
                     "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
@@ -1004,7 +981,7 @@ def restore_checkpoint(
         # into the model or optimizer: a damaged checkpoint is never used, and its cost
         # mostly hides.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
-            local = pool.submit(_local_damage, plan.path)
+            local = pool.submit(checkpoint_problems, plan.path)
             try:
                 result: Any = read(plan.path)
             except Exception as exc:  # damage can surface as any error of the readers
