@@ -98,10 +98,6 @@ class _SharedArena:
         self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
         self.busy_with: int | None = None  # call index whose write still reads the arena
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.numel())
-
     def copy_in(self, write_buckets: list[Any]) -> list[Any]:
         """Copy every tensor of dist_checkpointing's write buckets into the arena.
 
@@ -219,7 +215,7 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         # CUDA tensors to the host; the shared-memory snapshot does that job here.
         needed = _arena_bytes(args[1])
         arena = self._arena
-        if arena is None or arena.busy_with is not None or arena.nbytes < needed:
+        if arena is None or arena.busy_with is not None or arena.buffer.numel() < needed:
             arena = self._arena = _SharedArena(needed)
         arena.busy_with = call_idx
         args[1] = arena.copy_in(args[1])
