@@ -592,22 +592,8 @@ def _check_scheduler_settings(
 _GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
-def _saved_param_groups(inner: Any, saved_state: Any) -> list[dict[str, Any]] | None:
-    """The saved parameter groups in ``saved_state`` for megatron's non-distributed optimizer
-    ``inner`` (``FP32Optimizer``: the torch state dict; mixed precision: under
-    ``"optimizer"``), or None for other optimizers (the distributed one keeps its own)."""
-    if type(inner).__name__ == "DistributedOptimizer" or not isinstance(saved_state, dict):
-        return None
-    torch_state = saved_state.get("optimizer", saved_state)
-    groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
-    return groups if isinstance(groups, list) else None
-
-
-def _group_structure(group: dict[str, Any]) -> tuple[Any, ...]:
-    """The key megatron pairs parameter groups by, less the schedule bounds."""
-    return tuple(
-        group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-    )
+# The key megatron pairs parameter groups by, less the schedule bounds.
+_GROUP_STRUCTURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 def _align_schedule_bounds(
@@ -620,7 +606,9 @@ def _align_schedule_bounds(
     ``scheduler.override_opt_param_scheduler`` or ``use_checkpoint_opt_param_scheduler``
     with another learning rate those differ, and the load would fail. Groups are paired by
     the rest of the key (weight-decay and learning-rate multipliers, expert and decoupled
-    flags), when that pairing is one to one.
+    flags), when that pairing is one to one. Only megatron's non-distributed optimizers
+    are aligned (the distributed one keeps its own groups); their saved groups are in the
+    torch state dict (``FP32Optimizer``) or under ``"optimizer"`` (mixed precision).
 
     Returns:
         ``(inner optimizer, group index, the checkpoint's bounds)`` for each group whose
@@ -635,15 +623,20 @@ def _align_schedule_bounds(
     )
     replaced: list[tuple[Any, int, dict]] = []
     for inner, part in zip(inners, parts, strict=False):
-        saved_groups = _saved_param_groups(inner, part)
+        torch_state = part.get("optimizer", part) if isinstance(part, dict) else None
+        saved_groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
         current_groups = inner.param_groups
-        if saved_groups is None or len(saved_groups) != len(current_groups):
+        if (
+            type(inner).__name__ == "DistributedOptimizer"
+            or not isinstance(saved_groups, list)
+            or len(saved_groups) != len(current_groups)
+        ):
             continue
-        by_structure = {_group_structure(g): g for g in saved_groups}
+        by_structure = {tuple(g.get(k) for k in _GROUP_STRUCTURE): g for g in saved_groups}
         if len(by_structure) != len(saved_groups):
             continue  # ambiguous: leave megatron's own pairing (and its error) alone
         for index, current in enumerate(current_groups):
-            saved = by_structure.get(_group_structure(current))
+            saved = by_structure.get(tuple(current.get(k) for k in _GROUP_STRUCTURE))
             if saved is None:
                 break
             if all(saved.get(k) == current.get(k) for k in _GROUP_SCHEDULE_KEYS):
