@@ -44,7 +44,6 @@ __all__ = [
     "checksum_file",
     "checksum_files",
     "gather_problems",
-    "local_problems",
     "recorded_files",
     "verify_files",
 ]
@@ -199,22 +198,11 @@ def _problem(base: Path, name: str, expected: dict[str, Any]) -> str | None:
     return None
 
 
-def local_problems(
-    directory: str | os.PathLike[str], recorded: dict[str, Any], share: bool = True
+def _local_problems(
+    directory: str | os.PathLike[str], recorded: dict[str, Any], share: bool
 ) -> dict[str, str]:
-    """This rank's part of the check of ``directory`` against ``recorded`` (no collective).
-
-    Safe to run in a thread beside other work (it reads files and hashes them; CRC-32 and
-    file reads release the GIL); merge the parts with :func:`gather_problems`.
-
-    Args:
-        directory: The checkpoint directory.
-        recorded: The marker's ``files`` entry.
-        share: Check only this rank's round-robin share (else every file).
-
-    Returns:
-        ``{file name: one line saying what is wrong}`` for the damaged files checked here.
-    """
+    """``{file name: what is wrong}`` of this rank's round-robin share of ``recorded`` (of
+    every file unless ``share``); no collective."""
     base = Path(directory)
     part = {}
     for name in _my_share(recorded) if share else sorted(recorded):
@@ -233,7 +221,7 @@ def local_problems(
 
 
 def gather_problems(part: dict[str, str]) -> list[str]:
-    """Every rank's :func:`local_problems`, one line per damaged file, sorted (collective)."""
+    """Every rank's :func:`checkpoint_problems`, one line per damaged file, sorted (collective)."""
     return [line for _, line in sorted(_gather(part).items())]
 
 
@@ -273,13 +261,14 @@ def recorded_files(
 def checkpoint_problems(
     directory: str | os.PathLike[str], share: bool = True
 ) -> dict[str, str] | None:
-    """:func:`local_problems` of ``directory`` against its own completion marker.
+    """What is wrong with the files of ``directory`` against its own completion marker.
 
-    No collective (safe in a thread); an unreadable marker or directory is a problem too.
+    No collective: safe to run in a thread beside other work (file reads and the hashes
+    release the GIL). An unreadable marker or directory is a problem too.
 
     Args:
         directory: The checkpoint directory.
-        share: Check only this rank's round-robin share (merge with
+        share: Check only this rank's round-robin share (merge the parts with
             :func:`gather_problems`), else every file.
 
     Returns:
@@ -293,7 +282,7 @@ def checkpoint_problems(
     if files is None:
         return None
     try:
-        return local_problems(directory, files, share)
+        return _local_problems(directory, files, share)
     except OSError as exc:
         return {str(directory): f"{directory} cannot be read ({exc.strerror or exc})"}
 
@@ -313,7 +302,7 @@ def verify_files(
         One line per damaged file (missing, of another size, other content, or present but
         not recorded), sorted; the same list on every rank. Empty when everything matches.
     """
-    part = local_problems(directory, recorded, share=collective)
+    part = _local_problems(directory, recorded, collective)
     if collective:
         return gather_problems(part)
     return [line for _, line in sorted(part.items())]
