@@ -446,19 +446,11 @@ def save_checkpoint(
     ``fault_tolerance``.
 
     Args:
-        state: The run's ``GlobalState``.
-        model: Model chunks.
-        optimizer: The optimizer (``sharded_state_dict``), or None.
-        opt_param_scheduler: The scheduler (``state_dict``), or None.
-        num_floating_point_operations_so_far: FLOPs so far (stored with the train state).
-        checkpointing_context: From :func:`init_checkpointing_context` (made when None).
-        non_persistent_ckpt: Save a global non-persistent checkpoint.
+        state: The run's ``GlobalState``; ``num_floating_point_operations_so_far`` and
+            ``non_persistent_ckpt`` are :func:`write_checkpoint`'s ``flops_so_far`` and
+            ``non_persistent``; the other arguments and the errors are its own.
         train_data_iterator: Accepted for megatron compatibility; the data samplers resume
             from ``train_state.consumed_train_samples``, so nothing else is stored.
-
-    Raises:
-        ConfigError: No directory to save to, or an unsupported setting.
-        CheckpointError: The directory cannot be written, or dist_checkpointing failed.
     """
     del train_data_iterator
     write_checkpoint(
