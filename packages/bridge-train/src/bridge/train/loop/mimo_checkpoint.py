@@ -29,12 +29,9 @@ as for GPT, and the writer it is given is GPT's too
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "MimoCheckpointModel",

@@ -262,6 +262,14 @@ def setup(
         checkpointing_context=checkpointing_context_for(checkpoint),
         tokenizer=tokenizer,
     )
+
+    def reseed(iteration: int) -> int:
+        # The saved generators are per rank of another layout: reseed from (seed,
+        # iteration) rather than leave this layout's fresh-start state, whose dropout masks
+        # a resume would otherwise replay from its first step on.
+        seed_from_rng_config(cfg.rng, iteration)
+        return int(cfg.rng.seed)
+
     load_run_checkpoint(
         checkpoint,
         state.train_state,
@@ -269,8 +277,7 @@ def setup(
         optimizer,
         scheduler,
         out.checkpointing_context,
-        rng_seed=cfg.rng.seed,
-        reseed=functools.partial(seed_from_rng_config, cfg.rng),
+        reseed=reseed,
         model_config=cfg.model,
         peft=cfg.peft,
     )

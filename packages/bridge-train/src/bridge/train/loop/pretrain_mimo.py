@@ -187,6 +187,14 @@ def pretrain_mimo(
         assert cfg.scheduler is not None  # a required section of the recipe
         scheduler = build_optimizer_param_scheduler(optimizer, opt_cfg, cfg.scheduler, train)
         checkpointing_context = checkpointing_context_for(checkpoint)
+
+        def reseed(iteration: int) -> int:
+            # The saved generators are other ranks' (another module layout): reseed from
+            # (seed, iteration), reproducibly, rather than keep the fresh start's streams,
+            # which a resume would then replay from their first draw on.
+            seed_process_generators(resume_seed(seed, iteration))
+            return seed
+
         loaded = load_run_checkpoint(
             checkpoint,
             state.train_state,
@@ -194,8 +202,7 @@ def pretrain_mimo(
             optimizer,
             scheduler,
             checkpointing_context,
-            rng_seed=seed,
-            reseed=lambda iteration: seed_process_generators(resume_seed(seed, iteration)),
+            reseed=reseed,
             model_config=model_cfg,
         )
         state.loaded_iteration = loaded

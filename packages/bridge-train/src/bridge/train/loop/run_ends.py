@@ -29,7 +29,6 @@ from bridge.train.checkpointing import (
     restore_checkpoint,
 )
 from bridge.train.checkpointing.context import non_persistent_dir
-from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
 from bridge.train.metrics.metrics_file import JsonlMetricWriter
 from bridge.train.peft.checkpoint import load_peft_checkpoints
 from bridge.train.state import TrainState
@@ -133,8 +132,7 @@ def load_run_checkpoint(
     scheduler: OptimizerParamScheduler,
     checkpointing_context: dict[str, Any],
     *,
-    rng_seed: int,
-    reseed: Callable[[int], object],
+    reseed: Callable[[int], int],
     model_config: ModelConfigProtocol | None = None,
     peft: PEFTProtocol | None = None,
 ) -> int:
@@ -155,11 +153,9 @@ def load_run_checkpoint(
         optimizer: The optimizer.
         scheduler: The scheduler.
         checkpointing_context: From :func:`checkpointing_context_for`.
-        rng_seed: ``rng.seed``, named in the load's warning when the generators are
-            reseeded.
         reseed: Called with the resumed iteration when the saved generators belong to
-            another parallel layout (``pretrain``: ``seed_from_rng_config``; MIMO: its
-            process generators from ``resume_seed``).
+            another parallel layout, which they cannot be restored under; reseeds them and
+            returns the base seed (``rng.seed``) for the load's warning.
         model_config: The run's model config (architecture check).
         peft: The ``peft`` section, if any.
 
@@ -173,7 +169,6 @@ def load_run_checkpoint(
         logger.info(
             "loading the checkpoint (%s)", checkpoint.load or checkpoint.pretrained_checkpoint
         )
-    checkpointing_context[RESEEDS_RNG_KEY] = rng_seed  # as below; the load's warning says so
     load = restore_checkpoint if peft is None else load_peft_checkpoints
     iteration, flops = load(
         checkpoint,
@@ -183,14 +178,10 @@ def load_run_checkpoint(
         scheduler,
         checkpointing_context=checkpointing_context,
         model_config=model_config,
+        reseed=reseed,
     )
     train_state.step = int(iteration)
     train_state.floating_point_operations_so_far = float(flops)
-    if checkpointing_context.get("rng_state") == "layout_changed":
-        # The saved generators are per rank of another layout: reseed from (seed,
-        # iteration), reproducibly, rather than keep this layout's fresh-start streams,
-        # whose dropout masks a resume would otherwise replay from its first step on.
-        reseed(int(iteration))
     return int(iteration)
 
 
