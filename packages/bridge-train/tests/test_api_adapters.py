@@ -9,6 +9,9 @@ records both iterations in the state it was given; ``train_step`` returns the re
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,21 @@ def _adapters_run(rank: int, world: int, tmp: str) -> dict[str, Any]:
     )
     result["eval"] = (float(losses["lm loss"]), collected)
     result["valid_advance"] = state.train_state.consumed_valid_samples - valid_before
+    # The print-only form (the last rank prints; this run has one rank), with another
+    # config's logger section: the perplexity switch of the config given is the one read.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        test_losses = bt.evaluate_and_print_results(
+            state,
+            "iteration 4",
+            bt.forward_step,
+            out.valid_data_iterator,
+            out.model,
+            dataclasses.replace(cfg),
+            write_to_tensorboard=False,
+            split="test",
+        )
+    result["printed"] = (printed.getvalue(), float(test_losses["lm loss"]))
     state.train_state.step = 5  # as the loop would after the extra step
     state.timers("interval-time", log_level=0).start()  # paused by the save, as in the loop
     flops = state.train_state.floating_point_operations_so_far
@@ -73,6 +91,9 @@ def test_reference_loop_functions_on_a_setup_state(tmp_path: Path) -> None:
     eval_loss, collected = out["eval"]
     assert math.isfinite(eval_loss) and collected is None
     assert out["valid_advance"] == 4  # one global batch of the tiny config
+    printed, test_loss = out["printed"]
+    assert printed.startswith(" test loss at iteration 4 | lm loss value: ")
+    assert f"lm loss PPL: {math.exp(test_loss):.6E} |" in printed
     assert out["saved_after"] == 5
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("iter_"))
     assert saved == ["iter_0000004", "iter_0000005"]

@@ -37,7 +37,7 @@ from bridge.train.state import ForwardStepCallable, TrainState
 from core_utils.distributed import global_rank, global_world_size
 from core_utils.loop import LoopContext
 
-__all__ = ["Evaluation", "log_evaluation"]
+__all__ = ["Evaluation"]
 
 
 @dataclass
@@ -148,20 +148,29 @@ class Evaluation:
         write_to_tensorboard: bool = True,
         split: str = "validation",
     ) -> dict[str, float]:
-        """:func:`evaluate_and_print_results`: evaluate, print and write the losses."""
+        """:func:`evaluate_and_print_results`: evaluate, then print the losses and
+        perplexities (last rank) and, with ``write_to_tensorboard``, write them to every
+        configured backend (:func:`bridge.logging.log_validation_results`); with collected
+        non-loss data, ``process_non_loss_data_func(collected, iteration, tensorboard
+        writer)`` runs on the last rank."""
         losses, collected, _ = self.evaluate(
             data_iterator, model, verbose=verbose, is_validation=split == "validation"
         )
-        log_evaluation(
-            prefix,
-            losses,
-            collected,
-            self.state,
-            log_ppl=self.log_ppl,
-            write_to_tensorboard=write_to_tensorboard,
-            split=split,
-            process_non_loss_data_func=self.process_non_loss_data_func,
-        )
+        iteration = self.state.train_state.step
+        if write_to_tensorboard:
+            log_validation_results(
+                prefix, losses, iteration, self.state, split=split, log_ppl=self.log_ppl
+            )
+        elif global_rank() == global_world_size() - 1:
+            line = f" {split} loss at {prefix} | " + "".join(
+                f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
+                for k, v in losses.items()
+            )
+            print(line, flush=True)
+        writer = self.state.metric_writers.tensorboard
+        process = self.process_non_loss_data_func
+        if process is not None and collected is not None and writer is not None:
+            process(collected, iteration, writer)
         return losses
 
     def __call__(self, context: LoopContext) -> None:
@@ -175,46 +184,3 @@ class Evaluation:
         )
         if self.toggle_forward_pre_hooks:
             enable_forward_pre_hook(model)
-
-
-def log_evaluation(
-    prefix: str,
-    losses: dict[str, float],
-    collected: Any,
-    state: LoggingState,
-    *,
-    log_ppl: bool,
-    write_to_tensorboard: bool = True,
-    split: str = "validation",
-    process_non_loss_data_func: Callable[..., Any] | None = None,
-) -> None:
-    """Print an evaluation's losses and perplexities and write them to the metric writers.
-
-    The console block is printed by the last rank; with ``write_to_tensorboard`` the metrics
-    go to every configured backend (:func:`bridge.logging.log_validation_results`), else only
-    the line is printed. ``process_non_loss_data_func`` gets ``(collected, iteration,
-    tensorboard writer)`` on the last rank when there is collected non-loss data.
-
-    Args:
-        prefix: Where the evaluation happened, e.g. ``"iteration 100"``.
-        losses: The averaged losses.
-        collected: Non-loss data the evaluation collected, or ``None``.
-        state: The run's counters (the iteration) and metric writers.
-        log_ppl: Write ``<loss> <split> ppl`` too (``logger.log_validation_ppl_to_tensorboard``).
-        write_to_tensorboard: Write the metrics (else only print them).
-        split: ``"validation"`` or ``"test"``.
-        process_non_loss_data_func: See :func:`evaluate_and_print_results`.
-    """
-    iteration = state.train_state.step
-    if write_to_tensorboard:
-        log_validation_results(prefix, losses, iteration, state, split=split, log_ppl=log_ppl)
-    elif global_rank() == global_world_size() - 1:
-        line = f" {split} loss at {prefix} | " + "".join(
-            f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
-            for k, v in losses.items()
-        )
-        print(line, flush=True)
-    if process_non_loss_data_func is not None and collected is not None:
-        writer = state.metric_writers.tensorboard
-        if writer is not None:
-            process_non_loss_data_func(collected, iteration, writer)
