@@ -123,9 +123,9 @@ class SetupOutput:
     model: list[torch.nn.Module]
     optimizer: Any
     scheduler: Any
-    train_data_iterator: Any
-    valid_data_iterator: Any
-    test_data_iterator: Any
+    train_data_iterator: Any = None
+    valid_data_iterator: Any = None
+    test_data_iterator: Any = None
     checkpointing_context: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     checkpoint_loaded: bool = False
@@ -256,9 +256,6 @@ def setup(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        train_data_iterator=None,
-        valid_data_iterator=None,
-        test_data_iterator=None,
         checkpointing_context=checkpointing_context_for(checkpoint),
         tokenizer=tokenizer,
     )
