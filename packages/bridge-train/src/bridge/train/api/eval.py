@@ -5,15 +5,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from bridge.config import ConfigContainer
-from bridge.train.loop.eval import Evaluation
-from bridge.train.loop.training import run_components
+from bridge.train.loop.training import RunComponents
 from bridge.train.state import ForwardStepCallable, GlobalState
 
 __all__ = ["evaluate", "evaluate_and_print_results"]
@@ -57,32 +55,15 @@ def evaluate(
         reported name to its token average. The time-limit flag is always False here: the
         exit conditions are checked after evaluation by the training loop.
     """
-    evaluation = _evaluation(
-        state, forward_step_func, config, process_non_loss_data_func, non_loss_data_func
-    )
-    return evaluation.evaluate(data_iterator, model, verbose=verbose, is_validation=is_validation)
-
-
-def _evaluation(
-    state: GlobalState,
-    forward_step_func: ForwardStepCallable,
-    config: ConfigContainer,
-    process_non_loss_data_func: Callable[..., Any] | None,
-    non_loss_data_func: Callable[..., Any] | None,
-) -> Evaluation:
-    evaluation = run_components(
-        state, forward_step_func, None, process_non_loss_data_func, non_loss_data_func
-    ).evaluation
-    if config is state.cfg:
-        return evaluation
     # The sections of the config given, as the reference reads them.
-    assert config.train is not None, "evaluation needs the train section"
-    return dataclasses.replace(
-        evaluation,
-        train=config.train,
-        seq_length=int(getattr(config.model, "seq_length", 0) or 0),
-        log_ppl=bool(config.logger is not None and config.logger.log_validation_ppl_to_tensorboard),
-    )
+    evaluation = RunComponents(
+        state,
+        forward_step_func,
+        process_non_loss_data_func=process_non_loss_data_func,
+        non_loss_data_func=non_loss_data_func,
+        config=config,
+    ).evaluation
+    return evaluation.evaluate(data_iterator, model, verbose=verbose, is_validation=is_validation)
 
 
 def evaluate_and_print_results(
@@ -124,9 +105,14 @@ def evaluate_and_print_results(
     Returns:
         The averaged losses.
     """
-    evaluation = _evaluation(
-        state, forward_step_func, config, process_non_loss_data_func, non_loss_data_func
-    )
+    # The sections of the config given, as the reference reads them.
+    evaluation = RunComponents(
+        state,
+        forward_step_func,
+        process_non_loss_data_func=process_non_loss_data_func,
+        non_loss_data_func=non_loss_data_func,
+        config=config,
+    ).evaluation
     return evaluation.evaluate_and_log(
         prefix,
         data_iterator,

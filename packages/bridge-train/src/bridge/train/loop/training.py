@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bridge.config import ConfigContainer
 from bridge.logging import MetricWriters, TrainingLogSettings, tokens_per_sample
 from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.loop.batch_size import (
@@ -81,6 +82,9 @@ class RunComponents:
     non_loss_data_func: Callable[..., Any] | None = None
     callbacks: Sequence[Callback] = ()
     tokenizer: Tokenizer | None = None
+    #: The config whose sections the parts read (``None``: ``state.cfg``); the reference's
+    #: evaluation functions are given one.
+    config: ConfigContainer | None = None
 
     @cached_property
     def run(self) -> LoggedRun:
@@ -89,7 +93,7 @@ class RunComponents:
         return LoggedRun(state.train_state, state.timers, state.metric_writers, state.start_time)
 
     def __post_init__(self) -> None:
-        cfg = self.state.cfg
+        self.cfg = cfg = self.state.cfg if self.config is None else self.config
         self._toggle_hooks = should_toggle_forward_pre_hook(cfg.ddp, cfg.optimizer)
         self._seq_length = int(getattr(cfg.model, "seq_length", 0) or 0)
 
@@ -102,7 +106,7 @@ class RunComponents:
     @cached_property
     def step(self) -> TrainStep:
         """The train step (``train``, ``model``, ``ddp`` sections; the engine's schedule)."""
-        state, cfg = self.state, self.state.cfg
+        state, cfg = self.state, self.cfg
         assert cfg.train is not None, "the train section is required"
         return TrainStep(
             forward_step_func=self._forward_step,
@@ -117,7 +121,7 @@ class RunComponents:
     @cached_property
     def evaluation(self) -> Evaluation:
         """The evaluation (``train`` section; ``logger.log_validation_ppl_to_tensorboard``)."""
-        state, cfg = self.state, self.state.cfg
+        state, cfg = self.state, self.cfg
         assert cfg.train is not None, "the train section is required"
         return Evaluation(
             forward_step_func=self._forward_step,
@@ -137,8 +141,8 @@ class RunComponents:
     def progress_log(self) -> ProgressLog | None:
         """``progress.txt`` (``None``: not kept)."""
         return ProgressLog.from_config(
-            self.state.cfg.logger,
-            self.state.cfg.checkpoint,
+            self.cfg.logger,
+            self.cfg.checkpoint,
             seq_length=self._seq_length,
             start_time=self.state.start_time,
             job_start_flops=self.state.job_start_flops,
@@ -147,12 +151,12 @@ class RunComponents:
     @cached_property
     def checkpoint_writer(self) -> CheckpointWriter | None:
         """The checkpoint writer (``None``: no ``checkpoint`` section)."""
-        state, checkpoint = self.state, self.state.cfg.checkpoint
+        state, checkpoint = self.state, self.cfg.checkpoint
         if checkpoint is None:
             return None
         return CheckpointWriter(
             checkpoint,
-            state.cfg,
+            self.cfg,
             self.checkpointing_context,
             metric_writers=state.metric_writers,
             fault_tolerance=state.fault_tolerance,
@@ -165,7 +169,7 @@ class RunComponents:
     def loop(self) -> list[Callback]:
         """The loop's components in order (needs a forward step and the ``train`` and
         ``logger`` sections)."""
-        state, cfg = self.state, self.state.cfg
+        state, cfg = self.state, self.cfg
         train, logger_cfg, checkpoint = cfg.train, cfg.logger, cfg.checkpoint
         assert train and logger_cfg, "a loop needs the train and logger sections"
         metrics = MetricsProcessor(
@@ -279,7 +283,7 @@ def run_training(
         train_data_iterator,
         valid_data_iterator,
         callbacks=loop_callback_list(
-            components.loop, [*state.cfg.callbacks, *components.callbacks]
+            components.loop, [*components.cfg.callbacks, *components.callbacks]
         ),
         state=state,
     )
@@ -290,7 +294,7 @@ def run_training(
         )
         run.timers("interval-time").stop()
         end_steps = run_teardown_steps(
-            state.cfg.checkpoint,
+            components.cfg.checkpoint,
             state.resiliency,
             state.metric_writers,
             clean=True,
