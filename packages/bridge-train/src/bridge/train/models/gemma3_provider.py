@@ -230,10 +230,8 @@ class Gemma3ModelProvider(GPTModelProvider):
             "its zero-centred and post-layer norms are megatron local modules",
         )
 
-    def layer_spec(self, vp_stage: int | None = None) -> Any:
-        """The Gemma 3 block spec (or ``transformer_layer_spec`` when set)."""
-        if self.transformer_layer_spec is not None:
-            return super().layer_spec(vp_stage)
+    def _default_layer_spec(self, vp_stage: int | None) -> Any:
+        """The Gemma 3 block spec."""
         backend = self.resolved_layer_spec_backend()
         assert backend != "transformer_engine"
         return gemma3_layer_spec(self, backend, vp_stage)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
@@ -34,7 +34,6 @@ from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from bridge.train.models._provide import call_layer_spec, prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 
@@ -129,6 +128,7 @@ class MambaProvider(GPTModelProvider):
     hybrid_attention_ratio: float = 0.0
     hybrid_mlp_ratio: float = 0.0
     mamba_stack_spec: ModuleSpec | Callable[..., Any] | None = None
+    _user_spec_field: ClassVar[str] = "mamba_stack_spec"
     mamba_state_dim: int = 16
     mamba_head_dim: int = 16
     mamba_num_groups: int = 2
@@ -226,15 +226,13 @@ class MambaProvider(GPTModelProvider):
         """The hybrid stack implementation :meth:`provide` builds here (module docstring)."""
         return resolve_hybrid_backend(self.layer_spec_backend)
 
-    def layer_spec(self, vp_stage: int | None = None) -> Any:
-        """The hybrid stack spec :meth:`provide` uses (``mamba_stack_spec`` when set).
+    def _default_layer_spec(self, vp_stage: int | None) -> Any:
+        """The hybrid stack spec of the resolved backend.
 
         Raises:
             ValueError: The backend cannot run here, or the pattern uses a layer kind the
                 portable spec does not build.
         """
-        if self.mamba_stack_spec is not None:
-            return call_layer_spec(self.mamba_stack_spec, self, vp_stage)
         if self.resolved_layer_spec_backend() == "transformer_engine":
             return hybrid_stack_spec
         main_pattern = self.layer_pattern.split("/")[0].replace("|", "")
@@ -248,46 +246,14 @@ class MambaProvider(GPTModelProvider):
 
         return build_portable_hybrid_stack_spec(self)
 
-    def provide(
-        self,
-        pre_process: bool | None = None,
-        post_process: bool | None = None,
-        vp_stage: int | None = None,
-    ) -> Any:
-        """Build megatron's ``HybridModel`` for this rank.
-
-        Args:
-            pre_process: Build the embedding (default: first pipeline stage).
-            post_process: Build the output layer (default: last pipeline stage).
-            vp_stage: Virtual pipeline stage.
-
-        Returns:
-            The model chunk.
-
-        Raises:
-            ValueError: ``vocab_size`` is unset, or the backend cannot run here.
-            RuntimeError: Megatron's parallel state is missing or has another TP size.
-        """
-
-        vocab = self.padded_vocab_size
-        pre_process, post_process = prepare_to_build(
-            self, pre_process, post_process, vp_stage, spec_given=self.mamba_stack_spec is not None
-        )
+    def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
+        """megatron's ``HybridModel`` (see :meth:`GPTModelProvider.provide`)."""
         return HybridModel(
-            config=self,
             hybrid_stack_spec=self.layer_spec(vp_stage),
-            vocab_size=vocab,
             max_sequence_length=self.seq_length,
             hybrid_layer_pattern=self.layer_pattern,
-            pre_process=pre_process,
-            post_process=post_process,
-            fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
-            parallel_output=self.parallel_output,
-            share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
-            position_embedding_type=self.position_embedding_type,
-            rotary_percent=self.rotary_percent,
             rotary_base=self.rotary_base,
             scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel,
-            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             vp_stage=vp_stage,
+            **common,
         )
