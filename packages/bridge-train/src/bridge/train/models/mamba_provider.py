@@ -42,15 +42,6 @@ __all__ = ["MambaProvider", "resolve_hybrid_backend"]
 _PORTABLE_SYMBOLS = frozenset("M*-")
 _MEGATRON_SYMBOLS = frozenset("MG*D+-E")
 _GPU_PACKAGES = ("transformer_engine", "mamba_ssm", "causal_conv1d")
-_PIP_NAMES = {
-    "transformer_engine": "transformer-engine",
-    "mamba_ssm": "mamba-ssm",
-    "causal_conv1d": "causal-conv1d",
-}
-
-
-def _missing_gpu_packages() -> list[str]:
-    return [name for name in _GPU_PACKAGES if importlib.util.find_spec(name) is None]
 
 
 def resolve_hybrid_backend(
@@ -71,9 +62,10 @@ def resolve_hybrid_backend(
             without one of its packages (the message names what to install).
     """
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    absent = _missing_gpu_packages() if missing is None else missing
+    if missing is None:
+        missing = [name for name in _GPU_PACKAGES if importlib.util.find_spec(name) is None]
     if requested == "auto":
-        return "transformer_engine" if cuda and not absent else "portable"
+        return "transformer_engine" if cuda and not missing else "portable"
     if requested == "portable":
         return "portable"
     if requested == "transformer_engine":
@@ -82,10 +74,10 @@ def resolve_hybrid_backend(
                 "model.layer_spec_backend='transformer_engine' needs CUDA for a Mamba model; "
                 "set model.layer_spec_backend='portable' (or 'auto') to run on CPU"
             )
-        if absent:
+        if missing:
             raise ValueError(
                 "model.layer_spec_backend='transformer_engine' for a Mamba model needs "
-                f"pip install {' '.join(_PIP_NAMES[name] for name in absent)} "
+                f"pip install {' '.join(name.replace('_', '-') for name in missing)} "
                 "(or set model.layer_spec_backend='portable')"
             )
         return "transformer_engine"
