@@ -133,9 +133,6 @@ class T5DatasetConfig(GPTDatasetConfig):
                 "state, not the sample's seed, so samples would differ between runs and a "
                 "resume would not be exact; leave it false",
             )
-        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-            if getattr(self, name):
-                raise ConfigError(f"dataset.{name}", "is a GPT option; T5 data does not read it")
         for name, default in _GPT_ONLY.items():
             if getattr(self, name) != default:
                 raise ConfigError(
@@ -160,6 +157,9 @@ class T5DatasetConfig(GPTDatasetConfig):
 
 # GPTDatasetConfig fields that megatron's T5 dataset (and the generated one) never read.
 _GPT_ONLY: dict[str, Any] = {
+    "reset_position_ids": False,
+    "reset_attention_mask": False,
+    "eod_mask_loss": False,
     "create_attention_mask": False,
     "add_extra_token_to_sequence": True,
     "drop_last_partial_validation_sequence": True,
