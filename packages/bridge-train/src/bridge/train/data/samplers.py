@@ -16,40 +16,37 @@ resuming from ``consumed_samples`` (counted over all ranks) continues the stream
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 __all__ = ["CyclicRandomSampler", "PretrainingSampler"]
 
 
+@dataclass
 class _DataParallelSampler:
     """A position in the global stream and this rank's slice of each chunk of it."""
 
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-    ) -> None:
-        rank, size = data_parallel_rank, data_parallel_size
-        if total_samples <= 0:
-            raise ValueError(f"the dataset has no samples (total_samples={total_samples})")
-        if consumed_samples < 0:
-            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-        if micro_batch_size <= 0:
-            raise ValueError(f"train.micro_batch_size must be >= 1, got {micro_batch_size}")
+    total_samples: int
+    consumed_samples: int
+    micro_batch_size: int
+    data_parallel_rank: int
+    data_parallel_size: int
+
+    def __post_init__(self) -> None:
+        rank, size = self.data_parallel_rank, self.data_parallel_size
+        if self.total_samples <= 0:
+            raise ValueError(f"the dataset has no samples (total_samples={self.total_samples})")
+        if self.consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {self.consumed_samples}")
+        if self.micro_batch_size <= 0:
+            raise ValueError(f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if size <= 0 or not 0 <= rank < size:
             raise ValueError(f"data_parallel_rank={rank} is not in [0, data_parallel_size={size})")
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
-        self.data_parallel_size = data_parallel_size
-        self.chunk = micro_batch_size * data_parallel_size
+        self.chunk = self.micro_batch_size * size
 
 
+@dataclass
 class PretrainingSampler(_DataParallelSampler):
     """One sequential pass over the dataset, sharded over data-parallel ranks.
 
@@ -66,23 +63,7 @@ class PretrainingSampler(_DataParallelSampler):
         ValueError: A size or rank is out of range.
     """
 
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-        drop_last: bool = True,
-    ) -> None:
-        super().__init__(
-            total_samples,
-            consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-        )
-        self.drop_last = drop_last
+    drop_last: bool = True
 
     def __len__(self) -> int:
         """Micro-batches this rank yields from ``consumed_samples`` to the end."""
@@ -105,6 +86,7 @@ class PretrainingSampler(_DataParallelSampler):
                 yield indices
 
 
+@dataclass
 class CyclicRandomSampler(_DataParallelSampler):
     """Endless shuffled epochs over the dataset, sharded over data-parallel ranks.
 
@@ -123,23 +105,7 @@ class CyclicRandomSampler(_DataParallelSampler):
         ValueError: A size or rank is out of range.
     """
 
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(
-            total_samples,
-            consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-        )
-        self.seed = seed
+    seed: int = 0
 
     def _epoch(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
