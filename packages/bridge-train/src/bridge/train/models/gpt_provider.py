@@ -163,22 +163,23 @@ class GPTModelProvider(TransformerConfig):
             name: getattr(self, name) for name in unset if getattr(self, name) is not None
         }
 
-    def _check_gpt_fields(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+    def _check_positive(self, *names: str, optional: bool = False) -> None:
+        """Refuse a field of ``names`` that is not a positive integer (or None if ``optional``)."""
+        for name in names:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.vocab_size is not None and (
-            not isinstance(self.vocab_size, int) or self.vocab_size < 1
-        ):
-            raise ValueError(
-                f"model.vocab_size must be a positive integer or None, got {self.vocab_size!r}"
-            )
-        if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(
-                "model.make_vocab_size_divisible_by must be >= 1, got "
-                f"{self.make_vocab_size_divisible_by}"
-            )
+            if (value is not None or not optional) and (not isinstance(value, int) or value < 1):
+                either = " or None" if optional else ""
+                raise ValueError(f"model.{name} must be a positive integer{either}, got {value!r}")
+
+    def _check_gpt_fields(self) -> None:
+        self._check_positive(
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "make_vocab_size_divisible_by",
+        )
+        self._check_positive("vocab_size", optional=True)
         if self.position_embedding_type not in ("learned_absolute", "rope", "none", "yarn"):
             raise ValueError(
                 f"model.position_embedding_type={self.position_embedding_type!r} is not one of "

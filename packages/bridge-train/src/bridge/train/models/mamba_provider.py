@@ -168,10 +168,7 @@ class MambaProvider(GPTModelProvider):
                     f"model.hybrid_override_pattern={pattern!r} has {len(main)} layers but "
                     f"model.num_layers={self.num_layers}; make them equal"
                 )
-        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        self._check_positive("mamba_state_dim", "mamba_head_dim", "mamba_num_groups")
         heads = self.mamba_heads
         tp = self.tensor_model_parallel_size
         if heads % self.mamba_num_groups:

@@ -51,10 +51,8 @@ class T5ModelProvider(GPTModelProvider):
             ValueError: A size is not positive, or the position table is shorter than a
                 sequence.
         """
-        for name in ("encoder_num_layers", "seq_length_dec", "max_position_embeddings"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        self._check_positive("seq_length_dec")
+        self._check_positive("encoder_num_layers", "max_position_embeddings", optional=True)
         longest = max(self.seq_length, self.seq_length_dec)
         if self.max_position_embeddings is not None and self.max_position_embeddings < longest:
             raise ValueError(
