@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,7 @@ from bridge.train.convert._runtime import (
     staged,
 )
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
-from bridge.train.convert.model_weights import named_weights, weights_to_meta
-from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
+from bridge.train.convert.model_weights import named_weights, weights_to_meta, write_hf_weights
 from bridge.train.convert.source import side_files
 from bridge.train.models.families import (
     ConversionError,
@@ -65,7 +64,6 @@ from bridge.train.models.families import (
     read_hf_config,
     torch_dtype_of,
 )
-from bridge.train.models.families.mapping import declared_hf_tensors
 from bridge.train.state import TrainState
 
 __all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
@@ -316,43 +314,41 @@ def _stream_export(
         root = data._base if data._base is not None else data
         if root.is_meta and id(root) in name_of:
             entries.setdefault(name_of[id(root)], {})[key] = item
-    declared = declared_hf_tensors(mappings, lambda m: params[m.megatron].to("meta"), out_dtype)
-    writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
     strategy = TorchDistLoadShardedStrategy()
-    for count, mapping in enumerate(mappings, start=1):
-        meta = params[mapping.megatron]
-        items = entries.get(mapping.megatron)
-        if not items:
-            raise ConversionError(f"internal: {mapping.megatron} has no checkpoint entry")
-        real = torch.empty(meta.shape, dtype=meta.dtype)
-        template: dict[str, Any] = {}
-        for key, item in items.items():
-            data = item.data
-            view = real.as_strided(data.shape, data.stride(), data.storage_offset())
-            template[key] = dataclasses.replace(item, data=view)
-        apply_factories(template)  # a gated fc1's halves: views of ``real`` too
-        template = dict_list_map_outplace(_whole_axes, template)
-        targets = list(nested_values(template))
-        try:
-            # One layer's parameter is part of a key stacked over the layers: the
-            # whole-key access check does not apply to a partial load.
-            loaded = dist_checkpointing.load(
-                template, str(iteration_dir), strategy, validate_access_integrity=False
-            )
-        except (CheckpointException, CheckpointingException) as exc:
-            raise ConversionError(f"loading {iteration_dir} failed: {exc}") from None
-        results = list(nested_values({key: loaded[key] for key in template}))
-        with torch.no_grad():
-            for target, value in zip(targets, results, strict=True):
-                if value.data_ptr() != target.data.data_ptr():  # loaded in place, or copied
-                    target.data.copy_(value)
-            tensors = mapping.to_hf(real)
-        del loaded, template, targets, results, real
-        for name, tensor in zip(mapping.hf, tensors, strict=True):
-            writer.write(name, tensor.to(out_dtype).contiguous(), mapping.stack)
-        del tensors
-        report(f"[{count}/{len(mappings)}] {mapping.megatron}")
-    return writer.close(), writer.total_bytes
+
+    def loaded() -> Iterator[torch.Tensor]:
+        for mapping in mappings:
+            meta = params[mapping.megatron]
+            items = entries.get(mapping.megatron)
+            if not items:
+                raise ConversionError(f"internal: {mapping.megatron} has no checkpoint entry")
+            real = torch.empty(meta.shape, dtype=meta.dtype)
+            template: dict[str, Any] = {}
+            for key, item in items.items():
+                data = item.data
+                view = real.as_strided(data.shape, data.stride(), data.storage_offset())
+                template[key] = dataclasses.replace(item, data=view)
+            apply_factories(template)  # a gated fc1's halves: views of ``real`` too
+            template = dict_list_map_outplace(_whole_axes, template)
+            targets = list(nested_values(template))
+            try:
+                # One layer's parameter is part of a key stacked over the layers: the
+                # whole-key access check does not apply to a partial load.
+                result = dist_checkpointing.load(
+                    template, str(iteration_dir), strategy, validate_access_integrity=False
+                )
+            except (CheckpointException, CheckpointingException) as exc:
+                raise ConversionError(f"loading {iteration_dir} failed: {exc}") from None
+            values = list(nested_values({key: result[key] for key in template}))
+            with torch.no_grad():
+                for target, value in zip(targets, values, strict=True):
+                    if value.data_ptr() != target.data.data_ptr():  # loaded in place, or copied
+                        target.data.copy_(value)
+            del result, template, targets, values
+            yield real
+            del real  # released before the next parameter is loaded
+
+    return write_hf_weights(staging, mappings, params, loaded(), out_dtype, max_shard_bytes, report)
 
 
 def export_hf_checkpoint(
@@ -428,18 +424,10 @@ def export_hf_checkpoint(
                     iteration_dir, single, peft=run_config.peft, pretrained_checkpoint=pretrained
                 )
                 params = named_weights(model)
-                declared = declared_hf_tensors(
-                    mappings, lambda m: params[m.megatron].to("meta"), out_dtype
+                wholes = (params[m.megatron].detach() for m in mappings)
+                files, total = write_hf_weights(
+                    staging, mappings, params, wholes, out_dtype, max_shard_bytes, report
                 )
-                writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
-                with torch.no_grad():
-                    for count, mapping in enumerate(mappings, start=1):
-                        tensors = mapping.to_hf(params[mapping.megatron].detach())
-                        for name, tensor in zip(mapping.hf, tensors, strict=True):
-                            writer.write(name, tensor.to(out_dtype).contiguous(), mapping.stack)
-                        report(f"[{count}/{len(mappings)}] {mapping.megatron}")
-                    files = writer.close()
-                total = writer.total_bytes
                 del model, params
         report(f"wrote {len(files)} file(s), {total / 1e9:.3f} GB")
         write_side_files(staging, family, written, files_dir, out_dtype, copy_config=dtype is None)
