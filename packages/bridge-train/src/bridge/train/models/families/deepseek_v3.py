@@ -49,7 +49,6 @@ than ``sigmoid``, ``topk_method`` other than ``noaux_tc`` and ``moe_layer_freq``
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -60,7 +59,6 @@ from bridge.train.models.families.config_fields import (
     rope_settings,
     rope_theta_and_scaling,
     silu_activation,
-    yarn_mscale,
     yarn_parameters,
 )
 from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
@@ -136,15 +134,6 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
             yarn.mscale,
             f"with mscale_all_dim={yarn.mscale_all_dim}, transformers scales cos and sin by "
             "mscale(factor) alone, which megatron-core's multi-latent YaRN does not compute",
-        )
-    computed = yarn_mscale(yarn.factor, mscale) / yarn_mscale(yarn.factor, mscale_all_dim)
-    if not math.isclose(computed, yarn.attention_factor, rel_tol=1e-12):
-        raise refuse(
-            config,
-            "rope_parameters.attention_factor",
-            yarn.attention_factor,
-            f"megatron-core's multi-latent YaRN scales cos and sin by {computed} "
-            "(from factor, mscale and mscale_all_dim)",
         )
     return {
         **plain,

@@ -38,7 +38,6 @@ that its other parameters do not give, and layer types other than the two above.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -53,7 +52,6 @@ from bridge.train.models.families.config_fields import (
     require,
     rope_settings,
     rope_theta_and_scaling,
-    yarn_mscale,
     yarn_parameters,
 )
 from bridge.train.models.families.llama import (
@@ -93,22 +91,8 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     if float(theta) != int(theta):
         raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
     yarn = yarn_parameters(config, scaling)
-    # megatron scales cos/sin by mscale(f, mscale) / mscale(f, mscale_all_dim) when both are
-    # given, else by mscale(f): transformers' rule, with "given" meaning set and non-zero.
-    mscale, mscale_all_dim = yarn.mscale, yarn.mscale_all_dim
-    if mscale and mscale_all_dim:
-        computed = yarn_mscale(yarn.factor, mscale) / yarn_mscale(yarn.factor, mscale_all_dim)
-    else:
-        mscale = mscale_all_dim = None
-        computed = yarn_mscale(yarn.factor)
-    if not math.isclose(computed, yarn.attention_factor, rel_tol=1e-12):
-        raise refuse(
-            config,
-            "rope_parameters.attention_factor",
-            yarn.attention_factor,
-            f"megatron-core's YaRN scales cos and sin by {computed} (from factor, mscale and "
-            "mscale_all_dim)",
-        )
+    # megatron uses the mscale pair only when both are set and non-zero (as transformers).
+    both = bool(yarn.mscale and yarn.mscale_all_dim)
     return {
         "position_embedding_type": "yarn",
         "rotary_base": int(theta),
@@ -116,8 +100,8 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "yarn_original_max_position_embeddings": yarn.original_max_position_embeddings,
         "yarn_beta_fast": yarn.beta_fast,
         "yarn_beta_slow": yarn.beta_slow,
-        "yarn_mscale": mscale,
-        "yarn_mscale_all_dim": mscale_all_dim,
+        "yarn_mscale": yarn.mscale if both else None,
+        "yarn_mscale_all_dim": yarn.mscale_all_dim if both else None,
         "yarn_correction_range_round_to_int": yarn.truncate,
     }
 

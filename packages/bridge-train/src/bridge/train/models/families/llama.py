@@ -13,7 +13,7 @@ Qwen3, Qwen3-MoE, Mixtral): they override the hooks :meth:`LlamaFamily.attention
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -106,8 +106,12 @@ def hf_rope_parameters(provider: Any) -> dict[str, Any]:
 class LlamaFamily(HFFamily):
     """Llama, and the layout of every Llama-shaped decoder (see the module docstring)."""
 
-    model_types = ("llama",)
+    model_types: ClassVar[tuple[str, ...]] = ("llama",)
     architecture = "LlamaForCausalLM"
+    #: ``tie_word_embeddings`` when the config does not say.
+    tied_by_default: ClassVar[bool] = False
+    #: The Hugging Face name of the norm before the MLP.
+    pre_mlp_norm: ClassVar[str] = "post_attention_layernorm"
 
     # ---- config.json -> provider ----------------------------------------------------------
 
@@ -164,13 +168,15 @@ class LlamaFamily(HFFamily):
             m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
             maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
             maps += self.attention_mappings(config, kwargs, m, h)
-            maps.append(
-                direct(f"{m}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight")
-            )
+            maps.append(direct(f"{m}pre_mlp_layernorm.weight", f"{h}{self.pre_mlp_norm}.weight"))
             maps += self.mlp_mappings(config, kwargs, layer, m, h)
         maps.append(direct("decoder.final_layernorm.weight", f"{prefix}norm.weight"))
-        if not config.get("tie_word_embeddings", False):
-            maps.append(vocab_rows("output_layer.weight", "lm_head.weight", padded_vocab, vocab))
+        if not config.get("tie_word_embeddings", self.tied_by_default):
+            # A multimodal checkpoint's language model keeps its head under its own prefix.
+            head = "language_model." if prefix.startswith("language_model.") else ""
+            maps.append(
+                vocab_rows("output_layer.weight", f"{head}lm_head.weight", padded_vocab, vocab)
+            )
         return maps
 
     def attention_mappings(

@@ -43,7 +43,6 @@ __all__ = [
     "TRANSPOSED",
     "HFTensorStacks",
     "ParamMapping",
-    "declared_hf_tensors",
     "direct",
     "fused_qkv",
     "gated_fc1",
@@ -73,31 +72,6 @@ class ParamMapping:
     to_megatron: Callable[..., torch.Tensor]
     to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     stack: tuple[int, int] | None = None
-
-
-def declared_hf_tensors(
-    mappings: list[ParamMapping],
-    megatron_tensor: Callable[[ParamMapping], torch.Tensor],
-    dtype: torch.dtype | None = None,
-) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(name, shape, dtype)`` of every Hugging Face tensor ``mappings`` write, in writing
-    order (a stacked tensor once, with its whole shape).
-
-    Args:
-        mappings: The family's mappings, in writing order.
-        megatron_tensor: A (meta) tensor of each mapping's megatron parameter's shape.
-        dtype: The written dtype (default: each produced tensor's).
-    """
-    declared: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    for mapping in mappings:
-        pieces = mapping.to_hf(megatron_tensor(mapping))
-        if mapping.stack is not None and mapping.stack[0] != 0:
-            continue  # declared with its first piece
-        count = None if mapping.stack is None else mapping.stack[1]
-        for name, tensor in zip(mapping.hf, pieces, strict=True):
-            shape = tuple(tensor.shape) if count is None else (count, *tensor.shape)
-            declared.append((name, shape, dtype or tensor.dtype))
-    return declared
 
 
 class HFTensorStacks:
@@ -270,30 +244,14 @@ def self_attention(
         qk_norm: Queries and keys are normed per head.
     """
     m, a = f"{layer}self_attention.", hf_attention
-    maps = [
-        fused_qkv(
-            f"{m}linear_qkv.weight",
-            f"{a}q_proj.weight",
-            f"{a}k_proj.weight",
-            f"{a}v_proj.weight",
-            heads,
-            groups,
-            head_dim,
-        ),
-        direct(f"{m}linear_proj.weight", f"{a}o_proj.weight"),
-    ]
+
+    def qkv(part: str) -> ParamMapping:
+        q, k, v = (f"{a}{x}_proj.{part}" for x in "qkv")
+        return fused_qkv(f"{m}linear_qkv.{part}", q, k, v, heads, groups, head_dim)
+
+    maps = [qkv("weight"), direct(f"{m}linear_proj.weight", f"{a}o_proj.weight")]
     if qkv_bias:
-        maps.append(
-            fused_qkv(
-                f"{m}linear_qkv.bias",
-                f"{a}q_proj.bias",
-                f"{a}k_proj.bias",
-                f"{a}v_proj.bias",
-                heads,
-                groups,
-                head_dim,
-            )
-        )
+        maps.append(qkv("bias"))
     if proj_bias:
         maps.append(direct(f"{m}linear_proj.bias", f"{a}o_proj.bias"))
     if qk_norm:
