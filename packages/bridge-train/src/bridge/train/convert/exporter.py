@@ -69,15 +69,6 @@ from bridge.train.state import TrainState
 __all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
 
 
-def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
-    """``(checkpoint root, iteration directory)`` for a root or an ``iter_*`` directory."""
-
-    try:
-        return locate_checkpoint(ckpt_dir)
-    except CheckpointError as exc:
-        raise ConversionError(str(exc)) from None
-
-
 def _side_dir(
     root: Path, pretrained: str | None, hf_config_dir: str | os.PathLike[str] | None
 ) -> Path | None:
@@ -95,19 +86,6 @@ def _side_dir(
         if (candidate / "config.json").is_file():
             return candidate
     return None
-
-
-def _check_architecture(provider: Any, config: dict[str, Any], side: Path) -> None:
-    reference = provider_from_hf_config(
-        config, make_vocab_size_divisible_by=provider.make_vocab_size_divisible_by
-    )
-    found = architecture_mismatches(provider, reference)
-    if found:
-        name, (mine, theirs) = next(iter(found.items()))
-        raise ConversionError(
-            f"{side / 'config.json'} describes another model: {name}={theirs!r} there, "
-            f"{mine!r} in the checkpoint"
-        )
 
 
 def hf_files_for(
@@ -142,7 +120,16 @@ def hf_files_for(
         return family, config, family.hf_prefixes[0], config, _tokenizer_dir(tokenizer)
     source = read_hf_config(side)
     family = family_for(source)
-    _check_architecture(provider, source, side)
+    reference = provider_from_hf_config(
+        source, make_vocab_size_divisible_by=provider.make_vocab_size_divisible_by
+    )
+    found = architecture_mismatches(provider, reference)
+    if found:
+        name, (mine, theirs) = next(iter(found.items()))
+        raise ConversionError(
+            f"{side / 'config.json'} describes another model: {name}={theirs!r} there, "
+            f"{mine!r} in the checkpoint"
+        )
     record_file = side / IMPORT_RECORD
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     written, prefix = family.export_config(source, record.get("prefix"))
@@ -389,7 +376,10 @@ def export_hf_checkpoint(
     """
 
     report = progress or (lambda message: None)
-    root, iteration_dir = _locate(Path(ckpt_dir))
+    try:
+        root, iteration_dir = locate_checkpoint(Path(ckpt_dir))
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
     run_config_file = iteration_dir / RUN_CONFIG_FILENAME
     if not run_config_file.is_file():
         raise ConversionError(

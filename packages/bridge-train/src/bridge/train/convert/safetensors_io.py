@@ -23,16 +23,6 @@ INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
 
 
-def _safe_open() -> Any:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise ConversionError(
-            "Hugging Face conversion needs the 'safetensors' package: pip install bridge-train[hf]"
-        ) from None
-    return safe_open
-
-
 class SafetensorsReader:
     """The tensors of a model directory, sharded (``model.safetensors.index.json``) or not.
 
@@ -49,7 +39,13 @@ class SafetensorsReader:
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
-        safe_open = _safe_open()
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ConversionError(
+                "Hugging Face conversion needs the 'safetensors' package: "
+                "pip install bridge-train[hf]"
+            ) from None
         index = self.model_dir / INDEX_FILENAME
         single = self.model_dir / SINGLE_FILENAME
         if index.is_file():
@@ -127,12 +123,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _shard_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_FILENAME]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
 def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> bytes:
     """The safetensors header of ``(name, shape, dtype, bytes)`` entries stored in order.
 
@@ -141,9 +131,7 @@ def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> byt
     """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape, dtype, size in entries:
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise ConversionError(f"{name}: dtype {dtype} cannot be written to safetensors")
+    for name, shape, dtype, size in entries:  # dtypes checked by the writer
         header[name] = {
             "dtype": _SAFETENSORS_DTYPES[dtype],
             "shape": list(shape),
@@ -255,7 +243,9 @@ class StreamingSafetensorsWriter:
             )
         if self._file is not None:
             self._finish_file()
-        final = [self.out_dir / name for name in _shard_names(len(self._shards))]
+        count = len(self._shards)
+        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        final = [self.out_dir / name for name in (names if count > 1 else [SINGLE_FILENAME])]
         for temp, path in zip(self._temps, final, strict=True):
             os.replace(temp, path)
         if len(final) > 1:
