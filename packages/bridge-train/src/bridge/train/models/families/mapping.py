@@ -108,26 +108,10 @@ class HFTensorStacks:
         return done
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _one(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t,)
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
-
-
-def _transposed_one(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t.t().contiguous(),)
-
-
 # (to megatron, to Hugging Face) of one tensor kept as it is, or transposed (2-D, stored
 # ``[in, out]``).
-SAME = (_same, _one)
-TRANSPOSED = (_transposed, _transposed_one)
+SAME = (lambda t: t, lambda t: (t,))
+TRANSPOSED = (lambda t: t.t().contiguous(), lambda t: (t.t().contiguous(),))
 
 
 def direct(megatron: str, hf: str, *, transpose: bool = False) -> ParamMapping:
