@@ -204,14 +204,7 @@ class GptOssFamily(LlamaFamily):
             "softmax_type": "learnable",
             "ffn_hidden_size": ffn,
             **_rope_kwargs(config),
-            **routed_moe_kwargs(
-                experts=int(require(config, "num_local_experts")),
-                topk=int(require(config, "num_experts_per_tok")),
-                expert_ffn=ffn,
-                normalize=True,
-                pattern=1,
-                aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0) or 0.0),
-            ),
+            **routed_moe_kwargs(config, ffn),
             **layer_window_kwargs(config, attention_layer_types(config, 2)),
         }
 
