@@ -39,8 +39,6 @@ from bridge.config import (
     ConfigContainer,
     ConfigError,
     PEFTProtocol,
-    TokenizerConfig,
-    TokenizerConfigProtocol,
 )
 from bridge.train.checkpointing import CheckpointError, restore_checkpoint
 from bridge.train.checkpointing.integrity import recorded_files, verify_files
@@ -66,58 +64,49 @@ from bridge.train.models.families import (
 )
 from bridge.train.state import TrainState
 
-__all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
+__all__ = ["export_hf_checkpoint", "load_model_for_export", "write_side_files"]
 
 
-def _side_dir(
-    root: Path, pretrained: str | None, hf_config_dir: str | os.PathLike[str] | None
-) -> Path | None:
-    """Where the source's ``config.json`` and tokenizer are: ``hf_config_dir``, the ``hf/``
-    of the checkpoint or of the run's imported ``pretrained`` checkpoint
-    (``checkpoint.pretrained_checkpoint``); ``None`` for a model trained from scratch."""
-    if hf_config_dir is not None:
-        if not (Path(hf_config_dir) / "config.json").is_file():
-            raise ConversionError(f"--hf-config {hf_config_dir} has no config.json")
-        return Path(hf_config_dir)
-    candidates = [root / HF_SUBDIR]
-    if pretrained:
-        candidates.append(Path(pretrained) / HF_SUBDIR)
-    for candidate in candidates:
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
-
-
-def hf_files_for(
-    provider: Any,
-    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None,
-    side: Path | None,
+def _hf_files(
+    run_config: ConfigContainer,
+    root: Path,
+    pretrained: str | None,
+    hf_config_dir: str | os.PathLike[str] | None,
     report: Callable[[str], None],
 ) -> tuple[HFFamily, dict[str, Any], str, dict[str, Any], Path | None]:
-    """What an export writes besides the weights.
+    """What an export writes besides the weights: ``(family, config of the model the
+    mappings read, tensor-name prefix, config.json to write, directory of the side files to
+    copy or None)``.
 
-    Args:
-        provider: The checkpoint's model provider.
-        tokenizer: The checkpoint's ``tokenizer`` section (its files are copied for a model
-            trained from scratch).
-        side: The source's ``config.json`` directory (``None``: trained from scratch).
-        report: Progress messages.
-
-    Returns:
-        ``(family, config of the model the mappings read, tensor-name prefix, config.json
-        to write, directory of the tokenizer files to copy or None)``.
+    The source's ``config.json`` and tokenizer are in ``hf_config_dir``, else in the ``hf/``
+    of the checkpoint or of the run's imported ``pretrained`` checkpoint. Without one (a
+    model trained from scratch) the first family whose preset reproduces the model section
+    writes the config, and the run's Hugging Face tokenizer directory is copied.
 
     Raises:
         ConversionError: The given config describes another model, or (from scratch) no
             family matches the provider.
     """
+    provider: Any = run_config.model
+    if hf_config_dir is not None:
+        if not (Path(hf_config_dir) / "config.json").is_file():
+            raise ConversionError(f"--hf-config {hf_config_dir} has no config.json")
+        candidates = [Path(hf_config_dir)]
+    else:
+        candidates = [root / HF_SUBDIR, *([Path(pretrained) / HF_SUBDIR] if pretrained else [])]
+    side = next((path for path in candidates if (path / "config.json").is_file()), None)
     if side is None:
         family, config = match_family(provider)
         report(
             f"no Hugging Face config.json came with this checkpoint: writing a "
             f"{family.name} ({family.architecture}) config.json from its model section"
         )
-        return family, config, family.hf_prefixes[0], config, _tokenizer_dir(tokenizer)
+        tokenizer = run_config.tokenizer
+        model = getattr(tokenizer, "tokenizer_model", None)
+        hf_tokenizer = getattr(tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer"
+        files = Path(str(model)) if hf_tokenizer and model else None
+        files = files if files is not None and files.is_dir() else None
+        return family, config, family.hf_prefixes[0], config, files
     source = read_hf_config(side)
     family = family_for(source)
     reference = provider_from_hf_config(
@@ -180,16 +169,6 @@ def write_side_files(
     if not (out / "generation_config.json").is_file():
         generation = family.generation_config(config)
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-
-def _tokenizer_dir(tokenizer: TokenizerConfig | TokenizerConfigProtocol | None) -> Path | None:
-    """The Hugging Face tokenizer directory of a ``tokenizer`` section
-    (``HuggingFaceTokenizer``)."""
-    model = getattr(tokenizer, "tokenizer_model", None)
-    if getattr(tokenizer, "tokenizer_type", None) != "HuggingFaceTokenizer" or not model:
-        return None
-    path = Path(str(model))
-    return path if path.is_dir() else None
 
 
 def load_model_for_export(
@@ -391,9 +370,8 @@ def export_hf_checkpoint(
         raise ConversionError(f"{run_config_file}: {exc}") from None
     provider = run_config.model
     pretrained = run_config.checkpoint.pretrained_checkpoint if run_config.checkpoint else None
-    side = _side_dir(root, pretrained, hf_config_dir)
-    family, config, prefix, written, files_dir = hf_files_for(
-        provider, run_config.tokenizer, side, report
+    family, config, prefix, written, files_dir = _hf_files(
+        run_config, root, pretrained, hf_config_dir, report
     )
     out_dtype = dtype or torch_dtype_of(written)
 
