@@ -93,7 +93,7 @@ class AutoBridge:
         """
 
         source = HFSource(path)
-        bridge = cls(source.family, source.config, source.directory)
+        bridge = cls(source.family, source.config, source.model_dir)
         provider_from_hf_config(source.config)  # refuse what the family does not honour, now
         return bridge
 

@@ -223,7 +223,7 @@ def import_hf_checkpoint(
                 run_config=_recipe(target, out, tokenizer_dir),
                 checkpointing_context=context,
             )
-            tensor_names = source.reader.names()
+            tensor_names = source.names()
             source.close()
             del model, params
         (staging / HF_SUBDIR).mkdir()
