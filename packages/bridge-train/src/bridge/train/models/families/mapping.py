@@ -27,8 +27,7 @@ A Hugging Face tensor may hold the weights of several megatron parameters stacke
 first dimension (gpt-oss stores all experts of a layer as one ``[experts, ...]`` tensor):
 such a mapping has ``stack=(index, count)`` and reads and writes only its ``index``-th slice
 of each of its tensors. The slices of one tensor come in index order, one after the other,
-in the family's list: an export writes them into the file as they arrive
-(:class:`HFTensorStacks` assembles them where a whole tensor is needed).
+in the family's list: an export writes them into the file as they arrive.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ import torch
 __all__ = [
     "SAME",
     "TRANSPOSED",
-    "HFTensorStacks",
     "ParamMapping",
     "direct",
     "fused_qkv",
@@ -72,40 +70,6 @@ class ParamMapping:
     to_megatron: Callable[..., torch.Tensor]
     to_hf: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     stack: tuple[int, int] | None = None
-
-
-class HFTensorStacks:
-    """Assembles stacked Hugging Face tensors from their pieces (see the module docstring).
-
-    :meth:`add` takes a mapping's produced tensors and returns the Hugging Face tensors now
-    complete: a whole tensor at once, a stacked one when its last piece arrives.
-    """
-
-    def __init__(self) -> None:
-        self._pieces: dict[str, list[torch.Tensor]] = {}
-
-    def add(
-        self, mapping: ParamMapping, tensors: tuple[torch.Tensor, ...]
-    ) -> list[tuple[str, torch.Tensor]]:
-        """The ``(name, tensor)`` pairs completed by ``mapping``'s ``tensors``.
-
-        Raises:
-            ValueError: A piece out of order (an internal error of the family's list).
-        """
-        if mapping.stack is None:
-            return list(zip(mapping.hf, tensors, strict=True))
-        index, count = mapping.stack
-        done: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in zip(mapping.hf, tensors, strict=True):
-            pieces = self._pieces.setdefault(name, [])
-            if len(pieces) != index:
-                raise ValueError(
-                    f"internal: piece {index} of {name} arrived after {len(pieces)} piece(s)"
-                )
-            pieces.append(tensor)
-            if len(pieces) == count:
-                done.append((name, torch.stack(self._pieces.pop(name))))
-        return done
 
 
 # (to megatron, to Hugging Face) of one tensor kept as it is, or transposed (2-D, stored
