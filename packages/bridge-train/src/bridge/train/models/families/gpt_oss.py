@@ -28,12 +28,9 @@ export writes the slices back into the stacked tensors.
 
 ``hidden_act`` is not read: transformers' gpt-oss experts compute their own activation.
 
-Refused, each naming the field: ``quantization_config`` (the released checkpoints store the
-experts in MXFP4; dequantize them first, e.g. ``transformers``' ``Mxfp4Config(dequantize=
-True)``), ``attention_bias: false`` (megatron biases every linear layer or none, and gpt-oss
-experts and router always have biases), ``swiglu_alpha`` other than 1.702 (megatron's
-``quick_gelu`` fixes it), RoPE types other than default and YaRN, a YaRN ``attention_factor``
-that its other parameters do not give, and layer types other than the two above.
+Every other value of these fields is refused with one line naming the field and why
+megatron-core computes it differently (:meth:`provider_kwargs`; the list is in
+docs/models.md's family table).
 """
 
 from __future__ import annotations
