@@ -41,8 +41,12 @@ from bridge.config import (
     PEFTProtocol,
 )
 from bridge.train.checkpointing import CheckpointError, restore_checkpoint
-from bridge.train.checkpointing.integrity import recorded_files, verify_files
-from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint, read_marker
+from bridge.train.checkpointing.integrity import checkpoint_problems
+from bridge.train.checkpointing.layout import (
+    MARKER_FILENAME,
+    RUN_CONFIG_FILENAME,
+    locate_checkpoint,
+)
 from bridge.train.convert._runtime import (
     refuse_nonempty,
     single_process_megatron,
@@ -216,19 +220,16 @@ def load_model_for_export(
 
 
 def _verify(iteration_dir: Path) -> None:
-    """The checks a load makes first: the saved files match the marker's checksums."""
+    """The checks a load makes first: the saved files match the marker's checksums (a
+    checkpoint saved before checksums existed has nothing to check against)."""
 
-    try:
-        files = recorded_files(iteration_dir, read_marker(iteration_dir))
-    except ValueError as exc:
-        raise ConversionError(f"{iteration_dir} cannot be verified: {exc}") from None
-    if files is None:
-        return  # saved before checksums existed: nothing to check against
-    damaged = verify_files(iteration_dir, files, collective=False)
-    if damaged:
+    problems = checkpoint_problems(iteration_dir, share=False)
+    if problems:
+        name, what = min(problems.items())
+        state = "cannot be verified" if name == MARKER_FILENAME else "is damaged"
         raise ConversionError(
-            f"{iteration_dir} is damaged: {damaged[0]}; restore it from a copy, or export "
-            "another checkpoint (give its iter_* directory)"
+            f"{iteration_dir} {state}: {what}; restore it from a copy, or export another "
+            "checkpoint (give its iter_* directory)"
         )
 
 
