@@ -40,7 +40,6 @@ from bridge.train.models.families.llama import (
     decoder_kwargs,
     hf_rope_parameters,
 )
-from bridge.train.models.families.mapping import ParamMapping, direct
 from bridge.train.models.gemma3_provider import Gemma3ModelProvider
 
 __all__ = ["Gemma3Family"]
@@ -80,6 +79,8 @@ class Gemma3Family(LlamaFamily):
     architecture = "Gemma3ForCausalLM"
     tied_by_default = True
     pre_mlp_norm = "pre_feedforward_layernorm"
+    after_attention = (("self_attn_bda.norm.weight", "post_attention_layernorm.weight"),)
+    after_mlp = (("mlp_bda.norm.weight", "post_feedforward_layernorm.weight"),)
     hf_prefixes = ("model.", "language_model.model.", "model.language_model.", "")
 
     def provider_class(self) -> type:
@@ -166,24 +167,6 @@ class Gemma3Family(LlamaFamily):
             ),
             **layer_window_kwargs(config, kinds),
         }
-
-    def attention_mappings(
-        self, config: dict[str, Any], kwargs: dict[str, Any], m: str, h: str
-    ) -> list[ParamMapping]:
-        """Llama's attention (with QK norms), then the norm of its output."""
-        return [
-            *super().attention_mappings(config, kwargs, m, h),
-            direct(f"{m}self_attn_bda.norm.weight", f"{h}post_attention_layernorm.weight"),
-        ]
-
-    def mlp_mappings(
-        self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str
-    ) -> list[ParamMapping]:
-        """Llama's gated MLP, then the norm of its output."""
-        return [
-            *super().mlp_mappings(config, kwargs, layer, m, h),
-            direct(f"{m}mlp_bda.norm.weight", f"{h}post_feedforward_layernorm.weight"),
-        ]
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A ``gemma3_text`` ``config.json`` for a Gemma 3 provider."""

@@ -154,6 +154,7 @@ class GptOssFamily(LlamaFamily):
 
     model_types = ("gpt_oss",)
     architecture = "GptOssForCausalLM"
+    after_attention = (("self_attention.core_attention.softmax_offset", "self_attn.sinks"),)
 
     def provider_class(self) -> type:
         """:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`."""
@@ -206,15 +207,6 @@ class GptOssFamily(LlamaFamily):
         }
 
     # ---- weights -------------------------------------------------------------------------
-
-    def attention_mappings(
-        self, config: dict[str, Any], kwargs: dict[str, Any], m: str, h: str
-    ) -> list[ParamMapping]:
-        """Fused QKV with biases, the output projection with its bias, and the sinks."""
-        return [
-            *super().attention_mappings(config, kwargs, m, h),
-            direct(f"{m}self_attention.core_attention.softmax_offset", f"{h}self_attn.sinks"),
-        ]
 
     def mlp_mappings(
         self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str

@@ -112,6 +112,10 @@ class LlamaFamily(HFFamily):
     tied_by_default: ClassVar[bool] = False
     #: The Hugging Face name of the norm before the MLP.
     pre_mlp_norm: ClassVar[str] = "post_attention_layernorm"
+    #: ``(megatron, Hugging Face)`` names, after the layer prefixes, of the tensors that
+    #: follow the attention's and the MLP's (the same tensor on both sides).
+    after_attention: ClassVar[tuple[tuple[str, str], ...]] = ()
+    after_mlp: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     # ---- config.json -> provider ----------------------------------------------------------
 
@@ -168,8 +172,10 @@ class LlamaFamily(HFFamily):
             m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
             maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
             maps += self.attention_mappings(config, kwargs, m, h)
+            maps += [direct(f"{m}{mine}", f"{h}{theirs}") for mine, theirs in self.after_attention]
             maps.append(direct(f"{m}pre_mlp_layernorm.weight", f"{h}{self.pre_mlp_norm}.weight"))
             maps += self.mlp_mappings(config, kwargs, layer, m, h)
+            maps += [direct(f"{m}{mine}", f"{h}{theirs}") for mine, theirs in self.after_mlp]
         maps.append(direct("decoder.final_layernorm.weight", f"{prefix}norm.weight"))
         if not config.get("tie_word_embeddings", self.tied_by_default):
             # A multimodal checkpoint's language model keeps its head under its own prefix.
