@@ -121,10 +121,6 @@ def _unwrap(chunk: Any) -> Any:
     return chunk
 
 
-def _is_adapter(name: str) -> bool:
-    return ".adapter." in f".{name}"
-
-
 def _global_name(model: Any, name: str) -> str:
     match = _LAYER.match(name)
     if match is None:
@@ -156,7 +152,7 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
         for module_name, module in inner.named_modules():
             for param_name, param in _own_weights(module):
                 full = f"{module_name}.{param_name}" if module_name else param_name
-                if _is_adapter(full):
+                if ".adapter." in f".{full}":  # a LoRA adapter's own weights
                     continue
                 split = bool(getattr(param, "tensor_model_parallel", False))
                 group = getattr(module, "tp_group", None) if split else None
@@ -203,16 +199,6 @@ def _slice(full: torch.Tensor, entry: LocalParameter) -> torch.Tensor:
     return torch.chunk(full, entry.parts, dim=entry.dim)[entry.part]
 
 
-def _source_mapping(
-    by_name: dict[str, ParamMapping], entry: LocalParameter, tied: bool
-) -> ParamMapping | None:
-    mapping = by_name.get(entry.name)
-    if mapping is None and tied and entry.name == "output_layer.weight":
-        # A tied output layer on the last pipeline stage is a copy of the embedding.
-        return by_name.get("embedding.word_embeddings.weight")
-    return mapping
-
-
 def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
     """Copy the weights of ``source`` (a :class:`~bridge.train.convert.source.HFSource`)
     into every parameter of this rank's chunks.
@@ -231,7 +217,10 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
     tied = bool(getattr(config, "share_embeddings_and_output_weights", False))
     loaded: set[str] = set()
     for entry in entries:
-        mapping = _source_mapping(by_name, entry, tied)
+        mapping = by_name.get(entry.name)
+        if mapping is None and tied and entry.name == "output_layer.weight":
+            # A tied output layer on the last pipeline stage is a copy of the embedding.
+            mapping = by_name.get("embedding.word_embeddings.weight")
         if mapping is None:
             raise ConversionError(f"internal: no Hugging Face source for {entry.name!r}")
         piece = _slice(source.megatron_tensor(mapping), entry)
