@@ -77,7 +77,6 @@ class Gemma3Family(LlamaFamily):
 
     model_types = ("gemma3_text", "gemma3")
     architecture = "Gemma3ForCausalLM"
-    tied_by_default = True
     pre_mlp_norm = "pre_feedforward_layernorm"
     after_attention = (("self_attn_bda.norm.weight", "post_attention_layernorm.weight"),)
     after_mlp = (("mlp_bda.norm.weight", "post_feedforward_layernorm.weight"),)

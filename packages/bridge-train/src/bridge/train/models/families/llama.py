@@ -108,8 +108,6 @@ class LlamaFamily(HFFamily):
 
     model_types: ClassVar[tuple[str, ...]] = ("llama",)
     architecture = "LlamaForCausalLM"
-    #: ``tie_word_embeddings`` when the config does not say.
-    tied_by_default: ClassVar[bool] = False
     #: The Hugging Face name of the norm before the MLP.
     pre_mlp_norm: ClassVar[str] = "post_attention_layernorm"
     #: ``(megatron, Hugging Face)`` names, after the layer prefixes, of the tensors that
@@ -159,7 +157,7 @@ class LlamaFamily(HFFamily):
         """Embedding, per layer norms + :meth:`attention_mappings` + :meth:`mlp_mappings`,
         the final norm and (untied) the output layer."""
         kwargs = self.provider_kwargs(config)
-        vocab = int(config["vocab_size"])
+        vocab = kwargs["vocab_size"]
         maps = [
             vocab_rows(
                 "embedding.word_embeddings.weight",
@@ -168,7 +166,7 @@ class LlamaFamily(HFFamily):
                 vocab,
             )
         ]
-        for layer in range(int(config["num_hidden_layers"])):
+        for layer in range(kwargs["num_layers"]):
             m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
             maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
             maps += self.attention_mappings(config, kwargs, m, h)
@@ -177,7 +175,7 @@ class LlamaFamily(HFFamily):
             maps += self.mlp_mappings(config, kwargs, layer, m, h)
             maps += [direct(f"{m}{mine}", f"{h}{theirs}") for mine, theirs in self.after_mlp]
         maps.append(direct("decoder.final_layernorm.weight", f"{prefix}norm.weight"))
-        if not config.get("tie_word_embeddings", self.tied_by_default):
+        if not kwargs["share_embeddings_and_output_weights"]:
             # A multimodal checkpoint's language model keeps its head under its own prefix.
             head = "language_model." if prefix.startswith("language_model.") else ""
             maps.append(
@@ -191,13 +189,12 @@ class LlamaFamily(HFFamily):
         """Fused QKV (weight and bias), the output projection, and QK norms where the
         provider fields (``kwargs``) have them; ``m`` / ``h``: the layer's megatron and
         Hugging Face name prefixes."""
-        heads = int(config["num_attention_heads"])
         return self_attention(
             m,
             f"{h}self_attn.",
-            heads,
-            int(config.get("num_key_value_heads") or heads),
-            int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            kwargs["num_attention_heads"],
+            kwargs["num_query_groups"],
+            kwargs["kv_channels"],
             qkv_bias=bool(kwargs.get("add_qkv_bias") or kwargs.get("add_bias_linear")),
             proj_bias=bool(kwargs.get("add_bias_linear")),
             qk_norm=bool(kwargs.get("qk_layernorm")),
