@@ -39,6 +39,8 @@ from bridge.config import (
     ConfigContainer,
     ConfigError,
     PEFTProtocol,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
 )
 from bridge.train.checkpointing import CheckpointError, restore_checkpoint
 from bridge.train.checkpointing.integrity import checkpoint_problems
@@ -72,7 +74,8 @@ __all__ = ["export_hf_checkpoint", "load_model_for_export", "write_side_files"]
 
 
 def _hf_files(
-    run_config: ConfigContainer,
+    provider: Any,
+    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None,
     root: Path,
     pretrained: str | None,
     hf_config_dir: str | os.PathLike[str] | None,
@@ -91,7 +94,6 @@ def _hf_files(
         ConversionError: The given config describes another model, or (from scratch) no
             family matches the provider.
     """
-    provider: Any = run_config.model
     if hf_config_dir is not None:
         if not (Path(hf_config_dir) / "config.json").is_file():
             raise ConversionError(f"--hf-config {hf_config_dir} has no config.json")
@@ -105,7 +107,6 @@ def _hf_files(
             f"no Hugging Face config.json came with this checkpoint: writing a "
             f"{family.name} ({family.architecture}) config.json from its model section"
         )
-        tokenizer = run_config.tokenizer
         model = getattr(tokenizer, "tokenizer_model", None)
         hf_tokenizer = getattr(tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer"
         files = Path(str(model)) if hf_tokenizer and model else None
@@ -372,7 +373,7 @@ def export_hf_checkpoint(
     provider = run_config.model
     pretrained = run_config.checkpoint.pretrained_checkpoint if run_config.checkpoint else None
     family, config, prefix, written, files_dir = _hf_files(
-        run_config, root, pretrained, hf_config_dir, report
+        provider, run_config.tokenizer, root, pretrained, hf_config_dir, report
     )
     out_dtype = dtype or torch_dtype_of(written)
 
