@@ -121,7 +121,8 @@ def _family_worker(
     rank: int, world: int, hf_dir: str, layouts: list[dict[str, int]], export: str | None
 ) -> dict[str, Any]:
     """On every rank: per layout, build the model through AutoBridge, load the Hugging Face
-    weights, compute the logits; save the first layout's model with save_hf_pretrained."""
+    weights, compute the logits; save the first layout's model with save_hf_pretrained and
+    export_hf_weights."""
     from megatron.core import parallel_state
 
     from bridge.config import DistributedInitConfig
@@ -154,6 +155,9 @@ def _family_worker(
                 )
             if index == 0 and export is not None:
                 bridge.save_hf_pretrained(model, export)
+                # The iterator every rank walks; rank 0 gets the tensors.
+                exported = dict(bridge.export_hf_weights(model))
+                out["exported"] = exported if rank == 0 else None
         finally:
             destroy_distributed()
     return out
@@ -218,7 +222,8 @@ class FamilyParity:
     def run(
         self, model: Any, layouts: list[dict[str, int]], world: int = 2, timeout: float = 600
     ) -> dict[str, Any]:
-        """Returns ``{"reference", "layouts": {name: logits}, "hf", "export"}``."""
+        """Returns ``{"reference", "layouts": {name: logits}, "hf", "export", "exported"}``
+        (``exported``: the first layout's ``export_hf_weights`` tensors)."""
         from core_utils.testing import run_distributed
 
         hf = self.save(model.float().eval())
@@ -231,7 +236,14 @@ class FamilyParity:
             for name, logits in result.items():
                 if logits is not None:
                     found.setdefault(name, logits)
-        return {"reference": _hf_logits(model), "layouts": found, "hf": hf, "export": export}
+        exported = found.pop("exported")
+        return {
+            "reference": _hf_logits(model),
+            "layouts": found,
+            "hf": hf,
+            "export": export,
+            "exported": exported,
+        }
 
     def convert_round_trip(self, hf: Path, *import_args: str) -> dict[str, Any]:
         """``bridge-convert import`` (with ``import_args``) then ``export`` of ``hf`` in a
@@ -260,14 +272,20 @@ class FamilyParity:
         assert error <= 1e-5, (layout, error)
 
     def assert_saved_is_source(self, result: dict[str, Any], saved: Path | None = None) -> None:
-        """A save (default: ``save_hf_pretrained``'s) holds the source's tensors bit for
-        bit and loads in transformers with the source's logits and tokenizer."""
+        """A save (default: ``save_hf_pretrained``'s, and ``export_hf_weights``' tensors)
+        holds the source's tensors bit for bit and loads in transformers with the source's
+        logits and tokenizer."""
         import torch
         import transformers
 
         out = result["export"] if saved is None else saved
         source, written = self.tensors(result["hf"]), self.tensors(out)
         assert sorted(source) == sorted(written)
+        if saved is None:
+            exported = result["exported"]
+            assert sorted(exported) == sorted(source)
+            for name, tensor in source.items():
+                assert torch.equal(exported[name].to(tensor.dtype), tensor), name
         for name, tensor in source.items():
             assert written[name].dtype == tensor.dtype, name
             assert torch.equal(written[name], tensor), name

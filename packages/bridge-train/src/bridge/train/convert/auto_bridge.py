@@ -56,7 +56,6 @@ from bridge.train.models.families import (
     supported_model_types,
     torch_dtype_of,
 )
-from bridge.train.models.families.mapping import HFTensorStacks
 from core_utils.distributed import broadcast_from_rank0
 from core_utils.model_wrapping import ModelOrChunks
 
@@ -93,7 +92,7 @@ class AutoBridge:
         """
 
         source = HFSource(path)
-        bridge = cls(source.family, source.config, source.directory)
+        bridge = cls(source.family, source.config, source.model_dir)
         provider_from_hf_config(source.config)  # refuse what the family does not honour, now
         return bridge
 
@@ -171,15 +170,20 @@ class AutoBridge:
 
         mappings = self._mappings(model)
         by_name = {mapping.megatron: mapping for mapping in mappings}
-        stacks = HFTensorStacks()  # tensors stacking several parameters come out whole
+        pieces: dict[str, list[torch.Tensor]] = {}  # of tensors stacking several parameters
         for name, full in iter_full_parameters(model, list(by_name)):
             mapping = by_name[name]
-            if full is None:
-                if mapping.stack is None or mapping.stack[0] == mapping.stack[1] - 1:
-                    for hf_name in mapping.hf:
-                        yield hf_name, None
+            whole = mapping.stack is None or mapping.stack[0] == mapping.stack[1] - 1
+            if full is None:  # another rank: one None per Hugging Face tensor
+                yield from ((hf_name, None) for hf_name in mapping.hf if whole)
                 continue
-            yield from stacks.add(mapping, mapping.to_hf(full))
+            for hf_name, tensor in zip(mapping.hf, mapping.to_hf(full), strict=True):
+                if mapping.stack is None:
+                    yield hf_name, tensor
+                    continue
+                pieces.setdefault(hf_name, []).append(tensor)
+                if whole:  # its last piece: the stacked tensor comes out whole
+                    yield hf_name, torch.stack(pieces.pop(hf_name))
 
     def save_hf_weights(
         self,

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,12 @@ from bridge.config import (
     TokenizerConfigProtocol,
 )
 from bridge.train.checkpointing import CheckpointError, restore_checkpoint
-from bridge.train.checkpointing.integrity import recorded_files, verify_files
-from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint, read_marker
+from bridge.train.checkpointing.integrity import checkpoint_problems
+from bridge.train.checkpointing.layout import (
+    MARKER_FILENAME,
+    RUN_CONFIG_FILENAME,
+    locate_checkpoint,
+)
 from bridge.train.convert._runtime import (
     refuse_nonempty,
     single_process_megatron,
@@ -52,8 +56,7 @@ from bridge.train.convert._runtime import (
     staged,
 )
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
-from bridge.train.convert.model_weights import named_weights, weights_to_meta
-from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
+from bridge.train.convert.model_weights import named_weights, weights_to_meta, write_hf_weights
 from bridge.train.convert.source import side_files
 from bridge.train.models.families import (
     ConversionError,
@@ -65,43 +68,54 @@ from bridge.train.models.families import (
     read_hf_config,
     torch_dtype_of,
 )
-from bridge.train.models.families.mapping import declared_hf_tensors
 from bridge.train.state import TrainState
 
-__all__ = ["export_hf_checkpoint", "hf_files_for", "load_model_for_export", "write_side_files"]
+__all__ = ["export_hf_checkpoint", "load_model_for_export", "write_side_files"]
 
 
-def _locate(ckpt_dir: Path) -> tuple[Path, Path]:
-    """``(checkpoint root, iteration directory)`` for a root or an ``iter_*`` directory."""
+def _hf_files(
+    provider: Any,
+    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None,
+    root: Path,
+    pretrained: str | None,
+    hf_config_dir: str | os.PathLike[str] | None,
+    report: Callable[[str], None],
+) -> tuple[HFFamily, dict[str, Any], str, dict[str, Any], Path | None]:
+    """What an export writes besides the weights: ``(family, config of the model the
+    mappings read, tensor-name prefix, config.json to write, directory of the side files to
+    copy or None)``.
 
-    try:
-        return locate_checkpoint(ckpt_dir)
-    except CheckpointError as exc:
-        raise ConversionError(str(exc)) from None
+    The source's ``config.json`` and tokenizer are in ``hf_config_dir``, else in the ``hf/``
+    of the checkpoint or of the run's imported ``pretrained`` checkpoint. Without one (a
+    model trained from scratch) the first family whose preset reproduces the model section
+    writes the config, and the run's Hugging Face tokenizer directory is copied.
 
-
-def _side_dir(
-    root: Path, pretrained: str | None, hf_config_dir: str | os.PathLike[str] | None
-) -> Path | None:
-    """Where the source's ``config.json`` and tokenizer are: ``hf_config_dir``, the ``hf/``
-    of the checkpoint or of the run's imported ``pretrained`` checkpoint
-    (``checkpoint.pretrained_checkpoint``); ``None`` for a model trained from scratch."""
+    Raises:
+        ConversionError: The given config describes another model, or (from scratch) no
+            family matches the provider.
+    """
     if hf_config_dir is not None:
         if not (Path(hf_config_dir) / "config.json").is_file():
             raise ConversionError(f"--hf-config {hf_config_dir} has no config.json")
-        return Path(hf_config_dir)
-    candidates = [root / HF_SUBDIR]
-    if pretrained:
-        candidates.append(Path(pretrained) / HF_SUBDIR)
-    for candidate in candidates:
-        if (candidate / "config.json").is_file():
-            return candidate
-    return None
-
-
-def _check_architecture(provider: Any, config: dict[str, Any], side: Path) -> None:
+        candidates = [Path(hf_config_dir)]
+    else:
+        candidates = [root / HF_SUBDIR, *([Path(pretrained) / HF_SUBDIR] if pretrained else [])]
+    side = next((path for path in candidates if (path / "config.json").is_file()), None)
+    if side is None:
+        family, config = match_family(provider)
+        report(
+            f"no Hugging Face config.json came with this checkpoint: writing a "
+            f"{family.name} ({family.architecture}) config.json from its model section"
+        )
+        model = getattr(tokenizer, "tokenizer_model", None)
+        hf_tokenizer = getattr(tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer"
+        files = Path(str(model)) if hf_tokenizer and model else None
+        files = files if files is not None and files.is_dir() else None
+        return family, config, family.hf_prefixes[0], config, files
+    source = read_hf_config(side)
+    family = family_for(source)
     reference = provider_from_hf_config(
-        config, make_vocab_size_divisible_by=provider.make_vocab_size_divisible_by
+        source, make_vocab_size_divisible_by=provider.make_vocab_size_divisible_by
     )
     found = architecture_mismatches(provider, reference)
     if found:
@@ -110,41 +124,6 @@ def _check_architecture(provider: Any, config: dict[str, Any], side: Path) -> No
             f"{side / 'config.json'} describes another model: {name}={theirs!r} there, "
             f"{mine!r} in the checkpoint"
         )
-
-
-def hf_files_for(
-    provider: Any,
-    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None,
-    side: Path | None,
-    report: Callable[[str], None],
-) -> tuple[HFFamily, dict[str, Any], str, dict[str, Any], Path | None]:
-    """What an export writes besides the weights.
-
-    Args:
-        provider: The checkpoint's model provider.
-        tokenizer: The checkpoint's ``tokenizer`` section (its files are copied for a model
-            trained from scratch).
-        side: The source's ``config.json`` directory (``None``: trained from scratch).
-        report: Progress messages.
-
-    Returns:
-        ``(family, config of the model the mappings read, tensor-name prefix, config.json
-        to write, directory of the tokenizer files to copy or None)``.
-
-    Raises:
-        ConversionError: The given config describes another model, or (from scratch) no
-            family matches the provider.
-    """
-    if side is None:
-        family, config = match_family(provider)
-        report(
-            f"no Hugging Face config.json came with this checkpoint: writing a "
-            f"{family.name} ({family.architecture}) config.json from its model section"
-        )
-        return family, config, family.hf_prefixes[0], config, _tokenizer_dir(tokenizer)
-    source = read_hf_config(side)
-    family = family_for(source)
-    _check_architecture(provider, source, side)
     record_file = side / IMPORT_RECORD
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     written, prefix = family.export_config(source, record.get("prefix"))
@@ -197,16 +176,6 @@ def write_side_files(
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def _tokenizer_dir(tokenizer: TokenizerConfig | TokenizerConfigProtocol | None) -> Path | None:
-    """The Hugging Face tokenizer directory of a ``tokenizer`` section
-    (``HuggingFaceTokenizer``)."""
-    model = getattr(tokenizer, "tokenizer_model", None)
-    if getattr(tokenizer, "tokenizer_type", None) != "HuggingFaceTokenizer" or not model:
-        return None
-    path = Path(str(model))
-    return path if path.is_dir() else None
-
-
 def load_model_for_export(
     iteration_dir: Path,
     single: Any,
@@ -252,19 +221,16 @@ def load_model_for_export(
 
 
 def _verify(iteration_dir: Path) -> None:
-    """The checks a load makes first: the saved files match the marker's checksums."""
+    """The checks a load makes first: the saved files match the marker's checksums (a
+    checkpoint saved before checksums existed has nothing to check against)."""
 
-    try:
-        files = recorded_files(iteration_dir, read_marker(iteration_dir))
-    except ValueError as exc:
-        raise ConversionError(f"{iteration_dir} cannot be verified: {exc}") from None
-    if files is None:
-        return  # saved before checksums existed: nothing to check against
-    damaged = verify_files(iteration_dir, files, collective=False)
-    if damaged:
+    problems = checkpoint_problems(iteration_dir, share=False)
+    if problems:
+        name, what = min(problems.items())
+        state = "cannot be verified" if name == MARKER_FILENAME else "is damaged"
         raise ConversionError(
-            f"{iteration_dir} is damaged: {damaged[0]}; restore it from a copy, or export "
-            "another checkpoint (give its iter_* directory)"
+            f"{iteration_dir} {state}: {what}; restore it from a copy, or export another "
+            "checkpoint (give its iter_* directory)"
         )
 
 
@@ -316,43 +282,41 @@ def _stream_export(
         root = data._base if data._base is not None else data
         if root.is_meta and id(root) in name_of:
             entries.setdefault(name_of[id(root)], {})[key] = item
-    declared = declared_hf_tensors(mappings, lambda m: params[m.megatron].to("meta"), out_dtype)
-    writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
     strategy = TorchDistLoadShardedStrategy()
-    for count, mapping in enumerate(mappings, start=1):
-        meta = params[mapping.megatron]
-        items = entries.get(mapping.megatron)
-        if not items:
-            raise ConversionError(f"internal: {mapping.megatron} has no checkpoint entry")
-        real = torch.empty(meta.shape, dtype=meta.dtype)
-        template: dict[str, Any] = {}
-        for key, item in items.items():
-            data = item.data
-            view = real.as_strided(data.shape, data.stride(), data.storage_offset())
-            template[key] = dataclasses.replace(item, data=view)
-        apply_factories(template)  # a gated fc1's halves: views of ``real`` too
-        template = dict_list_map_outplace(_whole_axes, template)
-        targets = list(nested_values(template))
-        try:
-            # One layer's parameter is part of a key stacked over the layers: the
-            # whole-key access check does not apply to a partial load.
-            loaded = dist_checkpointing.load(
-                template, str(iteration_dir), strategy, validate_access_integrity=False
-            )
-        except (CheckpointException, CheckpointingException) as exc:
-            raise ConversionError(f"loading {iteration_dir} failed: {exc}") from None
-        results = list(nested_values({key: loaded[key] for key in template}))
-        with torch.no_grad():
-            for target, value in zip(targets, results, strict=True):
-                if value.data_ptr() != target.data.data_ptr():  # loaded in place, or copied
-                    target.data.copy_(value)
-            tensors = mapping.to_hf(real)
-        del loaded, template, targets, results, real
-        for name, tensor in zip(mapping.hf, tensors, strict=True):
-            writer.write(name, tensor.to(out_dtype).contiguous(), mapping.stack)
-        del tensors
-        report(f"[{count}/{len(mappings)}] {mapping.megatron}")
-    return writer.close(), writer.total_bytes
+
+    def loaded() -> Iterator[torch.Tensor]:
+        for mapping in mappings:
+            meta = params[mapping.megatron]
+            items = entries.get(mapping.megatron)
+            if not items:
+                raise ConversionError(f"internal: {mapping.megatron} has no checkpoint entry")
+            real = torch.empty(meta.shape, dtype=meta.dtype)
+            template: dict[str, Any] = {}
+            for key, item in items.items():
+                data = item.data
+                view = real.as_strided(data.shape, data.stride(), data.storage_offset())
+                template[key] = dataclasses.replace(item, data=view)
+            apply_factories(template)  # a gated fc1's halves: views of ``real`` too
+            template = dict_list_map_outplace(_whole_axes, template)
+            targets = list(nested_values(template))
+            try:
+                # One layer's parameter is part of a key stacked over the layers: the
+                # whole-key access check does not apply to a partial load.
+                result = dist_checkpointing.load(
+                    template, str(iteration_dir), strategy, validate_access_integrity=False
+                )
+            except (CheckpointException, CheckpointingException) as exc:
+                raise ConversionError(f"loading {iteration_dir} failed: {exc}") from None
+            values = list(nested_values({key: result[key] for key in template}))
+            with torch.no_grad():
+                for target, value in zip(targets, values, strict=True):
+                    if value.data_ptr() != target.data.data_ptr():  # loaded in place, or copied
+                        target.data.copy_(value)
+            del result, template, targets, values
+            yield real
+            del real  # released before the next parameter is loaded
+
+    return write_hf_weights(staging, mappings, params, loaded(), out_dtype, max_shard_bytes, report)
 
 
 def export_hf_checkpoint(
@@ -393,7 +357,10 @@ def export_hf_checkpoint(
     """
 
     report = progress or (lambda message: None)
-    root, iteration_dir = _locate(Path(ckpt_dir))
+    try:
+        root, iteration_dir = locate_checkpoint(Path(ckpt_dir))
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
     run_config_file = iteration_dir / RUN_CONFIG_FILENAME
     if not run_config_file.is_file():
         raise ConversionError(
@@ -405,9 +372,8 @@ def export_hf_checkpoint(
         raise ConversionError(f"{run_config_file}: {exc}") from None
     provider = run_config.model
     pretrained = run_config.checkpoint.pretrained_checkpoint if run_config.checkpoint else None
-    side = _side_dir(root, pretrained, hf_config_dir)
-    family, config, prefix, written, files_dir = hf_files_for(
-        provider, run_config.tokenizer, side, report
+    family, config, prefix, written, files_dir = _hf_files(
+        provider, run_config.tokenizer, root, pretrained, hf_config_dir, report
     )
     out_dtype = dtype or torch_dtype_of(written)
 
@@ -428,18 +394,10 @@ def export_hf_checkpoint(
                     iteration_dir, single, peft=run_config.peft, pretrained_checkpoint=pretrained
                 )
                 params = named_weights(model)
-                declared = declared_hf_tensors(
-                    mappings, lambda m: params[m.megatron].to("meta"), out_dtype
+                wholes = (params[m.megatron].detach() for m in mappings)
+                files, total = write_hf_weights(
+                    staging, mappings, params, wholes, out_dtype, max_shard_bytes, report
                 )
-                writer = StreamingSafetensorsWriter(staging, declared, max_shard_bytes)
-                with torch.no_grad():
-                    for count, mapping in enumerate(mappings, start=1):
-                        tensors = mapping.to_hf(params[mapping.megatron].detach())
-                        for name, tensor in zip(mapping.hf, tensors, strict=True):
-                            writer.write(name, tensor.to(out_dtype).contiguous(), mapping.stack)
-                        report(f"[{count}/{len(mappings)}] {mapping.megatron}")
-                    files = writer.close()
-                total = writer.total_bytes
                 del model, params
         report(f"wrote {len(files)} file(s), {total / 1e9:.3f} GB")
         write_side_files(staging, family, written, files_dir, out_dtype, copy_config=dtype is None)

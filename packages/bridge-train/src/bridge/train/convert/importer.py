@@ -223,10 +223,12 @@ def import_hf_checkpoint(
                 run_config=_recipe(target, out, tokenizer_dir),
                 checkpointing_context=context,
             )
-            tensor_names = source.reader.names()
+            tensor_names = source.names()
             source.close()
             del model, params
-        _copy_side_files(hf, staging / HF_SUBDIR)
+        (staging / HF_SUBDIR).mkdir()
+        for item in side_files(hf):  # config, tokenizer, generation config: all but weights
+            shutil.copy2(item, staging / HF_SUBDIR / item.name)
         record = {
             "source": str(hf.resolve()),
             "model_type": config["model_type"],
@@ -239,10 +241,3 @@ def import_hf_checkpoint(
         }
         (staging / HF_SUBDIR / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out
-
-
-def _copy_side_files(hf: Path, dest: Path) -> None:
-    """config.json, tokenizer, generation config, ...: every file that is not weights."""
-    dest.mkdir()
-    for item in side_files(hf):
-        shutil.copy2(item, dest / item.name)

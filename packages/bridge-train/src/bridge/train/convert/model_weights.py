@@ -23,7 +23,7 @@ expert-bias correction, ``expert_bias``, as a buffer).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,6 @@ from megatron.core import parallel_state
 
 from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
-from bridge.train.models.families.mapping import declared_hf_tensors
 from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = [
@@ -46,6 +45,7 @@ __all__ = [
     "padded_vocab_of",
     "save_hf_weights",
     "weights_to_meta",
+    "write_hf_weights",
 ]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -121,10 +121,6 @@ def _unwrap(chunk: Any) -> Any:
     return chunk
 
 
-def _is_adapter(name: str) -> bool:
-    return ".adapter." in f".{name}"
-
-
 def _global_name(model: Any, name: str) -> str:
     match = _LAYER.match(name)
     if match is None:
@@ -156,7 +152,7 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
         for module_name, module in inner.named_modules():
             for param_name, param in _own_weights(module):
                 full = f"{module_name}.{param_name}" if module_name else param_name
-                if _is_adapter(full):
+                if ".adapter." in f".{full}":  # a LoRA adapter's own weights
                     continue
                 split = bool(getattr(param, "tensor_model_parallel", False))
                 group = getattr(module, "tp_group", None) if split else None
@@ -203,16 +199,6 @@ def _slice(full: torch.Tensor, entry: LocalParameter) -> torch.Tensor:
     return torch.chunk(full, entry.parts, dim=entry.dim)[entry.part]
 
 
-def _source_mapping(
-    by_name: dict[str, ParamMapping], entry: LocalParameter, tied: bool
-) -> ParamMapping | None:
-    mapping = by_name.get(entry.name)
-    if mapping is None and tied and entry.name == "output_layer.weight":
-        # A tied output layer on the last pipeline stage is a copy of the embedding.
-        return by_name.get("embedding.word_embeddings.weight")
-    return mapping
-
-
 def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
     """Copy the weights of ``source`` (a :class:`~bridge.train.convert.source.HFSource`)
     into every parameter of this rank's chunks.
@@ -231,7 +217,10 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
     tied = bool(getattr(config, "share_embeddings_and_output_weights", False))
     loaded: set[str] = set()
     for entry in entries:
-        mapping = _source_mapping(by_name, entry, tied)
+        mapping = by_name.get(entry.name)
+        if mapping is None and tied and entry.name == "output_layer.weight":
+            # A tied output layer on the last pipeline stage is a copy of the embedding.
+            mapping = by_name.get("embedding.word_embeddings.weight")
         if mapping is None:
             raise ConversionError(f"internal: no Hugging Face source for {entry.name!r}")
         piece = _slice(source.megatron_tensor(mapping), entry)
@@ -346,6 +335,42 @@ def iter_full_parameters(
         yield name, (full if rank == 0 else None)
 
 
+def write_hf_weights(
+    out: Path,
+    mappings: list[ParamMapping],
+    params: dict[str, torch.Tensor],
+    tensors: Iterable[torch.Tensor],
+    dtype: torch.dtype | None,
+    max_shard_bytes: int,
+    report: Callable[[str], None],
+) -> tuple[list[Path], int]:
+    """Stream each mapping's Hugging Face tensors into safetensors shards in ``out``.
+
+    ``params`` gives each megatron parameter's shape and dtype (any device: the shard headers
+    are computed from them first, on the meta device); ``tensors`` yields each mapping's
+    whole parameter in order, produced one at a time. Returns ``(files written, bytes of
+    tensor data)``.
+    """
+    declared: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for mapping in mappings:
+        if mapping.stack is not None and mapping.stack[0] != 0:
+            continue  # a stacked tensor is declared whole, with its first piece
+        stacked = () if mapping.stack is None else (mapping.stack[1],)
+        meta = params[mapping.megatron].to("meta")
+        for name, piece in zip(mapping.hf, mapping.to_hf(meta), strict=True):
+            declared.append((name, (*stacked, *piece.shape), dtype or piece.dtype))
+    writer = StreamingSafetensorsWriter(out, declared, max_shard_bytes)
+    with torch.no_grad():
+        for count, (mapping, full) in enumerate(zip(mappings, tensors, strict=True), start=1):
+            pieces = mapping.to_hf(full)
+            del full  # released before the next parameter is produced
+            for name, piece in zip(mapping.hf, pieces, strict=True):
+                writer.write(name, piece.to(dtype or piece.dtype).contiguous(), mapping.stack)
+            del pieces, piece
+            report(f"[{count}/{len(mappings)}] {mapping.megatron}")
+    return writer.close(), writer.total_bytes
+
+
 def save_hf_weights(
     model: ModelOrChunks,
     mappings: list[ParamMapping],
@@ -361,26 +386,16 @@ def save_hf_weights(
 
     census = _census(model)
     names = [mapping.megatron for mapping in mappings]
-    _require_held(census, names)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    writer = None
-    if rank == 0:
-
-        def meta_of(mapping: ParamMapping) -> torch.Tensor:
-            shape, param_dtype = census.shapes[mapping.megatron]
-            return torch.empty(shape, dtype=param_dtype, device="meta")
-
-        declared = declared_hf_tensors(mappings, meta_of, dtype)
-        writer = StreamingSafetensorsWriter(out, declared, max_shard_bytes)
-    by_name = {mapping.megatron: mapping for mapping in mappings}
-    for count, (name, full) in enumerate(iter_full_parameters(model, names, census), start=1):
-        if writer is None or full is None:
-            continue
-        mapping = by_name[name]
-        for hf_name, tensor in zip(mapping.hf, mapping.to_hf(full), strict=True):
-            writer.write(hf_name, tensor.to(dtype or tensor.dtype).contiguous(), mapping.stack)
-        report(f"[{count}/{len(mappings)}] {name}")
-    files = writer.close() if writer is not None else []
+    _require_held(census, names)  # before rank 0 declares the shapes
+    fulls = iter_full_parameters(model, names, census)
+    files: list[Path] = []
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        metas = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in census.shapes.items()}
+        wholes = (full for _, full in fulls if full is not None)
+        files, _ = write_hf_weights(out, mappings, metas, wholes, dtype, max_shard_bytes, report)
+    else:
+        for _ in fulls:  # this rank's pieces are sent to rank 0
+            pass
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return files

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -23,33 +24,35 @@ INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
 
 
-def _safe_open() -> Any:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise ConversionError(
-            "Hugging Face conversion needs the 'safetensors' package: pip install bridge-train[hf]"
-        ) from None
-    return safe_open
-
-
 class SafetensorsReader:
     """The tensors of a model directory, sharded (``model.safetensors.index.json``) or not.
 
     Files are memory-mapped by ``safetensors``; :meth:`get` copies one tensor out, so only
-    the tensors a caller holds are resident.
+    the tensors a caller holds are resident. The weights are found on first use.
 
     Args:
         model_dir: A Hugging Face model directory.
 
     Raises:
-        ConversionError: No safetensors weights, an unreadable index, or a shard the index
-            names that is missing.
+        ConversionError: (On first use) no safetensors weights, an unreadable index, or a
+            shard the index names that is missing.
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
         self.model_dir = Path(model_dir)
-        safe_open = _safe_open()
+        self._handles: dict[str, Any] = {}
+
+    @functools.cached_property
+    def _file_of(self) -> dict[str, str]:
+        """Which file holds each tensor (read on first use: a directory's config alone
+        needs no weights)."""
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ConversionError(
+                "Hugging Face conversion needs the 'safetensors' package: "
+                "pip install bridge-train[hf]"
+            ) from None
         index = self.model_dir / INDEX_FILENAME
         single = self.model_dir / SINGLE_FILENAME
         if index.is_file():
@@ -57,23 +60,22 @@ class SafetensorsReader:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ConversionError(f"{index} is not a safetensors index: {exc}") from None
-            self._file_of: dict[str, str] = {str(k): str(v) for k, v in weight_map.items()}
+            file_of = {str(k): str(v) for k, v in weight_map.items()}
         elif single.is_file():
             with safe_open(str(single), framework="pt") as handle:
-                self._file_of = {name: SINGLE_FILENAME for name in handle.keys()}  # noqa: SIM118
+                file_of = {name: SINGLE_FILENAME for name in handle.keys()}  # noqa: SIM118
         else:
             raise ConversionError(
                 f"{self.model_dir} has neither {SINGLE_FILENAME} nor {INDEX_FILENAME}; only "
                 "safetensors checkpoints are supported (save with safe_serialization=True)"
             )
-        for file in sorted(set(self._file_of.values())):
+        for file in sorted(set(file_of.values())):
             if not (self.model_dir / file).is_file():
                 raise ConversionError(
                     f"{self.model_dir / file} is missing: {INDEX_FILENAME} lists it as a shard; "
                     "download the complete checkpoint"
                 )
-        self._handles: dict[str, Any] = {}
-        self._safe_open = safe_open
+        return file_of
 
     def names(self) -> list[str]:
         """Every tensor name, in the order of the index."""
@@ -91,7 +93,9 @@ class SafetensorsReader:
             )
         file = self._file_of[name]
         if file not in self._handles:
-            self._handles[file] = self._safe_open(str(self.model_dir / file), framework="pt")
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(self.model_dir / file), framework="pt")
         return self._handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -127,12 +131,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _shard_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_FILENAME]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
 def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> bytes:
     """The safetensors header of ``(name, shape, dtype, bytes)`` entries stored in order.
 
@@ -141,9 +139,7 @@ def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> byt
     """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape, dtype, size in entries:
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise ConversionError(f"{name}: dtype {dtype} cannot be written to safetensors")
+    for name, shape, dtype, size in entries:  # dtypes checked by the writer
         header[name] = {
             "dtype": _SAFETENSORS_DTYPES[dtype],
             "shape": list(shape),
@@ -255,7 +251,9 @@ class StreamingSafetensorsWriter:
             )
         if self._file is not None:
             self._finish_file()
-        final = [self.out_dir / name for name in _shard_names(len(self._shards))]
+        count = len(self._shards)
+        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        final = [self.out_dir / name for name in (names if count > 1 else [SINGLE_FILENAME])]
         for temp, path in zip(self._temps, final, strict=True):
             os.replace(temp, path)
         if len(final) > 1:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -35,44 +36,35 @@ def side_files(directory: Path) -> list[Path]:
     ]
 
 
-class HFSource:
-    """``config.json``, the family that reads it, and the safetensors weights of a directory.
+class HFSource(SafetensorsReader):
+    """``config.json``, the family that reads it, and the safetensors weights of a directory
+    (read on first use).
 
     Args:
         hf_dir: Directory with ``config.json`` and safetensors weights (one file, or shards
             with ``model.safetensors.index.json``).
 
     Attributes:
-        directory: The directory.
         config: ``config.json`` as a dict.
         family: Its :class:`~bridge.train.models.families.HFFamily`.
         text_config: The part of ``config`` the family imports (the language model).
         dtype: The dtype the weights are stored in.
 
     Raises:
-        ConversionError: No ``config.json``, an unknown ``model_type``, or unreadable
-            weights.
+        ConversionError: No ``config.json``, or an unknown ``model_type``.
     """
 
     def __init__(self, hf_dir: str | os.PathLike[str]) -> None:
-        self.directory = Path(hf_dir)
-        self.config: dict[str, Any] = read_hf_config(self.directory)
+        super().__init__(hf_dir)
+        self.config: dict[str, Any] = read_hf_config(self.model_dir)
         self.family = family_for(self.config)
         self.text_config: dict[str, Any] = self.family.text_config(self.config)
         self.dtype: torch.dtype = torch_dtype_of(self.config)
-        self._reader: SafetensorsReader | None = None
 
-    @property
-    def reader(self) -> SafetensorsReader:
-        """The safetensors files (opened on first use)."""
-        if self._reader is None:
-            self._reader = SafetensorsReader(self.directory)
-        return self._reader
-
-    @property
+    @functools.cached_property
     def prefix(self) -> str:
         """The prefix of the checkpoint's tensor names."""
-        return self.family.detect_prefix(set(self.reader.names()))
+        return self.family.detect_prefix(set(self.names()))
 
     def mappings(self, padded_vocab: int) -> list[ParamMapping]:
         """The family's mappings for this checkpoint, checked against its tensors.
@@ -84,13 +76,13 @@ class HFSource:
             ConversionError: A tensor the config needs is missing, or the checkpoint has
                 one the family does not map (and does not ignore).
         """
-        names = set(self.reader.names())
+        names = set(self.names())
         mappings = self.family.param_mappings(self.text_config, padded_vocab, self.prefix)
         wanted = {name for mapping in mappings for name in mapping.hf}
         missing = sorted(wanted - names)
         if missing:
             raise ConversionError(
-                f"{self.directory}: the checkpoint lacks {len(missing)} tensor(s) this "
+                f"{self.model_dir}: the checkpoint lacks {len(missing)} tensor(s) this "
                 f"config.json needs, first {missing[0]!r}; the weights do not belong to this "
                 "config"
             )
@@ -101,8 +93,8 @@ class HFSource:
         )
         if unexpected:
             raise ConversionError(
-                f"{self.directory}: {len(unexpected)} tensor(s) this converter does not map, "
-                f"first {unexpected[0]!r} (in {self.reader.file_of(unexpected[0])}); the "
+                f"{self.model_dir}: {len(unexpected)} tensor(s) this converter does not map, "
+                f"first {unexpected[0]!r} (in {self.file_of(unexpected[0])}); the "
                 f"architecture differs from model_type={self.config.get('model_type')!r}"
             )
         return mappings
@@ -110,19 +102,19 @@ class HFSource:
     def skipped(self) -> list[str]:
         """Checkpoint tensors outside the imported model (a multimodal model's vision tower),
         to report."""
-        return sorted(n for n in self.reader.names() if self.family.skips(n, self.text_config))
+        return sorted(n for n in self.names() if self.family.skips(n, self.text_config))
 
     def megatron_tensor(self, mapping: ParamMapping) -> torch.Tensor:
         """The megatron parameter ``mapping`` makes, assembled from the checkpoint (a stacked
         mapping reads only its slice of each tensor)."""
         index = None if mapping.stack is None else mapping.stack[0]
         with torch.no_grad():
-            return mapping.to_megatron(*(self.reader.get(name, index) for name in mapping.hf))
+            return mapping.to_megatron(*(self.get(name, index) for name in mapping.hf))
 
     def _piece_shape(self, mapping: ParamMapping, name: str) -> tuple[int, ...] | None:
         """The shape ``mapping`` reads of tensor ``name`` (``None``: the tensor does not
         stack the mapping's ``count`` pieces)."""
-        shape = self.reader.shape(name)
+        shape = self.shape(name)
         if mapping.stack is None:
             return shape
         if not shape or shape[0] != mapping.stack[1]:
@@ -155,16 +147,9 @@ class HFSource:
                     produced = None
             if produced != expected:
                 listed = ", ".join(
-                    f"{n} {list(self.reader.shape(n))} in {self.reader.file_of(n)}"
-                    for n in mapping.hf
+                    f"{n} {list(self.shape(n))} in {self.file_of(n)}" for n in mapping.hf
                 )
                 raise ConversionError(
                     f"shape mismatch: {listed} do not make {mapping.megatron} of shape "
                     f"{list(expected)} for this config.json"
                 )
-
-    def close(self) -> None:
-        """Close the safetensors files."""
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None

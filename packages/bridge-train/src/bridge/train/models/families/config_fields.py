@@ -255,9 +255,6 @@ class YarnParameters:
         mscale: ``mscale`` as given (``None`` when unset).
         mscale_all_dim: ``mscale_all_dim`` as given (``None`` when unset).
         truncate: Round the frequency correction range to whole dimensions.
-        attention_factor: The factor transformers multiplies cos and sin by: the given
-            ``attention_factor``, else ``yarn_mscale(factor, mscale) / yarn_mscale(factor,
-            mscale_all_dim)`` when both are set and non-zero, else ``yarn_mscale(factor)``.
     """
 
     factor: float
@@ -267,7 +264,6 @@ class YarnParameters:
     mscale: float | None
     mscale_all_dim: float | None
     truncate: bool
-    attention_factor: float
 
 
 def yarn_parameters(
@@ -275,9 +271,14 @@ def yarn_parameters(
 ) -> YarnParameters:
     """The YaRN parameters of ``scaling`` (``rope_parameters`` / ``rope_scaling``).
 
+    megatron-core scales cos and sin by ``yarn_mscale(factor, mscale) / yarn_mscale(factor,
+    mscale_all_dim)`` when both are set and non-zero, else by ``yarn_mscale(factor)``:
+    transformers' rule unless ``attention_factor`` says otherwise.
+
     Raises:
-        ConversionError: No ``original_max_position_embeddings``, or a
-            ``partial_rotary_factor`` other than 1.
+        ConversionError: No ``original_max_position_embeddings``, a
+            ``partial_rotary_factor`` other than 1, or an ``attention_factor`` other than
+            the one megatron-core computes.
     """
     original = scaling.get("original_max_position_embeddings")
     if not original:
@@ -297,14 +298,19 @@ def yarn_parameters(
         factor = float(require(config, "max_position_embeddings")) / float(original)
     factor = float(factor)
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, float(mscale)) / yarn_mscale(
-                factor, float(mscale_all_dim)
-            )
-        else:
-            attention_factor = yarn_mscale(factor)
+    if mscale and mscale_all_dim:
+        computed = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    else:
+        computed = yarn_mscale(factor)
+    given = scaling.get("attention_factor")
+    if given is not None and not math.isclose(float(given), computed, rel_tol=1e-12):
+        raise refuse(
+            config,
+            f"{field}.attention_factor",
+            given,
+            f"megatron-core's YaRN scales cos and sin by {computed} (from factor, mscale and "
+            "mscale_all_dim)",
+        )
     return YarnParameters(
         factor=factor,
         original_max_position_embeddings=int(original),
@@ -313,5 +319,4 @@ def yarn_parameters(
         mscale=None if mscale is None else float(mscale),
         mscale_all_dim=None if mscale_all_dim is None else float(mscale_all_dim),
         truncate=bool(scaling.get("truncate", True)),
-        attention_factor=float(attention_factor),
     )

@@ -33,23 +33,13 @@ imported: transformers' ``DeepseekV3ForCausalLM`` does not run them (its logits 
 decoder alone), so their tensors are skipped (the import says how many) and an export writes
 none, with ``num_nextn_predict_layers: 0``.
 
-Refused, each naming the field: ``q_lora_rank: null`` (megatron's local MLA needs the query
-projection), ``rope_interleave: false``, ``attention_bias: true``, ``num_key_value_heads``
-other than ``num_attention_heads``, ``rms_norm_eps`` other than 1e-6 (transformers' latent
-norms use 1e-6 whatever it says, megatron one epsilon for every norm), RoPE types other
-than default and YaRN, a YaRN ``attention_factor`` or an ``mscale`` / ``mscale_all_dim``
-combination megatron's MLA computes differently, ``truncate: false``, ``norm_topk_prob:
-false`` with more than one expert per token (megatron always renormalises sigmoid scores)
-and ``true`` with one, group-limited routing that does not pick two experts per group
-(``num_experts_per_tok / topk_group`` other than 2: transformers ranks groups by their top
-two scores, megatron by its top ``topk / group_topk``), ``hidden_act`` other than SiLU,
-``n_shared_experts`` below 1, and the original DeepSeek config keys ``scoring_func`` other
-than ``sigmoid``, ``topk_method`` other than ``noaux_tc`` and ``moe_layer_freq`` other than 1.
+Every other value of these fields is refused with one line naming the field and why
+megatron-core computes it differently (:meth:`provider_kwargs`; the list is in
+docs/models.md's family table).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -60,7 +50,6 @@ from bridge.train.models.families.config_fields import (
     rope_settings,
     rope_theta_and_scaling,
     silu_activation,
-    yarn_mscale,
     yarn_parameters,
 )
 from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
@@ -136,15 +125,6 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
             yarn.mscale,
             f"with mscale_all_dim={yarn.mscale_all_dim}, transformers scales cos and sin by "
             "mscale(factor) alone, which megatron-core's multi-latent YaRN does not compute",
-        )
-    computed = yarn_mscale(yarn.factor, mscale) / yarn_mscale(yarn.factor, mscale_all_dim)
-    if not math.isclose(computed, yarn.attention_factor, rel_tol=1e-12):
-        raise refuse(
-            config,
-            "rope_parameters.attention_factor",
-            yarn.attention_factor,
-            f"megatron-core's multi-latent YaRN scales cos and sin by {computed} "
-            "(from factor, mscale and mscale_all_dim)",
         )
     return {
         **plain,

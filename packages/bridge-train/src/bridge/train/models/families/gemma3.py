@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.train.models.families.base import HFFamily, register_family
+from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
     attention_layer_types,
     gelu_tanh,
@@ -35,16 +35,10 @@ from bridge.train.models.families.config_fields import (
     rope_settings,
 )
 from bridge.train.models.families.llama import (
+    LlamaFamily,
     decoder_hf_config,
     decoder_kwargs,
     hf_rope_parameters,
-)
-from bridge.train.models.families.mapping import (
-    ParamMapping,
-    direct,
-    gated_fc1,
-    self_attention,
-    vocab_rows,
 )
 from bridge.train.models.gemma3_provider import Gemma3ModelProvider
 
@@ -78,11 +72,14 @@ def _query_pre_attn_scalar(provider: Any) -> int | float:
 
 
 @register_family
-class Gemma3Family(HFFamily):
-    """Gemma 3 (see the module docstring)."""
+class Gemma3Family(LlamaFamily):
+    """Gemma 3 (see the module docstring): Llama's weight layout with two more norms."""
 
     model_types = ("gemma3_text", "gemma3")
     architecture = "Gemma3ForCausalLM"
+    pre_mlp_norm = "pre_feedforward_layernorm"
+    after_attention = (("self_attn_bda.norm.weight", "post_attention_layernorm.weight"),)
+    after_mlp = (("mlp_bda.norm.weight", "post_feedforward_layernorm.weight"),)
     hf_prefixes = ("model.", "language_model.model.", "model.language_model.", "")
 
     def provider_class(self) -> type:
@@ -169,48 +166,6 @@ class Gemma3Family(HFFamily):
             ),
             **layer_window_kwargs(config, kinds),
         }
-
-    def param_mappings(
-        self, config: dict[str, Any], padded_vocab: int, prefix: str
-    ) -> list[ParamMapping]:
-        """Embedding, per layer its four norms, attention (QK norms) and GeGLU MLP, the
-        final norm (and an untied output layer)."""
-        heads = int(config["num_attention_heads"])
-        groups = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        vocab = int(config["vocab_size"])
-        maps = [
-            vocab_rows(
-                "embedding.word_embeddings.weight",
-                f"{prefix}embed_tokens.weight",
-                padded_vocab,
-                vocab,
-            )
-        ]
-        for layer in range(int(config["num_hidden_layers"])):
-            m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
-            maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
-            maps += self_attention(m, f"{h}self_attn.", heads, groups, head_dim, qk_norm=True)
-            maps += [
-                direct(f"{m}self_attn_bda.norm.weight", f"{h}post_attention_layernorm.weight"),
-                direct(f"{m}pre_mlp_layernorm.weight", f"{h}pre_feedforward_layernorm.weight"),
-                gated_fc1(
-                    f"{m}mlp.linear_fc1.weight",
-                    f"{h}mlp.gate_proj.weight",
-                    f"{h}mlp.up_proj.weight",
-                ),
-                direct(f"{m}mlp.linear_fc2.weight", f"{h}mlp.down_proj.weight"),
-                direct(f"{m}mlp_bda.norm.weight", f"{h}post_feedforward_layernorm.weight"),
-            ]
-        maps.append(direct("decoder.final_layernorm.weight", f"{prefix}norm.weight"))
-        if not config.get("tie_word_embeddings", True):
-            head = (
-                "language_model.lm_head.weight"
-                if prefix.startswith("language_model.")
-                else "lm_head.weight"
-            )
-            maps.append(vocab_rows("output_layer.weight", head, padded_vocab, vocab))
-        return maps
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A ``gemma3_text`` ``config.json`` for a Gemma 3 provider."""

@@ -31,6 +31,15 @@ _ACTIVATIONS: dict[str, Callable[..., Any]] = {
 }
 
 
+# megatron's linear layers of a block and GPT-2's Conv1D modules, in writing order.
+_LINEARS = (
+    ("self_attention.linear_qkv", "attn.c_attn"),
+    ("self_attention.linear_proj", "attn.c_proj"),
+    ("mlp.linear_fc1", "mlp.c_fc"),
+    ("mlp.linear_fc2", "mlp.c_proj"),
+)
+
+
 def _c_attn(megatron: str, hf: str, heads: int, head_dim: int) -> ParamMapping:
     """GPT-2's ``c_attn`` (``[Q | K | V]`` along the Conv1D output, the last dimension)."""
     fused = fused_qkv(megatron, "q", "k", "v", heads, heads, head_dim)
@@ -116,27 +125,13 @@ class GPT2Family(HFFamily):
                     direct(f"{m}input_layernorm.{part}", f"{h}ln_1.{part}"),
                     direct(f"{m}pre_mlp_layernorm.{part}", f"{h}ln_2.{part}"),
                 ]
-            maps += [
-                _c_attn(
-                    f"{m}self_attention.linear_qkv.weight",
-                    f"{h}attn.c_attn.weight",
-                    heads,
-                    head_dim,
-                ),
-                _c_attn(
-                    f"{m}self_attention.linear_qkv.bias", f"{h}attn.c_attn.bias", heads, head_dim
-                ),
-                direct(
-                    f"{m}self_attention.linear_proj.weight",
-                    f"{h}attn.c_proj.weight",
-                    transpose=True,
-                ),
-                direct(f"{m}self_attention.linear_proj.bias", f"{h}attn.c_proj.bias"),
-                direct(f"{m}mlp.linear_fc1.weight", f"{h}mlp.c_fc.weight", transpose=True),
-                direct(f"{m}mlp.linear_fc1.bias", f"{h}mlp.c_fc.bias"),
-                direct(f"{m}mlp.linear_fc2.weight", f"{h}mlp.c_proj.weight", transpose=True),
-                direct(f"{m}mlp.linear_fc2.bias", f"{h}mlp.c_proj.bias"),
-            ]
+            for megatron, hf in _LINEARS:  # Conv1D weights transposed, biases as they are
+                for part in ("weight", "bias"):
+                    mp, hp = f"{m}{megatron}.{part}", f"{h}{hf}.{part}"
+                    if hf == "attn.c_attn":
+                        maps.append(_c_attn(mp, hp, heads, head_dim))
+                    else:
+                        maps.append(direct(mp, hp, transpose=part == "weight"))
         maps += [
             direct("decoder.final_layernorm.weight", f"{prefix}ln_f.weight"),
             direct("decoder.final_layernorm.bias", f"{prefix}ln_f.bias"),

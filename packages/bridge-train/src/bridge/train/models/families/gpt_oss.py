@@ -28,17 +28,13 @@ export writes the slices back into the stacked tensors.
 
 ``hidden_act`` is not read: transformers' gpt-oss experts compute their own activation.
 
-Refused, each naming the field: ``quantization_config`` (the released checkpoints store the
-experts in MXFP4; dequantize them first, e.g. ``transformers``' ``Mxfp4Config(dequantize=
-True)``), ``attention_bias: false`` (megatron biases every linear layer or none, and gpt-oss
-experts and router always have biases), ``swiglu_alpha`` other than 1.702 (megatron's
-``quick_gelu`` fixes it), RoPE types other than default and YaRN, a YaRN ``attention_factor``
-that its other parameters do not give, and layer types other than the two above.
+Every other value of these fields is refused with one line naming the field and why
+megatron-core computes it differently (:meth:`provider_kwargs`; the list is in
+docs/models.md's family table).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -53,7 +49,6 @@ from bridge.train.models.families.config_fields import (
     require,
     rope_settings,
     rope_theta_and_scaling,
-    yarn_mscale,
     yarn_parameters,
 )
 from bridge.train.models.families.llama import (
@@ -93,22 +88,8 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     if float(theta) != int(theta):
         raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
     yarn = yarn_parameters(config, scaling)
-    # megatron scales cos/sin by mscale(f, mscale) / mscale(f, mscale_all_dim) when both are
-    # given, else by mscale(f): transformers' rule, with "given" meaning set and non-zero.
-    mscale, mscale_all_dim = yarn.mscale, yarn.mscale_all_dim
-    if mscale and mscale_all_dim:
-        computed = yarn_mscale(yarn.factor, mscale) / yarn_mscale(yarn.factor, mscale_all_dim)
-    else:
-        mscale = mscale_all_dim = None
-        computed = yarn_mscale(yarn.factor)
-    if not math.isclose(computed, yarn.attention_factor, rel_tol=1e-12):
-        raise refuse(
-            config,
-            "rope_parameters.attention_factor",
-            yarn.attention_factor,
-            f"megatron-core's YaRN scales cos and sin by {computed} (from factor, mscale and "
-            "mscale_all_dim)",
-        )
+    # megatron uses the mscale pair only when both are set and non-zero (as transformers).
+    both = bool(yarn.mscale and yarn.mscale_all_dim)
     return {
         "position_embedding_type": "yarn",
         "rotary_base": int(theta),
@@ -116,8 +97,8 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "yarn_original_max_position_embeddings": yarn.original_max_position_embeddings,
         "yarn_beta_fast": yarn.beta_fast,
         "yarn_beta_slow": yarn.beta_slow,
-        "yarn_mscale": mscale,
-        "yarn_mscale_all_dim": mscale_all_dim,
+        "yarn_mscale": yarn.mscale if both else None,
+        "yarn_mscale_all_dim": yarn.mscale_all_dim if both else None,
         "yarn_correction_range_round_to_int": yarn.truncate,
     }
 
@@ -173,6 +154,7 @@ class GptOssFamily(LlamaFamily):
 
     model_types = ("gpt_oss",)
     architecture = "GptOssForCausalLM"
+    after_attention = (("self_attention.core_attention.softmax_offset", "self_attn.sinks"),)
 
     def provider_class(self) -> type:
         """:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`."""
@@ -220,27 +202,11 @@ class GptOssFamily(LlamaFamily):
             "softmax_type": "learnable",
             "ffn_hidden_size": ffn,
             **_rope_kwargs(config),
-            **routed_moe_kwargs(
-                experts=int(require(config, "num_local_experts")),
-                topk=int(require(config, "num_experts_per_tok")),
-                expert_ffn=ffn,
-                normalize=True,
-                pattern=1,
-                aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0) or 0.0),
-            ),
+            **routed_moe_kwargs(config, ffn),
             **layer_window_kwargs(config, attention_layer_types(config, 2)),
         }
 
     # ---- weights -------------------------------------------------------------------------
-
-    def attention_mappings(
-        self, config: dict[str, Any], kwargs: dict[str, Any], m: str, h: str
-    ) -> list[ParamMapping]:
-        """Fused QKV with biases, the output projection with its bias, and the sinks."""
-        return [
-            *super().attention_mappings(config, kwargs, m, h),
-            direct(f"{m}self_attention.core_attention.softmax_offset", f"{h}self_attn.sinks"),
-        ]
 
     def mlp_mappings(
         self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str

@@ -13,7 +13,7 @@ Qwen3, Qwen3-MoE, Mixtral): they override the hooks :meth:`LlamaFamily.attention
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -106,8 +106,14 @@ def hf_rope_parameters(provider: Any) -> dict[str, Any]:
 class LlamaFamily(HFFamily):
     """Llama, and the layout of every Llama-shaped decoder (see the module docstring)."""
 
-    model_types = ("llama",)
+    model_types: ClassVar[tuple[str, ...]] = ("llama",)
     architecture = "LlamaForCausalLM"
+    #: The Hugging Face name of the norm before the MLP.
+    pre_mlp_norm: ClassVar[str] = "post_attention_layernorm"
+    #: ``(megatron, Hugging Face)`` names, after the layer prefixes, of the tensors that
+    #: follow the attention's and the MLP's (the same tensor on both sides).
+    after_attention: ClassVar[tuple[tuple[str, str], ...]] = ()
+    after_mlp: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     # ---- config.json -> provider ----------------------------------------------------------
 
@@ -151,7 +157,7 @@ class LlamaFamily(HFFamily):
         """Embedding, per layer norms + :meth:`attention_mappings` + :meth:`mlp_mappings`,
         the final norm and (untied) the output layer."""
         kwargs = self.provider_kwargs(config)
-        vocab = int(config["vocab_size"])
+        vocab = kwargs["vocab_size"]
         maps = [
             vocab_rows(
                 "embedding.word_embeddings.weight",
@@ -160,17 +166,21 @@ class LlamaFamily(HFFamily):
                 vocab,
             )
         ]
-        for layer in range(int(config["num_hidden_layers"])):
+        for layer in range(kwargs["num_layers"]):
             m, h = f"decoder.layers.{layer}.", f"{prefix}layers.{layer}."
             maps.append(direct(f"{m}input_layernorm.weight", f"{h}input_layernorm.weight"))
             maps += self.attention_mappings(config, kwargs, m, h)
-            maps.append(
-                direct(f"{m}pre_mlp_layernorm.weight", f"{h}post_attention_layernorm.weight")
-            )
+            maps += [direct(f"{m}{mine}", f"{h}{theirs}") for mine, theirs in self.after_attention]
+            maps.append(direct(f"{m}pre_mlp_layernorm.weight", f"{h}{self.pre_mlp_norm}.weight"))
             maps += self.mlp_mappings(config, kwargs, layer, m, h)
+            maps += [direct(f"{m}{mine}", f"{h}{theirs}") for mine, theirs in self.after_mlp]
         maps.append(direct("decoder.final_layernorm.weight", f"{prefix}norm.weight"))
-        if not config.get("tie_word_embeddings", False):
-            maps.append(vocab_rows("output_layer.weight", "lm_head.weight", padded_vocab, vocab))
+        if not kwargs["share_embeddings_and_output_weights"]:
+            # A multimodal checkpoint's language model keeps its head under its own prefix.
+            head = "language_model." if prefix.startswith("language_model.") else ""
+            maps.append(
+                vocab_rows("output_layer.weight", f"{head}lm_head.weight", padded_vocab, vocab)
+            )
         return maps
 
     def attention_mappings(
@@ -179,13 +189,12 @@ class LlamaFamily(HFFamily):
         """Fused QKV (weight and bias), the output projection, and QK norms where the
         provider fields (``kwargs``) have them; ``m`` / ``h``: the layer's megatron and
         Hugging Face name prefixes."""
-        heads = int(config["num_attention_heads"])
         return self_attention(
             m,
             f"{h}self_attn.",
-            heads,
-            int(config.get("num_key_value_heads") or heads),
-            int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            kwargs["num_attention_heads"],
+            kwargs["num_query_groups"],
+            kwargs["kv_channels"],
             qkv_bias=bool(kwargs.get("add_qkv_bias") or kwargs.get("add_bias_linear")),
             proj_bias=bool(kwargs.get("add_bias_linear")),
             qk_norm=bool(kwargs.get("qk_layernorm")),

@@ -27,8 +27,7 @@ A Hugging Face tensor may hold the weights of several megatron parameters stacke
 first dimension (gpt-oss stores all experts of a layer as one ``[experts, ...]`` tensor):
 such a mapping has ``stack=(index, count)`` and reads and writes only its ``index``-th slice
 of each of its tensors. The slices of one tensor come in index order, one after the other,
-in the family's list: an export writes them into the file as they arrive
-(:class:`HFTensorStacks` assembles them where a whole tensor is needed).
+in the family's list: an export writes them into the file as they arrive.
 """
 
 from __future__ import annotations
@@ -41,9 +40,7 @@ import torch
 __all__ = [
     "SAME",
     "TRANSPOSED",
-    "HFTensorStacks",
     "ParamMapping",
-    "declared_hf_tensors",
     "direct",
     "fused_qkv",
     "gated_fc1",
@@ -75,85 +72,10 @@ class ParamMapping:
     stack: tuple[int, int] | None = None
 
 
-def declared_hf_tensors(
-    mappings: list[ParamMapping],
-    megatron_tensor: Callable[[ParamMapping], torch.Tensor],
-    dtype: torch.dtype | None = None,
-) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(name, shape, dtype)`` of every Hugging Face tensor ``mappings`` write, in writing
-    order (a stacked tensor once, with its whole shape).
-
-    Args:
-        mappings: The family's mappings, in writing order.
-        megatron_tensor: A (meta) tensor of each mapping's megatron parameter's shape.
-        dtype: The written dtype (default: each produced tensor's).
-    """
-    declared: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    for mapping in mappings:
-        pieces = mapping.to_hf(megatron_tensor(mapping))
-        if mapping.stack is not None and mapping.stack[0] != 0:
-            continue  # declared with its first piece
-        count = None if mapping.stack is None else mapping.stack[1]
-        for name, tensor in zip(mapping.hf, pieces, strict=True):
-            shape = tuple(tensor.shape) if count is None else (count, *tensor.shape)
-            declared.append((name, shape, dtype or tensor.dtype))
-    return declared
-
-
-class HFTensorStacks:
-    """Assembles stacked Hugging Face tensors from their pieces (see the module docstring).
-
-    :meth:`add` takes a mapping's produced tensors and returns the Hugging Face tensors now
-    complete: a whole tensor at once, a stacked one when its last piece arrives.
-    """
-
-    def __init__(self) -> None:
-        self._pieces: dict[str, list[torch.Tensor]] = {}
-
-    def add(
-        self, mapping: ParamMapping, tensors: tuple[torch.Tensor, ...]
-    ) -> list[tuple[str, torch.Tensor]]:
-        """The ``(name, tensor)`` pairs completed by ``mapping``'s ``tensors``.
-
-        Raises:
-            ValueError: A piece out of order (an internal error of the family's list).
-        """
-        if mapping.stack is None:
-            return list(zip(mapping.hf, tensors, strict=True))
-        index, count = mapping.stack
-        done: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in zip(mapping.hf, tensors, strict=True):
-            pieces = self._pieces.setdefault(name, [])
-            if len(pieces) != index:
-                raise ValueError(
-                    f"internal: piece {index} of {name} arrived after {len(pieces)} piece(s)"
-                )
-            pieces.append(tensor)
-            if len(pieces) == count:
-                done.append((name, torch.stack(self._pieces.pop(name))))
-        return done
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _one(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t,)
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
-
-
-def _transposed_one(t: torch.Tensor) -> tuple[torch.Tensor]:
-    return (t.t().contiguous(),)
-
-
 # (to megatron, to Hugging Face) of one tensor kept as it is, or transposed (2-D, stored
 # ``[in, out]``).
-SAME = (_same, _one)
-TRANSPOSED = (_transposed, _transposed_one)
+SAME = (lambda t: t, lambda t: (t,))
+TRANSPOSED = (lambda t: t.t().contiguous(), lambda t: (t.t().contiguous(),))
 
 
 def direct(megatron: str, hf: str, *, transpose: bool = False) -> ParamMapping:
@@ -270,30 +192,14 @@ def self_attention(
         qk_norm: Queries and keys are normed per head.
     """
     m, a = f"{layer}self_attention.", hf_attention
-    maps = [
-        fused_qkv(
-            f"{m}linear_qkv.weight",
-            f"{a}q_proj.weight",
-            f"{a}k_proj.weight",
-            f"{a}v_proj.weight",
-            heads,
-            groups,
-            head_dim,
-        ),
-        direct(f"{m}linear_proj.weight", f"{a}o_proj.weight"),
-    ]
+
+    def qkv(part: str) -> ParamMapping:
+        q, k, v = (f"{a}{x}_proj.{part}" for x in "qkv")
+        return fused_qkv(f"{m}linear_qkv.{part}", q, k, v, heads, groups, head_dim)
+
+    maps = [qkv("weight"), direct(f"{m}linear_proj.weight", f"{a}o_proj.weight")]
     if qkv_bias:
-        maps.append(
-            fused_qkv(
-                f"{m}linear_qkv.bias",
-                f"{a}q_proj.bias",
-                f"{a}k_proj.bias",
-                f"{a}v_proj.bias",
-                heads,
-                groups,
-                head_dim,
-            )
-        )
+        maps.append(qkv("bias"))
     if proj_bias:
         maps.append(direct(f"{m}linear_proj.bias", f"{a}o_proj.bias"))
     if qk_norm:

@@ -41,14 +41,7 @@ class MixtralFamily(MistralFamily):
         ffn = int(require(config, "intermediate_size"))
         return {
             "ffn_hidden_size": ffn,
-            **routed_moe_kwargs(
-                experts=int(require(config, "num_local_experts")),
-                topk=int(require(config, "num_experts_per_tok")),
-                expert_ffn=ffn,
-                normalize=True,
-                pattern=1,
-                aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0) or 0.0),
-            ),
+            **routed_moe_kwargs(config, ffn),
         }
 
     def mlp_mappings(

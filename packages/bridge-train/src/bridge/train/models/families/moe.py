@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bridge.train.models.families.config_fields import require
+
 __all__ = ["hf_moe_layers", "moe_layer_pattern", "routed_moe_kwargs"]
 
 
@@ -31,23 +33,25 @@ def hf_moe_layers(provider: Any) -> list[int]:
 
 
 def routed_moe_kwargs(
-    *,
-    experts: int,
-    topk: int,
+    config: dict[str, Any],
     expert_ffn: int,
-    normalize: bool,
-    pattern: int | list[int],
-    aux_loss_coeff: float,
+    *,
+    experts: int | None = None,
+    normalize: bool = True,
+    pattern: int | list[int] = 1,
 ) -> dict[str, Any]:
-    """The MoE provider fields (see the module docstring)."""
+    """The MoE provider fields (see the module docstring) of ``config``: ``experts``
+    (default ``num_local_experts``) of width ``expert_ffn``, ``num_experts_per_tok`` chosen,
+    on the layers of ``pattern``; ``router_aux_loss_coef`` is the load-balancing
+    coefficient."""
     return {
-        "num_moe_experts": experts,
-        "moe_router_topk": topk,
+        "num_moe_experts": experts or int(require(config, "num_local_experts")),
+        "moe_router_topk": int(require(config, "num_experts_per_tok")),
         "moe_ffn_hidden_size": expert_ffn,
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": not normalize,
         "moe_layer_freq": pattern,
         "moe_router_load_balancing_type": "aux_loss",
-        "moe_aux_loss_coeff": aux_loss_coeff,
+        "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0),
         "moe_grouped_gemm": False,
     }

@@ -52,12 +52,11 @@ class Qwen3MoeFamily(Qwen3Family):
         return {
             "ffn_hidden_size": int(require(config, "intermediate_size")),
             **routed_moe_kwargs(
+                config,
+                int(require(config, "moe_intermediate_size")),
                 experts=_experts(config),
-                topk=int(require(config, "num_experts_per_tok")),
-                expert_ffn=int(require(config, "moe_intermediate_size")),
                 normalize=bool(config.get("norm_topk_prob", False)),
                 pattern=moe_layer_pattern(layers, _moe_layers(config)),
-                aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0) or 0.0),
             ),
         }
 
