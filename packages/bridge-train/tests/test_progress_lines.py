@@ -10,6 +10,9 @@ import pytest
 
 from bridge.train.cli import run
 
+#: Where the setup steps are announced (the checkpoint load is shared with the mimo recipe).
+SETUP_LOGGERS = ("bridge.train.loop.pretrain", "bridge.train.loop.run_ends")
+
 
 @pytest.mark.timeout(300)
 def test_setup_steps_and_the_last_loss_are_shown(
@@ -29,7 +32,7 @@ def test_setup_steps_and_the_last_loss_are_shown(
     ]
     with caplog.at_level(logging.INFO, logger="bridge.train"):
         assert run(argv) == 0
-    steps = [r.getMessage() for r in caplog.records if r.name == "bridge.train.loop.pretrain"]
+    steps = [r.getMessage() for r in caplog.records if r.name in SETUP_LOGGERS]
     assert [s.split(" (")[0] for s in steps] == [
         "building the model and optimizer",
         "loading the data",
@@ -41,7 +44,7 @@ def test_setup_steps_and_the_last_loss_are_shown(
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="bridge.train"):
         assert run([*argv[1:], "train.train_iters=4"]) == 0
-    steps = [r.getMessage() for r in caplog.records if r.name == "bridge.train.loop.pretrain"]
+    steps = [r.getMessage() for r in caplog.records if r.name in SETUP_LOGGERS]
     assert [s.split(" (")[0] for s in steps] == [
         "building the model and optimizer",
         "loading the checkpoint",
