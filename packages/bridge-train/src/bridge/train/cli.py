@@ -397,15 +397,13 @@ def _override_value(overrides: Sequence[str], key: str) -> str | None:
 
 def _checkpoint_run_config(load: str) -> Path:
     """The ``run_config.yaml`` of the checkpoint ``checkpoint.load`` names."""
-    from bridge.train.generate.errors import GenerationError
-    from bridge.train.generate.loading import locate_checkpoint
+    from bridge.train.checkpointing import CheckpointError
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
 
     try:
         _, iteration_dir = locate_checkpoint(load)
-    except GenerationError as exc:
+    except CheckpointError as exc:
         raise ConfigError("checkpoint.load", str(exc)) from None
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
-
     path = iteration_dir / RUN_CONFIG_FILENAME
     if not path.is_file():
         raise ConfigError(
