@@ -66,7 +66,15 @@ from bridge.train.checks.launch import (
 )
 from bridge.train.recipes import DEFAULT_RECIPE, RECIPES, recipe_path
 
-__all__ = ["EXIT_CALLBACK_ERROR", "EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "build_parser", "main"]
+__all__ = [
+    "EXIT_CALLBACK_ERROR",
+    "EXIT_CONFIG_ERROR",
+    "EXIT_INTERRUPTED",
+    "USER_ERROR_TYPES",
+    "build_parser",
+    "main",
+    "raised_as",
+]
 
 EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -425,10 +433,8 @@ def _version_text() -> str:
     return f"bridge-train {of('bridge-train')} (megatron-core {of('megatron-core')}, torch {of('torch')})"
 
 
-# Error types of sibling packages that mean "fix your input" (module, class name). They are
-# looked up only when their module is already imported: an exception cannot be an instance
-# of a class whose module was never loaded, and importing them would cost the start-up time.
-_USER_ERROR_TYPES = (
+# Error types of sibling packages that mean "fix your input" (module, class name).
+USER_ERROR_TYPES = (
     ("bridge.config", "ConfigError"),
     ("bridge.logging", "BackendNotInstalledError"),
     ("bridge.resiliency", "MissingExtraError"),
@@ -437,19 +443,18 @@ _USER_ERROR_TYPES = (
 )
 
 
-def _is_user_error(exc: BaseException) -> bool:
-    for module_name, name in _USER_ERROR_TYPES:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, name, None) if module is not None else None
+def raised_as(exc: BaseException, types: Sequence[tuple[str, str]]) -> bool:
+    """Whether ``exc`` is an instance of one of ``types`` (module, class name).
+
+    A class is looked up only when its module is already imported: an exception cannot be
+    an instance of a class whose module was never loaded, and importing them would cost the
+    start-up time.
+    """
+    for module_name, name in types:
+        cls = getattr(sys.modules.get(module_name), name, None)
         if isinstance(cls, type) and isinstance(exc, cls):
             return True
     return False
-
-
-def _is_callback_error(exc: BaseException) -> bool:
-    module = sys.modules.get("core_utils.callbacks")
-    cls = getattr(module, "CallbackError", None) if module is not None else None
-    return isinstance(cls, type) and isinstance(exc, cls)
 
 
 def _report_notices(held: Any, level: int) -> None:
@@ -645,17 +650,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"bridge-train: stopped by {signal_name}", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(exc, Terminated) else EXIT_INTERRUPTED)
     except Exception as exc:
-        if _is_callback_error(exc):
+        if raised_as(exc, [("core_utils.callbacks", "CallbackError")]):
             # The user's own code failed, not the trainer: say which callback, hook and
             # iteration, on every rank where it happened.
             prefix = f"[rank {_launcher_rank()}] " if _launcher_world_size() > 1 else ""
             print(f"bridge-train: error: {prefix}{exc}", file=sys.stderr, flush=True)
             sys.exit(EXIT_CALLBACK_ERROR)
-        if not _is_user_error(exc):
+        if not raised_as(exc, USER_ERROR_TYPES):
             raise
-        rendezvous = sys.modules.get("bridge.train.engine.launch_env")
-        timeout_type = getattr(rendezvous, "RendezvousTimeout", None)
-        if isinstance(timeout_type, type) and isinstance(exc, timeout_type):
+        if raised_as(exc, [("bridge.train.engine.launch_env", "RendezvousTimeout")]):
             # Each rank saw its own part of a rendezvous that failed: every rank says it.
             print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
         else:
