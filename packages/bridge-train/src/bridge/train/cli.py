@@ -89,22 +89,13 @@ _USAGE = (
 # read before any process group exists and without importing torch, which --help and
 # configuration errors must not pay for. Once training runs, core_utils.distributed answers
 # from the process group.
-def _launcher_rank() -> int:
-    from bridge.train.engine.launch_env import launch_environment
+def _launcher() -> Any:
+    from bridge.train.engine.launch_env import LaunchEnvironment, launch_environment
 
     try:
-        return launch_environment().rank
+        return launch_environment()
     except ValueError:  # a broken launch environment: reported where it is read
-        return 0
-
-
-def _launcher_world_size() -> int:
-    from bridge.train.engine.launch_env import launch_environment
-
-    try:
-        return launch_environment().world_size
-    except ValueError:
-        return 1
+        return LaunchEnvironment("single", 0, 1, 0)
 
 
 # One line per section for --help (the configuration reference has the fields).
@@ -457,7 +448,7 @@ def raised_as(exc: BaseException, types: Sequence[tuple[str, str]]) -> bool:
     return False
 
 
-def _report_notices(held: Any, level: int) -> None:
+def _report_notices(held: Any, level: int, rank: int) -> None:
     """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
 
     Other ranks print none of them. Unless the level is DEBUG, the notices megatron-core
@@ -468,9 +459,8 @@ def _report_notices(held: Any, level: int) -> None:
     if level > logging.DEBUG:
         torch = sys.modules.get("torch")  # imported with the config's classes, if at all
         silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
-    if _launcher_rank() != 0:
+    if rank != 0:
         return
-
     print_held_notices(
         held,
         "[bridge-train] ",
@@ -484,16 +474,18 @@ def _print_overrides(
 ) -> None:
     """The recipe, what the overrides changed in it (``diff``) and where the run's whole
     config is saved (``save``: its ``checkpoint.save``)."""
-    print(f"[bridge-train] recipe: {path}", flush=True)
-    print("[bridge-train] overrides (recipe -> this run):", flush=True)
-    print("\n".join(diff) if diff else "  (none)", flush=True)
     if not save:
         where = "--print-config"
     elif dry_run:  # nothing is written by a dry run
         where = f"--print-config (a launch saves it as {save}/run_config.yaml)"
     else:
         where = f"{save}/run_config.yaml"
-    print(f"[bridge-train] full resolved config: {where}", flush=True)
+    print(
+        f"[bridge-train] recipe: {path}\n[bridge-train] overrides (recipe -> this run):\n"
+        + ("\n".join(diff) if diff else "  (none)")
+        + f"\n[bridge-train] full resolved config: {where}",
+        flush=True,
+    )
 
 
 def _print_layout(
@@ -509,19 +501,14 @@ def _print_layout(
         "context": getattr(model, "context_parallel_size", 1),
         "data": data_parallel_size,
     }
-    print(f"[bridge-train] dry run: world size {world}", flush=True)
-    print(
-        "[bridge-train] parallel layout: " + ", ".join(f"{k} {v}" for k, v in sizes.items()),
-        flush=True,
-    )
     mbs, gbs = train.micro_batch_size, train.global_batch_size
     micro = gbs // (mbs * data_parallel_size) if gbs and mbs and data_parallel_size else None
+    layout = ", ".join(f"{k} {v}" for k, v in sizes.items())
     print(
+        f"[bridge-train] dry run: world size {world}\n"
+        f"[bridge-train] parallel layout: {layout}\n"
         f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {sizes['data']} "
-        f"= global {gbs}; train_iters {train.train_iters}",
-        flush=True,
-    )
-    print(
+        f"= global {gbs}; train_iters {train.train_iters}\n"
         "[bridge-train] dry run: the config is valid for this launch; nothing was trained",
         flush=True,
     )
@@ -581,27 +568,23 @@ def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
         else:
             from bridge.train.loop.pretrain import pretrain
     if args.print_config:
-        if _launcher_rank() == 0:
+        if launch.rank == 0:
             # The text run_config.yaml holds: it loads back (--config) as this same run.
             print(cfg.to_yaml_text(), end="", flush=True)
         return 0
-    _report_notices(held, cfg.logger.logging_level if cfg.logger else logging.INFO)
+    _report_notices(held, cfg.logger.logging_level if cfg.logger else logging.INFO, launch.rank)
     save = cfg.checkpoint.save if cfg.checkpoint else None
     overrides: list[str] = []  # what the command-line overrides changed in the recipe
-    if (
-        recipe_cfg is not None
-        and _launcher_rank() == 0
-        and (args.dry_run or not args.no_print_config)
-    ):
+    if recipe_cfg is not None and launch.rank == 0 and (args.dry_run or not args.no_print_config):
         with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
-            recipe_cfg.validate(_launcher_world_size())
+            recipe_cfg.validate(launch.world_size)
         overrides = _overrides_of(
             _flatten(yaml.safe_load(recipe_cfg.format_yaml())),
             _flatten(yaml.safe_load(cfg.format_yaml())),
             cfg.diff_from_defaults(),
         )
     if args.dry_run:
-        if _launcher_rank() == 0:
+        if launch.rank == 0:
             _print_overrides(path, overrides, save, dry_run=True)
             if not mimo:
                 from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
@@ -610,9 +593,9 @@ def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
                 for notice in run_plan_notices(cfg.checkpoint, cfg.train, identity):
                     print(f"[bridge-train] {notice}", flush=True)
                 assert cfg.train is not None  # validated
-                _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, _launcher_world_size())
+                _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, launch.world_size)
         return 0
-    if _launcher_rank() == 0 and not args.no_print_config:
+    if launch.rank == 0 and not args.no_print_config:
         _print_overrides(path, overrides, save)
     if mimo:
         return pretrain_mimo(
@@ -646,14 +629,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             code = run(argv)
     except (KeyboardInterrupt, Terminated) as exc:
         signal_name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT (Ctrl-C)"
-        if _launcher_rank() == 0:
+        if _launcher().rank == 0:
             print(f"bridge-train: stopped by {signal_name}", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(exc, Terminated) else EXIT_INTERRUPTED)
     except Exception as exc:
         if raised_as(exc, [("core_utils.callbacks", "CallbackError")]):
             # The user's own code failed, not the trainer: say which callback, hook and
             # iteration, on every rank where it happened.
-            prefix = f"[rank {_launcher_rank()}] " if _launcher_world_size() > 1 else ""
+            prefix = f"[rank {_launcher().rank}] " if _launcher().world_size > 1 else ""
             print(f"bridge-train: error: {prefix}{exc}", file=sys.stderr, flush=True)
             sys.exit(EXIT_CALLBACK_ERROR)
         if not raised_as(exc, USER_ERROR_TYPES):
@@ -689,7 +672,7 @@ def _report_config_error(line: str) -> None:
         # others are dated a second later.
         if _write_elastic_error_file(error_file, shown, -1 if first else 1):
             return
-    if _launcher_rank() == 0:
+    if _launcher().rank == 0:
         print(line, file=sys.stderr, flush=True)
 
 
