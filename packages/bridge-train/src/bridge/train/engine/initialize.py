@@ -28,20 +28,13 @@ from megatron.core import parallel_state, tensor_parallel
 
 from bridge.config import DistributedInitConfig
 from bridge.resiliency import init_process_group
-from bridge.train.engine.launch_env import (
-    adopt_launch_environment,
-    guarded_rendezvous,
-)
+from bridge.train.engine.launch_env import adopt_launch_environment, guarded_rendezvous
 from core_utils import cuda_emulation, cuda_emulation_active
 from core_utils.distributed import global_world_size
 from core_utils.testing import find_free_port
 
 if TYPE_CHECKING:
-    from bridge.config import (
-        DistributedInitConfig,
-        ModelConfigProtocol,
-        RNGConfig,
-    )
+    from bridge.config import ModelConfigProtocol, RNGConfig
 
 __all__ = [
     "destroy_distributed",
@@ -331,21 +324,12 @@ def set_random_seed(
     return rank_seed
 
 
-def _enter_cuda_emulation() -> bool:
-    """Enter :func:`core_utils.cuda_emulation` until :func:`destroy_distributed` (once).
-
-    Called by the engine before :func:`initialize_distributed`. A no-op with CUDA.
-
-    Returns:
-        Whether the emulation is active (``False`` with CUDA).
-    """
+def _enter_cuda_emulation() -> None:
+    """Enter :func:`core_utils.cuda_emulation` (a no-op with CUDA) until
+    :func:`destroy_distributed`, once; the engine calls it before :func:`initialize_distributed`."""
     if _STATE["emulation"] is None:
-        stack = contextlib.ExitStack()
-        active = stack.enter_context(cuda_emulation())
-        _STATE["emulation"] = stack
-        return bool(active)
-
-    return cuda_emulation_active()
+        _STATE["emulation"] = stack = contextlib.ExitStack()
+        stack.enter_context(cuda_emulation())
 
 
 def _destroy_model_parallel() -> None:
