@@ -112,7 +112,7 @@ class GenerationController(TextGenerationController):
         megatron's loop slices the mask to ``[..., start:end, :end]`` at every step, so the
         padding stays hidden while the rows decode. The position ids are what a position
         embedding table reads; rotary embeddings ignore them in megatron and follow
-        :class:`~bridge.train.generate.rotary_cache.LeftPaddedStaticContext` instead.
+        the inference context's ``left_padding`` instead (:mod:`~bridge.train.generate.rotary_cache`).
         """
         inference_input = super().prep_inference_input(
             prompts_tokens, active_requests, use_attention_mask

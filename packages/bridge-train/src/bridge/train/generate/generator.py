@@ -46,7 +46,6 @@ from bridge.train.generate.controller import (
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.options import SamplingOptions
 from bridge.train.generate.rotary_cache import (
-    LeftPaddedStaticContext,
     caches_rotated_keys,
     rotate_keys_before_caching,
 )
@@ -358,7 +357,6 @@ class TextGenerator:
                 status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
             )
         streams: OrderedDict[int, Any] | None = None
-        listener = None
         texts: dict[int, _TextStream] = {}
         if on_text is not None:
             streams = OrderedDict((request_id, _Stream()) for request_id in requests)
@@ -367,24 +365,20 @@ class TextGenerator:
                 texts[request_id] = _TextStream(
                     decode, options.stop, functools.partial(on_text, request_id)
                 )
-
-            def listener(request_id: int, token_ids: list[int], done: bool) -> None:
-                texts[request_id].update(token_ids, done)
-
         state = BatchState(
             [ids for _, ids in batch],
             options.stop,
             return_logits,
-            listener,
+            (lambda rid, ids, done: texts[rid].update(ids, done)) if texts else None,
             left_padding=padding if any(padding) else (),
         )
-        # A KV cache sized for this batch: megatron allocates it at the first forward.
+        # A KV cache sized for this batch: megatron allocates it at the first forward. With
+        # left padding, row r's token in slot i is at position i - left_padding[r] of its
+        # prompt: what its rotary embedding follows (rotary_cache).
         slots = min(self.max_sequence_length, longest + options.max_new_tokens)
-        self.wrapper.inference_context = (
-            LeftPaddedStaticContext(len(batch), slots, torch.tensor(padding))
-            if any(padding)
-            else StaticInferenceContext(len(batch), slots)
-        )
+        context = StaticInferenceContext(len(batch), slots)
+        context.left_padding = torch.tensor(padding) if any(padding) else None
+        self.wrapper.inference_context = context
         self.controller.batch = state
         try:
             # InferenceMode: what megatron's StaticInferenceEngine switches on around this

@@ -32,38 +32,23 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.utils import deprecate_inference_params
 
-__all__ = ["LeftPaddedStaticContext", "caches_rotated_keys", "rotate_keys_before_caching"]
-
-
-class LeftPaddedStaticContext(StaticInferenceContext):
-    """megatron's ``StaticInferenceContext`` for prompts of different lengths left-padded to
-    the longest, so that one prefill covers them all.
-
-    Args:
-        max_batch_size: Rows of the KV cache.
-        max_sequence_length: Slots of the KV cache (longest prompt + new tokens).
-        left_padding: ``[batch]`` long tensor: padding slots before each row's prompt. Row
-            ``r``'s token in slot ``i`` is at position ``i - left_padding[r]`` of its prompt
-            (what its rotary embedding and learned position embedding use).
-    """
-
-    def __init__(
-        self, max_batch_size: int, max_sequence_length: int, left_padding: torch.Tensor
-    ) -> None:
-        super().__init__(max_batch_size, max_sequence_length)
-        self.left_padding = left_padding
+__all__ = ["caches_rotated_keys", "rotate_keys_before_caching"]
 
 
 def _step_positions(
     inference_context: Any, pos_emb: torch.Tensor, start: int, end: int
 ) -> torch.Tensor:
-    """The rows of ``pos_emb`` for the tokens of this step."""
+    """The rows of ``pos_emb`` for the tokens of this step.
+
+    A context whose ``left_padding`` (``[batch]`` padding slots before each row's prompt,
+    set by the generator) is not ``None`` puts row ``r``'s token in slot ``i`` at position
+    ``i - left_padding[r]`` of its prompt.
+    """
     padding = getattr(inference_context, "left_padding", None)
     if padding is None:
         # The positions of the tokens in this step: megatron's own slice of q_pos_emb.
