@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -665,13 +666,31 @@ def _report_config_error(line: str) -> None:
     """
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        first = _first_failure_of_attempt(error_file)
+        # torchrun gives each local rank <attempt dir>/<local rank>/error.json; the first rank
+        # to create a marker in the attempt directory (shared by the node's ranks, new for
+        # each restart) is first. Where it cannot be made, every rank writes the message.
+        attempt_dir = os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
+        marker = os.path.join(attempt_dir, "bridge-train-config-error")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            first = True
+        except FileExistsError:
+            first = False
+        except OSError:
+            first = True
+        # torchrun takes the failure with the earliest whole-second timestamp as the root
+        # cause (and times a rank it stopped itself when it collects it): dated a second
+        # earlier, the first failure stays the root cause when the failures fall in the same
+        # second (ties go to the lowest rank); the others are dated a second later.
         shown = line if first else _SEE_ROOT_CAUSE
-        # Dated a second earlier, the first failure stays torchrun's root cause when the
-        # failures fall in the same second (whole seconds; ties go to the lowest rank); the
-        # others are dated a second later.
-        if _write_elastic_error_file(error_file, shown, -1 if first else 1):
+        stamp = str(int(time.time()) + (-1 if first else 1))
+        info = {"py_callstack": shown, "timestamp": stamp}
+        try:
+            with open(error_file, "w", encoding="utf-8") as handle:
+                json.dump({"message": {"message": shown, "extraInfo": info}}, handle)
             return
+        except OSError:
+            pass  # printed below instead
     if _launcher().rank == 0:
         print(line, file=sys.stderr, flush=True)
 
@@ -680,49 +699,3 @@ _SEE_ROOT_CAUSE = (
     "bridge-train: stopped by a configuration error too; the first rank's is shown under "
     "Root Cause below"
 )
-
-
-def _first_failure_of_attempt(error_file: str) -> bool:
-    """Whether this is the node's first rank to report a configuration error.
-
-    torchrun gives each local rank ``<attempt dir>/<local rank>/error.json``; the first
-    rank to create a marker in the attempt directory (shared by the node's ranks, new for
-    each restart) is first. True when the directory is not laid out that way (every rank
-    then writes the message, as before).
-    """
-    attempt_dir = os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
-    try:
-        fd = os.open(
-            os.path.join(attempt_dir, "bridge-train-config-error"),
-            os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-            0o644,
-        )
-    except FileExistsError:
-        return False
-    except OSError:
-        return True
-    os.close(fd)
-    return True
-
-
-def _write_elastic_error_file(path: str, line: str, offset_s: int) -> bool:
-    """Write ``line`` in torchelastic's error-file format; False if it cannot be written.
-
-    ``offset_s`` is added to the failure's timestamp: torchrun takes the failure with the
-    earliest whole-second timestamp as the root cause and times a rank it stopped itself
-    when it collects it.
-    """
-    import json
-
-    data = {
-        "message": {
-            "message": line,
-            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()) + offset_s)},
-        }
-    }
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-    except OSError:
-        return False
-    return True

@@ -141,16 +141,11 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     )
 
 
-def _given_prompts(args: argparse.Namespace, stdin: TextIO) -> list[Any] | None:
-    """The prompts of the command line, the file and piped stdin; ``None``: interactive."""
-    from bridge.train.generate.prompts import PromptSpec, parse_prompt_lines, read_prompts_file
+def _piped_prompts(stdin: TextIO) -> list[Any] | None:
+    """The prompts piped to standard input; ``None``: interactive."""
+    from bridge.train.generate.prompts import parse_prompt_lines
     from core_utils.distributed import broadcast_from_rank0
 
-    prompts = [PromptSpec(text) for text in args.prompt]
-    if args.prompts_file is not None:
-        prompts += read_prompts_file(args.prompts_file)
-    if prompts:
-        return prompts
     # Rank 0 decides (its stdin is the user's) and reads a pipe; the others get its answer.
     piped = None
     if _rank() == 0 and not stdin.isatty():
@@ -255,12 +250,12 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
     with held_notices():
         from bridge.logging import setup_logging
         from bridge.train.generate.loading import load_generation_model
-        from bridge.train.generate.prompts import read_prompts_file
+        from bridge.train.generate.prompts import PromptSpec, read_prompts_file, render_prompts
 
         setup_logging(LoggerConfig())
-
-        if args.prompts_file is not None:
-            read_prompts_file(args.prompts_file)  # a bad file is refused before loading
+        given = [PromptSpec(text) for text in args.prompt]
+        if args.prompts_file is not None:  # a bad file is refused before loading
+            given += read_prompts_file(args.prompts_file)
         silence_known_fallback_notices()
         loaded = load_generation_model(
             args.ckpt_dir,
@@ -269,8 +264,6 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
             tokenizer_model=args.tokenizer,
         )
     try:
-        from bridge.train.generate.prompts import render_prompts
-
         generator = loaded.generator(args.batch_size)
         out = sys.stdout if _rank() == 0 else None
         if out is not None:
@@ -281,7 +274,7 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
                 file=sys.stderr,
                 flush=True,
             )
-        specs = _given_prompts(args, stdin)
+        specs = given or _piped_prompts(stdin)
         if specs is None:
             _interactive(generator, options, out, args.chat)
             return 0
