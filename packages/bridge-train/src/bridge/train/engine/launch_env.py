@@ -210,18 +210,12 @@ def _split_top_level(text: str) -> Iterator[str]:
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Expand SLURM's host-list syntax into host names, in order.
+    """Expand SLURM's host-list syntax (``SLURM_JOB_NODELIST``) into host names, in order.
 
     ``node[01-04,07],gpu[1-2]`` gives ``node01 node02 node03 node04 node07 gpu1 gpu2``;
     zero padding follows the range's lower bound, several bracket groups in one name
     multiply (``rack[1-2]-n[1-3]``: the first group varies slowest), as ``scontrol show
     hostnames`` expands them.
-
-    Args:
-        text: A host list (``SLURM_JOB_NODELIST``).
-
-    Returns:
-        The host names.
 
     Raises:
         ValueError: Unbalanced brackets, a range that runs backwards, or a non-number.
@@ -235,16 +229,10 @@ def expand_hostlist(text: str) -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM host list.
+    """The first host of a SLURM host list (``SLURM_JOB_NODELIST``).
 
     ``scontrol show hostnames`` expands it where ``scontrol`` exists (SLURM's own rules for
     every syntax it accepts); otherwise, or when it fails, :func:`expand_hostlist` does.
-
-    Args:
-        nodelist: A host list (``SLURM_JOB_NODELIST``).
-
-    Returns:
-        The first host name.
 
     Raises:
         ValueError: The list is empty or invalid.
@@ -272,14 +260,10 @@ def first_host(nodelist: str) -> str:
 
 
 def slurm_master_port(job_id: str) -> int:
-    """The rendezvous port of a SLURM job: ``10000 + job_id % 20000``.
+    """The rendezvous port of a SLURM job: ``10000 + job_id % 20000`` (module docstring).
 
-    Every task of the job derives the same port with no exchange; two jobs collide only
-    when their ids differ by a multiple of 20000 and they share rank 0's node
-    (``MASTER_PORT`` overrides it).
-
-    Raises:
-        ValueError: ``job_id`` is not a number.
+    Two jobs collide only when their ids differ by a multiple of 20000 and they share rank
+    0's node (``MASTER_PORT`` overrides it).
     """
     return SLURM_PORT_BASE + int(job_id) % SLURM_PORT_SPAN
 
@@ -455,19 +439,11 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
 
 
 def adopt_launch_environment(environ: MutableMapping[str, str] | None = None) -> LaunchEnvironment:
-    """Read the launch environment and export an ``srun`` launch as torch's variables.
-
-    Under ``srun`` without torchrun, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and (for
-    several tasks) ``MASTER_ADDR`` / ``MASTER_PORT`` are set from SLURM's variables, so
-    torch's ``env://`` rendezvous and every other reader of them see this launch. Other
-    launches are left as they are. Calling it again changes nothing (the exported values
-    agree with SLURM's, and :func:`launch_environment` still reports their origins).
+    """Read the launch environment and export an ``srun`` launch as torch's variables
+    (module docstring); other launches are left as they are.
 
     Args:
         environ: The environment to read and update (default ``os.environ``).
-
-    Returns:
-        The launch.
 
     Raises:
         ConfigError: As :func:`launch_environment`.
@@ -480,16 +456,12 @@ def adopt_launch_environment(environ: MutableMapping[str, str] | None = None) ->
 
 
 def launch_notice(environ: Mapping[str, str] | None = None) -> str | None:
-    """A one-line warning for a launch that trains alone although SLURM allocated more.
-
-    A ``python -m bridge.train`` line in a batch script, run without ``srun``, starts one
-    process in the batch step: it trains alone while the job holds ``SLURM_NTASKS`` tasks.
+    """A one-line warning (else ``None``) for a launch that trains alone although SLURM
+    allocated more: a ``python -m bridge.train`` line in a batch script, run without
+    ``srun``, starts one process in the batch step while the job holds ``SLURM_NTASKS`` tasks.
 
     Args:
         environ: The process environment (default ``os.environ``).
-
-    Returns:
-        The warning, or ``None``.
     """
     environ = os.environ if environ is None else environ
     if "SLURM_JOB_ID" not in environ or _srun_task(environ):
