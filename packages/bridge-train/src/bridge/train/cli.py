@@ -42,7 +42,7 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -275,24 +275,25 @@ def _config_from_first_argument(args: argparse.Namespace, parser: argparse.Argum
     args.overrides = args.overrides[1:]
 
 
-def _exit_code(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an exit code 0-255, got {text!r}") from None
-    if not 0 <= value <= 255:
-        raise argparse.ArgumentTypeError(f"expected an exit code 0-255, got {text!r}")
-    return value
+def _checked(
+    convert: Callable[[str], Any], what: str, valid: Callable[[Any], bool], bound: str = ""
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert``, refused in one line unless ``valid``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {what}{bound}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+_exit_code = _checked(int, "an exit code 0-255", lambda value: 0 <= value <= 255)
+_positive_seconds = _checked(float, "a number of seconds", lambda value: value > 0, " > 0")
 
 
 def _hang_timeouts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
