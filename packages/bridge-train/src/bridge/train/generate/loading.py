@@ -122,8 +122,9 @@ def generation_tokenizer(
             embeds, or its end-of-document id is outside the model's vocabulary.
     """
 
+    null = section is None or getattr(section, "tokenizer_type", None) is None
     if tokenizer_model is not None:
-        if section is None or getattr(section, "tokenizer_type", None) is None:
+        if section is None or null:
             raise GenerationError(
                 f"--tokenizer: {where} was trained without a tokenizer section (mock data and "
                 "the null tokenizer); there is no tokenizer file to replace"
@@ -131,23 +132,20 @@ def generation_tokenizer(
         section = copy.copy(section)
         section.tokenizer_model = str(tokenizer_model)
     try:
-        if section is None or getattr(section, "tokenizer_type", None) is None:
-            tokenizer: Tokenizer = NullTokenizer(model_vocab_size)
-        else:
-            tokenizer = build_tokenizer(section)
+        tokenizer = (
+            NullTokenizer(model_vocab_size) if section is None or null else build_tokenizer(section)
+        )
     except (ImportError, OSError, ValueError) as exc:
         raise GenerationError(
             f"the tokenizer of {where} (run_config.yaml tokenizer section) cannot be built: "
             f"{str(exc).splitlines()[0]}; pass --tokenizer PATH if it moved"
         ) from None
-    size = int(tokenizer.vocab_size)
-    eod = int(tokenizer.eod)
-    model_vocab = model_vocab_size
-    if size > model_vocab or not 0 <= eod < model_vocab:
+    size, eod = int(tokenizer.vocab_size), int(tokenizer.eod)
+    if size > model_vocab_size or not 0 <= eod < model_vocab_size:
         raise GenerationError(
             f"tokenizer mismatch: the tokenizer ({type(tokenizer).__name__}, {size} ids, "
             f"end-of-document id {eod}) does not fit the model of {where}, which embeds "
-            f"{model_vocab} ids; use the tokenizer the model was trained with"
+            f"{model_vocab_size} ids; use the tokenizer the model was trained with"
         )
     return tokenizer
 
