@@ -165,6 +165,8 @@ def initialize_distributed(
     model_config: ModelConfigProtocol,
     dist_config: DistributedInitConfig | None = None,
     rng_config: RNGConfig | None = None,
+    *,
+    emulate_cuda: bool = False,
 ) -> None:
     """Initialise torch.distributed, megatron's parallel state and the random seeds.
 
@@ -182,6 +184,9 @@ def initialize_distributed(
             ``external_gpu_device_mapping``); defaults when ``None``.
         rng_config: ``RNGConfig`` (``seed``, ``data_parallel_random_init``,
             ``te_rng_tracker``, ``inference_rng_tracker``); seed 1234 when ``None``.
+        emulate_cuda: Without CUDA, enter :func:`core_utils.cuda_emulation` for the rest of
+            the run (until :func:`destroy_distributed`), once the layout is checked (the
+            engine's choice; a bad layout then changes no process state).
 
     Raises:
         ValueError: Invalid backend or parallel layout (raised before any group is built).
@@ -193,6 +198,9 @@ def initialize_distributed(
     backend = resolve_distributed_backend(dist_config)
     world_size = global_world_size(launcher_fallback=True)
     validate_parallel_layout(model_config, world_size)
+    if emulate_cuda and _STATE["emulation"] is None:
+        _STATE["emulation"] = stack = contextlib.ExitStack()
+        stack.enter_context(cuda_emulation())  # a no-op with CUDA
 
     timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
     if torch.cuda.is_available() and backend == "nccl":
@@ -322,14 +330,6 @@ def set_random_seed(
             rank_seed, te_rng_tracker=te_rng_tracker, inference_rng_tracker=inference_rng_tracker
         )
     return rank_seed
-
-
-def _enter_cuda_emulation() -> None:
-    """Enter :func:`core_utils.cuda_emulation` (a no-op with CUDA) until
-    :func:`destroy_distributed`, once; the engine calls it before :func:`initialize_distributed`."""
-    if _STATE["emulation"] is None:
-        _STATE["emulation"] = stack = contextlib.ExitStack()
-        stack.enter_context(cuda_emulation())
 
 
 def _destroy_model_parallel() -> None:

@@ -39,14 +39,12 @@ from megatron.core.utils import get_model_config
 
 from bridge.config import convert_dataclass
 from bridge.train.engine.initialize import (
-    _enter_cuda_emulation,
     initialize_distributed,
     validate_parallel_layout,
 )
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from bridge.train.models.layout_init import check_supported, initialize_layout_independent
 from core_utils import cuda_emulation_active, local_multi_tensor_l2_norm
-from core_utils.distributed import global_world_size
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -87,11 +85,8 @@ class MegatronEngine:
         rng_config: RNGConfig | None = None,
     ) -> None:
         """See :func:`bridge.train.engine.initialize.initialize_distributed`; without CUDA it
-        first enters the CUDA emulation, for the rest of the run (the layout is checked
-        before, so a bad one changes no process state)."""
-        validate_parallel_layout(model_config, global_world_size(launcher_fallback=True))
-        _enter_cuda_emulation()
-        initialize_distributed(model_config, dist_config, rng_config)
+        enters the CUDA emulation for the rest of the run."""
+        initialize_distributed(model_config, dist_config, rng_config, emulate_cuda=True)
 
     def setup_model(
         self,

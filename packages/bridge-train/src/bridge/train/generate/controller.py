@@ -105,14 +105,13 @@ class GenerationController(TextGenerationController):
         active_requests: Any,
         use_attention_mask: bool = False,
     ) -> dict[str, Any]:
-        """megatron's inputs; for left-padded rows, a mask that hides the padding slots from
-        every query (causal besides, ``[batch, 1, s, s]``, ``True`` = masked as in megatron)
-        and each token's position in its own prompt.
+        """megatron's inputs; for left-padded rows the padding mask (causal besides,
+        ``[batch, 1, s, s]``, ``True`` = masked as in megatron) and each token's position in
+        its own prompt (module docstring).
 
         megatron's loop slices the mask to ``[..., start:end, :end]`` at every step, so the
-        padding stays hidden while the rows decode. The position ids are what a position
-        embedding table reads; rotary embeddings ignore them in megatron and follow
-        the inference context's ``left_padding`` instead (:mod:`~bridge.train.generate.rotary_cache`).
+        padding stays hidden while the rows decode. Rotary embeddings ignore the position ids
+        in megatron and follow the context's ``left_padding`` instead (:mod:`.rotary_cache`).
         """
         inference_input = super().prep_inference_input(
             prompts_tokens, active_requests, use_attention_mask
