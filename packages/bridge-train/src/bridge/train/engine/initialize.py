@@ -84,13 +84,6 @@ def validate_parallel_layout(model_config: ModelConfigProtocol, world_size: int)
     What a device cannot run (for example sequence parallelism with the CPU layer spec) is
     refused earlier, with the config, by :func:`bridge.train.checks.layout.check_engine_config`.
 
-    Args:
-        model_config: The model config (``tensor_model_parallel_size``,
-            ``pipeline_model_parallel_size``, ``context_parallel_size``,
-            ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
-            ``virtual_pipeline_model_parallel_size``).
-        world_size: Number of ranks.
-
     Raises:
         ValueError: A size is not positive, ``world_size`` is not divisible by
             ``TP x PP x CP``, or the expert layout does not fit.
@@ -170,20 +163,14 @@ def initialize_distributed(
 ) -> None:
     """Initialise torch.distributed, megatron's parallel state and the random seeds.
 
-    Under ``torchrun`` the launcher's environment is used, under ``srun`` SLURM's (see
-    :mod:`bridge.train.engine.launch_env`); launched bare, a one-rank group is created. A
-    rendezvous that does not complete says what it waits for within seconds and fails after
-    ``dist.distributed_timeout_minutes`` with one line. An existing default process group is reused. On CUDA with nccl the device
-    is set from ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``).
+    The process group is the launch's (:func:`init_launch_process_group`); an existing
+    default process group is reused. On CUDA with nccl the device is set from
+    ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``).
 
     Args:
         model_config: The model config (its parallel sizes are used).
-        dist_config: ``DistributedInitConfig`` (``distributed_backend``,
-            ``distributed_timeout_minutes``, ``use_gloo_process_groups``,
-            ``use_tp_pp_dp_mapping``, ``nccl_communicator_config_path``,
-            ``external_gpu_device_mapping``); defaults when ``None``.
-        rng_config: ``RNGConfig`` (``seed``, ``data_parallel_random_init``,
-            ``te_rng_tracker``, ``inference_rng_tracker``); seed 1234 when ``None``.
+        dist_config: The ``dist`` section; defaults when ``None``.
+        rng_config: The ``rng`` section; seed 1234 when ``None``.
         emulate_cuda: Without CUDA, enter :func:`core_utils.cuda_emulation` for the rest of
             the run (until :func:`destroy_distributed`), once the layout is checked (the
             engine's choice; a bad layout then changes no process state).

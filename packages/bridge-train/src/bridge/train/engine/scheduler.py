@@ -19,17 +19,9 @@ def scheduler_steps(
 ) -> dict[str, int | None]:
     """Warm-up, decay, weight-decay and WSD lengths in samples, as megatron counts them.
 
-    Values already set on ``scheduler_config`` (``lr_warmup_steps``, ``lr_decay_steps``,
-    ``wd_incr_steps``, ``wsd_decay_steps``, as ``ConfigContainer.validate()`` fills them)
-    are used as they are; missing ones are derived like ``ConfigContainer.validate()`` does:
-    from iteration counts times ``train_config.global_batch_size`` (decay over
-    ``lr_decay_iters``, default ``train_iters``; warm up over ``lr_warmup_fraction`` of the
-    decay or ``lr_warmup_iters``; weight decay over ``train_iters``), or, when
-    ``train_config.train_samples`` is set, from the ``*_samples`` fields.
-
-    Args:
-        scheduler_config: ``SchedulerConfig``.
-        train_config: ``TrainingConfig`` (``train_iters``, ``global_batch_size``).
+    The ``*_steps`` fields ``ConfigContainer.validate()`` fills are used as they are; missing
+    ones are derived the way it derives them (a section that was never validated: the MIMO
+    recipe's).
 
     Returns:
         ``{"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps"}``.
@@ -107,16 +99,9 @@ def build_optimizer_param_scheduler(
     """megatron-core's ``OptimizerParamScheduler`` for ``optimizer``.
 
     The scheduler counts samples (advance it with ``scheduler.step(global_batch_size)``
-    each iteration). ``max_lr``/``min_lr`` come from ``optimizer_config.lr`` /
-    ``min_lr``, the start and end weight decay from the scheduler config or, when unset,
+    each iteration); the weight decay the scheduler section leaves unset is
     ``optimizer_config.weight_decay``. Note megatron's ``load_state_dict`` adds the saved
     step count to the current one: load only into a freshly built scheduler.
-
-    Args:
-        optimizer: The megatron-contract optimizer (its ``param_groups`` are driven).
-        optimizer_config: megatron's ``OptimizerConfig``.
-        scheduler_config: ``SchedulerConfig``.
-        train_config: ``TrainingConfig``, used to derive step counts left unset.
 
     Returns:
         The scheduler, already applied once (step 0).

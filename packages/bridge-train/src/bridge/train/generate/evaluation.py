@@ -1,12 +1,10 @@
 """Evaluation-only runs: ``bridge-train --eval-only`` loads a checkpoint and reports its
 validation and test loss and perplexity, without training.
 
-:func:`prepare_eval_only` turns a run's config into an evaluation of its checkpoint
-(``train.skip_train``; nothing is saved; the model alone is loaded, so any layout the
-checkpoint reshards to works; perplexities are written too). :func:`evaluate_checkpoint`
-runs it through the trainer's own setup (engine, model, checkpoint load, metric writers) and
-evaluation (:func:`bridge.train.evaluate_and_print_results`), so the numbers go to the
-console, the metrics file and every configured logger.
+:func:`prepare_eval_only` turns a run's config into an evaluation of its checkpoint;
+:func:`evaluate_checkpoint` runs it through the trainer's own setup and evaluation
+(:func:`bridge.train.evaluate_and_print_results`), so the numbers go to the console, the
+metrics file and every configured logger.
 
 Which data:
 

@@ -5,10 +5,9 @@ Prompts go through megatron-core's inference machinery: the model is wrapped in 
 batch) and driven by its text generation controller's static-batch path
 (:class:`~bridge.train.generate.controller.GenerationController`), the path megatron's
 ``StaticInferenceEngine(legacy=True)`` runs, under megatron's ``InferenceMode`` as that engine
-runs it. Two changes make it fast on a CPU (see :mod:`~bridge.train.generate.rotary_cache`):
-keys enter the KV cache already rotated, and prompts of different lengths are left-padded
-(the padding masked, each row positioned by its own prompt) into one prefill, where megatron
-alone prefills up to the shortest prompt and feeds the longer ones one token per step.
+runs it. Two changes make it fast on a CPU: keys enter the KV cache already rotated
+(:mod:`~bridge.train.generate.rotary_cache`), and prompts of different lengths are
+left-padded into one prefill (:class:`~bridge.train.generate.controller.GenerationController`).
 Under tensor or pipeline parallelism every rank of the model-parallel group calls
 :meth:`TextGenerator.generate` with the same prompts and options, and every rank gets the
 same completions (the logits are gathered over the tensor-parallel group and broadcast from
