@@ -366,34 +366,23 @@ def _overrides_of(
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
+    load = None  # the last checkpoint.load=... override: what --eval-only evaluates
+    for item in args.overrides:
+        name, sep, rest = item.partition("=")
+        if sep and name.strip().lstrip("+~") == "checkpoint.load":
+            load = rest
     if args.config is not None:
         path = Path(args.config)
-    elif (
-        args.eval_only
-        and args.recipe is None
-        and _override_value(args.overrides, "checkpoint.load")
-    ):
-        path = _checkpoint_run_config(str(_override_value(args.overrides, "checkpoint.load")))
+    elif args.eval_only and args.recipe is None and load:
+        path = _checkpoint_run_config(load)
     else:
         try:
             path = recipe_path(args.recipe or DEFAULT_RECIPE)
         except KeyError as exc:
-            from bridge.config import ConfigError
-
             raise ConfigError("--recipe", str(exc.args[0])) from None
     cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
     return cfg, path, recipe_cfg
-
-
-def _override_value(overrides: Sequence[str], key: str) -> str | None:
-    """The value the last ``key=value`` override gives (``None`` if none does)."""
-    value = None
-    for item in overrides:
-        name, sep, rest = item.partition("=")
-        if sep and name.strip().lstrip("+~") == key:
-            value = rest
-    return value
 
 
 def _checkpoint_run_config(load: str) -> Path:
