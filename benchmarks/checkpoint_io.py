@@ -261,7 +261,7 @@ def main() -> None:
     import bridge.train.checkpointing.load as load_module
     import bridge.train.checkpointing.save as save_module
 
-    real_checksums, real_damage = save_module.checksum_files, load_module._local_damage
+    real_checksums, real_damage = save_module.checksum_files, load_module.checkpoint_problems
     hashing: list[float] = []  # time inside checksum_files, per save with checksums
     verifying: list[float] = []  # a load's verification run alone, per load with checksums
 
@@ -274,7 +274,7 @@ def main() -> None:
 
     def unchecked(on: bool) -> None:
         save_module.checksum_files = timed_checksums if on else (lambda *a, **k: {})
-        load_module._local_damage = real_damage if on else (lambda path: None)
+        load_module.checkpoint_problems = real_damage if on else (lambda *a, **k: None)
 
     logging_level = logging.getLogger("bridge.train.checkpointing.load").level
     logging.getLogger("bridge.train.checkpointing.load").setLevel(logging.ERROR)
@@ -299,7 +299,7 @@ def main() -> None:
             elif on:
                 hashing.clear()
                 verifying.clear()
-    save_module.checksum_files, load_module._local_damage = real_checksums, real_damage
+    save_module.checksum_files, load_module.checkpoint_problems = real_checksums, real_damage
     logging.getLogger("bridge.train.checkpointing.load").setLevel(logging_level)
     times["save_checkpoint without checksums"] = pairs["save off"]
     times["save_checkpoint with checksums"] = pairs["save on"]

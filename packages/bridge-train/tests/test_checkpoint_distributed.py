@@ -42,7 +42,7 @@ from bridge.train.checkpointing import (
     save_checkpoint,
 )
 from bridge.train.engine import MegatronEngine
-from bridge.train.engine.initialize import resume_seed
+from bridge.train.engine.initialize import resume_seed, seed_process_generators
 from bridge.train.loop.bare_loop import train_steps
 from bridge.train.testing import (
     tiny_dist_config,
@@ -497,8 +497,15 @@ def _single_b(rank: int, world: int, root: str, dp2_saved: dict[str, Any]) -> di
     warnings = BufferingHandler(capacity=1000)
     warnings.setLevel(logging.WARNING)
     logging.getLogger("bridge.train").addHandler(warnings)
-    # As pretrain loads: it reseeds after a layout change and says so through the context.
-    out["dp2_into_one_return"] = dp_into_one.load(checkpointing_context={"reseeds_rng_from": 4321})
+    reseeded: list[int] = []
+
+    def reseed(iteration: int) -> int:  # as the loaders do after a layout change
+        reseeded.append(iteration)
+        seed_process_generators(resume_seed(4321, iteration))
+        return 4321
+
+    out["dp2_into_one_return"] = dp_into_one.load(reseed=reseed)
+    out["dp2_into_one_reseeded"] = (reseeded, _rng_draws())
     logging.getLogger("bridge.train").removeHandler(warnings)
     out["dp2_into_one_warnings"] = [record.getMessage() for record in warnings.buffer]
     out["dp2_into_one_mismatch"] = _equal_local(dp2_saved, dp_into_one.snapshot())
@@ -644,6 +651,9 @@ def test_data_parallel_checkpoint_loads_into_one_process(
 ) -> None:
     assert single_b["dp2_into_one_return"] == (K, FLOPS)
     assert single_b["dp2_into_one_mismatch"] == []
+    # The load reseeded from (seed, iteration) once, where the saved generators were skipped.
+    seed_process_generators(resume_seed(4321, K))
+    assert single_b["dp2_into_one_reseeded"] == ([K], _rng_draws())
     # One line for the one event: both layouts, and what happens to the generators.
     (rng_warning,) = [m for m in single_b["dp2_into_one_warnings"] if "RNG" in m]
     assert rng_warning == (

@@ -333,7 +333,7 @@ def test_missing_pretrained_checkpoint_and_step_are_errors(tmp_path: Path) -> No
 
 
 def test_non_persistent_directory_newer_than_the_persistent_one_wins(tmp_path: Path) -> None:
-    from bridge.train.checkpointing.load import _plan_load
+    from bridge.train.checkpointing.load import planned_load
 
     run = tmp_path / "run"
     _complete(run, 10)
@@ -341,18 +341,18 @@ def test_non_persistent_directory_newer_than_the_persistent_one_wins(tmp_path: P
     _complete(run / "non_persistent", 15)
     write_tracker(run / "non_persistent", 15)
     config = CheckpointConfig(load=str(run), save=str(run), non_persistent_ckpt_type="global")
-    plan = _plan_load(config)
+    plan = planned_load(config)
     assert plan is not None and plan.iteration == 15 and plan.source == "non-persistent"
     # Without the non-persistent type configured, only the persistent tracker counts.
-    plan = _plan_load(dataclasses.replace(config, non_persistent_ckpt_type=None))
+    plan = planned_load(dataclasses.replace(config, non_persistent_ckpt_type=None))
     assert plan is not None and plan.iteration == 10
     # A newer persistent checkpoint wins.
     _complete(run, 20)
     write_tracker(run, 20)
-    plan = _plan_load(config)
+    plan = planned_load(config)
     assert plan is not None and plan.iteration == 20 and plan.source == "checkpoint.load"
     # pretrained_checkpoint is used only when load holds nothing, and always as finetune.
-    pretrained = _plan_load(
+    pretrained = planned_load(
         CheckpointConfig(load=str(tmp_path / "empty"), pretrained_checkpoint=str(run))
     )
     assert pretrained is not None and pretrained.weights_only and pretrained.iteration == 20

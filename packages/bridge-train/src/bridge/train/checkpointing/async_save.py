@@ -98,10 +98,6 @@ class _SharedArena:
         self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
         self.busy_with: int | None = None  # call index whose write still reads the arena
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.numel())
-
     def copy_in(self, write_buckets: list[Any]) -> list[Any]:
         """Copy every tensor of dist_checkpointing's write buckets into the arena.
 
@@ -219,7 +215,7 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         # CUDA tensors to the host; the shared-memory snapshot does that job here.
         needed = _arena_bytes(args[1])
         arena = self._arena
-        if arena is None or arena.busy_with is not None or arena.nbytes < needed:
+        if arena is None or arena.busy_with is not None or arena.buffer.numel() < needed:
             arena = self._arena = _SharedArena(needed)
         arena.busy_with = call_idx
         args[1] = arena.copy_in(args[1])
@@ -383,34 +379,26 @@ def finalize_async_saves(
         else contextlib.nullcontext()
     )
     with section:
-        _finalize(current, blocking=blocking, terminate=terminate)
-
-
-def _finalize(current: Any, *, blocking: bool, terminate: bool) -> None:
-    try:
-        with cpu_cuda_compat():
-            if terminate:
-                try:
-                    current.close()
-                finally:
-                    _QUEUE.update(pid=None, queue=None)
-            else:
-                current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
-    except CheckpointError:
-        raise
-    except (CheckpointException, Exception) as exc:  # torch's is a BaseException
-        _abandon(current)
-        raise CheckpointError(
-            f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
-            "remains the newest one (its tracker was not updated)"
-        ) from exc
-
-
-def _abandon(current: Any) -> None:
-    """Drop a queue whose save failed, stopping its writer without finalizing anything."""
-    current.async_calls.clear()
-    try:
-        with cpu_cuda_compat():
-            current.close(abort=True)
-    finally:
-        _QUEUE.update(pid=None, queue=None)
+        try:
+            with cpu_cuda_compat():
+                if terminate:
+                    try:
+                        current.close()
+                    finally:
+                        _QUEUE.update(pid=None, queue=None)
+                else:
+                    current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
+        except CheckpointError:
+            raise
+        except (CheckpointException, Exception) as exc:  # torch's is a BaseException
+            # Drop the failed queue, stopping its writer without finalizing anything.
+            current.async_calls.clear()
+            try:
+                with cpu_cuda_compat():
+                    current.close(abort=True)
+            finally:
+                _QUEUE.update(pid=None, queue=None)
+            raise CheckpointError(
+                f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
+                "remains the newest one (its tracker was not updated)"
+            ) from exc

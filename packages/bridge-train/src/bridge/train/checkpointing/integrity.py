@@ -35,14 +35,15 @@ import torch.distributed as dist
 import xxhash
 
 from bridge.train.checkpointing import _dist
+from bridge.train.checkpointing.layout import MARKER_FILENAME, read_marker
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "VERIFIABLE_ALGORITHMS",
+    "checkpoint_problems",
     "checksum_file",
     "checksum_files",
     "gather_problems",
-    "local_problems",
     "recorded_files",
     "verify_files",
 ]
@@ -52,7 +53,6 @@ CHECKSUM_ALGORITHM = "xxh3_64_tree"
 _CHUNK = 8 << 20
 _SEGMENT = 32 << 20  # part of the algorithm: changing it changes every recorded hash
 _THREADS = 4
-_MARKER = "checkpoint_complete.json"  # layout.MARKER_FILENAME (layout imports this module's users)
 
 
 def _crc32(path: str | os.PathLike[str]) -> tuple[int, str]:
@@ -198,22 +198,11 @@ def _problem(base: Path, name: str, expected: dict[str, Any]) -> str | None:
     return None
 
 
-def local_problems(
-    directory: str | os.PathLike[str], recorded: dict[str, Any], share: bool = True
+def _local_problems(
+    directory: str | os.PathLike[str], recorded: dict[str, Any], share: bool
 ) -> dict[str, str]:
-    """This rank's part of the check of ``directory`` against ``recorded`` (no collective).
-
-    Safe to run in a thread beside other work (it reads files and hashes them; CRC-32 and
-    file reads release the GIL); merge the parts with :func:`gather_problems`.
-
-    Args:
-        directory: The checkpoint directory.
-        recorded: The marker's ``files`` entry.
-        share: Check only this rank's round-robin share (else every file).
-
-    Returns:
-        ``{file name: one line saying what is wrong}`` for the damaged files checked here.
-    """
+    """``{file name: what is wrong}`` of this rank's round-robin share of ``recorded`` (of
+    every file unless ``share``); no collective."""
     base = Path(directory)
     part = {}
     for name in _my_share(recorded) if share else sorted(recorded):
@@ -224,7 +213,7 @@ def local_problems(
     if not share or _dist.rank() == 0:
         # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
         for entry in base.iterdir():
-            if entry.name not in recorded and entry.name != _MARKER and entry.is_file():
+            if entry.name not in recorded and entry.name != MARKER_FILENAME and entry.is_file():
                 part[entry.name] = (
                     f"{entry} is not part of the checkpoint as saved (a file added later)"
                 )
@@ -232,7 +221,7 @@ def local_problems(
 
 
 def gather_problems(part: dict[str, str]) -> list[str]:
-    """Every rank's :func:`local_problems`, one line per damaged file, sorted (collective)."""
+    """Every rank's :func:`checkpoint_problems`, one line per damaged file, sorted (collective)."""
     return [line for _, line in sorted(_gather(part).items())]
 
 
@@ -266,7 +255,36 @@ def recorded_files(
         )
     else:
         return files
-    raise ValueError(f"{Path(directory) / _MARKER} {problem}")
+    raise ValueError(f"{Path(directory) / MARKER_FILENAME} {problem}")
+
+
+def checkpoint_problems(
+    directory: str | os.PathLike[str], share: bool = True
+) -> dict[str, str] | None:
+    """What is wrong with the files of ``directory`` against its own completion marker.
+
+    No collective: safe to run in a thread beside other work (file reads and the hashes
+    release the GIL). An unreadable marker or directory is a problem too.
+
+    Args:
+        directory: The checkpoint directory.
+        share: Check only this rank's round-robin share (merge the parts with
+            :func:`gather_problems`), else every file.
+
+    Returns:
+        ``{file name: one line saying what is wrong}``, or ``None`` for a checkpoint saved
+        before checksums existed (nothing to check against).
+    """
+    try:
+        files = recorded_files(directory, read_marker(directory))
+    except ValueError as exc:  # incomplete (a staging leftover renamed by hand, a torn marker)
+        return {MARKER_FILENAME: str(exc)}
+    if files is None:
+        return None
+    try:
+        return _local_problems(directory, files, share)
+    except OSError as exc:
+        return {str(directory): f"{directory} cannot be read ({exc.strerror or exc})"}
 
 
 def verify_files(
@@ -284,7 +302,7 @@ def verify_files(
         One line per damaged file (missing, of another size, other content, or present but
         not recorded), sorted; the same list on every rank. Empty when everything matches.
     """
-    part = local_problems(directory, recorded, share=collective)
+    part = _local_problems(directory, recorded, collective)
     if collective:
         return gather_problems(part)
     return [line for _, line in sorted(part.items())]

@@ -165,12 +165,13 @@ def read_tracker(root: str | os.PathLike[str]) -> int | None:
 def write_tracker(root: str | os.PathLike[str], iteration: int) -> None:
     """Commit ``iteration`` as the newest checkpoint of ``root`` (atomic, durable)."""
     atomic_write(Path(root) / TRACKER_FILENAME, f"{iteration}\n")
-    _forget_lookups()  # the launch's answers predate this commit
+    if _LAUNCH_LOOKUPS is not None:
+        _LAUNCH_LOOKUPS.clear()  # the launch's answers predate this commit
 
 
 @dataclass(frozen=True)
 class _Lookup:
-    stamp: tuple[tuple[int, int, int] | None, ...]  # _stamp of the directory when looked up
+    stamp: tuple[tuple[int, int, int] | None, ...]  # the directory's _stats when looked up
     value: Any
     error: CheckpointError | None
     # The markers of the checkpoints the answer names, as they were: deleting or rewriting
@@ -202,17 +203,6 @@ def one_lookup_per_launch() -> Iterator[None]:
         _LAUNCH_LOOKUPS = None
 
 
-def _forget_lookups() -> None:
-    if _LAUNCH_LOOKUPS is not None:
-        _LAUNCH_LOOKUPS.clear()
-
-
-def _stamp(base: Path) -> tuple[tuple[int, int, int] | None, ...]:
-    """What a commit, a rename or a deletion in ``base`` changes: inode, modification time
-    and size of the directory, its tracker and (for an ``iter_*`` directory) its marker."""
-    return _stats((base, base / TRACKER_FILENAME, base / MARKER_FILENAME))
-
-
 def _stats(paths: Iterable[Path]) -> tuple[tuple[int, int, int] | None, ...]:
     stamp: list[tuple[int, int, int] | None] = []
     for path in paths:
@@ -242,7 +232,10 @@ def _once_per_launch[T](
         return look()
     base = Path(root)
     key = (what, str(base.resolve()), step)
-    stamp = _stamp(base)  # taken first: a change while looking is seen by the next asker
+    # What a commit, a rename or a deletion in ``base`` changes: inode, modification time
+    # and size of the directory, its tracker and (for an ``iter_*`` directory) its marker;
+    # taken first: a change while looking is seen by the next asker.
+    stamp = _stats((base, base / TRACKER_FILENAME, base / MARKER_FILENAME))
     found = _LAUNCH_LOOKUPS.get(key)
     if found is None or found.stamp != stamp or found.markers != _named_markers(base, found.value):
         try:

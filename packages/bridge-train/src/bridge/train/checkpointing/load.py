@@ -21,11 +21,12 @@ iteration 0).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,13 +54,8 @@ from bridge.train.checkpointing.context import (
     required_checkpoint_section,
 )
 from bridge.train.checkpointing.errors import CheckpointError
-from bridge.train.checkpointing.integrity import (
-    gather_problems,
-    local_problems,
-    recorded_files,
-)
+from bridge.train.checkpointing.integrity import checkpoint_problems, gather_problems
 from bridge.train.checkpointing.layout import (
-    MARKER_FILENAME,
     TRACKER_FILENAME,
     CheckpointLocation,
     checkpoint_dir_name,
@@ -67,7 +63,6 @@ from bridge.train.checkpointing.layout import (
     find_latest_checkpoint,
     is_complete_checkpoint,
     parse_iteration,
-    read_marker,
 )
 from bridge.train.checkpointing.optimizer_conversion import (
     OptimizerConversion,
@@ -110,12 +105,6 @@ logger = logging.getLogger(__name__)
 # The template entry optimizer tensors of another format are loaded under (see
 # optimizer_conversion): not "optimizer", whose saved common state has the other layout.
 CONVERTED_OPTIMIZER_KEY = "bridge_converted_optimizer"
-
-# The checkpointing_context entry a caller sets to its rng.seed when it reseeds the
-# generators after a resume under another layout ("rng_state" == "layout_changed", see
-# seed_from_rng_config and mimo_checkpoint.load_mimo_checkpoint), so that the one warning
-# of that event can say so.
-RESEEDS_RNG_KEY = "reseeds_rng_from"
 
 # Scheduler settings megatron's OptimizerParamScheduler checks against a checkpoint.
 _SCHEDULER_SETTINGS = (
@@ -184,7 +173,18 @@ def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[Checkpoin
     )
 
 
-def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
+def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
+    """Which checkpoint :func:`load_checkpoint` would load, read from this process's files.
+
+    No collective and no verification of the files: for reports and checks before a
+    launch. ``checkpoint.load`` is used as it is (a launch first makes an unset ``load``
+    the save directory when that holds a checkpoint).
+
+    Raises:
+        CheckpointError: What :func:`load_checkpoint` would raise choosing it (a missing
+            ``ckpt_step`` or ``pretrained_checkpoint``, ...).
+    """
+    cfg = checkpoint_config
     load, step = cfg.load, cfg.ckpt_step
     persistent: CheckpointLocation | None = None
     # Resuming "the newest checkpoint" of a save directory may fall back to an older one
@@ -259,39 +259,8 @@ def _plan_load(cfg: CheckpointConfig) -> _LoadPlan | None:
     return None
 
 
-def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
-    """Which checkpoint :func:`load_checkpoint` would load, read from this process's files.
-
-    No collective and no verification of the files: for reports and checks before a
-    launch. ``checkpoint.load`` is used as it is (a launch first makes an unset ``load``
-    the save directory when that holds a checkpoint).
-
-    Raises:
-        CheckpointError: What :func:`load_checkpoint` would raise choosing it (a missing
-            ``ckpt_step`` or ``pretrained_checkpoint``, ...).
-    """
-    return _plan_load(checkpoint_config)
-
-
-def _local_damage(path: str) -> dict[str, str] | None:
-    """This rank's share of the check of ``path`` (no collective; may run in a thread).
-
-    ``None`` for a checkpoint saved before checksums existed (nothing to check against).
-    """
-    try:
-        files = recorded_files(path, read_marker(path))
-    except ValueError as exc:
-        return {MARKER_FILENAME: str(exc)}
-    if files is None:
-        return None
-    try:
-        return local_problems(path, files)
-    except OSError as exc:
-        return {path: f"{path} cannot be read ({exc.strerror or exc})"}
-
-
 def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
-    """Every rank's :func:`_local_damage` of ``path`` (collective; empty if intact)."""
+    """Every rank's ``checkpoint_problems`` of ``path`` (collective; empty if intact)."""
     if part is None:
         if _dist.rank() == 0:
             logger.warning(
@@ -316,7 +285,7 @@ def _verified_plan(plan: _LoadPlan, problems: list[str]) -> _LoadPlan:
         f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
     )
     for skipped, candidate in enumerate(plan.fallbacks):
-        if not _gather_damage(candidate.path, _local_damage(candidate.path)):
+        if not _gather_damage(candidate.path, checkpoint_problems(candidate.path)):
             if _dist.rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
                     "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
@@ -482,12 +451,6 @@ def _check_reshardable(
     return saved_fmt != this_fmt or other_parts
 
 
-def _saved_sharding_type(meta: dict[str, Any]) -> str | None:
-    """The distributed-optimizer sharding type a checkpoint was saved with, if any."""
-    saved_fmt = meta.get("optimizer_format") or ""
-    return saved_fmt.split(":", 1)[1] if saved_fmt.startswith("distributed:") else None
-
-
 def _sharded_tensors(tree: Any) -> list[Any]:
 
     return [value for value in nested_values(tree) if isinstance(value, ShardedTensor)]
@@ -629,22 +592,8 @@ def _check_scheduler_settings(
 _GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
-def _saved_param_groups(inner: Any, saved_state: Any) -> list[dict[str, Any]] | None:
-    """The saved parameter groups in ``saved_state`` for megatron's non-distributed optimizer
-    ``inner`` (``FP32Optimizer``: the torch state dict; mixed precision: under
-    ``"optimizer"``), or None for other optimizers (the distributed one keeps its own)."""
-    if type(inner).__name__ == "DistributedOptimizer" or not isinstance(saved_state, dict):
-        return None
-    torch_state = saved_state.get("optimizer", saved_state)
-    groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
-    return groups if isinstance(groups, list) else None
-
-
-def _group_structure(group: dict[str, Any]) -> tuple[Any, ...]:
-    """The key megatron pairs parameter groups by, less the schedule bounds."""
-    return tuple(
-        group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-    )
+# The key megatron pairs parameter groups by, less the schedule bounds.
+_GROUP_STRUCTURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 def _align_schedule_bounds(
@@ -657,7 +606,9 @@ def _align_schedule_bounds(
     ``scheduler.override_opt_param_scheduler`` or ``use_checkpoint_opt_param_scheduler``
     with another learning rate those differ, and the load would fail. Groups are paired by
     the rest of the key (weight-decay and learning-rate multipliers, expert and decoupled
-    flags), when that pairing is one to one.
+    flags), when that pairing is one to one. Only megatron's non-distributed optimizers
+    are aligned (the distributed one keeps its own groups); their saved groups are in the
+    torch state dict (``FP32Optimizer``) or under ``"optimizer"`` (mixed precision).
 
     Returns:
         ``(inner optimizer, group index, the checkpoint's bounds)`` for each group whose
@@ -672,15 +623,20 @@ def _align_schedule_bounds(
     )
     replaced: list[tuple[Any, int, dict]] = []
     for inner, part in zip(inners, parts, strict=False):
-        saved_groups = _saved_param_groups(inner, part)
+        torch_state = part.get("optimizer", part) if isinstance(part, dict) else None
+        saved_groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
         current_groups = inner.param_groups
-        if saved_groups is None or len(saved_groups) != len(current_groups):
+        if (
+            type(inner).__name__ == "DistributedOptimizer"
+            or not isinstance(saved_groups, list)
+            or len(saved_groups) != len(current_groups)
+        ):
             continue
-        by_structure = {_group_structure(g): g for g in saved_groups}
+        by_structure = {tuple(g.get(k) for k in _GROUP_STRUCTURE): g for g in saved_groups}
         if len(by_structure) != len(saved_groups):
             continue  # ambiguous: leave megatron's own pairing (and its error) alone
         for index, current in enumerate(current_groups):
-            saved = by_structure.get(_group_structure(current))
+            saved = by_structure.get(tuple(current.get(k) for k in _GROUP_STRUCTURE))
             if saved is None:
                 break
             if all(saved.get(k) == current.get(k) for k in _GROUP_SCHEDULE_KEYS):
@@ -695,57 +651,81 @@ def _align_schedule_bounds(
 
 def _load_optimizer(
     optimizer: MegatronOptimizer,
-    state: dict[str, Any],
+    loaded: dict[str, Any],
+    common: dict[str, Any],
+    conversion: OptimizerConversion | None,
     scheduler: OptimizerParamScheduler | None,
-    converted_from: tuple[Any, str] | None = None,
+    path: str,
 ) -> None:
-    """Restore the optimizer state. The parameter groups' schedule bounds are the config's
-    with ``override_opt_param_scheduler``, else the checkpoint's (as the scheduler's own
-    settings). ``converted_from``: ``(saved common optimizer state, path)`` when ``state``
-    was converted (it then carries this run's groups; the checkpoint's bounds come from
-    there)."""
+    """Restore the optimizer state, converted first when ``conversion`` is set. The
+    parameter groups' schedule bounds are the config's with ``override_opt_param_scheduler``,
+    else the checkpoint's (as the scheduler's own settings); converted state carries this
+    run's groups, so the checkpoint's bounds come from its saved common state."""
     keep = bool(getattr(scheduler, "override_opt_param_scheduler", False))
     bounds = [
         {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
         for group in optimizer.param_groups
     ]
-    if converted_from is None:
+    saved_common = common.get("optimizer")
+    if conversion is None:
+        state = loaded["optimizer"]
         replaced = _align_schedule_bounds(optimizer, state)
-    elif getattr(scheduler, "use_checkpoint_opt_param_scheduler", False) and not keep:
-        # Without either flag the scheduler check (above) made sure the bounds are equal.
-        saved_common, path = converted_from
-        replaced = checkpoint_group_bounds(optimizer, saved_common, _GROUP_SCHEDULE_KEYS, path)
     else:
+        state = converted_optimizer_state(
+            optimizer, conversion, loaded[CONVERTED_OPTIMIZER_KEY], saved_common, path
+        )
         replaced = []
+        if getattr(scheduler, "use_checkpoint_opt_param_scheduler", False) and not keep:
+            # Without either flag the scheduler check made sure the bounds are equal.
+            replaced = checkpoint_group_bounds(optimizer, saved_common, _GROUP_SCHEDULE_KEYS, path)
     # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
     # only some of its formats' loaders disable autograd themselves.
-    with torch.no_grad(), _steps_kept_by_fully_reshardable_load(optimizer):
+    with torch.no_grad(), _distributed_optimizer_steps(optimizer):
         optimizer.load_state_dict(state)
-    _restore_distributed_optimizer_steps(optimizer)
     if keep:
         for group, saved in zip(optimizer.param_groups, bounds, strict=True):
             group.update(saved)
     else:
         for inner, index, checkpoint_bounds in replaced:
             inner.param_groups[index].update(checkpoint_bounds)
+    if conversion is None:
+        return
+    if conversion.main_params_from_model:
+        # Saved from an fp32 model: its (now loaded) weights are the main parameters.
+        optimizer.reload_model_params()
+    if _dist.rank() == 0:
+        saved_parts = common[META_KEY].get("optimizer_parts")
+        logger.info(
+            "%s holds %s optimizer state%s; converted to this run's %s optimizer (%d part(s))",
+            path,
+            common[META_KEY].get("optimizer_format"),
+            f" ({saved_parts} part(s))" if saved_parts else "",
+            optimizer_format(optimizer),
+            len(optimizer_parts(optimizer)),
+        )
 
 
 @contextlib.contextmanager
-def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Iterator[None]:
-    """Let megatron's ``fully_reshardable`` loader keep torch Adam's per-parameter ``step``.
+def _distributed_optimizer_steps(optimizer: MegatronOptimizer) -> Iterator[None]:
+    """Keep torch Adam's per-parameter ``step`` right through a megatron distributed
+    optimizer's load (without Apex / Transformer Engine, as on CPU; megatron-core 0.19).
 
-    Without Apex / Transformer Engine (as on CPU) megatron-core 0.19's
-    ``DistributedOptimizer.load_state_dict`` puts a ``step`` into every parameter's state
-    (from the saved parameter groups), then ``_set_main_param_and_optimizer_states`` copies
-    every state tensor from the checkpoint, which holds no per-parameter ``step``:
-    ``KeyError: 'step'``. For the duration of the load the step already in place is handed
-    in as its own source; :func:`_restore_distributed_optimizer_steps` then sets it. So is
-    a main parameter the checkpoint does not hold (per-parameter state of an fp32 model,
-    converted by :mod:`~bridge.train.checkpointing.optimizer_conversion`): it stays as it
-    is and is refreshed from the loaded model weights.
+    Its ``fully_reshardable`` loader puts a ``step`` into every parameter's state (from the
+    saved parameter groups), then ``_set_main_param_and_optimizer_states`` copies every
+    state tensor from the checkpoint, which holds no per-parameter ``step``: ``KeyError:
+    'step'``. For the duration of the load the step already in place is handed in as its
+    own source; so is a main parameter the checkpoint does not hold (per-parameter state of
+    an fp32 model, converted by :mod:`~bridge.train.checkpointing.optimizer_conversion`): it
+    stays as it is and is refreshed from the loaded model weights.
+
+    After the load, every parameter gets its own tensor holding the loaded count (the saved
+    parameter groups' ``step``): ``load_state_dict`` leaves the per-parameter ``step`` of an
+    already allocated optimizer at its old value and, when it does set it, stores one shared
+    tensor in every parameter's state, which torch's Adam then increments once per
+    parameter. Either way the bias correction after a resume would be wrong.
     """
-    patched = []
-    for inner in distributed_parts(optimizer):
+    parts = distributed_parts(optimizer)
+    for inner in parts:
         original = inner._set_main_param_and_optimizer_states
 
         def keep_step(
@@ -764,35 +744,20 @@ def _steps_kept_by_fully_reshardable_load(optimizer: MegatronOptimizer) -> Itera
             return _original(model_param, tensors)
 
         inner._set_main_param_and_optimizer_states = keep_step
-        patched.append(inner)
     try:
         yield
     finally:
-        for inner in patched:
+        for inner in parts:
             del inner._set_main_param_and_optimizer_states
-
-
-def _restore_distributed_optimizer_steps(optimizer: MegatronOptimizer) -> None:
-    """Set every parameter's Adam ``step`` of a megatron distributed optimizer from the load.
-
-    With torch's Adam (no Apex / Transformer Engine, as on CPU) megatron-core 0.19's
-    ``DistributedOptimizer`` keeps the iteration count in its saved parameter groups
-    (``step``), but its ``load_state_dict`` leaves the per-parameter ``step`` state of an
-    already allocated optimizer at its old value and, when it does set it, stores one shared
-    tensor in every parameter's state, which torch's Adam then increments once per
-    parameter. Either way the bias correction after a resume would be wrong: each parameter
-    gets its own tensor holding the loaded count.
-    """
-    for inner in distributed_parts(optimizer):
+    for inner in parts:
         torch_optimizer = inner.optimizer
         for group in torch_optimizer.param_groups:
-            step = group.get("step")
-            if step is None:
+            if group.get("step") is None:
                 continue
             for param in group["params"]:
                 param_state = torch_optimizer.state[param]
                 if param_state:  # torch's Adam: a step of its own next to exp_avg(_sq)
-                    param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
 def _load_main_params(
@@ -824,68 +789,61 @@ def _load_main_params(
 
 
 def _read_checkpoint(
-    plan: _LoadPlan,
-    checkpoint_config: CheckpointConfig,
+    path: str,
+    cfg: CheckpointConfig,
     model: list[torch.nn.Module],
     optimizer: MegatronOptimizer | None,
+    load_rng: bool,
     strict: bool,
     model_config: ModelConfigProtocol | None,
-) -> tuple[dict[str, Any], dict[str, Any], list[str], bool, str, OptimizerConversion | None]:
-    """Read the checkpoint of ``plan`` after checking it fits; nothing is applied yet.
+) -> tuple[dict[str, Any], dict[str, Any], OptimizerConversion | None, bool]:
+    """Read the checkpoint at ``path`` after checking it fits; nothing is applied yet.
 
-    Returns ``(common, loaded, model keys, load_optim, rng, conversion)``: ``rng``
-    is ``"restored"`` (the RNG state is read), ``"layout_changed"`` (not: the layout
-    differs) or ``"kept"`` (not asked for); ``conversion`` is set when the optimizer state is
-    of another format or number of parts.
+    ``optimizer``: only when its state is to be loaded; ``model_config``: only when the
+    architecture is to be checked (resuming, not ``finetune``).
+
+    Returns:
+        ``(common, loaded, conversion, layout_changed)``: ``conversion`` is set when the
+        optimizer state is of another format or number of parts; ``layout_changed`` when
+        ``load_rng`` asked for RNG state the layout change makes another rank's (not read).
     """
-    common = _read_common(plan.path)
+    common = _read_common(path)
     meta = common[META_KEY]
-    finetune = plan.weights_only
-    load_optim = bool(checkpoint_config.load_optim) and not finetune and optimizer is not None
-    load_rng = bool(checkpoint_config.load_rng) and not finetune
-    if load_optim and not meta.get("optimizer"):
+    if optimizer is not None and not meta.get("optimizer"):
         raise CheckpointError(
-            f"{plan.path} was saved without optimizer state (checkpoint.save_optim=False); "
+            f"{path} was saved without optimizer state (checkpoint.save_optim=False); "
             "set checkpoint.load_optim=False (or finetune=True) to load the model alone"
         )
     if load_rng and not meta.get("rng"):
         raise CheckpointError(
-            f"{plan.path} was saved without RNG state (checkpoint.save_rng=False); set "
+            f"{path} was saved without RNG state (checkpoint.save_rng=False); set "
             "checkpoint.load_rng=False to keep this run's seeds"
         )
     layout = parallel_layout(model)
-    convert = _check_reshardable(
-        plan.path, meta, layout, len(model), optimizer if load_optim else None
-    )
+    convert = _check_reshardable(path, meta, layout, len(model), optimizer)
     # The generators are per rank: another layout has no counterpart to restore them into;
-    # restore_checkpoint names both layouts and the caller reseeds (its
-    # checkpointing_context["rng_state"]).
+    # restore_checkpoint names both layouts and reseeds (its ``reseed``).
     layout_changed = load_rng and _rng_layout_changed(meta.get("parallel_layout") or {}, layout)
-    load_rng = load_rng and not layout_changed
-
-    keys = model_state_keys(len(model))
+    saved_fmt = meta.get("optimizer_format") or ""
     template = build_load_template(
         model,
         optimizer,
-        load_optim=load_optim,
-        load_rng=load_rng,
-        sharding_type=_saved_sharding_type(meta),
+        load_optim=optimizer is not None,
+        load_rng=load_rng and not layout_changed,
+        # The distributed-optimizer sharding type the checkpoint was saved with, if any.
+        sharding_type=saved_fmt.split(":", 1)[1] if saved_fmt.startswith("distributed:") else None,
     )
     conversion = None
-    saved = load_tensors_metadata(plan.path)
+    saved = load_tensors_metadata(path)
     if convert:
         # Another optimizer format or number of parts: this run's own template, its
         # tensors loaded by key under an entry of their own (the checkpoint's common
         # optimizer state has the other layout, which dist_checkpointing would merge in).
         conversion = conversion_template(template.pop("optimizer"), saved)
         template[CONVERTED_OPTIMIZER_KEY] = conversion.to_load
-    _check_against_checkpoint(template, saved, plan.path, keys, strict)
-    if not finetune:  # shapes fit: the architecture must be the saved one too
-        check_same_architecture(model_config, plan.path)
-    loaded = _dist_load(template, plan.path, checkpoint_config)
-
-    rng = "restored" if load_rng else ("layout_changed" if layout_changed else "kept")
-    return common, loaded, keys, load_optim, rng, conversion
+    _check_against_checkpoint(template, saved, path, model_state_keys(len(model)), strict)
+    check_same_architecture(model_config, path)  # shapes fit: the architecture must too
+    return common, _dist_load(template, path, cfg), conversion, layout_changed
 
 
 def load_checkpoint(
@@ -896,6 +854,7 @@ def load_checkpoint(
     strict: bool = True,
     checkpointing_context: dict[str, Any] | None = None,
     skip_load_to_model_and_opt: bool = False,
+    reseed: Callable[[int], int] | None = None,
 ) -> tuple[int, float]:
     """Load the configured checkpoint into the model, optimizer, scheduler and state.
 
@@ -917,6 +876,7 @@ def load_checkpoint(
         strict=strict,
         checkpointing_context=checkpointing_context,
         skip_load_to_model_and_opt=skip_load_to_model_and_opt,
+        reseed=reseed,
     )
 
 
@@ -931,6 +891,7 @@ def restore_checkpoint(
     strict: bool = True,
     checkpointing_context: dict[str, Any] | None = None,
     skip_load_to_model_and_opt: bool = False,
+    reseed: Callable[[int], int] | None = None,
 ) -> tuple[int, float]:
     """Load the checkpoint ``checkpoint_config`` names into the model, optimizer, scheduler
     and counters.
@@ -952,17 +913,18 @@ def restore_checkpoint(
             their values).
         checkpointing_context: From :func:`init_checkpointing_context`; when given, its
             ``"loaded_checkpoint"`` entry is set to the directory loaded (``None`` when
-            nothing was loaded), and ``"rng_state"`` to ``"restored"``, ``"kept"``
-            (``load_rng`` off or ``finetune``: this run's own seeds) or
-            ``"layout_changed"`` (the saved generator states are per rank and the layout
-            differs: the caller reseeds, as ``pretrain`` does with
-            :func:`bridge.train.engine.initialize.seed_from_rng_config` and the ``mimo``
-            recipe with :func:`~bridge.train.engine.initialize.seed_process_generators`
-            (both from :func:`~bridge.train.engine.initialize.resume_seed`), and sets
-            ``checkpointing_context["reseeds_rng_from"]`` to ``rng.seed`` before the load
-            so that the warning naming both layouts says so).
+            nothing was loaded).
         skip_load_to_model_and_opt: Read the checkpoint and restore scheduler, RNG and
             train state, but do not copy into the model and optimizer.
+        reseed: Called with the resumed iteration when ``load_rng`` asked for RNG state
+            that cannot be restored because the parallel layout differs (the saved
+            generator states are per rank): it reseeds this process's generators from
+            ``rng.seed`` and that iteration (see
+            :func:`~bridge.train.engine.initialize.resume_seed`; ``pretrain`` through
+            :func:`~bridge.train.engine.initialize.seed_from_rng_config`, the ``mimo``
+            recipe through :func:`~bridge.train.engine.initialize.seed_process_generators`)
+            and returns the ``rng.seed`` it used, which the one warning naming both layouts
+            states. ``None``: the generators keep this run's initial seeds.
 
     Returns:
         ``(iteration, num_floating_point_operations_so_far)`` of the loaded checkpoint;
@@ -983,7 +945,7 @@ def restore_checkpoint(
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     context = checkpointing_context if checkpointing_context is not None else {}
     context["loaded_checkpoint"] = None
-    plan: _LoadPlan | None = _dist.run_on_rank0(_plan_load, cfg)
+    plan: _LoadPlan | None = _dist.run_on_rank0(planned_load, cfg)
     if plan is None:
         if cfg.load and _dist.rank() == 0:
             logger.warning(
@@ -992,6 +954,17 @@ def restore_checkpoint(
             )
         return 0, 0.0
     started = time.monotonic()
+    finetune = plan.weights_only
+    load_optim = bool(cfg.load_optim) and not finetune and optimizer is not None
+    read = functools.partial(
+        _read_checkpoint,
+        cfg=cfg,
+        model=model,
+        optimizer=optimizer if load_optim else None,
+        load_rng=bool(cfg.load_rng) and not finetune,
+        strict=strict,
+        model_config=None if finetune else model_config,
+    )
     # torch.distributed.checkpoint warns on every load (argument order, ShardedTensor's
     # deprecation, "assuming the intent is to load in a single process" for the common
     # state rank 0 reads alone): nothing to act on, so held back (DEBUG on rank 0).
@@ -1001,38 +974,21 @@ def restore_checkpoint(
         # into the model or optimizer: a damaged checkpoint is never used, and its cost
         # mostly hides.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-verify") as pool:
-            local = pool.submit(_local_damage, plan.path)
-            failure: Exception | None = None
+            local = pool.submit(checkpoint_problems, plan.path)
             try:
-                read = _read_checkpoint(plan, cfg, model, optimizer, strict, model_config)
+                result: Any = read(plan.path)
             except Exception as exc:  # damage can surface as any error of the readers
-                failure = exc
+                result = exc
             problems = _gather_damage(plan.path, local.result())
         if problems:
             plan = _verified_plan(plan, problems)
-            read = _read_checkpoint(plan, cfg, model, optimizer, strict, model_config)
-        elif failure is not None:
-            raise failure
+            result = read(plan.path)
+        elif isinstance(result, Exception):
+            raise result
     if _dist.rank() == 0:
         log_held_notices(held, logger)
-    common, loaded, keys, load_optim, rng, conversion = read
-    finetune = plan.weights_only
-    context.update(loaded_checkpoint=plan.path, rng_state=rng)
-    if rng == "layout_changed" and _dist.rank() == 0:
-        iteration = int(common["iteration"])
-        logger.warning(
-            "resuming iteration %d of %s under another parallel layout (%s -> %s): its RNG "
-            "states are per rank and not restored; %s",
-            iteration,
-            plan.path,
-            _layout_sizes(common[META_KEY].get("parallel_layout") or {}),
-            _layout_sizes(parallel_layout(model)),
-            "the generators keep this run's initial seeds"
-            if (seed := context.get(RESEEDS_RNG_KEY)) is None
-            else f"the generators are reseeded from rng.seed={seed} and iteration {iteration} "
-            f"(base seed {resume_seed(int(seed), iteration)}; dropout masks depend on the "
-            "layout)",
-        )
+    common, loaded, conversion, layout_changed = result
+    context["loaded_checkpoint"] = plan.path
     saved_schedule = (
         common.get("opt_param_scheduler")
         if load_optim and opt_param_scheduler is not None
@@ -1042,35 +998,11 @@ def restore_checkpoint(
         _check_scheduler_settings(opt_param_scheduler, saved_schedule, plan.path)
 
     if not skip_load_to_model_and_opt:
+        keys = model_state_keys(len(model))
         for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
-        if conversion is not None and optimizer is not None:
-            saved_optimizer = common.get("optimizer")
-            converted = converted_optimizer_state(
-                optimizer, conversion, loaded[CONVERTED_OPTIMIZER_KEY], saved_optimizer, plan.path
-            )
-            _load_optimizer(
-                optimizer,
-                converted,
-                opt_param_scheduler,
-                converted_from=(saved_optimizer, plan.path),
-            )
-            if conversion.main_params_from_model:
-                # Saved from an fp32 model: its (now loaded) weights are the main parameters.
-                optimizer.reload_model_params()
-            if _dist.rank() == 0:
-                saved_parts = common[META_KEY].get("optimizer_parts")
-                logger.info(
-                    "%s holds %s optimizer state%s; converted to this run's %s optimizer "
-                    "(%d part(s))",
-                    plan.path,
-                    common[META_KEY].get("optimizer_format"),
-                    f" ({saved_parts} part(s))" if saved_parts else "",
-                    optimizer_format(optimizer),
-                    len(optimizer_parts(optimizer)),
-                )
-        elif load_optim:
-            _load_optimizer(optimizer, loaded["optimizer"], opt_param_scheduler)
+        if load_optim:
+            _load_optimizer(optimizer, loaded, common, conversion, opt_param_scheduler, plan.path)
         elif optimizer is not None:
             if cfg.load_main_params_from_ckpt and not finetune:
                 _load_main_params(optimizer, model, plan.path, cfg)
@@ -1081,8 +1013,25 @@ def restore_checkpoint(
         # current one.
         opt_param_scheduler.num_steps = 0
         opt_param_scheduler.load_state_dict(saved_schedule)
-    if rng == "restored":
+    if RNG_STATE_KEY in loaded:
         restore_rng_state(loaded[RNG_STATE_KEY])
+    elif layout_changed:
+        iteration = int(common["iteration"])
+        seed = None if reseed is None else reseed(iteration)
+        if _dist.rank() == 0:
+            logger.warning(
+                "resuming iteration %d of %s under another parallel layout (%s -> %s): its "
+                "RNG states are per rank and not restored; %s",
+                iteration,
+                plan.path,
+                _layout_sizes(common[META_KEY].get("parallel_layout") or {}),
+                _layout_sizes(parallel_layout(model)),
+                "the generators keep this run's initial seeds"
+                if seed is None
+                else f"the generators are reseeded from rng.seed={seed} and iteration "
+                f"{iteration} (base seed {resume_seed(int(seed), iteration)}; dropout masks "
+                "depend on the layout)",
+            )
 
     if finetune:
         iteration, flops = 0, 0.0

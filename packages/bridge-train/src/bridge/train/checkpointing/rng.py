@@ -25,40 +25,23 @@ RNG_STATE_KEY = "rng_state"
 logger = logging.getLogger(__name__)
 
 
-def _numpy_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    return {
-        "bit_generator": str(name),
-        "keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached_gaussian),
-    }
-
-
-def _set_numpy_state(state: dict[str, Any]) -> None:
-    keys = state["keys"].numpy().astype(np.uint32)
-    np.random.set_state(
-        (
-            state["bit_generator"],
-            keys,
-            int(state["pos"]),
-            int(state["has_gauss"]),
-            float(state["cached_gaussian"]),
-        )
-    )
-
-
 def capture_rng_state() -> dict[str, Any]:
     """This process's generator states (see the module docstring for what is included)."""
     version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "random_rng_state": {
             "version": int(version),
             "state": torch.tensor(internal, dtype=torch.int64),
             "gauss_next": gauss_next,
         },
-        "np_rng_state": _numpy_state(),
+        "np_rng_state": {
+            "bit_generator": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": None,
         "rng_tracker_states": None,
@@ -110,7 +93,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             saved_random["gauss_next"],
         )
     )
-    _set_numpy_state(state["np_rng_state"])
+    saved_np = state["np_rng_state"]
+    np.random.set_state(
+        (
+            saved_np["bit_generator"],
+            saved_np["keys"].numpy().astype(np.uint32),
+            int(saved_np["pos"]),
+            int(saved_np["has_gauss"]),
+            float(saved_np["cached_gaussian"]),
+        )
+    )
     torch.set_rng_state(state["torch_rng_state"].to(torch.uint8).cpu())
     if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state_all(state["cuda_rng_state"])

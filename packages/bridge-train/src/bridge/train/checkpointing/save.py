@@ -62,10 +62,9 @@ from bridge.train.checkpointing.context import (
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.integrity import (
     CHECKSUM_ALGORITHM,
+    checkpoint_problems,
     checksum_file,
     checksum_files,
-    recorded_files,
-    verify_files,
 )
 from bridge.train.checkpointing.layout import (
     DAMAGED_SUFFIX,
@@ -76,7 +75,6 @@ from bridge.train.checkpointing.layout import (
     checkpoint_dir_name,
     is_complete_checkpoint,
     parse_iteration,
-    read_marker,
     read_tracker,
     retired_path,
     staging_path,
@@ -231,20 +229,6 @@ def _prepare_staging(root: str, iteration: int) -> str:
     return str(staging)
 
 
-def _write_run_config(config: RunConfigFile | None, directory: Path) -> None:
-    """Save the run's config beside the checkpoint (runtime hooks left out)."""
-    if config is None or not hasattr(config, "to_yaml"):
-        return
-    try:
-        _config_without_runtime_hooks(config).to_yaml(directory / RUN_CONFIG_FILENAME)
-    except ConfigError as exc:  # a value YAML cannot hold; the weights matter more
-        logger.warning(
-            "checkpoint %s: run_config.yaml not written (%s); the checkpoint itself is complete",
-            directory.name,
-            exc,
-        )
-
-
 # Fields megatron's training code fills with live callables at run time (not configuration).
 _RUNTIME_HOOK_FIELDS = (
     "no_sync_func",
@@ -256,28 +240,26 @@ _RUNTIME_HOOK_FIELDS = (
 )
 
 
-def _config_without_runtime_hooks(config: RunConfigFile) -> RunConfigFile:
-
+def _write_run_config(config: RunConfigFile | None, directory: Path) -> None:
+    """Save the run's config beside the checkpoint (runtime hooks left out)."""
+    if config is None or not hasattr(config, "to_yaml"):
+        return
     model = getattr(config, "model", None)
     hooks = [name for name in _RUNTIME_HOOK_FIELDS if getattr(model, name, None) is not None]
-    if not hooks:
-        return config
-    clean_model = copy.copy(model)
-    for name in hooks:
-        object.__setattr__(clean_model, name, None)
-    clean = copy.copy(config)
-    object.__setattr__(clean, "model", clean_model)
-    return clean
-
-
-def _is_damaged(path: Path) -> bool:
-    """Whether a checkpoint directory about to be replaced fails its own checks (rank 0)."""
+    if hooks:  # written from shallow copies: the live run keeps its hooks
+        model = copy.copy(model)
+        for name in hooks:
+            object.__setattr__(model, name, None)
+        config = copy.copy(config)
+        object.__setattr__(config, "model", model)
     try:
-        files = recorded_files(path, read_marker(path))
-    except ValueError:  # incomplete (a staging leftover renamed by hand, a torn marker)
-        return True
-    # None: saved before checksums existed, nothing to check against.
-    return files is not None and bool(verify_files(path, files, collective=False))
+        config.to_yaml(directory / RUN_CONFIG_FILENAME)
+    except ConfigError as exc:  # a value YAML cannot hold; the weights matter more
+        logger.warning(
+            "checkpoint %s: run_config.yaml not written (%s); the checkpoint itself is complete",
+            directory.name,
+            exc,
+        )
 
 
 def _damaged_path(path: Path) -> Path:
@@ -313,7 +295,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             files = {**files, RUN_CONFIG_FILENAME: checksum_file(staging / RUN_CONFIG_FILENAME)}
         fsync_tree(staging)
         write_marker(staging, {**commit.marker, "checksum": CHECKSUM_ALGORITHM, "files": files})
-        if final.exists() and _is_damaged(final):
+        if final.exists() and checkpoint_problems(final, share=False):
             # Nothing damaged is deleted: it stays for the user to inspect or restore.
             aside = _damaged_path(final)
             os.rename(final, aside)
@@ -464,19 +446,11 @@ def save_checkpoint(
     ``fault_tolerance``.
 
     Args:
-        state: The run's ``GlobalState``.
-        model: Model chunks.
-        optimizer: The optimizer (``sharded_state_dict``), or None.
-        opt_param_scheduler: The scheduler (``state_dict``), or None.
-        num_floating_point_operations_so_far: FLOPs so far (stored with the train state).
-        checkpointing_context: From :func:`init_checkpointing_context` (made when None).
-        non_persistent_ckpt: Save a global non-persistent checkpoint.
+        state: The run's ``GlobalState``; ``num_floating_point_operations_so_far`` and
+            ``non_persistent_ckpt`` are :func:`write_checkpoint`'s ``flops_so_far`` and
+            ``non_persistent``; the other arguments and the errors are its own.
         train_data_iterator: Accepted for megatron compatibility; the data samplers resume
             from ``train_state.consumed_train_samples``, so nothing else is stored.
-
-    Raises:
-        ConfigError: No directory to save to, or an unsupported setting.
-        CheckpointError: The directory cannot be written, or dist_checkpointing failed.
     """
     del train_data_iterator
     write_checkpoint(
@@ -592,28 +566,26 @@ def write_checkpoint(
 
     try:
         with cpu_cuda_compat():
-            if checkpoint_config.async_save:
-                request = dist_checkpointing.save(
-                    sharded,
-                    staging,
-                    strategy,
-                    validate_access_integrity=changed,
-                    async_sharded_save=True,
-                    async_strategy="mcore",
-                )
+            # The same planned save either way; async returns the request that writes it.
+            request = dist_checkpointing.save(
+                sharded,
+                staging,
+                strategy,
+                validate_access_integrity=changed,
+                async_sharded_save=bool(checkpoint_config.async_save),
+                async_strategy="mcore",
+            )
+            if request is not None:
                 request.add_finalize_fn(functools.partial(_commit, commit))
                 queue = get_async_calls_queue(bool(checkpoint_config.use_persistent_ckpt_worker))
                 queue.schedule_async_request(request)
-                if _dist.rank() == 0:
-                    logger.info(
-                        "scheduled asynchronous save of iteration %d to %s", iteration, root
-                    )
-                return
-            dist_checkpointing.save(sharded, staging, strategy, validate_access_integrity=changed)
     except (CheckpointException, CheckpointingException, OSError) as exc:
         _pending().discard(staging)
         raise CheckpointError(
             f"saving the checkpoint of iteration {iteration} to {root} failed: "
             f"{describe_save_failure(exc, root)}; {intact_note(root)}"
         ) from None
-    _commit(commit)
+    if request is None:
+        _commit(commit)
+    elif _dist.rank() == 0:
+        logger.info("scheduled asynchronous save of iteration %d to %s", iteration, root)

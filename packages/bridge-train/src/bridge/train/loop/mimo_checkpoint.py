@@ -34,7 +34,6 @@ import torch
 
 from bridge.config import CheckpointConfig
 from bridge.train.checkpointing import restore_checkpoint
-from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
 from bridge.train.engine.initialize import resume_seed, seed_process_generators
 from bridge.train.loop.run_ends import adopt_own_save_dir
 from bridge.train.models.mimo import MimoModelConfig
@@ -129,7 +128,14 @@ def load_mimo_checkpoint(
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0
-    checkpointing_context[RESEEDS_RNG_KEY] = rng_seed  # as below; the load's warning says so
+
+    def reseed(iteration: int) -> int:
+        # The saved generators are other ranks' (another module layout): reseed from (seed,
+        # iteration), reproducibly, rather than keep the fresh start's streams, which a
+        # resume would then replay from their first draw on.
+        seed_process_generators(resume_seed(rng_seed, iteration))
+        return rng_seed
+
     iteration, _ = restore_checkpoint(
         checkpoint,
         train_state,
@@ -138,10 +144,6 @@ def load_mimo_checkpoint(
         scheduler,
         model_config=model_config,
         checkpointing_context=checkpointing_context,
+        reseed=reseed,
     )
-    if checkpointing_context.get("rng_state") == "layout_changed":
-        # The saved generators are other ranks' (another module layout): reseed from (seed,
-        # iteration), reproducibly, rather than keep the fresh start's streams, which a
-        # resume would then replay from their first draw on.
-        seed_process_generators(resume_seed(rng_seed, iteration))
     return iteration

@@ -59,7 +59,6 @@ from bridge.logging import (
 from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checkpointing import restore_checkpoint
 from bridge.train.checkpointing.layout import one_lookup_per_launch
-from bridge.train.checkpointing.load import RESEEDS_RNG_KEY
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
@@ -192,7 +191,14 @@ def _load_checkpoint(
         return False
     _progress(f"loading the checkpoint ({checkpoint.load or checkpoint.pretrained_checkpoint})")
     context = out.checkpointing_context
-    context[RESEEDS_RNG_KEY] = rng.seed  # as below; the load's warning says so
+
+    def reseed(iteration: int) -> int:
+        # The saved generators are per rank of another layout: reseed from (seed,
+        # iteration) rather than leave this layout's fresh-start state, whose dropout masks
+        # a resume would otherwise replay from its first step on.
+        seed_from_rng_config(rng, iteration)
+        return int(rng.seed)
+
     if peft is not None:
         # Base weights from pretrained_checkpoint, adapters from the run's own checkpoints.
         iteration, flops = load_peft_checkpoints(
@@ -203,6 +209,7 @@ def _load_checkpoint(
             out.scheduler,
             context,
             model_config=model_config,
+            reseed=reseed,
         )
     else:
         iteration, flops = restore_checkpoint(
@@ -213,14 +220,10 @@ def _load_checkpoint(
             out.scheduler,
             model_config=model_config,
             checkpointing_context=context,
+            reseed=reseed,
         )
     train_state.step = int(iteration)
     train_state.floating_point_operations_so_far = float(flops)
-    if context.get("rng_state") == "layout_changed":
-        # The saved generators are per rank of another layout: reseed from (seed,
-        # iteration) rather than leave this layout's fresh-start state, whose dropout masks
-        # a resume would otherwise replay from its first step on.
-        seed_from_rng_config(rng, int(iteration))
     return context.get("loaded_checkpoint") is not None
 
 

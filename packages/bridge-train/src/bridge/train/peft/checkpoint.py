@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -151,6 +151,7 @@ def load_peft_checkpoints(
     checkpointing_context: dict[str, Any],
     *,
     model_config: ModelConfigProtocol | None = None,
+    reseed: Callable[[int], int] | None = None,
 ) -> tuple[int, float]:
     """Load the base from ``pretrained_checkpoint``, then resume adapters if there are any.
 
@@ -166,6 +167,8 @@ def load_peft_checkpoints(
         checkpointing_context: From ``init_checkpointing_context``.
         model_config: The run's model config: a checkpoint of another architecture is
             refused when resuming (``None``: not checked).
+        reseed: ``restore_checkpoint``'s: reseeds the generators after a resume under
+            another parallel layout.
 
     Returns:
         ``(iteration, floating_point_operations_so_far)`` of the resumed run, else ``(0, 0.0)``.
@@ -186,6 +189,7 @@ def load_peft_checkpoints(
         scheduler,
         model_config=model_config,
         checkpointing_context=checkpointing_context,
+        reseed=reseed,
     )
     with (
         peft_checkpoint_mode(model, "base", base_keys),
