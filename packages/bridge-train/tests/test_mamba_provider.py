@@ -135,3 +135,27 @@ def test_builds_megatron_hybrid_model_with_megatron_checkpoint_keys() -> None:
     assert "decoder.layers.3.mlp.linear_fc1.layer_norm_weight" in keys
     assert "decoder.final_norm.weight" in keys
     assert shape == (2, 16) and grads
+
+
+def _rope_step(rank: int, world: int, provider: MambaProvider) -> tuple[float, bool]:
+    from bridge.train.engine.initialize import initialize_distributed
+    from bridge.train.testing import tiny_dist_config
+
+    initialize_distributed(provider, tiny_dist_config())
+    model = provider.provide()
+    tokens = torch.arange(32).reshape(2, 16) % 100
+    loss = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens).mean()
+    loss.backward()
+    grads = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    return float(loss), grads
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_hybrid_model_with_rope_takes_a_finite_step_without_cuda() -> None:
+    # megatron's RotaryEmbedding moves its frequencies to the current CUDA device on the
+    # first forward; the provider keeps them on the CPU when there is no GPU.
+    ((loss, grads),) = run_distributed(
+        _rope_step, 1, _tiny(position_embedding_type="rope"), timeout=200
+    )
+    assert torch.isfinite(torch.tensor(loss)) and grads

@@ -180,7 +180,13 @@ def _build_and_step(rank: int, world: int, provider: T5ModelProvider):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_builds_t5_with_sdpa_cross_attention_and_takes_a_finite_step() -> None:
-    ((cross, loss, tokens, finite),) = run_distributed(_build_and_step, 1, _tiny(), timeout=200)
+# RoPE: megatron's RotaryEmbedding moves its frequencies to the current CUDA device on the
+# first forward; the provider keeps them on the CPU when there is no GPU.
+@pytest.mark.parametrize("position_embedding_type", ["learned_absolute", "rope"])
+def test_builds_t5_with_sdpa_cross_attention_and_takes_a_finite_step(
+    position_embedding_type: str,
+) -> None:
+    provider = _tiny(position_embedding_type=position_embedding_type)
+    ((cross, loss, tokens, finite),) = run_distributed(_build_and_step, 1, provider, timeout=200)
     assert cross == "SDPACoreAttention"
     assert np.isfinite(loss) and tokens > 0 and finite

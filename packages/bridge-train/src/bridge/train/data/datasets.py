@@ -78,7 +78,10 @@ def check_data_paths(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig)
 
 
 def build_gpt_dataset_config(
-    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig, tokenizer: Tokenizer
+    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
+    tokenizer: Tokenizer,
+    megatron_class: type | None = None,
+    **fields: Any,
 ) -> Any:
     """megatron-core's ``GPTDatasetConfig`` from bridge-config's, with ``tokenizer`` attached.
 
@@ -89,6 +92,9 @@ def build_gpt_dataset_config(
         dataset_config: bridge-config ``GPTDatasetConfig`` / ``MockGPTDatasetConfig`` (or
             megatron's own, returned with the tokenizer set).
         tokenizer: Tokenizer with ``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``.
+        megatron_class: Another megatron dataset config class to build (default
+            ``GPTDatasetConfig``; T5 data builds ``T5MaskedWordPieceDatasetConfig``).
+        **fields: Fields of ``megatron_class`` set explicitly.
 
     Returns:
         A megatron ``GPTDatasetConfig``.
@@ -102,7 +108,7 @@ def build_gpt_dataset_config(
     if isinstance(dataset_config, GPTDatasetConfig):
         return dataclasses.replace(dataset_config, tokenizer=tokenizer)
 
-    overrides: dict[str, Any] = {"tokenizer": tokenizer}
+    overrides: dict[str, Any] = {"tokenizer": tokenizer, **fields}
     overrides["blend"] = _as_blend(getattr(dataset_config, "blend", None))
     per_split = getattr(dataset_config, "blend_per_split", None)
     if per_split is not None:
@@ -113,7 +119,7 @@ def build_gpt_dataset_config(
         and not getattr(dataset_config, "split", None)
     ):
         overrides["split"] = "1,1,1"
-    return convert_dataclass(dataset_config, GPTDatasetConfig, **overrides)
+    return convert_dataclass(dataset_config, megatron_class or GPTDatasetConfig, **overrides)
 
 
 def train_valid_test_num_samples(train_config: TrainingConfig) -> tuple[int, int, int]:

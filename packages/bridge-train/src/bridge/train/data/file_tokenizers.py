@@ -25,7 +25,7 @@ from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import (
     TikTokenTokenizer,
 )
 
-from bridge.train.data.tokenizer_packages import missing_tokenizer_package
+from bridge.train.data.tokenizer_packages import require_tokenizer_package
 from bridge.train.data.tokenizers import Tokenizer, added_tokens
 
 __all__ = [
@@ -104,7 +104,7 @@ class SentencePieceTokenizer(_MegatronLibraryTokenizer):
         vocab_extra_ids: int = 0,
         vocab_size: int | None = None,
     ) -> None:
-        _require("SentencePieceTokenizer")
+        require_tokenizer_package("SentencePieceTokenizer")
 
         file = _existing_file(path, "tokenizer_model", "a SentencePiece .model file")
         extra = added_tokens(special_tokens, vocab_extra_ids)
@@ -158,7 +158,7 @@ class TikTokenizer(_MegatronLibraryTokenizer):
         vocab_extra_ids: int = 0,
         vocab_size: int | None = None,
     ) -> None:
-        _require("TikTokenizer")
+        require_tokenizer_package("TikTokenizer")
 
         file = _existing_file(path, "tokenizer_model", "a tiktoken vocabulary (.json)")
         if file.suffix != ".json":
@@ -204,19 +204,10 @@ class TikTokenizer(_MegatronLibraryTokenizer):
                 f"(ranks 0..N-1, the first 256 the single bytes): {exc or type(exc).__name__}"
             ) from None
         self._vocab_size = int(total)
+        self._eod, self._pad = int(self._tokenizer.eod), int(self._tokenizer.pad_id)
         super().__init__(
             path=str(file.resolve()), special_tokens=tuple(specials), vocab_size=self._vocab_size
         )
-
-    @property
-    def eod(self) -> int:
-        """Id of ``</s>``."""
-        return int(self._tokenizer.eod)
-
-    @property
-    def pad(self) -> int:
-        """Id of ``<pad>``."""
-        return int(self._tokenizer.pad_id)
 
 
 class GPT2BPETokenizer(Tokenizer):
@@ -247,7 +238,7 @@ class GPT2BPETokenizer(Tokenizer):
         vocab_extra_ids: int = 0,
         vocab_size: int | None = None,
     ) -> None:
-        _require("GPT2BPETokenizer")
+        require_tokenizer_package("GPT2BPETokenizer")
         from tokenizers import Tokenizer as _HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers
 
@@ -291,9 +282,3 @@ class GPT2BPETokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Decode ids to text (special tokens kept)."""
         return str(self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
-
-
-def _require(kind: str) -> None:
-    message = missing_tokenizer_package(kind)
-    if message is not None:
-        raise ImportError(message)

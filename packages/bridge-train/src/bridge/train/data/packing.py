@@ -30,12 +30,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from bridge.config import ConfigError, ModelConfigProtocol
-from bridge.train.data.sft import TokenizedExamples, build_sample, fit_examples
+from bridge.train.data.sft import TokenizedExamples, build_sample, epoch_order, fit_examples
 from bridge.train.models.mamba_provider import MambaProvider
 
 __all__ = [
@@ -204,10 +203,7 @@ class PackedSFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         self.bins: list[list[int]] = []
         epoch = 0
         while True:
-            if shuffle_seed is None:
-                order = np.arange(len(kept))
-            else:
-                order = np.random.default_rng(int(shuffle_seed) + epoch).permutation(len(kept))
+            order = epoch_order(len(kept), shuffle_seed, epoch)
             bins = first_fit_bins([sizes[i] for i in order], self.seq_length)
             self.bins += [[int(order[i]) for i in b] for b in bins]
             epoch += 1

@@ -72,17 +72,6 @@ class PreprocessProgress:
     seconds: float
 
 
-@dataclass(frozen=True)
-class _TokenizerSpec:
-    tokenizer_type: str
-    tokenizer_model: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    vocab_size: int | None = None
-    special_tokens: list[str] | None = None
-    vocab_extra_ids: int = 0
-
-
 def _documents(
     paths: Sequence[Path], json_key: str, split_lines: bool
 ) -> Iterator[tuple[str, int]]:
@@ -347,19 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
-    spec: Any = _TokenizerSpec(
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-        special_tokens=args.special_tokens,
-    )
-
     # megatron-core's import notices (it writes the files) say nothing about the data.
     # A refused input is the one line the command prints (the notices do not matter then).
     with held_notices(("torch.utils.cpp_extension", "megatron")) as held:
-        code, last_line = _preprocess(args, spec)
+        code, last_line = _preprocess(args)
     if code == 0:
         print_held_notices(
             held,
@@ -371,10 +351,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _preprocess(args: argparse.Namespace, spec: Any) -> tuple[int, str]:
+def _preprocess(args: argparse.Namespace) -> tuple[int, str]:
     """Tokenize as ``args`` say: ``(exit code, the line that ends the command)``."""
     try:
-        tokenizer = build_tokenizer(spec)
+        # The --tokenizer-* options are named as TokenizerConfig's fields.
+        tokenizer = build_tokenizer(args)
         result = preprocess_data(
             args.input,
             args.output_prefix,

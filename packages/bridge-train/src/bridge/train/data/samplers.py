@@ -16,26 +16,38 @@ resuming from ``consumed_samples`` (counted over all ranks) continues the stream
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 __all__ = ["CyclicRandomSampler", "PretrainingSampler"]
 
 
-def _check(
-    total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int, size: int
-) -> None:
-    if total_samples <= 0:
-        raise ValueError(f"the dataset has no samples (total_samples={total_samples})")
-    if consumed_samples < 0:
-        raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-    if micro_batch_size <= 0:
-        raise ValueError(f"train.micro_batch_size must be >= 1, got {micro_batch_size}")
-    if size <= 0 or not 0 <= rank < size:
-        raise ValueError(f"data_parallel_rank={rank} is not in [0, data_parallel_size={size})")
+@dataclass
+class _DataParallelSampler:
+    """A position in the global stream and this rank's slice of each chunk of it."""
+
+    total_samples: int
+    consumed_samples: int
+    micro_batch_size: int
+    data_parallel_rank: int
+    data_parallel_size: int
+
+    def __post_init__(self) -> None:
+        rank, size = self.data_parallel_rank, self.data_parallel_size
+        if self.total_samples <= 0:
+            raise ValueError(f"the dataset has no samples (total_samples={self.total_samples})")
+        if self.consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {self.consumed_samples}")
+        if self.micro_batch_size <= 0:
+            raise ValueError(f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if size <= 0 or not 0 <= rank < size:
+            raise ValueError(f"data_parallel_rank={rank} is not in [0, data_parallel_size={size})")
+        self.chunk = self.micro_batch_size * size
 
 
-class PretrainingSampler:
+@dataclass
+class PretrainingSampler(_DataParallelSampler):
     """One sequential pass over the dataset, sharded over data-parallel ranks.
 
     Args:
@@ -51,29 +63,7 @@ class PretrainingSampler:
         ValueError: A size or rank is out of range.
     """
 
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-        drop_last: bool = True,
-    ) -> None:
-        _check(
-            total_samples,
-            consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-        )
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
-        self.data_parallel_size = data_parallel_size
-        self.drop_last = drop_last
-        self.chunk = micro_batch_size * data_parallel_size
+    drop_last: bool = True
 
     def __len__(self) -> int:
         """Micro-batches this rank yields from ``consumed_samples`` to the end."""
@@ -96,7 +86,8 @@ class PretrainingSampler:
                 yield indices
 
 
-class CyclicRandomSampler:
+@dataclass
+class CyclicRandomSampler(_DataParallelSampler):
     """Endless shuffled epochs over the dataset, sharded over data-parallel ranks.
 
     Epoch ``e`` is ``torch.randperm(total_samples)`` drawn from a generator seeded with
@@ -114,29 +105,7 @@ class CyclicRandomSampler:
         ValueError: A size or rank is out of range.
     """
 
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-        seed: int = 0,
-    ) -> None:
-        _check(
-            total_samples,
-            consumed_samples,
-            micro_batch_size,
-            data_parallel_rank,
-            data_parallel_size,
-        )
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
-        self.data_parallel_size = data_parallel_size
-        self.seed = seed
-        self.chunk = micro_batch_size * data_parallel_size
+    seed: int = 0
 
     def _epoch(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)

@@ -61,6 +61,7 @@ __all__ = [
     "build_sft_datasets",
     "chat_generation_prompt",
     "check_finetuning_dataset",
+    "epoch_order",
     "load_tokenized_examples",
     "sft_settings",
 ]
@@ -435,6 +436,14 @@ def fit_example(
     return ids, flags
 
 
+def epoch_order(count: int, shuffle_seed: int | None, epoch: int) -> np.ndarray:
+    """The order of ``count`` examples in ``epoch``: shuffled with ``seed + epoch``, or file
+    order when ``shuffle_seed`` is ``None``."""
+    if shuffle_seed is None:
+        return np.arange(count, dtype=np.int64)
+    return np.random.default_rng(int(shuffle_seed) + epoch).permutation(count)
+
+
 def pad_id(tokenizer: Tokenizer) -> int:
     """The tokenizer's pad id, or its end-of-document id when it has none."""
     pad = int(getattr(tokenizer, "pad", -1))
@@ -478,15 +487,7 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         )
         count = len(self.examples)
         epochs = max(1, math.ceil(num_samples / count))
-        if shuffle_seed is None:
-            self._order = np.tile(np.arange(count, dtype=np.int64), epochs)
-        else:
-            self._order = np.concatenate(
-                [
-                    np.random.default_rng(int(shuffle_seed) + epoch).permutation(count)
-                    for epoch in range(epochs)
-                ]
-            )
+        self._order = np.concatenate([epoch_order(count, shuffle_seed, e) for e in range(epochs)])
 
     def __len__(self) -> int:
         return len(self._order)

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.t5_dataset import (
     T5MaskedWordPieceDataset,
     T5MaskedWordPieceDatasetConfig,
@@ -41,9 +40,9 @@ from bridge.config import (
     GPTDatasetConfig,
     TokenizerConfig,
     TokenizerConfigProtocol,
-    convert_dataclass,
 )
-from bridge.train.data.datasets import _as_blend, check_data_paths, dataset_prefixes
+from bridge.train.data.datasets import build_gpt_dataset_config, dataset_prefixes
+from bridge.train.data.file_checks import read_sequence_lengths
 from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = [
@@ -134,9 +133,6 @@ class T5DatasetConfig(GPTDatasetConfig):
                 "state, not the sample's seed, so samples would differ between runs and a "
                 "resume would not be exact; leave it false",
             )
-        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-            if getattr(self, name):
-                raise ConfigError(f"dataset.{name}", "is a GPT option; T5 data does not read it")
         for name, default in _GPT_ONLY.items():
             if getattr(self, name) != default:
                 raise ConfigError(
@@ -161,6 +157,9 @@ class T5DatasetConfig(GPTDatasetConfig):
 
 # GPTDatasetConfig fields that megatron's T5 dataset (and the generated one) never read.
 _GPT_ONLY: dict[str, Any] = {
+    "reset_position_ids": False,
+    "reset_attention_mask": False,
+    "eod_mask_loss": False,
     "create_attention_mask": False,
     "add_extra_token_to_sequence": True,
     "drop_last_partial_validation_sequence": True,
@@ -355,29 +354,22 @@ def _build_indexed(
             "indexed T5 data needs a tokenizer with sentinel tokens "
             "(bridge.train.data.t5_tokenizer.T5Tokenizer); pretrain wraps the configured one"
         )
-    check_data_paths(dataset_config)
+    config = build_gpt_dataset_config(
+        dataset_config,
+        tokenizer,
+        T5MaskedWordPieceDatasetConfig,
+        sequence_length_decoder=dataset_config.sequence_length_dec,
+    )
     for field, prefix in dataset_prefixes(dataset_config):
-        # Counted while the dataset (and its memory map) is alive: its arrays are views.
-        indexed = IndexedDataset(prefix)
-        lengths = indexed.sequence_lengths
+        lengths = read_sequence_lengths(prefix)
         long = int((lengths > LONG_SENTENCE_TOKENS).sum())
-        total = len(lengths)
-        del lengths, indexed
         if long:
             warnings.warn(
-                f"{field}: {long} of {total} sequences in {prefix!r} are longer than "
+                f"{field}: {long} of {len(lengths)} sequences in {prefix!r} are longer than "
                 f"{LONG_SENTENCE_TOKENS} tokens; megatron's T5 sample index skips the documents "
                 "holding them. Write shorter documents (e.g. one sentence or line each)",
                 stacklevel=2,
             )
-    overrides: dict[str, Any] = {
-        "tokenizer": tokenizer,
-        "sequence_length_decoder": dataset_config.sequence_length_dec,
-        "blend": _as_blend(dataset_config.blend),
-    }
-    if dataset_config.blend_per_split is not None:
-        overrides["blend_per_split"] = [_as_blend(b) for b in dataset_config.blend_per_split]
-    config = convert_dataclass(dataset_config, T5MaskedWordPieceDatasetConfig, **overrides)
     sizes = [int(n) for n in num_samples]
     builder = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, sizes, lambda: True, config)
     train_ds, valid_ds, test_ds = builder.build()

@@ -23,16 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bridge.train.data.tokenizers import ByteLevelTokenizer, Tokenizer
+from bridge.train.data.tokenizers import ByteLevelTokenizer, Tokenizer, added_tokens
 
-__all__ = ["T5Tokenizer", "sentinel_tokens"]
+__all__ = ["T5Tokenizer"]
 
 _ROLES = (("bos", "<bos>"), ("cls", "<cls>"), ("sep", "<sep>"), ("mask", "<mask>"))
-
-
-def sentinel_tokens(count: int) -> list[str]:
-    """The T5 sentinel token strings ``<extra_id_0>`` ... ``<extra_id_{count-1}>``."""
-    return [f"<extra_id_{i}>" for i in range(count)]
 
 
 def _existing_id(base: Tokenizer, token: str) -> int | None:
@@ -81,7 +76,7 @@ class T5Tokenizer(Tokenizer):
             next_id += 1
             return next_id - 1
 
-        self._sentinel_ids = [token_id(t) for t in sentinel_tokens(int(num_sentinels))]
+        self._sentinel_ids = [token_id(t) for t in added_tokens(None, int(num_sentinels))]
         self._role_ids = {role: token_id(token) for role, token in _ROLES}
         base_pad = int(base.pad)
         self._pad = base_pad if base_pad >= 0 else token_id("<pad>")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["TOKENIZER_EXTRAS", "missing_tokenizer_package"]
+__all__ = ["TOKENIZER_EXTRAS", "missing_tokenizer_package", "require_tokenizer_package"]
 
 #: ``tokenizer_type`` -> (importable module, bridge-train extra), or None when it needs none.
 TOKENIZER_EXTRAS: dict[str, tuple[str, str] | None] = {
@@ -47,3 +47,10 @@ def missing_tokenizer_package(tokenizer_type: str) -> str | None:
         f"pip install 'bridge-train[{extra}]' (in a clone of this repository: "
         f"uv sync --inexact --extra {extra})"
     )
+
+
+def require_tokenizer_package(tokenizer_type: str) -> None:
+    """Raise :func:`missing_tokenizer_package`'s line as an ``ImportError`` when it has one."""
+    message = missing_tokenizer_package(tokenizer_type)
+    if message is not None:
+        raise ImportError(message)

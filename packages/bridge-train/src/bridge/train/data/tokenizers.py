@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import TOKENIZER_REQUIRED_FIELDS, TokenizerConfig, TokenizerConfigProtocol
-from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
+from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS, require_tokenizer_package
 
 __all__ = [
     "ByteLevelTokenizer",
@@ -120,17 +120,8 @@ class ByteLevelTokenizer(Tokenizer):
                 f"it needs {needed} ids (256 bytes + {len(specials)} special tokens)"
             )
         self._vocab_size = vocab_size if vocab_size is not None else needed
+        self._eod, self._pad = self._special_ids["<eod>"], self._special_ids["<pad>"]
         super().__init__(special_tokens=tuple(specials), vocab_size=self._vocab_size)
-
-    @property
-    def eod(self) -> int:
-        """Id of ``<eod>``."""
-        return self._special_ids["<eod>"]
-
-    @property
-    def pad(self) -> int:
-        """Id of ``<pad>``."""
-        return self._special_ids["<pad>"]
 
     def special_token_id(self, token: str) -> int:
         """Id of a special token.
@@ -182,17 +173,8 @@ class NullTokenizer(Tokenizer):
                 f"tokenizer.vocab_size must be >= 2 for the null tokenizer, got {vocab_size!r}"
             )
         self._vocab_size = int(vocab_size)
+        self._eod, self._pad = self._vocab_size - 1, -1
         super().__init__(vocab_size=self._vocab_size)
-
-    @property
-    def eod(self) -> int:
-        """``vocab_size - 1``."""
-        return self._vocab_size - 1
-
-    @property
-    def pad(self) -> int:
-        """-1: the null tokenizer has no pad token."""
-        return -1
 
     def tokenize(self, text: str) -> list[int]:
         """Parse whitespace-separated integers."""
@@ -228,11 +210,7 @@ class HuggingFaceTokenizer(Tokenizer):
         special_tokens: Sequence[str] | None = None,
         vocab_extra_ids: int = 0,
     ) -> None:
-        from bridge.train.data.tokenizer_packages import missing_tokenizer_package
-
-        missing = missing_tokenizer_package("HuggingFaceTokenizer")
-        if missing is not None:
-            raise ImportError(missing)
+        require_tokenizer_package("HuggingFaceTokenizer")
         from tokenizers import Tokenizer as _HFTokenizer
 
         directory = Path(path)

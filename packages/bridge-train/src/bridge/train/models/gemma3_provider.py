@@ -58,7 +58,6 @@ __all__ = [
     "LocalRopeSelfAttention",
     "PostNormResidualAdd",
     "ZeroCenteredRMSNorm",
-    "gemma3_layer_spec",
 ]
 
 
@@ -161,35 +160,6 @@ class LocalRopeSelfAttention(SelfAttention):
         return super().forward(hidden_states, *args, **kwargs)
 
 
-def gemma3_layer_spec(
-    provider: Gemma3ModelProvider,
-    backend: Literal["portable", "local"],
-    vp_stage: int | None = None,
-) -> TransformerBlockSubmodules:
-    """The block spec of a Gemma 3 decoder (see the module docstring)."""
-
-    layer = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    layer = copy.deepcopy(layer)
-    sub = layer.submodules
-    sub.input_layernorm = ZeroCenteredRMSNorm
-    sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
-    attention = sub.self_attention
-    attention.module = LocalRopeSelfAttention
-    attention.submodules.q_layernorm = ZeroCenteredRMSNorm
-    attention.submodules.k_layernorm = ZeroCenteredRMSNorm
-    norm = {"hidden_size": provider.hidden_size, "eps": provider.layernorm_epsilon}
-    sub.self_attn_bda = ModuleSpec(module=PostNormResidualAdd, params=dict(norm))
-    sub.mlp_bda = ModuleSpec(module=PostNormResidualAdd, params=dict(norm))
-    sub.sharded_state_dict_keys_map = {}  # the norms are not fused into the linear layers
-    if backend == "portable":
-        layer = with_sdpa_core_attention(layer)
-
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(provider, vp_stage=vp_stage),
-        layer_norm=ZeroCenteredRMSNorm,
-    )
-
-
 def _scale_embeddings(scale: float) -> Callable[..., torch.Tensor]:
     def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return output * torch.tensor(scale, dtype=torch.float32).to(output.dtype)
@@ -230,13 +200,26 @@ class Gemma3ModelProvider(GPTModelProvider):
             "its zero-centred and post-layer norms are megatron local modules",
         )
 
-    def layer_spec(self, vp_stage: int | None = None) -> Any:
-        """The Gemma 3 block spec (or ``transformer_layer_spec`` when set)."""
-        if self.transformer_layer_spec is not None:
-            return super().layer_spec(vp_stage)
-        backend = self.resolved_layer_spec_backend()
-        assert backend != "transformer_engine"
-        return gemma3_layer_spec(self, backend, vp_stage)
+    def _default_layer_spec(self, vp_stage: int | None) -> TransformerBlockSubmodules:
+        """The block spec of a Gemma 3 decoder (see the module docstring)."""
+        layer = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+        sub = layer.submodules
+        sub.input_layernorm = ZeroCenteredRMSNorm
+        sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        attention = sub.self_attention
+        attention.module = LocalRopeSelfAttention
+        attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+        attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+        norm = {"hidden_size": self.hidden_size, "eps": self.layernorm_epsilon}
+        sub.self_attn_bda = ModuleSpec(module=PostNormResidualAdd, params=dict(norm))
+        sub.mlp_bda = ModuleSpec(module=PostNormResidualAdd, params=dict(norm))
+        sub.sharded_state_dict_keys_map = {}  # the norms are not fused into the linear layers
+        if self.resolved_layer_spec_backend() == "portable":
+            layer = with_sdpa_core_attention(layer)
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(self, vp_stage=vp_stage),
+            layer_norm=ZeroCenteredRMSNorm,
+        )
 
     def provide(
         self,

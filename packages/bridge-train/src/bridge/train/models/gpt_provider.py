@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
+import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bridge.train.data.tokenizers import Tokenizer
-from bridge.train.models._provide import call_layer_spec, prepare_to_build
 from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
 from bridge.train.models.layer_specs import (
     LayerSpecBackend,
@@ -134,6 +136,9 @@ class GPTModelProvider(TransformerConfig):
     layer_spec_backend: LayerSpecBackend = "auto"
     transformer_layer_spec: ModuleSpec | Callable[..., Any] | None = None
 
+    # The field holding the user's layer spec (it overrides layer_spec_backend).
+    _user_spec_field: ClassVar[str] = "transformer_layer_spec"
+
     def __post_init__(self) -> None:
         """Validate the parallel layout and GPT fields, then run megatron's checks.
 
@@ -158,22 +163,23 @@ class GPTModelProvider(TransformerConfig):
             name: getattr(self, name) for name in unset if getattr(self, name) is not None
         }
 
-    def _check_gpt_fields(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+    def _check_positive(self, *names: str, optional: bool = False) -> None:
+        """Refuse a field of ``names`` that is not a positive integer (or None if ``optional``)."""
+        for name in names:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.vocab_size is not None and (
-            not isinstance(self.vocab_size, int) or self.vocab_size < 1
-        ):
-            raise ValueError(
-                f"model.vocab_size must be a positive integer or None, got {self.vocab_size!r}"
-            )
-        if self.make_vocab_size_divisible_by < 1:
-            raise ValueError(
-                "model.make_vocab_size_divisible_by must be >= 1, got "
-                f"{self.make_vocab_size_divisible_by}"
-            )
+            if (value is not None or not optional) and (not isinstance(value, int) or value < 1):
+                either = " or None" if optional else ""
+                raise ValueError(f"model.{name} must be a positive integer{either}, got {value!r}")
+
+    def _check_gpt_fields(self) -> None:
+        self._check_positive(
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "make_vocab_size_divisible_by",
+        )
+        self._check_positive("vocab_size", optional=True)
         if self.position_embedding_type not in ("learned_absolute", "rope", "none", "yarn"):
             raise ValueError(
                 f"model.position_embedding_type={self.position_embedding_type!r} is not one of "
@@ -309,7 +315,9 @@ class GPTModelProvider(TransformerConfig):
         return resolve_layer_spec_backend(self.layer_spec_backend)
 
     def layer_spec(self, vp_stage: int | None = None) -> Any:
-        """The layer spec :meth:`provide` uses (``transformer_layer_spec`` when set).
+        """The layer spec :meth:`provide` uses: the user's (``transformer_layer_spec``, or the
+        provider's own spec field: as given, or, when it is a callable, called with the provider and
+        ``vp_stage`` when it takes one), else the provider's own for its backend.
 
         Args:
             vp_stage: Virtual pipeline stage.
@@ -317,10 +325,17 @@ class GPTModelProvider(TransformerConfig):
         Returns:
             A megatron ``ModuleSpec`` or ``TransformerBlockSubmodules``.
         """
-        spec = self.transformer_layer_spec
+        spec = getattr(self, self._user_spec_field)
         if spec is None:
-            return build_gpt_layer_spec(self, self.resolved_layer_spec_backend(), vp_stage)
-        return call_layer_spec(spec, self, vp_stage)
+            return self._default_layer_spec(vp_stage)
+        if isinstance(spec, ModuleSpec) or not callable(spec):
+            return spec
+        if "vp_stage" in inspect.signature(spec).parameters:
+            return spec(self, vp_stage=vp_stage)
+        return spec(self)
+
+    def _default_layer_spec(self, vp_stage: int | None) -> Any:
+        return build_gpt_layer_spec(self, self.resolved_layer_spec_backend(), vp_stage)
 
     def provide(
         self,
@@ -328,13 +343,15 @@ class GPTModelProvider(TransformerConfig):
         post_process: bool | None = None,
         vp_stage: int | None = None,
     ) -> GPTModel:
-        """Build the megatron ``GPTModel`` for this rank.
+        """Build the megatron model chunk for this rank (a ``GPTModel`` here).
 
         Needs megatron's parallel state (``bridge.train.engine.initialize.initialize_distributed`` or
         ``parallel_state.initialize_model_parallel``). Without CUDA the model is initialised
         on CPU (``use_cpu_initialization`` is set), which also makes tensor-parallel shards
         slices of the same full weights a single process would draw. The parameters are
-        left on the CPU; the engine moves them to the training device.
+        left on the CPU; the engine moves them to the training device. Unless the user gave
+        the layer spec, ``transformer_impl`` is set to the layers the resolved backend
+        builds (megatron's modules read it).
 
         Args:
             pre_process: Build the embedding (default: this rank runs the first pipeline
@@ -350,34 +367,63 @@ class GPTModelProvider(TransformerConfig):
             RuntimeError: Megatron's parallel state is not initialised, or its
                 tensor-parallel size differs from ``tensor_model_parallel_size``.
         """
-
         vocab = self.padded_vocab_size
-        pre_process, post_process = prepare_to_build(
-            self,
-            pre_process,
-            post_process,
+        name = type(self).__name__
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError(
+                f"{name}.provide() needs megatron's parallel state: call "
+                "bridge.train.engine.initialize.initialize_distributed(...) (or megatron.core.parallel_state."
+                "initialize_model_parallel) first"
+            )
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if tp != self.tensor_model_parallel_size:
+            raise RuntimeError(
+                f"model.tensor_model_parallel_size={self.tensor_model_parallel_size} but the "
+                f"initialised tensor-parallel group has {tp} ranks; initialise the parallel "
+                "state from this config"
+            )
+        if not torch.cuda.is_available():
+            self.use_cpu_initialization = True
+        if getattr(self, self._user_spec_field) is None:
+            backend = self.resolved_layer_spec_backend()
+            self.transformer_impl = (
+                "transformer_engine" if backend == "transformer_engine" else "local"
+            )
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            )
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            )
+        model = self._build_model(
             vp_stage,
-            spec_given=self.transformer_layer_spec is not None,
-        )
-        model = GPTModel(
             config=self,
-            transformer_layer_spec=self.layer_spec(vp_stage),
             vocab_size=vocab,
-            max_sequence_length=self.seq_length,
-            pre_process=pre_process,
-            post_process=post_process,
+            pre_process=bool(pre_process),
+            post_process=bool(post_process),
             fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
             parallel_output=self.parallel_output,
             share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
             position_embedding_type=self.position_embedding_type,
             rotary_percent=self.rotary_percent,
-            rotary_base=self.rotary_base,
-            rope_scaling=self.rope_scaling,
-            rope_scaling_factor=self.rope_scaling_factor,
-            scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
-            vp_stage=vp_stage,
         )
         if self.position_embedding_type in ("rope", "yarn"):
             keep_rotary_on_cpu(model)
         return model
+
+    def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
+        """megatron's model, from ``common`` (the arguments its GPT, hybrid and T5 models
+        share) and the ones of this provider's model."""
+        return GPTModel(
+            transformer_layer_spec=self.layer_spec(vp_stage),
+            max_sequence_length=self.seq_length,
+            rotary_base=self.rotary_base,
+            rope_scaling=self.rope_scaling,
+            rope_scaling_factor=self.rope_scaling_factor,
+            scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel,
+            vp_stage=vp_stage,
+            **common,
+        )

@@ -20,15 +20,13 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
-from bridge.train.data.packing import packed_seq_params
+from bridge.train.data.packing import PACKED_BATCH_KEYS, packed_seq_params
 from bridge.train.state import GlobalState
 from core_utils import get_batch_on_this_cp_rank
 
 __all__ = ["forward_step", "get_batch", "masked_next_token_loss"]
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-# Per-sample packing metadata: moved with the batch, never sliced along the sequence.
-_PACKED_KEYS = ("cu_seqlens", "cu_seqlens_count", "max_seqlen")
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -67,9 +65,10 @@ def get_batch(
         batch[key] = (
             value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else None
         )
+    # Per-sample packing metadata: moved with the batch, never sliced along the sequence.
     packing = {
         key: raw[key].to(device, non_blocking=True)
-        for key in _PACKED_KEYS
+        for key in PACKED_BATCH_KEYS
         if isinstance(raw.get(key), torch.Tensor)
     }
 

@@ -61,6 +61,7 @@ __all__ = [
     "check_supported",
     "initialize_layout_independent",
     "layout_independent_seed",
+    "mamba_init_rule",
     "supports_layout_independent_init",
 ]
 
@@ -82,10 +83,11 @@ _NORM_BIASES = frozenset({"layer_norm_bias"})
 _GATED_NORMS = frozenset({"GatedGroupRMSNorm", "ExtendedRMSNorm", "RMSNormGated"})
 
 
-# The ``provide`` methods whose modules every rule below knows (by qualified name, so this
-# module imports none of the providers).
+# The ``provide`` / ``_build_model`` methods whose modules every rule below knows (by
+# qualified name, so this module imports none of the providers).
 _COVERED_BUILDS = frozenset(
-    f"bridge.train.models.{module}.{provider}.provide"
+    f"bridge.train.models.{module}.{provider}.{method}"
+    for method in ("provide", "_build_model")
     for module, provider in (
         ("gpt_provider", "GPTModelProvider"),
         ("t5_provider", "T5ModelProvider"),
@@ -120,7 +122,8 @@ def supports_layout_independent_init(provider: Any) -> bool:
         return True  # drawn per module by pretrain_mimo (each module's own config)
     if not isinstance(provider, GPTModelProvider):
         return False
-    return _qualified_name(type(provider).provide) in _COVERED_BUILDS
+    builds = (type(provider).provide, type(provider)._build_model)
+    return all(_qualified_name(method) in _COVERED_BUILDS for method in builds)
 
 
 def _qualified_name(thing: Any) -> str:
@@ -274,8 +277,11 @@ def _mixer_setting(module: torch.nn.Module, name: str) -> Any:
     return parameter.default
 
 
-def _mamba_rule(module: torch.nn.Module, attribute: str) -> Callable[[torch.Tensor], Any] | float:
-    """megatron's ``MambaMixer`` init of its own (non-linear) parameters, element by element.
+def mamba_init_rule(
+    module: torch.nn.Module, attribute: str
+) -> Callable[[torch.Tensor], Any] | float:
+    """megatron's ``MambaMixer`` init of its own (non-linear) parameters, element by element
+    (the portable mixer draws its full tensors with it too).
 
     ``conv1d_weight``: ``kaiming_uniform_(a=sqrt(5))`` (fan-in ``d_conv``: the tile keeps
     the last two axes whole, so the bound is the full tensor's) or ``uniform(+-conv_init)``;
@@ -336,7 +342,7 @@ def _init_rule(
     if _is_norm(module):
         return gamma if attribute == "weight" else 0.0
     if attribute in _MAMBA_PARAMETERS:
-        return _mamba_rule(module, attribute)
+        return mamba_init_rule(module, attribute)
     if owner == "router" or attribute in ("position_embedding", "softmax_offset"):
         # Drawn with init_method: megatron's TopKRouter its weight (and bias), bridge-mimo's
         # PatchEncoder its learned table (normal(0, init_method_std)), megatron's

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
@@ -34,7 +34,6 @@ from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from bridge.train.models._provide import call_layer_spec, prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
 from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 
@@ -43,15 +42,6 @@ __all__ = ["MambaProvider", "resolve_hybrid_backend"]
 _PORTABLE_SYMBOLS = frozenset("M*-")
 _MEGATRON_SYMBOLS = frozenset("MG*D+-E")
 _GPU_PACKAGES = ("transformer_engine", "mamba_ssm", "causal_conv1d")
-_PIP_NAMES = {
-    "transformer_engine": "transformer-engine",
-    "mamba_ssm": "mamba-ssm",
-    "causal_conv1d": "causal-conv1d",
-}
-
-
-def _missing_gpu_packages() -> list[str]:
-    return [name for name in _GPU_PACKAGES if importlib.util.find_spec(name) is None]
 
 
 def resolve_hybrid_backend(
@@ -72,9 +62,10 @@ def resolve_hybrid_backend(
             without one of its packages (the message names what to install).
     """
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    absent = _missing_gpu_packages() if missing is None else missing
+    if missing is None:
+        missing = [name for name in _GPU_PACKAGES if importlib.util.find_spec(name) is None]
     if requested == "auto":
-        return "transformer_engine" if cuda and not absent else "portable"
+        return "transformer_engine" if cuda and not missing else "portable"
     if requested == "portable":
         return "portable"
     if requested == "transformer_engine":
@@ -83,10 +74,10 @@ def resolve_hybrid_backend(
                 "model.layer_spec_backend='transformer_engine' needs CUDA for a Mamba model; "
                 "set model.layer_spec_backend='portable' (or 'auto') to run on CPU"
             )
-        if absent:
+        if missing:
             raise ValueError(
                 "model.layer_spec_backend='transformer_engine' for a Mamba model needs "
-                f"pip install {' '.join(_PIP_NAMES[name] for name in absent)} "
+                f"pip install {' '.join(name.replace('_', '-') for name in missing)} "
                 "(or set model.layer_spec_backend='portable')"
             )
         return "transformer_engine"
@@ -129,6 +120,7 @@ class MambaProvider(GPTModelProvider):
     hybrid_attention_ratio: float = 0.0
     hybrid_mlp_ratio: float = 0.0
     mamba_stack_spec: ModuleSpec | Callable[..., Any] | None = None
+    _user_spec_field: ClassVar[str] = "mamba_stack_spec"
     mamba_state_dim: int = 16
     mamba_head_dim: int = 16
     mamba_num_groups: int = 2
@@ -176,10 +168,7 @@ class MambaProvider(GPTModelProvider):
                     f"model.hybrid_override_pattern={pattern!r} has {len(main)} layers but "
                     f"model.num_layers={self.num_layers}; make them equal"
                 )
-        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        self._check_positive("mamba_state_dim", "mamba_head_dim", "mamba_num_groups")
         heads = self.mamba_heads
         tp = self.tensor_model_parallel_size
         if heads % self.mamba_num_groups:
@@ -226,15 +215,13 @@ class MambaProvider(GPTModelProvider):
         """The hybrid stack implementation :meth:`provide` builds here (module docstring)."""
         return resolve_hybrid_backend(self.layer_spec_backend)
 
-    def layer_spec(self, vp_stage: int | None = None) -> Any:
-        """The hybrid stack spec :meth:`provide` uses (``mamba_stack_spec`` when set).
+    def _default_layer_spec(self, vp_stage: int | None) -> Any:
+        """The hybrid stack spec of the resolved backend.
 
         Raises:
             ValueError: The backend cannot run here, or the pattern uses a layer kind the
                 portable spec does not build.
         """
-        if self.mamba_stack_spec is not None:
-            return call_layer_spec(self.mamba_stack_spec, self, vp_stage)
         if self.resolved_layer_spec_backend() == "transformer_engine":
             return hybrid_stack_spec
         main_pattern = self.layer_pattern.split("/")[0].replace("|", "")
@@ -248,46 +235,14 @@ class MambaProvider(GPTModelProvider):
 
         return build_portable_hybrid_stack_spec(self)
 
-    def provide(
-        self,
-        pre_process: bool | None = None,
-        post_process: bool | None = None,
-        vp_stage: int | None = None,
-    ) -> Any:
-        """Build megatron's ``HybridModel`` for this rank.
-
-        Args:
-            pre_process: Build the embedding (default: first pipeline stage).
-            post_process: Build the output layer (default: last pipeline stage).
-            vp_stage: Virtual pipeline stage.
-
-        Returns:
-            The model chunk.
-
-        Raises:
-            ValueError: ``vocab_size`` is unset, or the backend cannot run here.
-            RuntimeError: Megatron's parallel state is missing or has another TP size.
-        """
-
-        vocab = self.padded_vocab_size
-        pre_process, post_process = prepare_to_build(
-            self, pre_process, post_process, vp_stage, spec_given=self.mamba_stack_spec is not None
-        )
+    def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
+        """megatron's ``HybridModel`` (see :meth:`GPTModelProvider.provide`)."""
         return HybridModel(
-            config=self,
             hybrid_stack_spec=self.layer_spec(vp_stage),
-            vocab_size=vocab,
             max_sequence_length=self.seq_length,
             hybrid_layer_pattern=self.layer_pattern,
-            pre_process=pre_process,
-            post_process=post_process,
-            fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
-            parallel_output=self.parallel_output,
-            share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
-            position_embedding_type=self.position_embedding_type,
-            rotary_percent=self.rotary_percent,
             rotary_base=self.rotary_base,
             scatter_embedding_sequence_parallel=self.scatter_embedding_sequence_parallel,
-            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
             vp_stage=vp_stage,
+            **common,
         )

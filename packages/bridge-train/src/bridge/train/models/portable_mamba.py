@@ -24,7 +24,6 @@ sequence packing, inference caches (training only).
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from bridge.train.models.layout_init import mamba_init_rule
 from bridge.train.models.ssd_torch import causal_depthwise_conv1d, ssd_chunked_scan
 from core_utils.portable_attention import with_sdpa_core_attention
 
@@ -236,27 +236,23 @@ class PortableMambaMixer(MegatronModule):
         if config.perform_initialization:
             # Full tensors on the CPU generator, then this rank's part of each component:
             # the same model for every tensor-parallel size (megatron's mixer draws per rank).
+            # The mixer's own parameters follow megatron's rules (layout_init says them).
             with torch.no_grad():
                 weight = torch.empty(sum(in_proj_parts), d_model, dtype=torch.float32)
                 config.init_method(weight)
                 self.in_proj.weight.copy_(_rank_parts(weight, in_proj_parts, tp_rank, tp_size))
-                conv_w = torch.empty(sum(conv_parts), 1, d_conv)
-                if conv_init is not None:
-                    torch.nn.init.uniform_(conv_w, -conv_init, conv_init)
-                else:
-                    torch.nn.init.kaiming_uniform_(conv_w, a=math.sqrt(5))
-                bound = 1 / math.sqrt(d_conv)
-                conv_b = torch.empty(sum(conv_parts)).uniform_(-bound, bound)
-                self.conv1d_weight.copy_(_rank_parts(conv_w, conv_parts, tp_rank, tp_size))
-                self.conv1d_bias.copy_(_rank_parts(conv_b, conv_parts, tp_rank, tp_size))
-                dt = torch.exp(
-                    torch.rand(self.nheads) * (math.log(dt_max) - math.log(dt_min))
-                    + math.log(dt_min)
-                ).clamp(min=dt_init_floor)
-                inv_dt = dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
-                self.dt_bias.copy_(inv_dt.chunk(tp_size)[tp_rank])
-                A = torch.empty(self.nheads).uniform_(*A_init_range)
-                self.A_log.copy_(torch.log(A).chunk(tp_size)[tp_rank])
+                for name, parts in (
+                    ("conv1d_weight", conv_parts),
+                    ("conv1d_bias", conv_parts),
+                    ("dt_bias", [self.nheads]),
+                    ("A_log", [self.nheads]),
+                ):
+                    param = getattr(self, name)
+                    full = torch.empty(sum(parts), *param.shape[1:])
+                    draw = mamba_init_rule(self, name)
+                    assert callable(draw)  # a constant only for D, which is not drawn
+                    draw(full)
+                    param.copy_(_rank_parts(full, parts, tp_rank, tp_size))
 
         self.norm = GatedGroupRMSNorm(
             self.d_inner_local_tp,

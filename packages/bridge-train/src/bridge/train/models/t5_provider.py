@@ -19,7 +19,6 @@ import torch
 from megatron.core.models.T5 import T5Model, t5_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from bridge.train.models._provide import call_layer_spec, prepare_to_build
 from bridge.train.models.gpt_provider import GPTModelProvider
 from core_utils.portable_attention import with_sdpa_core_attention
 
@@ -52,10 +51,8 @@ class T5ModelProvider(GPTModelProvider):
             ValueError: A size is not positive, or the position table is shorter than a
                 sequence.
         """
-        for name in ("encoder_num_layers", "seq_length_dec", "max_position_embeddings"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        self._check_positive("seq_length_dec")
+        self._check_positive("encoder_num_layers", "max_position_embeddings", optional=True)
         longest = max(self.seq_length, self.seq_length_dec)
         if self.max_position_embeddings is not None and self.max_position_embeddings < longest:
             raise ValueError(
@@ -105,11 +102,8 @@ class T5ModelProvider(GPTModelProvider):
             return self.max_position_embeddings
         return max(self.seq_length, self.seq_length_dec)
 
-    def layer_spec(self, vp_stage: int | None = None) -> Any:
-        """``(encoder_block_spec, decoder_block_spec)`` (``transformer_layer_spec`` when set)."""
-        if self.transformer_layer_spec is not None:
-            return call_layer_spec(self.transformer_layer_spec, self, vp_stage)
-
+    def _default_layer_spec(self, vp_stage: int | None) -> Any:
+        """``(encoder_block_spec, decoder_block_spec)`` of the resolved backend."""
         backend = self.resolved_layer_spec_backend()
         encoder = t5_spec.encoder_model_with_local_spec()
         decoder = t5_spec.decoder_model_with_local_spec()
@@ -128,41 +122,23 @@ class T5ModelProvider(GPTModelProvider):
         post_process: bool | None = None,
         vp_stage: int | None = None,
     ) -> Any:
-        """Build megatron's ``T5Model`` for this rank.
-
-        Returns:
-            The model.
-
-        Raises:
-            ValueError: ``vocab_size`` is unset or the backend cannot run here.
-            RuntimeError: Megatron's parallel state is missing or has another TP size.
-        """
-
-        vocab = self.padded_vocab_size
-        # One pipeline stage (T5 refuses pipeline parallelism): both ends unless told.
-        pre_process, post_process = prepare_to_build(
-            self,
+        """Build megatron's ``T5Model`` (see :meth:`GPTModelProvider.provide`); one pipeline
+        stage (T5 refuses pipeline parallelism), so both ends unless told."""
+        return super().provide(
             True if pre_process is None else pre_process,
             True if post_process is None else post_process,
             vp_stage,
-            spec_given=self.transformer_layer_spec is not None,
         )
+
+    def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
+        """megatron's ``T5Model``; the encoder's config differs only in its depth."""
         encoder_spec, decoder_spec = self.layer_spec(vp_stage)
         encoder_config = copy.deepcopy(self)
         encoder_config.num_layers = self.encoder_layers
         return T5Model(
-            config=self,
             encoder_config=encoder_config,
             transformer_encoder_layer_spec=encoder_spec,
             transformer_decoder_layer_spec=decoder_spec,
-            vocab_size=vocab,
             max_sequence_length=self.position_table_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
-            parallel_output=self.parallel_output,
-            share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
-            position_embedding_type=self.position_embedding_type,
-            rotary_percent=self.rotary_percent,
-            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            **common,
         )

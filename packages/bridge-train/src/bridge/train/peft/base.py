@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bridge.config import PEFTProtocol
+from core_utils.model_wrapping import get_attr_wrapped_model
 
 __all__ = ["PEFT", "adapter_parameter_names", "apply_peft"]
 
@@ -141,12 +142,7 @@ def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.
 
 def adapter_parameter_names(chunk: torch.nn.Module) -> frozenset[str] | None:
     """Names of the adapter parameters of a chunk :func:`apply_peft` transformed, else None."""
-    inner = chunk
-    while True:
-        names = getattr(inner, _ADAPTER_NAMES_ATTR, None)
-        if names is not None:
-            return frozenset(names)
-        nested = getattr(inner, "module", None)
-        if not isinstance(nested, torch.nn.Module):
-            return None
-        inner = nested
+    try:
+        return frozenset(get_attr_wrapped_model(chunk, _ADAPTER_NAMES_ATTR))
+    except RuntimeError:  # no level of the (wrapped) chunk was transformed
+        return None

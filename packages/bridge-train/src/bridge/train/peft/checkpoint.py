@@ -22,6 +22,7 @@ from megatron.core.dist_checkpointing import load_tensors_metadata
 
 from bridge.config import CheckpointConfig, ModelConfigProtocol
 from bridge.train.checkpointing import find_latest_checkpoint, restore_checkpoint
+from core_utils.model_wrapping import get_attr_wrapped_model
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -97,11 +98,8 @@ def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozens
 def _peft_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     found = []
     for chunk in model:
-        inner: Any = chunk
-        while isinstance(inner, torch.nn.Module) and not hasattr(inner, _MODE_ATTR):
-            inner = getattr(inner, "module", None)
-        if isinstance(inner, torch.nn.Module):
-            found.append(inner)
+        with contextlib.suppress(RuntimeError):  # a chunk without adapters
+            found.append(get_attr_wrapped_model(chunk, _MODE_ATTR, return_model_obj=True))
     return found
 
 
