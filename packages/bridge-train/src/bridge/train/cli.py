@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,15 @@ from bridge.train.checks.launch import (
 )
 from bridge.train.recipes import DEFAULT_RECIPE, RECIPES, recipe_path
 
-__all__ = ["EXIT_CALLBACK_ERROR", "EXIT_CONFIG_ERROR", "EXIT_INTERRUPTED", "build_parser", "main"]
+__all__ = [
+    "EXIT_CALLBACK_ERROR",
+    "EXIT_CONFIG_ERROR",
+    "EXIT_INTERRUPTED",
+    "USER_ERROR_TYPES",
+    "build_parser",
+    "main",
+    "raised_as",
+]
 
 EXIT_CONFIG_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -81,22 +90,13 @@ _USAGE = (
 # read before any process group exists and without importing torch, which --help and
 # configuration errors must not pay for. Once training runs, core_utils.distributed answers
 # from the process group.
-def _launcher_rank() -> int:
-    from bridge.train.engine.launch_env import launch_environment
+def _launcher() -> Any:
+    from bridge.train.engine.launch_env import LaunchEnvironment, launch_environment
 
     try:
-        return launch_environment().rank
+        return launch_environment()
     except ValueError:  # a broken launch environment: reported where it is read
-        return 0
-
-
-def _launcher_world_size() -> int:
-    from bridge.train.engine.launch_env import launch_environment
-
-    try:
-        return launch_environment().world_size
-    except ValueError:
-        return 1
+        return LaunchEnvironment("single", 0, 1, 0)
 
 
 # One line per section for --help (the configuration reference has the fields).
@@ -275,24 +275,25 @@ def _config_from_first_argument(args: argparse.Namespace, parser: argparse.Argum
     args.overrides = args.overrides[1:]
 
 
-def _exit_code(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an exit code 0-255, got {text!r}") from None
-    if not 0 <= value <= 255:
-        raise argparse.ArgumentTypeError(f"expected an exit code 0-255, got {text!r}")
-    return value
+def _checked(
+    convert: Callable[[str], Any], what: str, valid: Callable[[Any], bool], bound: str = ""
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert``, refused in one line unless ``valid``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {what}{bound}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+_exit_code = _checked(int, "an exit code 0-255", lambda value: 0 <= value <= 255)
+_positive_seconds = _checked(float, "a number of seconds", lambda value: value > 0, " > 0")
 
 
 def _hang_timeouts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
@@ -365,47 +366,34 @@ def _overrides_of(
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
+    load = None  # the last checkpoint.load=... override: what --eval-only evaluates
+    for item in args.overrides:
+        name, sep, rest = item.partition("=")
+        if sep and name.strip().lstrip("+~") == "checkpoint.load":
+            load = rest
     if args.config is not None:
         path = Path(args.config)
-    elif (
-        args.eval_only
-        and args.recipe is None
-        and _override_value(args.overrides, "checkpoint.load")
-    ):
-        path = _checkpoint_run_config(str(_override_value(args.overrides, "checkpoint.load")))
+    elif args.eval_only and args.recipe is None and load:
+        path = _checkpoint_run_config(load)
     else:
         try:
             path = recipe_path(args.recipe or DEFAULT_RECIPE)
         except KeyError as exc:
-            from bridge.config import ConfigError
-
             raise ConfigError("--recipe", str(exc.args[0])) from None
     cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
     return cfg, path, recipe_cfg
 
 
-def _override_value(overrides: Sequence[str], key: str) -> str | None:
-    """The value the last ``key=value`` override gives (``None`` if none does)."""
-    value = None
-    for item in overrides:
-        name, sep, rest = item.partition("=")
-        if sep and name.strip().lstrip("+~") == key:
-            value = rest
-    return value
-
-
 def _checkpoint_run_config(load: str) -> Path:
     """The ``run_config.yaml`` of the checkpoint ``checkpoint.load`` names."""
-    from bridge.train.generate.errors import GenerationError
-    from bridge.train.generate.loading import locate_checkpoint
+    from bridge.train.checkpointing import CheckpointError
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
 
     try:
         _, iteration_dir = locate_checkpoint(load)
-    except GenerationError as exc:
+    except CheckpointError as exc:
         raise ConfigError("checkpoint.load", str(exc)) from None
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
-
     path = iteration_dir / RUN_CONFIG_FILENAME
     if not path.is_file():
         raise ConfigError(
@@ -427,10 +415,8 @@ def _version_text() -> str:
     return f"bridge-train {of('bridge-train')} (megatron-core {of('megatron-core')}, torch {of('torch')})"
 
 
-# Error types of sibling packages that mean "fix your input" (module, class name). They are
-# looked up only when their module is already imported: an exception cannot be an instance
-# of a class whose module was never loaded, and importing them would cost the start-up time.
-_USER_ERROR_TYPES = (
+# Error types of sibling packages that mean "fix your input" (module, class name).
+USER_ERROR_TYPES = (
     ("bridge.config", "ConfigError"),
     ("bridge.logging", "BackendNotInstalledError"),
     ("bridge.resiliency", "MissingExtraError"),
@@ -439,22 +425,21 @@ _USER_ERROR_TYPES = (
 )
 
 
-def _is_user_error(exc: BaseException) -> bool:
-    for module_name, name in _USER_ERROR_TYPES:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, name, None) if module is not None else None
+def raised_as(exc: BaseException, types: Sequence[tuple[str, str]]) -> bool:
+    """Whether ``exc`` is an instance of one of ``types`` (module, class name).
+
+    A class is looked up only when its module is already imported: an exception cannot be
+    an instance of a class whose module was never loaded, and importing them would cost the
+    start-up time.
+    """
+    for module_name, name in types:
+        cls = getattr(sys.modules.get(module_name), name, None)
         if isinstance(cls, type) and isinstance(exc, cls):
             return True
     return False
 
 
-def _is_callback_error(exc: BaseException) -> bool:
-    module = sys.modules.get("core_utils.callbacks")
-    cls = getattr(module, "CallbackError", None) if module is not None else None
-    return isinstance(cls, type) and isinstance(exc, cls)
-
-
-def _report_notices(held: Any, level: int) -> None:
+def _report_notices(held: Any, level: int, rank: int) -> None:
     """Rank 0: one line about the held-back import notices, or all of them at DEBUG level.
 
     Other ranks print none of them. Unless the level is DEBUG, the notices megatron-core
@@ -465,9 +450,8 @@ def _report_notices(held: Any, level: int) -> None:
     if level > logging.DEBUG:
         torch = sys.modules.get("torch")  # imported with the config's classes, if at all
         silence_known_fallback_notices(cuda=torch is not None and torch.cuda.is_available())
-    if _launcher_rank() != 0:
+    if rank != 0:
         return
-
     print_held_notices(
         held,
         "[bridge-train] ",
@@ -481,16 +465,18 @@ def _print_overrides(
 ) -> None:
     """The recipe, what the overrides changed in it (``diff``) and where the run's whole
     config is saved (``save``: its ``checkpoint.save``)."""
-    print(f"[bridge-train] recipe: {path}", flush=True)
-    print("[bridge-train] overrides (recipe -> this run):", flush=True)
-    print("\n".join(diff) if diff else "  (none)", flush=True)
     if not save:
         where = "--print-config"
     elif dry_run:  # nothing is written by a dry run
         where = f"--print-config (a launch saves it as {save}/run_config.yaml)"
     else:
         where = f"{save}/run_config.yaml"
-    print(f"[bridge-train] full resolved config: {where}", flush=True)
+    print(
+        f"[bridge-train] recipe: {path}\n[bridge-train] overrides (recipe -> this run):\n"
+        + ("\n".join(diff) if diff else "  (none)")
+        + f"\n[bridge-train] full resolved config: {where}",
+        flush=True,
+    )
 
 
 def _print_layout(
@@ -506,19 +492,14 @@ def _print_layout(
         "context": getattr(model, "context_parallel_size", 1),
         "data": data_parallel_size,
     }
-    print(f"[bridge-train] dry run: world size {world}", flush=True)
-    print(
-        "[bridge-train] parallel layout: " + ", ".join(f"{k} {v}" for k, v in sizes.items()),
-        flush=True,
-    )
     mbs, gbs = train.micro_batch_size, train.global_batch_size
     micro = gbs // (mbs * data_parallel_size) if gbs and mbs and data_parallel_size else None
+    layout = ", ".join(f"{k} {v}" for k, v in sizes.items())
     print(
+        f"[bridge-train] dry run: world size {world}\n"
+        f"[bridge-train] parallel layout: {layout}\n"
         f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {sizes['data']} "
-        f"= global {gbs}; train_iters {train.train_iters}",
-        flush=True,
-    )
-    print(
+        f"= global {gbs}; train_iters {train.train_iters}\n"
         "[bridge-train] dry run: the config is valid for this launch; nothing was trained",
         flush=True,
     )
@@ -578,27 +559,23 @@ def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
         else:
             from bridge.train.loop.pretrain import pretrain
     if args.print_config:
-        if _launcher_rank() == 0:
+        if launch.rank == 0:
             # The text run_config.yaml holds: it loads back (--config) as this same run.
             print(cfg.to_yaml_text(), end="", flush=True)
         return 0
-    _report_notices(held, cfg.logger.logging_level if cfg.logger else logging.INFO)
+    _report_notices(held, cfg.logger.logging_level if cfg.logger else logging.INFO, launch.rank)
     save = cfg.checkpoint.save if cfg.checkpoint else None
     overrides: list[str] = []  # what the command-line overrides changed in the recipe
-    if (
-        recipe_cfg is not None
-        and _launcher_rank() == 0
-        and (args.dry_run or not args.no_print_config)
-    ):
+    if recipe_cfg is not None and launch.rank == 0 and (args.dry_run or not args.no_print_config):
         with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
-            recipe_cfg.validate(_launcher_world_size())
+            recipe_cfg.validate(launch.world_size)
         overrides = _overrides_of(
             _flatten(yaml.safe_load(recipe_cfg.format_yaml())),
             _flatten(yaml.safe_load(cfg.format_yaml())),
             cfg.diff_from_defaults(),
         )
     if args.dry_run:
-        if _launcher_rank() == 0:
+        if launch.rank == 0:
             _print_overrides(path, overrides, save, dry_run=True)
             if not mimo:
                 from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
@@ -607,9 +584,9 @@ def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
                 for notice in run_plan_notices(cfg.checkpoint, cfg.train, identity):
                     print(f"[bridge-train] {notice}", flush=True)
                 assert cfg.train is not None  # validated
-                _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, _launcher_world_size())
+                _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, launch.world_size)
         return 0
-    if _launcher_rank() == 0 and not args.no_print_config:
+    if launch.rank == 0 and not args.no_print_config:
         _print_overrides(path, overrides, save)
     if mimo:
         return pretrain_mimo(
@@ -643,21 +620,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             code = run(argv)
     except (KeyboardInterrupt, Terminated) as exc:
         signal_name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT (Ctrl-C)"
-        if _launcher_rank() == 0:
+        if _launcher().rank == 0:
             print(f"bridge-train: stopped by {signal_name}", file=sys.stderr, flush=True)
         sys.exit(143 if isinstance(exc, Terminated) else EXIT_INTERRUPTED)
     except Exception as exc:
-        if _is_callback_error(exc):
+        if raised_as(exc, [("core_utils.callbacks", "CallbackError")]):
             # The user's own code failed, not the trainer: say which callback, hook and
             # iteration, on every rank where it happened.
-            prefix = f"[rank {_launcher_rank()}] " if _launcher_world_size() > 1 else ""
+            prefix = f"[rank {_launcher().rank}] " if _launcher().world_size > 1 else ""
             print(f"bridge-train: error: {prefix}{exc}", file=sys.stderr, flush=True)
             sys.exit(EXIT_CALLBACK_ERROR)
-        if not _is_user_error(exc):
+        if not raised_as(exc, USER_ERROR_TYPES):
             raise
-        rendezvous = sys.modules.get("bridge.train.engine.launch_env")
-        timeout_type = getattr(rendezvous, "RendezvousTimeout", None)
-        if isinstance(timeout_type, type) and isinstance(exc, timeout_type):
+        if raised_as(exc, [("bridge.train.engine.launch_env", "RendezvousTimeout")]):
             # Each rank saw its own part of a rendezvous that failed: every rank says it.
             print(f"bridge-train: error: {exc}", file=sys.stderr, flush=True)
         else:
@@ -681,14 +656,32 @@ def _report_config_error(line: str) -> None:
     """
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        first = _first_failure_of_attempt(error_file)
+        # torchrun gives each local rank <attempt dir>/<local rank>/error.json; the first rank
+        # to create a marker in the attempt directory (shared by the node's ranks, new for
+        # each restart) is first. Where it cannot be made, every rank writes the message.
+        attempt_dir = os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
+        marker = os.path.join(attempt_dir, "bridge-train-config-error")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            first = True
+        except FileExistsError:
+            first = False
+        except OSError:
+            first = True
+        # torchrun takes the failure with the earliest whole-second timestamp as the root
+        # cause (and times a rank it stopped itself when it collects it): dated a second
+        # earlier, the first failure stays the root cause when the failures fall in the same
+        # second (ties go to the lowest rank); the others are dated a second later.
         shown = line if first else _SEE_ROOT_CAUSE
-        # Dated a second earlier, the first failure stays torchrun's root cause when the
-        # failures fall in the same second (whole seconds; ties go to the lowest rank); the
-        # others are dated a second later.
-        if _write_elastic_error_file(error_file, shown, -1 if first else 1):
+        stamp = str(int(time.time()) + (-1 if first else 1))
+        info = {"py_callstack": shown, "timestamp": stamp}
+        try:
+            with open(error_file, "w", encoding="utf-8") as handle:
+                json.dump({"message": {"message": shown, "extraInfo": info}}, handle)
             return
-    if _launcher_rank() == 0:
+        except OSError:
+            pass  # printed below instead
+    if _launcher().rank == 0:
         print(line, file=sys.stderr, flush=True)
 
 
@@ -696,49 +689,3 @@ _SEE_ROOT_CAUSE = (
     "bridge-train: stopped by a configuration error too; the first rank's is shown under "
     "Root Cause below"
 )
-
-
-def _first_failure_of_attempt(error_file: str) -> bool:
-    """Whether this is the node's first rank to report a configuration error.
-
-    torchrun gives each local rank ``<attempt dir>/<local rank>/error.json``; the first
-    rank to create a marker in the attempt directory (shared by the node's ranks, new for
-    each restart) is first. True when the directory is not laid out that way (every rank
-    then writes the message, as before).
-    """
-    attempt_dir = os.path.dirname(os.path.dirname(os.path.abspath(error_file)))
-    try:
-        fd = os.open(
-            os.path.join(attempt_dir, "bridge-train-config-error"),
-            os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-            0o644,
-        )
-    except FileExistsError:
-        return False
-    except OSError:
-        return True
-    os.close(fd)
-    return True
-
-
-def _write_elastic_error_file(path: str, line: str, offset_s: int) -> bool:
-    """Write ``line`` in torchelastic's error-file format; False if it cannot be written.
-
-    ``offset_s`` is added to the failure's timestamp: torchrun takes the failure with the
-    earliest whole-second timestamp as the root cause and times a rank it stopped itself
-    when it collects it.
-    """
-    import json
-
-    data = {
-        "message": {
-            "message": line,
-            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()) + offset_s)},
-        }
-    }
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-    except OSError:
-        return False
-    return True

@@ -163,23 +163,20 @@ class CommOverlapConfig:
             )
         sections = {"model": model, "optimizer": optimizer, "ddp": ddp}
         for name, value in self.layout_values(model, ddp).items():
-            target = sections[_TARGETS[name]]
-            if value is None or target is None or not hasattr(target, name):
-                if getattr(self, name) is not None and (
-                    target is None or not hasattr(target, name)
-                ):
+            target, given = sections[_TARGETS[name]], getattr(self, name)
+            if target is None or not hasattr(target, name):
+                if given is not None:
                     raise ConfigError(
                         f"comm_overlap.{name}",
-                        f"got {getattr(self, name)!r} but the {_TARGETS[name]} section "
+                        f"got {given!r} but the {_TARGETS[name]} section "
                         f"({type(target).__name__}) has no field {name!r}; unset it",
                     )
                 continue
             current = getattr(target, name)
-            if current == value:
+            if value is None or current == value:
                 continue
-            default = _field_default(target, name)
-            if current != default:
-                if getattr(self, name) is not None:
+            if current != _field_default(target, name):
+                if given is not None:
                     raise ConfigError(
                         f"comm_overlap.{name}",
                         f"got {value!r} but {_TARGETS[name]}.{name} is {current!r}; set only "

@@ -28,20 +28,13 @@ from megatron.core import parallel_state, tensor_parallel
 
 from bridge.config import DistributedInitConfig
 from bridge.resiliency import init_process_group
-from bridge.train.engine.launch_env import (
-    adopt_launch_environment,
-    guarded_rendezvous,
-)
+from bridge.train.engine.launch_env import adopt_launch_environment, guarded_rendezvous
 from core_utils import cuda_emulation, cuda_emulation_active
 from core_utils.distributed import global_world_size
 from core_utils.testing import find_free_port
 
 if TYPE_CHECKING:
-    from bridge.config import (
-        DistributedInitConfig,
-        ModelConfigProtocol,
-        RNGConfig,
-    )
+    from bridge.config import ModelConfigProtocol, RNGConfig
 
 __all__ = [
     "destroy_distributed",
@@ -90,13 +83,6 @@ def validate_parallel_layout(model_config: ModelConfigProtocol, world_size: int)
 
     What a device cannot run (for example sequence parallelism with the CPU layer spec) is
     refused earlier, with the config, by :func:`bridge.train.checks.layout.check_engine_config`.
-
-    Args:
-        model_config: The model config (``tensor_model_parallel_size``,
-            ``pipeline_model_parallel_size``, ``context_parallel_size``,
-            ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
-            ``virtual_pipeline_model_parallel_size``).
-        world_size: Number of ranks.
 
     Raises:
         ValueError: A size is not positive, ``world_size`` is not divisible by
@@ -172,23 +158,22 @@ def initialize_distributed(
     model_config: ModelConfigProtocol,
     dist_config: DistributedInitConfig | None = None,
     rng_config: RNGConfig | None = None,
+    *,
+    emulate_cuda: bool = False,
 ) -> None:
     """Initialise torch.distributed, megatron's parallel state and the random seeds.
 
-    Under ``torchrun`` the launcher's environment is used, under ``srun`` SLURM's (see
-    :mod:`bridge.train.engine.launch_env`); launched bare, a one-rank group is created. A
-    rendezvous that does not complete says what it waits for within seconds and fails after
-    ``dist.distributed_timeout_minutes`` with one line. An existing default process group is reused. On CUDA with nccl the device
-    is set from ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``).
+    The process group is the launch's (:func:`init_launch_process_group`); an existing
+    default process group is reused. On CUDA with nccl the device is set from
+    ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``).
 
     Args:
         model_config: The model config (its parallel sizes are used).
-        dist_config: ``DistributedInitConfig`` (``distributed_backend``,
-            ``distributed_timeout_minutes``, ``use_gloo_process_groups``,
-            ``use_tp_pp_dp_mapping``, ``nccl_communicator_config_path``,
-            ``external_gpu_device_mapping``); defaults when ``None``.
-        rng_config: ``RNGConfig`` (``seed``, ``data_parallel_random_init``,
-            ``te_rng_tracker``, ``inference_rng_tracker``); seed 1234 when ``None``.
+        dist_config: The ``dist`` section; defaults when ``None``.
+        rng_config: The ``rng`` section; seed 1234 when ``None``.
+        emulate_cuda: Without CUDA, enter :func:`core_utils.cuda_emulation` for the rest of
+            the run (until :func:`destroy_distributed`), once the layout is checked (the
+            engine's choice; a bad layout then changes no process state).
 
     Raises:
         ValueError: Invalid backend or parallel layout (raised before any group is built).
@@ -200,6 +185,9 @@ def initialize_distributed(
     backend = resolve_distributed_backend(dist_config)
     world_size = global_world_size(launcher_fallback=True)
     validate_parallel_layout(model_config, world_size)
+    if emulate_cuda and _STATE["emulation"] is None:
+        _STATE["emulation"] = stack = contextlib.ExitStack()
+        stack.enter_context(cuda_emulation())  # a no-op with CUDA
 
     timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
     if torch.cuda.is_available() and backend == "nccl":
@@ -329,23 +317,6 @@ def set_random_seed(
             rank_seed, te_rng_tracker=te_rng_tracker, inference_rng_tracker=inference_rng_tracker
         )
     return rank_seed
-
-
-def _enter_cuda_emulation() -> bool:
-    """Enter :func:`core_utils.cuda_emulation` until :func:`destroy_distributed` (once).
-
-    Called by the engine before :func:`initialize_distributed`. A no-op with CUDA.
-
-    Returns:
-        Whether the emulation is active (``False`` with CUDA).
-    """
-    if _STATE["emulation"] is None:
-        stack = contextlib.ExitStack()
-        active = stack.enter_context(cuda_emulation())
-        _STATE["emulation"] = stack
-        return bool(active)
-
-    return cuda_emulation_active()
 
 
 def _destroy_model_parallel() -> None:

@@ -181,17 +181,15 @@ def _expand_ranges(body: str, text: str) -> list[str]:
 
 
 def _expand_one(item: str, text: str) -> list[str]:
-    names = [""]
-    position = 0
-    for match in _BRACKET.finditer(item):
-        literal = item[position : match.start()]
-        names = [name + literal for name in names]
-        names = [name + value for name in names for value in _expand_ranges(match[1], text)]
-        position = match.end()
-    rest = item[position:]
-    if "[" in rest or "]" in rest:
-        raise ValueError(f"invalid host list {text!r}: unbalanced brackets in {item!r}")
-    return [name + rest for name in names]
+    match = _BRACKET.search(item)
+    if match is None:
+        if "[" in item or "]" in item:
+            raise ValueError(f"invalid host list {text!r}: unbalanced brackets in {item!r}")
+        return [item]
+    # The first group varies slowest: the rest of the name is expanded under each value.
+    rest = _expand_one(item[match.end() :], text)
+    head = item[: match.start()]
+    return [head + value + tail for value in _expand_ranges(match[1], text) for tail in rest]
 
 
 def _split_top_level(text: str) -> Iterator[str]:
@@ -212,18 +210,12 @@ def _split_top_level(text: str) -> Iterator[str]:
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Expand SLURM's host-list syntax into host names, in order.
+    """Expand SLURM's host-list syntax (``SLURM_JOB_NODELIST``) into host names, in order.
 
     ``node[01-04,07],gpu[1-2]`` gives ``node01 node02 node03 node04 node07 gpu1 gpu2``;
     zero padding follows the range's lower bound, several bracket groups in one name
     multiply (``rack[1-2]-n[1-3]``: the first group varies slowest), as ``scontrol show
     hostnames`` expands them.
-
-    Args:
-        text: A host list (``SLURM_JOB_NODELIST``).
-
-    Returns:
-        The host names.
 
     Raises:
         ValueError: Unbalanced brackets, a range that runs backwards, or a non-number.
@@ -237,16 +229,10 @@ def expand_hostlist(text: str) -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM host list.
+    """The first host of a SLURM host list (``SLURM_JOB_NODELIST``).
 
     ``scontrol show hostnames`` expands it where ``scontrol`` exists (SLURM's own rules for
     every syntax it accepts); otherwise, or when it fails, :func:`expand_hostlist` does.
-
-    Args:
-        nodelist: A host list (``SLURM_JOB_NODELIST``).
-
-    Returns:
-        The first host name.
 
     Raises:
         ValueError: The list is empty or invalid.
@@ -274,14 +260,10 @@ def first_host(nodelist: str) -> str:
 
 
 def slurm_master_port(job_id: str) -> int:
-    """The rendezvous port of a SLURM job: ``10000 + job_id % 20000``.
+    """The rendezvous port of a SLURM job: ``10000 + job_id % 20000`` (module docstring).
 
-    Every task of the job derives the same port with no exchange; two jobs collide only
-    when their ids differ by a multiple of 20000 and they share rank 0's node
-    (``MASTER_PORT`` overrides it).
-
-    Raises:
-        ValueError: ``job_id`` is not a number.
+    Two jobs collide only when their ids differ by a multiple of 20000 and they share rank
+    0's node (``MASTER_PORT`` overrides it).
     """
     return SLURM_PORT_BASE + int(job_id) % SLURM_PORT_SPAN
 
@@ -307,22 +289,9 @@ def _srun_task(environ: Mapping[str, str]) -> bool:
     return in_step and "SLURM_PROCID" in environ
 
 
-def _slurm_world(environ: Mapping[str, str]) -> tuple[int, str]:
-    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
-        value = _int_variable(environ, name)
-        if value is not None:
-            return value, name
-    raise ConfigError(
-        "SLURM_STEP_NUM_TASKS",
-        "srun started this process (SLURM_PROCID and SLURM_STEP_ID are set) but neither "
-        "SLURM_STEP_NUM_TASKS nor SLURM_NTASKS says how many tasks it started; launch with "
-        "srun as documented in docs/clusters.md, or set WORLD_SIZE, RANK, MASTER_ADDR and "
-        "MASTER_PORT yourself",
-    )
-
-
-def _check_torch_variables(environ: Mapping[str, str]) -> None:
-    """The rules for torch's variables set without torchrun (module docstring)."""
+def _torch_launch(environ: Mapping[str, str]) -> LaunchEnvironment:
+    """torch's variables, refused when they cannot be a real launch (module docstring)."""
+    torchrun = any(name in environ for name in _TORCHRUN_MARKERS)
     world = _int_variable(environ, "WORLD_SIZE")
     rank = _int_variable(environ, "RANK")
     if world is not None and world < 1:
@@ -333,10 +302,8 @@ def _check_torch_variables(environ: Mapping[str, str]) -> None:
             f"environment variable is {rank}, outside [0, WORLD_SIZE={world or 1}); unset "
             "RANK and WORLD_SIZE for a one-process run, or launch with torchrun or srun",
         )
-    if world is None or world == 1 or any(name in environ for name in _TORCHRUN_MARKERS):
-        return
     missing = [name for name in _RENDEZVOUS_VARIABLES if not environ.get(name)]
-    if missing:
+    if world is not None and world > 1 and not torchrun and missing:
         raise ConfigError(
             "WORLD_SIZE",
             f"environment variable is {world} but this is not a torchrun launch and "
@@ -345,14 +312,42 @@ def _check_torch_variables(environ: Mapping[str, str]) -> None:
             f"(env -u WORLD_SIZE -u RANK bridge-train ...), or launch with torchrun "
             f"--nproc_per_node={world} (or srun, which bridge-train reads by itself)",
         )
+    local_rank = _int_variable(environ, "LOCAL_RANK")
+    master_port = _int_variable(environ, "MASTER_PORT")
+    master_addr = environ.get("MASTER_ADDR") or None
+    return LaunchEnvironment(
+        launcher="torchrun" if torchrun else "environment",
+        rank=rank or 0,
+        world_size=world or 1,
+        local_rank=local_rank if local_rank is not None else 0,
+        # Only both make a rendezvous (a one-rank launch may leave them out).
+        master_addr=master_addr if master_port is not None else None,
+        master_port=master_port if master_addr is not None else None,
+        origins=dict.fromkeys(_EXPORTED, "torchrun" if torchrun else "the environment"),
+    )
 
 
-def _check_agrees_with_srun(environ: Mapping[str, str]) -> None:
-    """torch's variables set by hand inside an srun task must match what srun started."""
-    world, world_name = _slurm_world(environ)
-    procid = _int_variable(environ, "SLURM_PROCID")
-    pairs = (("WORLD_SIZE", world, world_name), ("RANK", procid, "SLURM_PROCID"))
-    for name, slurm_value, slurm_name in pairs:
+def _slurm_launch(environ: Mapping[str, str]) -> LaunchEnvironment:
+    """An ``srun`` task's launch, from SLURM's variables (module docstring)."""
+    world_name = next(
+        (name for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if name in environ), None
+    )
+    if world_name is None:
+        raise ConfigError(
+            "SLURM_STEP_NUM_TASKS",
+            "srun started this process (SLURM_PROCID and SLURM_STEP_ID are set) but neither "
+            "SLURM_STEP_NUM_TASKS nor SLURM_NTASKS says how many tasks it started; launch with "
+            "srun as documented in docs/clusters.md, or set WORLD_SIZE, RANK, MASTER_ADDR and "
+            "MASTER_PORT yourself",
+        )
+    world = int(_int_variable(environ, world_name) or 0)
+    rank = _int_variable(environ, "SLURM_PROCID") or 0
+    local_rank = _int_variable(environ, "SLURM_LOCALID") or 0
+    # torch's variables set by hand inside an srun task must match what srun started.
+    for name, slurm_value, slurm_name in (
+        ("WORLD_SIZE", world, world_name),
+        ("RANK", rank, "SLURM_PROCID"),
+    ):
         value = _int_variable(environ, name)
         if value is not None and value != slurm_value:
             raise ConfigError(
@@ -362,34 +357,6 @@ def _check_agrees_with_srun(environ: Mapping[str, str]) -> None:
                 f"Unset {name} (and RANK, WORLD_SIZE, LOCAL_RANK) in the batch script: "
                 "bridge-train reads srun's variables by itself (docs/clusters.md)",
             )
-
-
-def _torch_launch(environ: Mapping[str, str]) -> LaunchEnvironment:
-    launcher: Launcher = (
-        "torchrun" if any(name in environ for name in _TORCHRUN_MARKERS) else "environment"
-    )
-    origin = "torchrun" if launcher == "torchrun" else "the environment"
-    rank = _int_variable(environ, "RANK") or 0
-    world = _int_variable(environ, "WORLD_SIZE") or 1
-    local_rank = _int_variable(environ, "LOCAL_RANK")
-    master_port = _int_variable(environ, "MASTER_PORT")
-    master_addr = environ.get("MASTER_ADDR") or None
-    return LaunchEnvironment(
-        launcher=launcher,
-        rank=rank,
-        world_size=world,
-        local_rank=local_rank if local_rank is not None else 0,
-        # Only both make a rendezvous (a one-rank launch may leave them out).
-        master_addr=master_addr if master_port is not None else None,
-        master_port=master_port if master_addr is not None else None,
-        origins=dict.fromkeys(_EXPORTED, origin),
-    )
-
-
-def _slurm_launch(environ: Mapping[str, str]) -> LaunchEnvironment:
-    world, world_name = _slurm_world(environ)
-    rank = _int_variable(environ, "SLURM_PROCID") or 0
-    local_rank = _int_variable(environ, "SLURM_LOCALID") or 0
     if not 0 <= rank < world:
         raise ConfigError(
             "SLURM_PROCID",
@@ -463,32 +430,20 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
             non-integer value); the message names the variables and the fix.
     """
     environ = os.environ if environ is None else environ
-    torch_set = "RANK" in environ or "WORLD_SIZE" in environ
     torchrun = any(name in environ for name in _TORCHRUN_MARKERS)
     if _srun_task(environ) and not torchrun:
-        if torch_set:
-            _check_agrees_with_srun(environ)
         return _slurm_launch(environ)
-    if torch_set or torchrun:
-        _check_torch_variables(environ)
+    if "RANK" in environ or "WORLD_SIZE" in environ or torchrun:
         return _torch_launch(environ)
     return LaunchEnvironment("single", 0, 1, 0)
 
 
 def adopt_launch_environment(environ: MutableMapping[str, str] | None = None) -> LaunchEnvironment:
-    """Read the launch environment and export an ``srun`` launch as torch's variables.
-
-    Under ``srun`` without torchrun, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and (for
-    several tasks) ``MASTER_ADDR`` / ``MASTER_PORT`` are set from SLURM's variables, so
-    torch's ``env://`` rendezvous and every other reader of them see this launch. Other
-    launches are left as they are. Calling it again changes nothing (the exported values
-    agree with SLURM's, and :func:`launch_environment` still reports their origins).
+    """Read the launch environment and export an ``srun`` launch as torch's variables
+    (module docstring); other launches are left as they are.
 
     Args:
         environ: The environment to read and update (default ``os.environ``).
-
-    Returns:
-        The launch.
 
     Raises:
         ConfigError: As :func:`launch_environment`.
@@ -501,16 +456,12 @@ def adopt_launch_environment(environ: MutableMapping[str, str] | None = None) ->
 
 
 def launch_notice(environ: Mapping[str, str] | None = None) -> str | None:
-    """A one-line warning for a launch that trains alone although SLURM allocated more.
-
-    A ``python -m bridge.train`` line in a batch script, run without ``srun``, starts one
-    process in the batch step: it trains alone while the job holds ``SLURM_NTASKS`` tasks.
+    """A one-line warning (else ``None``) for a launch that trains alone although SLURM
+    allocated more: a ``python -m bridge.train`` line in a batch script, run without
+    ``srun``, starts one process in the batch step while the job holds ``SLURM_NTASKS`` tasks.
 
     Args:
         environ: The process environment (default ``os.environ``).
-
-    Returns:
-        The warning, or ``None``.
     """
     environ = os.environ if environ is None else environ
     if "SLURM_JOB_ID" not in environ or _srun_task(environ):

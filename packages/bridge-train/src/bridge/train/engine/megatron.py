@@ -33,18 +33,18 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import clip_grads, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from bridge.config import convert_dataclass
-from bridge.train.engine._model_setup import build_model_chunks, cast_for_precision
 from bridge.train.engine.initialize import (
-    _enter_cuda_emulation,
     initialize_distributed,
     validate_parallel_layout,
 )
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
+from bridge.train.models.layout_init import check_supported, initialize_layout_independent
 from core_utils import cuda_emulation_active, local_multi_tensor_l2_norm
-from core_utils.distributed import global_world_size
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -85,11 +85,8 @@ class MegatronEngine:
         rng_config: RNGConfig | None = None,
     ) -> None:
         """See :func:`bridge.train.engine.initialize.initialize_distributed`; without CUDA it
-        first enters the CUDA emulation, for the rest of the run (the layout is checked
-        before, so a bad one changes no process state)."""
-        validate_parallel_layout(model_config, global_world_size(launcher_fallback=True))
-        _enter_cuda_emulation()
-        initialize_distributed(model_config, dist_config, rng_config)
+        enters the CUDA emulation for the rest of the run."""
+        initialize_distributed(model_config, dist_config, rng_config, emulate_cuda=True)
 
     def setup_model(
         self,
@@ -127,12 +124,38 @@ class MegatronEngine:
                 "rng.layout_independent_init and rng.data_parallel_random_init exclude each "
                 "other: set one to false"
             )
-        chunks = build_model_chunks(
-            model_provider, vp_size, pre_wrap_hooks, layout_independent_seed
+        # Drawn layout-independently, the chunks are built without megatron's own draw; a
+        # provider whose perform_initialization is already off (weights loaded later) is
+        # left undrawn, as megatron would.
+        draw = layout_independent_seed is not None and bool(
+            getattr(model_provider, "perform_initialization", True)
         )
+        if draw:
+            check_supported(model_provider)
+            model_provider.perform_initialization = False
+        try:
+            if vp_size is None:
+                chunks = [model_provider.provide()]
+            else:
+                chunks = [model_provider.provide(vp_stage=stage) for stage in range(vp_size)]
+        finally:
+            if draw:
+                model_provider.perform_initialization = True
+        if layout_independent_seed is not None and draw:
+            initialize_layout_independent(chunks, model_provider, layout_independent_seed)
+        for hook in pre_wrap_hooks:
+            result = hook(chunks)
+            if result is not None:
+                chunks = list(result) if isinstance(result, (list, tuple)) else [result]
+        # megatron's distributed checkpointing and schedules expect this attribute.
+        for chunk in chunks:
+            for param in chunk.parameters():
+                set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         # Under the CUDA emulation .cuda() keeps the CPU tensors where they are.
         chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
-        chunks = cast_for_precision(chunks, model_provider)
+        if getattr(model_provider, "bf16", False) or getattr(model_provider, "fp16", False):
+            # megatron's Float16Module casts the inputs in and returns fp32.
+            chunks = [Float16Module(model_provider, chunk) for chunk in chunks]
         if not wrap_with_ddp:
             return chunks
         wrapped = [

@@ -19,17 +19,9 @@ def scheduler_steps(
 ) -> dict[str, int | None]:
     """Warm-up, decay, weight-decay and WSD lengths in samples, as megatron counts them.
 
-    Values already set on ``scheduler_config`` (``lr_warmup_steps``, ``lr_decay_steps``,
-    ``wd_incr_steps``, ``wsd_decay_steps``, as ``ConfigContainer.validate()`` fills them)
-    are used as they are; missing ones are derived like ``ConfigContainer.validate()`` does:
-    from iteration counts times ``train_config.global_batch_size`` (decay over
-    ``lr_decay_iters``, default ``train_iters``; warm up over ``lr_warmup_fraction`` of the
-    decay or ``lr_warmup_iters``; weight decay over ``train_iters``), or, when
-    ``train_config.train_samples`` is set, from the ``*_samples`` fields.
-
-    Args:
-        scheduler_config: ``SchedulerConfig``.
-        train_config: ``TrainingConfig`` (``train_iters``, ``global_batch_size``).
+    The ``*_steps`` fields ``ConfigContainer.validate()`` fills are used as they are; missing
+    ones are derived the way it derives them (a section that was never validated: the MIMO
+    recipe's).
 
     Returns:
         ``{"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps"}``.
@@ -39,9 +31,7 @@ def scheduler_steps(
             or are inconsistent (warm-up not shorter than decay).
     """
 
-    def get(name: str, default: Any = None) -> Any:
-        return getattr(scheduler_config, name, default)
-
+    sched = scheduler_config
     train_iters = getattr(train_config, "train_iters", None)
     gbs = getattr(train_config, "global_batch_size", None)
 
@@ -56,38 +46,36 @@ def scheduler_steps(
 
     train_samples = getattr(train_config, "train_samples", None)
     by_samples = train_samples is not None
-    decay_steps = get("lr_decay_steps")
+    decay_steps = sched.lr_decay_steps
     if decay_steps is None:
         if by_samples:
-            decay_steps = get("lr_decay_samples") or train_samples
+            decay_steps = sched.lr_decay_samples or train_samples
         else:
-            decay_steps = samples(get("lr_decay_iters") or train_iters)
+            decay_steps = samples(sched.lr_decay_iters or train_iters)
     if decay_steps is None:
         raise ValueError(
             "scheduler: the decay length is unknown; set train.train_iters (or "
             "scheduler.lr_decay_iters / lr_decay_steps)"
         )
-    warmup_steps = get("lr_warmup_steps")
+    warmup_steps = sched.lr_warmup_steps
     if warmup_steps is None:
-        fraction = get("lr_warmup_fraction")
-        if fraction is not None:
-            warmup_steps = int(float(fraction) * decay_steps)
+        if sched.lr_warmup_fraction is not None:
+            warmup_steps = int(float(sched.lr_warmup_fraction) * decay_steps)
         elif by_samples:
-            warmup_steps = int(get("lr_warmup_samples", 0) or 0)
+            warmup_steps = int(sched.lr_warmup_samples or 0)
         else:
-            warmup_steps = samples(get("lr_warmup_iters", 0) or 0)
-    wd_steps = get("wd_incr_steps")
+            warmup_steps = samples(sched.lr_warmup_iters or 0)
+    wd_steps = sched.wd_incr_steps
     if wd_steps is None:
         wd_steps = (train_samples if by_samples else samples(train_iters)) or decay_steps
-    wsd_steps = get("wsd_decay_steps")
+    wsd_steps = sched.wsd_decay_steps
     if wsd_steps is None:
-        wsd_steps = (
-            get("lr_wsd_decay_samples") if by_samples else samples(get("lr_wsd_decay_iters"))
-        )
+        wsd_steps = sched.lr_wsd_decay_samples if by_samples else samples(sched.lr_wsd_decay_iters)
     if decay_steps <= 0:
         raise ValueError(
             f"scheduler: the learning-rate decay length must be > 0 samples, got {decay_steps}"
         )
+    assert warmup_steps is not None  # samples() of a number
     if warmup_steps >= decay_steps:
         raise ValueError(
             f"scheduler: warm-up ({warmup_steps} samples) must be shorter than the decay "
@@ -111,16 +99,9 @@ def build_optimizer_param_scheduler(
     """megatron-core's ``OptimizerParamScheduler`` for ``optimizer``.
 
     The scheduler counts samples (advance it with ``scheduler.step(global_batch_size)``
-    each iteration). ``max_lr``/``min_lr`` come from ``optimizer_config.lr`` /
-    ``min_lr``, the start and end weight decay from the scheduler config or, when unset,
+    each iteration); the weight decay the scheduler section leaves unset is
     ``optimizer_config.weight_decay``. Note megatron's ``load_state_dict`` adds the saved
     step count to the current one: load only into a freshly built scheduler.
-
-    Args:
-        optimizer: The megatron-contract optimizer (its ``param_groups`` are driven).
-        optimizer_config: megatron's ``OptimizerConfig``.
-        scheduler_config: ``SchedulerConfig``.
-        train_config: ``TrainingConfig``, used to derive step counts left unset.
 
     Returns:
         The scheduler, already applied once (step 0).
@@ -131,17 +112,16 @@ def build_optimizer_param_scheduler(
     steps = scheduler_steps(scheduler_config, train_config)
     lr = optimizer_config.lr
     min_lr = optimizer_config.min_lr if optimizer_config.min_lr is not None else 0.0
-    init_lr = float(getattr(scheduler_config, "lr_warmup_init", 0.0) or 0.0)
+    init_lr = float(scheduler_config.lr_warmup_init or 0.0)
     if lr is None or lr < min_lr or init_lr > lr:
         raise ValueError(
             f"optimizer.lr={lr}, optimizer.min_lr={min_lr}, scheduler.lr_warmup_init={init_lr}: "
             "need lr set and min_lr <= lr, lr_warmup_init <= lr"
         )
-    start_wd = getattr(scheduler_config, "start_weight_decay", None)
-    end_wd = getattr(scheduler_config, "end_weight_decay", None)
+    start_wd, end_wd = scheduler_config.start_weight_decay, scheduler_config.end_weight_decay
     start_wd = optimizer_config.weight_decay if start_wd is None else start_wd
     end_wd = optimizer_config.weight_decay if end_wd is None else end_wd
-    decay_style = getattr(scheduler_config, "lr_decay_style", "linear")
+    decay_style = scheduler_config.lr_decay_style
     if decay_style == "WSD" and steps["wsd_decay_steps"] is None:
         raise ValueError("scheduler.lr_decay_style='WSD' needs scheduler.lr_wsd_decay_iters")
     return OptimizerParamScheduler(
@@ -155,13 +135,9 @@ def build_optimizer_param_scheduler(
         start_wd=start_wd,
         end_wd=end_wd,
         wd_incr_steps=steps["wd_incr_steps"],
-        wd_incr_style=getattr(scheduler_config, "weight_decay_incr_style", "constant"),
-        use_checkpoint_opt_param_scheduler=bool(
-            getattr(scheduler_config, "use_checkpoint_opt_param_scheduler", False)
-        ),
-        override_opt_param_scheduler=bool(
-            getattr(scheduler_config, "override_opt_param_scheduler", False)
-        ),
+        wd_incr_style=scheduler_config.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=scheduler_config.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=scheduler_config.override_opt_param_scheduler,
         wsd_decay_steps=steps["wsd_decay_steps"],
-        lr_wsd_decay_style=getattr(scheduler_config, "lr_wsd_decay_style", "exponential"),
+        lr_wsd_decay_style=scheduler_config.lr_wsd_decay_style,
     )

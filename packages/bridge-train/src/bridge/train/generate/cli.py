@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from bridge.config import LoggerConfig
 from bridge.config.notices import held_notices, silence_known_fallback_notices
+from bridge.train.cli import USER_ERROR_TYPES, raised_as
 
 if TYPE_CHECKING:  # bridge.train.data imports torch: `bridge-generate --help` stays fast
     from bridge.train.data.tokenizers import Tokenizer
@@ -42,6 +43,7 @@ EXIT_INTERRUPTED = 130
 
 _PROG = "bridge-generate"
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "seed")
+_GENERATION_ERROR = ("bridge.train.generate.errors", "GenerationError")
 
 
 def _rank() -> int:
@@ -127,12 +129,9 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     given = [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value is not None]
     if args.greedy and given:
         parser.error(f"--greedy cannot be combined with {', '.join(given)}")
-    if not given:
-        return SamplingOptions(
-            args.max_new_tokens, stop=tuple(args.stop), stop_at_eod=not args.ignore_eod
-        )
-    return SamplingOptions.sampling(
+    return SamplingOptions(
         args.max_new_tokens,
+        greedy=not given,
         temperature=1.0 if args.temperature is None else args.temperature,
         top_k=args.top_k or 0,
         top_p=args.top_p or 0.0,
@@ -142,16 +141,11 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     )
 
 
-def _given_prompts(args: argparse.Namespace, stdin: TextIO) -> list[Any] | None:
-    """The prompts of the command line, the file and piped stdin; ``None``: interactive."""
-    from bridge.train.generate.prompts import PromptSpec, parse_prompt_lines, read_prompts_file
+def _piped_prompts(stdin: TextIO) -> list[Any] | None:
+    """The prompts piped to standard input; ``None``: interactive."""
+    from bridge.train.generate.prompts import parse_prompt_lines
     from core_utils.distributed import broadcast_from_rank0
 
-    prompts = [PromptSpec(text) for text in args.prompt]
-    if args.prompts_file is not None:
-        prompts += read_prompts_file(args.prompts_file)
-    if prompts:
-        return prompts
     # Rank 0 decides (its stdin is the user's) and reads a pipe; the others get its answer.
     piped = None
     if _rank() == 0 and not stdin.isatty():
@@ -159,39 +153,11 @@ def _given_prompts(args: argparse.Namespace, stdin: TextIO) -> list[Any] | None:
     return broadcast_from_rank0(piped)
 
 
-class _Printer:
-    """Rank 0's output: streamed text, finished completions, or JSON lines."""
-
-    def __init__(self, out: TextIO, as_json: bool) -> None:
-        self.out = out if _rank() == 0 else None
-        self.as_json = as_json
-
-    def stream(self, index: int, delta: str, done: bool) -> None:
-        if self.out is None:
-            return
-        self.out.write(delta + ("\n" if done else ""))
-        self.out.flush()
-
-    def prompt(self, text: str) -> None:
-        if self.out is not None and not self.as_json:
-            self.out.write(text)
-            self.out.flush()
-
-    def completion(self, index: int, total: int, completion: Any, shown_prompt: str) -> None:
-        if self.out is None:
-            return
-        if self.as_json:
-            record = {
-                "prompt": shown_prompt,
-                "completion": completion.text,
-                "token_ids": completion.token_ids,
-                "finish_reason": completion.finish_reason,
-            }
-            self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        else:
-            header = f"=== {index + 1}/{total} ===\n" if total > 1 else ""
-            self.out.write(f"{header}{shown_prompt}{completion.text}\n")
-        self.out.flush()
+def _write(out: TextIO | None, text: str) -> None:
+    """Rank 0's output (``out`` is ``None`` on the other ranks)."""
+    if out is not None:
+        out.write(text)
+        out.flush()
 
 
 def _run_batch(
@@ -199,28 +165,36 @@ def _run_batch(
     specs: list[Any],
     rendered: list[Any],
     options: Any,
-    printer: _Printer,
+    out: TextIO | None,
+    as_json: bool,
     stream: bool,
 ) -> None:
-    if stream and len(specs) == 1 and not printer.as_json:
+    """Generate and print: streamed text, finished completions, or JSON lines."""
+    if stream and len(specs) == 1 and not as_json:
         # The prompt is printed with the first new text, once the prompt has been accepted
         # (a refused prompt leaves only its error line).
         pending = [_shown(specs[0], rendered[0], generator.tokenizer)]
 
         def on_text(index: int, delta: str, done: bool) -> None:
-            if pending:
-                printer.prompt(pending.pop())
-            printer.stream(index, delta, done)
+            _write(out, (pending.pop() if pending else "") + delta + ("\n" if done else ""))
 
         generator.generate(rendered, options, on_text=on_text)
         return
     for first in range(0, len(specs), generator.max_batch_size):
         part = slice(first, first + generator.max_batch_size)
-        completions = generator.generate(rendered[part], options)
-        for offset, completion in enumerate(completions):
-            index = first + offset
+        for index, completion in enumerate(generator.generate(rendered[part], options), first):
             shown = _shown(specs[index], rendered[index], generator.tokenizer)
-            printer.completion(index, len(specs), completion, shown)
+            if as_json:
+                record = {
+                    "prompt": shown,
+                    "completion": completion.text,
+                    "token_ids": completion.token_ids,
+                    "finish_reason": completion.finish_reason,
+                }
+                _write(out, json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                header = f"=== {index + 1}/{len(specs)} ===\n" if len(specs) > 1 else ""
+                _write(out, f"{header}{shown}{completion.text}\n")
 
 
 def _shown(spec: Any, rendered: Any, tokenizer: Tokenizer) -> str:
@@ -228,14 +202,12 @@ def _shown(spec: Any, rendered: Any, tokenizer: Tokenizer) -> str:
     return spec.text if isinstance(rendered, str) else str(tokenizer.detokenize(rendered))
 
 
-def _interactive(
-    generator: Any, options: Any, printer: _Printer, chat: bool, stdin: TextIO
-) -> None:
+def _interactive(generator: Any, options: Any, out: TextIO | None, chat: bool) -> None:
     from bridge.train.generate.errors import GenerationError
     from bridge.train.generate.prompts import PromptSpec, render_prompts
     from core_utils.distributed import broadcast_from_rank0
 
-    if printer.out is not None:
+    if out is not None:
         print(f"{_PROG}: enter a prompt per line; Ctrl-D ends", file=sys.stderr, flush=True)
     while True:
         line: str | None = None
@@ -252,9 +224,9 @@ def _interactive(
         spec = PromptSpec(line)
         try:
             rendered = render_prompts([spec], generator.tokenizer, chat=chat)
-            _run_batch(generator, [spec], rendered, options, printer, stream=True)
+            _run_batch(generator, [spec], rendered, options, out, False, stream=True)
         except GenerationError as exc:  # one bad prompt does not end the session
-            if printer.out is not None:
+            if out is not None:
                 print(f"{_PROG}: error: {exc}", file=sys.stderr, flush=True)
 
 
@@ -278,12 +250,12 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
     with held_notices():
         from bridge.logging import setup_logging
         from bridge.train.generate.loading import load_generation_model
-        from bridge.train.generate.prompts import read_prompts_file
+        from bridge.train.generate.prompts import PromptSpec, read_prompts_file, render_prompts
 
         setup_logging(LoggerConfig())
-
-        if args.prompts_file is not None:
-            read_prompts_file(args.prompts_file)  # a bad file is refused before loading
+        given = [PromptSpec(text) for text in args.prompt]
+        if args.prompts_file is not None:  # a bad file is refused before loading
+            given += read_prompts_file(args.prompts_file)
         silence_known_fallback_notices()
         loaded = load_generation_model(
             args.ckpt_dir,
@@ -292,11 +264,9 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
             tokenizer_model=args.tokenizer,
         )
     try:
-        from bridge.train.generate.prompts import render_prompts
-
         generator = loaded.generator(args.batch_size)
-        printer = _Printer(sys.stdout, args.json)
-        if _rank() == 0:
+        out = sys.stdout if _rank() == 0 else None
+        if out is not None:
             merged = ", LoRA adapters merged" if loaded.adapters_merged else ""
             print(
                 f"{_PROG}: {loaded.checkpoint} (iteration {loaded.iteration}{merged}), "
@@ -304,31 +274,15 @@ def run(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None) -> in
                 file=sys.stderr,
                 flush=True,
             )
-        specs = _given_prompts(args, stdin)
+        specs = given or _piped_prompts(stdin)
         if specs is None:
-            _interactive(generator, options, printer, args.chat, stdin)
+            _interactive(generator, options, out, args.chat)
             return 0
         rendered = render_prompts(specs, loaded.tokenizer, chat=args.chat)
-        _run_batch(generator, specs, rendered, options, printer, stream=not args.no_stream)
+        _run_batch(generator, specs, rendered, options, out, args.json, not args.no_stream)
         return 0
     finally:
         loaded.close()
-
-
-# Error types that mean "fix your input", looked up only once their module is imported.
-_USER_ERROR_TYPES = (
-    ("bridge.train.generate.errors", "GenerationError"),
-    ("bridge.config", "ConfigError"),
-    ("bridge.train.checkpointing", "CheckpointError"),
-)
-
-
-def _is_user_error(exc: BaseException) -> bool:
-    for module_name, name in _USER_ERROR_TYPES:
-        cls = getattr(sys.modules.get(module_name), name, None)
-        if isinstance(cls, type) and isinstance(exc, cls):
-            return True
-    return False
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -340,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{_PROG}: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:
-        if not _is_user_error(exc):
+        if not raised_as(exc, [_GENERATION_ERROR, *USER_ERROR_TYPES]):
             raise
         if _rank() == 0:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -105,14 +105,13 @@ class GenerationController(TextGenerationController):
         active_requests: Any,
         use_attention_mask: bool = False,
     ) -> dict[str, Any]:
-        """megatron's inputs; for left-padded rows, a mask that hides the padding slots from
-        every query (causal besides, ``[batch, 1, s, s]``, ``True`` = masked as in megatron)
-        and each token's position in its own prompt.
+        """megatron's inputs; for left-padded rows the padding mask (causal besides,
+        ``[batch, 1, s, s]``, ``True`` = masked as in megatron) and each token's position in
+        its own prompt (module docstring).
 
         megatron's loop slices the mask to ``[..., start:end, :end]`` at every step, so the
-        padding stays hidden while the rows decode. The position ids are what a position
-        embedding table reads; rotary embeddings ignore them in megatron and follow
-        :class:`~bridge.train.generate.rotary_cache.LeftPaddedStaticContext` instead.
+        padding stays hidden while the rows decode. Rotary embeddings ignore the position ids
+        in megatron and follow the context's ``left_padding`` instead (:mod:`.rotary_cache`).
         """
         inference_input = super().prep_inference_input(
             prompts_tokens, active_requests, use_attention_mask
@@ -133,42 +132,29 @@ class GenerationController(TextGenerationController):
         last_token_logits: torch.Tensor,
         sampling_params: Any = None,
         vocab_size: int | None = None,
-        generation_started: torch.Tensor | None = None,
-        top_n_logprobs_dict: Any = None,
-        logits: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """megatron's sampling over the first ``vocab_limit`` logits."""
         limited = last_token_logits[:, : self.vocab_limit]
         if self.batch is not None and self.batch.record_logits:
             self.batch.logits.append(limited.detach().float().clone())
-        return super().sample_from_logits(
-            limited,
-            sampling_params,
-            self.vocab_limit,
-            generation_started=generation_started,
-            top_n_logprobs_dict=top_n_logprobs_dict,
-            logits=logits,
-            **kwargs,
-        )
+        return super().sample_from_logits(limited, sampling_params, self.vocab_limit, **kwargs)
 
     def update_generation_status(
         self,
         updated_prompts_tokens: torch.Tensor,
         generation_started: torch.Tensor,
         current_context_end_position: int,
-        is_generation_done_tensor: torch.Tensor,
-        generated_sequence_lengths: torch.Tensor,
-        termination_id: int | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """megatron's end-of-document check, then the stop strings."""
         done, lengths = super().update_generation_status(
             updated_prompts_tokens,
             generation_started,
             current_context_end_position,
-            is_generation_done_tensor,
-            generated_sequence_lengths,
-            termination_id,
+            *args,
+            **kwargs,
         )
         batch = self.batch
         if batch is None or not batch.stop:

@@ -1,12 +1,10 @@
 """Evaluation-only runs: ``bridge-train --eval-only`` loads a checkpoint and reports its
 validation and test loss and perplexity, without training.
 
-:func:`prepare_eval_only` turns a run's config into an evaluation of its checkpoint
-(``train.skip_train``; nothing is saved; the model alone is loaded, so any layout the
-checkpoint reshards to works; perplexities are written too). :func:`evaluate_checkpoint`
-runs it through the trainer's own setup (engine, model, checkpoint load, metric writers) and
-evaluation (:func:`bridge.train.evaluate_and_print_results`), so the numbers go to the
-console, the metrics file and every configured logger.
+:func:`prepare_eval_only` turns a run's config into an evaluation of its checkpoint;
+:func:`evaluate_checkpoint` runs it through the trainer's own setup and evaluation
+(:func:`bridge.train.evaluate_and_print_results`), so the numbers go to the console, the
+metrics file and every configured logger.
 
 Which data:
 
@@ -22,8 +20,8 @@ Which data:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +30,8 @@ from bridge.config import (
     CheckpointConfig,
     ConfigContainer,
     ConfigError,
-    FinetuningDatasetConfig,
     GPTDatasetConfig,
     LoggerConfig,
-    ModelConfigProtocol,
     TrainingConfig,
 )
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
@@ -135,19 +131,6 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
     return EvalOnlyPlan(str(eval_data), kwargs)
 
 
-def _saved_train_section(path: str | None, fallback: Any) -> Any:
-    """The ``train`` section of the loaded checkpoint's run config (else ``fallback``)."""
-
-    if path is None:
-        return fallback
-    file = Path(path) / RUN_CONFIG_FILENAME
-    try:
-        saved = ConfigContainer.from_yaml(file).train
-    except (ConfigError, OSError, ValueError):
-        return fallback
-    return saved if saved is not None else fallback
-
-
 def validation_start(train_state: Any, saved_train: Any) -> int:
     """Where the run's validation at ``train_state.step`` began in the validation split.
 
@@ -164,53 +147,6 @@ def validation_start(train_state: Any, saved_train: Any) -> int:
     if interval and step > 0 and step % int(interval) == 0 and consumed >= per_evaluation:
         return consumed - per_evaluation
     return consumed
-
-
-def _datasets_function(
-    model: ModelConfigProtocol | None,
-    dataset: GPTDatasetConfig | FinetuningDatasetConfig | None,
-    train: TrainingConfig,
-    plan: EvalOnlyPlan,
-) -> Callable[[Any], tuple[Any, Any, Any]]:
-    """The datasets an evaluation-only run builds: the run's own ``dataset`` section's
-    validation and test splits, or ``plan.eval_data``."""
-
-    def build(out: Any) -> tuple[Any, Any, Any]:
-        state = out.state
-        if plan.eval_data is None:
-            loaded = out.checkpointing_context.get("loaded_checkpoint")
-            saved = _saved_train_section(loaded, train)
-            state.train_state.consumed_valid_samples = validation_start(state.train_state, saved)
-            try:
-                sizes = train_valid_test_num_samples(train)
-            except ValueError:  # no training length: only evaluation needs samples
-                gbs = int(train.global_batch_size or 1)
-                sizes = (0, int(train.eval_iters or 0) * gbs, int(train.eval_iters or 0) * gbs)
-            return build_family_datasets(model, dataset, out.tokenizer, sizes)
-
-        path = plan.eval_data
-        try:
-            file_dataset = build_eval_file_dataset(
-                path,
-                out.tokenizer,
-                int(getattr(model, "seq_length", 0)),
-                dataset_kwargs=plan.dataset_kwargs,
-            )
-        except ValueError as exc:
-            raise ConfigError("--eval-data", str(exc)) from None
-        gbs = int(train.global_batch_size or 1)
-        padded = WholeBatches(file_dataset, gbs)
-        train.eval_iters = len(padded) // gbs
-        state.train_state.consumed_valid_samples = 0
-        logger.info(
-            "evaluating %s: %d samples in %d global batches",
-            path,
-            len(file_dataset),
-            train.eval_iters,
-        )
-        return None, padded, None
-
-    return build
 
 
 def evaluate_checkpoint(
@@ -247,8 +183,50 @@ def evaluate_checkpoint(
     check_config_before_launch(cfg)
     train = cfg.train
     assert train is not None  # prepare_eval_only sets it
+    plan = plan or EvalOnlyPlan()
     step_func = forward_step_func or default_forward_step(cfg.model)
     state = GlobalState(cfg=cfg)
+
+    def datasets(out: Any) -> tuple[Any, Any, Any]:
+        """The run's own validation and test splits, or ``plan.eval_data``."""
+        if plan.eval_data is None:
+            # The saved run's evaluation settings say where its validation began.
+            saved = train
+            loaded = out.checkpointing_context.get("loaded_checkpoint")
+            if loaded is not None:
+                with contextlib.suppress(ConfigError, OSError, ValueError):
+                    saved = (
+                        ConfigContainer.from_yaml(Path(loaded) / RUN_CONFIG_FILENAME).train or train
+                    )
+            train_state = state.train_state
+            train_state.consumed_valid_samples = validation_start(train_state, saved)
+            try:
+                sizes = train_valid_test_num_samples(train)
+            except ValueError:  # no training length: only evaluation needs samples
+                gbs = int(train.global_batch_size or 1)
+                sizes = (0, int(train.eval_iters or 0) * gbs, int(train.eval_iters or 0) * gbs)
+            return build_family_datasets(cfg.model, cfg.dataset, out.tokenizer, sizes)
+        try:
+            file_dataset = build_eval_file_dataset(
+                plan.eval_data,
+                out.tokenizer,
+                int(getattr(cfg.model, "seq_length", 0)),
+                dataset_kwargs=plan.dataset_kwargs,
+            )
+        except ValueError as exc:
+            raise ConfigError("--eval-data", str(exc)) from None
+        gbs = int(train.global_batch_size or 1)
+        padded = WholeBatches(file_dataset, gbs)
+        train.eval_iters = len(padded) // gbs
+        state.train_state.consumed_valid_samples = 0
+        logger.info(
+            "evaluating %s: %d samples in %d global batches",
+            plan.eval_data,
+            len(file_dataset),
+            train.eval_iters,
+        )
+        return None, padded, None
+
     clean = False
     results: dict[str, dict[str, float]] = {}
     try:
@@ -257,7 +235,7 @@ def evaluate_checkpoint(
             metrics_file=metrics_file,
             backend_settings=backend_settings,
             report_settings=report_settings,
-            datasets=_datasets_function(cfg.model, cfg.dataset, train, plan or EvalOnlyPlan()),
+            datasets=datasets,
         )
         if not out.checkpoint_loaded:
             raise ConfigError(

@@ -5,10 +5,9 @@ Prompts go through megatron-core's inference machinery: the model is wrapped in 
 batch) and driven by its text generation controller's static-batch path
 (:class:`~bridge.train.generate.controller.GenerationController`), the path megatron's
 ``StaticInferenceEngine(legacy=True)`` runs, under megatron's ``InferenceMode`` as that engine
-runs it. Two changes make it fast on a CPU (see :mod:`~bridge.train.generate.rotary_cache`):
-keys enter the KV cache already rotated, and prompts of different lengths are left-padded
-(the padding masked, each row positioned by its own prompt) into one prefill, where megatron
-alone prefills up to the shortest prompt and feeds the longer ones one token per step.
+runs it. Two changes make it fast on a CPU: keys enter the KV cache already rotated
+(:mod:`~bridge.train.generate.rotary_cache`), and prompts of different lengths are
+left-padded into one prefill (:class:`~bridge.train.generate.controller.GenerationController`).
 Under tensor or pipeline parallelism every rank of the model-parallel group calls
 :meth:`TextGenerator.generate` with the same prompts and options, and every rank gets the
 same completions (the logits are gathered over the tensor-parallel group and broadcast from
@@ -46,7 +45,6 @@ from bridge.train.generate.controller import (
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.options import SamplingOptions
 from bridge.train.generate.rotary_cache import (
-    LeftPaddedStaticContext,
     caches_rotated_keys,
     rotate_keys_before_caching,
 )
@@ -57,7 +55,6 @@ __all__ = [
     "TextCallback",
     "TextGenerator",
     "inference_mode_active",
-    "inference_module",
 ]
 
 DEFAULT_SEED = 1234
@@ -92,28 +89,6 @@ class Completion:
     text: str
     finish_reason: str
     logits: torch.Tensor | None = None
-
-
-def inference_module(model: Any) -> torch.nn.Module:
-    """The module to run inference on: the only chunk of ``model``, without a data-parallel
-    wrapper (megatron's ``Float16Module`` stays: it casts inputs and outputs).
-
-    Raises:
-        GenerationError: ``model`` has several chunks (virtual pipeline parallelism, which
-            megatron-core's inference does not support).
-    """
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise GenerationError(
-            "model.virtual_pipeline_model_parallel_size: generation needs one model chunk per "
-            f"rank, got {len(chunks)}; megatron-core's inference does not run interleaved "
-            "pipelines"
-        )
-
-    module = chunks[0]
-    while isinstance(module, DistributedDataParallel):
-        module = module.module
-    return module
 
 
 class _InferenceWrapper(GPTInferenceWrapper):
@@ -236,7 +211,18 @@ class TextGenerator:
 
         if max_batch_size < 1:
             raise GenerationError(f"--batch-size must be >= 1, got {max_batch_size}")
-        self.module = inference_module(model)
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if len(chunks) != 1:
+            raise GenerationError(
+                "model.virtual_pipeline_model_parallel_size: generation needs one model chunk "
+                f"per rank, got {len(chunks)}; megatron-core's inference does not run "
+                "interleaved pipelines"
+            )
+        # The data-parallel wrapper comes off; megatron's Float16Module stays (it casts
+        # inputs and outputs).
+        self.module = chunks[0]
+        while isinstance(self.module, DistributedDataParallel):
+            self.module = self.module.module
         self.tokenizer = tokenizer
         self.max_sequence_length = int(max_sequence_length)
         self.max_batch_size = int(max_batch_size)
@@ -259,7 +245,9 @@ class TextGenerator:
 
     # -- prompts ---------------------------------------------------------------------
 
-    def _prompt_ids(self, index: int, prompt: str | Sequence[int]) -> tuple[str, list[int]]:
+    def _prompt_ids(
+        self, index: int, prompt: str | Sequence[int], max_new_tokens: int
+    ) -> tuple[str, list[int]]:
         if isinstance(prompt, str):
             try:
                 ids = [int(i) for i in self.tokenizer.tokenize(prompt)]
@@ -287,23 +275,20 @@ class TextGenerator:
                 f"prompt {index + 1} has token id {bad[0]}, outside the model's vocabulary "
                 f"(0..{self.vocab_limit - 1})"
             )
-        return text, ids
-
-    def _check_length(self, index: int, ids: list[int], max_new_tokens: int) -> None:
-        total = len(ids) + max_new_tokens
         if len(ids) >= self.max_sequence_length:
             raise GenerationError(
                 f"prompt {index + 1} has {len(ids)} tokens, longer than the model's context "
                 f"of {self.max_sequence_length} (model.seq_length) with room for new "
                 "tokens; shorten the prompt"
             )
-        if total > self.max_sequence_length:
+        if len(ids) + max_new_tokens > self.max_sequence_length:
             raise GenerationError(
                 f"prompt {index + 1} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} "
                 f"exceeds the model's context of {self.max_sequence_length} tokens "
                 f"(model.seq_length); use --max-new-tokens "
                 f"{self.max_sequence_length - len(ids)} or less"
             )
+        return text, ids
 
     # -- generation ------------------------------------------------------------------
 
@@ -331,9 +316,7 @@ class TextGenerator:
             GenerationError: An empty prompt, a token outside the vocabulary, or a prompt that
                 with ``max_new_tokens`` does not fit the model's context.
         """
-        prepared = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
-        for index, (_, ids) in enumerate(prepared):
-            self._check_length(index, ids, options.max_new_tokens)
+        prepared = [self._prompt_ids(i, p, options.max_new_tokens) for i, p in enumerate(prompts)]
         seed = DEFAULT_SEED if options.seed is None else int(options.seed)
         self.controller.sampling_rng.manual_seed(seed)
         results: list[Completion] = []
@@ -373,7 +356,6 @@ class TextGenerator:
                 status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
             )
         streams: OrderedDict[int, Any] | None = None
-        listener = None
         texts: dict[int, _TextStream] = {}
         if on_text is not None:
             streams = OrderedDict((request_id, _Stream()) for request_id in requests)
@@ -382,24 +364,20 @@ class TextGenerator:
                 texts[request_id] = _TextStream(
                     decode, options.stop, functools.partial(on_text, request_id)
                 )
-
-            def listener(request_id: int, token_ids: list[int], done: bool) -> None:
-                texts[request_id].update(token_ids, done)
-
         state = BatchState(
             [ids for _, ids in batch],
             options.stop,
             return_logits,
-            listener,
+            (lambda rid, ids, done: texts[rid].update(ids, done)) if texts else None,
             left_padding=padding if any(padding) else (),
         )
-        # A KV cache sized for this batch: megatron allocates it at the first forward.
+        # A KV cache sized for this batch: megatron allocates it at the first forward. With
+        # left padding, row r's token in slot i is at position i - left_padding[r] of its
+        # prompt: what its rotary embedding follows (rotary_cache).
         slots = min(self.max_sequence_length, longest + options.max_new_tokens)
-        self.wrapper.inference_context = (
-            LeftPaddedStaticContext(len(batch), slots, torch.tensor(padding))
-            if any(padding)
-            else StaticInferenceContext(len(batch), slots)
-        )
+        context = StaticInferenceContext(len(batch), slots)
+        context.left_padding = torch.tensor(padding) if any(padding) else None
+        self.wrapper.inference_context = context
         self.controller.batch = state
         try:
             # InferenceMode: what megatron's StaticInferenceEngine switches on around this

@@ -36,8 +36,11 @@ from bridge.config import (
     TokenizerConfigProtocol,
 )
 from bridge.train.checkpointing import CheckpointError, find_latest_checkpoint, restore_checkpoint
-from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
-from bridge.train.checkpointing.layout import locate_checkpoint as locate
+from bridge.train.checkpointing.layout import (
+    RUN_CONFIG_FILENAME,
+    locate_checkpoint,
+    one_lookup_per_launch,
+)
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.engine.base import build_engine
 from bridge.train.engine.initialize import destroy_distributed
@@ -53,23 +56,8 @@ __all__ = [
     "generation_provider",
     "generation_tokenizer",
     "load_generation_model",
-    "locate_checkpoint",
     "read_run_config",
 ]
-
-
-def locate_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """``(checkpoint root, iteration directory)`` of a save directory (its newest complete
-    checkpoint) or of one ``iter_*`` directory.
-
-    Raises:
-        GenerationError: ``path`` does not exist or holds no complete checkpoint.
-    """
-
-    try:
-        return locate(path)
-    except CheckpointError as exc:
-        raise GenerationError(str(exc)) from None
 
 
 def read_run_config(iteration_dir: Path) -> ConfigContainer:
@@ -78,7 +66,6 @@ def read_run_config(iteration_dir: Path) -> ConfigContainer:
     Raises:
         GenerationError: The file is missing or does not load.
     """
-
     file = iteration_dir / RUN_CONFIG_FILENAME
     if not file.is_file():
         raise GenerationError(
@@ -135,8 +122,9 @@ def generation_tokenizer(
             embeds, or its end-of-document id is outside the model's vocabulary.
     """
 
+    null = section is None or getattr(section, "tokenizer_type", None) is None
     if tokenizer_model is not None:
-        if section is None or getattr(section, "tokenizer_type", None) is None:
+        if section is None or null:
             raise GenerationError(
                 f"--tokenizer: {where} was trained without a tokenizer section (mock data and "
                 "the null tokenizer); there is no tokenizer file to replace"
@@ -144,23 +132,20 @@ def generation_tokenizer(
         section = copy.copy(section)
         section.tokenizer_model = str(tokenizer_model)
     try:
-        if section is None or getattr(section, "tokenizer_type", None) is None:
-            tokenizer: Tokenizer = NullTokenizer(model_vocab_size)
-        else:
-            tokenizer = build_tokenizer(section)
+        tokenizer = (
+            NullTokenizer(model_vocab_size) if section is None or null else build_tokenizer(section)
+        )
     except (ImportError, OSError, ValueError) as exc:
         raise GenerationError(
             f"the tokenizer of {where} (run_config.yaml tokenizer section) cannot be built: "
             f"{str(exc).splitlines()[0]}; pass --tokenizer PATH if it moved"
         ) from None
-    size = int(tokenizer.vocab_size)
-    eod = int(tokenizer.eod)
-    model_vocab = model_vocab_size
-    if size > model_vocab or not 0 <= eod < model_vocab:
+    size, eod = int(tokenizer.vocab_size), int(tokenizer.eod)
+    if size > model_vocab_size or not 0 <= eod < model_vocab_size:
         raise GenerationError(
             f"tokenizer mismatch: the tokenizer ({type(tokenizer).__name__}, {size} ids, "
             f"end-of-document id {eod}) does not fit the model of {where}, which embeds "
-            f"{model_vocab} ids; use the tokenizer the model was trained with"
+            f"{model_vocab_size} ids; use the tokenizer the model was trained with"
         )
     return tokenizer
 
@@ -264,10 +249,9 @@ def _check_base(peft: PEFTProtocol | None, base: str | None, where: Path) -> str
     return str(base)
 
 
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
+# The checks, the base lookup and the load resolve the same directories: each is looked up
+# once, as a training launch does.
+@one_lookup_per_launch()
 def load_generation_model(
     ckpt_dir: str | os.PathLike[str],
     *,
@@ -295,7 +279,10 @@ def load_generation_model(
         GenerationError: See the module docstring.
     """
 
-    _, iteration_dir = locate_checkpoint(ckpt_dir)
+    try:
+        _, iteration_dir = locate_checkpoint(ckpt_dir)
+    except CheckpointError as exc:
+        raise GenerationError(str(exc)) from None
     run_config = read_run_config(iteration_dir)
     saved_model = _check_family(run_config.model, iteration_dir)
     assert saved_model.vocab_size is not None  # a saved run config is a validated one
@@ -306,7 +293,7 @@ def load_generation_model(
     base = _check_base(
         run_config.peft, saved.pretrained_checkpoint if saved else None, iteration_dir
     )
-    world = _world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     pp = int(pipeline_model_parallel_size)
     tp = int(tensor_model_parallel_size) if tensor_model_parallel_size else max(world // pp, 1)
     if tp * pp != world:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,28 +73,10 @@ class SamplingOptions:
         object.__setattr__(self, "stop", stops)
 
     @classmethod
-    def sampling(
-        cls,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 0.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_at_eod: bool = True,
-    ) -> SamplingOptions:
-        """Options that sample (not greedy); see the class attributes."""
-        return cls(
-            max_new_tokens,
-            greedy=False,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=tuple(stop),
-            stop_at_eod=stop_at_eod,
-        )
+    def sampling(cls, max_new_tokens: int, **fields: Any) -> SamplingOptions:
+        """Options that sample (not greedy); ``fields`` are the other attributes
+        (``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_at_eod``)."""
+        return cls(max_new_tokens, greedy=False, **fields)
 
     def megatron_params(self) -> Any:
         """megatron-core's ``SamplingParams`` for these options."""

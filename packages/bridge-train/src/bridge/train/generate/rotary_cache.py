@@ -19,10 +19,8 @@ embedding, so ``Attention.forward`` rotates nothing again. RoPE is applied eleme
 position, so every cached key holds the values the old path recomputed at every step: the
 attention inputs, hence the logits, are the same bit for bit.
 
-megatron's unfused rotation takes ``cos``/``sin`` of its angles for each tensor it rotates,
-twice per layer and step, the same values every time; here the layers of a model share one
-computation per step and rotary table (:class:`_StepRotation`, megatron's expressions and
-formula, so again the same values bit for bit).
+The layers of a model share one ``cos``/``sin`` computation per step and rotary table
+(:class:`_StepRotations`).
 """
 
 from __future__ import annotations
@@ -34,40 +32,23 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.utils import deprecate_inference_params
 
-__all__ = ["LeftPaddedStaticContext", "caches_rotated_keys", "rotate_keys_before_caching"]
-
-
-class LeftPaddedStaticContext(StaticInferenceContext):
-    """megatron's ``StaticInferenceContext`` for prompts of different lengths left-padded to
-    the longest, so that one prefill covers them all.
-
-    Args:
-        max_batch_size: Rows of the KV cache.
-        max_sequence_length: Slots of the KV cache (longest prompt + new tokens).
-        left_padding: ``[batch]`` long tensor: padding slots before each row's prompt. Row
-            ``r``'s token in slot ``i`` is at position ``i - left_padding[r]`` of its prompt
-            (what its rotary embedding and learned position embedding use).
-    """
-
-    def __init__(
-        self, max_batch_size: int, max_sequence_length: int, left_padding: torch.Tensor
-    ) -> None:
-        super().__init__(max_batch_size, max_sequence_length)
-        self.left_padding = left_padding
+__all__ = ["caches_rotated_keys", "rotate_keys_before_caching"]
 
 
 def _step_positions(
-    inference_context: Any, pos_emb: torch.Tensor | None, start: int, end: int
-) -> torch.Tensor | None:
-    """The rows of ``pos_emb`` for the tokens of this step."""
-    if pos_emb is None:
-        return None
+    inference_context: Any, pos_emb: torch.Tensor, start: int, end: int
+) -> torch.Tensor:
+    """The rows of ``pos_emb`` for the tokens of this step.
+
+    A context whose ``left_padding`` (``[batch]`` padding slots before each row's prompt,
+    set by the generator) is not ``None`` puts row ``r``'s token in slot ``i`` at position
+    ``i - left_padding[r]`` of its prompt.
+    """
     padding = getattr(inference_context, "left_padding", None)
     if padding is None:
         # The positions of the tokens in this step: megatron's own slice of q_pos_emb.
@@ -79,106 +60,59 @@ def _step_positions(
     return pos_emb[:, 0][positions]
 
 
-class _StepRotation:
+class _StepRotations:
     """Rotates the queries and keys of one forward step, every layer with the same angles.
 
     megatron's unfused ``apply_rotary_pos_emb`` takes ``cos`` and ``sin`` of the angles (and
     scales and casts them) for every tensor it rotates: twice per layer and step, the same
-    values each time. Here they are computed once per step and rotary embedding, with
-    megatron's expressions, and applied with megatron's formula
-    ``t * cos + rotate_half(t) * sin`` (non-interleaved), so every rotated value is the same
-    bit for bit. Interleaved or fused rotary embeddings, a rotary dimension narrower than
-    the head and another dtype go through megatron's function as before.
+    values each time. Here they are computed once per step, rotary table (Gemma 3's local and
+    global layers have one each), scale and dtype, with megatron's expressions, and applied
+    with megatron's formula ``t * cos + rotate_half(t) * sin`` (non-interleaved), so every
+    rotated value is the same bit for bit. Interleaved or fused rotary embeddings and a rotary
+    dimension narrower than the head go through megatron's function as before.
     """
 
-    def __init__(
+    def __init__(self) -> None:
+        self.step: tuple[Any, int, int] | None = None
+        # Object ids are safe keys: each entry holds the table it was made from.
+        self.angles: dict[tuple[int, torch.dtype, float, int], tuple[Any, ...]] = {}
+
+    def __call__(
         self,
         attention: Attention,
         inference_context: Any,
-        rotary_pos_emb: tuple[Any, Any],
+        freqs: torch.Tensor | None,
         start: int,
         end: int,
-        dtype: torch.dtype,
-    ) -> None:
-        self.rotary_pos_emb = rotary_pos_emb  # held, so the ids in the step's key stay valid
-        self.mscale = attention._yarn_concentration_factor
-        self.config = attention.config
-        self.cp_group = attention.pg_collection.cp
-        q_freqs = _step_positions(inference_context, rotary_pos_emb[0], start, end)
-        shared = rotary_pos_emb[0] is rotary_pos_emb[1]
-        k_freqs = (
-            q_freqs if shared else _step_positions(inference_context, rotary_pos_emb[1], start, end)
-        )
-        self.freqs = (q_freqs, k_freqs)
-        self.dtype = dtype
-        own = not (self.config.apply_rope_fusion or self.config.rotary_interleaved)
-        q_cos_sin = self._cos_sin(q_freqs) if own and q_freqs is not None else None
-        k_cos_sin = (
-            q_cos_sin
-            if shared
-            else (self._cos_sin(k_freqs) if own and k_freqs is not None else None)
-        )
-        self.cos_sin = (q_cos_sin, k_cos_sin)
-
-    def _cos_sin(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # megatron's _apply_rotary_pos_emb_bshd, expression for expression.
-        return (
-            (torch.cos(freqs) * self.mscale).to(self.dtype),
-            (torch.sin(freqs) * self.mscale).to(self.dtype),
-        )
-
-    def __call__(self, t: torch.Tensor, which: int) -> torch.Tensor:
-        freqs = self.freqs[which]
+        t: torch.Tensor,
+    ) -> torch.Tensor:
         if freqs is None:
             return t
-        cos_sin = self.cos_sin[which]
-        if cos_sin is None or freqs.shape[-1] != t.shape[-1] or t.dtype != self.dtype:
+        step = self.step
+        if step is None or step[0] is not inference_context or step[1:] != (start, end):
+            self.step = (inference_context, start, end)
+            self.angles = {}
+        config, mscale = attention.config, attention._yarn_concentration_factor
+        key = (id(freqs), t.dtype, float(mscale), id(config))
+        entry = self.angles.get(key)
+        if entry is None:
+            rows = _step_positions(inference_context, freqs, start, end)
+            cos_sin = None
+            if not (config.apply_rope_fusion or config.rotary_interleaved):
+                # megatron's _apply_rotary_pos_emb_bshd, expression for expression.
+                cos_sin = (
+                    (torch.cos(rows) * mscale).to(t.dtype),
+                    (torch.sin(rows) * mscale).to(t.dtype),
+                )
+            entry = self.angles[key] = (freqs, rows, cos_sin)
+        _, rows, cos_sin = entry
+        if cos_sin is None or rows.shape[-1] != t.shape[-1]:
             return apply_rotary_pos_emb(
-                t, freqs, config=self.config, mscale=self.mscale, cp_group=self.cp_group
+                t, rows, config=config, mscale=mscale, cp_group=attention.pg_collection.cp
             )
         cos, sin = cos_sin
         first, second = torch.chunk(t, 2, dim=-1)
         return t * cos + torch.cat((-second, first), dim=-1) * sin
-
-
-class _StepRotations:
-    """The :class:`_StepRotation` objects of the current forward step, shared by the attention
-    layers of one model: made by the first layer that needs one, dropped when the step (or
-    the inference context) moves on. Layers with a rotary table of their own (Gemma 3's
-    local and global ones) get one each."""
-
-    def __init__(self) -> None:
-        self.step: tuple[Any, int, int] | None = None
-        self.rotations: dict[tuple[int, int, torch.dtype, float, int], _StepRotation] = {}
-
-    def get(
-        self,
-        attention: Attention,
-        inference_context: Any,
-        rotary_pos_emb: Any,
-        start: int,
-        end: int,
-        dtype: torch.dtype,
-    ) -> _StepRotation:
-        step = self.step
-        if step is None or step[0] is not inference_context or step[1:] != (start, end):
-            self.step = (inference_context, start, end)
-            self.rotations = {}
-        # Object ids are safe keys: each rotation holds the objects it was made from.
-        key = (
-            id(rotary_pos_emb[0]),
-            id(rotary_pos_emb[1]),
-            dtype,
-            float(attention._yarn_concentration_factor),
-            id(attention.config),
-        )
-        rotation = self.rotations.get(key)
-        if rotation is None:
-            rotation = _StepRotation(
-                attention, inference_context, rotary_pos_emb, start, end, dtype
-            )
-            self.rotations[key] = rotation
-        return rotation
 
 
 def _adjust_rotated(
@@ -203,9 +137,8 @@ def _adjust_rotated(
     ):
         start = inference_context.sequence_len_offset
         end = start + key.size(0)
-        rotate = rotations.get(self, inference_context, rotary_pos_emb, start, end, query.dtype)
-        query = rotate(query, 0)
-        key = rotate(key, 1)
+        query = rotations(self, inference_context, rotary_pos_emb[0], start, end, query)
+        key = rotations(self, inference_context, rotary_pos_emb[1], start, end, key)
         rotary_pos_emb = None
     return Attention._adjust_key_value_for_inference(
         self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
