@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import bridge.config as bc
 from bridge.config import ConfigContainer, ConfigError

@@ -7,8 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from bridge.mimo import CrossModulePlan, MimoLayout, ModulePlacement
 from bridge.mimo.comm_plan import row_ranges

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from bridge.config import ConfigError
 from bridge.train.engine.launch_env import (

@@ -19,8 +19,11 @@ import torch
 from bridge.config import ConfigError, FinetuningDatasetConfig, PackedSequenceSpecs
 from bridge.train import forward_step
 from bridge.train.checks.preflight import check_section
-from bridge.train.data.packing import PackedSFTDataset, check_packed_sequence_specs
-from bridge.train.data.packing import packed_seq_params as build_params
+from bridge.train.data.packing import (
+    PackedSFTDataset,
+    check_packed_sequence_specs,
+    packed_seq_params as build_params,
+)
 from bridge.train.data.sft import load_tokenized_examples, sft_settings
 from bridge.train.data.tokenizers import ByteLevelTokenizer
 from bridge.train.models.mamba_provider import MambaProvider

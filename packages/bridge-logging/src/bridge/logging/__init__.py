@@ -17,12 +17,15 @@ from bridge.logging.memory import (
     start_memory_history_recording,
 )
 from bridge.logging.metric_writers import MetricWriters, build_metric_writers
-from bridge.logging.moe import MoeMetricFanoutWriter, build_moe_metric_writer
 
 # The reference's private spellings stay importable from the package; being private, they
 # are not in __all__.
-from bridge.logging.moe import _build_moe_metric_writer as _build_moe_metric_writer
-from bridge.logging.moe import _MoeMetricFanoutWriter as _MoeMetricFanoutWriter
+from bridge.logging.moe import (
+    MoeMetricFanoutWriter,
+    _build_moe_metric_writer as _build_moe_metric_writer,
+    _MoeMetricFanoutWriter as _MoeMetricFanoutWriter,
+    build_moe_metric_writer,
+)
 from bridge.logging.progress import ProgressReporter
 from bridge.logging.progress_log import append_progress_log
 from bridge.logging.protocols import LoggingState, TrainProgress

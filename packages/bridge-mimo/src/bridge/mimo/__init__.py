@@ -30,8 +30,8 @@ from bridge.mimo.optimizer import (
 )
 
 # The reference's private helper stays importable from the package, not in __all__.
-from bridge.mimo.parallel_utils import _get_dp_size_from_grid as _get_dp_size_from_grid
 from bridge.mimo.parallel_utils import (
+    _get_dp_size_from_grid as _get_dp_size_from_grid,
     build_pg_collection_for_schedule,
     finalize_model_grads_multimodule,
     get_active_module_pg,

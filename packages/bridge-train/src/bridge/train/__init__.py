@@ -9,62 +9,32 @@ from bridge.train._lazy_exports import lazy_exports
 if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     from bridge.logging import (
         MEMORY_KEYS as MEMORY_KEYS,
-    )
-    from bridge.logging import (
         reduce_max_memory_across_pp_group as reduce_max_memory_across_pp_group,
-    )
-    from bridge.logging import (
         report_l2_norm_grad as report_l2_norm_grad,
-    )
-    from bridge.logging import (
         report_memory as report_memory,
-    )
-    from bridge.logging import (
         report_runtime as report_runtime,
-    )
-    from bridge.logging import (
         report_throughput as report_throughput,
-    )
-    from bridge.logging import (
         start_memory_history_recording as start_memory_history_recording,
-    )
-    from bridge.logging import (
         training_log as training_log,
     )
     from bridge.train.api.eval import (
         evaluate as evaluate,
-    )
-    from bridge.train.api.eval import (
         evaluate_and_print_results as evaluate_and_print_results,
     )
     from bridge.train.api.train import (
         checkpoint_and_decide_exit as checkpoint_and_decide_exit,
-    )
-    from bridge.train.api.train import (
         post_training_step_callbacks as post_training_step_callbacks,
-    )
-    from bridge.train.api.train import (
         save_checkpoint_and_time as save_checkpoint_and_time,
-    )
-    from bridge.train.api.train import (
         train as train,
-    )
-    from bridge.train.api.train import (
         train_step as train_step,
     )
     from bridge.train.loop.forward_pre_hooks import (
         disable_forward_pre_hook as disable_forward_pre_hook,
-    )
-    from bridge.train.loop.forward_pre_hooks import (
         enable_forward_pre_hook as enable_forward_pre_hook,
-    )
-    from bridge.train.loop.forward_pre_hooks import (
         should_disable_forward_pre_hook as should_disable_forward_pre_hook,
     )
     from bridge.train.loop.pretrain import (
         pretrain as pretrain,
-    )
-    from bridge.train.loop.pretrain import (
         setup as setup,
     )
     from bridge.train.loop.profiling import (
@@ -72,41 +42,25 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     )
     from bridge.train.loop.progress_log import (
         compute_throughputs_and_append_to_progress_log as compute_throughputs_and_append_to_progress_log,
-    )
-    from bridge.train.loop.progress_log import (
         get_start_time_from_progress_log as get_start_time_from_progress_log,
     )
     from bridge.train.loop.state_injection import (
         maybe_inject_state as maybe_inject_state,
-    )
-    from bridge.train.loop.state_injection import (
         needs_global_state_injection as needs_global_state_injection,
-    )
-    from bridge.train.loop.state_injection import (
         prepare_forward_step_func as prepare_forward_step_func,
     )
     from bridge.train.metrics.norms import (
         calc_dtensor_params_l2_norm as calc_dtensor_params_l2_norm,
-    )
-    from bridge.train.metrics.norms import (
         calc_params_l2_norm as calc_params_l2_norm,
-    )
-    from bridge.train.metrics.norms import (
         param_is_not_shared as param_is_not_shared,
     )
     from bridge.train.metrics.reductions import (
         logical_and_across_model_parallel_group as logical_and_across_model_parallel_group,
-    )
-    from bridge.train.metrics.reductions import (
         reduce_max_stat_across_model_parallel_group as reduce_max_stat_across_model_parallel_group,
     )
     from bridge.train.models import (
         GPTModelProvider as GPTModelProvider,
-    )
-    from bridge.train.models import (
         MambaProvider as MambaProvider,
-    )
-    from bridge.train.models import (
         T5ModelProvider as T5ModelProvider,
     )
     from bridge.train.models.gpt_step import (
@@ -120,17 +74,9 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     )
     from bridge.train.models.value_head import (
         LinearForLastLayer as LinearForLastLayer,
-    )
-    from bridge.train.models.value_head import (
         ModelHook as ModelHook,
-    )
-    from bridge.train.models.value_head import (
         ModelList as ModelList,
-    )
-    from bridge.train.models.value_head import (
         create_value_head_hook as create_value_head_hook,
-    )
-    from bridge.train.models.value_head import (
         make_value_model as make_value_model,
     )
     from bridge.train.peft import (
@@ -138,23 +84,15 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
     )
     from bridge.train.state import (
         ForwardStepCallable as ForwardStepCallable,
-    )
-    from bridge.train.state import (
         GlobalState as GlobalState,
-    )
-    from bridge.train.state import (
         TrainState as TrainState,
     )
     from core_utils.callbacks import (
         Callback as Callback,
-    )
-    from core_utils.callbacks import (
         CallbackError as CallbackError,
     )
     from core_utils.loop import (
         LoopContext as LoopContext,
-    )
-    from core_utils.loop import (
         StepResult as StepResult,
     )
 

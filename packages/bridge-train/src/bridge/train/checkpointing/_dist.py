@@ -10,10 +10,12 @@ from bridge.train.checkpointing.errors import CheckpointError
 
 # The checkpoint code's names for core_utils' helpers: the process group's view only (a
 # checkpoint records the layout it was saved under, never a launcher's guess).
-from core_utils.distributed import broadcast_from_rank0
-from core_utils.distributed import dist_ready as ready
-from core_utils.distributed import global_rank as rank
-from core_utils.distributed import global_world_size as world_size
+from core_utils.distributed import (
+    broadcast_from_rank0,
+    dist_ready as ready,
+    global_rank as rank,
+    global_world_size as world_size,
+)
 
 __all__ = ["barrier", "rank", "ready", "run_on_rank0", "world_size"]
 

@@ -20,8 +20,10 @@ from typing import Any
 from bridge.config import ConfigContainer, ConfigError, ModelConfigProtocol
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
-from bridge.train.models.architecture import ARCHITECTURE_FIELDS as MODEL_ARCHITECTURE_FIELDS
-from bridge.train.models.architecture import same_setting
+from bridge.train.models.architecture import (
+    ARCHITECTURE_FIELDS as MODEL_ARCHITECTURE_FIELDS,
+    same_setting,
+)
 
 __all__ = ["ARCHITECTURE_FIELDS", "check_same_architecture"]
 

@@ -24,13 +24,13 @@ if TYPE_CHECKING:
     from bridge.train.convert.auto_bridge import AutoBridge as AutoBridge
     from bridge.train.convert.exporter import export_hf_checkpoint as export_hf_checkpoint
     from bridge.train.convert.importer import import_hf_checkpoint as import_hf_checkpoint
-    from bridge.train.models.families import ConversionError as ConversionError
-    from bridge.train.models.families import provider_from_hf_config as provider_from_hf_config
     from bridge.train.models.families import (
+        ConversionError as ConversionError,
+        provider_from_hf_config as provider_from_hf_config,
         provider_kwargs_from_hf_config as provider_kwargs_from_hf_config,
+        read_hf_config as read_hf_config,
+        supported_model_types as supported_model_types,
     )
-    from bridge.train.models.families import read_hf_config as read_hf_config
-    from bridge.train.models.families import supported_model_types as supported_model_types
 
 # Loaded on first use: ``bridge-convert --help`` (this package's cli module) must not pay for
 # torch and megatron-core, which the converters import.

@@ -239,8 +239,7 @@ class GPT2BPETokenizer(Tokenizer):
         vocab_size: int | None = None,
     ) -> None:
         require_tokenizer_package("GPT2BPETokenizer")
-        from tokenizers import Tokenizer as _HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
 
         vocab = _existing_file(vocab_file, "vocab_file", "GPT-2's vocab.json")
         merges = _existing_file(merge_file, "merge_file", "GPT-2's merges.txt")

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from bridge.train.engine.base import Engine as Engine
-    from bridge.train.engine.base import build_engine as build_engine
+    from bridge.train.engine.base import Engine as Engine, build_engine as build_engine
     from bridge.train.engine.megatron import MegatronEngine as MegatronEngine
 
 __all__ = ["Engine", "MegatronEngine", "build_engine"]

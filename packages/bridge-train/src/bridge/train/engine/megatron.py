@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core import parallel_state
-from megatron.core import utils as megatron_utils
+from megatron.core import parallel_state, utils as megatron_utils
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,

@@ -19,10 +19,14 @@ from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from bridge.train.generate.errors import GenerationError as GenerationError
-    from bridge.train.generate.generator import Completion as Completion
-    from bridge.train.generate.generator import TextGenerator as TextGenerator
-    from bridge.train.generate.loading import GenerationModel as GenerationModel
-    from bridge.train.generate.loading import load_generation_model as load_generation_model
+    from bridge.train.generate.generator import (
+        Completion as Completion,
+        TextGenerator as TextGenerator,
+    )
+    from bridge.train.generate.loading import (
+        GenerationModel as GenerationModel,
+        load_generation_model as load_generation_model,
+    )
     from bridge.train.generate.options import SamplingOptions as SamplingOptions
 
 __all__ = [

@@ -13,17 +13,11 @@ from bridge.train._lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from bridge.train.models.gpt_provider import (
         GPTModelProvider as GPTModelProvider,
-    )
-    from bridge.train.models.gpt_provider import (
         calculate_padded_vocab_size as calculate_padded_vocab_size,
     )
     from bridge.train.models.layer_specs import (
         LayerSpecBackend as LayerSpecBackend,
-    )
-    from bridge.train.models.layer_specs import (
         build_gpt_layer_spec as build_gpt_layer_spec,
-    )
-    from bridge.train.models.layer_specs import (
         resolve_layer_spec_backend as resolve_layer_spec_backend,
     )
     from bridge.train.models.mamba_provider import MambaProvider as MambaProvider
