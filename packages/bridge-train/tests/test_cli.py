@@ -198,7 +198,7 @@ def test_mimo_recipe_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[st
     err = _fails_with(capsys, ["--recipe", "mimo", "checkpoint.ckpt_format=zarr"])
     assert "checkpoint.ckpt_format: 'zarr' is not supported" in err
     err = _fails_with(capsys, ["--recipe", "mimo", "scheduler.lr_warmup_fraction=1.0"])
-    assert "scheduler: warm-up (" in err and "must be shorter than the decay" in err
+    assert "scheduler: warmup (" in err and "must be shorter than the decay" in err
     err = _fails_with(capsys, ["--recipe", "mimo", "model.layout=split"])
     assert "model.layout: the split layout" in err and "got 1" in err
 

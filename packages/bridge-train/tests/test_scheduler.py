@@ -36,7 +36,7 @@ def test_inconsistent_or_missing_lengths_are_explained() -> None:
     with pytest.raises(ValueError, match=r"set train.train_iters"):
         scheduler_steps(SchedulerConfig(), TrainingConfig(global_batch_size=4, micro_batch_size=1))
     train = TrainingConfig(train_iters=10, global_batch_size=4, micro_batch_size=1)
-    with pytest.raises(ValueError, match=r"warm-up .* must be shorter than the decay"):
+    with pytest.raises(ValueError, match=r"warmup .* must be shorter than the decay"):
         scheduler_steps(SchedulerConfig(lr_warmup_iters=10), train)
 
 

@@ -35,7 +35,7 @@ from bridge.config._resiliency import (
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
 from bridge.config._samples import SamplesConfig
 from bridge.config._tokenizer import TOKENIZER_REQUIRED_FIELDS, TokenizerConfig
-from bridge.config._training import SchedulerConfig, TrainingConfig
+from bridge.config._training import SchedulerConfig, TrainingConfig, scheduler_steps
 
 __all__ = [
     "TOKENIZER_REQUIRED_FIELDS",
@@ -79,4 +79,5 @@ __all__ = [
     "parse_split",
     "register_moved_import",
     "resolve_world_size",
+    "scheduler_steps",
 ]

@@ -41,7 +41,12 @@ from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfi
 from bridge.config._samples import SamplesConfig
 from bridge.config._section import clear_fill_ins, config_section, fill_in, restore_fill_ins
 from bridge.config._tokenizer import TokenizerConfig, total_vocab_size
-from bridge.config._training import SchedulerConfig, TrainingConfig, warn_deprecated_engine
+from bridge.config._training import (
+    SchedulerConfig,
+    TrainingConfig,
+    scheduler_steps,
+    warn_deprecated_engine,
+)
 from bridge.config._value_ranges import check_value_ranges
 from bridge.config._yaml import (
     dump_yaml,
@@ -510,53 +515,14 @@ class ConfigContainer:
 
     def _fill_scheduler_steps(self) -> None:
         train, scheduler = self.train, self.scheduler
-        assert train is not None and scheduler is not None and train.global_batch_size is not None
-        gbs = train.global_batch_size
-        if train.train_samples is not None:
-            if scheduler.lr_decay_samples is None:
-                fill_in(scheduler, "lr_decay_samples", train.train_samples)
-            assert scheduler.lr_decay_samples is not None
-            decay = scheduler.lr_decay_samples
-            fill_in(scheduler, "wd_incr_steps", train.train_samples)
-            fill_in(scheduler, "wsd_decay_steps", scheduler.lr_wsd_decay_samples)
-            warmup_length = scheduler.lr_warmup_samples
-            unit, decay_field = "samples", "lr_decay_samples"
-        elif train.train_iters is not None:
-            if scheduler.lr_decay_iters is None:
-                fill_in(scheduler, "lr_decay_iters", train.train_iters)
-            assert scheduler.lr_decay_iters is not None
-            decay = scheduler.lr_decay_iters * gbs
-            fill_in(scheduler, "wd_incr_steps", train.train_iters * gbs)
-            wsd = scheduler.lr_wsd_decay_iters
-            fill_in(scheduler, "wsd_decay_steps", None if wsd is None else wsd * gbs)
-            warmup_length = scheduler.lr_warmup_iters * gbs
-            unit, decay_field = "iterations", "lr_decay_iters"
-        else:  # skip_train without a length: there is no schedule to compute
-            return
-        fill_in(scheduler, "lr_decay_steps", decay)
-        if scheduler.lr_warmup_fraction is not None:
-            fill_in(scheduler, "lr_warmup_steps", int(scheduler.lr_warmup_fraction * decay))
-        else:
-            fill_in(scheduler, "lr_warmup_steps", warmup_length)
-        assert scheduler.lr_warmup_steps is not None
-        if decay <= 0:
-            raise ConfigError(
-                f"scheduler.{decay_field}",
-                f"the learning rate would decay over 0 {unit}; set train.train_iters/train_samples "
-                f"or scheduler.{decay_field} to a positive value",
-            )
-        if scheduler.lr_warmup_steps >= decay:
-            raise ConfigError(
-                "scheduler",
-                f"warmup ({scheduler.lr_warmup_steps} samples) must be shorter than the decay "
-                f"({decay} samples); shorten lr_warmup_* or lengthen {decay_field}",
-            )
-        if scheduler.wsd_decay_steps is not None and scheduler.wsd_decay_steps > decay:
-            raise ConfigError(
-                "scheduler",
-                f"the WSD annealing phase ({scheduler.wsd_decay_steps} samples) is longer than "
-                f"the decay ({decay} samples); shorten lr_wsd_decay_* or lengthen {decay_field}",
-            )
+        assert train is not None and scheduler is not None
+        if train.train_samples is not None and scheduler.lr_decay_samples is None:
+            fill_in(scheduler, "lr_decay_samples", train.train_samples)
+        elif train.train_iters is not None and scheduler.lr_decay_iters is None:
+            fill_in(scheduler, "lr_decay_iters", train.train_iters)
+        steps = scheduler_steps(scheduler, train)
+        for name, value in (steps or {}).items():  # None: skip_train without a length
+            fill_in(scheduler, name, value)
 
     def _check_model(self, world: int) -> None:
         model, optimizer, train = self.model, self.optimizer, self.train

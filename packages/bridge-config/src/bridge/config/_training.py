@@ -10,7 +10,7 @@ from typing import Literal
 
 from bridge.config._checks import at_least, at_most_one, within
 from bridge.config._codec import normalize_fields
-from bridge.config._errors import field_error, section_error
+from bridge.config._errors import ConfigError, field_error, section_error
 from bridge.config._section import config_section
 
 logger = logging.getLogger(__name__)
@@ -328,3 +328,79 @@ class TrainingConfig:
                 self.exit_signal,
                 "expected a signal number such as 15 (SIGTERM) or 10 (SIGUSR1)",
             ) from None
+
+
+def scheduler_steps(
+    scheduler: SchedulerConfig, train: TrainingConfig | None
+) -> dict[str, int | None] | None:
+    """Warm-up, decay, weight-decay and WSD lengths in samples, as megatron-core counts them.
+
+    ``ConfigContainer.validate()`` fills the scheduler's ``*_steps`` fields with these values;
+    bridge-train calls it for a section that was never validated (the MIMO recipe's).
+
+    Args:
+        scheduler: The scheduler section (``*_iters`` or ``*_samples`` lengths).
+        train: The training section: ``train_samples`` selects sample-based lengths, else
+            ``train_iters`` x ``global_batch_size``.
+
+    Returns:
+        ``{"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps"}``, or
+        ``None`` when neither section gives the decay a length (``train.skip_train``).
+
+    Raises:
+        ConfigError: Iterations without ``train.global_batch_size``, a decay of 0, a warm-up
+            not shorter than the decay, or a WSD phase longer than the decay.
+    """
+    train_samples = getattr(train, "train_samples", None)
+    train_iters = getattr(train, "train_iters", None)
+    gbs = getattr(train, "global_batch_size", None)
+
+    def samples(iters: int | None) -> int | None:
+        if iters is None:
+            return None
+        if gbs is None:
+            raise ConfigError(
+                "train.global_batch_size", "is needed to turn scheduler iterations into samples"
+            )
+        return iters * gbs
+
+    def first_set(value: int | None, default: int | None) -> int | None:
+        return default if value is None else value
+
+    if train_samples is not None:
+        decay = first_set(scheduler.lr_decay_samples, train_samples)
+        wd_incr, wsd = train_samples, scheduler.lr_wsd_decay_samples
+        warmup, unit, decay_field = scheduler.lr_warmup_samples, "samples", "lr_decay_samples"
+    else:
+        decay = samples(first_set(scheduler.lr_decay_iters, train_iters))
+        wd_incr, wsd = samples(train_iters), samples(scheduler.lr_wsd_decay_iters)
+        warmup = samples(scheduler.lr_warmup_iters) or 0
+        unit, decay_field = "iterations", "lr_decay_iters"
+    if decay is None:
+        return None
+    if scheduler.lr_warmup_fraction is not None:
+        warmup = int(scheduler.lr_warmup_fraction * decay)
+    if decay <= 0:
+        raise ConfigError(
+            f"scheduler.{decay_field}",
+            f"the learning rate would decay over 0 {unit}; set train.train_iters/train_samples "
+            f"or scheduler.{decay_field} to a positive value",
+        )
+    if warmup >= decay:
+        raise ConfigError(
+            "scheduler",
+            f"warmup ({warmup} samples) must be shorter than the decay "
+            f"({decay} samples); shorten lr_warmup_* or lengthen {decay_field}",
+        )
+    if wsd is not None and wsd > decay:
+        raise ConfigError(
+            "scheduler",
+            f"the WSD annealing phase ({wsd} samples) is longer than "
+            f"the decay ({decay} samples); shorten lr_wsd_decay_* or lengthen {decay_field}",
+        )
+    return {
+        "lr_warmup_steps": warmup,
+        "lr_decay_steps": decay,
+        "wd_incr_steps": decay if wd_incr is None else wd_incr,
+        "wsd_decay_steps": wsd,
+    }

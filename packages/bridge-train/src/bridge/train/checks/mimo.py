@@ -134,10 +134,7 @@ def learning_rate_is_set(optimizer: OptimizerConfigProtocol) -> None:
 
 def schedule_fits_run(scheduler: SchedulerConfig, train: TrainingConfig) -> None:
     """The learning-rate schedule fits the run's length (megatron's sample-based steps)."""
-    try:
-        scheduler_steps(scheduler, train)
-    except ValueError as exc:
-        raise ConfigError("scheduler", str(exc).removeprefix("scheduler: ")) from None
+    scheduler_steps(scheduler, train)
 
 
 def no_rerun_state_machine(rerun_state_machine: RerunStateMachineConfig) -> None:

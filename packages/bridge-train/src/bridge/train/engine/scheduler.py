@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from bridge.config import OptimizerConfigProtocol, SchedulerConfig, TrainingConfig
+from bridge.config import (
+    ConfigError,
+    OptimizerConfigProtocol,
+    SchedulerConfig,
+    TrainingConfig,
+    scheduler_steps as derive_scheduler_steps,
+)
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -19,75 +25,28 @@ def scheduler_steps(
 ) -> dict[str, int | None]:
     """Warm-up, decay, weight-decay and WSD lengths in samples, as megatron counts them.
 
-    The ``*_steps`` fields ``ConfigContainer.validate()`` fills are used as they are; missing
-    ones are derived the way it derives them (a section that was never validated: the MIMO
-    recipe's).
+    The ``*_steps`` fields ``ConfigContainer.validate()`` fills are used as they are; a
+    section that was never validated (the MIMO recipe's) gets them from
+    ``bridge.config.scheduler_steps``, the derivation ``validate()`` uses.
 
     Returns:
         ``{"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps"}``.
 
     Raises:
         ValueError: The lengths cannot be derived (no ``train_iters`` / ``global_batch_size``)
-            or are inconsistent (warm-up not shorter than decay).
+            or are inconsistent (warm-up not shorter than the decay).
     """
-
-    sched = scheduler_config
-    train_iters = getattr(train_config, "train_iters", None)
-    gbs = getattr(train_config, "global_batch_size", None)
-
-    def samples(iters: Any) -> int | None:
-        if iters is None:
-            return None
-        if gbs is None:
-            raise ValueError(
-                "train.global_batch_size is needed to turn scheduler iterations into samples"
-            )
-        return int(iters) * int(gbs)
-
-    train_samples = getattr(train_config, "train_samples", None)
-    by_samples = train_samples is not None
-    decay_steps = sched.lr_decay_steps
-    if decay_steps is None:
-        if by_samples:
-            decay_steps = sched.lr_decay_samples or train_samples
-        else:
-            decay_steps = samples(sched.lr_decay_iters or train_iters)
-    if decay_steps is None:
-        raise ValueError(
-            "scheduler: the decay length is unknown; set train.train_iters (or "
-            "scheduler.lr_decay_iters / lr_decay_steps)"
+    names = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
+    if scheduler_config.lr_decay_steps is not None:
+        return {name: getattr(scheduler_config, name) for name in names}
+    steps = derive_scheduler_steps(scheduler_config, train_config)
+    if steps is None:
+        raise ConfigError(
+            "scheduler",
+            "the decay length is unknown; set train.train_iters (or train.train_samples, "
+            "scheduler.lr_decay_iters)",
         )
-    warmup_steps = sched.lr_warmup_steps
-    if warmup_steps is None:
-        if sched.lr_warmup_fraction is not None:
-            warmup_steps = int(float(sched.lr_warmup_fraction) * decay_steps)
-        elif by_samples:
-            warmup_steps = int(sched.lr_warmup_samples or 0)
-        else:
-            warmup_steps = samples(sched.lr_warmup_iters or 0)
-    wd_steps = sched.wd_incr_steps
-    if wd_steps is None:
-        wd_steps = (train_samples if by_samples else samples(train_iters)) or decay_steps
-    wsd_steps = sched.wsd_decay_steps
-    if wsd_steps is None:
-        wsd_steps = sched.lr_wsd_decay_samples if by_samples else samples(sched.lr_wsd_decay_iters)
-    if decay_steps <= 0:
-        raise ValueError(
-            f"scheduler: the learning-rate decay length must be > 0 samples, got {decay_steps}"
-        )
-    assert warmup_steps is not None  # samples() of a number
-    if warmup_steps >= decay_steps:
-        raise ValueError(
-            f"scheduler: warm-up ({warmup_steps} samples) must be shorter than the decay "
-            f"({decay_steps} samples); lower scheduler.lr_warmup_iters / lr_warmup_fraction or "
-            "raise scheduler.lr_decay_iters"
-        )
-    return {
-        "lr_warmup_steps": int(warmup_steps),
-        "lr_decay_steps": int(decay_steps),
-        "wd_incr_steps": int(wd_steps),
-        "wsd_decay_steps": None if wsd_steps is None else int(wsd_steps),
-    }
+    return steps
 
 
 def build_optimizer_param_scheduler(
