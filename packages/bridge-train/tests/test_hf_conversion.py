@@ -32,6 +32,7 @@ import yaml
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from bridge.train.checkpointing import layout  # noqa: E402
 from bridge.train.convert import cli  # noqa: E402
 from bridge.train.testing import write_word_level_tokenizer  # noqa: E402
 from core_utils.testing import run_distributed  # noqa: E402
@@ -258,9 +259,23 @@ def _one_rank(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[st
         out[run] = exit_code
         # Exported through the run config's pretrained_checkpoint (hf/ of the import); the
         # LoRA run merged.
-        out[f"{run}_export"] = _capture(
-            ["export", str(base / run), str(base / f"export_{run}"), "--quiet"]
-        )
+        looked: list[str] = []  # every directory the export's tracker lookups read
+        find_latest = layout._find_latest
+
+        def spy(
+            base: Path, step: int | None, looked: list[str] = looked, find_latest: Any = find_latest
+        ) -> Any:
+            looked.append(str(base))
+            return find_latest(base, step)
+
+        layout._find_latest = spy
+        try:
+            out[f"{run}_export"] = _capture(
+                ["export", str(base / run), str(base / f"export_{run}"), "--quiet"]
+            )
+        finally:
+            layout._find_latest = find_latest
+        out[f"{run}_lookups"] = looked
     if out["lora"] == 0:
         out["lora_logits"] = _unmerged_lora_logits(base / "lora", tokens)
     return out
@@ -460,6 +475,8 @@ def test_lora_finetune_exports_merged(converted: dict[str, Any]) -> None:
     assert converted["one"]["lora"] == 0
     code, err = converted["one"]["lora_export"]
     assert code == 0, err
+    lookups = converted["one"]["lora_lookups"]
+    assert len(lookups) == len(set(lookups)), lookups  # each directory is looked up once
     merged, source = _tensors(root / "export_lora"), _tensors(root / "llama")
     assert sorted(merged) == sorted(source)  # plain Hugging Face names, no adapter tensors
     changed = {n for n in source if not torch.equal(merged[n], source[n])}

@@ -48,6 +48,7 @@ from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
     RUN_CONFIG_FILENAME,
     locate_checkpoint,
+    one_lookup_per_launch,
 )
 from bridge.train.convert._runtime import (
     refuse_nonempty,
@@ -319,6 +320,9 @@ def _stream_export(
     return write_hf_weights(staging, mappings, params, loaded(), out_dtype, max_shard_bytes, report)
 
 
+# One lookup per directory: the located checkpoint and the LoRA base are each read again by
+# the load (restore_checkpoint / load_peft_checkpoints).
+@one_lookup_per_launch()
 def export_hf_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     hf_dir: str | os.PathLike[str],
