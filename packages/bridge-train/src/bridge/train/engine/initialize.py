@@ -182,6 +182,10 @@ def initialize_distributed(
     """
 
     launch = adopt_launch_environment()
+    # pretrain's launch checks (checks/rules.py) made both calls already, to refuse a bad
+    # config as a ConfigError before any process group exists; they run again here because
+    # direct API users call this without that pass, and the backend's value is needed here.
+    # Both are a few comparisons: a flag to skip them would cost more code than it saves.
     backend = resolve_distributed_backend(dist_config)
     world_size = global_world_size(launcher_fallback=True)
     validate_parallel_layout(model_config, world_size)
