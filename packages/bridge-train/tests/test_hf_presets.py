@@ -131,3 +131,73 @@ def test_parallel_layout_is_validated() -> None:
         LLAMA, tensor_model_parallel_size=2, make_vocab_size_divisible_by=64
     )
     assert p.padded_vocab_size == 384  # 300 rounded up to a multiple of 64 x 2
+
+
+_OPTIONAL = ("num_key_value_heads", "rms_norm_eps", "tie_word_embeddings")
+_BARE_LLAMA = {k: v for k, v in LLAMA.items() if k not in _OPTIONAL}
+_BARE_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32}
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        # Every optional Llama-shaped decoder key absent, then null where transformers reads
+        # `config.get(key) or default`.
+        (
+            _BARE_LLAMA,
+            {
+                "num_query_groups": 4,
+                "kv_channels": 16,
+                "layernorm_epsilon": 1e-6,
+                "share_embeddings_and_output_weights": False,
+                "attention_dropout": 0.0,
+            },
+        ),
+        (
+            {**_BARE_LLAMA, "num_key_value_heads": None, "head_dim": 0, "attention_dropout": None},
+            {"num_query_groups": 4, "kv_channels": 16, "attention_dropout": 0.0},
+        ),
+        # A family's own defaults of the shared keys.
+        (
+            {**_BARE_LLAMA, "model_type": "gemma3_text", "sliding_window": 8},
+            {"share_embeddings_and_output_weights": True, "layernorm_epsilon": 1e-6},
+        ),
+        (
+            {
+                **_BARE_LLAMA,
+                "model_type": "mixtral",
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+            },
+            {"moe_router_topk": 2, "moe_aux_loss_coeff": 0.0},
+        ),
+        (
+            {**_BARE_GPT2, "vocab_size": 300, "n_inner": None},
+            {
+                "ffn_hidden_size": 256,
+                "layernorm_epsilon": 1e-5,
+                "share_embeddings_and_output_weights": True,
+                "hidden_dropout": 0.1,
+                "attention_dropout": 0.1,
+            },
+        ),
+    ],
+    ids=["llama-absent", "llama-null", "gemma3", "mixtral", "gpt2"],
+)
+def test_config_field_defaults(config: dict[str, Any], expected: dict[str, Any]) -> None:
+    p = provider_from_hf_config(config)
+    assert {name: getattr(p, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({k: v for k, v in LLAMA.items() if k != "hidden_size"}, "hidden_size"),
+        ({**LLAMA, "vocab_size": None}, "vocab_size"),
+        (_BARE_GPT2, "vocab_size"),
+        ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4}, "num_experts_per_tok"),
+    ],
+)
+def test_a_required_config_field_is_named(config: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConversionError, match=f"has no {key!r}"):
+        provider_from_hf_config(config)
