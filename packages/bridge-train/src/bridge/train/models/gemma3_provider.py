@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -47,7 +47,6 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.gpt_provider import GPTModelProvider
-from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
 from core_utils.portable_attention import with_sdpa_core_attention
 
 if TYPE_CHECKING:
@@ -180,6 +179,10 @@ class Gemma3ModelProvider(GPTModelProvider):
     rotary_base_local: int = 10000
     scale_embeddings: bool = True
     layernorm_zero_centered_gamma: bool = True
+    _local_modules_only: ClassVar[tuple[str, str] | None] = (
+        "Gemma 3",
+        "its zero-centred and post-layer norms are megatron local modules",
+    )
 
     def __post_init__(self) -> None:
         """Refuse settings these modules do not implement, then GPT's checks."""
@@ -191,14 +194,6 @@ class Gemma3ModelProvider(GPTModelProvider):
         if self.add_bias_linear:
             raise ValueError("model.add_bias_linear=True: Gemma 3 layers have no biases")
         super().__post_init__()
-
-    def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
-        """``portable`` without CUDA, megatron's ``local`` attention with it."""
-        return resolve_local_layer_spec_backend(
-            self.layer_spec_backend,
-            "Gemma 3",
-            "its zero-centred and post-layer norms are megatron local modules",
-        )
 
     def _default_layer_spec(self, vp_stage: int | None) -> TransformerBlockSubmodules:
         """The block spec of a Gemma 3 decoder (see the module docstring)."""

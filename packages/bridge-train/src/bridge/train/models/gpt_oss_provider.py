@@ -23,7 +23,7 @@ Hugging Face mapping reads); ``auto`` picks megatron's local spec on CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar
 
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor,
@@ -32,7 +32,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from bridge.train.models.gpt_provider import GPTModelProvider
-from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
 
 __all__ = ["GptOssModelProvider"]
 
@@ -62,6 +61,10 @@ class GptOssModelProvider(GPTModelProvider):
     yarn_mscale: float | None = None
     yarn_mscale_all_dim: float | None = None
     yarn_correction_range_round_to_int: bool = True
+    _local_modules_only: ClassVar[tuple[str, str] | None] = (
+        "gpt-oss",
+        "its fused norms change the parameter names the Hugging Face mapping reads",
+    )
 
     def __post_init__(self) -> None:
         """Settle the expert tensor-parallel size, refuse a YaRN factor without YaRN, then
@@ -96,14 +99,6 @@ class GptOssModelProvider(GPTModelProvider):
                 "tensor parallelism; set it to 1"
             )
         super().__post_init__()
-
-    def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
-        """``portable`` without CUDA, megatron's ``local`` spec with it."""
-        return resolve_local_layer_spec_backend(
-            self.layer_spec_backend,
-            "gpt-oss",
-            "its fused norms change the parameter names the Hugging Face mapping reads",
-        )
 
     def provide(
         self,

@@ -138,6 +138,9 @@ class GPTModelProvider(TransformerConfig):
 
     # The field holding the user's layer spec (it overrides layer_spec_backend).
     _user_spec_field: ClassVar[str] = "transformer_layer_spec"
+    # (model name, why Transformer Engine's spec cannot build it) of a provider built only
+    # from megatron's local modules; None: every backend.
+    _local_modules_only: ClassVar[tuple[str, str] | None] = None
 
     def __post_init__(self) -> None:
         """Validate the parallel layout and GPT fields, then run megatron's checks.
@@ -308,11 +311,26 @@ class GPTModelProvider(TransformerConfig):
     def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
         """The layer implementation :meth:`provide` builds on this machine.
 
+        For a provider built only from megatron's local modules (:attr:`_local_modules_only`
+        set), ``"auto"`` resolves to ``"local"`` on CUDA and ``"transformer_engine"`` is
+        refused.
+
         Raises:
             ValueError: The requested backend cannot run here (see
-                :func:`~bridge.train.models.layer_specs.resolve_layer_spec_backend`).
+                :func:`~bridge.train.models.layer_specs.resolve_layer_spec_backend`), or is
+                Transformer Engine for such a provider.
         """
-        return resolve_layer_spec_backend(self.layer_spec_backend)
+        requested = self.layer_spec_backend
+        backend = resolve_layer_spec_backend(requested)
+        if self._local_modules_only is None or backend != "transformer_engine":
+            return backend
+        if requested == "transformer_engine":
+            model, why = self._local_modules_only
+            raise ValueError(
+                f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
+                f"({why}); use 'local' or 'auto'"
+            )
+        return "local"
 
     def layer_spec(self, vp_stage: int | None = None) -> Any:
         """The layer spec :meth:`provide` uses: the user's (``transformer_layer_spec``, or the

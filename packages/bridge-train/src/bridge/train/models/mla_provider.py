@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from bridge.train.models.gpt_provider import GPTModelProvider
-from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
 from core_utils import cpu_cuda_compat
 
 __all__ = ["MLAModelProvider"]
@@ -47,6 +46,10 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
     multi_latent_attention: bool = True
     qk_layernorm: bool = True
     position_embedding_type: Literal["learned_absolute", "rope", "none", "yarn"] = "rope"
+    _local_modules_only: ClassVar[tuple[str, str] | None] = (
+        "multi-latent attention",
+        "its spec fuses the latent norms into the up projections under other names",
+    )
 
     def __post_init__(self) -> None:
         """Refuse what megatron's local multi-latent attention cannot build, then GPT's
@@ -90,14 +93,6 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
                     "tensor-parallel ranks); change one of them"
                 )
         super().__post_init__()
-
-    def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
-        """``portable`` without CUDA, megatron's ``local`` spec with it."""
-        return resolve_local_layer_spec_backend(
-            self.layer_spec_backend,
-            "multi-latent attention",
-            "its spec fuses the latent norms into the up projections under other names",
-        )
 
     def provide(
         self,
