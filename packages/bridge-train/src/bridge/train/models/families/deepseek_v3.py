@@ -202,11 +202,7 @@ class DeepseekV3Family(LlamaFamily):
 
     model_types = ("deepseek_v3",)
     architecture = "DeepseekV3ForCausalLM"
-
-    def provider_class(self) -> type:
-        """:class:`~bridge.train.models.mla_provider.MLAModelProvider`."""
-
-        return MLAModelProvider
+    provider_class = MLAModelProvider
 
     def skips(self, name: str, config: dict[str, Any]) -> bool:
         """Multi-token-prediction layers (numbered from ``num_hidden_layers`` on)."""

@@ -77,15 +77,11 @@ class Gemma3Family(LlamaFamily):
 
     model_types = ("gemma3_text", "gemma3")
     architecture = "Gemma3ForCausalLM"
+    provider_class = Gemma3ModelProvider
     pre_mlp_norm = "pre_feedforward_layernorm"
     after_attention = (("self_attn_bda.norm.weight", "post_attention_layernorm.weight"),)
     after_mlp = (("mlp_bda.norm.weight", "post_feedforward_layernorm.weight"),)
     hf_prefixes = ("model.", "language_model.model.", "model.language_model.", "")
-
-    def provider_class(self) -> type:
-        """:class:`~bridge.train.models.gemma3_provider.Gemma3ModelProvider`."""
-
-        return Gemma3ModelProvider
 
     def text_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """``text_config`` of a ``gemma3`` config (the whole config for ``gemma3_text``)."""

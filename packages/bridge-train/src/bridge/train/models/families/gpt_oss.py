@@ -154,12 +154,8 @@ class GptOssFamily(LlamaFamily):
 
     model_types = ("gpt_oss",)
     architecture = "GptOssForCausalLM"
+    provider_class = GptOssModelProvider
     after_attention = (("self_attention.core_attention.softmax_offset", "self_attn.sinks"),)
-
-    def provider_class(self) -> type:
-        """:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`."""
-
-        return GptOssModelProvider
 
     # ---- config.json -> provider ----------------------------------------------------------
 
