@@ -321,15 +321,15 @@ class GPTModelProvider(TransformerConfig):
                 Transformer Engine for such a provider.
         """
         requested = self.layer_spec_backend
-        backend = resolve_layer_spec_backend(requested)
-        if self._local_modules_only is None or backend != "transformer_engine":
-            return backend
-        if requested == "transformer_engine":
+        if self._local_modules_only is not None and requested == "transformer_engine":
             model, why = self._local_modules_only
             raise ValueError(
                 f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
                 f"({why}); use 'local' or 'auto'"
             )
+        backend = resolve_layer_spec_backend(requested)
+        if self._local_modules_only is None or backend != "transformer_engine":
+            return backend
         return "local"
 
     def layer_spec(self, vp_stage: int | None = None) -> Any:
