@@ -179,21 +179,15 @@ class Gemma3ModelProvider(GPTModelProvider):
     rotary_base_local: int = 10000
     scale_embeddings: bool = True
     layernorm_zero_centered_gamma: bool = True
+    add_bias_linear: bool = False
     _local_modules_only: ClassVar[tuple[str, str] | None] = (
         "Gemma 3",
         "its zero-centred and post-layer norms are megatron local modules",
     )
-
-    def __post_init__(self) -> None:
-        """Refuse settings these modules do not implement, then GPT's checks."""
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                "model.context_parallel_size > 1 is not supported by Gemma 3's local RoPE "
-                "layers; set it to 1"
-            )
-        if self.add_bias_linear:
-            raise ValueError("model.add_bias_linear=True: Gemma 3 layers have no biases")
-        super().__post_init__()
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {
+        "context_parallel_size": (1, "by Gemma 3's local RoPE layers"),
+        "add_bias_linear": (False, "by Gemma 3 (its layers have no biases)"),
+    }
 
     def _default_layer_spec(self, vp_stage: int | None) -> TransformerBlockSubmodules:
         """The block spec of a Gemma 3 decoder (see the module docstring)."""

@@ -141,6 +141,8 @@ class GPTModelProvider(TransformerConfig):
     # (model name, why Transformer Engine's spec cannot build it) of a provider built only
     # from megatron's local modules; None: every backend.
     _local_modules_only: ClassVar[tuple[str, str] | None] = None
+    # {field: (the one value this provider builds, why no other)}: other values are refused.
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     def __post_init__(self) -> None:
         """Validate the parallel layout and GPT fields, then run megatron's checks.
@@ -149,10 +151,17 @@ class GPTModelProvider(TransformerConfig):
         ``params_dtype``.
 
         Raises:
-            ValueError: A size is not positive, or a tensor-parallel size that does not divide
-                the attention heads, query groups or FFN width (the message names the fields
-                and the sizes that would work).
+            ValueError: A size is not positive, a field of :attr:`_fixed_fields` holds another
+                value, or a tensor-parallel size that does not divide the attention heads,
+                query groups or FFN width (the message names the fields and the sizes that
+                would work).
         """
+        for name, (accepted, why) in self._fixed_fields.items():
+            if getattr(self, name) != accepted:
+                raise ValueError(
+                    f"model.{name}={getattr(self, name)!r} is not supported {why}; set it to "
+                    f"{accepted!r}"
+                )
         self._check_gpt_fields()
         self._check_tensor_parallel_divisibility()
         unset = {f.name for f in fields(TransformerConfig) if getattr(self, f.name) is None}

@@ -50,6 +50,11 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
         "multi-latent attention",
         "its spec fuses the latent norms into the up projections under other names",
     )
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {
+        "multi_latent_attention": (True, "by MLAModelProvider (it builds multi-latent attention)"),
+        "position_embedding_type": ("rope", "with multi-latent attention (its RoPE: rope_type)"),
+        "context_parallel_size": (1, "by this provider's attention"),
+    }
 
     def __post_init__(self) -> None:
         """Refuse what megatron's local multi-latent attention cannot build, then GPT's
@@ -58,7 +63,7 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
         Raises:
             ValueError: A setting naming the field (``q_lora_rank=None``, a latent width
                 the tensor-parallel size does not divide, a RoPE type other than ``rope``
-                and ``yarn``, context parallelism).
+                and ``yarn``).
         """
         if self.q_lora_rank is None:
             # megatron-core 0.19's local spec needs a fused norm + linear layer (Transformer
@@ -69,18 +74,6 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
             )
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"model.rope_type={self.rope_type!r} is not one of 'rope', 'yarn'")
-        if self.position_embedding_type != "rope":
-            raise ValueError(
-                f"model.position_embedding_type={self.position_embedding_type!r}: "
-                "multi-latent attention applies its own RoPE (rope_type); set 'rope'"
-            )
-        if not self.multi_latent_attention:
-            raise ValueError("model.multi_latent_attention=False: this provider builds MLA")
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                "model.context_parallel_size > 1 is not supported by this provider's "
-                "attention; set it to 1"
-            )
         tp = self.tensor_model_parallel_size
         for name, size in (
             ("q_lora_rank", self.q_lora_rank),

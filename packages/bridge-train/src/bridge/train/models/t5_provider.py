@@ -46,6 +46,15 @@ class T5ModelProvider(GPTModelProvider):
         "T5 models",
         "the T5 forward step builds megatron's local attention masks",
     )
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {
+        "pipeline_model_parallel_size": (
+            1,
+            "for T5 models (megatron core's T5 pipeline split is not wired; use tensor or "
+            "data parallelism)",
+        ),
+        "rope_scaling": (False, "by megatron's T5Model (it does not read it)"),
+        "rotary_base": (10000, "by megatron's T5Model (it does not read it)"),
+    }
 
     def __post_init__(self) -> None:
         """Validate the encoder-decoder fields, then the GPT and megatron checks.
@@ -61,16 +70,6 @@ class T5ModelProvider(GPTModelProvider):
             raise ValueError(
                 f"model.max_position_embeddings={self.max_position_embeddings} is shorter than "
                 f"the longest sequence ({longest}: seq_length / seq_length_dec)"
-            )
-        if self.rope_scaling or self.rotary_base != 10000:
-            raise ValueError(
-                "model.rope_scaling / model.rotary_base are not read by megatron's T5Model; "
-                "leave them at False / 10000"
-            )
-        if self.pipeline_model_parallel_size > 1:
-            raise ValueError(
-                "model.pipeline_model_parallel_size > 1 is not supported for T5 models (megatron "
-                "core's T5 pipeline split is not wired); use tensor or data parallelism"
             )
         super().__post_init__()
 
