@@ -3,27 +3,17 @@
 megatron-core 0.19 builds most of Gemma 3 itself: GeGLU (``gated_linear_unit`` with the
 tanh GELU), grouped-query attention with QK-norm (``qk_layernorm``), sliding windows on
 some layers (``window_size`` + ``window_attn_skip_freq``), the attention scale
-(``softmax_scale``), tied embeddings. What it lacks, each the smallest module that plugs
-into its layer spec (the model stays a megatron ``GPTModel``):
+(``softmax_scale``), tied embeddings. What it lacks is the smallest module that plugs into
+its layer spec, each described in its class (the model stays a megatron ``GPTModel``):
+:class:`ZeroCenteredRMSNorm` (every norm; megatron implements
+``layernorm_zero_centered_gamma`` only in Transformer Engine), :class:`PostNormResidualAdd`
+(the post-attention and post-MLP norms), :class:`LocalRopeSelfAttention` (the
+sliding-window layers' RoPE base), and embeddings scaled by ``sqrt(hidden_size)`` (a forward
+hook, in the embedding's dtype as Gemma computes it).
 
-* :class:`ZeroCenteredRMSNorm`: Gemma's RMSNorm, ``x / rms(x) * (1 + weight)`` computed in
-  float32 and cast back, weights initialised to zero (``layernorm_zero_centered_gamma``,
-  which megatron implements only in Transformer Engine). Used for every norm: before and
-  after attention and the MLP, the QK norms and the final norm.
-* :class:`PostNormResidualAdd`: the norm of a sub-layer's *output* before the residual
-  add (Gemma's ``post_attention_layernorm`` / ``post_feedforward_layernorm``), as the
-  layer's ``self_attn_bda`` / ``mlp_bda`` (megatron's bias-dropout-add, applied to the
-  normed output).
-* :class:`LocalRopeSelfAttention`: megatron's ``SelfAttention`` whose sliding-window layers
-  rotate with their own RoPE base (``rotary_base_local``); the full-attention layers use
-  the model's (``rotary_base`` and its scaling).
-* Embeddings scaled by ``sqrt(hidden_size)`` (a forward hook on the word embeddings, in the
-  embedding's dtype as Gemma computes it).
-
-The layers use megatron's local modules (column/row-parallel linear layers); on CPU the
-core attention is the portable SDPA attention, on CUDA megatron's ``DotProductAttention``
-(``layer_spec_backend`` ``"transformer_engine"`` is refused: its fused norms would replace
-these modules).
+The layers use megatron's local modules; on CPU the core attention is the portable SDPA
+attention, on CUDA megatron's ``DotProductAttention`` (``layer_spec_backend``
+``"transformer_engine"`` is refused: its fused norms would replace these modules).
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """``GptOssModelProvider``: megatron-core's GPT model with YaRN RoPE fields (gpt-oss).
 
-Everything gpt-oss computes is a megatron-core 0.19 feature; this provider adds the config
-fields megatron's ``GPTModel`` reads for ``position_embedding_type="yarn"`` (``yarn_*``,
-which ``TransformerConfig`` does not declare) and settles what the features need:
-
-* attention sinks: ``softmax_type="learnable"`` gives each attention head a learned logit
-  added to its softmax denominator (``core_attention.softmax_offset``; on CPU the portable
-  SDPA attention computes it, on CUDA megatron's ``DotProductAttention``); the parameter is
-  marked as split over tensor parallelism like the heads;
-* the clamped SwiGLU of the experts: ``activation_func=quick_gelu`` (``x * sigmoid(1.702
-  x)``), ``activation_func_clamp_value`` (the gate clamped above, the linear half on both
-  sides) and ``glu_linear_offset=1`` (``act(gate) * (up + 1)``);
-* biases on every linear layer and on the router (``add_bias_linear``): megatron-core
-  supports biased experts only without expert tensor parallelism, so
-  ``expert_tensor_parallel_size`` defaults to 1;
-* alternating sliding-window layers: ``window_size`` with ``window_attn_skip_freq``.
-
-Transformer Engine's spec is refused (its fused norms change the parameter names the
-Hugging Face mapping reads); ``auto`` picks megatron's local spec on CUDA.
+Everything gpt-oss computes is a megatron-core 0.19 feature (attention sinks
+``softmax_type="learnable"``, the clamped SwiGLU ``activation_func=quick_gelu`` +
+``activation_func_clamp_value`` + ``glu_linear_offset=1``, biased experts and router,
+``window_size`` + ``window_attn_skip_freq``; docs/models.md's ``gpt_oss`` row). This provider
+adds the config fields megatron's ``GPTModel`` reads for ``position_embedding_type="yarn"``
+(``yarn_*``, which ``TransformerConfig`` does not declare) and settles what the features
+need: the sinks are marked as split over tensor parallelism like the heads, and
+``expert_tensor_parallel_size`` defaults to 1 (megatron-core supports biased experts only
+without expert tensor parallelism). Transformer Engine's spec is refused (its fused norms
+change the parameter names the Hugging Face mapping reads).
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """``MLAModelProvider``: megatron-core's GPT model with multi-latent attention (DeepSeek-V3).
 
 megatron-core 0.19 implements multi-latent attention itself (``MLASelfAttention`` with the
-fields of ``MLATransformerConfig``): queries through a low-rank projection
-(``linear_q_down_proj``, ``q_lora_rank``, an RMSNorm ``q_layernorm``, ``linear_q_up_proj``),
-keys and values through a shared latent (``linear_kv_down_proj`` giving ``kv_lora_rank``
-latent channels plus one decoupled RoPE key of ``qk_pos_emb_head_dim`` channels shared by
-the heads, ``kv_layernorm``, ``linear_kv_up_proj``), heads of ``qk_head_dim`` +
-``qk_pos_emb_head_dim`` query/key channels and ``v_head_dim`` value channels, RoPE on the
-decoupled channels in DeepSeek's interleaved pair layout, plain (``rope_type="rope"``) or
-YaRN-scaled (``rope_type="yarn"``: ``rotary_scaling_factor``,
-``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
-``mscale_all_dim``; the softmax scale grows by ``mscale(factor, mscale_all_dim) ** 2``). This
-provider is that config plus :class:`GPTModelProvider`'s building. The layers are megatron's
-local spec (``qk_layernorm`` gives the two latent norms); on CPU the core attention is the
-portable SDPA attention (query/key heads wider than value heads), on CUDA megatron's
-``DotProductAttention``. Transformer Engine's spec is refused: it fuses the latent norms
-into the up projections under other parameter names.
+fields of ``MLATransformerConfig``: low-rank query and shared key/value latents with their
+norms, decoupled RoPE channels in DeepSeek's interleaved pair layout, plain or YaRN RoPE
+through ``rope_type``). This provider is that config plus :class:`GPTModelProvider`'s
+building. The layers are megatron's local spec (``qk_layernorm`` gives the two latent
+norms); on CPU the core attention is the portable SDPA attention (query/key heads wider than
+value heads), on CUDA megatron's ``DotProductAttention``. Transformer Engine's spec is
+refused: it fuses the latent norms into the up projections under other parameter names.
 """
 
 from __future__ import annotations

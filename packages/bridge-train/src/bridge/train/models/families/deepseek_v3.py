@@ -1,41 +1,17 @@
 """``deepseek_v3`` (DeepSeek-V3, V3.1, R1 and their small relatives): multi-latent
-attention and sigmoid-routed experts with shared experts.
+attention (:class:`~bridge.train.models.mla_provider.MLAModelProvider`) and sigmoid-routed
+experts with shared experts.
 
-What the preset sets (:class:`~bridge.train.models.mla_provider.MLAModelProvider`):
-
-* multi-latent attention (megatron-core's ``MLASelfAttention``): ``q_lora_rank``,
-  ``kv_lora_rank``, ``qk_nope_head_dim`` (megatron's ``qk_head_dim``), ``qk_rope_head_dim``
-  (``qk_pos_emb_head_dim``, the decoupled RoPE channels, rotated in DeepSeek's interleaved
-  pair layout), ``v_head_dim``, RMSNorms on both latents (``qk_layernorm``);
-* RoPE: ``rope_theta`` and, for ``rope_type: yarn``, megatron's MLA YaRN (``factor``,
-  ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
-  ``mscale_all_dim``): cos and sin scaled by ``mscale(factor, mscale) / mscale(factor,
-  mscale_all_dim)`` and the softmax scale by ``mscale(factor, mscale_all_dim) ** 2`` as in
-  transformers;
-* the first ``first_k_dense_replace`` layers dense SwiGLU MLPs of ``intermediate_size``, the
-  others megatron's MoE layer (``moe_layer_freq`` list): ``n_routed_experts`` SwiGLU experts
-  of ``moe_intermediate_size``, ``n_shared_experts`` shared experts
-  (``moe_shared_expert_intermediate_size = n_shared_experts * moe_intermediate_size``);
-* the router: sigmoid scores (``moe_router_score_function="sigmoid"``, computed in float32
-  as transformers keeps the router, ``moe_router_dtype="fp32"``), the expert-bias correction
-  ``e_score_correction_bias`` added for the choice only (``moe_router_enable_expert_bias``,
-  the router's ``expert_bias`` buffer; training updates it as megatron does, by
-  ``moe_router_bias_update_rate``), group-limited top-k (``n_group`` groups ranked by the
-  sum of their two best scores, the best ``topk_group`` kept: ``moe_router_num_groups``,
-  ``moe_router_group_topk``), the chosen scores renormalised (``norm_topk_prob``) and
-  multiplied by ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``);
-* the load-balancing loss for training (transformers has none): the config's
-  ``aux_loss_alpha`` (``seq_aux``: per sequence) if it has one, else DeepSeek-V3's sequence-wise
-  loss with coefficient 1e-4 (``moe_router_load_balancing_type="seq_aux_loss"``).
+What the preset sets and what it refuses, field by field, is the ``deepseek_v3`` row of
+docs/models.md's family table; each refusal names its field and why megatron-core computes
+it differently (:meth:`DeepseekV3Family.provider_kwargs`). The load-balancing loss is for
+training only (transformers has none): the config's ``aux_loss_alpha``, else DeepSeek-V3's
+sequence-wise loss.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``; DeepSeek-V3's layer 61) are not
 imported: transformers' ``DeepseekV3ForCausalLM`` does not run them (its logits come from the
 decoder alone), so their tensors are skipped (the import says how many) and an export writes
 none, with ``num_nextn_predict_layers: 0``.
-
-Every other value of these fields is refused with one line naming the field and why
-megatron-core computes it differently (:meth:`provider_kwargs`; the list is in
-docs/models.md's family table).
 """
 
 from __future__ import annotations

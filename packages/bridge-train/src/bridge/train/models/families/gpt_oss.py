@@ -1,36 +1,16 @@
 """``gpt_oss`` (gpt-oss-20b, gpt-oss-120b): grouped-query attention with sinks and
-alternating sliding windows, and biased experts with a clamped SwiGLU.
+alternating sliding windows, and biased experts with a clamped SwiGLU
+(:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`).
 
-What the preset sets (:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`):
-
-* attention: grouped-query attention with ``head_dim``, biases on Q, K, V and the output
-  projection, a learned sink logit per head (``sinks`` -> megatron's ``softmax_type=
-  "learnable"``, ``core_attention.softmax_offset``: ``exp(sink)`` joins each softmax
-  denominator), and ``layer_types``: ``sliding_attention`` layers attend to the
-  ``sliding_window`` newest keys, ``full_attention`` layers to all (``window_size`` +
-  ``window_attn_skip_freq``);
-* RoPE: ``rope_theta`` (150000 when unset, as transformers' default) with YaRN
-  (``position_embedding_type="yarn"``: ``factor``, ``original_max_position_embeddings``,
-  ``beta_fast``, ``beta_slow``, ``truncate``, ``mscale`` / ``mscale_all_dim``; cos and sin
-  scaled by the YaRN attention factor) or without scaling;
-* experts on every layer: ``num_local_experts`` experts of ``intermediate_size``, each
-  ``down(clamp_up + 1) * quick_gelu(clamp_gate))`` with biases, where the gate is clamped
-  above and the up projection on both sides at ``swiglu_limit`` (megatron's
-  ``activation_func=quick_gelu`` (``x * sigmoid(1.702 x)``), ``activation_func_clamp_value``,
-  ``glu_linear_offset=1``); the router has a bias and takes the softmax over the
-  ``num_experts_per_tok`` best logits (``moe_router_pre_softmax=False``);
-  ``router_aux_loss_coef`` becomes megatron's load-balancing coefficient (``aux_loss``).
+What the preset sets and what it refuses, field by field, is the ``gpt_oss`` row of
+docs/models.md's family table; each refusal names its field and why megatron-core computes
+it differently (:meth:`GptOssFamily.provider_kwargs`). ``hidden_act`` is not read:
+transformers' gpt-oss experts compute their own activation.
 
 The experts' weights are stored stacked (``mlp.experts.gate_up_proj`` ``[experts, hidden,
 2 * intermediate]`` with the gate and up columns interleaved, ``down_proj`` ``[experts,
 intermediate, hidden]``, and their biases): each megatron expert reads its slice, and an
 export writes the slices back into the stacked tensors.
-
-``hidden_act`` is not read: transformers' gpt-oss experts compute their own activation.
-
-Every other value of these fields is refused with one line naming the field and why
-megatron-core computes it differently (:meth:`provider_kwargs`; the list is in
-docs/models.md's family table).
 """
 
 from __future__ import annotations
