@@ -43,6 +43,15 @@ __all__ = ["DeepseekV3Family"]
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _DEFAULT_SEQ_AUX = 1e-4  # DeepSeek-V3's sequence-wise balance loss coefficient (its paper)
 _LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm
+# config.json's YaRN keys -> MLATransformerConfig's fields (read and written alike).
+_YARN_FIELDS = {
+    "factor": "rotary_scaling_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
 
 
 def _experts(config: dict[str, Any]) -> int:
@@ -80,7 +89,7 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         return plain
     assert scaling is not None
     yarn = yarn_parameters(config, scaling)
-    if not yarn.truncate:
+    if not yarn["truncate"]:
         raise refuse(
             config,
             "rope_parameters.truncate",
@@ -90,28 +99,17 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     # transformers scales cos/sin by mscale(f, mscale)/mscale(f, mscale_all_dim) when both
     # are set, else by mscale(f); the softmax by mscale(f, mscale_all_dim)**2 when it is set.
     # megatron's MLA always uses the ratio and mscale(f, mscale_all_dim)**2.
-    if yarn.mscale and yarn.mscale_all_dim:
-        mscale, mscale_all_dim = yarn.mscale, yarn.mscale_all_dim
-    elif not yarn.mscale_all_dim:
-        mscale, mscale_all_dim = 1.0, 0.0
-    else:
+    if not yarn["mscale_all_dim"]:
+        yarn.update(mscale=1.0, mscale_all_dim=0.0)
+    elif not yarn["mscale"]:
         raise refuse(
             config,
             "rope_parameters.mscale",
-            yarn.mscale,
-            f"with mscale_all_dim={yarn.mscale_all_dim}, transformers scales cos and sin by "
+            yarn["mscale"],
+            f"with mscale_all_dim={yarn['mscale_all_dim']}, transformers scales cos and sin by "
             "mscale(factor) alone, which megatron-core's multi-latent YaRN does not compute",
         )
-    return {
-        **plain,
-        "rope_type": "yarn",
-        "rotary_scaling_factor": yarn.factor,
-        "original_max_position_embeddings": yarn.original_max_position_embeddings,
-        "beta_fast": yarn.beta_fast,
-        "beta_slow": yarn.beta_slow,
-        "mscale": mscale,
-        "mscale_all_dim": mscale_all_dim,
-    }
+    return {**plain, "rope_type": "yarn", **{f: yarn[key] for key, f in _YARN_FIELDS.items()}}
 
 
 def _router_kwargs(config: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
@@ -342,15 +340,8 @@ class DeepseekV3Family(LlamaFamily):
             return {"model_type": self.name}  # not a DeepSeek-V3 layout
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(provider.rotary_base)}
         if provider.rope_type == "yarn":
-            rope.update(
-                rope_type="yarn",
-                factor=float(provider.rotary_scaling_factor),
-                original_max_position_embeddings=int(provider.original_max_position_embeddings),
-                beta_fast=float(provider.beta_fast),
-                beta_slow=float(provider.beta_slow),
-                mscale=float(provider.mscale),
-                mscale_all_dim=float(provider.mscale_all_dim),
-            )
+            rope["rope_type"] = "yarn"
+            rope.update((key, getattr(provider, field)) for key, field in _YARN_FIELDS.items())
         groups = provider.moe_router_num_groups
         config = decoder_hf_config(self, provider)
         del config["head_dim"]  # transformers derives it from the latent head sizes

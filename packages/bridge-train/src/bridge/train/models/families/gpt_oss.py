@@ -45,6 +45,16 @@ __all__ = ["GptOssFamily"]
 
 _QUICK_GELU_ALPHA = 1.702
 _DEFAULT_THETA = 150000.0  # transformers' GptOssConfig.default_theta
+# config.json's YaRN keys -> megatron's GPT YaRN fields (read and written alike).
+_YARN_FIELDS = {
+    "factor": "yarn_rotary_scaling_factor",
+    "original_max_position_embeddings": "yarn_original_max_position_embeddings",
+    "beta_fast": "yarn_beta_fast",
+    "beta_slow": "yarn_beta_slow",
+    "truncate": "yarn_correction_range_round_to_int",
+    "mscale": "yarn_mscale",
+    "mscale_all_dim": "yarn_mscale_all_dim",
+}
 
 
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
@@ -68,18 +78,13 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     if float(theta) != int(theta):
         raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
     yarn = yarn_parameters(config, scaling)
-    # megatron uses the mscale pair only when both are set and non-zero (as transformers).
-    both = bool(yarn.mscale and yarn.mscale_all_dim)
+    if not (yarn["mscale"] and yarn["mscale_all_dim"]):
+        # megatron uses the mscale pair only when both are set and non-zero (as transformers).
+        yarn.update(mscale=None, mscale_all_dim=None)
     return {
         "position_embedding_type": "yarn",
         "rotary_base": int(theta),
-        "yarn_rotary_scaling_factor": yarn.factor,
-        "yarn_original_max_position_embeddings": yarn.original_max_position_embeddings,
-        "yarn_beta_fast": yarn.beta_fast,
-        "yarn_beta_slow": yarn.beta_slow,
-        "yarn_mscale": yarn.mscale if both else None,
-        "yarn_mscale_all_dim": yarn.mscale_all_dim if both else None,
-        "yarn_correction_range_round_to_int": yarn.truncate,
+        **{field: yarn[key] for key, field in _YARN_FIELDS.items()},
     }
 
 
@@ -207,22 +212,10 @@ class GptOssFamily(LlamaFamily):
         if type(provider).__name__ != "GptOssModelProvider" or not provider.num_moe_experts:
             return {"model_type": self.name}
         if provider.position_embedding_type == "yarn":
-            rope: dict[str, Any] = {
-                "rope_type": "yarn",
-                "rope_theta": float(provider.rotary_base),
-                "factor": float(provider.yarn_rotary_scaling_factor),
-                "original_max_position_embeddings": int(
-                    provider.yarn_original_max_position_embeddings
-                ),
-                "beta_fast": float(provider.yarn_beta_fast),
-                "beta_slow": float(provider.yarn_beta_slow),
-                "truncate": bool(provider.yarn_correction_range_round_to_int),
-            }
-            if provider.yarn_mscale is not None and provider.yarn_mscale_all_dim is not None:
-                rope.update(
-                    mscale=float(provider.yarn_mscale),
-                    mscale_all_dim=float(provider.yarn_mscale_all_dim),
-                )
+            rope: dict[str, Any] = {"rope_type": "yarn", "rope_theta": float(provider.rotary_base)}
+            rope.update((key, getattr(provider, field)) for key, field in _YARN_FIELDS.items())
+            if rope["mscale"] is None or rope["mscale_all_dim"] is None:
+                del rope["mscale"], rope["mscale_all_dim"]
         else:
             rope = hf_rope_parameters(provider)
         return {
