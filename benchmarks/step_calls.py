@@ -35,8 +35,10 @@ import importlib.util
 import pstats
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -47,7 +49,7 @@ _HERE = Path(__file__).resolve().parent
 OWNERS = ("bridge", "emulation", "megatron", "torch", "builtins", "other")
 
 
-def _framework_overhead():  # benchmarks/ is not a package: load the sibling by path
+def _framework_overhead() -> ModuleType:  # benchmarks/ is not a package: load by path
     spec = importlib.util.spec_from_file_location(
         "framework_overhead", _HERE / "framework_overhead.py"
     )
@@ -74,10 +76,10 @@ def owner(filename: str) -> str:
     return "other"
 
 
-def _calls(run: object) -> collections.Counter[str]:
+def _calls(run: Callable[[], object]) -> collections.Counter[str]:
     profile = cProfile.Profile()
     profile.enable()
-    run()  # type: ignore[operator]
+    run()
     profile.disable()
     counts: collections.Counter[str] = collections.Counter()
     for (filename, _, _), (_, calls, *_) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
