@@ -190,6 +190,7 @@ class GPTModelProvider(TransformerConfig):
             "num_attention_heads",
             "seq_length",
             "make_vocab_size_divisible_by",
+            "tensor_model_parallel_size",
         )
         self._check_positive("vocab_size", optional=True)
         if self.position_embedding_type not in ("learned_absolute", "rope", "none", "yarn"):
@@ -215,8 +216,6 @@ class GPTModelProvider(TransformerConfig):
 
     def _check_tensor_parallel_divisibility(self) -> None:
         tp = self.tensor_model_parallel_size
-        if tp < 1:
-            raise ValueError(f"model.tensor_model_parallel_size must be >= 1, got {tp}")
         heads = self.num_attention_heads
         if heads % tp:
             raise ValueError(
