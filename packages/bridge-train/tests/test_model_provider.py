@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -191,7 +192,7 @@ def test_providers_of_local_modules_refuse_transformer_engine_and_pick_local_on_
     ],
 )
 def test_a_field_a_provider_fixes_is_refused_by_name(
-    cls: type[GPTModelProvider], overrides: dict[str, object], match: str
+    cls: type[GPTModelProvider], overrides: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
         cls(**overrides)
