@@ -1,23 +1,11 @@
 """``pretrain``: everything from a config to a trained, checkpointed model.
 
-Order of work (every rank)::
-
-    check the config (before any process group; ConfigError names the field)
-    Python logging, CUDA memory history
-    engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds;
-      megatron's micro-batch calculator (what train_step reads)
-    timers; resiliency from its sections (bridge.resiliency.RunResiliency: fault tolerance,
-      straggler detection, exit conditions, which install the exit-signal handler; the
-      fault-tolerance setup section starts); metric writers from the logger section
-    tokenizer; model; optimizer and scheduler; rerun state machine
-    load the checkpoint (checkpoint.load, else an earlier run in checkpoint.save)
-    datasets and iterators positioned at the loaded counters; fault tolerance setup ends
-    the run-plan notices (nothing to train, unused pretrained weights; rank 0)
-    progress.txt "Starting job"; run_config.yaml
-    train() (with the callbacks); final validation and test evaluation (when training was not stopped early)
-    close: async saves finished, resiliency stopped, writers flushed and closed, rerun
-      machine and micro-batch calculator released, process group destroyed
-    (closing always runs, also after an error)
+:func:`setup` builds the run in dependency order (config checked before any process group;
+resiliency started before the checkpoint loads, so a signal arriving meanwhile is not lost;
+datasets built after the load, so the iterators start at the loaded counters);
+:func:`pretrain` trains, evaluates at the end and always closes, also after an error (async
+saves finished, resiliency stopped, writers closed, megatron's globals released, process
+group destroyed).
 """
 
 from __future__ import annotations
@@ -37,7 +25,6 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
 from bridge.config import (
-    CheckpointConfig,
     ConfigContainer,
     ConfigError,
     ModelConfigProtocol,
@@ -46,16 +33,16 @@ from bridge.config import (
 )
 from bridge.logging import (
     BackendSettings,
-    MetricWriters,
     ReportSettings,
     build_timers,
     scheduler_job,
     setup_logging,
     start_memory_history_recording,
 )
-from bridge.resiliency import RunResiliency, WatchdogTimeouts
+from bridge.resiliency import WatchdogTimeouts
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
+from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
@@ -301,27 +288,6 @@ def setup(
     return out
 
 
-def _report_run_plan(out: SetupOutput) -> None:
-    """Rank 0 says, before training, when the run will train nothing or ignore its
-    pretrained weights (see :func:`bridge.train.checks.resume.run_plan_notices`)."""
-    from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
-
-    state, cfg = out.state, out.state.cfg
-    assert cfg.train is not None
-    notices = run_plan_notices(
-        cfg.checkpoint,
-        cfg.train,
-        {name: getattr(cfg, name) for name in IDENTITY_SECTIONS},
-        loaded=out.checkpointing_context.get("loaded_checkpoint"),
-        iteration=state.train_state.step,
-        done=run_is_done(cfg.train, state.train_state),
-        after_load=True,
-    )
-    if global_rank() == 0:
-        for notice in notices:
-            logger.warning(notice)
-
-
 def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
     """Validation (unless the loop just validated this iteration) and test at the end."""
     train_state = out.state.train_state
@@ -339,22 +305,6 @@ def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
         evaluation.evaluate_and_log(
             f"iteration {step} on {split} set", iterator, out.model, split=split
         )
-
-
-def _close(
-    checkpoint: CheckpointConfig | None,
-    resiliency: RunResiliency,
-    metric_writers: MetricWriters,
-    clean: bool,
-) -> None:
-    """Release everything pretrain started; never raises (errors are logged)."""
-    steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
-    steps += [
-        ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
-        ("releasing the micro-batch calculator", release_num_microbatches_calculator),
-        ("destroying the process group", destroy_distributed),
-    ]
-    run_teardown(steps, "pretrain")
 
 
 @one_lookup_per_launch()  # the checks and the load resume the same checkpoint
@@ -430,7 +380,17 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
-        _report_run_plan(out)
+        notices = run_plan_notices(
+            config.checkpoint,
+            config.train,
+            {name: getattr(config, name) for name in IDENTITY_SECTIONS},
+            loaded=out.checkpointing_context.get("loaded_checkpoint"),
+            iteration=state.train_state.step,
+            done=run_is_done(config.train, state.train_state),
+            after_load=True,
+        )
+        for notice in notices if global_rank() == 0 else ():
+            logger.warning(notice)  # nothing to train, unused pretrained weights
         components = run_components(
             state,
             forward_step_func,
@@ -462,5 +422,13 @@ def pretrain(
         clean = True
         return exit_code
     finally:
-        _close(config.checkpoint, state.resiliency, state.metric_writers, clean)
+        steps = run_teardown_steps(
+            config.checkpoint, state.resiliency, state.metric_writers, clean=clean
+        )
+        steps += [
+            ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
+            ("releasing the micro-batch calculator", release_num_microbatches_calculator),
+            ("destroying the process group", destroy_distributed),
+        ]
+        run_teardown(steps, "pretrain")  # never raises over the error that may be propagating
         sys.stdout.flush()
