@@ -22,6 +22,7 @@ from bridge.train.checkpointing.context import check_checkpoint_config
 from bridge.train.checks import mimo, rules
 from bridge.train.checks.layout import check_engine_config
 from bridge.train.data.t5_datasets import check_t5_data_config
+from bridge.train.engine.scheduler import scheduler_steps
 
 __all__ = ["BOTH", "FACTS", "GPT", "MIMO", "REGISTRY", "SECTIONS", "Rule", "RunKind"]
 
@@ -47,7 +48,7 @@ class Rule:
             fields) and :data:`FACTS`; by default its parameter names.
     """
 
-    check: Callable[..., None]
+    check: Callable[..., object]
     runs: frozenset[RunKind] = BOTH
     reads: tuple[str, ...] = field(default=())
 
@@ -89,9 +90,9 @@ SECTIONS: tuple[str, ...] = (
 REGISTRY: dict[str, tuple[Rule, ...]] = {
     "model": (
         # What the engine cannot run correctly on this machine (pipeline p2p modes,
-        # GPU-only features without CUDA).
+        # GPU-only features without CUDA). That the layout fits the world is validate()'s
+        # (ConfigContainer.get_data_parallel_size).
         Rule(check_engine_config, GPT, ("model", "ddp", "optimizer", "cuda_available")),
-        Rule(rules.layout_fits_world, GPT),
     ),
     "train": (
         Rule(rules.evaluation_has_validation_data, GPT),
@@ -101,7 +102,8 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(mimo.layout_fits_world_and_batches, MIMO),
     ),
     "optimizer": (Rule(mimo.learning_rate_is_set, MIMO),),
-    "scheduler": (Rule(mimo.schedule_fits_run, MIMO),),
+    # The learning-rate schedule fits the run's length (megatron's sample-based steps).
+    "scheduler": (Rule(scheduler_steps, MIMO, ("scheduler", "train")),),
     "dist": (Rule(rules.distributed_backend_resolves),),
     "rng": (
         Rule(rules.initialisation_is_possible, BOTH),

@@ -52,7 +52,7 @@ from bridge.train.data.split_checks import check_split_samples
 from bridge.train.data.t5_datasets import T5DatasetConfig
 from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 from bridge.train.data.tokenizers import build_tokenizer
-from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
+from bridge.train.engine.initialize import resolve_distributed_backend
 from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 
 __all__ = [
@@ -68,7 +68,6 @@ __all__ = [
     "evaluation_has_validation_data",
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
-    "layout_fits_world",
     "load_directory_exists",
     "logger_directories_are_writable",
     "nsys_needs_cuda",
@@ -91,14 +90,6 @@ INDEX_BYTES_PER_SAMPLE = 24
 
 
 # ----------------------------------------------------------------------------------- model
-
-
-def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
-    """The parallel layout fits the launched world."""
-    try:
-        validate_parallel_layout(model, world_size)
-    except ValueError as exc:
-        raise ConfigError("model", str(exc)) from None
 
 
 def initialisation_is_possible(rng: RNGConfig, model: ModelConfigProtocol) -> None:
