@@ -25,6 +25,7 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
 from bridge.config import (
+    CheckpointConfig,
     ConfigContainer,
     ConfigError,
     ModelConfigProtocol,
@@ -33,13 +34,14 @@ from bridge.config import (
 )
 from bridge.logging import (
     BackendSettings,
+    MetricWriters,
     ReportSettings,
     build_timers,
     scheduler_job,
     setup_logging,
     start_memory_history_recording,
 )
-from bridge.resiliency import WatchdogTimeouts
+from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
@@ -307,6 +309,23 @@ def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
         )
 
 
+def _close(
+    checkpoint: CheckpointConfig | None,
+    resiliency: RunResiliency,
+    metric_writers: MetricWriters,
+    clean: bool,
+) -> None:
+    """Release everything pretrain started (also the eval-only run's close); never raises
+    (errors are logged)."""
+    steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
+    steps += [
+        ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
+        ("releasing the micro-batch calculator", release_num_microbatches_calculator),
+        ("destroying the process group", destroy_distributed),
+    ]
+    run_teardown(steps, "pretrain")
+
+
 @one_lookup_per_launch()  # the checks and the load resume the same checkpoint
 def pretrain(
     config: ConfigContainer,
@@ -422,13 +441,5 @@ def pretrain(
         clean = True
         return exit_code
     finally:
-        steps = run_teardown_steps(
-            config.checkpoint, state.resiliency, state.metric_writers, clean=clean
-        )
-        steps += [
-            ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
-            ("releasing the micro-batch calculator", release_num_microbatches_calculator),
-            ("destroying the process group", destroy_distributed),
-        ]
-        run_teardown(steps, "pretrain")  # never raises over the error that may be propagating
+        _close(config.checkpoint, state.resiliency, state.metric_writers, clean)
         sys.stdout.flush()
