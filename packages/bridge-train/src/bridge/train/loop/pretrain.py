@@ -44,7 +44,6 @@ from bridge.logging import (
 from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
-from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
@@ -342,14 +341,11 @@ def pretrain(
 ) -> int:
     """Train a model as ``config`` says, from scratch or from its last checkpoint.
 
-    Validates the config before anything distributed exists (see
-    :func:`~bridge.train.checks.preflight.check_config_before_launch`), initialises
-    distributed training through the engine, builds model, optimizer, scheduler, data
-    iterators, metric writers and resiliency hooks, loads a checkpoint, runs
-    :func:`bridge.train.train`, evaluates on the validation and test splits at the end, and
-    always closes (writers flushed, asynchronous saves finished, process group destroyed),
-    also when something fails. Every rank calls it (under ``torchrun``, or bare for one
-    process).
+    The config is checked before anything distributed exists
+    (:func:`~bridge.train.checks.preflight.check_config_before_launch`); then :func:`setup`,
+    :func:`bridge.train.train`, the validation and test evaluation at the end, and the close
+    (see the module docstring), also when something fails. Every rank calls it (under
+    ``torchrun``, or bare for one process).
 
     Args:
         config: The run's configuration (validated and completed in place).
@@ -399,6 +395,9 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
+        # checks.resume reads the save directory through loop.run_ends: imported here.
+        from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
+
         notices = run_plan_notices(
             config.checkpoint,
             config.train,
