@@ -65,28 +65,8 @@ def _unused_by_mimo(name: str) -> Rule:
     return Rule(mimo.section_is_unused(name), MIMO, (name,))
 
 
-#: The order in which the pass visits the sections.
-SECTIONS: tuple[str, ...] = (
-    "model",
-    "train",
-    "optimizer",
-    "scheduler",
-    "dist",
-    "rng",
-    "rerun_state_machine",
-    "tokenizer",
-    "dataset",
-    "peft",
-    "samples",
-    "comm_overlap",
-    "mixed_precision",
-    "checkpoint",
-    "logger",
-    "profiling",
-    "nvrx_straggler",
-)
-
-#: Section -> the trainer's rules about it, in the order they run.
+#: Section -> the trainer's rules about it, in the order they run; the pass visits the
+#: sections in this order.
 REGISTRY: dict[str, tuple[Rule, ...]] = {
     "model": (
         # What the engine cannot run correctly on this machine (pipeline p2p modes,
@@ -153,3 +133,6 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     ),
     "nvrx_straggler": (Rule(rules.nvrx_needs_cuda),),
 }
+
+#: The order in which the pass visits the sections (the registry's).
+SECTIONS: tuple[str, ...] = tuple(REGISTRY)
