@@ -1,16 +1,11 @@
 """The trainer's rules about config sections: what a section accepts but the trainer
 cannot honour, or cannot honour on this machine.
 
-Every rule is a function whose parameters are named after what it reads: config sections
-(``model``, ``train``, ``checkpoint``, ... as ``ConfigContainer`` names them) and the facts of
-the launch (``world_size``, ``cuda_available``). It returns nothing and raises one
-:class:`bridge.config.ConfigError` (naming the field and the fix) for the first problem it
-finds. :mod:`bridge.train.checks.registry` lists them by section, in the order the one
-pass (:func:`bridge.train.checks.preflight.check_config_before_launch`) runs them; rules a
-section can check without the trainer's knowledge live with the section in bridge-config.
-
-Rules that need megatron-core or the trainer's modules import them when they run, so
-importing this module stays cheap for the command's edge.
+A rule's parameters are named after what it reads (sections as ``ConfigContainer`` names
+them, and the launch's ``world_size`` / ``cuda_available``); it raises one
+:class:`bridge.config.ConfigError` (the field and the fix) for the first problem it finds.
+:mod:`bridge.train.checks.registry` lists them by section. Rules that need the trainer's
+heavier modules import them when they run, so importing this module stays cheap.
 """
 
 from __future__ import annotations
