@@ -12,11 +12,9 @@ refused: it fuses the latent norms into the up projections under other parameter
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -91,8 +89,5 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
         ``torch.cuda.current_device()``; without CUDA it is built with the CPU as that
         device (``core_utils.cpu_cuda_compat``) and kept there.
         """
-        scope: Any = contextlib.nullcontext()
-        if not torch.cuda.is_available():
-            scope = cpu_cuda_compat()
-        with scope:
+        with cpu_cuda_compat():  # a no-op with CUDA
             return super().provide(pre_process, post_process, vp_stage)
