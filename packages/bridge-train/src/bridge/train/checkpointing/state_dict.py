@@ -16,6 +16,7 @@ with its parameter's sharding, never stored as a plain per-rank tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "LAYOUT_SIZES",
     "OPTIMIZER_SHARDING_METADATA",
     "build_load_template",
     "build_save_state_dict",
@@ -54,6 +56,18 @@ def model_state_keys(num_chunks: int) -> list[str]:
     return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
 
 
+#: The model-parallel sizes a checkpoint records: short name (``TP2`` in messages), layout
+#: key, megatron's getter.
+LAYOUT_SIZES: tuple[tuple[str, str, Callable[[], int]], ...] = (
+    ("TP", "tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size),
+    ("PP", "pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size),
+    ("CP", "context_parallel_size", parallel_state.get_context_parallel_world_size),
+    ("DP", "data_parallel_size", parallel_state.get_data_parallel_world_size),
+    ("EP", "expert_model_parallel_size", parallel_state.get_expert_model_parallel_world_size),
+    ("ETP", "expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size),
+)
+
+
 def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any]:
     """World size and model-parallel sizes (expert sizes included) of the running job.
 
@@ -64,14 +78,7 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
 
     layout: dict[str, Any] = {"world_size": _dist.world_size()}
     if parallel_state.model_parallel_is_initialized():
-        layout.update(
-            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            context_parallel_size=parallel_state.get_context_parallel_world_size(),
-            data_parallel_size=parallel_state.get_data_parallel_world_size(),
-            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
-        )
+        layout.update({name: size() for _, name, size in LAYOUT_SIZES})
     for chunk in unwrapped_chunks(model or []):
         describe = getattr(chunk, "checkpoint_parallel_layout", None)
         if callable(describe):
