@@ -47,7 +47,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from bridge.config import CheckpointConfig, ConfigError
 from bridge.config.atomic_files import fsync_directory
 from bridge.train.checkpointing import _dist
-from bridge.train.checkpointing._fs import fsync_tree, remove_tree
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
     finalize_async_saves,
@@ -112,6 +111,23 @@ def _pending() -> set[str]:
     return _PENDING.setdefault(os.getpid(), set())
 
 
+def _fsync_tree(path: str | os.PathLike[str]) -> None:
+    """Flush every file and directory under ``path`` (cheap for files already synced)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_directory(root)
+
+
+def _remove_tree(path: str | os.PathLike[str]) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
 @dataclass(frozen=True)
 class _Commit:
     root: str
@@ -159,7 +175,7 @@ def _recover_and_clean(root: Path) -> None:
         if not entry.is_dir() or not name.startswith("iter_"):
             continue
         if name.endswith(STAGING_SUFFIX) and str(entry) not in pending:
-            remove_tree(entry)
+            _remove_tree(entry)
         elif name.endswith(RETIRED_SUFFIX):
             iteration = parse_iteration(name[: -len(RETIRED_SUFFIX)])
             if iteration is None:
@@ -169,7 +185,7 @@ def _recover_and_clean(root: Path) -> None:
                 os.rename(entry, final)
                 fsync_directory(root)
             else:
-                remove_tree(entry)
+                _remove_tree(entry)
 
 
 def _os_reason(exc: OSError) -> str:
@@ -219,7 +235,7 @@ def _prepare_staging(root: str, iteration: int) -> str:
         base.mkdir(parents=True, exist_ok=True)
         _recover_and_clean(base)
         staging = staging_path(base, iteration)
-        remove_tree(staging)  # an earlier save of this iteration that never completed
+        _remove_tree(staging)  # an earlier save of this iteration that never completed
         staging.mkdir()
     except OSError as exc:
         raise CheckpointError(
@@ -293,7 +309,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
         _write_run_config(commit.config, staging)
         if (staging / RUN_CONFIG_FILENAME).is_file():
             files = {**files, RUN_CONFIG_FILENAME: checksum_file(staging / RUN_CONFIG_FILENAME)}
-        fsync_tree(staging)
+        _fsync_tree(staging)
         write_marker(staging, {**commit.marker, "checksum": CHECKSUM_ALGORITHM, "files": files})
         if final.exists() and checkpoint_problems(final, share=False):
             # Nothing damaged is deleted: it stays for the user to inspect or restore.
@@ -307,12 +323,12 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             )
         if final.exists():
             # A checkpoint of the same iteration exists: keep it until the new one is in place.
-            remove_tree(retired)
+            _remove_tree(retired)
             os.rename(final, retired)
         os.rename(staging, final)
         fsync_directory(root)
         write_tracker(root, commit.iteration)
-        remove_tree(retired)
+        _remove_tree(retired)
     except OSError as exc:
         raise CheckpointError(
             f"cannot commit the checkpoint of iteration {commit.iteration} in {root}: "
@@ -322,7 +338,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
         for entry in list(root.iterdir()):
             iteration = parse_iteration(entry.name)
             if iteration is not None and iteration != commit.iteration and entry.is_dir():
-                remove_tree(entry)
+                _remove_tree(entry)
 
 
 def _commit(commit: _Commit) -> None:
