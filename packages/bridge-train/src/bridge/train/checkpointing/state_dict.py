@@ -241,9 +241,7 @@ def build_save_state_dict(
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if save_rng:
-        state[RNG_STATE_KEY] = rng_sharded_object(
-            _dist.rank(), _dist.world_size(), capture_rng_state()
-        )
+        state[RNG_STATE_KEY] = rng_sharded_object(capture_rng_state())
     state["iteration"] = int(train_state.step)
     state["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
     state["train_state"] = train
@@ -289,5 +287,5 @@ def build_load_template(
             optimizer, models, is_loading=True, sharding_type=sharding_type
         )
     if load_rng:
-        template[RNG_STATE_KEY] = rng_sharded_object(_dist.rank(), _dist.world_size(), None)
+        template[RNG_STATE_KEY] = rng_sharded_object(None)
     return template
