@@ -1,4 +1,4 @@
-"""What a checkpoint holds: the sharded state dict saved and the template it is loaded into.
+"""What a checkpoint holds: the sharded state dict saved and the pieces a load template uses.
 
 A checkpoint's state dict (megatron-core dist_checkpointing) is::
 
@@ -35,7 +35,6 @@ __all__ = [
     "FORMAT_VERSION",
     "LAYOUT_SIZES",
     "OPTIMIZER_SHARDING_METADATA",
-    "build_load_template",
     "build_save_state_dict",
     "distributed_parts",
     "model_state_keys",
@@ -257,35 +256,3 @@ def build_save_state_dict(
         "rng": bool(save_rng),
     }
     return state
-
-
-def build_load_template(
-    model: list[torch.nn.Module],
-    optimizer: MegatronOptimizer | None,
-    *,
-    load_optim: bool,
-    load_rng: bool,
-    sharding_type: str | None = None,
-) -> dict[str, Any]:
-    """The sharded state dict to load a checkpoint into (shapes and shardings of this job).
-
-    Args:
-        model: Model chunks to load into.
-        optimizer: Optimizer (its state is initialised so there is state to load into).
-        load_optim: Request the optimizer state.
-        load_rng: Request this rank's generator states.
-        sharding_type: The saved distributed-optimizer sharding type, when not the default.
-
-    Returns:
-        A state dict accepted by ``megatron.core.dist_checkpointing.load``.
-    """
-    models = model_sharded_state_dict(model)
-    template: dict[str, Any] = dict(models)
-    if load_optim and optimizer is not None:
-        allocate_optimizer_state(optimizer)
-        template["optimizer"] = optimizer_sharded_state_dict(
-            optimizer, models, is_loading=True, sharding_type=sharding_type
-        )
-    if load_rng:
-        template[RNG_STATE_KEY] = rng_sharded_object(None)
-    return template
