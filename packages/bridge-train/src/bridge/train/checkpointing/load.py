@@ -25,7 +25,6 @@ import functools
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -306,13 +305,9 @@ def _verified_plan(plan: PlannedLoad, problems: list[str]) -> PlannedLoad:
 
 
 def _read_common(path: str) -> dict[str, Any]:
-
+    # A single-process read on each rank: its warnings are held by restore_checkpoint.
     try:
-        with warnings.catch_warnings():
-            # Reading the common part is deliberately a single-process read on each rank.
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
-            warnings.filterwarnings("ignore", message=r"The argument order of load")
-            common = load_common_state_dict(path)
+        common = load_common_state_dict(path)
     except (CheckpointException, CheckpointingException, OSError) as exc:
         raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
     meta = common.get(META_KEY)
