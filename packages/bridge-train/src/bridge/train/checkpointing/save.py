@@ -75,8 +75,6 @@ from bridge.train.checkpointing.layout import (
     is_complete_checkpoint,
     parse_iteration,
     read_tracker,
-    retired_path,
-    staging_path,
     write_marker,
     write_tracker,
 )
@@ -234,7 +232,7 @@ def _prepare_staging(root: str, iteration: int) -> str:
     try:
         base.mkdir(parents=True, exist_ok=True)
         _recover_and_clean(base)
-        staging = staging_path(base, iteration)
+        staging = base / (checkpoint_dir_name(iteration) + STAGING_SUFFIX)
         _remove_tree(staging)  # an earlier save of this iteration that never completed
         staging.mkdir()
     except OSError as exc:
@@ -304,7 +302,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
     root = Path(commit.root)
     staging = Path(commit.staging)
     final = root / checkpoint_dir_name(commit.iteration)
-    retired = retired_path(root, commit.iteration)
+    retired = root / (checkpoint_dir_name(commit.iteration) + RETIRED_SUFFIX)
     try:
         _write_run_config(commit.config, staging)
         if (staging / RUN_CONFIG_FILENAME).is_file():
@@ -540,8 +538,8 @@ def write_checkpoint(
     if checkpoint_config.async_save:
         # Commit earlier saves that have finished (collective, like the save itself); a save
         # of this very iteration still in flight is waited for.
-        in_flight = str(staging_path(root, iteration)) in _pending()
-        finalize_async_saves(fault_tolerance, blocking=in_flight)
+        staging = str(Path(root) / (checkpoint_dir_name(iteration) + STAGING_SUFFIX))
+        finalize_async_saves(fault_tolerance, blocking=staging in _pending())
 
     staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
     _pending().add(staging)
