@@ -516,45 +516,42 @@ def _check_scheduler_settings(
     groups with the current ones by their learning-rate bounds, so a run with another
     ``optimizer.lr`` would otherwise fail inside megatron-core instead of with this message.
     """
-    override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
-    from_checkpoint = bool(getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
-    if not override and not from_checkpoint:
-        changed = [
-            name
-            for name in _SCHEDULER_SETTINGS
-            if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
-        ]
-        differing = [
-            f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
-            for name in changed
-        ]
-        lengths = {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}
-        if differing and set(changed) <= lengths:
-            # Only the schedule's lengths differ: the run was extended (or shortened) with
-            # train.train_iters. The checkpoint's schedule keeps the learning rate
-            # continuous (after its decay ends it stays at min_lr); stretching it to the new
-            # length would jump the learning rate back up, so that is left to an explicit
-            # scheduler.override_opt_param_scheduler=true.
-            # INFO: extending a run is what the user asked for, not a problem.
-            log = logger.info if _dist.rank() == 0 else logger.debug
-            log(
-                "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
-                "(the learning rate stays at min_lr once its decay ends); set "
-                "scheduler.override_opt_param_scheduler=true to stretch it to this run's length",
-                path,
-                "; ".join(differing),
-            )
-            for name in changed:
-                setattr(scheduler, name, saved[name])
-            differing = []
-        if differing:
-            raise CheckpointError(
-                f"the scheduler settings differ from those saved in {path}: "
-                + "; ".join(differing)
-                + ". Set scheduler.override_opt_param_scheduler=True to keep the config's "
-                "values, or scheduler.use_checkpoint_opt_param_scheduler=True to take the "
-                "checkpoint's"
-            )
+    if getattr(scheduler, "override_opt_param_scheduler", False) or getattr(
+        scheduler, "use_checkpoint_opt_param_scheduler", False
+    ):
+        return  # the config says which schedule wins
+    changed = [
+        name
+        for name in _SCHEDULER_SETTINGS
+        if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
+    ]
+    differing = "; ".join(
+        f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
+        for name in changed
+    )
+    if changed and set(changed) <= {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}:
+        # Only the schedule's lengths differ: the run was extended (or shortened) with
+        # train.train_iters. The checkpoint's schedule keeps the learning rate
+        # continuous (after its decay ends it stays at min_lr); stretching it to the new
+        # length would jump the learning rate back up, so that is left to an explicit
+        # scheduler.override_opt_param_scheduler=true.
+        # INFO: extending a run is what the user asked for, not a problem.
+        log = logger.info if _dist.rank() == 0 else logger.debug
+        log(
+            "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
+            "(the learning rate stays at min_lr once its decay ends); set "
+            "scheduler.override_opt_param_scheduler=true to stretch it to this run's length",
+            path,
+            differing,
+        )
+        for name in changed:
+            setattr(scheduler, name, saved[name])
+    elif changed:
+        raise CheckpointError(
+            f"the scheduler settings differ from those saved in {path}: {differing}. Set "
+            "scheduler.override_opt_param_scheduler=True to keep the config's values, or "
+            "scheduler.use_checkpoint_opt_param_scheduler=True to take the checkpoint's"
+        )
 
 
 # Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
