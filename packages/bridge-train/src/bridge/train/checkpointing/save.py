@@ -159,33 +159,6 @@ def _save_root(checkpoint_config: CheckpointConfig, non_persistent: bool) -> str
     return str(checkpoint_config.save)
 
 
-def _recover_and_clean(root: Path) -> None:
-    """Remove leftovers of crashed saves in ``root`` (never a complete, committed checkpoint).
-
-    Staging directories not being written by this process are incomplete by construction
-    and are deleted. A retired directory (``iter_N.old``) exists only between the two
-    renames that replace a checkpoint by a new save of the same iteration: if the new one
-    did not arrive, the old one is moved back, else it is deleted.
-    """
-    pending = _pending()
-    for entry in list(root.iterdir()):
-        name = entry.name
-        if not entry.is_dir() or not name.startswith("iter_"):
-            continue
-        if name.endswith(STAGING_SUFFIX) and str(entry) not in pending:
-            _remove_tree(entry)
-        elif name.endswith(RETIRED_SUFFIX):
-            iteration = parse_iteration(name[: -len(RETIRED_SUFFIX)])
-            if iteration is None:
-                continue
-            final = root / checkpoint_dir_name(iteration)
-            if not final.exists() and is_complete_checkpoint(entry):
-                os.rename(entry, final)
-                fsync_directory(root)
-            else:
-                _remove_tree(entry)
-
-
 def _os_reason(exc: OSError) -> str:
     """``No space left on device (/runs/a/iter_0000020.tmp/__0_0.distcp)``: the reason and path."""
     reason = exc.strerror or str(exc)
@@ -228,10 +201,33 @@ def describe_save_failure(exc: BaseException, root: str | None = None) -> str:
 
 
 def _prepare_staging(root: str, iteration: int) -> str:
+    """A new staging directory of ``iteration`` in ``root``, made after removing the
+    leftovers of crashed saves there (never a complete, committed checkpoint).
+
+    Staging directories not being written by this process are incomplete by construction
+    and are deleted. A retired directory (``iter_N.old``) exists only between the two
+    renames that replace a checkpoint by a new save of the same iteration: if the new one
+    did not arrive, the old one is moved back, else it is deleted.
+    """
     base = Path(root)
     try:
         base.mkdir(parents=True, exist_ok=True)
-        _recover_and_clean(base)
+        for entry in list(base.iterdir()):
+            name = entry.name
+            if not entry.is_dir() or not name.startswith("iter_"):
+                continue
+            if name.endswith(STAGING_SUFFIX) and str(entry) not in _pending():
+                _remove_tree(entry)
+            elif name.endswith(RETIRED_SUFFIX):
+                old = parse_iteration(name.removesuffix(RETIRED_SUFFIX))
+                if old is None:
+                    continue
+                final = base / checkpoint_dir_name(old)
+                if not final.exists() and is_complete_checkpoint(entry):
+                    os.rename(entry, final)
+                    fsync_directory(base)
+                else:
+                    _remove_tree(entry)
         staging = base / (checkpoint_dir_name(iteration) + STAGING_SUFFIX)
         _remove_tree(staging)  # an earlier save of this iteration that never completed
         staging.mkdir()
