@@ -272,15 +272,6 @@ def _write_run_config(config: RunConfigFile | None, directory: Path) -> None:
         )
 
 
-def _damaged_path(path: Path) -> Path:
-    candidate = path.with_name(path.name + DAMAGED_SUFFIX)
-    number = 1
-    while candidate.exists():
-        number += 1
-        candidate = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{number}")
-    return candidate
-
-
 def intact_note(root: str | os.PathLike[str]) -> str:
     """What a failed save left: which checkpoint of ``root`` is still the newest complete one."""
     try:
@@ -307,7 +298,10 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
         write_marker(staging, {**commit.marker, "checksum": CHECKSUM_ALGORITHM, "files": files})
         if final.exists() and checkpoint_problems(final, share=False):
             # Nothing damaged is deleted: it stays for the user to inspect or restore.
-            aside = _damaged_path(final)
+            aside, number = final.with_name(final.name + DAMAGED_SUFFIX), 1
+            while aside.exists():
+                number += 1
+                aside = final.with_name(f"{final.name}{DAMAGED_SUFFIX}{number}")
             os.rename(final, aside)
             logger.error(  # a data-loss event: not hidden by filter_warnings
                 "%s is damaged; it was moved to %s (not deleted) and iteration %d is saved anew",
