@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import functools
 import importlib.util
 import pstats
 import sys
@@ -105,12 +106,12 @@ def main() -> None:
         for side in ("bare", "trainer"):
             counts = []
             for steps in (args.steps, args.steps, 2 * args.steps):
-                if side == "bare":
-                    counts.append(_calls(lambda steps=steps: overhead.run_bare(steps, 1)))
-                else:
-                    counts.append(
-                        _calls(lambda steps=steps: overhead.run_trainer(steps, 1, Path(tmp)))
-                    )
+                run = (
+                    functools.partial(overhead.run_bare, steps, 1)
+                    if side == "bare"
+                    else functools.partial(overhead.run_trainer, steps, 1, Path(tmp))
+                )
+                counts.append(_calls(run))
             per_step[side] = {k: (counts[2][k] - counts[1][k]) / args.steps for k in OWNERS}
     dist.destroy_process_group()
 
