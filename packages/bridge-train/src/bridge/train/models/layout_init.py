@@ -225,12 +225,13 @@ def _fill_random(
             torch.default_generator.manual_seed(generator_seed)
             init_method(tile)
             # The overlap of this tile with the shard, in tile and in local coordinates.
-            source, dest = [], []
+            source: list[slice] = []
+            dest: list[Any] = list(local_outer)
             for (_, t0, t1), start, count in zip(tiles, body_offset, body_local, strict=False):
                 lo, hi = max(t0, start), min(t1, start + count)
                 source.append(slice(lo - t0, hi - t0))
                 dest.append(slice(lo - start, hi - start))
-            view[(*local_outer, *dest)].copy_(tile[(*source, *rest)])
+            view[tuple(dest)].copy_(tile[(*source, *rest)])
 
 
 def _parameter_owners(
