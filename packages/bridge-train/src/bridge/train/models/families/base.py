@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting
+from bridge.train.models.families.config_fields import read_hf_config
 from bridge.train.models.families.errors import ConversionError
 from bridge.train.models.families.mapping import ParamMapping
 from bridge.train.models.gpt_provider import GPTModelProvider
@@ -271,8 +272,6 @@ def provider_from_hf_config(
             divide into (the message names the field).
     """
     if not isinstance(config, dict):
-        from bridge.train.models.families.config_fields import read_hf_config
-
         config = read_hf_config(config)
     family = family_for(config)
     text = family.text_config(config)
