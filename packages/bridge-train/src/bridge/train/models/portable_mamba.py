@@ -156,7 +156,6 @@ class PortableMambaMixer(MegatronModule):
                 "megatron's mixer with mamba-ssm on GPU: model.layer_spec_backend="
                 "'transformer_engine')"
             )
-        self.config = config
         self.d_model = d_model
         self.d_conv = d_conv
         # The init settings, kept as megatron's mixer keeps conv_init (layout-independent
