@@ -38,7 +38,7 @@ from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
-from bridge.train.loop.pretrain import _close, setup
+from bridge.train.loop.pretrain import close_run as _close, setup
 from bridge.train.loop.pretrain_mimo import MimoModelConfig
 from bridge.train.loop.training import run_components
 from bridge.train.models.family import build_family_datasets, default_forward_step, is_t5

@@ -82,7 +82,7 @@ from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
 
-__all__ = ["DatasetsFunction", "SetupOutput", "pretrain", "setup"]
+__all__ = ["DatasetsFunction", "SetupOutput", "close_run", "pretrain", "setup"]
 
 logger = logging.getLogger(__name__)
 
@@ -308,14 +308,17 @@ def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
         )
 
 
-def _close(
+def close_run(
     checkpoint: CheckpointConfig | None,
     resiliency: RunResiliency,
     metric_writers: MetricWriters,
     clean: bool,
 ) -> None:
-    """Release everything pretrain started (also the eval-only run's close); never raises
-    (errors are logged)."""
+    """Release everything :func:`setup` started; never raises (errors are logged).
+
+    Args: as :func:`bridge.train.loop.run_ends.run_teardown_steps`, which gives the first
+    steps; megatron's globals and the process group are released last.
+    """
     steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
         ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
@@ -440,5 +443,5 @@ def pretrain(
         clean = True
         return exit_code
     finally:
-        _close(config.checkpoint, state.resiliency, state.metric_writers, clean)
+        close_run(config.checkpoint, state.resiliency, state.metric_writers, clean)
         sys.stdout.flush()
