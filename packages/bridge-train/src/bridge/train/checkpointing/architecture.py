@@ -25,7 +25,7 @@ from bridge.train.models.architecture import (
     same_setting,
 )
 
-__all__ = ["ARCHITECTURE_FIELDS", "check_same_architecture"]
+__all__ = ["ARCHITECTURE_FIELDS", "check_same_architecture", "differences", "read_run_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,37 @@ def _show(value: Any) -> str:
     return name if callable(value) and name else repr(value)
 
 
+def read_run_config(checkpoint_dir: str | os.PathLike[str]) -> ConfigContainer | None:
+    """The run config ``checkpoint_dir`` was saved with; None when it has none or it no
+    longer loads (saved by an older version, or naming a class no longer importable)."""
+    path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
+    if not path.is_file():
+        return None
+    try:
+        return ConfigContainer.from_yaml(path)
+    except ConfigError as exc:
+        logger.info("not comparing this run with %s: %s", path, exc)
+        return None
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any], label: str) -> list[str]:
+    """``key (<label> X, this run Y)`` for each key whose values differ (by
+    :func:`~bridge.train.models.architecture.same_setting`; a missing key is None): the one
+    comparison of saved and current settings, here and in :mod:`bridge.train.checks.resume`.
+    """
+    return [
+        f"{key} ({label} {_show(saved.get(key))}, this run {_show(current.get(key))})"
+        for key in dict.fromkeys([*saved, *current])
+        if not same_setting(saved.get(key), current.get(key))
+    ]
+
+
 def check_same_architecture(
     model_config: ModelConfigProtocol | None,
     checkpoint_dir: str | os.PathLike[str],
     *,
     before_setup: bool = False,
+    saved: ConfigContainer | None = None,
 ) -> None:
     """Refuse to resume ``checkpoint_dir`` into a model of another architecture.
 
@@ -56,38 +82,32 @@ def check_same_architecture(
         before_setup: Called before the run is set up (a launch check): fields this run
             leaves unset are filled in later (``vocab_size`` from the tokenizer) and are
             not compared.
+        saved: Its run config when the caller has read it (:func:`read_run_config`).
 
     Raises:
         CheckpointError: Listing every differing field with both values, and the way to
             load the weights into a different model on purpose.
     """
-    path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
-    if model_config is None or not path.is_file():
+    if saved is None and model_config is not None:
+        saved = read_run_config(checkpoint_dir)
+    if model_config is None or saved is None:
         return
-
-    try:
-        saved = ConfigContainer.from_yaml(path).model
-    except ConfigError as exc:
-        logger.info("not comparing the architecture with %s: %s", path, exc)
-        return
-    differing = []
-    if type(saved) is not type(model_config):
-        differing.append(
-            f"model class (checkpoint {type(saved).__name__}, this run "
+    if type(saved.model) is not type(model_config):
+        differing = [
+            f"model class (checkpoint {type(saved.model).__name__}, this run "
             f"{type(model_config).__name__})"
-        )
+        ]
     else:
-        for name in ARCHITECTURE_FIELDS:
-            if not (hasattr(saved, name) and hasattr(model_config, name)):
-                continue
-            before, now = getattr(saved, name), getattr(model_config, name)
-            if before_setup and now is None:
-                continue
-            if not same_setting(before, now):
-                differing.append(f"{name} (checkpoint {_show(before)}, this run {_show(now)})")
+        now = {n: getattr(model_config, n) for n in ARCHITECTURE_FIELDS if hasattr(model_config, n)}
+        if before_setup:  # what this run leaves unset is filled in at setup
+            now = {name: value for name, value in now.items() if value is not None}
+        differing = differences(
+            {name: getattr(saved.model, name) for name in now}, now, "checkpoint"
+        )
     if differing:
         raise CheckpointError(
-            f"the model differs from the one saved in {path}: {'; '.join(differing)}. "
+            "the model differs from the one saved in "
+            f"{Path(checkpoint_dir) / RUN_CONFIG_FILENAME}: {'; '.join(differing)}. "
             "Resume with the saved model settings, or set checkpoint.finetune=True (or load "
             "it through checkpoint.pretrained_checkpoint) to start a new run from its weights"
         )

@@ -32,14 +32,16 @@ from typing import Any
 
 from bridge.config import (
     CheckpointConfig,
-    ConfigContainer,
     ConfigError,
     ModelConfigProtocol,
     TrainingConfig,
 )
 from bridge.train.checkpointing import CheckpointError
-from bridge.train.checkpointing.architecture import check_same_architecture
-from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+from bridge.train.checkpointing.architecture import (
+    check_same_architecture,
+    differences,
+    read_run_config,
+)
 from bridge.train.checkpointing.load import PlannedLoad, planned_load
 from bridge.train.loop.run_ends import adopt_own_save_dir
 
@@ -117,16 +119,6 @@ def _section_values(section: Any) -> dict[str, Any]:
     return values
 
 
-def _same(before: Any, now: Any) -> bool:
-    if isinstance(before, Path) or isinstance(now, Path):
-        return str(before) == str(now)
-    if isinstance(before, (list, tuple)) and isinstance(now, (list, tuple)):
-        return len(before) == len(now) and all(
-            _same(a, b) for a, b in zip(before, now, strict=True)
-        )
-    return bool(before == now)
-
-
 def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
     """``section.field (saved X, this run Y)`` for every identity field that differs.
 
@@ -144,23 +136,13 @@ def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
                 f"this run {after.get('_target_', 'none')})"
             )
             continue
-        for key in sorted(set(before) | set(after)):
-            old, new = before.get(key), after.get(key)
-            if not _same(old, new):
-                where = f"{name}.{key}" if key else name
-                changes.append(f"{where} (saved {old!r}, this run {new!r})")
+        where = {key: f"{name}.{key}" if key else name for key in sorted(before | after)}
+        changes += differences(
+            {where[key]: before.get(key) for key in where},
+            {where[key]: after.get(key) for key in where},
+            "saved",
+        )
     return changes
-
-
-def _saved_config(checkpoint_dir: str) -> Any:
-    path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
-    if not path.is_file():
-        return None
-    try:
-        return ConfigContainer.from_yaml(path)
-    except ConfigError as exc:  # saved by an older version, or a class no longer importable
-        logger.info("not comparing this run with %s: %s", path, exc)
-        return None
 
 
 def check_resume_sections(
@@ -190,13 +172,13 @@ def check_resume_sections(
     if plan is None:
         return
 
-    check_same_architecture(model, plan.path, before_setup=True)
+    saved = read_run_config(plan.path)
+    if saved is None:
+        return
+    check_same_architecture(model, plan.path, before_setup=True, saved=saved)
     if not trains:
         # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
         # continued, so other data is the point, not a mistake; the weights must still fit.
-        return
-    saved = _saved_config(plan.path)
-    if saved is None:
         return
     changes = changed_sections(saved, sections)
     if changes and not checkpoint.resume_with_changes:
@@ -257,7 +239,7 @@ def run_plan_notices(
         return []  # nothing resumed: a new run, from scratch or from pretrained weights
     notices = []
     if checkpoint.resume_with_changes:
-        saved = _saved_config(loaded)
+        saved = read_run_config(loaded)
         changes = changed_sections(saved, identity) if saved is not None else []
         if changes:
             notices.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from pathlib import PurePath
 from typing import Any
 
 __all__ = ["ARCHITECTURE_FIELDS", "same_setting"]
@@ -93,9 +94,11 @@ def _callable_key(value: Callable[..., Any]) -> Any:
 
 def same_setting(a: Any, b: Any) -> bool:
     """Whether two provider field values mean the same (callables by what they call,
-    sequences by their items, numbers by value)."""
+    sequences by their items, numbers by value, a path as its string)."""
     if callable(a) and callable(b):
         return bool(_callable_key(a) == _callable_key(b))
+    if isinstance(a, PurePath) or isinstance(b, PurePath):
+        return str(a) == str(b)
     numbers = (int, float)
     if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
         # Values that went through a config.json (x ** -0.5 and back) differ in the last bit.
