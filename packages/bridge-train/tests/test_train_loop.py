@@ -85,6 +85,9 @@ def test_rampup_becomes_megatron_step_schedule() -> None:
     assert rampup_to_step_schedule([8, 8, 100], 8) == "0:8"
     with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*whole number of increments"):
         rampup_to_step_schedule([4, 5, 32], 16)
+    for bad in ([4, 4], [0, 4, 32], [4, 4, -1]):
+        with pytest.raises(ConfigError, match=r"expected \[start batch size, increment"):
+            rampup_to_step_schedule(bad, 16)
 
 
 def test_progress_log_start_time_follows_world_size(tmp_path: Path) -> None:

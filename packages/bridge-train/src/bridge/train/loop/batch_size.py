@@ -42,16 +42,15 @@ def rampup_to_step_schedule(rampup_batch_size: list[int], global_batch_size: int
     Raises:
         ConfigError: The values do not describe a ramp-up to ``global_batch_size``.
     """
-    if len(rampup_batch_size) != 3:
+    # bridge-config's validate() refuses these too; this public function takes raw values.
+    rampup = rampup_batch_size
+    if len(rampup) != 3 or min(rampup[0], rampup[1]) < 1 or rampup[2] < 0:
         raise ConfigError(
             "train.rampup_batch_size",
-            f"got {rampup_batch_size!r}; expected [start batch size, increment, ramp-up samples]",
+            f"got {rampup!r}; expected [start batch size, increment, ramp-up samples]"
+            ", sizes positive",
         )
     start, increment, samples = (int(v) for v in rampup_batch_size)
-    if start < 1 or increment < 1 or samples < 0:
-        raise ConfigError(
-            "train.rampup_batch_size", f"got {rampup_batch_size!r}; values must be positive"
-        )
     if start > global_batch_size or (global_batch_size - start) % increment:
         raise ConfigError(
             "train.rampup_batch_size",
