@@ -42,6 +42,7 @@ Nothing here imports torch: the CLI reads the launcher's view before deciding to
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import re
@@ -50,7 +51,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -161,6 +162,8 @@ class RendezvousTimeout(ConfigError):
 # --------------------------------------------------------------------------- host lists
 
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
+# A host name: characters other than separators and brackets, and whole bracket groups.
+_NAME = re.compile(r"(?:\[[^\[\]]*\]|[^\s,\[\]])+")
 
 
 def _expand_ranges(body: str, text: str) -> list[str]:
@@ -180,35 +183,6 @@ def _expand_ranges(body: str, text: str) -> list[str]:
     return values
 
 
-def _expand_one(item: str, text: str) -> list[str]:
-    match = _BRACKET.search(item)
-    if match is None:
-        if "[" in item or "]" in item:
-            raise ValueError(f"invalid host list {text!r}: unbalanced brackets in {item!r}")
-        return [item]
-    # The first group varies slowest: the rest of the name is expanded under each value.
-    rest = _expand_one(item[match.end() :], text)
-    head = item[: match.start()]
-    return [head + value + tail for value in _expand_ranges(match[1], text) for tail in rest]
-
-
-def _split_top_level(text: str) -> Iterator[str]:
-    depth, start = 0, 0
-    for index, char in enumerate(text):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"invalid host list {text!r}: unbalanced brackets")
-        elif depth == 0 and (char == "," or char.isspace()):
-            yield text[start:index]
-            start = index + 1
-    if depth != 0:
-        raise ValueError(f"invalid host list {text!r}: unbalanced brackets")
-    yield text[start:]
-
-
 def expand_hostlist(text: str) -> list[str]:
     """Expand SLURM's host-list syntax (``SLURM_JOB_NODELIST``) into host names, in order.
 
@@ -220,10 +194,16 @@ def expand_hostlist(text: str) -> list[str]:
     Raises:
         ValueError: Unbalanced brackets, a range that runs backwards, or a non-number.
     """
+    # What no name matches is a separator (comma, whitespace), or a stray bracket.
+    if _NAME.sub("", text).replace(",", " ").strip():
+        raise ValueError(f"invalid host list {text!r}: unbalanced brackets")
     hosts: list[str] = []
-    for item in _split_top_level(text.strip()):
-        if item:
-            hosts.extend(_expand_one(item, text))
+    for name in _NAME.findall(text):
+        # Literal text at even indices, bracket bodies at odd ones; product() varies the
+        # first group slowest.
+        parts = _BRACKET.split(name)
+        choices = [_expand_ranges(p, text) if i % 2 else [p] for i, p in enumerate(parts)]
+        hosts.extend("".join(host) for host in itertools.product(*choices))
     return hosts
 
 
