@@ -111,15 +111,6 @@ class _InferenceWrapper(GPTInferenceWrapper):
             return super().run_one_forward_step(inference_input, recv_buffer_seq_len)
 
 
-class _Stream:
-    """What megatron's controller closes at the end of a streamed batch."""
-
-    finished = False
-
-    def finish(self, exception: Any = None) -> None:
-        self.finished = True
-
-
 @contextlib.contextmanager
 def inference_mode_active() -> Iterator[None]:
     """Megatron's process-wide ``InferenceMode`` flag on for the block, then back as it was.
@@ -355,20 +346,20 @@ class TextGenerator:
                 prompt_tokens=[ids[0]] * padding[offset] + list(ids),
                 status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
             )
-        streams: OrderedDict[int, Any] | None = None
-        texts: dict[int, _TextStream] = {}
-        if on_text is not None:
-            streams = OrderedDict((request_id, _Stream()) for request_id in requests)
-            for offset, request_id in enumerate(requests):
-                decode = functools.partial(continuation_text, self.tokenizer, batch[offset][1])
-                texts[request_id] = _TextStream(
-                    decode, options.stop, functools.partial(on_text, request_id)
-                )
+        texts = [
+            _TextStream(
+                functools.partial(continuation_text, self.tokenizer, ids),
+                options.stop,
+                functools.partial(on_text, first + offset),
+            )
+            for offset, (_, ids) in enumerate(batch)
+            if on_text is not None
+        ]
         state = BatchState(
             [ids for _, ids in batch],
             options.stop,
             return_logits,
-            (lambda rid, ids, done: texts[rid].update(ids, done)) if texts else None,
+            (lambda row, ids, done: texts[row].update(ids, done)) if texts else None,
             left_padding=padding if any(padding) else (),
         )
         # A KV cache sized for this batch: megatron allocates it at the first forward. With
@@ -383,14 +374,14 @@ class TextGenerator:
             # InferenceMode: what megatron's StaticInferenceEngine switches on around this
             # controller (the output layer then runs on the last position only).
             with rotate_keys_before_caching(self.module), inference_mode_active():
-                done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
+                done = self.controller.generate_all_output_tokens_static_batch(requests)
         finally:
             self.controller.batch = None
             # The cache's memory is released with the context.
             self.wrapper.inference_context = StaticInferenceContext(1, self.max_sequence_length)
         completions = []
         shortest = min(lengths)
-        for row, (request_id, request) in enumerate(done.items()):
+        for row, request in enumerate(done.values()):
             ids = [int(t) for t in request.generated_tokens.tolist()]
             raw = continuation_text(self.tokenizer, batch[row][1], ids)
             text, stopped = _cut_at_stop(raw, options.stop)
@@ -405,8 +396,8 @@ class TextGenerator:
                 start = 0 if any(padding) else lengths[row] - shortest
                 steps = state.logits[start : start + len(ids)]
                 logits = torch.stack([step[row] for step in steps]) if steps else None
-            if request_id in texts:  # the rest of the text, and the end
-                texts[request_id].update(ids, True)
+            if texts:  # the rest of the text, and the end
+                texts[row].update(ids, True)
             completions.append(
                 Completion(
                     prompt=batch[row][0],
