@@ -44,7 +44,6 @@ __all__ = [
     "resume_seed",
     "seed_from_rng_config",
     "seed_process_generators",
-    "set_random_seed",
     "validate_parallel_layout",
 ]
 
@@ -228,11 +227,18 @@ def initialize_distributed(
 
 
 def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> int:
-    """:func:`set_random_seed` with the ``rng`` section's settings.
+    """Seed python, numpy and torch reproducibly for this rank from the ``rng`` section.
+
+    The rank's seed is the base seed + ``100 * pipeline_rank`` (+ ``10 * data_parallel_rank``
+    with ``rng.data_parallel_random_init``), so every data-parallel and tensor-parallel rank of
+    a pipeline stage draws the same parameters (tensor-parallel ranks then slice the same full
+    weights). On CUDA, and on CPU under :func:`core_utils.cuda_emulation` (the megatron
+    engine), megatron's ``model_parallel_cuda_manual_seed`` also seeds its tensor-parallel
+    RNG tracker (``rng.te_rng_tracker``, ``rng.inference_rng_tracker``; under the emulation
+    its "CUDA" generator is the CPU generator); otherwise no CUDA state is touched.
 
     Args:
-        rng_config: The ``rng`` section (``seed``, ``data_parallel_random_init``,
-            ``te_rng_tracker``, ``inference_rng_tracker``); None: seed 1234, the defaults.
+        rng_config: The ``rng`` section; None: seed 1234, the defaults.
         iteration: 0 for a fresh start. A resume under another parallel layout, whose saved
             generator states (per rank) cannot be restored, passes the iteration it
             continues from: the base seed becomes :func:`resume_seed` of the two, so the
@@ -241,14 +247,27 @@ def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> in
 
     Returns:
         The seed used on this rank.
+
+    Raises:
+        ValueError: ``rng.seed`` is negative.
     """
     seed = int(getattr(rng_config, "seed", 1234))
-    return set_random_seed(
-        resume_seed(seed, iteration) if iteration else seed,
-        data_parallel_random_init=bool(getattr(rng_config, "data_parallel_random_init", False)),
-        te_rng_tracker=bool(getattr(rng_config, "te_rng_tracker", False)),
-        inference_rng_tracker=bool(getattr(rng_config, "inference_rng_tracker", False)),
-    )
+    if seed < 0:
+        raise ValueError(f"rng.seed must be >= 0, got {seed}")
+    rank_seed = resume_seed(seed, iteration) if iteration else seed
+    if parallel_state.model_parallel_is_initialized():
+        rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
+        if getattr(rng_config, "data_parallel_random_init", False):
+            rank_seed += 10 * parallel_state.get_data_parallel_rank()
+    seed_process_generators(rank_seed)
+
+    if (torch.cuda.is_available() and torch.cuda.device_count() > 0) or cuda_emulation_active():
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            rank_seed,
+            te_rng_tracker=bool(getattr(rng_config, "te_rng_tracker", False)),
+            inference_rng_tracker=bool(getattr(rng_config, "inference_rng_tracker", False)),
+        )
+    return rank_seed
 
 
 # Below 2**31 with room for megatron's per-rank offsets (100 x pipeline rank, 2718 + tensor
@@ -270,57 +289,12 @@ def seed_process_generators(seed: int) -> None:
     """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA
     device) with ``seed``: what a checkpoint's RNG state holds, megatron's tracker aside.
 
-    :func:`set_random_seed` starts with it; a run without megatron's parallel state (the
+    :func:`seed_from_rng_config` starts with it; a run without megatron's parallel state (the
     ``mimo`` recipe: one grid per module) seeds with it alone.
     """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def set_random_seed(
-    seed: int,
-    data_parallel_random_init: bool = False,
-    te_rng_tracker: bool = False,
-    inference_rng_tracker: bool = False,
-) -> int:
-    """Seed python, numpy and torch reproducibly for this rank.
-
-    The seed is ``seed + 100 * pipeline_rank`` (+ ``10 * data_parallel_rank`` with
-    ``data_parallel_random_init``), so every data-parallel and tensor-parallel rank of a
-    pipeline stage draws the same parameters (tensor-parallel ranks then slice the same full
-    weights). On CUDA, and on CPU under :func:`core_utils.cuda_emulation` (the megatron
-    engine), megatron's ``model_parallel_cuda_manual_seed`` also seeds its tensor-parallel
-    RNG tracker (under the emulation its "CUDA" generator is the CPU generator); otherwise no
-    CUDA state is touched.
-
-    Args:
-        seed: Base seed (must be >= 0).
-        data_parallel_random_init: Give every data-parallel rank different parameters.
-        te_rng_tracker: Use Transformer Engine's RNG tracker (CUDA).
-        inference_rng_tracker: Use megatron's inference RNG tracker (CUDA).
-
-    Returns:
-        The seed used on this rank.
-
-    Raises:
-        ValueError: ``seed`` is negative.
-    """
-    if seed < 0:
-        raise ValueError(f"rng.seed must be >= 0, got {seed}")
-
-    rank_seed = seed
-    if parallel_state.model_parallel_is_initialized():
-        rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
-        if data_parallel_random_init:
-            rank_seed += 10 * parallel_state.get_data_parallel_rank()
-    seed_process_generators(rank_seed)
-
-    if (torch.cuda.is_available() and torch.cuda.device_count() > 0) or cuda_emulation_active():
-        tensor_parallel.model_parallel_cuda_manual_seed(
-            rank_seed, te_rng_tracker=te_rng_tracker, inference_rng_tracker=inference_rng_tracker
-        )
-    return rank_seed
 
 
 def _destroy_model_parallel() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -239,20 +239,14 @@ class MegatronEngine:
 
         def forward_backward_per_chunk(*, data_iterator: Any = None, **kwargs: Any) -> list[Any]:
             if data_iterator is not None and not isinstance(data_iterator, list):
-                data_iterator = list(itertools.tee(_iterable(data_iterator), vp_size))
+                # megatron's RerunDataIterator (what the trainer hands the schedule) has
+                # __next__ but no __iter__, which tee needs; iter(callable, sentinel) ends at
+                # the StopIteration the callable raises.
+                items = iter(data_iterator.__next__, object())
+                data_iterator = list(itertools.tee(items, vp_size))
             return schedule(data_iterator=data_iterator, **kwargs)
 
         return forward_backward_per_chunk
-
-
-def _iterable(iterator: Any) -> Iterator[Any]:
-    """``iterator`` as a Python iterator: megatron's ``RerunDataIterator`` (what the trainer
-    hands the schedule) has ``__next__`` but no ``__iter__``, which ``itertools.tee`` needs."""
-    while True:
-        try:
-            yield next(iterator)
-        except StopIteration:
-            return
 
 
 def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:
