@@ -3,7 +3,7 @@
 :class:`GenerationController` is megatron-core's ``TextGenerationController`` (its static
 batch path: prefill up to the shortest prompt, then one token per step through the KV cache
 of a ``StaticInferenceContext``, longer prompts fed their own tokens until they start
-generating) with four hooks on the methods that controller calls:
+generating) with three hooks on the methods that controller calls:
 
 * ``prep_inference_input`` (once per batch): for rows the generator left-padded to the
   longest prompt, a mask hiding the padding and each token's position in its own prompt,

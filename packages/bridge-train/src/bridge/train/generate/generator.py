@@ -57,10 +57,6 @@ __all__ = [
     "inference_mode_active",
 ]
 
-DEFAULT_SEED = 1234
-"""Seed of the sampling generator when :attr:`SamplingOptions.seed` is ``None``
-(megatron-core's ``inference_sampling_seed`` default)."""
-
 #: Streaming: called with ``(prompt index, new text, done)`` as a completion grows.
 TextCallback = Callable[[int, str, bool], None]
 
@@ -308,8 +304,8 @@ class TextGenerator:
                 with ``max_new_tokens`` does not fit the model's context.
         """
         prepared = [self._prompt_ids(i, p, options.max_new_tokens) for i, p in enumerate(prompts)]
-        seed = DEFAULT_SEED if options.seed is None else int(options.seed)
-        self.controller.sampling_rng.manual_seed(seed)
+        # Without a seed: 1234, megatron-core's inference_sampling_seed default.
+        self.controller.sampling_rng.manual_seed(1234 if options.seed is None else options.seed)
         results: list[Completion] = []
         for first in range(0, len(prepared), self.max_batch_size):
             batch = prepared[first : first + self.max_batch_size]
@@ -385,12 +381,7 @@ class TextGenerator:
             ids = [int(t) for t in request.generated_tokens.tolist()]
             raw = continuation_text(self.tokenizer, batch[row][1], ids)
             text, stopped = _cut_at_stop(raw, options.stop)
-            if stopped:
-                reason = "stop"
-            elif len(ids) < options.max_new_tokens:
-                reason = "eod"
-            else:
-                reason = "length"
+            reason = "stop" if stopped else "eod" if len(ids) < options.max_new_tokens else "length"
             logits = None
             if return_logits:
                 start = 0 if any(padding) else lengths[row] - shortest
