@@ -1,16 +1,10 @@
 """Process-group, model-parallel and RNG initialisation for a training run.
 
-:func:`initialize_distributed` brings up ``torch.distributed`` (gloo on CPU, nccl on GPU,
-as ``DistributedInitConfig.distributed_backend`` says), megatron's model-parallel groups
-(tensor, pipeline, context, expert parallel) and reproducible seeds. It validates the layout
-against the world size first, so a bad config fails before any process group exists.
-
-On a machine without CUDA the engine
-(:meth:`~bridge.train.engine.megatron.MegatronEngine.initialize_distributed`) enters
-:func:`core_utils.cuda_emulation` first (megatron-core's DDP, optimizers, pipeline schedules
-and RNG tracker assume CUDA); :func:`destroy_distributed` exits it, so the emulation lasts
-exactly as long as the training run. Code that only needs the parallel state (the Hugging
-Face conversion) calls :func:`initialize_distributed` without it.
+Without CUDA the engine (:meth:`~bridge.train.engine.megatron.MegatronEngine.initialize_distributed`)
+has :func:`initialize_distributed` enter :func:`core_utils.cuda_emulation` (megatron-core's
+DDP, optimizers, pipeline schedules and RNG tracker assume CUDA); :func:`destroy_distributed`
+exits it, so the emulation lasts exactly as long as the run. Code that only needs the
+parallel state (the Hugging Face conversion) initialises without it.
 """
 
 from __future__ import annotations
@@ -168,7 +162,8 @@ def initialize_distributed(
 
     Args:
         model_config: The model config (its parallel sizes are used).
-        dist_config: The ``dist`` section; defaults when ``None``.
+        dist_config: The ``dist`` section; ``None``: its defaults, with the machine's
+            backend (nccl with CUDA, gloo without).
         rng_config: The ``rng`` section; seed 1234 when ``None``.
         emulate_cuda: Without CUDA, enter :func:`core_utils.cuda_emulation` for the rest of
             the run (until :func:`destroy_distributed`), once the layout is checked (the

@@ -1,40 +1,29 @@
 """Launch environments: which launcher started this process, and where its ranks meet.
 
-Three launchers are first-class, read in this order (the first that applies wins):
+Three launchers are first-class, read in this order (the first that applies wins; the
+variables each one reads are listed in ``docs/clusters.md``):
 
-1. **torch's variables** (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-   ``MASTER_PORT``), as ``torchrun`` sets them for every worker, or as a script exports
-   them by hand. They win over SLURM's, so ``srun torchrun ...`` keeps working.
-2. **SLURM's** ``srun`` without torchrun: rank ``SLURM_PROCID``, world size
-   ``SLURM_STEP_NUM_TASKS`` (``SLURM_NTASKS`` on builds without it), local rank
-   ``SLURM_LOCALID``; the master address is the first host of ``SLURM_STEP_NODELIST``
-   (else ``SLURM_JOB_NODELIST``), expanded with ``scontrol show hostnames`` where it exists
-   and by :func:`expand_hostlist` otherwise; the port is ``10000 + SLURM_JOB_ID % 20000``
-   (below Linux's ephemeral range, and the same on every node of the job without any
-   exchange), as Megatron-LM's and Lightning's SLURM launches derive theirs. ``MASTER_ADDR``
-   and ``MASTER_PORT``, when set, override both. Only a process that ``srun`` started counts
+1. **torch's variables**, as ``torchrun`` sets them or a script exports them by hand. They
+   win over SLURM's, so ``srun torchrun ...`` keeps working.
+2. **SLURM's** ``srun`` without torchrun. The master address is the first host of the step's
+   (else the job's) node list; the port is ``10000 + SLURM_JOB_ID % 20000``: below Linux's
+   ephemeral range, and the same on every node of the job without any exchange, as
+   Megatron-LM's and Lightning's SLURM launches derive theirs. ``MASTER_ADDR`` and
+   ``MASTER_PORT``, when set, override both. Only a process that ``srun`` started counts
    (``SLURM_STEP_ID`` is set): the batch script itself runs outside any step, and a
    ``python -m bridge.train`` run there trains alone (:func:`launch_notice` says so).
 3. **One process**, started bare: rank 0 of 1.
 
-:func:`adopt_launch_environment` exports an ``srun`` launch as torch's variables, once,
-before anything reads them, so that every reader (torch's ``env://`` rendezvous,
-``core_utils.distributed``'s launcher fallback, bridge-config's world size, the
-resiliency tools, child processes) sees one view. The CLI calls it first thing; so do
-``pretrain``, ``pretrain_mimo`` and :func:`~bridge.train.engine.initialize.initialize_distributed`
-for library use under ``srun``. It is a pure function of the environment: exporting again
-changes nothing, and a value that equals the one derived from SLURM's variables is still
-reported as derived from them.
+:func:`adopt_launch_environment` exports an ``srun`` launch as torch's variables before
+anything reads them, so that every reader (torch's ``env://`` rendezvous, core-utils,
+bridge-config's world size, the resiliency tools, child processes) sees one view; it is a
+pure function of the environment, so calling it again (the CLI, ``pretrain``,
+``pretrain_mimo``, ``initialize_distributed``) changes nothing.
 
 Environments that cannot be a real launch are refused at once with a
-:class:`~bridge.config.ConfigError` naming the variables and the fix (a ``WORLD_SIZE``
-left over from an earlier shell session, a ``RANK`` outside the world, a ``WORLD_SIZE``
-that disagrees with the tasks ``srun`` started). What cannot be seen from one process (a
-``WORLD_SIZE`` larger than the ranks that were started, a master address no rank 0
-listens on) is caught by :func:`guarded_rendezvous`: after a few seconds it says what the
-rank waits for (how many ranks, which address and port, which variables set them), and
-after the rendezvous timeout it raises :class:`RendezvousTimeout`, one line naming the
-variables and the fix.
+:class:`~bridge.config.ConfigError` naming the variables and the fix. What cannot be seen
+from one process (a ``WORLD_SIZE`` larger than the ranks that were started, a master
+address no rank 0 listens on) is caught by :func:`guarded_rendezvous`.
 
 Nothing here imports torch: the CLI reads the launcher's view before deciding to.
 """

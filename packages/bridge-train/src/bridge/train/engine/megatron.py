@@ -37,6 +37,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from bridge.config import convert_dataclass
+from bridge.train.engine._distributed_utils import unwrap_model_chunks
 from bridge.train.engine.initialize import (
     initialize_distributed,
     validate_parallel_layout,
@@ -145,7 +146,7 @@ class MegatronEngine:
         for hook in pre_wrap_hooks:
             result = hook(chunks)
             if result is not None:
-                chunks = list(result) if isinstance(result, (list, tuple)) else [result]
+                chunks = unwrap_model_chunks(result)
         # megatron's distributed checkpointing and schedules expect this attribute.
         for chunk in chunks:
             for param in chunk.parameters():

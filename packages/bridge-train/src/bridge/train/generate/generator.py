@@ -37,6 +37,7 @@ from megatron.core.inference.utils import InferenceMode
 from megatron.core.utils import unwrap_model
 
 from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.engine._distributed_utils import unwrap_model_chunks
 from bridge.train.generate.controller import (
     BatchState,
     GenerationController,
@@ -198,7 +199,7 @@ class TextGenerator:
 
         if max_batch_size < 1:
             raise GenerationError(f"--batch-size must be >= 1, got {max_batch_size}")
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunks = unwrap_model_chunks(model)
         if len(chunks) != 1:
             raise GenerationError(
                 "model.virtual_pipeline_model_parallel_size: generation needs one model chunk "
@@ -207,18 +208,15 @@ class TextGenerator:
             )
         # The data-parallel wrapper comes off; megatron's Float16Module stays (it casts
         # inputs and outputs).
-        self.module = chunks[0]
-        while isinstance(self.module, DistributedDataParallel):
-            self.module = self.module.module
+        self.module = unwrap_model(chunks[0], (DistributedDataParallel,))
         self.tokenizer = tokenizer
         self.max_sequence_length = int(max_sequence_length)
         self.max_batch_size = int(max_batch_size)
-        limit = int(tokenizer.vocab_size if vocab_limit is None else vocab_limit)
-        self.vocab_limit = limit
+        self.vocab_limit = int(tokenizer.vocab_size if vocab_limit is None else vocab_limit)
         self.wrapper = _InferenceWrapper(
             self.module, StaticInferenceContext(1, self.max_sequence_length)
         )
-        self.controller = GenerationController(self.wrapper, tokenizer, limit)
+        self.controller = GenerationController(self.wrapper, tokenizer, self.vocab_limit)
         # Prompts of different lengths are left-padded into one prefill where every
         # attention layer can rotate each row by its own positions. Not with learned
         # absolute positions (GPT-2): there the KV-cached logits of the tiny test model sit
