@@ -1,19 +1,13 @@
 """The engine: megatron-core's own training stack, on CUDA and on CPU.
 
-* data parallelism: megatron-core ``DistributedDataParallel`` (grad buffers, overlapped
-  reduce-scatter / all-reduce, optional distributed optimizer and parameter all-gather);
-* optimizer: ``get_megatron_optimizer`` (fused Adam/SGD from Transformer Engine or Apex when
-  installed, mixed precision, distributed optimizer);
-* schedule: ``get_forward_backward_func()`` (1F1B and interleaved pipeline schedules);
-* layer specs: Transformer Engine when the ``te`` extra is installed (see
-  ``GPTModelProvider.layer_spec_backend``).
-
-Every one of these assumes CUDA. Without a GPU, :meth:`MegatronEngine.initialize_distributed`
-enters :func:`core_utils.cuda_emulation` (until
-:func:`~bridge.train.engine.initialize.destroy_distributed`), which redirects megatron-core's
-CUDA use to the CPU and gloo; the same code path then runs on a CPU-only machine, where the
-layer spec is the portable one (SDPA core attention) and weights are initialised on the CPU.
-See ``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
+megatron-core's ``DistributedDataParallel`` (optionally with the distributed optimizer),
+``get_megatron_optimizer`` (Transformer Engine's or Apex's fused kernels when installed) and
+``get_forward_backward_func`` (1F1B and interleaved pipeline schedules). Every one of them
+assumes CUDA: without a GPU, :meth:`MegatronEngine.initialize_distributed` enters
+:func:`core_utils.cuda_emulation` for the run (:mod:`~bridge.train.engine.initialize`) and
+the same code path runs on the CPU with gloo and the portable layer spec (SDPA core
+attention). See ``docs/engines.md`` for what the emulation covers and the layouts verified
+on CPU.
 """
 
 from __future__ import annotations
