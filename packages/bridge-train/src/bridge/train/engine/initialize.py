@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from bridge.config import DistributedInitConfig
+from bridge.config import DistributedInitConfig, data_parallel_size
 from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import adopt_launch_environment, guarded_rendezvous
 from core_utils import cuda_emulation, cuda_emulation_active
@@ -72,43 +72,18 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
 
 
 def validate_parallel_layout(model_config: ModelConfigProtocol, world_size: int) -> None:
-    """Check that the model's parallel sizes fit ``world_size``.
+    """Check that the model's parallel sizes fit ``world_size``: the rule of
+    :func:`bridge.config.data_parallel_size`, the one ``ConfigContainer.validate()`` applies.
 
     What a device cannot run (for example sequence parallelism with the CPU layer spec) is
-    refused earlier, with the config, by :func:`bridge.train.checks.layout.check_engine_config`.
+    refused with the config by :func:`bridge.train.checks.layout.check_engine_config`.
 
     Raises:
-        ValueError: A size is not positive, ``world_size`` is not divisible by
-            ``TP x PP x CP``, or the expert layout does not fit.
+        bridge.config.ConfigError: (a ``ValueError``) A size is not a positive integer,
+            ``world_size`` is not divisible by ``TP x PP x CP``, or the expert layout does not
+            fit.
     """
-    tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(model_config, "pipeline_model_parallel_size", 1) or 1)
-    cp = int(getattr(model_config, "context_parallel_size", 1) or 1)
-    ep = int(getattr(model_config, "expert_model_parallel_size", 1) or 1)
-    etp = getattr(model_config, "expert_tensor_parallel_size", None) or tp
-    for name, value in (
-        ("tensor_model_parallel_size", tp),
-        ("pipeline_model_parallel_size", pp),
-        ("context_parallel_size", cp),
-        ("expert_model_parallel_size", ep),
-        ("expert_tensor_parallel_size", etp),
-    ):
-        if value < 1:
-            raise ValueError(f"model.{name} must be >= 1, got {value}")
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel:
-        raise ValueError(
-            f"world size {world_size} is not divisible by model.tensor_model_parallel_size ({tp}) "
-            f"x model.pipeline_model_parallel_size ({pp}) x model.context_parallel_size ({cp}) "
-            f"= {model_parallel}; launch a multiple of {model_parallel} ranks or shrink the "
-            "parallel sizes"
-        )
-    if world_size % (etp * ep * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by model.expert_tensor_parallel_size "
-            f"({etp}) x model.expert_model_parallel_size ({ep}) x "
-            f"model.pipeline_model_parallel_size ({pp})"
-        )
+    data_parallel_size(model_config, world_size)
 
 
 def init_launch_process_group(backend: str, timeout: timedelta) -> None:
@@ -176,10 +151,11 @@ def initialize_distributed(
     """
 
     launch = adopt_launch_environment()
-    # pretrain's launch checks (checks/rules.py) made both calls already, to refuse a bad
-    # config as a ConfigError before any process group exists; they run again here because
-    # direct API users call this without that pass, and the backend's value is needed here.
-    # Both are a few comparisons: a flag to skip them would cost more code than it saves.
+    # ConfigContainer.validate() (the layout) and pretrain's launch checks (the backend,
+    # checks/rules.py) refused a bad config already, before any process group exists; both
+    # run again here because direct API users call this without them, and the backend's
+    # value is needed here. Both are a few comparisons: a flag to skip them would cost more
+    # code than it saves.
     backend = resolve_distributed_backend(dist_config)
     world_size = global_world_size(launcher_fallback=True)
     validate_parallel_layout(model_config, world_size)
