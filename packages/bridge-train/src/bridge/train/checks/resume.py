@@ -32,6 +32,7 @@ from typing import Any
 
 from bridge.config import (
     CheckpointConfig,
+    ConfigContainer,
     ConfigError,
     ModelConfigProtocol,
     TrainingConfig,
@@ -48,9 +49,7 @@ from bridge.train.loop.run_ends import adopt_own_save_dir
 __all__ = [
     "IDENTITY_SECTIONS",
     "LOADER_FIELDS",
-    "changed_sections",
     "check_resume_sections",
-    "planned_resume",
     "run_plan_notices",
 ]
 
@@ -82,17 +81,9 @@ LOADER_FIELDS: frozenset[str] = frozenset(
 )
 
 
-def planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
-    """The checkpoint this run would resume (not a weights-only start), or None.
-
-    Args:
-        checkpoint: The ``checkpoint`` section (not modified).
-
-    Returns:
-        A :class:`bridge.train.checkpointing.load.PlannedLoad`, or None when the run starts
-        from scratch or from pretrained weights, or the choice cannot be made here (the
-        load reports why).
-    """
+def _planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
+    # None also when the run starts from pretrained weights, or the choice cannot be made
+    # before the launch (the load itself reports why).
     if checkpoint is None or (checkpoint.load is None and checkpoint.save is None):
         return None
 
@@ -119,13 +110,7 @@ def _section_values(section: Any) -> dict[str, Any]:
     return values
 
 
-def changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
-    """``section.field (saved X, this run Y)`` for every identity field that differs.
-
-    Args:
-        saved: The ``ConfigContainer`` a checkpoint was saved with.
-        sections: Section name -> this run's section (None when the run has none).
-    """
+def _changed_sections(saved: ConfigContainer, sections: dict[str, Any]) -> list[str]:
     changes = []
     for name in IDENTITY_SECTIONS:
         before = _section_values(getattr(saved, name, None))
@@ -168,7 +153,7 @@ def check_resume_sections(
             settings (each listed) and ``checkpoint.resume_with_changes`` is not set.
         CheckpointError: It was saved from a model of another architecture.
     """
-    plan = planned_resume(checkpoint)
+    plan = _planned_resume(checkpoint)
     if plan is None:
         return
 
@@ -180,7 +165,7 @@ def check_resume_sections(
         # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
         # continued, so other data is the point, not a mistake; the weights must still fit.
         return
-    changes = changed_sections(saved, sections)
+    changes = _changed_sections(saved, sections)
     if changes and not checkpoint.resume_with_changes:
         raise ConfigError(
             "checkpoint.load" if checkpoint.load is not None else "checkpoint.save",
@@ -230,7 +215,7 @@ def run_plan_notices(
         return []
     pretrained = checkpoint.pretrained_checkpoint
     if not after_load:
-        plan = planned_resume(checkpoint)
+        plan = _planned_resume(checkpoint)
         if plan is None:
             return []
         loaded, iteration = plan.path, plan.iteration
@@ -240,7 +225,7 @@ def run_plan_notices(
     notices = []
     if checkpoint.resume_with_changes:
         saved = read_run_config(loaded)
-        changes = changed_sections(saved, identity) if saved is not None else []
+        changes = _changed_sections(saved, identity) if saved is not None else []
         if changes:
             notices.append(
                 f"resuming iteration {iteration} of {loaded} with changed settings "
