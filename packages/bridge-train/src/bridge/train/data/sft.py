@@ -40,7 +40,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,7 @@ __all__ = [
     "chat_generation_prompt",
     "check_finetuning_dataset",
     "epoch_order",
+    "jsonl_records",
     "load_tokenized_examples",
     "sft_settings",
 ]
@@ -296,43 +297,47 @@ def _tokenize_record(
     return ids, flags
 
 
-def _tokenize_lines(
-    args: tuple[Any, SFTSettings, str, int, list[str]],
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` of every non-blank line of a JSON-lines file.
+
+    Raises:
+        ValueError: A line is not JSON; the message names the file and the line.
+    """
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+                yield number, record
+
+
+def _tokenize_records(
+    args: tuple[Any, SFTSettings, Path, list[tuple[int, Any]]],
 ) -> list[tuple[list[int], list[int]]]:
-    tokenizer, settings, name, first_line, lines = args
-    out = []
-    for number, line in enumerate(lines, start=first_line):
-        where = f"{name} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-        out.append(_tokenize_record(tokenizer, settings, record, where))
-    return out
+    tokenizer, settings, path, records = args
+    return [
+        _tokenize_record(tokenizer, settings, record, f"{path} line {number}")
+        for number, record in records
+    ]
 
 
 def _tokenize_file(
     path: Path, tokenizer: Tokenizer, settings: SFTSettings, workers: int
 ) -> TokenizedExamples:
-    numbered = [
-        (number, line)
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
-        if line.strip()
-    ]
-    if not numbered:
+    records = list(jsonl_records(path))
+    if not records:
         raise ValueError(f"{path}: no records")
-    lines = [line for _, line in numbered]
-    # Chunks keep their first line number; blank lines are skipped, so number by record.
-    chunk = max(1, math.ceil(len(lines) / max(1, workers)))
+    chunk = max(1, math.ceil(len(records) / max(1, workers)))
     jobs = [
-        (tokenizer, settings, str(path), numbered[i][0], lines[i : i + chunk])
-        for i in range(0, len(lines), chunk)
+        (tokenizer, settings, path, records[i : i + chunk]) for i in range(0, len(records), chunk)
     ]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = [r for part in pool.map(_tokenize_lines, jobs) for r in part]
+            results = [r for part in pool.map(_tokenize_records, jobs) for r in part]
     else:
-        results = [r for job in jobs for r in _tokenize_lines(job)]
+        results = [r for job in jobs for r in _tokenize_records(job)]
     lengths = [len(ids) for ids, _ in results]
     offsets = np.zeros(len(results) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
