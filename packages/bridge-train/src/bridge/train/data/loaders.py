@@ -158,19 +158,6 @@ def _worker_count(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) ->
     return usable
 
 
-def _data_parallel_layout(dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
-    if dp_rank is not None and dp_size is not None:
-        return dp_rank, dp_size
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return (
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
-        )
-    return 0, 1
-
-
 def _worker_init_fn(train_config: TrainingConfig) -> Callable[[int], Any] | None:
     """Signal guard for DataLoader workers (``train.exit_signal_handler_for_dataloader``).
 
@@ -216,19 +203,22 @@ def build_train_valid_test_data_loaders(
     """
     kind = _dataloader_type(dataset_config)
     train_ds, valid_ds, test_ds = datasets
+    evaluates = int(getattr(train_config, "eval_iters", 0) or 0) > 0
     train_state.do_train = train_ds is not None and getattr(train_config, "train_iters", 1) != 0
-    train_state.do_valid = (
-        valid_ds is not None and int(getattr(train_config, "eval_iters", 0) or 0) > 0
-    )
-    train_state.do_test = (
-        test_ds is not None and int(getattr(train_config, "eval_iters", 0) or 0) > 0
-    )
+    train_state.do_valid = valid_ds is not None and evaluates
+    train_state.do_test = test_ds is not None and evaluates
     if kind == "external":
         return train_ds, valid_ds, test_ds
     mbs = getattr(train_config, "micro_batch_size", None)
     if not mbs:
         raise ValueError("train.micro_batch_size must be set to build data loaders")
-    rank, size = _data_parallel_layout(data_parallel_rank, data_parallel_size)
+    rank, size = data_parallel_rank, data_parallel_size
+    if rank is None or size is None:
+        from megatron.core import parallel_state
+
+        built = parallel_state.model_parallel_is_initialized()
+        rank = parallel_state.get_data_parallel_rank() if built else 0
+        size = parallel_state.get_data_parallel_world_size() if built else 1
     common: dict[str, Any] = {
         "micro_batch_size": int(mbs),
         "data_parallel_rank": rank,

@@ -610,7 +610,7 @@ def build_sft_datasets(
     root = Path(dataset_config.dataset_root)
     cache_dir = Path(settings.cache_dir) if settings.cache_dir else root / ".sft_cache"
     specs = dataset_config.packed_sequence_specs
-    packed_size = specs.packed_sequence_size if specs is not None else -1
+    packed = specs is not None and (specs.packed_sequence_size or 0) > 0
     out: list[Any] = []
     for split, ((_, path), wanted) in enumerate(
         zip(_split_paths(dataset_config), num_samples, strict=True)
@@ -632,23 +632,16 @@ def build_sft_datasets(
             "shuffle_seed": int(dataset_config.seed) if split == 0 else None,
             "name": SFT_SPLIT_FILES[split].removesuffix(".jsonl"),
         }
-        pad = pad_id(tokenizer)
-        if specs is not None and packed_size is not None and packed_size > 0:
+        dataset_class: type[Any] = SFTDataset
+        if packed:
             from bridge.train.data.packing import PackedSFTDataset
 
-            pad_cu_seqlens = bool(specs.pad_cu_seqlens)
-            out.append(
-                PackedSFTDataset(
-                    examples,
-                    int(packed_size),
-                    pad,
-                    settings.truncation,
-                    **common,
-                    pad_cu_seqlens=pad_cu_seqlens,
-                )
-            )
+            assert specs is not None
+            dataset_class, size = PackedSFTDataset, int(specs.packed_sequence_size)
+            common["pad_cu_seqlens"] = bool(specs.pad_cu_seqlens)
         else:
             assert dataset_config.seq_length is not None  # validate() requires it
-            seq_length = dataset_config.seq_length
-            out.append(SFTDataset(examples, seq_length, pad, settings.truncation, **common))
+            size = int(dataset_config.seq_length)
+        pad = pad_id(tokenizer)
+        out.append(dataset_class(examples, size, pad, settings.truncation, **common))
     return out[0], out[1], out[2]

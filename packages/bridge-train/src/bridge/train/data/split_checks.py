@@ -32,11 +32,6 @@ __all__ = ["check_split_samples"]
 _SPLIT_NAMES = ("train", "validation", "test")
 
 
-def _split_matrix(split: str) -> list[tuple[float, float] | None]:
-
-    return list(convert_split_vector_to_split_matrix(parse_and_normalize_split(split)))
-
-
 def _ranges(
     dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
 ) -> list[tuple[str, str, int, tuple[float, float]]]:
@@ -52,7 +47,7 @@ def _ranges(
     split = getattr(dataset_config, "split", None)
     if not split:
         return found
-    matrix = _split_matrix(str(split))
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(split)))
     for _, prefix in dataset_prefixes(dataset_config):
         for index, bounds in enumerate(matrix):
             if bounds is not None:
