@@ -34,6 +34,7 @@ from megatron.core import parallel_state
 
 from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
+from core_utils.distributed import global_rank, global_world_size
 from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = [
@@ -232,10 +233,7 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
         with torch.no_grad():
             entry.param.copy_(piece)
         loaded.add(mapping.megatron)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sorted(loaded))
-        loaded = {name for names in everyone for name in names}
+    loaded = {name for names in _from_every_rank(sorted(loaded)) for name in names}
     left = sorted(set(by_name) - loaded)
     if left:
         raise ConversionError(
@@ -268,71 +266,67 @@ def _gathered(entry: LocalParameter) -> torch.Tensor:
     return torch.cat(gathered, dim=0)
 
 
-@dataclass
-class _Census:
-    """Who holds which parameter, and the whole parameters' shapes (from every rank)."""
-
-    entries: dict[str, LocalParameter]
-    owner: dict[str, int]
-    shapes: dict[str, tuple[list[int], torch.dtype]]
-
-
-def _census(model: ModelOrChunks) -> _Census:
-    """Collective: every rank's parameter names and whole shapes, once."""
-    entries = {entry.name: entry for entry in local_parameters(model)}
-    local: dict[str, tuple[list[int], str]] = {}
-    for name, entry in entries.items():
-        shape = list(entry.param.shape)
-        shape[entry.dim] *= entry.parts
-        local[name] = (shape, str(entry.param.dtype).removeprefix("torch."))
-    everyone: list[Any] = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-    owner: dict[str, int] = {}
-    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
-    for holder, held in enumerate(everyone):
-        for name, (shape, dtype) in held.items():
-            owner.setdefault(name, holder)  # the lowest rank holding it sends it
-            shapes.setdefault(name, (shape, getattr(torch, dtype)))
-    return _Census(entries, owner, shapes)
-
-
-def _require_held(census: _Census, names: list[str]) -> None:
-    missing = [name for name in names if name not in census.owner]
-    if missing:
-        raise ConversionError(
-            f"no rank holds {missing[0]!r}: the model was built from another config"
-        )
+def _from_every_rank(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (collective)."""
+    everyone: list[Any] = [value] * global_world_size()
+    if len(everyone) > 1:
+        dist.all_gather_object(everyone, value)
+    return everyone
 
 
 def iter_full_parameters(
-    model: ModelOrChunks, names: list[str], census: _Census | None = None
+    model: ModelOrChunks, names: list[str]
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The whole one-process parameters ``names``, in order, on rank 0 (``None`` elsewhere).
 
     Every rank must iterate to the end (it takes part in gathers and sends). A name no rank
     holds raises :class:`ConversionError` on every rank.
     """
-    census = census or _census(model)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 else 0
-    _require_held(census, names)
-    for name in names:
-        full: torch.Tensor | None = None
-        if name in census.entries:
-            with torch.no_grad():
-                full = _gathered(census.entries[name])
-        source = census.owner[name]
-        if source != 0:
-            if rank == source:
-                assert full is not None
-                dist.send(full.contiguous(), dst=0)
-            elif rank == 0:
-                shape, dtype = census.shapes[name]
-                full = torch.empty(shape, dtype=dtype)
-                dist.recv(full, src=source)
-        yield name, (full if rank == 0 else None)
+    return _full_parameters(model, names)[1]
+
+
+def _full_parameters(
+    model: ModelOrChunks, names: list[str]
+) -> tuple[dict[str, tuple[list[int], torch.dtype]], Iterator[tuple[str, torch.Tensor | None]]]:
+    """Collective, at once: every rank's parameter names and whole shapes (and dtypes),
+    checked to hold ``names``; then the iterator of :func:`iter_full_parameters`."""
+    entries = {entry.name: entry for entry in local_parameters(model)}
+    local: dict[str, tuple[list[int], str]] = {}
+    for name, entry in entries.items():
+        shape = list(entry.param.shape)
+        shape[entry.dim] *= entry.parts
+        local[name] = (shape, str(entry.param.dtype).removeprefix("torch."))
+    owner: dict[str, int] = {}
+    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
+    for holder, held in enumerate(_from_every_rank(local)):
+        for name, (shape, dtype) in held.items():
+            owner.setdefault(name, holder)  # the lowest rank holding it sends it
+            shapes.setdefault(name, (shape, getattr(torch, dtype)))
+    missing = [name for name in names if name not in owner]
+    if missing:
+        raise ConversionError(
+            f"no rank holds {missing[0]!r}: the model was built from another config"
+        )
+    rank = global_rank()
+
+    def fulls() -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name in names:
+            full: torch.Tensor | None = None
+            if name in entries:
+                with torch.no_grad():
+                    full = _gathered(entries[name])
+            source = owner[name]
+            if source != 0:
+                if rank == source:
+                    assert full is not None
+                    dist.send(full.contiguous(), dst=0)
+                elif rank == 0:
+                    shape, dtype = shapes[name]
+                    full = torch.empty(shape, dtype=dtype)
+                    dist.recv(full, src=source)
+            yield name, (full if rank == 0 else None)
+
+    return shapes, fulls()
 
 
 def write_hf_weights(
@@ -384,18 +378,15 @@ def save_hf_weights(
     Call on every rank of the model. Returns the files written (empty on other ranks).
     """
 
-    census = _census(model)
-    names = [mapping.megatron for mapping in mappings]
-    _require_held(census, names)  # before rank 0 declares the shapes
-    fulls = iter_full_parameters(model, names, census)
+    shapes, fulls = _full_parameters(model, [mapping.megatron for mapping in mappings])
     files: list[Path] = []
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-        metas = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in census.shapes.items()}
+    if global_rank() == 0:
+        metas = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in shapes.items()}
         wholes = (full for _, full in fulls if full is not None)
         files, _ = write_hf_weights(out, mappings, metas, wholes, dtype, max_shard_bytes, report)
     else:
         for _ in fulls:  # this rank's pieces are sent to rank 0
             pass
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if global_world_size() > 1:
         dist.barrier()
     return files
