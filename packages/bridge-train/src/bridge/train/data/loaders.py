@@ -36,8 +36,6 @@ __all__ = [
     "cyclic_iter",
 ]
 
-DATALOADER_TYPES = ("single", "cyclic", "external")
-
 
 def cyclic_iter(iterable: Iterable[Any]) -> Iterator[Any]:
     """Iterate over ``iterable`` again and again (a new pass each time it is exhausted)."""
@@ -48,13 +46,6 @@ def cyclic_iter(iterable: Iterable[Any]) -> Iterator[Any]:
             yield item
         if not yielded:
             raise ValueError("cyclic_iter: the iterable is empty")
-
-
-def _dataloader_type(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> str:
-    kind = getattr(dataset_config, "dataloader_type", None) or "single"
-    if kind not in DATALOADER_TYPES:
-        raise ValueError(f"dataset.dataloader_type={kind!r} is not one of {list(DATALOADER_TYPES)}")
-    return kind
 
 
 def build_data_loader(
@@ -201,7 +192,8 @@ def build_train_valid_test_data_loaders(
     Raises:
         ValueError: Unknown ``dataloader_type`` or missing ``micro_batch_size``.
     """
-    kind = _dataloader_type(dataset_config)
+    # bridge-config's validate() refuses any other value; megatron's own configs have none.
+    kind = getattr(dataset_config, "dataloader_type", None) or "single"
     train_ds, valid_ds, test_ds = datasets
     evaluates = int(getattr(train_config, "eval_iters", 0) or 0) > 0
     train_state.do_train = train_ds is not None and getattr(train_config, "train_iters", 1) != 0
@@ -255,7 +247,7 @@ def build_train_valid_test_data_iterators(
     Returns:
         ``(train_iterator, valid_iterator, test_iterator)``, ``None`` for a missing split.
     """
-    kind = _dataloader_type(dataset_config)
+    kind = getattr(dataset_config, "dataloader_type", None) or "single"
     loaders = build_train_valid_test_data_loaders(
         datasets,
         dataset_config,

@@ -24,12 +24,10 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 
 from bridge.config import ConfigError, FinetuningDatasetConfig, GPTDatasetConfig
-from bridge.train.data.datasets import dataset_prefixes
+from bridge.train.data.datasets import _SPLIT_NAMES, dataset_prefixes
 from bridge.train.data.file_checks import read_sequence_lengths
 
 __all__ = ["check_split_samples"]
-
-_SPLIT_NAMES = ("train", "validation", "test")
 
 
 def _ranges(
