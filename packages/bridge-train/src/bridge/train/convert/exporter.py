@@ -57,7 +57,7 @@ from bridge.train.convert._runtime import (
     staged,
 )
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
-from bridge.train.convert.model_weights import named_weights, weights_to_meta, write_hf_weights
+from bridge.train.convert.model_weights import build_on_meta, named_weights, write_hf_weights
 from bridge.train.convert.source import side_files
 from bridge.train.models.families import (
     ConversionError,
@@ -263,11 +263,7 @@ def _stream_export(
             f"{iteration_dir} {state}: {what}; restore it from a copy, or export another "
             "checkpoint (give its iter_* directory)"
         )
-    single.use_cpu_initialization = True  # weights on the meta device, not a GPU
-    with torch.device("meta"):
-        model = single.provide(pre_process=True, post_process=True)
-    weights_to_meta(model)
-    params = named_weights(model)
+    model, params = build_on_meta(single)
     name_of = {id(param): name for name, param in params.items()}
     entries: dict[str, dict[str, Any]] = {}
     for key, item in model.sharded_state_dict().items():

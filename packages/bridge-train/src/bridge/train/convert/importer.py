@@ -40,7 +40,7 @@ from bridge.train.convert._runtime import (
     single_rank_copy,
     staged,
 )
-from bridge.train.convert.model_weights import named_weights, weights_to_meta
+from bridge.train.convert.model_weights import build_on_meta
 from bridge.train.convert.source import HFSource, side_files
 from bridge.train.convert.streaming import StreamingSaveStrategy
 from bridge.train.models.families import ConversionError, provider_from_hf_config
@@ -180,20 +180,10 @@ def import_hf_checkpoint(
         )
 
     single = single_rank_copy(target)
-    single.perform_initialization = False  # the model is built on the meta device
-    # megatron places weights on the GPU explicitly unless they are initialised on the CPU;
-    # with CPU initialisation it leaves the device to the meta-device context below.
-    single.use_cpu_initialization = True
     tokenizer_dir = out / HF_SUBDIR if tokenizer_vocab is not None else None
     with staged(out, ".importing") as staging:
         with single_process_megatron(single):
-            with torch.device("meta"):  # shapes and sharding only: no parameter memory
-                model = single.provide(pre_process=True, post_process=True)
-            weights_to_meta(model)
-            params = named_weights(model)
-            real = [name for name, param in params.items() if not param.is_meta]
-            if real:  # its data would be written instead of the Hugging Face tensors
-                raise ConversionError(f"internal: {real[0]} was not built on the meta device")
+            model, params = build_on_meta(single)
             source.check_shapes(mappings, params)
             by_name = {mapping.megatron: mapping for mapping in mappings}
             left = sorted(set(params) - set(by_name))

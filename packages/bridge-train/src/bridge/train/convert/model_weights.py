@@ -39,13 +39,13 @@ from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = [
     "LocalParameter",
+    "build_on_meta",
     "iter_full_parameters",
     "load_hf_weights",
     "local_parameters",
     "named_weights",
     "padded_vocab_of",
     "save_hf_weights",
-    "weights_to_meta",
     "write_hf_weights",
 ]
 
@@ -102,18 +102,30 @@ def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def weights_to_meta(model: torch.nn.Module) -> None:
-    """Move the persistent buffers of a model built on the meta device there too.
+def build_on_meta(provider: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The one-process model of ``provider`` on the meta device (shapes and sharding, no
+    memory; not initialised) and its weights by name (:func:`named_weights`).
 
-    Modules that place a buffer on an explicit device (megatron's router puts
-    ``expert_bias`` on ``torch.cuda.current_device()``) escape ``torch.device("meta")``; a
-    conversion that streams tensors in or out needs every weight on the meta device (shapes
-    only), so the buffer's real zeros are never written for the checkpoint's values.
+    megatron places weights on the GPU explicitly unless they are initialised on the CPU;
+    with CPU initialisation it leaves the device to the meta-device context. Modules that
+    place a buffer on an explicit device (megatron's router puts ``expert_bias`` on
+    ``torch.cuda.current_device()``) escape that context: such persistent buffers are moved
+    to the meta device too, so a conversion streaming tensors in or out never writes their
+    real zeros for the checkpoint's values.
     """
+    provider.perform_initialization = False
+    provider.use_cpu_initialization = True
+    with torch.device("meta"):
+        model = provider.provide(pre_process=True, post_process=True)
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if name not in module._non_persistent_buffers_set and not buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device="meta")
+    params = named_weights(model)
+    real = [name for name, param in params.items() if not param.is_meta]
+    if real:  # its data would be written instead of the source's
+        raise ConversionError(f"internal: {real[0]} was not built on the meta device")
+    return model, params
 
 
 def _unwrap(chunk: Any) -> Any:
