@@ -89,10 +89,10 @@ class T5Tokenizer(Tokenizer):
         sentinels = [token_id(t) for t in added_tokens(None, int(num_sentinels))]
         self.additional_special_tokens_ids: list[int] = sentinels
         self.bos, self.cls, self.sep, self.mask = (token_id(t) for t in _ROLE_TOKENS)
-        self._eod = self.eos = int(base.eod)
+        self.eod = self.eos = int(base.eod)
         base_pad = int(base.pad)
-        self._pad = base_pad if base_pad >= 0 else token_id("<pad>")
-        self._vocab_size = next_id
+        self.pad = base_pad if base_pad >= 0 else token_id("<pad>")
+        self.vocab_size = next_id
         self._inv_vocab: dict[int, str] | None = None
         super().__init__(base=dict(base.unique_identifiers), num_sentinels=int(num_sentinels))
 
