@@ -420,27 +420,6 @@ def load_tokenized_examples(
 # ---------------------------------------------------------------------------- samples
 
 
-def fit_example(
-    ids: np.ndarray, flags: np.ndarray, max_tokens: int, truncation: str
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Cut an example to at most ``max_tokens`` ids by ``truncation``; ``None`` to skip it.
-
-    An example is skipped under ``"drop"`` when too long, and under any policy when no
-    answer token is left after cutting (its sample would carry no loss).
-    """
-    if len(ids) > max_tokens:
-        if truncation == "drop":
-            return None
-        if truncation == "left":
-            ids, flags = ids[-max_tokens:], flags[-max_tokens:]
-        else:
-            ids, flags = ids[:max_tokens], flags[:max_tokens]
-    # flags[0] never reaches a label (labels are ids[1:]).
-    if not flags[1:].any():
-        return None
-    return ids, flags
-
-
 def epoch_order(count: int, shuffle_seed: int | None, epoch: int) -> np.ndarray:
     """The order of ``count`` examples in ``epoch``: shuffled with ``seed + epoch``, or file
     order when ``shuffle_seed`` is ``None``."""
@@ -509,7 +488,9 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 def fit_examples(
     examples: TokenizedExamples, seq_length: int, truncation: str, label: str
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """Every example fitted to ``seq_length`` positions (:func:`fit_example`).
+    """Every example cut to ``seq_length`` positions (``seq_length + 1`` ids) by
+    ``truncation``, or skipped: under ``"drop"`` when too long, and under any policy when no
+    answer token is left after cutting (its sample would carry no loss).
 
     Returns:
         ``(kept examples, number skipped)``; skips are logged once, naming ``label``.
@@ -518,10 +499,17 @@ def fit_examples(
         ValueError: No example fits.
     """
     kept: list[tuple[np.ndarray, np.ndarray]] = []
+    most = seq_length + 1
     for index in range(len(examples)):
-        fitted = fit_example(*examples.example(index), seq_length + 1, truncation)
-        if fitted is not None:
-            kept.append(fitted)
+        ids, flags = examples.example(index)
+        if len(ids) > most:
+            if truncation == "drop":
+                continue
+            cut = slice(-most, None) if truncation == "left" else slice(most)
+            ids, flags = ids[cut], flags[cut]
+        # flags[0] never reaches a label (labels are ids[1:]).
+        if flags[1:].any():
+            kept.append((ids, flags))
     skipped = len(examples) - len(kept)
     if skipped:
         logger.warning(
