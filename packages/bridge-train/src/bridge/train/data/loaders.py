@@ -117,14 +117,6 @@ def build_data_loader(
 logger = logging.getLogger(__name__)
 
 
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, as torch's DataLoader counts them)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _worker_count(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> int:
     """``num_workers``, capped at the CPUs this process may use.
 
@@ -133,7 +125,10 @@ def _worker_count(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) ->
     only compete for the cores. Workers change where samples are loaded, never which.
     """
     wanted = int(getattr(dataset_config, "num_workers", 0) or 0)
-    usable = _usable_cpus()
+    try:  # the CPUs of this process's affinity mask, as torch's DataLoader counts them
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
     if wanted <= usable:
         return wanted
     from core_utils.distributed import global_rank

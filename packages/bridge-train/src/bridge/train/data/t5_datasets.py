@@ -327,19 +327,12 @@ def build_t5_datasets(
         TypeError: Indexed data with a tokenizer that has no sentinel tokens.
         FileNotFoundError: A data path does not exist.
     """
-    if dataset_config.is_indexed:
-        return _build_indexed(dataset_config, tokenizer, num_samples)
-    vocab = int(tokenizer.vocab_size)
-    return tuple(  # type: ignore[return-value]
-        MockT5Dataset(int(n), dataset_config, vocab, i) if n else None
-        for i, n in enumerate(num_samples)
-    )
-
-
-def _build_indexed(
-    dataset_config: T5DatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
-) -> tuple[Any, Any, Any]:
-
+    if not dataset_config.is_indexed:
+        vocab = int(tokenizer.vocab_size)
+        return tuple(  # type: ignore[return-value]
+            MockT5Dataset(int(n), dataset_config, vocab, i) if n else None
+            for i, n in enumerate(num_samples)
+        )
     if not hasattr(tokenizer, "additional_special_tokens_ids"):
         raise TypeError(
             "indexed T5 data needs a tokenizer with sentinel tokens "
