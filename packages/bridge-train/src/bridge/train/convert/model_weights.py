@@ -254,18 +254,14 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
         )
 
 
-def _with_adapter(entry: LocalParameter) -> torch.Tensor:
-    """The local piece with a LoRA adapter of its layer folded in (weights only)."""
-    tensor = entry.param.detach()
+def _gathered(entry: LocalParameter) -> torch.Tensor:
+    """The whole parameter, gathered over its group (collective over the group), with a
+    LoRA adapter of its layer folded in (weights only)."""
+    local = entry.param.detach()
     adapter = getattr(entry.module, "adapter", None)
     if adapter is not None and entry.param is getattr(entry.module, "weight", None):
-        tensor = tensor + adapter.delta_weight().to(tensor.dtype)
-    return tensor
-
-
-def _gathered(entry: LocalParameter) -> torch.Tensor:
-    """The whole parameter, gathered over its group (collective over the group)."""
-    local = _with_adapter(entry).contiguous()
+        local = local + adapter.delta_weight().to(local.dtype)
+    local = local.contiguous()
     if entry.group is None:
         return local
     # A gated fc1 is split as [gate piece; up piece]: gather each half on its own.
