@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from bridge.config import ConfigContainer, ConfigError
-from bridge.train.checks.launch import check_launch_environment, shared_store_restart_notice
+from bridge.train.checks.launch import shared_store_restart_notice
 from bridge.train.cli import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, main, run
+from bridge.train.engine.launch_env import launch_environment
 from bridge.train.recipes import RECIPES, recipe_path
 
 _NO_TORCH_PROBE = textwrap.dedent(
@@ -187,18 +188,18 @@ def test_stale_distributed_environment_is_refused(
     monkeypatch.setenv("WORLD_SIZE", "two")
     assert "WORLD_SIZE: environment variable holds 'two'" in _fails_with(capsys, [])
     with pytest.raises(ConfigError, match=r"RANK: environment variable is 7, outside \[0, WORLD"):
-        check_launch_environment({"WORLD_SIZE": "4", "RANK": "7"})
+        launch_environment({"WORLD_SIZE": "4", "RANK": "7"})
 
 
 def test_launch_environment_rule() -> None:
     agent = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1"}
-    check_launch_environment(agent)  # torchrun: its agent provides the rendezvous
+    launch_environment(agent)  # torchrun: its agent provides the rendezvous
     manual = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
-    check_launch_environment(manual)  # another launcher exporting every variable
-    check_launch_environment({"WORLD_SIZE": "1", "RANK": "0"})
-    check_launch_environment({})
+    launch_environment(manual)  # another launcher exporting every variable
+    launch_environment({"WORLD_SIZE": "1", "RANK": "0"})
+    launch_environment({})
     with pytest.raises(ConfigError, match="RANK is not set"):
-        check_launch_environment({"WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+        launch_environment({"WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
 
 
 def test_several_nodes_with_a_shared_rendezvous_store_are_warned_once(

@@ -4,9 +4,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from bridge.config import register_moved_import
-from bridge.train._lazy_exports import lazy_exports
+from bridge.train._lazy_exports import lazy_exports, type_checked_imports
 
-if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
+if TYPE_CHECKING:  # the exports (type checkers read them; _MODULE_OF below is derived)
     from bridge.logging import (
         MEMORY_KEYS as MEMORY_KEYS,
         reduce_max_memory_across_pp_group as reduce_max_memory_across_pp_group,
@@ -98,89 +98,10 @@ if TYPE_CHECKING:  # the same names as _EXPORTS below, for type checkers
 
 # Every public name is imported on first use, not with the package: the ``bridge-train``
 # command answers --help, --version and configuration errors without importing torch or
-# megatron-core (about ten seconds), and ``import bridge.train`` stays cheap. One table:
-# module -> the names it exports here; __all__ and the lookup are derived from it.
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "bridge.logging": (
-        "MEMORY_KEYS",
-        "reduce_max_memory_across_pp_group",
-        "report_l2_norm_grad",
-        "report_memory",
-        "report_runtime",
-        "report_throughput",
-        "start_memory_history_recording",
-        "training_log",
-    ),
-    "bridge.train.api.train": (
-        "checkpoint_and_decide_exit",
-        "post_training_step_callbacks",
-        "save_checkpoint_and_time",
-        "train",
-        "train_step",
-    ),
-    "bridge.train.api.eval": (
-        "evaluate",
-        "evaluate_and_print_results",
-    ),
-    "bridge.train.loop.forward_pre_hooks": (
-        "disable_forward_pre_hook",
-        "enable_forward_pre_hook",
-        "should_disable_forward_pre_hook",
-    ),
-    "bridge.train.loop.pretrain": (
-        "pretrain",
-        "setup",
-    ),
-    "bridge.train.loop.profiling": ("TNvtxContext",),
-    "bridge.train.loop.progress_log": (
-        "compute_throughputs_and_append_to_progress_log",
-        "get_start_time_from_progress_log",
-    ),
-    "bridge.train.loop.state_injection": (
-        "maybe_inject_state",
-        "needs_global_state_injection",
-        "prepare_forward_step_func",
-    ),
-    "bridge.train.metrics.norms": (
-        "calc_dtensor_params_l2_norm",
-        "calc_params_l2_norm",
-        "param_is_not_shared",
-    ),
-    "bridge.train.metrics.reductions": (
-        "logical_and_across_model_parallel_group",
-        "reduce_max_stat_across_model_parallel_group",
-    ),
-    "bridge.train.models": (
-        "GPTModelProvider",
-        "MambaProvider",
-        "T5ModelProvider",
-    ),
-    "bridge.train.models.gpt_step": ("forward_step",),
-    "bridge.train.models.moe_utils": ("freeze_moe_router",),
-    "bridge.train.models.t5_step": ("t5_forward_step",),
-    "bridge.train.models.value_head": (
-        "LinearForLastLayer",
-        "ModelHook",
-        "ModelList",
-        "create_value_head_hook",
-        "make_value_model",
-    ),
-    "bridge.train.peft": ("LoRA",),
-    "bridge.train.state": (
-        "ForwardStepCallable",
-        "GlobalState",
-        "TrainState",
-    ),
-    "core_utils.callbacks": (
-        "Callback",
-        "CallbackError",
-    ),
-    "core_utils.loop": (
-        "LoopContext",
-        "StepResult",
-    ),
-}
-_MODULE_OF: dict[str, str] = {name: module for module, names in _EXPORTS.items() for name in names}
+# megatron-core (about ten seconds), and ``import bridge.train`` stays cheap. The
+# TYPE_CHECKING block above is the one table (name -> module); __all__ and the lookup are
+# derived from it.
+_MODULE_OF: dict[str, str] = type_checked_imports(__file__)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())

@@ -9,14 +9,35 @@ torch and megatron-core print while they are imported this way are held back
 
 from __future__ import annotations
 
+import ast
 import importlib
 import logging
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from bridge.config.notices import held_notices, log_held_notices
 
-__all__ = ["lazy_exports"]
+__all__ = ["lazy_exports", "type_checked_imports"]
+
+
+def type_checked_imports(init_file: str) -> dict[str, str]:
+    """Name -> module of the ``from <module> import <name> as <name>`` statements under
+    ``if TYPE_CHECKING:`` in ``init_file``: the names a package exports, said once for the
+    type checkers and its lazy lookup alike.
+
+    Args:
+        init_file: The package's ``__init__.py`` (its ``__file__``).
+    """
+    tree = ast.parse(Path(init_file).read_text(encoding="utf-8"))
+    return {
+        alias.name: node.module
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names
+    }
 
 
 def lazy_exports(

@@ -53,8 +53,6 @@ from bridge.config import (
     ConfigContainer,
     ConfigDiff,
     ConfigError,
-    ModelConfigProtocol,
-    TrainingConfig,
     describe_fields,
     load_config,
 )
@@ -373,8 +371,20 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
             load = rest
     if args.config is not None:
         path = Path(args.config)
-    elif args.eval_only and args.recipe is None and load:
-        path = _checkpoint_run_config(load)
+    elif args.eval_only and args.recipe is None and load:  # the checkpoint's own config
+        from bridge.train.checkpointing import CheckpointError
+        from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
+
+        try:
+            _, iteration_dir = locate_checkpoint(load)
+        except CheckpointError as exc:
+            raise ConfigError("checkpoint.load", str(exc)) from None
+        path = iteration_dir / RUN_CONFIG_FILENAME
+        if not path.is_file():
+            raise ConfigError(
+                "checkpoint.load",
+                f"{iteration_dir} has no {RUN_CONFIG_FILENAME}; give the run's recipe with --config",
+            )
     else:
         try:
             path = recipe_path(args.recipe or DEFAULT_RECIPE)
@@ -383,24 +393,6 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
     return cfg, path, recipe_cfg
-
-
-def _checkpoint_run_config(load: str) -> Path:
-    """The ``run_config.yaml`` of the checkpoint ``checkpoint.load`` names."""
-    from bridge.train.checkpointing import CheckpointError
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
-
-    try:
-        _, iteration_dir = locate_checkpoint(load)
-    except CheckpointError as exc:
-        raise ConfigError("checkpoint.load", str(exc)) from None
-    path = iteration_dir / RUN_CONFIG_FILENAME
-    if not path.is_file():
-        raise ConfigError(
-            "checkpoint.load",
-            f"{iteration_dir} has no {RUN_CONFIG_FILENAME}; give the run's recipe with --config",
-        )
-    return path
 
 
 def _version_text() -> str:
@@ -475,32 +467,6 @@ def _print_overrides(
         f"[bridge-train] recipe: {path}\n[bridge-train] overrides (recipe -> this run):\n"
         + ("\n".join(diff) if diff else "  (none)")
         + f"\n[bridge-train] full resolved config: {where}",
-        flush=True,
-    )
-
-
-def _print_layout(
-    model: ModelConfigProtocol,
-    train: TrainingConfig,
-    data_parallel_size: int | None,
-    world: int,
-) -> None:
-    """The parallel layout and batch plan ``--dry-run`` reports."""
-    sizes = {
-        "tensor": getattr(model, "tensor_model_parallel_size", 1),
-        "pipeline": getattr(model, "pipeline_model_parallel_size", 1),
-        "context": getattr(model, "context_parallel_size", 1),
-        "data": data_parallel_size,
-    }
-    mbs, gbs = train.micro_batch_size, train.global_batch_size
-    micro = gbs // (mbs * data_parallel_size) if gbs and mbs and data_parallel_size else None
-    layout = ", ".join(f"{k} {v}" for k, v in sizes.items())
-    print(
-        f"[bridge-train] dry run: world size {world}\n"
-        f"[bridge-train] parallel layout: {layout}\n"
-        f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {sizes['data']} "
-        f"= global {gbs}; train_iters {train.train_iters}\n"
-        "[bridge-train] dry run: the config is valid for this launch; nothing was trained",
         flush=True,
     )
 
@@ -583,8 +549,25 @@ def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
                 identity = {name: getattr(cfg, name) for name in IDENTITY_SECTIONS}
                 for notice in run_plan_notices(cfg.checkpoint, cfg.train, identity):
                     print(f"[bridge-train] {notice}", flush=True)
-                assert cfg.train is not None  # validated
-                _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, launch.world_size)
+                train, dp = cfg.train, cfg.data_parallel_size
+                assert train is not None  # validated
+                sizes = {
+                    "tensor": getattr(cfg.model, "tensor_model_parallel_size", 1),
+                    "pipeline": getattr(cfg.model, "pipeline_model_parallel_size", 1),
+                    "context": getattr(cfg.model, "context_parallel_size", 1),
+                    "data": dp,
+                }
+                mbs, gbs = train.micro_batch_size, train.global_batch_size
+                micro = gbs // (mbs * dp) if gbs and mbs and dp else None
+                print(
+                    f"[bridge-train] dry run: world size {launch.world_size}\n"
+                    "[bridge-train] parallel layout: "
+                    f"{', '.join(f'{k} {v}' for k, v in sizes.items())}\n"
+                    f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {dp} "
+                    f"= global {gbs}; train_iters {train.train_iters}\n"
+                    "[bridge-train] dry run: the config is valid for this launch; nothing was trained",
+                    flush=True,
+                )
         return 0
     if launch.rank == 0 and not args.no_print_config:
         _print_overrides(path, overrides, save)

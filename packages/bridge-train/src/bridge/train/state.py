@@ -1,18 +1,12 @@
-"""Training state: the counters a run advances and a checkpoint restores.
-
-:class:`TrainState` holds the progress of one run (iteration, consumed samples, FLOPs) and
-round-trips through ``state_dict`` / ``load_state_dict`` as tensors, so it can be saved with
-``torch.save``, ``torch.distributed.checkpoint`` or megatron's dist_checkpointing.
-
-:class:`GlobalState` is what the training loop and a forward-step function share (a
-forward step asks for it by annotating a parameter with it, or naming the first parameter
-``state``; see :func:`bridge.train.needs_global_state_injection`). It carries the config,
-the :class:`TrainState`, the timers, the start time of the job, the metric writers
-(bridge.logging) and the resiliency objects (bridge.resiliency). It satisfies
-:class:`bridge.logging.LoggingState`, so it is what :func:`bridge.logging.training_log`
-takes. It is the reference's type: :func:`bridge.train.pretrain` fills it and the
-reference's functions take it, but the loop's components never see it; each is built from
-its own config section and the pieces of this state it uses.
+"""Training state: the counters a run advances and a checkpoint restores
+(:class:`TrainState`, a state dict of tensors for ``torch.save``, torch.distributed.checkpoint
+or dist_checkpointing), and the reference's :class:`GlobalState` (a
+:class:`bridge.logging.LoggingState`, as ``training_log`` takes), which the training loop and
+a forward step share (a forward step asks for it by annotating a parameter with it, or
+naming the first parameter ``state``; see :func:`bridge.train.needs_global_state_injection`).
+:func:`bridge.train.pretrain` fills it and the reference's functions take it, but the loop's
+components never see it; each is built from its own config section and the pieces of this
+state it uses.
 """
 
 from __future__ import annotations
@@ -188,13 +182,6 @@ class GlobalState:
             exit_conditions=self.exit_conditions,
         )
 
-    def adopt_resiliency(self, resiliency: RunResiliency) -> None:
-        """Hold ``resiliency``'s objects (as :func:`bridge.train.pretrain` builds them)."""
-        self.fault_tolerance = resiliency.fault_tolerance
-        self.straggler_timing = resiliency.straggler_timing
-        self.nvrx_straggler = resiliency.nvrx_straggler
-        self.exit_conditions = resiliency.exit_conditions
-
     def start_resiliency(
         self, hang_timeout: float | WatchdogTimeouts | None = None
     ) -> RunResiliency:
@@ -221,7 +208,10 @@ class GlobalState:
             start_time=self.start_time,
             hang_timeout=hang_timeout,
         )
-        self.adopt_resiliency(resiliency)
+        self.fault_tolerance = resiliency.fault_tolerance
+        self.straggler_timing = resiliency.straggler_timing
+        self.nvrx_straggler = resiliency.nvrx_straggler
+        self.exit_conditions = resiliency.exit_conditions
         resiliency.start_setup()
         return resiliency
 

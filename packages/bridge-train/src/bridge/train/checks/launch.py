@@ -1,8 +1,5 @@
 """Checks of the launch itself, run by ``bridge-train`` before anything is built.
 
-* :func:`check_launch_environment`: a ``WORLD_SIZE``/``RANK`` left in the environment by
-  an earlier shell session would make a bare launch wait at rendezvous for ranks that never
-  come; it is refused with one line instead.
 * :func:`shared_store_restart_notice`: torchrun on several nodes with restarts and the
   rendezvous store shared by all rounds (torch's default) cannot take a replacement node;
   the command says so, once, before training.
@@ -32,33 +29,11 @@ from bridge.config import ConfigError
 
 __all__ = [
     "Terminated",
-    "check_launch_environment",
     "check_output_file",
     "check_writable_directory",
     "interrupt_handlers",
     "shared_store_restart_notice",
 ]
-
-
-def check_launch_environment(environ: Mapping[str, str]) -> None:
-    """Refuse a launch whose distributed environment variables cannot be a real launch.
-
-    The rules live with the launch environments
-    (:func:`bridge.train.engine.launch_env.launch_environment`): with ``WORLD_SIZE`` > 1 and
-    no torchrun agent, ``MASTER_ADDR``, ``MASTER_PORT`` and ``RANK`` must all be set
-    (otherwise the variables are left over from an earlier session and the run would wait
-    forever for the other ranks); ``RANK`` must be in ``[0, WORLD_SIZE)``; inside an
-    ``srun`` task, values set by hand must agree with what ``srun`` started.
-
-    Args:
-        environ: The process environment (``os.environ``).
-
-    Raises:
-        ConfigError: naming the variable and the fix.
-    """
-    from bridge.train.engine.launch_env import launch_environment
-
-    launch_environment(environ)
 
 
 def shared_store_restart_notice(environ: Mapping[str, str]) -> str | None:

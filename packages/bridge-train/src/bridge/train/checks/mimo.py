@@ -20,10 +20,8 @@ from bridge.config import (
     OptimizerConfigProtocol,
     RerunStateMachineConfig,
     RNGConfig,
-    SchedulerConfig,
     TrainingConfig,
 )
-from bridge.train.engine.scheduler import scheduler_steps
 from bridge.train.models.mimo import MimoModelConfig, mimo_layout
 
 __all__ = [
@@ -33,7 +31,6 @@ __all__ = [
     "learning_rate_is_set",
     "length_and_batch_sizes_are_set",
     "no_rerun_state_machine",
-    "schedule_fits_run",
     "section_is_unused",
     "unsupported_rng_settings",
     "unsupported_train_settings",
@@ -130,11 +127,6 @@ def learning_rate_is_set(optimizer: OptimizerConfigProtocol) -> None:
     """The AdamW of the recipe needs ``optimizer.lr``."""
     if optimizer.lr is None:
         raise ConfigError("optimizer.lr", "is required")
-
-
-def schedule_fits_run(scheduler: SchedulerConfig, train: TrainingConfig) -> None:
-    """The learning-rate schedule fits the run's length (megatron's sample-based steps)."""
-    scheduler_steps(scheduler, train)
 
 
 def no_rerun_state_machine(rerun_state_machine: RerunStateMachineConfig) -> None:

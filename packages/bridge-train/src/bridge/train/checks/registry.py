@@ -22,6 +22,7 @@ from bridge.train.checkpointing.context import check_checkpoint_config
 from bridge.train.checks import mimo, rules
 from bridge.train.checks.layout import check_engine_config
 from bridge.train.data.t5_datasets import check_t5_data_config
+from bridge.train.engine.scheduler import scheduler_steps
 
 __all__ = ["BOTH", "FACTS", "GPT", "MIMO", "REGISTRY", "SECTIONS", "Rule", "RunKind"]
 
@@ -47,7 +48,7 @@ class Rule:
             fields) and :data:`FACTS`; by default its parameter names.
     """
 
-    check: Callable[..., None]
+    check: Callable[..., object]
     runs: frozenset[RunKind] = BOTH
     reads: tuple[str, ...] = field(default=())
 
@@ -64,34 +65,14 @@ def _unused_by_mimo(name: str) -> Rule:
     return Rule(mimo.section_is_unused(name), MIMO, (name,))
 
 
-#: The order in which the pass visits the sections.
-SECTIONS: tuple[str, ...] = (
-    "model",
-    "train",
-    "optimizer",
-    "scheduler",
-    "dist",
-    "rng",
-    "rerun_state_machine",
-    "tokenizer",
-    "dataset",
-    "peft",
-    "samples",
-    "comm_overlap",
-    "mixed_precision",
-    "checkpoint",
-    "logger",
-    "profiling",
-    "nvrx_straggler",
-)
-
-#: Section -> the trainer's rules about it, in the order they run.
+#: Section -> the trainer's rules about it, in the order they run; the pass visits the
+#: sections in this order.
 REGISTRY: dict[str, tuple[Rule, ...]] = {
     "model": (
         # What the engine cannot run correctly on this machine (pipeline p2p modes,
-        # GPU-only features without CUDA).
+        # GPU-only features without CUDA). That the layout fits the world is validate()'s
+        # (ConfigContainer.get_data_parallel_size).
         Rule(check_engine_config, GPT, ("model", "ddp", "optimizer", "cuda_available")),
-        Rule(rules.layout_fits_world, GPT),
     ),
     "train": (
         Rule(rules.evaluation_has_validation_data, GPT),
@@ -101,7 +82,8 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(mimo.layout_fits_world_and_batches, MIMO),
     ),
     "optimizer": (Rule(mimo.learning_rate_is_set, MIMO),),
-    "scheduler": (Rule(mimo.schedule_fits_run, MIMO),),
+    # The learning-rate schedule fits the run's length (megatron's sample-based steps).
+    "scheduler": (Rule(scheduler_steps, MIMO, ("scheduler", "train")),),
     "dist": (Rule(rules.distributed_backend_resolves),),
     "rng": (
         Rule(rules.initialisation_is_possible, BOTH),
@@ -151,3 +133,6 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     ),
     "nvrx_straggler": (Rule(rules.nvrx_needs_cuda),),
 }
+
+#: The order in which the pass visits the sections (the registry's).
+SECTIONS: tuple[str, ...] = tuple(REGISTRY)

@@ -1,16 +1,11 @@
 """The trainer's rules about config sections: what a section accepts but the trainer
 cannot honour, or cannot honour on this machine.
 
-Every rule is a function whose parameters are named after what it reads: config sections
-(``model``, ``train``, ``checkpoint``, ... as ``ConfigContainer`` names them) and the facts of
-the launch (``world_size``, ``cuda_available``). It returns nothing and raises one
-:class:`bridge.config.ConfigError` (naming the field and the fix) for the first problem it
-finds. :mod:`bridge.train.checks.registry` lists them by section, in the order the one
-pass (:func:`bridge.train.checks.preflight.check_config_before_launch`) runs them; rules a
-section can check without the trainer's knowledge live with the section in bridge-config.
-
-Rules that need megatron-core or the trainer's modules import them when they run, so
-importing this module stays cheap for the command's edge.
+A rule's parameters are named after what it reads (sections as ``ConfigContainer`` names
+them, and the launch's ``world_size`` / ``cuda_available``); it raises one
+:class:`bridge.config.ConfigError` (the field and the fix) for the first problem it finds.
+:mod:`bridge.train.checks.registry` lists them by section. Rules that need the trainer's
+heavier modules import them when they run, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ from bridge.train.data.split_checks import check_split_samples
 from bridge.train.data.t5_datasets import T5DatasetConfig
 from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 from bridge.train.data.tokenizers import build_tokenizer
-from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
+from bridge.train.engine.initialize import resolve_distributed_backend
 from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 
 __all__ = [
@@ -68,7 +63,6 @@ __all__ = [
     "evaluation_has_validation_data",
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
-    "layout_fits_world",
     "load_directory_exists",
     "logger_directories_are_writable",
     "nsys_needs_cuda",
@@ -91,14 +85,6 @@ INDEX_BYTES_PER_SAMPLE = 24
 
 
 # ----------------------------------------------------------------------------------- model
-
-
-def layout_fits_world(model: ModelConfigProtocol, world_size: int) -> None:
-    """The parallel layout fits the launched world."""
-    try:
-        validate_parallel_layout(model, world_size)
-    except ValueError as exc:
-        raise ConfigError("model", str(exc)) from None
 
 
 def initialisation_is_possible(rng: RNGConfig, model: ModelConfigProtocol) -> None:

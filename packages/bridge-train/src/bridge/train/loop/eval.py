@@ -1,19 +1,10 @@
 """Evaluation: loss (and perplexity) over ``train.eval_iters`` batches of a split.
 
-:class:`Evaluation` is built from the ``train`` section (``eval_iters``, batch sizes,
-``manual_gc_eval``), the model's sequence length and the run's live objects (engine
-schedule, fault tolerance, counters and writers); the loop's
-:class:`~bridge.train.loop.components.Evaluator` calls it. Megatron-Bridge's
-``evaluate`` and ``evaluate_and_print_results`` are adapters over it
-(:mod:`bridge.train.api.eval`).
-
-:meth:`Evaluation.evaluate` runs the engine's schedule with ``forward_only=True`` over ``eval_iters``
-global batches (``train.global_batch_size`` samples each, split into micro-batches like a
-training iteration), averages each reported loss over tokens of all micro-batches,
-iterations and data-parallel ranks, and puts the model back in training mode.
-:meth:`Evaluation.evaluate_and_log` logs the result through bridge.logging's validation
-logger (console block on the last rank; ``<loss> validation`` / ``<loss> validation ppl``
-metrics).
+The loop's :class:`~bridge.train.loop.components.Evaluator` and Megatron-Bridge's
+``evaluate`` / ``evaluate_and_print_results`` (:mod:`bridge.train.api.eval`) run the one
+:class:`Evaluation`: the engine's schedule with ``forward_only=True`` over ``eval_iters``
+global batches, each loss averaged over the tokens of all micro-batches, iterations and
+data-parallel ranks, logged through bridge.logging's validation logger.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """``pretrain``: everything from a config to a trained, checkpointed model.
 
-Order of work (every rank)::
-
-    check the config (before any process group; ConfigError names the field)
-    Python logging, CUDA memory history
-    engine: torch.distributed (restart-safe under torchrun), megatron parallel state, seeds;
-      megatron's micro-batch calculator (what train_step reads)
-    timers; resiliency from its sections (bridge.resiliency.RunResiliency: fault tolerance,
-      straggler detection, exit conditions, which install the exit-signal handler; the
-      fault-tolerance setup section starts); metric writers from the logger section
-    tokenizer; model; optimizer and scheduler; rerun state machine
-    load the checkpoint (checkpoint.load, else an earlier run in checkpoint.save)
-    datasets and iterators positioned at the loaded counters; fault tolerance setup ends
-    the run-plan notices (nothing to train, unused pretrained weights; rank 0)
-    progress.txt "Starting job"; run_config.yaml
-    train() (with the callbacks); final validation and test evaluation (when training was not stopped early)
-    close: async saves finished, resiliency stopped, writers flushed and closed, rerun
-      machine and micro-batch calculator released, process group destroyed
-    (closing always runs, also after an error)
+:func:`setup` builds the run in dependency order (config checked before any process group;
+resiliency started before the checkpoint loads, so a signal arriving meanwhile is not lost;
+datasets built after the load, so the iterators start at the loaded counters);
+:func:`pretrain` trains, evaluates at the end and always closes, also after an error (async
+saves finished, resiliency stopped, writers closed, megatron's globals released, process
+group destroyed).
 """
 
 from __future__ import annotations
@@ -301,27 +289,6 @@ def setup(
     return out
 
 
-def _report_run_plan(out: SetupOutput) -> None:
-    """Rank 0 says, before training, when the run will train nothing or ignore its
-    pretrained weights (see :func:`bridge.train.checks.resume.run_plan_notices`)."""
-    from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
-
-    state, cfg = out.state, out.state.cfg
-    assert cfg.train is not None
-    notices = run_plan_notices(
-        cfg.checkpoint,
-        cfg.train,
-        {name: getattr(cfg, name) for name in IDENTITY_SECTIONS},
-        loaded=out.checkpointing_context.get("loaded_checkpoint"),
-        iteration=state.train_state.step,
-        done=run_is_done(cfg.train, state.train_state),
-        after_load=True,
-    )
-    if global_rank() == 0:
-        for notice in notices:
-            logger.warning(notice)
-
-
 def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
     """Validation (unless the loop just validated this iteration) and test at the end."""
     train_state = out.state.train_state
@@ -347,7 +314,8 @@ def _close(
     metric_writers: MetricWriters,
     clean: bool,
 ) -> None:
-    """Release everything pretrain started; never raises (errors are logged)."""
+    """Release everything pretrain started (also the eval-only run's close); never raises
+    (errors are logged)."""
     steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
         ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
@@ -373,14 +341,11 @@ def pretrain(
 ) -> int:
     """Train a model as ``config`` says, from scratch or from its last checkpoint.
 
-    Validates the config before anything distributed exists (see
-    :func:`~bridge.train.checks.preflight.check_config_before_launch`), initialises
-    distributed training through the engine, builds model, optimizer, scheduler, data
-    iterators, metric writers and resiliency hooks, loads a checkpoint, runs
-    :func:`bridge.train.train`, evaluates on the validation and test splits at the end, and
-    always closes (writers flushed, asynchronous saves finished, process group destroyed),
-    also when something fails. Every rank calls it (under ``torchrun``, or bare for one
-    process).
+    The config is checked before anything distributed exists
+    (:func:`~bridge.train.checks.preflight.check_config_before_launch`); then :func:`setup`,
+    :func:`bridge.train.train`, the validation and test evaluation at the end, and the close
+    (see the module docstring), also when something fails. Every rank calls it (under
+    ``torchrun``, or bare for one process).
 
     Args:
         config: The run's configuration (validated and completed in place).
@@ -430,7 +395,20 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
-        _report_run_plan(out)
+        # checks.resume reads the save directory through loop.run_ends: imported here.
+        from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
+
+        notices = run_plan_notices(
+            config.checkpoint,
+            config.train,
+            {name: getattr(config, name) for name in IDENTITY_SECTIONS},
+            loaded=out.checkpointing_context.get("loaded_checkpoint"),
+            iteration=state.train_state.step,
+            done=run_is_done(config.train, state.train_state),
+            after_load=True,
+        )
+        for notice in notices if global_rank() == 0 else ():
+            logger.warning(notice)  # nothing to train, unused pretrained weights
         components = run_components(
             state,
             forward_step_func,

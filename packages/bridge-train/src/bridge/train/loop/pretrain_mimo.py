@@ -3,15 +3,11 @@
 ``bridge-train --recipe mimo`` trains bridge.mimo's tiny vision-language model (a patch
 encoder feeding a megatron GPT) on synthetic image-caption pairs whose captions name the
 image's class, so the caption loss can only fall below the *text-only floor* (printed at the
-start) when the language model uses the encoder. The run is built the way
-:func:`~bridge.train.loop.pretrain.pretrain` builds a GPT run: resiliency from its sections
-(:class:`bridge.resiliency.RunResiliency`), metric writers from ``logger``, the loop's
-components from their sections (:func:`~bridge.train.loop.components.standard_components`)
-with bridge.mimo's :class:`~bridge.mimo.MimoLogger` as the metrics component (console line,
-TensorBoard / W&B / ... metric writers, ``--metrics-file``) and
-:class:`~bridge.train.loop.saving.CheckpointWriter` as the save, and bridge.mimo's
-:class:`~bridge.mimo.MimoStepFunction` run by the stack's one loop,
-:func:`core_utils.loop.run_loop`.
+start) when the language model uses the encoder. The run is built from its sections as
+:func:`~bridge.train.loop.pretrain.pretrain` builds a GPT run (resiliency, metric writers,
+the loop's standard components, checkpoints), with bridge.mimo's
+:class:`~bridge.mimo.MimoLogger` as the metrics component and its
+:class:`~bridge.mimo.MimoStepFunction` run by :func:`core_utils.loop.run_loop`.
 
 Where each module runs (``model.layout``) is :func:`bridge.train.models.mimo.mimo_layout`'s
 decision (see :mod:`bridge.train.models.mimo`).

@@ -168,15 +168,6 @@ class ProgressLog:
             job_start_flops=job_start_flops,
         )
 
-    def starting_job(self, details: str | None = None) -> None:
-        """Append ``Starting job`` (call on every rank when a launch starts training).
-
-        Args:
-            details: Tab-separated fields appended to the line (the SLURM job's).
-        """
-        message = STARTING_JOB if details is None else f"{STARTING_JOB}\t{details}"
-        append_progress_log(self.save, message)
-
     def saved_checkpoint(self, train_state: TrainProgress, flops_so_far: float) -> None:
         """Append the line of a persistent checkpoint just saved (a collective).
 
@@ -255,4 +246,5 @@ def record_starting_job(
     if job is not None:
         metric_writers.log_metrics(job.metrics(), iteration)
     if progress_log is not None:
-        progress_log.starting_job(None if job is None else job.progress_fields())
+        details = "" if job is None else f"\t{job.progress_fields()}"
+        append_progress_log(progress_log.save, f"{STARTING_JOB}{details}")

@@ -1,13 +1,7 @@
-"""The two ends every run shares (GPT-style ``pretrain`` and the MIMO recipe alike).
-
-* At the start: the metric writers of the ``logger`` section
-  (:func:`build_run_metric_writers`), the checkpointing context of the ``checkpoint``
-  section (:func:`checkpointing_context_for`), which checkpoint a run resumes when
-  ``checkpoint.load`` is unset (:func:`adopt_own_save_dir`) and its load
-  (:func:`load_run_checkpoint`).
-* At the end: the ordered release of what the run started (:func:`run_teardown_steps`,
-  :func:`run_teardown`), each step logged and never raised over an error that may already
-  be propagating.
+"""The two ends every run shares (GPT-style ``pretrain`` and the MIMO recipe alike): the
+metric writers, checkpointing context and checkpoint load at the start; at the end, the
+ordered release of what the run started, each step logged and never raised over an error
+that may already be propagating.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """GPT-style training: a run's components, built from their sections on first use, and the loop.
 
-:func:`run_components` is the one place a ``GlobalState`` is taken apart: its
-:class:`RunComponents` builds, each when first asked for, the
-:class:`~bridge.train.loop.step.TrainStep` (``train``, ``model``, ``ddp``, the engine's
-schedule), the :class:`~bridge.train.loop.eval.Evaluation` (``train``), the
-:class:`~bridge.train.loop.saving.CheckpointWriter` (``checkpoint``) with its ``progress.txt``
-(``logger``) and the loop's components (the
-:class:`~bridge.train.loop.components.MetricsProcessor` from ``logger``, ``train`` and
-``profiling``, then :func:`~bridge.train.loop.components.standard_components`), for
-``pretrain``, the eval-only run and the reference's adapters (:mod:`bridge.train.api`), so
-an adapter that needs one part builds only that part. :func:`run_training` runs them over
-the model, optimizer, scheduler and iterators with :func:`core_utils.loop.run_loop`. No part
-holds the whole config or the ``GlobalState`` (callbacks see ``LoopContext.state``).
+:class:`RunComponents` is the one place a ``GlobalState`` is taken apart, for ``pretrain``,
+the eval-only run and the reference's adapters (:mod:`bridge.train.api`), so an adapter
+that needs one part builds only that part. :func:`run_training` runs them with
+:func:`core_utils.loop.run_loop`. No part holds the whole config or the ``GlobalState``
+(callbacks see ``LoopContext.state``).
 """
 
 from __future__ import annotations
@@ -72,8 +65,26 @@ class LoggedRun:
 
 @dataclass
 class RunComponents:
-    """A GPT run's parts, each built once, when first used, from ``state`` (see
-    :func:`run_components` for the attributes)."""
+    """A GPT run's parts, from the sections of ``state.cfg`` (or ``config``) and the live
+    objects of ``state`` (the engine's schedule, timers, writers, resiliency objects,
+    counters); each part is built once, when first used.
+
+    The parts: ``run`` (counters, timers, writers, start time), ``step`` and ``evaluation``
+    (both need ``forward_step_func``), ``checkpoint_writer`` (``None`` without a
+    ``checkpoint`` section) with its ``progress_log`` (``None``: not kept), and ``loop``,
+    the loop's components in order (also needs the ``train`` and ``logger`` sections).
+
+    Attributes:
+        state: The run's state, filled (by :func:`bridge.train.setup` or the caller).
+        forward_step_func: The forward step (the state is injected if it asks).
+        checkpointing_context: The checkpointing context the writer keeps between saves.
+        process_non_loss_data_func: See :func:`bridge.train.evaluate_and_print_results`.
+        non_loss_data_func: See :func:`bridge.train.evaluate`.
+        callbacks: The caller's callbacks, run after the config's ``callbacks``.
+        tokenizer: The run's tokenizer (the ``samples`` section generates with it).
+        config: The config whose sections the parts read (``None``: ``state.cfg``); the
+            reference's evaluation functions are given one.
+    """
 
     state: GlobalState
     forward_step_func: ForwardStepCallable | None = None
@@ -82,8 +93,6 @@ class RunComponents:
     non_loss_data_func: Callable[..., Any] | None = None
     callbacks: Sequence[Callback] = ()
     tokenizer: Tokenizer | None = None
-    #: The config whose sections the parts read (``None``: ``state.cfg``); the reference's
-    #: evaluation functions are given one.
     config: ConfigContainer | None = None
 
     @cached_property
@@ -203,46 +212,8 @@ class RunComponents:
         )
 
 
-def run_components(
-    state: GlobalState,
-    forward_step_func: ForwardStepCallable | None = None,
-    checkpointing_context: dict[str, Any] | None = None,
-    process_non_loss_data_func: Callable[..., Any] | None = None,
-    non_loss_data_func: Callable[..., Any] | None = None,
-    *,
-    callbacks: Sequence[Callback] = (),
-    tokenizer: Tokenizer | None = None,
-) -> RunComponents:
-    """A run's parts, from the sections of ``state.cfg`` and the live objects of ``state``
-    (the engine's schedule, timers, writers, resiliency objects, counters); each part is
-    built when first used.
-
-    The parts: ``run`` (counters, timers, writers, start time), ``step`` and ``evaluation``
-    (both need ``forward_step_func``), ``checkpoint_writer`` (``None`` without a
-    ``checkpoint`` section) with its ``progress_log`` (``None``: not kept), and ``loop``,
-    the loop's components in order (also needs the ``train`` and ``logger`` sections).
-
-    Args:
-        state: The run's state, filled (by :func:`bridge.train.setup` or the caller).
-        forward_step_func: The forward step (the state is injected if it asks).
-        checkpointing_context: The checkpointing context the writer keeps between saves.
-        process_non_loss_data_func: See :func:`bridge.train.evaluate_and_print_results`.
-        non_loss_data_func: See :func:`bridge.train.evaluate`.
-        callbacks: The caller's callbacks, run after the config's ``callbacks``.
-        tokenizer: The run's tokenizer (the ``samples`` section generates with it).
-
-    Returns:
-        The parts.
-    """
-    return RunComponents(
-        state,
-        forward_step_func,
-        checkpointing_context if checkpointing_context is not None else {},
-        process_non_loss_data_func,
-        non_loss_data_func,
-        callbacks,
-        tokenizer,
-    )
+#: The parts of a run (the name the loop's callers and the docs use).
+run_components = RunComponents
 
 
 def run_training(

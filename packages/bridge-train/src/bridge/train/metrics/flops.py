@@ -29,6 +29,10 @@ from __future__ import annotations
 
 from megatron.core.transformer import TransformerConfig
 
+from bridge.train.metrics.flops_models import (
+    hybrid_floating_point_operations,
+    t5_floating_point_operations,
+)
 from bridge.train.models.gpt_provider import calculate_padded_vocab_size
 from bridge.train.models.mamba_provider import MambaProvider
 from bridge.train.models.t5_provider import T5ModelProvider
@@ -50,22 +54,6 @@ def _moe_layer_pattern(model: TransformerConfig) -> list[int]:
             )
         return [int(x) for x in freq]
     raise ValueError(f"model.moe_layer_freq must be an int or a list, got {freq!r}")
-
-
-def _model_family_flops(model: TransformerConfig, batch_size: int, seq_length: int) -> float | None:
-    """FLOPs of the non-GPT providers (hybrid Mamba, T5), or None for a GPT model."""
-    if isinstance(model, T5ModelProvider):
-        from bridge.train.metrics.flops_models import t5_floating_point_operations
-
-        return t5_floating_point_operations(model, batch_size, model.padded_vocab_size)
-
-    if isinstance(model, MambaProvider):
-        from bridge.train.metrics.flops_models import hybrid_floating_point_operations
-
-        return hybrid_floating_point_operations(
-            model, batch_size, seq_length, model.padded_vocab_size
-        )
-    return None
 
 
 def _latent_attention_macs(model: TransformerConfig, s: int) -> float:
@@ -110,9 +98,10 @@ def num_floating_point_operations(
         raise ValueError(f"sequence length must be a positive integer, got {s!r}")
     if getattr(model, "vocab_size", None) is None:
         raise ValueError("model.vocab_size must be set to count the logit FLOPs")
-    family = _model_family_flops(model, batch_size, s)
-    if family is not None:
-        return family
+    if isinstance(model, T5ModelProvider):
+        return t5_floating_point_operations(model, batch_size, model.padded_vocab_size)
+    if isinstance(model, MambaProvider):
+        return hybrid_floating_point_operations(model, batch_size, s, model.padded_vocab_size)
     h = model.hidden_size
     heads = model.num_attention_heads
     kv_channels = model.kv_channels or h // heads

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from bridge.config import ModelConfigProtocol, TrainingConfig
 from bridge.logging import LoggingState, ProgressReporter, TrainingLogSettings, log_training_step
+from bridge.train.loop.batch_size import get_num_microbatches
 from bridge.train.metrics.moe import moe_track_names, report_moe_metrics
 from bridge.train.metrics.norms import calc_params_l2_norm
 from core_utils.callbacks import Callback
@@ -136,8 +137,6 @@ class MetricsProcessor(Callback):
         )
         if self.moe:
             # Every rank (the reduction is collective); written at TensorBoard intervals.
-            from bridge.train.loop.batch_size import get_num_microbatches
-
             writers = state.metric_writers
             due = context.iteration % self.tensorboard_interval == 0
             report_moe_metrics(
