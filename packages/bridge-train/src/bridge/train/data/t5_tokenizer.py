@@ -20,6 +20,7 @@ unchanged. ``vocab_size`` counts the added ids, and the model's vocabulary follo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,18 +118,9 @@ class T5Tokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Decode, writing added tokens by name."""
         out: list[str] = []
-        run: list[int] = []
-        for raw in ids:
-            token_id = int(raw)
-            if token_id in self._added:
-                if run:
-                    out.append(self.base.detokenize(run))
-                    run = []
-                out.append(self._added[token_id])
-            else:
-                run.append(token_id)
-        if run:
-            out.append(self.base.detokenize(run))
+        for added, run in itertools.groupby(map(int, ids), lambda i: i in self._added):
+            pieces = list(run)
+            out += [self._added[i] for i in pieces] if added else [self.base.detokenize(pieces)]
         return "".join(out)
 
     def describe(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ dataset cache keys, so two different tokenizers never share a cache).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -125,18 +126,12 @@ class ByteLevelTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Decode bytes; special ids become their token strings."""
         out: list[str] = []
-        chunk = bytearray()
-        for raw in ids:
-            token_id = int(raw)
-            if 0 <= token_id < _BYTE_IDS:
-                chunk.append(token_id)
-                continue
-            if chunk:
-                out.append(chunk.decode("utf-8", errors="replace"))
-                chunk = bytearray()
-            out.append(self._id_to_special.get(token_id, f"<unk_{token_id}>"))
-        if chunk:
-            out.append(chunk.decode("utf-8", errors="replace"))
+        # Consecutive byte ids are decoded together (a character may take several bytes).
+        for is_byte, run in itertools.groupby(map(int, ids), lambda i: 0 <= i < _BYTE_IDS):
+            if is_byte:
+                out.append(bytes(run).decode("utf-8", errors="replace"))
+            else:
+                out += [self._id_to_special.get(i, f"<unk_{i}>") for i in run]
         return "".join(out)
 
 
