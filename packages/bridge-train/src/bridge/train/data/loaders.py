@@ -117,6 +117,14 @@ def build_data_loader(
 logger = logging.getLogger(__name__)
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as torch's DataLoader counts them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _worker_count(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> int:
     """``num_workers``, capped at the CPUs this process may use.
 
@@ -125,10 +133,7 @@ def _worker_count(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) ->
     only compete for the cores. Workers change where samples are loaded, never which.
     """
     wanted = int(getattr(dataset_config, "num_workers", 0) or 0)
-    try:  # the CPUs of this process's affinity mask, as torch's DataLoader counts them
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count() or 1
+    usable = _usable_cpus()
     if wanted <= usable:
         return wanted
     from core_utils.distributed import global_rank
