@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -12,10 +14,9 @@ from bridge.train.checkpointing import integrity
 from bridge.train.checkpointing.integrity import (
     CHECKSUM_ALGORITHM,
     VERIFIABLE_ALGORITHMS,
+    checkpoint_problems,
     checksum_file,
     checksum_files,
-    recorded_files,
-    verify_files,
 )
 
 
@@ -35,6 +36,13 @@ def _reference_tree_hash(data: bytes, segment: int) -> str:
     """XXH3-64 of the XXH3-64 digests of ``segment``-byte pieces, computed in one pass."""
     pieces = [data[i : i + segment] for i in range(0, max(len(data), 1), segment)]
     return xxhash.xxh3_64(b"".join(xxhash.xxh3_64(p).digest() for p in pieces)).hexdigest()
+
+
+def _problems(checkpoint: Path, recorded: dict[str, Any], algorithm: str) -> list[str]:
+    """What a load finds wrong with ``checkpoint`` whose marker records ``recorded``."""
+    record = {"iteration": 2, "checksum": algorithm, "files": recorded}
+    (checkpoint / "checkpoint_complete.json").write_text(json.dumps(record))
+    return sorted((checkpoint_problems(checkpoint, share=False) or {}).values())
 
 
 def _refuse_mmap(*args: object, **kwargs: object) -> None:
@@ -75,17 +83,17 @@ def test_a_recorded_checkpoint_verifies_and_any_change_is_named(
     monkeypatch.setattr(integrity, "_SEGMENT", 3 << 20)  # the shard is hashed on threads
     names = ["__0_0.distcp", ".metadata"]
     recorded = {name: checksum_file(checkpoint / name, algorithm) for name in names}
-    assert verify_files(checkpoint, recorded, collective=False) == []
+    assert _problems(checkpoint, recorded, algorithm) == []
 
     shard = checkpoint / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit, same size
     shard.write_bytes(bytes(data))
-    (problem,) = verify_files(checkpoint, recorded, collective=False)
+    (problem,) = _problems(checkpoint, recorded, algorithm)
     assert str(shard) in problem and f"does not match its saved checksum ({algorithm}" in problem
 
     shard.write_bytes(bytes(data[:-1]))
-    (problem,) = verify_files(checkpoint, recorded, collective=False)
+    (problem,) = _problems(checkpoint, recorded, algorithm)
     assert "truncated or replaced" in problem
 
 
@@ -94,7 +102,7 @@ def test_an_entry_without_a_known_hash_is_damage_not_trusted(checkpoint: Path) -
         ".metadata": {"size": 8, "md5": "0x0"},
         "__0_0.distcp": checksum_file(checkpoint / "__0_0.distcp"),
     }
-    problems = verify_files(checkpoint, recorded, collective=False)
+    problems = _problems(checkpoint, recorded, CHECKSUM_ALGORITHM)
     assert problems == [
         f"{checkpoint / '.metadata'} has no saved checksum in the completion marker"
     ]
@@ -106,18 +114,20 @@ def test_checksum_files_covers_every_file_but_the_excluded(checkpoint: Path) -> 
     assert all(CHECKSUM_ALGORITHM in entry for entry in files.values())
 
 
-def test_recorded_files_says_what_a_load_verifies_against(checkpoint: Path) -> None:
-    files = {".metadata": checksum_file(checkpoint / ".metadata")}
+def test_the_marker_says_what_a_load_verifies_against(checkpoint: Path) -> None:
+    files = {name: checksum_file(checkpoint / name) for name in [".metadata", "__0_0.distcp"]}
     marker = checkpoint / "checkpoint_complete.json"
     record = {"iteration": 2, "checksum": CHECKSUM_ALGORITHM, "files": files}
-    assert recorded_files(checkpoint, record) == files
-    assert recorded_files(checkpoint, {**record, "checksum": "crc32"}) == files
-    assert recorded_files(checkpoint, {"iteration": 2}) is None  # saved before checksums
+    assert _problems(checkpoint, files, CHECKSUM_ALGORITHM) == []
+    assert _problems(checkpoint, files, "crc32") == []  # a crc32 record with xxh3 entries
+    marker.write_text(json.dumps({"iteration": 2}))
+    assert checkpoint_problems(checkpoint) is None  # saved before checksums: nothing to check
     for bad, says in [
-        (None, "is unreadable or holds no file checksums"),
-        ({**record, "files": ["x"]}, "is unreadable or holds no file checksums"),
-        ({**record, "checksum": "blake3"}, "names checksum algorithm 'blake3'"),
+        ("{not json", "is unreadable or holds no file checksums"),
+        (json.dumps({**record, "files": ["x"]}), "is unreadable or holds no file checksums"),
+        (json.dumps({**record, "checksum": "blake3"}), "names checksum algorithm 'blake3'"),
     ]:
-        with pytest.raises(ValueError) as info:
-            recorded_files(checkpoint, bad)
-        assert str(info.value).startswith(f"{marker} {says}")
+        marker.write_text(bad)
+        (problem,) = (checkpoint_problems(checkpoint) or {}).items()
+        assert problem[0] == "checkpoint_complete.json"
+        assert problem[1].startswith(f"{marker} {says}")

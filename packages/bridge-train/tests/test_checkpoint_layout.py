@@ -391,3 +391,26 @@ def test_rng_state_follows_expert_sizes_not_the_virtual_pipeline() -> None:
     assert _layout_sizes(ep2) == "TP1 PP1 CP1 DP2 EP2 ETP1"
     assert _layout_sizes({"world_size": 4, "mimo_layout": "llm TP2"}) == "llm TP2"
     assert _layout_sizes({"world_size": 1}) == "no model parallelism"
+
+
+def test_a_new_save_clears_crashed_saves_and_puts_a_retired_checkpoint_back(
+    tmp_path: Path,
+) -> None:
+    """Leftovers of crashed saves: a staging directory is removed; a complete checkpoint
+    retired for a same-iteration replacement that never arrived is moved back, and one whose
+    replacement did arrive is removed."""
+    from bridge.train.checkpointing.save import _prepare_staging
+
+    save = tmp_path / "save"
+    (save / "iter_0000003.tmp").mkdir(parents=True)
+    _complete(save, 4).rename(save / "iter_0000004.old")  # its replacement never arrived
+    _complete(save, 5).rename(save / "iter_0000005.old")
+    _complete(save, 5)  # ... and this one did
+    staging = _prepare_staging(str(save), 6)
+    assert staging == str(save / "iter_0000006.tmp")
+    assert sorted(p.name for p in save.iterdir()) == [
+        "iter_0000004",
+        "iter_0000005",
+        "iter_0000006.tmp",
+    ]
+    assert (save / "iter_0000004" / MARKER_FILENAME).is_file()

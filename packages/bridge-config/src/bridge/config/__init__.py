@@ -2,7 +2,7 @@
 
 from bridge.config._checkpoint import CheckpointConfig
 from bridge.config._codec import register_moved_import
-from bridge.config._container import ConfigContainer, resolve_world_size
+from bridge.config._container import ConfigContainer, data_parallel_size, resolve_world_size
 from bridge.config._convert import convert_dataclass
 from bridge.config._data import (
     DataloaderConfig,
@@ -71,6 +71,7 @@ __all__ = [
     "TrainingConfig",
     "apply_overrides",
     "convert_dataclass",
+    "data_parallel_size",
     "describe_fields",
     "diff_from_defaults",
     "format_diff",

@@ -116,7 +116,7 @@ def _parallel_size(model: ModelConfigProtocol, name: str, default: int) -> int:
 
 
 def _check_expert_layout(model: ModelConfigProtocol, world: int, tp: int, pp: int) -> None:
-    """Megatron's expert-parallel rules (see ``ConfigContainer.get_data_parallel_size``)."""
+    """Megatron's expert-parallel rules (see :func:`data_parallel_size`)."""
     ep = _parallel_size(model, "expert_model_parallel_size", 1)
     etp = tp
     if getattr(model, "expert_tensor_parallel_size", None) is not None:
@@ -169,6 +169,50 @@ def _check_expert_layout(model: ModelConfigProtocol, world: int, tp: int, pp: in
             f"expert_model_parallel_size values for {world} ranks: {_listing(valid)} (or "
             f"launch a multiple of {unit} ranks)",
         )
+
+
+def data_parallel_size(model: ModelConfigProtocol, world_size: int) -> int:
+    """The data-parallel size of a model's parallel layout on ``world_size`` ranks.
+
+    As in megatron-core, the data-parallel size is ``world_size // (tensor x pipeline x
+    context parallel size)``; expert parallelism splits the experts within those ranks and
+    does not change it. The expert layout must still fit: ``world_size`` must be a multiple
+    of ``expert_tensor_parallel_size`` (default: the tensor-parallel size) x
+    ``expert_model_parallel_size`` x pipeline-parallel size, and ``num_moe_experts`` (when
+    set) a multiple of ``expert_model_parallel_size``. A model without these fields has no
+    expert parallelism.
+
+    Args:
+        model: The model section (a provider or any object with the parallel-size fields).
+        world_size: Total number of ranks.
+
+    Returns:
+        ``world_size // (tensor x pipeline x context parallel size)``.
+
+    Raises:
+        ConfigError: a parallel size is not a positive integer, ``world_size`` is not a
+            multiple of their product, or the expert layout does not fit (the message lists
+            valid choices).
+    """
+    tp, pp, cp = (
+        _parallel_size(model, name, 1)
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        )
+    )
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ConfigError(
+            "model",
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) "
+            f"x pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) "
+            f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the "
+            "parallel sizes",
+        )
+    _check_expert_layout(model, world_size, tp, pp)
+    return world_size // model_parallel
 
 
 def _listing(values: list[int]) -> str:
@@ -283,52 +327,18 @@ class ConfigContainer:
     # ------------------------------------------------------------------ derived values
 
     def get_data_parallel_size(self, world_size: int) -> int:
-        """Calculate the data parallel size based on the model configuration.
-
-        As in megatron-core, the data-parallel size is ``world_size // (tensor x pipeline x
-        context parallel size)``; expert parallelism splits the experts within those ranks
-        and does not change it. The expert layout must still fit: ``world_size`` must be a
-        multiple of ``expert_tensor_parallel_size`` (default: the tensor-parallel size) x
-        ``expert_model_parallel_size`` x pipeline-parallel size, and ``num_moe_experts``
-        (when set) a multiple of ``expert_model_parallel_size``. A model without these
-        fields has no expert parallelism.
-
-        Args:
-            world_size: Total number of ranks.
-
-        Returns:
-            ``world_size // (tensor x pipeline x context parallel size)`` of the model.
+        """The data-parallel size of the model section's layout (:func:`data_parallel_size`).
 
         Raises:
-            ConfigError: there is no model section, a parallel size is not a positive
-                integer, ``world_size`` is not a multiple of their product, or the expert
-                layout does not fit (the message lists valid choices).
+            ConfigError: there is no model section, or :func:`data_parallel_size` refuses
+                the layout.
         """
         world_size = resolve_world_size(world_size)
-        model = self.model
-        if model is None:
+        if self.model is None:
             raise ConfigError(
                 "model", "required section is missing; " + _REQUIRED_SECTIONS["model"]
             )
-        tp, pp, cp = (
-            _parallel_size(model, name, 1)
-            for name in (
-                "tensor_model_parallel_size",
-                "pipeline_model_parallel_size",
-                "context_parallel_size",
-            )
-        )
-        model_parallel = tp * pp * cp
-        if world_size % model_parallel:
-            raise ConfigError(
-                "model",
-                f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) "
-                f"x pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) "
-                f"= {model_parallel}; launch a multiple of {model_parallel} ranks or change the "
-                "parallel sizes",
-            )
-        _check_expert_layout(model, world_size, tp, pp)
-        return world_size // model_parallel
+        return data_parallel_size(self.model, world_size)
 
     def validate(self, world_size: int | None = None) -> None:
         """Performs validation checks on the combined configuration.

@@ -74,13 +74,10 @@ def ensure_write_results_queue() -> None:
     if torch.cuda.is_available():
         return
 
-    pid = os.getpid()
-    if _RESULTS_QUEUE_PID[0] == pid and filesystem_async._results_queue is not None:
-        return
-    if _RESULTS_QUEUE_PID[0] != pid:
+    if _RESULTS_QUEUE_PID[0] != os.getpid():
         filesystem_async._results_queue = None  # inherited from a parent: not ours
-    filesystem_async.get_write_results_queue(mp_mode="fork")
-    _RESULTS_QUEUE_PID[0] = pid
+    filesystem_async.get_write_results_queue(mp_mode="fork")  # made only when there is none
+    _RESULTS_QUEUE_PID[0] = os.getpid()
 
 
 _ALIGN = 64  # bytes; keeps every tensor in the arena aligned for any dtype

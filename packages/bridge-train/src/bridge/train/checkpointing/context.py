@@ -83,14 +83,11 @@ def check_checkpoint_config(checkpoint_config: CheckpointConfig) -> None:
 def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str, Any]:
     """Check the checkpoint settings and the save directory; prepare saving for this rank.
 
-    Call once per rank after torch.distributed is initialised and before training starts.
-    It refuses unsupported settings and a save directory that holds anything but
-    checkpoints (before anything is trained or written), takes the save directory's lock
-    for the life of the process on rank 0 (a second run writing there is refused, see
-    :mod:`~bridge.train.checkpointing.lock`), makes dist_checkpointing's
-    write-results queue by forking this rank (see
-    :func:`~bridge.train.checkpointing.async_save.ensure_write_results_queue`) and, for
-    asynchronous saves with a persistent worker on CPU, starts the worker.
+    Call once per rank after torch.distributed is initialised and before training starts:
+    it refuses unsupported settings and a save directory holding anything but checkpoints,
+    takes that directory's lock for the process on rank 0 (see
+    :mod:`~bridge.train.checkpointing.lock`), and forks this rank's helpers for saving
+    (dist_checkpointing's write-results queue; the persistent asynchronous writer on CPU).
 
     Args:
         checkpoint_config: The ``CheckpointConfig`` (``cfg.checkpoint``).

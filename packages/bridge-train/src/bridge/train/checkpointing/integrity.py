@@ -44,8 +44,6 @@ __all__ = [
     "checksum_file",
     "checksum_files",
     "gather_problems",
-    "recorded_files",
-    "verify_files",
 ]
 
 #: Name recorded in the marker (``checksum``) and as the key of each file's hash.
@@ -171,91 +169,32 @@ def checksum_files(
     return _gather(part)
 
 
-def _problem(base: Path, name: str, expected: dict[str, Any]) -> str | None:
-    path = base / name
+def _problem(path: Path, expected: dict[str, Any]) -> str | None:
+    algorithm = next((name for name in _HASHERS if name in expected), None)
     try:
         size = path.stat().st_size
+        if size != expected.get("size"):
+            what = "empty" if size == 0 else f"{size} bytes"
+            saved = expected.get("size")
+            return f"{path} is {what}, {saved} bytes were saved (truncated or replaced)"
+        if algorithm is None:
+            return f"{path} has no saved checksum in the completion marker"
+        found = checksum_file(path, algorithm)[algorithm]
     except FileNotFoundError:
         return f"{path} is missing"
     except OSError as exc:
         return f"{path} cannot be read ({exc.strerror})"
-    if size != expected.get("size"):
-        what = "empty" if size == 0 else f"{size} bytes"
-        return f"{path} is {what}, {expected.get('size')} bytes were saved (truncated or replaced)"
-    algorithm = next((name for name in _HASHERS if name in expected), None)
-    if algorithm is None:
-        return f"{path} has no saved checksum in the completion marker"
-    try:
-        found = checksum_file(path, algorithm)
-    except OSError as exc:
-        return f"{path} cannot be read ({exc.strerror})"
-    if found[algorithm] != expected[algorithm]:
+    if found != expected[algorithm]:
         return (
-            f"{path} does not match its saved checksum ({algorithm} "
-            f"{found[algorithm]}, saved {expected[algorithm]}): its "
-            "content changed after the save"
+            f"{path} does not match its saved checksum ({algorithm} {found}, saved "
+            f"{expected[algorithm]}): its content changed after the save"
         )
     return None
-
-
-def _local_problems(
-    directory: str | os.PathLike[str], recorded: dict[str, Any], share: bool
-) -> dict[str, str]:
-    """``{file name: what is wrong}`` of this rank's round-robin share of ``recorded`` (of
-    every file unless ``share``); no collective."""
-    base = Path(directory)
-    part = {}
-    for name in _my_share(recorded) if share else sorted(recorded):
-        expected = recorded[name]
-        problem = _problem(base, name, expected if isinstance(expected, dict) else {})
-        if problem is not None:
-            part[name] = problem
-    if not share or _dist.rank() == 0:
-        # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
-        for entry in base.iterdir():
-            if entry.name not in recorded and entry.name != MARKER_FILENAME and entry.is_file():
-                part[entry.name] = (
-                    f"{entry} is not part of the checkpoint as saved (a file added later)"
-                )
-    return part
 
 
 def gather_problems(part: dict[str, str]) -> list[str]:
     """Every rank's :func:`checkpoint_problems`, one line per damaged file, sorted (collective)."""
     return [line for _, line in sorted(_gather(part).items())]
-
-
-def recorded_files(
-    directory: str | os.PathLike[str], marker: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """What a load verifies ``directory`` against: its completion marker's ``files``.
-
-    Args:
-        directory: The checkpoint directory.
-        marker: Its parsed completion marker (``None``: missing, torn or not JSON).
-
-    Returns:
-        ``{file name: {"size": ..., <algorithm>: ...}}``, or ``None`` for a checkpoint saved
-        before checksums existed (a marker without ``files``: nothing to check against).
-
-    Raises:
-        ValueError: The marker is unreadable, or its record is not one this version can
-            verify; the message names the marker file.
-    """
-    if marker is not None and "files" not in marker:
-        return None
-    files = None if marker is None else marker.get("files")
-    if marker is None or not isinstance(files, dict):
-        problem = "is unreadable or holds no file checksums"
-    elif marker.get("checksum") not in VERIFIABLE_ALGORITHMS:
-        problem = (
-            f"names checksum algorithm {marker.get('checksum')!r}, which this version cannot "
-            f"verify (it knows {', '.join(sorted(VERIFIABLE_ALGORITHMS))}): load it with the "
-            "bridge-train that saved it"
-        )
-    else:
-        return files
-    raise ValueError(f"{Path(directory) / MARKER_FILENAME} {problem}")
 
 
 def checkpoint_problems(
@@ -275,34 +214,37 @@ def checkpoint_problems(
         ``{file name: one line saying what is wrong}``, or ``None`` for a checkpoint saved
         before checksums existed (nothing to check against).
     """
+    marker = read_marker(directory)
+    if marker is not None and "files" not in marker:
+        return None  # saved before checksums existed
+    files: Any = None if marker is None else marker.get("files")
+    problem = None
+    # Incomplete (a staging leftover renamed by hand, a torn marker), or not verifiable here.
+    if marker is None or not isinstance(files, dict):
+        problem = "is unreadable or holds no file checksums"
+    elif marker.get("checksum") not in VERIFIABLE_ALGORITHMS:
+        problem = (
+            f"names checksum algorithm {marker.get('checksum')!r}, which this version cannot "
+            f"verify (it knows {', '.join(sorted(VERIFIABLE_ALGORITHMS))}): load it with the "
+            "bridge-train that saved it"
+        )
+    if problem is not None:
+        return {MARKER_FILENAME: f"{Path(directory) / MARKER_FILENAME} {problem}"}
+    base = Path(directory)
+    part = {}
     try:
-        files = recorded_files(directory, read_marker(directory))
-    except ValueError as exc:  # incomplete (a staging leftover renamed by hand, a torn marker)
-        return {MARKER_FILENAME: str(exc)}
-    if files is None:
-        return None
-    try:
-        return _local_problems(directory, files, share)
+        for name in _my_share(files) if share else sorted(files):
+            expected = files[name]
+            problem = _problem(base / name, expected if isinstance(expected, dict) else {})
+            if problem is not None:
+                part[name] = problem
+        if not share or _dist.rank() == 0:
+            # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
+            for entry in base.iterdir():
+                if entry.name not in files and entry.name != MARKER_FILENAME and entry.is_file():
+                    part[entry.name] = (
+                        f"{entry} is not part of the checkpoint as saved (a file added later)"
+                    )
     except OSError as exc:
         return {str(directory): f"{directory} cannot be read ({exc.strerror or exc})"}
-
-
-def verify_files(
-    directory: str | os.PathLike[str], recorded: dict[str, Any], collective: bool = True
-) -> list[str]:
-    """Check every file ``recorded`` lists against ``directory``.
-
-    Args:
-        directory: The checkpoint directory.
-        recorded: The marker's ``files`` entry.
-        collective: Split the files over the ranks (every rank calls it); else this rank
-            checks them all.
-
-    Returns:
-        One line per damaged file (missing, of another size, other content, or present but
-        not recorded), sorted; the same list on every rank. Empty when everything matches.
-    """
-    part = _local_problems(directory, recorded, collective)
-    if collective:
-        return gather_problems(part)
-    return [line for _, line in sorted(part.items())]
+    return part

@@ -101,16 +101,6 @@ def parse_iteration(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def staging_path(root: str | os.PathLike[str], iteration: int) -> Path:
-    """Where a save of ``iteration`` is written before it is complete."""
-    return Path(root) / (checkpoint_dir_name(iteration) + STAGING_SUFFIX)
-
-
-def retired_path(root: str | os.PathLike[str], iteration: int) -> Path:
-    """Where a complete checkpoint is moved while an equal-iteration replacement takes its place."""
-    return Path(root) / (checkpoint_dir_name(iteration) + RETIRED_SUFFIX)
-
-
 def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The completion marker of the checkpoint directory ``path``, or ``None`` if it has none."""
     marker = Path(path) / MARKER_FILENAME

@@ -25,7 +25,6 @@ import functools
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,11 +69,12 @@ from bridge.train.checkpointing.optimizer_conversion import (
     conversion_template,
     converted_optimizer_state,
 )
-from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
+from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state, rng_sharded_object
 from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
+    LAYOUT_SIZES,
     META_KEY,
-    build_load_template,
+    allocate_optimizer_state,
     distributed_parts,
     model_sharded_state_dict,
     model_state_keys,
@@ -148,20 +148,18 @@ class PlannedLoad:
             ``checkpoint.pretrained_checkpoint``): weights only, a new run at iteration 0.
         source: The setting it comes from (``"checkpoint.load"``, ``"non-persistent"``,
             ``"checkpoint.pretrained_checkpoint"``).
+        fallbacks: Older complete checkpoints to load, newest first, if this one fails
+            verification (only for "the newest checkpoint" of a save directory).
+        explicit: Named by ``ckpt_step``, an ``iter_*`` path or ``pretrained_checkpoint``
+            (never replaced by another checkpoint).
     """
 
     path: str
     iteration: int
     weights_only: bool
     source: str
-
-
-@dataclass(frozen=True)
-class _LoadPlan(PlannedLoad):
-    # Older complete checkpoints to use, newest first, if this one fails verification (only
-    # for "the newest checkpoint" of a save directory, never for an explicitly named one).
     fallbacks: tuple[CheckpointLocation, ...] = ()
-    explicit: bool = False  # named by ckpt_step, an iter_* path or pretrained_checkpoint
+    explicit: bool = False
 
 
 def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[CheckpointLocation, ...]:
@@ -171,6 +169,11 @@ def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[Checkpoin
         for i in reversed(complete_iterations(base))
         if i < below
     )
+
+
+def _absent(path: str | os.PathLike[str], holds: str) -> str:
+    """What is wrong with a directory a checkpoint was looked for in: ``holds`` or missing."""
+    return holds if os.path.isdir(path) else "does not exist"
 
 
 def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
@@ -186,71 +189,59 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
     """
     cfg = checkpoint_config
     load, step = cfg.load, cfg.ckpt_step
-    persistent: CheckpointLocation | None = None
+    persistent = find_latest_checkpoint(load, step) if load else None
+    if load and persistent is None and step is not None:
+        raise CheckpointError(
+            f"checkpoint.ckpt_step={step}: checkpoint.load={str(load)!r} "
+            f"{_absent(load, 'holds no checkpoints')}"
+        )
     # Resuming "the newest checkpoint" of a save directory may fall back to an older one
     # that verifies; an explicitly named one (ckpt_step, an iter_* path) may not.
-    may_fall_back = step is None
-    if load:
-        persistent = find_latest_checkpoint(load, step)
-        if persistent is not None and Path(persistent.path) == Path(load):
-            may_fall_back = False
-        if persistent is None and step is not None:
-            raise CheckpointError(
-                f"checkpoint.ckpt_step={step}: checkpoint.load={str(load)!r} "
-                f"{'holds no checkpoints' if os.path.isdir(load) else 'does not exist'}"
-            )
-    # The persistent checkpoint, then the older complete ones it may fall back to.
-    chain: tuple[CheckpointLocation, ...] = () if persistent is None else (persistent,)
-    if persistent is not None and may_fall_back:
-        chain += _older_complete(str(load), persistent.iteration)
+    explicit = step is not None or (
+        persistent is not None and Path(persistent.path) == Path(str(load))
+    )
+    older = (
+        () if persistent is None or explicit else _older_complete(str(load), persistent.iteration)
+    )
     if step is None and cfg.non_persistent_ckpt_type == "global":
         np_root = non_persistent_dir(cfg, base=str(load or ""))
         latest_np = find_latest_checkpoint(np_root) if np_root else None
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
-            fallbacks = _older_complete(str(np_root), latest_np.iteration) + chain
-            return _LoadPlan(
+            chain = _older_complete(str(np_root), latest_np.iteration) + older
+            chain += () if persistent is None else (persistent,)
+            return PlannedLoad(
                 latest_np.path,
                 latest_np.iteration,
                 bool(cfg.finetune),
                 "non-persistent",
-                tuple(sorted(fallbacks, key=lambda location: -location.iteration)),
+                tuple(sorted(chain, key=lambda location: -location.iteration)),
             )
     if persistent is not None:
-        return _LoadPlan(
+        return PlannedLoad(
             persistent.path,
             persistent.iteration,
             bool(cfg.finetune),
             "checkpoint.load",
-            chain[1:],
-            explicit=not may_fall_back,
+            older,
+            explicit,
         )
     if cfg.pretrained_checkpoint:
         pretrained = find_latest_checkpoint(cfg.pretrained_checkpoint)
         if pretrained is None:
-            what = (
-                "holds no checkpoint (no tracker and no complete iter_* directory)"
-                if os.path.isdir(cfg.pretrained_checkpoint)
-                else "does not exist"
+            what = _absent(
+                cfg.pretrained_checkpoint,
+                "holds no checkpoint (no tracker and no complete iter_* directory)",
             )
             raise CheckpointError(
                 f"checkpoint.pretrained_checkpoint={str(cfg.pretrained_checkpoint)!r} {what}; "
                 "point it at a directory saved by bridge-train"
             )
-        return _LoadPlan(
-            pretrained.path,
-            pretrained.iteration,
-            True,
-            "checkpoint.pretrained_checkpoint",
-            explicit=True,
-        )
+        source = "checkpoint.pretrained_checkpoint"
+        return PlannedLoad(pretrained.path, pretrained.iteration, True, source, explicit=True)
     if load and cfg.exit_on_missing_checkpoint:
-        what = (
-            f"holds no checkpoint (no {TRACKER_FILENAME})"
-            if os.path.isdir(load)
-            else "does not exist"
-        )
+        what = _absent(load, f"holds no checkpoint (no {TRACKER_FILENAME})")
         raise CheckpointError(
             f"checkpoint.load={str(load)!r} {what} and checkpoint.exit_on_missing_checkpoint="
             "True; fix the path, or unset exit_on_missing_checkpoint to start from a random "
@@ -272,7 +263,7 @@ def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
     return gather_problems(part)
 
 
-def _verified_plan(plan: _LoadPlan, problems: list[str]) -> _LoadPlan:
+def _verified_plan(plan: PlannedLoad, problems: list[str]) -> PlannedLoad:
     """The newest of ``plan``'s fallbacks whose files match their checksums (collective).
 
     ``problems``: what is wrong with ``plan``'s own checkpoint.
@@ -296,7 +287,7 @@ def _verified_plan(plan: _LoadPlan, problems: list[str]) -> _LoadPlan:
                     candidate.iteration,
                     candidate.path,
                 )
-            return _LoadPlan(candidate.path, candidate.iteration, plan.weights_only, plan.source)
+            return PlannedLoad(candidate.path, candidate.iteration, plan.weights_only, plan.source)
     if plan.fallbacks:
         why = "and no older checkpoint's files verify either"
     elif plan.explicit:
@@ -314,13 +305,9 @@ def _verified_plan(plan: _LoadPlan, problems: list[str]) -> _LoadPlan:
 
 
 def _read_common(path: str) -> dict[str, Any]:
-
+    # A single-process read on each rank: its warnings are held by restore_checkpoint.
     try:
-        with warnings.catch_warnings():
-            # Reading the common part is deliberately a single-process read on each rank.
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
-            warnings.filterwarnings("ignore", message=r"The argument order of load")
-            common = load_common_state_dict(path)
+        common = load_common_state_dict(path)
     except (CheckpointException, CheckpointingException, OSError) as exc:
         raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
     meta = common.get(META_KEY)
@@ -337,34 +324,16 @@ def _read_common(path: str) -> dict[str, Any]:
     return common
 
 
-# The sizes a layout is described by, in this order.
-_LAYOUT_SIZES = (
-    ("TP", "tensor_model_parallel_size"),
-    ("PP", "pipeline_model_parallel_size"),
-    ("CP", "context_parallel_size"),
-    ("DP", "data_parallel_size"),
-    ("EP", "expert_model_parallel_size"),
-    ("ETP", "expert_tensor_parallel_size"),
-)
-
-
 def _layout_sizes(layout: dict[str, Any]) -> str:
     """``"TP2 PP1 CP1 DP1 EP1 ETP1"``: the sizes ``layout`` records (a MIMO model's own
     description added), or ``"no model parallelism"``."""
-    sizes = [f"{short}{layout[name]}" for short, name in _LAYOUT_SIZES if name in layout]
+    sizes = [f"{short}{layout[name]}" for short, name, _ in LAYOUT_SIZES if name in layout]
     modules = layout.get("mimo_layout")
     if isinstance(modules, dict):  # module -> "ranks 0-1 TP1 DP2"
         sizes.append(", ".join(f"{name} {placement}" for name, placement in modules.items()))
     elif modules is not None:
         sizes.append(str(modules))
     return " ".join(sizes) or "no model parallelism"
-
-
-def _describe_layout(layout: dict[str, Any], chunks: Any, optimizer: str | None) -> str:
-    details = [f"world {layout.get('world_size')}", f"{chunks} model chunk(s)"]
-    if optimizer:
-        details.append(f"{optimizer} optimizer")
-    return f"{_layout_sizes(layout)} ({', '.join(details)})"
 
 
 def _rng_layout_changed(saved: dict[str, Any], layout: dict[str, Any]) -> bool:
@@ -396,16 +365,11 @@ def _check_reshardable(
 ) -> bool:
     """Refuse, naming both layouts, a checkpoint this job's layout cannot be loaded from.
 
-    Every tensor is saved under its layout-free sharded key (global layer numbers and
-    expert ids), so dist_checkpointing reshards model tensors across TP, PP, VPP, EP and DP
-    sizes, per-parameter optimizer state with them, and megatron's distributed optimizer
-    state saved ``fully_reshardable`` (model space, the default, see
-    ``state_dict.OPTIMIZER_SHARDING_METADATA``) too. The two convert into each other, and
-    into another number of optimizer parts (expert parallelism on or off), through
-    :mod:`~bridge.train.checkpointing.optimizer_conversion`, as does the retired portable
-    engine's per-parameter state. Refused: distributed-optimizer state of the older
-    ``dp_reshardable`` format under other TP, PP or VPP sizes, another optimizer kind or
-    another number of parts (it is kept per data-parallel bucket).
+    Model tensors and optimizer state saved under layout-free keys reshard across every
+    layout (another optimizer format or number of parts converts, see
+    :mod:`~bridge.train.checkpointing.optimizer_conversion`). Refused: distributed-optimizer
+    state of the older ``dp_reshardable`` format (kept per data-parallel bucket) under other
+    TP, PP or VPP sizes, another optimizer kind or another number of parts.
 
     Returns:
         Whether the optimizer state must be converted (another format or number of parts).
@@ -415,10 +379,15 @@ def _check_reshardable(
     saved_fmt = meta.get("optimizer_format")
     this_fmt = None if optimizer is None else optimizer_format(optimizer)
 
+    def describe(layout: dict[str, Any], chunks: Any, optimizer: str | None) -> str:
+        details = [f"world {layout.get('world_size')}", f"{chunks} model chunk(s)"]
+        details += [f"{optimizer} optimizer"] if optimizer else []
+        return f"{_layout_sizes(layout)} ({', '.join(details)})"
+
     def refuse(reason: str, fix: str) -> CheckpointError:
         return CheckpointError(
-            f"{path} was saved as {_describe_layout(saved_layout, saved_chunks, saved_fmt)}, "
-            f"this run is {_describe_layout(layout, chunks, this_fmt)}: {reason}; {fix}"
+            f"{path} was saved as {describe(saved_layout, saved_chunks, saved_fmt)}, "
+            f"this run is {describe(layout, chunks, this_fmt)}: {reason}; {fix}"
         )
 
     if optimizer is None or saved_fmt is None:
@@ -547,45 +516,42 @@ def _check_scheduler_settings(
     groups with the current ones by their learning-rate bounds, so a run with another
     ``optimizer.lr`` would otherwise fail inside megatron-core instead of with this message.
     """
-    override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
-    from_checkpoint = bool(getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
-    if not override and not from_checkpoint:
-        changed = [
-            name
-            for name in _SCHEDULER_SETTINGS
-            if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
-        ]
-        differing = [
-            f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
-            for name in changed
-        ]
-        lengths = {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}
-        if differing and set(changed) <= lengths:
-            # Only the schedule's lengths differ: the run was extended (or shortened) with
-            # train.train_iters. The checkpoint's schedule keeps the learning rate
-            # continuous (after its decay ends it stays at min_lr); stretching it to the new
-            # length would jump the learning rate back up, so that is left to an explicit
-            # scheduler.override_opt_param_scheduler=true.
-            # INFO: extending a run is what the user asked for, not a problem.
-            log = logger.info if _dist.rank() == 0 else logger.debug
-            log(
-                "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
-                "(the learning rate stays at min_lr once its decay ends); set "
-                "scheduler.override_opt_param_scheduler=true to stretch it to this run's length",
-                path,
-                "; ".join(differing),
-            )
-            for name in changed:
-                setattr(scheduler, name, saved[name])
-            differing = []
-        if differing:
-            raise CheckpointError(
-                f"the scheduler settings differ from those saved in {path}: "
-                + "; ".join(differing)
-                + ". Set scheduler.override_opt_param_scheduler=True to keep the config's "
-                "values, or scheduler.use_checkpoint_opt_param_scheduler=True to take the "
-                "checkpoint's"
-            )
+    if getattr(scheduler, "override_opt_param_scheduler", False) or getattr(
+        scheduler, "use_checkpoint_opt_param_scheduler", False
+    ):
+        return  # the config says which schedule wins
+    changed = [
+        name
+        for name in _SCHEDULER_SETTINGS
+        if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
+    ]
+    differing = "; ".join(
+        f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
+        for name in changed
+    )
+    if changed and set(changed) <= {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}:
+        # Only the schedule's lengths differ: the run was extended (or shortened) with
+        # train.train_iters. The checkpoint's schedule keeps the learning rate
+        # continuous (after its decay ends it stays at min_lr); stretching it to the new
+        # length would jump the learning rate back up, so that is left to an explicit
+        # scheduler.override_opt_param_scheduler=true.
+        # INFO: extending a run is what the user asked for, not a problem.
+        log = logger.info if _dist.rank() == 0 else logger.debug
+        log(
+            "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
+            "(the learning rate stays at min_lr once its decay ends); set "
+            "scheduler.override_opt_param_scheduler=true to stretch it to this run's length",
+            path,
+            differing,
+        )
+        for name in changed:
+            setattr(scheduler, name, saved[name])
+    elif changed:
+        raise CheckpointError(
+            f"the scheduler settings differ from those saved in {path}: {differing}. Set "
+            "scheduler.override_opt_param_scheduler=True to keep the config's values, or "
+            "scheduler.use_checkpoint_opt_param_scheduler=True to take the checkpoint's"
+        )
 
 
 # Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
@@ -824,15 +790,23 @@ def _read_checkpoint(
     # The generators are per rank: another layout has no counterpart to restore them into;
     # restore_checkpoint names both layouts and reseeds (its ``reseed``).
     layout_changed = load_rng and _rng_layout_changed(meta.get("parallel_layout") or {}, layout)
-    saved_fmt = meta.get("optimizer_format") or ""
-    template = build_load_template(
-        model,
-        optimizer,
-        load_optim=optimizer is not None,
-        load_rng=load_rng and not layout_changed,
-        # The distributed-optimizer sharding type the checkpoint was saved with, if any.
-        sharding_type=saved_fmt.split(":", 1)[1] if saved_fmt.startswith("distributed:") else None,
-    )
+    # This run's shapes and shardings to load into.
+    models = model_sharded_state_dict(model)
+    template: dict[str, Any] = dict(models)
+    if optimizer is not None:
+        allocate_optimizer_state(optimizer)  # so there is state to load into
+        saved_fmt = meta.get("optimizer_format") or ""
+        template["optimizer"] = optimizer_sharded_state_dict(
+            optimizer,
+            models,
+            is_loading=True,
+            # The distributed-optimizer sharding type the checkpoint was saved with, if any.
+            sharding_type=saved_fmt.split(":", 1)[1]
+            if saved_fmt.startswith("distributed:")
+            else None,
+        )
+    if load_rng and not layout_changed:
+        template[RNG_STATE_KEY] = rng_sharded_object(None)
     conversion = None
     saved = load_tensors_metadata(path)
     if convert:
@@ -945,7 +919,7 @@ def restore_checkpoint(
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     context = checkpointing_context if checkpointing_context is not None else {}
     context["loaded_checkpoint"] = None
-    plan: _LoadPlan | None = _dist.run_on_rank0(planned_load, cfg)
+    plan: PlannedLoad | None = _dist.run_on_rank0(planned_load, cfg)
     if plan is None:
         if cfg.load and _dist.rank() == 0:
             logger.warning(

@@ -69,12 +69,15 @@ def hold_save_dir_lock(directory: str | os.PathLike[str], field: str = "checkpoi
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _read_holder(fd)
+        try:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+        except OSError:
+            holder = ""
         os.close(fd)
         raise CheckpointError(
-            f"{field}={str(directory)!r} is in use by another run ({holder}); two runs "
-            f"must not write one save directory: wait for it to end, stop it, or choose "
-            f"another {field}"
+            f"{field}={str(directory)!r} is in use by another run "
+            f"({holder or 'pid and host unknown'}); two runs must not write one save "
+            f"directory: wait for it to end, stop it, or choose another {field}"
         ) from None
     except OSError as exc:
         os.close(fd)
@@ -94,14 +97,6 @@ def hold_save_dir_lock(directory: str | os.PathLike[str], field: str = "checkpoi
             "writable directory"
         ) from None
     _HELD[key] = fd
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 512, 0).decode(errors="replace").strip()
-    except OSError:
-        text = ""
-    return text or "pid and host unknown"
 
 
 def release_save_dir_locks() -> None:

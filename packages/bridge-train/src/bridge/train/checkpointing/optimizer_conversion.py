@@ -18,14 +18,12 @@ scheduler's) and the saved step and loss scale. Main parameters the checkpoint d
 the loaded model weights, which is exact for them.
 
 Used when the saved optimizer format (distributed or per-parameter) or the number of
-optimizer parts differs from this run's: the distributed optimizer switched on or off, and
-expert parallelism switched on or off, also with bf16. Checkpoints of bridge-train's retired
-portable engine (``optimizer_format: portable``) are per-parameter state under megatron's own
-keys (``optimizer.state.exp_avg.<key>``, ``optimizer.state.fp32_param.<key>``, the step as
-``common_step``, the loss scale as ``grad_scaler``), so they convert the same way, into any of
-megatron's optimizers. Distributed-optimizer state of the
-older ``dp_reshardable`` format is kept per data-parallel bucket and cannot be converted
-(refused in ``load._check_reshardable``).
+optimizer parts differs from this run's: the distributed optimizer or expert parallelism
+switched on or off, also with bf16. Checkpoints of bridge-train's retired portable engine
+(``optimizer_format: portable``) hold per-parameter state under megatron's own keys (the
+step as ``common_step``, the loss scale as ``grad_scaler``) and convert the same way. The
+older ``dp_reshardable`` distributed format is kept per data-parallel bucket and cannot be
+converted (refused in ``load._check_reshardable``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from bridge.train.checkpointing import _dist
+
 __all__ = ["RNG_STATE_KEY", "capture_rng_state", "restore_rng_state", "rng_sharded_object"]
 
 RNG_STATE_KEY = "rng_state"
@@ -122,7 +124,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker_states))
 
 
-def rng_sharded_object(rank: int, world_size: int, state: dict[str, Any] | None) -> Any:
-    """A ``ShardedObject`` holding rank ``rank``'s generator state (``None`` for loading)."""
-
+def rng_sharded_object(state: dict[str, Any] | None) -> Any:
+    """A ``ShardedObject`` holding this rank's generator state (``None`` for loading), one
+    per global rank."""
+    rank, world_size = _dist.rank(), _dist.world_size()
     return ShardedObject(RNG_STATE_KEY, state, (world_size,), (rank,), replica_id=0)

@@ -47,7 +47,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from bridge.config import CheckpointConfig, ConfigError
 from bridge.config.atomic_files import fsync_directory
 from bridge.train.checkpointing import _dist
-from bridge.train.checkpointing._fs import fsync_tree, remove_tree
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
     finalize_async_saves,
@@ -76,8 +75,6 @@ from bridge.train.checkpointing.layout import (
     is_complete_checkpoint,
     parse_iteration,
     read_tracker,
-    retired_path,
-    staging_path,
     write_marker,
     write_tracker,
 )
@@ -112,6 +109,23 @@ def _pending() -> set[str]:
     return _PENDING.setdefault(os.getpid(), set())
 
 
+def _fsync_tree(path: str | os.PathLike[str]) -> None:
+    """Flush every file and directory under ``path`` (cheap for files already synced)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_directory(root)
+
+
+def _remove_tree(path: str | os.PathLike[str]) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+
+
 @dataclass(frozen=True)
 class _Commit:
     root: str
@@ -143,33 +157,6 @@ def _save_root(checkpoint_config: CheckpointConfig, non_persistent: bool) -> str
             "checkpoint.save", "is not set; set it to the directory checkpoints are saved to"
         )
     return str(checkpoint_config.save)
-
-
-def _recover_and_clean(root: Path) -> None:
-    """Remove leftovers of crashed saves in ``root`` (never a complete, committed checkpoint).
-
-    Staging directories not being written by this process are incomplete by construction
-    and are deleted. A retired directory (``iter_N.old``) exists only between the two
-    renames that replace a checkpoint by a new save of the same iteration: if the new one
-    did not arrive, the old one is moved back, else it is deleted.
-    """
-    pending = _pending()
-    for entry in list(root.iterdir()):
-        name = entry.name
-        if not entry.is_dir() or not name.startswith("iter_"):
-            continue
-        if name.endswith(STAGING_SUFFIX) and str(entry) not in pending:
-            remove_tree(entry)
-        elif name.endswith(RETIRED_SUFFIX):
-            iteration = parse_iteration(name[: -len(RETIRED_SUFFIX)])
-            if iteration is None:
-                continue
-            final = root / checkpoint_dir_name(iteration)
-            if not final.exists() and is_complete_checkpoint(entry):
-                os.rename(entry, final)
-                fsync_directory(root)
-            else:
-                remove_tree(entry)
 
 
 def _os_reason(exc: OSError) -> str:
@@ -214,12 +201,35 @@ def describe_save_failure(exc: BaseException, root: str | None = None) -> str:
 
 
 def _prepare_staging(root: str, iteration: int) -> str:
+    """A new staging directory of ``iteration`` in ``root``, made after removing the
+    leftovers of crashed saves there (never a complete, committed checkpoint).
+
+    Staging directories not being written by this process are incomplete by construction
+    and are deleted. A retired directory (``iter_N.old``) exists only between the two
+    renames that replace a checkpoint by a new save of the same iteration: if the new one
+    did not arrive, the old one is moved back, else it is deleted.
+    """
     base = Path(root)
     try:
         base.mkdir(parents=True, exist_ok=True)
-        _recover_and_clean(base)
-        staging = staging_path(base, iteration)
-        remove_tree(staging)  # an earlier save of this iteration that never completed
+        for entry in list(base.iterdir()):
+            name = entry.name
+            if not entry.is_dir() or not name.startswith("iter_"):
+                continue
+            if name.endswith(STAGING_SUFFIX) and str(entry) not in _pending():
+                _remove_tree(entry)
+            elif name.endswith(RETIRED_SUFFIX):
+                old = parse_iteration(name.removesuffix(RETIRED_SUFFIX))
+                if old is None:
+                    continue
+                final = base / checkpoint_dir_name(old)
+                if not final.exists() and is_complete_checkpoint(entry):
+                    os.rename(entry, final)
+                    fsync_directory(base)
+                else:
+                    _remove_tree(entry)
+        staging = base / (checkpoint_dir_name(iteration) + STAGING_SUFFIX)
+        _remove_tree(staging)  # an earlier save of this iteration that never completed
         staging.mkdir()
     except OSError as exc:
         raise CheckpointError(
@@ -262,15 +272,6 @@ def _write_run_config(config: RunConfigFile | None, directory: Path) -> None:
         )
 
 
-def _damaged_path(path: Path) -> Path:
-    candidate = path.with_name(path.name + DAMAGED_SUFFIX)
-    number = 1
-    while candidate.exists():
-        number += 1
-        candidate = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{number}")
-    return candidate
-
-
 def intact_note(root: str | os.PathLike[str]) -> str:
     """What a failed save left: which checkpoint of ``root`` is still the newest complete one."""
     try:
@@ -288,16 +289,19 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
     root = Path(commit.root)
     staging = Path(commit.staging)
     final = root / checkpoint_dir_name(commit.iteration)
-    retired = retired_path(root, commit.iteration)
+    retired = root / (checkpoint_dir_name(commit.iteration) + RETIRED_SUFFIX)
     try:
         _write_run_config(commit.config, staging)
         if (staging / RUN_CONFIG_FILENAME).is_file():
             files = {**files, RUN_CONFIG_FILENAME: checksum_file(staging / RUN_CONFIG_FILENAME)}
-        fsync_tree(staging)
+        _fsync_tree(staging)
         write_marker(staging, {**commit.marker, "checksum": CHECKSUM_ALGORITHM, "files": files})
         if final.exists() and checkpoint_problems(final, share=False):
             # Nothing damaged is deleted: it stays for the user to inspect or restore.
-            aside = _damaged_path(final)
+            aside, number = final.with_name(final.name + DAMAGED_SUFFIX), 1
+            while aside.exists():
+                number += 1
+                aside = final.with_name(f"{final.name}{DAMAGED_SUFFIX}{number}")
             os.rename(final, aside)
             logger.error(  # a data-loss event: not hidden by filter_warnings
                 "%s is damaged; it was moved to %s (not deleted) and iteration %d is saved anew",
@@ -307,12 +311,12 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             )
         if final.exists():
             # A checkpoint of the same iteration exists: keep it until the new one is in place.
-            remove_tree(retired)
+            _remove_tree(retired)
             os.rename(final, retired)
         os.rename(staging, final)
         fsync_directory(root)
         write_tracker(root, commit.iteration)
-        remove_tree(retired)
+        _remove_tree(retired)
     except OSError as exc:
         raise CheckpointError(
             f"cannot commit the checkpoint of iteration {commit.iteration} in {root}: "
@@ -322,7 +326,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
         for entry in list(root.iterdir()):
             iteration = parse_iteration(entry.name)
             if iteration is not None and iteration != commit.iteration and entry.is_dir():
-                remove_tree(entry)
+                _remove_tree(entry)
 
 
 def _commit(commit: _Commit) -> None:
@@ -524,8 +528,8 @@ def write_checkpoint(
     if checkpoint_config.async_save:
         # Commit earlier saves that have finished (collective, like the save itself); a save
         # of this very iteration still in flight is waited for.
-        in_flight = str(staging_path(root, iteration)) in _pending()
-        finalize_async_saves(fault_tolerance, blocking=in_flight)
+        staging = str(Path(root) / (checkpoint_dir_name(iteration) + STAGING_SUFFIX))
+        finalize_async_saves(fault_tolerance, blocking=staging in _pending())
 
     staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
     _pending().add(staging)

@@ -1,4 +1,4 @@
-"""What a checkpoint holds: the sharded state dict saved and the template it is loaded into.
+"""What a checkpoint holds: the sharded state dict saved and the pieces a load template uses.
 
 A checkpoint's state dict (megatron-core dist_checkpointing) is::
 
@@ -16,6 +16,7 @@ with its parameter's sharding, never stored as a plain per-rank tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "LAYOUT_SIZES",
     "OPTIMIZER_SHARDING_METADATA",
-    "build_load_template",
     "build_save_state_dict",
     "distributed_parts",
     "model_state_keys",
@@ -54,6 +55,18 @@ def model_state_keys(num_chunks: int) -> list[str]:
     return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
 
 
+#: The model-parallel sizes a checkpoint records: short name (``TP2`` in messages), layout
+#: key, megatron's getter.
+LAYOUT_SIZES: tuple[tuple[str, str, Callable[[], int]], ...] = (
+    ("TP", "tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size),
+    ("PP", "pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size),
+    ("CP", "context_parallel_size", parallel_state.get_context_parallel_world_size),
+    ("DP", "data_parallel_size", parallel_state.get_data_parallel_world_size),
+    ("EP", "expert_model_parallel_size", parallel_state.get_expert_model_parallel_world_size),
+    ("ETP", "expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size),
+)
+
+
 def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any]:
     """World size and model-parallel sizes (expert sizes included) of the running job.
 
@@ -64,14 +77,7 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
 
     layout: dict[str, Any] = {"world_size": _dist.world_size()}
     if parallel_state.model_parallel_is_initialized():
-        layout.update(
-            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            context_parallel_size=parallel_state.get_context_parallel_world_size(),
-            data_parallel_size=parallel_state.get_data_parallel_world_size(),
-            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
-        )
+        layout.update({name: size() for _, name, size in LAYOUT_SIZES})
     for chunk in unwrapped_chunks(model or []):
         describe = getattr(chunk, "checkpoint_parallel_layout", None)
         if callable(describe):
@@ -234,9 +240,7 @@ def build_save_state_dict(
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if save_rng:
-        state[RNG_STATE_KEY] = rng_sharded_object(
-            _dist.rank(), _dist.world_size(), capture_rng_state()
-        )
+        state[RNG_STATE_KEY] = rng_sharded_object(capture_rng_state())
     state["iteration"] = int(train_state.step)
     state["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
     state["train_state"] = train
@@ -252,35 +256,3 @@ def build_save_state_dict(
         "rng": bool(save_rng),
     }
     return state
-
-
-def build_load_template(
-    model: list[torch.nn.Module],
-    optimizer: MegatronOptimizer | None,
-    *,
-    load_optim: bool,
-    load_rng: bool,
-    sharding_type: str | None = None,
-) -> dict[str, Any]:
-    """The sharded state dict to load a checkpoint into (shapes and shardings of this job).
-
-    Args:
-        model: Model chunks to load into.
-        optimizer: Optimizer (its state is initialised so there is state to load into).
-        load_optim: Request the optimizer state.
-        load_rng: Request this rank's generator states.
-        sharding_type: The saved distributed-optimizer sharding type, when not the default.
-
-    Returns:
-        A state dict accepted by ``megatron.core.dist_checkpointing.load``.
-    """
-    models = model_sharded_state_dict(model)
-    template: dict[str, Any] = dict(models)
-    if load_optim and optimizer is not None:
-        allocate_optimizer_state(optimizer)
-        template["optimizer"] = optimizer_sharded_state_dict(
-            optimizer, models, is_loading=True, sharding_type=sharding_type
-        )
-    if load_rng:
-        template[RNG_STATE_KEY] = rng_sharded_object(_dist.rank(), _dist.world_size(), None)
-    return template
