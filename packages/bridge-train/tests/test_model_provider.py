@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bridge.config import ConfigContainer
 from bridge.train import GPTModelProvider
-from bridge.train.models import calculate_padded_vocab_size, resolve_layer_spec_backend
+from bridge.train.models import (
+    MambaProvider,
+    T5ModelProvider,
+    calculate_padded_vocab_size,
+    layer_specs,
+    resolve_layer_spec_backend,
+)
+from bridge.train.models.gemma3_provider import Gemma3ModelProvider
+from bridge.train.models.gpt_oss_provider import GptOssModelProvider
+from bridge.train.models.mla_provider import MLAModelProvider
 from bridge.train.testing import tiny_gpt_provider
 from core_utils.portable_attention import SDPACoreAttention
 from core_utils.testing import run_distributed
@@ -138,6 +148,54 @@ def test_layer_spec_backend_resolution() -> None:
         resolve_layer_spec_backend("transformer_engine", cuda_available=True, te_installed=False)
     with pytest.raises(ValueError, match=r"layer_spec_backend='flash'"):
         resolve_layer_spec_backend("flash")
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"),
+    [
+        (Gemma3ModelProvider, "Gemma 3"),
+        (GptOssModelProvider, "gpt-oss"),
+        (MLAModelProvider, "multi-latent attention"),
+        (T5ModelProvider, "T5 models"),
+    ],
+)
+def test_providers_of_local_modules_refuse_transformer_engine_and_pick_local_on_cuda(
+    cls: type[GPTModelProvider], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    provider = cls(q_lora_rank=16, kv_lora_rank=16) if cls is MLAModelProvider else cls()
+    provider.layer_spec_backend = "transformer_engine"
+    with pytest.raises(ValueError, match=f"not supported for {name} .*use 'local' or 'auto'"):
+        provider.resolved_layer_spec_backend()
+    provider.layer_spec_backend = "auto"
+    assert provider.resolved_layer_spec_backend() == "portable"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(layer_specs, "_transformer_engine_installed", lambda: True)
+    assert provider.resolved_layer_spec_backend() == "local"
+    assert GPTModelProvider().resolved_layer_spec_backend() == "transformer_engine"
+
+
+@pytest.mark.parametrize(
+    ("cls", "overrides", "match"),
+    [
+        (
+            Gemma3ModelProvider,
+            {"context_parallel_size": 2},
+            "model.context_parallel_size=2 is not supported by Gemma 3's local RoPE layers; "
+            "set it to 1",
+        ),
+        (Gemma3ModelProvider, {"add_bias_linear": True}, "add_bias_linear=True .*no biases"),
+        (MLAModelProvider, {"multi_latent_attention": False}, "multi_latent_attention=False"),
+        (MLAModelProvider, {"position_embedding_type": "none"}, "set it to 'rope'"),
+        (MLAModelProvider, {"context_parallel_size": 2}, "context_parallel_size=2"),
+        (MambaProvider, {"rope_scaling": True}, "rope_scaling=True .*HybridModel"),
+        (T5ModelProvider, {"rotary_base": 500}, "rotary_base=500 .*T5Model"),
+    ],
+)
+def test_a_field_a_provider_fixes_is_refused_by_name(
+    cls: type[GPTModelProvider], overrides: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(**overrides)
 
 
 def test_portable_spec_uses_sdpa_attention_and_refuses_what_it_cannot_run() -> None:

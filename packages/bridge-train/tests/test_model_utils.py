@@ -99,3 +99,25 @@ def test_value_head_hook_and_moe_router_freezing() -> None:
     assert "decoder.layers.0.mlp.shared_experts.gate_weight" in out["frozen"]
     assert all("router" in n or "gate" in n for n in out["frozen"])
     assert out["trainable_experts"]
+
+
+def _value_heads_under_virtual_pipeline(rank: int, world: int) -> list[str]:
+    from bridge.train.engine import MegatronEngine
+
+    provider = tiny_gpt_provider(
+        num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
+    engine = MegatronEngine()
+    engine.initialize_distributed(provider, tiny_dist_config())
+    hook = create_value_head_hook(provider.hidden_size, False, output_size=3)
+    model = engine.setup_model(provider, pre_wrap_hooks=[hook])
+    return [type(getattr(chunk.module, "output_layer", None)).__name__ for chunk in model]
+
+
+@pytest.mark.extended
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_value_head_goes_to_the_last_pipeline_stage_only() -> None:
+    # PP=2 with two virtual stages each: only rank 1's second chunk runs the last stage.
+    heads = run_distributed(_value_heads_under_virtual_pipeline, 2, timeout=360)
+    assert heads == [["NoneType", "NoneType"], ["NoneType", "LinearForLastLayer"]]

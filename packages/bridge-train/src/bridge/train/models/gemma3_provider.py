@@ -3,27 +3,17 @@
 megatron-core 0.19 builds most of Gemma 3 itself: GeGLU (``gated_linear_unit`` with the
 tanh GELU), grouped-query attention with QK-norm (``qk_layernorm``), sliding windows on
 some layers (``window_size`` + ``window_attn_skip_freq``), the attention scale
-(``softmax_scale``), tied embeddings. What it lacks, each the smallest module that plugs
-into its layer spec (the model stays a megatron ``GPTModel``):
+(``softmax_scale``), tied embeddings. What it lacks is the smallest module that plugs into
+its layer spec, each described in its class (the model stays a megatron ``GPTModel``):
+:class:`ZeroCenteredRMSNorm` (every norm; megatron implements
+``layernorm_zero_centered_gamma`` only in Transformer Engine), :class:`PostNormResidualAdd`
+(the post-attention and post-MLP norms), :class:`LocalRopeSelfAttention` (the
+sliding-window layers' RoPE base), and embeddings scaled by ``sqrt(hidden_size)`` (a forward
+hook, in the embedding's dtype as Gemma computes it).
 
-* :class:`ZeroCenteredRMSNorm`: Gemma's RMSNorm, ``x / rms(x) * (1 + weight)`` computed in
-  float32 and cast back, weights initialised to zero (``layernorm_zero_centered_gamma``,
-  which megatron implements only in Transformer Engine). Used for every norm: before and
-  after attention and the MLP, the QK norms and the final norm.
-* :class:`PostNormResidualAdd`: the norm of a sub-layer's *output* before the residual
-  add (Gemma's ``post_attention_layernorm`` / ``post_feedforward_layernorm``), as the
-  layer's ``self_attn_bda`` / ``mlp_bda`` (megatron's bias-dropout-add, applied to the
-  normed output).
-* :class:`LocalRopeSelfAttention`: megatron's ``SelfAttention`` whose sliding-window layers
-  rotate with their own RoPE base (``rotary_base_local``); the full-attention layers use
-  the model's (``rotary_base`` and its scaling).
-* Embeddings scaled by ``sqrt(hidden_size)`` (a forward hook on the word embeddings, in the
-  embedding's dtype as Gemma computes it).
-
-The layers use megatron's local modules (column/row-parallel linear layers); on CPU the
-core attention is the portable SDPA attention, on CUDA megatron's ``DotProductAttention``
-(``layer_spec_backend`` ``"transformer_engine"`` is refused: its fused norms would replace
-these modules).
+The layers use megatron's local modules; on CPU the core attention is the portable SDPA
+attention, on CUDA megatron's ``DotProductAttention`` (``layer_spec_backend``
+``"transformer_engine"`` is refused: its fused norms would replace these modules).
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -47,7 +37,6 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.gpt_provider import GPTModelProvider
-from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
 from core_utils.portable_attention import with_sdpa_core_attention
 
 if TYPE_CHECKING:
@@ -180,25 +169,15 @@ class Gemma3ModelProvider(GPTModelProvider):
     rotary_base_local: int = 10000
     scale_embeddings: bool = True
     layernorm_zero_centered_gamma: bool = True
-
-    def __post_init__(self) -> None:
-        """Refuse settings these modules do not implement, then GPT's checks."""
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                "model.context_parallel_size > 1 is not supported by Gemma 3's local RoPE "
-                "layers; set it to 1"
-            )
-        if self.add_bias_linear:
-            raise ValueError("model.add_bias_linear=True: Gemma 3 layers have no biases")
-        super().__post_init__()
-
-    def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
-        """``portable`` without CUDA, megatron's ``local`` attention with it."""
-        return resolve_local_layer_spec_backend(
-            self.layer_spec_backend,
-            "Gemma 3",
-            "its zero-centred and post-layer norms are megatron local modules",
-        )
+    add_bias_linear: bool = False
+    _local_modules_only: ClassVar[tuple[str, str] | None] = (
+        "Gemma 3",
+        "its zero-centred and post-layer norms are megatron local modules",
+    )
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {
+        "context_parallel_size": (1, "by Gemma 3's local RoPE layers"),
+        "add_bias_linear": (False, "by Gemma 3 (its layers have no biases)"),
+    }
 
     def _default_layer_spec(self, vp_stage: int | None) -> TransformerBlockSubmodules:
         """The block spec of a Gemma 3 decoder (see the module docstring)."""

@@ -1,29 +1,21 @@
 """``GptOssModelProvider``: megatron-core's GPT model with YaRN RoPE fields (gpt-oss).
 
-Everything gpt-oss computes is a megatron-core 0.19 feature; this provider adds the config
-fields megatron's ``GPTModel`` reads for ``position_embedding_type="yarn"`` (``yarn_*``,
-which ``TransformerConfig`` does not declare) and settles what the features need:
-
-* attention sinks: ``softmax_type="learnable"`` gives each attention head a learned logit
-  added to its softmax denominator (``core_attention.softmax_offset``; on CPU the portable
-  SDPA attention computes it, on CUDA megatron's ``DotProductAttention``); the parameter is
-  marked as split over tensor parallelism like the heads;
-* the clamped SwiGLU of the experts: ``activation_func=quick_gelu`` (``x * sigmoid(1.702
-  x)``), ``activation_func_clamp_value`` (the gate clamped above, the linear half on both
-  sides) and ``glu_linear_offset=1`` (``act(gate) * (up + 1)``);
-* biases on every linear layer and on the router (``add_bias_linear``): megatron-core
-  supports biased experts only without expert tensor parallelism, so
-  ``expert_tensor_parallel_size`` defaults to 1;
-* alternating sliding-window layers: ``window_size`` with ``window_attn_skip_freq``.
-
-Transformer Engine's spec is refused (its fused norms change the parameter names the
-Hugging Face mapping reads); ``auto`` picks megatron's local spec on CUDA.
+Everything gpt-oss computes is a megatron-core 0.19 feature (attention sinks
+``softmax_type="learnable"``, the clamped SwiGLU ``activation_func=quick_gelu`` +
+``activation_func_clamp_value`` + ``glu_linear_offset=1``, biased experts and router,
+``window_size`` + ``window_attn_skip_freq``; docs/models.md's ``gpt_oss`` row). This provider
+adds the config fields megatron's ``GPTModel`` reads for ``position_embedding_type="yarn"``
+(``yarn_*``, which ``TransformerConfig`` does not declare) and settles what the features
+need: the sinks are marked as split over tensor parallelism like the heads, and
+``expert_tensor_parallel_size`` defaults to 1 (megatron-core supports biased experts only
+without expert tensor parallelism). Transformer Engine's spec is refused (its fused norms
+change the parameter names the Hugging Face mapping reads).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar
 
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor,
@@ -32,7 +24,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from bridge.train.models.gpt_provider import GPTModelProvider
-from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
 
 __all__ = ["GptOssModelProvider"]
 
@@ -62,6 +53,10 @@ class GptOssModelProvider(GPTModelProvider):
     yarn_mscale: float | None = None
     yarn_mscale_all_dim: float | None = None
     yarn_correction_range_round_to_int: bool = True
+    _local_modules_only: ClassVar[tuple[str, str] | None] = (
+        "gpt-oss",
+        "its fused norms change the parameter names the Hugging Face mapping reads",
+    )
 
     def __post_init__(self) -> None:
         """Settle the expert tensor-parallel size, refuse a YaRN factor without YaRN, then
@@ -96,14 +91,6 @@ class GptOssModelProvider(GPTModelProvider):
                 "tensor parallelism; set it to 1"
             )
         super().__post_init__()
-
-    def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
-        """``portable`` without CUDA, megatron's ``local`` spec with it."""
-        return resolve_local_layer_spec_backend(
-            self.layer_spec_backend,
-            "gpt-oss",
-            "its fused norms change the parameter names the Hugging Face mapping reads",
-        )
 
     def provide(
         self,

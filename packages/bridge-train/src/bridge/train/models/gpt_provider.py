@@ -138,6 +138,11 @@ class GPTModelProvider(TransformerConfig):
 
     # The field holding the user's layer spec (it overrides layer_spec_backend).
     _user_spec_field: ClassVar[str] = "transformer_layer_spec"
+    # (model name, why Transformer Engine's spec cannot build it) of a provider built only
+    # from megatron's local modules; None: every backend.
+    _local_modules_only: ClassVar[tuple[str, str] | None] = None
+    # {field: (the one value this provider builds, why no other)}: other values are refused.
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     def __post_init__(self) -> None:
         """Validate the parallel layout and GPT fields, then run megatron's checks.
@@ -146,10 +151,17 @@ class GPTModelProvider(TransformerConfig):
         ``params_dtype``.
 
         Raises:
-            ValueError: A size is not positive, or a tensor-parallel size that does not divide
-                the attention heads, query groups or FFN width (the message names the fields
-                and the sizes that would work).
+            ValueError: A size is not positive, a field of :attr:`_fixed_fields` holds another
+                value, or a tensor-parallel size that does not divide the attention heads,
+                query groups or FFN width (the message names the fields and the sizes that
+                would work).
         """
+        for name, (accepted, why) in self._fixed_fields.items():
+            if getattr(self, name) != accepted:
+                raise ValueError(
+                    f"model.{name}={getattr(self, name)!r} is not supported {why}; set it to "
+                    f"{accepted!r}"
+                )
         self._check_gpt_fields()
         self._check_tensor_parallel_divisibility()
         unset = {f.name for f in fields(TransformerConfig) if getattr(self, f.name) is None}
@@ -178,6 +190,7 @@ class GPTModelProvider(TransformerConfig):
             "num_attention_heads",
             "seq_length",
             "make_vocab_size_divisible_by",
+            "tensor_model_parallel_size",
         )
         self._check_positive("vocab_size", optional=True)
         if self.position_embedding_type not in ("learned_absolute", "rope", "none", "yarn"):
@@ -203,8 +216,6 @@ class GPTModelProvider(TransformerConfig):
 
     def _check_tensor_parallel_divisibility(self) -> None:
         tp = self.tensor_model_parallel_size
-        if tp < 1:
-            raise ValueError(f"model.tensor_model_parallel_size must be >= 1, got {tp}")
         heads = self.num_attention_heads
         if heads % tp:
             raise ValueError(
@@ -308,11 +319,26 @@ class GPTModelProvider(TransformerConfig):
     def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
         """The layer implementation :meth:`provide` builds on this machine.
 
+        For a provider built only from megatron's local modules (:attr:`_local_modules_only`
+        set), ``"auto"`` resolves to ``"local"`` on CUDA and ``"transformer_engine"`` is
+        refused.
+
         Raises:
             ValueError: The requested backend cannot run here (see
-                :func:`~bridge.train.models.layer_specs.resolve_layer_spec_backend`).
+                :func:`~bridge.train.models.layer_specs.resolve_layer_spec_backend`), or is
+                Transformer Engine for such a provider.
         """
-        return resolve_layer_spec_backend(self.layer_spec_backend)
+        requested = self.layer_spec_backend
+        if self._local_modules_only is not None and requested == "transformer_engine":
+            model, why = self._local_modules_only
+            raise ValueError(
+                f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
+                f"({why}); use 'local' or 'auto'"
+            )
+        backend = resolve_layer_spec_backend(requested)
+        if self._local_modules_only is None or backend != "transformer_engine":
+            return backend
+        return "local"
 
     def layer_spec(self, vp_stage: int | None = None) -> Any:
         """The layer spec :meth:`provide` uses: the user's (``transformer_layer_spec``, or the

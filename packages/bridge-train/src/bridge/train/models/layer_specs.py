@@ -53,7 +53,6 @@ __all__ = [
     "SequenceParallelTorchNorm",
     "build_gpt_layer_spec",
     "resolve_layer_spec_backend",
-    "resolve_local_layer_spec_backend",
 ]
 
 LayerSpecBackend = Literal["auto", "portable", "local", "transformer_engine"]
@@ -103,32 +102,6 @@ def resolve_layer_spec_backend(
             "pip install bridge-train[te] (or set model.layer_spec_backend='local')"
         )
     return requested  # type: ignore[return-value]
-
-
-def resolve_local_layer_spec_backend(
-    requested: str, model: str, why: str
-) -> Literal["portable", "local"]:
-    """:func:`resolve_layer_spec_backend` for a model built only from megatron's local modules:
-    ``"auto"`` resolves to ``"local"`` on CUDA (``"portable"`` without it), and an explicit
-    ``"transformer_engine"`` is refused.
-
-    Args:
-        requested: The provider's ``layer_spec_backend``.
-        model: The model's name, for the message.
-        why: Why Transformer Engine's spec cannot build it, for the message.
-
-    Raises:
-        ValueError: ``"transformer_engine"`` requested, or a backend that cannot run here.
-    """
-    backend = resolve_layer_spec_backend(requested)
-    if backend != "transformer_engine":
-        return backend
-    if requested == "transformer_engine":
-        raise ValueError(
-            f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
-            f"({why}); use 'local' or 'auto'"
-        )
-    return "local"
 
 
 class SequenceParallelTorchNorm:

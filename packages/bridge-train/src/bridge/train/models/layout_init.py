@@ -202,41 +202,36 @@ def _fill_random(
     body_local = local_shape[prepend:]
     if not body_shape:
         raise LayoutInitError(f"{key}: a scalar parameter has no tiles")
-    row_block = TILE_ROWS if len(body_shape) >= 2 else TILE_ROWS * TILE_COLS
+    # The tiled dimensions' tile sizes (rows and columns; blocks of a 1-D tensor), and the
+    # tiles of each that overlap the shard; the other dimensions are whole in a tile.
+    sizes = (TILE_ROWS, TILE_COLS) if len(body_shape) >= 2 else (TILE_ROWS * TILE_COLS,)
+    tiled = len(sizes)
+    per_dim = [
+        list(_blocks(body_shape[d], size, body_offset[d], body_offset[d] + body_local[d]))
+        for d, size in enumerate(sizes)
+    ]
+    rest = [slice(o, o + n) for o, n in zip(body_offset[tiled:], body_local[tiled:], strict=True)]
     prepended = [
         range(offset, offset + size)
         for offset, size in zip(global_offset[:prepend], local_shape[:prepend], strict=True)
     ]
-    row_start, row_stop = body_offset[0], body_offset[0] + body_local[0]
-    if len(body_shape) >= 2:
-        col_start, col_stop = body_offset[1], body_offset[1] + body_local[1]
-        col_tiles = list(_blocks(body_shape[1], TILE_COLS, col_start, col_stop))
-    else:
-        col_tiles = [(0, 0, 0)]
     for outer in itertools.product(*prepended):
         local_outer = tuple(i - o for i, o in zip(outer, global_offset[:prepend], strict=True))
-        for row_index, r0, r1 in _blocks(body_shape[0], row_block, row_start, row_stop):
-            for col_index, c0, c1 in col_tiles:
-                tile_shape = (r1 - r0,) + ((c1 - c0, *body_shape[2:]) if c1 else ())
-                tile = torch.empty(tile_shape, dtype=torch.float32)
-                generator_seed = _tile_seed(seed, key, (*outer, row_index, col_index), global_shape)
-                torch.default_generator.manual_seed(generator_seed)
-                init_method(tile)
-                # The overlap of this tile with the shard, in tile and in local coordinates.
-                lo, hi = max(r0, row_start), min(r1, row_stop)
-                source = [slice(lo - r0, hi - r0)]
-                dest = [slice(lo - row_start, hi - row_start)]
-                if c1:
-                    lo, hi = max(c0, col_start), min(c1, col_stop)
-                    source.append(slice(lo - c0, hi - c0))
-                    dest.append(slice(lo - col_start, hi - col_start))
-                    rest = [
-                        slice(o, o + n)
-                        for o, n in zip(body_offset[2:], body_local[2:], strict=True)
-                    ]
-                    source += rest
-                target_index: tuple[Any, ...] = (*local_outer, *dest)
-                view[target_index].copy_(tile[tuple(source)])
+        for tiles in itertools.product(*per_dim):
+            tile_shape = [t1 - t0 for _, t0, t1 in tiles] + list(body_shape[tiled:])
+            tile = torch.empty(tile_shape, dtype=torch.float32)
+            indices = [index for index, _, _ in tiles] + [0] * (2 - tiled)  # 1-D: column 0
+            generator_seed = _tile_seed(seed, key, (*outer, *indices), global_shape)
+            torch.default_generator.manual_seed(generator_seed)
+            init_method(tile)
+            # The overlap of this tile with the shard, in tile and in local coordinates.
+            source: list[slice] = []
+            dest: list[Any] = list(local_outer)
+            for (_, t0, t1), start, count in zip(tiles, body_offset, body_local, strict=False):
+                lo, hi = max(t0, start), min(t1, start + count)
+                source.append(slice(lo - t0, hi - t0))
+                dest.append(slice(lo - start, hi - start))
+            view[tuple(dest)].copy_(tile[(*source, *rest)])
 
 
 def _parameter_owners(

@@ -121,6 +121,9 @@ class MambaProvider(GPTModelProvider):
     hybrid_mlp_ratio: float = 0.0
     mamba_stack_spec: ModuleSpec | Callable[..., Any] | None = None
     _user_spec_field: ClassVar[str] = "mamba_stack_spec"
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {
+        "rope_scaling": (False, "by megatron's HybridModel")
+    }
     mamba_state_dim: int = 16
     mamba_head_dim: int = 16
     mamba_num_groups: int = 2
@@ -140,11 +143,6 @@ class MambaProvider(GPTModelProvider):
         super().__post_init__()
 
     def _check_hybrid_fields(self) -> None:
-        if self.rope_scaling:
-            raise ValueError(
-                "model.rope_scaling=True is not supported by megatron's HybridModel; set it to "
-                "False"
-            )
         if self.transformer_layer_spec is not None:
             raise ValueError(
                 "model.transformer_layer_spec is a GPT field; a Mamba model takes "

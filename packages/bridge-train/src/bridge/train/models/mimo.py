@@ -115,24 +115,13 @@ class MimoModelConfig:
 
     def __post_init__(self) -> None:
         """Check the sizes and that the container-wide parallel settings are unused."""
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "vocab_size",
-            "encoder_hidden_size",
-            "encoder_layers",
-            "encoder_heads",
-            "image_size",
-            "patch_size",
-            "channels",
-            "num_classes",
-            "num_samples",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        # Every int field is a size or a parallel size (the latter checked to be 1 below).
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int" and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"model.{field.name} must be a positive integer, got {value!r}")
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

@@ -1,35 +1,24 @@
 """``MLAModelProvider``: megatron-core's GPT model with multi-latent attention (DeepSeek-V3).
 
 megatron-core 0.19 implements multi-latent attention itself (``MLASelfAttention`` with the
-fields of ``MLATransformerConfig``): queries through a low-rank projection
-(``linear_q_down_proj``, ``q_lora_rank``, an RMSNorm ``q_layernorm``, ``linear_q_up_proj``),
-keys and values through a shared latent (``linear_kv_down_proj`` giving ``kv_lora_rank``
-latent channels plus one decoupled RoPE key of ``qk_pos_emb_head_dim`` channels shared by
-the heads, ``kv_layernorm``, ``linear_kv_up_proj``), heads of ``qk_head_dim`` +
-``qk_pos_emb_head_dim`` query/key channels and ``v_head_dim`` value channels, RoPE on the
-decoupled channels in DeepSeek's interleaved pair layout, plain (``rope_type="rope"``) or
-YaRN-scaled (``rope_type="yarn"``: ``rotary_scaling_factor``,
-``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
-``mscale_all_dim``; the softmax scale grows by ``mscale(factor, mscale_all_dim) ** 2``). This
-provider is that config plus :class:`GPTModelProvider`'s building. The layers are megatron's
-local spec (``qk_layernorm`` gives the two latent norms); on CPU the core attention is the
-portable SDPA attention (query/key heads wider than value heads), on CUDA megatron's
-``DotProductAttention``. Transformer Engine's spec is refused: it fuses the latent norms
-into the up projections under other parameter names.
+fields of ``MLATransformerConfig``: low-rank query and shared key/value latents with their
+norms, decoupled RoPE channels in DeepSeek's interleaved pair layout, plain or YaRN RoPE
+through ``rope_type``). This provider is that config plus :class:`GPTModelProvider`'s
+building. The layers are megatron's local spec (``qk_layernorm`` gives the two latent
+norms); on CPU the core attention is the portable SDPA attention (query/key heads wider than
+value heads), on CUDA megatron's ``DotProductAttention``. Transformer Engine's spec is
+refused: it fuses the latent norms into the up projections under other parameter names.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from bridge.train.models.gpt_provider import GPTModelProvider
-from bridge.train.models.layer_specs import resolve_local_layer_spec_backend
 from core_utils import cpu_cuda_compat
 
 __all__ = ["MLAModelProvider"]
@@ -47,6 +36,15 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
     multi_latent_attention: bool = True
     qk_layernorm: bool = True
     position_embedding_type: Literal["learned_absolute", "rope", "none", "yarn"] = "rope"
+    _local_modules_only: ClassVar[tuple[str, str] | None] = (
+        "multi-latent attention",
+        "its spec fuses the latent norms into the up projections under other names",
+    )
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {
+        "multi_latent_attention": (True, "by MLAModelProvider (it builds multi-latent attention)"),
+        "position_embedding_type": ("rope", "with multi-latent attention (its RoPE: rope_type)"),
+        "context_parallel_size": (1, "by this provider's attention"),
+    }
 
     def __post_init__(self) -> None:
         """Refuse what megatron's local multi-latent attention cannot build, then GPT's
@@ -55,7 +53,7 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
         Raises:
             ValueError: A setting naming the field (``q_lora_rank=None``, a latent width
                 the tensor-parallel size does not divide, a RoPE type other than ``rope``
-                and ``yarn``, context parallelism).
+                and ``yarn``).
         """
         if self.q_lora_rank is None:
             # megatron-core 0.19's local spec needs a fused norm + linear layer (Transformer
@@ -66,18 +64,6 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
             )
         if self.rope_type not in ("rope", "yarn"):
             raise ValueError(f"model.rope_type={self.rope_type!r} is not one of 'rope', 'yarn'")
-        if self.position_embedding_type != "rope":
-            raise ValueError(
-                f"model.position_embedding_type={self.position_embedding_type!r}: "
-                "multi-latent attention applies its own RoPE (rope_type); set 'rope'"
-            )
-        if not self.multi_latent_attention:
-            raise ValueError("model.multi_latent_attention=False: this provider builds MLA")
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                "model.context_parallel_size > 1 is not supported by this provider's "
-                "attention; set it to 1"
-            )
         tp = self.tensor_model_parallel_size
         for name, size in (
             ("q_lora_rank", self.q_lora_rank),
@@ -91,14 +77,6 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
                 )
         super().__post_init__()
 
-    def resolved_layer_spec_backend(self) -> Literal["portable", "local", "transformer_engine"]:
-        """``portable`` without CUDA, megatron's ``local`` spec with it."""
-        return resolve_local_layer_spec_backend(
-            self.layer_spec_backend,
-            "multi-latent attention",
-            "its spec fuses the latent norms into the up projections under other names",
-        )
-
     def provide(
         self,
         pre_process: bool | None = None,
@@ -111,8 +89,5 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
         ``torch.cuda.current_device()``; without CUDA it is built with the CPU as that
         device (``core_utils.cpu_cuda_compat``) and kept there.
         """
-        scope: Any = contextlib.nullcontext()
-        if not torch.cuda.is_available():
-            scope = cpu_cuda_compat()
-        with scope:
+        with cpu_cuda_compat():  # a no-op with CUDA
             return super().provide(pre_process, post_process, vp_stage)

@@ -110,8 +110,8 @@ class PortableMambaMixer(MegatronModule):
     untested here).
 
     Raises:
-        ValueError: A size does not divide (heads by groups, heads or groups by the
-            tensor-parallel size), or context parallelism / sequence parallelism is on.
+        ValueError: Context parallelism / sequence parallelism is on, or a mixer option
+            megatron's defaults do not have.
     """
 
     def __init__(
@@ -156,7 +156,6 @@ class PortableMambaMixer(MegatronModule):
                 "megatron's mixer with mamba-ssm on GPU: model.layer_spec_backend="
                 "'transformer_engine')"
             )
-        self.config = config
         self.d_model = d_model
         self.d_conv = d_conv
         # The init settings, kept as megatron's mixer keeps conv_init (layout-independent
@@ -175,26 +174,11 @@ class PortableMambaMixer(MegatronModule):
             self.d_inner = self.nheads * self.headdim
         else:
             self.d_inner = int(expand * d_model)
-            if self.d_inner % self.headdim:
-                raise ValueError(
-                    f"model.mamba_head_dim={self.headdim} does not divide the mixer width "
-                    f"{self.d_inner} (2 x hidden_size); change mamba_head_dim or set "
-                    "mamba_num_heads"
-                )
             self.nheads = self.d_inner // self.headdim
+        # The sizes divide (heads by groups, both by the tensor-parallel size, the width by
+        # the head size): MambaProvider refuses them otherwise, naming the fields.
         self.tp_group = pg_collection.tp
         tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
-        for what, value in (("heads", self.nheads), ("groups", self.ngroups)):
-            if value % tp_size:
-                raise ValueError(
-                    f"the Mamba mixer has {value} {what}, not divisible by "
-                    f"model.tensor_model_parallel_size={tp_size}"
-                )
-        if self.nheads % self.ngroups:
-            raise ValueError(
-                f"the Mamba mixer's {self.nheads} heads are not divisible by "
-                f"model.mamba_num_groups={self.ngroups}"
-            )
         self.nheads_local_tp = self.nheads // tp_size
         self.d_inner_local_tp = self.d_inner // tp_size
         self.ngroups_local_tp = self.ngroups // tp_size

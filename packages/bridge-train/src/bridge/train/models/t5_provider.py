@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
 from megatron.core.models.T5 import T5Model, t5_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -43,6 +42,19 @@ class T5ModelProvider(GPTModelProvider):
     encoder_num_layers: int | None = None
     seq_length_dec: int = 32
     max_position_embeddings: int | None = None
+    _local_modules_only: ClassVar[tuple[str, str] | None] = (
+        "T5 models",
+        "the T5 forward step builds megatron's local attention masks",
+    )
+    _fixed_fields: ClassVar[dict[str, tuple[Any, str]]] = {
+        "pipeline_model_parallel_size": (
+            1,
+            "for T5 models (megatron core's T5 pipeline split is not wired; use tensor or "
+            "data parallelism)",
+        ),
+        "rope_scaling": (False, "by megatron's T5Model (it does not read it)"),
+        "rotary_base": (10000, "by megatron's T5Model (it does not read it)"),
+    }
 
     def __post_init__(self) -> None:
         """Validate the encoder-decoder fields, then the GPT and megatron checks.
@@ -59,36 +71,7 @@ class T5ModelProvider(GPTModelProvider):
                 f"model.max_position_embeddings={self.max_position_embeddings} is shorter than "
                 f"the longest sequence ({longest}: seq_length / seq_length_dec)"
             )
-        if self.rope_scaling or self.rotary_base != 10000:
-            raise ValueError(
-                "model.rope_scaling / model.rotary_base are not read by megatron's T5Model; "
-                "leave them at False / 10000"
-            )
-        if self.pipeline_model_parallel_size > 1:
-            raise ValueError(
-                "model.pipeline_model_parallel_size > 1 is not supported for T5 models (megatron "
-                "core's T5 pipeline split is not wired); use tensor or data parallelism"
-            )
         super().__post_init__()
-
-    def resolved_layer_spec_backend(self) -> Any:
-        """``"portable"`` or ``"local"`` (``"auto"``: local on CUDA, portable without).
-
-        Raises:
-            ValueError: ``"transformer_engine"`` (the T5 forward step builds megatron's
-                local ``[b, 1, q, k]`` masks, not Transformer Engine's padding masks), or a
-                backend that cannot run here.
-        """
-        requested = self.layer_spec_backend
-        if requested == "transformer_engine":
-            raise ValueError(
-                "model.layer_spec_backend='transformer_engine' is not supported for T5 models "
-                "(the T5 forward step builds megatron's local attention masks); use 'local' on "
-                "GPU or 'portable'"
-            )
-        if requested == "auto":
-            return "local" if torch.cuda.is_available() else "portable"
-        return super().resolved_layer_spec_backend()
 
     @property
     def encoder_layers(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 
 from bridge.train.engine._distributed_utils import unwrap_model_chunks
 
@@ -91,8 +91,7 @@ def create_value_head_hook(
         A hook returning the (modified in place) list of model chunks.
 
     Raises:
-        ValueError: (from the hook) the number of chunks does not match the virtual
-            pipeline layout.
+        ValueError: ``hidden_size`` or ``output_size`` is not positive.
     """
     if hidden_size <= 0 or output_size <= 0:
         raise ValueError(
@@ -101,26 +100,10 @@ def create_value_head_hook(
         )
 
     def hook(model: ModelList | torch.nn.Module) -> ModelList:
-
         chunks = unwrap_model_chunks(model)
-        if parallel_state.model_parallel_is_initialized():
-            vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-            if parallel_state.get_pipeline_model_parallel_world_size() > 1 and vp_size is not None:
-                post_process = [
-                    parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-                    for vp in range(vp_size)
-                ]
-            else:
-                post_process = [parallel_state.is_pipeline_last_stage()]
-        else:
-            post_process = [True]
-        if len(post_process) != len(chunks):
-            raise ValueError(
-                f"value head hook: got {len(chunks)} model chunks but the pipeline layout has "
-                f"{len(post_process)} virtual stages on this rank"
-            )
-        for chunk, is_last in zip(chunks, post_process, strict=True):
-            if is_last:
+        for chunk in chunks:
+            # A megatron model chunk knows whether it runs the last pipeline stage.
+            if getattr(chunk, "post_process", True):
                 chunk.output_layer = LinearForLastLayer(
                     input_size=hidden_size,
                     output_size=output_size,

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting
+from bridge.train.models.families.config_fields import read_hf_config
 from bridge.train.models.families.errors import ConversionError
 from bridge.train.models.families.mapping import ParamMapping
 from bridge.train.models.gpt_provider import GPTModelProvider
@@ -64,6 +65,7 @@ class HFFamily:
             one whose embedding is present is used).
         embedding: The embedding's name after the prefix (to detect the prefix).
         positions_field: The config field giving the length of learned position tables.
+        provider_class: The provider class the family builds.
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -71,16 +73,12 @@ class HFFamily:
     hf_prefixes: ClassVar[tuple[str, ...]] = ("model.", "")
     embedding: ClassVar[str] = "embed_tokens.weight"
     positions_field: ClassVar[str] = "max_position_embeddings"
+    provider_class: ClassVar[type[GPTModelProvider]] = GPTModelProvider
 
     @property
     def name(self) -> str:
         """The family's main ``model_type``."""
         return self.model_types[0]
-
-    def provider_class(self) -> type:
-        """The provider class the family builds (default :class:`GPTModelProvider`)."""
-
-        return GPTModelProvider
 
     def text_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The part of ``config`` that describes the language model (default: all of it)."""
@@ -274,8 +272,6 @@ def provider_from_hf_config(
             divide into (the message names the field).
     """
     if not isinstance(config, dict):
-        from bridge.train.models.families.config_fields import read_hf_config
-
         config = read_hf_config(config)
     family = family_for(config)
     text = family.text_config(config)
@@ -318,7 +314,7 @@ def provider_from_hf_config(
         kwargs["pipeline_dtype"] = kwargs.get("params_dtype", torch.float32)
     kwargs.update(overrides)
     try:
-        return family.provider_class()(**kwargs)
+        return family.provider_class(**kwargs)
     except ValueError as exc:
         raise ConversionError(str(exc).splitlines()[0]) from None
 

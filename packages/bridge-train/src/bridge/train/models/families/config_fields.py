@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ from bridge.train.models.families.errors import ConversionError
 
 __all__ = [
     "DTYPES",
-    "YarnParameters",
     "attention_layer_types",
     "gelu_tanh",
     "hf_layer_windows",
@@ -242,34 +240,15 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-@dataclass(frozen=True)
-class YarnParameters:
-    """A ``rope_type: yarn`` entry of ``config.json`` as transformers reads it.
-
-    Attributes:
-        factor: The context extension ``factor`` (transformers derives a missing one from
-            ``max_position_embeddings / original_max_position_embeddings``).
-        original_max_position_embeddings: Context length before the extension.
-        beta_fast: ``beta_fast`` (32 when unset or 0, as transformers reads it).
-        beta_slow: ``beta_slow`` (1 when unset or 0).
-        mscale: ``mscale`` as given (``None`` when unset).
-        mscale_all_dim: ``mscale_all_dim`` as given (``None`` when unset).
-        truncate: Round the frequency correction range to whole dimensions.
-    """
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-    mscale: float | None
-    mscale_all_dim: float | None
-    truncate: bool
-
-
 def yarn_parameters(
     config: dict[str, Any], scaling: dict[str, Any], *, field: str = "rope_parameters"
-) -> YarnParameters:
-    """The YaRN parameters of ``scaling`` (``rope_parameters`` / ``rope_scaling``).
+) -> dict[str, Any]:
+    """The YaRN parameters of ``scaling`` (``rope_parameters`` / ``rope_scaling``) as
+    transformers reads them, under their ``config.json`` keys: ``factor`` (derived from
+    ``max_position_embeddings / original_max_position_embeddings`` when missing),
+    ``original_max_position_embeddings``, ``beta_fast`` / ``beta_slow`` (32 / 1 when unset
+    or 0), ``mscale`` / ``mscale_all_dim`` (``None`` when unset) and ``truncate`` (round the
+    frequency correction range to whole dimensions).
 
     megatron-core scales cos and sin by ``yarn_mscale(factor, mscale) / yarn_mscale(factor,
     mscale_all_dim)`` when both are set and non-zero, else by ``yarn_mscale(factor)``:
@@ -311,12 +290,12 @@ def yarn_parameters(
             f"megatron-core's YaRN scales cos and sin by {computed} (from factor, mscale and "
             "mscale_all_dim)",
         )
-    return YarnParameters(
-        factor=factor,
-        original_max_position_embeddings=int(original),
-        beta_fast=float(scaling.get("beta_fast") or 32),
-        beta_slow=float(scaling.get("beta_slow") or 1),
-        mscale=None if mscale is None else float(mscale),
-        mscale_all_dim=None if mscale_all_dim is None else float(mscale_all_dim),
-        truncate=bool(scaling.get("truncate", True)),
-    )
+    return {
+        "factor": factor,
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(scaling.get("beta_fast") or 32),
+        "beta_slow": float(scaling.get("beta_slow") or 1),
+        "mscale": None if mscale is None else float(mscale),
+        "mscale_all_dim": None if mscale_all_dim is None else float(mscale_all_dim),
+        "truncate": bool(scaling.get("truncate", True)),
+    }

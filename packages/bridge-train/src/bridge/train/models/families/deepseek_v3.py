@@ -1,41 +1,17 @@
 """``deepseek_v3`` (DeepSeek-V3, V3.1, R1 and their small relatives): multi-latent
-attention and sigmoid-routed experts with shared experts.
+attention (:class:`~bridge.train.models.mla_provider.MLAModelProvider`) and sigmoid-routed
+experts with shared experts.
 
-What the preset sets (:class:`~bridge.train.models.mla_provider.MLAModelProvider`):
-
-* multi-latent attention (megatron-core's ``MLASelfAttention``): ``q_lora_rank``,
-  ``kv_lora_rank``, ``qk_nope_head_dim`` (megatron's ``qk_head_dim``), ``qk_rope_head_dim``
-  (``qk_pos_emb_head_dim``, the decoupled RoPE channels, rotated in DeepSeek's interleaved
-  pair layout), ``v_head_dim``, RMSNorms on both latents (``qk_layernorm``);
-* RoPE: ``rope_theta`` and, for ``rope_type: yarn``, megatron's MLA YaRN (``factor``,
-  ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
-  ``mscale_all_dim``): cos and sin scaled by ``mscale(factor, mscale) / mscale(factor,
-  mscale_all_dim)`` and the softmax scale by ``mscale(factor, mscale_all_dim) ** 2`` as in
-  transformers;
-* the first ``first_k_dense_replace`` layers dense SwiGLU MLPs of ``intermediate_size``, the
-  others megatron's MoE layer (``moe_layer_freq`` list): ``n_routed_experts`` SwiGLU experts
-  of ``moe_intermediate_size``, ``n_shared_experts`` shared experts
-  (``moe_shared_expert_intermediate_size = n_shared_experts * moe_intermediate_size``);
-* the router: sigmoid scores (``moe_router_score_function="sigmoid"``, computed in float32
-  as transformers keeps the router, ``moe_router_dtype="fp32"``), the expert-bias correction
-  ``e_score_correction_bias`` added for the choice only (``moe_router_enable_expert_bias``,
-  the router's ``expert_bias`` buffer; training updates it as megatron does, by
-  ``moe_router_bias_update_rate``), group-limited top-k (``n_group`` groups ranked by the
-  sum of their two best scores, the best ``topk_group`` kept: ``moe_router_num_groups``,
-  ``moe_router_group_topk``), the chosen scores renormalised (``norm_topk_prob``) and
-  multiplied by ``routed_scaling_factor`` (``moe_router_topk_scaling_factor``);
-* the load-balancing loss for training (transformers has none): the config's
-  ``aux_loss_alpha`` (``seq_aux``: per sequence) if it has one, else DeepSeek-V3's sequence-wise
-  loss with coefficient 1e-4 (``moe_router_load_balancing_type="seq_aux_loss"``).
+What the preset sets and what it refuses, field by field, is the ``deepseek_v3`` row of
+docs/models.md's family table; each refusal names its field and why megatron-core computes
+it differently (:meth:`DeepseekV3Family.provider_kwargs`). The load-balancing loss is for
+training only (transformers has none): the config's ``aux_loss_alpha``, else DeepSeek-V3's
+sequence-wise loss.
 
 Multi-token-prediction layers (``num_nextn_predict_layers``; DeepSeek-V3's layer 61) are not
 imported: transformers' ``DeepseekV3ForCausalLM`` does not run them (its logits come from the
 decoder alone), so their tensors are skipped (the import says how many) and an export writes
 none, with ``num_nextn_predict_layers: 0``.
-
-Every other value of these fields is refused with one line naming the field and why
-megatron-core computes it differently (:meth:`provider_kwargs`; the list is in
-docs/models.md's family table).
 """
 
 from __future__ import annotations
@@ -67,6 +43,15 @@ __all__ = ["DeepseekV3Family"]
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _DEFAULT_SEQ_AUX = 1e-4  # DeepSeek-V3's sequence-wise balance loss coefficient (its paper)
 _LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm
+# config.json's YaRN keys -> MLATransformerConfig's fields (read and written alike).
+_YARN_FIELDS = {
+    "factor": "rotary_scaling_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
 
 
 def _experts(config: dict[str, Any]) -> int:
@@ -104,7 +89,7 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         return plain
     assert scaling is not None
     yarn = yarn_parameters(config, scaling)
-    if not yarn.truncate:
+    if not yarn["truncate"]:
         raise refuse(
             config,
             "rope_parameters.truncate",
@@ -114,28 +99,17 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     # transformers scales cos/sin by mscale(f, mscale)/mscale(f, mscale_all_dim) when both
     # are set, else by mscale(f); the softmax by mscale(f, mscale_all_dim)**2 when it is set.
     # megatron's MLA always uses the ratio and mscale(f, mscale_all_dim)**2.
-    if yarn.mscale and yarn.mscale_all_dim:
-        mscale, mscale_all_dim = yarn.mscale, yarn.mscale_all_dim
-    elif not yarn.mscale_all_dim:
-        mscale, mscale_all_dim = 1.0, 0.0
-    else:
+    if not yarn["mscale_all_dim"]:
+        yarn.update(mscale=1.0, mscale_all_dim=0.0)
+    elif not yarn["mscale"]:
         raise refuse(
             config,
             "rope_parameters.mscale",
-            yarn.mscale,
-            f"with mscale_all_dim={yarn.mscale_all_dim}, transformers scales cos and sin by "
+            yarn["mscale"],
+            f"with mscale_all_dim={yarn['mscale_all_dim']}, transformers scales cos and sin by "
             "mscale(factor) alone, which megatron-core's multi-latent YaRN does not compute",
         )
-    return {
-        **plain,
-        "rope_type": "yarn",
-        "rotary_scaling_factor": yarn.factor,
-        "original_max_position_embeddings": yarn.original_max_position_embeddings,
-        "beta_fast": yarn.beta_fast,
-        "beta_slow": yarn.beta_slow,
-        "mscale": mscale,
-        "mscale_all_dim": mscale_all_dim,
-    }
+    return {**plain, "rope_type": "yarn", **{f: yarn[key] for key, f in _YARN_FIELDS.items()}}
 
 
 def _router_kwargs(config: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
@@ -202,11 +176,7 @@ class DeepseekV3Family(LlamaFamily):
 
     model_types = ("deepseek_v3",)
     architecture = "DeepseekV3ForCausalLM"
-
-    def provider_class(self) -> type:
-        """:class:`~bridge.train.models.mla_provider.MLAModelProvider`."""
-
-        return MLAModelProvider
+    provider_class = MLAModelProvider
 
     def skips(self, name: str, config: dict[str, Any]) -> bool:
         """Multi-token-prediction layers (numbered from ``num_hidden_layers`` on)."""
@@ -370,15 +340,8 @@ class DeepseekV3Family(LlamaFamily):
             return {"model_type": self.name}  # not a DeepSeek-V3 layout
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(provider.rotary_base)}
         if provider.rope_type == "yarn":
-            rope.update(
-                rope_type="yarn",
-                factor=float(provider.rotary_scaling_factor),
-                original_max_position_embeddings=int(provider.original_max_position_embeddings),
-                beta_fast=float(provider.beta_fast),
-                beta_slow=float(provider.beta_slow),
-                mscale=float(provider.mscale),
-                mscale_all_dim=float(provider.mscale_all_dim),
-            )
+            rope["rope_type"] = "yarn"
+            rope.update((key, getattr(provider, field)) for key, field in _YARN_FIELDS.items())
         groups = provider.moe_router_num_groups
         config = decoder_hf_config(self, provider)
         del config["head_dim"]  # transformers derives it from the latent head sizes

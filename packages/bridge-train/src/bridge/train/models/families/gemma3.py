@@ -1,23 +1,15 @@
-"""``gemma3_text`` (Gemma 3 1B and the text of larger ones) and the text model of ``gemma3``.
+"""``gemma3_text`` (Gemma 3 1B and the text of larger ones) and the text model of ``gemma3``
+(:class:`~bridge.train.models.gemma3_provider.Gemma3ModelProvider`).
 
-What the preset sets (:class:`~bridge.train.models.gemma3_provider.Gemma3ModelProvider`):
-GeGLU MLP (``hidden_activation`` ``gelu_pytorch_tanh``), zero-centred RMSNorms
-(``x * (1 + weight)``) before *and* after attention and the MLP, QK-norm, embeddings
-scaled by ``sqrt(hidden_size)``, attention scaled by ``query_pre_attn_scalar ** -0.5``,
-grouped-query attention with ``head_dim``, tied embeddings, and interleaved layers from
-``layer_types``: ``sliding_attention`` layers attend to the ``sliding_window`` newest keys
-and rotate with ``rope_parameters.sliding_attention`` (``rope_local_base_freq`` before
-transformers 5), ``full_attention`` layers attend to everything and rotate with
-``rope_parameters.full_attention`` (``rope_theta``; ``linear`` scaling as Gemma 3 4B+ uses).
+What the preset sets and what it refuses, field by field, is the ``gemma3_text`` row of
+docs/models.md's family table. Each layer of ``layer_types`` rotates with its own RoPE:
+``rope_parameters.sliding_attention`` (``rope_local_base_freq`` before transformers 5) or
+``rope_parameters.full_attention`` (``rope_theta``).
 
 ``gemma3`` (``Gemma3ForConditionalGeneration``): its ``text_config`` and language-model
 tensors are imported; the vision tower and the multimodal projector are skipped (the
 import reports how many tensors), and an export writes the text model (a
 ``gemma3_text`` / ``Gemma3ForCausalLM`` directory).
-
-Refused: ``attn_logit_softcapping`` or ``final_logit_softcapping`` (Gemma 2's softcapping),
-``use_bidirectional_attention``, ``attention_bias``, a local RoPE with scaling, layer types
-other than ``sliding_attention`` / ``full_attention``, any other ``hidden_activation``.
 """
 
 from __future__ import annotations
@@ -77,15 +69,11 @@ class Gemma3Family(LlamaFamily):
 
     model_types = ("gemma3_text", "gemma3")
     architecture = "Gemma3ForCausalLM"
+    provider_class = Gemma3ModelProvider
     pre_mlp_norm = "pre_feedforward_layernorm"
     after_attention = (("self_attn_bda.norm.weight", "post_attention_layernorm.weight"),)
     after_mlp = (("mlp_bda.norm.weight", "post_feedforward_layernorm.weight"),)
     hf_prefixes = ("model.", "language_model.model.", "model.language_model.", "")
-
-    def provider_class(self) -> type:
-        """:class:`~bridge.train.models.gemma3_provider.Gemma3ModelProvider`."""
-
-        return Gemma3ModelProvider
 
     def text_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """``text_config`` of a ``gemma3`` config (the whole config for ``gemma3_text``)."""

@@ -1,36 +1,16 @@
 """``gpt_oss`` (gpt-oss-20b, gpt-oss-120b): grouped-query attention with sinks and
-alternating sliding windows, and biased experts with a clamped SwiGLU.
+alternating sliding windows, and biased experts with a clamped SwiGLU
+(:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`).
 
-What the preset sets (:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`):
-
-* attention: grouped-query attention with ``head_dim``, biases on Q, K, V and the output
-  projection, a learned sink logit per head (``sinks`` -> megatron's ``softmax_type=
-  "learnable"``, ``core_attention.softmax_offset``: ``exp(sink)`` joins each softmax
-  denominator), and ``layer_types``: ``sliding_attention`` layers attend to the
-  ``sliding_window`` newest keys, ``full_attention`` layers to all (``window_size`` +
-  ``window_attn_skip_freq``);
-* RoPE: ``rope_theta`` (150000 when unset, as transformers' default) with YaRN
-  (``position_embedding_type="yarn"``: ``factor``, ``original_max_position_embeddings``,
-  ``beta_fast``, ``beta_slow``, ``truncate``, ``mscale`` / ``mscale_all_dim``; cos and sin
-  scaled by the YaRN attention factor) or without scaling;
-* experts on every layer: ``num_local_experts`` experts of ``intermediate_size``, each
-  ``down(clamp_up + 1) * quick_gelu(clamp_gate))`` with biases, where the gate is clamped
-  above and the up projection on both sides at ``swiglu_limit`` (megatron's
-  ``activation_func=quick_gelu`` (``x * sigmoid(1.702 x)``), ``activation_func_clamp_value``,
-  ``glu_linear_offset=1``); the router has a bias and takes the softmax over the
-  ``num_experts_per_tok`` best logits (``moe_router_pre_softmax=False``);
-  ``router_aux_loss_coef`` becomes megatron's load-balancing coefficient (``aux_loss``).
+What the preset sets and what it refuses, field by field, is the ``gpt_oss`` row of
+docs/models.md's family table; each refusal names its field and why megatron-core computes
+it differently (:meth:`GptOssFamily.provider_kwargs`). ``hidden_act`` is not read:
+transformers' gpt-oss experts compute their own activation.
 
 The experts' weights are stored stacked (``mlp.experts.gate_up_proj`` ``[experts, hidden,
 2 * intermediate]`` with the gate and up columns interleaved, ``down_proj`` ``[experts,
 intermediate, hidden]``, and their biases): each megatron expert reads its slice, and an
 export writes the slices back into the stacked tensors.
-
-``hidden_act`` is not read: transformers' gpt-oss experts compute their own activation.
-
-Every other value of these fields is refused with one line naming the field and why
-megatron-core computes it differently (:meth:`provider_kwargs`; the list is in
-docs/models.md's family table).
 """
 
 from __future__ import annotations
@@ -65,6 +45,16 @@ __all__ = ["GptOssFamily"]
 
 _QUICK_GELU_ALPHA = 1.702
 _DEFAULT_THETA = 150000.0  # transformers' GptOssConfig.default_theta
+# config.json's YaRN keys -> megatron's GPT YaRN fields (read and written alike).
+_YARN_FIELDS = {
+    "factor": "yarn_rotary_scaling_factor",
+    "original_max_position_embeddings": "yarn_original_max_position_embeddings",
+    "beta_fast": "yarn_beta_fast",
+    "beta_slow": "yarn_beta_slow",
+    "truncate": "yarn_correction_range_round_to_int",
+    "mscale": "yarn_mscale",
+    "mscale_all_dim": "yarn_mscale_all_dim",
+}
 
 
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
@@ -88,18 +78,13 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     if float(theta) != int(theta):
         raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
     yarn = yarn_parameters(config, scaling)
-    # megatron uses the mscale pair only when both are set and non-zero (as transformers).
-    both = bool(yarn.mscale and yarn.mscale_all_dim)
+    if not (yarn["mscale"] and yarn["mscale_all_dim"]):
+        # megatron uses the mscale pair only when both are set and non-zero (as transformers).
+        yarn.update(mscale=None, mscale_all_dim=None)
     return {
         "position_embedding_type": "yarn",
         "rotary_base": int(theta),
-        "yarn_rotary_scaling_factor": yarn.factor,
-        "yarn_original_max_position_embeddings": yarn.original_max_position_embeddings,
-        "yarn_beta_fast": yarn.beta_fast,
-        "yarn_beta_slow": yarn.beta_slow,
-        "yarn_mscale": yarn.mscale if both else None,
-        "yarn_mscale_all_dim": yarn.mscale_all_dim if both else None,
-        "yarn_correction_range_round_to_int": yarn.truncate,
+        **{field: yarn[key] for key, field in _YARN_FIELDS.items()},
     }
 
 
@@ -154,12 +139,8 @@ class GptOssFamily(LlamaFamily):
 
     model_types = ("gpt_oss",)
     architecture = "GptOssForCausalLM"
+    provider_class = GptOssModelProvider
     after_attention = (("self_attention.core_attention.softmax_offset", "self_attn.sinks"),)
-
-    def provider_class(self) -> type:
-        """:class:`~bridge.train.models.gpt_oss_provider.GptOssModelProvider`."""
-
-        return GptOssModelProvider
 
     # ---- config.json -> provider ----------------------------------------------------------
 
@@ -231,22 +212,10 @@ class GptOssFamily(LlamaFamily):
         if type(provider).__name__ != "GptOssModelProvider" or not provider.num_moe_experts:
             return {"model_type": self.name}
         if provider.position_embedding_type == "yarn":
-            rope: dict[str, Any] = {
-                "rope_type": "yarn",
-                "rope_theta": float(provider.rotary_base),
-                "factor": float(provider.yarn_rotary_scaling_factor),
-                "original_max_position_embeddings": int(
-                    provider.yarn_original_max_position_embeddings
-                ),
-                "beta_fast": float(provider.yarn_beta_fast),
-                "beta_slow": float(provider.yarn_beta_slow),
-                "truncate": bool(provider.yarn_correction_range_round_to_int),
-            }
-            if provider.yarn_mscale is not None and provider.yarn_mscale_all_dim is not None:
-                rope.update(
-                    mscale=float(provider.yarn_mscale),
-                    mscale_all_dim=float(provider.yarn_mscale_all_dim),
-                )
+            rope: dict[str, Any] = {"rope_type": "yarn", "rope_theta": float(provider.rotary_base)}
+            rope.update((key, getattr(provider, field)) for key, field in _YARN_FIELDS.items())
+            if rope["mscale"] is None or rope["mscale_all_dim"] is None:
+                del rope["mscale"], rope["mscale_all_dim"]
         else:
             rope = hf_rope_parameters(provider)
         return {
