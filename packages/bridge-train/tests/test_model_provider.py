@@ -229,12 +229,12 @@ def test_provider_survives_the_yaml_round_trip(tmp_path) -> None:
 
 
 def _build(rank: int, world: int, provider_a: GPTModelProvider, provider_b: GPTModelProvider):
-    from bridge.train.engine.initialize import initialize_distributed, set_random_seed
+    from bridge.train.engine.initialize import initialize_distributed, seed_from_rng_config
     from bridge.train.testing import tiny_dist_config
 
     initialize_distributed(provider_a, tiny_dist_config())
     model_a = provider_a.provide()
-    set_random_seed(1234)
+    seed_from_rng_config(None)  # seed 1234, as initialize_distributed drew
     model_b = provider_b.provide()
     same = all(
         torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True)

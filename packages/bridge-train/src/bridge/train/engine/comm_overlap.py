@@ -107,38 +107,6 @@ class CommOverlapConfig:
                 f"got {self.wgrad_deferral_limit}; use 0 (no limit) or a positive count",
             )
 
-    def layout_values(
-        self, model: ModelConfigProtocol | None, ddp: DDPConfigProtocol | None
-    ) -> dict[str, Any]:
-        """The value of every field this object would write for ``model``'s layout.
-
-        Args:
-            model: The model config (parallel sizes).
-            ddp: The ``ddp`` section (``use_distributed_optimizer``).
-
-        Returns:
-            ``{field: value}`` for every field of :data:`_TARGETS`: the given value where
-            one is set, else the layout's choice (``None`` where the layout has none).
-        """
-        virtual = int(getattr(model, "virtual_pipeline_model_parallel_size", None) or 1)
-        pipeline = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
-        dp = int(self.data_parallel_size or 1)
-        distributed_optimizer = bool(getattr(ddp, "use_distributed_optimizer", False))
-        sharded = distributed_optimizer and dp > 1
-        chosen: dict[str, Any] = {
-            "overlap_p2p_comm": pipeline > 1 and virtual > 1,
-            "batch_p2p_comm": pipeline > 1 and virtual == 1,
-            "defer_embedding_wgrad_compute": None,
-            "wgrad_deferral_limit": None,
-            "overlap_grad_reduce": True if sharded else None,
-            "overlap_param_gather": True if sharded else None,
-            "align_param_gather": True if sharded and pipeline > 1 and virtual > 1 else None,
-            "bucket_size": _BUCKET_BYTES if sharded else None,
-            "overlap_param_gather_with_optimizer_step": None,
-        }
-        given = {name: getattr(self, name) for name in _TARGETS}
-        return {name: chosen[name] if given[name] is None else given[name] for name in _TARGETS}
-
     def setup(
         self,
         model: ModelConfigProtocol | None,
@@ -155,20 +123,34 @@ class CommOverlapConfig:
         Raises:
             ConfigError: A field set here contradicts a value the user set in its section.
         """
-        if self.overlap_param_gather and not getattr(ddp, "use_distributed_optimizer", False):
+        distributed_optimizer = bool(getattr(ddp, "use_distributed_optimizer", False))
+        if self.overlap_param_gather and not distributed_optimizer:
             raise ConfigError(
                 "comm_overlap.overlap_param_gather",
                 "got true; the parameter all-gather exists only with the distributed "
                 "optimizer: set ddp.use_distributed_optimizer=true or unset this field",
             )
+        virtual = int(getattr(model, "virtual_pipeline_model_parallel_size", None) or 1)
+        pipeline = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
+        sharded = distributed_optimizer and int(self.data_parallel_size or 1) > 1
+        # The layout's choice for a field left None (None: the layout has none).
+        chosen: dict[str, Any] = {
+            "overlap_p2p_comm": pipeline > 1 and virtual > 1,
+            "batch_p2p_comm": pipeline > 1 and virtual == 1,
+            "overlap_grad_reduce": True if sharded else None,
+            "overlap_param_gather": True if sharded else None,
+            "align_param_gather": True if sharded and pipeline > 1 and virtual > 1 else None,
+            "bucket_size": _BUCKET_BYTES if sharded else None,
+        }
         sections = {"model": model, "optimizer": optimizer, "ddp": ddp}
-        for name, value in self.layout_values(model, ddp).items():
-            target, given = sections[_TARGETS[name]], getattr(self, name)
+        for name, section in _TARGETS.items():
+            target, given = sections[section], getattr(self, name)
+            value = chosen.get(name) if given is None else given
             if target is None or not hasattr(target, name):
                 if given is not None:
                     raise ConfigError(
                         f"comm_overlap.{name}",
-                        f"got {given!r} but the {_TARGETS[name]} section "
+                        f"got {given!r} but the {section} section "
                         f"({type(target).__name__}) has no field {name!r}; unset it",
                     )
                 continue
@@ -179,7 +161,7 @@ class CommOverlapConfig:
                 if given is not None:
                     raise ConfigError(
                         f"comm_overlap.{name}",
-                        f"got {value!r} but {_TARGETS[name]}.{name} is {current!r}; set only "
+                        f"got {value!r} but {section}.{name} is {current!r}; set only "
                         "one of them, or make them equal",
                     )
                 continue  # the user's value in the section wins over the layout's choice

@@ -1,16 +1,10 @@
 """Process-group, model-parallel and RNG initialisation for a training run.
 
-:func:`initialize_distributed` brings up ``torch.distributed`` (gloo on CPU, nccl on GPU,
-as ``DistributedInitConfig.distributed_backend`` says), megatron's model-parallel groups
-(tensor, pipeline, context, expert parallel) and reproducible seeds. It validates the layout
-against the world size first, so a bad config fails before any process group exists.
-
-On a machine without CUDA the engine
-(:meth:`~bridge.train.engine.megatron.MegatronEngine.initialize_distributed`) enters
-:func:`core_utils.cuda_emulation` first (megatron-core's DDP, optimizers, pipeline schedules
-and RNG tracker assume CUDA); :func:`destroy_distributed` exits it, so the emulation lasts
-exactly as long as the training run. Code that only needs the parallel state (the Hugging
-Face conversion) calls :func:`initialize_distributed` without it.
+Without CUDA the engine (:meth:`~bridge.train.engine.megatron.MegatronEngine.initialize_distributed`)
+has :func:`initialize_distributed` enter :func:`core_utils.cuda_emulation` (megatron-core's
+DDP, optimizers, pipeline schedules and RNG tracker assume CUDA); :func:`destroy_distributed`
+exits it, so the emulation lasts exactly as long as the run. Code that only needs the
+parallel state (the Hugging Face conversion) initialises without it.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from bridge.config import DistributedInitConfig
+from bridge.config import DistributedInitConfig, data_parallel_size
 from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import adopt_launch_environment, guarded_rendezvous
 from core_utils import cuda_emulation, cuda_emulation_active
@@ -44,7 +38,6 @@ __all__ = [
     "resume_seed",
     "seed_from_rng_config",
     "seed_process_generators",
-    "set_random_seed",
     "validate_parallel_layout",
 ]
 
@@ -79,43 +72,18 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
 
 
 def validate_parallel_layout(model_config: ModelConfigProtocol, world_size: int) -> None:
-    """Check that the model's parallel sizes fit ``world_size``.
+    """Check that the model's parallel sizes fit ``world_size``: the rule of
+    :func:`bridge.config.data_parallel_size`, the one ``ConfigContainer.validate()`` applies.
 
     What a device cannot run (for example sequence parallelism with the CPU layer spec) is
-    refused earlier, with the config, by :func:`bridge.train.checks.layout.check_engine_config`.
+    refused with the config by :func:`bridge.train.checks.layout.check_engine_config`.
 
     Raises:
-        ValueError: A size is not positive, ``world_size`` is not divisible by
-            ``TP x PP x CP``, or the expert layout does not fit.
+        bridge.config.ConfigError: (a ``ValueError``) A size is not a positive integer,
+            ``world_size`` is not divisible by ``TP x PP x CP``, or the expert layout does not
+            fit.
     """
-    tp = int(getattr(model_config, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(model_config, "pipeline_model_parallel_size", 1) or 1)
-    cp = int(getattr(model_config, "context_parallel_size", 1) or 1)
-    ep = int(getattr(model_config, "expert_model_parallel_size", 1) or 1)
-    etp = getattr(model_config, "expert_tensor_parallel_size", None) or tp
-    for name, value in (
-        ("tensor_model_parallel_size", tp),
-        ("pipeline_model_parallel_size", pp),
-        ("context_parallel_size", cp),
-        ("expert_model_parallel_size", ep),
-        ("expert_tensor_parallel_size", etp),
-    ):
-        if value < 1:
-            raise ValueError(f"model.{name} must be >= 1, got {value}")
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel:
-        raise ValueError(
-            f"world size {world_size} is not divisible by model.tensor_model_parallel_size ({tp}) "
-            f"x model.pipeline_model_parallel_size ({pp}) x model.context_parallel_size ({cp}) "
-            f"= {model_parallel}; launch a multiple of {model_parallel} ranks or shrink the "
-            "parallel sizes"
-        )
-    if world_size % (etp * ep * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by model.expert_tensor_parallel_size "
-            f"({etp}) x model.expert_model_parallel_size ({ep}) x "
-            f"model.pipeline_model_parallel_size ({pp})"
-        )
+    data_parallel_size(model_config, world_size)
 
 
 def init_launch_process_group(backend: str, timeout: timedelta) -> None:
@@ -169,7 +137,8 @@ def initialize_distributed(
 
     Args:
         model_config: The model config (its parallel sizes are used).
-        dist_config: The ``dist`` section; defaults when ``None``.
+        dist_config: The ``dist`` section; ``None``: its defaults, with the machine's
+            backend (nccl with CUDA, gloo without).
         rng_config: The ``rng`` section; seed 1234 when ``None``.
         emulate_cuda: Without CUDA, enter :func:`core_utils.cuda_emulation` for the rest of
             the run (until :func:`destroy_distributed`), once the layout is checked (the
@@ -182,10 +151,11 @@ def initialize_distributed(
     """
 
     launch = adopt_launch_environment()
-    # pretrain's launch checks (checks/rules.py) made both calls already, to refuse a bad
-    # config as a ConfigError before any process group exists; they run again here because
-    # direct API users call this without that pass, and the backend's value is needed here.
-    # Both are a few comparisons: a flag to skip them would cost more code than it saves.
+    # ConfigContainer.validate() (the layout) and pretrain's launch checks (the backend,
+    # checks/rules.py) refused a bad config already, before any process group exists; both
+    # run again here because direct API users call this without them, and the backend's
+    # value is needed here. Both are a few comparisons: a flag to skip them would cost more
+    # code than it saves.
     backend = resolve_distributed_backend(dist_config)
     world_size = global_world_size(launcher_fallback=True)
     validate_parallel_layout(model_config, world_size)
@@ -228,11 +198,18 @@ def initialize_distributed(
 
 
 def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> int:
-    """:func:`set_random_seed` with the ``rng`` section's settings.
+    """Seed python, numpy and torch reproducibly for this rank from the ``rng`` section.
+
+    The rank's seed is the base seed + ``100 * pipeline_rank`` (+ ``10 * data_parallel_rank``
+    with ``rng.data_parallel_random_init``), so every data-parallel and tensor-parallel rank of
+    a pipeline stage draws the same parameters (tensor-parallel ranks then slice the same full
+    weights). On CUDA, and on CPU under :func:`core_utils.cuda_emulation` (the megatron
+    engine), megatron's ``model_parallel_cuda_manual_seed`` also seeds its tensor-parallel
+    RNG tracker (``rng.te_rng_tracker``, ``rng.inference_rng_tracker``; under the emulation
+    its "CUDA" generator is the CPU generator); otherwise no CUDA state is touched.
 
     Args:
-        rng_config: The ``rng`` section (``seed``, ``data_parallel_random_init``,
-            ``te_rng_tracker``, ``inference_rng_tracker``); None: seed 1234, the defaults.
+        rng_config: The ``rng`` section; None: seed 1234, the defaults.
         iteration: 0 for a fresh start. A resume under another parallel layout, whose saved
             generator states (per rank) cannot be restored, passes the iteration it
             continues from: the base seed becomes :func:`resume_seed` of the two, so the
@@ -241,14 +218,27 @@ def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> in
 
     Returns:
         The seed used on this rank.
+
+    Raises:
+        ValueError: ``rng.seed`` is negative.
     """
     seed = int(getattr(rng_config, "seed", 1234))
-    return set_random_seed(
-        resume_seed(seed, iteration) if iteration else seed,
-        data_parallel_random_init=bool(getattr(rng_config, "data_parallel_random_init", False)),
-        te_rng_tracker=bool(getattr(rng_config, "te_rng_tracker", False)),
-        inference_rng_tracker=bool(getattr(rng_config, "inference_rng_tracker", False)),
-    )
+    if seed < 0:
+        raise ValueError(f"rng.seed must be >= 0, got {seed}")
+    rank_seed = resume_seed(seed, iteration) if iteration else seed
+    if parallel_state.model_parallel_is_initialized():
+        rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
+        if getattr(rng_config, "data_parallel_random_init", False):
+            rank_seed += 10 * parallel_state.get_data_parallel_rank()
+    seed_process_generators(rank_seed)
+
+    if (torch.cuda.is_available() and torch.cuda.device_count() > 0) or cuda_emulation_active():
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            rank_seed,
+            te_rng_tracker=bool(getattr(rng_config, "te_rng_tracker", False)),
+            inference_rng_tracker=bool(getattr(rng_config, "inference_rng_tracker", False)),
+        )
+    return rank_seed
 
 
 # Below 2**31 with room for megatron's per-rank offsets (100 x pipeline rank, 2718 + tensor
@@ -270,57 +260,12 @@ def seed_process_generators(seed: int) -> None:
     """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA
     device) with ``seed``: what a checkpoint's RNG state holds, megatron's tracker aside.
 
-    :func:`set_random_seed` starts with it; a run without megatron's parallel state (the
+    :func:`seed_from_rng_config` starts with it; a run without megatron's parallel state (the
     ``mimo`` recipe: one grid per module) seeds with it alone.
     """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def set_random_seed(
-    seed: int,
-    data_parallel_random_init: bool = False,
-    te_rng_tracker: bool = False,
-    inference_rng_tracker: bool = False,
-) -> int:
-    """Seed python, numpy and torch reproducibly for this rank.
-
-    The seed is ``seed + 100 * pipeline_rank`` (+ ``10 * data_parallel_rank`` with
-    ``data_parallel_random_init``), so every data-parallel and tensor-parallel rank of a
-    pipeline stage draws the same parameters (tensor-parallel ranks then slice the same full
-    weights). On CUDA, and on CPU under :func:`core_utils.cuda_emulation` (the megatron
-    engine), megatron's ``model_parallel_cuda_manual_seed`` also seeds its tensor-parallel
-    RNG tracker (under the emulation its "CUDA" generator is the CPU generator); otherwise no
-    CUDA state is touched.
-
-    Args:
-        seed: Base seed (must be >= 0).
-        data_parallel_random_init: Give every data-parallel rank different parameters.
-        te_rng_tracker: Use Transformer Engine's RNG tracker (CUDA).
-        inference_rng_tracker: Use megatron's inference RNG tracker (CUDA).
-
-    Returns:
-        The seed used on this rank.
-
-    Raises:
-        ValueError: ``seed`` is negative.
-    """
-    if seed < 0:
-        raise ValueError(f"rng.seed must be >= 0, got {seed}")
-
-    rank_seed = seed
-    if parallel_state.model_parallel_is_initialized():
-        rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
-        if data_parallel_random_init:
-            rank_seed += 10 * parallel_state.get_data_parallel_rank()
-    seed_process_generators(rank_seed)
-
-    if (torch.cuda.is_available() and torch.cuda.device_count() > 0) or cuda_emulation_active():
-        tensor_parallel.model_parallel_cuda_manual_seed(
-            rank_seed, te_rng_tracker=te_rng_tracker, inference_rng_tracker=inference_rng_tracker
-        )
-    return rank_seed
 
 
 def _destroy_model_parallel() -> None:

@@ -1,40 +1,29 @@
 """Launch environments: which launcher started this process, and where its ranks meet.
 
-Three launchers are first-class, read in this order (the first that applies wins):
+Three launchers are first-class, read in this order (the first that applies wins; the
+variables each one reads are listed in ``docs/clusters.md``):
 
-1. **torch's variables** (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-   ``MASTER_PORT``), as ``torchrun`` sets them for every worker, or as a script exports
-   them by hand. They win over SLURM's, so ``srun torchrun ...`` keeps working.
-2. **SLURM's** ``srun`` without torchrun: rank ``SLURM_PROCID``, world size
-   ``SLURM_STEP_NUM_TASKS`` (``SLURM_NTASKS`` on builds without it), local rank
-   ``SLURM_LOCALID``; the master address is the first host of ``SLURM_STEP_NODELIST``
-   (else ``SLURM_JOB_NODELIST``), expanded with ``scontrol show hostnames`` where it exists
-   and by :func:`expand_hostlist` otherwise; the port is ``10000 + SLURM_JOB_ID % 20000``
-   (below Linux's ephemeral range, and the same on every node of the job without any
-   exchange), as Megatron-LM's and Lightning's SLURM launches derive theirs. ``MASTER_ADDR``
-   and ``MASTER_PORT``, when set, override both. Only a process that ``srun`` started counts
+1. **torch's variables**, as ``torchrun`` sets them or a script exports them by hand. They
+   win over SLURM's, so ``srun torchrun ...`` keeps working.
+2. **SLURM's** ``srun`` without torchrun. The master address is the first host of the step's
+   (else the job's) node list; the port is ``10000 + SLURM_JOB_ID % 20000``: below Linux's
+   ephemeral range, and the same on every node of the job without any exchange, as
+   Megatron-LM's and Lightning's SLURM launches derive theirs. ``MASTER_ADDR`` and
+   ``MASTER_PORT``, when set, override both. Only a process that ``srun`` started counts
    (``SLURM_STEP_ID`` is set): the batch script itself runs outside any step, and a
    ``python -m bridge.train`` run there trains alone (:func:`launch_notice` says so).
 3. **One process**, started bare: rank 0 of 1.
 
-:func:`adopt_launch_environment` exports an ``srun`` launch as torch's variables, once,
-before anything reads them, so that every reader (torch's ``env://`` rendezvous,
-``core_utils.distributed``'s launcher fallback, bridge-config's world size, the
-resiliency tools, child processes) sees one view. The CLI calls it first thing; so do
-``pretrain``, ``pretrain_mimo`` and :func:`~bridge.train.engine.initialize.initialize_distributed`
-for library use under ``srun``. It is a pure function of the environment: exporting again
-changes nothing, and a value that equals the one derived from SLURM's variables is still
-reported as derived from them.
+:func:`adopt_launch_environment` exports an ``srun`` launch as torch's variables before
+anything reads them, so that every reader (torch's ``env://`` rendezvous, core-utils,
+bridge-config's world size, the resiliency tools, child processes) sees one view; it is a
+pure function of the environment, so calling it again (the CLI, ``pretrain``,
+``pretrain_mimo``, ``initialize_distributed``) changes nothing.
 
 Environments that cannot be a real launch are refused at once with a
-:class:`~bridge.config.ConfigError` naming the variables and the fix (a ``WORLD_SIZE``
-left over from an earlier shell session, a ``RANK`` outside the world, a ``WORLD_SIZE``
-that disagrees with the tasks ``srun`` started). What cannot be seen from one process (a
-``WORLD_SIZE`` larger than the ranks that were started, a master address no rank 0
-listens on) is caught by :func:`guarded_rendezvous`: after a few seconds it says what the
-rank waits for (how many ranks, which address and port, which variables set them), and
-after the rendezvous timeout it raises :class:`RendezvousTimeout`, one line naming the
-variables and the fix.
+:class:`~bridge.config.ConfigError` naming the variables and the fix. What cannot be seen
+from one process (a ``WORLD_SIZE`` larger than the ranks that were started, a master
+address no rank 0 listens on) is caught by :func:`guarded_rendezvous`.
 
 Nothing here imports torch: the CLI reads the launcher's view before deciding to.
 """
@@ -42,6 +31,7 @@ Nothing here imports torch: the CLI reads the launcher's view before deciding to
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import re
@@ -50,7 +40,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -161,6 +151,8 @@ class RendezvousTimeout(ConfigError):
 # --------------------------------------------------------------------------- host lists
 
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
+# A host name: characters other than separators and brackets, and whole bracket groups.
+_NAME = re.compile(r"(?:\[[^\[\]]*\]|[^\s,\[\]])+")
 
 
 def _expand_ranges(body: str, text: str) -> list[str]:
@@ -180,35 +172,6 @@ def _expand_ranges(body: str, text: str) -> list[str]:
     return values
 
 
-def _expand_one(item: str, text: str) -> list[str]:
-    match = _BRACKET.search(item)
-    if match is None:
-        if "[" in item or "]" in item:
-            raise ValueError(f"invalid host list {text!r}: unbalanced brackets in {item!r}")
-        return [item]
-    # The first group varies slowest: the rest of the name is expanded under each value.
-    rest = _expand_one(item[match.end() :], text)
-    head = item[: match.start()]
-    return [head + value + tail for value in _expand_ranges(match[1], text) for tail in rest]
-
-
-def _split_top_level(text: str) -> Iterator[str]:
-    depth, start = 0, 0
-    for index, char in enumerate(text):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"invalid host list {text!r}: unbalanced brackets")
-        elif depth == 0 and (char == "," or char.isspace()):
-            yield text[start:index]
-            start = index + 1
-    if depth != 0:
-        raise ValueError(f"invalid host list {text!r}: unbalanced brackets")
-    yield text[start:]
-
-
 def expand_hostlist(text: str) -> list[str]:
     """Expand SLURM's host-list syntax (``SLURM_JOB_NODELIST``) into host names, in order.
 
@@ -220,10 +183,16 @@ def expand_hostlist(text: str) -> list[str]:
     Raises:
         ValueError: Unbalanced brackets, a range that runs backwards, or a non-number.
     """
+    # What no name matches is a separator (comma, whitespace), or a stray bracket.
+    if _NAME.sub("", text).replace(",", " ").strip():
+        raise ValueError(f"invalid host list {text!r}: unbalanced brackets")
     hosts: list[str] = []
-    for item in _split_top_level(text.strip()):
-        if item:
-            hosts.extend(_expand_one(item, text))
+    for name in _NAME.findall(text):
+        # Literal text at even indices, bracket bodies at odd ones; product() varies the
+        # first group slowest.
+        parts = _BRACKET.split(name)
+        choices = [_expand_ranges(p, text) if i % 2 else [p] for i, p in enumerate(parts)]
+        hosts.extend("".join(host) for host in itertools.product(*choices))
     return hosts
 
 

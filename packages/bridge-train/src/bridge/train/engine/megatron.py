@@ -1,26 +1,20 @@
 """The engine: megatron-core's own training stack, on CUDA and on CPU.
 
-* data parallelism: megatron-core ``DistributedDataParallel`` (grad buffers, overlapped
-  reduce-scatter / all-reduce, optional distributed optimizer and parameter all-gather);
-* optimizer: ``get_megatron_optimizer`` (fused Adam/SGD from Transformer Engine or Apex when
-  installed, mixed precision, distributed optimizer);
-* schedule: ``get_forward_backward_func()`` (1F1B and interleaved pipeline schedules);
-* layer specs: Transformer Engine when the ``te`` extra is installed (see
-  ``GPTModelProvider.layer_spec_backend``).
-
-Every one of these assumes CUDA. Without a GPU, :meth:`MegatronEngine.initialize_distributed`
-enters :func:`core_utils.cuda_emulation` (until
-:func:`~bridge.train.engine.initialize.destroy_distributed`), which redirects megatron-core's
-CUDA use to the CPU and gloo; the same code path then runs on a CPU-only machine, where the
-layer spec is the portable one (SDPA core attention) and weights are initialised on the CPU.
-See ``docs/engines.md`` for what the emulation covers and the layouts verified on CPU.
+megatron-core's ``DistributedDataParallel`` (optionally with the distributed optimizer),
+``get_megatron_optimizer`` (Transformer Engine's or Apex's fused kernels when installed) and
+``get_forward_backward_func`` (1F1B and interleaved pipeline schedules). Every one of them
+assumes CUDA: without a GPU, :meth:`MegatronEngine.initialize_distributed` enters
+:func:`core_utils.cuda_emulation` for the run (:mod:`~bridge.train.engine.initialize`) and
+the same code path runs on the CPU with gloo and the portable layer spec (SDPA core
+attention). See ``docs/engines.md`` for what the emulation covers and the layouts verified
+on CPU.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +31,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from bridge.config import convert_dataclass
+from bridge.train.engine._distributed_utils import unwrap_model_chunks
 from bridge.train.engine.initialize import (
     initialize_distributed,
     validate_parallel_layout,
@@ -145,7 +140,7 @@ class MegatronEngine:
         for hook in pre_wrap_hooks:
             result = hook(chunks)
             if result is not None:
-                chunks = list(result) if isinstance(result, (list, tuple)) else [result]
+                chunks = unwrap_model_chunks(result)
         # megatron's distributed checkpointing and schedules expect this attribute.
         for chunk in chunks:
             for param in chunk.parameters():
@@ -239,20 +234,14 @@ class MegatronEngine:
 
         def forward_backward_per_chunk(*, data_iterator: Any = None, **kwargs: Any) -> list[Any]:
             if data_iterator is not None and not isinstance(data_iterator, list):
-                data_iterator = list(itertools.tee(_iterable(data_iterator), vp_size))
+                # megatron's RerunDataIterator (what the trainer hands the schedule) has
+                # __next__ but no __iter__, which tee needs; iter(callable, sentinel) ends at
+                # the StopIteration the callable raises.
+                items = iter(data_iterator.__next__, object())
+                data_iterator = list(itertools.tee(items, vp_size))
             return schedule(data_iterator=data_iterator, **kwargs)
 
         return forward_backward_per_chunk
-
-
-def _iterable(iterator: Any) -> Iterator[Any]:
-    """``iterator`` as a Python iterator: megatron's ``RerunDataIterator`` (what the trainer
-    hands the schedule) has ``__next__`` but no ``__iter__``, which ``itertools.tee`` needs."""
-    while True:
-        try:
-            yield next(iterator)
-        except StopIteration:
-            return
 
 
 def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:

@@ -125,19 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from bridge.train.generate.options import SamplingOptions
 
-    sampling = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
-    given = [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value is not None]
+    given = {
+        name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None
+    }
     if args.greedy and given:
-        parser.error(f"--greedy cannot be combined with {', '.join(given)}")
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        parser.error(f"--greedy cannot be combined with {flags}")
+    # A sampling flag left out keeps SamplingOptions' default.
     return SamplingOptions(
         args.max_new_tokens,
         greedy=not given,
-        temperature=1.0 if args.temperature is None else args.temperature,
-        top_k=args.top_k or 0,
-        top_p=args.top_p or 0.0,
-        seed=args.seed,
         stop=tuple(args.stop),
         stop_at_eod=not args.ignore_eod,
+        **given,
     )
 
 

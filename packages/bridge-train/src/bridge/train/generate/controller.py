@@ -3,7 +3,7 @@
 :class:`GenerationController` is megatron-core's ``TextGenerationController`` (its static
 batch path: prefill up to the shortest prompt, then one token per step through the KV cache
 of a ``StaticInferenceContext``, longer prompts fed their own tokens until they start
-generating) with four hooks on the methods that controller calls:
+generating) with three hooks on the methods that controller calls:
 
 * ``prep_inference_input`` (once per batch): for rows the generator left-padded to the
   longest prompt, a mask hiding the padding and each token's position in its own prompt,
@@ -16,9 +16,9 @@ generating) with four hooks on the methods that controller calls:
   ``generate`` never sees them. With ``record_logits`` the (cut) logits of every step are
   kept, so callers can compare them with a full forward.
 * ``update_generation_status``: besides megatron's end-of-document check, a completion whose
-  text contains a stop string ends at the token that completed it.
-* ``stream_tokens``: megatron streams through asyncio queues (``AsyncStream``) for its
-  server; here the tokens so far of each streamed request go to a plain callback.
+  text contains a stop string ends at the token that completed it; then each row's tokens so
+  far go to the batch's listener (megatron streams through asyncio queues, ``AsyncStream``,
+  for its server, from a thread of its own).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from bridge.train.data.tokenizers import Tokenizer
 
 __all__ = ["BatchState", "GenerationController", "TokenListener", "continuation_text"]
 
-#: Called with ``(request id, generated token ids so far, done)`` after every step.
+#: Called with ``(row, generated token ids so far, done)`` after every step.
 TokenListener = Callable[[int, list[int], bool], None]
 
 
@@ -67,7 +67,7 @@ class BatchState:
         prompts: Prompt token ids of each row, in batch order.
         stop: Stop strings (empty: none).
         record_logits: Keep every step's logits (``[rows, vocab]``, float32).
-        listener: Receives the tokens of streamed requests.
+        listener: Receives the tokens of every row that generates.
         left_padding: Padding slots before each row's prompt (empty: none), see
             :meth:`GenerationController.prep_inference_input`.
         logits: The recorded logits, one tensor per step.
@@ -148,7 +148,7 @@ class GenerationController(TextGenerationController):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """megatron's end-of-document check, then the stop strings."""
+        """megatron's end-of-document check, then the stop strings, then the listener."""
         done, lengths = super().update_generation_status(
             updated_prompts_tokens,
             generation_started,
@@ -157,51 +157,22 @@ class GenerationController(TextGenerationController):
             **kwargs,
         )
         batch = self.batch
-        if batch is None or not batch.stop:
+        if batch is None or not (batch.stop or batch.listener):
             return done, lengths
         # The token just chosen is counted in ``lengths`` (megatron counts every token
-        # of an unfinished row): a stop ends the row with that token included. One
-        # transfer each for the flags and the tokens, not one per row.
-        finished = done.tolist()
-        started = generation_started.tolist()
+        # of an unfinished row, not an end-of-document one): a stop ends the row with that
+        # token included. One transfer each for the flags, lengths and tokens, not one per row.
+        finished, started, counts = done.tolist(), generation_started.tolist(), lengths.tolist()
         padding = list(batch.left_padding) or [0] * len(batch.prompts)
         rows = updated_prompts_tokens[:, : current_context_end_position + 1].tolist()
         for row, prompt in enumerate(batch.prompts):
-            if finished[row] or not started[row]:
+            if not started[row]:
                 continue
             start = padding[row] + len(prompt)
-            ids = rows[row][start:]
-            text = continuation_text(self.tokenizer, prompt, ids)
-            if any(stop in text for stop in batch.stop):
-                done[row] = True
+            ids = rows[row][start : start + counts[row]]
+            if not finished[row] and batch.stop:
+                text = continuation_text(self.tokenizer, prompt, ids)
+                finished[row] = done[row] = any(stop in text for stop in batch.stop)
+            if batch.listener is not None:
+                batch.listener(row, ids, bool(finished[row]))
         return done, lengths
-
-    def stream_tokens(
-        self,
-        sampling_params: Any,
-        request_ids: list[int],
-        requests: list[Any],
-        streams: list[Any],
-        generation_started: Sequence[bool],
-        is_generation_done: Sequence[bool],
-        tokens: torch.Tensor,
-        prompt_lengths: Sequence[Any],
-        generated_lengths: Sequence[Any],
-        output_log_probs: Any,
-    ) -> None:
-        """Hand each streamed request's tokens so far to the batch's listener."""
-        listener = self.batch.listener if self.batch is not None else None
-        if listener is None:
-            return
-        for request_id, started, done, row, start, length in zip(
-            request_ids,
-            generation_started,
-            is_generation_done,
-            tokens,
-            prompt_lengths,
-            generated_lengths,
-            strict=True,
-        ):
-            if bool(started):
-                begin = int(start)
-                listener(int(request_id), row[begin : begin + int(length)].tolist(), bool(done))

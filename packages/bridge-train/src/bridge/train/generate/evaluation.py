@@ -44,7 +44,7 @@ from bridge.train.loop.training import run_components
 from bridge.train.models.family import build_family_datasets, default_forward_step, is_t5
 from bridge.train.state import GlobalState
 
-__all__ = ["EvalOnlyPlan", "evaluate_checkpoint", "prepare_eval_only", "validation_start"]
+__all__ = ["EvalOnlyPlan", "evaluate_checkpoint", "prepare_eval_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,24 +131,6 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
     return EvalOnlyPlan(str(eval_data), kwargs)
 
 
-def validation_start(train_state: Any, saved_train: Any) -> int:
-    """Where the run's validation at ``train_state.step`` began in the validation split.
-
-    The run evaluated before it saved when the iteration is a multiple of
-    ``eval_interval``: its ``consumed_valid_samples`` then already counts that evaluation's
-    ``eval_iters x global_batch_size`` samples.
-    """
-    consumed = int(train_state.consumed_valid_samples)
-    interval = getattr(saved_train, "eval_interval", None)
-    per_evaluation = int(getattr(saved_train, "eval_iters", 0) or 0) * int(
-        getattr(saved_train, "global_batch_size", 0) or 0
-    )
-    step = int(train_state.step)
-    if interval and step > 0 and step % int(interval) == 0 and consumed >= per_evaluation:
-        return consumed - per_evaluation
-    return consumed
-
-
 def evaluate_checkpoint(
     cfg: ConfigContainer,
     plan: EvalOnlyPlan | None = None,
@@ -198,8 +180,17 @@ def evaluate_checkpoint(
                     saved = (
                         ConfigContainer.from_yaml(Path(loaded) / RUN_CONFIG_FILENAME).train or train
                     )
+            # The run evaluated before it saved when the iteration is a multiple of
+            # eval_interval: its consumed_valid_samples then already counts that evaluation.
             train_state = state.train_state
-            train_state.consumed_valid_samples = validation_start(train_state, saved)
+            consumed = int(train_state.consumed_valid_samples)
+            interval = getattr(saved, "eval_interval", None)
+            per_evaluation = int(getattr(saved, "eval_iters", 0) or 0) * int(
+                getattr(saved, "global_batch_size", 0) or 0
+            )
+            step = int(train_state.step)
+            if interval and step > 0 and step % int(interval) == 0 and consumed >= per_evaluation:
+                train_state.consumed_valid_samples = consumed - per_evaluation
             try:
                 sizes = train_valid_test_num_samples(train)
             except ValueError:  # no training length: only evaluation needs samples

@@ -37,6 +37,7 @@ from megatron.core.inference.utils import InferenceMode
 from megatron.core.utils import unwrap_model
 
 from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.engine._distributed_utils import unwrap_model_chunks
 from bridge.train.generate.controller import (
     BatchState,
     GenerationController,
@@ -56,10 +57,6 @@ __all__ = [
     "TextGenerator",
     "inference_mode_active",
 ]
-
-DEFAULT_SEED = 1234
-"""Seed of the sampling generator when :attr:`SamplingOptions.seed` is ``None``
-(megatron-core's ``inference_sampling_seed`` default)."""
 
 #: Streaming: called with ``(prompt index, new text, done)`` as a completion grows.
 TextCallback = Callable[[int, str, bool], None]
@@ -109,15 +106,6 @@ class _InferenceWrapper(GPTInferenceWrapper):
         """megatron's forward step, with the device rewriting suspended."""
         with without_device_rewriting():
             return super().run_one_forward_step(inference_input, recv_buffer_seq_len)
-
-
-class _Stream:
-    """What megatron's controller closes at the end of a streamed batch."""
-
-    finished = False
-
-    def finish(self, exception: Any = None) -> None:
-        self.finished = True
 
 
 @contextlib.contextmanager
@@ -211,7 +199,7 @@ class TextGenerator:
 
         if max_batch_size < 1:
             raise GenerationError(f"--batch-size must be >= 1, got {max_batch_size}")
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunks = unwrap_model_chunks(model)
         if len(chunks) != 1:
             raise GenerationError(
                 "model.virtual_pipeline_model_parallel_size: generation needs one model chunk "
@@ -220,18 +208,15 @@ class TextGenerator:
             )
         # The data-parallel wrapper comes off; megatron's Float16Module stays (it casts
         # inputs and outputs).
-        self.module = chunks[0]
-        while isinstance(self.module, DistributedDataParallel):
-            self.module = self.module.module
+        self.module = unwrap_model(chunks[0], (DistributedDataParallel,))
         self.tokenizer = tokenizer
         self.max_sequence_length = int(max_sequence_length)
         self.max_batch_size = int(max_batch_size)
-        limit = int(tokenizer.vocab_size if vocab_limit is None else vocab_limit)
-        self.vocab_limit = limit
+        self.vocab_limit = int(tokenizer.vocab_size if vocab_limit is None else vocab_limit)
         self.wrapper = _InferenceWrapper(
             self.module, StaticInferenceContext(1, self.max_sequence_length)
         )
-        self.controller = GenerationController(self.wrapper, tokenizer, limit)
+        self.controller = GenerationController(self.wrapper, tokenizer, self.vocab_limit)
         # Prompts of different lengths are left-padded into one prefill where every
         # attention layer can rotate each row by its own positions. Not with learned
         # absolute positions (GPT-2): there the KV-cached logits of the tiny test model sit
@@ -317,8 +302,8 @@ class TextGenerator:
                 with ``max_new_tokens`` does not fit the model's context.
         """
         prepared = [self._prompt_ids(i, p, options.max_new_tokens) for i, p in enumerate(prompts)]
-        seed = DEFAULT_SEED if options.seed is None else int(options.seed)
-        self.controller.sampling_rng.manual_seed(seed)
+        # Without a seed: 1234, megatron-core's inference_sampling_seed default.
+        self.controller.sampling_rng.manual_seed(1234 if options.seed is None else options.seed)
         results: list[Completion] = []
         for first in range(0, len(prepared), self.max_batch_size):
             batch = prepared[first : first + self.max_batch_size]
@@ -355,20 +340,20 @@ class TextGenerator:
                 prompt_tokens=[ids[0]] * padding[offset] + list(ids),
                 status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS,
             )
-        streams: OrderedDict[int, Any] | None = None
-        texts: dict[int, _TextStream] = {}
-        if on_text is not None:
-            streams = OrderedDict((request_id, _Stream()) for request_id in requests)
-            for offset, request_id in enumerate(requests):
-                decode = functools.partial(continuation_text, self.tokenizer, batch[offset][1])
-                texts[request_id] = _TextStream(
-                    decode, options.stop, functools.partial(on_text, request_id)
-                )
+        texts = [
+            _TextStream(
+                functools.partial(continuation_text, self.tokenizer, ids),
+                options.stop,
+                functools.partial(on_text, first + offset),
+            )
+            for offset, (_, ids) in enumerate(batch)
+            if on_text is not None
+        ]
         state = BatchState(
             [ids for _, ids in batch],
             options.stop,
             return_logits,
-            (lambda rid, ids, done: texts[rid].update(ids, done)) if texts else None,
+            (lambda row, ids, done: texts[row].update(ids, done)) if texts else None,
             left_padding=padding if any(padding) else (),
         )
         # A KV cache sized for this batch: megatron allocates it at the first forward. With
@@ -383,30 +368,25 @@ class TextGenerator:
             # InferenceMode: what megatron's StaticInferenceEngine switches on around this
             # controller (the output layer then runs on the last position only).
             with rotate_keys_before_caching(self.module), inference_mode_active():
-                done = self.controller.generate_all_output_tokens_static_batch(requests, streams)
+                done = self.controller.generate_all_output_tokens_static_batch(requests)
         finally:
             self.controller.batch = None
             # The cache's memory is released with the context.
             self.wrapper.inference_context = StaticInferenceContext(1, self.max_sequence_length)
         completions = []
         shortest = min(lengths)
-        for row, (request_id, request) in enumerate(done.items()):
+        for row, request in enumerate(done.values()):
             ids = [int(t) for t in request.generated_tokens.tolist()]
             raw = continuation_text(self.tokenizer, batch[row][1], ids)
             text, stopped = _cut_at_stop(raw, options.stop)
-            if stopped:
-                reason = "stop"
-            elif len(ids) < options.max_new_tokens:
-                reason = "eod"
-            else:
-                reason = "length"
+            reason = "stop" if stopped else "eod" if len(ids) < options.max_new_tokens else "length"
             logits = None
             if return_logits:
                 start = 0 if any(padding) else lengths[row] - shortest
                 steps = state.logits[start : start + len(ids)]
                 logits = torch.stack([step[row] for step in steps]) if steps else None
-            if request_id in texts:  # the rest of the text, and the end
-                texts[request_id].update(ids, True)
+            if texts:  # the rest of the text, and the end
+                texts[row].update(ids, True)
             completions.append(
                 Completion(
                     prompt=batch[row][0],

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +30,6 @@ from bridge.config import (
     CheckpointConfig,
     ConfigContainer,
     ConfigError,
-    DistributedInitConfig,
-    PEFTProtocol,
     TokenizerConfig,
     TokenizerConfigProtocol,
 )
@@ -44,6 +42,7 @@ from bridge.train.checkpointing.layout import (
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.engine.base import build_engine
 from bridge.train.engine.initialize import destroy_distributed
+from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.generator import TextGenerator
 from bridge.train.state import TrainState
@@ -228,27 +227,6 @@ class GenerationModel:
         )
 
 
-def _check_base(peft: PEFTProtocol | None, base: str | None, where: Path) -> str | None:
-    """The base checkpoint (``base``: ``checkpoint.pretrained_checkpoint``) of a LoRA run
-    (``peft`` set; ``None`` for other runs)."""
-
-    if peft is None:
-        return None
-    if not base:
-        raise GenerationError(
-            f"{where} holds LoRA adapters only, and its run config names no base model "
-            "(checkpoint.pretrained_checkpoint); the adapters cannot be used without it"
-        )
-    if find_latest_checkpoint(str(base)) is None:
-        raise GenerationError(
-            f"{where} holds LoRA adapters only, and their base model "
-            f"checkpoint.pretrained_checkpoint={base} "
-            f"{'holds no checkpoint' if Path(base).exists() else 'does not exist'}; restore "
-            "the base checkpoint there"
-        )
-    return str(base)
-
-
 # The checks, the base lookup and the load resolve the same directories: each is looked up
 # once, as a training launch does.
 @one_lookup_per_launch()
@@ -289,11 +267,23 @@ def load_generation_model(
     tokenizer = generation_tokenizer(
         run_config.tokenizer, saved_model.vocab_size, iteration_dir, tokenizer_model
     )
+    # A LoRA run's checkpoint holds the adapters only: their base must be there.
+    peft = run_config.peft
     saved = run_config.checkpoint
-    base = _check_base(
-        run_config.peft, saved.pretrained_checkpoint if saved else None, iteration_dir
-    )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    base = saved.pretrained_checkpoint if peft is not None and saved is not None else None
+    if peft is not None and not base:
+        raise GenerationError(
+            f"{iteration_dir} holds LoRA adapters only, and its run config names no base model "
+            "(checkpoint.pretrained_checkpoint); the adapters cannot be used without it"
+        )
+    if base and find_latest_checkpoint(base) is None:
+        raise GenerationError(
+            f"{iteration_dir} holds LoRA adapters only, and their base model "
+            f"checkpoint.pretrained_checkpoint={base} "
+            f"{'holds no checkpoint' if Path(base).exists() else 'does not exist'}; restore "
+            "the base checkpoint there"
+        )
+    world = adopt_launch_environment().world_size  # torchrun's, srun's or 1
     pp = int(pipeline_model_parallel_size)
     tp = int(tensor_model_parallel_size) if tensor_model_parallel_size else max(world // pp, 1)
     if tp * pp != world:
@@ -309,12 +299,9 @@ def load_generation_model(
             "needs GPUs, on CPU use --tp"
         )
     provider = generation_provider(run_config.model, tp, pp)
-    peft = run_config.peft
     engine = build_engine()
-    backend: Literal["nccl", "gloo"] = "nccl" if torch.cuda.is_available() else "gloo"
-    engine.initialize_distributed(
-        provider, DistributedInitConfig(distributed_backend=backend), run_config.rng
-    )
+    # No dist section: the backend is the machine's (nccl with CUDA, gloo without).
+    engine.initialize_distributed(provider, None, run_config.rng)
     try:
         hooks = []
         if peft is not None:

@@ -40,26 +40,6 @@ from megatron.core.utils import deprecate_inference_params
 __all__ = ["caches_rotated_keys", "rotate_keys_before_caching"]
 
 
-def _step_positions(
-    inference_context: Any, pos_emb: torch.Tensor, start: int, end: int
-) -> torch.Tensor:
-    """The rows of ``pos_emb`` for the tokens of this step.
-
-    A context whose ``left_padding`` (``[batch]`` padding slots before each row's prompt,
-    set by the generator) is not ``None`` puts row ``r``'s token in slot ``i`` at position
-    ``i - left_padding[r]`` of its prompt.
-    """
-    padding = getattr(inference_context, "left_padding", None)
-    if padding is None:
-        # The positions of the tokens in this step: megatron's own slice of q_pos_emb.
-        return pos_emb[start:end]
-    # Left-padded rows: each token rotates by its position in its own prompt, not by its
-    # slot ([s, b, 1, dim] rows of the [max_s, 1, 1, dim] embedding).
-    slots = torch.arange(start, end, device=padding.device)
-    positions = (slots[:, None] - padding[None, :]).clamp(min=0)
-    return pos_emb[:, 0][positions]
-
-
 class _StepRotations:
     """Rotates the queries and keys of one forward step, every layer with the same angles.
 
@@ -96,7 +76,15 @@ class _StepRotations:
         key = (id(freqs), t.dtype, float(mscale), id(config))
         entry = self.angles.get(key)
         if entry is None:
-            rows = _step_positions(inference_context, freqs, start, end)
+            padding = getattr(inference_context, "left_padding", None)
+            if padding is None:  # the step's tokens: megatron's own slice of q_pos_emb
+                rows = freqs[start:end]
+            else:
+                # Left-padded rows (the generator's padding slots before each row's prompt):
+                # row r's token in slot i rotates by its position i - left_padding[r] in its
+                # own prompt ([s, b, 1, dim] rows of the [max_s, 1, 1, dim] embedding).
+                slots = torch.arange(start, end, device=padding.device)
+                rows = freqs[:, 0][(slots[:, None] - padding[None, :]).clamp(min=0)]
             cos_sin = None
             if not (config.apply_rope_fusion or config.rotary_interleaved):
                 # megatron's _apply_rotary_pos_emb_bshd, expression for expression.
