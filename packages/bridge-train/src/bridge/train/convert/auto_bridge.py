@@ -56,7 +56,7 @@ from bridge.train.models.families import (
     supported_model_types,
     torch_dtype_of,
 )
-from core_utils.distributed import broadcast_from_rank0
+from core_utils.distributed import broadcast_from_rank0, global_rank, global_world_size
 from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = ["AutoBridge"]
@@ -198,7 +198,7 @@ class AutoBridge:
         writes). Returns the files written (on rank 0)."""
 
         out = Path(path)
-        if _rank() == 0:
+        if global_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
         return save_hf_weights(
             model,
@@ -240,7 +240,7 @@ class AutoBridge:
 
         out = Path(path).resolve()
         problem = ""
-        if _rank() == 0:
+        if global_rank() == 0:
             try:
                 refuse_nonempty(out, "save into a new directory")
             except ConversionError as exc:
@@ -249,11 +249,11 @@ class AutoBridge:
         if problem:
             raise ConversionError(problem)
         staging = out.with_name(out.name + ".exporting")  # rank 0 makes it, and renames it
-        with staged(out, ".exporting") if _rank() == 0 else contextlib.nullcontext(staging):
+        with staged(out, ".exporting") if global_rank() == 0 else contextlib.nullcontext(staging):
             self.save_hf_weights(
                 model, staging, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress
             )
-            if _rank() == 0:
+            if global_rank() == 0:
                 written, _ = self.family.export_config(self.hf_config, None)
                 write_side_files(
                     staging,
@@ -263,7 +263,7 @@ class AutoBridge:
                     dtype or self.dtype,
                     copy_config=dtype is None,
                 )
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if global_world_size() > 1:
             dist.barrier()
         return out
 
@@ -286,7 +286,3 @@ class AutoBridge:
         (:func:`~bridge.train.convert.export_hf_checkpoint`; one process)."""
 
         return export_hf_checkpoint(megatron_path, hf_path, **kwargs)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

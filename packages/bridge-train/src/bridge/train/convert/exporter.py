@@ -57,7 +57,7 @@ from bridge.train.convert._runtime import (
     staged,
 )
 from bridge.train.convert.importer import HF_SUBDIR, IMPORT_RECORD
-from bridge.train.convert.model_weights import named_weights, weights_to_meta, write_hf_weights
+from bridge.train.convert.model_weights import build_on_meta, named_weights, write_hf_weights
 from bridge.train.convert.source import side_files
 from bridge.train.models.families import (
     ConversionError,
@@ -153,21 +153,20 @@ def write_side_files(
         copy_config: Copy the source's ``config.json`` byte for byte when it is the one
             to write.
     """
-    source_config = files_dir / "config.json" if files_dir is not None else None
+    source = files_dir / "config.json" if files_dir is not None else None
     for item in side_files(files_dir) if files_dir is not None else []:
         if item.name not in (IMPORT_RECORD, "config.json"):
             shutil.copy2(item, out / item.name)
-    name = str(dtype).removeprefix("torch.")
-    unchanged = (
+    if (
         copy_config
-        and source_config is not None
-        and source_config.is_file()
-        and read_hf_config(files_dir) == config  # type: ignore[arg-type]
+        and source is not None
+        and source.is_file()
+        and read_hf_config(source.parent) == config
         and torch_dtype_of(config) == dtype
-    )
-    if unchanged:
-        shutil.copy2(source_config, out / "config.json")  # type: ignore[arg-type]
+    ):
+        shutil.copy2(source, out / "config.json")
     else:
+        name = str(dtype).removeprefix("torch.")
         written = {**config, "dtype": name}
         if "torch_dtype" in written:
             written["torch_dtype"] = name
@@ -221,20 +220,6 @@ def load_model_for_export(
     return merge_adapters(model) if merge else model
 
 
-def _verify(iteration_dir: Path) -> None:
-    """The checks a load makes first: the saved files match the marker's checksums (a
-    checkpoint saved before checksums existed has nothing to check against)."""
-
-    problems = checkpoint_problems(iteration_dir, share=False)
-    if problems:
-        name, what = min(problems.items())
-        state = "cannot be verified" if name == MARKER_FILENAME else "is damaged"
-        raise ConversionError(
-            f"{iteration_dir} {state}: {what}; restore it from a copy, or export another "
-            "checkpoint (give its iter_* directory)"
-        )
-
-
 def _whole_axes(item: Any) -> Any:
     """``item`` with its prepended (stacked-layer) axes as ordinary axes of length 1.
 
@@ -268,12 +253,17 @@ def _stream_export(
     into a real tensor, which is converted and written out before the next is loaded.
     """
 
-    _verify(iteration_dir)
-    single.use_cpu_initialization = True  # weights on the meta device, not a GPU
-    with torch.device("meta"):
-        model = single.provide(pre_process=True, post_process=True)
-    weights_to_meta(model)
-    params = named_weights(model)
+    # The checks a load makes first: the saved files match the marker's checksums (a
+    # checkpoint saved before checksums existed has nothing to check against).
+    problems = checkpoint_problems(iteration_dir, share=False)
+    if problems:
+        name, what = min(problems.items())
+        state = "cannot be verified" if name == MARKER_FILENAME else "is damaged"
+        raise ConversionError(
+            f"{iteration_dir} {state}: {what}; restore it from a copy, or export another "
+            "checkpoint (give its iter_* directory)"
+        )
+    model, params = build_on_meta(single)
     name_of = {id(param): name for name, param in params.items()}
     entries: dict[str, dict[str, Any]] = {}
     for key, item in model.sharded_state_dict().items():

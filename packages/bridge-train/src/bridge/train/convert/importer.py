@@ -40,14 +40,14 @@ from bridge.train.convert._runtime import (
     single_rank_copy,
     staged,
 )
-from bridge.train.convert.model_weights import named_weights, weights_to_meta
+from bridge.train.convert.model_weights import build_on_meta
 from bridge.train.convert.source import HFSource, side_files
 from bridge.train.convert.streaming import StreamingSaveStrategy
 from bridge.train.models.families import ConversionError, provider_from_hf_config
 from bridge.train.recipes import recipe_path
 from bridge.train.state import TrainState
 
-__all__ = ["HF_SUBDIR", "IMPORT_RECORD", "check_layout", "import_hf_checkpoint"]
+__all__ = ["HF_SUBDIR", "IMPORT_RECORD", "import_hf_checkpoint"]
 
 HF_SUBDIR = "hf"
 IMPORT_RECORD = "bridge_import.json"
@@ -69,23 +69,6 @@ def _tokenizer_vocab(hf_dir: Path) -> int | None:
         return int(Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True))
     except Exception as exc:  # the tokenizers library raises its own exception type
         raise ConversionError(f"{file} cannot be read: {exc}") from None
-
-
-def check_layout(target: Any) -> None:
-    """Refuse a tensor-parallel size that splits key/value heads (naming the flag and size;
-    the pipeline and expert sizes are checked by ``provider_from_hf_config``).
-
-    Args:
-        target: The provider with the layout the model will be trained with.
-    """
-    tp = target.tensor_model_parallel_size
-    groups = target.num_query_groups
-    if groups % tp:
-        raise ConversionError(
-            f"--tp {tp} does not divide the model's {groups} key/value heads "
-            "(num_key_value_heads); megatron-core needs whole query groups on every "
-            "tensor-parallel rank"
-        )
 
 
 def _recipe(provider: Any, out: Path, tokenizer_dir: Path | None) -> Any:
@@ -161,7 +144,15 @@ def import_hf_checkpoint(
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         seq_length=seq_length,
     )
-    check_layout(target)
+    # A tensor-parallel size that splits key/value heads (the pipeline and expert sizes are
+    # checked by provider_from_hf_config).
+    tp, groups = target.tensor_model_parallel_size, target.num_query_groups
+    if groups % tp:
+        raise ConversionError(
+            f"--tp {tp} does not divide the model's {groups} key/value heads "
+            "(num_key_value_heads); megatron-core needs whole query groups on every "
+            "tensor-parallel rank"
+        )
     refuse_nonempty(out, "import into a new directory (nothing there is overwritten)")
     tokenizer_vocab = _tokenizer_vocab(hf)
     if tokenizer_vocab is not None and tokenizer_vocab > target.vocab_size:
@@ -180,20 +171,10 @@ def import_hf_checkpoint(
         )
 
     single = single_rank_copy(target)
-    single.perform_initialization = False  # the model is built on the meta device
-    # megatron places weights on the GPU explicitly unless they are initialised on the CPU;
-    # with CPU initialisation it leaves the device to the meta-device context below.
-    single.use_cpu_initialization = True
     tokenizer_dir = out / HF_SUBDIR if tokenizer_vocab is not None else None
     with staged(out, ".importing") as staging:
         with single_process_megatron(single):
-            with torch.device("meta"):  # shapes and sharding only: no parameter memory
-                model = single.provide(pre_process=True, post_process=True)
-            weights_to_meta(model)
-            params = named_weights(model)
-            real = [name for name, param in params.items() if not param.is_meta]
-            if real:  # its data would be written instead of the Hugging Face tensors
-                raise ConversionError(f"internal: {real[0]} was not built on the meta device")
+            model, params = build_on_meta(single)
             source.check_shapes(mappings, params)
             by_name = {mapping.megatron: mapping for mapping in mappings}
             left = sorted(set(params) - set(by_name))

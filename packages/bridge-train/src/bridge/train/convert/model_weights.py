@@ -34,17 +34,18 @@ from megatron.core import parallel_state
 
 from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
+from core_utils.distributed import global_rank, global_world_size
 from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = [
     "LocalParameter",
+    "build_on_meta",
     "iter_full_parameters",
     "load_hf_weights",
     "local_parameters",
     "named_weights",
     "padded_vocab_of",
     "save_hf_weights",
-    "weights_to_meta",
     "write_hf_weights",
 ]
 
@@ -101,18 +102,30 @@ def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def weights_to_meta(model: torch.nn.Module) -> None:
-    """Move the persistent buffers of a model built on the meta device there too.
+def build_on_meta(provider: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The one-process model of ``provider`` on the meta device (shapes and sharding, no
+    memory; not initialised) and its weights by name (:func:`named_weights`).
 
-    Modules that place a buffer on an explicit device (megatron's router puts
-    ``expert_bias`` on ``torch.cuda.current_device()``) escape ``torch.device("meta")``; a
-    conversion that streams tensors in or out needs every weight on the meta device (shapes
-    only), so the buffer's real zeros are never written for the checkpoint's values.
+    megatron places weights on the GPU explicitly unless they are initialised on the CPU;
+    with CPU initialisation it leaves the device to the meta-device context. Modules that
+    place a buffer on an explicit device (megatron's router puts ``expert_bias`` on
+    ``torch.cuda.current_device()``) escape that context: such persistent buffers are moved
+    to the meta device too, so a conversion streaming tensors in or out never writes their
+    real zeros for the checkpoint's values.
     """
+    provider.perform_initialization = False
+    provider.use_cpu_initialization = True
+    with torch.device("meta"):
+        model = provider.provide(pre_process=True, post_process=True)
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if name not in module._non_persistent_buffers_set and not buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device="meta")
+    params = named_weights(model)
+    real = [name for name, param in params.items() if not param.is_meta]
+    if real:  # its data would be written instead of the source's
+        raise ConversionError(f"internal: {real[0]} was not built on the meta device")
+    return model, params
 
 
 def _unwrap(chunk: Any) -> Any:
@@ -232,10 +245,7 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
         with torch.no_grad():
             entry.param.copy_(piece)
         loaded.add(mapping.megatron)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sorted(loaded))
-        loaded = {name for names in everyone for name in names}
+    loaded = {name for names in _from_every_rank(sorted(loaded)) for name in names}
     left = sorted(set(by_name) - loaded)
     if left:
         raise ConversionError(
@@ -244,18 +254,14 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
         )
 
 
-def _with_adapter(entry: LocalParameter) -> torch.Tensor:
-    """The local piece with a LoRA adapter of its layer folded in (weights only)."""
-    tensor = entry.param.detach()
+def _gathered(entry: LocalParameter) -> torch.Tensor:
+    """The whole parameter, gathered over its group (collective over the group), with a
+    LoRA adapter of its layer folded in (weights only)."""
+    local = entry.param.detach()
     adapter = getattr(entry.module, "adapter", None)
     if adapter is not None and entry.param is getattr(entry.module, "weight", None):
-        tensor = tensor + adapter.delta_weight().to(tensor.dtype)
-    return tensor
-
-
-def _gathered(entry: LocalParameter) -> torch.Tensor:
-    """The whole parameter, gathered over its group (collective over the group)."""
-    local = _with_adapter(entry).contiguous()
+        local = local + adapter.delta_weight().to(local.dtype)
+    local = local.contiguous()
     if entry.group is None:
         return local
     # A gated fc1 is split as [gate piece; up piece]: gather each half on its own.
@@ -268,71 +274,67 @@ def _gathered(entry: LocalParameter) -> torch.Tensor:
     return torch.cat(gathered, dim=0)
 
 
-@dataclass
-class _Census:
-    """Who holds which parameter, and the whole parameters' shapes (from every rank)."""
-
-    entries: dict[str, LocalParameter]
-    owner: dict[str, int]
-    shapes: dict[str, tuple[list[int], torch.dtype]]
-
-
-def _census(model: ModelOrChunks) -> _Census:
-    """Collective: every rank's parameter names and whole shapes, once."""
-    entries = {entry.name: entry for entry in local_parameters(model)}
-    local: dict[str, tuple[list[int], str]] = {}
-    for name, entry in entries.items():
-        shape = list(entry.param.shape)
-        shape[entry.dim] *= entry.parts
-        local[name] = (shape, str(entry.param.dtype).removeprefix("torch."))
-    everyone: list[Any] = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-    owner: dict[str, int] = {}
-    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
-    for holder, held in enumerate(everyone):
-        for name, (shape, dtype) in held.items():
-            owner.setdefault(name, holder)  # the lowest rank holding it sends it
-            shapes.setdefault(name, (shape, getattr(torch, dtype)))
-    return _Census(entries, owner, shapes)
-
-
-def _require_held(census: _Census, names: list[str]) -> None:
-    missing = [name for name in names if name not in census.owner]
-    if missing:
-        raise ConversionError(
-            f"no rank holds {missing[0]!r}: the model was built from another config"
-        )
+def _from_every_rank(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (collective)."""
+    everyone: list[Any] = [value] * global_world_size()
+    if len(everyone) > 1:
+        dist.all_gather_object(everyone, value)
+    return everyone
 
 
 def iter_full_parameters(
-    model: ModelOrChunks, names: list[str], census: _Census | None = None
+    model: ModelOrChunks, names: list[str]
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The whole one-process parameters ``names``, in order, on rank 0 (``None`` elsewhere).
 
     Every rank must iterate to the end (it takes part in gathers and sends). A name no rank
     holds raises :class:`ConversionError` on every rank.
     """
-    census = census or _census(model)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 else 0
-    _require_held(census, names)
-    for name in names:
-        full: torch.Tensor | None = None
-        if name in census.entries:
-            with torch.no_grad():
-                full = _gathered(census.entries[name])
-        source = census.owner[name]
-        if source != 0:
-            if rank == source:
-                assert full is not None
-                dist.send(full.contiguous(), dst=0)
-            elif rank == 0:
-                shape, dtype = census.shapes[name]
-                full = torch.empty(shape, dtype=dtype)
-                dist.recv(full, src=source)
-        yield name, (full if rank == 0 else None)
+    return _full_parameters(model, names)[1]
+
+
+def _full_parameters(
+    model: ModelOrChunks, names: list[str]
+) -> tuple[dict[str, tuple[list[int], torch.dtype]], Iterator[tuple[str, torch.Tensor | None]]]:
+    """Collective, at once: every rank's parameter names and whole shapes (and dtypes),
+    checked to hold ``names``; then the iterator of :func:`iter_full_parameters`."""
+    entries = {entry.name: entry for entry in local_parameters(model)}
+    local: dict[str, tuple[list[int], str]] = {}
+    for name, entry in entries.items():
+        shape = list(entry.param.shape)
+        shape[entry.dim] *= entry.parts
+        local[name] = (shape, str(entry.param.dtype).removeprefix("torch."))
+    owner: dict[str, int] = {}
+    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
+    for holder, held in enumerate(_from_every_rank(local)):
+        for name, (shape, dtype) in held.items():
+            owner.setdefault(name, holder)  # the lowest rank holding it sends it
+            shapes.setdefault(name, (shape, getattr(torch, dtype)))
+    missing = [name for name in names if name not in owner]
+    if missing:
+        raise ConversionError(
+            f"no rank holds {missing[0]!r}: the model was built from another config"
+        )
+    rank = global_rank()
+
+    def fulls() -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name in names:
+            full: torch.Tensor | None = None
+            if name in entries:
+                with torch.no_grad():
+                    full = _gathered(entries[name])
+            source = owner[name]
+            if source != 0:
+                if rank == source:
+                    assert full is not None
+                    dist.send(full.contiguous(), dst=0)
+                elif rank == 0:
+                    shape, dtype = shapes[name]
+                    full = torch.empty(shape, dtype=dtype)
+                    dist.recv(full, src=source)
+            yield name, (full if rank == 0 else None)
+
+    return shapes, fulls()
 
 
 def write_hf_weights(
@@ -384,18 +386,15 @@ def save_hf_weights(
     Call on every rank of the model. Returns the files written (empty on other ranks).
     """
 
-    census = _census(model)
-    names = [mapping.megatron for mapping in mappings]
-    _require_held(census, names)  # before rank 0 declares the shapes
-    fulls = iter_full_parameters(model, names, census)
+    shapes, fulls = _full_parameters(model, [mapping.megatron for mapping in mappings])
     files: list[Path] = []
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-        metas = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in census.shapes.items()}
+    if global_rank() == 0:
+        metas = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in shapes.items()}
         wholes = (full for _, full in fulls if full is not None)
         files, _ = write_hf_weights(out, mappings, metas, wholes, dtype, max_shard_bytes, report)
     else:
         for _ in fulls:  # this rank's pieces are sent to rank 0
             pass
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if global_world_size() > 1:
         dist.barrier()
     return files

@@ -151,12 +151,6 @@ def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int]]) -> byt
     return struct.pack("<Q", len(encoded)) + encoded
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of ``tensor`` (row-major), as safetensors stores them."""
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(data.numpy())
-
-
 class StreamingSafetensorsWriter:
     """Write tensors into safetensors shards one at a time, each written as it arrives.
 
@@ -236,7 +230,9 @@ class StreamingSafetensorsWriter:
             )
         if self._file is None or index != len(self._temps) - 1:
             self._open(index)
-        self._file.write(_tensor_bytes(tensor))
+        # The raw little-endian bytes (row-major), as safetensors stores them.
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
         if count is not None and piece + 1 < count:
             self._pieces_written += 1
             return

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -111,16 +112,6 @@ class HFSource(SafetensorsReader):
         with torch.no_grad():
             return mapping.to_megatron(*(self.get(name, index) for name in mapping.hf))
 
-    def _piece_shape(self, mapping: ParamMapping, name: str) -> tuple[int, ...] | None:
-        """The shape ``mapping`` reads of tensor ``name`` (``None``: the tensor does not
-        stack the mapping's ``count`` pieces)."""
-        shape = self.shape(name)
-        if mapping.stack is None:
-            return shape
-        if not shape or shape[0] != mapping.stack[1]:
-            return None
-        return shape[1:]
-
     def check_shapes(self, mappings: list[ParamMapping], params: dict[str, torch.Tensor]) -> None:
         """Every mapping produces its parameter's shape (on meta tensors: no data is read).
 
@@ -128,23 +119,19 @@ class HFSource(SafetensorsReader):
             ConversionError: A mismatch, naming the tensors, their files and both shapes.
         """
         for mapping in mappings:
-            pieces = [self._piece_shape(mapping, name) for name in mapping.hf]
             if mapping.megatron not in params:
                 raise ConversionError(
                     f"internal: the megatron model has no parameter {mapping.megatron!r}"
                 )
             expected = tuple(params[mapping.megatron].shape)
+            shapes = [self.shape(n) for n in mapping.hf]
+            # A stacked mapping reads one of the `count` pieces each tensor stacks.
+            fits = mapping.stack is None or all(s and s[0] == mapping.stack[1] for s in shapes)
+            shapes = shapes if mapping.stack is None else [s[1:] for s in shapes]
             produced: tuple[int, ...] | None = None
-            shapes = [piece for piece in pieces if piece is not None]
-            if len(shapes) == len(pieces):
-                try:
-                    produced = tuple(
-                        mapping.to_megatron(
-                            *(torch.empty(shape, device="meta") for shape in shapes)
-                        ).shape
-                    )
-                except RuntimeError:
-                    produced = None
+            with contextlib.suppress(RuntimeError):
+                metas = (torch.empty(shape, device="meta") for shape in shapes)
+                produced = tuple(mapping.to_megatron(*metas).shape) if fits else None
             if produced != expected:
                 listed = ", ".join(
                     f"{n} {list(self.shape(n))} in {self.file_of(n)}" for n in mapping.hf

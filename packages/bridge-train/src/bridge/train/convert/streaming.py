@@ -54,14 +54,6 @@ class _StreamingPlanner(MCoreSavePlanner):
         # MLP's fc1) are usually written one after the other.
         self._cached: tuple[str, torch.Tensor] | None = None
 
-    def _parameter(self, name: str) -> torch.Tensor:
-        if self._cached is not None and self._cached[0] == name:
-            return self._cached[1]
-        self._cached = None  # released before the next parameter is produced
-        tensor = self._produce(name)
-        self._cached = (name, tensor)
-        return tensor
-
     def resolve_data(self, write_item: Any) -> Any:
         data = super().resolve_data(write_item)
         if not isinstance(data, torch.Tensor) or not data.is_meta:
@@ -70,7 +62,10 @@ class _StreamingPlanner(MCoreSavePlanner):
         if key not in self._sources:
             raise ConversionError(f"internal: no source for the meta tensor {key}")
         name, size, stride, offset = self._sources[key]
-        return self._parameter(name).as_strided(size, stride, offset).reshape(data.shape)
+        if self._cached is None or self._cached[0] != name:
+            self._cached = None  # released before the next parameter is produced
+            self._cached = (name, self._produce(name))
+        return self._cached[1].as_strided(size, stride, offset).reshape(data.shape)
 
     def release(self) -> None:
         """Drop the cached parameter."""

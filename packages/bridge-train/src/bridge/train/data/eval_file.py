@@ -16,7 +16,6 @@ loss is the token average over exactly the file's tokens.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from bridge.train.data.sft import (
     SFTDataset,
     build_sample,
+    jsonl_records,
     load_tokenized_examples,
     pad_id,
     sft_settings,
@@ -91,28 +91,13 @@ class WholeBatches(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return sample
 
 
-def _first_record(path: Path) -> Any:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    return json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-    raise ValueError(f"{path} holds no record")
-
-
 def _text_documents(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     ids: list[int] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ValueError(f"{path} line {number}: needs a 'text' string like line 1")
-            ids += [*tokenizer.tokenize(text), int(tokenizer.eod)]
+    for number, record in jsonl_records(path):
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{path} line {number}: needs a 'text' string like line 1")
+        ids += [*tokenizer.tokenize(text), int(tokenizer.eod)]
     return np.asarray(ids, dtype=np.int64)
 
 
@@ -148,7 +133,10 @@ def build_eval_file_dataset(
         text = file.read_text(encoding="utf-8")
         ids = np.asarray([*tokenizer.tokenize(text), int(tokenizer.eod)], dtype=np.int64)
         return TokenWindows(ids, seq_length, pad)
-    record = _first_record(file)
+    first = next(jsonl_records(file), None)
+    if first is None:
+        raise ValueError(f"{file} holds no record")
+    record = first[1]
     settings = sft_settings(dataset_kwargs)
     if isinstance(record, dict) and ("messages" in record or settings.answer_key in record):
         examples = load_tokenized_examples(file, tokenizer, settings)

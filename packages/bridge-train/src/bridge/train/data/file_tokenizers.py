@@ -118,13 +118,13 @@ class SentencePieceTokenizer(_MegatronLibraryTokenizer):
                 f"the SentencePiece model {str(path)!r} has no end-of-sentence piece; train it "
                 "with eos_id set (the default)"
             )
-        self._eod = eod
-        self._pad = int(self._tokenizer.tokenizer.pad_id())
-        self._vocab_size = _reported_size(
+        self.eod = eod
+        self.pad = int(self._tokenizer.tokenizer.pad_id())
+        self.vocab_size = _reported_size(
             int(self._tokenizer.vocab_size), vocab_size, vocab_extra_ids
         )
         super().__init__(
-            path=str(file.resolve()), special_tokens=tuple(extra), vocab_size=self._vocab_size
+            path=str(file.resolve()), special_tokens=tuple(extra), vocab_size=self.vocab_size
         )
 
 
@@ -203,10 +203,10 @@ class TikTokenizer(_MegatronLibraryTokenizer):
                 f"tokenizer.tokenizer_model={str(path)!r} is not a valid tiktoken vocabulary "
                 f"(ranks 0..N-1, the first 256 the single bytes): {exc or type(exc).__name__}"
             ) from None
-        self._vocab_size = int(total)
-        self._eod, self._pad = int(self._tokenizer.eod), int(self._tokenizer.pad_id)
+        self.vocab_size = int(total)
+        self.eod, self.pad = int(self._tokenizer.eod), int(self._tokenizer.pad_id)
         super().__init__(
-            path=str(file.resolve()), special_tokens=tuple(specials), vocab_size=self._vocab_size
+            path=str(file.resolve()), special_tokens=tuple(specials), vocab_size=self.vocab_size
         )
 
 
@@ -263,15 +263,15 @@ class GPT2BPETokenizer(Tokenizer):
         extra = added_tokens(special_tokens, vocab_extra_ids)
         self._tokenizer.add_special_tokens([_GPT2_EOD, *extra])
         # GPT-2 has no pad token.
-        self._eod = self._pad = int(eod)
-        self._vocab_size = _reported_size(
+        self.eod = self.pad = int(eod)
+        self.vocab_size = _reported_size(
             int(self._tokenizer.get_vocab_size(with_added_tokens=True)), vocab_size, vocab_extra_ids
         )
         super().__init__(
             vocab_file=str(vocab.resolve()),
             merge_file=str(merges.resolve()),
             special_tokens=tuple(extra),
-            vocab_size=self._vocab_size,
+            vocab_size=self.vocab_size,
         )
 
     def tokenize(self, text: str) -> list[int]:

@@ -36,8 +36,6 @@ __all__ = [
     "cyclic_iter",
 ]
 
-DATALOADER_TYPES = ("single", "cyclic", "external")
-
 
 def cyclic_iter(iterable: Iterable[Any]) -> Iterator[Any]:
     """Iterate over ``iterable`` again and again (a new pass each time it is exhausted)."""
@@ -48,13 +46,6 @@ def cyclic_iter(iterable: Iterable[Any]) -> Iterator[Any]:
             yield item
         if not yielded:
             raise ValueError("cyclic_iter: the iterable is empty")
-
-
-def _dataloader_type(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> str:
-    kind = getattr(dataset_config, "dataloader_type", None) or "single"
-    if kind not in DATALOADER_TYPES:
-        raise ValueError(f"dataset.dataloader_type={kind!r} is not one of {list(DATALOADER_TYPES)}")
-    return kind
 
 
 def build_data_loader(
@@ -158,19 +149,6 @@ def _worker_count(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) ->
     return usable
 
 
-def _data_parallel_layout(dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
-    if dp_rank is not None and dp_size is not None:
-        return dp_rank, dp_size
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return (
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
-        )
-    return 0, 1
-
-
 def _worker_init_fn(train_config: TrainingConfig) -> Callable[[int], Any] | None:
     """Signal guard for DataLoader workers (``train.exit_signal_handler_for_dataloader``).
 
@@ -214,21 +192,25 @@ def build_train_valid_test_data_loaders(
     Raises:
         ValueError: Unknown ``dataloader_type`` or missing ``micro_batch_size``.
     """
-    kind = _dataloader_type(dataset_config)
+    # bridge-config's validate() refuses any other value; megatron's own configs have none.
+    kind = getattr(dataset_config, "dataloader_type", None) or "single"
     train_ds, valid_ds, test_ds = datasets
+    evaluates = int(getattr(train_config, "eval_iters", 0) or 0) > 0
     train_state.do_train = train_ds is not None and getattr(train_config, "train_iters", 1) != 0
-    train_state.do_valid = (
-        valid_ds is not None and int(getattr(train_config, "eval_iters", 0) or 0) > 0
-    )
-    train_state.do_test = (
-        test_ds is not None and int(getattr(train_config, "eval_iters", 0) or 0) > 0
-    )
+    train_state.do_valid = valid_ds is not None and evaluates
+    train_state.do_test = test_ds is not None and evaluates
     if kind == "external":
         return train_ds, valid_ds, test_ds
     mbs = getattr(train_config, "micro_batch_size", None)
     if not mbs:
         raise ValueError("train.micro_batch_size must be set to build data loaders")
-    rank, size = _data_parallel_layout(data_parallel_rank, data_parallel_size)
+    rank, size = data_parallel_rank, data_parallel_size
+    if rank is None or size is None:
+        from megatron.core import parallel_state
+
+        built = parallel_state.model_parallel_is_initialized()
+        rank = parallel_state.get_data_parallel_rank() if built else 0
+        size = parallel_state.get_data_parallel_world_size() if built else 1
     common: dict[str, Any] = {
         "micro_batch_size": int(mbs),
         "data_parallel_rank": rank,
@@ -265,7 +247,7 @@ def build_train_valid_test_data_iterators(
     Returns:
         ``(train_iterator, valid_iterator, test_iterator)``, ``None`` for a missing split.
     """
-    kind = _dataloader_type(dataset_config)
+    kind = getattr(dataset_config, "dataloader_type", None) or "single"
     loaders = build_train_valid_test_data_loaders(
         datasets,
         dataset_config,

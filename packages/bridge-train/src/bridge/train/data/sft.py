@@ -40,7 +40,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,7 @@ __all__ = [
     "chat_generation_prompt",
     "check_finetuning_dataset",
     "epoch_order",
+    "jsonl_records",
     "load_tokenized_examples",
     "sft_settings",
 ]
@@ -296,43 +297,47 @@ def _tokenize_record(
     return ids, flags
 
 
-def _tokenize_lines(
-    args: tuple[Any, SFTSettings, str, int, list[str]],
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` of every non-blank line of a JSON-lines file.
+
+    Raises:
+        ValueError: A line is not JSON; the message names the file and the line.
+    """
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+                yield number, record
+
+
+def _tokenize_records(
+    args: tuple[Any, SFTSettings, Path, list[tuple[int, Any]]],
 ) -> list[tuple[list[int], list[int]]]:
-    tokenizer, settings, name, first_line, lines = args
-    out = []
-    for number, line in enumerate(lines, start=first_line):
-        where = f"{name} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-        out.append(_tokenize_record(tokenizer, settings, record, where))
-    return out
+    tokenizer, settings, path, records = args
+    return [
+        _tokenize_record(tokenizer, settings, record, f"{path} line {number}")
+        for number, record in records
+    ]
 
 
 def _tokenize_file(
     path: Path, tokenizer: Tokenizer, settings: SFTSettings, workers: int
 ) -> TokenizedExamples:
-    numbered = [
-        (number, line)
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
-        if line.strip()
-    ]
-    if not numbered:
+    records = list(jsonl_records(path))
+    if not records:
         raise ValueError(f"{path}: no records")
-    lines = [line for _, line in numbered]
-    # Chunks keep their first line number; blank lines are skipped, so number by record.
-    chunk = max(1, math.ceil(len(lines) / max(1, workers)))
+    chunk = max(1, math.ceil(len(records) / max(1, workers)))
     jobs = [
-        (tokenizer, settings, str(path), numbered[i][0], lines[i : i + chunk])
-        for i in range(0, len(lines), chunk)
+        (tokenizer, settings, path, records[i : i + chunk]) for i in range(0, len(records), chunk)
     ]
     if workers > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = [r for part in pool.map(_tokenize_lines, jobs) for r in part]
+            results = [r for part in pool.map(_tokenize_records, jobs) for r in part]
     else:
-        results = [r for job in jobs for r in _tokenize_lines(job)]
+        results = [r for job in jobs for r in _tokenize_records(job)]
     lengths = [len(ids) for ids, _ in results]
     offsets = np.zeros(len(results) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -415,27 +420,6 @@ def load_tokenized_examples(
 # ---------------------------------------------------------------------------- samples
 
 
-def fit_example(
-    ids: np.ndarray, flags: np.ndarray, max_tokens: int, truncation: str
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Cut an example to at most ``max_tokens`` ids by ``truncation``; ``None`` to skip it.
-
-    An example is skipped under ``"drop"`` when too long, and under any policy when no
-    answer token is left after cutting (its sample would carry no loss).
-    """
-    if len(ids) > max_tokens:
-        if truncation == "drop":
-            return None
-        if truncation == "left":
-            ids, flags = ids[-max_tokens:], flags[-max_tokens:]
-        else:
-            ids, flags = ids[:max_tokens], flags[:max_tokens]
-    # flags[0] never reaches a label (labels are ids[1:]).
-    if not flags[1:].any():
-        return None
-    return ids, flags
-
-
 def epoch_order(count: int, shuffle_seed: int | None, epoch: int) -> np.ndarray:
     """The order of ``count`` examples in ``epoch``: shuffled with ``seed + epoch``, or file
     order when ``shuffle_seed`` is ``None``."""
@@ -504,7 +488,9 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 def fit_examples(
     examples: TokenizedExamples, seq_length: int, truncation: str, label: str
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """Every example fitted to ``seq_length`` positions (:func:`fit_example`).
+    """Every example cut to ``seq_length`` positions (``seq_length + 1`` ids) by
+    ``truncation``, or skipped: under ``"drop"`` when too long, and under any policy when no
+    answer token is left after cutting (its sample would carry no loss).
 
     Returns:
         ``(kept examples, number skipped)``; skips are logged once, naming ``label``.
@@ -513,10 +499,17 @@ def fit_examples(
         ValueError: No example fits.
     """
     kept: list[tuple[np.ndarray, np.ndarray]] = []
+    most = seq_length + 1
     for index in range(len(examples)):
-        fitted = fit_example(*examples.example(index), seq_length + 1, truncation)
-        if fitted is not None:
-            kept.append(fitted)
+        ids, flags = examples.example(index)
+        if len(ids) > most:
+            if truncation == "drop":
+                continue
+            cut = slice(-most, None) if truncation == "left" else slice(most)
+            ids, flags = ids[cut], flags[cut]
+        # flags[0] never reaches a label (labels are ids[1:]).
+        if flags[1:].any():
+            kept.append((ids, flags))
     skipped = len(examples) - len(kept)
     if skipped:
         logger.warning(
@@ -605,7 +598,7 @@ def build_sft_datasets(
     root = Path(dataset_config.dataset_root)
     cache_dir = Path(settings.cache_dir) if settings.cache_dir else root / ".sft_cache"
     specs = dataset_config.packed_sequence_specs
-    packed_size = specs.packed_sequence_size if specs is not None else -1
+    packed = specs is not None and (specs.packed_sequence_size or 0) > 0
     out: list[Any] = []
     for split, ((_, path), wanted) in enumerate(
         zip(_split_paths(dataset_config), num_samples, strict=True)
@@ -627,23 +620,16 @@ def build_sft_datasets(
             "shuffle_seed": int(dataset_config.seed) if split == 0 else None,
             "name": SFT_SPLIT_FILES[split].removesuffix(".jsonl"),
         }
-        pad = pad_id(tokenizer)
-        if specs is not None and packed_size is not None and packed_size > 0:
+        dataset_class: type[Any] = SFTDataset
+        if packed:
             from bridge.train.data.packing import PackedSFTDataset
 
-            pad_cu_seqlens = bool(specs.pad_cu_seqlens)
-            out.append(
-                PackedSFTDataset(
-                    examples,
-                    int(packed_size),
-                    pad,
-                    settings.truncation,
-                    **common,
-                    pad_cu_seqlens=pad_cu_seqlens,
-                )
-            )
+            assert specs is not None
+            dataset_class, size = PackedSFTDataset, int(specs.packed_sequence_size)
+            common["pad_cu_seqlens"] = bool(specs.pad_cu_seqlens)
         else:
             assert dataset_config.seq_length is not None  # validate() requires it
-            seq_length = dataset_config.seq_length
-            out.append(SFTDataset(examples, seq_length, pad, settings.truncation, **common))
+            size = int(dataset_config.seq_length)
+        pad = pad_id(tokenizer)
+        out.append(dataset_class(examples, size, pad, settings.truncation, **common))
     return out[0], out[1], out[2]

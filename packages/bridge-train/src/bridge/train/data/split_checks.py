@@ -24,17 +24,10 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 
 from bridge.config import ConfigError, FinetuningDatasetConfig, GPTDatasetConfig
-from bridge.train.data.datasets import dataset_prefixes
+from bridge.train.data.datasets import _SPLIT_NAMES, dataset_prefixes
 from bridge.train.data.file_checks import read_sequence_lengths
 
 __all__ = ["check_split_samples"]
-
-_SPLIT_NAMES = ("train", "validation", "test")
-
-
-def _split_matrix(split: str) -> list[tuple[float, float] | None]:
-
-    return list(convert_split_vector_to_split_matrix(parse_and_normalize_split(split)))
 
 
 def _ranges(
@@ -52,7 +45,7 @@ def _ranges(
     split = getattr(dataset_config, "split", None)
     if not split:
         return found
-    matrix = _split_matrix(str(split))
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(split)))
     for _, prefix in dataset_prefixes(dataset_config):
         for index, bounds in enumerate(matrix):
             if bounds is not None:

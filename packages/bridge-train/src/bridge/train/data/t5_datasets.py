@@ -106,26 +106,9 @@ class T5DatasetConfig(GPTDatasetConfig):
                 option that megatron's dataset cannot honour.
         """
 
-        if not isinstance(self.sequence_length_dec, int) or self.sequence_length_dec < 4:
-            raise ConfigError(
-                "dataset.sequence_length_dec",
-                f"must be an integer >= 4, got {self.sequence_length_dec!r}",
-            )
-        if not 0.0 < float(self.masking_probability) < 1.0:
-            raise ConfigError(
-                "dataset.masking_probability",
-                f"must be in (0, 1), got {self.masking_probability!r}",
-            )
-        if not 0.0 <= float(self.short_sequence_probability) <= 1.0:
-            raise ConfigError(
-                "dataset.short_sequence_probability",
-                f"must be in [0, 1], got {self.short_sequence_probability!r}",
-            )
-        if not isinstance(self.masking_max_ngram, int) or self.masking_max_ngram < 1:
-            raise ConfigError(
-                "dataset.masking_max_ngram",
-                f"must be an integer >= 1, got {self.masking_max_ngram!r}",
-            )
+        for name, (valid, rule) in _T5_RANGES.items():
+            if not valid(getattr(self, name)):
+                raise ConfigError(f"dataset.{name}", f"{rule}, got {getattr(self, name)!r}")
         if self.masking_do_permutation:
             raise ConfigError(
                 "dataset.masking_do_permutation",
@@ -154,6 +137,14 @@ class T5DatasetConfig(GPTDatasetConfig):
         """Whether samples come from indexed files (``blend`` / ``blend_per_split``)."""
         return not self.mock
 
+
+# The T5 fields' valid values: (test, what the message says they must be).
+_T5_RANGES: dict[str, tuple[Any, str]] = {
+    "sequence_length_dec": (lambda v: isinstance(v, int) and v >= 4, "must be an integer >= 4"),
+    "masking_probability": (lambda v: 0.0 < float(v) < 1.0, "must be in (0, 1)"),
+    "short_sequence_probability": (lambda v: 0.0 <= float(v) <= 1.0, "must be in [0, 1]"),
+    "masking_max_ngram": (lambda v: isinstance(v, int) and v >= 1, "must be an integer >= 1"),
+}
 
 # GPTDatasetConfig fields that megatron's T5 dataset (and the generated one) never read.
 _GPT_ONLY: dict[str, Any] = {
@@ -336,19 +327,12 @@ def build_t5_datasets(
         TypeError: Indexed data with a tokenizer that has no sentinel tokens.
         FileNotFoundError: A data path does not exist.
     """
-    if dataset_config.is_indexed:
-        return _build_indexed(dataset_config, tokenizer, num_samples)
-    vocab = int(tokenizer.vocab_size)
-    return tuple(  # type: ignore[return-value]
-        MockT5Dataset(int(n), dataset_config, vocab, i) if n else None
-        for i, n in enumerate(num_samples)
-    )
-
-
-def _build_indexed(
-    dataset_config: T5DatasetConfig, tokenizer: Tokenizer, num_samples: tuple[int, int, int]
-) -> tuple[Any, Any, Any]:
-
+    if not dataset_config.is_indexed:
+        vocab = int(tokenizer.vocab_size)
+        return tuple(  # type: ignore[return-value]
+            MockT5Dataset(int(n), dataset_config, vocab, i) if n else None
+            for i, n in enumerate(num_samples)
+        )
     if not hasattr(tokenizer, "additional_special_tokens_ids"):
         raise TypeError(
             "indexed T5 data needs a tokenizer with sentinel tokens "

@@ -20,6 +20,7 @@ unchanged. ``vocab_size`` counts the added ids, and the model's vocabulary follo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,8 @@ from bridge.train.data.tokenizers import ByteLevelTokenizer, Tokenizer, added_to
 
 __all__ = ["T5Tokenizer"]
 
-_ROLES = (("bos", "<bos>"), ("cls", "<cls>"), ("sep", "<sep>"), ("mask", "<mask>"))
+# In the order of the attributes bos, cls, sep and mask (and of the ids they get).
+_ROLE_TOKENS = ("<bos>", "<cls>", "<sep>", "<mask>")
 
 
 def _existing_id(base: Tokenizer, token: str) -> int | None:
@@ -53,6 +55,15 @@ class T5Tokenizer(Tokenizer):
         base: The tokenizer the data was written with.
         num_sentinels: Number of sentinel tokens (``tokenizer.vocab_extra_ids``).
 
+    Attributes:
+        eos: End of the decoder target: the base tokenizer's end-of-document id.
+        bos: Decoder start token.
+        cls: ``<cls>`` (never masked).
+        sep: ``<sep>`` (never masked).
+        mask: ``<mask>``.
+        additional_special_tokens_ids: Sentinel ids, in the order spans take them
+            (``<extra_id_0>`` first).
+
     Raises:
         ValueError: ``num_sentinels`` < 1.
     """
@@ -76,48 +87,15 @@ class T5Tokenizer(Tokenizer):
             next_id += 1
             return next_id - 1
 
-        self._sentinel_ids = [token_id(t) for t in added_tokens(None, int(num_sentinels))]
-        self._role_ids = {role: token_id(token) for role, token in _ROLES}
+        sentinels = [token_id(t) for t in added_tokens(None, int(num_sentinels))]
+        self.additional_special_tokens_ids: list[int] = sentinels
+        self.bos, self.cls, self.sep, self.mask = (token_id(t) for t in _ROLE_TOKENS)
+        self.eod = self.eos = int(base.eod)
         base_pad = int(base.pad)
-        self._pad = base_pad if base_pad >= 0 else token_id("<pad>")
-        self._vocab_size = next_id
+        self.pad = base_pad if base_pad >= 0 else token_id("<pad>")
+        self.vocab_size = next_id
         self._inv_vocab: dict[int, str] | None = None
         super().__init__(base=dict(base.unique_identifiers), num_sentinels=int(num_sentinels))
-
-    @property
-    def eod(self) -> int:
-        """The base tokenizer's end-of-document id."""
-        return int(self.base.eod)
-
-    @property
-    def eos(self) -> int:
-        """End of the decoder target: the end-of-document id."""
-        return int(self.base.eod)
-
-    @property
-    def bos(self) -> int:
-        """Decoder start token."""
-        return self._role_ids["bos"]
-
-    @property
-    def cls(self) -> int:
-        """``<cls>`` (never masked)."""
-        return self._role_ids["cls"]
-
-    @property
-    def sep(self) -> int:
-        """``<sep>`` (never masked)."""
-        return self._role_ids["sep"]
-
-    @property
-    def mask(self) -> int:
-        """``<mask>``."""
-        return self._role_ids["mask"]
-
-    @property
-    def additional_special_tokens_ids(self) -> list[int]:
-        """Sentinel ids, in the order spans take them (``<extra_id_0>`` first)."""
-        return list(self._sentinel_ids)
 
     @property
     def inv_vocab(self) -> dict[int, str]:
@@ -140,18 +118,9 @@ class T5Tokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Decode, writing added tokens by name."""
         out: list[str] = []
-        run: list[int] = []
-        for raw in ids:
-            token_id = int(raw)
-            if token_id in self._added:
-                if run:
-                    out.append(self.base.detokenize(run))
-                    run = []
-                out.append(self._added[token_id])
-            else:
-                run.append(token_id)
-        if run:
-            out.append(self.base.detokenize(run))
+        for added, run in itertools.groupby(map(int, ids), lambda i: i in self._added):
+            pieces = list(run)
+            out += [self._added[i] for i in pieces] if added else [self.base.detokenize(pieces)]
         return "".join(out)
 
     def describe(self) -> dict[str, Any]:
@@ -160,6 +129,9 @@ class T5Tokenizer(Tokenizer):
             "vocab_size": self.vocab_size,
             "eos": self.eos,
             "pad": self.pad,
-            **self._role_ids,
+            "bos": self.bos,
+            "cls": self.cls,
+            "sep": self.sep,
+            "mask": self.mask,
             "sentinels": self.additional_special_tokens_ids,
         }

@@ -10,6 +10,7 @@ dataset cache keys, so two different tokenizers never share a cache).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -40,37 +41,24 @@ def added_tokens(special_tokens: Sequence[str] | None, vocab_extra_ids: int) -> 
 class Tokenizer:
     """Common interface of the trainer's tokenizers.
 
-    ``vocab_size``, ``eod`` and ``pad`` return ``_vocab_size``, ``_eod`` and ``_pad``, which
-    a subclass sets in its constructor unless it overrides the property; each tokenizer's
-    docstring says what they are for it.
+    A subclass sets ``vocab_size``, ``eod`` and ``pad`` in its constructor; each
+    tokenizer's docstring says what they are for it.
 
     Attributes:
+        vocab_size: Number of token ids the model must embed.
+        eod: End-of-document id, appended after every document by preprocessing.
+        pad: Padding id (-1 when the tokenizer has none).
         unique_identifiers: Ordered description of the tokenizer (class and settings).
     """
 
-    _vocab_size: int
-    _eod: int
-    _pad: int
+    vocab_size: int
+    eod: int
+    pad: int
 
     def __init__(self, **identifiers: Any) -> None:
         self.unique_identifiers: OrderedDict[str, Any] = OrderedDict(
             [("class", type(self).__name__), *identifiers.items()]
         )
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the model must embed."""
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id, appended after every document by preprocessing."""
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        """Padding id (-1 when the tokenizer has none)."""
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Encode ``text`` to ids (no EOD appended)."""
@@ -119,9 +107,9 @@ class ByteLevelTokenizer(Tokenizer):
                 f"tokenizer.vocab_size={vocab_size} is too small for the byte-level tokenizer: "
                 f"it needs {needed} ids (256 bytes + {len(specials)} special tokens)"
             )
-        self._vocab_size = vocab_size if vocab_size is not None else needed
-        self._eod, self._pad = self._special_ids["<eod>"], self._special_ids["<pad>"]
-        super().__init__(special_tokens=tuple(specials), vocab_size=self._vocab_size)
+        self.vocab_size = vocab_size if vocab_size is not None else needed
+        self.eod, self.pad = self._special_ids["<eod>"], self._special_ids["<pad>"]
+        super().__init__(special_tokens=tuple(specials), vocab_size=self.vocab_size)
 
     def special_token_id(self, token: str) -> int:
         """Id of a special token.
@@ -138,18 +126,12 @@ class ByteLevelTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Decode bytes; special ids become their token strings."""
         out: list[str] = []
-        chunk = bytearray()
-        for raw in ids:
-            token_id = int(raw)
-            if 0 <= token_id < _BYTE_IDS:
-                chunk.append(token_id)
-                continue
-            if chunk:
-                out.append(chunk.decode("utf-8", errors="replace"))
-                chunk = bytearray()
-            out.append(self._id_to_special.get(token_id, f"<unk_{token_id}>"))
-        if chunk:
-            out.append(chunk.decode("utf-8", errors="replace"))
+        # Consecutive byte ids are decoded together (a character may take several bytes).
+        for is_byte, run in itertools.groupby(map(int, ids), lambda i: 0 <= i < _BYTE_IDS):
+            if is_byte:
+                out.append(bytes(run).decode("utf-8", errors="replace"))
+            else:
+                out += [self._id_to_special.get(i, f"<unk_{i}>") for i in run]
         return "".join(out)
 
 
@@ -172,9 +154,9 @@ class NullTokenizer(Tokenizer):
             raise ValueError(
                 f"tokenizer.vocab_size must be >= 2 for the null tokenizer, got {vocab_size!r}"
             )
-        self._vocab_size = int(vocab_size)
-        self._eod, self._pad = self._vocab_size - 1, -1
-        super().__init__(vocab_size=self._vocab_size)
+        self.vocab_size = int(vocab_size)
+        self.eod, self.pad = self.vocab_size - 1, -1
+        super().__init__(vocab_size=self.vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
         """Parse whitespace-separated integers."""
@@ -238,9 +220,10 @@ class HuggingFaceTokenizer(Tokenizer):
                 f"the tokenizer in {str(path)!r} has no end-of-document token (eos_token, </s>, "
                 "<|endoftext|>); add one with tokenizer.special_tokens"
             )
-        self._eod = eod
+        self.eod = eod
         pad = self._first_token_id([settings.get("pad_token"), "<pad>", "[PAD]"])
-        self._pad = eod if pad is None else pad
+        self.pad = eod if pad is None else pad
+        self.vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
         super().__init__(path=str(directory.resolve()), special_tokens=tuple(extra))
 
     def _first_token_id(self, candidates: Sequence[Any]) -> int | None:
@@ -252,11 +235,6 @@ class HuggingFaceTokenizer(Tokenizer):
                 if token_id is not None:
                     return int(token_id)
         return None
-
-    @property
-    def vocab_size(self) -> int:
-        """Vocabulary size including added tokens."""
-        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def tokenize(self, text: str) -> list[int]:
         """Encode without adding special tokens."""

@@ -67,7 +67,7 @@ class PEFT(ABC):
                     continue
                 parent_name, _, name = prefix.rpartition(".")
                 parent = chunk.get_submodule(parent_name) if parent_name else chunk
-                replacement = self.transform(module, name, global_paths.get(prefix, prefix))
+                replacement = self.transform(module, name, global_paths[prefix])
                 if replacement is not module:
                     setattr(parent, name, replacement)
             if not training:
@@ -76,26 +76,19 @@ class PEFT(ABC):
 
 
 def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
-    """Module paths of ``chunk`` with each layer index replaced by its global number.
+    """Every module path of ``chunk`` with each layer index replaced by its global number.
 
     megatron numbers a pipeline stage's layers from 0 in module paths and keeps the global
     1-based number in the layer's ``layer_number`` (its checkpoint keys use the global one).
     """
     renamed: dict[str, str] = {}
-    for path, module in chunk.named_modules():
+    for path, module in chunk.named_modules():  # parents come before their children
+        parent, _, name = path.rpartition(".")
         number = getattr(module, "layer_number", None)
-        parent, _, index = path.rpartition(".")
-        if isinstance(number, int) and index.isdigit() and int(index) != number - 1:
-            renamed[path] = f"{parent}.{number - 1}" if parent else str(number - 1)
-    if not renamed:
-        return {}
-    out: dict[str, str] = {}
-    for path, _ in chunk.named_modules():
-        for local, global_path in renamed.items():
-            if path == local or path.startswith(local + "."):
-                out[path] = global_path + path[len(local) :]
-                break
-    return out
+        if isinstance(number, int) and name.isdigit():
+            name = str(number - 1)
+        renamed[path] = f"{renamed[parent]}.{name}" if parent else name
+    return renamed
 
 
 def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -95,14 +95,6 @@ def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozens
     setattr(chunk, "load_state_dict", load_state_dict)  # noqa: B010
 
 
-def _peft_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    found = []
-    for chunk in model:
-        with contextlib.suppress(RuntimeError):  # a chunk without adapters
-            found.append(get_attr_wrapped_model(chunk, _MODE_ATTR, return_model_obj=True))
-    return found
-
-
 @contextlib.contextmanager
 def peft_checkpoint_mode(
     model: list[torch.nn.Module], mode: str, base_keys: frozenset[str] = frozenset()
@@ -115,7 +107,10 @@ def peft_checkpoint_mode(
         base_keys: In ``"base"`` mode, the checkpoint keys of the base checkpoint: adapter
             parameters found there are loaded with the base.
     """
-    chunks = _peft_chunks(model)
+    chunks = []
+    for chunk in model:
+        with contextlib.suppress(RuntimeError):  # a chunk without adapters
+            chunks.append(get_attr_wrapped_model(chunk, _MODE_ATTR, return_model_obj=True))
     previous = [getattr(c, _MODE_ATTR) for c in chunks]
     for chunk in chunks:
         setattr(chunk, _MODE_ATTR, mode)

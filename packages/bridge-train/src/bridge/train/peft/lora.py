@@ -284,14 +284,11 @@ class LoRA(PEFT):
         if not self.target_modules:
             raise ValueError("peft.target_modules is empty; name at least one layer")
 
-    def _targets(self, name: str, prefix: str) -> bool:
-        return any(
-            name == target or fnmatch.fnmatchcase(prefix, target) for target in self.target_modules
-        )
-
     def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
         """Attach an adapter to ``module`` when it is targeted."""
-        if not self._targets(name, prefix) or hasattr(module, "adapter"):
+        if hasattr(module, "adapter") or not any(
+            name == target or fnmatch.fnmatchcase(prefix, target) for target in self.target_modules
+        ):
             return module
         adapter = LoRAAdapter(
             module,
