@@ -72,7 +72,7 @@ def check_same_architecture(
     checkpoint_dir: str | os.PathLike[str],
     *,
     before_setup: bool = False,
-    saved: ConfigContainer | None = None,
+    saved_model: ModelConfigProtocol | None = None,
 ) -> None:
     """Refuse to resume ``checkpoint_dir`` into a model of another architecture.
 
@@ -82,19 +82,23 @@ def check_same_architecture(
         before_setup: Called before the run is set up (a launch check): fields this run
             leaves unset are filled in later (``vocab_size`` from the tokenizer) and are
             not compared.
-        saved: Its run config when the caller has read it (:func:`read_run_config`).
+        saved_model: The saved run config's model when the caller has read it
+            (:func:`read_run_config`); else it is read here.
 
     Raises:
         CheckpointError: Listing every differing field with both values, and the way to
             load the weights into a different model on purpose.
     """
-    if saved is None and model_config is not None:
-        saved = read_run_config(checkpoint_dir)
-    if model_config is None or saved is None:
+    if model_config is None:
         return
-    if type(saved.model) is not type(model_config):
+    if saved_model is None:
+        saved = read_run_config(checkpoint_dir)
+        if saved is None:
+            return
+        saved_model = saved.model
+    if type(saved_model) is not type(model_config):
         differing = [
-            f"model class (checkpoint {type(saved.model).__name__}, this run "
+            f"model class (checkpoint {type(saved_model).__name__}, this run "
             f"{type(model_config).__name__})"
         ]
     else:
@@ -102,7 +106,7 @@ def check_same_architecture(
         if before_setup:  # what this run leaves unset is filled in at setup
             now = {name: value for name, value in now.items() if value is not None}
         differing = differences(
-            {name: getattr(saved.model, name) for name in now}, now, "checkpoint"
+            {name: getattr(saved_model, name) for name in now}, now, "checkpoint"
         )
     if differing:
         raise CheckpointError(

@@ -32,7 +32,6 @@ from typing import Any
 
 from bridge.config import (
     CheckpointConfig,
-    ConfigContainer,
     ConfigError,
     ModelConfigProtocol,
     TrainingConfig,
@@ -110,7 +109,7 @@ def _section_values(section: Any) -> dict[str, Any]:
     return values
 
 
-def _changed_sections(saved: ConfigContainer, sections: dict[str, Any]) -> list[str]:
+def _changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
     changes = []
     for name in IDENTITY_SECTIONS:
         before = _section_values(getattr(saved, name, None))
@@ -160,7 +159,7 @@ def check_resume_sections(
     saved = read_run_config(plan.path)
     if saved is None:
         return
-    check_same_architecture(model, plan.path, before_setup=True, saved=saved)
+    check_same_architecture(model, plan.path, before_setup=True, saved_model=saved.model)
     if not trains:
         # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
         # continued, so other data is the point, not a mistake; the weights must still fit.
