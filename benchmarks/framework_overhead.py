@@ -234,6 +234,18 @@ def run_trainer(
     return wall, cpu, losses
 
 
+def one_process_group() -> None:
+    """One gloo process group of one rank for every run (the trainer reuses it and leaves it
+    alone)."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{find_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(minutes=5),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="iterations per run")
@@ -242,14 +254,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    # One process group for every run (the trainer reuses it and leaves it alone).
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{find_free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(minutes=5),
-    )
+    one_process_group()
     sides = ("bare", "trainer", "trainer+cb")
     results: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
     losses: dict[str, list[float]] = {}

@@ -37,14 +37,11 @@ import pstats
 import sys
 import tempfile
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
-
-from core_utils.testing import find_free_port
 
 _HERE = Path(__file__).resolve().parent
 OWNERS = ("bridge", "emulation", "megatron", "torch", "builtins", "other")
@@ -94,13 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     overhead = _framework_overhead()
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{find_free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(minutes=5),
-    )
+    overhead.one_process_group()
     per_step: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("bare", "trainer"):
