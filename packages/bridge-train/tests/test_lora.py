@@ -279,3 +279,78 @@ def test_peft_transforms_see_global_layer_numbers() -> None:
     assert "decoder.layers.2.linear_qkv" in record.seen
     assert "decoder.layers.3.linear_qkv" in record.seen
     assert not any(p.startswith(("decoder.layers.0", "decoder.layers.1")) for p in record.seen)
+
+
+def test_peft_transforms_see_global_expert_numbers() -> None:
+    """An expert-parallel rank numbers its experts from 0; transforms get the global numbers,
+    so LoRA draws an expert's adapter from the same seed in every expert-parallel layout."""
+    from bridge.train.peft import PEFT
+
+    class Rank:
+        def rank(self) -> int:
+            return 1  # the second of two expert-parallel ranks
+
+    class Experts(torch.nn.Module):  # megatron's SequentialMLP: what the walk reads of it
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_local_experts = 2
+            self.ep_group = Rank()
+            self.local_experts = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+            for expert in self.local_experts:
+                expert.linear_fc1 = torch.nn.Linear(2, 2)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer_number = 1
+            self.mlp = torch.nn.Module()
+            self.mlp.experts = Experts()
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList([Layer()])
+
+    class Record(PEFT):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
+            self.seen.append(prefix)
+            return module
+
+    record = Record()
+    record(Stage())
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1" in record.seen
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1" in record.seen
+    assert not any(".local_experts.0." in p or ".local_experts.1." in p for p in record.seen)
+
+
+MOE = {"num_layers": 2, "num_moe_experts": 4, "moe_router_topk": 2, "add_bias_linear": False}
+
+
+def _expert_adapters(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Each expert adapter's A on this rank, keyed by the expert's global number."""
+    provider = tiny_gpt_provider(**MOE, expert_model_parallel_size=world)
+    engine = MegatronEngine()
+    engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
+    lora = LoRA(**LORA)  # type: ignore[arg-type]
+    model = engine.setup_model(provider, pre_wrap_hooks=[lambda c: apply_peft(lora, c)])
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model[0].named_modules():
+        if isinstance(module, LoRAAdapter) and ".local_experts." in name:
+            head, _, rest = name.partition(".local_experts.")
+            local, _, tail = rest.partition(".")
+            global_number = rank * (MOE["num_moe_experts"] // world) + int(local)
+            out[f"{head}.{global_number}.{tail}"] = module.linear_in.weight.detach().clone()
+    return out
+
+
+def test_lora_expert_adapters_start_equal_at_every_expert_parallel_size() -> None:
+    """An expert's adapter is drawn from its global expert number: EP=2 starts as EP=1."""
+    (one,) = run_distributed(_expert_adapters, 1, timeout=300)
+    two = run_distributed(_expert_adapters, 2, timeout=300)
+    both = {**two[0], **two[1]}
+    assert set(both) == set(one) and len(one) == 2 * 2 * MOE["num_moe_experts"]
+    assert not [key for key in one if not torch.equal(one[key], both[key])]

@@ -76,17 +76,26 @@ class PEFT(ABC):
 
 
 def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
-    """Every module path of ``chunk`` with each layer index replaced by its global number.
+    """Every module path of ``chunk`` with each layer and expert index replaced by its global
+    number.
 
     megatron numbers a pipeline stage's layers from 0 in module paths and keeps the global
-    1-based number in the layer's ``layer_number`` (its checkpoint keys use the global one).
+    1-based number in the layer's ``layer_number``; its ``SequentialMLP`` numbers the experts
+    of an expert-parallel rank from 0 (``local_experts.<i>``), the global number being the
+    rank x ``num_local_experts`` + i. Its checkpoint keys use the global numbers of both.
     """
+    modules = dict(chunk.named_modules())
     renamed: dict[str, str] = {}
-    for path, module in chunk.named_modules():  # parents come before their children
+    for path, module in modules.items():  # parents come before their children
         parent, _, name = path.rpartition(".")
         number = getattr(module, "layer_number", None)
         if isinstance(number, int) and name.isdigit():
             name = str(number - 1)
+        elif name.isdigit() and parent.rpartition(".")[2] == "local_experts":
+            experts = modules[parent.rpartition(".")[0]]
+            group = getattr(experts, "ep_group", None)
+            if group is not None:
+                name = str(group.rank() * experts.num_local_experts + int(name))
         renamed[path] = f"{renamed[parent]}.{name}" if parent else name
     return renamed
 

@@ -17,8 +17,9 @@ Tensor parallelism, so that TP=N trains and saves what TP=1 does:
 
 megatron's layers do the communication (and its backward), and their sharded state dicts
 give adapter checkpoints the same global shapes at every TP size. The full ``A`` is drawn
-from a generator seeded by ``seed`` and the module path, then sliced, so every TP size
-starts from the same adapters and the run's random stream is left untouched.
+from a generator seeded by ``seed`` and the module path (with global layer and expert
+numbers, :func:`~bridge.train.peft.base.apply_peft`), then sliced, so every TP, PP and EP
+size starts from the same adapters and the run's random stream is left untouched.
 
 Mixture-of-experts layers: the default targets also match every expert's ``linear_fc1`` /
 ``linear_fc2`` (megatron-core's ``SequentialMLP``); an expert's adapter is built as an
