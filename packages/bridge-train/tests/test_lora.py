@@ -250,9 +250,25 @@ def test_lora_config_errors() -> None:
         LoRA(lora_B_init_method="xavier")  # type: ignore[arg-type]
 
 
+def _prefixes_seen(model: torch.nn.Module) -> list[str]:
+    """The module paths a PEFT transform is given for ``model``."""
+    from bridge.train.peft import PEFT
+
+    class Record(PEFT):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
+            self.seen.append(prefix)
+            return module
+
+    record = Record()
+    record(model)
+    return record.seen
+
+
 def test_peft_transforms_see_global_layer_numbers() -> None:
     """A pipeline stage numbers its layers from 0; transforms get the global numbers."""
-    from bridge.train.peft import PEFT
 
     class Layer(torch.nn.Module):
         def __init__(self, layer_number: int) -> None:
@@ -266,25 +282,15 @@ def test_peft_transforms_see_global_layer_numbers() -> None:
             self.decoder = torch.nn.Module()
             self.decoder.layers = torch.nn.ModuleList([Layer(3), Layer(4)])  # second stage
 
-    class Record(PEFT):
-        def __init__(self) -> None:
-            self.seen: list[str] = []
-
-        def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
-            self.seen.append(prefix)
-            return module
-
-    record = Record()
-    record(Stage())
-    assert "decoder.layers.2.linear_qkv" in record.seen
-    assert "decoder.layers.3.linear_qkv" in record.seen
-    assert not any(p.startswith(("decoder.layers.0", "decoder.layers.1")) for p in record.seen)
+    seen = _prefixes_seen(Stage())
+    assert "decoder.layers.2.linear_qkv" in seen
+    assert "decoder.layers.3.linear_qkv" in seen
+    assert not any(p.startswith(("decoder.layers.0", "decoder.layers.1")) for p in seen)
 
 
 def test_peft_transforms_see_global_expert_numbers() -> None:
     """An expert-parallel rank numbers its experts from 0; transforms get the global numbers,
     so LoRA draws an expert's adapter from the same seed in every expert-parallel layout."""
-    from bridge.train.peft import PEFT
 
     class Rank:
         def rank(self) -> int:
@@ -312,19 +318,10 @@ def test_peft_transforms_see_global_expert_numbers() -> None:
             self.decoder = torch.nn.Module()
             self.decoder.layers = torch.nn.ModuleList([Layer()])
 
-    class Record(PEFT):
-        def __init__(self) -> None:
-            self.seen: list[str] = []
-
-        def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
-            self.seen.append(prefix)
-            return module
-
-    record = Record()
-    record(Stage())
-    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1" in record.seen
-    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1" in record.seen
-    assert not any(".local_experts.0." in p or ".local_experts.1." in p for p in record.seen)
+    seen = _prefixes_seen(Stage())
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1" in seen
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1" in seen
+    assert not any(".local_experts.0." in p or ".local_experts.1." in p for p in seen)
 
 
 MOE = {"num_layers": 2, "num_moe_experts": 4, "moe_router_topk": 2, "add_bias_linear": False}
