@@ -61,6 +61,8 @@ __all__ = [
     "one_lookup_per_launch",
     "read_marker",
     "read_tracker",
+    "retired_path",
+    "staging_path",
     "validate_save_dir",
     "write_tracker",
 ]
@@ -99,6 +101,16 @@ def parse_iteration(name: str) -> int | None:
     """The iteration of a checkpoint directory name, or ``None`` for any other name."""
     match = _ITER_RE.match(name)
     return int(match.group(1)) if match else None
+
+
+def staging_path(root: str | os.PathLike[str], iteration: int) -> Path:
+    """Where a save of ``iteration`` is written before it is complete."""
+    return Path(root) / (checkpoint_dir_name(iteration) + STAGING_SUFFIX)
+
+
+def retired_path(root: str | os.PathLike[str], iteration: int) -> Path:
+    """Where a complete checkpoint is moved while an equal-iteration replacement takes its place."""
+    return Path(root) / (checkpoint_dir_name(iteration) + RETIRED_SUFFIX)
 
 
 def read_marker(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -75,6 +75,8 @@ from bridge.train.checkpointing.layout import (
     is_complete_checkpoint,
     parse_iteration,
     read_tracker,
+    retired_path,
+    staging_path,
     write_marker,
     write_tracker,
 )
@@ -212,11 +214,12 @@ def _prepare_staging(root: str, iteration: int) -> str:
     base = Path(root)
     try:
         base.mkdir(parents=True, exist_ok=True)
+        pending = _pending()
         for entry in list(base.iterdir()):
             name = entry.name
             if not entry.is_dir() or not name.startswith("iter_"):
                 continue
-            if name.endswith(STAGING_SUFFIX) and str(entry) not in _pending():
+            if name.endswith(STAGING_SUFFIX) and str(entry) not in pending:
                 _remove_tree(entry)
             elif name.endswith(RETIRED_SUFFIX):
                 old = parse_iteration(name.removesuffix(RETIRED_SUFFIX))
@@ -228,7 +231,7 @@ def _prepare_staging(root: str, iteration: int) -> str:
                     fsync_directory(base)
                 else:
                     _remove_tree(entry)
-        staging = base / (checkpoint_dir_name(iteration) + STAGING_SUFFIX)
+        staging = staging_path(base, iteration)
         _remove_tree(staging)  # an earlier save of this iteration that never completed
         staging.mkdir()
     except OSError as exc:
@@ -289,7 +292,7 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
     root = Path(commit.root)
     staging = Path(commit.staging)
     final = root / checkpoint_dir_name(commit.iteration)
-    retired = root / (checkpoint_dir_name(commit.iteration) + RETIRED_SUFFIX)
+    retired = retired_path(root, commit.iteration)
     try:
         _write_run_config(commit.config, staging)
         if (staging / RUN_CONFIG_FILENAME).is_file():
@@ -528,8 +531,8 @@ def write_checkpoint(
     if checkpoint_config.async_save:
         # Commit earlier saves that have finished (collective, like the save itself); a save
         # of this very iteration still in flight is waited for.
-        staging = str(Path(root) / (checkpoint_dir_name(iteration) + STAGING_SUFFIX))
-        finalize_async_saves(fault_tolerance, blocking=staging in _pending())
+        in_flight = str(staging_path(root, iteration)) in _pending()
+        finalize_async_saves(fault_tolerance, blocking=in_flight)
 
     staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
     _pending().add(staging)
