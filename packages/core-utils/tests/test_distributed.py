@@ -142,11 +142,17 @@ def _logging_and_cp(rank: int, out: dict[str, Any]) -> None:
 
 
 def _on_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    from core_utils.distributed import broadcast_from_rank0, global_rank, global_world_size
+    from core_utils.distributed import (
+        broadcast_from_rank0,
+        gather_from_every_rank,
+        global_rank,
+        global_world_size,
+    )
 
     # The process group, not the launcher's environment, answers once it exists.
     out: dict[str, Any] = {"global": (global_rank(), global_world_size())}
     out["broadcast"] = broadcast_from_rank0({"from": rank, "prompts": ["a", None]})
+    out["gathered"] = gather_from_every_rank({"from": rank})
     out["global_launcher"] = (
         global_rank(launcher_fallback=True),
         global_world_size(launcher_fallback=True),
@@ -167,6 +173,7 @@ def test_distributed_helpers_on_two_gloo_ranks() -> None:
         assert out["global"] == out["global_launcher"] == (rank, 2)
         assert out["pg"] == (2, rank, 0, 1, 0)
         assert out["broadcast"] == {"from": 0, "prompts": ["a", None]}
+        assert out["gathered"] == [{"from": 0}, {"from": 1}]
         # Identical replicas match; a drifted replica is detected.
         assert out["same"] is True and out["same_cross"] is True
         assert out["diverged_cross"] is False
@@ -188,7 +195,8 @@ def test_distributed_helpers_on_two_gloo_ranks() -> None:
 
 
 def test_broadcast_from_rank0_without_a_process_group_returns_the_value() -> None:
-    from core_utils.distributed import broadcast_from_rank0
+    from core_utils.distributed import broadcast_from_rank0, gather_from_every_rank
 
     value = {"prompts": ["a"]}
     assert broadcast_from_rank0(value) is value
+    assert gather_from_every_rank(value) == [value]

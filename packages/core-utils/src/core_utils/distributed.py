@@ -16,6 +16,7 @@ __all__ = [
     "broadcast_from_rank0",
     "collective_device",
     "dist_ready",
+    "gather_from_every_rank",
     "global_rank",
     "global_world_size",
 ]
@@ -37,6 +38,20 @@ def broadcast_from_rank0[T](value: T) -> T:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_from_every_rank[T](value: T) -> list[T]:
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank of the
+    default group.
+
+    Without a process group, or in a group of one, ``[value]``. A collective: every rank of
+    the group must call it.
+    """
+    if not dist_ready() or dist.get_world_size() == 1:
+        return [value]
+    everyone: list[T] = [value] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
 
 
 def _launcher_value(variable: str, default: int) -> int:

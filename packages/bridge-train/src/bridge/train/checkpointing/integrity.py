@@ -31,11 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import xxhash
 
 from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.layout import MARKER_FILENAME, read_marker
+from core_utils.distributed import gather_from_every_rank
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -134,12 +134,7 @@ def _my_share(names: Iterable[str]) -> list[str]:
 
 def _gather(part: dict[str, Any]) -> dict[str, Any]:
     """Merge every rank's ``part`` on every rank (collective)."""
-    if _dist.world_size() == 1:
-        return part
-
-    parts: list[Any] = [None] * _dist.world_size()
-    dist.all_gather_object(parts, part)
-    return {name: value for piece in parts for name, value in piece.items()}
+    return {name: value for piece in gather_from_every_rank(part) for name, value in piece.items()}
 
 
 def checksum_files(

@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 
 from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
-from core_utils.distributed import global_rank, global_world_size
+from core_utils.distributed import gather_from_every_rank, global_rank, global_world_size
 from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = [
@@ -245,7 +245,7 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
         with torch.no_grad():
             entry.param.copy_(piece)
         loaded.add(mapping.megatron)
-    loaded = {name for names in _from_every_rank(sorted(loaded)) for name in names}
+    loaded = {name for names in gather_from_every_rank(sorted(loaded)) for name in names}
     left = sorted(set(by_name) - loaded)
     if left:
         raise ConversionError(
@@ -274,14 +274,6 @@ def _gathered(entry: LocalParameter) -> torch.Tensor:
     return torch.cat(gathered, dim=0)
 
 
-def _from_every_rank(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (collective)."""
-    everyone: list[Any] = [value] * global_world_size()
-    if len(everyone) > 1:
-        dist.all_gather_object(everyone, value)
-    return everyone
-
-
 def iter_full_parameters(
     model: ModelOrChunks, names: list[str]
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -306,7 +298,7 @@ def _full_parameters(
         local[name] = (shape, str(entry.param.dtype).removeprefix("torch."))
     owner: dict[str, int] = {}
     shapes: dict[str, tuple[list[int], torch.dtype]] = {}
-    for holder, held in enumerate(_from_every_rank(local)):
+    for holder, held in enumerate(gather_from_every_rank(local)):
         for name, (shape, dtype) in held.items():
             owner.setdefault(name, holder)  # the lowest rank holding it sends it
             shapes.setdefault(name, (shape, getattr(torch, dtype)))
