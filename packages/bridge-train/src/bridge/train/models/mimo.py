@@ -116,9 +116,10 @@ class MimoModelConfig:
     def __post_init__(self) -> None:
         """Check the sizes and that the container-wide parallel settings are unused."""
         # Every int field is a size or a parallel size (the latter checked to be 1 below).
+        # The annotation is the string "int" under this module's postponed annotations.
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type == "int" and (
+            if field.type in ("int", int) and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ValueError(f"model.{field.name} must be a positive integer, got {value!r}")
