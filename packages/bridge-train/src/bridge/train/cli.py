@@ -53,6 +53,8 @@ from bridge.config import (
     ConfigContainer,
     ConfigDiff,
     ConfigError,
+    ModelConfigProtocol,
+    TrainingConfig,
     describe_fields,
     load_config,
 )
@@ -471,6 +473,32 @@ def _print_overrides(
     )
 
 
+def _print_layout(
+    model: ModelConfigProtocol,
+    train: TrainingConfig,
+    data_parallel_size: int | None,
+    world: int,
+) -> None:
+    """The parallel layout and batch plan ``--dry-run`` reports."""
+    sizes = {
+        "tensor": getattr(model, "tensor_model_parallel_size", 1),
+        "pipeline": getattr(model, "pipeline_model_parallel_size", 1),
+        "context": getattr(model, "context_parallel_size", 1),
+        "data": data_parallel_size,
+    }
+    mbs, gbs = train.micro_batch_size, train.global_batch_size
+    micro = gbs // (mbs * data_parallel_size) if gbs and mbs and data_parallel_size else None
+    layout = ", ".join(f"{k} {v}" for k, v in sizes.items())
+    print(
+        f"[bridge-train] dry run: world size {world}\n"
+        f"[bridge-train] parallel layout: {layout}\n"
+        f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {sizes['data']} "
+        f"= global {gbs}; train_iters {train.train_iters}\n"
+        "[bridge-train] dry run: the config is valid for this launch; nothing was trained",
+        flush=True,
+    )
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, train, and return the exit code (see the module docstring).
 
@@ -549,25 +577,8 @@ def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
                 identity = {name: getattr(cfg, name) for name in IDENTITY_SECTIONS}
                 for notice in run_plan_notices(cfg.checkpoint, cfg.train, identity):
                     print(f"[bridge-train] {notice}", flush=True)
-                train, dp = cfg.train, cfg.data_parallel_size
-                assert train is not None  # validated
-                sizes = {
-                    "tensor": getattr(cfg.model, "tensor_model_parallel_size", 1),
-                    "pipeline": getattr(cfg.model, "pipeline_model_parallel_size", 1),
-                    "context": getattr(cfg.model, "context_parallel_size", 1),
-                    "data": dp,
-                }
-                mbs, gbs = train.micro_batch_size, train.global_batch_size
-                micro = gbs // (mbs * dp) if gbs and mbs and dp else None
-                print(
-                    f"[bridge-train] dry run: world size {launch.world_size}\n"
-                    "[bridge-train] parallel layout: "
-                    f"{', '.join(f'{k} {v}' for k, v in sizes.items())}\n"
-                    f"[bridge-train] batches: micro {mbs} x {micro} micro-batches x data {dp} "
-                    f"= global {gbs}; train_iters {train.train_iters}\n"
-                    "[bridge-train] dry run: the config is valid for this launch; nothing was trained",
-                    flush=True,
-                )
+                assert cfg.train is not None  # validated
+                _print_layout(cfg.model, cfg.train, cfg.data_parallel_size, launch.world_size)
         return 0
     if launch.rank == 0 and not args.no_print_config:
         _print_overrides(path, overrides, save)

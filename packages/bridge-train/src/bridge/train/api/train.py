@@ -1,5 +1,5 @@
 """The reference's loop functions (shared/reference 001: signatures and behaviour), as thin
-adapters over the loop's parts, which :func:`bridge.train.loop.training.run_components`
+adapters over the loop's parts, which :class:`bridge.train.loop.training.RunComponents`
 builds from the ``GlobalState`` or the whole config they take; the loop itself never calls
 them.
 """
@@ -20,7 +20,7 @@ from bridge.train.loop.components.maintenance import (
 )
 from bridge.train.loop.components.profiler import step_profiler
 from bridge.train.loop.profiling import TNvtxContext
-from bridge.train.loop.training import run_components, run_training
+from bridge.train.loop.training import RunComponents, run_training
 from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.distributed import global_rank
 from core_utils.loop import LoopContext
@@ -82,7 +82,7 @@ def train(
         This is an experimental API and is subject to change in backwards incompatible
         ways without notice.
     """
-    components = run_components(
+    components = RunComponents(
         global_state,
         forward_step_func,
         checkpointing_context,
@@ -125,7 +125,7 @@ def train_step(
             grad_norm: Gradient norm if available, None otherwise
             num_zeros_in_grad: Number of zeros in gradient if available, None otherwise
     """
-    step = run_components(global_state, forward_step_func).step
+    step = RunComponents(global_state, forward_step_func).step
     return step.run(data_iterator, model, optimizer, scheduler).as_tuple()
 
 
@@ -220,7 +220,7 @@ def save_checkpoint_and_time(
         train_data_iterator: Optional training data iterator to save its state.
     """
     del train_data_iterator  # the samplers resume from the consumed-samples counter
-    writer = run_components(state, checkpointing_context=checkpointing_context).checkpoint_writer
+    writer = RunComponents(state, checkpointing_context=checkpointing_context).checkpoint_writer
     assert writer is not None, "save_checkpoint_and_time needs the checkpoint section"
     writer.save(
         state.train_state,

@@ -38,9 +38,9 @@ from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
-from bridge.train.loop.pretrain import close_run as _close, setup
+from bridge.train.loop.pretrain import close_run, setup
 from bridge.train.loop.pretrain_mimo import MimoModelConfig
-from bridge.train.loop.training import run_components
+from bridge.train.loop.training import RunComponents
 from bridge.train.models.family import build_family_datasets, default_forward_step, is_t5
 from bridge.train.state import GlobalState
 
@@ -131,6 +131,24 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
     return EvalOnlyPlan(str(eval_data), kwargs)
 
 
+def _validation_start(train_state: Any, saved_train: Any) -> int:
+    """Where the run's validation at ``train_state.step`` began in the validation split.
+
+    The run evaluated before it saved when the iteration is a multiple of
+    ``eval_interval``: its ``consumed_valid_samples`` then already counts that evaluation's
+    ``eval_iters x global_batch_size`` samples.
+    """
+    consumed = int(train_state.consumed_valid_samples)
+    interval = getattr(saved_train, "eval_interval", None)
+    per_evaluation = int(getattr(saved_train, "eval_iters", 0) or 0) * int(
+        getattr(saved_train, "global_batch_size", 0) or 0
+    )
+    step = int(train_state.step)
+    if interval and step > 0 and step % int(interval) == 0 and consumed >= per_evaluation:
+        return consumed - per_evaluation
+    return consumed
+
+
 def evaluate_checkpoint(
     cfg: ConfigContainer,
     plan: EvalOnlyPlan | None = None,
@@ -180,17 +198,7 @@ def evaluate_checkpoint(
                     saved = (
                         ConfigContainer.from_yaml(Path(loaded) / RUN_CONFIG_FILENAME).train or train
                     )
-            # The run evaluated before it saved when the iteration is a multiple of
-            # eval_interval: its consumed_valid_samples then already counts that evaluation.
-            train_state = state.train_state
-            consumed = int(train_state.consumed_valid_samples)
-            interval = getattr(saved, "eval_interval", None)
-            per_evaluation = int(getattr(saved, "eval_iters", 0) or 0) * int(
-                getattr(saved, "global_batch_size", 0) or 0
-            )
-            step = int(train_state.step)
-            if interval and step > 0 and step % int(interval) == 0 and consumed >= per_evaluation:
-                train_state.consumed_valid_samples = consumed - per_evaluation
+            state.train_state.consumed_valid_samples = _validation_start(state.train_state, saved)
             try:
                 sizes = train_valid_test_num_samples(train)
             except ValueError:  # no training length: only evaluation needs samples
@@ -239,7 +247,7 @@ def evaluate_checkpoint(
             ("validation", out.valid_data_iterator, state.train_state.do_valid),
             ("test", out.test_data_iterator, state.train_state.do_test),
         ]
-        evaluation = run_components(state, step_func).evaluation
+        evaluation = RunComponents(state, step_func).evaluation
         assert evaluation is not None
         for split, iterator, wanted in splits:
             if iterator is None or not wanted:
@@ -257,4 +265,4 @@ def evaluate_checkpoint(
         clean = True
         return results
     finally:
-        _close(cfg.checkpoint, state.resiliency, state.metric_writers, clean)
+        close_run(cfg.checkpoint, state.resiliency, state.metric_writers, clean)

@@ -17,7 +17,7 @@ from bridge.train.loop.progress_log import (
 from bridge.train.loop.run_config import save_run_config
 from bridge.train.loop.saving import CheckpointWriter
 from bridge.train.loop.step import TrainStep
-from bridge.train.loop.training import RunComponents, run_components, run_training
+from bridge.train.loop.training import RunComponents, run_training
 from core_utils.loop import LoopContext, StepFunction, StepResult, run_loop
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "get_start_time_from_progress_log",
     "pretrain",
     "rampup_to_step_schedule",
-    "run_components",
     "run_loop",
     "run_training",
     "save_run_config",

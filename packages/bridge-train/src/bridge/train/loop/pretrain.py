@@ -69,7 +69,7 @@ from bridge.train.loop.run_ends import (
 )
 from bridge.train.loop.run_length import run_is_done
 from bridge.train.loop.step import data_parallel_size
-from bridge.train.loop.training import run_components, run_training
+from bridge.train.loop.training import RunComponents, run_training
 from bridge.train.models.family import (
     build_family_datasets,
     default_forward_step,
@@ -412,7 +412,7 @@ def pretrain(
         )
         for notice in notices if global_rank() == 0 else ():
             logger.warning(notice)  # nothing to train, unused pretrained weights
-        components = run_components(
+        components = RunComponents(
             state,
             forward_step_func,
             out.checkpointing_context,

@@ -62,7 +62,7 @@ from bridge.train.loop.run_ends import (
     run_teardown_steps,
 )
 from bridge.train.loop.saving import CheckpointWriter
-from bridge.train.loop.training import run_components
+from bridge.train.loop.training import RunComponents
 from bridge.train.models.layout_init import layout_independent_seed
 from bridge.train.models.mimo import MimoModelConfig, build_mimo_recipe_model, mimo_layout
 from bridge.train.state import GlobalState
@@ -245,7 +245,7 @@ def pretrain_mimo(
             writers.log_metrics(record.as_metrics(), record.iteration)
 
         train_iters = int(train.train_iters or 0)
-        progress_log = run_components(state).progress_log  # as for GPT
+        progress_log = RunComponents(state).progress_log  # as for GPT
         record_starting_job(progress_log, writers, state.train_state.step)
         step_function = mimo.MimoStepFunction(step, data, scheduler)
         components = standard_components(

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-__all__ = ["LoggedRun", "RunComponents", "run_components", "run_training"]
+__all__ = ["LoggedRun", "RunComponents", "run_training"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class RunComponents:
     @cached_property
     def _forward_step(self) -> ForwardStepCallable:
         if self.forward_step_func is None:
-            raise ValueError("run_components: the train step and evaluation need a forward step")
+            raise ValueError("RunComponents: the train step and evaluation need a forward step")
         return prepare_forward_step_func(self.forward_step_func, self.state)
 
     @cached_property
@@ -212,10 +212,6 @@ class RunComponents:
         )
 
 
-#: The parts of a run (the name the loop's callers and the docs use).
-run_components = RunComponents
-
-
 def run_training(
     components: RunComponents,
     model: list[torch.nn.Module],
@@ -229,7 +225,7 @@ def run_training(
     ``last_evaluated_iteration`` are this loop's afterwards.
 
     Args:
-        components: From :func:`run_components` with a forward step.
+        components: A :class:`RunComponents` with a forward step.
         model: See :func:`bridge.train.train`.
         optimizer: See :func:`bridge.train.train`.
         scheduler: See :func:`bridge.train.train`.
