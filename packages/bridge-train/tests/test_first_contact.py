@@ -136,6 +136,15 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
         ),
         (["train.train_iters=100000000000000000000000"], "train.train_iters: got 1000000000000"),
         (
+            [
+                "train.train_iters=null",
+                "train.train_samples=64",
+                "train.rampup_batch_size=[2,2,16]",
+                "train.decrease_batch_size_if_needed=true",
+            ],
+            "train.rampup_batch_size: cannot be combined with train.decrease_batch_size_if_needed",
+        ),
+        (
             ["tokenizer.tokenizer_type=SentencePieceTokenizer", "tokenizer.tokenizer_model=x"],
             "tokenizer.tokenizer_model: 'x' does not exist or is not a file",
         ),

@@ -83,10 +83,13 @@ def test_rampup_becomes_megatron_step_schedule() -> None:
     # start 4, +4 every 32/3 samples, up to 16
     assert rampup_to_step_schedule([4, 4, 32], 16) == "0:4 11:8 22:12 32:16"
     assert rampup_to_step_schedule([8, 8, 100], 8) == "0:8"
-    with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*whole number of increments"):
+    # Raw values meet bridge-config's rules: the section's own, then rampup_increments.
+    with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*multiple of the increment 5"):
         rampup_to_step_schedule([4, 5, 32], 16)
-    for bad in ([4, 4], [0, 4, 32], [4, 4, -1]):
-        with pytest.raises(ConfigError, match=r"expected \[start batch size, increment"):
+    with pytest.raises(ConfigError, match=r"start batch size 32 exceeds global_batch_size 16"):
+        rampup_to_step_schedule([32, 4, 32], 16)
+    for bad in ([4, 4], [0, 4, 32], [4, 4, -1], [4, 4, 0]):
+        with pytest.raises(ConfigError, match=r"rampup_batch_size: got .*three positive"):
             rampup_to_step_schedule(bad, 16)
 
 
