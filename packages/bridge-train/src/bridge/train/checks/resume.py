@@ -32,6 +32,7 @@ from typing import Any
 
 from bridge.config import (
     CheckpointConfig,
+    ConfigContainer,
     ConfigError,
     ModelConfigProtocol,
     TrainingConfig,
@@ -42,6 +43,7 @@ from bridge.train.checkpointing.architecture import (
     differences,
     read_run_config,
 )
+from bridge.train.checkpointing.layout import _once_per_launch
 from bridge.train.checkpointing.load import PlannedLoad, planned_load
 from bridge.train.loop.run_ends import adopt_own_save_dir
 
@@ -93,6 +95,11 @@ def _planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
     except CheckpointError:
         return None
     return None if plan is None or plan.weights_only else plan
+
+
+def _saved_run_config(path: str) -> ConfigContainer | None:
+    # The launch check and --dry-run's notices compare the same file: read once per launch.
+    return _once_per_launch("run_config", path, None, lambda: read_run_config(path))
 
 
 def _section_values(section: Any) -> dict[str, Any]:
@@ -156,7 +163,7 @@ def check_resume_sections(
     if plan is None:
         return
 
-    saved = read_run_config(plan.path)
+    saved = _saved_run_config(plan.path)
     if saved is None:
         return
     check_same_architecture(model, plan.path, before_setup=True, saved_model=saved.model)
@@ -223,7 +230,7 @@ def run_plan_notices(
         return []  # nothing resumed: a new run, from scratch or from pretrained weights
     notices = []
     if checkpoint.resume_with_changes:
-        saved = read_run_config(loaded)
+        saved = _saved_run_config(loaded)
         changes = _changed_sections(saved, identity) if saved is not None else []
         if changes:
             notices.append(
