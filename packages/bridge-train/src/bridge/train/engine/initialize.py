@@ -38,7 +38,6 @@ __all__ = [
     "resume_seed",
     "seed_from_rng_config",
     "seed_process_generators",
-    "validate_parallel_layout",
 ]
 
 _STATE: dict[str, Any] = {"owns_process_group": False, "emulation": None}
@@ -69,21 +68,6 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
             "dist.distributed_backend='gloo' to train on CPU"
         )
     return backend
-
-
-def validate_parallel_layout(model_config: ModelConfigProtocol, world_size: int) -> None:
-    """Check that the model's parallel sizes fit ``world_size``: the rule of
-    :func:`bridge.config.data_parallel_size`, the one ``ConfigContainer.validate()`` applies.
-
-    What a device cannot run (for example sequence parallelism with the CPU layer spec) is
-    refused with the config by :func:`bridge.train.checks.layout.check_engine_config`.
-
-    Raises:
-        bridge.config.ConfigError: (a ``ValueError``) A size is not a positive integer,
-            ``world_size`` is not divisible by ``TP x PP x CP``, or the expert layout does not
-            fit.
-    """
-    data_parallel_size(model_config, world_size)
 
 
 def init_launch_process_group(backend: str, timeout: timedelta) -> None:
@@ -145,7 +129,8 @@ def initialize_distributed(
             engine's choice; a bad layout then changes no process state).
 
     Raises:
-        ValueError: Invalid backend or parallel layout (raised before any group is built).
+        ValueError: Invalid backend, or (a :class:`~bridge.config.ConfigError`) parallel
+            sizes that do not fit the world size (raised before any group is built).
         bridge.config.ConfigError: The launch environment cannot be a real launch.
         bridge.train.engine.launch_env.RendezvousTimeout: The ranks did not all meet.
     """
@@ -157,8 +142,7 @@ def initialize_distributed(
     # value is needed here. Both are a few comparisons: a flag to skip them would cost more
     # code than it saves.
     backend = resolve_distributed_backend(dist_config)
-    world_size = global_world_size(launcher_fallback=True)
-    validate_parallel_layout(model_config, world_size)
+    data_parallel_size(model_config, global_world_size(launcher_fallback=True))
     if emulate_cuda and _STATE["emulation"] is None:
         _STATE["emulation"] = stack = contextlib.ExitStack()
         stack.enter_context(cuda_emulation())  # a no-op with CUDA
