@@ -116,6 +116,11 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
         (["optimizer.adam_eps=0"], "optimizer.adam_eps: got 0"),
         (["optimizer.min_lr=1.0"], "optimizer.min_lr: got 1.0, above optimizer.lr"),
         (
+            ["scheduler.lr_warmup_init=1.0"],
+            "scheduler.lr_warmup_init: got 1.0, above optimizer.lr",
+        ),
+        (["optimizer.lr=null"], "optimizer.lr: is required"),
+        (
             ["optimizer.optimizer=adamw"],
             "optimizer.optimizer: got 'adamw'; megatron-core builds 'adam'",
         ),

@@ -41,6 +41,7 @@ from bridge.config._training import (
     rampup_increments,
     scheduler_steps,
 )
+from bridge.config._value_ranges import check_learning_rates
 
 __all__ = [
     "TOKENIZER_REQUIRED_FIELDS",
@@ -75,6 +76,7 @@ __all__ = [
     "TokenizerConfigProtocol",
     "TrainingConfig",
     "apply_overrides",
+    "check_learning_rates",
     "convert_dataclass",
     "data_parallel_size",
     "describe_fields",

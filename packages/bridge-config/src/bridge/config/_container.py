@@ -48,7 +48,7 @@ from bridge.config._training import (
     scheduler_steps,
     warn_deprecated_engine,
 )
-from bridge.config._value_ranges import check_value_ranges
+from bridge.config._value_ranges import check_learning_rates, check_value_ranges
 from bridge.config._yaml import (
     dump_yaml,
     escape_interpolations,
@@ -401,6 +401,7 @@ class ConfigContainer:
     def _validate(self, world: int) -> None:
         self._recheck_sections()
         check_value_ranges(self.optimizer, self.model)
+        check_learning_rates(self.optimizer, self.scheduler)
         dp = self.get_data_parallel_size(world)
         fill_in(self, "data_parallel_size", dp)
         self._fill_comm_overlap(dp)

@@ -17,7 +17,6 @@ from typing import Any
 
 from bridge.config import (
     ConfigError,
-    OptimizerConfigProtocol,
     RerunStateMachineConfig,
     RNGConfig,
     TrainingConfig,
@@ -28,7 +27,6 @@ __all__ = [
     "REQUIRED_SECTIONS",
     "check_required_sections",
     "layout_fits_world_and_batches",
-    "learning_rate_is_set",
     "length_and_batch_sizes_are_set",
     "no_rerun_state_machine",
     "section_is_unused",
@@ -121,12 +119,6 @@ def layout_fits_world_and_batches(
         model.tiny_vlm_config()
     except ValueError as exc:
         raise ConfigError("train", str(exc)) from None
-
-
-def learning_rate_is_set(optimizer: OptimizerConfigProtocol) -> None:
-    """The AdamW of the recipe needs ``optimizer.lr``."""
-    if optimizer.lr is None:
-        raise ConfigError("optimizer.lr", "is required")
 
 
 def no_rerun_state_machine(rerun_state_machine: RerunStateMachineConfig) -> None:

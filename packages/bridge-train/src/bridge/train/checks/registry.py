@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bridge.config import check_learning_rates
 from bridge.train.checkpointing.context import check_checkpoint_config
 from bridge.train.checks import mimo, rules
 from bridge.train.checks.layout import check_engine_config
@@ -81,7 +82,8 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(mimo.unsupported_train_settings, MIMO),
         Rule(mimo.layout_fits_world_and_batches, MIMO),
     ),
-    "optimizer": (Rule(mimo.learning_rate_is_set, MIMO),),
+    # validate() applies it to the other runs.
+    "optimizer": (Rule(check_learning_rates, MIMO, ("optimizer", "scheduler")),),
     # The learning-rate schedule fits the run's length (megatron's sample-based steps).
     "scheduler": (Rule(scheduler_steps, MIMO, ("scheduler", "train")),),
     "dist": (Rule(rules.distributed_backend_resolves),),
