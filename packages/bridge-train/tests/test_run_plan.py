@@ -13,6 +13,7 @@ import logging
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,10 +114,13 @@ def test_resuming_a_changed_run_is_refused_unless_asked_for(
     # notices compare one reading of the saved run_config.yaml.
     capsys.readouterr()
     reads: list[str] = []
+
+    def counted(path: str) -> Any:
+        reads.append(path)
+        return read(path)
+
     with monkeypatch.context() as patch:
-        patch.setattr(
-            resume_checks, "read_run_config", lambda path: reads.append(path) or read(path)
-        )
+        patch.setattr(resume_checks, "read_run_config", counted)
         asked = [*resume, "dataset.random_seed=7", "checkpoint.resume_with_changes=true"]
         assert run(asked) == 0
     assert reads == ["runs/a/iter_0000002"], reads
