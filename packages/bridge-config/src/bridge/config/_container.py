@@ -401,6 +401,7 @@ class ConfigContainer:
     def _validate(self, world: int) -> None:
         self._recheck_sections()
         check_value_ranges(self.optimizer, self.model)
+        assert self.optimizer is not None  # a required section (validate())
         check_learning_rates(self.optimizer, self.scheduler)
         dp = self.get_data_parallel_size(world)
         fill_in(self, "data_parallel_size", dp)

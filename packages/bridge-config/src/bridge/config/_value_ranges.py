@@ -14,6 +14,8 @@ import math
 from typing import Any
 
 from bridge.config._errors import ConfigError, suggest
+from bridge.config._protocols import OptimizerConfigProtocol
+from bridge.config._training import SchedulerConfig
 
 # field: (low, high, low end open, high end open); a bound of None: unbounded.
 _OPTIMIZER_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
@@ -109,7 +111,9 @@ def check_value_ranges(optimizer: Any, model: Any) -> None:
         _check(model, "model", _MODEL_RANGES)
 
 
-def check_learning_rates(optimizer: Any, scheduler: Any) -> None:
+def check_learning_rates(
+    optimizer: OptimizerConfigProtocol, scheduler: SchedulerConfig | None
+) -> None:
     """Refuse learning rates megatron-core's ``OptimizerParamScheduler`` cannot schedule.
 
     ``ConfigContainer.validate()`` applies it; bridge-train's ``mimo`` recipe, whose sections
