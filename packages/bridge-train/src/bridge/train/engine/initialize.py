@@ -202,13 +202,9 @@ def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> in
 
     Returns:
         The seed used on this rank.
-
-    Raises:
-        ValueError: ``rng.seed`` is negative.
     """
+    # RNGConfig refuses a seed outside every generator's range when it is built.
     seed = int(getattr(rng_config, "seed", 1234))
-    if seed < 0:
-        raise ValueError(f"rng.seed must be >= 0, got {seed}")
     rank_seed = resume_seed(seed, iteration) if iteration else seed
     if parallel_state.model_parallel_is_initialized():
         rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
