@@ -23,6 +23,10 @@ def test_megatron_engine_is_the_engine_and_builds_without_touching_process_state
 
     engine = build_engine()
     assert isinstance(engine, MegatronEngine) and isinstance(engine, Engine)
+    # The package's lazy names, listed by dir() before and after they load.
+    import bridge.train.engine as package
+
+    assert {"Engine", "MegatronEngine", "build_engine"} <= set(dir(package))
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert engine.name == "megatron" and engine.device.type == expected
     assert not cuda_emulation_active() and not dist.is_initialized()

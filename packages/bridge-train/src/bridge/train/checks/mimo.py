@@ -111,8 +111,7 @@ def layout_fits_world_and_batches(
     divide every module's data-parallel size."""
     layout = mimo_layout(model, world_size)
     gbs, mbs = train.global_batch_size, train.micro_batch_size
-    if gbs is None or mbs is None:
-        return  # refused by length_and_batch_sizes_are_set
+    assert gbs is not None and mbs is not None  # length_and_batch_sizes_are_set runs first
     try:
         layout.validate(world_size)
         layout.validate_batch_sizes(gbs, mbs)

@@ -190,8 +190,8 @@ def _is_within(path: str, directory: str) -> bool:
 
 
 def run_plan_notices(
-    checkpoint: CheckpointConfig | None,
-    train: TrainingConfig | None,
+    checkpoint: CheckpointConfig,
+    train: TrainingConfig,
     identity: dict[str, Any],
     *,
     loaded: str | None = None,
@@ -205,8 +205,8 @@ def run_plan_notices(
     loaded (``pretrain``: what was loaded and where the run stands).
 
     Args:
-        checkpoint: The run's ``checkpoint`` section.
-        train: The run's ``train`` section.
+        checkpoint: The run's ``checkpoint`` section (a required one).
+        train: The run's ``train`` section (a required one).
         identity: This run's :data:`IDENTITY_SECTIONS` by name (what a resume compares).
         loaded: After the load: the checkpoint directory loaded, or None.
         iteration: After the load: the iteration the run starts at.
@@ -217,8 +217,6 @@ def run_plan_notices(
     Returns:
         The notices, possibly none.
     """
-    if checkpoint is None or train is None:
-        return []
     pretrained = checkpoint.pretrained_checkpoint
     if not after_load:
         plan = _planned_resume(checkpoint)

@@ -77,6 +77,9 @@ __all__ = [
 ]
 
 Dataset = GPTDatasetConfig | FinetuningDatasetConfig | None
+# What the dataset rules after dataset_is_given get: a section's rules stop at its first
+# problem, so they never see a missing one.
+GivenDataset = GPTDatasetConfig | FinetuningDatasetConfig
 Tokenizer = TokenizerConfig | TokenizerConfigProtocol | None
 
 #: Bytes megatron-core's GPT dataset index takes per sample: the shuffle index (int64) and
@@ -108,11 +111,7 @@ def _validation_weight(dataset: Dataset) -> float | None:
     split = getattr(dataset, "split", None)
     if split is None:
         return None
-
-    try:
-        return parse_split(split)[1]
-    except ValueError:
-        return None
+    return parse_split(split)[1]  # the dataset section refuses a split that does not parse
 
 
 def evaluation_has_validation_data(train: TrainingConfig, dataset: Dataset) -> None:
@@ -287,9 +286,9 @@ def dataset_is_given(dataset: Dataset) -> None:
         )
 
 
-def data_is_sharded(dataset: Dataset) -> None:
+def data_is_sharded(dataset: GivenDataset) -> None:
     """Every data-parallel rank reads only its own part of each global batch."""
-    if dataset is not None and not getattr(dataset, "data_sharding", True):
+    if not getattr(dataset, "data_sharding", True):
         raise ConfigError(
             "dataset.data_sharding",
             "false is not supported: every data-parallel rank reads only its own part of "
@@ -297,11 +296,8 @@ def data_is_sharded(dataset: Dataset) -> None:
         )
 
 
-def data_paths_exist(dataset: Dataset) -> None:
+def data_paths_exist(dataset: GivenDataset) -> None:
     """Every data file the section names exists."""
-    if dataset is None:
-        return
-
     try:
         check_data_paths(dataset)
     except FileNotFoundError as exc:
@@ -311,12 +307,9 @@ def data_paths_exist(dataset: Dataset) -> None:
 
 
 def data_files_are_sound(
-    dataset: Dataset, tokenizer: Tokenizer, model: ModelConfigProtocol | None
+    dataset: GivenDataset, tokenizer: Tokenizer, model: ModelConfigProtocol | None
 ) -> None:
     """Damaged ``.bin``/``.idx`` files and token ids beyond the vocabulary, named with the fix."""
-    if dataset is None:
-        return
-
     vocab = getattr(tokenizer, "vocab_size", None) or getattr(model, "vocab_size", None)
     prefixes = dataset_prefixes(dataset)
     if vocab is None and prefixes and tokenizer is not None:
@@ -331,13 +324,10 @@ def data_files_are_sound(
             raise ConfigError(field, str(exc)) from None
 
 
-def data_splits_hold_samples(dataset: Dataset, train: TrainingConfig | None) -> None:
+def data_splits_hold_samples(dataset: GivenDataset, train: TrainingConfig) -> None:
     """Every train/validation/test split of ``.bin``/``.idx`` data holds a sample:
     megatron-core would loop forever building a split without a document (see
     :mod:`bridge.train.data.split_checks`)."""
-    if dataset is None or train is None:
-        return
-
     if not dataset_prefixes(dataset):
         return
 
@@ -516,10 +506,9 @@ def save_directory_is_writable(checkpoint: CheckpointConfig) -> None:
 _LOGGER_DIRECTORIES = ("tensorboard_dir", "wandb_save_dir", "comet_offline_dir")
 
 
-def logger_directories_are_writable(logger: LoggerConfig | None) -> None:
-    """Every output directory of the ``logger`` section can be created and written."""
-    if logger is None:
-        return
+def logger_directories_are_writable(logger: LoggerConfig) -> None:
+    """Every output directory of the ``logger`` section (a required one) can be created and
+    written."""
     for name in _LOGGER_DIRECTORIES:
         value = getattr(logger, name, None)
         if value is not None:
