@@ -88,7 +88,7 @@ def test_megatron_engine_enters_the_emulation_for_the_run_and_teardown_exits_it(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 def test_nccl_without_cuda_is_refused_with_the_field_and_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"dist.distributed_backend='nccl' requires CUDA.*'gloo'"):
+    with pytest.raises(ValueError, match=r"dist.distributed_backend: 'nccl' requires CUDA.*'gloo'"):
         resolve_distributed_backend(tiny_dist_config(distributed_backend="nccl"))
     assert resolve_distributed_backend(tiny_dist_config()) == "gloo"
     assert resolve_distributed_backend(None) == "gloo"

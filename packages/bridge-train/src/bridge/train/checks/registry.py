@@ -23,6 +23,7 @@ from bridge.train.checkpointing.context import check_checkpoint_config
 from bridge.train.checks import mimo, rules
 from bridge.train.checks.layout import check_engine_config
 from bridge.train.data.t5_datasets import check_t5_data_config
+from bridge.train.engine.initialize import resolve_distributed_backend
 from bridge.train.engine.scheduler import scheduler_steps
 
 __all__ = ["BOTH", "FACTS", "GPT", "MIMO", "REGISTRY", "SECTIONS", "Rule", "RunKind"]
@@ -86,7 +87,8 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     "optimizer": (Rule(check_learning_rates, MIMO, ("optimizer", "scheduler")),),
     # The learning-rate schedule fits the run's length (megatron's sample-based steps).
     "scheduler": (Rule(scheduler_steps, MIMO, ("scheduler", "train")),),
-    "dist": (Rule(rules.distributed_backend_resolves),),
+    # dist.distributed_backend works on this machine.
+    "dist": (Rule(resolve_distributed_backend, reads=("dist",)),),
     "rng": (
         Rule(rules.initialisation_is_possible, BOTH),
         Rule(mimo.unsupported_rng_settings, MIMO),

@@ -16,7 +16,6 @@ from pathlib import Path
 from bridge.config import (
     CheckpointConfig,
     ConfigError,
-    DistributedInitConfig,
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     LoggerConfig,
@@ -47,7 +46,6 @@ from bridge.train.data.split_checks import check_split_samples
 from bridge.train.data.t5_datasets import T5DatasetConfig
 from bridge.train.data.tokenizer_packages import missing_tokenizer_package
 from bridge.train.data.tokenizers import build_tokenizer
-from bridge.train.engine.initialize import resolve_distributed_backend
 from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 
 __all__ = [
@@ -59,7 +57,6 @@ __all__ = [
     "data_splits_hold_samples",
     "dataset_index_fits_memory",
     "dataset_is_given",
-    "distributed_backend_resolves",
     "evaluation_has_validation_data",
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
@@ -156,17 +153,6 @@ def dataset_index_fits_memory(train: TrainingConfig) -> None:
         f"{needed / 2**30:.3g} GiB ({INDEX_BYTES_PER_SAMPLE} bytes per sample), more than "
         f"this machine's {memory / 2**30:.3g} GiB of memory; train for fewer iterations",
     )
-
-
-# ------------------------------------------------------------------------------------ dist
-
-
-def distributed_backend_resolves(dist: DistributedInitConfig) -> None:
-    """``dist.distributed_backend`` works on this machine."""
-    try:
-        resolve_distributed_backend(dist)
-    except ValueError as exc:
-        raise ConfigError("dist.distributed_backend", str(exc)) from None
 
 
 # ----------------------------------------------------------------------- rerun, profiling

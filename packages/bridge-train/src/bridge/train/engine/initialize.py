@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from bridge.config import DistributedInitConfig, data_parallel_size
+from bridge.config import ConfigError, DistributedInitConfig, data_parallel_size
 from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import adopt_launch_environment, guarded_rendezvous
 from core_utils import cuda_emulation, cuda_emulation_active
@@ -54,18 +54,20 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
         ``"nccl"`` or ``"gloo"``.
 
     Raises:
-        ValueError: Unknown backend, or nccl requested without CUDA.
+        bridge.config.ConfigError: (a ``ValueError``) Unknown backend, or nccl requested
+            without CUDA; the launch checks run this as the ``dist`` section's rule.
     """
     backend = getattr(dist_config, "distributed_backend", None)
     backend = "auto" if backend is None else str(backend).lower()
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
-        raise ValueError(f"dist.distributed_backend={backend!r} is not one of 'nccl', 'gloo'")
+        raise ConfigError("dist.distributed_backend", f"{backend!r} is not one of 'nccl', 'gloo'")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError(
-            "dist.distributed_backend='nccl' requires CUDA, and no GPU is available; set "
-            "dist.distributed_backend='gloo' to train on CPU"
+        raise ConfigError(
+            "dist.distributed_backend",
+            "'nccl' requires CUDA, and no GPU is available; set "
+            "dist.distributed_backend='gloo' to train on CPU",
         )
     return backend
 
