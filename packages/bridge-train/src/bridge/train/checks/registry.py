@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from bridge.config import check_learning_rates
 from bridge.train.checkpointing.context import check_checkpoint_config
-from bridge.train.checks import mimo, rules
+from bridge.train.checks import mimo, resume, rules
 from bridge.train.checks.layout import check_engine_config
 from bridge.train.data.t5_datasets import check_t5_data_config
 from bridge.train.engine.initialize import resolve_distributed_backend
@@ -128,7 +128,7 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(rules.save_directory_is_writable),
         # What a resume would load (the mimo recipe checks its own checkpoint when it
         # loads): the same model, data, tokenizer and PEFT settings.
-        Rule(rules.resume_matches_run, GPT),
+        Rule(resume.resume_matches_run, GPT),
     ),
     "logger": (Rule(rules.logger_directories_are_writable),),
     "profiling": (

@@ -7,7 +7,7 @@ Three ways this looked like success while doing something else:
 
 * **A changed run.** An example script with a fixed save directory, run on a new corpus,
   continued the earlier run on the new data at the end of its learning-rate schedule.
-  :func:`check_resume_sections` compares the data, tokenizer and PEFT settings with the run config
+  :func:`resume_matches_run` compares the data, tokenizer and PEFT settings with the run config
   saved in the checkpoint and refuses a difference, listing each field, unless
   ``checkpoint.resume_with_changes`` is set (then the differences are only listed). The
   model architecture is compared too (:mod:`bridge.train.checkpointing.architecture`,
@@ -34,7 +34,12 @@ from bridge.config import (
     CheckpointConfig,
     ConfigContainer,
     ConfigError,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
     ModelConfigProtocol,
+    PEFTProtocol,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
     TrainingConfig,
 )
 from bridge.train.checkpointing import CheckpointError
@@ -45,12 +50,11 @@ from bridge.train.checkpointing.architecture import (
 )
 from bridge.train.checkpointing.layout import _once_per_launch
 from bridge.train.checkpointing.load import PlannedLoad, planned_load
-from bridge.train.loop.run_ends import adopt_own_save_dir
 
 __all__ = [
     "IDENTITY_SECTIONS",
     "LOADER_FIELDS",
-    "check_resume_sections",
+    "resume_matches_run",
     "run_plan_notices",
 ]
 
@@ -87,6 +91,9 @@ def _planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
     # before the launch (the load itself reports why).
     if checkpoint is None or (checkpoint.load is None and checkpoint.save is None):
         return None
+
+    # loop imports the launch checks (pretrain): its module is imported when used.
+    from bridge.train.loop.run_ends import adopt_own_save_dir
 
     probe = copy.copy(checkpoint)
     adopt_own_save_dir(probe)
@@ -136,23 +143,21 @@ def _changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
     return changes
 
 
-def check_resume_sections(
+def resume_matches_run(
     checkpoint: CheckpointConfig,
-    model: ModelConfigProtocol | None,
-    sections: dict[str, Any],
-    *,
-    trains: bool = True,
+    model: ModelConfigProtocol,
+    dataset: GPTDatasetConfig | FinetuningDatasetConfig | None,
+    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None,
+    peft: PEFTProtocol | None,
+    train: TrainingConfig | None,
 ) -> None:
-    """Refuse to resume a checkpoint of a run with other data, tokenizer, PEFT or model (the
-    launch checks' ``checkpoint`` rule, :func:`bridge.train.checks.rules.resume_matches_run`).
+    """The checkpoint a resume would load was saved by this run (the launch checks'
+    ``checkpoint`` rule): the same model architecture, and, for a run that trains, the same
+    data, tokenizer and PEFT settings unless ``checkpoint.resume_with_changes`` is set.
 
-    Args:
-        checkpoint: The ``checkpoint`` section.
-        model: The ``model`` section.
-        sections: This run's :data:`IDENTITY_SECTIONS` by name.
-        trains: The run trains (not ``train.skip_train``). A run that only evaluates
-            continues nothing of the saved run, so it may read other data (``--eval-only
-            --eval-data`` does); only the architecture is compared then.
+    A run that only evaluates (``train.skip_train``) continues nothing of the saved run, so
+    it may read other data (``--eval-only --eval-data`` does); only the architecture is
+    compared then.
 
     Raises:
         ConfigError: The checkpoint to resume was saved with other data, tokenizer or PEFT
@@ -167,11 +172,11 @@ def check_resume_sections(
     if saved is None:
         return
     check_same_architecture(model, plan.path, before_setup=True, saved_model=saved.model)
-    if not trains:
+    if train is not None and train.skip_train:
         # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
         # continued, so other data is the point, not a mistake; the weights must still fit.
         return
-    changes = _changed_sections(saved, sections)
+    changes = _changed_sections(saved, {"dataset": dataset, "tokenizer": tokenizer, "peft": peft})
     if changes and not checkpoint.resume_with_changes:
         raise ConfigError(
             "checkpoint.load" if checkpoint.load is not None else "checkpoint.save",

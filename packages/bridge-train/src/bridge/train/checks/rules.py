@@ -67,7 +67,6 @@ __all__ = [
     "peft_is_a_transform",
     "profiler_has_a_trace_directory",
     "rerun_state_machine_needs_cuda",
-    "resume_matches_run",
     "samples_can_be_generated",
     "save_directory_is_writable",
     "tokenizer_can_be_built",
@@ -456,27 +455,6 @@ def checkpoint_directories_hold_runs(checkpoint: CheckpointConfig) -> None:
             f"{str(pretrained)!r} holds no checkpoint; point it at the save directory of a "
             "bridge-train run",
         )
-
-
-def resume_matches_run(
-    checkpoint: CheckpointConfig,
-    model: ModelConfigProtocol,
-    dataset: Dataset,
-    tokenizer: Tokenizer,
-    peft: PEFTProtocol | None,
-    train: TrainingConfig | None,
-) -> None:
-    """The checkpoint a resume would load was saved by this run: the same model
-    architecture, and, for a run that trains, the same data, tokenizer and PEFT settings
-    unless ``checkpoint.resume_with_changes`` is set (see :mod:`bridge.train.checks.resume`)."""
-    from bridge.train.checks.resume import check_resume_sections
-
-    check_resume_sections(
-        checkpoint,
-        model,
-        {"dataset": dataset, "tokenizer": tokenizer, "peft": peft},
-        trains=not (train is not None and train.skip_train),
-    )
 
 
 def save_directory_is_writable(checkpoint: CheckpointConfig) -> None:
