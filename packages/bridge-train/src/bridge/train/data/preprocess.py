@@ -20,20 +20,19 @@ megatron's ``preprocess_data.py``); the command reports its progress every few s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from bridge.config.notices import held_notices, print_held_notices
 from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
-from bridge.train.data.tokenizers import Tokenizer, build_tokenizer
+from bridge.train.data.tokenizers import Tokenizer, build_tokenizer, map_in_processes
 
 __all__ = ["PreprocessProgress", "PreprocessResult", "build_parser", "main", "preprocess_data"]
 
@@ -110,41 +109,10 @@ def _documents(
             yield text, done
 
 
-# The tokenizer of a worker process (see _worker_start).
-_worker_tokenizer: Any = None
-
-
-def _worker_start(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-
-
-def _tokenize_in_worker(text: str) -> list[int]:
-    return list(_worker_tokenizer.tokenize(text))
-
-
-def _token_ids(
-    tokenizer: Tokenizer, documents: Iterator[tuple[str, int]], workers: int
-) -> Iterator[tuple[list[int], int]]:
-    """``(ids, bytes read)`` per document, in input order, tokenized in ``workers`` processes."""
-    if workers <= 1:
-        for text, done in documents:
-            yield list(tokenizer.tokenize(text)), done
-        return
-    # fork hands the tokenizer over without pickling it; elsewhere it is pickled once per
-    # worker through the initializer.
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    progress: list[int] = []
-
-    def texts() -> Iterator[str]:
-        for text, done in documents:
-            progress.append(done)
-            yield text
-
-    with context.Pool(workers, initializer=_worker_start, initargs=(tokenizer,)) as pool:
-        for index, ids in enumerate(pool.imap(_tokenize_in_worker, texts(), chunksize=64)):
-            yield ids, progress[index]
+def _tokenize_document(tokenizer: Tokenizer, document: tuple[str, int]) -> tuple[list[int], int]:
+    """``(ids, bytes read)`` of a ``(text, bytes read)`` document."""
+    text, done = document
+    return list(tokenizer.tokenize(text)), done
 
 
 def preprocess_data(
@@ -229,7 +197,8 @@ def preprocess_data(
     try:
         import torch
 
-        stream = _token_ids(tokenizer, _documents(paths, json_key, split_lines), workers)
+        tokenize = functools.partial(_tokenize_document, tokenizer)
+        stream = map_in_processes(tokenize, _documents(paths, json_key, split_lines), workers)
         for ids, bytes_read in stream:
             read = bytes_read
             if append_eod:

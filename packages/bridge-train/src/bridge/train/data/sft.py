@@ -36,12 +36,12 @@ tokenize a file when it is not cached.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ import torch
 
 from bridge.config import ConfigError, FinetuningDatasetConfig
 from bridge.config.atomic_files import atomic_write
-from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.data.tokenizers import Tokenizer, map_in_processes
 
 __all__ = [
     "SFT_SPLIT_FILES",
@@ -268,8 +268,10 @@ def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
 
 
 def _tokenize_record(
-    tokenizer: Tokenizer, settings: SFTSettings, record: Any, where: str
+    tokenizer: Tokenizer, settings: SFTSettings, path: Path, line: tuple[int, Any]
 ) -> tuple[list[int], list[int]]:
+    number, record = line
+    where = f"{path} line {number}"
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -313,31 +315,14 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
                 yield number, record
 
 
-def _tokenize_records(
-    args: tuple[Any, SFTSettings, Path, list[tuple[int, Any]]],
-) -> list[tuple[list[int], list[int]]]:
-    tokenizer, settings, path, records = args
-    return [
-        _tokenize_record(tokenizer, settings, record, f"{path} line {number}")
-        for number, record in records
-    ]
-
-
 def _tokenize_file(
     path: Path, tokenizer: Tokenizer, settings: SFTSettings, workers: int
 ) -> TokenizedExamples:
     records = list(jsonl_records(path))
     if not records:
         raise ValueError(f"{path}: no records")
-    chunk = max(1, math.ceil(len(records) / max(1, workers)))
-    jobs = [
-        (tokenizer, settings, path, records[i : i + chunk]) for i in range(0, len(records), chunk)
-    ]
-    if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = [r for part in pool.map(_tokenize_records, jobs) for r in part]
-    else:
-        results = [r for job in jobs for r in _tokenize_records(job)]
+    tokenize = functools.partial(_tokenize_record, tokenizer, settings, path)
+    results = list(map_in_processes(tokenize, records, workers))
     lengths = [len(ids) for ids, _ in results]
     offsets = np.zeros(len(results) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

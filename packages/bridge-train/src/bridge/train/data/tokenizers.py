@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "Tokenizer",
     "added_tokens",
     "build_tokenizer",
+    "map_in_processes",
 ]
 
 _BYTE_IDS = 256
@@ -311,3 +313,36 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
     cls = getattr(file_tokenizers, kind)
     paths = [getattr(tokenizer_config, name) for name in files]
     return cls(*paths, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)
+
+
+# The function a worker process of map_in_processes applies (see _worker_start).
+_worker_function: Callable[[Any], Any] | None = None
+
+
+def _worker_start(function: Callable[[Any], Any]) -> None:
+    global _worker_function
+    _worker_function = function
+
+
+def _call_in_worker(item: Any) -> Any:
+    assert _worker_function is not None  # the pool's initializer set it
+    return _worker_function(item)
+
+
+def map_in_processes[T, R](
+    function: Callable[[T], R], items: Iterable[T], workers: int
+) -> Iterator[R]:
+    """``function(item)`` for every item, in input order, in ``workers`` processes (1: this
+    one): how preprocessing and the SFT datasets tokenize many documents at once.
+
+    Items are drawn as the workers need them, so a stream stays a stream. ``function`` (and
+    the tokenizer it holds) reaches each worker once: fork hands it over without pickling;
+    elsewhere it is pickled once per worker through the pool's initializer.
+    """
+    if workers <= 1:
+        yield from map(function, items)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    with context.Pool(workers, initializer=_worker_start, initargs=(function,)) as pool:
+        yield from pool.imap(_call_in_worker, items, chunksize=64)
