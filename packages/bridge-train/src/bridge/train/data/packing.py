@@ -201,15 +201,12 @@ class PackedSFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         # An example of n ids fills n - 1 positions.
         sizes = [len(ids) - 1 for ids, _ in kept]
         self.bins: list[list[int]] = []
-        epoch = 0
-        while True:
+        for epoch in itertools.count():
             order = epoch_order(len(kept), shuffle_seed, epoch)
             bins = first_fit_bins([sizes[i] for i in order], self.seq_length)
             self.bins += [[int(order[i]) for i in b] for b in bins]
-            epoch += 1
             if len(self.bins) >= num_samples:
                 break
-        self.epochs = epoch
 
     def __len__(self) -> int:
         return len(self.bins)
