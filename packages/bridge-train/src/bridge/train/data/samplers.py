@@ -15,6 +15,7 @@ resuming from ``consumed_samples`` (counted over all ranks) continues the stream
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -113,17 +114,9 @@ class CyclicRandomSampler(_DataParallelSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yield this rank's index list of every micro-batch, forever."""
-        position = self.consumed_samples
-        epoch, offset = divmod(position, self.total_samples)
-        order = self._epoch(epoch)
+        epoch, offset = divmod(self.consumed_samples, self.total_samples)
+        later = itertools.chain.from_iterable(map(self._epoch, itertools.count(epoch + 1)))
+        stream = itertools.chain(self._epoch(epoch)[offset:], later)
         start = self.data_parallel_rank * self.micro_batch_size
-        while True:
-            chunk: list[int] = []
-            while len(chunk) < self.chunk:
-                take = min(self.chunk - len(chunk), self.total_samples - offset)
-                chunk += order[offset : offset + take]
-                offset += take
-                if offset == self.total_samples:
-                    epoch, offset = epoch + 1, 0
-                    order = self._epoch(epoch)
-            yield chunk[start : start + self.micro_batch_size]
+        for chunk in itertools.batched(stream, self.chunk):
+            yield list(chunk[start : start + self.micro_batch_size])
