@@ -78,12 +78,11 @@ class PretrainingSampler(_DataParallelSampler):
     def __iter__(self) -> Iterator[list[int]]:
         """Yield this rank's index list of every micro-batch, in stream order."""
         start = self.data_parallel_rank * self.micro_batch_size
-        for chunk_start in range(self.consumed_samples, self.total_samples, self.chunk):
-            chunk_end = min(chunk_start + self.chunk, self.total_samples)
-            if chunk_end - chunk_start < self.chunk and self.drop_last:
+        stream = range(self.consumed_samples, self.total_samples)
+        for chunk in itertools.batched(stream, self.chunk):
+            if len(chunk) < self.chunk and self.drop_last:
                 return
-            indices = list(range(chunk_start, chunk_end))[start : start + self.micro_batch_size]
-            if indices:
+            if indices := list(chunk[start : start + self.micro_batch_size]):
                 yield indices
 
 
