@@ -43,7 +43,7 @@ def test_custom_json_key(tmp_path) -> None:
     tok = ByteLevelTokenizer()
     result = preprocess_data([tmp_path / "d.jsonl"], tmp_path / "k", tok, json_key="content")
     assert _documents(result.output_prefix, tok) == ["abc<eod>", "de<eod>"]
-    with pytest.raises(ValueError, match=r"d.jsonl:1: no key 'text'.*--json-key"):
+    with pytest.raises(ValueError, match=r"d.jsonl line 1: no key 'text'.*--json-key"):
         preprocess_data([tmp_path / "d.jsonl"], tmp_path / "k2", tok)
 
 

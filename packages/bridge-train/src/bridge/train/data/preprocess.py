@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,14 @@ from bridge.config.notices import held_notices, print_held_notices
 from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
 from bridge.train.data.tokenizers import Tokenizer, build_tokenizer, map_in_processes
 
-__all__ = ["PreprocessProgress", "PreprocessResult", "build_parser", "main", "preprocess_data"]
+__all__ = [
+    "PreprocessProgress",
+    "PreprocessResult",
+    "build_parser",
+    "jsonl_records",
+    "main",
+    "preprocess_data",
+]
 
 
 @dataclass(frozen=True)
@@ -71,32 +79,42 @@ class PreprocessProgress:
     seconds: float
 
 
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any, int]]:
+    """``(line number, record, bytes read)`` of every non-blank line of a JSON-lines file
+    (bytes read: the file's bytes up to the end of that line, for progress reports).
+
+    Raises:
+        ValueError: A line is not JSON; the message names the file and the line.
+    """
+    read = 0
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            read += len(line)
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+                yield number, record, read
+
+
 def _documents(
     paths: Sequence[Path], json_key: str, split_lines: bool
 ) -> Iterator[tuple[str, int]]:
     """Each document's text, with the input bytes read once it is (for progress reports:
-    lines are counted by their UTF-8 length, so a CRLF line counts one byte short)."""
+    text lines are counted by their UTF-8 length, so a CRLF line counts one byte short)."""
     done = 0
     for path in paths:
         if path.suffix in (".jsonl", ".json"):
-            with path.open(encoding="utf-8") as handle:
-                for line_number, line in enumerate(handle, 1):
-                    done += len(line.encode("utf-8"))
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(
-                            f"{path}:{line_number}: not valid JSON ({exc.msg})"
-                        ) from None
-                    if not isinstance(record, dict) or json_key not in record:
-                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise ValueError(
-                            f"{path}:{line_number}: no key {json_key!r} (found {keys}); pass "
-                            "--json-key with the field holding the text"
-                        )
-                    yield str(record[json_key]), done
+            for number, record, read in jsonl_records(path):
+                if not isinstance(record, dict) or json_key not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(
+                        f"{path} line {number}: no key {json_key!r} (found {keys}); pass "
+                        "--json-key with the field holding the text"
+                    )
+                yield str(record[json_key]), done + read
+            done += path.stat().st_size
         elif split_lines:
             with path.open(encoding="utf-8") as handle:
                 for line in handle:

@@ -38,10 +38,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ import torch
 
 from bridge.config import ConfigError, FinetuningDatasetConfig
 from bridge.config.atomic_files import atomic_write
+from bridge.train.data.preprocess import jsonl_records
 from bridge.train.data.tokenizers import Tokenizer, map_in_processes
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
     "chat_generation_prompt",
     "check_finetuning_dataset",
     "epoch_order",
-    "jsonl_records",
     "load_tokenized_examples",
     "sft_settings",
 ]
@@ -268,9 +267,9 @@ def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
 
 
 def _tokenize_record(
-    tokenizer: Tokenizer, settings: SFTSettings, path: Path, line: tuple[int, Any]
+    tokenizer: Tokenizer, settings: SFTSettings, path: Path, line: tuple[int, Any, int]
 ) -> tuple[list[int], list[int]]:
-    number, record = line
+    number, record, _ = line
     where = f"{path} line {number}"
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -297,22 +296,6 @@ def _tokenize_record(
         ids.append(int(tokenizer.eod))
         flags.append(1)
     return ids, flags
-
-
-def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line number, record)`` of every non-blank line of a JSON-lines file.
-
-    Raises:
-        ValueError: A line is not JSON; the message names the file and the line.
-    """
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-                yield number, record
 
 
 def _tokenize_file(
