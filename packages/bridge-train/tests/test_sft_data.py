@@ -22,6 +22,7 @@ from bridge.train.data.packing import PackedSFTDataset, first_fit_bins
 from bridge.train.data.sft import (
     SFTDataset,
     build_sft_datasets,
+    chat_generation_prompt,
     check_finetuning_dataset,
     load_tokenized_examples,
     sft_settings,
@@ -99,6 +100,34 @@ def test_chat_records_loss_on_assistant_turns_only(tmp_path: Path) -> None:
     assert sample["tokens"][: len(ids) - 1].tolist() == ids[:-1]
     scored = [int(t) for t, m in zip(sample["labels"], sample["loss_mask"], strict=True) if m]
     assert scored == [*b"yo\n", TOKENIZER.eod]
+
+
+class _TemplatedTokenizer(ByteLevelTokenizer):
+    """A byte-level tokenizer with a chat template, as a user's Hugging Face wrapper has."""
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool = False
+    ) -> str:
+        assert not tokenize
+        text = "".join(f"[{m['role']}] {m['content']};" for m in messages)
+        return text + ("[assistant] " if add_generation_prompt else "")
+
+
+def test_chat_records_use_the_tokenizer_chat_template(tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    tokenizer = _TemplatedTokenizer()
+    examples = load_tokenized_examples(tmp_path / "chat.jsonl", tokenizer, sft_settings(None))
+    ids, flags = examples.example(0)
+    assert ids.tolist() == [*b"[user] hi;[assistant] yo;", tokenizer.eod]
+    # Loss on the assistant message's tokens (as the template renders them) and the EOD.
+    assert [int(t) for t, f in zip(ids, flags, strict=True) if f] == [
+        *b"[assistant] yo;",
+        tokenizer.eod,
+    ]
+    # A generation prompt is the rendered chat and the template's opening of an answer.
+    prompt = chat_generation_prompt(tokenizer, messages[:1])
+    assert prompt == list(b"[user] hi;[assistant] ")
 
 
 def test_truncation_policies(tmp_path: Path) -> None:
