@@ -40,7 +40,7 @@ import functools
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,19 +118,21 @@ def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
                 f"is not a finetuning dataset option; known options: {sorted(values)}",
             )
         values[key] = value
-    if values["truncation"] not in TRUNCATION_POLICIES:
-        raise ConfigError(
-            "dataset.dataset_kwargs.truncation",
-            f"got {values['truncation']!r}; use one of {list(TRUNCATION_POLICIES)}",
-        )
-    for key in ("prompt_key", "answer_key"):
-        if not isinstance(values[key], str) or not values[key]:
-            raise ConfigError(f"dataset.dataset_kwargs.{key}", "must be a non-empty string")
-    if values["prompt_template"] is not None and not isinstance(values["prompt_template"], str):
-        raise ConfigError("dataset.dataset_kwargs.prompt_template", "must be a string")
-    if not isinstance(values["add_eod"], bool):
-        raise ConfigError("dataset.dataset_kwargs.add_eod", "must be true or false")
+    for key, (valid, rule) in _SETTING_RULES.items():
+        if not valid(values[key]):
+            raise ConfigError(f"dataset.dataset_kwargs.{key}", f"{rule}, got {values[key]!r}")
     return SFTSettings(**values)
+
+
+# What each SFTSettings field must be: (test, what the message says it must be).
+_SETTING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "prompt_key": (lambda v: isinstance(v, str) and bool(v), "must be a non-empty string"),
+    "answer_key": (lambda v: isinstance(v, str) and bool(v), "must be a non-empty string"),
+    "prompt_template": (lambda v: v is None or isinstance(v, str), "must be a string"),
+    "truncation": (lambda v: v in TRUNCATION_POLICIES, f"use one of {list(TRUNCATION_POLICIES)}"),
+    "add_eod": (lambda v: isinstance(v, bool), "must be true or false"),
+    "cache_dir": (lambda v: v is None or isinstance(v, str), "must be a directory path"),
+}
 
 
 def _split_paths(dataset_config: FinetuningDatasetConfig) -> list[tuple[str, Path | None]]:
