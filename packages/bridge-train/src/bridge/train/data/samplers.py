@@ -94,11 +94,8 @@ class CyclicRandomSampler(_DataParallelSampler):
     ``seed + e``; the global stream is the concatenation of the epochs.
 
     Args:
-        total_samples: Dataset length.
-        consumed_samples: Samples (over all ranks) already consumed; iteration resumes there.
-        micro_batch_size: Samples per rank per micro-batch.
-        data_parallel_rank: This rank's data-parallel index.
-        data_parallel_size: Number of data-parallel ranks.
+        total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+            data_parallel_size: As for :class:`PretrainingSampler`.
         seed: Base seed of the epoch permutations.
 
     Raises:
