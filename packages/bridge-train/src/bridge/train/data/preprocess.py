@@ -32,8 +32,12 @@ from typing import Any
 import numpy as np
 
 from bridge.config.notices import held_notices, print_held_notices
-from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
-from bridge.train.data.tokenizers import Tokenizer, build_tokenizer, map_in_processes
+from bridge.train.data.tokenizers import (
+    TOKENIZER_EXTRAS,
+    Tokenizer,
+    build_tokenizer,
+    map_in_processes,
+)
 
 __all__ = [
     "PreprocessProgress",

@@ -10,6 +10,7 @@ dataset cache keys, so two different tokenizers never share a cache).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import multiprocessing
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import TOKENIZER_REQUIRED_FIELDS, TokenizerConfig, TokenizerConfigProtocol
-from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS, require_tokenizer_package
 
 __all__ = [
+    "TOKENIZER_EXTRAS",
     "ByteLevelTokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
@@ -29,10 +30,57 @@ __all__ = [
     "added_tokens",
     "build_tokenizer",
     "map_in_processes",
+    "missing_tokenizer_package",
+    "require_tokenizer_package",
 ]
 
 _BYTE_IDS = 256
 _DEFAULT_SPECIALS = ("<eod>", "<pad>")
+
+#: ``tokenizer_type`` -> (importable module, bridge-train extra), or None when it needs none.
+TOKENIZER_EXTRAS: dict[str, tuple[str, str] | None] = {
+    "NullTokenizer": None,
+    "ByteLevelTokenizer": None,
+    "HuggingFaceTokenizer": ("tokenizers", "hf"),
+    "GPT2BPETokenizer": ("tokenizers", "hf"),
+    "SentencePieceTokenizer": ("sentencepiece", "sentencepiece"),
+    "TikTokenizer": ("tiktoken", "tiktoken"),
+}
+
+
+def missing_tokenizer_package(tokenizer_type: str) -> str | None:
+    """Why ``tokenizer_type`` cannot be built here, or None when its package is installed.
+
+    Args:
+        tokenizer_type: A ``tokenizer.tokenizer_type`` value.
+
+    Returns:
+        One line naming the missing package and the ``pip install`` of the extra, or None
+        (also for types that need no optional package).
+    """
+    needs = TOKENIZER_EXTRAS.get(tokenizer_type)
+    if needs is None:
+        return None
+    module, extra = needs
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-removed installation
+        found = False
+    if found:
+        return None
+    # uv sync keeps exactly what it is given: --inexact leaves the other extras installed.
+    return (
+        f"{tokenizer_type!r} needs the {module!r} package, which is not installed; "
+        f"pip install 'bridge-train[{extra}]' (in a clone of this repository: "
+        f"uv sync --inexact --extra {extra})"
+    )
+
+
+def require_tokenizer_package(tokenizer_type: str) -> None:
+    """Raise :func:`missing_tokenizer_package`'s line as an ``ImportError`` when it has one."""
+    message = missing_tokenizer_package(tokenizer_type)
+    if message is not None:
+        raise ImportError(message)
 
 
 def added_tokens(special_tokens: Sequence[str] | None, vocab_extra_ids: int) -> list[str]:
