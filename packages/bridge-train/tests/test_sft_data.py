@@ -241,6 +241,8 @@ def test_bad_records_and_options_name_the_problem(sft_root: Path) -> None:
         check_finetuning_dataset(_config(sft_root, do_test=False, dataloader_type="external"))
     with pytest.raises(ConfigError, match=r"dataset\.dataset_root"):
         check_finetuning_dataset(_config(sft_root / "nowhere"))
+    with pytest.raises(ConfigError, match=r"dataset\.dataset_root: is required for finetuning"):
+        check_finetuning_dataset(_config(sft_root, dataset_root=None))
 
 
 def _launch_config(root: Path, **dataset: Any) -> Any:
