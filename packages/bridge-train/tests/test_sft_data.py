@@ -293,3 +293,26 @@ def test_packed_samples_keep_examples_apart(sft_root: Path) -> None:
     unpacked = SFTDataset(examples, 32, TOKENIZER.pad)
     assert sample["loss_mask"][:5].tolist() == unpacked[0]["loss_mask"][:5].tolist()
     assert torch.equal(sample["labels"][5:10], unpacked[1]["labels"][:5])
+
+
+def test_eval_file_of_text_documents_and_its_refusals(tmp_path: Path) -> None:
+    from bridge.train.data.eval_file import TokenWindows, build_eval_file_dataset
+
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": "abc"}, {"text": "de"}])
+    windows = build_eval_file_dataset(tmp_path / "docs.jsonl", TOKENIZER, 4)
+    # Each document then the EOD, in windows of 4 predicted tokens; loss on every real one.
+    stream = [*b"abc", TOKENIZER.eod, *b"de", TOKENIZER.eod]
+    assert isinstance(windows, TokenWindows) and len(windows) == 2
+    assert windows[0]["labels"].tolist() == stream[1:5]
+    assert windows[1]["loss_mask"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    write_jsonl(tmp_path / "mixed.jsonl", [{"text": "abc"}, {"body": "de"}])
+    with pytest.raises(ValueError, match=r"mixed\.jsonl line 2: needs a 'text' string"):
+        build_eval_file_dataset(tmp_path / "mixed.jsonl", TOKENIZER, 4)
+    write_jsonl(tmp_path / "other.jsonl", [{"body": "x"}])
+    with pytest.raises(ValueError, match=r"other\.jsonl line 1: expected an SFT record"):
+        build_eval_file_dataset(tmp_path / "other.jsonl", TOKENIZER, 4)
+    (tmp_path / "empty.jsonl").write_text("\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"empty\.jsonl holds no record"):
+        build_eval_file_dataset(tmp_path / "empty.jsonl", TOKENIZER, 4)
+    with pytest.raises(ValueError, match=r"--eval-data .*missing\.txt does not exist"):
+        build_eval_file_dataset(tmp_path / "missing.txt", TOKENIZER, 4)
