@@ -231,6 +231,7 @@ def test_bad_records_and_options_name_the_problem(sft_root: Path) -> None:
         check_finetuning_dataset(_config(sft_root, dataset_kwargs={"promt_key": "q"}))
     with pytest.raises(ConfigError, match=r"dataset\.dataset_kwargs\.truncation"):
         check_finetuning_dataset(_config(sft_root, dataset_kwargs={"truncation": "middle"}))
+    assert sft_settings({"cache_dir": sft_root}).cache_dir == sft_root  # a Path, from Python
     for key, value in (("answer_key", ""), ("add_eod", "yes"), ("cache_dir", 5)):
         with pytest.raises(ConfigError, match=rf"dataset\.dataset_kwargs\.{key}: .*got {value!r}"):
             check_finetuning_dataset(_config(sft_root, dataset_kwargs={key: value}))

@@ -40,6 +40,7 @@ import functools
 import hashlib
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,10 @@ _SETTING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_template": (lambda v: v is None or isinstance(v, str), "must be a string"),
     "truncation": (lambda v: v in TRUNCATION_POLICIES, f"use one of {list(TRUNCATION_POLICIES)}"),
     "add_eod": (lambda v: isinstance(v, bool), "must be true or false"),
-    "cache_dir": (lambda v: v is None or isinstance(v, str), "must be a directory path"),
+    "cache_dir": (
+        lambda v: v is None or isinstance(v, str | os.PathLike),
+        "must be a directory path",
+    ),
 }
 
 
