@@ -69,12 +69,11 @@ from bridge.train.checkpointing.optimizer_conversion import (
     conversion_template,
     converted_optimizer_state,
 )
-from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state, rng_sharded_object
+from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
     LAYOUT_SIZES,
     META_KEY,
-    allocate_optimizer_state,
     distributed_parts,
     model_sharded_state_dict,
     model_state_keys,
@@ -82,6 +81,7 @@ from bridge.train.checkpointing.state_dict import (
     optimizer_parts,
     optimizer_sharded_state_dict,
     parallel_layout,
+    sharded_entries,
     unwrapped_chunks,
 )
 from bridge.train.engine.initialize import resume_seed
@@ -790,23 +790,7 @@ def _read_checkpoint(
     # The generators are per rank: another layout has no counterpart to restore them into;
     # restore_checkpoint names both layouts and reseeds (its ``reseed``).
     layout_changed = load_rng and _rng_layout_changed(meta.get("parallel_layout") or {}, layout)
-    # This run's shapes and shardings to load into.
-    models = model_sharded_state_dict(model)
-    template: dict[str, Any] = dict(models)
-    if optimizer is not None:
-        allocate_optimizer_state(optimizer)  # so there is state to load into
-        saved_fmt = meta.get("optimizer_format") or ""
-        template["optimizer"] = optimizer_sharded_state_dict(
-            optimizer,
-            models,
-            is_loading=True,
-            # The distributed-optimizer sharding type the checkpoint was saved with, if any.
-            sharding_type=saved_fmt.split(":", 1)[1]
-            if saved_fmt.startswith("distributed:")
-            else None,
-        )
-    if load_rng and not layout_changed:
-        template[RNG_STATE_KEY] = rng_sharded_object(None)
+    template = sharded_entries(model, optimizer, rng=load_rng and not layout_changed, saved=meta)
     conversion = None
     saved = load_tensors_metadata(path)
     if convert:
