@@ -64,10 +64,13 @@ from bridge.train.checkpointing.layout import (
     parse_iteration,
 )
 from bridge.train.checkpointing.optimizer_conversion import (
+    SCHEDULE_BOUNDS,
     OptimizerConversion,
     checkpoint_group_bounds,
     conversion_template,
     converted_optimizer_state,
+    saved_counterparts,
+    schedule_bounds,
 )
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
@@ -554,14 +557,6 @@ def _check_scheduler_settings(
         )
 
 
-# Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
-_GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
-
-
-# The key megatron pairs parameter groups by, less the schedule bounds.
-_GROUP_STRUCTURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-
-
 def _align_schedule_bounds(
     optimizer: MegatronOptimizer, saved_state: Any
 ) -> list[tuple[Any, int, dict]]:
@@ -598,20 +593,16 @@ def _align_schedule_bounds(
             or len(saved_groups) != len(current_groups)
         ):
             continue
-        by_structure = {tuple(g.get(k) for k in _GROUP_STRUCTURE): g for g in saved_groups}
-        if len(by_structure) != len(saved_groups):
-            continue  # ambiguous: leave megatron's own pairing (and its error) alone
-        for index, current in enumerate(current_groups):
-            saved = by_structure.get(tuple(current.get(k) for k in _GROUP_STRUCTURE))
-            if saved is None:
-                break
-            if all(saved.get(k) == current.get(k) for k in _GROUP_SCHEDULE_KEYS):
+        pairs = [saved_counterparts(g, saved_groups, converted=False) for g in current_groups]
+        if any(len(saved) != 1 for saved in pairs):
+            continue  # not one to one: leave megatron's own pairing (and its error) alone
+        for index, (current, [saved]) in enumerate(zip(current_groups, pairs, strict=True)):
+            if all(saved.get(k) == current.get(k) for k in SCHEDULE_BOUNDS):
                 continue
-            bounds = {k: saved[k] for k in _GROUP_SCHEDULE_KEYS if k in saved}
-            replaced.append((inner, index, bounds))
-            for key in _GROUP_SCHEDULE_KEYS:
+            replaced.append((inner, index, schedule_bounds(saved)))
+            for key in SCHEDULE_BOUNDS:
                 saved.pop(key, None)
-            saved.update({k: current[k] for k in _GROUP_SCHEDULE_KEYS if k in current})
+            saved.update(schedule_bounds(current))
     return replaced
 
 
@@ -628,10 +619,7 @@ def _load_optimizer(
     else the checkpoint's (as the scheduler's own settings); converted state carries this
     run's groups, so the checkpoint's bounds come from its saved common state."""
     keep = bool(getattr(scheduler, "override_opt_param_scheduler", False))
-    bounds = [
-        {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
-        for group in optimizer.param_groups
-    ]
+    bounds = [schedule_bounds(group) for group in optimizer.param_groups]
     saved_common = common.get("optimizer")
     if conversion is None:
         state = loaded["optimizer"]
@@ -643,7 +631,7 @@ def _load_optimizer(
         replaced = []
         if getattr(scheduler, "use_checkpoint_opt_param_scheduler", False) and not keep:
             # Without either flag the scheduler check made sure the bounds are equal.
-            replaced = checkpoint_group_bounds(optimizer, saved_common, _GROUP_SCHEDULE_KEYS, path)
+            replaced = checkpoint_group_bounds(optimizer, saved_common, path)
     # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
     # only some of its formats' loaders disable autograd themselves.
     with torch.no_grad(), _distributed_optimizer_steps(optimizer):

@@ -44,10 +44,13 @@ from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.state_dict import optimizer_parts
 
 __all__ = [
+    "SCHEDULE_BOUNDS",
     "OptimizerConversion",
     "checkpoint_group_bounds",
     "conversion_template",
     "converted_optimizer_state",
+    "saved_counterparts",
+    "schedule_bounds",
 ]
 
 # The spellings of an fp32 main parameter's key: megatron's non-distributed mixed-precision
@@ -233,14 +236,33 @@ def converted_optimizer_state(
     return state if len(inners) > 1 else parts[0]
 
 
-# What pairs a saved parameter group with one of this run's across a conversion: megatron's
-# group identity without ``is_expert_parallel`` (expert parameters are grouped apart only
-# when EP > 1) and without the learning-rate bounds being paired.
+#: Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
+SCHEDULE_BOUNDS = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+# What pairs a saved parameter group with one of this run's: megatron's group key less the
+# schedule bounds (which a run may change) and, across a conversion, less
+# ``is_expert_parallel`` (expert parameters are grouped apart only when EP > 1).
 _GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr")
 
 
+def schedule_bounds(group: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`SCHEDULE_BOUNDS` a parameter group holds."""
+    return {key: group[key] for key in SCHEDULE_BOUNDS if key in group}
+
+
+def saved_counterparts(
+    group: dict[str, Any], saved_groups: list[dict[str, Any]], *, converted: bool
+) -> list[dict[str, Any]]:
+    """The saved parameter groups paired with this run's ``group``: those equal to it in
+    megatron's group key less the schedule bounds (and less ``is_expert_parallel`` when
+    ``converted``). The one pairing rule of a load; none or several are for the caller to
+    skip or refuse."""
+    identity = _GROUP_IDENTITY if converted else (*_GROUP_IDENTITY, "is_expert_parallel")
+    return [g for g in saved_groups if all(g.get(k) == group.get(k) for k in identity)]
+
+
 def checkpoint_group_bounds(
-    optimizer: Any, saved_common: Any, bound_keys: tuple[str, ...], path: str
+    optimizer: Any, saved_common: Any, path: str
 ) -> list[tuple[Any, int, dict[str, Any]]]:
     """The checkpoint's schedule bounds (``max_lr``, ``min_lr``, ...) for each of this run's
     parameter groups, for ``scheduler.use_checkpoint_opt_param_scheduler`` after a
@@ -256,19 +278,18 @@ def checkpoint_group_bounds(
     result = []
     for inner in optimizer_parts(optimizer):
         for index, group in enumerate(inner.param_groups):
-            identity = tuple(group.get(k) for k in _GROUP_IDENTITY)
             candidates = {
-                tuple((k, g[k]) for k in bound_keys if k in g)
-                for g in saved
-                if tuple(g.get(k) for k in _GROUP_IDENTITY) == identity
+                tuple(schedule_bounds(g).items())
+                for g in saved_counterparts(group, saved, converted=True)
             }
             if len(candidates) != 1:
+                identity = {k: group.get(k) for k in _GROUP_IDENTITY}
                 raise CheckpointError(
                     f"{path}: scheduler.use_checkpoint_opt_param_scheduler=True, but the "
-                    f"checkpoint's parameter groups with {dict(zip(_GROUP_IDENTITY, identity, strict=True))} "
-                    f"hold {len(candidates)} different learning-rate/weight-decay bounds for "
-                    "this run's converted optimizer; set scheduler.override_opt_param_scheduler"
-                    "=True to use the config's bounds"
+                    f"checkpoint's parameter groups with {identity} hold {len(candidates)} "
+                    "different learning-rate/weight-decay bounds for this run's converted "
+                    "optimizer; set scheduler.override_opt_param_scheduler=True to use the "
+                    "config's bounds"
                 )
             result.append((inner, index, dict(candidates.pop())))
     return result
