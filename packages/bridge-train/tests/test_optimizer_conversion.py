@@ -18,10 +18,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from bridge.train.checkpointing import CheckpointError
 from bridge.train.checkpointing.load import _check_reshardable
 from bridge.train.checkpointing.optimizer_conversion import (
-    checkpoint_group_bounds,
     conversion_template,
     converted_optimizer_state,
 )
+from bridge.train.checkpointing.optimizer_load import checkpoint_group_bounds
 
 # megatron's optimizer kinds, as optimizer_format tells them apart (by class name).
 DistributedOptimizer = type("DistributedOptimizer", (), {})

@@ -44,13 +44,10 @@ from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.state_dict import optimizer_parts
 
 __all__ = [
-    "SCHEDULE_BOUNDS",
     "OptimizerConversion",
-    "checkpoint_group_bounds",
     "conversion_template",
     "converted_optimizer_state",
-    "saved_counterparts",
-    "schedule_bounds",
+    "saved_param_groups",
 ]
 
 # The spellings of an fp32 main parameter's key: megatron's non-distributed mixed-precision
@@ -133,7 +130,7 @@ def _values_under(tree: Any, name: str) -> Iterator[Any]:
             yield from _values_under(value, name)
 
 
-def _param_groups(tree: Any) -> list[dict[str, Any]]:
+def saved_param_groups(tree: Any) -> list[dict[str, Any]]:
     """Every parameter group a saved optimizer's common state holds (all parts)."""
     return [
         group
@@ -148,7 +145,7 @@ def _steps(tree: Any) -> set[float]:
     """Every Adam step a saved optimizer's common state records (``common_step`` of the
     per-parameter optimizers, ``step`` of the distributed optimizer's parameter groups)."""
     return {float(v) for v in _values_under(tree, "common_step") if v is not None} | {
-        float(g["step"]) for g in _param_groups(tree) if g.get("step") is not None
+        float(g["step"]) for g in saved_param_groups(tree) if g.get("step") is not None
     }
 
 
@@ -234,62 +231,3 @@ def converted_optimizer_state(
         if scaler is not None and getattr(inner, "grad_scaler", None) is not None:
             part["grad_scaler"] = scaler
     return state if len(inners) > 1 else parts[0]
-
-
-#: Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
-SCHEDULE_BOUNDS = ("max_lr", "min_lr", "start_wd", "end_wd")
-
-# What pairs a saved parameter group with one of this run's: megatron's group key less the
-# schedule bounds (which a run may change) and, across a conversion, less
-# ``is_expert_parallel`` (expert parameters are grouped apart only when EP > 1).
-_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr")
-
-
-def schedule_bounds(group: dict[str, Any]) -> dict[str, Any]:
-    """The :data:`SCHEDULE_BOUNDS` a parameter group holds."""
-    return {key: group[key] for key in SCHEDULE_BOUNDS if key in group}
-
-
-def saved_counterparts(
-    group: dict[str, Any], saved_groups: list[dict[str, Any]], *, converted: bool
-) -> list[dict[str, Any]]:
-    """The saved parameter groups paired with this run's ``group``: those equal to it in
-    megatron's group key less the schedule bounds (and less ``is_expert_parallel`` when
-    ``converted``). The one pairing rule of a load; none or several are for the caller to
-    skip or refuse."""
-    identity = _GROUP_IDENTITY if converted else (*_GROUP_IDENTITY, "is_expert_parallel")
-    return [g for g in saved_groups if all(g.get(k) == group.get(k) for k in identity)]
-
-
-def checkpoint_group_bounds(
-    optimizer: Any, saved_common: Any, path: str
-) -> list[tuple[Any, int, dict[str, Any]]]:
-    """The checkpoint's schedule bounds (``max_lr``, ``min_lr``, ...) for each of this run's
-    parameter groups, for ``scheduler.use_checkpoint_opt_param_scheduler`` after a
-    conversion (the converted state carries this run's groups).
-
-    Returns:
-        ``(inner optimizer, group index, bounds)`` per group.
-
-    Raises:
-        CheckpointError: A group has no saved counterpart, or several with other bounds.
-    """
-    saved = _param_groups(saved_common)
-    result = []
-    for inner in optimizer_parts(optimizer):
-        for index, group in enumerate(inner.param_groups):
-            candidates = {
-                tuple(schedule_bounds(g).items())
-                for g in saved_counterparts(group, saved, converted=True)
-            }
-            if len(candidates) != 1:
-                identity = {k: group.get(k) for k in _GROUP_IDENTITY}
-                raise CheckpointError(
-                    f"{path}: scheduler.use_checkpoint_opt_param_scheduler=True, but the "
-                    f"checkpoint's parameter groups with {identity} hold {len(candidates)} "
-                    "different learning-rate/weight-decay bounds for this run's converted "
-                    "optimizer; set scheduler.override_opt_param_scheduler=True to use the "
-                    "config's bounds"
-                )
-            result.append((inner, index, dict(candidates.pop())))
-    return result
