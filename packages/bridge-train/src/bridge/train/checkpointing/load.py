@@ -767,7 +767,8 @@ def restore_checkpoint(
         train_state.load_state_dict(common["train_state"])
         iteration = int(common["iteration"])
         flops = float(common["num_floating_point_operations_so_far"])
-    _dist.barrier()
+    if _dist.ready():
+        torch.distributed.barrier()
     if _dist.rank() == 0:
         logger.info(
             "loaded %s checkpoint of iteration %d from %s (%s; %.2f s)",
