@@ -148,11 +148,8 @@ def _save_root(checkpoint_config: CheckpointConfig, non_persistent: bool) -> str
                 "checkpoint was requested; set it to 'global'",
             )
         directory = non_persistent_dir(checkpoint_config)
-        if directory is None:
-            raise ConfigError(
-                "checkpoint.non_persistent_global_ckpt_dir",
-                "is not set and neither is checkpoint.save; set one of them",
-            )
+        # CheckpointConfig refuses type 'global' with neither this directory nor save.
+        assert directory is not None
         return directory
     if not checkpoint_config.save:
         raise ConfigError(
