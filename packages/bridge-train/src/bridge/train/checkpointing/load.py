@@ -56,10 +56,9 @@ from bridge.train.checkpointing.integrity import checkpoint_problems, gather_pro
 from bridge.train.checkpointing.layout import (
     TRACKER_FILENAME,
     CheckpointLocation,
-    checkpoint_dir_name,
-    complete_iterations,
     find_latest_checkpoint,
     is_complete_checkpoint,
+    older_complete,
     parse_iteration,
 )
 from bridge.train.checkpointing.optimizer_conversion import (
@@ -146,15 +145,6 @@ class PlannedLoad:
     explicit: bool = False
 
 
-def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[CheckpointLocation, ...]:
-    base = Path(root)
-    return tuple(
-        CheckpointLocation(i, str(base / checkpoint_dir_name(i)))
-        for i in reversed(complete_iterations(base))
-        if i < below
-    )
-
-
 def _absent(path: str | os.PathLike[str], holds: str) -> str:
     """What is wrong with a directory a checkpoint was looked for in: ``holds`` or missing."""
     return holds if os.path.isdir(path) else "does not exist"
@@ -185,7 +175,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
         persistent is not None and Path(persistent.path) == Path(str(load))
     )
     older = (
-        () if persistent is None or explicit else _older_complete(str(load), persistent.iteration)
+        () if persistent is None or explicit else older_complete(str(load), persistent.iteration)
     )
     if step is None and cfg.non_persistent_ckpt_type == "global":
         np_root = non_persistent_dir(cfg, base=str(load or ""))
@@ -193,7 +183,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
-            chain = _older_complete(str(np_root), latest_np.iteration) + older
+            chain = older_complete(str(np_root), latest_np.iteration) + older
             chain += () if persistent is None else (persistent,)
             return PlannedLoad(
                 latest_np.path,
