@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
 from bridge.train import GlobalState
@@ -361,6 +362,31 @@ def test_non_persistent_directory_newer_than_the_persistent_one_wins(tmp_path: P
 def test_marker_content_is_json(tmp_path: Path) -> None:
     path = _complete(tmp_path, 3)
     assert json.loads((path / MARKER_FILENAME).read_text()) == {"iteration": 3}
+
+
+def test_what_the_common_state_refuses_before_any_model_is_touched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory megatron cannot read, a dist_checkpointing checkpoint another program
+    saved and a newer format are refused, each naming the checkpoint; one saved before
+    content checksums existed is read unverified, with a warning saying so."""
+    path = _complete(tmp_path, 10)  # a marker without file checksums: an older save
+    write_tracker(tmp_path, 10)
+    state = _state(load=str(tmp_path))
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(CheckpointError, match=f"cannot read the checkpoint {path}"),
+    ):
+        load_checkpoint(state, [], None, None)
+    assert "saved without content checksums" in caplog.text
+    backends = {"sharded_backend": "torch_dist", "common_backend": "torch"}
+    (path / "metadata.json").write_text(json.dumps(backends))
+    torch.save({"iteration": 10}, path / "common.pt")  # megatron's legacy common state
+    with pytest.raises(CheckpointError, match="not one saved by bridge-train"):
+        load_checkpoint(state, [], None, None)
+    torch.save({"bridge_checkpoint": {"version": 99}}, path / "common.pt")
+    with pytest.raises(CheckpointError, match="format 99, newer than this bridge-train reads"):
+        load_checkpoint(state, [], None, None)
 
 
 # ---------------------------------------------------------------------------- RNG state and layout
