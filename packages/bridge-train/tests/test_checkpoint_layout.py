@@ -28,6 +28,7 @@ from bridge.train.checkpointing import (
     read_tracker,
     save_checkpoint,
 )
+from bridge.train.checkpointing.architecture import read_run_config, saved_run_config
 from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
     TRACKER_FILENAME,
@@ -387,6 +388,20 @@ def test_what_the_common_state_refuses_before_any_model_is_touched(
     torch.save({"bridge_checkpoint": {"version": 99}}, path / "common.pt")
     with pytest.raises(CheckpointError, match="format 99, newer than this bridge-train reads"):
         load_checkpoint(state, [], None, None)
+
+
+def test_a_saved_run_config_that_no_longer_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reader of a checkpoint's run_config.yaml: None without one; one that no longer
+    loads is an error, which the resume checks log and then compare nothing."""
+    assert saved_run_config(tmp_path) is None and read_run_config(tmp_path) is None
+    (tmp_path / "run_config.yaml").write_text("model:\n  _target_: gone.module.OldConfig\n")
+    with pytest.raises(ConfigError, match=r"cannot import 'gone\.module\.OldConfig'"):
+        saved_run_config(tmp_path)
+    with caplog.at_level(logging.INFO):
+        assert read_run_config(tmp_path) is None
+    assert "not comparing this run with" in caplog.text
 
 
 # ---------------------------------------------------------------------------- RNG state and layout
