@@ -430,7 +430,10 @@ def test_rng_state_follows_expert_sizes_not_the_virtual_pipeline() -> None:
     assert not _rng_layout_changed(dense, ep2)  # saved before the expert sizes were recorded
     assert _rng_layout_changed(dense, {**ep2, "data_parallel_size": 1, "world_size": 1})
     assert _layout_sizes(ep2) == "TP1 PP1 CP1 DP2 EP2 ETP1"
-    assert _layout_sizes({"world_size": 4, "mimo_layout": "llm TP2"}) == "llm TP2"
+    mimo = {"vision": "ranks 0-1 TP1 DP2", "language": "ranks 2-3 TP2 DP1"}
+    assert _layout_sizes({"world_size": 4, "mimo_layout": mimo}) == (
+        "vision ranks 0-1 TP1 DP2, language ranks 2-3 TP2 DP1"
+    )
     assert _layout_sizes({"world_size": 1}) == "no model parallelism"
 
 

@@ -302,11 +302,9 @@ def _layout_sizes(layout: dict[str, Any]) -> str:
     """``"TP2 PP1 CP1 DP1 EP1 ETP1"``: the sizes ``layout`` records (a MIMO model's own
     description added), or ``"no model parallelism"``."""
     sizes = [f"{short}{layout[name]}" for short, name, _ in LAYOUT_SIZES if name in layout]
-    modules = layout.get("mimo_layout")
-    if isinstance(modules, dict):  # module -> "ranks 0-1 TP1 DP2"
+    modules = layout.get("mimo_layout") or {}  # module -> "ranks 0-1 TP1 DP2"
+    if modules:
         sizes.append(", ".join(f"{name} {placement}" for name, placement in modules.items()))
-    elif modules is not None:
-        sizes.append(str(modules))
     return " ".join(sizes) or "no model parallelism"
 
 
