@@ -384,13 +384,12 @@ def map_in_processes[T, R](
     one): how preprocessing and the SFT datasets tokenize many documents at once.
 
     Items are drawn as the workers need them, so a stream stays a stream. ``function`` (and
-    the tokenizer it holds) reaches each worker once: fork hands it over without pickling;
-    elsewhere it is pickled once per worker through the pool's initializer.
+    the tokenizer it holds) reaches each worker once: the platform's start method (fork on
+    Linux, which hands it over without pickling; spawn on macOS, where fork in a process that
+    has loaded torch is unsafe) runs the pool's initializer with it, never once per item.
     """
     if workers <= 1:
         yield from map(function, items)
         return
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with context.Pool(workers, initializer=_worker_start, initargs=(function,)) as pool:
+    with multiprocessing.Pool(workers, initializer=_worker_start, initargs=(function,)) as pool:
         yield from pool.imap(_call_in_worker, items, chunksize=64)
