@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -111,7 +110,7 @@ def _build(rank: int, world: int, provider: MambaProvider):
     losses.mean().backward()
     grads = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     # mamba_num_heads sets the head count (the width follows it) instead of 2 x hidden_size.
-    wide = dataclasses.replace(provider, mamba_num_heads=8).provide().decoder.layers[0].mixer
+    wide = _tiny(mamba_num_heads=8).provide().decoder.layers[0].mixer
     heads = (wide.A_log.numel(), wide.in_proj.weight.shape[0], wide.out_proj.weight.shape[1])
     return kinds, mixer, keys, tuple(losses.shape), grads, heads
 
