@@ -39,6 +39,8 @@ def _tiny(**overrides):
         ({"mamba_head_dim": 48}, r"mamba_head_dim=48 does not divide"),
         ({"tensor_model_parallel_size": 8, "mamba_num_groups": 4}, r"must divide the Mamba"),
         ({"rope_scaling": True}, r"rope_scaling"),
+        ({"mamba_num_heads": 3}, r"has 3 heads .*model.mamba_num_groups=2"),
+        ({"transformer_layer_spec": object()}, r"takes model.mamba_stack_spec"),
     ],
 )
 def test_bad_hybrid_fields_are_refused_naming_the_field(overrides, match) -> None:

@@ -63,6 +63,10 @@ def test_padded_vocab_size_is_divisible_by_granularity_times_tp(
 
 def test_unpadded_vocab_when_padding_is_off() -> None:
     assert tiny_gpt_provider(vocab_size=100, should_pad_vocab=False).padded_vocab_size == 100
+    with pytest.raises(ValueError, match=r"vocab_size=101 is not divisible .* should_pad_vocab"):
+        tiny_gpt_provider(vocab_size=101, should_pad_vocab=False, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"'yarn' needs megatron's yarn_\* fields"):
+        tiny_gpt_provider(position_embedding_type="yarn")
 
 
 def test_tensor_parallel_size_that_does_not_divide_heads_is_refused_with_the_fields() -> None:
