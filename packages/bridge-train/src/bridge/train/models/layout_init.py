@@ -98,11 +98,10 @@ class LayoutInitError(ValueError):
 
 def supports_layout_independent_init(provider: Any) -> bool:
     """Whether ``provider`` builds modules this initialisation covers: the mimo recipe's
-    model section, or a :class:`GPTModelProvider` whose ``provide`` is one of this
-    package's builds (GPT dense and MoE with every family preset, T5, hybrid Mamba,
-    Gemma 3, multi-latent attention / DeepSeek-V3, gpt-oss), inherited or its own. A
-    subclass with its own ``provide`` may build modules not known here and keeps megatron's
-    seeding unless asked.
+    model section, or a :class:`GPTModelProvider` whose ``provide`` and ``_build_model`` are
+    this package's (every provider of ``bridge.train.models``, listed in the module
+    docstring). A subclass that defines either itself may build modules not known here and
+    keeps megatron's seeding unless asked.
 
     Args:
         provider: A model provider (its ``provide`` builds the model).
