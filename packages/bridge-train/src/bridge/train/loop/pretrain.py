@@ -82,7 +82,7 @@ from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
 
-__all__ = ["DatasetsFunction", "SetupOutput", "close_run", "pretrain", "setup"]
+__all__ = ["DatasetsFunction", "SetupOutput", "close_run", "final_evaluation", "pretrain", "setup"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,23 +289,27 @@ def setup(
     return out
 
 
-def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
-    """Validation (unless the loop just validated this iteration) and test at the end."""
+def final_evaluation(out: SetupOutput, evaluation: Evaluation) -> dict[str, dict[str, float]]:
+    """Validation (unless this job's loop just validated this iteration) and test at the end,
+    each when the run has that split; also the evaluation-only run's.
+
+    Returns:
+        ``{"validation": {loss name: value}, "test": {...}}`` for the splits evaluated.
+    """
     train_state = out.state.train_state
     step = train_state.step
-    splits = []
-    if (
-        train_state.do_valid
-        and out.valid_data_iterator is not None
-        and out.state.last_evaluated_iteration != step
-    ):
-        splits.append(("validation", out.valid_data_iterator))
-    if train_state.do_test and out.test_data_iterator is not None:
-        splits.append(("test", out.test_data_iterator))
-    for split, iterator in splits:
-        evaluation.evaluate_and_log(
+    validated = out.state.last_evaluated_iteration == step
+    splits = [
+        ("validation", out.valid_data_iterator, train_state.do_valid and not validated),
+        ("test", out.test_data_iterator, train_state.do_test),
+    ]
+    return {
+        split: evaluation.evaluate_and_log(
             f"iteration {step} on {split} set", iterator, out.model, split=split
         )
+        for split, iterator, wanted in splits
+        if wanted and iterator is not None
+    }
 
 
 def close_run(
@@ -436,7 +440,7 @@ def pretrain(
         if exit_code == 0 and (
             config.train.skip_train or run_is_done(config.train, state.train_state)
         ):
-            _final_evaluation(out, components.evaluation)
+            final_evaluation(out, components.evaluation)
         elif exit_code == 0:
             exit_code = requeue_exit_code  # stopped early on purpose, after saving
         state.metric_writers.flush()
