@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 from megatron.core import rerun_state_machine as rsm
+from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
@@ -53,10 +54,7 @@ from bridge.train.engine.initialize import (
     seed_from_rng_config,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
-from bridge.train.loop.batch_size import (
-    ensure_num_microbatches_calculator,
-    release_num_microbatches_calculator,
-)
+from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
@@ -326,7 +324,7 @@ def close_run(
     steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
         ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
-        ("releasing the micro-batch calculator", release_num_microbatches_calculator),
+        ("releasing the micro-batch calculator", destroy_num_microbatches_calculator),
         ("destroying the process group", destroy_distributed),
     ]
     run_teardown(steps, "pretrain")
