@@ -82,18 +82,18 @@ def ensure_num_microbatches_calculator(
         ConfigError: Ramp-up combined with ``decrease_batch_size_if_needed``, which
             megatron-core 0.19.2's step schedules do not support.
     """
+    if train_config.rampup_batch_size is not None and train_config.decrease_batch_size_if_needed:
+        raise ConfigError(
+            "train.rampup_batch_size",
+            "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
+            "step batch-size schedules do not support it); unset one of them",
+        )
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
         return False
 
     rank = global_rank()
     schedule = None
     if train_config.rampup_batch_size is not None:
-        if train_config.decrease_batch_size_if_needed:
-            raise ConfigError(
-                "train.rampup_batch_size",
-                "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
-                "step batch-size schedules do not support it); unset one of them",
-            )
         assert train_config.global_batch_size is not None  # validate() fills it in
         schedule = rampup_to_step_schedule(
             train_config.rampup_batch_size, train_config.global_batch_size
