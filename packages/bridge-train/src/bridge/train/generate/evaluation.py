@@ -34,7 +34,7 @@ from bridge.config import (
     LoggerConfig,
     TrainingConfig,
 )
-from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+from bridge.train.checkpointing.architecture import saved_run_config
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
@@ -195,9 +195,8 @@ def evaluate_checkpoint(
             loaded = out.checkpointing_context.get("loaded_checkpoint")
             if loaded is not None:
                 with contextlib.suppress(ConfigError, OSError, ValueError):
-                    saved = (
-                        ConfigContainer.from_yaml(Path(loaded) / RUN_CONFIG_FILENAME).train or train
-                    )
+                    saved_run = saved_run_config(loaded)
+                    saved = (saved_run.train if saved_run is not None else None) or train
             state.train_state.consumed_valid_samples = _validation_start(state.train_state, saved)
             try:
                 sizes = train_valid_test_num_samples(train)
