@@ -146,9 +146,11 @@ class RunComponents:
 
     @cached_property
     def progress_log(self) -> ProgressLog | None:
-        """``progress.txt`` (``None``: not kept)."""
-        return ProgressLog.from_config(
-            self.cfg.logger,
+        """``progress.txt`` (``None``: not kept: ``logger.log_progress`` off, or no
+        ``checkpoint.save``)."""
+        if self.cfg.logger is None or not self.cfg.logger.log_progress:
+            return None
+        return ProgressLog.in_save_dir(
             self.cfg.checkpoint,
             seq_length=self._seq_length,
             start_time=self.state.start_time,
