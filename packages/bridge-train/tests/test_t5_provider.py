@@ -59,6 +59,7 @@ def test_backend_choice() -> None:
     with pytest.raises(ValueError, match="not supported for T5"):
         _tiny(layer_spec_backend="transformer_engine").resolved_layer_spec_backend()
     assert _tiny().position_table_length == 24 and _tiny().encoder_layers == 1
+    assert _tiny(max_position_embeddings=40).position_table_length == 40
 
 
 def test_generated_samples_are_span_corruption_in_megatron_layout() -> None:
