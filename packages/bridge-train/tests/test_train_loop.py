@@ -25,6 +25,7 @@ from bridge.config import (
     LoggerConfig,
     ProfilingConfig,
     StragglerDetectionConfig,
+    TrainingConfig,
 )
 from bridge.resiliency import WatchdogTimeouts
 from bridge.train import (
@@ -91,6 +92,17 @@ def test_rampup_becomes_megatron_step_schedule() -> None:
     for bad in ([4, 4], [0, 4, 32], [4, 4, -1], [4, 4, 0]):
         with pytest.raises(ConfigError, match=r"rampup_batch_size: got .*three positive"):
             rampup_to_step_schedule(bad, 16)
+    # megatron-core's step schedules cannot shrink the batch: the launch pass (validate())
+    # refuses the combination before anything is built.
+    both = TrainingConfig(
+        global_batch_size=16,
+        micro_batch_size=4,
+        train_samples=64,
+        rampup_batch_size=[4, 4, 32],
+        decrease_batch_size_if_needed=True,
+    )
+    with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*decrease_batch_size_if"):
+        tiny_config_container(train=both).validate(1)
 
 
 def test_progress_log_start_time_follows_world_size(tmp_path: Path) -> None:

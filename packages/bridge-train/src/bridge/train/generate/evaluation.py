@@ -38,7 +38,7 @@ from bridge.train.checkpointing.architecture import saved_run_config
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
-from bridge.train.loop.pretrain import close_run, setup
+from bridge.train.loop.pretrain import close_run, final_evaluation, setup
 from bridge.train.loop.pretrain_mimo import MimoModelConfig
 from bridge.train.loop.training import RunComponents
 from bridge.train.models.family import build_family_datasets, default_forward_step, is_t5
@@ -226,7 +226,6 @@ def evaluate_checkpoint(
         return None, padded, None
 
     clean = False
-    results: dict[str, dict[str, float]] = {}
     try:
         out = setup(
             state,
@@ -241,19 +240,7 @@ def evaluate_checkpoint(
                 f"{cfg.checkpoint.load if cfg.checkpoint else None} holds no checkpoint to "
                 "evaluate",
             )
-        step = state.train_state.step
-        splits = [
-            ("validation", out.valid_data_iterator, state.train_state.do_valid),
-            ("test", out.test_data_iterator, state.train_state.do_test),
-        ]
-        evaluation = RunComponents(state, step_func).evaluation
-        assert evaluation is not None
-        for split, iterator, wanted in splits:
-            if iterator is None or not wanted:
-                continue
-            results[split] = evaluation.evaluate_and_log(
-                f"iteration {step} on {split} set", iterator, out.model, split=split
-            )
+        results = final_evaluation(out, RunComponents(state, step_func).evaluation)
         if not results:
             raise ConfigError(
                 "train.eval_iters",
