@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy_exports import lazy_exports
+from bridge.train._lazy_exports import lazy_exports, type_checked_imports
 
 if TYPE_CHECKING:
     from bridge.train.generate.errors import GenerationError as GenerationError
@@ -29,23 +29,10 @@ if TYPE_CHECKING:
     )
     from bridge.train.generate.options import SamplingOptions as SamplingOptions
 
-__all__ = [
-    "Completion",
-    "GenerationError",
-    "GenerationModel",
-    "SamplingOptions",
-    "TextGenerator",
-    "load_generation_model",
-]
+# The TYPE_CHECKING block above is the one table of the exports (name -> module).
+_WHERE = type_checked_imports(__file__)
 
-_MODULE_OF = {
-    "Completion": "bridge.train.generate.generator",
-    "GenerationError": "bridge.train.generate.errors",
-    "GenerationModel": "bridge.train.generate.loading",
-    "SamplingOptions": "bridge.train.generate.options",
-    "TextGenerator": "bridge.train.generate.generator",
-    "load_generation_model": "bridge.train.generate.loading",
-}
+__all__ = sorted(_WHERE)
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

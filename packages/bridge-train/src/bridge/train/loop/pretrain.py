@@ -45,6 +45,7 @@ from bridge.logging import (
 from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
+from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
@@ -400,9 +401,6 @@ def pretrain(
             report_settings=report_settings,
         )
         assert config.train is not None and config.checkpoint is not None
-        # checks.resume reads the save directory through loop.run_ends: imported here.
-        from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
-
         notices = run_plan_notices(
             config.checkpoint,
             config.train,
