@@ -304,6 +304,7 @@ def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
             merge=False,
         )
         assert any(isinstance(m, LoRAAdapter) for m in model.modules())
+        assert "_bridge_peft_base_keys" not in vars(model)  # the load's record went with it
         model.eval()
         with torch.no_grad():
             return model(tokens, _positions(tokens), _attention_mask(tokens))[..., :VOCAB].clone()

@@ -348,14 +348,11 @@ def merge_adapters(model: ModelOrChunks) -> Any:
             del module.sharded_state_dict
         inner = chunk
         while isinstance(inner, torch.nn.Module):
-            # Drop what apply_peft installed: the chunk is a plain model again.
-            for name in (
-                "_bridge_peft_adapter_names",
-                "_bridge_peft_checkpoint_mode",
-                "sharded_state_dict",
-                "load_state_dict",
-            ):
-                if name in inner.__dict__:
-                    delattr(inner, name)
+            # Drop what apply_peft installed (its ``_bridge_peft_*`` records and the chunk's
+            # state-dict methods): the chunk is a plain model again.
+            for name in [n for n in vars(inner) if n.startswith("_bridge_peft_")]:
+                delattr(inner, name)
+            for name in ("sharded_state_dict", "load_state_dict"):
+                inner.__dict__.pop(name, None)
             inner = getattr(inner, "module", None)
     return model
