@@ -30,6 +30,7 @@ __all__ = [
     "read_hf_config",
     "refuse",
     "require",
+    "rope_or_yarn",
     "rope_settings",
     "rope_theta_and_scaling",
     "silu_activation",
@@ -299,3 +300,16 @@ def yarn_parameters(
         "mscale_all_dim": None if mscale_all_dim is None else float(mscale_all_dim),
         "truncate": bool(scaling.get("truncate", True)),
     }
+
+
+def rope_or_yarn(
+    config: dict[str, Any], theta: Any, scaling: dict[str, Any] | None, why: str
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(rotary_base of the plain RoPE, the YaRN parameters or None)`` of a family that
+    implements the ``default`` and ``yarn`` RoPE (:func:`rope_settings`,
+    :func:`yarn_parameters`); ``why`` ends the refusal of another ``rope_type``."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ("default", "yarn"):
+        raise refuse(config, "rope_parameters.rope_type", kind, why)
+    plain = rope_settings(config, theta, scaling if kind == "default" else None)
+    return plain, None if scaling is None or kind == "default" else yarn_parameters(config, scaling)
