@@ -22,7 +22,6 @@ expert-bias correction, ``expert_bias``, as a buffer).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from megatron.core import parallel_state
 
 from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
+from bridge.train.peft.base import global_module_paths
 from core_utils.distributed import gather_from_every_rank, global_rank
 from core_utils.model_wrapping import ModelOrChunks
 
@@ -47,9 +47,6 @@ __all__ = [
     "padded_vocab_of",
     "write_hf_weights",
 ]
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 @dataclass
@@ -133,23 +130,6 @@ def _unwrap(chunk: Any) -> Any:
     return chunk
 
 
-def _global_name(model: Any, name: str) -> str:
-    match = _LAYER.match(name)
-    if match is None:
-        return name
-    local = int(match.group(1))
-    layer = model.decoder.layers[local]
-    name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
-    expert = _EXPERT.search(name)
-    if expert is not None:
-        offset = int(layer.mlp.local_expert_indices[0])
-        name = (
-            f"{name[: expert.start()]}.mlp.experts.local_experts."
-            f"{offset + int(expert.group(1))}.{name[expert.end() :]}"
-        )
-    return name
-
-
 def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
     """This rank's parameters (adapters excluded), named as in the one-process model.
 
@@ -161,9 +141,10 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
     for chunk in chunks:
         inner = _unwrap(chunk)
         gated = bool(getattr(inner.config, "gated_linear_unit", False))
+        paths = global_module_paths(inner)
         for module_name, module in inner.named_modules():
             for param_name, param in _own_weights(module):
-                full = f"{module_name}.{param_name}" if module_name else param_name
+                full = f"{paths[module_name]}.{param_name}" if module_name else param_name
                 if ".adapter." in f".{full}":  # a LoRA adapter's own weights
                     continue
                 split = bool(getattr(param, "tensor_model_parallel", False))
@@ -178,7 +159,7 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
                     group = None
                 found.append(
                     LocalParameter(
-                        name=_global_name(inner, full),
+                        name=full,
                         param=param,
                         module=module,
                         group=group,

@@ -18,7 +18,7 @@ import torch
 from bridge.config import PEFTProtocol
 from core_utils.model_wrapping import get_attr_wrapped_model
 
-__all__ = ["PEFT", "adapter_parameter_names", "apply_peft"]
+__all__ = ["PEFT", "adapter_parameter_names", "apply_peft", "global_module_paths"]
 
 _ADAPTER_NAMES_ATTR = "_bridge_peft_adapter_names"
 
@@ -61,7 +61,7 @@ class PEFT(ABC):
                 # base, and an adapter-only checkpoint would not keep it.
                 if hasattr(module, "frozen_expert_bias"):
                     module.frozen_expert_bias = True
-            global_paths = _global_layer_paths(chunk)
+            global_paths = global_module_paths(chunk)
             for prefix, module in list(chunk.named_modules()):
                 if not prefix:
                     continue
@@ -75,9 +75,10 @@ class PEFT(ABC):
         return model
 
 
-def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
+def global_module_paths(chunk: torch.nn.Module) -> dict[str, str]:
     """Every module path of ``chunk`` with each layer and expert index replaced by its global
-    number.
+    number: the path the module has in the one-process model (PEFT transforms and the
+    Hugging Face conversion name modules by it).
 
     megatron numbers a pipeline stage's layers from 0 in module paths and keeps the global
     1-based number in the layer's ``layer_number``; its ``SequentialMLP`` numbers the experts
