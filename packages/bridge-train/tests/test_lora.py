@@ -287,6 +287,25 @@ def _prefixes_seen(model: torch.nn.Module) -> list[str]:
     return record.seen
 
 
+def test_a_peft_transform_may_replace_a_module_and_eval_when_not_training() -> None:
+    """A transform's returned module takes the old one's place (its new parameters stay
+    trainable, the base is frozen); ``training=False`` leaves the model in eval mode."""
+    from bridge.train.peft import PEFT
+
+    class Swap(PEFT):
+        def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
+            return torch.nn.Linear(2, 3) if name == "proj" else module
+
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(2, 2))
+    model.add_module("norm", torch.nn.LayerNorm(2))
+    Swap()(model, training=False)
+    assert isinstance(model.proj, torch.nn.Linear) and model.proj.out_features == 3
+    assert all(p.requires_grad for p in model.proj.parameters())
+    assert not any(p.requires_grad for p in model.norm.parameters())
+    assert not model.training
+
+
 def test_peft_transforms_see_global_layer_numbers() -> None:
     """A pipeline stage numbers its layers from 0; transforms get the global numbers."""
 
