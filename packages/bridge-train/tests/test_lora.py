@@ -300,9 +300,10 @@ def test_a_peft_transform_may_replace_a_module_and_eval_when_not_training() -> N
     model.add_module("proj", torch.nn.Linear(2, 2))
     model.add_module("norm", torch.nn.LayerNorm(2))
     Swap()(model, training=False)
-    assert isinstance(model.proj, torch.nn.Linear) and model.proj.out_features == 3
-    assert all(p.requires_grad for p in model.proj.parameters())
-    assert not any(p.requires_grad for p in model.norm.parameters())
+    proj, norm = model.get_submodule("proj"), model.get_submodule("norm")
+    assert isinstance(proj, torch.nn.Linear) and proj.out_features == 3
+    assert all(p.requires_grad for p in proj.parameters())
+    assert not any(p.requires_grad for p in norm.parameters())
     assert not model.training
 
 
