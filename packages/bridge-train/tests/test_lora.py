@@ -268,6 +268,23 @@ def test_lora_config_errors() -> None:
         LoRA(dim=0)
     with pytest.raises(ValueError, match=r"peft\.lora_B_init_method"):
         LoRA(lora_B_init_method="xavier")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"peft\.dropout must be in \[0, 1\)"):
+        LoRA(dropout=1.0)
+    with pytest.raises(ValueError, match=r"peft\.dropout_position must be 'pre' or 'post'"):
+        LoRA(dropout_position="mid")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"peft\.lora_A_init_method must be"):
+        LoRA(lora_A_init_method="zero")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"peft\.target_modules is empty"):
+        LoRA(target_modules=[])
+
+
+def test_lora_refuses_targets_that_are_no_parallel_linear_or_match_nothing() -> None:
+    model = torch.nn.Sequential()
+    model.add_module("norm", torch.nn.LayerNorm(2))
+    with pytest.raises(TypeError, match="LoRA target norm is a LayerNorm; LoRA adapts megatron"):
+        LoRA(target_modules=["norm"])(model)
+    with pytest.raises(ValueError, match=r"peft\.target_modules=\['nothing'\] matched no layer"):
+        LoRA(target_modules=["nothing"])(model)
 
 
 def _prefixes_seen(model: torch.nn.Module) -> list[str]:

@@ -95,6 +95,13 @@ class LoRAAdapter(torch.nn.Module):
     ) -> None:
 
         super().__init__()
+        # Checked first: a module that is no parallel linear has no config to read either.
+        if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+            raise TypeError(
+                f"LoRA target {prefix} is a {type(base).__name__}; LoRA adapts megatron "
+                "ColumnParallelLinear / RowParallelLinear layers (the portable and local layer "
+                "specs); choose other target_modules"
+            )
         config = base.config
         if getattr(config, "sequence_parallel", False):
             raise ValueError(
@@ -125,7 +132,7 @@ class LoRAAdapter(torch.nn.Module):
             self.linear_out: Any = ColumnParallelLinear(
                 dim, out_size, gather_output=False, tp_group=tp_group, **common
             )
-        elif isinstance(base, RowParallelLinear):
+        else:
             if not base.input_is_parallel:
                 raise ValueError(f"LoRA on {prefix}: a row-parallel input must be parallel")
             self.kind = "row"
@@ -138,12 +145,6 @@ class LoRAAdapter(torch.nn.Module):
                 **common,
             )
             self.linear_out = torch.nn.Linear(dim, out_size, bias=False, dtype=config.params_dtype)
-        else:
-            raise TypeError(
-                f"LoRA target {prefix} is a {type(base).__name__}; LoRA adapts megatron "
-                "ColumnParallelLinear / RowParallelLinear layers (the portable and local layer "
-                "specs); choose other target_modules"
-            )
         plain = self.linear_out if self.kind == "row" else self.linear_in
         base_allreduce = getattr(base.weight, "allreduce", None)
         if base_allreduce is not None:
