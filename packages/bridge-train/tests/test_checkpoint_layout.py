@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
 from bridge.train import GlobalState
@@ -27,6 +28,7 @@ from bridge.train.checkpointing import (
     read_tracker,
     save_checkpoint,
 )
+from bridge.train.checkpointing.architecture import read_run_config, saved_run_config
 from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
     TRACKER_FILENAME,
@@ -363,6 +365,45 @@ def test_marker_content_is_json(tmp_path: Path) -> None:
     assert json.loads((path / MARKER_FILENAME).read_text()) == {"iteration": 3}
 
 
+def test_what_the_common_state_refuses_before_any_model_is_touched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory megatron cannot read, a dist_checkpointing checkpoint another program
+    saved and a newer format are refused, each naming the checkpoint; one saved before
+    content checksums existed is read unverified, with a warning saying so."""
+    path = _complete(tmp_path, 10)  # a marker without file checksums: an older save
+    write_tracker(tmp_path, 10)
+    state = _state(load=str(tmp_path))
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(CheckpointError, match=f"cannot read the checkpoint {path}"),
+    ):
+        load_checkpoint(state, [], None, None)
+    assert "saved without content checksums" in caplog.text
+    backends = {"sharded_backend": "torch_dist", "common_backend": "torch"}
+    (path / "metadata.json").write_text(json.dumps(backends))
+    torch.save({"iteration": 10}, path / "common.pt")  # megatron's legacy common state
+    with pytest.raises(CheckpointError, match="not one saved by bridge-train"):
+        load_checkpoint(state, [], None, None)
+    torch.save({"bridge_checkpoint": {"version": 99}}, path / "common.pt")
+    with pytest.raises(CheckpointError, match="format 99, newer than this bridge-train reads"):
+        load_checkpoint(state, [], None, None)
+
+
+def test_a_saved_run_config_that_no_longer_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reader of a checkpoint's run_config.yaml: None without one; one that no longer
+    loads is an error, which the resume checks log and then compare nothing."""
+    assert saved_run_config(tmp_path) is None and read_run_config(tmp_path) is None
+    (tmp_path / "run_config.yaml").write_text("model:\n  _target_: gone.module.OldConfig\n")
+    with pytest.raises(ConfigError, match=r"cannot import 'gone\.module\.OldConfig'"):
+        saved_run_config(tmp_path)
+    with caplog.at_level(logging.INFO):
+        assert read_run_config(tmp_path) is None
+    assert "not comparing this run with" in caplog.text
+
+
 # ---------------------------------------------------------------------------- RNG state and layout
 
 
@@ -389,7 +430,10 @@ def test_rng_state_follows_expert_sizes_not_the_virtual_pipeline() -> None:
     assert not _rng_layout_changed(dense, ep2)  # saved before the expert sizes were recorded
     assert _rng_layout_changed(dense, {**ep2, "data_parallel_size": 1, "world_size": 1})
     assert _layout_sizes(ep2) == "TP1 PP1 CP1 DP2 EP2 ETP1"
-    assert _layout_sizes({"world_size": 4, "mimo_layout": "llm TP2"}) == "llm TP2"
+    mimo = {"vision": "ranks 0-1 TP1 DP2", "language": "ranks 2-3 TP2 DP1"}
+    assert _layout_sizes({"world_size": 4, "mimo_layout": mimo}) == (
+        "vision ranks 0-1 TP1 DP2, language ranks 2-3 TP2 DP1"
+    )
     assert _layout_sizes({"world_size": 1}) == "no model parallelism"
 
 

@@ -114,3 +114,12 @@ def test_intact_files_pass_and_the_vocabulary_is_checked(corpus: Path) -> None:
     check_indexed_dataset(corpus, 258)
     with pytest.raises(DataFileError, match="outside the vocabulary of 100"):
         check_indexed_dataset(corpus, 100)
+
+
+def test_an_unknown_token_type_is_refused(corpus: Path, tmp_path: Path) -> None:
+    prefix = _copy(corpus, tmp_path)
+    index = bytearray(prefix.with_suffix(".idx").read_bytes())
+    index[17] = 9  # the token type code, after the 9-byte header and the 8-byte version
+    prefix.with_suffix(".idx").write_bytes(bytes(index))
+    with pytest.raises(DataFileError, match="unknown index version 1 or token type 9"):
+        check_indexed_dataset(prefix, 258)

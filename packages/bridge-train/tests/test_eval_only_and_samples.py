@@ -249,6 +249,24 @@ def test_eval_only_without_a_checkpoint_is_refused(runs: dict[str, Any]) -> None
     assert code == 2
 
 
+def test_eval_only_refuses_what_it_cannot_evaluate(tmp_path: Path) -> None:
+    from bridge.config import CheckpointConfig, ConfigContainer, ConfigError
+    from bridge.train import T5ModelProvider
+    from bridge.train.generate.evaluation import prepare_eval_only
+    from bridge.train.models.mimo import MimoModelConfig
+    from bridge.train.testing import tiny_config_container
+
+    load = CheckpointConfig(load=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"--eval-only: is not supported for MIMO runs"):
+        prepare_eval_only(ConfigContainer(model=MimoModelConfig(), checkpoint=load))
+    t5 = T5ModelProvider(num_layers=2, hidden_size=32, num_attention_heads=4)
+    with pytest.raises(ConfigError, match=r"--eval-data: .* a T5 model is evaluated on its own"):
+        prepare_eval_only(ConfigContainer(model=t5, checkpoint=load), eval_data=str(tmp_path))
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ConfigError, match=r"--eval-data: .*missing.jsonl does not exist"):
+        prepare_eval_only(tiny_config_container(checkpoint=load), eval_data=str(missing))
+
+
 def _train_once(rank: int, world: int, root: str) -> tuple[int, str]:
     base = Path(root)
     return _bridge_train(

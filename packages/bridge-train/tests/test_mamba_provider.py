@@ -39,6 +39,8 @@ def _tiny(**overrides):
         ({"mamba_head_dim": 48}, r"mamba_head_dim=48 does not divide"),
         ({"tensor_model_parallel_size": 8, "mamba_num_groups": 4}, r"must divide the Mamba"),
         ({"rope_scaling": True}, r"rope_scaling"),
+        ({"mamba_num_heads": 3}, r"has 3 heads .*model.mamba_num_groups=2"),
+        ({"transformer_layer_spec": object()}, r"takes model.mamba_stack_spec"),
     ],
 )
 def test_bad_hybrid_fields_are_refused_naming_the_field(overrides, match) -> None:
@@ -109,13 +111,18 @@ def _build(rank: int, world: int, provider: MambaProvider):
     losses = model(tokens, positions, None, labels=tokens)
     losses.mean().backward()
     grads = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    return kinds, mixer, keys, tuple(losses.shape), grads
+    # mamba_num_heads sets the head count (the width follows it) instead of 2 x hidden_size.
+    wide = _tiny(mamba_num_heads=8).provide().decoder.layers[0].mixer
+    heads = (wide.A_log.numel(), wide.in_proj.weight.shape[0], wide.out_proj.weight.shape[1])
+    return kinds, mixer, keys, tuple(losses.shape), grads, heads
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_builds_megatron_hybrid_model_with_megatron_checkpoint_keys() -> None:
-    ((kinds, mixer, keys, shape, grads),) = run_distributed(_build, 1, _tiny(), timeout=200)
+    ((kinds, mixer, keys, shape, grads, heads),) = run_distributed(_build, 1, _tiny(), timeout=200)
+    # 8 heads of mamba_head_dim 16: in_proj gives z, x (128 each), B, C (2 groups x 16) and dt.
+    assert heads == (8, 2 * 128 + 2 * 32 + 8, 128)
     assert kinds == ["MambaLayer", "TransformerLayer", "MambaLayer", "MLPLayer"]
     assert mixer == "PortableMambaMixer"
     prefix = "decoder.layers.0.mixer."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from bridge.train.models import (
     layer_specs,
     resolve_layer_spec_backend,
 )
+from bridge.train.models.architecture import same_setting
 from bridge.train.models.gemma3_provider import Gemma3ModelProvider
 from bridge.train.models.gpt_oss_provider import GptOssModelProvider
 from bridge.train.models.mla_provider import MLAModelProvider
@@ -61,6 +63,10 @@ def test_padded_vocab_size_is_divisible_by_granularity_times_tp(
 
 def test_unpadded_vocab_when_padding_is_off() -> None:
     assert tiny_gpt_provider(vocab_size=100, should_pad_vocab=False).padded_vocab_size == 100
+    with pytest.raises(ValueError, match=r"vocab_size=101 is not divisible .* should_pad_vocab"):
+        tiny_gpt_provider(vocab_size=101, should_pad_vocab=False, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"'yarn' needs megatron's yarn_\* fields"):
+        tiny_gpt_provider(position_embedding_type="yarn")
 
 
 def test_tensor_parallel_size_that_does_not_divide_heads_is_refused_with_the_fields() -> None:
@@ -215,6 +221,32 @@ def test_explicit_layer_spec_callable_overrides_the_backend() -> None:
     provider = tiny_gpt_provider(transformer_layer_spec=spec_fn)
     provider.layer_spec(vp_stage=3)
     assert calls == [3]
+    # A callable without vp_stage is called with the provider alone; a spec is used as given.
+    given = tiny_gpt_provider(layer_spec_backend="portable").layer_spec()
+    assert tiny_gpt_provider(transformer_layer_spec=lambda p: given).layer_spec(2) is given
+    assert tiny_gpt_provider(transformer_layer_spec=given).layer_spec() is given
+
+
+def test_same_setting_compares_what_the_values_mean() -> None:
+    normal = functools.partial(torch.nn.init.normal_, mean=0.0, std=0.02)
+    assert same_setting(normal, functools.partial(torch.nn.init.normal_, mean=0.0, std=0.02))
+    assert not same_setting(normal, functools.partial(torch.nn.init.normal_, mean=0.0, std=0.01))
+    assert same_setting(Path("/data/a"), "/data/a") and not same_setting(Path("/a"), "/b")
+    assert same_setting(0.1 * 3, 0.3) and not same_setting(0.3, 0.31)
+    assert same_setting([1, (2.0, 3)], (1, [2, 3])) and not same_setting([1], [1, 2])
+    assert not same_setting(torch.ones(2), torch.ones(2))  # no boolean equality: not the same
+
+
+def test_gpt_oss_refuses_expert_tensor_parallelism_with_biased_experts() -> None:
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size=2: .* set it to 1"):
+        GptOssModelProvider(
+            num_moe_experts=2,
+            moe_router_topk=2,
+            add_bias_linear=True,
+            tensor_model_parallel_size=2,
+            expert_tensor_parallel_size=2,
+        )
+    assert GptOssModelProvider(add_bias_linear=True).expert_tensor_parallel_size == 1
 
 
 def test_provider_survives_the_yaml_round_trip(tmp_path) -> None:

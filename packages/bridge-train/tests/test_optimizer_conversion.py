@@ -18,10 +18,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from bridge.train.checkpointing import CheckpointError
 from bridge.train.checkpointing.load import _check_reshardable
 from bridge.train.checkpointing.optimizer_conversion import (
-    checkpoint_group_bounds,
     conversion_template,
     converted_optimizer_state,
 )
+from bridge.train.checkpointing.optimizer_load import checkpoint_group_bounds
 
 # megatron's optimizer kinds, as optimizer_format tells them apart (by class name).
 DistributedOptimizer = type("DistributedOptimizer", (), {})
@@ -174,7 +174,6 @@ def test_checkpoint_bounds_pair_groups_across_expert_parallelism() -> None:
     """With scheduler.use_checkpoint_opt_param_scheduler the saved bounds are found for each
     of this run's groups by weight-decay and learning-rate multipliers, whether or not the
     expert parameters were optimised apart; ambiguous bounds are refused."""
-    keys = ("max_lr", "min_lr")
 
     def group(wd_mult: float, lr: float, expert: bool = False) -> dict[str, Any]:
         return {
@@ -191,8 +190,8 @@ def test_checkpoint_bounds_pair_groups_across_expert_parallelism() -> None:
         0: {"param_groups": [group(1.0, 1e-3), group(0.0, 1e-3)]},
         1: {"param_groups": [group(1.0, 1e-3, expert=True)]},
     }
-    bounds = checkpoint_group_bounds(_Chained(one_part), saved_two_parts, keys, "ckpt")
+    bounds = checkpoint_group_bounds(_Chained(one_part), saved_two_parts, "ckpt")
     assert [b for _, _, b in bounds] == [{"max_lr": 1e-3, "min_lr": 1e-4}] * 2
     saved_two_parts[1]["param_groups"][0]["max_lr"] = 2e-3
     with pytest.raises(CheckpointError, match="use_checkpoint_opt_param_scheduler"):
-        checkpoint_group_bounds(_Chained(one_part), saved_two_parts, keys, "ckpt")
+        checkpoint_group_bounds(_Chained(one_part), saved_two_parts, "ckpt")

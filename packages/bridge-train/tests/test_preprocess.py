@@ -43,7 +43,7 @@ def test_custom_json_key(tmp_path) -> None:
     tok = ByteLevelTokenizer()
     result = preprocess_data([tmp_path / "d.jsonl"], tmp_path / "k", tok, json_key="content")
     assert _documents(result.output_prefix, tok) == ["abc<eod>", "de<eod>"]
-    with pytest.raises(ValueError, match=r"d.jsonl:1: no key 'text'.*--json-key"):
+    with pytest.raises(ValueError, match=r"d.jsonl line 1: no key 'text'.*--json-key"):
         preprocess_data([tmp_path / "d.jsonl"], tmp_path / "k2", tok)
 
 
@@ -108,7 +108,7 @@ def test_workers_write_the_same_files_as_one_process(tmp_path, corpus_documents)
 
 
 def test_progress_is_reported_while_writing(tmp_path, corpus_jsonl, capsys) -> None:
-    from bridge.train.data.preprocess import PreprocessProgress
+    from bridge.train.data.preprocess import PreprocessProgress, _print_progress
 
     seen: list[PreprocessProgress] = []
     preprocess_data(
@@ -122,6 +122,12 @@ def test_progress_is_reported_while_writing(tmp_path, corpus_jsonl, capsys) -> N
     assert [p.documents for p in seen[:3]] == [1, 2, 3]
     assert seen[-1].bytes_read == seen[-1].bytes_total == corpus_jsonl.stat().st_size
     assert all(a.bytes_read <= b.bytes_read for a, b in itertools.pairwise(seen))
+    # The command's line for such a report (none before its first interval has passed).
+    _print_progress(PreprocessProgress(3, 120, 2_500_000, 5_000_000, 4.0))
+    _print_progress(PreprocessProgress(1_234, 56_789, 2_500_000, 5_000_000, 6.0))
+    assert capsys.readouterr().err == (
+        "bridge-preprocess-data: 1,234 documents, 56,789 tokens, 2.5 of 5.0 MB read (50%), 6 s\n"
+    )
     # The command takes --workers; a value below 1 is refused naming it.
     with pytest.raises(SystemExit):
         main(

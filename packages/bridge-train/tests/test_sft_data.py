@@ -22,6 +22,7 @@ from bridge.train.data.packing import PackedSFTDataset, first_fit_bins
 from bridge.train.data.sft import (
     SFTDataset,
     build_sft_datasets,
+    chat_generation_prompt,
     check_finetuning_dataset,
     load_tokenized_examples,
     sft_settings,
@@ -99,6 +100,34 @@ def test_chat_records_loss_on_assistant_turns_only(tmp_path: Path) -> None:
     assert sample["tokens"][: len(ids) - 1].tolist() == ids[:-1]
     scored = [int(t) for t, m in zip(sample["labels"], sample["loss_mask"], strict=True) if m]
     assert scored == [*b"yo\n", TOKENIZER.eod]
+
+
+class _TemplatedTokenizer(ByteLevelTokenizer):
+    """A byte-level tokenizer with a chat template, as a user's Hugging Face wrapper has."""
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool = False
+    ) -> str:
+        assert not tokenize
+        text = "".join(f"[{m['role']}] {m['content']};" for m in messages)
+        return text + ("[assistant] " if add_generation_prompt else "")
+
+
+def test_chat_records_use_the_tokenizer_chat_template(tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    tokenizer = _TemplatedTokenizer()
+    examples = load_tokenized_examples(tmp_path / "chat.jsonl", tokenizer, sft_settings(None))
+    ids, flags = examples.example(0)
+    assert ids.tolist() == [*b"[user] hi;[assistant] yo;", tokenizer.eod]
+    # Loss on the assistant message's tokens (as the template renders them) and the EOD.
+    assert [int(t) for t, f in zip(ids, flags, strict=True) if f] == [
+        *b"[assistant] yo;",
+        tokenizer.eod,
+    ]
+    # A generation prompt is the rendered chat and the template's opening of an answer.
+    prompt = chat_generation_prompt(tokenizer, messages[:1])
+    assert prompt == list(b"[user] hi;[assistant] ")
 
 
 def test_truncation_policies(tmp_path: Path) -> None:
@@ -202,6 +231,10 @@ def test_bad_records_and_options_name_the_problem(sft_root: Path) -> None:
         check_finetuning_dataset(_config(sft_root, dataset_kwargs={"promt_key": "q"}))
     with pytest.raises(ConfigError, match=r"dataset\.dataset_kwargs\.truncation"):
         check_finetuning_dataset(_config(sft_root, dataset_kwargs={"truncation": "middle"}))
+    assert sft_settings({"cache_dir": sft_root}).cache_dir == sft_root  # a Path, from Python
+    for key, value in (("answer_key", ""), ("add_eod", "yes"), ("cache_dir", 5)):
+        with pytest.raises(ConfigError, match=rf"dataset\.dataset_kwargs\.{key}: .*got {value!r}"):
+            check_finetuning_dataset(_config(sft_root, dataset_kwargs={key: value}))
     (sft_root / "test.jsonl").unlink()
     with pytest.raises(ConfigError, match=r"dataset\.do_test.*set dataset\.do_test=false"):
         check_finetuning_dataset(_config(sft_root))
@@ -209,6 +242,8 @@ def test_bad_records_and_options_name_the_problem(sft_root: Path) -> None:
         check_finetuning_dataset(_config(sft_root, do_test=False, dataloader_type="external"))
     with pytest.raises(ConfigError, match=r"dataset\.dataset_root"):
         check_finetuning_dataset(_config(sft_root / "nowhere"))
+    with pytest.raises(ConfigError, match=r"dataset\.dataset_root: is required for finetuning"):
+        check_finetuning_dataset(_config(sft_root, dataset_root=None))
 
 
 def _launch_config(root: Path, **dataset: Any) -> Any:
@@ -259,3 +294,26 @@ def test_packed_samples_keep_examples_apart(sft_root: Path) -> None:
     unpacked = SFTDataset(examples, 32, TOKENIZER.pad)
     assert sample["loss_mask"][:5].tolist() == unpacked[0]["loss_mask"][:5].tolist()
     assert torch.equal(sample["labels"][5:10], unpacked[1]["labels"][:5])
+
+
+def test_eval_file_of_text_documents_and_its_refusals(tmp_path: Path) -> None:
+    from bridge.train.data.eval_file import TokenWindows, build_eval_file_dataset
+
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": "abc"}, {"text": "de"}])
+    windows = build_eval_file_dataset(tmp_path / "docs.jsonl", TOKENIZER, 4)
+    # Each document then the EOD, in windows of 4 predicted tokens; loss on every real one.
+    stream = [*b"abc", TOKENIZER.eod, *b"de", TOKENIZER.eod]
+    assert isinstance(windows, TokenWindows) and len(windows) == 2
+    assert windows[0]["labels"].tolist() == stream[1:5]
+    assert windows[1]["loss_mask"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    write_jsonl(tmp_path / "mixed.jsonl", [{"text": "abc"}, {"body": "de"}])
+    with pytest.raises(ValueError, match=r"mixed\.jsonl line 2: needs a 'text' string"):
+        build_eval_file_dataset(tmp_path / "mixed.jsonl", TOKENIZER, 4)
+    write_jsonl(tmp_path / "other.jsonl", [{"body": "x"}])
+    with pytest.raises(ValueError, match=r"other\.jsonl line 1: expected an SFT record"):
+        build_eval_file_dataset(tmp_path / "other.jsonl", TOKENIZER, 4)
+    (tmp_path / "empty.jsonl").write_text("\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"empty\.jsonl holds no record"):
+        build_eval_file_dataset(tmp_path / "empty.jsonl", TOKENIZER, 4)
+    with pytest.raises(ValueError, match=r"--eval-data .*missing\.txt does not exist"):
+        build_eval_file_dataset(tmp_path / "missing.txt", TOKENIZER, 4)

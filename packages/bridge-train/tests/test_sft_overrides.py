@@ -66,3 +66,24 @@ def test_more_workers_than_cpus_are_capped_without_torch_warning() -> None:
         warnings.simplefilter("always")
         train_loader.check_worker_number_rationality()
     assert not caught, [str(w.message) for w in caught]
+
+
+def test_loader_workers_get_the_exit_signal_guard_and_external_data_passes_through() -> None:
+    from bridge.resiliency import DataloaderSignalGuard
+
+    config: Any = SimpleNamespace(num_workers=1, dataloader_type="single")
+    train: Any = SimpleNamespace(
+        micro_batch_size=2, train_iters=1, eval_iters=0, exit_signal_handler_for_dataloader=True
+    )
+    state: Any = SimpleNamespace(consumed_train_samples=0, consumed_valid_samples=0)
+    dataset = torch.utils.data.TensorDataset(torch.arange(8))
+    datasets = (dataset, None, None)
+    layout = {"data_parallel_rank": 0, "data_parallel_size": 1}
+    loader, _, _ = loaders.build_train_valid_test_data_loaders(
+        datasets, config, train, state, **layout
+    )
+    assert loader is not None and isinstance(loader.worker_init_fn, DataloaderSignalGuard)
+    # "external": the datasets are the iterables of batches, handed back as they are.
+    config.dataloader_type = "external"
+    assert loaders.build_train_valid_test_data_loaders(datasets, config, train, state) == datasets
+    assert state.do_train and not state.do_valid

@@ -153,7 +153,7 @@ def _samples(rank: int, world: int, prefix: str) -> dict[str, Any]:
         np.array_equal(again[k], samples[3][k]) for k in ("text_enc", "labels")
     )
     out["samples"] = samples
-    out["tok"] = tok.describe()
+    out["tok"] = {"sentinels": tok.additional_special_tokens_ids, "bos": tok.bos, "eos": tok.eos}
     del indexed
     return out
 

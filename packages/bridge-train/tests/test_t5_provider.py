@@ -13,7 +13,7 @@ from bridge.train import T5ModelProvider
 from bridge.train.data.t5_datasets import MOCK_SENTINELS, MockT5Dataset, T5DatasetConfig
 from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.models.family import build_family_datasets, default_forward_step
-from core_utils.testing import run_distributed
+from core_utils.testing import find_free_port, run_distributed
 
 
 def _tiny(**overrides):
@@ -59,6 +59,7 @@ def test_backend_choice() -> None:
     with pytest.raises(ValueError, match="not supported for T5"):
         _tiny(layer_spec_backend="transformer_engine").resolved_layer_spec_backend()
     assert _tiny().position_table_length == 24 and _tiny().encoder_layers == 1
+    assert _tiny(max_position_embeddings=40).position_table_length == 40
 
 
 def test_generated_samples_are_span_corruption_in_megatron_layout() -> None:
@@ -161,8 +162,10 @@ def test_yaml_round_trip(tmp_path) -> None:
     assert type(loaded) is T5ModelProvider and loaded.seq_length_dec == 12
 
 
-def _build_and_step(rank: int, world: int, provider: T5ModelProvider):
-    from bridge.train import t5_forward_step
+def _build_and_step(rank: int, world: int, provider: T5ModelProvider, port: int):
+    from bridge.config import StragglerDetectionConfig
+    from bridge.resiliency import StragglerTiming
+    from bridge.train import GlobalState, t5_forward_step
     from bridge.train.engine.initialize import initialize_distributed
     from bridge.train.testing import tiny_dist_config
 
@@ -170,12 +173,23 @@ def _build_and_step(rank: int, world: int, provider: T5ModelProvider):
     model = provider.provide()
     ds = MockT5Dataset(2, _data(), 128, 0)
     batch = {k: torch.stack([torch.as_tensor(ds[i][k]) for i in range(2)]) for k in ds[0]}
-    output, loss_func = t5_forward_step(None, iter([batch]), model)
+    # Straggler detection on, as a run with a straggler section has it: the T5 step times
+    # its batch fetch and forward pass for the report as the GPT step does.
+    straggler = StragglerDetectionConfig(log_straggler=True, straggler_ctrlr_port=port)
+    state = GlobalState(straggler_timing=StragglerTiming.from_config(straggler))
+    try:
+        output, loss_func = t5_forward_step(state, iter([batch]), model)
+        state.straggler_timing.maybe_report(1, total_flops=1e9, log_interval=1)
+        report = state.straggler_timing.last_report
+    finally:
+        state.straggler_timing.close()
     loss, tokens, _ = loss_func(output)
     loss.backward()
     finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     cross = model.decoder.layers[0].cross_attention.core_attention
-    return type(cross).__name__, float(loss), int(tokens), finite
+    assert report is not None
+    timed = (report.max_elapsed.value, report.max_btime.value)
+    return type(cross).__name__, float(loss), int(tokens), finite, timed
 
 
 @pytest.mark.multiprocess
@@ -187,6 +201,9 @@ def test_builds_t5_with_sdpa_cross_attention_and_takes_a_finite_step(
     position_embedding_type: str,
 ) -> None:
     provider = _tiny(position_embedding_type=position_embedding_type)
-    ((cross, loss, tokens, finite),) = run_distributed(_build_and_step, 1, provider, timeout=200)
+    ((cross, loss, tokens, finite, (forward_ms, fetch_ms)),) = run_distributed(
+        _build_and_step, 1, provider, find_free_port(), timeout=200
+    )
     assert cross == "SDPACoreAttention"
     assert np.isfinite(loss) and tokens > 0 and finite
+    assert forward_ms > 0 and fetch_ms > 0, "the T5 step was not timed for the straggler report"

@@ -54,6 +54,11 @@ def test_build_tokenizer_from_config() -> None:
     assert isinstance(null, NullTokenizer) and null.vocab_size == 64
     with pytest.raises(ValueError, match=r"tokenizer_type='WordPiece' is not a tokenizer type"):
         build_tokenizer(SimpleNamespace(tokenizer_type="WordPiece"))
+    # bridge-preprocess-data hands its options over unchecked: a missing file option is named.
+    with pytest.raises(
+        ValueError, match=r"tokenizer\.tokenizer_model is required .*tokenizer\.json"
+    ):
+        build_tokenizer(SimpleNamespace(tokenizer_type="HuggingFaceTokenizer"))
 
 
 def _save_word_level_tokenizer(directory) -> None:

@@ -25,6 +25,7 @@ from bridge.config import (
     LoggerConfig,
     ProfilingConfig,
     StragglerDetectionConfig,
+    TrainingConfig,
 )
 from bridge.resiliency import WatchdogTimeouts
 from bridge.train import (
@@ -36,6 +37,7 @@ from bridge.train import (
     should_disable_forward_pre_hook,
 )
 from bridge.train.loop import rampup_to_step_schedule
+from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.loop.components import WeightHashMismatchError
 from bridge.train.loop.step import _handle_mxfp8_param_buffer_copy
 from bridge.train.metrics import read_metrics_file
@@ -88,6 +90,15 @@ def test_rampup_becomes_megatron_step_schedule() -> None:
     for bad in ([4, 4], [0, 4, 32], [4, 4, -1]):
         with pytest.raises(ConfigError, match=r"expected \[start batch size, increment"):
             rampup_to_step_schedule(bad, 16)
+    # megatron-core's step schedules cannot shrink the batch: the combination is refused.
+    both = TrainingConfig(
+        global_batch_size=16,
+        micro_batch_size=4,
+        rampup_batch_size=[4, 4, 32],
+        decrease_batch_size_if_needed=True,
+    )
+    with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*decrease_batch_size_if"):
+        ensure_num_microbatches_calculator(both, 1)
 
 
 def test_progress_log_start_time_follows_world_size(tmp_path: Path) -> None:

@@ -137,11 +137,10 @@ def _sections_help() -> str:
 def _recipes_help() -> str:
     width = max(len(name) for name in RECIPES)
     lines = []
-    for recipe in RECIPES.values():
-        marker = " (default)" if recipe.name == DEFAULT_RECIPE else ""
-        summary = recipe.summary.replace(" (the default)", "")
+    for name, summary in RECIPES.items():
+        marker = " (default)" if name == DEFAULT_RECIPE else ""
         wrapped = textwrap.wrap(summary + marker, width=72 - width)
-        lines.append(f"  {recipe.name:<{width}}  {wrapped[0]}")
+        lines.append(f"  {name:<{width}}  {wrapped[0]}")
         lines += [f"  {'':<{width}}  {more}" for more in wrapped[1:]]
     return "\n".join(lines)
 

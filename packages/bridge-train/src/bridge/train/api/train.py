@@ -22,7 +22,6 @@ from bridge.train.loop.components.profiler import step_profiler
 from bridge.train.loop.profiling import TNvtxContext
 from bridge.train.loop.training import RunComponents, run_training
 from bridge.train.state import ForwardStepCallable, GlobalState
-from core_utils.distributed import global_rank
 from core_utils.loop import LoopContext
 
 if TYPE_CHECKING:
@@ -286,8 +285,4 @@ def checkpoint_and_decide_exit(
     decision = checkpointer.save_and_decide(context)
     if checkpointer.last_saved_iteration is not None:
         state.last_saved_iteration = checkpointer.last_saved_iteration
-    if decision is None or not decision.should_exit:
-        return False
-    if global_rank() == 0:
-        print(f"[bridge-train] {decision.message}", flush=True)
-    return True
+    return decision is not None and decision.should_exit

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from bridge.train.checkpointing.errors import CheckpointError
 
 # The checkpoint code's names for core_utils' helpers: the process group's view only (a
@@ -17,13 +15,7 @@ from core_utils.distributed import (
     global_world_size as world_size,
 )
 
-__all__ = ["barrier", "rank", "ready", "run_on_rank0", "world_size"]
-
-
-def barrier() -> None:
-    """Wait for every rank (no-op without a process group)."""
-    if ready():
-        dist.barrier()
+__all__ = ["rank", "ready", "run_on_rank0", "world_size"]
 
 
 def run_on_rank0(fn: Any, *args: Any, **kwargs: Any) -> Any:

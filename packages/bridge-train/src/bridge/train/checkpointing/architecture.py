@@ -25,7 +25,13 @@ from bridge.train.models.architecture import (
     same_setting,
 )
 
-__all__ = ["ARCHITECTURE_FIELDS", "check_same_architecture", "differences", "read_run_config"]
+__all__ = [
+    "ARCHITECTURE_FIELDS",
+    "check_same_architecture",
+    "differences",
+    "read_run_config",
+    "saved_run_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +48,25 @@ def _show(value: Any) -> str:
     return name if callable(value) and name else repr(value)
 
 
-def read_run_config(checkpoint_dir: str | os.PathLike[str]) -> ConfigContainer | None:
-    """The run config ``checkpoint_dir`` was saved with; None when it has none or it no
-    longer loads (saved by an older version, or naming a class no longer importable)."""
+def saved_run_config(checkpoint_dir: str | os.PathLike[str]) -> ConfigContainer | None:
+    """The run config ``checkpoint_dir`` was saved with (its ``run_config.yaml``), or None
+    when it has none.
+
+    Raises:
+        ConfigError: It no longer loads (saved by an older version, or naming a class no
+            longer importable).
+        OSError: It cannot be read.
+    """
     path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
-    if not path.is_file():
-        return None
+    return ConfigContainer.from_yaml(path) if path.is_file() else None
+
+
+def read_run_config(checkpoint_dir: str | os.PathLike[str]) -> ConfigContainer | None:
+    """:func:`saved_run_config` for the resume checks: also None (logged) when it no longer
+    loads."""
+    path = Path(checkpoint_dir) / RUN_CONFIG_FILENAME
     try:
-        return ConfigContainer.from_yaml(path)
+        return saved_run_config(checkpoint_dir)
     except ConfigError as exc:
         logger.info("not comparing this run with %s: %s", path, exc)
         return None

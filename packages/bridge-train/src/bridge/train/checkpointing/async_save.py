@@ -55,10 +55,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# One queue per process; a forked child (a rank started from a parent that had one) must
-# not reuse its parent's, so the owning pid is recorded.
-_QUEUE: dict[str, Any] = {"pid": None, "queue": None}
-_RESULTS_QUEUE_PID: list[int | None] = [None]
+# One queue per process: a forked child (a rank started from a parent that had one, a
+# writer process) must not reuse its parent's, nor megatron's write-results queue.
+_QUEUE: dict[str, Any] = {"queue": None}
+
+
+def _forget_parent_queues() -> None:
+    _QUEUE["queue"] = None
+    filesystem_async._results_queue = None
+
+
+os.register_at_fork(after_in_child=_forget_parent_queues)
 
 
 def ensure_write_results_queue() -> None:
@@ -68,16 +75,13 @@ def ensure_write_results_queue() -> None:
     interpreter that re-imports the main module, torch and megatron-core (about 100 s per
     rank on a loaded 2-core machine). A Manager forked from the already loaded process
     starts in a fraction of a second. Each process needs its own queue (ranks must not read
-    each other's results), so one inherited from a parent process is replaced. Only done
+    each other's results), so a forked child forgets the one it inherited. Only done
     without CUDA: forking a process that initialised CUDA is not safe.
     """
     if torch.cuda.is_available():
         return
 
-    if _RESULTS_QUEUE_PID[0] != os.getpid():
-        filesystem_async._results_queue = None  # inherited from a parent: not ours
     filesystem_async.get_write_results_queue(mp_mode="fork")  # made only when there is none
-    _RESULTS_QUEUE_PID[0] = os.getpid()
 
 
 _ALIGN = 64  # bytes; keeps every tensor in the arena aligned for any dtype
@@ -320,24 +324,20 @@ def get_async_calls_queue(persistent: bool) -> Any:
     Returns:
         A megatron-core ``AsyncCallsQueue``.
     """
-    current = _current_queue()
+    current = _QUEUE["queue"]
     if current is not None and current.persistent != persistent:
         with cpu_cuda_compat():
             current.close()
         current = None
     if current is None:
         current = BridgeAsyncCallsQueue(persistent=persistent)
-        _QUEUE.update(pid=os.getpid(), queue=current)
+        _QUEUE["queue"] = current
     return current
-
-
-def _current_queue() -> Any:
-    return _QUEUE["queue"] if _QUEUE["pid"] == os.getpid() else None
 
 
 def pending_async_saves() -> int:
     """Number of asynchronous saves of this process not yet finalized."""
-    current = _current_queue()
+    current = _QUEUE["queue"]
     return 0 if current is None else int(current.get_num_unfinalized_calls())
 
 
@@ -367,7 +367,7 @@ def finalize_async_saves(
         CheckpointError: A background write or its finalization failed (on every rank);
             the previous checkpoint stays the newest. The queue is discarded.
     """
-    current = _current_queue()
+    current = _QUEUE["queue"]
     if current is None:
         return
     section: contextlib.AbstractContextManager[Any] = (
@@ -382,7 +382,7 @@ def finalize_async_saves(
                     try:
                         current.close()
                     finally:
-                        _QUEUE.update(pid=None, queue=None)
+                        _QUEUE["queue"] = None
                 else:
                     current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
         except CheckpointError:
@@ -394,7 +394,7 @@ def finalize_async_saves(
                 with cpu_cuda_compat():
                     current.close(abort=True)
             finally:
-                _QUEUE.update(pid=None, queue=None)
+                _QUEUE["queue"] = None
             raise CheckpointError(
                 f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
                 "remains the newest one (its tracker was not updated)"

@@ -58,6 +58,7 @@ __all__ = [
     "find_latest_checkpoint",
     "is_complete_checkpoint",
     "locate_checkpoint",
+    "older_complete",
     "one_lookup_per_launch",
     "read_marker",
     "read_tracker",
@@ -284,6 +285,16 @@ class CheckpointLocation:
     path: str
 
 
+def older_complete(root: str | os.PathLike[str], below: int) -> tuple[CheckpointLocation, ...]:
+    """The complete checkpoints of ``root`` older than iteration ``below``, newest first."""
+    base = Path(root)
+    return tuple(
+        CheckpointLocation(i, str(base / checkpoint_dir_name(i)))
+        for i in reversed(complete_iterations(base))
+        if i < below
+    )
+
+
 def find_latest_checkpoint(
     root: str | os.PathLike[str] | None, step: int | None = None
 ) -> CheckpointLocation | None:
@@ -342,7 +353,7 @@ def _find_latest(base: Path, step: int | None) -> CheckpointLocation | None:
     path = base / checkpoint_dir_name(tracked)
     if is_complete_checkpoint(path):
         return CheckpointLocation(tracked, str(path))
-    older = [i for i in complete_iterations(base) if i < tracked]
+    older = older_complete(base, tracked)
     state = (
         "is incomplete (its completion marker is missing or unreadable)"
         if path.is_dir()
@@ -354,7 +365,7 @@ def _find_latest(base: Path, step: int | None) -> CheckpointLocation | None:
             f"{state} and {base} holds no older complete checkpoint; restore the directory, "
             "or delete the tracker to start from scratch"
         )
-    reported = (str(base.resolve()), tracked, older[-1])
+    reported = (str(base.resolve()), tracked, older[0].iteration)
     if reported not in _REPORTED_FALLBACKS:
         _REPORTED_FALLBACKS.add(reported)
         logger.error(  # a data-loss event: not hidden by filter_warnings
@@ -364,9 +375,9 @@ def _find_latest(base: Path, step: int | None) -> CheckpointLocation | None:
             tracked,
             path,
             state,
-            older[-1],
+            older[0].iteration,
         )
-    return CheckpointLocation(older[-1], str(base / checkpoint_dir_name(older[-1])))
+    return older[0]
 
 
 def validate_save_dir(root: str | os.PathLike[str], field: str = "checkpoint.save") -> None:

@@ -20,12 +20,11 @@ iteration 0).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,31 +56,28 @@ from bridge.train.checkpointing.integrity import checkpoint_problems, gather_pro
 from bridge.train.checkpointing.layout import (
     TRACKER_FILENAME,
     CheckpointLocation,
-    checkpoint_dir_name,
-    complete_iterations,
     find_latest_checkpoint,
     is_complete_checkpoint,
+    older_complete,
     parse_iteration,
 )
 from bridge.train.checkpointing.optimizer_conversion import (
     OptimizerConversion,
-    checkpoint_group_bounds,
     conversion_template,
-    converted_optimizer_state,
 )
-from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state, rng_sharded_object
+from bridge.train.checkpointing.optimizer_load import check_scheduler_settings, load_optimizer
+from bridge.train.checkpointing.rng import RNG_STATE_KEY, restore_rng_state
 from bridge.train.checkpointing.state_dict import (
     FORMAT_VERSION,
     LAYOUT_SIZES,
     META_KEY,
-    allocate_optimizer_state,
-    distributed_parts,
     model_sharded_state_dict,
     model_state_keys,
     optimizer_format,
     optimizer_parts,
     optimizer_sharded_state_dict,
     parallel_layout,
+    sharded_entries,
     unwrapped_chunks,
 )
 from bridge.train.engine.initialize import resume_seed
@@ -105,19 +101,6 @@ logger = logging.getLogger(__name__)
 # The template entry optimizer tensors of another format are loaded under (see
 # optimizer_conversion): not "optimizer", whose saved common state has the other layout.
 CONVERTED_OPTIMIZER_KEY = "bridge_converted_optimizer"
-
-# Scheduler settings megatron's OptimizerParamScheduler checks against a checkpoint.
-_SCHEDULER_SETTINGS = (
-    "max_lr",
-    "min_lr",
-    "lr_warmup_steps",
-    "lr_decay_steps",
-    "lr_decay_style",
-    "start_wd",
-    "end_wd",
-    "wd_incr_steps",
-    "wd_incr_style",
-)
 
 
 def checkpoint_exists(path: str | os.PathLike[str] | None) -> bool:
@@ -162,15 +145,6 @@ class PlannedLoad:
     explicit: bool = False
 
 
-def _older_complete(root: str | os.PathLike[str], below: int) -> tuple[CheckpointLocation, ...]:
-    base = Path(root)
-    return tuple(
-        CheckpointLocation(i, str(base / checkpoint_dir_name(i)))
-        for i in reversed(complete_iterations(base))
-        if i < below
-    )
-
-
 def _absent(path: str | os.PathLike[str], holds: str) -> str:
     """What is wrong with a directory a checkpoint was looked for in: ``holds`` or missing."""
     return holds if os.path.isdir(path) else "does not exist"
@@ -201,7 +175,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
         persistent is not None and Path(persistent.path) == Path(str(load))
     )
     older = (
-        () if persistent is None or explicit else _older_complete(str(load), persistent.iteration)
+        () if persistent is None or explicit else older_complete(str(load), persistent.iteration)
     )
     if step is None and cfg.non_persistent_ckpt_type == "global":
         np_root = non_persistent_dir(cfg, base=str(load or ""))
@@ -209,7 +183,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
         if latest_np is not None and (
             persistent is None or latest_np.iteration >= persistent.iteration
         ):
-            chain = _older_complete(str(np_root), latest_np.iteration) + older
+            chain = older_complete(str(np_root), latest_np.iteration) + older
             chain += () if persistent is None else (persistent,)
             return PlannedLoad(
                 latest_np.path,
@@ -328,11 +302,9 @@ def _layout_sizes(layout: dict[str, Any]) -> str:
     """``"TP2 PP1 CP1 DP1 EP1 ETP1"``: the sizes ``layout`` records (a MIMO model's own
     description added), or ``"no model parallelism"``."""
     sizes = [f"{short}{layout[name]}" for short, name, _ in LAYOUT_SIZES if name in layout]
-    modules = layout.get("mimo_layout")
-    if isinstance(modules, dict):  # module -> "ranks 0-1 TP1 DP2"
+    modules = layout.get("mimo_layout") or {}  # module -> "ranks 0-1 TP1 DP2"
+    if modules:
         sizes.append(", ".join(f"{name} {placement}" for name, placement in modules.items()))
-    elif modules is not None:
-        sizes.append(str(modules))
     return " ".join(sizes) or "no model parallelism"
 
 
@@ -506,226 +478,6 @@ def _dist_load(template: dict[str, Any], path: str, cfg: CheckpointConfig) -> di
     return loaded
 
 
-def _check_scheduler_settings(
-    scheduler: OptimizerParamScheduler, saved: dict[str, Any], path: str
-) -> None:
-    """Refuse a checkpoint whose schedule differs from the config's, unless the config says
-    which one wins; take the checkpoint's schedule lengths when only those differ.
-
-    Runs before the optimizer state is loaded: megatron's optimizers pair the saved parameter
-    groups with the current ones by their learning-rate bounds, so a run with another
-    ``optimizer.lr`` would otherwise fail inside megatron-core instead of with this message.
-    """
-    if getattr(scheduler, "override_opt_param_scheduler", False) or getattr(
-        scheduler, "use_checkpoint_opt_param_scheduler", False
-    ):
-        return  # the config says which schedule wins
-    changed = [
-        name
-        for name in _SCHEDULER_SETTINGS
-        if name in saved and getattr(scheduler, name, saved[name]) != saved[name]
-    ]
-    differing = "; ".join(
-        f"{name} (config {getattr(scheduler, name)!r}, checkpoint {saved[name]!r})"
-        for name in changed
-    )
-    if changed and set(changed) <= {"lr_decay_steps", "wd_incr_steps", "lr_warmup_steps"}:
-        # Only the schedule's lengths differ: the run was extended (or shortened) with
-        # train.train_iters. The checkpoint's schedule keeps the learning rate
-        # continuous (after its decay ends it stays at min_lr); stretching it to the new
-        # length would jump the learning rate back up, so that is left to an explicit
-        # scheduler.override_opt_param_scheduler=true.
-        # INFO: extending a run is what the user asked for, not a problem.
-        log = logger.info if _dist.rank() == 0 else logger.debug
-        log(
-            "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
-            "(the learning rate stays at min_lr once its decay ends); set "
-            "scheduler.override_opt_param_scheduler=true to stretch it to this run's length",
-            path,
-            differing,
-        )
-        for name in changed:
-            setattr(scheduler, name, saved[name])
-    elif changed:
-        raise CheckpointError(
-            f"the scheduler settings differ from those saved in {path}: {differing}. Set "
-            "scheduler.override_opt_param_scheduler=True to keep the config's values, or "
-            "scheduler.use_checkpoint_opt_param_scheduler=True to take the checkpoint's"
-        )
-
-
-# Learning-rate and weight-decay bounds megatron's scheduler reads from each parameter group.
-_GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
-
-
-# The key megatron pairs parameter groups by, less the schedule bounds.
-_GROUP_STRUCTURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-
-
-def _align_schedule_bounds(
-    optimizer: MegatronOptimizer, saved_state: Any
-) -> list[tuple[Any, int, dict]]:
-    """Give the saved parameter groups the current groups' schedule bounds, for the load.
-
-    megatron's non-distributed optimizers pair saved and current parameter groups by a key
-    that includes ``max_lr``/``min_lr``/``start_wd``/``end_wd``; after
-    ``scheduler.override_opt_param_scheduler`` or ``use_checkpoint_opt_param_scheduler``
-    with another learning rate those differ, and the load would fail. Groups are paired by
-    the rest of the key (weight-decay and learning-rate multipliers, expert and decoupled
-    flags), when that pairing is one to one. Only megatron's non-distributed optimizers
-    are aligned (the distributed one keeps its own groups); their saved groups are in the
-    torch state dict (``FP32Optimizer``) or under ``"optimizer"`` (mixed precision).
-
-    Returns:
-        ``(inner optimizer, group index, the checkpoint's bounds)`` for each group whose
-        bounds were replaced, so the caller can decide which bounds the run keeps (torch's
-        load replaces the group dicts, hence indices).
-    """
-    inners = optimizer_parts(optimizer)
-    parts = (
-        [saved_state]
-        if len(inners) == 1
-        else list(saved_state.values() if isinstance(saved_state, dict) else saved_state)
-    )
-    replaced: list[tuple[Any, int, dict]] = []
-    for inner, part in zip(inners, parts, strict=False):
-        torch_state = part.get("optimizer", part) if isinstance(part, dict) else None
-        saved_groups = torch_state.get("param_groups") if isinstance(torch_state, dict) else None
-        current_groups = inner.param_groups
-        if (
-            type(inner).__name__ == "DistributedOptimizer"
-            or not isinstance(saved_groups, list)
-            or len(saved_groups) != len(current_groups)
-        ):
-            continue
-        by_structure = {tuple(g.get(k) for k in _GROUP_STRUCTURE): g for g in saved_groups}
-        if len(by_structure) != len(saved_groups):
-            continue  # ambiguous: leave megatron's own pairing (and its error) alone
-        for index, current in enumerate(current_groups):
-            saved = by_structure.get(tuple(current.get(k) for k in _GROUP_STRUCTURE))
-            if saved is None:
-                break
-            if all(saved.get(k) == current.get(k) for k in _GROUP_SCHEDULE_KEYS):
-                continue
-            bounds = {k: saved[k] for k in _GROUP_SCHEDULE_KEYS if k in saved}
-            replaced.append((inner, index, bounds))
-            for key in _GROUP_SCHEDULE_KEYS:
-                saved.pop(key, None)
-            saved.update({k: current[k] for k in _GROUP_SCHEDULE_KEYS if k in current})
-    return replaced
-
-
-def _load_optimizer(
-    optimizer: MegatronOptimizer,
-    loaded: dict[str, Any],
-    common: dict[str, Any],
-    conversion: OptimizerConversion | None,
-    scheduler: OptimizerParamScheduler | None,
-    path: str,
-) -> None:
-    """Restore the optimizer state, converted first when ``conversion`` is set. The
-    parameter groups' schedule bounds are the config's with ``override_opt_param_scheduler``,
-    else the checkpoint's (as the scheduler's own settings); converted state carries this
-    run's groups, so the checkpoint's bounds come from its saved common state."""
-    keep = bool(getattr(scheduler, "override_opt_param_scheduler", False))
-    bounds = [
-        {key: group[key] for key in _GROUP_SCHEDULE_KEYS if key in group}
-        for group in optimizer.param_groups
-    ]
-    saved_common = common.get("optimizer")
-    if conversion is None:
-        state = loaded["optimizer"]
-        replaced = _align_schedule_bounds(optimizer, state)
-    else:
-        state = converted_optimizer_state(
-            optimizer, conversion, loaded[CONVERTED_OPTIMIZER_KEY], saved_common, path
-        )
-        replaced = []
-        if getattr(scheduler, "use_checkpoint_opt_param_scheduler", False) and not keep:
-            # Without either flag the scheduler check made sure the bounds are equal.
-            replaced = checkpoint_group_bounds(optimizer, saved_common, _GROUP_SCHEDULE_KEYS, path)
-    # megatron's distributed optimizer copies into its (grad-requiring) fp32 main shards, and
-    # only some of its formats' loaders disable autograd themselves.
-    with torch.no_grad(), _distributed_optimizer_steps(optimizer):
-        optimizer.load_state_dict(state)
-    if keep:
-        for group, saved in zip(optimizer.param_groups, bounds, strict=True):
-            group.update(saved)
-    else:
-        for inner, index, checkpoint_bounds in replaced:
-            inner.param_groups[index].update(checkpoint_bounds)
-    if conversion is None:
-        return
-    if conversion.main_params_from_model:
-        # Saved from an fp32 model: its (now loaded) weights are the main parameters.
-        optimizer.reload_model_params()
-    if _dist.rank() == 0:
-        saved_parts = common[META_KEY].get("optimizer_parts")
-        logger.info(
-            "%s holds %s optimizer state%s; converted to this run's %s optimizer (%d part(s))",
-            path,
-            common[META_KEY].get("optimizer_format"),
-            f" ({saved_parts} part(s))" if saved_parts else "",
-            optimizer_format(optimizer),
-            len(optimizer_parts(optimizer)),
-        )
-
-
-@contextlib.contextmanager
-def _distributed_optimizer_steps(optimizer: MegatronOptimizer) -> Iterator[None]:
-    """Keep torch Adam's per-parameter ``step`` right through a megatron distributed
-    optimizer's load (without Apex / Transformer Engine, as on CPU; megatron-core 0.19).
-
-    Its ``fully_reshardable`` loader puts a ``step`` into every parameter's state (from the
-    saved parameter groups), then ``_set_main_param_and_optimizer_states`` copies every
-    state tensor from the checkpoint, which holds no per-parameter ``step``: ``KeyError:
-    'step'``. For the duration of the load the step already in place is handed in as its
-    own source; so is a main parameter the checkpoint does not hold (per-parameter state of
-    an fp32 model, converted by :mod:`~bridge.train.checkpointing.optimizer_conversion`): it
-    stays as it is and is refreshed from the loaded model weights.
-
-    After the load, every parameter gets its own tensor holding the loaded count (the saved
-    parameter groups' ``step``): ``load_state_dict`` leaves the per-parameter ``step`` of an
-    already allocated optimizer at its old value and, when it does set it, stores one shared
-    tensor in every parameter's state, which torch's Adam then increments once per
-    parameter. Either way the bias correction after a resume would be wrong.
-    """
-    parts = distributed_parts(optimizer)
-    for inner in parts:
-        original = inner._set_main_param_and_optimizer_states
-
-        def keep_step(
-            model_param: Any,
-            tensors: dict[str, Any],
-            _inner: Any = inner,
-            _original: Any = original,
-        ) -> Any:
-            group_index, group_order = _inner.model_param_group_index_map[model_param]
-            main = _inner.optimizer.param_groups[group_index]["params"][group_order]
-            if "param" not in tensors:  # not in the checkpoint: keep it (optimizer_conversion)
-                tensors = {**tensors, "param": main}
-            step = _inner.optimizer.state.get(main, {}).get("step")
-            if "step" not in tensors and isinstance(step, torch.Tensor):
-                tensors = {**tensors, "step": step}
-            return _original(model_param, tensors)
-
-        inner._set_main_param_and_optimizer_states = keep_step
-    try:
-        yield
-    finally:
-        for inner in parts:
-            del inner._set_main_param_and_optimizer_states
-    for inner in parts:
-        torch_optimizer = inner.optimizer
-        for group in torch_optimizer.param_groups:
-            if group.get("step") is None:
-                continue
-            for param in group["params"]:
-                param_state = torch_optimizer.state[param]
-                if param_state:  # torch's Adam: a step of its own next to exp_avg(_sq)
-                    param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
-
-
 def _load_main_params(
     optimizer: MegatronOptimizer, model: list[torch.nn.Module], path: str, cfg: CheckpointConfig
 ) -> None:
@@ -790,23 +542,7 @@ def _read_checkpoint(
     # The generators are per rank: another layout has no counterpart to restore them into;
     # restore_checkpoint names both layouts and reseeds (its ``reseed``).
     layout_changed = load_rng and _rng_layout_changed(meta.get("parallel_layout") or {}, layout)
-    # This run's shapes and shardings to load into.
-    models = model_sharded_state_dict(model)
-    template: dict[str, Any] = dict(models)
-    if optimizer is not None:
-        allocate_optimizer_state(optimizer)  # so there is state to load into
-        saved_fmt = meta.get("optimizer_format") or ""
-        template["optimizer"] = optimizer_sharded_state_dict(
-            optimizer,
-            models,
-            is_loading=True,
-            # The distributed-optimizer sharding type the checkpoint was saved with, if any.
-            sharding_type=saved_fmt.split(":", 1)[1]
-            if saved_fmt.startswith("distributed:")
-            else None,
-        )
-    if load_rng and not layout_changed:
-        template[RNG_STATE_KEY] = rng_sharded_object(None)
+    template = sharded_entries(model, optimizer, rng=load_rng and not layout_changed, saved=meta)
     conversion = None
     saved = load_tensors_metadata(path)
     if convert:
@@ -969,14 +705,15 @@ def restore_checkpoint(
         else None
     )
     if saved_schedule is not None:  # refused before anything is applied
-        _check_scheduler_settings(opt_param_scheduler, saved_schedule, plan.path)
+        check_scheduler_settings(opt_param_scheduler, saved_schedule, plan.path)
 
     if not skip_load_to_model_and_opt:
         keys = model_state_keys(len(model))
         for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
-            _load_optimizer(optimizer, loaded, common, conversion, opt_param_scheduler, plan.path)
+            state = loaded["optimizer" if conversion is None else CONVERTED_OPTIMIZER_KEY]
+            load_optimizer(optimizer, state, common, conversion, opt_param_scheduler, plan.path)
         elif optimizer is not None:
             if cfg.load_main_params_from_ckpt and not finetune:
                 _load_main_params(optimizer, model, plan.path, cfg)
@@ -1018,7 +755,8 @@ def restore_checkpoint(
         train_state.load_state_dict(common["train_state"])
         iteration = int(common["iteration"])
         flops = float(common["num_floating_point_operations_so_far"])
-    _dist.barrier()
+    if _dist.ready():
+        torch.distributed.barrier()
     if _dist.rank() == 0:
         logger.info(
             "loaded %s checkpoint of iteration %d from %s (%s; %.2f s)",

@@ -45,9 +45,9 @@ from bridge.train.checkpointing.state_dict import optimizer_parts
 
 __all__ = [
     "OptimizerConversion",
-    "checkpoint_group_bounds",
     "conversion_template",
     "converted_optimizer_state",
+    "saved_param_groups",
 ]
 
 # The spellings of an fp32 main parameter's key: megatron's non-distributed mixed-precision
@@ -130,7 +130,7 @@ def _values_under(tree: Any, name: str) -> Iterator[Any]:
             yield from _values_under(value, name)
 
 
-def _param_groups(tree: Any) -> list[dict[str, Any]]:
+def saved_param_groups(tree: Any) -> list[dict[str, Any]]:
     """Every parameter group a saved optimizer's common state holds (all parts)."""
     return [
         group
@@ -145,7 +145,7 @@ def _steps(tree: Any) -> set[float]:
     """Every Adam step a saved optimizer's common state records (``common_step`` of the
     per-parameter optimizers, ``step`` of the distributed optimizer's parameter groups)."""
     return {float(v) for v in _values_under(tree, "common_step") if v is not None} | {
-        float(g["step"]) for g in _param_groups(tree) if g.get("step") is not None
+        float(g["step"]) for g in saved_param_groups(tree) if g.get("step") is not None
     }
 
 
@@ -231,44 +231,3 @@ def converted_optimizer_state(
         if scaler is not None and getattr(inner, "grad_scaler", None) is not None:
             part["grad_scaler"] = scaler
     return state if len(inners) > 1 else parts[0]
-
-
-# What pairs a saved parameter group with one of this run's across a conversion: megatron's
-# group identity without ``is_expert_parallel`` (expert parameters are grouped apart only
-# when EP > 1) and without the learning-rate bounds being paired.
-_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_decoupled_lr")
-
-
-def checkpoint_group_bounds(
-    optimizer: Any, saved_common: Any, bound_keys: tuple[str, ...], path: str
-) -> list[tuple[Any, int, dict[str, Any]]]:
-    """The checkpoint's schedule bounds (``max_lr``, ``min_lr``, ...) for each of this run's
-    parameter groups, for ``scheduler.use_checkpoint_opt_param_scheduler`` after a
-    conversion (the converted state carries this run's groups).
-
-    Returns:
-        ``(inner optimizer, group index, bounds)`` per group.
-
-    Raises:
-        CheckpointError: A group has no saved counterpart, or several with other bounds.
-    """
-    saved = _param_groups(saved_common)
-    result = []
-    for inner in optimizer_parts(optimizer):
-        for index, group in enumerate(inner.param_groups):
-            identity = tuple(group.get(k) for k in _GROUP_IDENTITY)
-            candidates = {
-                tuple((k, g[k]) for k in bound_keys if k in g)
-                for g in saved
-                if tuple(g.get(k) for k in _GROUP_IDENTITY) == identity
-            }
-            if len(candidates) != 1:
-                raise CheckpointError(
-                    f"{path}: scheduler.use_checkpoint_opt_param_scheduler=True, but the "
-                    f"checkpoint's parameter groups with {dict(zip(_GROUP_IDENTITY, identity, strict=True))} "
-                    f"hold {len(candidates)} different learning-rate/weight-decay bounds for "
-                    "this run's converted optimizer; set scheduler.override_opt_param_scheduler"
-                    "=True to use the config's bounds"
-                )
-            result.append((inner, index, dict(candidates.pop())))
-    return result

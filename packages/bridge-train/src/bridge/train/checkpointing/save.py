@@ -103,12 +103,10 @@ SUPPLIED_SAVE_STRATEGY = "supplied_save_strategy"
 
 logger = logging.getLogger(__name__)
 
-# Staging directories of this process's saves not yet committed (tracked on every rank).
-_PENDING: dict[int, set[str]] = {}
-
-
-def _pending() -> set[str]:
-    return _PENDING.setdefault(os.getpid(), set())
+# Staging directories of this process's saves not yet committed (tracked on every rank); a
+# forked child (a rank started from a parent that saved) has none of its own yet.
+_PENDING: set[str] = set()
+os.register_at_fork(after_in_child=_PENDING.clear)
 
 
 def _fsync_tree(path: str | os.PathLike[str]) -> None:
@@ -148,11 +146,8 @@ def _save_root(checkpoint_config: CheckpointConfig, non_persistent: bool) -> str
                 "checkpoint was requested; set it to 'global'",
             )
         directory = non_persistent_dir(checkpoint_config)
-        if directory is None:
-            raise ConfigError(
-                "checkpoint.non_persistent_global_ckpt_dir",
-                "is not set and neither is checkpoint.save; set one of them",
-            )
+        # CheckpointConfig refuses type 'global' with neither this directory nor save.
+        assert directory is not None
         return directory
     if not checkpoint_config.save:
         raise ConfigError(
@@ -214,7 +209,7 @@ def _prepare_staging(root: str, iteration: int) -> str:
     base = Path(root)
     try:
         base.mkdir(parents=True, exist_ok=True)
-        pending = _pending()
+        pending = _PENDING
         for entry in list(base.iterdir()):
             name = entry.name
             if not entry.is_dir() or not name.startswith("iter_"):
@@ -344,7 +339,7 @@ def _commit(commit: _Commit) -> None:
             )
         _dist.run_on_rank0(_commit_on_rank0, commit, files)
     finally:
-        _pending().discard(commit.staging)
+        _PENDING.discard(commit.staging)
     if _dist.rank() == 0:
         kind = "non-persistent checkpoint" if commit.non_persistent else "checkpoint"
         logger.info(
@@ -531,11 +526,11 @@ def write_checkpoint(
     if checkpoint_config.async_save:
         # Commit earlier saves that have finished (collective, like the save itself); a save
         # of this very iteration still in flight is waited for.
-        in_flight = str(staging_path(root, iteration)) in _pending()
+        in_flight = str(staging_path(root, iteration)) in _PENDING
         finalize_async_saves(fault_tolerance, blocking=in_flight)
 
     staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
-    _pending().add(staging)
+    _PENDING.add(staging)
     sharded = build_save_state_dict(
         model,
         optimizer,
@@ -587,7 +582,7 @@ def write_checkpoint(
                 queue = get_async_calls_queue(bool(checkpoint_config.use_persistent_ckpt_worker))
                 queue.schedule_async_request(request)
     except (CheckpointException, CheckpointingException, OSError) as exc:
-        _pending().discard(staging)
+        _PENDING.discard(staging)
         raise CheckpointError(
             f"saving the checkpoint of iteration {iteration} to {root} failed: "
             f"{describe_save_failure(exc, root)}; {intact_note(root)}"

@@ -1,4 +1,4 @@
-"""What a checkpoint holds: the sharded state dict saved and the pieces a load template uses.
+"""What a checkpoint holds: the sharded state dict a save writes and a load's template.
 
 A checkpoint's state dict (megatron-core dist_checkpointing) is::
 
@@ -42,6 +42,7 @@ __all__ = [
     "optimizer_parts",
     "optimizer_sharded_state_dict",
     "parallel_layout",
+    "sharded_entries",
     "unwrapped_chunks",
 ]
 
@@ -204,6 +205,44 @@ def optimizer_format(optimizer: MegatronOptimizer) -> str:
     return "megatron"
 
 
+def sharded_entries(
+    model: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    *,
+    rng: bool,
+    saved: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A checkpoint's sharded entries: model chunks, optimizer state, this rank's RNG state.
+
+    What a save writes or, given ``saved``, the template a load reads into: this run's
+    shapes and shardings, the optimizer's state allocated first (so there is state to load
+    into) and sharded as the checkpoint's distributed optimizer was.
+
+    Args:
+        model: Model chunks.
+        optimizer: The optimizer whose state is included, or None.
+        rng: Include this rank's generator states.
+        saved: Loading: the checkpoint's ``bridge_checkpoint`` record.
+    """
+    loading = saved is not None
+    models = model_sharded_state_dict(model)
+    entries: dict[str, Any] = dict(models)
+    if optimizer is not None:
+        if loading:
+            allocate_optimizer_state(optimizer)
+        saved_fmt = (saved or {}).get("optimizer_format") or ""
+        entries["optimizer"] = optimizer_sharded_state_dict(
+            optimizer,
+            models,
+            is_loading=loading,
+            # The distributed-optimizer sharding type the checkpoint was saved with, if any.
+            sharding_type=saved_fmt.partition("distributed:")[2] or None,
+        )
+    if rng:
+        entries[RNG_STATE_KEY] = rng_sharded_object(None if loading else capture_rng_state())
+    return entries
+
+
 def build_save_state_dict(
     model: list[torch.nn.Module],
     optimizer: MegatronOptimizer | None,
@@ -228,19 +267,14 @@ def build_save_state_dict(
     Returns:
         A state dict accepted by ``megatron.core.dist_checkpointing.save``.
     """
-    models = model_sharded_state_dict(model)
-    state: dict[str, Any] = dict(models)
+    has_optimizer = bool(save_optim and optimizer is not None)
+    state = sharded_entries(model, optimizer if has_optimizer else None, rng=save_rng)
     train = train_state.state_dict()
     train["floating_point_operations_so_far"] = torch.tensor(
         float(num_floating_point_operations_so_far), dtype=torch.float64
     )
-    has_optimizer = bool(save_optim and optimizer is not None)
-    if has_optimizer:
-        state["optimizer"] = optimizer_sharded_state_dict(optimizer, models)
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    if save_rng:
-        state[RNG_STATE_KEY] = rng_sharded_object(capture_rng_state())
     state["iteration"] = int(train_state.step)
     state["num_floating_point_operations_so_far"] = float(num_floating_point_operations_so_far)
     state["train_state"] = train

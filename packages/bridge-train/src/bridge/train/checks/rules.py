@@ -45,8 +45,7 @@ from bridge.train.data.packing import check_packed_sequence_specs
 from bridge.train.data.sft import check_finetuning_dataset
 from bridge.train.data.split_checks import check_split_samples
 from bridge.train.data.t5_datasets import T5DatasetConfig
-from bridge.train.data.tokenizer_packages import missing_tokenizer_package
-from bridge.train.data.tokenizers import build_tokenizer
+from bridge.train.data.tokenizers import build_tokenizer, missing_tokenizer_package
 from bridge.train.engine.initialize import resolve_distributed_backend
 from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 

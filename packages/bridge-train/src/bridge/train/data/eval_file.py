@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from bridge.train.data.preprocess import jsonl_records
 from bridge.train.data.sft import (
     SFTDataset,
     build_sample,
-    jsonl_records,
     load_tokenized_examples,
     pad_id,
     sft_settings,
@@ -93,7 +93,7 @@ class WholeBatches(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 def _text_documents(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     ids: list[int] = []
-    for number, record in jsonl_records(path):
+    for number, record, _ in jsonl_records(path):
         text = record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise ValueError(f"{path} line {number}: needs a 'text' string like line 1")

@@ -6,13 +6,12 @@ megatron-core's ``IndexedDataset`` memory-maps both files and trusts them: a tru
 vocabulary reach the embedding as an index error hours into a run. These checks read the
 index (header, sequence lengths and pointers: a few bytes per document), compare the data
 file's size with what the index describes, and take the largest token id of the data file,
-vectorised with NumPy over a memory map (about 1-2 GB/s from the page cache). They import
-only NumPy, so they run before torch and megatron-core are loaded.
+vectorised with NumPy over a memory map (about 1-2 GB/s from the page cache).
 
 The index format is megatron-core's (``megatron/core/datasets/indexed_dataset.py``): the
-9-byte header ``MMIDIDX\\x00\\x00``, version 1 (u64), the token dtype code (u8), sequence
-and document counts (u64 each), then int32 lengths, int64 byte pointers and int64 document
-indices.
+9-byte header ``MMIDIDX\\x00\\x00``, version 1 (u64), the token dtype code (u8, megatron's
+``DType``), sequence and document counts (u64 each), then int32 lengths, int64 byte pointers
+and int64 document indices.
 """
 
 from __future__ import annotations
@@ -22,21 +21,11 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import DType
 
 __all__ = ["DataFileError", "check_indexed_dataset", "read_sequence_lengths"]
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
-# megatron-core's DType codes.
-_DTYPES: dict[int, type[np.number]] = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
 _REBUILD = "re-run bridge-preprocess-data to write it again"
 # Tokens per chunk of the max scan (bounded memory for any file size).
 _SCAN_CHUNK = 1 << 25
@@ -57,7 +46,7 @@ def _read_index(idx: Path) -> tuple[type[np.number], np.ndarray, np.ndarray]:
             f"format); {_REBUILD}"
         )
     version, code, sequences, documents = struct.unpack("<QBQQ", head[9:34])
-    if version != 1 or code not in _DTYPES:
+    if version != 1 or code not in [member.value for member in DType]:
         raise DataFileError(
             f"{idx} has an unknown index version {version} or token type {code}; {_REBUILD}"
         )
@@ -70,7 +59,7 @@ def _read_index(idx: Path) -> tuple[type[np.number], np.ndarray, np.ndarray]:
     index = np.memmap(idx, mode="r", dtype=np.uint8)
     lengths = np.frombuffer(index, dtype=np.int32, count=sequences, offset=34)
     pointers = np.frombuffer(index, dtype=np.int64, count=sequences, offset=34 + 4 * sequences)
-    return _DTYPES[code], lengths, pointers
+    return DType.dtype_from_code(code), lengths, pointers
 
 
 def read_sequence_lengths(prefix: str | os.PathLike[str]) -> np.ndarray:

@@ -7,7 +7,7 @@ model with GPT-2's byte-level pre-tokenizer and decoder), which gives the same i
 same ``vocab.json`` and ``merges.txt`` without that dependency.
 
 Each needs an optional package, installed with an extra of bridge-train
-(``bridge.train.data.tokenizer_packages.TOKENIZER_EXTRAS``).
+(``bridge.train.data.tokenizers.TOKENIZER_EXTRAS``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import (
     TikTokenTokenizer,
 )
 
-from bridge.train.data.tokenizer_packages import require_tokenizer_package
-from bridge.train.data.tokenizers import Tokenizer, added_tokens
+from bridge.train.data.tokenizers import Tokenizer, added_tokens, require_tokenizer_package
 
 __all__ = [
     "GPT2BPETokenizer",

@@ -194,22 +194,18 @@ class PackedSFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         self.seq_length = int(seq_length)
         self.pad_cu_seqlens = bool(pad_cu_seqlens)
         self.pad_token = int(pad_token)
-        kept, self.skipped = fit_examples(
+        self.examples, self.skipped = fit_examples(
             examples, self.seq_length, truncation, f"packed SFT {name} split"
         )
-        self.examples = kept
         # An example of n ids fills n - 1 positions.
-        sizes = [len(ids) - 1 for ids, _ in kept]
+        sizes = [len(ids) - 1 for ids, _ in self.examples]
         self.bins: list[list[int]] = []
-        epoch = 0
-        while True:
-            order = epoch_order(len(kept), shuffle_seed, epoch)
+        for epoch in itertools.count():
+            order = epoch_order(len(self.examples), shuffle_seed, epoch)
             bins = first_fit_bins([sizes[i] for i in order], self.seq_length)
             self.bins += [[int(order[i]) for i in b] for b in bins]
-            epoch += 1
             if len(self.bins) >= num_samples:
                 break
-        self.epochs = epoch
 
     def __len__(self) -> int:
         return len(self.bins)

@@ -20,8 +20,8 @@ megatron's ``preprocess_data.py``); the command reports its progress every few s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,10 +32,21 @@ from typing import Any
 import numpy as np
 
 from bridge.config.notices import held_notices, print_held_notices
-from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS
-from bridge.train.data.tokenizers import Tokenizer, build_tokenizer
+from bridge.train.data.tokenizers import (
+    TOKENIZER_EXTRAS,
+    Tokenizer,
+    build_tokenizer,
+    map_in_processes,
+)
 
-__all__ = ["PreprocessProgress", "PreprocessResult", "build_parser", "main", "preprocess_data"]
+__all__ = [
+    "PreprocessProgress",
+    "PreprocessResult",
+    "build_parser",
+    "jsonl_records",
+    "main",
+    "preprocess_data",
+]
 
 
 @dataclass(frozen=True)
@@ -72,32 +83,42 @@ class PreprocessProgress:
     seconds: float
 
 
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any, int]]:
+    """``(line number, record, bytes read)`` of every non-blank line of a JSON-lines file
+    (bytes read: the file's bytes up to the end of that line, for progress reports).
+
+    Raises:
+        ValueError: A line is not JSON; the message names the file and the line.
+    """
+    read = 0
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            read += len(line)
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+                yield number, record, read
+
+
 def _documents(
     paths: Sequence[Path], json_key: str, split_lines: bool
 ) -> Iterator[tuple[str, int]]:
     """Each document's text, with the input bytes read once it is (for progress reports:
-    lines are counted by their UTF-8 length, so a CRLF line counts one byte short)."""
+    text lines are counted by their UTF-8 length, so a CRLF line counts one byte short)."""
     done = 0
     for path in paths:
         if path.suffix in (".jsonl", ".json"):
-            with path.open(encoding="utf-8") as handle:
-                for line_number, line in enumerate(handle, 1):
-                    done += len(line.encode("utf-8"))
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(
-                            f"{path}:{line_number}: not valid JSON ({exc.msg})"
-                        ) from None
-                    if not isinstance(record, dict) or json_key not in record:
-                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise ValueError(
-                            f"{path}:{line_number}: no key {json_key!r} (found {keys}); pass "
-                            "--json-key with the field holding the text"
-                        )
-                    yield str(record[json_key]), done
+            for number, record, read in jsonl_records(path):
+                if not isinstance(record, dict) or json_key not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(
+                        f"{path} line {number}: no key {json_key!r} (found {keys}); pass "
+                        "--json-key with the field holding the text"
+                    )
+                yield str(record[json_key]), done + read
+            done += path.stat().st_size
         elif split_lines:
             with path.open(encoding="utf-8") as handle:
                 for line in handle:
@@ -110,41 +131,10 @@ def _documents(
             yield text, done
 
 
-# The tokenizer of a worker process (see _worker_start).
-_worker_tokenizer: Any = None
-
-
-def _worker_start(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-
-
-def _tokenize_in_worker(text: str) -> list[int]:
-    return list(_worker_tokenizer.tokenize(text))
-
-
-def _token_ids(
-    tokenizer: Tokenizer, documents: Iterator[tuple[str, int]], workers: int
-) -> Iterator[tuple[list[int], int]]:
-    """``(ids, bytes read)`` per document, in input order, tokenized in ``workers`` processes."""
-    if workers <= 1:
-        for text, done in documents:
-            yield list(tokenizer.tokenize(text)), done
-        return
-    # fork hands the tokenizer over without pickling it; elsewhere it is pickled once per
-    # worker through the initializer.
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    progress: list[int] = []
-
-    def texts() -> Iterator[str]:
-        for text, done in documents:
-            progress.append(done)
-            yield text
-
-    with context.Pool(workers, initializer=_worker_start, initargs=(tokenizer,)) as pool:
-        for index, ids in enumerate(pool.imap(_tokenize_in_worker, texts(), chunksize=64)):
-            yield ids, progress[index]
+def _tokenize_document(tokenizer: Tokenizer, document: tuple[str, int]) -> tuple[list[int], int]:
+    """``(ids, bytes read)`` of a ``(text, bytes read)`` document."""
+    text, done = document
+    return list(tokenizer.tokenize(text)), done
 
 
 def preprocess_data(
@@ -229,7 +219,8 @@ def preprocess_data(
     try:
         import torch
 
-        stream = _token_ids(tokenizer, _documents(paths, json_key, split_lines), workers)
+        tokenize = functools.partial(_tokenize_document, tokenizer)
+        stream = map_in_processes(tokenize, _documents(paths, json_key, split_lines), workers)
         for ids, bytes_read in stream:
             read = bytes_read
             if append_eod:

@@ -15,6 +15,7 @@ resuming from ``consumed_samples`` (counted over all ranks) continues the stream
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -77,12 +78,11 @@ class PretrainingSampler(_DataParallelSampler):
     def __iter__(self) -> Iterator[list[int]]:
         """Yield this rank's index list of every micro-batch, in stream order."""
         start = self.data_parallel_rank * self.micro_batch_size
-        for chunk_start in range(self.consumed_samples, self.total_samples, self.chunk):
-            chunk_end = min(chunk_start + self.chunk, self.total_samples)
-            if chunk_end - chunk_start < self.chunk and self.drop_last:
+        stream = range(self.consumed_samples, self.total_samples)
+        for chunk in itertools.batched(stream, self.chunk):
+            if len(chunk) < self.chunk and self.drop_last:
                 return
-            indices = list(range(chunk_start, chunk_end))[start : start + self.micro_batch_size]
-            if indices:
+            if indices := list(chunk[start : start + self.micro_batch_size]):
                 yield indices
 
 
@@ -94,11 +94,8 @@ class CyclicRandomSampler(_DataParallelSampler):
     ``seed + e``; the global stream is the concatenation of the epochs.
 
     Args:
-        total_samples: Dataset length.
-        consumed_samples: Samples (over all ranks) already consumed; iteration resumes there.
-        micro_batch_size: Samples per rank per micro-batch.
-        data_parallel_rank: This rank's data-parallel index.
-        data_parallel_size: Number of data-parallel ranks.
+        total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+            data_parallel_size: As for :class:`PretrainingSampler`.
         seed: Base seed of the epoch permutations.
 
     Raises:
@@ -113,17 +110,9 @@ class CyclicRandomSampler(_DataParallelSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yield this rank's index list of every micro-batch, forever."""
-        position = self.consumed_samples
-        epoch, offset = divmod(position, self.total_samples)
-        order = self._epoch(epoch)
+        epoch, offset = divmod(self.consumed_samples, self.total_samples)
+        later = itertools.chain.from_iterable(map(self._epoch, itertools.count(epoch + 1)))
+        stream = itertools.chain(self._epoch(epoch)[offset:], later)
         start = self.data_parallel_rank * self.micro_batch_size
-        while True:
-            chunk: list[int] = []
-            while len(chunk) < self.chunk:
-                take = min(self.chunk - len(chunk), self.total_samples - offset)
-                chunk += order[offset : offset + take]
-                offset += take
-                if offset == self.total_samples:
-                    epoch, offset = epoch + 1, 0
-                    order = self._epoch(epoch)
-            yield chunk[start : start + self.micro_batch_size]
+        for chunk in itertools.batched(stream, self.chunk):
+            yield list(chunk[start : start + self.micro_batch_size])

@@ -36,12 +36,12 @@ tokenize a file when it is not cached.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import json
 import logging
 import math
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,8 @@ import torch
 
 from bridge.config import ConfigError, FinetuningDatasetConfig
 from bridge.config.atomic_files import atomic_write
-from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.data.preprocess import jsonl_records
+from bridge.train.data.tokenizers import Tokenizer, map_in_processes
 
 __all__ = [
     "SFT_SPLIT_FILES",
@@ -62,7 +63,6 @@ __all__ = [
     "chat_generation_prompt",
     "check_finetuning_dataset",
     "epoch_order",
-    "jsonl_records",
     "load_tokenized_examples",
     "sft_settings",
 ]
@@ -119,19 +119,24 @@ def sft_settings(dataset_kwargs: dict[str, Any] | None) -> SFTSettings:
                 f"is not a finetuning dataset option; known options: {sorted(values)}",
             )
         values[key] = value
-    if values["truncation"] not in TRUNCATION_POLICIES:
-        raise ConfigError(
-            "dataset.dataset_kwargs.truncation",
-            f"got {values['truncation']!r}; use one of {list(TRUNCATION_POLICIES)}",
-        )
-    for key in ("prompt_key", "answer_key"):
-        if not isinstance(values[key], str) or not values[key]:
-            raise ConfigError(f"dataset.dataset_kwargs.{key}", "must be a non-empty string")
-    if values["prompt_template"] is not None and not isinstance(values["prompt_template"], str):
-        raise ConfigError("dataset.dataset_kwargs.prompt_template", "must be a string")
-    if not isinstance(values["add_eod"], bool):
-        raise ConfigError("dataset.dataset_kwargs.add_eod", "must be true or false")
+    for key, (valid, rule) in _SETTING_RULES.items():
+        if not valid(values[key]):
+            raise ConfigError(f"dataset.dataset_kwargs.{key}", f"{rule}, got {values[key]!r}")
     return SFTSettings(**values)
+
+
+# What each SFTSettings field must be: (test, what the message says it must be).
+_SETTING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "prompt_key": (lambda v: isinstance(v, str) and bool(v), "must be a non-empty string"),
+    "answer_key": (lambda v: isinstance(v, str) and bool(v), "must be a non-empty string"),
+    "prompt_template": (lambda v: v is None or isinstance(v, str), "must be a string"),
+    "truncation": (lambda v: v in TRUNCATION_POLICIES, f"use one of {list(TRUNCATION_POLICIES)}"),
+    "add_eod": (lambda v: isinstance(v, bool), "must be true or false"),
+    "cache_dir": (
+        lambda v: v is None or isinstance(v, str | os.PathLike),
+        "must be a directory path",
+    ),
+}
 
 
 def _split_paths(dataset_config: FinetuningDatasetConfig) -> list[tuple[str, Path | None]]:
@@ -268,8 +273,10 @@ def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
 
 
 def _tokenize_record(
-    tokenizer: Tokenizer, settings: SFTSettings, record: Any, where: str
+    tokenizer: Tokenizer, settings: SFTSettings, path: Path, line: tuple[int, Any, int]
 ) -> tuple[list[int], list[int]]:
+    number, record, _ = line
+    where = f"{path} line {number}"
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -297,47 +304,14 @@ def _tokenize_record(
     return ids, flags
 
 
-def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line number, record)`` of every non-blank line of a JSON-lines file.
-
-    Raises:
-        ValueError: A line is not JSON; the message names the file and the line.
-    """
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
-                yield number, record
-
-
-def _tokenize_records(
-    args: tuple[Any, SFTSettings, Path, list[tuple[int, Any]]],
-) -> list[tuple[list[int], list[int]]]:
-    tokenizer, settings, path, records = args
-    return [
-        _tokenize_record(tokenizer, settings, record, f"{path} line {number}")
-        for number, record in records
-    ]
-
-
 def _tokenize_file(
     path: Path, tokenizer: Tokenizer, settings: SFTSettings, workers: int
 ) -> TokenizedExamples:
     records = list(jsonl_records(path))
     if not records:
         raise ValueError(f"{path}: no records")
-    chunk = max(1, math.ceil(len(records) / max(1, workers)))
-    jobs = [
-        (tokenizer, settings, path, records[i : i + chunk]) for i in range(0, len(records), chunk)
-    ]
-    if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = [r for part in pool.map(_tokenize_records, jobs) for r in part]
-    else:
-        results = [r for job in jobs for r in _tokenize_records(job)]
+    tokenize = functools.partial(_tokenize_record, tokenizer, settings, path)
+    results = list(map_in_processes(tokenize, records, workers))
     lengths = [len(ids) for ids, _ in results]
     offsets = np.zeros(len(results) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

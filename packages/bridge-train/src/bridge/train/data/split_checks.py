@@ -75,8 +75,6 @@ def check_split_samples(
             the run draws from holds fewer tokens than one sample. The message names the
             field, the prefix, the split, its documents and tokens, and what to change.
     """
-    if getattr(dataset_config, "mock", False):
-        return
     sequence_length = getattr(dataset_config, "sequence_length", None)
     if not isinstance(sequence_length, int):
         return

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 from bridge.train.data.tokenizers import ByteLevelTokenizer, Tokenizer, added_tokens
 
@@ -122,16 +121,3 @@ class T5Tokenizer(Tokenizer):
             pieces = list(run)
             out += [self._added[i] for i in pieces] if added else [self.base.detokenize(pieces)]
         return "".join(out)
-
-    def describe(self) -> dict[str, Any]:
-        """The special ids, for logs and tests."""
-        return {
-            "vocab_size": self.vocab_size,
-            "eos": self.eos,
-            "pad": self.pad,
-            "bos": self.bos,
-            "cls": self.cls,
-            "sep": self.sep,
-            "mask": self.mask,
-            "sentinels": self.additional_special_tokens_ids,
-        }

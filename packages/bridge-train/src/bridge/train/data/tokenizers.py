@@ -10,27 +10,77 @@ dataset cache keys, so two different tokenizers never share a cache).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+import multiprocessing
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from bridge.config import TOKENIZER_REQUIRED_FIELDS, TokenizerConfig, TokenizerConfigProtocol
-from bridge.train.data.tokenizer_packages import TOKENIZER_EXTRAS, require_tokenizer_package
 
 __all__ = [
+    "TOKENIZER_EXTRAS",
     "ByteLevelTokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
     "Tokenizer",
     "added_tokens",
     "build_tokenizer",
+    "map_in_processes",
+    "missing_tokenizer_package",
+    "require_tokenizer_package",
 ]
 
 _BYTE_IDS = 256
 _DEFAULT_SPECIALS = ("<eod>", "<pad>")
+
+#: ``tokenizer_type`` -> (importable module, bridge-train extra), or None when it needs none.
+TOKENIZER_EXTRAS: dict[str, tuple[str, str] | None] = {
+    "NullTokenizer": None,
+    "ByteLevelTokenizer": None,
+    "HuggingFaceTokenizer": ("tokenizers", "hf"),
+    "GPT2BPETokenizer": ("tokenizers", "hf"),
+    "SentencePieceTokenizer": ("sentencepiece", "sentencepiece"),
+    "TikTokenizer": ("tiktoken", "tiktoken"),
+}
+
+
+def missing_tokenizer_package(tokenizer_type: str) -> str | None:
+    """Why ``tokenizer_type`` cannot be built here, or None when its package is installed.
+
+    Args:
+        tokenizer_type: A ``tokenizer.tokenizer_type`` value.
+
+    Returns:
+        One line naming the missing package and the ``pip install`` of the extra, or None
+        (also for types that need no optional package).
+    """
+    needs = TOKENIZER_EXTRAS.get(tokenizer_type)
+    if needs is None:
+        return None
+    module, extra = needs
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-removed installation
+        found = False
+    if found:
+        return None
+    # uv sync keeps exactly what it is given: --inexact leaves the other extras installed.
+    return (
+        f"{tokenizer_type!r} needs the {module!r} package, which is not installed; "
+        f"pip install 'bridge-train[{extra}]' (in a clone of this repository: "
+        f"uv sync --inexact --extra {extra})"
+    )
+
+
+def require_tokenizer_package(tokenizer_type: str) -> None:
+    """Raise :func:`missing_tokenizer_package`'s line as an ``ImportError`` when it has one."""
+    message = missing_tokenizer_package(tokenizer_type)
+    if message is not None:
+        raise ImportError(message)
 
 
 def added_tokens(special_tokens: Sequence[str] | None, vocab_extra_ids: int) -> list[str]:
@@ -311,3 +361,35 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
     cls = getattr(file_tokenizers, kind)
     paths = [getattr(tokenizer_config, name) for name in files]
     return cls(*paths, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)
+
+
+# The function a worker process of map_in_processes applies (see _worker_start).
+_worker_function: Callable[[Any], Any] | None = None
+
+
+def _worker_start(function: Callable[[Any], Any]) -> None:
+    global _worker_function
+    _worker_function = function
+
+
+def _call_in_worker(item: Any) -> Any:
+    assert _worker_function is not None  # the pool's initializer set it
+    return _worker_function(item)
+
+
+def map_in_processes[T, R](
+    function: Callable[[T], R], items: Iterable[T], workers: int
+) -> Iterator[R]:
+    """``function(item)`` for every item, in input order, in ``workers`` processes (1: this
+    one): how preprocessing and the SFT datasets tokenize many documents at once.
+
+    Items are drawn as the workers need them, so a stream stays a stream. ``function`` (and
+    the tokenizer it holds) reaches each worker once: the platform's start method (fork on
+    Linux, which hands it over without pickling; spawn on macOS, where fork in a process that
+    has loaded torch is unsafe) runs the pool's initializer with it, never once per item.
+    """
+    if workers <= 1:
+        yield from map(function, items)
+        return
+    with multiprocessing.Pool(workers, initializer=_worker_start, initargs=(function,)) as pool:
+        yield from pool.imap(_call_in_worker, items, chunksize=64)

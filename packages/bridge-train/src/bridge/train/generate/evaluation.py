@@ -34,11 +34,11 @@ from bridge.config import (
     LoggerConfig,
     TrainingConfig,
 )
-from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+from bridge.train.checkpointing.architecture import saved_run_config
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.eval_file import WholeBatches, build_eval_file_dataset
-from bridge.train.loop.pretrain import close_run, setup
+from bridge.train.loop.pretrain import close_run, final_evaluation, setup
 from bridge.train.loop.pretrain_mimo import MimoModelConfig
 from bridge.train.loop.training import RunComponents
 from bridge.train.models.family import build_family_datasets, default_forward_step, is_t5
@@ -195,9 +195,8 @@ def evaluate_checkpoint(
             loaded = out.checkpointing_context.get("loaded_checkpoint")
             if loaded is not None:
                 with contextlib.suppress(ConfigError, OSError, ValueError):
-                    saved = (
-                        ConfigContainer.from_yaml(Path(loaded) / RUN_CONFIG_FILENAME).train or train
-                    )
+                    saved_run = saved_run_config(loaded)
+                    saved = (saved_run.train if saved_run is not None else None) or train
             state.train_state.consumed_valid_samples = _validation_start(state.train_state, saved)
             try:
                 sizes = train_valid_test_num_samples(train)
@@ -227,7 +226,6 @@ def evaluate_checkpoint(
         return None, padded, None
 
     clean = False
-    results: dict[str, dict[str, float]] = {}
     try:
         out = setup(
             state,
@@ -242,19 +240,7 @@ def evaluate_checkpoint(
                 f"{cfg.checkpoint.load if cfg.checkpoint else None} holds no checkpoint to "
                 "evaluate",
             )
-        step = state.train_state.step
-        splits = [
-            ("validation", out.valid_data_iterator, state.train_state.do_valid),
-            ("test", out.test_data_iterator, state.train_state.do_test),
-        ]
-        evaluation = RunComponents(state, step_func).evaluation
-        assert evaluation is not None
-        for split, iterator, wanted in splits:
-            if iterator is None or not wanted:
-                continue
-            results[split] = evaluation.evaluate_and_log(
-                f"iteration {step} on {split} set", iterator, out.model, split=split
-            )
+        results = final_evaluation(out, RunComponents(state, step_func).evaluation)
         if not results:
             raise ConfigError(
                 "train.eval_iters",

@@ -18,14 +18,7 @@ from megatron.core import num_microbatches_calculator as nmc
 from bridge.config import ConfigError, TrainingConfig
 from core_utils.distributed import global_rank
 
-__all__ = [
-    "current_global_batch_size",
-    "ensure_num_microbatches_calculator",
-    "get_num_microbatches",
-    "rampup_to_step_schedule",
-    "release_num_microbatches_calculator",
-    "update_num_microbatches",
-]
+__all__ = ["ensure_num_microbatches_calculator", "rampup_to_step_schedule"]
 
 
 def rampup_to_step_schedule(rampup_batch_size: list[int], global_batch_size: int) -> str:
@@ -83,24 +76,24 @@ def ensure_num_microbatches_calculator(
 
     Returns:
         True if this call created the calculator (the caller then releases it with
-        :func:`release_num_microbatches_calculator`), False if one existed.
+        megatron's ``destroy_num_microbatches_calculator``), False if one existed.
 
     Raises:
         ConfigError: Ramp-up combined with ``decrease_batch_size_if_needed``, which
             megatron-core 0.19.2's step schedules do not support.
     """
+    if train_config.rampup_batch_size is not None and train_config.decrease_batch_size_if_needed:
+        raise ConfigError(
+            "train.rampup_batch_size",
+            "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
+            "step batch-size schedules do not support it); unset one of them",
+        )
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
         return False
 
     rank = global_rank()
     schedule = None
     if train_config.rampup_batch_size is not None:
-        if train_config.decrease_batch_size_if_needed:
-            raise ConfigError(
-                "train.rampup_batch_size",
-                "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
-                "step batch-size schedules do not support it); unset one of them",
-            )
         assert train_config.global_batch_size is not None  # validate() fills it in
         schedule = rampup_to_step_schedule(
             train_config.rampup_batch_size, train_config.global_batch_size
@@ -115,23 +108,3 @@ def ensure_num_microbatches_calculator(
         step_batch_size_schedule=schedule,
     )
     return True
-
-
-def release_num_microbatches_calculator() -> None:
-    """Destroy megatron's global micro-batch calculator (so another run can configure it)."""
-    nmc.destroy_num_microbatches_calculator()
-
-
-def update_num_microbatches(consumed_samples: int) -> None:
-    """Advance the calculator to ``consumed_samples`` (changes the batch during ramp-up)."""
-    nmc.update_num_microbatches(consumed_samples, consistency_check=True)
-
-
-def get_num_microbatches() -> int:
-    """Micro-batches each data-parallel rank runs this iteration."""
-    return int(nmc.get_num_microbatches())
-
-
-def current_global_batch_size(micro_batch_size: int, data_parallel_size: int) -> int:
-    """Samples this iteration consumes over all data-parallel ranks."""
-    return get_num_microbatches() * micro_batch_size * data_parallel_size

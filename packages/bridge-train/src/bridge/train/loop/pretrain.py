@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 from megatron.core import rerun_state_machine as rsm
+from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.utils import get_model_config
 
@@ -53,10 +54,7 @@ from bridge.train.engine.initialize import (
     seed_from_rng_config,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
-from bridge.train.loop.batch_size import (
-    ensure_num_microbatches_calculator,
-    release_num_microbatches_calculator,
-)
+from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.progress_log import record_starting_job
 from bridge.train.loop.run_config import save_run_config
@@ -82,7 +80,7 @@ from bridge.train.state import ForwardStepCallable, GlobalState
 from core_utils.callbacks import Callback, CallbackList
 from core_utils.distributed import global_rank, global_world_size
 
-__all__ = ["DatasetsFunction", "SetupOutput", "close_run", "pretrain", "setup"]
+__all__ = ["DatasetsFunction", "SetupOutput", "close_run", "final_evaluation", "pretrain", "setup"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,23 +287,27 @@ def setup(
     return out
 
 
-def _final_evaluation(out: SetupOutput, evaluation: Evaluation) -> None:
-    """Validation (unless the loop just validated this iteration) and test at the end."""
+def final_evaluation(out: SetupOutput, evaluation: Evaluation) -> dict[str, dict[str, float]]:
+    """Validation (unless this job's loop just validated this iteration) and test at the end,
+    each when the run has that split; also the evaluation-only run's.
+
+    Returns:
+        ``{"validation": {loss name: value}, "test": {...}}`` for the splits evaluated.
+    """
     train_state = out.state.train_state
     step = train_state.step
-    splits = []
-    if (
-        train_state.do_valid
-        and out.valid_data_iterator is not None
-        and out.state.last_evaluated_iteration != step
-    ):
-        splits.append(("validation", out.valid_data_iterator))
-    if train_state.do_test and out.test_data_iterator is not None:
-        splits.append(("test", out.test_data_iterator))
-    for split, iterator in splits:
-        evaluation.evaluate_and_log(
+    validated = out.state.last_evaluated_iteration == step
+    splits = [
+        ("validation", out.valid_data_iterator, train_state.do_valid and not validated),
+        ("test", out.test_data_iterator, train_state.do_test),
+    ]
+    return {
+        split: evaluation.evaluate_and_log(
             f"iteration {step} on {split} set", iterator, out.model, split=split
         )
+        for split, iterator, wanted in splits
+        if wanted and iterator is not None
+    }
 
 
 def close_run(
@@ -322,7 +324,7 @@ def close_run(
     steps = run_teardown_steps(checkpoint, resiliency, metric_writers, clean=clean)
     steps += [
         ("releasing the rerun state machine", rsm.destroy_rerun_state_machine),
-        ("releasing the micro-batch calculator", release_num_microbatches_calculator),
+        ("releasing the micro-batch calculator", destroy_num_microbatches_calculator),
         ("destroying the process group", destroy_distributed),
     ]
     run_teardown(steps, "pretrain")
@@ -436,7 +438,7 @@ def pretrain(
         if exit_code == 0 and (
             config.train.skip_train or run_is_done(config.train, state.train_state)
         ):
-            _final_evaluation(out, components.evaluation)
+            final_evaluation(out, components.evaluation)
         elif exit_code == 0:
             exit_code = requeue_exit_code  # stopped early on purpose, after saving
         state.metric_writers.flush()

@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bridge.config import CheckpointConfig, ConfigContainer, LoggerConfig
+from bridge.config import CheckpointConfig, ConfigContainer
 from bridge.logging import MetricWriters, append_progress_log, scheduler_job
 from core_utils.distributed import global_world_size
 from core_utils.loop import TrainProgress
@@ -147,26 +147,19 @@ class ProgressLog:
     job_start_flops: float = 0.0
 
     @classmethod
-    def from_config(
+    def in_save_dir(
         cls,
-        logger: LoggerConfig | None,
         checkpoint: CheckpointConfig | None,
         *,
         seq_length: int,
         start_time: float,
         job_start_flops: float,
     ) -> ProgressLog | None:
-        """The progress log ``logger.log_progress`` asks for (``None``: off, or no
-        ``checkpoint.save`` to write it in)."""
-        if logger is None or not logger.log_progress or checkpoint is None or not checkpoint.save:
+        """The progress log of ``checkpoint.save`` (``None``: no save directory to write in)."""
+        if checkpoint is None or not checkpoint.save:
             return None
-        return cls(
-            save=str(checkpoint.save),
-            async_save=bool(checkpoint.async_save),
-            seq_length=seq_length,
-            start_time=start_time,
-            job_start_flops=job_start_flops,
-        )
+        save, async_save = str(checkpoint.save), bool(checkpoint.async_save)
+        return cls(save, async_save, seq_length, start_time, job_start_flops)
 
     def saved_checkpoint(self, train_state: TrainProgress, flops_so_far: float) -> None:
         """Append the line of a persistent checkpoint just saved (a collective).
@@ -215,16 +208,14 @@ def compute_throughputs_and_append_to_progress_log(
         num_floating_point_operations_so_far: Total floating-point operations completed.
     """
     cfg = state.cfg
-    checkpoint = cfg.checkpoint
-    if checkpoint is None or checkpoint.save is None:
-        return
-    ProgressLog(
-        save=str(checkpoint.save),
-        async_save=bool(checkpoint.async_save),
+    progress_log = ProgressLog.in_save_dir(
+        cfg.checkpoint,
         seq_length=int(getattr(cfg.model, "seq_length", 0) or 0),
         start_time=state.start_time,
         job_start_flops=state.job_start_flops,
-    ).saved_checkpoint(state.train_state, num_floating_point_operations_so_far)
+    )
+    if progress_log is not None:
+        progress_log.saved_checkpoint(state.train_state, num_floating_point_operations_so_far)
 
 
 def record_starting_job(

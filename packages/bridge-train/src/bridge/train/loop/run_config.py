@@ -16,11 +16,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bridge.config.atomic_files import atomic_write
+from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from core_utils.distributed import dist_ready, global_rank
 
-__all__ = ["RUN_CONFIG_FILE", "save_run_config"]
-
-RUN_CONFIG_FILE = "run_config.yaml"
+__all__ = ["save_run_config"]
 
 
 def save_run_config(
@@ -43,7 +42,7 @@ def save_run_config(
     if save is not None and global_rank() == 0:
         directory = Path(save)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / RUN_CONFIG_FILE
+        path = directory / RUN_CONFIG_FILENAME
         text = yaml_text()
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             atomic_write(path, text)

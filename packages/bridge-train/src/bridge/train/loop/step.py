@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import (
+    get_num_microbatches,
+    update_num_microbatches,
+)
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 from bridge.config import DDPConfigProtocol, TrainingConfig
 from bridge.resiliency import NVRxStragglerMonitor
-from bridge.train.loop.batch_size import get_num_microbatches, update_num_microbatches
 from bridge.train.loop.losses import reduce_losses, zero_grad_buffers
 from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.state import ForwardStepCallable
@@ -190,7 +193,7 @@ class TrainStep:
 
     def __call__(self, context: LoopContext) -> StepResult:
         """The loop's step: the micro-batch count follows the ramp-up, then :meth:`run`."""
-        update_num_microbatches(context.train_state.consumed_train_samples)
+        update_num_microbatches(context.train_state.consumed_train_samples, consistency_check=True)
         if self._timed_run is None:  # wrapped once, for the loop only
             nvrx = self.nvrx_straggler
             self._timed_run = nvrx.wrap(self.run) if nvrx is not None else self.run

@@ -15,14 +15,12 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
+from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
 from bridge.config import ConfigContainer
 from bridge.logging import MetricWriters, TrainingLogSettings, tokens_per_sample
 from bridge.train.data.tokenizers import Tokenizer
-from bridge.train.loop.batch_size import (
-    ensure_num_microbatches_calculator,
-    release_num_microbatches_calculator,
-)
+from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.loop.components import (
     Checkpointer,
     Evaluator,
@@ -148,9 +146,11 @@ class RunComponents:
 
     @cached_property
     def progress_log(self) -> ProgressLog | None:
-        """``progress.txt`` (``None``: not kept)."""
-        return ProgressLog.from_config(
-            self.cfg.logger,
+        """``progress.txt`` (``None``: not kept: ``logger.log_progress`` off, or no
+        ``checkpoint.save``)."""
+        if self.cfg.logger is None or not self.cfg.logger.log_progress:
+            return None
+        return ProgressLog.in_save_dir(
             self.cfg.checkpoint,
             seq_length=self._seq_length,
             start_time=self.state.start_time,
@@ -272,7 +272,7 @@ def run_training(
     finally:
         close_components(components.loop)
         if owns_calculator:
-            release_num_microbatches_calculator()
+            destroy_num_microbatches_calculator()
         loop = components.loop
         evaluated = (c.last_evaluated_iteration for c in loop if isinstance(c, Evaluator))
         saved = (c.last_saved_iteration for c in loop if isinstance(c, Checkpointer))

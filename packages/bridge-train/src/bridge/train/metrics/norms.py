@@ -10,6 +10,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+# megatron marks the copy of a tied word embedding on the last pipeline stage ``shared``;
+# the norms skip it (megatron's param_is_not_shared) so that it is counted once.
+from megatron.core.transformer.module import param_is_not_shared
+
 from bridge.train.engine._distributed_utils import model_parallel_groups, unwrap_model_chunks
 from core_utils.distributed import collective_device
 
@@ -17,21 +21,6 @@ if TYPE_CHECKING:
     from bridge.config import ModelConfigProtocol
 
 __all__ = ["calc_dtensor_params_l2_norm", "calc_params_l2_norm", "param_is_not_shared"]
-
-
-def param_is_not_shared(param: torch.nn.Parameter) -> bool:
-    """Whether ``param`` is not marked as shared (``param.shared`` absent or false).
-
-    megatron marks the copy of a tied word embedding on the last pipeline stage as
-    ``shared``; norms and gradient statistics skip it so it is counted once.
-
-    Args:
-        param: The parameter to check.
-
-    Returns:
-        True if ``param`` has no ``shared`` attribute or ``param.shared`` is false.
-    """
-    return not getattr(param, "shared", False)
 
 
 def _sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy_exports import lazy_exports
+from bridge.train._lazy_exports import lazy_exports, type_checked_imports
 
 if TYPE_CHECKING:
     from bridge.train.models.gpt_provider import (
@@ -23,17 +23,8 @@ if TYPE_CHECKING:
     from bridge.train.models.mamba_provider import MambaProvider as MambaProvider
     from bridge.train.models.t5_provider import T5ModelProvider as T5ModelProvider
 
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "bridge.train.models.gpt_provider": ("GPTModelProvider", "calculate_padded_vocab_size"),
-    "bridge.train.models.layer_specs": (
-        "LayerSpecBackend",
-        "build_gpt_layer_spec",
-        "resolve_layer_spec_backend",
-    ),
-    "bridge.train.models.mamba_provider": ("MambaProvider",),
-    "bridge.train.models.t5_provider": ("T5ModelProvider",),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+# The TYPE_CHECKING block above is the one table of the exports (name -> module).
+_WHERE = type_checked_imports(__file__)
 
 __all__ = sorted(_WHERE)
 

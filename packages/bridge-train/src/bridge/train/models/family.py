@@ -16,6 +16,7 @@ from bridge.train.data.t5_datasets import T5DatasetConfig, build_t5_datasets
 from bridge.train.data.t5_tokenizer import T5Tokenizer
 from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.models.gpt_step import forward_step
+from bridge.train.models.t5_provider import T5ModelProvider
 from bridge.train.models.t5_step import t5_forward_step
 from bridge.train.state import ForwardStepCallable
 
@@ -27,15 +28,12 @@ if TYPE_CHECKING:
         TokenizerConfig,
         TokenizerConfigProtocol,
     )
-    from bridge.train.models.t5_provider import T5ModelProvider
 
 __all__ = ["build_family_datasets", "default_forward_step", "family_tokenizer", "is_t5"]
 
 
 def is_t5(model_config: ModelConfigProtocol | None) -> TypeGuard[T5ModelProvider]:
     """Whether ``model_config`` describes a T5 (encoder-decoder) model."""
-    from bridge.train.models.t5_provider import T5ModelProvider
-
     return isinstance(model_config, T5ModelProvider)
 
 

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -200,15 +199,11 @@ class Gemma3ModelProvider(GPTModelProvider):
             layer_norm=ZeroCenteredRMSNorm,
         )
 
-    def provide(
-        self,
-        pre_process: bool | None = None,
-        post_process: bool | None = None,
-        vp_stage: int | None = None,
-    ) -> GPTModel:
-        """Build the model (see :meth:`GPTModelProvider.provide`) with scaled embeddings."""
-        model = super().provide(pre_process, post_process, vp_stage)
-        if self.scale_embeddings and getattr(model, "pre_process", False):
+    def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
+        """megatron's ``GPTModel`` (see :meth:`GPTModelProvider.provide`) with scaled
+        embeddings."""
+        model = super()._build_model(vp_stage, **common)
+        if self.scale_embeddings and common["pre_process"]:
             model.embedding.word_embeddings.register_forward_hook(
                 _scale_embeddings(float(self.hidden_size) ** 0.5)
             )

@@ -15,12 +15,11 @@ change the parameter names the Hugging Face mapping reads).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor,
 )
-from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from bridge.train.models.gpt_provider import GPTModelProvider
@@ -92,17 +91,11 @@ class GptOssModelProvider(GPTModelProvider):
             )
         super().__post_init__()
 
-    def provide(
-        self,
-        pre_process: bool | None = None,
-        post_process: bool | None = None,
-        vp_stage: int | None = None,
-    ) -> GPTModel:
-        """Build the model (see :meth:`GPTModelProvider.provide`); every learnable
+    def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
+        """megatron's ``GPTModel`` (see :meth:`GPTModelProvider.provide`); every learnable
         ``softmax_offset`` (the attention sinks) is marked as split over tensor parallelism
         along the heads, as its shape is."""
-
-        model = super().provide(pre_process, post_process, vp_stage)
+        model = super()._build_model(vp_stage, **common)
         for module in model.modules():
             offset = module._parameters.get("softmax_offset")
             if offset is not None and not getattr(offset, "tensor_model_parallel", False):

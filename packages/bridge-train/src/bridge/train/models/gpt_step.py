@@ -20,11 +20,12 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
+from bridge.resiliency import StragglerTiming
 from bridge.train.data.packing import PACKED_BATCH_KEYS, packed_seq_params
 from bridge.train.state import GlobalState
-from core_utils import get_batch_on_this_cp_rank
+from core_utils import Timers, get_batch_on_this_cp_rank
 
-__all__ = ["forward_step", "get_batch", "masked_next_token_loss"]
+__all__ = ["forward_step", "get_batch", "masked_next_token_loss", "timed_forward"]
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -111,6 +112,40 @@ def masked_next_token_loss(
     return loss, num_tokens, {"lm loss": reported}
 
 
+def timed_forward[BatchT](
+    fetch: Callable[[], BatchT],
+    run_model: Callable[[BatchT], torch.Tensor],
+    *,
+    timers: Timers | None,
+    straggler: StragglerTiming | None,
+) -> tuple[BatchT, torch.Tensor]:
+    """Fetch a micro-batch and run the model on it, timed as the GPT and T5 steps time it:
+    the fetch as ``batch-generator`` (with ``timers``), the fetch and the model's forward
+    pass for the straggler report (with ``straggler``, inert when detection is off).
+
+    Args:
+        fetch: Takes the next micro-batch.
+        run_model: Runs the model's forward pass on it.
+        timers: The run's timers (``state.timers``), or ``None``.
+        straggler: The run's straggler timing (``state.straggler_timing``), or ``None``.
+
+    Returns:
+        ``(batch, output)``.
+    """
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
+    with straggler.data() if straggler is not None else contextlib.nullcontext():
+        batch = fetch()
+    if timers is not None:
+        timers("batch-generator").stop()
+    # Straggler detection times the model's forward pass only (as megatron does): the
+    # backward pass ends in gradient all-reduces where fast ranks wait for slow ones,
+    # which would make every rank look equally slow.
+    with straggler.step() if straggler is not None else contextlib.nullcontext():
+        output = run_model(batch)
+    return batch, output
+
+
 def forward_step(
     state: GlobalState | None,
     data_iterator: Iterator[dict[str, torch.Tensor]] | None,
@@ -121,9 +156,7 @@ def forward_step(
 
     The ``state`` parameter makes the trainer inject its :class:`GlobalState` (see
     :func:`bridge.train.prepare_forward_step_func`); ``None`` is fine when calling it
-    directly. When the state has timers, the batch fetch is timed as ``batch-generator``;
-    with straggler detection on, the batch fetch and the model's forward pass are timed
-    for the straggler report (``state.straggler_timing``).
+    directly. Its timers and straggler timing time the step (:func:`timed_forward`).
 
     Args:
         state: The global state, or ``None``.
@@ -140,25 +173,15 @@ def forward_step(
     """
     if return_schedule_plan:
         raise NotImplementedError("forward_step: return_schedule_plan=True is not supported")
-    timers = getattr(state, "timers", None) if state is not None else None
-    straggler = getattr(state, "straggler_timing", None) if state is not None else None
-    if timers is not None:
-        timers("batch-generator", log_level=2).start()
-    with straggler.data() if straggler is not None else contextlib.nullcontext():
-        batch = get_batch(data_iterator, _device_of(model))
-    if timers is not None:
-        timers("batch-generator").stop()
-    # Straggler detection times the model's forward pass only (as megatron does): the
-    # backward pass ends in gradient all-reduces where fast ranks wait for slow ones,
-    # which would make every rank look equally slow.
-    attention_mask = batch["attention_mask"]
-    extra: dict[str, Any] = {}
-    if batch.get("cu_seqlens") is not None and _reads_packed_seq_params(model):
-        # Transformer Engine confines attention to each example through cu_seqlens.
-        extra["packed_seq_params"] = packed_seq_params(batch)
-        attention_mask = None
-    with straggler.step() if straggler is not None else contextlib.nullcontext():
-        output = model(
+
+    def run_model(batch: dict[str, Any]) -> torch.Tensor:
+        attention_mask = batch["attention_mask"]
+        extra: dict[str, Any] = {}
+        if batch.get("cu_seqlens") is not None and _reads_packed_seq_params(model):
+            # Transformer Engine confines attention to each example through cu_seqlens.
+            extra["packed_seq_params"] = packed_seq_params(batch)
+            attention_mask = None
+        return model(
             batch["tokens"],
             batch["position_ids"],
             attention_mask,
@@ -166,6 +189,13 @@ def forward_step(
             loss_mask=batch["loss_mask"],
             **extra,
         )
+
+    batch, output = timed_forward(
+        lambda: get_batch(data_iterator, _device_of(model)),
+        run_model,
+        timers=getattr(state, "timers", None),
+        straggler=getattr(state, "straggler_timing", None),
+    )
     loss_mask = batch["loss_mask"]
     if loss_mask is None:  # get_batch guarantees it; a clear error if a subclass does not
         raise ValueError("forward_step: the batch has no loss_mask")

@@ -25,7 +25,6 @@ Four implementations are selectable (``GPTModelProvider.layer_spec_backend``):
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import importlib.util
 from typing import TYPE_CHECKING, Any, Literal
@@ -188,29 +187,14 @@ def _trainable_biased_experts(layer: Any) -> Any:
     :class:`~bridge.train.models.expert_linear.ExpertRowParallelLinear` (megatron's biased
     expert MLP otherwise fails its first backward; see that module). Other specs unchanged."""
 
+    layer = copy.deepcopy(layer)
     moe = getattr(layer.submodules, "mlp", None)
     moe_sub = moe.keywords.get("submodules") if isinstance(moe, functools.partial) else None
     experts = getattr(moe_sub, "experts", None)
-    if not isinstance(experts, functools.partial) or experts.func is not SequentialMLP:
-        return layer
-    expert_sub = experts.keywords["submodules"]
-    if expert_sub.linear_fc2 is not RowParallelLinear:
-        return layer
-    experts = functools.partial(
-        SequentialMLP,
-        *experts.args,
-        **{
-            **experts.keywords,
-            "submodules": dataclasses.replace(expert_sub, linear_fc2=ExpertRowParallelLinear),
-        },
-    )
-    assert moe is not None and moe_sub is not None
-    moe = functools.partial(
-        moe.func,
-        *moe.args,
-        **{**moe.keywords, "submodules": dataclasses.replace(moe_sub, experts=experts)},
-    )
-    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=moe))
+    if isinstance(experts, functools.partial) and experts.func is SequentialMLP:
+        expert_sub = experts.keywords["submodules"]
+        if expert_sub.linear_fc2 is RowParallelLinear:
+            expert_sub.linear_fc2 = ExpertRowParallelLinear
     return layer
 
 

@@ -83,20 +83,9 @@ _NORM_BIASES = frozenset({"layer_norm_bias"})
 _GATED_NORMS = frozenset({"GatedGroupRMSNorm", "ExtendedRMSNorm", "RMSNormGated"})
 
 
-# The ``provide`` / ``_build_model`` methods whose modules every rule below knows (by
-# qualified name, so this module imports none of the providers).
-_COVERED_BUILDS = frozenset(
-    f"bridge.train.models.{module}.{provider}.{method}"
-    for method in ("provide", "_build_model")
-    for module, provider in (
-        ("gpt_provider", "GPTModelProvider"),
-        ("t5_provider", "T5ModelProvider"),
-        ("mamba_provider", "MambaProvider"),
-        ("gemma3_provider", "Gemma3ModelProvider"),
-        ("mla_provider", "MLAModelProvider"),
-        ("gpt_oss_provider", "GptOssModelProvider"),
-    )
-)
+# Where the ``provide`` / ``_build_model`` methods whose modules every rule below knows are
+# defined: this package's providers (by module name, so this module imports none of them).
+_COVERED_BUILDS = "bridge.train.models."
 
 
 # The mimo recipe's model section (its modules are built by bridge-mimo in pretrain_mimo).
@@ -109,25 +98,21 @@ class LayoutInitError(ValueError):
 
 def supports_layout_independent_init(provider: Any) -> bool:
     """Whether ``provider`` builds modules this initialisation covers: the mimo recipe's
-    model section, or a :class:`GPTModelProvider` whose ``provide`` is one of this
-    package's builds (GPT dense and MoE with every family preset, T5, hybrid Mamba,
-    Gemma 3, multi-latent attention / DeepSeek-V3, gpt-oss), inherited or its own. A
-    subclass with its own ``provide`` may build modules not known here and keeps megatron's
-    seeding unless asked.
+    model section, or a :class:`GPTModelProvider` whose ``provide`` and ``_build_model`` are
+    this package's (every provider of ``bridge.train.models``, listed in the module
+    docstring). A subclass that defines either itself may build modules not known here and
+    keeps megatron's seeding unless asked.
 
     Args:
         provider: A model provider (its ``provide`` builds the model).
     """
-    if _qualified_name(type(provider)) == _MIMO_MODEL:
+    kind = type(provider)
+    if f"{kind.__module__}.{kind.__qualname__}" == _MIMO_MODEL:
         return True  # drawn per module by pretrain_mimo (each module's own config)
     if not isinstance(provider, GPTModelProvider):
         return False
-    builds = (type(provider).provide, type(provider)._build_model)
-    return all(_qualified_name(method) in _COVERED_BUILDS for method in builds)
-
-
-def _qualified_name(thing: Any) -> str:
-    return f"{thing.__module__}.{thing.__qualname__}"
+    builds = (kind.provide, kind._build_model)
+    return all(method.__module__.startswith(_COVERED_BUILDS) for method in builds)
 
 
 def check_supported(provider: Any, *, field: str = "rng.layout_independent_init") -> None:

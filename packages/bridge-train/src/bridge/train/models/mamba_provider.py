@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, pattern_from_ratios
 from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -40,7 +40,6 @@ from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 __all__ = ["MambaProvider", "resolve_hybrid_backend"]
 
 _PORTABLE_SYMBOLS = frozenset("M*-")
-_MEGATRON_SYMBOLS = frozenset("MG*D+-E")
 _GPU_PACKAGES = ("transformer_engine", "mamba_ssm", "causal_conv1d")
 
 
@@ -155,7 +154,7 @@ class MambaProvider(GPTModelProvider):
         pattern = self.hybrid_override_pattern
         if pattern is not None:
             main = pattern.split("/")[0].replace("|", "")
-            unknown = sorted(set(main) - _MEGATRON_SYMBOLS)
+            unknown = sorted(set(main) - Symbols.VALID_LAYERS)
             if unknown:
                 raise ValueError(
                     f"model.hybrid_override_pattern={pattern!r} has unknown symbols {unknown}; "

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from bridge.train.models.gpt_provider import GPTModelProvider
@@ -77,17 +76,12 @@ class MLAModelProvider(GPTModelProvider, MLATransformerConfig):
                 )
         super().__post_init__()
 
-    def provide(
-        self,
-        pre_process: bool | None = None,
-        post_process: bool | None = None,
-        vp_stage: int | None = None,
-    ) -> GPTModel:
-        """Build the model (see :meth:`GPTModelProvider.provide`).
+    def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
+        """megatron's ``GPTModel`` (see :meth:`GPTModelProvider.provide`).
 
         megatron's multi-latent attention creates its rotary embedding on
         ``torch.cuda.current_device()``; without CUDA it is built with the CPU as that
         device (``core_utils.cpu_cuda_compat``) and kept there.
         """
         with cpu_cuda_compat():  # a no-op with CUDA
-            return super().provide(pre_process, post_process, vp_stage)
+            return super()._build_model(vp_stage, **common)

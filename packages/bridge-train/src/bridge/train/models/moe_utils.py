@@ -8,21 +8,24 @@ from bridge.train.engine._distributed_utils import unwrap_model_chunks
 
 __all__ = ["freeze_moe_router"]
 
-# (submodule of the MoE layer, parameters frozen in it)
+# The frozen parameters, by how their names end: a MoE layer's router and its shared experts'
+# gate (megatron names them so in every layer's mlp, a wrapper's "module." prefix before).
 _ROUTER_PARAMETERS = (
-    ("router", ("weight", "bias")),
-    ("shared_experts", ("gate_weight", "gate_bias")),
+    ".mlp.router.weight",
+    ".mlp.router.bias",
+    ".mlp.shared_experts.gate_weight",
+    ".mlp.shared_experts.gate_bias",
 )
 
 
 def freeze_moe_router(model: list[torch.nn.Module] | torch.nn.Module) -> list[torch.nn.Module]:
     """Freeze MoE router and shared-expert gate parameters in model chunks.
 
-    For every decoder layer whose ``mlp`` is a MoE layer, ``mlp.router.weight``/``bias`` and
+    In every layer whose ``mlp`` is a MoE layer, ``mlp.router.weight``/``bias`` and
     ``mlp.shared_experts.gate_weight``/``gate_bias`` (where present) get
     ``requires_grad=False``. Call it before the model is wrapped for data parallelism and
     before the optimizer is built, so frozen parameters get no gradient buffer and no
-    optimizer state. Wrapped chunks (``.module``) are unwrapped.
+    optimizer state. Wrapped chunks (``.module``) are searched through their wrapper.
 
     Args:
         model: Single megatron module or list of virtual-pipeline model chunks.
@@ -32,16 +35,7 @@ def freeze_moe_router(model: list[torch.nn.Module] | torch.nn.Module) -> list[to
     """
     chunks = unwrap_model_chunks(model)
     for chunk in chunks:
-        inner = chunk
-        while not hasattr(inner, "decoder") and hasattr(inner, "module"):
-            inner = inner.module
-        layers = getattr(getattr(inner, "decoder", None), "layers", None)
-        for layer in layers or ():
-            mlp = getattr(layer, "mlp", None)
-            for submodule_name, names in _ROUTER_PARAMETERS:
-                submodule = getattr(mlp, submodule_name, None)
-                for name in names:
-                    param = getattr(submodule, name, None)
-                    if isinstance(param, torch.Tensor):
-                        param.requires_grad = False
+        for name, param in chunk.named_parameters():
+            if name.endswith(_ROUTER_PARAMETERS):
+                param.requires_grad = False
     return chunks

@@ -99,20 +99,6 @@ class T5ModelProvider(GPTModelProvider):
             TransformerBlockSubmodules([decoder] * self.num_layers, layer_norm=t5_spec.LNImpl),
         )
 
-    def provide(
-        self,
-        pre_process: bool | None = None,
-        post_process: bool | None = None,
-        vp_stage: int | None = None,
-    ) -> Any:
-        """Build megatron's ``T5Model`` (see :meth:`GPTModelProvider.provide`); one pipeline
-        stage (T5 refuses pipeline parallelism), so both ends unless told."""
-        return super().provide(
-            True if pre_process is None else pre_process,
-            True if post_process is None else post_process,
-            vp_stage,
-        )
-
     def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
         """megatron's ``T5Model``; the encoder's config differs only in its depth."""
         encoder_spec, decoder_spec = self.layer_spec(vp_stage)

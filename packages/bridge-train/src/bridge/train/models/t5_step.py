@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
 
-from bridge.train.models.gpt_step import masked_next_token_loss
+from bridge.train.models.gpt_step import masked_next_token_loss, timed_forward
 from bridge.train.state import GlobalState
 
 __all__ = ["t5_forward_step", "t5_get_batch"]
@@ -50,7 +50,8 @@ def t5_forward_step(
     """One T5 forward pass on the next micro-batch.
 
     Args:
-        state: The global state (times the batch fetch when it has timers), or ``None``.
+        state: The global state, or ``None``; its timers and straggler timing time the
+            step as :func:`bridge.train.models.gpt_step.timed_forward` says.
         data_iterator: Iterator over T5 batch dicts.
         model: The (wrapped) ``T5Model``.
 
@@ -59,24 +60,30 @@ def t5_forward_step(
         :func:`bridge.train.models.gpt_step.masked_next_token_loss` bound to the decoder's loss mask.
     """
 
-    timers = getattr(state, "timers", None) if state is not None else None
-    if timers is not None:
-        timers("batch-generator", log_level=2).start()
+    def run_model(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # The 0/1 padding masks stand in for the tokens: megatron's builder treats ids >= 1
+        # as real tokens, which would misread a real token with id 0.
+        enc_mask, dec_mask, enc_dec_mask = T5MaskedWordPieceDataset.config_attention_mask(
+            batch["enc_mask"],
+            batch["dec_mask"],
+            batch["enc_mask"],
+            batch["dec_mask"],
+            use_local=True,
+        )
+        return model(
+            batch["text_enc"],
+            batch["text_dec"],
+            enc_mask,
+            dec_mask,
+            enc_dec_mask,
+            lm_labels=batch["labels"],
+        )
+
     device = next(iter(model.parameters())).device
-    batch = t5_get_batch(data_iterator, device)
-    if timers is not None:
-        timers("batch-generator").stop()
-    # The 0/1 padding masks stand in for the tokens: megatron's builder treats ids >= 1 as
-    # real tokens, which would misread a real token with id 0.
-    enc_mask, dec_mask, enc_dec_mask = T5MaskedWordPieceDataset.config_attention_mask(
-        batch["enc_mask"], batch["dec_mask"], batch["enc_mask"], batch["dec_mask"], use_local=True
-    )
-    output = model(
-        batch["text_enc"],
-        batch["text_dec"],
-        enc_mask,
-        dec_mask,
-        enc_dec_mask,
-        lm_labels=batch["labels"],
+    batch, output = timed_forward(
+        lambda: t5_get_batch(data_iterator, device),
+        run_model,
+        timers=getattr(state, "timers", None),
+        straggler=getattr(state, "straggler_timing", None),
     )
     return output, functools.partial(masked_next_token_loss, batch["loss_mask"])

@@ -7,68 +7,35 @@ file, which you can copy and edit (``bridge-train --config my_recipe.yaml``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["DEFAULT_RECIPE", "RECIPES", "Recipe", "recipe_path"]
+__all__ = ["DEFAULT_RECIPE", "RECIPES", "recipe_path"]
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """A built-in recipe.
-
-    Attributes:
-        name: What ``--recipe`` takes.
-        summary: One line for ``bridge-train --help``.
-    """
-
-    name: str
-    summary: str
-
-    @property
-    def filename(self) -> str:
-        """The YAML file inside ``bridge.train.recipes``: ``<name>.yaml``."""
-        return f"{self.name}.yaml"
-
-
-RECIPES: dict[str, Recipe] = {
-    recipe.name: recipe
-    for recipe in (
-        Recipe(
-            "tiny_gpt",
-            "4-layer GPT on mock data, CPU, about a minute (the default)",
-        ),
-        Recipe(
-            "text_corpus",
-            "small GPT on a local text corpus (byte-level tokenizer; set dataset.blend to "
-            "the prefix written by bridge-preprocess-data)",
-        ),
-        Recipe(
-            "tiny_hybrid",
-            "4-layer hybrid Mamba model (pattern M*M-) on mock data, CPU, about a minute",
-        ),
-        Recipe(
-            "tiny_t5",
-            "T5 encoder-decoder (2 + 2 layers) on generated span-corruption data, CPU, about "
-            "a minute",
-        ),
-        Recipe(
-            "sft",
-            "supervised finetuning on a JSONL prompt/answer task (examples/data/sft_addition), "
-            "answer-only loss",
-        ),
-        Recipe(
-            "sft_lora",
-            "the sft recipe with LoRA adapters on a frozen base (checkpoint."
-            "pretrained_checkpoint, default runs/gpt_text_corpus)",
-        ),
-        Recipe(
-            "mimo",
-            "vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs; "
-            "1, 2 or 4 ranks",
-        ),
-    )
+#: What ``--recipe`` takes -> its one line for ``bridge-train --help``; the file inside
+#: ``bridge.train.recipes`` is ``<name>.yaml``.
+RECIPES: dict[str, str] = {
+    "tiny_gpt": "4-layer GPT on mock data, CPU, about a minute",
+    "text_corpus": (
+        "small GPT on a local text corpus (byte-level tokenizer; set dataset.blend to the "
+        "prefix written by bridge-preprocess-data)"
+    ),
+    "tiny_hybrid": "4-layer hybrid Mamba model (pattern M*M-) on mock data, CPU, about a minute",
+    "tiny_t5": (
+        "T5 encoder-decoder (2 + 2 layers) on generated span-corruption data, CPU, about a minute"
+    ),
+    "sft": (
+        "supervised finetuning on a JSONL prompt/answer task (examples/data/sft_addition), "
+        "answer-only loss"
+    ),
+    "sft_lora": (
+        "the sft recipe with LoRA adapters on a frozen base (checkpoint.pretrained_checkpoint, "
+        "default runs/gpt_text_corpus)"
+    ),
+    "mimo": (
+        "vision-language MIMO model (bridge.mimo) on synthetic image-caption pairs; 1, 2 or 4 ranks"
+    ),
 }
 
 DEFAULT_RECIPE = "tiny_gpt"
@@ -86,4 +53,4 @@ def recipe_path(name: str) -> Path:
         close = difflib.get_close_matches(name, list(RECIPES), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise KeyError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}.{hint}")
-    return Path(str(resources.files(__name__).joinpath(RECIPES[name].filename)))
+    return Path(str(resources.files(__name__).joinpath(f"{name}.yaml")))

@@ -134,8 +134,8 @@ class Checkpointer(Callback):
 
         A persistent checkpoint every ``save_interval`` iterations, else a non-persistent
         one every ``non_persistent_save_interval``; an exit that needs a checkpoint saves
-        exactly one (none if this iteration was just saved). Collective: every rank agrees
-        on the decision.
+        exactly one (none if this iteration was just saved); rank 0 prints why it exits.
+        Collective: every rank agrees on the decision.
 
         Returns:
             The exit decision, or ``None`` without exit conditions.
@@ -156,6 +156,8 @@ class Checkpointer(Callback):
         self.last_decision = decision
         if decision.should_save and self.enabled:
             self.save(context)
+        if decision.should_exit and global_rank() == 0:
+            print(f"[bridge-train] {decision.message}", flush=True)
         return decision
 
     # -- hooks -----------------------------------------------------------------------------
@@ -170,8 +172,6 @@ class Checkpointer(Callback):
         self.finalize(context, blocking=False)
         decision = self.save_and_decide(context)
         if decision is not None and decision.should_exit:
-            if global_rank() == 0:
-                print(f"[bridge-train] {decision.message}", flush=True)
             context.request_stop(decision.message, decision.exit_code)
 
     def on_train_end(self, context: LoopContext) -> None:

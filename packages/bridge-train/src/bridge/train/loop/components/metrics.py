@@ -11,9 +11,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+
 from bridge.config import ModelConfigProtocol, TrainingConfig
 from bridge.logging import LoggingState, ProgressReporter, TrainingLogSettings, log_training_step
-from bridge.train.loop.batch_size import get_num_microbatches
 from bridge.train.metrics.moe import moe_track_names, report_moe_metrics
 from bridge.train.metrics.norms import calc_params_l2_norm
 from core_utils.callbacks import Callback

@@ -62,17 +62,13 @@ class GenerationSamples(Callback):
         self.toggle = toggle_forward_pre_hooks
         self.metric_writers = metric_writers
         self.evaluations = 0
-        if section.greedy:
-            self.options = SamplingOptions(section.max_new_tokens, stop=tuple(section.stop))
-        else:
-            self.options = SamplingOptions.sampling(
-                section.max_new_tokens,
-                temperature=section.temperature,
-                top_k=section.top_k,
-                top_p=section.top_p,
-                seed=section.seed,
-                stop=tuple(section.stop),
-            )
+        sampling = () if section.greedy else ("temperature", "top_k", "top_p", "seed")
+        self.options = SamplingOptions(
+            section.max_new_tokens,
+            greedy=section.greedy,
+            stop=tuple(section.stop),
+            **{name: getattr(section, name) for name in sampling},
+        )
         self.prompts: list[Any] = []
 
     def on_train_start(self, context: LoopContext) -> None:
