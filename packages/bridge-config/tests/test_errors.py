@@ -909,6 +909,35 @@ VALIDATE_CASES: list[tuple[str, Callable[[], None], list[str]]] = [
         ["minus the start batch size 2 must be a multiple of the increment 4"],
     ),
     (
+        "warmup-init-above-lr",
+        validate(1, scheduler=bc.SchedulerConfig(lr_warmup_iters=2, lr_warmup_init=0.5)),
+        ["scheduler.lr_warmup_init: got 0.5, above optimizer.lr=0.001"],
+    ),
+    (
+        "min-lr-above-lr",
+        validate(1, optimizer=ExampleOptimizerConfig(lr=0.1, min_lr=0.2)),
+        ["optimizer.min_lr: got 0.2, above optimizer.lr=0.1"],
+    ),
+    (
+        "lr-required",
+        validate(1, optimizer=ExampleOptimizerConfig(lr=None)),
+        ["optimizer.lr: is required"],
+    ),
+    (
+        "rampup-with-decrease",
+        validate(
+            1,
+            train=bc.TrainingConfig(
+                micro_batch_size=1,
+                global_batch_size=8,
+                train_samples=1000,
+                rampup_batch_size=[2, 2, 100],
+                decrease_batch_size_if_needed=True,
+            ),
+        ),
+        ["train.rampup_batch_size: cannot be combined with train.decrease_batch_size_if_needed"],
+    ),
+    (
         "samples-with-iters",
         validate(1, scheduler=bc.SchedulerConfig(lr_decay_samples=100)),
         [

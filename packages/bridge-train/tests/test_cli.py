@@ -55,6 +55,8 @@ def test_hang_timeout_options(capsys: pytest.CaptureFixture[str]) -> None:
         (["--hang-setup-timeout", "5"], "--hang-setup-timeout needs --hang-timeout"),
         (["--hang-timeout", "0"], "expected a number of seconds > 0, got '0'"),
         (["--hang-timeout", "soon"], "expected a number of seconds, got 'soon'"),
+        (["--eval-data", "x.jsonl"], "--eval-data needs --eval-only"),
+        (["--eval-only", "checkpoint.load=/no/such/run"], "error: checkpoint.load: "),
     ]:
         with pytest.raises(SystemExit) as info:
             main(argv)

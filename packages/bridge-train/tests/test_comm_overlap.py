@@ -84,6 +84,11 @@ def test_settings_that_cannot_act_are_refused() -> None:
         CommOverlapConfig(tp_comm_overlap=True)
     with pytest.raises(ConfigError, match=r"comm_overlap\.bucket_size"):
         CommOverlapConfig(bucket_size=0)
+    with pytest.raises(ConfigError, match=r"comm_overlap\.wgrad_deferral_limit: got -1"):
+        CommOverlapConfig(wgrad_deferral_limit=-1)
+    # A field given here whose section is absent is refused, not dropped.
+    with pytest.raises(ConfigError, match=r"overlap_grad_reduce: got True but the ddp section"):
+        CommOverlapConfig(overlap_grad_reduce=True).setup(None, None, None)
     cfg = _container(CommOverlapConfig(overlap_param_gather=True))
     with pytest.raises(ConfigError, match=r"comm_overlap\.overlap_param_gather: .*distributed"):
         cfg.validate(world_size=2)

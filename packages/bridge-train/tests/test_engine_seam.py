@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bridge.config import data_parallel_size
 from bridge.train.engine import Engine, MegatronEngine, build_engine
-from bridge.train.engine.initialize import resolve_distributed_backend, validate_parallel_layout
+from bridge.train.engine.initialize import initialize_distributed, resolve_distributed_backend
 from bridge.train.state import GlobalState
 from bridge.train.testing import tiny_dist_config, tiny_gpt_provider, tiny_optimizer_config
 
@@ -22,6 +23,10 @@ def test_megatron_engine_is_the_engine_and_builds_without_touching_process_state
 
     engine = build_engine()
     assert isinstance(engine, MegatronEngine) and isinstance(engine, Engine)
+    # The package's lazy names, listed by dir() before and after they load.
+    import bridge.train.engine as package
+
+    assert {"Engine", "MegatronEngine", "build_engine"} <= set(dir(package))
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert engine.name == "megatron" and engine.device.type == expected
     assert not cuda_emulation_active() and not dist.is_initialized()
@@ -83,7 +88,7 @@ def test_megatron_engine_enters_the_emulation_for_the_run_and_teardown_exits_it(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 def test_nccl_without_cuda_is_refused_with_the_field_and_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"dist.distributed_backend='nccl' requires CUDA.*'gloo'"):
+    with pytest.raises(ValueError, match=r"dist.distributed_backend: 'nccl' requires CUDA.*'gloo'"):
         resolve_distributed_backend(tiny_dist_config(distributed_backend="nccl"))
     assert resolve_distributed_backend(tiny_dist_config()) == "gloo"
     assert resolve_distributed_backend(None) == "gloo"
@@ -96,13 +101,19 @@ def test_nccl_without_cuda_is_refused_with_the_field_and_the_fix() -> None:
 
 
 def test_parallel_layout_is_checked_against_world_size() -> None:
-    validate_parallel_layout(tiny_gpt_provider(tensor_model_parallel_size=2), 4)
+    # The engine applies bridge.config's layout rule before any process group exists.
+    with pytest.raises(
+        ValueError, match=r"world size 1 is not divisible.*tensor_model_parallel_size \(2\)"
+    ):
+        initialize_distributed(tiny_gpt_provider(tensor_model_parallel_size=2))
+    assert not dist.is_initialized()
+    data_parallel_size(tiny_gpt_provider(tensor_model_parallel_size=2), 4)
     with pytest.raises(
         ValueError, match=r"world size 3 is not divisible.*tensor_model_parallel_size \(2\)"
     ):
-        validate_parallel_layout(tiny_gpt_provider(tensor_model_parallel_size=2), 3)
+        data_parallel_size(tiny_gpt_provider(tensor_model_parallel_size=2), 3)
     with pytest.raises(ValueError, match=r"expert_model_parallel_size \(2\)"):
-        validate_parallel_layout(
+        data_parallel_size(
             tiny_gpt_provider(
                 num_moe_experts=4, expert_model_parallel_size=2, add_bias_linear=False
             ),
@@ -134,7 +145,7 @@ def test_pipeline_expert_and_distributed_optimizer_layouts_are_accepted_on_cpu(
     from bridge.train.checks.layout import check_engine_config
 
     provider = tiny_gpt_provider(**layout)
-    validate_parallel_layout(provider, 2)
+    data_parallel_size(provider, 2)
     check_engine_config(
         provider,
         ddp_config=DistributedDataParallelConfig(

@@ -116,6 +116,11 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
         (["optimizer.adam_eps=0"], "optimizer.adam_eps: got 0"),
         (["optimizer.min_lr=1.0"], "optimizer.min_lr: got 1.0, above optimizer.lr"),
         (
+            ["scheduler.lr_warmup_init=1.0"],
+            "scheduler.lr_warmup_init: got 1.0, above optimizer.lr",
+        ),
+        (["optimizer.lr=null"], "optimizer.lr: is required"),
+        (
             ["optimizer.optimizer=adamw"],
             "optimizer.optimizer: got 'adamw'; megatron-core builds 'adam'",
         ),
@@ -135,6 +140,15 @@ def test_help_version_and_input_errors_import_neither_torch_nor_megatron(tmp_pat
             "comm_overlap.overlap_param_gather: got true; the parameter all-gather exists only",
         ),
         (["train.train_iters=100000000000000000000000"], "train.train_iters: got 1000000000000"),
+        (
+            [
+                "train.train_iters=null",
+                "train.train_samples=64",
+                "train.rampup_batch_size=[2,2,16]",
+                "train.decrease_batch_size_if_needed=true",
+            ],
+            "train.rampup_batch_size: cannot be combined with train.decrease_batch_size_if_needed",
+        ),
         (
             ["tokenizer.tokenizer_type=SentencePieceTokenizer", "tokenizer.tokenizer_model=x"],
             "tokenizer.tokenizer_model: 'x' does not exist or is not a file",

@@ -132,6 +132,24 @@ def test_the_mimo_recipe_runs_the_same_pass_and_refuses_what_it_ignores(tmp_path
         check_config_before_launch(
             _mimo("profiling.use_nsys_profiler=true"), world_size=1, cuda_available=False
         )
+    # So do bridge-config's learning-rate rule and its messages (validate() does not run).
+    with pytest.raises(ConfigError, match=r"^scheduler\.lr_warmup_init: got 1\.0, above"):
+        check_config_before_launch(
+            _mimo("scheduler.lr_warmup_init=1.0"), world_size=1, cuda_available=False
+        )
+    with pytest.raises(ConfigError, match=r"^optimizer\.lr: is required"):
+        check_config_before_launch(_mimo("optimizer.lr=null"), world_size=1, cuda_available=False)
+    # What the recipe needs, and a rerun mode it does not run, are refused too.
+    for overrides, message in [
+        (["train.micro_batch_size=null"], r"^train\.global_batch_size: the mimo recipe needs"),
+        (["rerun_state_machine.rerun_mode=validate_results"], r"^rerun_state_machine\.rerun_mode"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check_config_before_launch(_mimo(*overrides), world_size=1, cuda_available=False)
+    cfg = _mimo()
+    cfg.logger = None
+    with pytest.raises(ConfigError, match=r"^logger: required section is missing"):
+        check_config_before_launch(cfg, world_size=1, cuda_available=False)
 
 
 def test_a_training_length_whose_dataset_index_cannot_fit_in_memory_is_refused() -> None:

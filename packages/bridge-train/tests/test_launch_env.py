@@ -222,6 +222,19 @@ def test_adopting_srun_exports_torch_variables_and_keeps_their_origins() -> None
         ({"WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1"}, "RANK is not set"),
         ({"WORLD_SIZE": "4", "RANK": "0"}, "MASTER_ADDR, MASTER_PORT are not set"),
         ({"RANK": "1"}, r"RANK: environment variable is 1, outside \[0, WORLD_SIZE=1\)"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE: environment variable is 0; it must be >= 1"),
+        (
+            {
+                k: v
+                for k, v in SRUN_TASK.items()
+                if k not in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+            },
+            "SLURM_STEP_NUM_TASKS: srun started this process .* neither",
+        ),
+        (
+            {k: v for k, v in SRUN_TASK.items() if not k.endswith("_NODELIST")},
+            "MASTER_ADDR: srun started 4 tasks but neither SLURM_STEP_NODELIST nor",
+        ),
     ],
 )
 def test_launches_that_cannot_work_are_refused_naming_the_variables(

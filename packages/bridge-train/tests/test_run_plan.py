@@ -13,9 +13,12 @@ import logging
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bridge.train.checkpointing.architecture import read_run_config as read
+from bridge.train.checks import resume as resume_checks
 from bridge.train.cli import EXIT_CONFIG_ERROR, main, run
 
 _SMALL = [
@@ -98,7 +101,7 @@ def test_a_run_that_trains_nothing_says_why(
 
 @pytest.mark.timeout(600)
 def test_resuming_a_changed_run_is_refused_unless_asked_for(
-    finished_run: Path, capsys: pytest.CaptureFixture[str]
+    finished_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other_model = [*_SMALL, "checkpoint.save=runs/a", "train.train_iters=4", "--dry-run"]
     resume = [*other_model, _ONE_LAYER]
@@ -107,9 +110,20 @@ def test_resuming_a_changed_run_is_refused_unless_asked_for(
     assert "dataset.random_seed (saved 1234, this run 7)" in line
     assert "tokenizer.vocab_size (saved" in line and "this run 1000)" in line
     assert "checkpoint.resume_with_changes=true" in line and "a new checkpoint.save" in line
-    # Asked for: the differences are listed, the resume goes ahead.
+    # Asked for: the differences are listed, the resume goes ahead; the launch check and the
+    # notices compare one reading of the saved run_config.yaml.
     capsys.readouterr()
-    assert run([*resume, "dataset.random_seed=7", "checkpoint.resume_with_changes=true"]) == 0
+    reads: list[str] = []
+
+    def counted(path: str) -> Any:
+        reads.append(path)
+        return read(path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(resume_checks, "read_run_config", counted)
+        asked = [*resume, "dataset.random_seed=7", "checkpoint.resume_with_changes=true"]
+        assert run(asked) == 0
+    assert reads == ["runs/a/iter_0000002"], reads
     out = capsys.readouterr().out
     assert "resuming iteration 2 of runs/a/iter_0000002 with changed settings" in out
     assert "dataset.random_seed (saved 1234, this run 7)" in out

@@ -37,7 +37,6 @@ from bridge.train import (
     should_disable_forward_pre_hook,
 )
 from bridge.train.loop import rampup_to_step_schedule
-from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.loop.components import WeightHashMismatchError
 from bridge.train.loop.step import _handle_mxfp8_param_buffer_copy
 from bridge.train.metrics import read_metrics_file
@@ -85,20 +84,25 @@ def test_rampup_becomes_megatron_step_schedule() -> None:
     # start 4, +4 every 32/3 samples, up to 16
     assert rampup_to_step_schedule([4, 4, 32], 16) == "0:4 11:8 22:12 32:16"
     assert rampup_to_step_schedule([8, 8, 100], 8) == "0:8"
-    with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*whole number of increments"):
+    # Raw values meet bridge-config's rules: the section's own, then rampup_increments.
+    with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*multiple of the increment 5"):
         rampup_to_step_schedule([4, 5, 32], 16)
-    for bad in ([4, 4], [0, 4, 32], [4, 4, -1]):
-        with pytest.raises(ConfigError, match=r"expected \[start batch size, increment"):
+    with pytest.raises(ConfigError, match=r"start batch size 32 exceeds global_batch_size 16"):
+        rampup_to_step_schedule([32, 4, 32], 16)
+    for bad in ([4, 4], [0, 4, 32], [4, 4, -1], [4, 4, 0]):
+        with pytest.raises(ConfigError, match=r"rampup_batch_size: got .*three positive"):
             rampup_to_step_schedule(bad, 16)
-    # megatron-core's step schedules cannot shrink the batch: the combination is refused.
+    # megatron-core's step schedules cannot shrink the batch: the launch pass (validate())
+    # refuses the combination before anything is built.
     both = TrainingConfig(
         global_batch_size=16,
         micro_batch_size=4,
+        train_samples=64,
         rampup_batch_size=[4, 4, 32],
         decrease_batch_size_if_needed=True,
     )
     with pytest.raises(ConfigError, match=r"train.rampup_batch_size.*decrease_batch_size_if"):
-        ensure_num_microbatches_calculator(both, 1)
+        tiny_config_container(train=both).validate(1)
 
 
 def test_progress_log_start_time_follows_world_size(tmp_path: Path) -> None:

@@ -35,7 +35,13 @@ from bridge.config._resiliency import (
 from bridge.config._runtime import DistributedInitConfig, RerunStateMachineConfig, RNGConfig
 from bridge.config._samples import SamplesConfig
 from bridge.config._tokenizer import TOKENIZER_REQUIRED_FIELDS, TokenizerConfig
-from bridge.config._training import SchedulerConfig, TrainingConfig, scheduler_steps
+from bridge.config._training import (
+    SchedulerConfig,
+    TrainingConfig,
+    rampup_increments,
+    scheduler_steps,
+)
+from bridge.config._value_ranges import check_learning_rates
 
 __all__ = [
     "TOKENIZER_REQUIRED_FIELDS",
@@ -70,6 +76,7 @@ __all__ = [
     "TokenizerConfigProtocol",
     "TrainingConfig",
     "apply_overrides",
+    "check_learning_rates",
     "convert_dataclass",
     "data_parallel_size",
     "describe_fields",
@@ -78,6 +85,7 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "parse_split",
+    "rampup_increments",
     "register_moved_import",
     "resolve_world_size",
     "scheduler_steps",

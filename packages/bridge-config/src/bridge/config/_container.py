@@ -44,10 +44,11 @@ from bridge.config._tokenizer import TokenizerConfig, total_vocab_size
 from bridge.config._training import (
     SchedulerConfig,
     TrainingConfig,
+    rampup_increments,
     scheduler_steps,
     warn_deprecated_engine,
 )
-from bridge.config._value_ranges import check_value_ranges
+from bridge.config._value_ranges import check_learning_rates, check_value_ranges
 from bridge.config._yaml import (
     dump_yaml,
     escape_interpolations,
@@ -400,6 +401,8 @@ class ConfigContainer:
     def _validate(self, world: int) -> None:
         self._recheck_sections()
         check_value_ranges(self.optimizer, self.model)
+        assert self.optimizer is not None  # a required section (validate())
+        check_learning_rates(self.optimizer, self.scheduler)
         dp = self.get_data_parallel_size(world)
         fill_in(self, "data_parallel_size", dp)
         self._fill_comm_overlap(dp)
@@ -469,18 +472,14 @@ class ConfigContainer:
                 "batch-size ramp-up needs sample-based training; set train.train_samples "
                 "instead of train.train_iters",
             )
-        if start > gbs:
+        if train.decrease_batch_size_if_needed:
             raise ConfigError(
                 "train.rampup_batch_size",
-                f"the start batch size {start} exceeds global_batch_size {gbs}",
+                "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
+                "step batch-size schedules do not support it); unset one of them",
             )
-        if (gbs - start) % increment:
-            raise ConfigError(
-                "train.rampup_batch_size",
-                f"global_batch_size {gbs} minus the start batch size {start} must be a multiple "
-                f"of the increment {increment}",
-            )
-        if not train.decrease_batch_size_if_needed and (start % unit or increment % unit):
+        rampup_increments(train)
+        if start % unit or increment % unit:
             raise ConfigError(
                 "train.rampup_batch_size",
                 f"the start batch size ({start}) and increment ({increment}) must be multiples "

@@ -330,6 +330,40 @@ class TrainingConfig:
             ) from None
 
 
+def rampup_increments(train: TrainingConfig) -> int:
+    """How many increments ``train.rampup_batch_size`` takes to reach the global batch.
+
+    The ramp-up's rule against ``train.global_batch_size``, said once:
+    ``ConfigContainer.validate()`` applies it, and bridge-train's step schedule takes its
+    steps from it (the ramp-up's own values are checked when the section is built).
+
+    Args:
+        train: A training section with ``rampup_batch_size`` and ``global_batch_size`` set.
+
+    Returns:
+        ``(global_batch_size - start) // increment``.
+
+    Raises:
+        ConfigError: The start exceeds ``global_batch_size``, or the difference is not a
+            whole number of increments.
+    """
+    assert train.rampup_batch_size is not None and train.global_batch_size is not None
+    start, increment, _ = train.rampup_batch_size
+    gbs = train.global_batch_size
+    if start > gbs:
+        raise ConfigError(
+            "train.rampup_batch_size",
+            f"the start batch size {start} exceeds global_batch_size {gbs}",
+        )
+    if (gbs - start) % increment:
+        raise ConfigError(
+            "train.rampup_batch_size",
+            f"global_batch_size {gbs} minus the start batch size {start} must be a multiple "
+            f"of the increment {increment}",
+        )
+    return (gbs - start) // increment
+
+
 def scheduler_steps(
     scheduler: SchedulerConfig, train: TrainingConfig | None
 ) -> dict[str, int | None] | None:

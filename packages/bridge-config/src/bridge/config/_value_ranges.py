@@ -14,6 +14,8 @@ import math
 from typing import Any
 
 from bridge.config._errors import ConfigError, suggest
+from bridge.config._protocols import OptimizerConfigProtocol
+from bridge.config._training import SchedulerConfig
 
 # field: (low, high, low end open, high end open); a bound of None: unbounded.
 _OPTIMIZER_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
@@ -105,12 +107,39 @@ def check_value_ranges(optimizer: Any, model: Any) -> None:
                 f"got {name!r}; megatron-core builds "
                 f"{', '.join(repr(a) for a in _OPTIMIZERS)}.{suggest(name, _OPTIMIZERS)}",
             )
-        lr, min_lr = getattr(optimizer, "lr", None), getattr(optimizer, "min_lr", None)
-        if isinstance(lr, (int, float)) and isinstance(min_lr, (int, float)) and min_lr > lr:
-            raise ConfigError(
-                "optimizer.min_lr",
-                f"got {min_lr!r}, above optimizer.lr={lr!r}; the learning rate decays from lr "
-                "down to min_lr, so set min_lr <= lr",
-            )
     if model is not None and dataclasses.is_dataclass(model):
         _check(model, "model", _MODEL_RANGES)
+
+
+def check_learning_rates(
+    optimizer: OptimizerConfigProtocol, scheduler: SchedulerConfig | None
+) -> None:
+    """Refuse learning rates megatron-core's ``OptimizerParamScheduler`` cannot schedule.
+
+    ``ConfigContainer.validate()`` applies it; bridge-train's ``mimo`` recipe, whose sections
+    are not validated, checks them with it in its launch checks.
+
+    Args:
+        optimizer: The ``optimizer`` section (its ``lr`` and ``min_lr``).
+        scheduler: The ``scheduler`` section (its ``lr_warmup_init``), or None.
+
+    Raises:
+        ConfigError: ``optimizer.lr`` is unset, ``optimizer.min_lr`` is above it, or
+            ``scheduler.lr_warmup_init`` is above it.
+    """
+    lr, min_lr = getattr(optimizer, "lr", None), getattr(optimizer, "min_lr", None)
+    if lr is None:
+        raise ConfigError("optimizer.lr", "is required; set the peak learning rate, e.g. 3e-4")
+    if isinstance(min_lr, (int, float)) and min_lr > lr:
+        raise ConfigError(
+            "optimizer.min_lr",
+            f"got {min_lr!r}, above optimizer.lr={lr!r}; the learning rate decays from lr "
+            "down to min_lr, so set min_lr <= lr",
+        )
+    init = getattr(scheduler, "lr_warmup_init", None)
+    if isinstance(init, (int, float)) and init > lr:
+        raise ConfigError(
+            "scheduler.lr_warmup_init",
+            f"got {init!r}, above optimizer.lr={lr!r}; the warm-up rises from lr_warmup_init "
+            "to lr, so set lr_warmup_init <= lr",
+        )

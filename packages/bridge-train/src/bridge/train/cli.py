@@ -57,6 +57,7 @@ from bridge.config import (
     TrainingConfig,
     describe_fields,
     load_config,
+    parse_overrides,
 )
 from bridge.config.notices import held_notices, print_held_notices, silence_known_fallback_notices
 from bridge.train.checks.launch import (
@@ -365,11 +366,8 @@ def _overrides_of(
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
-    load = None  # the last checkpoint.load=... override: what --eval-only evaluates
-    for item in args.overrides:
-        name, sep, rest = item.partition("=")
-        if sep and name.strip().lstrip("+~") == "checkpoint.load":
-            load = rest
+    # The checkpoint.load override: what --eval-only evaluates.
+    load = dict(parse_overrides(args.overrides)).get("checkpoint.load")
     if args.config is not None:
         path = Path(args.config)
     elif args.eval_only and args.recipe is None and load:  # the checkpoint's own config
@@ -377,7 +375,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
         from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
 
         try:
-            _, iteration_dir = locate_checkpoint(load)
+            _, iteration_dir = locate_checkpoint(str(load))
         except CheckpointError as exc:
             raise ConfigError("checkpoint.load", str(exc)) from None
         path = iteration_dir / RUN_CONFIG_FILENAME

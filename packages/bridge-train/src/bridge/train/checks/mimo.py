@@ -17,7 +17,6 @@ from typing import Any
 
 from bridge.config import (
     ConfigError,
-    OptimizerConfigProtocol,
     RerunStateMachineConfig,
     RNGConfig,
     TrainingConfig,
@@ -28,7 +27,6 @@ __all__ = [
     "REQUIRED_SECTIONS",
     "check_required_sections",
     "layout_fits_world_and_batches",
-    "learning_rate_is_set",
     "length_and_batch_sizes_are_set",
     "no_rerun_state_machine",
     "section_is_unused",
@@ -113,20 +111,13 @@ def layout_fits_world_and_batches(
     divide every module's data-parallel size."""
     layout = mimo_layout(model, world_size)
     gbs, mbs = train.global_batch_size, train.micro_batch_size
-    if gbs is None or mbs is None:
-        return  # refused by length_and_batch_sizes_are_set
+    assert gbs is not None and mbs is not None  # length_and_batch_sizes_are_set runs first
     try:
         layout.validate(world_size)
         layout.validate_batch_sizes(gbs, mbs)
         model.tiny_vlm_config()
     except ValueError as exc:
         raise ConfigError("train", str(exc)) from None
-
-
-def learning_rate_is_set(optimizer: OptimizerConfigProtocol) -> None:
-    """The AdamW of the recipe needs ``optimizer.lr``."""
-    if optimizer.lr is None:
-        raise ConfigError("optimizer.lr", "is required")
 
 
 def no_rerun_state_machine(rerun_state_machine: RerunStateMachineConfig) -> None:

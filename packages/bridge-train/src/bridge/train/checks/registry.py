@@ -18,10 +18,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bridge.config import check_learning_rates
 from bridge.train.checkpointing.context import check_checkpoint_config
-from bridge.train.checks import mimo, rules
+from bridge.train.checks import mimo, resume, rules
 from bridge.train.checks.layout import check_engine_config
 from bridge.train.data.t5_datasets import check_t5_data_config
+from bridge.train.engine.initialize import resolve_distributed_backend
 from bridge.train.engine.scheduler import scheduler_steps
 
 __all__ = ["BOTH", "FACTS", "GPT", "MIMO", "REGISTRY", "SECTIONS", "Rule", "RunKind"]
@@ -81,10 +83,12 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(mimo.unsupported_train_settings, MIMO),
         Rule(mimo.layout_fits_world_and_batches, MIMO),
     ),
-    "optimizer": (Rule(mimo.learning_rate_is_set, MIMO),),
+    # validate() applies it to the other runs.
+    "optimizer": (Rule(check_learning_rates, MIMO, ("optimizer", "scheduler")),),
     # The learning-rate schedule fits the run's length (megatron's sample-based steps).
     "scheduler": (Rule(scheduler_steps, MIMO, ("scheduler", "train")),),
-    "dist": (Rule(rules.distributed_backend_resolves),),
+    # dist.distributed_backend works on this machine.
+    "dist": (Rule(resolve_distributed_backend, reads=("dist",)),),
     "rng": (
         Rule(rules.initialisation_is_possible, BOTH),
         Rule(mimo.unsupported_rng_settings, MIMO),
@@ -124,7 +128,7 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         Rule(rules.save_directory_is_writable),
         # What a resume would load (the mimo recipe checks its own checkpoint when it
         # loads): the same model, data, tokenizer and PEFT settings.
-        Rule(rules.resume_matches_run, GPT),
+        Rule(resume.resume_matches_run, GPT),
     ),
     "logger": (Rule(rules.logger_directories_are_writable),),
     "profiling": (

@@ -7,7 +7,7 @@ Three ways this looked like success while doing something else:
 
 * **A changed run.** An example script with a fixed save directory, run on a new corpus,
   continued the earlier run on the new data at the end of its learning-rate schedule.
-  :func:`check_resume_sections` compares the data, tokenizer and PEFT settings with the run config
+  :func:`resume_matches_run` compares the data, tokenizer and PEFT settings with the run config
   saved in the checkpoint and refuses a difference, listing each field, unless
   ``checkpoint.resume_with_changes`` is set (then the differences are only listed). The
   model architecture is compared too (:mod:`bridge.train.checkpointing.architecture`,
@@ -32,8 +32,14 @@ from typing import Any
 
 from bridge.config import (
     CheckpointConfig,
+    ConfigContainer,
     ConfigError,
+    FinetuningDatasetConfig,
+    GPTDatasetConfig,
     ModelConfigProtocol,
+    PEFTProtocol,
+    TokenizerConfig,
+    TokenizerConfigProtocol,
     TrainingConfig,
 )
 from bridge.train.checkpointing import CheckpointError
@@ -42,13 +48,13 @@ from bridge.train.checkpointing.architecture import (
     differences,
     read_run_config,
 )
+from bridge.train.checkpointing.layout import _once_per_launch
 from bridge.train.checkpointing.load import PlannedLoad, planned_load
-from bridge.train.loop.run_ends import adopt_own_save_dir
 
 __all__ = [
     "IDENTITY_SECTIONS",
     "LOADER_FIELDS",
-    "check_resume_sections",
+    "resume_matches_run",
     "run_plan_notices",
 ]
 
@@ -86,6 +92,9 @@ def _planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
     if checkpoint is None or (checkpoint.load is None and checkpoint.save is None):
         return None
 
+    # loop imports the launch checks (pretrain): its module is imported when used.
+    from bridge.train.loop.run_ends import adopt_own_save_dir
+
     probe = copy.copy(checkpoint)
     adopt_own_save_dir(probe)
     try:
@@ -93,6 +102,11 @@ def _planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
     except CheckpointError:
         return None
     return None if plan is None or plan.weights_only else plan
+
+
+def _saved_run_config(path: str) -> ConfigContainer | None:
+    # The launch check and --dry-run's notices compare the same file: read once per launch.
+    return _once_per_launch("run_config", path, None, lambda: read_run_config(path))
 
 
 def _section_values(section: Any) -> dict[str, Any]:
@@ -129,23 +143,21 @@ def _changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:
     return changes
 
 
-def check_resume_sections(
+def resume_matches_run(
     checkpoint: CheckpointConfig,
-    model: ModelConfigProtocol | None,
-    sections: dict[str, Any],
-    *,
-    trains: bool = True,
+    model: ModelConfigProtocol,
+    dataset: GPTDatasetConfig | FinetuningDatasetConfig | None,
+    tokenizer: TokenizerConfig | TokenizerConfigProtocol | None,
+    peft: PEFTProtocol | None,
+    train: TrainingConfig | None,
 ) -> None:
-    """Refuse to resume a checkpoint of a run with other data, tokenizer, PEFT or model (the
-    launch checks' ``checkpoint`` rule, :func:`bridge.train.checks.rules.resume_matches_run`).
+    """The checkpoint a resume would load was saved by this run (the launch checks'
+    ``checkpoint`` rule): the same model architecture, and, for a run that trains, the same
+    data, tokenizer and PEFT settings unless ``checkpoint.resume_with_changes`` is set.
 
-    Args:
-        checkpoint: The ``checkpoint`` section.
-        model: The ``model`` section.
-        sections: This run's :data:`IDENTITY_SECTIONS` by name.
-        trains: The run trains (not ``train.skip_train``). A run that only evaluates
-            continues nothing of the saved run, so it may read other data (``--eval-only
-            --eval-data`` does); only the architecture is compared then.
+    A run that only evaluates (``train.skip_train``) continues nothing of the saved run, so
+    it may read other data (``--eval-only --eval-data`` does); only the architecture is
+    compared then.
 
     Raises:
         ConfigError: The checkpoint to resume was saved with other data, tokenizer or PEFT
@@ -156,15 +168,15 @@ def check_resume_sections(
     if plan is None:
         return
 
-    saved = read_run_config(plan.path)
+    saved = _saved_run_config(plan.path)
     if saved is None:
         return
     check_same_architecture(model, plan.path, before_setup=True, saved_model=saved.model)
-    if not trains:
+    if train is not None and train.skip_train:
         # Evaluation only (--eval-only, train.skip_train): no schedule or data position is
         # continued, so other data is the point, not a mistake; the weights must still fit.
         return
-    changes = _changed_sections(saved, sections)
+    changes = _changed_sections(saved, {"dataset": dataset, "tokenizer": tokenizer, "peft": peft})
     if changes and not checkpoint.resume_with_changes:
         raise ConfigError(
             "checkpoint.load" if checkpoint.load is not None else "checkpoint.save",
@@ -183,8 +195,8 @@ def _is_within(path: str, directory: str) -> bool:
 
 
 def run_plan_notices(
-    checkpoint: CheckpointConfig | None,
-    train: TrainingConfig | None,
+    checkpoint: CheckpointConfig,
+    train: TrainingConfig,
     identity: dict[str, Any],
     *,
     loaded: str | None = None,
@@ -198,8 +210,8 @@ def run_plan_notices(
     loaded (``pretrain``: what was loaded and where the run stands).
 
     Args:
-        checkpoint: The run's ``checkpoint`` section.
-        train: The run's ``train`` section.
+        checkpoint: The run's ``checkpoint`` section (a required one).
+        train: The run's ``train`` section (a required one).
         identity: This run's :data:`IDENTITY_SECTIONS` by name (what a resume compares).
         loaded: After the load: the checkpoint directory loaded, or None.
         iteration: After the load: the iteration the run starts at.
@@ -210,8 +222,6 @@ def run_plan_notices(
     Returns:
         The notices, possibly none.
     """
-    if checkpoint is None or train is None:
-        return []
     pretrained = checkpoint.pretrained_checkpoint
     if not after_load:
         plan = _planned_resume(checkpoint)
@@ -223,7 +233,7 @@ def run_plan_notices(
         return []  # nothing resumed: a new run, from scratch or from pretrained weights
     notices = []
     if checkpoint.resume_with_changes:
-        saved = read_run_config(loaded)
+        saved = _saved_run_config(loaded)
         changes = _changed_sections(saved, identity) if saved is not None else []
         if changes:
             notices.append(

@@ -16,7 +16,6 @@ from pathlib import Path
 from bridge.config import (
     CheckpointConfig,
     ConfigError,
-    DistributedInitConfig,
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     LoggerConfig,
@@ -46,7 +45,6 @@ from bridge.train.data.sft import check_finetuning_dataset
 from bridge.train.data.split_checks import check_split_samples
 from bridge.train.data.t5_datasets import T5DatasetConfig
 from bridge.train.data.tokenizers import build_tokenizer, missing_tokenizer_package
-from bridge.train.engine.initialize import resolve_distributed_backend
 from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 
 __all__ = [
@@ -58,7 +56,6 @@ __all__ = [
     "data_splits_hold_samples",
     "dataset_index_fits_memory",
     "dataset_is_given",
-    "distributed_backend_resolves",
     "evaluation_has_validation_data",
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
@@ -69,13 +66,15 @@ __all__ = [
     "peft_is_a_transform",
     "profiler_has_a_trace_directory",
     "rerun_state_machine_needs_cuda",
-    "resume_matches_run",
     "samples_can_be_generated",
     "save_directory_is_writable",
     "tokenizer_can_be_built",
 ]
 
 Dataset = GPTDatasetConfig | FinetuningDatasetConfig | None
+# What the dataset rules after dataset_is_given get: a section's rules stop at its first
+# problem, so they never see a missing one.
+GivenDataset = GPTDatasetConfig | FinetuningDatasetConfig
 Tokenizer = TokenizerConfig | TokenizerConfigProtocol | None
 
 #: Bytes megatron-core's GPT dataset index takes per sample: the shuffle index (int64) and
@@ -107,11 +106,7 @@ def _validation_weight(dataset: Dataset) -> float | None:
     split = getattr(dataset, "split", None)
     if split is None:
         return None
-
-    try:
-        return parse_split(split)[1]
-    except ValueError:
-        return None
+    return parse_split(split)[1]  # the dataset section refuses a split that does not parse
 
 
 def evaluation_has_validation_data(train: TrainingConfig, dataset: Dataset) -> None:
@@ -156,17 +151,6 @@ def dataset_index_fits_memory(train: TrainingConfig) -> None:
         f"{needed / 2**30:.3g} GiB ({INDEX_BYTES_PER_SAMPLE} bytes per sample), more than "
         f"this machine's {memory / 2**30:.3g} GiB of memory; train for fewer iterations",
     )
-
-
-# ------------------------------------------------------------------------------------ dist
-
-
-def distributed_backend_resolves(dist: DistributedInitConfig) -> None:
-    """``dist.distributed_backend`` works on this machine."""
-    try:
-        resolve_distributed_backend(dist)
-    except ValueError as exc:
-        raise ConfigError("dist.distributed_backend", str(exc)) from None
 
 
 # ----------------------------------------------------------------------- rerun, profiling
@@ -286,9 +270,9 @@ def dataset_is_given(dataset: Dataset) -> None:
         )
 
 
-def data_is_sharded(dataset: Dataset) -> None:
+def data_is_sharded(dataset: GivenDataset) -> None:
     """Every data-parallel rank reads only its own part of each global batch."""
-    if dataset is not None and not getattr(dataset, "data_sharding", True):
+    if not getattr(dataset, "data_sharding", True):
         raise ConfigError(
             "dataset.data_sharding",
             "false is not supported: every data-parallel rank reads only its own part of "
@@ -296,11 +280,8 @@ def data_is_sharded(dataset: Dataset) -> None:
         )
 
 
-def data_paths_exist(dataset: Dataset) -> None:
+def data_paths_exist(dataset: GivenDataset) -> None:
     """Every data file the section names exists."""
-    if dataset is None:
-        return
-
     try:
         check_data_paths(dataset)
     except FileNotFoundError as exc:
@@ -310,12 +291,9 @@ def data_paths_exist(dataset: Dataset) -> None:
 
 
 def data_files_are_sound(
-    dataset: Dataset, tokenizer: Tokenizer, model: ModelConfigProtocol | None
+    dataset: GivenDataset, tokenizer: Tokenizer, model: ModelConfigProtocol | None
 ) -> None:
     """Damaged ``.bin``/``.idx`` files and token ids beyond the vocabulary, named with the fix."""
-    if dataset is None:
-        return
-
     vocab = getattr(tokenizer, "vocab_size", None) or getattr(model, "vocab_size", None)
     prefixes = dataset_prefixes(dataset)
     if vocab is None and prefixes and tokenizer is not None:
@@ -330,13 +308,10 @@ def data_files_are_sound(
             raise ConfigError(field, str(exc)) from None
 
 
-def data_splits_hold_samples(dataset: Dataset, train: TrainingConfig | None) -> None:
+def data_splits_hold_samples(dataset: GivenDataset, train: TrainingConfig) -> None:
     """Every train/validation/test split of ``.bin``/``.idx`` data holds a sample:
     megatron-core would loop forever building a split without a document (see
     :mod:`bridge.train.data.split_checks`)."""
-    if dataset is None or train is None:
-        return
-
     if not dataset_prefixes(dataset):
         return
 
@@ -481,27 +456,6 @@ def checkpoint_directories_hold_runs(checkpoint: CheckpointConfig) -> None:
         )
 
 
-def resume_matches_run(
-    checkpoint: CheckpointConfig,
-    model: ModelConfigProtocol,
-    dataset: Dataset,
-    tokenizer: Tokenizer,
-    peft: PEFTProtocol | None,
-    train: TrainingConfig | None,
-) -> None:
-    """The checkpoint a resume would load was saved by this run: the same model
-    architecture, and, for a run that trains, the same data, tokenizer and PEFT settings
-    unless ``checkpoint.resume_with_changes`` is set (see :mod:`bridge.train.checks.resume`)."""
-    from bridge.train.checks.resume import check_resume_sections
-
-    check_resume_sections(
-        checkpoint,
-        model,
-        {"dataset": dataset, "tokenizer": tokenizer, "peft": peft},
-        trains=not (train is not None and train.skip_train),
-    )
-
-
 def save_directory_is_writable(checkpoint: CheckpointConfig) -> None:
     """``checkpoint.save`` can be created and written (a typo or a read-only mount fails at
     start, not after the first hour of training)."""
@@ -515,10 +469,9 @@ def save_directory_is_writable(checkpoint: CheckpointConfig) -> None:
 _LOGGER_DIRECTORIES = ("tensorboard_dir", "wandb_save_dir", "comet_offline_dir")
 
 
-def logger_directories_are_writable(logger: LoggerConfig | None) -> None:
-    """Every output directory of the ``logger`` section can be created and written."""
-    if logger is None:
-        return
+def logger_directories_are_writable(logger: LoggerConfig) -> None:
+    """Every output directory of the ``logger`` section (a required one) can be created and
+    written."""
     for name in _LOGGER_DIRECTORIES:
         value = getattr(logger, name, None)
         if value is not None:

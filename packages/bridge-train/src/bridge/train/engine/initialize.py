@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from bridge.config import DistributedInitConfig, data_parallel_size
+from bridge.config import ConfigError, DistributedInitConfig, data_parallel_size
 from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import adopt_launch_environment, guarded_rendezvous
 from core_utils import cuda_emulation, cuda_emulation_active
@@ -38,7 +38,6 @@ __all__ = [
     "resume_seed",
     "seed_from_rng_config",
     "seed_process_generators",
-    "validate_parallel_layout",
 ]
 
 _STATE: dict[str, Any] = {"owns_process_group": False, "emulation": None}
@@ -55,35 +54,22 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
         ``"nccl"`` or ``"gloo"``.
 
     Raises:
-        ValueError: Unknown backend, or nccl requested without CUDA.
+        bridge.config.ConfigError: (a ``ValueError``) Unknown backend, or nccl requested
+            without CUDA; the launch checks run this as the ``dist`` section's rule.
     """
     backend = getattr(dist_config, "distributed_backend", None)
     backend = "auto" if backend is None else str(backend).lower()
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
-        raise ValueError(f"dist.distributed_backend={backend!r} is not one of 'nccl', 'gloo'")
+        raise ConfigError("dist.distributed_backend", f"{backend!r} is not one of 'nccl', 'gloo'")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError(
-            "dist.distributed_backend='nccl' requires CUDA, and no GPU is available; set "
-            "dist.distributed_backend='gloo' to train on CPU"
+        raise ConfigError(
+            "dist.distributed_backend",
+            "'nccl' requires CUDA, and no GPU is available; set "
+            "dist.distributed_backend='gloo' to train on CPU",
         )
     return backend
-
-
-def validate_parallel_layout(model_config: ModelConfigProtocol, world_size: int) -> None:
-    """Check that the model's parallel sizes fit ``world_size``: the rule of
-    :func:`bridge.config.data_parallel_size`, the one ``ConfigContainer.validate()`` applies.
-
-    What a device cannot run (for example sequence parallelism with the CPU layer spec) is
-    refused with the config by :func:`bridge.train.checks.layout.check_engine_config`.
-
-    Raises:
-        bridge.config.ConfigError: (a ``ValueError``) A size is not a positive integer,
-            ``world_size`` is not divisible by ``TP x PP x CP``, or the expert layout does not
-            fit.
-    """
-    data_parallel_size(model_config, world_size)
 
 
 def init_launch_process_group(backend: str, timeout: timedelta) -> None:
@@ -145,7 +131,8 @@ def initialize_distributed(
             engine's choice; a bad layout then changes no process state).
 
     Raises:
-        ValueError: Invalid backend or parallel layout (raised before any group is built).
+        ValueError: Invalid backend, or (a :class:`~bridge.config.ConfigError`) parallel
+            sizes that do not fit the world size (raised before any group is built).
         bridge.config.ConfigError: The launch environment cannot be a real launch.
         bridge.train.engine.launch_env.RendezvousTimeout: The ranks did not all meet.
     """
@@ -157,8 +144,7 @@ def initialize_distributed(
     # value is needed here. Both are a few comparisons: a flag to skip them would cost more
     # code than it saves.
     backend = resolve_distributed_backend(dist_config)
-    world_size = global_world_size(launcher_fallback=True)
-    validate_parallel_layout(model_config, world_size)
+    data_parallel_size(model_config, global_world_size(launcher_fallback=True))
     if emulate_cuda and _STATE["emulation"] is None:
         _STATE["emulation"] = stack = contextlib.ExitStack()
         stack.enter_context(cuda_emulation())  # a no-op with CUDA
@@ -218,13 +204,9 @@ def seed_from_rng_config(rng_config: RNGConfig | None, iteration: int = 0) -> in
 
     Returns:
         The seed used on this rank.
-
-    Raises:
-        ValueError: ``rng.seed`` is negative.
     """
+    # RNGConfig refuses a seed outside every generator's range when it is built.
     seed = int(getattr(rng_config, "seed", 1234))
-    if seed < 0:
-        raise ValueError(f"rng.seed must be >= 0, got {seed}")
     rank_seed = resume_seed(seed, iteration) if iteration else seed
     if parallel_state.model_parallel_is_initialized():
         rank_seed += 100 * parallel_state.get_pipeline_model_parallel_rank()

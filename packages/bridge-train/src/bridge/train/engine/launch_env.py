@@ -258,9 +258,8 @@ def _srun_task(environ: Mapping[str, str]) -> bool:
     return in_step and "SLURM_PROCID" in environ
 
 
-def _torch_launch(environ: Mapping[str, str]) -> LaunchEnvironment:
+def _torch_launch(environ: Mapping[str, str], torchrun: bool) -> LaunchEnvironment:
     """torch's variables, refused when they cannot be a real launch (module docstring)."""
-    torchrun = any(name in environ for name in _TORCHRUN_MARKERS)
     world = _int_variable(environ, "WORLD_SIZE")
     rank = _int_variable(environ, "RANK")
     if world is not None and world < 1:
@@ -403,7 +402,7 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
     if _srun_task(environ) and not torchrun:
         return _slurm_launch(environ)
     if "RANK" in environ or "WORLD_SIZE" in environ or torchrun:
-        return _torch_launch(environ)
+        return _torch_launch(environ, torchrun)
     return LaunchEnvironment("single", 0, 1, 0)
 
 

@@ -30,12 +30,9 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from bridge.config import convert_dataclass
+from bridge.config import convert_dataclass, data_parallel_size
 from bridge.train.engine._distributed_utils import unwrap_model_chunks
-from bridge.train.engine.initialize import (
-    initialize_distributed,
-    validate_parallel_layout,
-)
+from bridge.train.engine.initialize import initialize_distributed
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
 from bridge.train.models.layout_init import check_supported, initialize_layout_independent
 from core_utils import cuda_emulation_active, local_multi_tensor_l2_norm
@@ -106,7 +103,7 @@ class MegatronEngine:
         megatron's training loop does.
         """
 
-        validate_parallel_layout(model_provider, torch.distributed.get_world_size())
+        data_parallel_size(model_provider, torch.distributed.get_world_size())
         if ddp_config is None:
             ddp_config = DistributedDataParallelConfig()
         elif not isinstance(ddp_config, DistributedDataParallelConfig):

@@ -66,31 +66,23 @@ def build_optimizer_param_scheduler(
         The scheduler, already applied once (step 0).
 
     Raises:
-        ValueError: Inconsistent or underivable schedule lengths, or bad learning rates.
+        ValueError: Underivable schedule lengths.
     """
     steps = scheduler_steps(scheduler_config, train_config)
-    lr = optimizer_config.lr
+    # The launch checks refused learning rates megatron cannot schedule
+    # (bridge.config.check_learning_rates) and a WSD decay without its length (the section).
     min_lr = optimizer_config.min_lr if optimizer_config.min_lr is not None else 0.0
-    init_lr = float(scheduler_config.lr_warmup_init or 0.0)
-    if lr is None or lr < min_lr or init_lr > lr:
-        raise ValueError(
-            f"optimizer.lr={lr}, optimizer.min_lr={min_lr}, scheduler.lr_warmup_init={init_lr}: "
-            "need lr set and min_lr <= lr, lr_warmup_init <= lr"
-        )
     start_wd, end_wd = scheduler_config.start_weight_decay, scheduler_config.end_weight_decay
     start_wd = optimizer_config.weight_decay if start_wd is None else start_wd
     end_wd = optimizer_config.weight_decay if end_wd is None else end_wd
-    decay_style = scheduler_config.lr_decay_style
-    if decay_style == "WSD" and steps["wsd_decay_steps"] is None:
-        raise ValueError("scheduler.lr_decay_style='WSD' needs scheduler.lr_wsd_decay_iters")
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=init_lr,
-        max_lr=lr,
+        init_lr=float(scheduler_config.lr_warmup_init or 0.0),
+        max_lr=optimizer_config.lr,
         min_lr=min_lr,
         lr_warmup_steps=steps["lr_warmup_steps"],
         lr_decay_steps=steps["lr_decay_steps"],
-        lr_decay_style=decay_style,
+        lr_decay_style=scheduler_config.lr_decay_style,
         start_wd=start_wd,
         end_wd=end_wd,
         wd_incr_steps=steps["wd_incr_steps"],

@@ -31,15 +31,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from bridge.config import LoggerConfig
 from bridge.config.notices import held_notices, silence_known_fallback_notices
-from bridge.train.cli import USER_ERROR_TYPES, raised_as
+from bridge.train.cli import EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, USER_ERROR_TYPES, raised_as
 
 if TYPE_CHECKING:  # bridge.train.data imports torch: `bridge-generate --help` stays fast
     from bridge.train.data.tokenizers import Tokenizer
 
-__all__ = ["EXIT_INPUT_ERROR", "build_parser", "main"]
-
-EXIT_INPUT_ERROR = 2
-EXIT_INTERRUPTED = 130
+__all__ = ["build_parser", "main"]
 
 _PROG = "bridge-generate"
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "seed")
@@ -299,5 +296,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         if _rank() == 0:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             print(f"{_PROG}: error: {first}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_INPUT_ERROR)
+        sys.exit(EXIT_CONFIG_ERROR)
     sys.exit(code)

@@ -15,7 +15,7 @@ import math
 
 from megatron.core import num_microbatches_calculator as nmc
 
-from bridge.config import ConfigError, TrainingConfig
+from bridge.config import TrainingConfig, rampup_increments
 from core_utils.distributed import global_rank
 
 __all__ = ["ensure_num_microbatches_calculator", "rampup_to_step_schedule"]
@@ -33,24 +33,14 @@ def rampup_to_step_schedule(rampup_batch_size: list[int], global_batch_size: int
         in consumed samples.
 
     Raises:
-        ConfigError: The values do not describe a ramp-up to ``global_batch_size``.
+        ConfigError: The values do not describe a ramp-up to ``global_batch_size``, as
+            bridge-config's section and ``rampup_increments`` refuse them.
     """
-    # bridge-config's validate() refuses these too; this public function takes raw values.
-    rampup = rampup_batch_size
-    if len(rampup) != 3 or min(rampup[0], rampup[1]) < 1 or rampup[2] < 0:
-        raise ConfigError(
-            "train.rampup_batch_size",
-            f"got {rampup!r}; expected [start batch size, increment, ramp-up samples]"
-            ", sizes positive",
-        )
+    # Built as a section: its own check of the values and bridge-config's one rule about
+    # the ramp-up and the global batch apply to these raw values too.
+    train = TrainingConfig(rampup_batch_size=rampup_batch_size, global_batch_size=global_batch_size)
+    steps = rampup_increments(train)
     start, increment, samples = (int(v) for v in rampup_batch_size)
-    if start > global_batch_size or (global_batch_size - start) % increment:
-        raise ConfigError(
-            "train.rampup_batch_size",
-            f"global_batch_size {global_batch_size} must be start ({start}) plus a whole number "
-            f"of increments ({increment})",
-        )
-    steps = (global_batch_size - start) // increment
     entries = [(0, start)]
     if steps:
         per_step = samples / steps
@@ -77,23 +67,15 @@ def ensure_num_microbatches_calculator(
     Returns:
         True if this call created the calculator (the caller then releases it with
         megatron's ``destroy_num_microbatches_calculator``), False if one existed.
-
-    Raises:
-        ConfigError: Ramp-up combined with ``decrease_batch_size_if_needed``, which
-            megatron-core 0.19.2's step schedules do not support.
     """
-    if train_config.rampup_batch_size is not None and train_config.decrease_batch_size_if_needed:
-        raise ConfigError(
-            "train.rampup_batch_size",
-            "cannot be combined with train.decrease_batch_size_if_needed (megatron-core's "
-            "step batch-size schedules do not support it); unset one of them",
-        )
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
         return False
 
     rank = global_rank()
     schedule = None
     if train_config.rampup_batch_size is not None:
+        # validate() refused ramp-up with decrease_batch_size_if_needed, which megatron-core's
+        # step schedules do not support.
         assert train_config.global_batch_size is not None  # validate() fills it in
         schedule = rampup_to_step_schedule(
             train_config.rampup_batch_size, train_config.global_batch_size
