@@ -226,6 +226,14 @@ def _one_rank(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[st
         "tokenizer": ["import", str(base / "bad_tokenizer"), str(base / "c4")],
         "tp": ["import", str(base / "llama"), str(base / "c5"), "--tp", "3"],
         "existing": ["import", str(base / "llama"), str(base / "ckpt_llama")],
+        "no_hf_config": [
+            *("export", str(base / "ckpt_llama"), str(base / "e3")),
+            *("--hf-config", str(base / "ckpt_llama" / "iter_0000000")),
+        ],
+        "other_hf_config": [
+            *("export", str(base / "ckpt_llama"), str(base / "e4")),
+            *("--hf-config", str(base / "qwen2")),
+        ],
     }
     for name, argv in refusals.items():
         out["refusals"][name] = _capture([*argv, "--quiet"])
@@ -304,6 +312,7 @@ def _unmerged_lora_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
             merge=False,
         )
         assert any(isinstance(m, LoRAAdapter) for m in model.modules())
+        assert "_bridge_peft_base_keys" not in vars(model)  # the load's record went with it
         model.eval()
         with torch.no_grad():
             return model(tokens, _positions(tokens), _attention_mask(tokens))[..., :VOCAB].clone()
@@ -531,6 +540,8 @@ def test_export_of_a_pp2_save_equals_the_single_process_export(
         ("existing", "already exists and is not empty"),
         ("damaged_ckpt", "does not match its saved checksum"),
         ("unknown_checksum", "names checksum algorithm 'blake3', which this version cannot"),
+        ("no_hf_config", "iter_0000000 has no config.json"),
+        ("other_hf_config", "config.json describes another model: "),
     ],
 )
 def test_bad_inputs_are_refused_with_one_line(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ MOE = {"num_experts_per_tok": 2, "intermediate_size": 32}
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("llama", {}),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("mistral", {"model_type": "mistral", "sliding_window": 8}),
     ("llama", {"model_type": "mistral", "sliding_window": None}),
     ("qwen2", {"model_type": "qwen2", "tie_word_embeddings": True}),
@@ -83,12 +85,38 @@ CASES: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
+        "gpt_oss",
+        {
+            "model_type": "gpt_oss",
+            "num_local_experts": 4,
+            "head_dim": 16,
+            "layer_types": ["full_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            "attention_bias": True,
+            **MOE,
+        },
+    ),
+    (
         "gemma3_text",
         {
             "model_type": "gemma3_text",
             "head_dim": 16,
             "sliding_window": 4,
             "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    (
+        "gemma3_text",
+        {
+            "model_type": "gemma3_text",
+            "head_dim": 16,
+            "layer_types": ["full_attention", "full_attention"],
             "query_pre_attn_scalar": 24,
         },
     ),
@@ -101,6 +129,22 @@ def test_a_family_preset_leaves_as_that_family(expected: str, changes: dict[str,
     family, config = match_family(provider)
     assert family.name == expected
     assert config["model_type"] == expected
+
+
+def test_autobridge_lookups_and_a_provider_bridge_without_weights(tmp_path: Path) -> None:
+    """``list_supported_models`` is every registered ``model_type``; ``can_handle`` answers
+    from ``config.json`` alone; a bridge made from a provider has no weights to load."""
+    from bridge.train.convert import AutoBridge, supported_model_types
+
+    assert AutoBridge.list_supported_models() == list(supported_model_types())
+    assert {"gpt2", "llama", "gemma3", "gpt_oss", "deepseek_v3"} <= set(supported_model_types())
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert AutoBridge.can_handle(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "model_type": "bert"}))
+    assert not AutoBridge.can_handle(tmp_path)
+    bridge = AutoBridge.from_provider(provider_from_hf_config(LLAMA))
+    with pytest.raises(ConversionError, match="no Hugging Face weights"):
+        bridge.load_hf_weights([])
 
 
 def test_gpt2_preset_leaves_as_gpt2() -> None:

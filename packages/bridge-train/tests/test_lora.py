@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from bridge.train.convert import AutoBridge
 from bridge.train.engine import MegatronEngine
 from bridge.train.loop.bare_loop import train_steps
 from bridge.train.peft import LoRA, LoRAAdapter, apply_peft, merge_adapters
@@ -111,17 +112,21 @@ def _single(rank: int, world: int) -> dict[str, Any]:
     out = _train(1, 2, 4)
     model = out.pop("model")
     train = out.pop("train")
-    out.pop("provider")
+    bridge = AutoBridge.from_provider(out.pop("provider"))
     # Merge: the plain model gives the logits base + adapters gave.
     batch = next(tiny_mock_iterator(train))
     inner = model[0].module
     inner.eval()
     with torch.no_grad():
         before = inner(batch["tokens"], batch["position_ids"], None)
+        out["exported"] = dict(bridge.export_hf_weights(model))  # adapters folded in
+        out["adapters_after_export"] = sum(isinstance(m, LoRAAdapter) for m in inner.modules())
         merge_adapters(model)
         after = inner(batch["tokens"], batch["position_ids"], None)
+    out["merged_export"] = dict(bridge.export_hf_weights(model))
     out["merge_diff"] = float((before - after).abs().max())
     out["adapters_left"] = sum(isinstance(m, LoRAAdapter) for m in inner.modules())
+    out["peft_records_left"] = [n for m in (model[0], inner) for n in vars(m) if "peft" in n]
     out["merged_keys"] = sorted(inner.state_dict())
     out["adapter_count"] = len(out["adapters"]) // 2
     destroy_distributed()
@@ -206,6 +211,10 @@ def _parallel(rank: int, world: int) -> dict[str, Any]:
     results = {}
     for name, tp, mbs, gbs in (("tp2", 2, 2, 4), ("dp2", 1, 1, 4)):
         out = _train(tp, mbs, gbs)
+        # A live LoRA model saved to Hugging Face names: every rank folds its shards' adapters.
+        out["exported"] = dict(
+            AutoBridge.from_provider(out["provider"]).export_hf_weights(out["model"])
+        )
         for key in ("model", "provider", "train", "trainable", "in_optimizer"):
             out.pop(key)
         results[name] = out
@@ -224,6 +233,13 @@ def test_lora_trains_adapters_only_equal_in_every_layout_and_merges() -> None:
     assert single["base_same"]
     assert single["merge_diff"] < TOL
     assert single["adapters_left"] == 0 and single["merged_keys"] == single["plain_keys"]
+    assert single["peft_records_left"] == []
+    # AutoBridge saves a model with live adapters as the merged model, leaving it as it was.
+    assert single["adapters_after_export"] == single["adapter_count"]
+    assert sorted(single["exported"]) == sorted(single["merged_export"])
+    assert "transformer.h.0.attn.c_attn.weight" in single["exported"]
+    for name, tensor in single["merged_export"].items():
+        assert torch.equal(single["exported"][name], tensor), name
     assert all(b.abs().sum() > 0 for k, b in single["adapters"].items() if k.endswith(".B"))
     # The engine's update of every adapter is plain Adam's (and every adapter moves).
     versus = single["engine_vs_adam"]
@@ -241,6 +257,10 @@ def test_lora_trains_adapters_only_equal_in_every_layout_and_merges() -> None:
             for key, ref in single["adapters"].items():
                 diff = float((got["adapters"][key] - ref).abs().max())
                 assert diff < TOL, (name, key, diff)
+        exported = results[0][name]["exported"]  # rank 0's, gathered over TP at tp2
+        for key, ref in single["exported"].items():
+            diff = float((exported[key] - ref).abs().max())
+            assert diff < TOL, (name, key, diff)
 
 
 def test_lora_config_errors() -> None:
@@ -248,6 +268,23 @@ def test_lora_config_errors() -> None:
         LoRA(dim=0)
     with pytest.raises(ValueError, match=r"peft\.lora_B_init_method"):
         LoRA(lora_B_init_method="xavier")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"peft\.dropout must be in \[0, 1\)"):
+        LoRA(dropout=1.0)
+    with pytest.raises(ValueError, match=r"peft\.dropout_position must be 'pre' or 'post'"):
+        LoRA(dropout_position="mid")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"peft\.lora_A_init_method must be"):
+        LoRA(lora_A_init_method="zero")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"peft\.target_modules is empty"):
+        LoRA(target_modules=[])
+
+
+def test_lora_refuses_targets_that_are_no_parallel_linear_or_match_nothing() -> None:
+    model = torch.nn.Sequential()
+    model.add_module("norm", torch.nn.LayerNorm(2))
+    with pytest.raises(TypeError, match="LoRA target norm is a LayerNorm; LoRA adapts megatron"):
+        LoRA(target_modules=["norm"])(model)
+    with pytest.raises(ValueError, match=r"peft\.target_modules=\['nothing'\] matched no layer"):
+        LoRA(target_modules=["nothing"])(model)
 
 
 def _prefixes_seen(model: torch.nn.Module) -> list[str]:
@@ -265,6 +302,26 @@ def _prefixes_seen(model: torch.nn.Module) -> list[str]:
     record = Record()
     record(model)
     return record.seen
+
+
+def test_a_peft_transform_may_replace_a_module_and_eval_when_not_training() -> None:
+    """A transform's returned module takes the old one's place (its new parameters stay
+    trainable, the base is frozen); ``training=False`` leaves the model in eval mode."""
+    from bridge.train.peft import PEFT
+
+    class Swap(PEFT):
+        def transform(self, module: torch.nn.Module, name: str, prefix: str) -> torch.nn.Module:
+            return torch.nn.Linear(2, 3) if name == "proj" else module
+
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(2, 2))
+    model.add_module("norm", torch.nn.LayerNorm(2))
+    Swap()(model, training=False)
+    proj, norm = model.get_submodule("proj"), model.get_submodule("norm")
+    assert isinstance(proj, torch.nn.Linear) and proj.out_features == 3
+    assert all(p.requires_grad for p in proj.parameters())
+    assert not any(p.requires_grad for p in norm.parameters())
+    assert not model.training
 
 
 def test_peft_transforms_see_global_layer_numbers() -> None:

@@ -84,23 +84,19 @@ def single_process_megatron(provider: Any) -> Iterator[None]:
             f"Hugging Face conversion runs in one process, but torch.distributed has "
             f"{dist.get_world_size()} ranks; run bridge-convert without torchrun"
         )
-    had_parallel_state = parallel_state.model_parallel_is_initialized()
-    if had_parallel_state:
+    if parallel_state.model_parallel_is_initialized():
         raise ConversionError(
             "megatron's parallel state is already initialised in this process; run the "
             "conversion in a fresh process (bridge-convert)"
         )
 
-    if getattr(provider, "num_moe_experts", None):
+    initialize_distributed(
+        provider,
+        DistributedInitConfig(distributed_backend="gloo"),
         # megatron-core's MoE layers allocate on the "current CUDA device": on CPU they run
         # under the engine's CUDA emulation; dense models need none to convert.
-        from bridge.train.engine import build_engine
-
-        build_engine().initialize_distributed(
-            provider, DistributedInitConfig(distributed_backend="gloo")
-        )
-    else:
-        initialize_distributed(provider, DistributedInitConfig(distributed_backend="gloo"))
+        emulate_cuda=bool(getattr(provider, "num_moe_experts", None)),
+    )
     try:
         yield
     finally:

@@ -42,10 +42,10 @@ from bridge.train.convert._runtime import refuse_nonempty, staged
 from bridge.train.convert.exporter import export_hf_checkpoint, write_side_files
 from bridge.train.convert.importer import import_hf_checkpoint
 from bridge.train.convert.model_weights import (
-    iter_full_parameters,
+    full_parameters,
     load_hf_weights,
     padded_vocab_of,
-    save_hf_weights,
+    write_hf_weights,
 )
 from bridge.train.convert.source import HFSource
 from bridge.train.models.families import (
@@ -171,7 +171,7 @@ class AutoBridge:
         mappings = self._mappings(model)
         by_name = {mapping.megatron: mapping for mapping in mappings}
         pieces: dict[str, list[torch.Tensor]] = {}  # of tensors stacking several parameters
-        for name, full in iter_full_parameters(model, list(by_name)):
+        for name, full in full_parameters(model, list(by_name))[1]:
             mapping = by_name[name]
             whole = mapping.stack is None or mapping.stack[0] == mapping.stack[1] - 1
             if full is None:  # another rank: one None per Hugging Face tensor
@@ -197,17 +197,22 @@ class AutoBridge:
         """Write the weights (safetensors shards) into ``path``; call on every rank (rank 0
         writes). Returns the files written (on rank 0)."""
 
-        out = Path(path)
+        mappings = self._mappings(model)
+        metas, fulls = full_parameters(model, [mapping.megatron for mapping in mappings])
+        files: list[Path] = []
         if global_rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
-        return save_hf_weights(
-            model,
-            self._mappings(model),
-            out,
-            dtype or self.dtype,
-            max_shard_bytes,
-            progress or (lambda message: None),
-        )
+            Path(path).mkdir(parents=True, exist_ok=True)
+            wholes = (full for _, full in fulls if full is not None)
+            report = progress or (lambda message: None)
+            files, _ = write_hf_weights(
+                Path(path), mappings, metas, wholes, dtype or self.dtype, max_shard_bytes, report
+            )
+        else:
+            for _ in fulls:  # this rank's pieces are sent to rank 0
+                pass
+        if global_world_size() > 1:
+            dist.barrier()
+        return files
 
     @property
     def dtype(self) -> torch.dtype:

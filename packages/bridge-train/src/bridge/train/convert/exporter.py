@@ -69,6 +69,8 @@ from bridge.train.models.families import (
     read_hf_config,
     torch_dtype_of,
 )
+from bridge.train.peft import apply_peft, merge_adapters
+from bridge.train.peft.checkpoint import load_peft_checkpoints
 from bridge.train.state import TrainState
 
 __all__ = ["export_hf_checkpoint", "load_model_for_export", "write_side_files"]
@@ -193,15 +195,14 @@ def load_model_for_export(
     """
 
     model = single.provide(pre_process=True, post_process=True)
-    pretrained = pretrained_checkpoint
-    if peft is not None and not pretrained:
+    if peft is not None and not pretrained_checkpoint:
         raise ConversionError(
             f"{iteration_dir} holds adapters (the run has a peft section) but its run config "
             "names no checkpoint.pretrained_checkpoint to take the base weights from"
         )
     checkpoint = CheckpointConfig(
         load=str(iteration_dir),
-        pretrained_checkpoint=str(pretrained) if peft is not None else None,
+        pretrained_checkpoint=str(pretrained_checkpoint) if peft is not None else None,
         finetune=peft is None,
         load_optim=False,
         load_rng=False,
@@ -210,9 +211,6 @@ def load_model_for_export(
         if peft is None:
             restore_checkpoint(checkpoint, TrainState(), [model], None, None)
             return model
-        from bridge.train.peft import apply_peft, merge_adapters
-        from bridge.train.peft.checkpoint import load_peft_checkpoints
-
         (model,) = apply_peft(peft, [model])
         load_peft_checkpoints(checkpoint, TrainState(), [model], None, None, {})
     except CheckpointError as exc:

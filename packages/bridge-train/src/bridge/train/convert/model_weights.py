@@ -10,10 +10,10 @@ projection separately, so the local rows are not one contiguous slice of ``[gate
 
 * :func:`load_hf_weights`: every rank reads the Hugging Face tensors of its own parameters
   (through the family's mapping) and copies its slice in.
-* :func:`save_hf_weights`: parameter by parameter in Hugging Face order, the holders gather
+* :func:`full_parameters`: parameter by parameter in Hugging Face order, the holders gather
   the full tensor over their tensor-parallel group (LoRA adapters folded in), the lowest
-  holding rank sends it to rank 0, and rank 0 writes it into safetensors shards whose
-  headers were computed first: one parameter is resident at a time.
+  holding rank sends it to rank 0, and rank 0 writes it (:func:`write_hf_weights`) into
+  safetensors shards whose headers were computed first: one parameter is resident at a time.
 
 "Parameters" here are a model's *weights* (:func:`named_weights`): its parameters and its
 persistent buffers, which a checkpoint holds too (megatron's router keeps DeepSeek-V3's
@@ -22,7 +22,6 @@ expert-bias correction, ``expert_bias``, as a buffer).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,23 +33,20 @@ from megatron.core import parallel_state
 
 from bridge.train.convert.safetensors_io import StreamingSafetensorsWriter
 from bridge.train.models.families import ConversionError, ParamMapping
-from core_utils.distributed import gather_from_every_rank, global_rank, global_world_size
+from bridge.train.peft.base import global_module_paths
+from core_utils.distributed import gather_from_every_rank, global_rank
 from core_utils.model_wrapping import ModelOrChunks
 
 __all__ = [
     "LocalParameter",
     "build_on_meta",
-    "iter_full_parameters",
+    "full_parameters",
     "load_hf_weights",
     "local_parameters",
     "named_weights",
     "padded_vocab_of",
-    "save_hf_weights",
     "write_hf_weights",
 ]
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 @dataclass
@@ -134,23 +130,6 @@ def _unwrap(chunk: Any) -> Any:
     return chunk
 
 
-def _global_name(model: Any, name: str) -> str:
-    match = _LAYER.match(name)
-    if match is None:
-        return name
-    local = int(match.group(1))
-    layer = model.decoder.layers[local]
-    name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
-    expert = _EXPERT.search(name)
-    if expert is not None:
-        offset = int(layer.mlp.local_expert_indices[0])
-        name = (
-            f"{name[: expert.start()]}.mlp.experts.local_experts."
-            f"{offset + int(expert.group(1))}.{name[expert.end() :]}"
-        )
-    return name
-
-
 def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
     """This rank's parameters (adapters excluded), named as in the one-process model.
 
@@ -162,9 +141,10 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
     for chunk in chunks:
         inner = _unwrap(chunk)
         gated = bool(getattr(inner.config, "gated_linear_unit", False))
+        paths = global_module_paths(inner)
         for module_name, module in inner.named_modules():
             for param_name, param in _own_weights(module):
-                full = f"{module_name}.{param_name}" if module_name else param_name
+                full = f"{paths[module_name]}.{param_name}" if module_name else param_name
                 if ".adapter." in f".{full}":  # a LoRA adapter's own weights
                     continue
                 split = bool(getattr(param, "tensor_model_parallel", False))
@@ -179,7 +159,7 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
                     group = None
                 found.append(
                     LocalParameter(
-                        name=_global_name(inner, full),
+                        name=full,
                         param=param,
                         module=module,
                         group=group,
@@ -274,22 +254,17 @@ def _gathered(entry: LocalParameter) -> torch.Tensor:
     return torch.cat(gathered, dim=0)
 
 
-def iter_full_parameters(
+def full_parameters(
     model: ModelOrChunks, names: list[str]
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """The whole one-process parameters ``names``, in order, on rank 0 (``None`` elsewhere).
+) -> tuple[dict[str, torch.Tensor], Iterator[tuple[str, torch.Tensor | None]]]:
+    """Every rank's parameters, whole, on rank 0: ``(meta tensor of every parameter some rank
+    holds, by name; iterator of the whole parameters ``names``, in order, on rank 0, ``None``
+    elsewhere)``.
 
-    Every rank must iterate to the end (it takes part in gathers and sends). A name no rank
-    holds raises :class:`ConversionError` on every rank.
+    Collective: the census of every rank's names and whole shapes happens at once, and every
+    rank must iterate to the end (it takes part in gathers and sends). A name no rank holds
+    raises :class:`ConversionError` on every rank.
     """
-    return _full_parameters(model, names)[1]
-
-
-def _full_parameters(
-    model: ModelOrChunks, names: list[str]
-) -> tuple[dict[str, tuple[list[int], torch.dtype]], Iterator[tuple[str, torch.Tensor | None]]]:
-    """Collective, at once: every rank's parameter names and whole shapes (and dtypes),
-    checked to hold ``names``; then the iterator of :func:`iter_full_parameters`."""
     entries = {entry.name: entry for entry in local_parameters(model)}
     local: dict[str, tuple[list[int], str]] = {}
     for name, entry in entries.items():
@@ -297,11 +272,12 @@ def _full_parameters(
         shape[entry.dim] *= entry.parts
         local[name] = (shape, str(entry.param.dtype).removeprefix("torch."))
     owner: dict[str, int] = {}
-    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
+    metas: dict[str, torch.Tensor] = {}
     for holder, held in enumerate(gather_from_every_rank(local)):
         for name, (shape, dtype) in held.items():
             owner.setdefault(name, holder)  # the lowest rank holding it sends it
-            shapes.setdefault(name, (shape, getattr(torch, dtype)))
+            if name not in metas:
+                metas[name] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
     missing = [name for name in names if name not in owner]
     if missing:
         raise ConversionError(
@@ -321,12 +297,11 @@ def _full_parameters(
                     assert full is not None
                     dist.send(full.contiguous(), dst=0)
                 elif rank == 0:
-                    shape, dtype = shapes[name]
-                    full = torch.empty(shape, dtype=dtype)
+                    full = torch.empty_like(metas[name], device="cpu")
                     dist.recv(full, src=source)
             yield name, (full if rank == 0 else None)
 
-    return shapes, fulls()
+    return metas, fulls()
 
 
 def write_hf_weights(
@@ -363,30 +338,3 @@ def write_hf_weights(
             del pieces, piece
             report(f"[{count}/{len(mappings)}] {mapping.megatron}")
     return writer.close(), writer.total_bytes
-
-
-def save_hf_weights(
-    model: ModelOrChunks,
-    mappings: list[ParamMapping],
-    out: Path,
-    dtype: torch.dtype | None,
-    max_shard_bytes: int,
-    report: Callable[[str], None],
-) -> list[Path]:
-    """Write the model's weights under their Hugging Face names into ``out`` (rank 0).
-
-    Call on every rank of the model. Returns the files written (empty on other ranks).
-    """
-
-    shapes, fulls = _full_parameters(model, [mapping.megatron for mapping in mappings])
-    files: list[Path] = []
-    if global_rank() == 0:
-        metas = {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in shapes.items()}
-        wholes = (full for _, full in fulls if full is not None)
-        files, _ = write_hf_weights(out, mappings, metas, wholes, dtype, max_shard_bytes, report)
-    else:
-        for _ in fulls:  # this rank's pieces are sent to rank 0
-            pass
-    if global_world_size() > 1:
-        dist.barrier()
-    return files

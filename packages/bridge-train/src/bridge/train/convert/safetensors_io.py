@@ -81,10 +81,6 @@ class SafetensorsReader:
         """Every tensor name, in the order of the index."""
         return list(self._file_of)
 
-    def file_of(self, name: str) -> str:
-        """The shard file holding ``name``."""
-        return self._file_of[name]
-
     def _handle(self, name: str) -> Any:
         if name not in self._file_of:
             raise ConversionError(

@@ -95,7 +95,7 @@ class HFSource(SafetensorsReader):
         if unexpected:
             raise ConversionError(
                 f"{self.model_dir}: {len(unexpected)} tensor(s) this converter does not map, "
-                f"first {unexpected[0]!r} (in {self.file_of(unexpected[0])}); the "
+                f"first {unexpected[0]!r} (in {self._file_of[unexpected[0]]}); the "
                 f"architecture differs from model_type={self.config.get('model_type')!r}"
             )
         return mappings
@@ -134,7 +134,7 @@ class HFSource(SafetensorsReader):
                 produced = tuple(mapping.to_megatron(*metas).shape) if fits else None
             if produced != expected:
                 listed = ", ".join(
-                    f"{n} {list(self.shape(n))} in {self.file_of(n)}" for n in mapping.hf
+                    f"{n} {list(self.shape(n))} in {self._file_of[n]}" for n in mapping.hf
                 )
                 raise ConversionError(
                     f"shape mismatch: {listed} do not make {mapping.megatron} of shape "

@@ -148,7 +148,3 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         left = sorted(set(self._params) - self.produced)
         if left:
             raise ConversionError(f"internal: {left[0]} was never written")
-
-    def async_save(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: the tensors are produced while they are written."""
-        raise ConversionError("internal: the streaming import saves synchronously")

@@ -16,11 +16,8 @@ from typing import Any
 import torch
 
 from bridge.config import PEFTProtocol
-from core_utils.model_wrapping import get_attr_wrapped_model
 
-__all__ = ["PEFT", "adapter_parameter_names", "apply_peft"]
-
-_ADAPTER_NAMES_ATTR = "_bridge_peft_adapter_names"
+__all__ = ["PEFT", "apply_peft", "global_module_paths"]
 
 
 class PEFT(ABC):
@@ -61,7 +58,7 @@ class PEFT(ABC):
                 # base, and an adapter-only checkpoint would not keep it.
                 if hasattr(module, "frozen_expert_bias"):
                     module.frozen_expert_bias = True
-            global_paths = _global_layer_paths(chunk)
+            global_paths = global_module_paths(chunk)
             for prefix, module in list(chunk.named_modules()):
                 if not prefix:
                     continue
@@ -75,9 +72,10 @@ class PEFT(ABC):
         return model
 
 
-def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
+def global_module_paths(chunk: torch.nn.Module) -> dict[str, str]:
     """Every module path of ``chunk`` with each layer and expert index replaced by its global
-    number.
+    number: the path the module has in the one-process model (PEFT transforms and the
+    Hugging Face conversion name modules by it).
 
     megatron numbers a pipeline stage's layers from 0 in module paths and keeps the global
     1-based number in the layer's ``layer_number``; its ``SequentialMLP`` numbers the experts
@@ -103,8 +101,8 @@ def _global_layer_paths(chunk: torch.nn.Module) -> dict[str, str]:
 def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Apply ``peft`` to every chunk and record which parameters are adapters.
 
-    Adapter parameters are those left trainable by the transform; the names are recorded on
-    each chunk for :func:`adapter_parameter_names` (and adapter-only checkpoints).
+    Adapter parameters are those left trainable by the transform; each chunk's checkpoints
+    then hold them only (adapter-only checkpoints).
 
     Args:
         peft: An object meeting ``bridge.config.PEFTProtocol``.
@@ -134,17 +132,8 @@ def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.
                 "PEFT transform trains adapters on a frozen base (remove peft for full "
                 "finetuning)"
             )
-        setattr(chunk, _ADAPTER_NAMES_ATTR, frozenset(names))
         from bridge.train.peft.checkpoint import install_adapter_checkpointing
 
         install_adapter_checkpointing(chunk, frozenset(names))
         out.append(chunk)
     return out
-
-
-def adapter_parameter_names(chunk: torch.nn.Module) -> frozenset[str] | None:
-    """Names of the adapter parameters of a chunk :func:`apply_peft` transformed, else None."""
-    try:
-        return frozenset(get_attr_wrapped_model(chunk, _ADAPTER_NAMES_ATTR))
-    except RuntimeError:  # no level of the (wrapped) chunk was transformed
-        return None

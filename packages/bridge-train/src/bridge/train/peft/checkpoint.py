@@ -120,7 +120,7 @@ def peft_checkpoint_mode(
     finally:
         for chunk, old in zip(chunks, previous, strict=True):
             setattr(chunk, _MODE_ATTR, old)
-            setattr(chunk, _AVAILABLE_ATTR, frozenset())
+            del chunk.__dict__[_AVAILABLE_ATTR]  # only this block reads the base keys
 
 
 @contextlib.contextmanager

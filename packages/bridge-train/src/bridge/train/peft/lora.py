@@ -95,6 +95,13 @@ class LoRAAdapter(torch.nn.Module):
     ) -> None:
 
         super().__init__()
+        # Checked first: a module that is no parallel linear has no config to read either.
+        if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+            raise TypeError(
+                f"LoRA target {prefix} is a {type(base).__name__}; LoRA adapts megatron "
+                "ColumnParallelLinear / RowParallelLinear layers (the portable and local layer "
+                "specs); choose other target_modules"
+            )
         config = base.config
         if getattr(config, "sequence_parallel", False):
             raise ValueError(
@@ -125,7 +132,7 @@ class LoRAAdapter(torch.nn.Module):
             self.linear_out: Any = ColumnParallelLinear(
                 dim, out_size, gather_output=False, tp_group=tp_group, **common
             )
-        elif isinstance(base, RowParallelLinear):
+        else:
             if not base.input_is_parallel:
                 raise ValueError(f"LoRA on {prefix}: a row-parallel input must be parallel")
             self.kind = "row"
@@ -138,12 +145,6 @@ class LoRAAdapter(torch.nn.Module):
                 **common,
             )
             self.linear_out = torch.nn.Linear(dim, out_size, bias=False, dtype=config.params_dtype)
-        else:
-            raise TypeError(
-                f"LoRA target {prefix} is a {type(base).__name__}; LoRA adapts megatron "
-                "ColumnParallelLinear / RowParallelLinear layers (the portable and local layer "
-                "specs); choose other target_modules"
-            )
         plain = self.linear_out if self.kind == "row" else self.linear_in
         base_allreduce = getattr(base.weight, "allreduce", None)
         if base_allreduce is not None:
@@ -348,14 +349,11 @@ def merge_adapters(model: ModelOrChunks) -> Any:
             del module.sharded_state_dict
         inner = chunk
         while isinstance(inner, torch.nn.Module):
-            # Drop what apply_peft installed: the chunk is a plain model again.
-            for name in (
-                "_bridge_peft_adapter_names",
-                "_bridge_peft_checkpoint_mode",
-                "sharded_state_dict",
-                "load_state_dict",
-            ):
-                if name in inner.__dict__:
-                    delattr(inner, name)
+            # Drop what apply_peft installed (its ``_bridge_peft_*`` records and the chunk's
+            # state-dict methods): the chunk is a plain model again.
+            for name in [n for n in vars(inner) if n.startswith("_bridge_peft_")]:
+                delattr(inner, name)
+            for name in ("sharded_state_dict", "load_state_dict"):
+                inner.__dict__.pop(name, None)
             inner = getattr(inner, "module", None)
     return model

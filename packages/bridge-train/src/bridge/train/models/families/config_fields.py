@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_mscale
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from bridge.train.models.families.errors import ConversionError
@@ -30,11 +31,11 @@ __all__ = [
     "read_hf_config",
     "refuse",
     "require",
+    "rope_or_yarn",
     "rope_settings",
     "rope_theta_and_scaling",
     "silu_activation",
     "torch_dtype_of",
-    "yarn_mscale",
     "yarn_parameters",
 ]
 
@@ -232,14 +233,6 @@ def hf_layer_windows(provider: Any) -> dict[str, Any]:
     return {"sliding_window": int(provider.window_size[0]) + 1, "layer_types": kinds}
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``),
-    as transformers and megatron-core compute it."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
 def yarn_parameters(
     config: dict[str, Any], scaling: dict[str, Any], *, field: str = "rope_parameters"
 ) -> dict[str, Any]:
@@ -250,9 +243,11 @@ def yarn_parameters(
     or 0), ``mscale`` / ``mscale_all_dim`` (``None`` when unset) and ``truncate`` (round the
     frequency correction range to whole dimensions).
 
-    megatron-core scales cos and sin by ``yarn_mscale(factor, mscale) / yarn_mscale(factor,
-    mscale_all_dim)`` when both are set and non-zero, else by ``yarn_mscale(factor)``:
-    transformers' rule unless ``attention_factor`` says otherwise.
+    megatron-core scales cos and sin by ``mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim)`` when both are set and non-zero, else by ``mscale(factor)``, where
+    ``mscale(s, m) = 0.1 * m * ln(s) + 1`` (1 for ``s <= 1``; megatron-core's
+    ``_yarn_get_mscale``, as transformers computes it): transformers' rule unless
+    ``attention_factor`` says otherwise.
 
     Raises:
         ConversionError: No ``original_max_position_embeddings``, a
@@ -278,9 +273,11 @@ def yarn_parameters(
     factor = float(factor)
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        computed = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+        computed = _yarn_get_mscale(factor, float(mscale)) / _yarn_get_mscale(
+            factor, float(mscale_all_dim)
+        )
     else:
-        computed = yarn_mscale(factor)
+        computed = _yarn_get_mscale(factor)
     given = scaling.get("attention_factor")
     if given is not None and not math.isclose(float(given), computed, rel_tol=1e-12):
         raise refuse(
@@ -299,3 +296,16 @@ def yarn_parameters(
         "mscale_all_dim": None if mscale_all_dim is None else float(mscale_all_dim),
         "truncate": bool(scaling.get("truncate", True)),
     }
+
+
+def rope_or_yarn(
+    config: dict[str, Any], theta: Any, scaling: dict[str, Any] | None, why: str
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(rotary_base of the plain RoPE, the YaRN parameters or None)`` of a family that
+    implements the ``default`` and ``yarn`` RoPE (:func:`rope_settings`,
+    :func:`yarn_parameters`); ``why`` ends the refusal of another ``rope_type``."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ("default", "yarn"):
+        raise refuse(config, "rope_parameters.rope_type", kind, why)
+    plain = rope_settings(config, theta, scaling if kind == "default" else None)
+    return plain, None if scaling is None or kind == "default" else yarn_parameters(config, scaling)

@@ -23,10 +23,9 @@ from bridge.train.models.families.base import register_family
 from bridge.train.models.families.config_fields import (
     refuse,
     require,
-    rope_settings,
+    rope_or_yarn,
     rope_theta_and_scaling,
     silu_activation,
-    yarn_parameters,
 )
 from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
 from bridge.train.models.families.mapping import (
@@ -67,28 +66,21 @@ def _first_dense(config: dict[str, Any]) -> int:
 
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """MLA's RoPE fields: plain RoPE, or YaRN as megatron's MLA computes it."""
-    theta, scaling = rope_theta_and_scaling(config)
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind not in ("default", "yarn"):
-        raise refuse(
-            config,
-            "rope_parameters.rope_type",
-            kind,
-            "megatron-core's multi-latent attention implements the 'default' and 'yarn' RoPE",
-        )
+    settings, yarn = rope_or_yarn(
+        config,
+        *rope_theta_and_scaling(config),
+        "megatron-core's multi-latent attention implements the 'default' and 'yarn' RoPE",
+    )
     plain = {
-        # An integer base and fully rotated heads (YaRN's own fields are read below).
-        **rope_settings(config, theta, scaling if kind == "default" else None),
+        **settings,  # an integer base and fully rotated heads, for either RoPE
         "rope_type": "rope",
         # mscale(1, 0) = 1: no change to the softmax scale.
         "rotary_scaling_factor": 1.0,
         "mscale": 1.0,
         "mscale_all_dim": 0.0,
     }
-    if kind == "default":
+    if yarn is None:
         return plain
-    assert scaling is not None
-    yarn = yarn_parameters(config, scaling)
     if not yarn["truncate"]:
         raise refuse(
             config,

@@ -27,9 +27,8 @@ from bridge.train.models.families.config_fields import (
     layer_window_kwargs,
     refuse,
     require,
-    rope_settings,
+    rope_or_yarn,
     rope_theta_and_scaling,
-    yarn_parameters,
 )
 from bridge.train.models.families.llama import (
     LlamaFamily,
@@ -63,27 +62,17 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     theta, scaling = rope_theta_and_scaling(config)
     if not (isinstance(params, dict) and "rope_theta" in params) and "rope_theta" not in config:
         theta = _DEFAULT_THETA
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind not in ("default", "yarn"):
-        raise refuse(
-            config,
-            "rope_parameters.rope_type",
-            kind,
-            "gpt-oss is implemented with the 'default' and 'yarn' RoPE",
-        )
-    if kind == "default":
-        settings = rope_settings(config, theta, scaling, field="rope_parameters")
+    settings, yarn = rope_or_yarn(
+        config, theta, scaling, "gpt-oss is implemented with the 'default' and 'yarn' RoPE"
+    )
+    if yarn is None:
         return {**settings, "position_embedding_type": "rope"}
-    assert scaling is not None
-    if float(theta) != int(theta):
-        raise refuse(config, "rope_theta", theta, "megatron-core takes an integer rotary_base")
-    yarn = yarn_parameters(config, scaling)
     if not (yarn["mscale"] and yarn["mscale_all_dim"]):
         # megatron uses the mscale pair only when both are set and non-zero (as transformers).
         yarn.update(mscale=None, mscale_all_dim=None)
     return {
+        **settings,
         "position_embedding_type": "yarn",
-        "rotary_base": int(theta),
         **{field: yarn[key] for key, field in _YARN_FIELDS.items()},
     }
 

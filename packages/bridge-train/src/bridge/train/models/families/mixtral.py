@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.train.models.families.base import register_family
-from bridge.train.models.families.config_fields import refuse, require, silu_activation
+from bridge.train.models.families.config_fields import refuse, require
 from bridge.train.models.families.mapping import ParamMapping, routed_experts
 from bridge.train.models.families.mistral import MistralFamily
 from bridge.train.models.families.moe import hf_moe_layers, routed_moe_kwargs
@@ -29,7 +29,6 @@ class MixtralFamily(MistralFamily):
 
     def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """Routed experts on every layer."""
-        silu_activation(config)
         jitter = float(config.get("router_jitter_noise", 0.0) or 0.0)
         if jitter:
             raise refuse(

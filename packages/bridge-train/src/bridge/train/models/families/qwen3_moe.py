@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.train.models.families.base import register_family
-from bridge.train.models.families.config_fields import refuse, require, silu_activation
+from bridge.train.models.families.config_fields import refuse, require
 from bridge.train.models.families.mapping import ParamMapping, routed_experts
 from bridge.train.models.families.moe import hf_moe_layers, moe_layer_pattern, routed_moe_kwargs
 from bridge.train.models.families.qwen3 import Qwen3Family
@@ -47,7 +47,6 @@ class Qwen3MoeFamily(Qwen3Family):
 
     def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """Dense width for ``mlp_only_layers``, and the routed experts."""
-        silu_activation(config)
         layers = int(require(config, "num_hidden_layers"))
         return {
             "ffn_hidden_size": int(require(config, "intermediate_size")),
