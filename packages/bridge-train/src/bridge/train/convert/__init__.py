@@ -18,7 +18,7 @@ nothing here names one. ``import bridge.train`` does not import this package.
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy_exports import lazy_exports
+from bridge.train._lazy_exports import lazy_exports, type_checked_imports
 
 if TYPE_CHECKING:
     from bridge.train.convert.auto_bridge import AutoBridge as AutoBridge
@@ -33,17 +33,9 @@ if TYPE_CHECKING:
     )
 
 # Loaded on first use: ``bridge-convert --help`` (this package's cli module) must not pay for
-# torch and megatron-core, which the converters import.
-_WHERE = {
-    "AutoBridge": "bridge.train.convert.auto_bridge",
-    "export_hf_checkpoint": "bridge.train.convert.exporter",
-    "import_hf_checkpoint": "bridge.train.convert.importer",
-    "ConversionError": "bridge.train.models.families",
-    "provider_from_hf_config": "bridge.train.models.families",
-    "provider_kwargs_from_hf_config": "bridge.train.models.families",
-    "read_hf_config": "bridge.train.models.families",
-    "supported_model_types": "bridge.train.models.families",
-}
+# torch and megatron-core, which the converters import. The TYPE_CHECKING block above is the
+# one table of the exports (name -> module).
+_WHERE = type_checked_imports(__file__)
 
 __all__ = sorted(_WHERE)
 
