@@ -259,6 +259,17 @@ def test_context_for_a_fresh_directory(tmp_path: Path) -> None:
             "'in_memory' is not supported",
         ),
         ({"ckpt_convert_format": "torch"}, "checkpoint.ckpt_convert_format", "unset"),
+        ({"ckpt_convert_save": "/tmp/x"}, "checkpoint.ckpt_convert_save", "unset"),
+        (
+            {"non_persistent_local_ckpt_dir": "/tmp/x"},
+            "checkpoint.non_persistent_local_ckpt_dir",
+            "local checkpoints are not supported",
+        ),
+        (
+            {"non_persistent_local_ckpt_algo": "atomic"},
+            "checkpoint.non_persistent_local_ckpt_algo",
+            "unset non_persistent_local_ckpt_algo",
+        ),
         ({"use_checkpoint_args": True}, "checkpoint.use_checkpoint_args", "run_config.yaml"),
         (
             {"fully_parallel_load": True},

@@ -41,7 +41,8 @@ def check_checkpoint_config(checkpoint_config: CheckpointConfig) -> None:
 
     Raises:
         ConfigError: ``ckpt_format='zarr'``; non-persistent type ``local`` or
-            ``in_memory``; ``ckpt_convert_format`` or ``use_checkpoint_args`` set;
+            ``in_memory`` (or a local checkpoint's directory or algorithm set);
+            ``ckpt_convert_format``, ``ckpt_convert_save`` or ``use_checkpoint_args`` set;
             ``fully_parallel_load`` on a machine without CUDA.
     """
     cfg = checkpoint_config
@@ -59,12 +60,21 @@ def check_checkpoint_config(checkpoint_config: CheckpointConfig) -> None:
             "nvidia-resiliency-ext's local checkpointing, which cannot be installed next to "
             "megatron-core 0.19 here; use non_persistent_ckpt_type='global'",
         )
-    if cfg.ckpt_convert_format is not None:
-        raise ConfigError(
-            "checkpoint.ckpt_convert_format",
-            f"{cfg.ckpt_convert_format!r}: converting checkpoints is not supported; "
-            "bridge-train reads and writes torch_dist only, so unset ckpt_convert_format",
-        )
+    # Fields that only serve the unsupported features above: a value there would be ignored.
+    for name, value, default in (
+        ("non_persistent_local_ckpt_dir", cfg.non_persistent_local_ckpt_dir, None),
+        ("non_persistent_local_ckpt_algo", cfg.non_persistent_local_ckpt_algo, "fully_parallel"),
+        ("ckpt_convert_format", cfg.ckpt_convert_format, None),
+        ("ckpt_convert_save", cfg.ckpt_convert_save, None),
+    ):
+        if value != default:
+            why = (
+                "local checkpoints are not supported (see non_persistent_ckpt_type)"
+                if "local" in name
+                else "converting checkpoints is not supported; bridge-train reads and writes "
+                "torch_dist only"
+            )
+            raise ConfigError(f"checkpoint.{name}", f"{value!r}: {why}, so unset {name}")
     if cfg.use_checkpoint_args:
         raise ConfigError(
             "checkpoint.use_checkpoint_args",
