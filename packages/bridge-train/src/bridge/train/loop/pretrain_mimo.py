@@ -151,7 +151,10 @@ def pretrain_mimo(
         seed = cfg.rng.seed
         seed_process_generators(seed)  # a resume restores or reseeds them (see the load)
         layout = mimo_layout(model_cfg, world)
-        infra = mimo.build_megatron_mimo_infra(layout)
+        # The module groups wait as long as the default group (dist.distributed_timeout_minutes).
+        infra = mimo.build_megatron_mimo_infra(
+            layout, timeout=timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+        )
         vlm = model_cfg.tiny_vlm_config()
         dataset = mimo.SyntheticImageCaptionDataset(
             model_cfg.num_samples,
