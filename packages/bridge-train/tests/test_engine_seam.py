@@ -168,6 +168,7 @@ def test_initialize_distributed_passes_sharp_and_stream_priorities_and_the_exper
     import core_utils
 
     calls: list[dict[str, Any]] = []
+    monkeypatch.delenv(core_utils.experimental.ENV_VAR, raising=False)
     # No process group is made (one process, no launch); the module's record is restored.
     monkeypatch.setattr(initialize, "init_launch_process_group", lambda backend, timeout: None)
     monkeypatch.setitem(initialize._STATE, "owns_process_group", False)

@@ -152,6 +152,7 @@ def test_the_device_and_experimental_flag_are_chosen_as_for_gpt(
     from bridge.train.testing import tiny_dist_config
 
     devices: list[int] = []
+    monkeypatch.delenv(core_utils.experimental.ENV_VAR, raising=False)
     monkeypatch.setattr(recipe.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
