@@ -154,3 +154,47 @@ def test_pipeline_expert_and_distributed_optimizer_layouts_are_accepted_on_cpu(
         optimizer_config=tiny_optimizer_config(use_distributed_optimizer=True),
         cuda_available=False,
     )
+
+
+def test_initialize_distributed_passes_sharp_and_stream_priorities_and_the_experimental_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What megatron's ``initialize_model_parallel`` gets from the ``dist`` section (recorded,
+    not run: SHARP and stream priorities need NCCL on CUDA, which the launch checks demand)."""
+    import megatron.core.config as megatron_config
+    from megatron.core import parallel_state
+
+    import bridge.train.engine.initialize as initialize
+    import core_utils
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.delenv(core_utils.experimental.ENV_VAR, raising=False)
+    # No process group is made (one process, no launch); the module's record is restored.
+    monkeypatch.setattr(initialize, "init_launch_process_group", lambda backend, timeout: None)
+    monkeypatch.setitem(initialize._STATE, "owns_process_group", False)
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    monkeypatch.setattr(
+        parallel_state, "initialize_model_parallel", lambda **kwargs: calls.append(kwargs)
+    )
+    assert not megatron_config.is_experimental_enabled()
+    try:
+        initialize_distributed(tiny_gpt_provider(), tiny_dist_config())
+        assert not megatron_config.is_experimental_enabled()
+        assert not core_utils.is_experimental_enabled()
+        initialize_distributed(
+            tiny_gpt_provider(),
+            tiny_dist_config(
+                use_sharp=True,
+                high_priority_stream_groups=["dp", "tp"],
+                enable_megatron_core_experimental=True,
+            ),
+        )
+        assert megatron_config.is_experimental_enabled()
+        assert core_utils.is_experimental_enabled()
+    finally:
+        megatron_config.set_experimental_flag(False)
+        core_utils.set_experimental_enabled(False)
+    assert [(c["use_sharp"], c["high_priority_stream_groups"]) for c in calls] == [
+        (False, None),
+        (True, ["dp", "tp"]),
+    ]

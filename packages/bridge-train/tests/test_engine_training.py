@@ -51,11 +51,11 @@ ITERS = 6
 TOL = 1e-5
 
 
-def _setup(tp: int = 1, ddp=None, **provider_overrides):
+def _setup(tp: int = 1, ddp=None, align_grad_reduce: bool = True, **provider_overrides):
     provider = tiny_gpt_provider(tensor_model_parallel_size=tp, **provider_overrides)
     engine = MegatronEngine()
     engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
-    model = engine.setup_model(provider, ddp)
+    model = engine.setup_model(provider, ddp, align_grad_reduce=align_grad_reduce)
     return provider, engine, model
 
 
@@ -65,8 +65,10 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad
 
 
-def _train(tp: int, mbs: int, gbs: int, ddp=None, **provider_overrides) -> dict:
-    provider, engine, model = _setup(tp, ddp, **provider_overrides)
+def _train(
+    tp: int, mbs: int, gbs: int, ddp=None, align_grad_reduce: bool = True, **provider_overrides
+) -> dict:
+    provider, engine, model = _setup(tp, ddp, align_grad_reduce, **provider_overrides)
     train = tiny_train_config(micro_batch_size=mbs, global_batch_size=gbs, train_iters=ITERS)
     optimizer, scheduler = engine.setup_optimizer(
         model, tiny_optimizer_config(bf16=provider.bf16), tiny_scheduler_config(), train
@@ -90,6 +92,8 @@ def _train(tp: int, mbs: int, gbs: int, ddp=None, **provider_overrides) -> dict:
         "params_norm": calc_params_l2_norm(model, provider),
         "dtypes": sorted({str(p.dtype) for p in model[0].parameters()}),
         "main_dtypes": sorted({str(p.dtype) for p in optimizer.get_parameters()}),
+        # dist.align_grad_reduce: the schedule launches the reduction (megatron's rule).
+        "grad_sync_func": provider.grad_sync_func is not None,
     }
 
 
@@ -349,6 +353,14 @@ def _two_ranks(rank: int, world: int) -> dict:
             gbs=4,
             ddp=DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000),
         ),
+        # dist.align_grad_reduce=false: DDP's backward hooks launch every bucket themselves.
+        "dp2_overlap_unaligned": _train(
+            tp=1,
+            mbs=1,
+            gbs=4,
+            ddp=DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000),
+            align_grad_reduce=False,
+        ),
         "tp2": _train(tp=2, mbs=4, gbs=4),
     }
     group = dist.group.WORLD
@@ -395,9 +407,12 @@ def test_grad_accumulation_equals_one_micro_batch_of_twice_the_size(single) -> N
 def test_data_parallel_and_tensor_parallel_match_one_process(single, two) -> None:
     reference = single["mb4"]
     for rank_result in two:
-        for run in ("dp2", "dp2_overlap", "tp2"):
+        for run in ("dp2", "dp2_overlap", "dp2_overlap_unaligned", "tp2"):
             _close(rank_result[run]["losses"], reference["losses"])
             _close(rank_result[run]["grad_norms"], reference["grad_norms"])
+        assert rank_result["dp2_overlap"]["grad_sync_func"]
+        assert not rank_result["dp2_overlap_unaligned"]["grad_sync_func"]
+        assert not rank_result["dp2"]["grad_sync_func"]  # no overlap: nothing to launch
         # calc_params_l2_norm: TP shards summed, TP replicas counted once
         assert rank_result["tp2"]["params_norm"] == pytest.approx(
             reference["params_norm"], rel=1e-6

@@ -17,9 +17,10 @@ from bridge.train.checks.preflight import (
     run_kind,
 )
 from bridge.train.checks.registry import FACTS, REGISTRY, SECTIONS
+from bridge.train.checks.rules import sharp_and_stream_priority_need_nccl
 from bridge.train.cli import EXIT_CONFIG_ERROR, main
 from bridge.train.recipes import recipe_path
-from bridge.train.testing import tiny_config_container, tiny_train_config
+from bridge.train.testing import tiny_config_container, tiny_dist_config, tiny_train_config
 
 
 def test_every_rule_reads_sections_and_facts_only() -> None:
@@ -82,6 +83,78 @@ def test_the_command_prints_every_section_s_problem(
         "checkpoint.load",
     ]
     assert all(line.startswith("bridge-train: error: ") for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"lazy_init": True},
+            "dist.lazy_init: got true; bridge-train sets up data parallelism itself and hands "
+            "no finish function to an external DDP manager: set dist.lazy_init=false",
+        ),
+        (
+            {"use_torch_fsdp2": True},
+            "dist.use_torch_fsdp2: got true; bridge-train does not shard with torch's FSDP2: "
+            "set dist.use_torch_fsdp2=false and shard optimizer state with megatron's "
+            "distributed optimizer (ddp.use_distributed_optimizer=true)",
+        ),
+        (
+            {"use_sharp": True},
+            "dist.use_sharp: needs NCCL on CUDA, and no GPU is available; set "
+            "dist.use_sharp=false (or run on GPUs with dist.distributed_backend='nccl')",
+        ),
+        (
+            {"high_priority_stream_groups": ["dp"]},
+            "dist.high_priority_stream_groups: needs NCCL on CUDA, and no GPU is available; "
+            "set dist.high_priority_stream_groups=null",
+        ),
+    ],
+)
+def test_dist_settings_the_trainer_cannot_honour_here_are_refused(
+    overrides: dict[str, object], message: str
+) -> None:
+    cfg = tiny_config_container(dist=tiny_dist_config(**overrides))
+    with pytest.raises(ConfigError) as info:
+        check_section(vars(cfg), "dist", 1, cuda_available=False)
+    assert str(info.value).startswith(message)
+
+
+def test_sharp_and_stream_priorities_pass_with_nccl_on_cuda_only() -> None:
+    sharp = tiny_dist_config(distributed_backend="nccl", use_sharp=True)
+    sharp_and_stream_priority_need_nccl(sharp, cuda_available=True)
+    streams = tiny_dist_config(high_priority_stream_groups=["dp"])  # gloo
+    with pytest.raises(
+        ConfigError, match=r"^dist\.high_priority_stream_groups: .*the backend is gloo"
+    ):
+        sharp_and_stream_priority_need_nccl(streams, cuda_available=True)
+    sharp_and_stream_priority_need_nccl(tiny_dist_config(), cuda_available=False)
+
+
+def test_the_command_refuses_dist_settings_it_would_ignore(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(
+            [
+                "--dry-run",
+                "dist.distributed_backend=gloo",
+                "dist.use_sharp=true",
+                "dist.lazy_init=true",
+                "dist.use_torch_fsdp2=true",
+                "train.train_iters=2",
+            ]
+        )
+    assert info.value.code == EXIT_CONFIG_ERROR
+    lines = [
+        line for line in capsys.readouterr().err.splitlines() if not line.startswith("[bridge-")
+    ]
+    # One problem per section: the first of the dist section's rules.
+    assert lines == [
+        "bridge-train: error: dist.lazy_init: got true; bridge-train sets up data parallelism "
+        "itself and hands no finish function to an external DDP manager: set "
+        "dist.lazy_init=false"
+    ]
 
 
 def _mimo(*overrides: str) -> ConfigContainer:

@@ -86,6 +86,36 @@ def test_split_layout_of_four_ranks() -> None:
             ["rng.te_rng_tracker=true"],
             "rng.te_rng_tracker: got true; the MIMO recipe sets up no CUDA RNG tracker",
         ),
+        (
+            ["dist.lazy_init=true"],
+            "dist.lazy_init: got true; bridge-train sets up data parallelism itself",
+        ),
+        (
+            ["dist.use_tp_pp_dp_mapping=true"],
+            "dist.use_tp_pp_dp_mapping: got true; the MIMO recipe orders each module's ranks in "
+            "its own grid and would ignore it: set dist.use_tp_pp_dp_mapping=false",
+        ),
+        (
+            ["dist.nccl_communicator_config_path=nccl.yaml"],
+            "dist.nccl_communicator_config_path: got 'nccl.yaml'; the MIMO recipe applies no "
+            "per-communicator NCCL settings and would ignore it: set "
+            "dist.nccl_communicator_config_path=null",
+        ),
+        (
+            ["dist.use_sharp=true"],
+            "dist.use_sharp: got true; the MIMO recipe does not set up SHARP",
+        ),
+        (
+            ["dist.high_priority_stream_groups=[dp]"],
+            "dist.high_priority_stream_groups: got ['dp']; the MIMO recipe sets no communicator "
+            "stream priorities and would ignore it: set dist.high_priority_stream_groups=null",
+        ),
+        (
+            ["dist.align_grad_reduce=false"],
+            "dist.align_grad_reduce: got false; the MIMO recipe does not overlap gradient "
+            "reduction with the backward pass and would ignore it: set "
+            "dist.align_grad_reduce=true",
+        ),
     ],
 )
 def test_unsupported_train_settings_are_refused(overrides: list[str], message: str) -> None:
@@ -107,6 +137,48 @@ def test_supported_or_inactive_train_settings_pass() -> None:
     )
     # An interval without evaluation batches evaluates nothing: nothing to refuse.
     check_mimo_config(_config("train.eval_interval=10", "train.eval_iters=0"), world_size=1)
+
+
+def test_the_device_and_experimental_flag_are_chosen_as_for_gpt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_init_process_group`` shares the GPT path's device choice (local rank modulo the
+    visible devices, or device 0 with dist.external_gpu_device_mapping) and flag."""
+    import megatron.core.config as megatron_config
+    import torch
+
+    import bridge.train.loop.pretrain_mimo as recipe
+    import core_utils
+    from bridge.train.testing import tiny_dist_config
+
+    devices: list[int] = []
+    monkeypatch.delenv(core_utils.experimental.ENV_VAR, raising=False)
+    monkeypatch.setattr(recipe.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(recipe, "init_launch_process_group", lambda backend, timeout: None)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "5")):
+        monkeypatch.setenv(name, value)
+    experimental = (megatron_config.is_experimental_enabled(), core_utils.is_experimental_enabled())
+    assert experimental == (False, False)
+    try:
+        for external in (False, True):
+            assert recipe._init_process_group(
+                tiny_dist_config(
+                    distributed_backend="nccl",
+                    external_gpu_device_mapping=external,
+                    enable_megatron_core_experimental=external,
+                )
+            )
+            assert (
+                megatron_config.is_experimental_enabled(),
+                core_utils.is_experimental_enabled(),
+            ) == (external, external)
+    finally:
+        megatron_config.set_experimental_flag(False)
+        core_utils.set_experimental_enabled(False)
+    assert devices == [1, 0]  # 5 % 4, then device 0
 
 
 def _four_rank_run(rank: int, world: int) -> int:

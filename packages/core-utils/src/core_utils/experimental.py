@@ -4,8 +4,8 @@ Experimental functions and classes (decorated with :func:`experimental_fn` /
 :func:`experimental_cls`) raise :class:`ExperimentalNotEnabledError` when used, unless
 experimental mode is on. Turn it on either way:
 
-* in code: ``core_utils.set_experimental_enabled(True)`` (bridge-config's
-  ``DistributedInitConfig.enable_megatron_core_experimental`` calls this);
+* in code: ``core_utils.set_experimental_enabled(True)`` (bridge-train's distributed
+  setup calls this for ``dist.enable_megatron_core_experimental=true``);
 * in the environment: ``CORE_UTILS_EXPERIMENTAL=1`` (also ``true``, ``yes``, ``on``),
   read again every time the flag is queried (a change applies at the next call).
 

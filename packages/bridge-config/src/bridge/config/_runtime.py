@@ -81,8 +81,10 @@ class DistributedInitConfig:
     """How long a collective may wait before torch.distributed gives up, in minutes."""
 
     align_grad_reduce: bool = True
-    """When true, each pipeline stage launches its gradient reduction when it is ready;
-    when false, all stages launch their reductions at the same time."""
+    """With ``ddp.overlap_grad_reduce``: when true, the pipeline schedule launches each stage's
+    gradient reduction when that stage's backward ends; when false, every stage launches its
+    reductions from its own backward hooks, all at the same time (megatron's rule). The
+    ``mimo`` recipe refuses false (it does not overlap gradient reduction)."""
 
     local_rank: int = field(
         default_factory=_local_rank_from_env, metadata={DEFAULT_DOC: "$LOCAL_RANK, else 0"}
@@ -92,37 +94,40 @@ class DistributedInitConfig:
 
     lazy_init: bool = False
     """Skip data-parallel setup during initialisation and hand back a function that completes
-    it, for an external DDP manager; also implies CPU initialisation of parameters."""
+    it, for an external DDP manager. Not supported by bridge-train: true is refused."""
 
     use_torch_fsdp2: bool = False
-    """Shard parameters with torch's FSDP2. Experimental; not compatible with pipeline
-    parallelism."""
+    """Shard parameters with torch's FSDP2. Not supported by bridge-train: true is refused
+    (shard optimizer state with ``ddp.use_distributed_optimizer=true``)."""
 
     nccl_communicator_config_path: str | None = None
     """YAML file with per-communicator NCCL settings (``min_ctas``, ``max_ctas``,
-    ``cga_cluster_size``)."""
+    ``cga_cluster_size``). The ``mimo`` recipe refuses it."""
 
     use_tp_pp_dp_mapping: bool = False
     """Order ranks tensor-pipeline-data instead of tensor-data-pipeline. Do not combine with
-    expert or context parallelism."""
+    expert or context parallelism. The ``mimo`` recipe refuses it."""
 
     use_gloo_process_groups: bool = True
     """Also create gloo process groups next to the main backend's groups."""
 
     use_sharp: bool = False
     """Use SHARP for data-parallel collectives (runs a barrier in each data-parallel group to
-    select the SHARP target groups)."""
+    select the SHARP target groups). Needs CUDA and nccl: refused otherwise, and by the
+    ``mimo`` recipe."""
 
     high_priority_stream_groups: list[str] | None = None
     """Names of communicator groups whose streams get high priority, so their kernels are
-    scheduled ahead of overlapping compute."""
+    scheduled ahead of overlapping compute. Needs CUDA and nccl: refused otherwise, and by
+    the ``mimo`` recipe."""
 
     external_gpu_device_mapping: bool = False
     """GPU visibility is managed outside (for example with ``CUDA_VISIBLE_DEVICES`` per
-    process): use device 0 instead of the local rank."""
+    process): use device 0 instead of the local rank (modulo the visible device count)."""
 
     enable_megatron_core_experimental: bool = False
-    """Turn on megatron-core's experimental features."""
+    """Turn on megatron-core's (and core-utils') experimental features when distributed
+    setup starts; false leaves them as they are."""
 
     def __post_init__(self) -> None:
         """Check the field types, the timeout and the local rank."""

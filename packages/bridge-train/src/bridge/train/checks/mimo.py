@@ -17,6 +17,7 @@ from typing import Any
 
 from bridge.config import (
     ConfigError,
+    DistributedInitConfig,
     RerunStateMachineConfig,
     RNGConfig,
     TrainingConfig,
@@ -30,6 +31,7 @@ __all__ = [
     "length_and_batch_sizes_are_set",
     "no_rerun_state_machine",
     "section_is_unused",
+    "unsupported_dist_settings",
     "unsupported_rng_settings",
     "unsupported_train_settings",
 ]
@@ -87,6 +89,35 @@ def unsupported_train_settings(train: TrainingConfig) -> None:
             f"got {interval}; the MIMO recipe's modules have data-parallel groups of their "
             "own, which megatron's weight-hash check does not know: unset it",
         )
+
+
+def unsupported_dist_settings(dist: DistributedInitConfig) -> None:
+    """``dist`` settings the recipe does not apply: it uses the backend, the timeout, the
+    device choice (``external_gpu_device_mapping``) and the experimental flag, and builds
+    each module's groups with megatron-core's ``HyperCommGrid`` (no global rank order, no
+    per-communicator NCCL settings, no SHARP or stream priorities) for modules it trains
+    without overlapped gradient reduction."""
+    defaults = DistributedInitConfig(local_rank=dist.local_rank)
+    for name, meaning in (
+        ("use_tp_pp_dp_mapping", "orders each module's ranks in its own grid"),
+        ("nccl_communicator_config_path", "applies no per-communicator NCCL settings"),
+        ("use_sharp", "does not set up SHARP"),
+        ("high_priority_stream_groups", "sets no communicator stream priorities"),
+        ("align_grad_reduce", "does not overlap gradient reduction with the backward pass"),
+    ):
+        value, default = getattr(dist, name), getattr(defaults, name)
+        if value != default:
+            raise ConfigError(
+                f"dist.{name}",
+                f"got {_yaml(value)}; the MIMO recipe {meaning} and would ignore it: set "
+                f"dist.{name}={_yaml(default)}",
+            )
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def unsupported_rng_settings(rng: RNGConfig) -> None:

@@ -87,8 +87,13 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     "optimizer": (Rule(check_learning_rates, MIMO, ("optimizer", "scheduler")),),
     # The learning-rate schedule fits the run's length (megatron's sample-based steps).
     "scheduler": (Rule(scheduler_steps, MIMO, ("scheduler", "train")),),
-    # dist.distributed_backend works on this machine.
-    "dist": (Rule(resolve_distributed_backend, reads=("dist",)),),
+    "dist": (
+        # dist.distributed_backend works on this machine.
+        Rule(resolve_distributed_backend, reads=("dist",)),
+        Rule(rules.dist_settings_are_implemented),
+        Rule(mimo.unsupported_dist_settings, MIMO),
+        Rule(rules.sharp_and_stream_priority_need_nccl, GPT),
+    ),
     "rng": (
         Rule(rules.initialisation_is_possible, BOTH),
         Rule(mimo.unsupported_rng_settings, MIMO),

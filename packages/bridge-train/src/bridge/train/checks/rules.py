@@ -16,6 +16,7 @@ from pathlib import Path
 from bridge.config import (
     CheckpointConfig,
     ConfigError,
+    DistributedInitConfig,
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     LoggerConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "data_splits_hold_samples",
     "dataset_index_fits_memory",
     "dataset_is_given",
+    "dist_settings_are_implemented",
     "evaluation_has_validation_data",
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
@@ -68,6 +70,7 @@ __all__ = [
     "rerun_state_machine_needs_cuda",
     "samples_can_be_generated",
     "save_directory_is_writable",
+    "sharp_and_stream_priority_need_nccl",
     "tokenizer_can_be_built",
 ]
 
@@ -151,6 +154,42 @@ def dataset_index_fits_memory(train: TrainingConfig) -> None:
         f"{needed / 2**30:.3g} GiB ({INDEX_BYTES_PER_SAMPLE} bytes per sample), more than "
         f"this machine's {memory / 2**30:.3g} GiB of memory; train for fewer iterations",
     )
+
+
+# ------------------------------------------------------------------------------------ dist
+
+
+def dist_settings_are_implemented(dist: DistributedInitConfig) -> None:
+    """``dist`` settings of megatron-training that this trainer does not implement."""
+    if dist.lazy_init:
+        raise ConfigError(
+            "dist.lazy_init",
+            "got true; bridge-train sets up data parallelism itself and hands no finish "
+            "function to an external DDP manager: set dist.lazy_init=false",
+        )
+    if dist.use_torch_fsdp2:
+        raise ConfigError(
+            "dist.use_torch_fsdp2",
+            "got true; bridge-train does not shard with torch's FSDP2: set "
+            "dist.use_torch_fsdp2=false and shard optimizer state with megatron's distributed "
+            "optimizer (ddp.use_distributed_optimizer=true)",
+        )
+
+
+def sharp_and_stream_priority_need_nccl(dist: DistributedInitConfig, cuda_available: bool) -> None:
+    """SHARP and high-priority communicator streams are NCCL features on CUDA."""
+    for name, value, unset in (
+        ("use_sharp", dist.use_sharp, "false"),
+        ("high_priority_stream_groups", dist.high_priority_stream_groups, "null"),
+    ):
+        if not value or (cuda_available and dist.distributed_backend == "nccl"):
+            continue
+        where = "no GPU is available" if not cuda_available else "the backend is gloo"
+        raise ConfigError(
+            f"dist.{name}",
+            f"needs NCCL on CUDA, and {where}; set dist.{name}={unset} (or run on GPUs with "
+            "dist.distributed_backend='nccl')",
+        )
 
 
 # ----------------------------------------------------------------------- rerun, profiling

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.config import set_experimental_flag
 
 from bridge.config import ConfigError, DistributedInitConfig, data_parallel_size
 from bridge.resiliency import init_process_group
 from bridge.train.engine.launch_env import adopt_launch_environment, guarded_rendezvous
-from core_utils import cuda_emulation, cuda_emulation_active
+from core_utils import cuda_emulation, cuda_emulation_active, set_experimental_enabled
 from core_utils.distributed import global_world_size
 from core_utils.testing import find_free_port
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from bridge.config import ModelConfigProtocol, RNGConfig
 
 __all__ = [
+    "apply_experimental_flag",
     "destroy_distributed",
     "init_launch_process_group",
     "initialize_distributed",
@@ -38,6 +40,7 @@ __all__ = [
     "resume_seed",
     "seed_from_rng_config",
     "seed_process_generators",
+    "select_cuda_device",
 ]
 
 _STATE: dict[str, Any] = {"owns_process_group": False, "emulation": None}
@@ -70,6 +73,38 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
             "dist.distributed_backend='gloo' to train on CPU",
         )
     return backend
+
+
+def select_cuda_device(dist_config: DistributedInitConfig | None, backend: str) -> None:
+    """Make this process's GPU the current CUDA device, for an nccl run on CUDA.
+
+    The device is the launch's local rank, or device 0 with
+    ``dist.external_gpu_device_mapping`` (each process sees only its own GPU, e.g. through
+    ``CUDA_VISIBLE_DEVICES``), modulo the visible device count. The GPT path
+    (:func:`initialize_distributed`) and the ``mimo`` recipe both choose it here. Without
+    CUDA, or with gloo, nothing is set.
+
+    Args:
+        dist_config: The ``dist`` section (``None``: its defaults).
+        backend: The resolved backend (:func:`resolve_distributed_backend`).
+    """
+    if not (torch.cuda.is_available() and backend == "nccl"):
+        return
+    external = bool(getattr(dist_config, "external_gpu_device_mapping", False))
+    local_rank = 0 if external else adopt_launch_environment().local_rank
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def apply_experimental_flag(dist_config: DistributedInitConfig | None) -> None:
+    """Turn on megatron-core's and core-utils' experimental features with
+    ``dist.enable_megatron_core_experimental``.
+
+    Like megatron-training and Megatron-Bridge, only ever switches them on: with ``false``
+    a flag set elsewhere (code, or ``CORE_UTILS_EXPERIMENTAL`` for core-utils) stays as it is.
+    """
+    if getattr(dist_config, "enable_megatron_core_experimental", False):
+        set_experimental_flag(True)
+        set_experimental_enabled(True)
 
 
 def init_launch_process_group(backend: str, timeout: timedelta) -> None:
@@ -119,7 +154,11 @@ def initialize_distributed(
 
     The process group is the launch's (:func:`init_launch_process_group`); an existing
     default process group is reused. On CUDA with nccl the device is set from
-    ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``).
+    ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``,
+    :func:`select_cuda_device`); ``dist.enable_megatron_core_experimental`` turns on the
+    experimental features (:func:`apply_experimental_flag`); ``dist.use_sharp`` and
+    ``dist.high_priority_stream_groups`` go to megatron's ``initialize_model_parallel`` (the
+    launch checks refuse them without nccl on CUDA).
 
     Args:
         model_config: The model config (its parallel sizes are used).
@@ -137,7 +176,7 @@ def initialize_distributed(
         bridge.train.engine.launch_env.RendezvousTimeout: The ranks did not all meet.
     """
 
-    launch = adopt_launch_environment()
+    adopt_launch_environment()  # srun's tasks: before the world size is read
     # ConfigContainer.validate() (the layout) and pretrain's launch checks (the backend,
     # checks/rules.py) refused a bad config already, before any process group exists; both
     # run again here because direct API users call this without them, and the backend's
@@ -149,12 +188,9 @@ def initialize_distributed(
         _STATE["emulation"] = stack = contextlib.ExitStack()
         stack.enter_context(cuda_emulation())  # a no-op with CUDA
 
+    apply_experimental_flag(dist_config)
     timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
-    if torch.cuda.is_available() and backend == "nccl":
-        local_rank = (
-            0 if getattr(dist_config, "external_gpu_device_mapping", False) else launch.local_rank
-        )
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    select_cuda_device(dist_config, backend)
     if not dist.is_initialized():
         init_launch_process_group(backend, timedelta(minutes=timeout_minutes))
         _STATE["owns_process_group"] = True
@@ -174,6 +210,8 @@ def initialize_distributed(
         distributed_timeout_minutes=int(timeout_minutes),
         nccl_communicator_config_path=getattr(dist_config, "nccl_communicator_config_path", None),
         order=order,
+        use_sharp=bool(getattr(dist_config, "use_sharp", False)),
+        high_priority_stream_groups=getattr(dist_config, "high_priority_stream_groups", None),
         # On a gloo world the regular groups already are gloo groups (gloo has every
         # collective megatron-core uses: reduce-scatter, all-gather into a tensor, coalescing,
         # batched isend/irecv); duplicates would only cost time.

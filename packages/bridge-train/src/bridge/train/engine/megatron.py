@@ -89,6 +89,7 @@ class MegatronEngine:
         data_parallel_random_init: bool = False,
         optimizer_config: OptimizerConfigProtocol | None = None,
         layout_independent_seed: int | None = None,
+        align_grad_reduce: bool = True,
     ) -> list[torch.nn.Module]:
         """Build one chunk per virtual pipeline stage and wrap them in megatron's DDP.
 
@@ -98,9 +99,10 @@ class MegatronEngine:
         ``pre_wrap_hooks`` run; megatron's own draw is skipped. ``data_parallel_random_init``
         cannot be combined with it.
 
-        Sets ``no_sync_func``, ``grad_sync_func``, ``param_sync_func`` (distributed optimizer
-        with overlapped all-gather) and ``finalize_model_grads_func`` on the model config, as
-        megatron's training loop does.
+        Sets ``no_sync_func``, ``grad_sync_func`` (overlapped grad reduction with
+        ``align_grad_reduce``, ``dist.align_grad_reduce``), ``param_sync_func`` (distributed
+        optimizer with overlapped all-gather) and ``finalize_model_grads_func`` on the model
+        config, as megatron's training loop does.
         """
 
         data_parallel_size(model_provider, torch.distributed.get_world_size())
@@ -168,8 +170,10 @@ class MegatronEngine:
                 chunk.broadcast_params()
         no_sync = [chunk.no_sync for chunk in wrapped]
         model_provider.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        if ddp_config.overlap_grad_reduce:
-            # Pipeline stages launch their grad reductions aligned (dist.align_grad_reduce).
+        if ddp_config.overlap_grad_reduce and align_grad_reduce:
+            # megatron-training's rule: with a grad_sync_func the pipeline schedule launches
+            # each stage's reduction when that stage's backward ends; without one, megatron's
+            # DDP launches every bucket from its own backward hooks, all stages at once.
             grad_sync = [chunk.start_grad_sync for chunk in wrapped]
             model_provider.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
         if ddp_config.overlap_param_gather and getattr(ddp_config, "align_param_gather", False):

@@ -205,6 +205,7 @@ def run_bare_loop(
         model_provider,
         ddp_config,
         layout_independent_seed=layout_independent_seed(rng, model_provider),
+        align_grad_reduce=bool(getattr(dist_config, "align_grad_reduce", True)),
     )
     optimizer, scheduler = eng.setup_optimizer(
         model, optimizer_config, scheduler_config, train_config

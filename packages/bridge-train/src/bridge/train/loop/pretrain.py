@@ -223,6 +223,7 @@ def setup(
         data_parallel_random_init=cfg.rng.data_parallel_random_init,
         optimizer_config=cfg.optimizer,
         layout_independent_seed=layout_independent_seed(cfg.rng, cfg.model),
+        align_grad_reduce=cfg.dist.align_grad_reduce,
     )
 
     get_model_config(model[0]).timers = state.timers

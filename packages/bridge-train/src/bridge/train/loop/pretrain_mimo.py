@@ -43,10 +43,12 @@ from bridge.logging import setup_logging
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.engine.initialize import (
+    apply_experimental_flag,
     init_launch_process_group,
     resolve_distributed_backend,
     resume_seed,
     seed_process_generators,
+    select_cuda_device,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
@@ -78,13 +80,18 @@ check_mimo_config = check_config_before_launch
 
 
 def _init_process_group(dist_config: DistributedInitConfig) -> bool:
-    """Initialise torch.distributed for this launch; True if this call created it."""
+    """Initialise torch.distributed for this launch; True if this call created it.
+
+    The device choice (``dist.external_gpu_device_mapping``) and the experimental flag
+    (``dist.enable_megatron_core_experimental``) are the GPT path's; the recipe's launch
+    checks refuse the ``dist`` settings it does not apply (:mod:`bridge.train.checks.mimo`).
+    """
+    apply_experimental_flag(dist_config)
     if dist.is_initialized():
         return False
 
     backend = resolve_distributed_backend(dist_config)
-    if backend == "nccl":
-        torch.cuda.set_device(adopt_launch_environment().local_rank)
+    select_cuda_device(dist_config, backend)
     init_launch_process_group(backend, timedelta(minutes=dist_config.distributed_timeout_minutes))
     return True
 
@@ -144,7 +151,10 @@ def pretrain_mimo(
         seed = cfg.rng.seed
         seed_process_generators(seed)  # a resume restores or reseeds them (see the load)
         layout = mimo_layout(model_cfg, world)
-        infra = mimo.build_megatron_mimo_infra(layout)
+        # The module groups wait as long as the default group (dist.distributed_timeout_minutes).
+        infra = mimo.build_megatron_mimo_infra(
+            layout, timeout=timedelta(minutes=cfg.dist.distributed_timeout_minutes)
+        )
         vlm = model_cfg.tiny_vlm_config()
         dataset = mimo.SyntheticImageCaptionDataset(
             model_cfg.num_samples,
