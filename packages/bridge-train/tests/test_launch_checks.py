@@ -233,3 +233,16 @@ def test_a_training_length_whose_dataset_index_cannot_fit_in_memory_is_refused()
     assert cfg.train is not None
     cfg.train.skip_train = True  # evaluation only: no training index is built
     check_section(vars(cfg), "train", 1)
+
+
+@pytest.mark.parametrize("name", ["multiple_validation_sets", "full_validation"])
+def test_separate_validation_sets_are_refused_not_ignored(name: str) -> None:
+    """megatron would build a list of validation datasets (or a full pass) that the
+    trainer's evaluation does not read: refused in the one pass, naming the field."""
+    cfg = tiny_config_container()
+    cfg.dataset = dataclasses.replace(cfg.dataset, **{name: True})
+    with pytest.raises(ConfigError) as info:
+        check_section(vars(cfg), "dataset", 1, cuda_available=False)
+    assert str(info.value).startswith(f"dataset.{name}: got true; bridge-train evaluates")
+    cfg.dataset = dataclasses.replace(cfg.dataset, **{name: None})
+    check_section(vars(cfg), "dataset", 1, cuda_available=False)

@@ -130,10 +130,12 @@ class GPTDatasetConfig(DataloaderConfig):
     split without data. Exclusive with ``blend``, ``split`` and ``mock``."""
 
     multiple_validation_sets: bool | None = None
-    """Treat the validation split as several separate datasets, each evaluated on its own."""
+    """Treat the validation split as several separate datasets, each evaluated on its own.
+    bridge-train does not: it refuses true."""
 
     full_validation: bool | None = None
-    """Evaluate on a full pass over the validation data each time validation runs."""
+    """Evaluate on a full pass over the validation data each time validation runs (with
+    ``multiple_validation_sets``). bridge-train does not: it refuses true."""
 
     split: str | None = None
     """Relative weights of train/validation/test when one blend is split, e.g. ``"99,1,0"``.

@@ -72,6 +72,7 @@ __all__ = [
     "save_directory_is_writable",
     "sharp_and_stream_priority_need_nccl",
     "tokenizer_can_be_built",
+    "validation_is_one_dataset",
 ]
 
 Dataset = GPTDatasetConfig | FinetuningDatasetConfig | None
@@ -359,6 +360,18 @@ def data_splits_hold_samples(dataset: GivenDataset, train: TrainingConfig) -> No
         train_valid_test_num_samples(train),
         gpt_samples=not isinstance(dataset, T5DatasetConfig),
     )
+
+
+def validation_is_one_dataset(dataset: Dataset) -> None:
+    """The validation split is evaluated as one dataset, for ``train.eval_iters`` batches:
+    megatron's separate validation sets (a list of datasets) and their full pass are not."""
+    for name in ("multiple_validation_sets", "full_validation"):
+        if getattr(dataset, name, None):
+            raise ConfigError(
+                f"dataset.{name}",
+                "got true; bridge-train evaluates the validation split as one (blended) "
+                f"dataset for train.eval_iters batches: set dataset.{name}=null",
+            )
 
 
 def finetuning_dataset_is_supported(dataset: Dataset, model: ModelConfigProtocol) -> None:
