@@ -6,10 +6,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bridge.config import ConfigContainer, ConfigError, LoggerConfig, SamplesConfig, load_config
+from bridge.config import (
+    ConfigContainer,
+    ConfigError,
+    GPTDatasetConfig,
+    LoggerConfig,
+    SamplesConfig,
+    load_config,
+)
 from bridge.train.checks.preflight import (
     ConfigProblems,
     check_config_before_launch,
@@ -240,9 +248,13 @@ def test_separate_validation_sets_are_refused_not_ignored(name: str) -> None:
     """megatron would build a list of validation datasets (or a full pass) that the
     trainer's evaluation does not read: refused in the one pass, naming the field."""
     cfg = tiny_config_container()
-    cfg.dataset = dataclasses.replace(cfg.dataset, **{name: True})
+    dataset = cfg.dataset
+    assert isinstance(dataset, GPTDatasetConfig)
+    overrides: dict[str, Any] = {name: True}
+    cfg.dataset = dataclasses.replace(dataset, **overrides)
     with pytest.raises(ConfigError) as info:
         check_section(vars(cfg), "dataset", 1, cuda_available=False)
     assert str(info.value).startswith(f"dataset.{name}: got true; bridge-train evaluates")
-    cfg.dataset = dataclasses.replace(cfg.dataset, **{name: None})
+    overrides[name] = None
+    cfg.dataset = dataclasses.replace(dataset, **overrides)
     check_section(vars(cfg), "dataset", 1, cuda_available=False)
