@@ -406,6 +406,12 @@ _ITERATION_FIELDS = (
     "checkpoint.non_persistent_save_interval",
 )
 _SHORTER = 10
+_WARMUP_FIELD = "scheduler.lr_warmup_iters"
+
+
+def _is_int_arg(arg: str, field: str) -> bool:
+    key, sep, value = arg.partition("=")
+    return bool(sep) and key == field and value.isdigit()
 
 
 def _recipe_iterations(args: list[str], cwd: Path) -> int | None:
@@ -439,10 +445,16 @@ def shortened(command: DocCommand, cwd: Path) -> str:
         return text
     args = []
     has_length = False
+    # A shortened run still decays past its warmup (the scheduler refuses warmup >= decay).
+    warmup = max(
+        (int(a.partition("=")[2]) for a in launch.args if _is_int_arg(a, _WARMUP_FIELD)),
+        default=0,
+    )
     for arg in launch.args:
         key, sep, value = arg.partition("=")
         if sep and key in _ITERATION_FIELDS and value.isdigit():
-            arg = f"{key}={max(1, math.ceil(int(value) / _SHORTER))}"
+            least = warmup + 1 if key == "train.train_iters" else 1
+            arg = f"{key}={max(least, math.ceil(int(value) / _SHORTER))}"
             has_length = has_length or key == "train.train_iters"
         args.append(arg)
     if not has_length:
