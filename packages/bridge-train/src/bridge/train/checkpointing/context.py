@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -60,21 +61,24 @@ def check_checkpoint_config(checkpoint_config: CheckpointConfig) -> None:
             "nvidia-resiliency-ext's local checkpointing, which cannot be installed next to "
             "megatron-core 0.19 here; use non_persistent_ckpt_type='global'",
         )
-    # Fields that only serve the unsupported features above: a value there would be ignored.
-    for name, value, default in (
-        ("non_persistent_local_ckpt_dir", cfg.non_persistent_local_ckpt_dir, None),
-        ("non_persistent_local_ckpt_algo", cfg.non_persistent_local_ckpt_algo, "fully_parallel"),
-        ("ckpt_convert_format", cfg.ckpt_convert_format, None),
-        ("ckpt_convert_save", cfg.ckpt_convert_save, None),
+    # Fields that only serve the unsupported features above: a value other than the field's
+    # default would be ignored.
+    defaults = {f.name: f.default for f in dataclasses.fields(CheckpointConfig)}
+    for why, names in (
+        (
+            "local checkpoints are not supported (see non_persistent_ckpt_type)",
+            ("non_persistent_local_ckpt_dir", "non_persistent_local_ckpt_algo"),
+        ),
+        (
+            "converting checkpoints is not supported; bridge-train reads and writes "
+            "torch_dist only",
+            ("ckpt_convert_format", "ckpt_convert_save"),
+        ),
     ):
-        if value != default:
-            why = (
-                "local checkpoints are not supported (see non_persistent_ckpt_type)"
-                if "local" in name
-                else "converting checkpoints is not supported; bridge-train reads and writes "
-                "torch_dist only"
-            )
-            raise ConfigError(f"checkpoint.{name}", f"{value!r}: {why}, so unset {name}")
+        for name in names:
+            value = getattr(cfg, name)
+            if value != defaults[name]:
+                raise ConfigError(f"checkpoint.{name}", f"{value!r}: {why}, so unset {name}")
     if cfg.use_checkpoint_args:
         raise ConfigError(
             "checkpoint.use_checkpoint_args",
