@@ -79,20 +79,24 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
 def select_cuda_device(dist_config: DistributedInitConfig | None, backend: str) -> None:
     """Make this process's GPU the current CUDA device, for an nccl run on CUDA.
 
-    The device is the launch's local rank, or device 0 with
+    The device is ``dist.local_rank`` (by default the launcher's; the launch checks refuse
+    another value where the launcher gives one), or device 0 with
     ``dist.external_gpu_device_mapping`` (each process sees only its own GPU, e.g. through
-    ``CUDA_VISIBLE_DEVICES``), modulo the visible device count. The GPT path
-    (:func:`initialize_distributed`) and the ``mimo`` recipe both choose it here. Without
-    CUDA, or with gloo, nothing is set.
+    ``CUDA_VISIBLE_DEVICES``), modulo the visible device count. Both process-group starts
+    (:func:`start_process_group`) choose it here. Without CUDA, or with gloo, nothing is set.
 
     Args:
-        dist_config: The ``dist`` section (``None``: its defaults).
+        dist_config: The ``dist`` section (``None``: the launch's local rank).
         backend: The resolved backend (:func:`resolve_distributed_backend`).
     """
     if not (torch.cuda.is_available() and backend == "nccl"):
         return
-    external = bool(getattr(dist_config, "external_gpu_device_mapping", False))
-    local_rank = 0 if external else adopt_launch_environment().local_rank
+    if getattr(dist_config, "external_gpu_device_mapping", False):
+        local_rank = 0
+    elif dist_config is None:
+        local_rank = adopt_launch_environment().local_rank
+    else:
+        local_rank = dist_config.local_rank
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
