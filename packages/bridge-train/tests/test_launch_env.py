@@ -387,7 +387,8 @@ def test_a_local_rank_other_than_the_launchers_is_refused(
 
     fix = (
         "and every process of a node reads the same value: remove dist.local_rank from the "
-        "config (its default is the launcher's), or give each process its own GPU with "
+        "config (its default is the launcher's; a run_config.yaml saved by an earlier "
+        "bridge-train holds rank 0's), or give each process its own GPU with "
         "CUDA_VISIBLE_DEVICES and dist.external_gpu_device_mapping=true"
     )
     for environ, origin in ((TORCHRUN_WORKER, "torchrun"), (SRUN_TASK, "SLURM_LOCALID=1")):

@@ -192,8 +192,9 @@ def local_rank_is_the_launchers(dist: DistributedInitConfig) -> None:
         "dist.local_rank",
         f"got {dist.local_rank}, but this process is local rank {launch.local_rank} of its "
         f"launch (LOCAL_RANK from {origin}), and every process of a node reads the same "
-        "value: remove dist.local_rank from the config (its default is the launcher's), or "
-        "give each process its own GPU with CUDA_VISIBLE_DEVICES and "
+        "value: remove dist.local_rank from the config (its default is the launcher's; a "
+        "run_config.yaml saved by an earlier bridge-train holds rank 0's), or give each "
+        "process its own GPU with CUDA_VISIBLE_DEVICES and "
         "dist.external_gpu_device_mapping=true",
     )
 
