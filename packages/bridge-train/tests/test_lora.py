@@ -427,7 +427,7 @@ def _adapter_options(rank: int, world: int) -> dict[str, Any]:
         dropout_position="post",
         lora_A_init_method="kaiming",
     )
-    model = engine.setup_model(
+    model: Any = engine.setup_model(
         provider, wrap_with_ddp=False, pre_wrap_hooks=[lambda c: apply_peft(lora, c)]
     )[0]
     out: dict[str, Any] = {"A": {}, "B": {}}

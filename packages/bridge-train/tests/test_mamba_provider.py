@@ -182,7 +182,7 @@ def _megatron_seeded(rank: int, world: int, tp: int) -> dict[str, Any]:
         provider, tiny_dist_config(), tiny_rng_config(layout_independent_init=False)
     )
     try:
-        model = engine.setup_model(provider, wrap_with_ddp=False)[0]
+        model: Any = engine.setup_model(provider, wrap_with_ddp=False)[0]
         mixer = model.decoder.layers[0].mixer
         heads = {n: getattr(mixer, n).detach().clone() for n in ("A_log", "D", "dt_bias")}
         tokens = torch.arange(32).reshape(2, 16) % 100
