@@ -412,3 +412,33 @@ def test_a_local_rank_other_than_the_launchers_is_refused(
         "bridge-train: error: dist.local_rank: got 1, but this process is local rank 0 of "
         f"its launch (LOCAL_RANK from the environment), {fix}"
     ) in capsys.readouterr().err.splitlines()
+
+
+def test_a_saved_run_config_gives_each_process_its_own_local_rank(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run_config.yaml written before saved configs left ``dist.local_rank`` out holds the
+    saving process's (rank 0's): loaded back (``--config``, ``--eval-only``'s own config) on
+    another local rank, each process takes its launcher's, unless the command sets it."""
+    import yaml
+
+    from bridge.config import load_config
+    from bridge.train.cli import _load, build_parser
+    from bridge.train.recipes import DEFAULT_RECIPE, recipe_path
+
+    data = yaml.safe_load(load_config(recipe_path(DEFAULT_RECIPE)).format_yaml())
+    data.setdefault("dist", {})["local_rank"] = 0
+    saved = tmp_path / "run_config.yaml"
+    saved.write_text(yaml.safe_dump(data), encoding="utf-8")
+    _launched_by(monkeypatch, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+
+    cfg, _, recipe_cfg = _load(
+        build_parser().parse_args(["--config", str(saved), "train.train_iters=3"])
+    )
+    assert cfg.dist.local_rank == 1 and recipe_cfg.dist.local_rank == 1
+    cfg, _, _ = _load(build_parser().parse_args(["--config", str(saved), "dist.local_rank=0"]))
+    assert cfg.dist.local_rank == 0  # the command's own value is the user's: checked as given
+    renamed = tmp_path / "recipe.yaml"
+    renamed.write_text(saved.read_text(encoding="utf-8"), encoding="utf-8")
+    cfg, _, _ = _load(build_parser().parse_args(["--config", str(renamed)]))
+    assert cfg.dist.local_rank == 0  # a recipe file's value is the user's
