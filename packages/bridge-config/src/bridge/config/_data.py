@@ -130,12 +130,18 @@ class GPTDatasetConfig(DataloaderConfig):
     split without data. Exclusive with ``blend``, ``split`` and ``mock``."""
 
     multiple_validation_sets: bool | None = None
-    """Treat the validation split as several separate datasets, each evaluated on its own.
-    bridge-train does not: it refuses true."""
+    """Treat the validation split as several separate datasets, each evaluated on its own:
+    every prefix of ``blend_per_split``'s validation entry is one set, not blended with the
+    others, and its losses are logged as the split ``validation <name>`` (the prefix's file
+    name, or its index when file names repeat), e.g. ``lm loss validation wiki``. Each set
+    reads ``train.eval_iters`` global batches per evaluation. bridge-train refuses true for
+    ``blend`` (its validation split is blended), mock, SFT and T5 data."""
 
     full_validation: bool | None = None
-    """Evaluate on a full pass over the validation data each time validation runs (with
-    ``multiple_validation_sets``). bridge-train does not: it refuses true."""
+    """Evaluate on a full pass over each validation set every time validation runs (needs
+    ``multiple_validation_sets``): ``len(set) // train.global_batch_size`` global batches
+    from the set's first sample, instead of ``train.eval_iters`` (which must still be > 0
+    for validation to run)."""
 
     split: str | None = None
     """Relative weights of train/validation/test when one blend is split, e.g. ``"99,1,0"``.

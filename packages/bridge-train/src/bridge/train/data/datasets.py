@@ -21,6 +21,7 @@ from bridge.config import (
     convert_dataclass,
 )
 from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.data.validation_sets import ValidationDatasets, validation_set_names
 
 __all__ = [
     "build_gpt_dataset_config",
@@ -173,7 +174,10 @@ def build_train_valid_test_datasets(
             (:func:`train_valid_test_num_samples`).
 
     Returns:
-        ``(train_ds, valid_ds, test_ds)``.
+        ``(train_ds, valid_ds, test_ds)``; with ``dataset.multiple_validation_sets``,
+        ``valid_ds`` is a :class:`~bridge.train.data.validation_sets.ValidationDatasets`
+        (one dataset per prefix of ``blend_per_split``'s validation entry, each one pass
+        over its documents with ``dataset.full_validation``).
 
     Raises:
         FileNotFoundError: A data path does not exist.
@@ -197,6 +201,24 @@ def build_train_valid_test_datasets(
         from bridge.train.data.split_checks import check_split_samples
 
         check_split_samples(dataset_config, (sizes[0], sizes[1], sizes[2]))
-    builder = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config)
+    separate = bool(config.multiple_validation_sets) and not config.mock
+    built_sizes: list[int | None] = list(sizes)
+    if separate and config.full_validation:
+        # No sample count: megatron builds each validation set as one pass over its
+        # documents (its builder asserts the count is None for full_validation).
+        built_sizes[1] = None
+    builder = BlendedMegatronDatasetBuilder(cls, built_sizes, lambda: True, config)
     train_ds, valid_ds, test_ds = builder.build()
+    if separate and valid_ds is not None:
+        valid_ds = _separate_validation_sets(config, valid_ds)
     return train_ds, valid_ds, test_ds
+
+
+def _separate_validation_sets(config: Any, valid_ds: Any) -> ValidationDatasets:
+    """megatron's validation datasets (a list, or one dataset for a one-prefix blend) with
+    their names (:mod:`bridge.train.data.validation_sets`)."""
+    prefixes, _ = config.blend_per_split[1]
+    datasets = tuple(valid_ds) if isinstance(valid_ds, list) else (valid_ds,)
+    return ValidationDatasets(
+        validation_set_names(prefixes), datasets, full_pass=bool(config.full_validation)
+    )
