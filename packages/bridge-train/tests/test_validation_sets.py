@@ -23,16 +23,17 @@ GBS = 4
 
 
 def _dataset(root: str, validation: list[str], **fields: Any) -> GPTDatasetConfig:
-    """Train on ``docs``; validate on ``validation`` (prefix names under ``root``)."""
+    """Train on ``docs``; validate on ``validation`` (prefix names under ``root``); with a
+    ``split``, one ``blend`` of the ``validation`` prefixes split three ways instead."""
     base = Path(root)
+    prefixes = [str(base / name) for name in validation]
+    data: dict[str, Any] = {"blend": (prefixes, None)}
+    if "split" not in fields:
+        data = {"blend_per_split": [([str(base / "docs")], None), (prefixes, None), None]}
     return GPTDatasetConfig(
         random_seed=7,
         sequence_length=SEQ,
-        blend_per_split=[
-            ([str(base / "docs")], None),
-            ([str(base / name) for name in validation], None),
-            None,
-        ],
+        **data,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -123,6 +124,12 @@ def _separate_and_alone(rank: int, world: int, root: str) -> dict[str, Any]:
     if world == 1:
         out["docs alone"] = _evaluate_only(root, ["docs"], "docs_alone")
         out["other alone"] = _evaluate_only(root, ["other"], "other_alone")
+        # One blend split three ways: each prefix's validation split is a set.
+        split = {"split": "6,3,1"}
+        both = ["docs", "other"]
+        out["blend"] = _evaluate_only(root, both, "blend", multiple_validation_sets=True, **split)
+        out["blend docs alone"] = _evaluate_only(root, ["docs"], "blend_docs", **split)
+        out["blend other alone"] = _evaluate_only(root, ["other"], "blend_other", **split)
     full = {"multiple_validation_sets": True, "full_validation": True}
     recorder = _Recorder()
     cfg = _config(root, ["docs", "other"], train_fields={"skip_train": True}, dataset_fields=full)
@@ -199,6 +206,12 @@ def test_each_set_is_logged_under_its_name_with_its_own_loss(evaluated: dict[str
     assert separate["lm loss validation other"] == evaluated["other alone"]["lm loss validation"]
     # Different content, different losses: the sets were not blended into one.
     assert abs(separate["lm loss validation docs"] - separate["lm loss validation other"]) > 1e-3
+    # The same for the validation splits of one blend.
+    blend = evaluated["blend"]
+    assert set(blend) == {"lm loss validation docs", "lm loss validation other"}
+    assert blend["lm loss validation docs"] == evaluated["blend docs alone"]["lm loss validation"]
+    assert blend["lm loss validation other"] == evaluated["blend other alone"]["lm loss validation"]
+    assert abs(blend["lm loss validation docs"] - blend["lm loss validation other"]) > 1e-3
 
 
 @pytest.mark.multiprocess
@@ -259,9 +272,9 @@ def test_a_resumed_run_evaluates_the_same_sets_where_the_first_stopped(
             "mock",
         ),
         (
-            {"multiple_validation_sets": True, "blend": True},
+            {"multiple_validation_sets": True, "blend": True, "split": "9,0,1"},
             "multiple_validation_sets",
-            "dataset.blend, whose",
+            "no validation split in dataset.split",
         ),
         (
             {"multiple_validation_sets": True, "validation": None},
@@ -285,7 +298,7 @@ def test_what_cannot_be_separate_is_refused_naming_the_field(
         assert dataset.blend_per_split is not None
         dataset.blend_per_split[1] = None
     if fields.pop("blend", False):
-        fields.update(blend=([str(Path(root) / "docs")], None), split="9,1,0", blend_per_split=None)
+        fields.update(blend=([str(Path(root) / "docs")], None), blend_per_split=None)
     cfg = _config(root, ["docs", "other"])
     cfg.dataset = dataclasses.replace(dataset, **fields)
     with pytest.raises(ConfigError) as info:

@@ -131,11 +131,11 @@ class GPTDatasetConfig(DataloaderConfig):
 
     multiple_validation_sets: bool | None = None
     """Treat the validation split as several separate datasets, each evaluated on its own:
-    every prefix of ``blend_per_split``'s validation entry is one set, not blended with the
-    others, and its losses are logged as the split ``validation <name>`` (the prefix's file
-    name, or its index when file names repeat), e.g. ``lm loss validation wiki``. Each set
-    reads ``train.eval_iters`` global batches per evaluation. bridge-train refuses true for
-    ``blend`` (its validation split is blended), mock, SFT and T5 data."""
+    every prefix of ``blend_per_split``'s validation entry (or the validation split of every
+    prefix of ``blend``) is one set, not blended with the others, and its losses are logged
+    as the split ``validation <name>`` (the prefix's file name, or its index when file names
+    repeat), e.g. ``lm loss validation wiki``. Each set reads ``train.eval_iters`` global
+    batches per evaluation. bridge-train refuses true for mock, SFT and T5 data."""
 
     full_validation: bool | None = None
     """Evaluate on a full pass over each validation set every time validation runs (needs

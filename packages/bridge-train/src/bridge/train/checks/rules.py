@@ -398,12 +398,21 @@ def data_splits_hold_samples(dataset: GivenDataset, train: TrainingConfig) -> No
     )
 
 
+def _validation_share(split: str | None) -> float:
+    """The validation weight of ``dataset.split`` (0 without one; validate() names a
+    malformed one)."""
+    try:
+        return parse_split(str(split))[1] if split else 0.0
+    except ValueError:
+        return 0.0
+
+
 def validation_sets_can_be_separate(dataset: Dataset) -> None:
     """``dataset.multiple_validation_sets`` and ``full_validation`` where they can be
-    honoured (:mod:`bridge.train.data.validation_sets`): GPT ``.bin``/``.idx`` data whose
-    validation prefixes are listed in ``blend_per_split``'s validation entry, the only
-    blend megatron-core builds as separate datasets. ``full_validation`` is their full pass,
-    so it needs them. (The mimo recipe refuses the whole ``dataset`` section.)"""
+    honoured (:mod:`bridge.train.data.validation_sets`): GPT ``.bin``/``.idx`` data, each
+    prefix of ``blend_per_split``'s validation entry (or of ``blend``, with a validation
+    share in ``split``) one set. ``full_validation`` is their full pass, so it needs them.
+    (The mimo recipe refuses the whole ``dataset`` section.)"""
     separate = bool(getattr(dataset, "multiple_validation_sets", None))
     if getattr(dataset, "full_validation", None) and not separate:
         raise ConfigError(
@@ -427,16 +436,17 @@ def validation_sets_can_be_separate(dataset: Dataset) -> None:
         unsupported = "mock data, which has no separate validation sets"
     elif getattr(dataset, "dataloader_type", None) == "external":
         unsupported = "dataset.dataloader_type=external, whose batches bridge-train does not build"
-    elif per_split is None:
-        unsupported = "dataset.blend, whose validation split megatron-core blends"
-    elif len(per_split) < 2 or per_split[1] is None:
+    elif per_split is None and not _validation_share(getattr(dataset, "split", None)):
+        unsupported = "no validation split in dataset.split"
+    elif per_split is not None and (len(per_split) < 2 or per_split[1] is None):
         unsupported = "no validation entry in dataset.blend_per_split"
     if unsupported is not None:
         raise ConfigError(
             "dataset.multiple_validation_sets",
             f"got true with {unsupported}; separate validation sets are the prefixes of "
-            "dataset.blend_per_split's validation entry (GPT .bin/.idx data): list them "
-            "there, or set dataset.multiple_validation_sets=null",
+            "dataset.blend_per_split's validation entry, or of dataset.blend with a "
+            "validation share in dataset.split (GPT .bin/.idx data): give them there, or "
+            "set dataset.multiple_validation_sets=null",
         )
 
 

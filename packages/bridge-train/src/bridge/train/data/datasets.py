@@ -176,8 +176,9 @@ def build_train_valid_test_datasets(
     Returns:
         ``(train_ds, valid_ds, test_ds)``; with ``dataset.multiple_validation_sets``,
         ``valid_ds`` is a :class:`~bridge.train.data.validation_sets.ValidationDatasets`
-        (one dataset per prefix of ``blend_per_split``'s validation entry, each one pass
-        over its documents with ``dataset.full_validation``).
+        (one dataset per prefix of ``blend_per_split``'s validation entry, or per prefix of
+        ``blend`` with its ``split``; each one pass over its documents with
+        ``dataset.full_validation``).
 
     Raises:
         FileNotFoundError: A data path does not exist.
@@ -202,23 +203,45 @@ def build_train_valid_test_datasets(
 
         check_split_samples(dataset_config, (sizes[0], sizes[1], sizes[2]))
     separate = bool(config.multiple_validation_sets) and not config.mock
+    # No sample count for a full pass: megatron builds each validation set as one pass over
+    # its documents (its builder asserts the count is None for full_validation).
+    valid_size = None if separate and config.full_validation else sizes[1]
     built_sizes: list[int | None] = list(sizes)
-    if separate and config.full_validation:
-        # No sample count: megatron builds each validation set as one pass over its
-        # documents (its builder asserts the count is None for full_validation).
-        built_sizes[1] = None
+    if config.blend_per_split is not None:
+        built_sizes[1] = valid_size
     builder = BlendedMegatronDatasetBuilder(cls, built_sizes, lambda: True, config)
     train_ds, valid_ds, test_ds = builder.build()
     if separate and valid_ds is not None:
-        valid_ds = _separate_validation_sets(config, valid_ds)
+        valid_ds = _separate_validation_sets(config, valid_ds, cls, valid_size)
     return train_ds, valid_ds, test_ds
 
 
-def _separate_validation_sets(config: Any, valid_ds: Any) -> ValidationDatasets:
-    """megatron's validation datasets (a list, or one dataset for a one-prefix blend) with
-    their names (:mod:`bridge.train.data.validation_sets`)."""
-    prefixes, _ = config.blend_per_split[1]
-    datasets = tuple(valid_ds) if isinstance(valid_ds, list) else (valid_ds,)
-    return ValidationDatasets(
-        validation_set_names(prefixes), datasets, full_pass=bool(config.full_validation)
+def _separate_validation_sets(
+    config: Any, valid_ds: Any, cls: type, valid_size: int | None
+) -> ValidationDatasets:
+    """The validation sets with their names (:mod:`bridge.train.data.validation_sets`).
+
+    megatron-core separates ``blend_per_split``'s validation entry itself (a list, or one
+    dataset for a one-prefix entry). It blends ``blend``'s validation split whatever
+    ``multiple_validation_sets`` says, so each prefix's validation split is built on its
+    own here: the prefix alone with the same ``split`` (the same documents as its part of
+    the blend), as a one-prefix ``blend`` would give it.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
     )
+
+    full_pass = bool(config.full_validation)
+    if config.blend_per_split is not None:
+        prefixes, _ = config.blend_per_split[1]
+        datasets = tuple(valid_ds) if isinstance(valid_ds, list) else (valid_ds,)
+        return ValidationDatasets(validation_set_names(prefixes), datasets, full_pass)
+    prefixes, _ = config.blend
+    built = []
+    for prefix in prefixes:
+        alone = dataclasses.replace(config, blend=([prefix], None), multiple_validation_sets=False)
+        # Training and test splits of the prefix come with it (megatron builds every split
+        # of a one-prefix blend); 0 samples keeps their indices to one epoch.
+        builder = BlendedMegatronDatasetBuilder(cls, [0, valid_size, 0], lambda: True, alone)
+        built.append(builder.build()[1])
+    return ValidationDatasets(validation_set_names(prefixes), tuple(built), full_pass)
