@@ -141,7 +141,8 @@ def _separate_and_alone(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Validation every iteration: 3 iterations straight, and stopped after 2 then resumed."""
+    """Validation every iteration: 3 iterations straight, and stopped after 2 then resumed;
+    then the iteration-2 checkpoint evaluated alone (``--eval-only``)."""
     from bridge.config import CheckpointConfig
     from bridge.train import pretrain
 
@@ -163,9 +164,16 @@ def _resume(rank: int, world: int, root: str) -> dict[str, Any]:
     load = CheckpointConfig(save=str(base / "ckpt"), load=str(base / "ckpt"), save_interval=2)
     resumed = _config(root, ["docs", "other"], 3, dataset_fields=separate, checkpoint=load)
     assert pretrain(resumed, metrics_file=base / "resumed.jsonl") == 0
+    # --eval-only on the iteration-2 checkpoint: the validation that run logged there.
+    from bridge.train.generate.evaluation import evaluate_checkpoint, prepare_eval_only
+
+    checkpoint = CheckpointConfig(load=str(base / "ckpt" / "iter_0000002"))
+    evaluation = _config(root, ["docs", "other"], 3, dataset_fields=separate, checkpoint=checkpoint)
+    results = evaluate_checkpoint(evaluation, prepare_eval_only(evaluation))
     return {
         "straight": _metrics(base / "straight.jsonl"),
         "resumed": _metrics(base / "resumed.jsonl"),
+        "eval only": {f"lm loss {split}": losses["lm loss"] for split, losses in results.items()},
     }
 
 
@@ -251,7 +259,7 @@ def test_two_data_parallel_ranks_log_the_same_per_set_losses(
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_resumed_run_evaluates_the_same_sets_where_the_first_stopped(
+def test_a_resumed_run_and_eval_only_evaluate_the_same_sets_where_the_run_stopped(
     corpora: dict[str, Any],
 ) -> None:
     (out,) = run_distributed(_resume, 1, corpora["root"], timeout=280)
@@ -260,6 +268,9 @@ def test_a_resumed_run_evaluates_the_same_sets_where_the_first_stopped(
     assert set(straight[3]) == {"lm loss validation docs", "lm loss validation other"}
     # Same sets, same samples (each set continued from the checkpointed position).
     assert resumed[3] == straight[3]
+    # An evaluation-only run of the iteration-2 checkpoint evaluates each set where the
+    # run's own validation at iteration 2 began.
+    assert out["eval only"] == straight[2]
 
 
 @pytest.mark.parametrize(
