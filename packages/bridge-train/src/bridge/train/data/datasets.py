@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.config import (
     FinetuningDatasetConfig,
@@ -22,6 +22,14 @@ from bridge.config import (
 )
 from bridge.train.data.tokenizers import Tokenizer
 from bridge.train.data.validation_sets import ValidationDatasets, validation_set_names
+
+if TYPE_CHECKING:  # megatron-core is imported where datasets are built
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        BlendedMegatronDatasetConfig,
+    )
 
 __all__ = [
     "build_gpt_dataset_config",
@@ -212,12 +220,18 @@ def build_train_valid_test_datasets(
     builder = BlendedMegatronDatasetBuilder(cls, built_sizes, lambda: True, config)
     train_ds, valid_ds, test_ds = builder.build()
     if separate and valid_ds is not None:
-        valid_ds = _separate_validation_sets(config, valid_ds, cls, valid_size)
+        valid_ds = _separate_validation_sets(
+            config, valid_ds, BlendedMegatronDatasetBuilder, cls, valid_size
+        )
     return train_ds, valid_ds, test_ds
 
 
 def _separate_validation_sets(
-    config: Any, valid_ds: Any, cls: type, valid_size: int | None
+    megatron_config: BlendedMegatronDatasetConfig,
+    valid_ds: Any,
+    builder_class: type[BlendedMegatronDatasetBuilder],
+    cls: type,
+    valid_size: int | None,
 ) -> ValidationDatasets:
     """The validation sets with their names (:mod:`bridge.train.data.validation_sets`).
 
@@ -227,21 +241,21 @@ def _separate_validation_sets(
     own here: the prefix alone with the same ``split`` (the same documents as its part of
     the blend), as a one-prefix ``blend`` would give it.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-
-    full_pass = bool(config.full_validation)
-    if config.blend_per_split is not None:
-        prefixes, _ = config.blend_per_split[1]
+    full_pass = bool(megatron_config.full_validation)
+    per_split = megatron_config.blend_per_split
+    if per_split is not None and per_split[1] is not None:
+        prefixes = per_split[1][0]
         datasets = tuple(valid_ds) if isinstance(valid_ds, list) else (valid_ds,)
         return ValidationDatasets(validation_set_names(prefixes), datasets, full_pass)
-    prefixes, _ = config.blend
+    assert megatron_config.blend is not None  # the dataset rule refused every other case
+    prefixes = megatron_config.blend[0]
     built = []
     for prefix in prefixes:
-        alone = dataclasses.replace(config, blend=([prefix], None), multiple_validation_sets=False)
+        alone = dataclasses.replace(
+            megatron_config, blend=([prefix], None), multiple_validation_sets=False
+        )
         # Training and test splits of the prefix come with it (megatron builds every split
         # of a one-prefix blend); 0 samples keeps their indices to one epoch.
-        builder = BlendedMegatronDatasetBuilder(cls, [0, valid_size, 0], lambda: True, alone)
+        builder = builder_class(cls, [0, valid_size, 0], lambda: True, alone)
         built.append(builder.build()[1])
     return ValidationDatasets(validation_set_names(prefixes), tuple(built), full_pass)
