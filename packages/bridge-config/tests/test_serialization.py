@@ -23,6 +23,7 @@ from bridge.config import (
     apply_overrides,
     convert_dataclass,
     describe_fields,
+    flatten_config,
     format_diff,
     load_config,
     parse_overrides,
@@ -423,6 +424,21 @@ def test_diff_from_defaults(container: ConfigContainer) -> None:
     assert "dataset._target_: null -> 'bridge.config.MockGPTDatasetConfig'\n" in text
     assert ConfigContainer().diff_from_defaults() == []
     assert format_diff([]) == ""
+
+
+def test_flatten_config_gives_dotted_paths(container: ConfigContainer) -> None:
+    # The one flattening of bridge-train's override report and bridge-logging's run
+    # parameters: only mappings are descended into.
+    data = {"train": {"lr": 1, "sizes": [1, 2], "none": None}, "empty": {}, "top": "x"}
+    assert flatten_config(data) == {
+        "train.lr": 1,
+        "train.sizes": [1, 2],
+        "train.none": None,
+        "top": "x",
+    }
+    assert flatten_config({"lr": 1}, "train") == {"train.lr": 1}
+    flat = flatten_config(yaml.safe_load(container.format_yaml()))
+    assert flat["train.micro_batch_size"] == container.train.micro_batch_size  # type: ignore[union-attr]
 
 
 def test_convert_dataclass() -> None:

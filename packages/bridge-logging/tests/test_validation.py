@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from bridge.logging import MetricWriters, build_metric_writers, log_validation_results
+from bridge.logging import (
+    MetricWriters,
+    build_metric_writers,
+    log_validation_results,
+    validation_line,
+)
 from bridge.logging.validation import perplexity
 
 
@@ -42,6 +47,8 @@ def test_console_block_and_tags_with_perplexity(kit: Any, tmp_path: Path, capsys
     )
     printed = capsys.readouterr().out.splitlines()
     assert printed == ["-" * (len(line) + 1), line, "-" * (len(line) + 1)]
+    # The line alone (what the print-only evaluation prints), from the same losses.
+    assert validation_line("iteration 10", {"lm loss": math.log(10.0), "aux": 25.0}) == line
     tags = kit.read_tensorboard(tmp_path / "tb")
     assert tags["lm loss validation"] == [(10, pytest.approx(math.log(10.0)))]
     assert tags["lm loss validation vs samples"] == [(40, pytest.approx(math.log(10.0)))]

@@ -102,6 +102,12 @@ def test_recipes_load_and_validate() -> None:
         (["--recipe", "tiny"], "--recipe: unknown recipe 'tiny'"),
         (["trian.train_iters=5"], "Did you mean 'train'?"),
         (["dist.distributed_backend=nccl"], "nccl' requires CUDA"),
+        (
+            # No tokenizer and no model.vocab_size: mock data has no vocabulary to draw from.
+            ["tokenizer.tokenizer_type=null", "tokenizer.vocab_size=null"],
+            "tokenizer.tokenizer_type: is not set and model.vocab_size is unknown; configure a "
+            "tokenizer (e.g. tokenizer_type: ByteLevelTokenizer) or set model.vocab_size",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

@@ -8,7 +8,9 @@ import is bit-identical to the source tensors and loads in ``transformers``; a f
 step runs through ``bridge-train`` from ``checkpoint.pretrained_checkpoint``; bad inputs are
 refused with one line and exit code 2. PP=2 x TP=1 logits are checked on the megatron
 engine with megatron-core's forward-only pipeline schedule, and a save made at PP=2
-exports bit for bit like the import.
+exports bit for bit like the import. Two variants of a family's mapping (Llama with biases
+on every linear layer, GPT-2 with its own output layer) are checked at TP=1 and TP=2 and
+through export; a ``--dtype bfloat16`` export says so in config.json.
 
 One 1-rank and one 2-rank process group are forked for everything.
 """
@@ -75,13 +77,19 @@ def _close(got: torch.Tensor, want: torch.Tensor, tokens: torch.Tensor) -> bool:
 
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+# Variants of a family's mapping, checked at TP=1 and TP=2 and through export (not at PP=2):
+# Llama with biases on every linear layer (attention_bias and mlp_bias), GPT-2 with an
+# output layer of its own (tie_word_embeddings=False).
+VARIANTS = ("llama_bias", "gpt2_untied")
+CONVERTED = FAMILIES + VARIANTS
 PP2_SAVED = ("llama", "qwen2")  # saved at PP=2 after loading, then exported
 
 
 def _hf_model(family: str) -> Any:
     torch.manual_seed(1234)
     common: dict[str, Any] = {"vocab_size": VOCAB}
-    if family == "llama":
+    if family in ("llama", "llama_bias"):
+        bias = family == "llama_bias"
         config = transformers.LlamaConfig(
             hidden_size=64,
             intermediate_size=96,
@@ -91,6 +99,8 @@ def _hf_model(family: str) -> Any:
             max_position_embeddings=64,
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,
+            attention_bias=bias,
+            mlp_bias=bias,
             rope_parameters={
                 "rope_type": "llama3",
                 "rope_theta": 500000.0,
@@ -128,7 +138,14 @@ def _hf_model(family: str) -> Any:
         )
         model = transformers.MistralForCausalLM(config)
     else:
-        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=32, **common)
+        config = transformers.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=32,
+            tie_word_embeddings=family == "gpt2",
+            **common,
+        )
         model = transformers.GPT2LMHeadModel(config)
     model = model.float().eval()
     # Random-init biases are zero in transformers; make them count.
@@ -197,7 +214,7 @@ def _one_rank(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[st
 
     out: dict[str, Any] = {"logits": {}, "refusals": {}}
     base = Path(root)
-    for family in FAMILIES:
+    for family in CONVERTED:
         code, err = _capture(
             ["import", str(base / family), str(base / f"ckpt_{family}"), "--tp", "2"]
         )
@@ -207,6 +224,13 @@ def _one_rank(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[st
             ["export", str(base / f"ckpt_{family}"), str(base / f"export_{family}"), "--quiet"]
         )
         assert code == 0, err
+    # A bfloat16 export (its config.json says so, in both spellings of the dtype field).
+    out["bf16_export"] = _capture(
+        [
+            *("export", str(base / "ckpt_llama_bias"), str(base / "export_llama_bias_bf16")),
+            *("--dtype", "bfloat16", "--quiet"),
+        ]
+    )
     # Exports of checkpoints a load would not trust: a flipped byte, an unknown hash.
     for name in ("damaged_ckpt", "unknown_checksum"):
         shutil.copytree(base / "ckpt_llama", base / name)
@@ -225,6 +249,7 @@ def _one_rank(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[st
         "shape": ["import", str(base / "bad_shape"), str(base / "c3")],
         "tokenizer": ["import", str(base / "bad_tokenizer"), str(base / "c4")],
         "tp": ["import", str(base / "llama"), str(base / "c5"), "--tp", "3"],
+        "tp_kv_heads": ["import", str(base / "llama"), str(base / "c6"), "--tp", "4"],
         "existing": ["import", str(base / "llama"), str(base / "ckpt_llama")],
         "no_hf_config": [
             *("export", str(base / "ckpt_llama"), str(base / "e3")),
@@ -388,7 +413,7 @@ def _pipeline_logits(
 
 
 def _two_ranks(rank: int, world: int, root: str, tokens: torch.Tensor) -> dict[str, Any]:
-    out: dict[str, Any] = {f: _megatron_logits(f"{root}/ckpt_{f}", tokens, 2) for f in FAMILIES}
+    out: dict[str, Any] = {f: _megatron_logits(f"{root}/ckpt_{f}", tokens, 2) for f in CONVERTED}
     out["pp2"] = {
         f: _pipeline_logits(
             f"{root}/ckpt_{f}", tokens, f"{root}/pp2_{f}" if f in PP2_SAVED else None
@@ -403,13 +428,17 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf")
     tokens = torch.randint(2, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
     reference: dict[str, torch.Tensor] = {}
-    for family in FAMILIES:
+    for family in CONVERTED:
         model = _hf_model(family)
         # The llama model is saved in several shards (model.safetensors.index.json).
         shards = {"max_shard_size": "60KB"} if family == "llama" else {}
         model.save_pretrained(root / family, **shards)
         write_word_level_tokenizer(root / family, VOCAB - 20)
         reference[family] = _hf_logits(model, tokens)
+    # The dtype as transformers before 4.56 spelled it in config.json.
+    config = json.loads((root / "llama_bias" / "config.json").read_text())
+    config["torch_dtype"] = config.pop("dtype", "float32")
+    (root / "llama_bias" / "config.json").write_text(json.dumps(config, indent=2))
     # Inputs that must be refused.
     shutil.copytree(root / "llama", root / "bad_type")
     config = json.loads((root / "bad_type" / "config.json").read_text())
@@ -429,7 +458,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "tokens": tokens, "reference": reference, "one": single, "two": double}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CONVERTED)
 def test_imported_logits_match_hf_at_tp1_and_tp2(converted: dict[str, Any], family: str) -> None:
     expected = converted["reference"][family]
     tp1 = converted["one"]["logits"][family]
@@ -451,7 +480,7 @@ def test_imported_logits_match_hf_at_pp2(converted: dict[str, Any], family: str)
     assert _close(last, expected, converted["tokens"]), (last - expected).abs().max()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CONVERTED)
 def test_export_of_import_is_bit_identical_and_loads(
     converted: dict[str, Any], family: str
 ) -> None:
@@ -465,6 +494,39 @@ def test_export_of_import_is_bit_identical_and_loads(
     logits = _hf_logits(model, converted["tokens"])
     assert torch.equal(logits, converted["reference"][family])
     assert (root / f"export_{family}" / "tokenizer.json").is_file()
+    if family in VARIANTS:  # what makes the variant survives the round trip
+        config = json.loads((root / f"export_{family}" / "config.json").read_text())
+        if family == "llama_bias":
+            assert config["attention_bias"] and config["mlp_bias"]
+            for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj"):
+                bias = exported[f"model.layers.1.{name}.bias"]
+                assert bias.abs().sum() > 0 and torch.equal(
+                    bias, source[f"model.layers.1.{name}.bias"]
+                )
+        else:
+            assert config["tie_word_embeddings"] is False
+            assert not torch.equal(exported["lm_head.weight"], exported["transformer.wte.weight"])
+
+
+def test_a_bfloat16_export_says_so_in_config_json(converted: dict[str, Any]) -> None:
+    """``--dtype bfloat16`` of a float32 import: bfloat16 tensors (the source's, rounded) and
+    a config.json whose ``dtype`` (and ``torch_dtype``, the spelling the source used) say
+    ``bfloat16``; the default export copies the source's config.json as it is."""
+    root: Path = converted["root"]
+    code, err = converted["one"]["bf16_export"]
+    assert code == 0, err
+    out = root / "export_llama_bias_bf16"
+    config = json.loads((out / "config.json").read_text())
+    assert (config["dtype"], config["torch_dtype"]) == ("bfloat16", "bfloat16")
+    source, written = _tensors(root / "llama_bias"), _tensors(out)
+    assert sorted(written) == sorted(source)
+    for name, tensor in source.items():
+        assert written[name].dtype == torch.bfloat16, name
+        assert torch.equal(written[name], tensor.to(torch.bfloat16)), name
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    same = (root / "export_llama_bias" / "config.json").read_bytes()
+    assert same == (root / "llama_bias" / "config.json").read_bytes()
 
 
 def test_finetune_step_through_bridge_train_and_export(converted: dict[str, Any]) -> None:
@@ -537,6 +599,11 @@ def test_export_of_a_pp2_save_equals_the_single_process_export(
         ("shape", "shape mismatch"),
         ("tokenizer", "tokens but the model's embedding"),
         ("tp", "tensor_model_parallel_size=3"),
+        (
+            "tp_kv_heads",
+            "--tp 4 does not divide the model's 2 key/value heads (num_key_value_heads); "
+            "megatron-core needs whole query groups on every tensor-parallel rank",
+        ),
         ("existing", "already exists and is not empty"),
         ("damaged_ckpt", "does not match its saved checksum"),
         ("unknown_checksum", "names checksum algorithm 'blake3', which this version cannot"),
@@ -562,8 +629,10 @@ def test_plain_bridge_train_does_not_import_conversion_and_exit_code() -> None:
         "loaded = [m for m in sys.modules if m.startswith('bridge.train.convert') "
         "or m in ('safetensors', 'transformers')]\n"
         "assert not loaded, loaded\n"
-        "from bridge.train.convert.cli import main\n"
-        "sys.exit(main(['import', '/nonexistent-hf-dir', '/tmp/unused-ckpt']))\n"
+        # Run as `python -m bridge.train.convert import ...` (the module entry point).
+        "import runpy\n"
+        "sys.argv = ['bridge-convert', 'import', '/nonexistent-hf-dir', '/tmp/unused-ckpt']\n"
+        "runpy.run_module('bridge.train.convert', run_name='__main__', alter_sys=True)\n"
     )
     # Let the child cache bytecode (as nox does): recompiling torch costs most of its start.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}

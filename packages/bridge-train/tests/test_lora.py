@@ -408,3 +408,73 @@ def test_lora_expert_adapters_start_equal_at_every_expert_parallel_size() -> Non
     both = {**two[0], **two[1]}
     assert set(both) == set(one) and len(one) == 2 * 2 * MOE["num_moe_experts"]
     assert not [key for key in one if not torch.equal(one[key], both[key])]
+
+
+def _adapter_options(rank: int, world: int) -> dict[str, Any]:
+    """A ``kaiming`` / ``post`` LoRA model's adapters at creation, and one adapted layer's
+    output in eval and train mode next to the hand computation of ``W x + s * drop(B A x)``
+    (and of ``pre``'s ``W x + s * B A drop(x)``) under the same random seed."""
+    from bridge.train.engine.initialize import destroy_distributed
+
+    provider = tiny_gpt_provider()
+    engine = MegatronEngine()
+    engine.initialize_distributed(provider, tiny_dist_config(), tiny_rng_config())
+    lora = LoRA(
+        target_modules=["linear_fc1", "linear_fc2"],
+        dim=32,
+        alpha=8.0,
+        dropout=0.5,
+        dropout_position="post",
+        lora_A_init_method="kaiming",
+    )
+    model: Any = engine.setup_model(
+        provider, wrap_with_ddp=False, pre_wrap_hooks=[lambda c: apply_peft(lora, c)]
+    )[0]
+    out: dict[str, Any] = {"A": {}, "B": {}}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRAAdapter):
+            out["A"][name] = module.linear_in.weight.detach().clone()
+            out["B"][name] = module.linear_out.weight.detach().clone()
+    layer = model.decoder.layers[0].mlp.linear_fc2  # row-parallel, [32, 128], no bias added
+    adapter = layer.adapter
+    with torch.no_grad():
+        adapter.linear_out.weight.normal_(generator=torch.Generator().manual_seed(3))
+    a, b, scale = adapter.linear_in.weight.detach(), adapter.linear_out.weight.detach(), 8 / 32
+    x = torch.randn(5, 2, 128, generator=torch.Generator().manual_seed(4))
+    base = torch.nn.functional.linear(x, layer.weight.detach())
+    branch = x @ a.T @ b.T
+    drop = torch.nn.functional.dropout
+    with torch.no_grad():
+        model.eval()
+        out["eval"] = (layer(x)[0], base + scale * branch)
+        model.train()
+        torch.manual_seed(5)
+        got = layer(x)[0]
+        torch.manual_seed(5)
+        post = base + scale * drop(branch, 0.5, training=True)
+        torch.manual_seed(5)
+        pre = base + scale * (drop(x, 0.5, training=True) @ a.T @ b.T)
+        out["train"] = (got, post, pre)
+    destroy_distributed()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_lora_kaiming_init_and_post_dropout_follow_the_fields() -> None:
+    """``lora_A_init_method="kaiming"`` draws A as torch's Linear does (uniform within
+    ``1/sqrt(in)``), B starts at zero; ``dropout_position="post"`` drops the branch's
+    output in training (not its input) and nothing in eval mode."""
+    (out,) = run_distributed(_adapter_options, 1, timeout=240)
+    assert len(out["A"]) == 4  # 2 layers x (fc1, fc2)
+    for name, a in out["A"].items():
+        bound = 1 / a.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+        assert float(a.abs().max()) <= bound, name
+        # Uniform: std bound/sqrt(3) (xavier_normal_ would give sqrt(2/(in+dim)), 1.3x or more)
+        assert abs(float(a.std()) / (bound / 3**0.5) - 1) < 0.1, name
+        assert not out["B"][name].any(), name
+    got, want = out["eval"]
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    got, post, pre = out["train"]
+    assert torch.allclose(got, post, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, pre, atol=1e-3, rtol=0)

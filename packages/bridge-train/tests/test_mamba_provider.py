@@ -166,3 +166,43 @@ def test_hybrid_model_with_rope_takes_a_finite_step_without_cuda() -> None:
         _rope_step, 1, _tiny(position_embedding_type="rope"), timeout=200
     )
     assert torch.isfinite(torch.tensor(loss)) and grads
+
+
+def _megatron_seeded(rank: int, world: int, tp: int) -> dict[str, Any]:
+    """The hybrid model built by the engine at TP=``tp`` with megatron's own seeding
+    (``rng.layout_independent_init=false``): the first mixer's per-head tensors on this rank
+    and the per-token losses of one batch."""
+    from bridge.train.engine import MegatronEngine
+    from bridge.train.engine.initialize import destroy_distributed
+    from bridge.train.testing import tiny_dist_config, tiny_rng_config
+
+    provider = _tiny(tensor_model_parallel_size=tp)
+    engine = MegatronEngine()
+    engine.initialize_distributed(
+        provider, tiny_dist_config(), tiny_rng_config(layout_independent_init=False)
+    )
+    try:
+        model: Any = engine.setup_model(provider, wrap_with_ddp=False)[0]
+        mixer = model.decoder.layers[0].mixer
+        heads = {n: getattr(mixer, n).detach().clone() for n in ("A_log", "D", "dt_bias")}
+        tokens = torch.arange(32).reshape(2, 16) % 100
+        with torch.no_grad():
+            losses = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens)
+        return {"heads": heads, "losses": losses.clone()}
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_portable_mixer_draws_the_same_model_at_tp2_without_layout_independent_init() -> None:
+    """docs/providers.md: the mixer draws full tensors and keeps this rank's part, so TP=2
+    starts from TP=1's model also with megatron's per-rank seeding."""
+    (one,) = run_distributed(_megatron_seeded, 1, 1, timeout=200)
+    two = run_distributed(_megatron_seeded, 2, 2, timeout=200)
+    for name, full in one["heads"].items():
+        parts = [rank["heads"][name] for rank in two]
+        assert parts[0].numel() == full.numel() // 2, name  # split over the heads
+        assert torch.equal(torch.cat(parts), full), name
+    for rank in two:
+        assert torch.allclose(rank["losses"], one["losses"], atol=1e-5, rtol=0)

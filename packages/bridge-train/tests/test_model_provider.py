@@ -20,7 +20,7 @@ from bridge.train.models import (
     layer_specs,
     resolve_layer_spec_backend,
 )
-from bridge.train.models.architecture import same_setting
+from bridge.train.models.architecture import same_setting, show_setting
 from bridge.train.models.gemma3_provider import Gemma3ModelProvider
 from bridge.train.models.gpt_oss_provider import GptOssModelProvider
 from bridge.train.models.mla_provider import MLAModelProvider
@@ -235,6 +235,16 @@ def test_same_setting_compares_what_the_values_mean() -> None:
     assert same_setting(0.1 * 3, 0.3) and not same_setting(0.3, 0.31)
     assert same_setting([1, (2.0, 3)], (1, [2, 3])) and not same_setting([1], [1, 2])
     assert not same_setting(torch.ones(2), torch.ones(2))  # no boolean equality: not the same
+
+
+def test_show_setting_names_functions_and_classes() -> None:
+    # The resume check's and the HF families' messages name values through it.
+    assert show_setting(torch.nn.functional.silu) == "silu"
+    assert show_setting(torch.nn.LayerNorm) == "LayerNorm"
+    assert show_setting(0.5) == "0.5" and show_setting("RMSNorm") == "'RMSNorm'"
+    assert show_setting(None) == "None"
+    normal = functools.partial(torch.nn.init.normal_, std=0.02)  # no name of its own: repr
+    assert show_setting(normal) == repr(normal)
 
 
 def test_gpt_oss_refuses_expert_tensor_parallelism_with_biased_experts() -> None:

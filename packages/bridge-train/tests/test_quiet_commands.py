@@ -32,7 +32,7 @@ def test_convert_help_imports_neither_torch_nor_megatron() -> None:
     # Importing the command's package imported the converter (torch, megatron-core): 7 s.
     proc = _python(
         """
-        import contextlib, io, json, sys
+        import contextlib, io, json, runpy, sys
         from bridge.train.convert.cli import main
         with contextlib.redirect_stdout(io.StringIO()) as out:
             try:
@@ -40,11 +40,19 @@ def test_convert_help_imports_neither_torch_nor_megatron() -> None:
             except SystemExit as exc:
                 code = exc.code
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron"))
-        print(json.dumps([code, "import" in out.getvalue(), heavy[:3]]))
+        # `python -m bridge.train.convert --help`: the same command, the same help.
+        sys.argv = ["python -m bridge.train.convert", "--help"]
+        with contextlib.redirect_stdout(io.StringIO()) as via_m:
+            try:
+                runpy.run_module("bridge.train.convert", run_name="__main__", alter_sys=True)
+            except SystemExit as exc:
+                m_code = exc.code
+        same = via_m.getvalue() == out.getvalue()
+        print(json.dumps([code, "import" in out.getvalue(), heavy[:3], m_code, same]))
         """
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == [0, True, []]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [0, True, [], 0, True]
 
 
 @pytest.mark.timeout(300)

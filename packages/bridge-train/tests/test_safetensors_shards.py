@@ -1,4 +1,5 @@
-"""The safetensors shards an export writes: readable by safetensors, with the usual file mode."""
+"""The safetensors shards an export writes: readable by safetensors, with the usual file
+mode; a damaged shard index is refused with one line naming it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bridge.train.convert import ConversionError
 from bridge.train.convert.safetensors_io import (
     INDEX_FILENAME,
     SINGLE_FILENAME,
+    SafetensorsReader,
     StreamingSafetensorsWriter,
 )
 
@@ -77,3 +80,32 @@ def test_a_streamed_file_is_the_bytes_safetensors_writes(tmp_path: Path) -> None
     order = json.loads(expected[8 : 8 + struct.unpack("<Q", expected[:8])[0]])
     (written,) = _stream(tmp_path, {name: tensors[name] for name in order if name in tensors})
     assert written.read_bytes() == expected
+
+
+@pytest.mark.parametrize(
+    ("index", "needle"),
+    [
+        ("{not json", "is not a safetensors index: Expecting property name"),
+        ('{"metadata": {}}', "is not a safetensors index: 'weight_map'"),
+        ('["model-00001-of-00002.safetensors"]', "is not a safetensors index: "),
+        ('{"weight_map": ["lm_head.weight"]}', "index: weight_map is list, not a mapping of"),
+        ('{"weight_map": null}', "index: weight_map is NoneType, not a mapping of"),
+        (
+            '{"weight_map": {"lm_head.weight": "model-00009-of-00009.safetensors"}}',
+            "model-00009-of-00009.safetensors is missing: model.safetensors.index.json lists "
+            "it as a shard; download the complete checkpoint",
+        ),
+    ],
+)
+def test_a_damaged_shard_index_is_refused_naming_the_file(
+    tmp_path: Path, index: str, needle: str
+) -> None:
+    """Bad JSON, no ``weight_map`` (or one that is no mapping), or a shard the index names
+    that is not there: one line naming the file, before any tensor is read."""
+    _stream(tmp_path, _tensors(), max_shard_bytes=64)  # a real sharded directory
+    (tmp_path / INDEX_FILENAME).write_text(index)
+    with pytest.raises(ConversionError) as caught:
+        SafetensorsReader(tmp_path).names()
+    message = str(caught.value)
+    assert "\n" not in message and needle in message, message
+    assert str(tmp_path) in message and INDEX_FILENAME in message, message

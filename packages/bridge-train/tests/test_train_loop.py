@@ -129,6 +129,37 @@ def test_progress_log_start_time_follows_world_size(tmp_path: Path) -> None:
         del os.environ["WORLD_SIZE"]
 
 
+def test_progress_log_parser_skips_malformed_lines(tmp_path: Path) -> None:
+    """Lines the trainer did not write whole (a launch killed mid-write, a hand edit) are
+    passed over: the answer is that of the well-formed lines alone."""
+    good = [
+        "2026-01-01 10:00:00\tJob ID: \t# GPUs: 1\tStarting job",
+        "2026-01-01 10:05:00\tJob ID: \t# GPUs: 1\tSaved checkpoint\tIteration: 10\t"
+        "Job throughput: 1 TFLOP/s/GPU\tCumulative throughput: 1 TFLOP/s/GPU\t"
+        "Floating-point operations: 1.000000e+12\tTokens (in billions): 0.1",
+        "2026-01-01 11:00:00\tJob ID: \t# GPUs: 2\tStarting job",
+        "2026-01-01 12:00:00\tJob ID: \t# GPUs: 1\tStarting job",
+    ]
+    malformed = [
+        "",
+        "my notes about this run",
+        "2026-01-01 11:30:00\tJob ID: \t# GPUs: two\tStarting job",  # world size not a number
+        "2026-01-01 11:31:00\tJob ID: \t# GPUs: 2",  # cut before the kind
+        "2026-01-01 11:32:00\tJob ID: \tGPUs 2\tStarting job",  # no '# GPUs:' field
+        "2026-01-01 11:3",  # cut in the time
+        "2026-01-01 11:4\tJob ID: \t# GPUs: 1\tStarting job",  # time cut, rest intact
+        "2026-01-01 11:45:00\tJob ID: \t# GPUs: 1\tSaved checkpoint\tIteration: 15\t"
+        "Floating-point operations: 2.0e+",  # cut in the FLOPs
+    ]
+    cfg = tiny_config_container(checkpoint=CheckpointConfig(save=str(tmp_path)))
+    (tmp_path / "progress.txt").write_text("\n".join(good) + "\n")
+    expected = get_start_time_from_progress_log(cfg)
+    assert str(expected[0]) == "2026-01-01 12:00:00" and expected[1] == 1e12
+    mixed = [good[0], *malformed[:4], good[1], good[2], *malformed[4:], good[3], malformed[5]]
+    (tmp_path / "progress.txt").write_text("\n".join(mixed))  # no final newline either
+    assert get_start_time_from_progress_log(cfg) == expected
+
+
 # --------------------------------------------------------------------------- one rank
 
 _CAPTURED: dict[str, Any] = {}

@@ -13,7 +13,7 @@ from bridge.config._data import (
     parse_split,
 )
 from bridge.config._ddp import DistributedDataParallelConfig
-from bridge.config._diff import ConfigDiff, diff_from_defaults, format_diff
+from bridge.config._diff import ConfigDiff, diff_from_defaults, flatten_config, format_diff
 from bridge.config._errors import ConfigError
 from bridge.config._fields import FieldInfo, describe_fields
 from bridge.config._logger import LoggerConfig, ProfilingConfig
@@ -81,6 +81,7 @@ __all__ = [
     "data_parallel_size",
     "describe_fields",
     "diff_from_defaults",
+    "flatten_config",
     "format_diff",
     "load_config",
     "parse_overrides",

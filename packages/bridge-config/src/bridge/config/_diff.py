@@ -1,9 +1,10 @@
-"""What a config changes relative to the declared defaults, for printing by a CLI."""
+"""What a config changes relative to the declared defaults, and its plain data by dotted
+path, for printing by a CLI and logging as a run's parameters."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -82,6 +83,29 @@ def diff_from_defaults(config: DataclassInstance) -> list[ConfigDiff]:
     out: list[ConfigDiff] = []
     _diff_object(config, "", out)
     return out
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings flattened to dotted keys (``{"train": {"lr": 1}}`` -> ``train.lr``).
+
+    Only mappings are descended into: lists, ``None`` and other values are kept as they
+    are, and an empty mapping contributes no key.
+
+    Args:
+        config: Plain config data, e.g. ``yaml.safe_load(cfg.to_yaml_text())``.
+        prefix: Dotted path of ``config`` itself (``""`` for the root).
+
+    Returns:
+        Dotted path -> value, in the mappings' order.
+    """
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = join(prefix, str(key))
+        if isinstance(value, Mapping):
+            flat.update(flatten_config(value, name))
+        else:
+            flat[name] = value
+    return flat
 
 
 def _inline(value: Any) -> str:

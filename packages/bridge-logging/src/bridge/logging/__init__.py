@@ -40,7 +40,7 @@ from bridge.logging.training_log import (
     tokens_per_sample,
     training_log,
 )
-from bridge.logging.validation import log_validation_results
+from bridge.logging.validation import log_validation_results, validation_line
 
 __all__ = [
     "MEMORY_KEYS",
@@ -76,4 +76,5 @@ __all__ = [
     "start_memory_history_recording",
     "tokens_per_sample",
     "training_log",
+    "validation_line",
 ]

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from bridge.config import flatten_config
 from bridge.logging._notices import notice_once
 
 # backend kind -> (module to import, extra that installs it)
@@ -128,18 +129,6 @@ def mlflow_metric_name(tag: str) -> str:
     ``throughput/tflops/device`` (a file inside it) cannot both exist.
     """
     return _MLFLOW_BAD_CHARS.sub("_", tag) or "_"
-
-
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings flattened to dotted keys (``{"train": {"lr": 1}}`` -> ``train.lr``)."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            flat.update(flatten_config(value, name))
-        else:
-            flat[name] = value
-    return flat
 
 
 def check_table(

@@ -20,6 +20,26 @@ def perplexity(loss: float) -> float:
     return math.exp(min(PPL_CAP, loss))
 
 
+def validation_line(prefix: str, losses: Mapping[str, float], split: str = "validation") -> str:
+    """The console line of an evaluation's results, without the frame
+    :func:`log_validation_results` prints around it::
+
+        validation loss at <prefix> | lm loss value: 2.302585E+00 | lm loss PPL: 1.000000E+01 |
+
+    Args:
+        prefix: Where the evaluation happened, e.g. ``"iteration 100"``.
+        losses: Loss name -> value averaged over the evaluation.
+        split: Name of the evaluated split.
+
+    Returns:
+        The line (with its leading space and trailing ``| ``, as Megatron prints it).
+    """
+    line = f" {split} loss at {prefix} | "
+    for key, value in losses.items():
+        line += f"{key} value: {value:.6E} | {key} PPL: {perplexity(value):.6E} | "
+    return line
+
+
 def log_validation_results(
     prefix: str,
     loss_dict: Mapping[str, Any],
@@ -60,9 +80,7 @@ def log_validation_results(
     if not split or not split.strip():
         raise ValueError(f"split must be a non-empty name such as 'validation', got {split!r}")
     losses = {key: loss_value(key, value) for key, value in loss_dict.items()}
-    line = f" {split} loss at {prefix} | "
-    for key, value in losses.items():
-        line += f"{key} value: {value:.6E} | {key} PPL: {perplexity(value):.6E} | "
+    line = validation_line(prefix, losses, split)
     rule = "-" * (len(line) + 1)
     print_rank_last(f"{rule}\n{line}\n{rule}")
 

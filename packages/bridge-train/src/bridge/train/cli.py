@@ -56,6 +56,7 @@ from bridge.config import (
     ModelConfigProtocol,
     TrainingConfig,
     describe_fields,
+    flatten_config,
     load_config,
     parse_overrides,
 )
@@ -312,16 +313,6 @@ def _hang_timeouts(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return WatchdogTimeouts(step=args.hang_timeout, **phases)
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    if isinstance(data, dict):
-        for key, value in data.items():
-            flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    else:
-        flat[prefix] = data
-    return flat
-
-
 def _overrides_of(
     before: dict[str, Any], after: dict[str, Any], run_diffs: Sequence[ConfigDiff]
 ) -> list[str]:
@@ -561,8 +552,8 @@ def _run(argv: Sequence[str] | None, launch_scope: contextlib.ExitStack) -> int:
         with contextlib.suppress(ConfigError):  # a recipe that needs its overrides to validate
             recipe_cfg.validate(launch.world_size)
         overrides = _overrides_of(
-            _flatten(yaml.safe_load(recipe_cfg.format_yaml())),
-            _flatten(yaml.safe_load(cfg.format_yaml())),
+            flatten_config(yaml.safe_load(recipe_cfg.format_yaml())),
+            flatten_config(yaml.safe_load(cfg.format_yaml())),
             cfg.diff_from_defaults(),
         )
     if args.dry_run:

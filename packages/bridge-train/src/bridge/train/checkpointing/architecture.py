@@ -23,6 +23,7 @@ from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
 from bridge.train.models.architecture import (
     ARCHITECTURE_FIELDS as MODEL_ARCHITECTURE_FIELDS,
     same_setting,
+    show_setting,
 )
 
 __all__ = [
@@ -41,11 +42,6 @@ logger = logging.getLogger(__name__)
 #: longer context on rotary embeddings is a legitimate resume; learned positions differ in
 #: shape anyway).
 ARCHITECTURE_FIELDS: tuple[str, ...] = (*MODEL_ARCHITECTURE_FIELDS, "make_vocab_size_divisible_by")
-
-
-def _show(value: Any) -> str:
-    name = getattr(value, "__qualname__", None)
-    return name if callable(value) and name else repr(value)
 
 
 def saved_run_config(checkpoint_dir: str | os.PathLike[str]) -> ConfigContainer | None:
@@ -78,7 +74,7 @@ def differences(saved: dict[str, Any], current: dict[str, Any], label: str) -> l
     comparison of saved and current settings, here and in :mod:`bridge.train.checks.resume`.
     """
     return [
-        f"{key} ({label} {_show(saved.get(key))}, this run {_show(current.get(key))})"
+        f"{key} ({label} {show_setting(saved.get(key))}, this run {show_setting(current.get(key))})"
         for key in dict.fromkeys([*saved, *current])
         if not same_setting(saved.get(key), current.get(key))
     ]

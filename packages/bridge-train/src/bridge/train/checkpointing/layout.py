@@ -23,10 +23,12 @@ fallback) is wanted several times in one launch: by the launch checks (``bridge-
 and ``pretrain``'s own), by the run-plan notices and by the load. Inside
 :func:`one_lookup_per_launch` (``bridge-train``, ``pretrain`` and ``pretrain_mimo`` run in
 it) each directory is looked up once and the answer, or the error, handed to every later
-asker; the tracker fallback's error line is logged once. An answer is dropped when the
-directory changes under it: a commit (this process's :func:`write_tracker`, or any
-process's: the tracker is replaced by a rename, which changes the tracker's inode and the
-directory's modification time, both compared on every reuse) is never hidden.
+asker; the tracker fallback's error line is logged once (other lookups about a checkpoint
+directory, such as the resume checks' read of its ``run_config.yaml``, are kept the same
+way through :func:`once_per_launch`). An answer is dropped when the directory changes
+under it: a commit (this process's :func:`write_tracker`, or any process's: the tracker is
+replaced by a rename, which changes the tracker's inode and the directory's modification
+time, both compared on every reuse) is never hidden.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "is_complete_checkpoint",
     "locate_checkpoint",
     "older_complete",
+    "once_per_launch",
     "one_lookup_per_launch",
     "read_marker",
     "read_tracker",
@@ -227,10 +230,25 @@ def _named_markers(base: Path, value: Any) -> tuple[tuple[int, int, int] | None,
     return ()
 
 
-def _once_per_launch[T](
+def once_per_launch[T](
     what: str, root: str | os.PathLike[str], step: int | None, look: Callable[[], T]
 ) -> T:
-    """``look()``, or inside a launch its answer (or error) for this directory unchanged."""
+    """``look()``, or inside :func:`one_lookup_per_launch` its answer (or error) for this
+    directory unchanged.
+
+    The answer is kept per ``(what, root, step)`` and looked up again when ``root``, its
+    tracker or a marker the answer names changed (see the module docstring); a
+    :class:`CheckpointError` is kept and raised again like an answer.
+
+    Args:
+        what: What is looked up (one name per kind of lookup, e.g. ``"latest"``).
+        root: The directory the answer is about.
+        step: The iteration asked for, or None.
+        look: The lookup itself.
+
+    Returns:
+        ``look()``'s answer, or the one this launch already had.
+    """
     if _LAUNCH_LOOKUPS is None:
         return look()
     base = Path(root)
@@ -254,7 +272,7 @@ def _once_per_launch[T](
 
 def complete_iterations(root: str | os.PathLike[str]) -> list[int]:
     """Iterations of the complete checkpoint directories under ``root``, ascending."""
-    return list(_once_per_launch("complete", root, None, lambda: _complete_iterations(root)))
+    return list(once_per_launch("complete", root, None, lambda: _complete_iterations(root)))
 
 
 def _complete_iterations(root: str | os.PathLike[str]) -> tuple[int, ...]:
@@ -321,7 +339,7 @@ def find_latest_checkpoint(
     """
     if root is None:
         return None
-    return _once_per_launch("latest", root, step, lambda: _find_latest(Path(root), step))
+    return once_per_launch("latest", root, step, lambda: _find_latest(Path(root), step))
 
 
 def _find_latest(base: Path, step: int | None) -> CheckpointLocation | None:

@@ -105,6 +105,7 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
     "tokenizer": (
         Rule(rules.tokenizer_can_be_built, GPT),
         Rule(rules.hf_tokenizer_files_exist, GPT),
+        Rule(rules.vocabulary_is_known, GPT),
         _unused_by_mimo("tokenizer"),
     ),
     "dataset": (

@@ -48,7 +48,7 @@ from bridge.train.checkpointing.architecture import (
     differences,
     read_run_config,
 )
-from bridge.train.checkpointing.layout import _once_per_launch
+from bridge.train.checkpointing.layout import once_per_launch
 from bridge.train.checkpointing.load import PlannedLoad, planned_load
 
 __all__ = [
@@ -106,7 +106,7 @@ def _planned_resume(checkpoint: CheckpointConfig | None) -> PlannedLoad | None:
 
 def _saved_run_config(path: str) -> ConfigContainer | None:
     # The launch check and --dry-run's notices compare the same file: read once per launch.
-    return _once_per_launch("run_config", path, None, lambda: read_run_config(path))
+    return once_per_launch("run_config", path, None, lambda: read_run_config(path))
 
 
 def _section_values(section: Any) -> dict[str, Any]:

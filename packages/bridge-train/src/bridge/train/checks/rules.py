@@ -73,6 +73,7 @@ __all__ = [
     "sharp_and_stream_priority_need_nccl",
     "tokenizer_can_be_built",
     "validation_is_one_dataset",
+    "vocabulary_is_known",
 ]
 
 Dataset = GPTDatasetConfig | FinetuningDatasetConfig | None
@@ -281,6 +282,19 @@ def tokenizer_can_be_built(tokenizer: Tokenizer) -> None:
                 f"tokenizer.{name}",
                 f"{str(path)!r} does not exist or is not a file; point it to the {kind} file",
             )
+
+
+def vocabulary_is_known(tokenizer: Tokenizer, model: ModelConfigProtocol | None) -> None:
+    """Without a ``tokenizer.tokenizer_type`` the token ids come from ``model.vocab_size``
+    (a null tokenizer for mock data), which must then be known."""
+    if (tokenizer is None or tokenizer.tokenizer_type is None) and getattr(
+        model, "vocab_size", None
+    ) is None:
+        raise ConfigError(
+            "tokenizer.tokenizer_type",
+            "is not set and model.vocab_size is unknown; configure a tokenizer (e.g. "
+            "tokenizer_type: ByteLevelTokenizer) or set model.vocab_size for mock data",
+        )
 
 
 def hf_tokenizer_files_exist(tokenizer: Tokenizer) -> None:

@@ -58,6 +58,11 @@ class SafetensorsReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError(
+                        f"weight_map is {type(weight_map).__name__}, not a mapping of tensor "
+                        "names to shard files"
+                    )
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ConversionError(f"{index} is not a safetensors index: {exc}") from None
             file_of = {str(k): str(v) for k, v in weight_map.items()}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from bridge.config import TrainingConfig
-from bridge.logging import LoggingState, log_validation_results
+from bridge.logging import LoggingState, log_validation_results, validation_line
 from bridge.resiliency import FaultTolerance
 from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable_forward_pre_hook
 from bridge.train.loop.losses import reduce_loss_dicts
@@ -153,11 +152,7 @@ class Evaluation:
                 prefix, losses, iteration, self.state, split=split, log_ppl=self.log_ppl
             )
         elif global_rank() == global_world_size() - 1:
-            line = f" {split} loss at {prefix} | " + "".join(
-                f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | "
-                for k, v in losses.items()
-            )
-            print(line, flush=True)
+            print(validation_line(prefix, losses, split), flush=True)
         writer = self.state.metric_writers.tensorboard
         process = self.process_non_loss_data_func
         if process is not None and collected is not None and writer is not None:

@@ -28,7 +28,6 @@ from megatron.core.utils import get_model_config
 from bridge.config import (
     CheckpointConfig,
     ConfigContainer,
-    ConfigError,
     ModelConfigProtocol,
     TokenizerConfig,
     TokenizerConfigProtocol,
@@ -46,6 +45,7 @@ from bridge.resiliency import RunResiliency, WatchdogTimeouts
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.checks.resume import IDENTITY_SECTIONS, run_plan_notices
+from bridge.train.checks.rules import vocabulary_is_known
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
@@ -130,14 +130,9 @@ def _build_tokenizer(
 ) -> Tokenizer:
     if tokenizer_cfg is not None and tokenizer_cfg.tokenizer_type is not None:
         return build_tokenizer(tokenizer_cfg)
-    vocab_size = getattr(model, "vocab_size", None)
-    if vocab_size is None:
-        raise ConfigError(
-            "tokenizer.tokenizer_type",
-            "is not set and model.vocab_size is unknown; configure a tokenizer (e.g. "
-            "tokenizer_type: ByteLevelTokenizer) or set model.vocab_size for mock data",
-        )
-    return NullTokenizer(int(vocab_size))
+    # The preflight refused an unknown vocabulary before launch; setup() may be called alone.
+    vocabulary_is_known(tokenizer_cfg, model)
+    return NullTokenizer(int(getattr(model, "vocab_size", 0)))
 
 
 def _progress(message: str) -> None:

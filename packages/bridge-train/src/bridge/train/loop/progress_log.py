@@ -51,12 +51,14 @@ SAVING_ASYNC_CHECKPOINT = "Saving async checkpoint"
 _TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
-def _fields(line: str) -> tuple[str, int, str, dict[str, str]] | None:
-    """``(time, world size, kind, {name: value})`` of a progress line, or None if malformed."""
+def _fields(line: str) -> tuple[datetime, int, str, dict[str, str]] | None:
+    """``(time, world size, kind, {name: value})`` of a progress line, or None if malformed
+    (a line cut by a launch killed mid-write: its time or a number unreadable)."""
     parts = line.rstrip("\n").split("\t")
     if len(parts) < 4 or not parts[2].startswith("# GPUs:"):
         return None
     try:
+        stamp = datetime.strptime(parts[0], _TIME_FORMAT)
         world = int(parts[2].split(":", 1)[1])
     except ValueError:
         return None
@@ -65,7 +67,7 @@ def _fields(line: str) -> tuple[str, int, str, dict[str, str]] | None:
         if ":" in part:
             name, value = part.split(":", 1)
             values[name.strip()] = value.strip()
-    return parts[0], world, parts[3], values
+    return stamp, world, parts[3], values
 
 
 def get_start_time_from_progress_log(cfg: ConfigContainer) -> tuple[datetime, float]:
@@ -98,7 +100,7 @@ def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
     """:func:`get_start_time_from_progress_log` of the run saving to ``save``."""
     path = Path(save) / PROGRESS_FILE
     world = global_world_size(launcher_fallback=True)
-    start_time: str | None = None
+    start_time: datetime | None = None
     start_flops: float | None = None
     latest_flops = 0.0
     with path.open(encoding="utf-8") as handle:
@@ -110,7 +112,10 @@ def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
             if kind in (SAVED_CHECKPOINT, SAVING_ASYNC_CHECKPOINT):
                 raw = values.get("Floating-point operations")
                 if raw is not None:
-                    latest_flops = float(raw)
+                    try:
+                        latest_flops = float(raw)
+                    except ValueError:  # cut mid-write: the line is malformed
+                        continue
             if line_world != world:
                 start_time, start_flops = None, None
                 continue
@@ -121,7 +126,7 @@ def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
             f"{path} has no 'Starting job' line for world size {world}; the trainer writes "
             "one at the start of every launch with logger.log_progress"
         )
-    return datetime.strptime(start_time, _TIME_FORMAT), start_flops
+    return start_time, start_flops
 
 
 def _tflops_per_device(flops: float, seconds: float, world: int) -> float:

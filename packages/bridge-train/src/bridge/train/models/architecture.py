@@ -1,4 +1,5 @@
-"""Which model-config fields decide what a model computes, and when two values agree.
+"""Which model-config fields decide what a model computes, when two values agree, and how
+a value is named in a message.
 
 Shared by the resume check (:mod:`bridge.train.checkpointing.architecture`: a resumed
 model must be the saved one) and the Hugging Face families
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any
 
-__all__ = ["ARCHITECTURE_FIELDS", "same_setting"]
+__all__ = ["ARCHITECTURE_FIELDS", "same_setting", "show_setting"]
 
 ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -109,3 +110,10 @@ def same_setting(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # tensors and other objects without a boolean equality
         return a is b
+
+
+def show_setting(value: Any) -> str:
+    """A provider field value as a message names it: a function or class by its qualified
+    name (``silu``, ``LayerNorm``), anything else by its ``repr``."""
+    name = getattr(value, "__qualname__", None)
+    return name if callable(value) and name else repr(value)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting
+from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting, show_setting
 from bridge.train.models.families.config_fields import read_hf_config
 from bridge.train.models.families.errors import ConversionError
 from bridge.train.models.families.mapping import ParamMapping
@@ -380,12 +380,6 @@ def architecture_mismatches(provider: Any, reference: Any) -> dict[str, tuple[An
     return found
 
 
-def _show(value: Any) -> str:
-    if callable(value) and not isinstance(value, type):
-        return getattr(value, "__name__", None) or repr(value)
-    return repr(value)
-
-
 def match_family(provider: Any) -> tuple[HFFamily, dict[str, Any]]:
     """The first family whose ``config.json`` for ``provider`` reads back to the same
     architecture, with that config.
@@ -424,7 +418,7 @@ def match_family(provider: Any) -> tuple[HFFamily, dict[str, Any]]:
     common = set.intersection(*(set(found) for found in differences.values())) - {"class"}
     if common:
         fields = ", ".join(
-            f"{name}={_show(getattr(provider, name, None))}" for name in sorted(common)
+            f"{name}={show_setting(getattr(provider, name, None))}" for name in sorted(common)
         )
         raise ConversionError(
             f"no Hugging Face family has this model's {fields}; give a config.json with "
@@ -432,7 +426,7 @@ def match_family(provider: Any) -> tuple[HFFamily, dict[str, Any]]:
         )
     name, closest = min(differences.items(), key=lambda item: len(item[1]))
     listed = ", ".join(
-        f"{field}={_show(mine)} ({name}: {_show(theirs)})"
+        f"{field}={show_setting(mine)} ({name}: {show_setting(theirs)})"
         for field, (mine, theirs) in sorted(closest.items())
     )
     raise ConversionError(
