@@ -180,6 +180,22 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def _all_values(path: Path) -> list[ast.expr]:
+    """The values assigned to ``__all__`` at the top level of ``path`` (``__all__ = ...`` or
+    ``__all__: list[str] = ...``)."""
+    values: list[ast.expr] = []
+    for node in _parse(path).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            values.append(value)
+    return values
+
+
 def test_no_all_lists_a_private_name() -> None:
     """``__all__`` is the public API: a ``_``-name in it is a contradiction.
 
@@ -188,16 +204,30 @@ def test_no_all_lists_a_private_name() -> None:
     offenders = []
     for dist in sorted(ALLOWED_SIBLINGS):
         for path in sorted((PACKAGES / dist / "src").rglob("*.py")):
-            for node in _parse(path).body:
-                if not (
-                    isinstance(node, ast.Assign)
-                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-                ):
-                    continue
-                for name in _all_names(path, node.value):
+            for value in _all_values(path):
+                for name in _all_names(path, value):
                     if name.startswith("_"):
                         offenders.append(f"{path.relative_to(ROOT)}: __all__ lists {name}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_every_public_module_defines_all() -> None:
+    """Each public module states its public API in ``__all__`` (docs/architecture.md,
+    "Public API"): every module under ``packages/*/src`` whose name and folders do not start
+    with ``_``, and every package ``__init__.py``. ``__main__.py`` files are entry points
+    (``python -m``), not APIs, and need none."""
+    offenders = []
+    for dist in sorted(ALLOWED_SIBLINGS):
+        src = PACKAGES / dist / "src"
+        for path in sorted(src.rglob("*.py")):
+            parts = path.relative_to(src).parts
+            if path.name == "__main__.py" or any(
+                _is_private(part.removesuffix(".py")) for part in parts
+            ):
+                continue
+            if not _all_values(path):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, "modules without __all__:\n" + "\n".join(offenders)
 
 
 @pytest.mark.parametrize("dist", sorted(ALLOWED_SIBLINGS))

@@ -301,10 +301,40 @@ def test_factory_defaults() -> None:
 
 
 def test_local_rank_comes_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's ``LOCAL_RANK``, else (a task srun started, before bridge-train exports
+    ``LOCAL_RANK``) ``SLURM_LOCALID``, else 0."""
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert bc.DistributedInitConfig().local_rank == 3
+    monkeypatch.setenv("SLURM_LOCALID", "1")  # srun starting torchrun: torchrun's rank
+    assert bc.DistributedInitConfig().local_rank == 3
     monkeypatch.delenv("LOCAL_RANK")
+    assert bc.DistributedInitConfig().local_rank == 1
+    monkeypatch.setenv("SLURM_LOCALID", "first")
+    with pytest.raises(
+        bc.ConfigError, match=r"SLURM_LOCALID environment variable must be an integer"
+    ) as info:
+        bc.DistributedInitConfig()
+    assert info.value.location == "DistributedInitConfig.local_rank"
+    monkeypatch.delenv("SLURM_LOCALID")
     assert bc.DistributedInitConfig().local_rank == 0
+
+
+def test_a_saved_config_leaves_the_launchers_local_rank_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 saves the run's config and every rank loads it: the launcher's local rank is
+    not saved (each loading process takes its own); a value set to another one is."""
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    saved = bc.ConfigContainer().to_dict()
+    assert "local_rank" not in saved["dist"]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # another rank loads it
+    assert bc.ConfigContainer.from_dict(saved).dist.local_rank == 1
+    pinned = bc.ConfigContainer(dist=bc.DistributedInitConfig(local_rank=2)).to_dict()
+    assert pinned["dist"]["local_rank"] == 2
+    assert bc.ConfigContainer.from_dict(pinned).dist.local_rank == 2
+    assert "local_rank: 1" in bc.ConfigContainer().format_yaml()  # printed, not saved
 
 
 def test_gpt_dataset_config_is_a_dataloader_config_and_mock_is_a_gpt_config() -> None:

@@ -469,7 +469,7 @@ def test_describe_fields() -> None:
     steps = {f.name: f for f in describe_fields(bc.SchedulerConfig)}["lr_decay_steps"]
     assert not steps.settable
     local_rank = {f.name: f for f in describe_fields(bc.DistributedInitConfig)}["local_rank"]
-    assert local_rank.default == "$LOCAL_RANK, else 0"
+    assert local_rank.default == "$LOCAL_RANK, else $SLURM_LOCALID, else 0"
     with pytest.raises(TypeError):
         describe_fields(int)
 

@@ -198,3 +198,35 @@ def test_initialize_distributed_passes_sharp_and_stream_priorities_and_the_exper
         (False, None),
         (True, ["dp", "tp"]),
     ]
+
+
+def test_start_process_group_uses_the_sections_timeout_and_reuses_an_existing_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one process-group start (GPT path and mimo recipe): the launch's group gets
+    ``dist.distributed_timeout_minutes`` and the backend; an existing group is kept and the
+    call says it created none. megatron's groups get the same minutes."""
+    from datetime import timedelta
+
+    from megatron.core import parallel_state
+
+    import bridge.train.engine.initialize as initialize
+
+    started: list[tuple[str, timedelta]] = []
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(initialize, "init_launch_process_group", lambda *args: started.append(args))
+    monkeypatch.setitem(initialize._STATE, "owns_process_group", False)
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+    monkeypatch.setattr(
+        parallel_state, "initialize_model_parallel", lambda **kwargs: calls.append(kwargs)
+    )
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    section = tiny_dist_config(distributed_timeout_minutes=3)
+    assert initialize.start_process_group(section)
+    initialize_distributed(tiny_gpt_provider(), section)
+    assert initialize._STATE["owns_process_group"]
+    assert started == [("gloo", timedelta(minutes=3))] * 2
+    assert calls[0]["distributed_timeout_minutes"] == 3
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    assert not initialize.start_process_group(section)
+    assert len(started) == 2

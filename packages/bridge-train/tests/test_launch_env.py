@@ -329,3 +329,116 @@ def test_the_command_reads_the_launch_without_importing_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+# ------------------------------------------------------------------ dist.local_rank
+
+
+def _launched_by(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str]) -> None:
+    """Make ``environ`` the process's launch variables (every other one removed)."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SLURM_") or name in (*TORCHRUN_WORKER, "LOCAL_WORLD_SIZE"):
+            monkeypatch.delenv(name)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_dist_local_rank_defaults_to_the_launchers_and_picks_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default is the launch's local rank (torchrun's LOCAL_RANK; srun's SLURM_LOCALID
+    before bridge-train exports it); the device is dist.local_rank modulo the visible
+    devices (0 with external_gpu_device_mapping), a value set by hand where the launcher
+    gives none included."""
+    import torch
+
+    from bridge.config import DistributedInitConfig
+    from bridge.train.engine.initialize import select_cuda_device
+
+    devices: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    for environ, local_rank in ((TORCHRUN_WORKER, 1), (SRUN_TASK, 1), ({}, 0)):
+        _launched_by(monkeypatch, environ)
+        assert DistributedInitConfig().local_rank == local_rank == launch_environment().local_rank
+    _launched_by(monkeypatch, {**SRUN_TASK, "SLURM_LOCALID": "3"})
+    select_cuda_device(DistributedInitConfig(), "nccl")
+    _launched_by(monkeypatch, {})  # started bare: the value set by hand
+    select_cuda_device(DistributedInitConfig(local_rank=6), "nccl")
+    select_cuda_device(
+        DistributedInitConfig(local_rank=6, external_gpu_device_mapping=True), "nccl"
+    )
+    select_cuda_device(DistributedInitConfig(local_rank=6), "gloo")  # no device with gloo
+    assert devices == [3, 2, 0]
+
+
+def test_a_local_rank_other_than_the_launchers_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every process of a node reads the same config, so where the launcher gives local
+    ranks the field must be the launcher's; where it gives none, any value is this
+    process's."""
+    from bridge.config import DistributedInitConfig
+    from bridge.train.checks.rules import local_rank_is_the_launchers
+    from bridge.train.cli import EXIT_CONFIG_ERROR, main
+
+    fix = (
+        "and every process of a node reads the same value: remove dist.local_rank from the "
+        "config (its default is the launcher's; a run_config.yaml saved by an earlier "
+        "bridge-train holds rank 0's), or give each process its own GPU with "
+        "CUDA_VISIBLE_DEVICES and dist.external_gpu_device_mapping=true"
+    )
+    for environ, origin in ((TORCHRUN_WORKER, "torchrun"), (SRUN_TASK, "SLURM_LOCALID=1")):
+        _launched_by(monkeypatch, environ)
+        local_rank_is_the_launchers(DistributedInitConfig())
+        with pytest.raises(ConfigError) as info:
+            local_rank_is_the_launchers(DistributedInitConfig(local_rank=0))
+        assert str(info.value) == (
+            "dist.local_rank: got 0, but this process is local rank 1 of its launch "
+            f"(LOCAL_RANK from {origin}), {fix}"
+        )
+    for environ in ({}, {"RANK": "0", "WORLD_SIZE": "1"}):  # no local rank given
+        _launched_by(monkeypatch, environ)
+        local_rank_is_the_launchers(DistributedInitConfig(local_rank=3))
+    # The command: one line, exit code 2, before anything starts.
+    _launched_by(monkeypatch, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    with pytest.raises(SystemExit) as exited:
+        main(["--dry-run", "dist.distributed_backend=gloo", "dist.local_rank=1"])
+    assert exited.value.code == EXIT_CONFIG_ERROR
+    assert (
+        "bridge-train: error: dist.local_rank: got 1, but this process is local rank 0 of "
+        f"its launch (LOCAL_RANK from the environment), {fix}"
+    ) in capsys.readouterr().err.splitlines()
+
+
+def test_a_saved_run_config_gives_each_process_its_own_local_rank(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run_config.yaml written before saved configs left ``dist.local_rank`` out holds the
+    saving process's (rank 0's): loaded back (``--config``, ``--eval-only``'s own config) on
+    another local rank, each process takes its launcher's, unless the command sets it."""
+    import yaml
+
+    from bridge.config import load_config
+    from bridge.train.cli import _load, build_parser
+    from bridge.train.recipes import DEFAULT_RECIPE, recipe_path
+
+    data = yaml.safe_load(load_config(recipe_path(DEFAULT_RECIPE)).format_yaml())
+    data.setdefault("dist", {})["local_rank"] = 0
+    saved = tmp_path / "run_config.yaml"
+    saved.write_text(yaml.safe_dump(data), encoding="utf-8")
+    _launched_by(monkeypatch, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+
+    cfg, _, recipe_cfg = _load(
+        build_parser().parse_args(["--config", str(saved), "train.train_iters=3"])
+    )
+    assert cfg.dist.local_rank == 1 and recipe_cfg.dist.local_rank == 1
+    cfg, _, _ = _load(build_parser().parse_args(["--config", str(saved), "dist.local_rank=0"]))
+    assert cfg.dist.local_rank == 0  # the command's own value is the user's: checked as given
+    renamed = tmp_path / "recipe.yaml"
+    renamed.write_text(saved.read_text(encoding="utf-8"), encoding="utf-8")
+    cfg, _, _ = _load(build_parser().parse_args(["--config", str(renamed)]))
+    assert cfg.dist.local_rank == 0  # a recipe file's value is the user's

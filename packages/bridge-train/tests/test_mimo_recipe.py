@@ -142,11 +142,13 @@ def test_supported_or_inactive_train_settings_pass() -> None:
 def test_the_device_and_experimental_flag_are_chosen_as_for_gpt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``_init_process_group`` shares the GPT path's device choice (local rank modulo the
-    visible devices, or device 0 with dist.external_gpu_device_mapping) and flag."""
+    """The recipe starts its process group as the GPT path does (``start_process_group``):
+    the same device choice (local rank modulo the visible devices, or device 0 with
+    dist.external_gpu_device_mapping) and flag."""
     import megatron.core.config as megatron_config
     import torch
 
+    import bridge.train.engine.initialize as initialize
     import bridge.train.loop.pretrain_mimo as recipe
     import core_utils
     from bridge.train.testing import tiny_dist_config
@@ -157,14 +159,15 @@ def test_the_device_and_experimental_flag_are_chosen_as_for_gpt(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
-    monkeypatch.setattr(recipe, "init_launch_process_group", lambda backend, timeout: None)
+    monkeypatch.setattr(initialize, "init_launch_process_group", lambda backend, timeout: None)
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "5")):
         monkeypatch.setenv(name, value)
     experimental = (megatron_config.is_experimental_enabled(), core_utils.is_experimental_enabled())
     assert experimental == (False, False)
+    assert recipe.start_process_group is initialize.start_process_group
     try:
         for external in (False, True):
-            assert recipe._init_process_group(
+            assert recipe.start_process_group(
                 tiny_dist_config(
                     distributed_backend="nccl",
                     external_gpu_device_mapping=external,

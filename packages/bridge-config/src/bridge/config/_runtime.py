@@ -16,16 +16,23 @@ _SEED_LIMIT = 2**32 - 1  # numpy's seed range; torch and random accept it too
 
 
 def _local_rank_from_env() -> int:
-    raw = os.environ.get("LOCAL_RANK", "0")
-    try:
-        return int(raw)
-    except ValueError:
-        raise field_error(
-            DistributedInitConfig,
-            "local_rank",
-            raw,
-            "the LOCAL_RANK environment variable must be an integer",
-        ) from None
+    """This process's rank on its node as its launcher gives it: ``$LOCAL_RANK`` (torchrun,
+    or exported with torch's variables), else ``$SLURM_LOCALID`` (a task ``srun`` started:
+    bridge-train exports it as ``LOCAL_RANK`` only when the launch starts), else 0."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            return int(raw)
+        except ValueError:
+            raise field_error(
+                DistributedInitConfig,
+                "local_rank",
+                raw,
+                f"the {name} environment variable must be an integer",
+            ) from None
+    return 0
 
 
 @config_section
@@ -87,10 +94,17 @@ class DistributedInitConfig:
     ``mimo`` recipe refuses false (it does not overlap gradient reduction)."""
 
     local_rank: int = field(
-        default_factory=_local_rank_from_env, metadata={DEFAULT_DOC: "$LOCAL_RANK, else 0"}
+        default_factory=_local_rank_from_env,
+        metadata={DEFAULT_DOC: "$LOCAL_RANK, else $SLURM_LOCALID, else 0"},
     )
-    """Rank of this process on its node, as the launcher passes it (``LOCAL_RANK``,
-    0 when unset)."""
+    """Rank of this process on its node; with nccl on CUDA it picks the process's GPU (device
+    ``local_rank`` modulo the visible device count; device 0 with
+    ``external_gpu_device_mapping``). Default: the launcher's (torchrun's ``LOCAL_RANK``,
+    srun's ``SLURM_LOCALID``, 0 started bare); a saved config leaves that value out, so each
+    process that loads it takes its own. Where the launcher gives one, another value is
+    refused (the config is the same on every process of a node, so they would share one
+    GPU): set it only where the launcher gives none (one process started bare, or torch's
+    variables exported without ``LOCAL_RANK``)."""
 
     lazy_init: bool = False
     """Skip data-parallel setup during initialisation and hand back a function that completes
@@ -134,6 +148,16 @@ class DistributedInitConfig:
         normalize_fields(self)
         at_least(self, "distributed_timeout_minutes", 1, allow_none=False)
         at_least(self, "local_rank", 0, allow_none=False)
+
+    @property
+    def derived_fields(self) -> frozenset[str]:
+        """``local_rank`` while it is the launcher's: a fact of this process, not of the run.
+
+        ``bridge.config`` leaves it out of saved configs (a checkpoint's ``run_config.yaml``
+        is written by rank 0 and loaded by every rank), so each process that loads one takes
+        its own launcher's; a value set to another is saved.
+        """
+        return frozenset({"local_rank"} if self.local_rank == _local_rank_from_env() else ())
 
 
 @config_section

@@ -25,6 +25,24 @@ from typing import Any, ClassVar
 from bridge.config import flatten_config
 from bridge.logging._notices import notice_once
 
+__all__ = [
+    "MLFLOW_NO_URI",
+    "BackendNotInstalledError",
+    "CometWriter",
+    "MetricWriter",
+    "MlflowWriter",
+    "TensorBoardEventWriter",
+    "TensorBoardWriter",
+    "WandbWriter",
+    "check_table",
+    "install_command",
+    "is_tensor",
+    "mlflow_metric_name",
+    "mlflow_tracking_uri",
+    "require_backend",
+    "to_scalar",
+]
+
 # backend kind -> (module to import, extra that installs it)
 BACKEND_PACKAGES: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard"),

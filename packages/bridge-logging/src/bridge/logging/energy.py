@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from core_utils.distributed import collective_device, dist_ready
 
+__all__ = ["EnergyMonitor"]
+
 
 class EnergyMonitor:
     """Energy used by the GPUs of all ranks, read from NVML's cumulative energy counter.

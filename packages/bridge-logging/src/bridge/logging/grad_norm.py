@@ -12,6 +12,8 @@ from bridge.logging._dist import find_pg_collection, pg_attr
 from core_utils.distributed import collective_device, global_world_size
 from core_utils.process_groups import get_pg_rank, get_pg_size
 
+__all__ = ["report_l2_norm_grad"]
+
 
 def _gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
     # megatron's DDP accumulates into main_grad; plain torch into grad.

@@ -17,6 +17,15 @@ from bridge.logging._notices import logger, notice_once
 from core_utils.distributed import collective_device, dist_ready, global_rank
 from core_utils.process_groups import get_pg_size
 
+__all__ = [
+    "MEMORY_KEYS",
+    "format_memory_stats",
+    "maybe_dump_memory_snapshot",
+    "reduce_max_memory_across_pp_group",
+    "report_memory",
+    "start_memory_history_recording",
+]
+
 MEMORY_KEYS: dict[str, str] = {
     "allocated_bytes.all.current": "current_allocated_mem",
     "active_bytes.all.current": "current_active_mem",

@@ -39,6 +39,8 @@ from bridge.logging.settings import (
 )
 from core_utils.distributed import collective_device, dist_ready
 
+__all__ = ["MetricWriters", "build_metric_writers", "tensorboard_only"]
+
 logger = logging.getLogger("bridge.logging")
 
 

@@ -15,6 +15,8 @@ import torch
 
 from bridge.logging.backends import mlflow_metric_name
 
+__all__ = ["MoeMetricFanoutWriter", "build_moe_metric_writer"]
+
 
 class MoeMetricFanoutWriter:
     """SummaryWriter-shaped adapter that fans ``add_scalar`` to MLflow / Comet.

@@ -21,6 +21,8 @@ from rich.progress import (
 
 from bridge.logging._dist import is_last_rank
 
+__all__ = ["ProgressReporter", "format_duration"]
+
 
 def format_duration(seconds: float) -> str:
     """``seconds`` as ``H:MM:SS`` (``D days, H:MM:SS`` past a day)."""

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from bridge.logging.scheduler_job import scheduler_job
 from core_utils.distributed import dist_ready, global_rank, global_world_size
 
+__all__ = ["PROGRESS_FILE", "append_progress_log"]
+
 PROGRESS_FILE = "progress.txt"
 
 

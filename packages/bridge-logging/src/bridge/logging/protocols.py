@@ -15,6 +15,8 @@ from core_utils import Timers
 if TYPE_CHECKING:
     from bridge.logging.metric_writers import MetricWriters
 
+__all__ = ["LoggingState", "TrainProgress"]
+
 
 class TrainProgress(Protocol):
     """Progress counters of a run (bridge-train's ``TrainState`` offers them)."""

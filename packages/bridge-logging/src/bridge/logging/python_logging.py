@@ -6,6 +6,8 @@ import logging
 
 from bridge.config import LoggerConfig
 
+__all__ = ["setup_logging"]
+
 PROJECT_LOGGERS: tuple[str, ...] = ("bridge", "core_utils")
 """Logger namespaces of this project; ``logging_level`` applies to them (and their children)."""
 

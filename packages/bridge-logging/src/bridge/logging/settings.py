@@ -18,6 +18,15 @@ from typing import Any, Literal
 
 from bridge.config import ConfigError, LoggerConfig
 
+__all__ = [
+    "REPORT_SOURCE_FIELDS",
+    "TIME_UNITS",
+    "BackendSettings",
+    "ReportSettings",
+    "backend_settings_for",
+    "report_settings_for",
+]
+
 TIME_UNITS: dict[str, float] = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}
 """Seconds per unit for :func:`bridge.logging.report_runtime`."""
 

@@ -11,6 +11,8 @@ from bridge.logging.protocols import TrainProgress
 from bridge.logging.settings import TIME_UNITS
 from core_utils.distributed import global_world_size
 
+__all__ = ["report_runtime", "report_throughput"]
+
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

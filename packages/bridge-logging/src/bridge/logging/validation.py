@@ -11,6 +11,8 @@ from bridge.logging.metric_writers import tensorboard_only
 from bridge.logging.protocols import LoggingState
 from bridge.logging.training_log import loss_value
 
+__all__ = ["log_validation_results", "perplexity", "validation_line"]
+
 PPL_CAP = 20.0
 """Losses above this are capped before ``exp`` so perplexity stays finite (as Megatron)."""
 

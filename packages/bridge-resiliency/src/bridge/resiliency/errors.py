@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["MissingExtraError", "ResiliencyError", "missing_nvrx"]
+
 NVRX_INSTALL_HINT = "pip install bridge-resiliency[nvrx]"
 
 

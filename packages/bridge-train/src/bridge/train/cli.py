@@ -53,6 +53,7 @@ from bridge.config import (
     ConfigContainer,
     ConfigDiff,
     ConfigError,
+    DistributedInitConfig,
     ModelConfigProtocol,
     TrainingConfig,
     describe_fields,
@@ -357,13 +358,14 @@ def _overrides_of(
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
-    # The checkpoint.load override: what --eval-only evaluates.
-    load = dict(parse_overrides(args.overrides)).get("checkpoint.load")
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
+
+    overrides = dict(parse_overrides(args.overrides))
+    load = overrides.get("checkpoint.load")  # what --eval-only evaluates
     if args.config is not None:
         path = Path(args.config)
     elif args.eval_only and args.recipe is None and load:  # the checkpoint's own config
         from bridge.train.checkpointing import CheckpointError
-        from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
 
         try:
             _, iteration_dir = locate_checkpoint(str(load))
@@ -382,6 +384,12 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
             raise ConfigError("--recipe", str(exc.args[0])) from None
     cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
+    if path.name == RUN_CONFIG_FILENAME and "dist.local_rank" not in overrides:
+        # A run_config.yaml saved before saved configs left dist.local_rank out holds the
+        # saving process's (rank 0's); it describes that process, not this one.
+        for loaded in (cfg, recipe_cfg):
+            if loaded is not None and loaded.dist is not None:
+                loaded.dist.local_rank = DistributedInitConfig().local_rank
     return cfg, path, recipe_cfg
 
 

@@ -91,6 +91,8 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         # dist.distributed_backend works on this machine.
         Rule(resolve_distributed_backend, reads=("dist",)),
         Rule(rules.dist_settings_are_implemented),
+        # dist.local_rank (this process's GPU) is the launcher's where it gives one.
+        Rule(rules.local_rank_is_the_launchers),
         Rule(mimo.unsupported_dist_settings, MIMO),
         Rule(rules.sharp_and_stream_priority_need_nccl, GPT),
     ),

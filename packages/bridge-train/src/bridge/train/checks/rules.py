@@ -46,6 +46,7 @@ from bridge.train.data.sft import check_finetuning_dataset
 from bridge.train.data.split_checks import check_split_samples
 from bridge.train.data.t5_datasets import T5DatasetConfig
 from bridge.train.data.tokenizers import build_tokenizer, missing_tokenizer_package
+from bridge.train.engine.launch_env import launch_environment
 from bridge.train.models.layout_init import LayoutInitError, layout_independent_seed
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "finetuning_dataset_is_supported",
     "hf_tokenizer_files_exist",
     "load_directory_exists",
+    "local_rank_is_the_launchers",
     "logger_directories_are_writable",
     "nsys_needs_cuda",
     "nvrx_needs_cuda",
@@ -176,6 +178,26 @@ def dist_settings_are_implemented(dist: DistributedInitConfig) -> None:
             "dist.use_torch_fsdp2=false and shard optimizer state with megatron's distributed "
             "optimizer (ddp.use_distributed_optimizer=true)",
         )
+
+
+def local_rank_is_the_launchers(dist: DistributedInitConfig) -> None:
+    """``dist.local_rank`` picks this process's GPU; where the launcher gives the process a
+    local rank (torchrun, srun, or ``LOCAL_RANK`` exported with torch's variables) it must be
+    that one: the config is the same on every process of a node, so another value would put
+    them on one GPU. A bare launch, or torch's variables without ``LOCAL_RANK``, takes any."""
+    launch = launch_environment()
+    origin = launch.origins.get("LOCAL_RANK")
+    if origin is None or dist.local_rank == launch.local_rank:
+        return
+    raise ConfigError(
+        "dist.local_rank",
+        f"got {dist.local_rank}, but this process is local rank {launch.local_rank} of its "
+        f"launch (LOCAL_RANK from {origin}), and every process of a node reads the same "
+        "value: remove dist.local_rank from the config (its default is the launcher's; a "
+        "run_config.yaml saved by an earlier bridge-train holds rank 0's), or give each "
+        "process its own GPU with CUDA_VISIBLE_DEVICES and "
+        "dist.external_gpu_device_mapping=true",
+    )
 
 
 def sharp_and_stream_priority_need_nccl(dist: DistributedInitConfig, cuda_available: bool) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "seed_from_rng_config",
     "seed_process_generators",
     "select_cuda_device",
+    "start_process_group",
 ]
 
 _STATE: dict[str, Any] = {"owns_process_group": False, "emulation": None}
@@ -78,20 +79,24 @@ def resolve_distributed_backend(dist_config: DistributedInitConfig | None = None
 def select_cuda_device(dist_config: DistributedInitConfig | None, backend: str) -> None:
     """Make this process's GPU the current CUDA device, for an nccl run on CUDA.
 
-    The device is the launch's local rank, or device 0 with
+    The device is ``dist.local_rank`` (by default the launcher's; the launch checks refuse
+    another value where the launcher gives one), or device 0 with
     ``dist.external_gpu_device_mapping`` (each process sees only its own GPU, e.g. through
-    ``CUDA_VISIBLE_DEVICES``), modulo the visible device count. The GPT path
-    (:func:`initialize_distributed`) and the ``mimo`` recipe both choose it here. Without
-    CUDA, or with gloo, nothing is set.
+    ``CUDA_VISIBLE_DEVICES``), modulo the visible device count. Both process-group starts
+    (:func:`start_process_group`) choose it here. Without CUDA, or with gloo, nothing is set.
 
     Args:
-        dist_config: The ``dist`` section (``None``: its defaults).
+        dist_config: The ``dist`` section (``None``: the launch's local rank).
         backend: The resolved backend (:func:`resolve_distributed_backend`).
     """
     if not (torch.cuda.is_available() and backend == "nccl"):
         return
-    external = bool(getattr(dist_config, "external_gpu_device_mapping", False))
-    local_rank = 0 if external else adopt_launch_environment().local_rank
+    if getattr(dist_config, "external_gpu_device_mapping", False):
+        local_rank = 0
+    elif dist_config is None:
+        local_rank = adopt_launch_environment().local_rank
+    else:
+        local_rank = dist_config.local_rank
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
@@ -143,6 +148,39 @@ def init_launch_process_group(backend: str, timeout: timedelta) -> None:
     )
 
 
+def start_process_group(dist_config: DistributedInitConfig | None) -> bool:
+    """Start torch.distributed for this launch as the ``dist`` section says; True if this
+    call created the default process group (an existing one is reused).
+
+    In order: the backend (:func:`resolve_distributed_backend`), the experimental flag
+    (:func:`apply_experimental_flag`), this process's GPU (:func:`select_cuda_device`), then
+    the launch's group (:func:`init_launch_process_group`) with
+    ``dist.distributed_timeout_minutes``. The GPT path (:func:`initialize_distributed`) and
+    the ``mimo`` recipe both start their groups here.
+
+    Args:
+        dist_config: The ``dist`` section; ``None``: its defaults, with the machine's
+            backend (nccl with CUDA, gloo without).
+
+    Raises:
+        bridge.config.ConfigError: Invalid backend, or a launch environment that cannot be
+            a real launch.
+        bridge.train.engine.launch_env.RendezvousTimeout: The ranks did not all meet.
+    """
+    backend = resolve_distributed_backend(dist_config)
+    apply_experimental_flag(dist_config)
+    select_cuda_device(dist_config, backend)
+    if dist.is_initialized():
+        return False
+    init_launch_process_group(backend, timedelta(minutes=_timeout_minutes(dist_config)))
+    return True
+
+
+def _timeout_minutes(dist_config: DistributedInitConfig | None) -> int:
+    """``dist.distributed_timeout_minutes`` (the section refuses values below 1)."""
+    return int(getattr(dist_config, "distributed_timeout_minutes", 10))
+
+
 def initialize_distributed(
     model_config: ModelConfigProtocol,
     dist_config: DistributedInitConfig | None = None,
@@ -152,11 +190,9 @@ def initialize_distributed(
 ) -> None:
     """Initialise torch.distributed, megatron's parallel state and the random seeds.
 
-    The process group is the launch's (:func:`init_launch_process_group`); an existing
-    default process group is reused. On CUDA with nccl the device is set from
-    ``LOCAL_RANK`` (or device 0 with ``dist.external_gpu_device_mapping``,
-    :func:`select_cuda_device`); ``dist.enable_megatron_core_experimental`` turns on the
-    experimental features (:func:`apply_experimental_flag`); ``dist.use_sharp`` and
+    The process group is the launch's, started by :func:`start_process_group` (an existing
+    default process group is reused; it also chooses the CUDA device and applies
+    ``dist.enable_megatron_core_experimental``); ``dist.use_sharp`` and
     ``dist.high_priority_stream_groups`` go to megatron's ``initialize_model_parallel`` (the
     launch checks refuse them without nccl on CUDA).
 
@@ -188,11 +224,7 @@ def initialize_distributed(
         _STATE["emulation"] = stack = contextlib.ExitStack()
         stack.enter_context(cuda_emulation())  # a no-op with CUDA
 
-    apply_experimental_flag(dist_config)
-    timeout_minutes = float(getattr(dist_config, "distributed_timeout_minutes", 10) or 10)
-    select_cuda_device(dist_config, backend)
-    if not dist.is_initialized():
-        init_launch_process_group(backend, timedelta(minutes=timeout_minutes))
+    if start_process_group(dist_config):
         _STATE["owns_process_group"] = True
 
     if parallel_state.model_parallel_is_initialized():
@@ -207,7 +239,7 @@ def initialize_distributed(
         context_parallel_size=model_config.context_parallel_size,
         expert_model_parallel_size=getattr(model_config, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(model_config, "expert_tensor_parallel_size", None),
-        distributed_timeout_minutes=int(timeout_minutes),
+        distributed_timeout_minutes=_timeout_minutes(dist_config),
         nccl_communicator_config_path=getattr(dist_config, "nccl_communicator_config_path", None),
         order=order,
         use_sharp=bool(getattr(dist_config, "use_sharp", False)),

@@ -87,7 +87,8 @@ class LaunchEnvironment:
         master_addr: Host of rank 0's rendezvous store (``None`` for one process).
         master_port: Its port (``None`` for one process).
         origins: For each of torch's variables, where its value came from, for messages
-            (``"SLURM_STEP_NUM_TASKS=4"``, ``"the first host of SLURM_JOB_NODELIST=n[1-2]"``).
+            (``"SLURM_STEP_NUM_TASKS=4"``, ``"the first host of SLURM_JOB_NODELIST=n[1-2]"``);
+            ``LOCAL_RANK`` only where the launcher gives this process a local rank.
     """
 
     launcher: Launcher
@@ -283,6 +284,9 @@ def _torch_launch(environ: Mapping[str, str], torchrun: bool) -> LaunchEnvironme
     local_rank = _int_variable(environ, "LOCAL_RANK")
     master_port = _int_variable(environ, "MASTER_PORT")
     master_addr = environ.get("MASTER_ADDR") or None
+    origins = dict.fromkeys(_EXPORTED, "torchrun" if torchrun else "the environment")
+    if local_rank is None:  # nothing gives this process a local rank (dist.local_rank may)
+        del origins["LOCAL_RANK"]
     return LaunchEnvironment(
         launcher="torchrun" if torchrun else "environment",
         rank=rank or 0,
@@ -291,7 +295,7 @@ def _torch_launch(environ: Mapping[str, str], torchrun: bool) -> LaunchEnvironme
         # Only both make a rendezvous (a one-rank launch may leave them out).
         master_addr=master_addr if master_port is not None else None,
         master_port=master_port if master_addr is not None else None,
-        origins=dict.fromkeys(_EXPORTED, "torchrun" if torchrun else "the environment"),
+        origins=origins,
     )
 
 

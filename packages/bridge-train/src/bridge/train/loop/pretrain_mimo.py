@@ -38,17 +38,14 @@ import torch
 import torch.distributed as dist
 
 import bridge.mimo as mimo
-from bridge.config import ConfigContainer, ConfigError, DistributedInitConfig
+from bridge.config import ConfigContainer, ConfigError
 from bridge.logging import setup_logging
 from bridge.train.checkpointing.layout import one_lookup_per_launch
 from bridge.train.checks.preflight import check_config_before_launch
 from bridge.train.engine.initialize import (
-    apply_experimental_flag,
-    init_launch_process_group,
-    resolve_distributed_backend,
     resume_seed,
     seed_process_generators,
-    select_cuda_device,
+    start_process_group,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.engine.scheduler import build_optimizer_param_scheduler
@@ -77,23 +74,6 @@ __all__ = ["check_mimo_config", "pretrain_mimo"]
 #: The ``mimo`` recipe's launch checks are the trainer's one pass (the pass knows the recipe
 #: by its model config and runs the rules of :mod:`bridge.train.checks.mimo`).
 check_mimo_config = check_config_before_launch
-
-
-def _init_process_group(dist_config: DistributedInitConfig) -> bool:
-    """Initialise torch.distributed for this launch; True if this call created it.
-
-    The device choice (``dist.external_gpu_device_mapping``) and the experimental flag
-    (``dist.enable_megatron_core_experimental``) are the GPT path's; the recipe's launch
-    checks refuse the ``dist`` settings it does not apply (:mod:`bridge.train.checks.mimo`).
-    """
-    apply_experimental_flag(dist_config)
-    if dist.is_initialized():
-        return False
-
-    backend = resolve_distributed_backend(dist_config)
-    select_cuda_device(dist_config, backend)
-    init_launch_process_group(backend, timedelta(minutes=dist_config.distributed_timeout_minutes))
-    return True
 
 
 @one_lookup_per_launch()  # the checks and the load resume the same checkpoint
@@ -138,7 +118,9 @@ def pretrain_mimo(
     assert train is not None and logger_cfg is not None and opt_cfg is not None
     assert checkpoint is not None and isinstance(model_cfg, MimoModelConfig)
     setup_logging(logger_cfg)
-    owns_group = _init_process_group(cfg.dist)
+    # The device choice and the experimental flag are the GPT path's; the launch checks
+    # refused the ``dist`` settings the recipe does not apply (bridge.train.checks.mimo).
+    owns_group = start_process_group(cfg.dist)
     # The reference's state object, for the user's callbacks (LoopContext.state); the run's
     # parts are built from their sections and hold what they use.
     state = GlobalState(cfg=cfg, start_time=start_time)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from bridge.config import CheckpointConfig, ConfigContainer
 from bridge.logging import MetricWriters, append_progress_log, scheduler_job
+from bridge.logging.progress_log import PROGRESS_FILE
 from core_utils.distributed import global_world_size
 from core_utils.loop import TrainProgress
 
@@ -44,7 +45,6 @@ __all__ = [
     "record_starting_job",
 ]
 
-PROGRESS_FILE = "progress.txt"
 STARTING_JOB = "Starting job"
 SAVED_CHECKPOINT = "Saved checkpoint"
 SAVING_ASYNC_CHECKPOINT = "Saving async checkpoint"
