@@ -31,9 +31,11 @@ with ``uv run`` meaning "with the project's virtual environment first on ``PATH`
 it does in a synced clone) and the environment otherwise not activated. Training
 commands are shortened: every iteration count and interval among their overrides is
 divided by 10 (rounded up), and one without ``train.train_iters`` gets its recipe's
-divided by 10. A command fails on a nonzero exit or "command not found". W&B runs offline
-(``WANDB_MODE=offline``: no network here); a command that turns on a logging backend whose
-extra is not installed (:data:`NEEDS_MODULE`; the nox sessions install none) is left out.
+divided by 10; a checkpoint directory a command names by its iteration (``iter_0000100``)
+is the shortened run's (``iter_0000010``). A command fails on a nonzero exit or "command
+not found". W&B runs offline (``WANDB_MODE=offline``: no network here); a command that
+turns on a logging backend whose extra is not installed (:data:`NEEDS_MODULE`; the nox
+sessions install none) is left out.
 """
 
 from __future__ import annotations
@@ -434,9 +436,14 @@ def _recipe_iterations(args: list[str], cwd: Path) -> int | None:
     return None if train is None else train.train_iters
 
 
+_ITERATION_DIR = re.compile(r"\biter_(\d{7})\b")
+
+
 def shortened(command: DocCommand, cwd: Path) -> str:
     """The command to run: iteration counts of a training command divided by 10."""
     text = command.text.replace("/tmp/", f"{cwd}/tmp/")
+    # The run that wrote iter_N was shortened too: its checkpoint is at N / 10.
+    text = _ITERATION_DIR.sub(lambda m: f"iter_{math.ceil(int(m.group(1)) / _SHORTER):07d}", text)
     invocation = parse(text)
     launch = train_launch(invocation)
     if launch is None or not invocation.simple:

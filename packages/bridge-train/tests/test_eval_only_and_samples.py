@@ -356,8 +356,7 @@ LORA_PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44, 45, 46]]
 def _lora_generation(rank: int, world: int, root: str) -> dict[str, Any]:
     """A base run, a LoRA run on it (adapter-only checkpoints), then generation from the LoRA
     checkpoint with the adapters merged on load and, as the reference, unmerged."""
-    import bridge.train.peft
-    from bridge.train.generate import SamplingOptions, load_generation_model
+    from bridge.train.generate import SamplingOptions, load_generation_model, loading
 
     base = Path(root)
     out: dict[str, Any] = {
@@ -391,12 +390,12 @@ def _lora_generation(rank: int, world: int, root: str) -> dict[str, Any]:
 
     out["base"] = generate(base / "run")
     out["merged"] = generate(base / "lora")
-    merge = bridge.train.peft.merge_adapters
-    bridge.train.peft.merge_adapters = lambda model: None
+    merge = loading.merge_adapters  # the loader's merge step, skipped for the reference
+    loading.merge_adapters = lambda model: None
     try:
         out["unmerged"] = generate(base / "lora")
     finally:
-        bridge.train.peft.merge_adapters = merge
+        loading.merge_adapters = merge
     out["cli"] = _generate_cli([str(base / "lora"), "--prompt", "1 2 3", "--max-new-tokens", "4"])
     return out
 

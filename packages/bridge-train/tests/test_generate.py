@@ -359,6 +359,12 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     config["peft"] = {"_target_": "bridge.train.peft.LoRA", "dim": 4, "alpha": 8}
     config["checkpoint"]["pretrained_checkpoint"] = str(base / "gone")
     run_config.write_text(yaml.safe_dump(config))
+    no_run_config = base / "no_run_config"
+    shutil.copytree(ckpt, no_run_config)
+    (no_run_config / "iter_0000000" / "run_config.yaml").unlink()
+    unreadable = base / "unreadable_run_config"
+    shutil.copytree(ckpt, unreadable)
+    (unreadable / "iter_0000000" / "run_config.yaml").write_text("model: [unclosed\n")
     write_word_level_tokenizer(base / "bigger_tokenizer", VOCAB + 40)
     long_prompt = " ".join(["w7"] * SEQ)
     cases = {
@@ -368,6 +374,8 @@ def _one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         "too_many_new_tokens": [str(ckpt), "--prompt", "w5 w6", "--max-new-tokens", str(SEQ)],
         "tokenizer_mismatch": [str(ckpt), "--tokenizer", str(base / "bigger_tokenizer")],
         "lora_without_base": [str(lora)],
+        "no_run_config": [str(no_run_config)],
+        "unreadable_run_config": [str(unreadable)],
         "top_k_and_top_p": [str(ckpt), "--top-k", "5", "--top-p", "0.5"],
         "pipeline_on_cpu": [str(ckpt), "--pp", "2"],
     }
@@ -558,6 +566,8 @@ def test_interactive_session_completes_each_line(generated: dict[str, Any]) -> N
         ("too_many_new_tokens", "exceeds the model's context"),
         ("tokenizer_mismatch", "tokenizer mismatch"),
         ("lora_without_base", "LoRA adapters only"),
+        ("no_run_config", "has no run_config.yaml; the model and tokenizer"),
+        ("unreadable_run_config", "run_config.yaml cannot be read: "),
         ("top_k_and_top_p", "--top-k and --top-p"),
         ("pipeline_on_cpu", "--pp 2"),
     ],

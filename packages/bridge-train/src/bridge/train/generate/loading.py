@@ -33,7 +33,8 @@ from bridge.config import (
     TokenizerConfig,
     TokenizerConfigProtocol,
 )
-from bridge.train.checkpointing import CheckpointError, find_latest_checkpoint, restore_checkpoint
+from bridge.train.checkpointing import CheckpointError, find_latest_checkpoint
+from bridge.train.checkpointing.architecture import saved_run_config
 from bridge.train.checkpointing.layout import (
     RUN_CONFIG_FILENAME,
     locate_checkpoint,
@@ -45,6 +46,8 @@ from bridge.train.engine.initialize import destroy_distributed
 from bridge.train.engine.launch_env import adopt_launch_environment
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.generator import TextGenerator
+from bridge.train.loop.run_ends import load_run_checkpoint
+from bridge.train.peft import apply_peft, merge_adapters
 from bridge.train.state import TrainState
 
 if TYPE_CHECKING:
@@ -55,27 +58,26 @@ __all__ = [
     "generation_provider",
     "generation_tokenizer",
     "load_generation_model",
-    "read_run_config",
 ]
 
 
-def read_run_config(iteration_dir: Path) -> ConfigContainer:
-    """The ``ConfigContainer`` saved with the checkpoint.
-
-    Raises:
-        GenerationError: The file is missing or does not load.
+def _read_run_config(iteration_dir: Path) -> ConfigContainer:
+    """The ``ConfigContainer`` saved with the checkpoint (the resume checks' reader), or a
+    generation error naming the file.
     """
-    file = iteration_dir / RUN_CONFIG_FILENAME
-    if not file.is_file():
+    try:
+        run_config = saved_run_config(iteration_dir)
+    except (ConfigError, OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GenerationError(
+            f"{iteration_dir / RUN_CONFIG_FILENAME} cannot be read: {first}"
+        ) from None
+    if run_config is None:
         raise GenerationError(
             f"{iteration_dir} has no {RUN_CONFIG_FILENAME}; the model and tokenizer it was "
             "trained with cannot be known"
         )
-    try:
-        return ConfigContainer.from_yaml(file)
-    except (ConfigError, OSError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GenerationError(f"{file} cannot be read: {first}") from None
+    return run_config
 
 
 def _check_family(provider: Any, where: Path) -> GPTModelProvider:
@@ -261,7 +263,7 @@ def load_generation_model(
         _, iteration_dir = locate_checkpoint(ckpt_dir)
     except CheckpointError as exc:
         raise GenerationError(str(exc)) from None
-    run_config = read_run_config(iteration_dir)
+    run_config = _read_run_config(iteration_dir)
     saved_model = _check_family(run_config.model, iteration_dir)
     assert saved_model.vocab_size is not None  # a saved run config is a validated one
     tokenizer = generation_tokenizer(
@@ -305,8 +307,6 @@ def load_generation_model(
     try:
         hooks = []
         if peft is not None:
-            from bridge.train.peft import apply_peft
-
             hooks.append(lambda chunks: apply_peft(peft, chunks))
         model = engine.setup_model(provider, wrap_with_ddp=False, pre_wrap_hooks=hooks)
         checkpoint = CheckpointConfig(
@@ -317,19 +317,19 @@ def load_generation_model(
         )
         # The saved model settings: the load compares them with the checkpoint's (this
         # process's provider differs only in its layout, which the load reshards).
-        train_state = TrainState()
         try:
-            if peft is None:
-                iteration, _ = restore_checkpoint(
-                    checkpoint, train_state, model, None, None, model_config=run_config.model
-                )
-            else:
-                from bridge.train.peft import merge_adapters
-                from bridge.train.peft.checkpoint import load_peft_checkpoints
-
-                iteration, _ = load_peft_checkpoints(
-                    checkpoint, train_state, model, None, None, {}, model_config=run_config.model
-                )
+            iteration = load_run_checkpoint(
+                checkpoint,
+                TrainState(),
+                model,
+                None,
+                None,
+                {},
+                model_config=run_config.model,
+                peft=peft,
+                announce=False,  # bridge-generate reports the checkpoint itself
+            )
+            if peft is not None:
                 merge_adapters(model)
         except CheckpointError as exc:
             raise GenerationError(str(exc).splitlines()[0]) from None

@@ -122,15 +122,17 @@ def load_run_checkpoint(
     checkpoint: CheckpointConfig,
     train_state: TrainState,
     model: list[torch.nn.Module],
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
     checkpointing_context: dict[str, Any],
     *,
-    reseed: Callable[[int], int],
+    reseed: Callable[[int], int] | None = None,
     model_config: ModelConfigProtocol | None = None,
     peft: PEFTProtocol | None = None,
+    announce: bool = True,
 ) -> int:
-    """Load what the ``checkpoint`` section asks for (GPT-style runs and the MIMO recipe).
+    """Load what the ``checkpoint`` section asks for (GPT-style runs, the MIMO recipe and
+    ``bridge-generate``).
 
     ``checkpoint.load`` left unset resumes the run that owns ``checkpoint.save`` when that
     directory holds a checkpoint (:func:`adopt_own_save_dir`; torchrun restarts rely on
@@ -144,14 +146,17 @@ def load_run_checkpoint(
         checkpoint: The ``checkpoint`` section.
         train_state: The run's counters, restored in place.
         model: Model chunks.
-        optimizer: The optimizer.
-        scheduler: The scheduler.
+        optimizer: The optimizer, or None (a model-only load).
+        scheduler: The scheduler, or None.
         checkpointing_context: From :func:`checkpointing_context_for`.
         reseed: Called with the resumed iteration when the saved generators belong to
             another parallel layout, which they cannot be restored under; reseeds them and
-            returns the base seed (``rng.seed``) for the load's warning.
+            returns the base seed (``rng.seed``) for the load's warning. None: the generators
+            keep this process's seeds then (as ``restore_checkpoint``'s).
         model_config: The run's model config (architecture check).
         peft: The ``peft`` section, if any.
+        announce: Log "loading the checkpoint" before the load (a caller that reports the
+            checkpoint itself passes False).
 
     Returns:
         The iteration loaded (0 when nothing was).
@@ -159,7 +164,7 @@ def load_run_checkpoint(
     adopt_own_save_dir(checkpoint)
     if checkpoint.load is None and checkpoint.pretrained_checkpoint is None:
         return 0
-    if global_rank() == 0:  # the load takes seconds; a silent terminal looks hung
+    if announce and global_rank() == 0:  # the load takes seconds; a silent terminal looks hung
         logger.info(
             "loading the checkpoint (%s)", checkpoint.load or checkpoint.pretrained_checkpoint
         )
