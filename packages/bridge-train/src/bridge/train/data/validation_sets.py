@@ -1,9 +1,12 @@
 """Separate validation sets (``dataset.multiple_validation_sets``) and their full pass
 (``dataset.full_validation``).
 
-With ``multiple_validation_sets``, the prefixes of ``dataset.blend_per_split``'s validation
-entry are not blended: megatron-core's ``BlendedMegatronDatasetBuilder`` builds one dataset
-per prefix (a list where it would otherwise build one ``BlendedDataset``), and each is
+With ``multiple_validation_sets``, the validation data is not blended: megatron-core's
+``BlendedMegatronDatasetBuilder`` builds one dataset per prefix of
+``dataset.blend_per_split``'s validation entry (a list where it would otherwise build one
+``BlendedDataset``); for ``dataset.blend`` with a ``split``, whose validation split
+megatron-core blends regardless, each prefix's validation split is built alone
+(:func:`bridge.train.data.datasets.build_train_valid_test_datasets`). Each set is
 evaluated on its own and logged under its own name: the prefix's file name
 (``validation <name>``, e.g. the TensorBoard / W&B tag ``lm loss validation wiki``), or its
 position in the blend (``validation 0``, ``validation 1``, ...) when two prefixes share a
@@ -80,7 +83,7 @@ class ValidationSet:
     iterations: int | None = None
     continuing: Callable[[Iterable[Any]], Iterator[Any]] = iter
     wrap: Callable[[Iterator[Any]], Any] | None = None
-    _iterator: Any = field(default=None, repr=False)
+    _iterator: Any = field(default=None, init=False, repr=False)
 
     def batches(self) -> Any:
         """The iterator this evaluation of the set reads: a fresh pass from the set's first
