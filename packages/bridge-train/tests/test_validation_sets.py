@@ -327,3 +327,19 @@ def test_separate_validation_sets_of_blend_per_split_pass_the_checks(
     cfg = _config(corpora["root"], ["docs", "other"])
     cfg.dataset = dataset
     check_section(vars(cfg), "dataset", 1, cuda_available=False)
+
+
+def test_a_full_pass_shorter_than_a_global_batch_is_refused_before_launch(
+    corpora: dict[str, Any],
+) -> None:
+    """``other`` holds 29 samples of 16 tokens: no global batch of 32 for its full pass."""
+    fields = {"multiple_validation_sets": True, "full_validation": True}
+    cfg = _config(corpora["root"], ["docs", "other"], dataset_fields=fields)
+    cfg.train.global_batch_size = 32
+    with pytest.raises(ConfigError) as info:
+        check_section(vars(cfg), "dataset", 1, cuda_available=False)
+    message = str(info.value)
+    assert message.startswith("dataset.full_validation: the validation set ")
+    assert "other' holds 29 samples" in message and "train.global_batch_size=32" in message
+    cfg.train.global_batch_size = 28  # 29 samples hold one global batch of 28
+    check_section(vars(cfg), "dataset", 1, cuda_available=False)
