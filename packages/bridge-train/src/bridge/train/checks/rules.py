@@ -398,7 +398,7 @@ def data_splits_hold_samples(dataset: GivenDataset, train: TrainingConfig) -> No
     )
 
 
-def validation_sets_can_be_separate(dataset: Dataset, train: TrainingConfig) -> None:
+def validation_sets_can_be_separate(dataset: GivenDataset, train: TrainingConfig) -> None:
     """``dataset.multiple_validation_sets`` and ``full_validation`` where they can be
     honoured (:mod:`bridge.train.data.validation_sets`): GPT ``.bin``/``.idx`` data, each
     prefix of ``blend_per_split``'s validation entry (or of ``blend``, with a validation
