@@ -343,3 +343,32 @@ def test_a_full_pass_shorter_than_a_global_batch_is_refused_before_launch(
     assert "other' holds 29 samples" in message and "train.global_batch_size=32" in message
     cfg.train.global_batch_size = 28  # 29 samples hold one global batch of 28
     check_section(vars(cfg), "dataset", 1, cuda_available=False)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        ("tiny_gpt", "got true with mock data"),
+        ("tiny_t5", "got true with T5 span-corruption data"),
+        ("sft", "unknown field of FinetuningDatasetConfig"),
+    ],
+)
+def test_the_command_refuses_separate_sets_it_cannot_build(
+    capsys: pytest.CaptureFixture[str], recipe: str, message: str
+) -> None:
+    from bridge.train.cli import EXIT_CONFIG_ERROR, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--recipe", recipe, "--dry-run", "dataset.multiple_validation_sets=true"])
+    assert info.value.code == EXIT_CONFIG_ERROR
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1
+    assert errors[0].startswith("bridge-train: error: dataset.multiple_validation_sets: ")
+    assert message in errors[0]
+
+
+def test_a_set_is_named_by_its_file_name_or_by_its_index_when_names_repeat() -> None:
+    from bridge.train.data.validation_sets import validation_set_names
+
+    assert validation_set_names(["/data/wiki", "/data/code"]) == ("wiki", "code")
+    assert validation_set_names(["/a/text", "/b/text", "/b/code"]) == ("0", "1", "2")

@@ -418,9 +418,9 @@ def validation_sets_can_be_separate(dataset: GivenDataset, train: TrainingConfig
         return
     per_split = getattr(dataset, "blend_per_split", None)
     unsupported = None
-    if isinstance(dataset, FinetuningDatasetConfig):
-        unsupported = "finetuning (SFT) data, whose validation file is one dataset"
-    elif isinstance(dataset, T5DatasetConfig):
+    # FinetuningDatasetConfig (SFT) has neither field: the config loader refuses them as
+    # unknown fields of that section.
+    if isinstance(dataset, T5DatasetConfig):
         unsupported = "T5 span-corruption data"
     elif getattr(dataset, "mock", False) or (
         getattr(dataset, "blend", None) is None and per_split is None
