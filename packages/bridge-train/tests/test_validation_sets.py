@@ -1,6 +1,6 @@
 """Separate validation sets (``dataset.multiple_validation_sets``) and their full pass
 (``dataset.full_validation``) through ``pretrain``: each set's logged loss is the loss of
-evaluating that set alone, a full pass reads every whole global batch of a set once, two
+evaluating that set alone, a full pass reads every sample of a set once, two
 data-parallel ranks log what one process logs, and a resumed run evaluates the same sets
 from where the interrupted one stopped."""
 
@@ -83,6 +83,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.tokens: list[list[int]] = []
+        self.counted: list[bool] = []  # whether a sample's tokens count in the loss
 
     def __call__(self, state: Any, data_iterator: Any, model: Any) -> Any:
         from bridge.train.models.gpt_step import forward_step
@@ -96,6 +97,7 @@ class _Recorder:
             def __next__(self) -> Any:
                 batch = next(data_iterator)
                 recorder.tokens.extend(batch["tokens"].tolist())
+                recorder.counted.extend(bool(m.any()) for m in batch["loss_mask"])
                 return batch
 
         return forward_step(state, _Peek(), model)
@@ -137,6 +139,7 @@ def _separate_and_alone(rank: int, world: int, root: str) -> dict[str, Any]:
     assert pretrain(cfg, recorder, metrics_file=metrics) == 0
     out["full"] = _metrics(metrics)[0]
     out["full tokens"] = recorder.tokens
+    out["full counted"] = recorder.counted
     return out
 
 
@@ -224,7 +227,7 @@ def test_each_set_is_logged_under_its_name_with_its_own_loss(evaluated: dict[str
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_full_pass_reads_every_whole_global_batch_of_each_set_once(
+def test_a_full_pass_reads_every_sample_of_each_set_once(
     corpora: dict[str, Any], evaluated: dict[str, Any]
 ) -> None:
     from bridge.train.data import build_train_valid_test_datasets
@@ -233,14 +236,20 @@ def test_a_full_pass_reads_every_whole_global_batch_of_each_set_once(
     config = _dataset(root, ["docs", "other"], multiple_validation_sets=True, full_validation=True)
     _, valid, _ = build_train_valid_test_datasets(config, ByteLevelTokenizer(), (8, 8, 0))
     expected: list[list[int]] = []
+    counted: list[bool] = []
     for name, dataset in zip(valid.names, valid.datasets, strict=True):
         # One pass over the set's documents: megatron's sample count for one epoch ...
         assert len(dataset) == (corpora["tokens"][name] - 1) // SEQ
-        # ... of which the floor of whole global batches is read, in order, once.
-        batches = len(dataset) // GBS
-        assert batches >= 2 and len(dataset) % GBS != 0  # the floor differs from the ceiling
-        expected += [dataset[i]["tokens"].tolist() for i in range(batches * GBS)]
+        # ... all read, in order, once: ceil(len / GBS) global batches, the last one
+        # filled up with copies of the first sample that count for nothing.
+        batches = -(-len(dataset) // GBS)
+        padding = batches * GBS - len(dataset)
+        assert padding > 0  # the last global batch is incomplete
+        expected += [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
+        expected += [dataset[0]["tokens"].tolist()] * padding
+        counted += [True] * len(dataset) + [False] * padding
     assert evaluated["full tokens"] == expected
+    assert evaluated["full counted"] == counted
     assert set(evaluated["full"]) == {"lm loss validation docs", "lm loss validation other"}
 
 
@@ -326,22 +335,6 @@ def test_separate_validation_sets_of_blend_per_split_pass_the_checks(
     )
     cfg = _config(corpora["root"], ["docs", "other"])
     cfg.dataset = dataset
-    check_section(vars(cfg), "dataset", 1, cuda_available=False)
-
-
-def test_a_full_pass_shorter_than_a_global_batch_is_refused_before_launch(
-    corpora: dict[str, Any],
-) -> None:
-    """``other`` holds 29 samples of 16 tokens: no global batch of 32 for its full pass."""
-    fields = {"multiple_validation_sets": True, "full_validation": True}
-    cfg = _config(corpora["root"], ["docs", "other"], dataset_fields=fields)
-    cfg.train.global_batch_size = 32
-    with pytest.raises(ConfigError) as info:
-        check_section(vars(cfg), "dataset", 1, cuda_available=False)
-    message = str(info.value)
-    assert message.startswith("dataset.full_validation: the validation set ")
-    assert "other' holds 29 samples" in message and "train.global_batch_size=32" in message
-    cfg.train.global_batch_size = 28  # 29 samples hold one global batch of 28
     check_section(vars(cfg), "dataset", 1, cuda_available=False)
 
 

@@ -139,8 +139,9 @@ class GPTDatasetConfig(DataloaderConfig):
 
     full_validation: bool | None = None
     """Evaluate on a full pass over each validation set every time validation runs (needs
-    ``multiple_validation_sets``): ``len(set) // train.global_batch_size`` global batches
-    from the set's first sample, instead of ``train.eval_iters`` (which must still be > 0
+    ``multiple_validation_sets``): every sample once, from the set's first, in
+    ``ceil(len(set) / train.global_batch_size)`` global batches (the last one filled up with
+    samples that count for nothing) instead of ``train.eval_iters`` (which must still be > 0
     for validation to run)."""
 
     split: str | None = None

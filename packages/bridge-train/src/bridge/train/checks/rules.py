@@ -43,7 +43,7 @@ from bridge.train.data.datasets import (
 from bridge.train.data.file_checks import DataFileError, check_indexed_dataset
 from bridge.train.data.packing import check_packed_sequence_specs
 from bridge.train.data.sft import check_finetuning_dataset
-from bridge.train.data.split_checks import check_full_pass_batches, check_split_samples
+from bridge.train.data.split_checks import check_split_samples
 from bridge.train.data.t5_datasets import T5DatasetConfig
 from bridge.train.data.tokenizers import build_tokenizer, missing_tokenizer_package
 from bridge.train.engine.launch_env import launch_environment
@@ -398,13 +398,12 @@ def data_splits_hold_samples(dataset: GivenDataset, train: TrainingConfig) -> No
     )
 
 
-def validation_sets_can_be_separate(dataset: GivenDataset, train: TrainingConfig) -> None:
+def validation_sets_can_be_separate(dataset: GivenDataset) -> None:
     """``dataset.multiple_validation_sets`` and ``full_validation`` where they can be
     honoured (:mod:`bridge.train.data.validation_sets`): GPT ``.bin``/``.idx`` data, each
     prefix of ``blend_per_split``'s validation entry (or of ``blend``, with a validation
-    share in ``split``) one set. ``full_validation`` is their full pass, so it needs them,
-    and each set needs one global batch for it. (The mimo recipe refuses the whole
-    ``dataset`` section.)"""
+    share in ``split``) one set. ``full_validation`` is their full pass, so it needs them.
+    (The mimo recipe refuses the whole ``dataset`` section.)"""
     separate = bool(getattr(dataset, "multiple_validation_sets", None))
     if getattr(dataset, "full_validation", None) and not separate:
         raise ConfigError(
@@ -442,8 +441,6 @@ def validation_sets_can_be_separate(dataset: GivenDataset, train: TrainingConfig
             "validation share in dataset.split (GPT .bin/.idx data): give them there, or "
             "set dataset.multiple_validation_sets=null",
         )
-    if getattr(dataset, "full_validation", None) and train.global_batch_size:
-        check_full_pass_batches(dataset, int(train.global_batch_size))
 
 
 def finetuning_dataset_is_supported(dataset: Dataset, model: ModelConfigProtocol) -> None:

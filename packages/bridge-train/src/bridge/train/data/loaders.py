@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from bridge.config import ConfigError, FinetuningDatasetConfig, GPTDatasetConfig, TrainingConfig
+from bridge.config import FinetuningDatasetConfig, GPTDatasetConfig, TrainingConfig
+from bridge.train.data.eval_file import WholeBatches
 from bridge.train.data.samplers import CyclicRandomSampler, PretrainingSampler
 from bridge.train.data.validation_sets import ValidationDatasets, ValidationSet, ValidationSets
 
@@ -251,12 +252,10 @@ def _validation_sets(
 
     A full pass reads each set in order from its first sample (``"single"`` whatever
     ``dataloader_type`` says: a shuffled epoch would be the same samples, and the
-    ``"cyclic"`` sampler does not end where a pass does); otherwise each set's loader is
-    positioned at the shared ``consumed_valid_samples`` and read on as the split would be.
-
-    Raises:
-        ConfigError: With ``full_validation``, a set holds fewer samples than one global
-            batch (its pass would evaluate nothing).
+    ``"cyclic"`` sampler does not end where a pass does), its last global batch filled up
+    with loss-free samples (:class:`~bridge.train.data.eval_file.WholeBatches`), so every
+    sample counts once; otherwise each set's loader is positioned at the shared
+    ``consumed_valid_samples`` and read on as the split would be.
     """
     kind = common["dataloader_type"]
     gbs = int(train_config.global_batch_size or 0) or int(common["micro_batch_size"]) * int(
@@ -265,16 +264,9 @@ def _validation_sets(
     sets: list[ValidationSet] = []
     for name, dataset in zip(datasets.names, datasets.datasets, strict=True):
         if datasets.full_pass:
-            iterations = len(dataset) // gbs
-            if iterations == 0:
-                raise ConfigError(
-                    "dataset.full_validation",
-                    f"validation set {name!r} holds {len(dataset)} samples, fewer than one "
-                    f"global batch (train.global_batch_size={gbs}); give it more documents "
-                    "or set dataset.full_validation=null",
-                )
-            loader = build_data_loader(dataset, 0, **{**common, "dataloader_type": "single"})
-            sets.append(ValidationSet(name, _present(loader), iterations))
+            whole = WholeBatches(dataset, gbs)
+            loader = build_data_loader(whole, 0, **{**common, "dataloader_type": "single"})
+            sets.append(ValidationSet(name, _present(loader), len(whole) // gbs))
         else:
             loader = build_data_loader(dataset, train_state.consumed_valid_samples, **common)
             # Under "single" each set restarts whenever it runs out, as the one split does.

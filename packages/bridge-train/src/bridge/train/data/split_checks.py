@@ -12,8 +12,6 @@ tokens than one sample would be repeated thousands of times over.
 only) and refuses such a split, naming it, its documents and tokens, and the fix. The
 split ranges are megatron-core's own (``parse_and_normalize_split`` and
 ``convert_split_vector_to_split_matrix``, the same rounding its builder applies).
-:func:`check_full_pass_batches` reads the same ranges to refuse a separate validation set
-whose full pass (``dataset.full_validation``) would not fill one global batch.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from bridge.config import ConfigError, FinetuningDatasetConfig, GPTDatasetConfig
 from bridge.train.data.datasets import _SPLIT_NAMES, dataset_prefixes
 from bridge.train.data.file_checks import read_sequence_lengths
 
-__all__ = ["check_full_pass_batches", "check_split_samples"]
+__all__ = ["check_split_samples"]
 
 
 def _ranges(
@@ -111,44 +109,6 @@ def check_split_samples(
                 f"one sample ({sample} tokens: sequence length {sequence_length}"
                 f"{' + 1' if sample > sequence_length else ''}); "
                 f"it would repeat the same tokens in every sample. {_FIX}",
-            )
-
-
-def check_full_pass_batches(
-    dataset_config: GPTDatasetConfig | FinetuningDatasetConfig, global_batch_size: int
-) -> None:
-    """Refuse a separate validation set too small for one global batch of its full pass.
-
-    With ``dataset.full_validation`` each validation set is one pass over its documents:
-    ``(tokens - extra token) // sequence_length`` samples, as megatron-core counts an
-    epoch, of which ``samples // global_batch_size`` global batches are evaluated
-    (:mod:`bridge.train.data.validation_sets`).
-
-    Args:
-        dataset_config: The ``dataset`` section (real data with a validation part).
-        global_batch_size: ``train.global_batch_size``.
-
-    Raises:
-        ConfigError: A validation set holds fewer samples than one global batch (its pass
-            would evaluate nothing); names ``dataset.full_validation`` and the prefix.
-    """
-    sequence_length = getattr(dataset_config, "sequence_length", None)
-    if not isinstance(sequence_length, int):
-        return
-    extra = int(bool(getattr(dataset_config, "add_extra_token_to_sequence", 1)))
-    for _, prefix, index, (begin, end) in _ranges(dataset_config):
-        if index != _SPLIT_NAMES.index("validation"):
-            continue
-        sizes = read_sequence_lengths(prefix)
-        first, last = round(begin * len(sizes)), round(end * len(sizes))  # megatron's rounding
-        samples = max(int(sizes[first:last].sum()) - extra, 0) // sequence_length
-        if samples < global_batch_size:
-            raise ConfigError(
-                "dataset.full_validation",
-                f"the validation set {prefix!r} holds {samples} samples of {sequence_length} "
-                f"tokens, fewer than one global batch (train.global_batch_size="
-                f"{global_batch_size}), so its full pass would evaluate nothing; give it more "
-                "documents or set dataset.full_validation=null",
             )
 
 

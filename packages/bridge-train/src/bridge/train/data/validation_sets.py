@@ -20,9 +20,10 @@ every set's sampler at it and reads what the interrupted run would have read nex
 
 With ``full_validation``, megatron-core builds each validation set as one pass over its
 documents (no sample count), and every evaluation reads all of it from its first sample:
-``len(set) // train.global_batch_size`` global batches (the floor: the samplers drop a
-last incomplete batch, as megatron's do). A pass always starts at sample 0, so it has no
-position to save: ``consumed_valid_samples`` does not advance.
+``ceil(len(set) / train.global_batch_size)`` global batches, the last one filled up with
+loss-free samples, so every sample counts exactly once (Megatron-LM's full validation
+also evaluates every sample; Megatron-Bridge refuses the field). A pass always starts at
+sample 0, so it has no position to save: ``consumed_valid_samples`` does not advance.
 """
 
 from __future__ import annotations
