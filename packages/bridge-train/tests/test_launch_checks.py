@@ -244,9 +244,9 @@ def test_a_training_length_whose_dataset_index_cannot_fit_in_memory_is_refused()
 
 
 @pytest.mark.parametrize("name", ["multiple_validation_sets", "full_validation"])
-def test_separate_validation_sets_are_refused_not_ignored(name: str) -> None:
-    """megatron would build a list of validation datasets (or a full pass) that the
-    trainer's evaluation does not read: refused in the one pass, naming the field."""
+def test_separate_validation_sets_of_mock_data_are_refused_not_ignored(name: str) -> None:
+    """Mock data has no separate validation sets (and a full pass is over separate sets):
+    refused in the one pass, naming the field (test_validation_sets.py runs them)."""
     cfg = tiny_config_container()
     dataset = cfg.dataset
     assert isinstance(dataset, GPTDatasetConfig)
@@ -254,7 +254,10 @@ def test_separate_validation_sets_are_refused_not_ignored(name: str) -> None:
     cfg.dataset = dataclasses.replace(dataset, **overrides)
     with pytest.raises(ConfigError) as info:
         check_section(vars(cfg), "dataset", 1, cuda_available=False)
-    assert str(info.value).startswith(f"dataset.{name}: got true; bridge-train evaluates")
+    assert str(info.value).startswith(f"dataset.{name}: got true")
+    assert "dataset.blend_per_split" in str(info.value) and f"dataset.{name}=null" in str(
+        info.value
+    )
     overrides[name] = None
     cfg.dataset = dataclasses.replace(dataset, **overrides)
     check_section(vars(cfg), "dataset", 1, cuda_available=False)

@@ -130,12 +130,19 @@ class GPTDatasetConfig(DataloaderConfig):
     split without data. Exclusive with ``blend``, ``split`` and ``mock``."""
 
     multiple_validation_sets: bool | None = None
-    """Treat the validation split as several separate datasets, each evaluated on its own.
-    bridge-train does not: it refuses true."""
+    """Treat the validation split as several separate datasets, each evaluated on its own:
+    every prefix of ``blend_per_split``'s validation entry (or the validation split of every
+    prefix of ``blend``) is one set, not blended with the others, and its losses are logged
+    as the split ``validation <name>`` (the prefix's file name, or its index when file names
+    repeat), e.g. ``lm loss validation wiki``. Each set reads ``train.eval_iters`` global
+    batches per evaluation. bridge-train refuses true for mock, SFT and T5 data."""
 
     full_validation: bool | None = None
-    """Evaluate on a full pass over the validation data each time validation runs (with
-    ``multiple_validation_sets``). bridge-train does not: it refuses true."""
+    """Evaluate on a full pass over each validation set every time validation runs (needs
+    ``multiple_validation_sets``): every sample once, from the set's first, in
+    ``ceil(len(set) / train.global_batch_size)`` global batches (the last one filled up with
+    samples that count for nothing) instead of ``train.eval_iters`` (which must still be > 0
+    for validation to run)."""
 
     split: str | None = None
     """Relative weights of train/validation/test when one blend is split, e.g. ``"99,1,0"``.

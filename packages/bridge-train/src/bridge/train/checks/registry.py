@@ -119,7 +119,7 @@ REGISTRY: dict[str, tuple[Rule, ...]] = {
         # T5 span-corruption data and its tokenizer's sentinel tokens fit together.
         Rule(check_t5_data_config, GPT, ("dataset", "tokenizer")),
         Rule(rules.finetuning_dataset_is_supported, GPT),
-        Rule(rules.validation_is_one_dataset, GPT),
+        Rule(rules.validation_sets_can_be_separate, GPT),
         _unused_by_mimo("dataset"),
     ),
     "peft": (Rule(rules.peft_is_a_transform, GPT), _unused_by_mimo("peft")),

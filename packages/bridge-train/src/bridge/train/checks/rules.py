@@ -74,7 +74,7 @@ __all__ = [
     "save_directory_is_writable",
     "sharp_and_stream_priority_need_nccl",
     "tokenizer_can_be_built",
-    "validation_is_one_dataset",
+    "validation_sets_can_be_separate",
     "vocabulary_is_known",
 ]
 
@@ -398,16 +398,49 @@ def data_splits_hold_samples(dataset: GivenDataset, train: TrainingConfig) -> No
     )
 
 
-def validation_is_one_dataset(dataset: Dataset) -> None:
-    """The validation split is evaluated as one dataset, for ``train.eval_iters`` batches:
-    megatron's separate validation sets (a list of datasets) and their full pass are not."""
-    for name in ("multiple_validation_sets", "full_validation"):
-        if getattr(dataset, name, None):
-            raise ConfigError(
-                f"dataset.{name}",
-                "got true; bridge-train evaluates the validation split as one (blended) "
-                f"dataset for train.eval_iters batches: set dataset.{name}=null",
-            )
+def validation_sets_can_be_separate(dataset: GivenDataset) -> None:
+    """``dataset.multiple_validation_sets`` and ``full_validation`` where they can be
+    honoured (:mod:`bridge.train.data.validation_sets`): GPT ``.bin``/``.idx`` data, each
+    prefix of ``blend_per_split``'s validation entry (or of ``blend``, with a validation
+    share in ``split``) one set. ``full_validation`` is their full pass, so it needs them.
+    (The mimo recipe refuses the whole ``dataset`` section.)"""
+    separate = bool(getattr(dataset, "multiple_validation_sets", None))
+    if getattr(dataset, "full_validation", None) and not separate:
+        raise ConfigError(
+            "dataset.full_validation",
+            "got true without dataset.multiple_validation_sets; the full pass is over each "
+            "separate validation set: set dataset.multiple_validation_sets=true (one prefix "
+            "in dataset.blend_per_split's validation entry gives one set) or "
+            "dataset.full_validation=null",
+        )
+    if not separate:
+        return
+    per_split = getattr(dataset, "blend_per_split", None)
+    unsupported = None
+    # FinetuningDatasetConfig (SFT) has neither field: the config loader refuses them as
+    # unknown fields of that section.
+    if isinstance(dataset, T5DatasetConfig):
+        unsupported = "T5 span-corruption data"
+    elif getattr(dataset, "mock", False) or (
+        getattr(dataset, "blend", None) is None and per_split is None
+    ):
+        unsupported = "mock data, which has no separate validation sets"
+    elif getattr(dataset, "dataloader_type", None) == "external":
+        unsupported = "dataset.dataloader_type=external, whose batches bridge-train does not build"
+    elif not _validation_weight(dataset):
+        unsupported = (
+            "no validation split in dataset.split"
+            if per_split is None
+            else "no validation entry in dataset.blend_per_split"
+        )
+    if unsupported is not None:
+        raise ConfigError(
+            "dataset.multiple_validation_sets",
+            f"got true with {unsupported}; separate validation sets are the prefixes of "
+            "dataset.blend_per_split's validation entry, or of dataset.blend with a "
+            "validation share in dataset.split (GPT .bin/.idx data): give them there, or "
+            "set dataset.multiple_validation_sets=null",
+        )
 
 
 def finetuning_dataset_is_supported(dataset: Dataset, model: ModelConfigProtocol) -> None:

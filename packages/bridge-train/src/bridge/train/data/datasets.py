@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.config import (
     FinetuningDatasetConfig,
@@ -21,6 +21,15 @@ from bridge.config import (
     convert_dataclass,
 )
 from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.data.validation_sets import ValidationDatasets, validation_set_names
+
+if TYPE_CHECKING:  # megatron-core is imported where datasets are built
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        BlendedMegatronDatasetConfig,
+    )
 
 __all__ = [
     "build_gpt_dataset_config",
@@ -173,7 +182,11 @@ def build_train_valid_test_datasets(
             (:func:`train_valid_test_num_samples`).
 
     Returns:
-        ``(train_ds, valid_ds, test_ds)``.
+        ``(train_ds, valid_ds, test_ds)``; with ``dataset.multiple_validation_sets``,
+        ``valid_ds`` is a :class:`~bridge.train.data.validation_sets.ValidationDatasets`
+        (one dataset per prefix of ``blend_per_split``'s validation entry, or per prefix of
+        ``blend`` with its ``split``; each one pass over its documents with
+        ``dataset.full_validation``).
 
     Raises:
         FileNotFoundError: A data path does not exist.
@@ -197,6 +210,52 @@ def build_train_valid_test_datasets(
         from bridge.train.data.split_checks import check_split_samples
 
         check_split_samples(dataset_config, (sizes[0], sizes[1], sizes[2]))
-    builder = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config)
+    separate = bool(config.multiple_validation_sets) and not config.mock
+    # No sample count for a full pass: megatron builds each validation set as one pass over
+    # its documents (its builder asserts the count is None for full_validation).
+    valid_size = None if separate and config.full_validation else sizes[1]
+    built_sizes: list[int | None] = list(sizes)
+    if config.blend_per_split is not None:
+        built_sizes[1] = valid_size
+    builder = BlendedMegatronDatasetBuilder(cls, built_sizes, lambda: True, config)
     train_ds, valid_ds, test_ds = builder.build()
+    if separate and valid_ds is not None:
+        valid_ds = _separate_validation_sets(
+            config, valid_ds, BlendedMegatronDatasetBuilder, cls, valid_size
+        )
     return train_ds, valid_ds, test_ds
+
+
+def _separate_validation_sets(
+    megatron_config: BlendedMegatronDatasetConfig,
+    valid_ds: Any,
+    builder_class: type[BlendedMegatronDatasetBuilder],
+    cls: type,
+    valid_size: int | None,
+) -> ValidationDatasets:
+    """The validation sets with their names (:mod:`bridge.train.data.validation_sets`).
+
+    megatron-core separates ``blend_per_split``'s validation entry itself (a list, or one
+    dataset for a one-prefix entry). It blends ``blend``'s validation split whatever
+    ``multiple_validation_sets`` says, so each prefix's validation split is built on its
+    own here: the prefix alone with the same ``split`` (the same documents as its part of
+    the blend), as a one-prefix ``blend`` would give it.
+    """
+    full_pass = bool(megatron_config.full_validation)
+    per_split = megatron_config.blend_per_split
+    if per_split is not None and per_split[1] is not None:
+        prefixes = per_split[1][0]
+        datasets = tuple(valid_ds) if isinstance(valid_ds, list) else (valid_ds,)
+        return ValidationDatasets(validation_set_names(prefixes), datasets, full_pass)
+    assert megatron_config.blend is not None  # the dataset rule refused every other case
+    prefixes = megatron_config.blend[0]
+    built = []
+    for prefix in prefixes:
+        alone = dataclasses.replace(
+            megatron_config, blend=([prefix], None), multiple_validation_sets=False
+        )
+        # Training and test splits of the prefix come with it (megatron builds every split
+        # of a one-prefix blend); 0 samples keeps their indices to one epoch.
+        builder = builder_class(cls, [0, valid_size, 0], lambda: True, alone)
+        built.append(builder.build()[1])
+    return ValidationDatasets(validation_set_names(prefixes), tuple(built), full_pass)

@@ -13,6 +13,10 @@
 All iterators are positioned by the run's :class:`~bridge.train.TrainState`
 (``consumed_train_samples`` / ``consumed_valid_samples``), so a resumed run reads exactly
 the samples the interrupted one would have read next.
+
+Separate validation sets (``dataset.multiple_validation_sets``) give a
+:class:`~bridge.train.data.validation_sets.ValidationSets` in the validation slot: one
+loader per set, each handing out its own iterator (see that module for the full pass).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from bridge.config import FinetuningDatasetConfig, GPTDatasetConfig, TrainingConfig
+from bridge.train.data.eval_file import WholeBatches
 from bridge.train.data.samplers import CyclicRandomSampler, PretrainingSampler
+from bridge.train.data.validation_sets import ValidationDatasets, ValidationSet, ValidationSets
 
 __all__ = [
     "build_data_loader",
@@ -187,7 +193,8 @@ def build_train_valid_test_data_loaders(
 
     Returns:
         ``(train_loader, valid_loader, test_loader)``; for ``"external"`` the datasets
-        themselves.
+        themselves; for separate validation sets a
+        :class:`~bridge.train.data.validation_sets.ValidationSets` in the validation slot.
 
     Raises:
         ValueError: Unknown ``dataloader_type`` or missing ``micro_batch_size``.
@@ -226,9 +233,54 @@ def build_train_valid_test_data_loaders(
         "worker_init_fn": _worker_init_fn(train_config),
     }
     train = build_data_loader(train_ds, train_state.consumed_train_samples, **common)
-    valid = build_data_loader(valid_ds, train_state.consumed_valid_samples, **common)
+    valid: Any
+    if isinstance(valid_ds, ValidationDatasets):
+        valid = _validation_sets(valid_ds, train_config, train_state, common)
+    else:
+        valid = build_data_loader(valid_ds, train_state.consumed_valid_samples, **common)
     test = build_data_loader(test_ds, 0, **common)
     return train, valid, test
+
+
+def _validation_sets(
+    datasets: ValidationDatasets,
+    train_config: TrainingConfig,
+    train_state: Any,
+    common: dict[str, Any],
+) -> ValidationSets:
+    """One loader per separate validation set (see :mod:`bridge.train.data.validation_sets`).
+
+    A full pass reads each set in order from its first sample (``"single"`` whatever
+    ``dataloader_type`` says: a shuffled epoch would be the same samples, and the
+    ``"cyclic"`` sampler does not end where a pass does), its last global batch filled up
+    with loss-free samples (:class:`~bridge.train.data.eval_file.WholeBatches`), so every
+    sample counts once; otherwise each set's loader is positioned at the shared
+    ``consumed_valid_samples`` and read on as the split would be.
+    """
+    kind = common["dataloader_type"]
+    gbs = int(train_config.global_batch_size or 0) or int(common["micro_batch_size"]) * int(
+        common["data_parallel_size"]
+    )
+    sets: list[ValidationSet] = []
+    for name, dataset in zip(datasets.names, datasets.datasets, strict=True):
+        if datasets.full_pass:
+            whole = WholeBatches(dataset, gbs)
+            loader = build_data_loader(whole, 0, **{**common, "dataloader_type": "single"})
+            sets.append(ValidationSet(name, _present(loader), len(whole) // gbs))
+        else:
+            loader = build_data_loader(dataset, train_state.consumed_valid_samples, **common)
+            # Under "single" each set restarts whenever it runs out, as the one split does.
+            continuing = cyclic_iter if kind == "single" else iter
+            sets.append(ValidationSet(name, _present(loader), continuing=continuing))
+    return ValidationSets(tuple(sets), full_pass=datasets.full_pass)
+
+
+def _present(loader: DataLoader[Any] | None) -> DataLoader[Any]:
+    # build_data_loader gives None only for an empty dataset; megatron never builds an
+    # empty validation set (split_checks refuses a prefix without a sample first).
+    if loader is None:
+        raise ValueError("a separate validation set holds no sample")
+    return loader
 
 
 def build_train_valid_test_data_iterators(
@@ -245,7 +297,9 @@ def build_train_valid_test_data_iterators(
     The arguments are :func:`build_train_valid_test_data_loaders`'.
 
     Returns:
-        ``(train_iterator, valid_iterator, test_iterator)``, ``None`` for a missing split.
+        ``(train_iterator, valid_iterator, test_iterator)``, ``None`` for a missing split;
+        separate validation sets stay a
+        :class:`~bridge.train.data.validation_sets.ValidationSets`.
     """
     kind = getattr(dataset_config, "dataloader_type", None) or "single"
     loaders = build_train_valid_test_data_loaders(
@@ -260,6 +314,10 @@ def build_train_valid_test_data_iterators(
     # Under "single" evaluation restarts its split whenever it runs out.
     evaluation = cyclic_iter if kind == "single" else iter
     train_it = None if train is None else iter(train)
-    valid_it = None if valid is None else iter(evaluation(valid))
+    valid_it: Any
+    if isinstance(valid, ValidationSets):
+        valid_it = valid  # each set hands out its own iterator
+    else:
+        valid_it = None if valid is None else iter(evaluation(valid))
     test_it = None if test is None else iter(evaluation(test))
     return train_it, valid_it, test_it

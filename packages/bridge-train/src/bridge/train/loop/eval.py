@@ -4,7 +4,9 @@ The loop's :class:`~bridge.train.loop.components.Evaluator` and Megatron-Bridge'
 ``evaluate`` / ``evaluate_and_print_results`` (:mod:`bridge.train.api.eval`) run the one
 :class:`Evaluation`: the engine's schedule with ``forward_only=True`` over ``eval_iters``
 global batches, each loss averaged over the tokens of all micro-batches, iterations and
-data-parallel ranks, logged through bridge.logging's validation logger.
+data-parallel ranks, logged through bridge.logging's validation logger. Separate
+validation sets (``dataset.multiple_validation_sets``) are each evaluated and logged on their
+own (:meth:`Evaluation.evaluate_sets_and_log`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from bridge.config import TrainingConfig
 from bridge.logging import LoggingState, log_validation_results, validation_line
 from bridge.resiliency import FaultTolerance
+from bridge.train.data.validation_sets import ValidationSets
 from bridge.train.loop.forward_pre_hooks import disable_forward_pre_hook, enable_forward_pre_hook
 from bridge.train.loop.losses import reduce_loss_dicts
 from bridge.train.loop.step import data_parallel_layout
@@ -70,9 +73,12 @@ class Evaluation:
         *,
         verbose: bool = False,
         is_validation: bool = True,
+        iterations: int | None = None,
     ) -> tuple[dict[str, float], Any, bool]:
-        """:func:`evaluate`: ``(losses, collected non-loss data or None, False)``."""
+        """:func:`evaluate`: ``(losses, collected non-loss data or None, False)``, over
+        ``iterations`` global batches (default ``train.eval_iters``)."""
         train = self.train
+        num_iterations = int(train.eval_iters) if iterations is None else int(iterations)
         assert train.micro_batch_size is not None
         dp_size, dp_cp_group, last_stage = data_parallel_layout()
         gbs = int(train.global_batch_size or train.micro_batch_size * dp_size)
@@ -100,9 +106,9 @@ class Evaluation:
         collected: Any = None
         try:
             with torch.no_grad():
-                for iteration in range(int(train.eval_iters)):
+                for iteration in range(num_iterations):
                     if verbose and torch.distributed.get_rank() == 0:
-                        print(f"Evaluating iter {iteration + 1}/{train.eval_iters}", flush=True)
+                        print(f"Evaluating iter {iteration + 1}/{num_iterations}", flush=True)
                     fault_tolerance.on_eval_step_start()
                     loss_dicts = run_forward()
                     fault_tolerance.on_eval_step_end()
@@ -137,14 +143,24 @@ class Evaluation:
         verbose: bool = False,
         write_to_tensorboard: bool = True,
         split: str = "validation",
+        iterations: int | None = None,
+        counts_valid_samples: bool | None = None,
     ) -> dict[str, float]:
         """:func:`evaluate_and_print_results`: evaluate, then print the losses and
         perplexities (last rank) and, with ``write_to_tensorboard``, write them to every
         configured backend (:func:`bridge.logging.log_validation_results`); with collected
         non-loss data, ``process_non_loss_data_func(collected, iteration, tensorboard
-        writer)`` runs on the last rank."""
+        writer)`` runs on the last rank. ``iterations`` overrides ``train.eval_iters``;
+        ``counts_valid_samples`` (default: ``split == "validation"``) advances
+        ``consumed_valid_samples``."""
+        if counts_valid_samples is None:
+            counts_valid_samples = split == "validation"
         losses, collected, _ = self.evaluate(
-            data_iterator, model, verbose=verbose, is_validation=split == "validation"
+            data_iterator,
+            model,
+            verbose=verbose,
+            is_validation=counts_valid_samples,
+            iterations=iterations,
         )
         iteration = self.state.train_state.step
         if write_to_tensorboard:
@@ -159,14 +175,42 @@ class Evaluation:
             process(collected, iteration, writer)
         return losses
 
+    def evaluate_sets_and_log(
+        self, prefix: str, sets: ValidationSets, model: list[torch.nn.Module]
+    ) -> dict[str, dict[str, float]]:
+        """Evaluate and log each separate validation set on its own, as the split
+        ``validation <name>`` (:mod:`bridge.train.data.validation_sets`): a full pass over
+        each, or ``train.eval_iters`` global batches continuing where the last evaluation
+        stopped.
+
+        Returns:
+            ``{"validation <name>": {loss name: value}}``, in the order of the sets.
+        """
+        results: dict[str, dict[str, float]] = {}
+        for index, validation_set in enumerate(sets):
+            split = f"validation {validation_set.name}"
+            results[split] = self.evaluate_and_log(
+                prefix,
+                validation_set.batches(),
+                model,
+                split=split,
+                iterations=validation_set.iterations,
+                # Every set reads as many samples as the first, so the one counter is each
+                # set's position; a full pass always starts at sample 0 and has none.
+                counts_valid_samples=index == 0 and not sets.full_pass,
+            )
+        return results
+
     def __call__(self, context: LoopContext) -> None:
         """The loop's :data:`~bridge.train.loop.components.EvaluateFunction`: validation
         at ``context.iteration`` on the context's validation iterator."""
         model = context.model
         if self.toggle_forward_pre_hooks:
             disable_forward_pre_hook(model)
-        self.evaluate_and_log(
-            f"iteration {context.iteration}", context.valid_data_iterator, model, verbose=False
-        )
+        prefix = f"iteration {context.iteration}"
+        if isinstance(context.valid_data_iterator, ValidationSets):
+            self.evaluate_sets_and_log(prefix, context.valid_data_iterator, model)
+        else:
+            self.evaluate_and_log(prefix, context.valid_data_iterator, model, verbose=False)
         if self.toggle_forward_pre_hooks:
             enable_forward_pre_hook(model)

@@ -49,6 +49,7 @@ from bridge.train.checks.rules import vocabulary_is_known
 from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
+from bridge.train.data.validation_sets import ValidationSets
 from bridge.train.engine.base import Engine, build_engine
 from bridge.train.engine.initialize import (
     destroy_distributed,
@@ -278,10 +279,20 @@ def setup(
     )
 
     out.train_data_iterator, out.valid_data_iterator, out.test_data_iterator = (
-        None if it is None else RerunDataIterator(it) for it in iterators
+        _rerun_iterator(it) for it in iterators
     )
     resiliency.fault_tolerance.on_setup_end(checkpoint_loaded=out.checkpoint_loaded)
     return out
+
+
+def _rerun_iterator(iterator: Any) -> Any:
+    """megatron's ``RerunDataIterator`` around a split's iterator (around each separate
+    validation set's)."""
+    if iterator is None:
+        return None
+    if isinstance(iterator, ValidationSets):
+        return iterator.wrapped(RerunDataIterator)
+    return RerunDataIterator(iterator)
 
 
 def final_evaluation(out: SetupOutput, evaluation: Evaluation) -> dict[str, dict[str, float]]:
@@ -289,7 +300,9 @@ def final_evaluation(out: SetupOutput, evaluation: Evaluation) -> dict[str, dict
     each when the run has that split; also the evaluation-only run's.
 
     Returns:
-        ``{"validation": {loss name: value}, "test": {...}}`` for the splits evaluated.
+        ``{"validation": {loss name: value}, "test": {...}}`` for the splits evaluated;
+        separate validation sets give ``"validation <name>"`` entries instead of
+        ``"validation"``.
     """
     train_state = out.state.train_state
     step = train_state.step
@@ -298,13 +311,16 @@ def final_evaluation(out: SetupOutput, evaluation: Evaluation) -> dict[str, dict
         ("validation", out.valid_data_iterator, train_state.do_valid and not validated),
         ("test", out.test_data_iterator, train_state.do_test),
     ]
-    return {
-        split: evaluation.evaluate_and_log(
-            f"iteration {step} on {split} set", iterator, out.model, split=split
-        )
-        for split, iterator, wanted in splits
-        if wanted and iterator is not None
-    }
+    results: dict[str, dict[str, float]] = {}
+    for split, iterator, wanted in splits:
+        if not wanted or iterator is None:
+            continue
+        prefix = f"iteration {step} on {split} set"
+        if isinstance(iterator, ValidationSets):
+            results.update(evaluation.evaluate_sets_and_log(prefix, iterator, out.model))
+        else:
+            results[split] = evaluation.evaluate_and_log(prefix, iterator, out.model, split=split)
+    return results
 
 
 def close_run(
