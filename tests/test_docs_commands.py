@@ -513,7 +513,8 @@ def _missing_module(command: DocCommand) -> str | None:
 def test_page_commands_run_as_written(page: str, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    for folder in ("examples", "benchmarks"):
+    # What the pages run from a clone: the examples, the benchmarks and the resiliency drill.
+    for folder in ("examples", "benchmarks", "packages/bridge-resiliency/tests"):
         shutil.copytree(ROOT / folder, work / folder, ignore=shutil.ignore_patterns("__pycache__"))
     (work / "tmp").mkdir()
     env = _page_environment(work)
