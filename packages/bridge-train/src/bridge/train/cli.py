@@ -358,14 +358,13 @@ def _overrides_of(
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
     """``(config with overrides, recipe file, config of the recipe alone)``."""
-    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
-
     overrides = dict(parse_overrides(args.overrides))
     load = overrides.get("checkpoint.load")  # what --eval-only evaluates
     if args.config is not None:
         path = Path(args.config)
     elif args.eval_only and args.recipe is None and load:  # the checkpoint's own config
         from bridge.train.checkpointing import CheckpointError
+        from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME, locate_checkpoint
 
         try:
             _, iteration_dir = locate_checkpoint(str(load))
@@ -384,6 +383,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path, Any]:
             raise ConfigError("--recipe", str(exc.args[0])) from None
     cfg = load_config(path, args.overrides)  # first: its mistakes are the user's to see
     recipe_cfg = load_config(path) if args.overrides else None
+    # After the config's own errors, which are reported without importing megatron.
+    from bridge.train.checkpointing.layout import RUN_CONFIG_FILENAME
+
     if path.name == RUN_CONFIG_FILENAME and "dist.local_rank" not in overrides:
         # A run_config.yaml saved before saved configs left dist.local_rank out holds the
         # saving process's (rank 0's); it describes that process, not this one.
