@@ -269,10 +269,13 @@ def _validation_sets(
             sets.append(ValidationSet(name, _present(loader), len(whole) // gbs))
         else:
             loader = build_data_loader(dataset, train_state.consumed_valid_samples, **common)
-            # Under "single" each set restarts whenever it runs out, as the one split does.
-            continuing = cyclic_iter if kind == "single" else iter
-            sets.append(ValidationSet(name, _present(loader), continuing=continuing))
+            sets.append(ValidationSet(name, _present(loader), continuing=_evaluation_iter(kind)))
     return ValidationSets(tuple(sets), full_pass=datasets.full_pass)
+
+
+def _evaluation_iter(kind: str) -> Callable[[Iterable[Any]], Iterator[Any]]:
+    # Under "single" an evaluated split (or validation set) restarts whenever it runs out.
+    return cyclic_iter if kind == "single" else iter
 
 
 def _present(loader: DataLoader[Any] | None) -> DataLoader[Any]:
@@ -311,8 +314,7 @@ def build_train_valid_test_data_iterators(
         data_parallel_size=data_parallel_size,
     )
     train, valid, test = loaders
-    # Under "single" evaluation restarts its split whenever it runs out.
-    evaluation = cyclic_iter if kind == "single" else iter
+    evaluation = _evaluation_iter(kind)
     train_it = None if train is None else iter(train)
     valid_it: Any
     if isinstance(valid, ValidationSets):
