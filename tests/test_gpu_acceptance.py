@@ -127,6 +127,14 @@ def test_training_flops_of_the_1b_shape() -> None:
     assert 1.2e9 < matmul_params < 1.3e9  # Llama-3.2-1B: 1.24 B with tied embeddings
 
 
+def test_a_row_run_alone_has_the_whole_budget() -> None:
+    row = acceptance._row_by_id("checkpoint")
+    assert acceptance.row_limit(row, "gpu", 420.0, alone=False) == row.limit_s < 420.0
+    assert acceptance.row_limit(row, "gpu", 420.0, alone=True) == 420.0
+    assert acceptance.row_limit(row, "gpu", 100.0, alone=False) == 100.0
+    assert acceptance.row_limit(row, "dry", 900.0, alone=False) == row.dry_limit_s
+
+
 # -- the dry run -----------------------------------------------------------------------------
 
 
