@@ -28,12 +28,7 @@ from bridge.train.models.families.config_fields import (
     silu_activation,
 )
 from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
-from bridge.train.models.families.mapping import (
-    ParamMapping,
-    direct,
-    gated_fc1,
-    routed_experts,
-)
+from bridge.train.models.families.mapping import ParamMapping, direct, gated_mlp, routed_experts
 from bridge.train.models.families.moe import hf_moe_layers, moe_layer_pattern
 from bridge.train.models.mla_provider import MLAModelProvider
 
@@ -302,16 +297,10 @@ class DeepseekV3Family(LlamaFamily):
         and shared experts on the others."""
         if layer < _first_dense(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
-        shared = f"{h}mlp.shared_experts."
         return [
             *routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config)),
             direct(f"{m}mlp.router.expert_bias", f"{h}mlp.gate.e_score_correction_bias"),
-            gated_fc1(
-                f"{m}mlp.shared_experts.linear_fc1.weight",
-                f"{shared}gate_proj.weight",
-                f"{shared}up_proj.weight",
-            ),
-            direct(f"{m}mlp.shared_experts.linear_fc2.weight", f"{shared}down_proj.weight"),
+            *gated_mlp(f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts."),
         ]
 
     # ---- provider -> config.json (export of a model trained from scratch) ------------------

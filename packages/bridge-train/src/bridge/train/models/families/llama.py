@@ -28,7 +28,7 @@ from bridge.train.models.families.config_fields import (
 from bridge.train.models.families.mapping import (
     ParamMapping,
     direct,
-    gated_fc1,
+    gated_mlp,
     self_attention,
     vocab_rows,
 )
@@ -204,19 +204,9 @@ class LlamaFamily(HFFamily):
         self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str
     ) -> list[ParamMapping]:
         """The dense SwiGLU MLP (weights, and biases with ``mlp_bias``)."""
-        maps = [
-            gated_fc1(
-                f"{m}mlp.linear_fc1.weight", f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"
-            ),
-            direct(f"{m}mlp.linear_fc2.weight", f"{h}mlp.down_proj.weight"),
-        ]
+        maps = gated_mlp(f"{m}mlp.", f"{h}mlp.")
         if kwargs.get("add_bias_linear"):
-            maps += [
-                gated_fc1(
-                    f"{m}mlp.linear_fc1.bias", f"{h}mlp.gate_proj.bias", f"{h}mlp.up_proj.bias"
-                ),
-                direct(f"{m}mlp.linear_fc2.bias", f"{h}mlp.down_proj.bias"),
-            ]
+            maps += gated_mlp(f"{m}mlp.", f"{h}mlp.", part="bias")
         return maps
 
     # ---- provider -> config.json (export of a model trained from scratch) ------------------
