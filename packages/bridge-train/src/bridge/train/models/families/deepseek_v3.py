@@ -29,7 +29,7 @@ from bridge.train.models.families.config_fields import (
 )
 from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
 from bridge.train.models.families.mapping import ParamMapping, direct, gated_mlp, routed_experts
-from bridge.train.models.families.moe import hf_moe_layers, moe_layer_pattern
+from bridge.train.models.families.moe import expert_count, hf_moe_layers, moe_layer_pattern
 from bridge.train.models.mla_provider import MLAModelProvider
 
 __all__ = ["DeepseekV3Family"]
@@ -46,13 +46,6 @@ _YARN_FIELDS = {
     "mscale": "mscale",
     "mscale_all_dim": "mscale_all_dim",
 }
-
-
-def _experts(config: dict[str, Any]) -> int:
-    experts = config.get("n_routed_experts", config.get("num_local_experts"))
-    if not experts:
-        raise refuse(config, "n_routed_experts", experts, "a DeepSeek-V3 model needs experts")
-    return int(experts)
 
 
 def _first_dense(config: dict[str, Any]) -> int:
@@ -226,7 +219,7 @@ class DeepseekV3Family(LlamaFamily):
                 "says, megatron-core one epsilon for every norm",
             )
         layers = int(require(config, "num_hidden_layers"))
-        experts = _experts(config)
+        experts = expert_count(config, "n_routed_experts", "DeepSeek-V3")
         topk = int(require(config, "num_experts_per_tok"))
         expert_ffn = int(require(config, "moe_intermediate_size"))
         shared = config.get("n_shared_experts")
@@ -298,7 +291,9 @@ class DeepseekV3Family(LlamaFamily):
         if layer < _first_dense(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
         return [
-            *routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config)),
+            *routed_experts(
+                m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", kwargs["num_moe_experts"]
+            ),
             direct(f"{m}mlp.router.expert_bias", f"{h}mlp.gate.e_score_correction_bias"),
             *gated_mlp(f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts."),
         ]
