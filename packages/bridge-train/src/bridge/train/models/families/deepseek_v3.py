@@ -138,15 +138,11 @@ def _router_kwargs(config: dict[str, Any], experts: int, topk: int) -> dict[str,
 
 def _balance_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """Training's load-balancing loss (see the module docstring)."""
-    if config.get("aux_loss_alpha") is None:
-        return {
-            "moe_router_load_balancing_type": "seq_aux_loss",
-            "moe_aux_loss_coeff": _DEFAULT_SEQ_AUX,
-        }
-    kind = "seq_aux_loss" if config.get("seq_aux", True) else "aux_loss"
+    alpha = config.get("aux_loss_alpha")
+    sequence_wise = alpha is None or config.get("seq_aux", True)
     return {
-        "moe_router_load_balancing_type": kind,
-        "moe_aux_loss_coeff": float(config["aux_loss_alpha"]),
+        "moe_router_load_balancing_type": "seq_aux_loss" if sequence_wise else "aux_loss",
+        "moe_aux_loss_coeff": _DEFAULT_SEQ_AUX if alpha is None else float(alpha),
     }
 
 
