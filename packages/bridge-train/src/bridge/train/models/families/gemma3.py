@@ -90,14 +90,7 @@ class Gemma3Family(LlamaFamily):
 
     def skips(self, name: str, config: dict[str, Any]) -> bool:
         """The vision tower and multimodal projector of ``gemma3``."""
-        return name.startswith(
-            (
-                "vision_tower.",
-                "multi_modal_projector.",
-                "model.vision_tower.",
-                "model.multi_modal_projector.",
-            )
-        )
+        return name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector."))
 
     def export_config(
         self, config: dict[str, Any], imported_prefix: str | None
