@@ -328,17 +328,16 @@ class GPTModelProvider(TransformerConfig):
                 :func:`~bridge.train.models.layer_specs.resolve_layer_spec_backend`), or is
                 Transformer Engine for such a provider.
         """
-        requested = self.layer_spec_backend
-        if self._local_modules_only is not None and requested == "transformer_engine":
-            model, why = self._local_modules_only
+        local_only = self._local_modules_only
+        if local_only is not None and self.layer_spec_backend == "transformer_engine":
             raise ValueError(
-                f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
-                f"({why}); use 'local' or 'auto'"
+                f"model.layer_spec_backend='transformer_engine' is not supported for "
+                f"{local_only[0]} ({local_only[1]}); use 'local' or 'auto'"
             )
-        backend = resolve_layer_spec_backend(requested)
-        if self._local_modules_only is None or backend != "transformer_engine":
-            return backend
-        return "local"
+        # Such a provider resolves "auto" as if Transformer Engine were not installed.
+        return resolve_layer_spec_backend(
+            self.layer_spec_backend, te_installed=False if local_only else None
+        )
 
     def layer_spec(self, vp_stage: int | None = None) -> Any:
         """The layer spec :meth:`provide` uses: the user's (``transformer_layer_spec``, or the
