@@ -81,9 +81,7 @@ class T5ModelProvider(GPTModelProvider):
     @property
     def position_table_length(self) -> int:
         """Length of the learned position embedding table."""
-        if self.max_position_embeddings is not None:
-            return self.max_position_embeddings
-        return max(self.seq_length, self.seq_length_dec)
+        return self.max_position_embeddings or max(self.seq_length, self.seq_length_dec)
 
     def _default_layer_spec(self, vp_stage: int | None) -> Any:
         """``(encoder_block_spec, decoder_block_spec)`` of the resolved backend."""
