@@ -60,18 +60,14 @@ def get_batch(
     missing = [k for k in ("tokens", "labels", "loss_mask", "position_ids") if k not in raw]
     if missing:
         raise ValueError(f"GPT batch is missing {missing}; it has {sorted(raw)}")
-    batch: dict[str, torch.Tensor | None] = {}
-    for key in _BATCH_KEYS:
-        value = raw.get(key)
-        batch[key] = (
-            value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else None
-        )
-    # Per-sample packing metadata: moved with the batch, never sliced along the sequence.
-    packing = {
-        key: raw[key].to(device, non_blocking=True)
-        for key in PACKED_BATCH_KEYS
-        if isinstance(raw.get(key), torch.Tensor)
+    moved = {
+        key: value.to(device, non_blocking=True)
+        for key, value in raw.items()
+        if key in (*_BATCH_KEYS, *PACKED_BATCH_KEYS) and isinstance(value, torch.Tensor)
     }
+    batch: dict[str, torch.Tensor | None] = {key: moved.get(key) for key in _BATCH_KEYS}
+    # Per-sample packing metadata: moved with the batch, never sliced along the sequence.
+    packing = {key: moved[key] for key in PACKED_BATCH_KEYS if key in moved}
 
     if (
         parallel_state.model_parallel_is_initialized()
