@@ -22,8 +22,6 @@ import importlib
 import pkgutil
 from typing import Any, ClassVar
 
-import torch
-
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting, show_setting
 from bridge.train.models.families.config_fields import read_hf_config
 from bridge.train.models.families.errors import ConversionError
@@ -308,10 +306,6 @@ def provider_from_hf_config(
             f"expert_model_parallel_size={expert_model_parallel_size}: model_type="
             f"{config.get('model_type')!r} has no experts"
         )
-    if pipeline_model_parallel_size > 1:
-        # megatron refuses pipeline parallelism without the dtype of the tensors the stages
-        # exchange: the activations' dtype, i.e. the parameters' unless overridden.
-        kwargs["pipeline_dtype"] = kwargs.get("params_dtype", torch.float32)
     kwargs.update(overrides)
     try:
         return family.provider_class(**kwargs)
