@@ -196,10 +196,7 @@ def supported_model_types() -> tuple[str, ...]:
 def registered_families() -> list[HFFamily]:
     """One instance of every registered family, in ``model_type`` order."""
     _discover()
-    seen: dict[int, HFFamily] = {}
-    for model_type in sorted(_REGISTRY):
-        seen.setdefault(id(_REGISTRY[model_type]), _REGISTRY[model_type])
-    return list(seen.values())
+    return list(dict.fromkeys(_REGISTRY[model_type] for model_type in sorted(_REGISTRY)))
 
 
 def family_for(config: dict[str, Any] | str) -> HFFamily:
