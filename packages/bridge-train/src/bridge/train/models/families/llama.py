@@ -19,6 +19,7 @@ import torch
 
 from bridge.train.models.families.base import HFFamily, register_family
 from bridge.train.models.families.config_fields import (
+    LLAMA3_FIXED,
     refuse,
     require,
     rope_settings,
@@ -91,11 +92,7 @@ def hf_rope_parameters(provider: Any) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_theta": float(provider.rotary_base), "rope_type": "default"}
     if provider.rope_scaling:
         params.update(
-            rope_type="llama3",
-            factor=float(provider.rope_scaling_factor),
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
+            rope_type="llama3", factor=float(provider.rope_scaling_factor), **LLAMA3_FIXED
         )
     elif provider.seq_len_interpolation_factor is not None:
         params.update(rope_type="linear", factor=float(provider.seq_len_interpolation_factor))
