@@ -147,13 +147,11 @@ def layout_independent_seed(rng_config: RNGConfig, provider: Any) -> int | None:
         LayoutInitError: ``true`` for a provider that is not covered.
     """
     wanted = getattr(rng_config, "layout_independent_init", None)
+    if wanted is None:
+        dp_random = getattr(rng_config, "data_parallel_random_init", False)
+        wanted = not dp_random and supports_layout_independent_init(provider)
     if wanted is False:
         return None
-    if wanted is None:
-        if getattr(rng_config, "data_parallel_random_init", False):
-            return None
-        if not supports_layout_independent_init(provider):
-            return None
     check_supported(provider)
     return int(rng_config.seed)
 
