@@ -168,8 +168,6 @@ class DeepseekV3Family(LlamaFamily):
             written = {**written, "num_nextn_predict_layers": 0}
         return written, prefix
 
-    # ---- config.json -> provider ----------------------------------------------------------
-
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """DeepSeek-V3's fields (see the module docstring)."""
         heads = int(require(config, "num_attention_heads"))
@@ -241,7 +239,6 @@ class DeepseekV3Family(LlamaFamily):
             "position_embedding_type": "rope",
             "activation_func": silu_activation(config),
             "add_bias_linear": False,
-            # multi-latent attention
             "multi_latent_attention": True,
             "qk_layernorm": True,
             "q_lora_rank": int(config["q_lora_rank"]),
@@ -250,7 +247,6 @@ class DeepseekV3Family(LlamaFamily):
             "qk_pos_emb_head_dim": int(require(config, "qk_rope_head_dim")),
             "v_head_dim": v_head_dim,
             **_rope_kwargs(config),
-            # experts
             "ffn_hidden_size": int(require(config, "intermediate_size")),
             "num_moe_experts": experts,
             "moe_router_topk": topk,
@@ -261,8 +257,6 @@ class DeepseekV3Family(LlamaFamily):
             **_router_kwargs(config, experts, topk),
             **_balance_kwargs(config),
         }
-
-    # ---- weights -------------------------------------------------------------------------
 
     def attention_mappings(
         self, config: dict[str, Any], kwargs: dict[str, Any], m: str, h: str
@@ -293,8 +287,6 @@ class DeepseekV3Family(LlamaFamily):
             direct(f"{m}mlp.router.expert_bias", f"{h}mlp.gate.e_score_correction_bias"),
             *gated_mlp(f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts."),
         ]
-
-    # ---- provider -> config.json (export of a model trained from scratch) ------------------
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A ``deepseek_v3`` ``config.json`` for a multi-latent MoE provider (an incomplete

@@ -124,8 +124,6 @@ class GptOssFamily(LlamaFamily):
     provider_class = GptOssModelProvider
     after_attention = (("self_attention.core_attention.softmax_offset", "self_attn.sinks"),)
 
-    # ---- config.json -> provider ----------------------------------------------------------
-
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """gpt-oss's fields (see the module docstring)."""
         if config.get("quantization_config") is not None:
@@ -169,8 +167,6 @@ class GptOssFamily(LlamaFamily):
             **layer_window_kwargs(config, attention_layer_types(config, 2)),
         }
 
-    # ---- weights -------------------------------------------------------------------------
-
     def mlp_mappings(
         self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str
     ) -> list[ParamMapping]:
@@ -180,8 +176,6 @@ class GptOssFamily(LlamaFamily):
             direct(f"{m}mlp.router.bias", f"{h}mlp.router.bias"),
             *_stacked_experts(m, f"{h}mlp.experts.", int(config["num_local_experts"])),
         ]
-
-    # ---- provider -> config.json (export of a model trained from scratch) ------------------
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A ``gpt_oss`` ``config.json`` for a gpt-oss provider (an incomplete one, which

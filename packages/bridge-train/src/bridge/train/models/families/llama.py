@@ -112,8 +112,6 @@ class LlamaFamily(HFFamily):
     after_attention: ClassVar[tuple[tuple[str, str], ...]] = ()
     after_mlp: ClassVar[tuple[tuple[str, str], ...]] = ()
 
-    # ---- config.json -> provider ----------------------------------------------------------
-
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """Provider fields of a Llama-shaped ``config`` (hooks add the family's own)."""
         theta, scaling = rope_theta_and_scaling(config)
@@ -145,8 +143,6 @@ class LlamaFamily(HFFamily):
     def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """MLP fields: the dense SwiGLU width."""
         return {"ffn_hidden_size": int(require(config, "intermediate_size"))}
-
-    # ---- weights -------------------------------------------------------------------------
 
     def param_mappings(
         self, config: dict[str, Any], padded_vocab: int, prefix: str
@@ -205,8 +201,6 @@ class LlamaFamily(HFFamily):
         if kwargs.get("add_bias_linear"):
             maps += gated_mlp(f"{m}mlp.", f"{h}mlp.", part="bias")
         return maps
-
-    # ---- provider -> config.json (export of a model trained from scratch) ------------------
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A Llama-shaped ``config.json`` for ``provider`` (:meth:`hf_extra` adds the
