@@ -76,8 +76,6 @@ TILE_COLS = 1024
 # the Mamba mixer's).
 _OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2", "out_proj"})
 _EMBEDDINGS = frozenset({"word_embeddings", "position_embeddings", "tokentype_embeddings"})
-_NORM_WEIGHTS = frozenset({"layer_norm_weight"})  # Transformer Engine's fused norm + linear
-_NORM_BIASES = frozenset({"layer_norm_bias"})
 # The Mamba mixer's gated group norm: mamba-ssm's RMSNormGated (megatron's ExtendedRMSNorm)
 # and the portable one start at ones whatever layernorm_zero_centered_gamma says.
 _GATED_NORMS = frozenset({"GatedGroupRMSNorm", "ExtendedRMSNorm", "RMSNormGated"})
@@ -236,10 +234,6 @@ def _parameter_owners(
     return owners
 
 
-def _is_norm(module: torch.nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
-
-
 def _mixer_setting(module: torch.nn.Module, name: str) -> Any:
     """A Mamba mixer's init setting: its attribute, else its constructor's default (megatron's
     ``MambaLayer`` passes none of ``dt_min``, ``dt_max``, ``dt_init_floor``,
@@ -311,13 +305,13 @@ def _init_rule(
     parts = key.split(".")
     owner = parts[-2] if len(parts) >= 2 else ""
     gamma = 0.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 1.0
-    if attribute in _NORM_WEIGHTS:
+    if attribute == "layer_norm_weight":  # Transformer Engine's fused norm + linear
         return gamma
-    if attribute in _NORM_BIASES:
+    if attribute == "layer_norm_bias":
         return 0.0
     if type(module).__name__ in _GATED_NORMS:
         return 1.0
-    if _is_norm(module):
+    if "norm" in type(module).__name__.lower():
         return gamma if attribute == "weight" else 0.0
     if attribute in _MAMBA_PARAMETERS:
         return mamba_init_rule(module, attribute)
