@@ -138,10 +138,6 @@ class MambaProvider(GPTModelProvider):
             ValueError: The pattern has unknown symbols or a layer count different from
                 ``num_layers``, a ratio is outside [0, 1], or the Mamba sizes do not divide.
         """
-        self._check_hybrid_fields()
-        super().__post_init__()
-
-    def _check_hybrid_fields(self) -> None:
         if self.transformer_layer_spec is not None:
             raise ValueError(
                 "model.transformer_layer_spec is a GPT field; a Mamba model takes "
@@ -179,6 +175,7 @@ class MambaProvider(GPTModelProvider):
                 f"model.tensor_model_parallel_size={tp} must divide the Mamba mixer's {heads} "
                 f"heads and model.mamba_num_groups={self.mamba_num_groups}"
             )
+        super().__post_init__()
 
     @property
     def mamba_heads(self) -> int:
