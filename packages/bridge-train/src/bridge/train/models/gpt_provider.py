@@ -163,7 +163,6 @@ class GPTModelProvider(TransformerConfig):
                     f"{accepted!r}"
                 )
         self._check_gpt_fields()
-        self._check_tensor_parallel_divisibility()
         unset = {f.name for f in fields(TransformerConfig) if getattr(self, f.name) is None}
         if self.pipeline_model_parallel_size > 1 and "pipeline_dtype" in unset:
             # Activations cross stages in the parameters' dtype (as Megatron-LM derives it);
@@ -213,8 +212,6 @@ class GPTModelProvider(TransformerConfig):
                 f"model.num_attention_heads={self.num_attention_heads}; change one of them or "
                 "set model.kv_channels explicitly"
             )
-
-    def _check_tensor_parallel_divisibility(self) -> None:
         tp = self.tensor_model_parallel_size
         heads = self.num_attention_heads
         if heads % tp:
