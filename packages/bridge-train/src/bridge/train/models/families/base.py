@@ -18,6 +18,7 @@ names the differing fields when there is none.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from typing import Any, ClassVar
@@ -151,7 +152,6 @@ class HFFamily:
 
 
 _REGISTRY: dict[str, HFFamily] = {}
-_DISCOVERED: list[bool] = []
 
 
 def register_family(cls: type[HFFamily]) -> type[HFFamily]:
@@ -174,17 +174,14 @@ def register_family(cls: type[HFFamily]) -> type[HFFamily]:
     return cls
 
 
+@functools.cache
 def _discover() -> None:
     """Import every module of this package once, so each family file registers itself."""
-    if _DISCOVERED:
-        return
-
     import bridge.train.models.families as package
 
     for info in pkgutil.iter_modules(package.__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{package.__name__}.{info.name}")
-    _DISCOVERED.append(True)
 
 
 def supported_model_types() -> tuple[str, ...]:
