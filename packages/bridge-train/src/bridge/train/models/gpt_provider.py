@@ -407,10 +407,8 @@ class GPTModelProvider(TransformerConfig):
         if not torch.cuda.is_available():
             self.use_cpu_initialization = True
         if getattr(self, self._user_spec_field) is None:
-            backend = self.resolved_layer_spec_backend()
-            self.transformer_impl = (
-                "transformer_engine" if backend == "transformer_engine" else "local"
-            )
+            te = self.resolved_layer_spec_backend() == "transformer_engine"
+            self.transformer_impl = "transformer_engine" if te else "local"
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage(
                 ignore_virtual=False, vp_stage=vp_stage
