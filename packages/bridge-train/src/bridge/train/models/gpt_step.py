@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from bridge.resiliency import StragglerTiming
@@ -68,12 +67,7 @@ def get_batch(
     batch: dict[str, torch.Tensor | None] = {key: moved.get(key) for key in _BATCH_KEYS}
     # Per-sample packing metadata: moved with the batch, never sliced along the sequence.
     packing = {key: moved[key] for key in PACKED_BATCH_KEYS if key in moved}
-
-    if (
-        parallel_state.model_parallel_is_initialized()
-        and parallel_state.get_context_parallel_world_size() > 1
-    ):
-        batch = get_batch_on_this_cp_rank(batch)
+    batch = get_batch_on_this_cp_rank(batch)  # as it is without context parallelism
     batch.update(packing)
     return batch
 
