@@ -430,8 +430,7 @@ class GPTModelProvider(TransformerConfig):
             rotary_percent=self.rotary_percent,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
         )
-        if self.position_embedding_type in ("rope", "yarn"):
-            keep_rotary_on_cpu(model)
+        keep_rotary_on_cpu(model)  # a model without rotary embeddings has none to swap
         return model
 
     def _build_model(self, vp_stage: int | None, **common: Any) -> Any:
