@@ -39,7 +39,7 @@ from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 
 __all__ = ["MambaProvider", "resolve_hybrid_backend"]
 
-_PORTABLE_SYMBOLS = frozenset("M*-")
+_PORTABLE_SYMBOLS = frozenset("M*-|")  # "|" separates pipeline stages
 _GPU_PACKAGES = ("transformer_engine", "mamba_ssm", "causal_conv1d")
 
 
@@ -218,8 +218,7 @@ class MambaProvider(GPTModelProvider):
         """
         if self.resolved_layer_spec_backend() == "transformer_engine":
             return hybrid_stack_spec
-        main_pattern = self.layer_pattern.split("/")[0].replace("|", "")
-        unsupported = sorted(set(main_pattern) - _PORTABLE_SYMBOLS)
+        unsupported = sorted(set(self.layer_pattern.split("/")[0]) - _PORTABLE_SYMBOLS)
         if unsupported:
             raise ValueError(
                 f"model.hybrid_override_pattern uses {unsupported}, which the portable hybrid "
