@@ -58,10 +58,7 @@ _YARN_FIELDS = {
 
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """``rotary_base`` and, for YaRN, megatron's ``yarn_*`` fields."""
-    params = config.get("rope_parameters")
-    theta, scaling = rope_theta_and_scaling(config)
-    if not (isinstance(params, dict) and "rope_theta" in params) and "rope_theta" not in config:
-        theta = _DEFAULT_THETA
+    theta, scaling = rope_theta_and_scaling({"rope_theta": _DEFAULT_THETA, **config})
     settings, yarn = rope_or_yarn(
         config, theta, scaling, "gpt-oss is implemented with the 'default' and 'yarn' RoPE"
     )
