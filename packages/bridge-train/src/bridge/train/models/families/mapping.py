@@ -95,10 +95,7 @@ def vocab_rows(megatron: str, hf: str, padded_vocab: int, vocab: int) -> ParamMa
         padded[: t.shape[0]] = t
         return padded
 
-    def unpad(t: torch.Tensor) -> tuple[torch.Tensor]:
-        return (t[:vocab].contiguous(),)
-
-    return ParamMapping(megatron, (hf,), pad, unpad)
+    return ParamMapping(megatron, (hf,), pad, lambda t: (t[:vocab].contiguous(),))
 
 
 def fused_qkv(
@@ -129,14 +126,11 @@ def fused_qkv(
 def gated_fc1(megatron: str, gate: str, up: str) -> ParamMapping:
     """A gated MLP's gate and up projections <-> megatron's ``linear_fc1`` = ``[gate; up]``."""
 
-    def fuse(gate_t: torch.Tensor, up_t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([gate_t, up_t], dim=0)
-
     def split(fc1: torch.Tensor) -> tuple[torch.Tensor, ...]:
         gate_t, up_t = torch.chunk(fc1, 2, dim=0)
         return gate_t.contiguous(), up_t.contiguous()
 
-    return ParamMapping(megatron, (gate, up), fuse, split)
+    return ParamMapping(megatron, (gate, up), lambda g, u: torch.cat([g, u], dim=0), split)
 
 
 def gated_mlp(
