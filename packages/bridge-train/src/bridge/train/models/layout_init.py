@@ -176,11 +176,9 @@ def _fill_random(
     init_method: Callable[[torch.Tensor], Any],
 ) -> None:
     """Fill ``target`` (the local shard) with its slice of the tiled global tensor."""
-    local_shape = (1,) * prepend + tuple(target.shape)
-    view = target.reshape(local_shape)
     body_shape = tuple(global_shape[prepend:])
     body_offset = tuple(global_offset[prepend:])
-    body_local = local_shape[prepend:]
+    body_local = tuple(target.shape)  # the prepended axes (layer, expert) are not in the shard
     if not body_shape:
         raise LayoutInitError(f"{key}: a scalar parameter has no tiles")
     # The tiled dimensions' tile sizes (rows and columns; blocks of a 1-D tensor), and the
@@ -192,27 +190,22 @@ def _fill_random(
         for d, size in enumerate(sizes)
     ]
     rest = [slice(o, o + n) for o, n in zip(body_offset[tiled:], body_local[tiled:], strict=True)]
-    prepended = [
-        range(offset, offset + size)
-        for offset, size in zip(global_offset[:prepend], local_shape[:prepend], strict=True)
-    ]
-    for outer in itertools.product(*prepended):
-        local_outer = tuple(i - o for i, o in zip(outer, global_offset[:prepend], strict=True))
-        for tiles in itertools.product(*per_dim):
-            tile_shape = [t1 - t0 for _, t0, t1 in tiles] + list(body_shape[tiled:])
-            tile = torch.empty(tile_shape, dtype=torch.float32)
-            indices = [index for index, _, _ in tiles] + [0] * (2 - tiled)  # 1-D: column 0
-            generator_seed = _tile_seed(seed, key, (*outer, *indices), global_shape)
-            torch.default_generator.manual_seed(generator_seed)
-            init_method(tile)
-            # The overlap of this tile with the shard, in tile and in local coordinates.
-            source: list[slice] = []
-            dest: list[Any] = list(local_outer)
-            for (_, t0, t1), start, count in zip(tiles, body_offset, body_local, strict=False):
-                lo, hi = max(t0, start), min(t1, start + count)
-                source.append(slice(lo - t0, hi - t0))
-                dest.append(slice(lo - start, hi - start))
-            view[tuple(dest)].copy_(tile[(*source, *rest)])
+    outer = tuple(global_offset[:prepend])  # the shard's one index on each prepended axis
+    for tiles in itertools.product(*per_dim):
+        tile_shape = [t1 - t0 for _, t0, t1 in tiles] + list(body_shape[tiled:])
+        tile = torch.empty(tile_shape, dtype=torch.float32)
+        indices = [index for index, _, _ in tiles] + [0] * (2 - tiled)  # 1-D: column 0
+        generator_seed = _tile_seed(seed, key, (*outer, *indices), global_shape)
+        torch.default_generator.manual_seed(generator_seed)
+        init_method(tile)
+        # The overlap of this tile with the shard, in tile and in local coordinates.
+        source: list[slice] = []
+        dest: list[slice] = []
+        for (_, t0, t1), start, count in zip(tiles, body_offset, body_local, strict=False):
+            lo, hi = max(t0, start), min(t1, start + count)
+            source.append(slice(lo - t0, hi - t0))
+            dest.append(slice(lo - start, hi - start))
+        target[tuple(dest)].copy_(tile[(*source, *rest)])
 
 
 def _parameter_owners(
