@@ -85,12 +85,10 @@ class T5ModelProvider(GPTModelProvider):
 
     def _default_layer_spec(self, vp_stage: int | None) -> Any:
         """``(encoder_block_spec, decoder_block_spec)`` of the resolved backend."""
-        backend = self.resolved_layer_spec_backend()
         encoder = t5_spec.encoder_model_with_local_spec()
         decoder = t5_spec.decoder_model_with_local_spec()
-        if backend == "portable":
-            encoder = with_sdpa_core_attention(encoder)
-            decoder = with_sdpa_core_attention(decoder)
+        if self.resolved_layer_spec_backend() == "portable":
+            encoder, decoder = (with_sdpa_core_attention(spec) for spec in (encoder, decoder))
         # megatron's local block specs end in a Transformer Engine norm; use the local one.
         return (
             TransformerBlockSubmodules([encoder] * self.encoder_layers, layer_norm=t5_spec.LNImpl),
