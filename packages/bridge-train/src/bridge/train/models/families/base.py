@@ -120,10 +120,8 @@ class HFFamily:
 
     def detect_prefix(self, names: set[str]) -> str:
         """The prefix of ``names`` (the checkpoint's tensor names)."""
-        for prefix in self.hf_prefixes:
-            if f"{prefix}{self.embedding}" in names:
-                return prefix
-        return self.hf_prefixes[0]
+        present = (prefix for prefix in self.hf_prefixes if f"{prefix}{self.embedding}" in names)
+        return next(present, self.hf_prefixes[0])
 
     def export_config(
         self, config: dict[str, Any], imported_prefix: str | None
