@@ -309,8 +309,6 @@ def _effective(provider: Any, name: str) -> Any:
     """A field's value as it affects the model (``None`` where the field does nothing)."""
     value = getattr(provider, name, None)
     rope = getattr(provider, "position_embedding_type", None) in ("rope", "yarn")
-    windows = getattr(provider, "window_size", None) is not None
-    experts = bool(getattr(provider, "num_moe_experts", None))
     latent = bool(getattr(provider, "multi_latent_attention", False))
     if name == "add_qkv_bias":  # megatron biases Q, K, V with either field
         return bool(value or getattr(provider, "add_bias_linear", False))
@@ -321,21 +319,18 @@ def _effective(provider: Any, name: str) -> Any:
     if name == "rope_scaling_factor":
         return value if rope and getattr(provider, "rope_scaling", False) else None
     if name in ("window_attn_skip_freq", "rotary_base_local"):
-        return value if windows else None
+        return value if getattr(provider, "window_size", None) is not None else None
     if name.startswith("yarn_"):
         return value if getattr(provider, "position_embedding_type", None) == "yarn" else None
     if name in _MLA_ROPE_FIELDS:
-        if not latent:
-            return None
-        if getattr(provider, "rope_type", None) != "yarn" and name != "rope_type":
-            # Plain RoPE reads only the base; the YaRN fields matter through the softmax
-            # scale's mscale(rotary_scaling_factor, mscale_all_dim), which is 1 here.
-            return None
-        return value
+        # Plain RoPE reads only the base; the YaRN fields matter through the softmax
+        # scale's mscale(rotary_scaling_factor, mscale_all_dim), which is 1 here.
+        read = name == "rope_type" or getattr(provider, "rope_type", None) == "yarn"
+        return value if latent and read else None
     if name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         return value if latent else None
     if name.startswith("moe_"):
-        return value if experts else None
+        return value if getattr(provider, "num_moe_experts", None) else None
     return value
 
 
