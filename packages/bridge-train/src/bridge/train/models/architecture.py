@@ -100,8 +100,7 @@ def same_setting(a: Any, b: Any) -> bool:
         return bool(_callable_key(a) == _callable_key(b))
     if isinstance(a, PurePath) or isinstance(b, PurePath):
         return str(a) == str(b)
-    numbers = (int, float)
-    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool):
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         # Values that went through a config.json (x ** -0.5 and back) differ in the last bit.
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

@@ -25,20 +25,15 @@ __all__ = ["CPURotaryEmbedding", "CPUYarnRotaryEmbedding", "keep_rotary_on_cpu"]
 class CPURotaryEmbedding(RotaryEmbedding):
     """``RotaryEmbedding`` whose frequencies stay on the CPU without CUDA."""
 
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        """megatron's ``get_emb`` with the CPU as the current CUDA device."""
-        with cpu_cuda_compat():
-            return super().get_emb(max_seq_len, offset)
-
-
-class CPUYarnRotaryEmbedding(YarnRotaryEmbedding):
-    """``YarnRotaryEmbedding`` whose frequencies stay on the CPU without CUDA."""
-
     def get_emb(self, max_seq_len: int, offset: int = 0) -> Any:
-        """megatron's ``get_emb`` (YaRN frequencies and attention factor) with the CPU as
-        the current CUDA device."""
+        """megatron's ``get_emb`` (YaRN's in :class:`CPUYarnRotaryEmbedding`: frequencies and
+        attention factor) with the CPU as the current CUDA device."""
         with cpu_cuda_compat():
             return super().get_emb(max_seq_len, offset)
+
+
+class CPUYarnRotaryEmbedding(CPURotaryEmbedding, YarnRotaryEmbedding):
+    """``YarnRotaryEmbedding`` whose frequencies stay on the CPU without CUDA."""
 
 
 _CPU_CLASSES: dict[type, type] = {

@@ -39,9 +39,7 @@ def is_t5(model_config: ModelConfigProtocol | None) -> TypeGuard[T5ModelProvider
 
 def default_forward_step(model_config: ModelConfigProtocol | None) -> ForwardStepCallable:
     """The forward step ``pretrain`` uses for ``model_config`` when none is given."""
-    if is_t5(model_config):
-        return t5_forward_step
-    return forward_step
+    return t5_forward_step if is_t5(model_config) else forward_step
 
 
 def family_tokenizer(

@@ -148,13 +148,6 @@ class LocalRopeSelfAttention(SelfAttention):
         return super().forward(hidden_states, *args, **kwargs)
 
 
-def _scale_embeddings(scale: float) -> Callable[..., torch.Tensor]:
-    def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output * torch.tensor(scale, dtype=torch.float32).to(output.dtype)
-
-    return hook
-
-
 @dataclass
 class Gemma3ModelProvider(GPTModelProvider):
     """A :class:`GPTModelProvider` for Gemma 3 text models (see the module docstring).
@@ -204,7 +197,8 @@ class Gemma3ModelProvider(GPTModelProvider):
         embeddings."""
         model = super()._build_model(vp_stage, **common)
         if self.scale_embeddings and common["pre_process"]:
+            scale = torch.tensor(float(self.hidden_size) ** 0.5, dtype=torch.float32)
             model.embedding.word_embeddings.register_forward_hook(
-                _scale_embeddings(float(self.hidden_size) ** 0.5)
+                lambda module, args, output: output * scale.to(output.dtype)
             )
         return model

@@ -163,7 +163,6 @@ class GPTModelProvider(TransformerConfig):
                     f"{accepted!r}"
                 )
         self._check_gpt_fields()
-        self._check_tensor_parallel_divisibility()
         unset = {f.name for f in fields(TransformerConfig) if getattr(self, f.name) is None}
         if self.pipeline_model_parallel_size > 1 and "pipeline_dtype" in unset:
             # Activations cross stages in the parameters' dtype (as Megatron-LM derives it);
@@ -213,8 +212,6 @@ class GPTModelProvider(TransformerConfig):
                 f"model.num_attention_heads={self.num_attention_heads}; change one of them or "
                 "set model.kv_channels explicitly"
             )
-
-    def _check_tensor_parallel_divisibility(self) -> None:
         tp = self.tensor_model_parallel_size
         heads = self.num_attention_heads
         if heads % tp:
@@ -328,17 +325,16 @@ class GPTModelProvider(TransformerConfig):
                 :func:`~bridge.train.models.layer_specs.resolve_layer_spec_backend`), or is
                 Transformer Engine for such a provider.
         """
-        requested = self.layer_spec_backend
-        if self._local_modules_only is not None and requested == "transformer_engine":
-            model, why = self._local_modules_only
+        local_only = self._local_modules_only
+        if local_only is not None and self.layer_spec_backend == "transformer_engine":
             raise ValueError(
-                f"model.layer_spec_backend='transformer_engine' is not supported for {model} "
-                f"({why}); use 'local' or 'auto'"
+                f"model.layer_spec_backend='transformer_engine' is not supported for "
+                f"{local_only[0]} ({local_only[1]}); use 'local' or 'auto'"
             )
-        backend = resolve_layer_spec_backend(requested)
-        if self._local_modules_only is None or backend != "transformer_engine":
-            return backend
-        return "local"
+        # Such a provider resolves "auto" as if Transformer Engine were not installed.
+        return resolve_layer_spec_backend(
+            self.layer_spec_backend, te_installed=False if local_only else None
+        )
 
     def layer_spec(self, vp_stage: int | None = None) -> Any:
         """The layer spec :meth:`provide` uses: the user's (``transformer_layer_spec``, or the
@@ -411,10 +407,8 @@ class GPTModelProvider(TransformerConfig):
         if not torch.cuda.is_available():
             self.use_cpu_initialization = True
         if getattr(self, self._user_spec_field) is None:
-            backend = self.resolved_layer_spec_backend()
-            self.transformer_impl = (
-                "transformer_engine" if backend == "transformer_engine" else "local"
-            )
+            te = self.resolved_layer_spec_backend() == "transformer_engine"
+            self.transformer_impl = "transformer_engine" if te else "local"
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage(
                 ignore_virtual=False, vp_stage=vp_stage
@@ -436,8 +430,7 @@ class GPTModelProvider(TransformerConfig):
             rotary_percent=self.rotary_percent,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
         )
-        if self.position_embedding_type in ("rope", "yarn"):
-            keep_rotary_on_cpu(model)
+        keep_rotary_on_cpu(model)  # a model without rotary embeddings has none to swap
         return model
 
     def _build_model(self, vp_stage: int | None, **common: Any) -> Any:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from bridge.resiliency import StragglerTiming
@@ -60,24 +59,15 @@ def get_batch(
     missing = [k for k in ("tokens", "labels", "loss_mask", "position_ids") if k not in raw]
     if missing:
         raise ValueError(f"GPT batch is missing {missing}; it has {sorted(raw)}")
-    batch: dict[str, torch.Tensor | None] = {}
-    for key in _BATCH_KEYS:
-        value = raw.get(key)
-        batch[key] = (
-            value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else None
-        )
-    # Per-sample packing metadata: moved with the batch, never sliced along the sequence.
-    packing = {
-        key: raw[key].to(device, non_blocking=True)
-        for key in PACKED_BATCH_KEYS
-        if isinstance(raw.get(key), torch.Tensor)
+    moved = {
+        key: value.to(device, non_blocking=True)
+        for key, value in raw.items()
+        if key in (*_BATCH_KEYS, *PACKED_BATCH_KEYS) and isinstance(value, torch.Tensor)
     }
-
-    if (
-        parallel_state.model_parallel_is_initialized()
-        and parallel_state.get_context_parallel_world_size() > 1
-    ):
-        batch = get_batch_on_this_cp_rank(batch)
+    batch: dict[str, torch.Tensor | None] = {key: moved.get(key) for key in _BATCH_KEYS}
+    # Per-sample packing metadata: moved with the batch, never sliced along the sequence.
+    packing = {key: moved[key] for key in PACKED_BATCH_KEYS if key in moved}
+    batch = get_batch_on_this_cp_rank(batch)  # as it is without context parallelism
     batch.update(packing)
     return batch
 

@@ -76,8 +76,6 @@ TILE_COLS = 1024
 # the Mamba mixer's).
 _OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2", "out_proj"})
 _EMBEDDINGS = frozenset({"word_embeddings", "position_embeddings", "tokentype_embeddings"})
-_NORM_WEIGHTS = frozenset({"layer_norm_weight"})  # Transformer Engine's fused norm + linear
-_NORM_BIASES = frozenset({"layer_norm_bias"})
 # The Mamba mixer's gated group norm: mamba-ssm's RMSNormGated (megatron's ExtendedRMSNorm)
 # and the portable one start at ones whatever layernorm_zero_centered_gamma says.
 _GATED_NORMS = frozenset({"GatedGroupRMSNorm", "ExtendedRMSNorm", "RMSNormGated"})
@@ -147,13 +145,11 @@ def layout_independent_seed(rng_config: RNGConfig, provider: Any) -> int | None:
         LayoutInitError: ``true`` for a provider that is not covered.
     """
     wanted = getattr(rng_config, "layout_independent_init", None)
+    if wanted is None:
+        dp_random = getattr(rng_config, "data_parallel_random_init", False)
+        wanted = not dp_random and supports_layout_independent_init(provider)
     if wanted is False:
         return None
-    if wanted is None:
-        if getattr(rng_config, "data_parallel_random_init", False):
-            return None
-        if not supports_layout_independent_init(provider):
-            return None
     check_supported(provider)
     return int(rng_config.seed)
 
@@ -180,11 +176,9 @@ def _fill_random(
     init_method: Callable[[torch.Tensor], Any],
 ) -> None:
     """Fill ``target`` (the local shard) with its slice of the tiled global tensor."""
-    local_shape = (1,) * prepend + tuple(target.shape)
-    view = target.reshape(local_shape)
     body_shape = tuple(global_shape[prepend:])
     body_offset = tuple(global_offset[prepend:])
-    body_local = local_shape[prepend:]
+    body_local = tuple(target.shape)  # the prepended axes (layer, expert) are not in the shard
     if not body_shape:
         raise LayoutInitError(f"{key}: a scalar parameter has no tiles")
     # The tiled dimensions' tile sizes (rows and columns; blocks of a 1-D tensor), and the
@@ -196,27 +190,22 @@ def _fill_random(
         for d, size in enumerate(sizes)
     ]
     rest = [slice(o, o + n) for o, n in zip(body_offset[tiled:], body_local[tiled:], strict=True)]
-    prepended = [
-        range(offset, offset + size)
-        for offset, size in zip(global_offset[:prepend], local_shape[:prepend], strict=True)
-    ]
-    for outer in itertools.product(*prepended):
-        local_outer = tuple(i - o for i, o in zip(outer, global_offset[:prepend], strict=True))
-        for tiles in itertools.product(*per_dim):
-            tile_shape = [t1 - t0 for _, t0, t1 in tiles] + list(body_shape[tiled:])
-            tile = torch.empty(tile_shape, dtype=torch.float32)
-            indices = [index for index, _, _ in tiles] + [0] * (2 - tiled)  # 1-D: column 0
-            generator_seed = _tile_seed(seed, key, (*outer, *indices), global_shape)
-            torch.default_generator.manual_seed(generator_seed)
-            init_method(tile)
-            # The overlap of this tile with the shard, in tile and in local coordinates.
-            source: list[slice] = []
-            dest: list[Any] = list(local_outer)
-            for (_, t0, t1), start, count in zip(tiles, body_offset, body_local, strict=False):
-                lo, hi = max(t0, start), min(t1, start + count)
-                source.append(slice(lo - t0, hi - t0))
-                dest.append(slice(lo - start, hi - start))
-            view[tuple(dest)].copy_(tile[(*source, *rest)])
+    outer = tuple(global_offset[:prepend])  # the shard's one index on each prepended axis
+    for tiles in itertools.product(*per_dim):
+        tile_shape = [t1 - t0 for _, t0, t1 in tiles] + list(body_shape[tiled:])
+        tile = torch.empty(tile_shape, dtype=torch.float32)
+        indices = [index for index, _, _ in tiles] + [0] * (2 - tiled)  # 1-D: column 0
+        generator_seed = _tile_seed(seed, key, (*outer, *indices), global_shape)
+        torch.default_generator.manual_seed(generator_seed)
+        init_method(tile)
+        # The overlap of this tile with the shard, in tile and in local coordinates.
+        source: list[slice] = []
+        dest: list[slice] = []
+        for (_, t0, t1), start, count in zip(tiles, body_offset, body_local, strict=False):
+            lo, hi = max(t0, start), min(t1, start + count)
+            source.append(slice(lo - t0, hi - t0))
+            dest.append(slice(lo - start, hi - start))
+        target[tuple(dest)].copy_(tile[(*source, *rest)])
 
 
 def _parameter_owners(
@@ -236,10 +225,6 @@ def _parameter_owners(
             name = f"{module_name}.{attribute}" if module_name else attribute
             owners.setdefault(address, (name, module, attribute, configs[module_name]))
     return owners
-
-
-def _is_norm(module: torch.nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
 
 
 def _mixer_setting(module: torch.nn.Module, name: str) -> Any:
@@ -313,13 +298,13 @@ def _init_rule(
     parts = key.split(".")
     owner = parts[-2] if len(parts) >= 2 else ""
     gamma = 0.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 1.0
-    if attribute in _NORM_WEIGHTS:
+    if attribute == "layer_norm_weight":  # Transformer Engine's fused norm + linear
         return gamma
-    if attribute in _NORM_BIASES:
+    if attribute == "layer_norm_bias":
         return 0.0
     if type(module).__name__ in _GATED_NORMS:
         return 1.0
-    if _is_norm(module):
+    if "norm" in type(module).__name__.lower():
         return gamma if attribute == "weight" else 0.0
     if attribute in _MAMBA_PARAMETERS:
         return mamba_init_rule(module, attribute)

@@ -39,7 +39,7 @@ from bridge.train.models.portable_mamba import build_portable_hybrid_stack_spec
 
 __all__ = ["MambaProvider", "resolve_hybrid_backend"]
 
-_PORTABLE_SYMBOLS = frozenset("M*-")
+_PORTABLE_SYMBOLS = frozenset("M*-|")  # "|" separates pipeline stages
 _GPU_PACKAGES = ("transformer_engine", "mamba_ssm", "causal_conv1d")
 
 
@@ -138,10 +138,6 @@ class MambaProvider(GPTModelProvider):
             ValueError: The pattern has unknown symbols or a layer count different from
                 ``num_layers``, a ratio is outside [0, 1], or the Mamba sizes do not divide.
         """
-        self._check_hybrid_fields()
-        super().__post_init__()
-
-    def _check_hybrid_fields(self) -> None:
         if self.transformer_layer_spec is not None:
             raise ValueError(
                 "model.transformer_layer_spec is a GPT field; a Mamba model takes "
@@ -179,6 +175,7 @@ class MambaProvider(GPTModelProvider):
                 f"model.tensor_model_parallel_size={tp} must divide the Mamba mixer's {heads} "
                 f"heads and model.mamba_num_groups={self.mamba_num_groups}"
             )
+        super().__post_init__()
 
     @property
     def mamba_heads(self) -> int:
@@ -221,8 +218,7 @@ class MambaProvider(GPTModelProvider):
         """
         if self.resolved_layer_spec_backend() == "transformer_engine":
             return hybrid_stack_spec
-        main_pattern = self.layer_pattern.split("/")[0].replace("|", "")
-        unsupported = sorted(set(main_pattern) - _PORTABLE_SYMBOLS)
+        unsupported = sorted(set(self.layer_pattern.split("/")[0]) - _PORTABLE_SYMBOLS)
         if unsupported:
             raise ValueError(
                 f"model.hybrid_override_pattern uses {unsupported}, which the portable hybrid "

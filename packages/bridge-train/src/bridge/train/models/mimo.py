@@ -173,13 +173,8 @@ def mimo_layout(model: MimoModelConfig, world_size: int) -> Any:
     if kind == "auto":
         kind = "colocated" if world_size == 1 else "split"
     if kind == "colocated":
-        ranks = range(world_size)
-        return mimo.MimoLayout(
-            {
-                "vision": mimo.ModulePlacement(ranks=ranks, dp=world_size),
-                "language": mimo.ModulePlacement(ranks=ranks, dp=world_size),
-            }
-        )
+        everywhere = mimo.ModulePlacement(ranks=range(world_size), dp=world_size)
+        return mimo.MimoLayout({"vision": everywhere, "language": everywhere})
     if world_size < 2 or world_size % 2:
         raise ConfigError(
             "model.layout",

@@ -23,7 +23,6 @@ sequence packing, inference caches (training only).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -360,7 +359,7 @@ def build_portable_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
-            self_attention=copy.deepcopy(gpt.self_attention),
+            self_attention=gpt.self_attention,
             self_attn_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_"
@@ -371,7 +370,7 @@ def build_portable_hybrid_stack_spec(config: TransformerConfig) -> ModuleSpec:
         module=MLPLayer,
         submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=gpt.pre_mlp_layernorm,
-            mlp=copy.deepcopy(gpt.mlp),
+            mlp=gpt.mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
         ),

@@ -98,8 +98,7 @@ def ssd_chunked_scan(
     # fp32 at least (bf16/fp16 inputs lose too much in the exponentials), fp64 stays fp64.
     compute = torch.promote_types(x.dtype, torch.float32)
     x, dt, A, B, C = (t.to(compute) for t in (x, dt, A, B, C))
-    B = B.repeat_interleave(heads // groups, dim=2)
-    C = C.repeat_interleave(heads // groups, dim=2)
+    B, C = (t.repeat_interleave(heads // groups, dim=2) for t in (B, C))
 
     chunk = min(chunk_size, seq)
     pad = (-seq) % chunk

@@ -81,18 +81,14 @@ class T5ModelProvider(GPTModelProvider):
     @property
     def position_table_length(self) -> int:
         """Length of the learned position embedding table."""
-        if self.max_position_embeddings is not None:
-            return self.max_position_embeddings
-        return max(self.seq_length, self.seq_length_dec)
+        return self.max_position_embeddings or max(self.seq_length, self.seq_length_dec)
 
     def _default_layer_spec(self, vp_stage: int | None) -> Any:
         """``(encoder_block_spec, decoder_block_spec)`` of the resolved backend."""
-        backend = self.resolved_layer_spec_backend()
         encoder = t5_spec.encoder_model_with_local_spec()
         decoder = t5_spec.decoder_model_with_local_spec()
-        if backend == "portable":
-            encoder = with_sdpa_core_attention(encoder)
-            decoder = with_sdpa_core_attention(decoder)
+        if self.resolved_layer_spec_backend() == "portable":
+            encoder, decoder = (with_sdpa_core_attention(spec) for spec in (encoder, decoder))
         # megatron's local block specs end in a Transformer Engine norm; use the local one.
         return (
             TransformerBlockSubmodules([encoder] * self.encoder_layers, layer_norm=t5_spec.LNImpl),

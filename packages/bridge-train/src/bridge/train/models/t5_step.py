@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
 
-from bridge.train.models.gpt_step import masked_next_token_loss, timed_forward
+from bridge.train.models.gpt_step import _device_of, masked_next_token_loss, timed_forward
 from bridge.train.state import GlobalState
 
 __all__ = ["t5_forward_step", "t5_get_batch"]
@@ -79,9 +79,8 @@ def t5_forward_step(
             lm_labels=batch["labels"],
         )
 
-    device = next(iter(model.parameters())).device
     batch, output = timed_forward(
-        lambda: t5_get_batch(data_iterator, device),
+        lambda: t5_get_batch(data_iterator, _device_of(model)),
         run_model,
         timers=getattr(state, "timers", None),
         straggler=getattr(state, "straggler_timing", None),

@@ -18,11 +18,10 @@ names the differing fields when there is none.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from typing import Any, ClassVar
-
-import torch
 
 from bridge.train.models.architecture import ARCHITECTURE_FIELDS, same_setting, show_setting
 from bridge.train.models.families.config_fields import read_hf_config
@@ -121,10 +120,8 @@ class HFFamily:
 
     def detect_prefix(self, names: set[str]) -> str:
         """The prefix of ``names`` (the checkpoint's tensor names)."""
-        for prefix in self.hf_prefixes:
-            if f"{prefix}{self.embedding}" in names:
-                return prefix
-        return self.hf_prefixes[0]
+        present = (prefix for prefix in self.hf_prefixes if f"{prefix}{self.embedding}" in names)
+        return next(present, self.hf_prefixes[0])
 
     def export_config(
         self, config: dict[str, Any], imported_prefix: str | None
@@ -153,7 +150,6 @@ class HFFamily:
 
 
 _REGISTRY: dict[str, HFFamily] = {}
-_DISCOVERED: list[bool] = []
 
 
 def register_family(cls: type[HFFamily]) -> type[HFFamily]:
@@ -176,17 +172,14 @@ def register_family(cls: type[HFFamily]) -> type[HFFamily]:
     return cls
 
 
+@functools.cache
 def _discover() -> None:
     """Import every module of this package once, so each family file registers itself."""
-    if _DISCOVERED:
-        return
-
     import bridge.train.models.families as package
 
     for info in pkgutil.iter_modules(package.__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{package.__name__}.{info.name}")
-    _DISCOVERED.append(True)
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -198,10 +191,7 @@ def supported_model_types() -> tuple[str, ...]:
 def registered_families() -> list[HFFamily]:
     """One instance of every registered family, in ``model_type`` order."""
     _discover()
-    seen: dict[int, HFFamily] = {}
-    for model_type in sorted(_REGISTRY):
-        seen.setdefault(id(_REGISTRY[model_type]), _REGISTRY[model_type])
-    return list(seen.values())
+    return list(dict.fromkeys(_REGISTRY[model_type] for model_type in sorted(_REGISTRY)))
 
 
 def family_for(config: dict[str, Any] | str) -> HFFamily:
@@ -308,10 +298,6 @@ def provider_from_hf_config(
             f"expert_model_parallel_size={expert_model_parallel_size}: model_type="
             f"{config.get('model_type')!r} has no experts"
         )
-    if pipeline_model_parallel_size > 1:
-        # megatron refuses pipeline parallelism without the dtype of the tensors the stages
-        # exchange: the activations' dtype, i.e. the parameters' unless overridden.
-        kwargs["pipeline_dtype"] = kwargs.get("params_dtype", torch.float32)
     kwargs.update(overrides)
     try:
         return family.provider_class(**kwargs)
@@ -323,8 +309,6 @@ def _effective(provider: Any, name: str) -> Any:
     """A field's value as it affects the model (``None`` where the field does nothing)."""
     value = getattr(provider, name, None)
     rope = getattr(provider, "position_embedding_type", None) in ("rope", "yarn")
-    windows = getattr(provider, "window_size", None) is not None
-    experts = bool(getattr(provider, "num_moe_experts", None))
     latent = bool(getattr(provider, "multi_latent_attention", False))
     if name == "add_qkv_bias":  # megatron biases Q, K, V with either field
         return bool(value or getattr(provider, "add_bias_linear", False))
@@ -335,21 +319,18 @@ def _effective(provider: Any, name: str) -> Any:
     if name == "rope_scaling_factor":
         return value if rope and getattr(provider, "rope_scaling", False) else None
     if name in ("window_attn_skip_freq", "rotary_base_local"):
-        return value if windows else None
+        return value if getattr(provider, "window_size", None) is not None else None
     if name.startswith("yarn_"):
         return value if getattr(provider, "position_embedding_type", None) == "yarn" else None
     if name in _MLA_ROPE_FIELDS:
-        if not latent:
-            return None
-        if getattr(provider, "rope_type", None) != "yarn" and name != "rope_type":
-            # Plain RoPE reads only the base; the YaRN fields matter through the softmax
-            # scale's mscale(rotary_scaling_factor, mscale_all_dim), which is 1 here.
-            return None
-        return value
+        # Plain RoPE reads only the base; the YaRN fields matter through the softmax
+        # scale's mscale(rotary_scaling_factor, mscale_all_dim), which is 1 here.
+        read = name == "rope_type" or getattr(provider, "rope_type", None) == "yarn"
+        return value if latent and read else None
     if name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         return value if latent else None
     if name.startswith("moe_"):
-        return value if experts else None
+        return value if getattr(provider, "num_moe_experts", None) else None
     return value
 
 

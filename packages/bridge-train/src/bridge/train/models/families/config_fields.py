@@ -24,6 +24,7 @@ from bridge.train.models.families.errors import ConversionError
 
 __all__ = [
     "DTYPES",
+    "LLAMA3_FIXED",
     "attention_layer_types",
     "gelu_tanh",
     "hf_layer_windows",
@@ -42,7 +43,7 @@ __all__ = [
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # megatron-core's llama3 frequency scaling has these fixed (RotaryEmbedding._apply_scaling).
-_LLAMA3_FIXED = {
+LLAMA3_FIXED = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
@@ -162,7 +163,7 @@ def rope_settings(
         settings["seq_len_interpolation_factor"] = float(scaling["factor"])
         return settings
     if kind == "llama3":
-        for key, fixed in _LLAMA3_FIXED.items():
+        for key, fixed in LLAMA3_FIXED.items():
             if float(scaling.get(key, fixed)) != float(fixed):
                 raise refuse(
                     config,

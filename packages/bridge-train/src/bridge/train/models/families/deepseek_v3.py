@@ -28,13 +28,8 @@ from bridge.train.models.families.config_fields import (
     silu_activation,
 )
 from bridge.train.models.families.llama import LlamaFamily, decoder_hf_config, decoder_kwargs
-from bridge.train.models.families.mapping import (
-    ParamMapping,
-    direct,
-    gated_fc1,
-    routed_experts,
-)
-from bridge.train.models.families.moe import hf_moe_layers, moe_layer_pattern
+from bridge.train.models.families.mapping import ParamMapping, direct, gated_mlp, routed_experts
+from bridge.train.models.families.moe import expert_count, hf_moe_layers, moe_layer_pattern
 from bridge.train.models.mla_provider import MLAModelProvider
 
 __all__ = ["DeepseekV3Family"]
@@ -51,13 +46,6 @@ _YARN_FIELDS = {
     "mscale": "mscale",
     "mscale_all_dim": "mscale_all_dim",
 }
-
-
-def _experts(config: dict[str, Any]) -> int:
-    experts = config.get("n_routed_experts", config.get("num_local_experts"))
-    if not experts:
-        raise refuse(config, "n_routed_experts", experts, "a DeepSeek-V3 model needs experts")
-    return int(experts)
 
 
 def _first_dense(config: dict[str, Any]) -> int:
@@ -150,15 +138,11 @@ def _router_kwargs(config: dict[str, Any], experts: int, topk: int) -> dict[str,
 
 def _balance_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """Training's load-balancing loss (see the module docstring)."""
-    if config.get("aux_loss_alpha") is None:
-        return {
-            "moe_router_load_balancing_type": "seq_aux_loss",
-            "moe_aux_loss_coeff": _DEFAULT_SEQ_AUX,
-        }
-    kind = "seq_aux_loss" if config.get("seq_aux", True) else "aux_loss"
+    alpha = config.get("aux_loss_alpha")
+    sequence_wise = alpha is None or config.get("seq_aux", True)
     return {
-        "moe_router_load_balancing_type": kind,
-        "moe_aux_loss_coeff": float(config["aux_loss_alpha"]),
+        "moe_router_load_balancing_type": "seq_aux_loss" if sequence_wise else "aux_loss",
+        "moe_aux_loss_coeff": _DEFAULT_SEQ_AUX if alpha is None else float(alpha),
     }
 
 
@@ -183,8 +167,6 @@ class DeepseekV3Family(LlamaFamily):
         if written.get("num_nextn_predict_layers"):
             written = {**written, "num_nextn_predict_layers": 0}
         return written, prefix
-
-    # ---- config.json -> provider ----------------------------------------------------------
 
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """DeepSeek-V3's fields (see the module docstring)."""
@@ -231,7 +213,7 @@ class DeepseekV3Family(LlamaFamily):
                 "says, megatron-core one epsilon for every norm",
             )
         layers = int(require(config, "num_hidden_layers"))
-        experts = _experts(config)
+        experts = expert_count(config, "n_routed_experts", "DeepSeek-V3")
         topk = int(require(config, "num_experts_per_tok"))
         expert_ffn = int(require(config, "moe_intermediate_size"))
         shared = config.get("n_shared_experts")
@@ -257,7 +239,6 @@ class DeepseekV3Family(LlamaFamily):
             "position_embedding_type": "rope",
             "activation_func": silu_activation(config),
             "add_bias_linear": False,
-            # multi-latent attention
             "multi_latent_attention": True,
             "qk_layernorm": True,
             "q_lora_rank": int(config["q_lora_rank"]),
@@ -266,7 +247,6 @@ class DeepseekV3Family(LlamaFamily):
             "qk_pos_emb_head_dim": int(require(config, "qk_rope_head_dim")),
             "v_head_dim": v_head_dim,
             **_rope_kwargs(config),
-            # experts
             "ffn_hidden_size": int(require(config, "intermediate_size")),
             "num_moe_experts": experts,
             "moe_router_topk": topk,
@@ -277,8 +257,6 @@ class DeepseekV3Family(LlamaFamily):
             **_router_kwargs(config, experts, topk),
             **_balance_kwargs(config),
         }
-
-    # ---- weights -------------------------------------------------------------------------
 
     def attention_mappings(
         self, config: dict[str, Any], kwargs: dict[str, Any], m: str, h: str
@@ -302,19 +280,13 @@ class DeepseekV3Family(LlamaFamily):
         and shared experts on the others."""
         if layer < _first_dense(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
-        shared = f"{h}mlp.shared_experts."
         return [
-            *routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config)),
-            direct(f"{m}mlp.router.expert_bias", f"{h}mlp.gate.e_score_correction_bias"),
-            gated_fc1(
-                f"{m}mlp.shared_experts.linear_fc1.weight",
-                f"{shared}gate_proj.weight",
-                f"{shared}up_proj.weight",
+            *routed_experts(
+                m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", kwargs["num_moe_experts"]
             ),
-            direct(f"{m}mlp.shared_experts.linear_fc2.weight", f"{shared}down_proj.weight"),
+            direct(f"{m}mlp.router.expert_bias", f"{h}mlp.gate.e_score_correction_bias"),
+            *gated_mlp(f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts."),
         ]
-
-    # ---- provider -> config.json (export of a model trained from scratch) ------------------
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A ``deepseek_v3`` ``config.json`` for a multi-latent MoE provider (an incomplete

@@ -37,11 +37,6 @@ from bridge.train.models.gemma3_provider import Gemma3ModelProvider
 __all__ = ["Gemma3Family"]
 
 
-def _layer_types(config: dict[str, Any]) -> list[str]:
-    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
-    return attention_layer_types(config, int(pattern))
-
-
 def _ropes(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(full attention rope, sliding attention rope)`` parameters in either spelling."""
     params = config.get("rope_parameters")
@@ -90,14 +85,7 @@ class Gemma3Family(LlamaFamily):
 
     def skips(self, name: str, config: dict[str, Any]) -> bool:
         """The vision tower and multimodal projector of ``gemma3``."""
-        return name.startswith(
-            (
-                "vision_tower.",
-                "multi_modal_projector.",
-                "model.vision_tower.",
-                "model.multi_modal_projector.",
-            )
-        )
+        return name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector."))
 
     def export_config(
         self, config: dict[str, Any], imported_prefix: str | None
@@ -120,7 +108,8 @@ class Gemma3Family(LlamaFamily):
         if act not in ("gelu_pytorch_tanh", "gelu_new"):
             raise refuse(config, "hidden_activation", act, "only the tanh GELU is implemented")
         decoder = decoder_kwargs(config, tied=True)
-        kinds = _layer_types(config)
+        pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+        kinds = attention_layer_types(config, int(pattern))
         full, local = _ropes(config)
         local_settings = rope_settings(
             config,

@@ -58,10 +58,7 @@ _YARN_FIELDS = {
 
 def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """``rotary_base`` and, for YaRN, megatron's ``yarn_*`` fields."""
-    params = config.get("rope_parameters")
-    theta, scaling = rope_theta_and_scaling(config)
-    if not (isinstance(params, dict) and "rope_theta" in params) and "rope_theta" not in config:
-        theta = _DEFAULT_THETA
+    theta, scaling = rope_theta_and_scaling({"rope_theta": _DEFAULT_THETA, **config})
     settings, yarn = rope_or_yarn(
         config, theta, scaling, "gpt-oss is implemented with the 'default' and 'yarn' RoPE"
     )
@@ -77,35 +74,28 @@ def _rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _expert_fc1_weight(hidden: int) -> tuple[Any, Any]:
-    """One expert's slice of ``gate_up_proj`` (``[hidden, 2I]``, gate and up columns
-    interleaved) <-> megatron's ``linear_fc1.weight`` (``[gate; up]``, ``[2I, hidden]``)."""
-
-    def to_megatron(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[:, 0::2].t(), t[:, 1::2].t()], dim=0).contiguous()
-
-    def to_hf(t: torch.Tensor) -> tuple[torch.Tensor]:
-        gate, up = torch.chunk(t, 2, dim=0)
-        return (torch.stack([gate.t(), up.t()], dim=-1).reshape(hidden, -1).contiguous(),)
-
-    return to_megatron, to_hf
+def _gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Gate and up interleaved along the last dimension -> ``[gate | up]``."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
 
 
-def _expert_fc1_bias(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t[0::2], t[1::2]])
+def _interleaved(t: torch.Tensor) -> torch.Tensor:
+    """``[gate | up]`` along the last dimension -> gate and up interleaved."""
+    gate, up = torch.chunk(t, 2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
-def _expert_fc1_bias_to_hf(t: torch.Tensor) -> tuple[torch.Tensor]:
-    gate, up = torch.chunk(t, 2)
-    return (torch.stack([gate, up], dim=-1).reshape(-1).contiguous(),)
-
-
-def _stacked_experts(layer: str, hf_experts: str, experts: int, hidden: int) -> list[ParamMapping]:
-    """Each expert's slice of the four stacked tensors, tensor by tensor in expert order."""
-    fc1_to_megatron, fc1_to_hf = _expert_fc1_weight(hidden)
+def _stacked_experts(layer: str, hf_experts: str, experts: int) -> list[ParamMapping]:
+    """Each expert's slice of the four stacked tensors, tensor by tensor in expert order
+    (``gate_up_proj`` is ``[hidden, 2I]``, megatron's ``linear_fc1`` ``[gate; up]``)."""
     kinds = (
-        ("linear_fc1.weight", "gate_up_proj", fc1_to_megatron, fc1_to_hf),
-        ("linear_fc1.bias", "gate_up_proj_bias", _expert_fc1_bias, _expert_fc1_bias_to_hf),
+        (
+            "linear_fc1.weight",
+            "gate_up_proj",
+            lambda t: _gate_up(t).t().contiguous(),
+            lambda t: (_interleaved(t.t()).contiguous(),),
+        ),
+        ("linear_fc1.bias", "gate_up_proj_bias", _gate_up, lambda t: (_interleaved(t),)),
         ("linear_fc2.weight", "down_proj", *TRANSPOSED),
         ("linear_fc2.bias", "down_proj_bias", *SAME),
     )
@@ -130,8 +120,6 @@ class GptOssFamily(LlamaFamily):
     architecture = "GptOssForCausalLM"
     provider_class = GptOssModelProvider
     after_attention = (("self_attention.core_attention.softmax_offset", "self_attn.sinks"),)
-
-    # ---- config.json -> provider ----------------------------------------------------------
 
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """gpt-oss's fields (see the module docstring)."""
@@ -176,8 +164,6 @@ class GptOssFamily(LlamaFamily):
             **layer_window_kwargs(config, attention_layer_types(config, 2)),
         }
 
-    # ---- weights -------------------------------------------------------------------------
-
     def mlp_mappings(
         self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str
     ) -> list[ParamMapping]:
@@ -185,15 +171,8 @@ class GptOssFamily(LlamaFamily):
         return [
             direct(f"{m}mlp.router.weight", f"{h}mlp.router.weight"),
             direct(f"{m}mlp.router.bias", f"{h}mlp.router.bias"),
-            *_stacked_experts(
-                m,
-                f"{h}mlp.experts.",
-                int(config["num_local_experts"]),
-                int(config["hidden_size"]),
-            ),
+            *_stacked_experts(m, f"{h}mlp.experts.", int(config["num_local_experts"])),
         ]
-
-    # ---- provider -> config.json (export of a model trained from scratch) ------------------
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A ``gpt_oss`` ``config.json`` for a gpt-oss provider (an incomplete one, which

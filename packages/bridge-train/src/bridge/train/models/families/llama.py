@@ -19,6 +19,7 @@ import torch
 
 from bridge.train.models.families.base import HFFamily, register_family
 from bridge.train.models.families.config_fields import (
+    LLAMA3_FIXED,
     refuse,
     require,
     rope_settings,
@@ -28,7 +29,7 @@ from bridge.train.models.families.config_fields import (
 from bridge.train.models.families.mapping import (
     ParamMapping,
     direct,
-    gated_fc1,
+    gated_mlp,
     self_attention,
     vocab_rows,
 )
@@ -91,11 +92,7 @@ def hf_rope_parameters(provider: Any) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_theta": float(provider.rotary_base), "rope_type": "default"}
     if provider.rope_scaling:
         params.update(
-            rope_type="llama3",
-            factor=float(provider.rope_scaling_factor),
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
+            rope_type="llama3", factor=float(provider.rope_scaling_factor), **LLAMA3_FIXED
         )
     elif provider.seq_len_interpolation_factor is not None:
         params.update(rope_type="linear", factor=float(provider.seq_len_interpolation_factor))
@@ -114,8 +111,6 @@ class LlamaFamily(HFFamily):
     #: follow the attention's and the MLP's (the same tensor on both sides).
     after_attention: ClassVar[tuple[tuple[str, str], ...]] = ()
     after_mlp: ClassVar[tuple[tuple[str, str], ...]] = ()
-
-    # ---- config.json -> provider ----------------------------------------------------------
 
     def provider_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """Provider fields of a Llama-shaped ``config`` (hooks add the family's own)."""
@@ -148,8 +143,6 @@ class LlamaFamily(HFFamily):
     def mlp_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """MLP fields: the dense SwiGLU width."""
         return {"ffn_hidden_size": int(require(config, "intermediate_size"))}
-
-    # ---- weights -------------------------------------------------------------------------
 
     def param_mappings(
         self, config: dict[str, Any], padded_vocab: int, prefix: str
@@ -204,22 +197,10 @@ class LlamaFamily(HFFamily):
         self, config: dict[str, Any], kwargs: dict[str, Any], layer: int, m: str, h: str
     ) -> list[ParamMapping]:
         """The dense SwiGLU MLP (weights, and biases with ``mlp_bias``)."""
-        maps = [
-            gated_fc1(
-                f"{m}mlp.linear_fc1.weight", f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"
-            ),
-            direct(f"{m}mlp.linear_fc2.weight", f"{h}mlp.down_proj.weight"),
-        ]
+        maps = gated_mlp(f"{m}mlp.", f"{h}mlp.")
         if kwargs.get("add_bias_linear"):
-            maps += [
-                gated_fc1(
-                    f"{m}mlp.linear_fc1.bias", f"{h}mlp.gate_proj.bias", f"{h}mlp.up_proj.bias"
-                ),
-                direct(f"{m}mlp.linear_fc2.bias", f"{h}mlp.down_proj.bias"),
-            ]
+            maps += gated_mlp(f"{m}mlp.", f"{h}mlp.", part="bias")
         return maps
-
-    # ---- provider -> config.json (export of a model trained from scratch) ------------------
 
     def hf_config(self, provider: Any) -> dict[str, Any]:
         """A Llama-shaped ``config.json`` for ``provider`` (:meth:`hf_extra` adds the

@@ -44,6 +44,7 @@ __all__ = [
     "direct",
     "fused_qkv",
     "gated_fc1",
+    "gated_mlp",
     "routed_experts",
     "self_attention",
     "vocab_rows",
@@ -94,10 +95,7 @@ def vocab_rows(megatron: str, hf: str, padded_vocab: int, vocab: int) -> ParamMa
         padded[: t.shape[0]] = t
         return padded
 
-    def unpad(t: torch.Tensor) -> tuple[torch.Tensor]:
-        return (t[:vocab].contiguous(),)
-
-    return ParamMapping(megatron, (hf,), pad, unpad)
+    return ParamMapping(megatron, (hf,), pad, lambda t: (t[:vocab].contiguous(),))
 
 
 def fused_qkv(
@@ -128,14 +126,26 @@ def fused_qkv(
 def gated_fc1(megatron: str, gate: str, up: str) -> ParamMapping:
     """A gated MLP's gate and up projections <-> megatron's ``linear_fc1`` = ``[gate; up]``."""
 
-    def fuse(gate_t: torch.Tensor, up_t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([gate_t, up_t], dim=0)
-
     def split(fc1: torch.Tensor) -> tuple[torch.Tensor, ...]:
         gate_t, up_t = torch.chunk(fc1, 2, dim=0)
         return gate_t.contiguous(), up_t.contiguous()
 
-    return ParamMapping(megatron, (gate, up), fuse, split)
+    return ParamMapping(megatron, (gate, up), lambda g, u: torch.cat([g, u], dim=0), split)
+
+
+def gated_mlp(
+    megatron: str,
+    hf: str,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    part: str = "weight",
+) -> list[ParamMapping]:
+    """A gated MLP's gate, up and down projections (``{hf}{name}.{part}``) <-> megatron's
+    ``{megatron}linear_fc1.{part}`` (:func:`gated_fc1`) and ``{megatron}linear_fc2.{part}``."""
+    gate, up, down = names
+    return [
+        gated_fc1(f"{megatron}linear_fc1.{part}", f"{hf}{gate}.{part}", f"{hf}{up}.{part}"),
+        direct(f"{megatron}linear_fc2.{part}", f"{hf}{down}.{part}"),
+    ]
 
 
 def routed_experts(
@@ -155,14 +165,9 @@ def routed_experts(
         count: How many experts.
         names: The Hugging Face names of an expert's gate, up and down projections.
     """
-    gate, up, down = names
     maps = [direct(f"{layer}mlp.router.weight", router)]
     for e in range(count):
-        expert, hf = f"{layer}mlp.experts.local_experts.{e}.", f"{hf_experts}{e}."
-        maps += [
-            gated_fc1(f"{expert}linear_fc1.weight", f"{hf}{gate}.weight", f"{hf}{up}.weight"),
-            direct(f"{expert}linear_fc2.weight", f"{hf}{down}.weight"),
-        ]
+        maps += gated_mlp(f"{layer}mlp.experts.local_experts.{e}.", f"{hf_experts}{e}.", names)
     return maps
 
 

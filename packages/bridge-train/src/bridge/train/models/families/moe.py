@@ -12,9 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.train.models.families.config_fields import require
+from bridge.train.models.families.config_fields import refuse, require
 
-__all__ = ["hf_moe_layers", "moe_layer_pattern", "routed_moe_kwargs"]
+__all__ = ["expert_count", "hf_moe_layers", "moe_layer_pattern", "routed_moe_kwargs"]
+
+
+def expert_count(config: dict[str, Any], field: str, model: str) -> int:
+    """The routed experts of ``config``: ``field``, else ``num_local_experts`` (the
+    transformers >= 5 spelling); refused when there are none."""
+    experts = config.get(field, config.get("num_local_experts"))
+    if not experts:
+        raise refuse(config, field, experts, f"a {model} model needs experts")
+    return int(experts)
 
 
 def moe_layer_pattern(num_layers: int, moe_layers: set[int]) -> int | list[int]:

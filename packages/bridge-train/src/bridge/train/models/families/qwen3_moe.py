@@ -15,19 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from bridge.train.models.families.base import register_family
-from bridge.train.models.families.config_fields import refuse, require
+from bridge.train.models.families.config_fields import require
 from bridge.train.models.families.mapping import ParamMapping, routed_experts
-from bridge.train.models.families.moe import hf_moe_layers, moe_layer_pattern, routed_moe_kwargs
+from bridge.train.models.families.moe import (
+    expert_count,
+    hf_moe_layers,
+    moe_layer_pattern,
+    routed_moe_kwargs,
+)
 from bridge.train.models.families.qwen3 import Qwen3Family
 
 __all__ = ["Qwen3MoeFamily"]
-
-
-def _experts(config: dict[str, Any]) -> int:
-    experts = config.get("num_experts", config.get("num_local_experts"))
-    if not experts:
-        raise refuse(config, "num_experts", experts, "a Qwen3-MoE model needs experts")
-    return int(experts)
 
 
 def _moe_layers(config: dict[str, Any]) -> set[int]:
@@ -53,7 +51,7 @@ class Qwen3MoeFamily(Qwen3Family):
             **routed_moe_kwargs(
                 config,
                 int(require(config, "moe_intermediate_size")),
-                experts=_experts(config),
+                experts=expert_count(config, "num_experts", "Qwen3-MoE"),
                 normalize=bool(config.get("norm_topk_prob", False)),
                 pattern=moe_layer_pattern(layers, _moe_layers(config)),
             ),
@@ -65,7 +63,9 @@ class Qwen3MoeFamily(Qwen3Family):
         """Router + experts on expert layers; the dense SwiGLU MLP elsewhere."""
         if layer not in _moe_layers(config):
             return super().mlp_mappings(config, kwargs, layer, m, h)
-        return routed_experts(m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", _experts(config))
+        return routed_experts(
+            m, f"{h}mlp.gate.weight", f"{h}mlp.experts.", kwargs["num_moe_experts"]
+        )
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
         """Expert fields from the provider's MoE settings."""
