@@ -427,6 +427,8 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         ValueError: No example fits (all skipped).
     """
 
+    _label = "SFT"
+
     def __init__(
         self,
         examples: TokenizedExamples,
@@ -441,8 +443,11 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         self.seq_length = int(seq_length)
         self.pad_token = int(pad_token)
         self.examples, self.skipped = fit_examples(
-            examples, self.seq_length, truncation, f"SFT {name} split"
+            examples, self.seq_length, truncation, f"{self._label} {name} split"
         )
+        self._arrange(num_samples, shuffle_seed)
+
+    def _arrange(self, num_samples: int, shuffle_seed: int | None) -> None:
         count = len(self.examples)
         epochs = max(1, math.ceil(num_samples / count))
         self._order = np.concatenate([epoch_order(count, shuffle_seed, e) for e in range(epochs)])
