@@ -142,11 +142,9 @@ class ByteLevelTokenizer(Tokenizer):
         vocab_extra_ids: int = 0,
         vocab_size: int | None = None,
     ) -> None:
-        specials = list(special_tokens or ())
-        for token in _DEFAULT_SPECIALS:
-            if token not in specials:
-                specials.append(token)
-        specials = added_tokens(specials, vocab_extra_ids)
+        given = list(special_tokens or ())
+        missing = [token for token in _DEFAULT_SPECIALS if token not in given]
+        specials = added_tokens([*given, *missing], vocab_extra_ids)
         if len(set(specials)) != len(specials):
             raise ValueError(f"tokenizer.special_tokens has duplicates: {specials}")
         self._special_ids = {token: _BYTE_IDS + i for i, token in enumerate(specials)}
