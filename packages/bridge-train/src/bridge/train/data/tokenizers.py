@@ -342,9 +342,9 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
             raise ValueError(f"tokenizer.{name} is required for tokenizer_type={kind!r}{hint}")
     specials = getattr(tokenizer_config, "special_tokens", None)
     extra_ids = int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0)
-    # Set where the type requires them (checked above).
     vocab_size: Any = getattr(tokenizer_config, "vocab_size", None)
-    model: Any = getattr(tokenizer_config, "tokenizer_model", None)
+    # The required fields (checked above) are the files, given in their order.
+    paths = [getattr(tokenizer_config, name) for name in TOKENIZER_REQUIRED_FIELDS.get(kind, ())]
     if kind == "ByteLevelTokenizer":
         return ByteLevelTokenizer(
             special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size
@@ -352,12 +352,10 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
     if kind == "NullTokenizer":
         return NullTokenizer(int(vocab_size) + extra_ids)
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(model, special_tokens=specials, vocab_extra_ids=extra_ids)
+        return HuggingFaceTokenizer(paths[0], special_tokens=specials, vocab_extra_ids=extra_ids)
     from bridge.train.data import file_tokenizers
 
-    files = ("vocab_file", "merge_file") if kind == "GPT2BPETokenizer" else ("tokenizer_model",)
     cls = getattr(file_tokenizers, kind)
-    paths = [getattr(tokenizer_config, name) for name in files]
     return cls(*paths, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)
 
 
