@@ -325,11 +325,7 @@ class TextGenerator:
         # megatron's static path prefills up to the shortest prompt and then feeds longer
         # prompts one token per step; left padding (masked, see the controller's
         # prep_inference_input) puts every prompt's end in the same slot: one prefill.
-        padding = (
-            [longest - n for n in lengths]
-            if self.pads_prompts and len(set(lengths)) > 1
-            else [0] * len(batch)
-        )
+        padding = [longest - n if self.pads_prompts else 0 for n in lengths]
         requests: OrderedDict[int, Any] = OrderedDict()
         for offset, (text, ids) in enumerate(batch):
             requests[first + offset] = InferenceRequest(
