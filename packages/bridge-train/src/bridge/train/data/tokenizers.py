@@ -257,8 +257,7 @@ class HuggingFaceTokenizer(Tokenizer):
             )
         self._tokenizer = _HFTokenizer.from_file(str(file))
         extra = added_tokens(special_tokens, vocab_extra_ids)
-        if extra:
-            self._tokenizer.add_special_tokens(extra)
+        self._tokenizer.add_special_tokens(extra)
         settings = _read_special_token_settings(directory)
         eod = self._first_token_id(
             [settings.get("eos_token"), "</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"]
