@@ -377,15 +377,7 @@ def load_tokenized_examples(
     if cache_file is not None:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(
-                cache_file,
-                lambda handle: np.savez(
-                    handle,
-                    tokens=examples.tokens,
-                    loss_flags=examples.loss_flags,
-                    offsets=examples.offsets,
-                ),
-            )
+            atomic_write(cache_file, lambda handle: np.savez(handle, **vars(examples)))
         except OSError as exc:
             logger.warning("SFT cache not written to %s: %s", cache_file.parent, exc)
     return examples
