@@ -98,9 +98,8 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
     checkpoint.load_optim = False
     checkpoint.load_rng = False
     cfg.checkpoint = checkpoint
-    train = cfg.train or TrainingConfig()
-    train.skip_train = True
-    cfg.train = train
+    cfg.train = cfg.train or TrainingConfig()
+    cfg.train.skip_train = True
     cfg.logger = cfg.logger or LoggerConfig()
     cfg.logger.log_validation_ppl_to_tensorboard = True
     if eval_data is None:
