@@ -186,9 +186,6 @@ def check_finetuning_dataset(dataset_config: FinetuningDatasetConfig) -> None:
         )
 
 
-# ---------------------------------------------------------------------------- tokenizing
-
-
 @dataclass
 class TokenizedExamples:
     """Tokenized records of one file: ids and a loss flag per token, concatenated.
@@ -381,9 +378,6 @@ def load_tokenized_examples(
         except OSError as exc:
             logger.warning("SFT cache not written to %s: %s", cache_file.parent, exc)
     return examples
-
-
-# ---------------------------------------------------------------------------- samples
 
 
 def epoch_order(count: int, shuffle_seed: int | None, epoch: int) -> np.ndarray:

@@ -228,8 +228,6 @@ class TextGenerator:
             != "learned_absolute"
         )
 
-    # -- prompts ---------------------------------------------------------------------
-
     def _prompt_ids(
         self, index: int, prompt: str | Sequence[int], max_new_tokens: int
     ) -> tuple[str, list[int]]:
@@ -274,8 +272,6 @@ class TextGenerator:
                 f"{self.max_sequence_length - len(ids)} or less"
             )
         return text, ids
-
-    # -- generation ------------------------------------------------------------------
 
     def generate(
         self,
