@@ -74,6 +74,9 @@ SFT_SPLIT_FILES = ("training.jsonl", "validation.jsonl", "test.jsonl")
 
 TRUNCATION_POLICIES = ("left", "right", "drop")
 
+# What starts a message of a role (the format's field) without a tokenizer chat template.
+_CHAT_HEADER = "<|{}|>\n"
+
 
 @dataclass(frozen=True)
 class SFTSettings:
@@ -235,18 +238,13 @@ def _render_chat(tokenizer: Tokenizer, messages: Any, where: str) -> tuple[list[
             previous = apply_template(messages[:turn], tokenize=False) if turn else ""
             new = tokenizer.tokenize(text[len(previous) :])
         else:
-            header = tokenizer.tokenize(_chat_header(role))
+            header = tokenizer.tokenize(_CHAT_HEADER.format(role))
             ids += header
             flags += [0] * len(header)
             new = tokenizer.tokenize(content + "\n")
         ids += new
         flags += [1 if role == "assistant" else 0] * len(new)
     return ids, flags
-
-
-def _chat_header(role: str) -> str:
-    """What starts a message of ``role`` without a tokenizer chat template."""
-    return f"<|{role}|>\n"
 
 
 def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
@@ -266,7 +264,7 @@ def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
         rendered = apply_template(messages, tokenize=False)
         opened = apply_template(messages, tokenize=False, add_generation_prompt=True)
         return ids + list(tokenizer.tokenize(opened[len(rendered) :]))
-    return ids + list(tokenizer.tokenize(_chat_header("assistant")))
+    return ids + list(tokenizer.tokenize(_CHAT_HEADER.format("assistant")))
 
 
 def _tokenize_record(
