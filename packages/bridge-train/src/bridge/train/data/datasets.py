@@ -53,17 +53,12 @@ def dataset_prefixes(
     dataset_config: GPTDatasetConfig | FinetuningDatasetConfig,
 ) -> list[tuple[str, str]]:
     """``(field, prefix)`` for every dataset prefix of ``blend`` / ``blend_per_split``."""
-    checks: list[tuple[str, str]] = []
-    blend = _as_blend(getattr(dataset_config, "blend", None))
-    if blend is not None:
-        checks += [("dataset.blend", p) for p in blend[0]]
-    per_split = getattr(dataset_config, "blend_per_split", None)
-    if per_split is not None:
-        for name, split_blend in zip(_SPLIT_NAMES, per_split, strict=False):
-            split = _as_blend(split_blend)
-            if split is not None:
-                checks += [(f"dataset.blend_per_split[{name}]", p) for p in split[0]]
-    return checks
+    blends = [("dataset.blend", getattr(dataset_config, "blend", None))]
+    per_split = getattr(dataset_config, "blend_per_split", None) or ()
+    blends += [
+        (f"dataset.blend_per_split[{n}]", b) for n, b in zip(_SPLIT_NAMES, per_split, strict=False)
+    ]
+    return [(field, str(p)) for field, blend in blends if blend is not None for p in blend[0]]
 
 
 def check_data_paths(dataset_config: GPTDatasetConfig | FinetuningDatasetConfig) -> None:

@@ -111,13 +111,12 @@ class SentencePieceTokenizer(_MegatronLibraryTokenizer):
         self._tokenizer = _MegatronSentencePiece(
             str(file), special_tokens=extra or None, legacy=bool(extra)
         )
-        eod = int(self._tokenizer.tokenizer.eos_id())
-        if eod < 0:
+        self.eod = int(self._tokenizer.tokenizer.eos_id())
+        if self.eod < 0:
             raise ValueError(
                 f"the SentencePiece model {str(path)!r} has no end-of-sentence piece; train it "
                 "with eos_id set (the default)"
             )
-        self.eod = eod
         self.pad = int(self._tokenizer.tokenizer.pad_id())
         self.vocab_size = _reported_size(
             int(self._tokenizer.vocab_size), vocab_size, vocab_extra_ids

@@ -304,8 +304,7 @@ def build_train_valid_test_data_iterators(
         separate validation sets stay a
         :class:`~bridge.train.data.validation_sets.ValidationSets`.
     """
-    kind = getattr(dataset_config, "dataloader_type", None) or "single"
-    loaders = build_train_valid_test_data_loaders(
+    train, valid, test = build_train_valid_test_data_loaders(
         datasets,
         dataset_config,
         train_config,
@@ -313,13 +312,12 @@ def build_train_valid_test_data_iterators(
         data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
     )
-    train, valid, test = loaders
-    evaluation = _evaluation_iter(kind)
-    train_it = None if train is None else iter(train)
-    valid_it: Any
-    if isinstance(valid, ValidationSets):
-        valid_it = valid  # each set hands out its own iterator
-    else:
-        valid_it = None if valid is None else iter(evaluation(valid))
-    test_it = None if test is None else iter(evaluation(test))
-    return train_it, valid_it, test_it
+    evaluation = _evaluation_iter(getattr(dataset_config, "dataloader_type", None) or "single")
+    # Separate validation sets stay as they are: each set hands out its own iterator.
+    if valid is not None and not isinstance(valid, ValidationSets):
+        valid = evaluation(valid)
+    return (
+        None if train is None else iter(train),
+        valid,
+        None if test is None else evaluation(test),
+    )

@@ -34,7 +34,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from bridge.config import ConfigError, ModelConfigProtocol
-from bridge.train.data.sft import TokenizedExamples, build_sample, epoch_order, fit_examples
+from bridge.train.data.sft import SFTDataset, build_sample, epoch_order
 from bridge.train.models.mamba_provider import MambaProvider
 
 __all__ = [
@@ -156,19 +156,14 @@ def first_fit_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-class PackedSFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+class PackedSFTDataset(SFTDataset):
     """Map-style dataset of packed SFT samples (see the module docstring).
 
     Args:
-        examples: Tokenized records.
-        seq_length: Tokens per packed sequence.
-        pad_token: Id used for padding.
-        truncation: ``"left"``, ``"right"`` or ``"drop"`` for an example longer than one
-            sequence.
-        num_samples: Packed samples the run needs (whole epochs, at least one).
-        shuffle_seed: Shuffle examples each epoch with ``seed + epoch`` before packing;
-            ``None`` packs in file order.
-        name: Split name for log lines.
+        examples, seq_length, pad_token, truncation, num_samples, shuffle_seed, name: As
+            for :class:`~bridge.train.data.sft.SFTDataset`; ``seq_length`` is the tokens of
+            a packed sequence, ``num_samples`` counts packed samples, and the examples are
+            shuffled each epoch before packing.
         pad_cu_seqlens: ``packed_sequence_specs.pad_cu_seqlens``. False: a sample's
             ``cu_seqlens_count`` is its number of examples + 1 and ``max_seqlen`` its
             longest example (the last one counted with the trailing padding). True: every
@@ -179,24 +174,13 @@ class PackedSFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         ValueError: No example fits.
     """
 
-    def __init__(
-        self,
-        examples: TokenizedExamples,
-        seq_length: int,
-        pad_token: int,
-        truncation: str = "left",
-        *,
-        num_samples: int = 0,
-        shuffle_seed: int | None = None,
-        name: str = "train",
-        pad_cu_seqlens: bool = False,
-    ) -> None:
-        self.seq_length = int(seq_length)
+    _label = "packed SFT"
+
+    def __init__(self, *args: Any, pad_cu_seqlens: bool = False, **kwargs: Any) -> None:
         self.pad_cu_seqlens = bool(pad_cu_seqlens)
-        self.pad_token = int(pad_token)
-        self.examples, self.skipped = fit_examples(
-            examples, self.seq_length, truncation, f"packed SFT {name} split"
-        )
+        super().__init__(*args, **kwargs)
+
+    def _arrange(self, num_samples: int, shuffle_seed: int | None) -> None:
         # An example of n ids fills n - 1 positions.
         sizes = [len(ids) - 1 for ids, _ in self.examples]
         self.bins: list[list[int]] = []

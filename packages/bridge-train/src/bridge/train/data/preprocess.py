@@ -279,15 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge-file", help="GPT-2 BPE merges.txt (GPT2BPETokenizer)")
     parser.add_argument("--vocab-size", type=int, help="vocabulary size (NullTokenizer)")
     parser.add_argument("--special-tokens", nargs="*", help="extra special tokens")
-    parser.add_argument(
-        "--no-append-eod", action="store_true", help="do not append EOD to documents"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="print the notices of torch and megatron-core in full (default: one line)",
-    )
+    for flag, text in (
+        ("--no-append-eod", "do not append EOD to documents"),
+        ("--overwrite", "replace existing output files"),
+        ("--verbose", "print the notices of torch and megatron-core in full (default: one line)"),
+    ):
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument(
         "--workers",
         type=int,

@@ -45,6 +45,7 @@ class _DataParallelSampler:
         if size <= 0 or not 0 <= rank < size:
             raise ValueError(f"data_parallel_rank={rank} is not in [0, data_parallel_size={size})")
         self.chunk = self.micro_batch_size * size
+        self.start = rank * self.micro_batch_size
 
 
 @dataclass
@@ -71,18 +72,16 @@ class PretrainingSampler(_DataParallelSampler):
         remaining = max(self.total_samples - self.consumed_samples, 0)
         full, rest = divmod(remaining, self.chunk)
         if rest and not self.drop_last:
-            start = self.data_parallel_rank * self.micro_batch_size
-            full += int(start < rest)
+            full += int(self.start < rest)
         return full
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yield this rank's index list of every micro-batch, in stream order."""
-        start = self.data_parallel_rank * self.micro_batch_size
         stream = range(self.consumed_samples, self.total_samples)
         for chunk in itertools.batched(stream, self.chunk):
             if len(chunk) < self.chunk and self.drop_last:
                 return
-            if indices := list(chunk[start : start + self.micro_batch_size]):
+            if indices := list(chunk[self.start : self.start + self.micro_batch_size]):
                 yield indices
 
 
@@ -113,6 +112,5 @@ class CyclicRandomSampler(_DataParallelSampler):
         epoch, offset = divmod(self.consumed_samples, self.total_samples)
         later = itertools.chain.from_iterable(map(self._epoch, itertools.count(epoch + 1)))
         stream = itertools.chain(self._epoch(epoch)[offset:], later)
-        start = self.data_parallel_rank * self.micro_batch_size
         for chunk in itertools.batched(stream, self.chunk):
-            yield list(chunk[start : start + self.micro_batch_size])
+            yield list(chunk[self.start : self.start + self.micro_batch_size])

@@ -74,6 +74,9 @@ SFT_SPLIT_FILES = ("training.jsonl", "validation.jsonl", "test.jsonl")
 
 TRUNCATION_POLICIES = ("left", "right", "drop")
 
+# What starts a message of a role (the format's field) without a tokenizer chat template.
+_CHAT_HEADER = "<|{}|>\n"
+
 
 @dataclass(frozen=True)
 class SFTSettings:
@@ -186,9 +189,6 @@ def check_finetuning_dataset(dataset_config: FinetuningDatasetConfig) -> None:
         )
 
 
-# ---------------------------------------------------------------------------- tokenizing
-
-
 @dataclass
 class TokenizedExamples:
     """Tokenized records of one file: ids and a loss flag per token, concatenated.
@@ -238,18 +238,13 @@ def _render_chat(tokenizer: Tokenizer, messages: Any, where: str) -> tuple[list[
             previous = apply_template(messages[:turn], tokenize=False) if turn else ""
             new = tokenizer.tokenize(text[len(previous) :])
         else:
-            header = tokenizer.tokenize(_chat_header(role))
+            header = tokenizer.tokenize(_CHAT_HEADER.format(role))
             ids += header
             flags += [0] * len(header)
             new = tokenizer.tokenize(content + "\n")
         ids += new
         flags += [1 if role == "assistant" else 0] * len(new)
     return ids, flags
-
-
-def _chat_header(role: str) -> str:
-    """What starts a message of ``role`` without a tokenizer chat template."""
-    return f"<|{role}|>\n"
 
 
 def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
@@ -269,7 +264,7 @@ def chat_generation_prompt(tokenizer: Tokenizer, messages: Any) -> list[int]:
         rendered = apply_template(messages, tokenize=False)
         opened = apply_template(messages, tokenize=False, add_generation_prompt=True)
         return ids + list(tokenizer.tokenize(opened[len(rendered) :]))
-    return ids + list(tokenizer.tokenize(_chat_header("assistant")))
+    return ids + list(tokenizer.tokenize(_CHAT_HEADER.format("assistant")))
 
 
 def _tokenize_record(
@@ -377,21 +372,10 @@ def load_tokenized_examples(
     if cache_file is not None:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(
-                cache_file,
-                lambda handle: np.savez(
-                    handle,
-                    tokens=examples.tokens,
-                    loss_flags=examples.loss_flags,
-                    offsets=examples.offsets,
-                ),
-            )
+            atomic_write(cache_file, lambda handle: np.savez(handle, **vars(examples)))
         except OSError as exc:
             logger.warning("SFT cache not written to %s: %s", cache_file.parent, exc)
     return examples
-
-
-# ---------------------------------------------------------------------------- samples
 
 
 def epoch_order(count: int, shuffle_seed: int | None, epoch: int) -> np.ndarray:
@@ -427,6 +411,8 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         ValueError: No example fits (all skipped).
     """
 
+    _label = "SFT"
+
     def __init__(
         self,
         examples: TokenizedExamples,
@@ -441,8 +427,11 @@ class SFTDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         self.seq_length = int(seq_length)
         self.pad_token = int(pad_token)
         self.examples, self.skipped = fit_examples(
-            examples, self.seq_length, truncation, f"SFT {name} split"
+            examples, self.seq_length, truncation, f"{self._label} {name} split"
         )
+        self._arrange(num_samples, shuffle_seed)
+
+    def _arrange(self, num_samples: int, shuffle_seed: int | None) -> None:
         count = len(self.examples)
         epochs = max(1, math.ceil(num_samples / count))
         self._order = np.concatenate([epoch_order(count, shuffle_seed, e) for e in range(epochs)])

@@ -16,7 +16,7 @@ split ranges are megatron-core's own (``parse_and_normalize_split`` and
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
@@ -79,11 +79,9 @@ def check_split_samples(
     if not isinstance(sequence_length, int):
         return
     sample = sequence_length + int(bool(getattr(dataset_config, "add_extra_token_to_sequence", 1)))
-    lengths: dict[str, Any] = {}
+    lengths = functools.cache(read_sequence_lengths)  # each prefix's index read once
     for field, prefix, index, (begin, end) in _ranges(dataset_config):
-        if prefix not in lengths:
-            lengths[prefix] = read_sequence_lengths(prefix)
-        sizes = lengths[prefix]
+        sizes = lengths(prefix)
         total = len(sizes)
         first, last = round(begin * total), round(end * total)  # megatron's rounding
         documents = max(last - first, 0)

@@ -266,7 +266,6 @@ class MockT5Dataset(torch.utils.data.Dataset):
 
         encoder: list[int] = []
         decoder = [_BOS]
-        labels: list[int] = []
         sentinel = self.vocab_size - 1
         pos = 0
         spans = 0
@@ -276,14 +275,12 @@ class MockT5Dataset(torch.utils.data.Dataset):
             if fits and rng.rand() < cfg.masking_probability and pos + span <= enc_len:
                 encoder.append(sentinel)
                 decoder += [sentinel, *tokens[pos : pos + span].tolist()]
-                labels += [sentinel, *tokens[pos : pos + span].tolist()]
                 sentinel -= 1
                 spans += 1
                 pos += span
             else:
                 encoder.append(int(tokens[pos]))
                 pos += 1
-        labels.append(_EOS)
 
         def padded(values: list[int], length: int, fill: int) -> np.ndarray:
             out = np.full(length, fill, dtype=np.int64)
@@ -292,16 +289,17 @@ class MockT5Dataset(torch.utils.data.Dataset):
 
         text_enc = padded(encoder, enc_len, _PAD)
         text_dec = padded(decoder, dec_len, _PAD)
-        loss_mask = np.zeros(dec_len, dtype=np.int64)
-        loss_mask[: len(decoder)] = 1
+        # The decoder holds no pad id, so its mask is also the loss mask: one label per
+        # decoder token (the decoder input shifted left, ending in eos).
+        dec_mask = (text_dec != _PAD).astype(np.int64)
         return {
             "text_enc": text_enc,
             "text_dec": text_dec,
-            "labels": padded(labels, dec_len, _PAD),
-            "loss_mask": loss_mask,
+            "labels": padded([*decoder[1:], _EOS], dec_len, _PAD),
+            "loss_mask": dec_mask.copy(),
             "truncated": 0,
             "enc_mask": (text_enc != _PAD).astype(np.int64),
-            "dec_mask": (text_dec != _PAD).astype(np.int64),
+            "dec_mask": dec_mask,
         }
 
 

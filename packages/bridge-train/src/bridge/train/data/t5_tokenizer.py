@@ -20,6 +20,7 @@ unchanged. ``vocab_size`` counts the added ids, and the model's vocabulary follo
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -93,22 +94,18 @@ class T5Tokenizer(Tokenizer):
         base_pad = int(base.pad)
         self.pad = base_pad if base_pad >= 0 else token_id("<pad>")
         self.vocab_size = next_id
-        self._inv_vocab: dict[int, str] | None = None
         super().__init__(base=dict(base.unique_identifiers), num_sentinels=int(num_sentinels))
 
-    @property
+    @functools.cached_property
     def inv_vocab(self) -> dict[int, str]:
         """Id -> token string for every id (built on first use)."""
-        if self._inv_vocab is None:
-            inner = getattr(self.base, "_tokenizer", None)
-            id_to_token = getattr(inner, "id_to_token", None)  # Hugging Face tokenizers
-            table: dict[int, str] = {}
-            for i in range(int(self.base.vocab_size)):
-                piece = id_to_token(i) if callable(id_to_token) else None
-                table[i] = piece if isinstance(piece, str) else self.base.detokenize([i])
-            table.update(self._added)
-            self._inv_vocab = table
-        return self._inv_vocab
+        inner = getattr(self.base, "_tokenizer", None)
+        id_to_token = getattr(inner, "id_to_token", None)  # Hugging Face tokenizers
+        table: dict[int, str] = {}
+        for i in range(int(self.base.vocab_size)):
+            piece = id_to_token(i) if callable(id_to_token) else None
+            table[i] = piece if isinstance(piece, str) else self.base.detokenize([i])
+        return table | self._added
 
     def tokenize(self, text: str) -> list[int]:
         """The base tokenizer's ids (added tokens are not parsed from text)."""

@@ -142,11 +142,9 @@ class ByteLevelTokenizer(Tokenizer):
         vocab_extra_ids: int = 0,
         vocab_size: int | None = None,
     ) -> None:
-        specials = list(special_tokens or ())
-        for token in _DEFAULT_SPECIALS:
-            if token not in specials:
-                specials.append(token)
-        specials = added_tokens(specials, vocab_extra_ids)
+        given = list(special_tokens or ())
+        missing = [token for token in _DEFAULT_SPECIALS if token not in given]
+        specials = added_tokens([*given, *missing], vocab_extra_ids)
         if len(set(specials)) != len(specials):
             raise ValueError(f"tokenizer.special_tokens has duplicates: {specials}")
         self._special_ids = {token: _BYTE_IDS + i for i, token in enumerate(specials)}
@@ -259,8 +257,7 @@ class HuggingFaceTokenizer(Tokenizer):
             )
         self._tokenizer = _HFTokenizer.from_file(str(file))
         extra = added_tokens(special_tokens, vocab_extra_ids)
-        if extra:
-            self._tokenizer.add_special_tokens(extra)
+        self._tokenizer.add_special_tokens(extra)
         settings = _read_special_token_settings(directory)
         eod = self._first_token_id(
             [settings.get("eos_token"), "</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"]
@@ -344,9 +341,9 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
             raise ValueError(f"tokenizer.{name} is required for tokenizer_type={kind!r}{hint}")
     specials = getattr(tokenizer_config, "special_tokens", None)
     extra_ids = int(getattr(tokenizer_config, "vocab_extra_ids", 0) or 0)
-    # Set where the type requires them (checked above).
     vocab_size: Any = getattr(tokenizer_config, "vocab_size", None)
-    model: Any = getattr(tokenizer_config, "tokenizer_model", None)
+    # The required fields (checked above) are the files, given in their order.
+    paths = [getattr(tokenizer_config, name) for name in TOKENIZER_REQUIRED_FIELDS.get(kind, ())]
     if kind == "ByteLevelTokenizer":
         return ByteLevelTokenizer(
             special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size
@@ -354,12 +351,10 @@ def build_tokenizer(tokenizer_config: TokenizerConfig | TokenizerConfigProtocol)
     if kind == "NullTokenizer":
         return NullTokenizer(int(vocab_size) + extra_ids)
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(model, special_tokens=specials, vocab_extra_ids=extra_ids)
+        return HuggingFaceTokenizer(paths[0], special_tokens=specials, vocab_extra_ids=extra_ids)
     from bridge.train.data import file_tokenizers
 
-    files = ("vocab_file", "merge_file") if kind == "GPT2BPETokenizer" else ("tokenizer_model",)
     cls = getattr(file_tokenizers, kind)
-    paths = [getattr(tokenizer_config, name) for name in files]
     return cls(*paths, special_tokens=specials, vocab_extra_ids=extra_ids, vocab_size=vocab_size)
 
 

@@ -89,12 +89,11 @@ class ValidationSet:
     def batches(self) -> Any:
         """The iterator this evaluation of the set reads: a fresh pass from the set's first
         sample with ``iterations``, else the one iterator every evaluation continues."""
+        wrap = self.wrap or (lambda iterator: iterator)
         if self.iterations is not None:
-            fresh = iter(self.loader)
-            return fresh if self.wrap is None else self.wrap(fresh)
+            return wrap(iter(self.loader))
         if self._iterator is None:
-            continuing = self.continuing(self.loader)
-            self._iterator = continuing if self.wrap is None else self.wrap(continuing)
+            self._iterator = wrap(self.continuing(self.loader))
         return self._iterator
 
 

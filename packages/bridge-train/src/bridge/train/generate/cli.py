@@ -86,24 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )
-    parser.add_argument(
-        "--ignore-eod",
-        action="store_true",
-        help="keep generating past the end-of-document token",
-    )
-    parser.add_argument(
-        "--chat",
-        action="store_true",
-        help="render each prompt as a user message the way chat finetuning data is rendered",
-    )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="one JSON object per prompt: prompt, completion, token_ids, finish_reason",
-    )
-    parser.add_argument(
-        "--no-stream", action="store_true", help="print completions when they are finished"
-    )
+    for flag, text in (
+        ("--ignore-eod", "keep generating past the end-of-document token"),
+        ("--chat", "render each prompt as a user message the way chat finetuning data is rendered"),
+        ("--json", "one JSON object per prompt: prompt, completion, token_ids, finish_reason"),
+        ("--no-stream", "print completions when they are finished"),
+    ):
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument(
         "--batch-size", type=int, default=8, metavar="N", help="prompts generated together"
     )

@@ -50,8 +50,6 @@ def continuation_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], ids: Sequ
     the whole (a tokenizer that normalises across the boundary), the new tokens are
     decoded alone.
     """
-    if not ids:
-        return ""
     head = str(tokenizer.detokenize(list(prompt_ids)))
     whole = str(tokenizer.detokenize([*prompt_ids, *ids]))
     if whole.startswith(head):

@@ -98,9 +98,8 @@ def prepare_eval_only(cfg: ConfigContainer, *, eval_data: str | None = None) -> 
     checkpoint.load_optim = False
     checkpoint.load_rng = False
     cfg.checkpoint = checkpoint
-    train = cfg.train or TrainingConfig()
-    train.skip_train = True
-    cfg.train = train
+    cfg.train = cfg.train or TrainingConfig()
+    cfg.train.skip_train = True
     cfg.logger = cfg.logger or LoggerConfig()
     cfg.logger.log_validation_ppl_to_tensorboard = True
     if eval_data is None:
@@ -189,6 +188,7 @@ def evaluate_checkpoint(
 
     def datasets(out: Any) -> tuple[Any, Any, Any]:
         """The run's own validation and test splits, or ``plan.eval_data``."""
+        gbs = int(train.global_batch_size or 1)
         if plan.eval_data is None:
             # The saved run's evaluation settings say where its validation began.
             saved = train
@@ -201,7 +201,6 @@ def evaluate_checkpoint(
             try:
                 sizes = train_valid_test_num_samples(train)
             except ValueError:  # no training length: only evaluation needs samples
-                gbs = int(train.global_batch_size or 1)
                 sizes = (0, int(train.eval_iters or 0) * gbs, int(train.eval_iters or 0) * gbs)
             return build_family_datasets(cfg.model, cfg.dataset, out.tokenizer, sizes)
         try:
@@ -213,7 +212,6 @@ def evaluate_checkpoint(
             )
         except ValueError as exc:
             raise ConfigError("--eval-data", str(exc)) from None
-        gbs = int(train.global_batch_size or 1)
         padded = WholeBatches(file_dataset, gbs)
         train.eval_iters = len(padded) // gbs
         state.train_state.consumed_valid_samples = 0

@@ -228,8 +228,6 @@ class TextGenerator:
             != "learned_absolute"
         )
 
-    # -- prompts ---------------------------------------------------------------------
-
     def _prompt_ids(
         self, index: int, prompt: str | Sequence[int], max_new_tokens: int
     ) -> tuple[str, list[int]]:
@@ -274,8 +272,6 @@ class TextGenerator:
                 f"{self.max_sequence_length - len(ids)} or less"
             )
         return text, ids
-
-    # -- generation ------------------------------------------------------------------
 
     def generate(
         self,
@@ -325,11 +321,7 @@ class TextGenerator:
         # megatron's static path prefills up to the shortest prompt and then feeds longer
         # prompts one token per step; left padding (masked, see the controller's
         # prep_inference_input) puts every prompt's end in the same slot: one prefill.
-        padding = (
-            [longest - n for n in lengths]
-            if self.pads_prompts and len(set(lengths)) > 1
-            else [0] * len(batch)
-        )
+        padding = [longest - n if self.pads_prompts else 0 for n in lengths]
         requests: OrderedDict[int, Any] = OrderedDict()
         for offset, (text, ids) in enumerate(batch):
             requests[first + offset] = InferenceRequest(

@@ -305,9 +305,7 @@ def load_generation_model(
     # No dist section: the backend is the machine's (nccl with CUDA, gloo without).
     engine.initialize_distributed(provider, None, run_config.rng)
     try:
-        hooks = []
-        if peft is not None:
-            hooks.append(lambda chunks: apply_peft(peft, chunks))
+        hooks = [] if peft is None else [lambda chunks: apply_peft(peft, chunks)]
         model = engine.setup_model(provider, wrap_with_ddp=False, pre_wrap_hooks=hooks)
         checkpoint = CheckpointConfig(
             load=str(iteration_dir),
