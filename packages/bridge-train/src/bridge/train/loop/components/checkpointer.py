@@ -70,8 +70,6 @@ class Checkpointer(Callback):
         self.non_persistent_save_interval = (
             None if config is None else config.non_persistent_save_interval
         )
-        #: The last decision of the exit conditions (``None`` before the first step).
-        self.last_decision: ExitDecision | None = None
         self.last_saved_iteration: int | None = None
 
     @classmethod
@@ -107,7 +105,6 @@ class Checkpointer(Callback):
             finalize=finalize if async_saves else None,
         )
 
-    # -- the writer ------------------------------------------------------------------------
     def save(self, context: LoopContext, *, non_persistent: bool = False) -> None:
         """Write a checkpoint of this iteration now (a collective).
 
@@ -128,7 +125,6 @@ class Checkpointer(Callback):
         for _ in range(self.finalize_function(context, blocking)):
             context.saved()
 
-    # -- decisions -------------------------------------------------------------------------
     def save_and_decide(self, context: LoopContext) -> ExitDecision | None:
         """Save on the intervals, then ask the exit conditions (saving once more if they say).
 
@@ -153,14 +149,12 @@ class Checkpointer(Callback):
         if self.exit_conditions is None:
             return None
         decision = self.exit_conditions.check(iteration, saved_this_iteration=saved)
-        self.last_decision = decision
         if decision.should_save and self.enabled:
             self.save(context)
         if decision.should_exit and global_rank() == 0:
             print(f"[bridge-train] {decision.message}", flush=True)
         return decision
 
-    # -- hooks -----------------------------------------------------------------------------
     def on_step_end(self, context: LoopContext) -> None:
         """Save when asked to; stop the loop when an exit condition holds."""
         result = context.step_result
