@@ -100,8 +100,7 @@ def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
     """:func:`get_start_time_from_progress_log` of the run saving to ``save``."""
     path = Path(save) / PROGRESS_FILE
     world = global_world_size(launcher_fallback=True)
-    start_time: datetime | None = None
-    start_flops: float | None = None
+    start: tuple[datetime, float] | None = None  # the earliest job's (time, FLOPs before it)
     latest_flops = 0.0
     with path.open(encoding="utf-8") as handle:
         for line in handle:
@@ -117,16 +116,16 @@ def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
                     except ValueError:  # cut mid-write: the line is malformed
                         continue
             if line_world != world:
-                start_time, start_flops = None, None
+                start = None
                 continue
-            if kind == STARTING_JOB and start_time is None:
-                start_time, start_flops = stamp, latest_flops
-    if start_time is None or start_flops is None:
+            if kind == STARTING_JOB and start is None:
+                start = stamp, latest_flops
+    if start is None:
         raise RuntimeError(
             f"{path} has no 'Starting job' line for world size {world}; the trainer writes "
             "one at the start of every launch with logger.log_progress"
         )
-    return start_time, start_flops
+    return start
 
 
 def _tflops_per_device(flops: float, seconds: float, world: int) -> float:
