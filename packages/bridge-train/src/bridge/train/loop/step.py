@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["TrainStep", "data_parallel_layout", "data_parallel_size"]
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
 def data_parallel_size() -> int:
     """The data-parallel size of megatron's parallel state (1 before it exists)."""
     return data_parallel_layout()[0]
@@ -55,9 +52,6 @@ def data_parallel_layout() -> tuple[int, Any, bool]:
         parallel_state.get_data_parallel_group(with_context_parallel=True),
         bool(parallel_state.is_pipeline_last_stage(ignore_virtual=True)),
     )
-
-
-# ----------------------------------------------------------------------------- the step
 
 
 @dataclass
@@ -185,7 +179,6 @@ class TrainStep:
         if self._timed_run is None:  # wrapped once, for the loop only
             nvrx = self.nvrx_straggler
             self._timed_run = nvrx.wrap(self.run) if nvrx is not None else self.run
-        result: StepResult = self._timed_run(
+        return self._timed_run(
             context.train_data_iterator, context.model, context.optimizer, context.scheduler
         )
-        return result
