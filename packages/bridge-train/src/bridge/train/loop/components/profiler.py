@@ -76,7 +76,6 @@ class Profiler(Callback):
         if (
             result is not None
             and result.completed
-            and self.running
             and step_profiler(self.prof, self.nsys_context, context.iteration, self.profiling)
         ):
             self.prof, self.nsys_context = None, None
@@ -87,6 +86,5 @@ class Profiler(Callback):
 
     def close(self) -> None:
         """Stop the profiler if it runs (idempotent; also after an error)."""
-        if self.running:
-            stop_profiler(self.prof, self.nsys_context)
-            self.prof, self.nsys_context = None, None
+        stop_profiler(self.prof, self.nsys_context)
+        self.prof, self.nsys_context = None, None
