@@ -62,12 +62,8 @@ def _fields(line: str) -> tuple[datetime, int, str, dict[str, str]] | None:
         world = int(parts[2].split(":", 1)[1])
     except ValueError:
         return None
-    values = {}
-    for part in parts[4:]:
-        if ":" in part:
-            name, value = part.split(":", 1)
-            values[name.strip()] = value.strip()
-    return stamp, world, parts[3], values
+    pairs = (part.split(":", 1) for part in parts[4:] if ":" in part)
+    return stamp, world, parts[3], {name.strip(): value.strip() for name, value in pairs}
 
 
 def get_start_time_from_progress_log(cfg: ConfigContainer) -> tuple[datetime, float]:
