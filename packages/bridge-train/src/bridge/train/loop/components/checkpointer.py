@@ -137,15 +137,13 @@ class Checkpointer(Callback):
             The exit decision, or ``None`` without exit conditions.
         """
         iteration = context.iteration
-        saved = False
-        if self.enabled and self.save_interval and iteration % self.save_interval == 0:
-            self.save(context)
-            saved = True
-        elif self.non_persistent_save_interval and (
-            iteration % self.non_persistent_save_interval == 0
-        ):
-            self.save(context, non_persistent=True)
-            saved = True
+        interval, non_persistent_interval = self.save_interval, self.non_persistent_save_interval
+        persistent = bool(self.enabled and interval and iteration % interval == 0)
+        saved = persistent or bool(
+            non_persistent_interval and iteration % non_persistent_interval == 0
+        )
+        if saved:
+            self.save(context, non_persistent=not persistent)
         if self.exit_conditions is None:
             return None
         decision = self.exit_conditions.check(iteration, saved_this_iteration=saved)
