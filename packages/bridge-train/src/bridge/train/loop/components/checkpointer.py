@@ -6,8 +6,8 @@ condition of :class:`bridge.resiliency.ExitConditions` (signal, duration,
 ``train.exit_interval``, a stop request), and a final save when the loop ends), commits
 finished asynchronous saves without blocking after every step and waits for them at the
 end. How a checkpoint is written is not its business: it calls a :data:`SaveFunction`
-(GPT training: :class:`bridge.train.loop.training.CheckpointWriter`; MIMO plugs its
-own) and, for asynchronous saves, a :data:`FinalizeFunction`.
+(GPT training and the MIMO recipe: :class:`bridge.train.loop.saving.CheckpointWriter`)
+and, for asynchronous saves, a :data:`FinalizeFunction`.
 """
 
 from __future__ import annotations
