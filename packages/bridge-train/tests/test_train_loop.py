@@ -14,10 +14,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import pytest
 import torch
+from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
 from bridge.config import (
     CheckpointConfig,
@@ -37,12 +39,14 @@ from bridge.train import (
     should_disable_forward_pre_hook,
 )
 from bridge.train.loop import rampup_to_step_schedule
+from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.loop.components import WeightHashMismatchError
-from bridge.train.loop.step import _handle_mxfp8_param_buffer_copy
+from bridge.train.loop.step import TrainStep
 from bridge.train.metrics import read_metrics_file
 from bridge.train.metrics.flops import num_floating_point_operations
 from bridge.train.testing import (
     tiny_config_container,
+    tiny_gpt_provider,
     tiny_scheduler_config,
     tiny_train_config,
 )
@@ -75,8 +79,26 @@ def test_forward_pre_hook_helpers() -> None:
     disable_forward_pre_hook([chunk, plain], param_sync=False)
     enable_forward_pre_hook([chunk, plain])  # chunks without megatron's DDP have no hooks
     assert chunk.calls == [("disable", False), ("enable", None)]
-    _handle_mxfp8_param_buffer_copy(chunk, True, True)
-    _handle_mxfp8_param_buffer_copy(chunk, True, False)
+    # The step refills an mxfp8 parameter buffer that reuses the gradient buffer (overlapped
+    # gather only); ``chunk`` stands in for the distributed optimizer.
+    chunk.zero_grad = lambda: None
+    chunk.step = lambda: (True, None, None)
+    scheduler = type("Scheduler", (), {"step": lambda self, increment: None})()
+    owns = ensure_num_microbatches_calculator(tiny_train_config(), 1)
+    try:
+        for overlap in (True, False):
+            TrainStep(
+                forward_step_func=forward_step,
+                forward_backward_func=lambda **kwargs: [],
+                train=tiny_train_config(),
+                model_config=tiny_gpt_provider(),
+                ddp_config=SimpleNamespace(
+                    reuse_grad_buf_for_mxfp8_param_ag=True, overlap_param_gather=overlap
+                ),
+            ).run(iter(()), [], chunk, scheduler)
+    finally:
+        if owns:
+            destroy_num_microbatches_calculator()
     assert chunk.calls[-1] == ("copy", None) and len(chunk.calls) == 3
 
 

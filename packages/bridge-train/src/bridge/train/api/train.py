@@ -282,7 +282,5 @@ def checkpoint_and_decide_exit(
         state.train_state, model, optimizer, opt_param_scheduler, train_data_iterator, state=state
     )
     checkpointer = Checkpointer(save, state.cfg.checkpoint, exit_conditions=state.exit_conditions)
-    decision = checkpointer.save_and_decide(context)
-    if checkpointer.last_saved_iteration is not None:
-        state.last_saved_iteration = checkpointer.last_saved_iteration
+    decision = checkpointer.save_and_decide(context)  # a save records last_saved_iteration
     return decision is not None and decision.should_exit

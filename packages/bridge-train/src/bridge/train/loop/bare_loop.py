@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from megatron.core import parallel_state
 
 from bridge.config import RNGConfig
 from bridge.train.engine.base import Engine, build_engine
 from bridge.train.loop.losses import sum_loss_pairs, zero_grad_buffers
 from bridge.train.loop.state_injection import prepare_forward_step_func
+from bridge.train.loop.step import data_parallel_layout
 from bridge.train.models.gpt_step import forward_step
 from bridge.train.models.layout_init import layout_independent_seed
 from bridge.train.state import GlobalState, TrainState
@@ -103,7 +103,7 @@ def train_steps(
         ValueError: ``global_batch_size`` is not a multiple of
             ``micro_batch_size x data_parallel_size``.
     """
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_size, dp_cp_group, _ = data_parallel_layout()
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(
             f"train.global_batch_size={global_batch_size} is not a multiple of "
@@ -112,7 +112,6 @@ def train_steps(
     num_microbatches = global_batch_size // (micro_batch_size * dp_size)
     train_state = train_state if train_state is not None else TrainState()
     step_func = prepare_forward_step_func(forward_step_func, GlobalState())
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     result = BareLoopResult()
     for _ in range(train_iters):
         zero_grad_buffers(model, optimizer)

@@ -84,8 +84,6 @@ class Evaluation:
         gbs = int(train.global_batch_size or train.micro_batch_size * dp_size)
         num_microbatches = max(gbs // (train.micro_batch_size * dp_size), 1)
         manual_gc = bool(train.manual_gc and train.manual_gc_eval)
-        fault_tolerance = self.fault_tolerance
-        train_state = self.train_state
 
         for chunk in model:
             chunk.eval()
@@ -102,24 +100,18 @@ class Evaluation:
             decoder_seq_length=self.seq_length,
             forward_only=True,
         )
-        totals: dict[str, list[float]] = {}
+        reported: list[dict[str, torch.Tensor]] = []
         collected: Any = None
         try:
             with torch.no_grad():
                 for iteration in range(num_iterations):
                     if verbose and torch.distributed.get_rank() == 0:
                         print(f"Evaluating iter {iteration + 1}/{num_iterations}", flush=True)
-                    fault_tolerance.on_eval_step_start()
-                    loss_dicts = run_forward()
-                    fault_tolerance.on_eval_step_end()
-                    if last_stage:
-                        reduced = reduce_loss_dicts(loss_dicts, dp_cp_group)
-                        for name, (value, count) in reduced.items():
-                            pair = totals.setdefault(name, [0.0, 0.0])
-                            pair[0] += value
-                            pair[1] += count
+                    self.fault_tolerance.on_eval_step_start()
+                    reported += run_forward()
+                    self.fault_tolerance.on_eval_step_end()
                     if is_validation:
-                        train_state.consumed_valid_samples += num_microbatches * (
+                        self.train_state.consumed_valid_samples += num_microbatches * (
                             train.micro_batch_size * dp_size
                         )
                 if self.non_loss_data_func is not None:
@@ -131,6 +123,8 @@ class Evaluation:
                 chunk.train()
             if manual_gc:
                 gc.collect()
+        # Summed over every micro-batch of every iteration, reduced over the ranks once.
+        totals = reduce_loss_dicts(reported, dp_cp_group) if last_stage else {}
         losses = {name: value / max(count, 1.0) for name, (value, count) in totals.items()}
         return losses, collected, False
 

@@ -101,11 +101,8 @@ def start_profiler(
             "profiling.use_pytorch_profiler needs logger.tensorboard_dir or checkpoint.save "
             "for its trace"
         )
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # No activities given: torch's supported ones (CPU, and CUDA where it traces kernels).
     prof = torch.profiler.profile(
-        activities=activities,
         record_shapes=profiling.record_shapes,
         on_trace_ready=torch.profiler.tensorboard_trace_handler(
             str(trace_dir), worker_name=f"rank{global_rank(launcher_fallback=True)}"

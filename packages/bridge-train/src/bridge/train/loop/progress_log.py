@@ -62,12 +62,8 @@ def _fields(line: str) -> tuple[datetime, int, str, dict[str, str]] | None:
         world = int(parts[2].split(":", 1)[1])
     except ValueError:
         return None
-    values = {}
-    for part in parts[4:]:
-        if ":" in part:
-            name, value = part.split(":", 1)
-            values[name.strip()] = value.strip()
-    return stamp, world, parts[3], values
+    pairs = (part.split(":", 1) for part in parts[4:] if ":" in part)
+    return stamp, world, parts[3], {name.strip(): value.strip() for name, value in pairs}
 
 
 def get_start_time_from_progress_log(cfg: ConfigContainer) -> tuple[datetime, float]:
@@ -100,8 +96,7 @@ def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
     """:func:`get_start_time_from_progress_log` of the run saving to ``save``."""
     path = Path(save) / PROGRESS_FILE
     world = global_world_size(launcher_fallback=True)
-    start_time: datetime | None = None
-    start_flops: float | None = None
+    start: tuple[datetime, float] | None = None  # the earliest job's (time, FLOPs before it)
     latest_flops = 0.0
     with path.open(encoding="utf-8") as handle:
         for line in handle:
@@ -117,16 +112,16 @@ def _earliest_job(save: str | os.PathLike[str]) -> tuple[datetime, float]:
                     except ValueError:  # cut mid-write: the line is malformed
                         continue
             if line_world != world:
-                start_time, start_flops = None, None
+                start = None
                 continue
-            if kind == STARTING_JOB and start_time is None:
-                start_time, start_flops = stamp, latest_flops
-    if start_time is None or start_flops is None:
+            if kind == STARTING_JOB and start is None:
+                start = stamp, latest_flops
+    if start is None:
         raise RuntimeError(
             f"{path} has no 'Starting job' line for world size {world}; the trainer writes "
             "one at the start of every launch with logger.log_progress"
         )
-    return start_time, start_flops
+    return start
 
 
 def _tflops_per_device(flops: float, seconds: float, world: int) -> float:

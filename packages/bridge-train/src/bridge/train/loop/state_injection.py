@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +31,7 @@ _STATE_PARAMETER_NAMES = ("state", "global_state")
 
 
 def _is_global_state_annotation(annotation: Any) -> bool:
-    if annotation is inspect.Parameter.empty:
-        return False
-    if annotation is GlobalState:
-        return True
-    if isinstance(annotation, type):
+    if isinstance(annotation, type):  # also inspect.Parameter.empty, a class: no annotation
         # Megatron-Bridge's own GlobalState (or any class of that name, or a subclass of
         # one) asks for the state too: code ported from it keeps its annotations.
         return any(klass.__name__ == "GlobalState" for klass in annotation.__mro__)
@@ -44,11 +41,8 @@ def _is_global_state_annotation(annotation: Any) -> bool:
         # Postponed annotations (``from __future__ import annotations``) that could not be
         # resolved: match the class name, optionally qualified or wrapped in Optional.
         # Quotes stay in when a quoted annotation meets ``from __future__ import annotations``.
-        text = annotation.replace(" ", "").replace("'", "").replace('"', "")
-        return any(
-            part.split(".")[-1] == "GlobalState"
-            for part in text.replace("|", ",").replace("[", ",").replace("]", ",").split(",")
-        )
+        text = re.sub(r"[ '\"]", "", annotation)
+        return any(part.split(".")[-1] == "GlobalState" for part in re.split(r"[|\[\],]", text))
     return any(_is_global_state_annotation(arg) for arg in typing.get_args(annotation))
 
 

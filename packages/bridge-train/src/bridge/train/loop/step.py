@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["TrainStep", "data_parallel_layout", "data_parallel_size"]
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
 def data_parallel_size() -> int:
     """The data-parallel size of megatron's parallel state (1 before it exists)."""
     return data_parallel_layout()[0]
@@ -55,26 +52,6 @@ def data_parallel_layout() -> tuple[int, Any, bool]:
         parallel_state.get_data_parallel_group(with_context_parallel=True),
         bool(parallel_state.is_pipeline_last_stage(ignore_virtual=True)),
     )
-
-
-def _handle_mxfp8_param_buffer_copy(
-    optimizer: MegatronOptimizer,
-    reuse_grad_buf_for_mxfp8_param_ag: bool,
-    overlap_param_gather: bool,
-) -> None:
-    """Copy main params to param buffer for mxfp8 with grad buffer reuse.
-
-    With mxfp8 parameters whose all-gather reuses the gradient buffer and an overlapped
-    parameter gather, the parameter buffer must be refilled after the gradient buffer was
-    zeroed (the two share memory). Only megatron's distributed optimizer has such buffers.
-    """
-    if reuse_grad_buf_for_mxfp8_param_ag and overlap_param_gather:
-        copy = getattr(optimizer, "_copy_main_params_to_param_buffer", None)
-        if copy is not None:
-            copy()
-
-
-# ----------------------------------------------------------------------------- the step
 
 
 @dataclass
@@ -137,15 +114,20 @@ class TrainStep:
         seq_length = int(getattr(self.model_config, "seq_length", 0) or 0)
         ddp = self.ddp_config
         num_microbatches = get_num_microbatches()
+        # mxfp8 parameters whose all-gather reuses the gradient buffer, gathered overlapped:
+        # the parameter buffer shares memory with the gradient buffer just zeroed and is
+        # refilled from the main params (only megatron's distributed optimizer has one).
+        copy_param_buffer = None
+        if getattr(ddp, "reuse_grad_buf_for_mxfp8_param_ag", False) and getattr(
+            ddp, "overlap_param_gather", False
+        ):
+            copy_param_buffer = getattr(optimizer, "_copy_main_params_to_param_buffer", None)
 
         losses_reduced: list[Any] = []
         while rerun_state_machine.should_run_forward_backward(data_iterator):
             zero_grad_buffers(model, optimizer)
-            _handle_mxfp8_param_buffer_copy(
-                optimizer,
-                bool(getattr(ddp, "reuse_grad_buf_for_mxfp8_param_ag", False)),
-                bool(getattr(ddp, "overlap_param_gather", False)),
-            )
+            if copy_param_buffer is not None:
+                copy_param_buffer()
             losses_reduced = self.forward_backward_func(
                 forward_step_func=self.forward_step_func,
                 data_iterator=data_iterator,
@@ -197,7 +179,6 @@ class TrainStep:
         if self._timed_run is None:  # wrapped once, for the loop only
             nvrx = self.nvrx_straggler
             self._timed_run = nvrx.wrap(self.run) if nvrx is not None else self.run
-        result: StepResult = self._timed_run(
+        return self._timed_run(
             context.train_data_iterator, context.model, context.optimizer, context.scheduler
         )
-        return result

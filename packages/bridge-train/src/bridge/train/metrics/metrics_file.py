@@ -51,8 +51,7 @@ class JsonlMetricWriter(MetricWriter):
         """Write one line with every ``tag: value`` of ``metrics`` at ``step``."""
         if self._file is None:
             raise RuntimeError(f"{self.path}: the metrics file is closed")
-        record: dict[str, Any] = {"step": int(step)}
-        record.update({tag: float(value) for tag, value in metrics.items()})
+        record = {"step": int(step), **{tag: float(value) for tag, value in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
 
     def flush(self) -> None:
@@ -63,8 +62,7 @@ class JsonlMetricWriter(MetricWriter):
     def close(self) -> None:
         """Flush and close the file (idempotent)."""
         if self._file is not None:
-            self._file.flush()
-            self._file.close()
+            self._file.close()  # flushes
             self._file = None
 
 

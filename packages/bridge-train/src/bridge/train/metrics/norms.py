@@ -81,8 +81,7 @@ def calc_params_l2_norm(
                 continue
             kind, tensor = _norm_source(param, bf16, force_create_fp32_copy)
             if kind == "sharded":
-                if tensor is not None:
-                    sharded_main.append(tensor)
+                sharded_main.append(tensor)
             elif getattr(param, "allreduce", True):
                 dense.append(tensor)
             else:

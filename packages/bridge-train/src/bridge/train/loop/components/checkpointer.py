@@ -6,8 +6,8 @@ condition of :class:`bridge.resiliency.ExitConditions` (signal, duration,
 ``train.exit_interval``, a stop request), and a final save when the loop ends), commits
 finished asynchronous saves without blocking after every step and waits for them at the
 end. How a checkpoint is written is not its business: it calls a :data:`SaveFunction`
-(GPT training: :class:`bridge.train.loop.training.CheckpointWriter`; MIMO plugs its
-own) and, for asynchronous saves, a :data:`FinalizeFunction`.
+(GPT training and the MIMO recipe: :class:`bridge.train.loop.saving.CheckpointWriter`)
+and, for asynchronous saves, a :data:`FinalizeFunction`.
 """
 
 from __future__ import annotations
@@ -70,8 +70,6 @@ class Checkpointer(Callback):
         self.non_persistent_save_interval = (
             None if config is None else config.non_persistent_save_interval
         )
-        #: The last decision of the exit conditions (``None`` before the first step).
-        self.last_decision: ExitDecision | None = None
         self.last_saved_iteration: int | None = None
 
     @classmethod
@@ -107,7 +105,6 @@ class Checkpointer(Callback):
             finalize=finalize if async_saves else None,
         )
 
-    # -- the writer ------------------------------------------------------------------------
     def save(self, context: LoopContext, *, non_persistent: bool = False) -> None:
         """Write a checkpoint of this iteration now (a collective).
 
@@ -128,7 +125,6 @@ class Checkpointer(Callback):
         for _ in range(self.finalize_function(context, blocking)):
             context.saved()
 
-    # -- decisions -------------------------------------------------------------------------
     def save_and_decide(self, context: LoopContext) -> ExitDecision | None:
         """Save on the intervals, then ask the exit conditions (saving once more if they say).
 
@@ -141,26 +137,22 @@ class Checkpointer(Callback):
             The exit decision, or ``None`` without exit conditions.
         """
         iteration = context.iteration
-        saved = False
-        if self.enabled and self.save_interval and iteration % self.save_interval == 0:
-            self.save(context)
-            saved = True
-        elif self.non_persistent_save_interval and (
-            iteration % self.non_persistent_save_interval == 0
-        ):
-            self.save(context, non_persistent=True)
-            saved = True
+        interval, non_persistent_interval = self.save_interval, self.non_persistent_save_interval
+        persistent = bool(self.enabled and interval and iteration % interval == 0)
+        saved = persistent or bool(
+            non_persistent_interval and iteration % non_persistent_interval == 0
+        )
+        if saved:
+            self.save(context, non_persistent=not persistent)
         if self.exit_conditions is None:
             return None
         decision = self.exit_conditions.check(iteration, saved_this_iteration=saved)
-        self.last_decision = decision
         if decision.should_save and self.enabled:
             self.save(context)
         if decision.should_exit and global_rank() == 0:
             print(f"[bridge-train] {decision.message}", flush=True)
         return decision
 
-    # -- hooks -----------------------------------------------------------------------------
     def on_step_end(self, context: LoopContext) -> None:
         """Save when asked to; stop the loop when an exit condition holds."""
         result = context.step_result

@@ -11,7 +11,6 @@ import torch
 from bridge.config import ProfilingConfig
 from bridge.train.loop.profiling import (
     TNvtxContext,
-    should_profile_rank,
     start_profiler,
     stop_profiler,
 )
@@ -54,7 +53,6 @@ class Profiler(Callback):
     def __init__(self, profiling: ProfilingConfig, trace_dir: Path | None) -> None:
         self.profiling = profiling
         self.trace_dir = trace_dir
-        self.active_here = should_profile_rank(profiling)
         self.prof: torch.profiler.profile | None = None
         self.nsys_context: TNvtxContext | None = None
 
@@ -67,8 +65,7 @@ class Profiler(Callback):
         """Start profiling when the iteration enters the profiled range."""
         profiling = self.profiling
         if (
-            self.active_here
-            and not self.running
+            not self.running
             and profiling.profile_step_start <= context.iteration < profiling.profile_step_end
         ):
             self.prof, self.nsys_context = start_profiler(profiling, self.trace_dir)
@@ -79,7 +76,6 @@ class Profiler(Callback):
         if (
             result is not None
             and result.completed
-            and self.running
             and step_profiler(self.prof, self.nsys_context, context.iteration, self.profiling)
         ):
             self.prof, self.nsys_context = None, None
@@ -90,6 +86,5 @@ class Profiler(Callback):
 
     def close(self) -> None:
         """Stop the profiler if it runs (idempotent; also after an error)."""
-        if self.running:
-            stop_profiler(self.prof, self.nsys_context)
-            self.prof, self.nsys_context = None, None
+        stop_profiler(self.prof, self.nsys_context)
+        self.prof, self.nsys_context = None, None

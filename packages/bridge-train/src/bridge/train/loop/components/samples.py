@@ -102,10 +102,8 @@ class GenerationSamples(Callback):
             [self.section.prompts[i], completion.text] for i, completion in enumerate(completions)
         ]
         if global_rank() == 0:
-            lines = [f" samples at iteration {iteration}:"]
-            for number, (prompt, text) in enumerate(rows, start=1):
-                lines.append(f"  [{number}] {prompt!r} -> {text!r}")
-            print("\n".join(lines), flush=True)
+            lines = [f"  [{n}] {prompt!r} -> {text!r}" for n, (prompt, text) in enumerate(rows, 1)]
+            print("\n".join([f" samples at iteration {iteration}:", *lines]), flush=True)
         writers = self.metric_writers
         if writers is not None and writers.enabled:
             writers.log_table(self.section.tag, ["prompt", "completion"], rows, iteration)
