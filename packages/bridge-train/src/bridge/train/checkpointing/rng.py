@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import random
-import sys
 from typing import Any
 
 import numpy as np
@@ -69,14 +68,7 @@ def _tracker_device() -> str:
 
 def _initialized_rng_tracker() -> Any:
     """megatron's tensor-parallel RNG tracker when it has states, else None."""
-
-    if "megatron.core.tensor_parallel.random" not in sys.modules:
-        return None  # never imported: nothing seeded it
-
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    is_initialized = getattr(tracker, "is_initialized", None)
-    if callable(is_initialized) and not is_initialized():
-        return None
     return tracker if tracker.get_states() else None
 
 
