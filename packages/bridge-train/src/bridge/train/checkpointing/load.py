@@ -393,7 +393,6 @@ def _check_reshardable(
 
 
 def _sharded_tensors(tree: Any) -> list[Any]:
-
     return [value for value in nested_values(tree) if isinstance(value, ShardedTensor)]
 
 
@@ -461,7 +460,6 @@ def _check_against_checkpoint(
 
 
 def _dist_load(template: dict[str, Any], path: str, cfg: CheckpointConfig) -> dict[str, Any]:
-
     strategy: Any = TorchDistLoadShardedStrategy()
     if cfg.fully_parallel_load and parallel_state.model_parallel_is_initialized():
         strategy = FullyParallelLoadStrategyWrapper(

@@ -358,7 +358,6 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     every sharded object's key; values do not matter. Collective over the world, so every
     rank takes the same decision.
     """
-
     items: list[Any] = []
     for value in nested_values(sharded):
         if isinstance(value, ShardedTensor):

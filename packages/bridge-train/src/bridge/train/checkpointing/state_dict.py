@@ -75,7 +75,6 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
     one grid per module) describes itself through a ``checkpoint_parallel_layout()`` method
     returning JSON-able entries, which are added.
     """
-
     layout: dict[str, Any] = {"world_size": _dist.world_size()}
     if parallel_state.model_parallel_is_initialized():
         layout.update({name: size() for _, name, size in LAYOUT_SIZES})
@@ -94,13 +93,11 @@ def unwrapped_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     forwards to the wrapped module, so checkpoints read and write the unwrapped chunks, as
     Megatron-LM does. Other wrappers are left as they are.
     """
-
     return [unwrap_model(chunk) for chunk in model]
 
 
 def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     """``{"model": chunk.sharded_state_dict()}`` (one key per chunk with several chunks)."""
-
     model = unwrapped_chunks(model)
 
     keys = model_state_keys(len(model))

@@ -155,7 +155,6 @@ def load_peft_checkpoints(
         bridge.train.checkpointing.CheckpointError: The base checkpoint lacks a tensor of
             the model or holds one of another shape (another architecture).
     """
-
     base = find_latest_checkpoint(checkpoint.pretrained_checkpoint)
     base_keys = frozenset(load_tensors_metadata(base.path)) if base is not None else frozenset()
     restore = functools.partial(

@@ -93,7 +93,6 @@ class LoRAAdapter(torch.nn.Module):
         seed: int,
         prefix: str,
     ) -> None:
-
         super().__init__()
         # Checked first: a module that is no parallel linear has no config to read either.
         if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
@@ -186,7 +185,6 @@ class LoRAAdapter(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
     ) -> dict[str, Any]:
         """megatron sharded tensors of ``A`` and ``B`` (TP-sharded as their layers are)."""
-
         # The parallel layer of the pair maps its own sharding; the plain one is replicated.
         parallel, plain = (
             ("linear_out", "linear_in") if self.kind == "column" else ("linear_in", "linear_out")
