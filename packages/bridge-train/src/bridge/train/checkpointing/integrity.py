@@ -63,13 +63,6 @@ def _crc32(path: str | os.PathLike[str]) -> tuple[int, str]:
     return size, f"{value:08x}"
 
 
-def _feed(hasher: Any, fd: int, start: int, end: int) -> None:
-    """Feed bytes ``start:end`` of ``fd`` to ``hasher``."""
-    while start < end and (chunk := os.pread(fd, min(_CHUNK, end - start), start)):
-        hasher.update(chunk)
-        start += len(chunk)
-
-
 def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
     with open(path, "rb") as handle:
         fd = handle.fileno()
@@ -86,7 +79,10 @@ def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
             if view is not None:
                 return xxhash.xxh3_64(view[start : start + _SEGMENT]).digest()
             hasher = xxhash.xxh3_64()
-            _feed(hasher, fd, start, min(start + _SEGMENT, size))
+            end = min(start + _SEGMENT, size)
+            while start < end and (chunk := os.pread(fd, min(_CHUNK, end - start), start)):
+                hasher.update(chunk)
+                start += len(chunk)
             return hasher.digest()
 
         try:
