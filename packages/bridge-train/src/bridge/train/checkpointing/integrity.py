@@ -87,11 +87,8 @@ def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
 
         try:
             starts = range(0, max(size, 1), _SEGMENT)
-            if len(starts) == 1:
-                digests = [segment(0)]
-            else:
-                with ThreadPoolExecutor(min(len(starts), _THREADS), "checkpoint-hash") as pool:
-                    digests = list(pool.map(segment, starts))
+            with ThreadPoolExecutor(min(len(starts), _THREADS), "checkpoint-hash") as pool:
+                digests = list(pool.map(segment, starts))
         finally:
             if view is not None:
                 view.release()
