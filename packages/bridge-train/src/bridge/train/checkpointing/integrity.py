@@ -33,9 +33,8 @@ from typing import Any
 
 import xxhash
 
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.layout import MARKER_FILENAME, read_marker
-from core_utils.distributed import gather_from_every_rank
+from core_utils.distributed import gather_from_every_rank, global_rank, global_world_size
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -121,7 +120,7 @@ def checksum_file(
 
 def _my_share(names: Iterable[str]) -> list[str]:
     """The names this rank handles when a sorted list is split round-robin over the ranks."""
-    rank, world = _dist.rank(), _dist.world_size()
+    rank, world = global_rank(), global_world_size()
     return [name for index, name in enumerate(sorted(names)) if index % world == rank]
 
 
@@ -226,7 +225,7 @@ def checkpoint_problems(
             problem = _problem(base / name, expected if isinstance(expected, dict) else {})
             if problem is not None:
                 part[name] = problem
-        if not share or _dist.rank() == 0:
+        if not share or global_rank() == 0:
             # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
             for entry in base.iterdir():
                 if entry.name not in files and entry.name != MARKER_FILENAME and entry.is_file():

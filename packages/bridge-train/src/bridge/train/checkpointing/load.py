@@ -44,14 +44,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge.config import CheckpointConfig, ModelConfigProtocol
 from bridge.config.notices import held_notices, log_held_notices
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
     check_checkpoint_config,
     non_persistent_dir,
     required_checkpoint_section,
 )
-from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.errors import CheckpointError, run_on_rank0
 from bridge.train.checkpointing.integrity import checkpoint_problems, gather_problems
 from bridge.train.checkpointing.layout import (
     TRACKER_FILENAME,
@@ -81,6 +80,7 @@ from bridge.train.checkpointing.state_dict import (
     unwrapped_chunks,
 )
 from bridge.train.engine.initialize import resume_seed
+from core_utils.distributed import dist_ready, global_rank
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -227,7 +227,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
 def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
     """Every rank's ``checkpoint_problems`` of ``path`` (collective; empty if intact)."""
     if part is None:
-        if _dist.rank() == 0:
+        if global_rank() == 0:
             logger.warning(
                 "%s was saved without content checksums (by an older bridge-train); loading it "
                 "unverified",
@@ -251,7 +251,7 @@ def _verified_plan(plan: PlannedLoad, problems: list[str]) -> PlannedLoad:
     )
     for skipped, candidate in enumerate(plan.fallbacks):
         if not _gather_damage(candidate.path, checkpoint_problems(candidate.path)):
-            if _dist.rank() == 0:
+            if global_rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
                     "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
                     "older checkpoint whose files verify, instead (nothing was deleted)",
@@ -653,9 +653,9 @@ def restore_checkpoint(
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     context = checkpointing_context if checkpointing_context is not None else {}
     context["loaded_checkpoint"] = None
-    plan: PlannedLoad | None = _dist.run_on_rank0(planned_load, cfg)
+    plan: PlannedLoad | None = run_on_rank0(planned_load, cfg)
     if plan is None:
-        if cfg.load and _dist.rank() == 0:
+        if cfg.load and global_rank() == 0:
             logger.warning(
                 "no checkpoint found in checkpoint.load=%s; starting from a random initialisation",
                 cfg.load,
@@ -693,7 +693,7 @@ def restore_checkpoint(
             result = read(plan.path)
         elif isinstance(result, Exception):
             raise result
-    if _dist.rank() == 0:
+    if global_rank() == 0:
         log_held_notices(held, logger)
     common, loaded, conversion, layout_changed = result
     context["loaded_checkpoint"] = plan.path
@@ -727,7 +727,7 @@ def restore_checkpoint(
     elif layout_changed:
         iteration = int(common["iteration"])
         seed = None if reseed is None else reseed(iteration)
-        if _dist.rank() == 0:
+        if global_rank() == 0:
             logger.warning(
                 "resuming iteration %d of %s under another parallel layout (%s -> %s): its "
                 "RNG states are per rank and not restored; %s",
@@ -753,9 +753,9 @@ def restore_checkpoint(
         train_state.load_state_dict(common["train_state"])
         iteration = int(common["iteration"])
         flops = float(common["num_floating_point_operations_so_far"])
-    if _dist.ready():
+    if dist_ready():
         torch.distributed.barrier()
-    if _dist.rank() == 0:
+    if global_rank() == 0:
         logger.info(
             "loaded %s checkpoint of iteration %d from %s (%s; %.2f s)",
             plan.source,

@@ -17,7 +17,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from bridge.train.checkpointing import _dist
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = ["RNG_STATE_KEY", "capture_rng_state", "restore_rng_state", "rng_sharded_object"]
 
@@ -119,5 +119,5 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def rng_sharded_object(state: dict[str, Any] | None) -> Any:
     """A ``ShardedObject`` holding this rank's generator state (``None`` for loading), one
     per global rank."""
-    rank, world_size = _dist.rank(), _dist.world_size()
+    rank, world_size = global_rank(), global_world_size()
     return ShardedObject(RNG_STATE_KEY, state, (world_size,), (rank,), replica_id=0)

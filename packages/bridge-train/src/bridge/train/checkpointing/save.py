@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge.config import CheckpointConfig, ConfigError
 from bridge.config.atomic_files import fsync_directory
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
     finalize_async_saves,
@@ -58,7 +57,7 @@ from bridge.train.checkpointing.context import (
     non_persistent_dir,
     required_checkpoint_section,
 )
-from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.errors import CheckpointError, run_on_rank0
 from bridge.train.checkpointing.integrity import (
     CHECKSUM_ALGORITHM,
     checkpoint_problems,
@@ -85,7 +84,7 @@ from bridge.train.checkpointing.state_dict import (
     build_save_state_dict,
 )
 from core_utils import cpu_cuda_compat
-from core_utils.distributed import collective_device
+from core_utils.distributed import collective_device, global_rank, global_world_size
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -337,10 +336,10 @@ def _commit(commit: _Commit) -> None:
                 f"cannot read back the checkpoint of iteration {commit.iteration}: "
                 f"{unreadable[0]}; {intact_note(commit.root)}"
             )
-        _dist.run_on_rank0(_commit_on_rank0, commit, files)
+        run_on_rank0(_commit_on_rank0, commit, files)
     finally:
         _PENDING.discard(commit.staging)
-    if _dist.rank() == 0:
+    if global_rank() == 0:
         kind = "non-persistent checkpoint" if commit.non_persistent else "checkpoint"
         logger.info(
             "saved %s of iteration %d to %s (%.2f s)",
@@ -380,7 +379,7 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     fingerprint = hash(tuple(repr(item) for item in items))
     changed = fingerprint != context.get("structure")
     context["structure"] = fingerprint
-    if _dist.world_size() > 1:
+    if global_world_size() > 1:
         flag = torch.tensor([int(changed)], device=collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         changed = bool(flag.item())
@@ -528,7 +527,7 @@ def write_checkpoint(
         in_flight = str(staging_path(root, iteration)) in _PENDING
         finalize_async_saves(fault_tolerance, blocking=in_flight)
 
-    staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
+    staging = run_on_rank0(_prepare_staging, root, iteration)
     _PENDING.add(staging)
     sharded = build_save_state_dict(
         model,
@@ -588,5 +587,5 @@ def write_checkpoint(
         ) from None
     if request is None:
         _commit(commit)
-    elif _dist.rank() == 0:
+    elif global_rank() == 0:
         logger.info("scheduled asynchronous save of iteration %d to %s", iteration, root)

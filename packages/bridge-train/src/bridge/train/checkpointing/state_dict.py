@@ -23,9 +23,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, capture_rng_state, rng_sharded_object
 from bridge.train.state import TrainState
+from core_utils.distributed import global_world_size
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -75,7 +75,7 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
     one grid per module) describes itself through a ``checkpoint_parallel_layout()`` method
     returning JSON-able entries, which are added.
     """
-    layout: dict[str, Any] = {"world_size": _dist.world_size()}
+    layout: dict[str, Any] = {"world_size": global_world_size()}
     if parallel_state.model_parallel_is_initialized():
         layout.update({name: size() for _, name, size in LAYOUT_SIZES})
     for chunk in unwrapped_chunks(model or []):
