@@ -80,11 +80,8 @@ def _main_param_alternative(key: str, saved_keys: Any) -> str | None:
     """The checkpoint's key of the main parameter ``key`` names, or None if it has none."""
     for prefix in _MAIN_PARAM_PREFIXES:
         if key.startswith(prefix):
-            rest = key[len(prefix) :]
-            for other in _MAIN_PARAM_PREFIXES:
-                if other + rest in saved_keys:
-                    return other + rest
-            return None
+            names = (other + key.removeprefix(prefix) for other in _MAIN_PARAM_PREFIXES)
+            return next((name for name in names if name in saved_keys), None)
     return key  # not a main parameter: loaded under its own key
 
 
