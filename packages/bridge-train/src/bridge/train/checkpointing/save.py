@@ -208,12 +208,11 @@ def _prepare_staging(root: str, iteration: int) -> str:
     base = Path(root)
     try:
         base.mkdir(parents=True, exist_ok=True)
-        pending = _PENDING
         for entry in list(base.iterdir()):
             name = entry.name
             if not entry.is_dir() or not name.startswith("iter_"):
                 continue
-            if name.endswith(STAGING_SUFFIX) and str(entry) not in pending:
+            if name.endswith(STAGING_SUFFIX) and str(entry) not in _PENDING:
                 _remove_tree(entry)
             elif name.endswith(RETIRED_SUFFIX):
                 old = parse_iteration(name.removesuffix(RETIRED_SUFFIX))
