@@ -78,10 +78,8 @@ def ensure_write_results_queue() -> None:
     each other's results), so a forked child forgets the one it inherited. Only done
     without CUDA: forking a process that initialised CUDA is not safe.
     """
-    if torch.cuda.is_available():
-        return
-
-    filesystem_async.get_write_results_queue(mp_mode="fork")  # made only when there is none
+    if not torch.cuda.is_available():
+        filesystem_async.get_write_results_queue(mp_mode="fork")  # made only when there is none
 
 
 _ALIGN = 64  # bytes; keeps every tensor in the arena aligned for any dtype
