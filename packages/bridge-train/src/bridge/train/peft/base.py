@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bridge.config import PEFTProtocol
+from bridge.train.peft.checkpoint import install_adapter_checkpointing
 
 __all__ = ["PEFT", "apply_peft", "global_module_paths"]
 
@@ -132,8 +133,6 @@ def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.
                 "PEFT transform trains adapters on a frozen base (remove peft for full "
                 "finetuning)"
             )
-        from bridge.train.peft.checkpoint import install_adapter_checkpointing
-
         install_adapter_checkpointing(chunk, frozenset(names))
         out.append(chunk)
     return out
