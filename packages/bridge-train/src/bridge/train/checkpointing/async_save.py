@@ -56,13 +56,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # One queue per process: a forked child (a rank started from a parent that had one, a
-# writer process) must not reuse its parent's, nor megatron's write-results queue.
+# writer process) must not reuse its parent's, nor megatron's write-results queue or
+# persistent writer.
 _QUEUE: dict[str, Any] = {"queue": None}
 
 
 def _forget_parent_queues() -> None:
     _QUEUE["queue"] = None
     filesystem_async._results_queue = None
+    AsyncCallsQueue._persistent_caller = None
 
 
 os.register_at_fork(after_in_child=_forget_parent_queues)
@@ -284,30 +286,18 @@ class BridgeAsyncCallsQueue(AsyncCallsQueue):
             CUDA, :class:`CpuPersistentAsyncCaller` without) instead of a fork per save.
     """
 
-    def __init__(self, persistent: bool = False) -> None:
-        super().__init__(persistent=persistent)
-        self.cpu_caller: CpuPersistentAsyncCaller | None = None
-
     def _get_async_caller(self) -> Any:
         if self.persistent and not torch.cuda.is_available():
-            if self.cpu_caller is None:
-                self.cpu_caller = CpuPersistentAsyncCaller()
-            return self.cpu_caller
+            # megatron's slot for its persistent writer: its close() finalizes and stops it.
+            if AsyncCallsQueue._persistent_caller is None:
+                AsyncCallsQueue._persistent_caller = CpuPersistentAsyncCaller()
+            return AsyncCallsQueue._persistent_caller
         return super()._get_async_caller()
 
     def warmup(self) -> None:
         """Start the CPU persistent writer now, while the process is still small to fork."""
         if self.persistent and not torch.cuda.is_available():
             self._get_async_caller().warmup()
-
-    def close(self, abort: bool = False) -> None:
-        """Finalize pending saves (unless ``abort``) and stop the writer."""
-        try:
-            super().close(abort=abort)
-        finally:
-            if self.cpu_caller is not None:
-                self.cpu_caller.close(abort=abort)
-                self.cpu_caller = None
 
 
 def get_async_calls_queue(persistent: bool) -> Any:
