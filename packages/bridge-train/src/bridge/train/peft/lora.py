@@ -108,7 +108,6 @@ class LoRAAdapter(torch.nn.Module):
                 "model.sequence_parallel=false"
             )
         tp_group = base.tp_group
-        tp_size, tp_rank = tp_group.size(), tp_group.rank()
         in_size, out_size = int(base.input_size), int(base.output_size)
         self.kind: Literal["column", "row"]
         # An expert's adapter is an expert parameter too: split over the expert
@@ -155,12 +154,9 @@ class LoRAAdapter(torch.nn.Module):
         else:
             torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
-            weight_in = self.linear_in.weight
-            if self.kind == "column":
-                weight_in.copy_(full_a)
-            else:
-                part = in_size // tp_size
-                weight_in.copy_(full_a[:, tp_rank * part : (tp_rank + 1) * part])
+            if self.kind == "row":  # A is split over its input like the layer's weight
+                full_a = full_a.chunk(tp_group.size(), dim=1)[tp_group.rank()]
+            self.linear_in.weight.copy_(full_a)
             self.linear_out.weight.zero_()
         self.scale = float(alpha) / float(dim)
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
