@@ -88,8 +88,7 @@ def hold_save_dir_lock(directory: str | os.PathLike[str], field: str = "checkpoi
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     record = f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n"
     try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(record)
+        path.write_text(record, encoding="utf-8")
     except OSError as exc:
         os.close(fd)
         raise CheckpointError(
