@@ -49,14 +49,12 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
-    tracker = _initialized_rng_tracker()
-    if tracker is not None:
+    tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    if tracker_states:  # megatron's tensor-parallel RNG tracker, once seeded
         # Also without CUDA: under core-utils' CUDA emulation (the megatron engine on CPU)
         # the tracker holds CPU generator states, which dropout in tensor-parallel regions
         # draws from, so a resume is exact only with them.
-        state["rng_tracker_states"] = {
-            name: value.cpu() for name, value in tracker.get_states().items()
-        }
+        state["rng_tracker_states"] = {name: value.cpu() for name, value in tracker_states.items()}
         state["rng_tracker_device"] = _tracker_device()
     return state
 
@@ -64,12 +62,6 @@ def capture_rng_state() -> dict[str, Any]:
 def _tracker_device() -> str:
     """Which generators the tracker's states belong to: CUDA's (Philox) or the CPU's."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _initialized_rng_tracker() -> Any:
-    """megatron's tensor-parallel RNG tracker when it has states, else None."""
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    return tracker if tracker.get_states() else None
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
