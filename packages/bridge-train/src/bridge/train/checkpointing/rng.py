@@ -103,9 +103,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                 saved_device.upper(),
                 _tracker_device().upper(),
             )
-            return
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker_states))
+        else:
+            tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker_states))
 
 
 def rng_sharded_object(state: dict[str, Any] | None) -> Any:
