@@ -60,11 +60,9 @@ class PEFT(ABC):
                 if hasattr(module, "frozen_expert_bias"):
                     module.frozen_expert_bias = True
             global_paths = global_module_paths(chunk)
-            for prefix, module in list(chunk.named_modules()):
-                if not prefix:
-                    continue
+            for prefix, module in list(chunk.named_modules())[1:]:  # [0] is the chunk itself
                 parent_name, _, name = prefix.rpartition(".")
-                parent = chunk.get_submodule(parent_name) if parent_name else chunk
+                parent = chunk.get_submodule(parent_name)
                 replacement = self.transform(module, name, global_paths[prefix])
                 if replacement is not module:
                     setattr(parent, name, replacement)
