@@ -69,10 +69,9 @@ def hold_save_dir_lock(directory: str | os.PathLike[str], field: str = "checkpoi
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
+        holder = ""
+        with contextlib.suppress(OSError):
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
-        except OSError:
-            holder = ""
         os.close(fd)
         raise CheckpointError(
             f"{field}={str(directory)!r} is in use by another run "
