@@ -511,9 +511,8 @@ def write_checkpoint(
         CheckpointError: The directory cannot be written, or dist_checkpointing failed.
     """
     check_checkpoint_config(checkpoint_config)
-    context = checkpointing_context
-    if context is None:
-        context = init_checkpointing_context(checkpoint_config)
+    if checkpointing_context is None:
+        checkpointing_context = init_checkpointing_context(checkpoint_config)
     root = _save_root(checkpoint_config, non_persistent)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     iteration = int(train_state.step)
@@ -560,8 +559,8 @@ def write_checkpoint(
     )
     # Sharding integrity is checked (a collective) whenever the structure is new; a save of
     # an unchanged structure skips it, as megatron does with a constant structure.
-    changed = _structure_changed(sharded, context)
-    strategy = _save_strategy(checkpoint_config, context, changed)
+    changed = _structure_changed(sharded, checkpointing_context)
+    strategy = _save_strategy(checkpoint_config, checkpointing_context, changed)
 
     try:
         with cpu_cuda_compat():
