@@ -319,9 +319,8 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             f"{_os_reason(exc)}; {intact_note(root)}"
         ) from None
     if commit.non_persistent:
-        for entry in list(root.iterdir()):
-            iteration = parse_iteration(entry.name)
-            if iteration is not None and iteration != commit.iteration and entry.is_dir():
+        for entry in list(root.iterdir()):  # _remove_tree leaves files alone
+            if parse_iteration(entry.name) not in (None, commit.iteration):
                 _remove_tree(entry)
 
 
