@@ -542,9 +542,7 @@ def write_checkpoint(
         "bridge_checkpoint_version": FORMAT_VERSION,
         "non_persistent": bool(non_persistent),
         "async_save": bool(checkpoint_config.async_save),
-        "parallel_layout": meta["parallel_layout"],
-        "optimizer": meta["optimizer"],
-        "rng": meta["rng"],
+        **{key: meta[key] for key in ("parallel_layout", "optimizer", "rng")},
         "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     commit = _Commit(
