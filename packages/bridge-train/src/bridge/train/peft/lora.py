@@ -113,12 +113,11 @@ class LoRAAdapter(torch.nn.Module):
         # An expert's adapter is an expert parameter too: split over the expert
         # tensor-parallel group like its layer, its gradient reduced over the expert
         # data-parallel group (allreduce=False), communication left to the token dispatcher.
-        is_expert = bool(getattr(base, "is_expert", False))
         common: dict[str, Any] = {
             "config": config,
             "init_method": _no_init,
             "bias": False,
-            "is_expert": is_expert,
+            "is_expert": bool(getattr(base, "is_expert", False)),
         }
         if isinstance(base, ColumnParallelLinear):
             if base.gather_output:
