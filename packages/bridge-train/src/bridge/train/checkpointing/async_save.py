@@ -367,10 +367,8 @@ def finalize_async_saves(
         try:
             with cpu_cuda_compat():
                 if terminate:
-                    try:
-                        current.close()
-                    finally:
-                        _QUEUE["queue"] = None
+                    _QUEUE["queue"] = None  # discarded however its close ends
+                    current.close()
                 else:
                     current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
         except CheckpointError:
@@ -378,11 +376,9 @@ def finalize_async_saves(
         except (CheckpointException, Exception) as exc:  # torch's is a BaseException
             # Drop the failed queue, stopping its writer without finalizing anything.
             current.async_calls.clear()
-            try:
-                with cpu_cuda_compat():
-                    current.close(abort=True)
-            finally:
-                _QUEUE["queue"] = None
+            _QUEUE["queue"] = None
+            with cpu_cuda_compat():
+                current.close(abort=True)
             raise CheckpointError(
                 f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
                 "remains the newest one (its tracker was not updated)"
