@@ -59,8 +59,7 @@ def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozens
         prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
     ) -> dict[str, Any]:
         full = cls.sharded_state_dict(chunk, prefix, sharded_offsets, metadata)  # type: ignore[attr-defined]
-        mode = getattr(chunk, _MODE_ATTR)
-        if mode == "adapters":
+        if getattr(chunk, _MODE_ATTR) == "adapters":
             return {k: v for k, v in full.items() if is_adapter(k.removeprefix(prefix))}
         # Base: every base tensor, and those adapter tensors the base checkpoint holds (a
         # transform may train parameters the base has, such as norms).
