@@ -365,8 +365,7 @@ def _check_reshardable(
     if optimizer is None or saved_fmt is None:
         return False
     saved_parts = meta.get("optimizer_parts")
-    this_parts = len(optimizer_parts(optimizer))
-    other_parts = saved_parts is not None and saved_parts != this_parts
+    other_parts = saved_parts is not None and saved_parts != len(optimizer_parts(optimizer))
     if saved_fmt == "distributed:dp_reshardable":
         model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
         if not (this_fmt or "").startswith("distributed:") or other_parts:
@@ -706,8 +705,7 @@ def restore_checkpoint(
         check_scheduler_settings(opt_param_scheduler, saved_schedule, plan.path)
 
     if not skip_load_to_model_and_opt:
-        keys = model_state_keys(len(model))
-        for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
+        for key, chunk in zip(model_state_keys(len(model)), unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
             state = loaded["optimizer" if conversion is None else CONVERTED_OPTIMIZER_KEY]
