@@ -130,8 +130,7 @@ def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str,
             if directory:
                 validate_save_dir(directory, "checkpoint.non_persistent_global_ckpt_dir")
                 if checkpoint_config.non_persistent_global_ckpt_dir:
-                    field = "checkpoint.non_persistent_global_ckpt_dir"
-                    hold_save_dir_lock(directory, field)
+                    hold_save_dir_lock(directory, "checkpoint.non_persistent_global_ckpt_dir")
 
     run_on_rank0(validate)
     saves = bool(checkpoint_config.save) or checkpoint_config.non_persistent_ckpt_type == "global"
