@@ -178,5 +178,4 @@ def load_peft_checkpoints(
     adapters_only = copy.copy(checkpoint)
     adapters_only.pretrained_checkpoint = None
     with peft_checkpoint_mode(model, "adapters"):
-        iteration, flops = restore(adapters_only)
-    return int(iteration), float(flops)
+        return restore(adapters_only)
