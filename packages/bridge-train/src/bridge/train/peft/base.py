@@ -49,8 +49,7 @@ class PEFT(ABC):
 
     def __call__(self, model: torch.nn.Module, training: bool = True) -> Any:
         """Freeze ``model`` (a module or a list of chunks) and adapt its submodules."""
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        for chunk in chunks:
+        for chunk in model if isinstance(model, (list, tuple)) else [model]:
             for param in chunk.parameters():
                 param.requires_grad_(False)
             for module in chunk.modules():

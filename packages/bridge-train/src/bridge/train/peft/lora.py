@@ -327,8 +327,7 @@ def merge_adapters(model: ModelOrChunks) -> Any:
     Returns:
         ``model``.
     """
-    chunks: list[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
-    for chunk in chunks:
+    for chunk in [model] if isinstance(model, torch.nn.Module) else list(model):
         for module in list(chunk.modules()):
             adapter = module._modules.get("adapter")
             if not isinstance(adapter, LoRAAdapter):
