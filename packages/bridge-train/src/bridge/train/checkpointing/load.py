@@ -487,7 +487,6 @@ def _load_main_params(
             "fp32 main parameters (the model is not bf16/fp16); unset load_main_params_from_ckpt"
         )
     template = {"bridge_main_params": groups}
-
     saved = load_tensors_metadata(path)
     absent = [t.key for t in _sharded_tensors(template) if t.key not in saved]
     if absent:

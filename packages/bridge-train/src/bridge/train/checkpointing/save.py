@@ -400,7 +400,6 @@ def _save_strategy(
     cached = context.get("save_strategy")
     if cached is not None and constant and not changed:
         return cached
-
     strategy: Any = TorchDistSaveShardedStrategy(cached_metadata=constant)
     if checkpoint_config.fully_parallel_save and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)

@@ -99,7 +99,6 @@ def unwrapped_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
 def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     """``{"model": chunk.sharded_state_dict()}`` (one key per chunk with several chunks)."""
     model = unwrapped_chunks(model)
-
     keys = model_state_keys(len(model))
     result: dict[str, Any] = {}
     for index, (key, chunk) in enumerate(zip(keys, model, strict=True)):
