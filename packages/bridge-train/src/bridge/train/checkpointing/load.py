@@ -278,26 +278,6 @@ def _verified_plan(plan: PlannedLoad, problems: list[str]) -> PlannedLoad:
     )
 
 
-def _read_common(path: str) -> dict[str, Any]:
-    # A single-process read on each rank: its warnings are held by restore_checkpoint.
-    try:
-        common = load_common_state_dict(path)
-    except (CheckpointException, CheckpointingException, OSError) as exc:
-        raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
-    meta = common.get(META_KEY)
-    if not isinstance(meta, dict):
-        raise CheckpointError(
-            f"{path} is a dist_checkpointing checkpoint but not one saved by bridge-train "
-            f"(no {META_KEY!r} entry)"
-        )
-    if int(meta.get("version", -1)) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} was saved in checkpoint format {meta.get('version')}, newer than this "
-            f"bridge-train reads ({FORMAT_VERSION}); upgrade bridge-train"
-        )
-    return common
-
-
 def _layout_sizes(layout: dict[str, Any]) -> str:
     """``"TP2 PP1 CP1 DP1 EP1 ETP1"``: the sizes ``layout`` records (a MIMO model's own
     description added), or ``"no model parallelism"``."""
@@ -521,8 +501,22 @@ def _read_checkpoint(
         optimizer state is of another format or number of parts; ``layout_changed`` when
         ``load_rng`` asked for RNG state the layout change makes another rank's (not read).
     """
-    common = _read_common(path)
-    meta = common[META_KEY]
+    # A single-process read on each rank: its warnings are held by restore_checkpoint.
+    try:
+        common = load_common_state_dict(path)
+    except (CheckpointException, CheckpointingException, OSError) as exc:
+        raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
+    meta = common.get(META_KEY)
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"{path} is a dist_checkpointing checkpoint but not one saved by bridge-train "
+            f"(no {META_KEY!r} entry)"
+        )
+    if int(meta.get("version", -1)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} was saved in checkpoint format {meta.get('version')}, newer than this "
+            f"bridge-train reads ({FORMAT_VERSION}); upgrade bridge-train"
+        )
     if optimizer is not None and not meta.get("optimizer"):
         raise CheckpointError(
             f"{path} was saved without optimizer state (checkpoint.save_optim=False); "
