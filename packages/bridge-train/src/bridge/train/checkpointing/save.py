@@ -270,10 +270,9 @@ def _write_run_config(config: RunConfigFile | None, directory: Path) -> None:
 
 def intact_note(root: str | os.PathLike[str]) -> str:
     """What a failed save left: which checkpoint of ``root`` is still the newest complete one."""
-    try:
+    tracked = None
+    with contextlib.suppress(CheckpointError):  # an unreadable tracker names none
         tracked = read_tracker(root)
-    except CheckpointError:
-        tracked = None
     if tracked is not None:
         path = Path(root) / checkpoint_dir_name(tracked)
         if is_complete_checkpoint(path):
