@@ -286,13 +286,12 @@ def _distributed_optimizer_steps(optimizer: MegatronOptimizer) -> Iterator[None]
     """
     parts = distributed_parts(optimizer)
     for inner in parts:
-        original = inner._set_main_param_and_optimizer_states
 
         def keep_step(
             model_param: Any,
             tensors: dict[str, Any],
             _inner: Any = inner,
-            _original: Any = original,
+            _original: Any = inner._set_main_param_and_optimizer_states,
         ) -> Any:
             group_index, group_order = _inner.model_param_group_index_map[model_param]
             main = _inner.optimizer.param_groups[group_index]["params"][group_order]
