@@ -118,13 +118,12 @@ def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.
         result = peft(chunk, training=True)
         chunk = result if isinstance(result, torch.nn.Module) else chunk
         names = [n for n, p in chunk.named_parameters() if p.requires_grad]
-        total = sum(1 for _ in chunk.parameters())
         if not names:
             raise ValueError(
                 f"peft: {type(peft).__qualname__} left no trainable parameter in model chunk "
                 f"{index}; check its target_modules"
             )
-        if len(names) == total:
+        if len(names) == len(list(chunk.parameters())):
             raise ValueError(
                 f"peft: {type(peft).__qualname__} froze no parameter of model chunk {index}; a "
                 "PEFT transform trains adapters on a frozen base (remove peft for full "
