@@ -138,14 +138,6 @@ def saved_param_groups(tree: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _steps(tree: Any) -> set[float]:
-    """Every Adam step a saved optimizer's common state records (``common_step`` of the
-    per-parameter optimizers, ``step`` of the distributed optimizer's parameter groups)."""
-    return {float(v) for v in _values_under(tree, "common_step") if v is not None} | {
-        float(g["step"]) for g in saved_param_groups(tree) if g.get("step") is not None
-    }
-
-
 def converted_optimizer_state(
     optimizer: Any,
     conversion: OptimizerConversion,
@@ -168,7 +160,11 @@ def converted_optimizer_state(
     Raises:
         CheckpointError: The checkpoint records no step, or differing steps.
     """
-    steps = _steps(saved_common)
+    # Every Adam step it records: common_step of the per-parameter optimizers, step of the
+    # distributed optimizer's parameter groups.
+    steps = {float(v) for v in _values_under(saved_common, "common_step") if v is not None} | {
+        float(g["step"]) for g in saved_param_groups(saved_common) if g.get("step") is not None
+    }
     if len(steps) != 1:
         raise CheckpointError(
             f"{path}: its optimizer state records "
