@@ -327,7 +327,8 @@ def merge_adapters(model: ModelOrChunks) -> Any:
     Returns:
         ``model``.
     """
-    for chunk in [model] if isinstance(model, torch.nn.Module) else list(model):
+    chunks: list[Any] = [model] if isinstance(model, torch.nn.Module) else list(model)
+    for chunk in chunks:
         for module in list(chunk.modules()):
             adapter = module._modules.get("adapter")
             if not isinstance(adapter, LoRAAdapter):
