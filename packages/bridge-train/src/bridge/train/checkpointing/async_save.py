@@ -234,8 +234,7 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         more are reported; a writer that died finishes ``current``."""
         while current not in self._finished:
             try:
-                get = self._completions.get
-                idx, error = get(timeout=0.1) if blocking else get(block=False)
+                idx, error = self._completions.get(block=blocking, timeout=0.1)
             except queue_module.Empty:
                 if not self._process.is_alive():
                     self._finish(current, f"writer exited with code {self._process.exitcode}")
