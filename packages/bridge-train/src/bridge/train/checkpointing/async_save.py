@@ -157,8 +157,7 @@ def _writer_loop(requests: Any, completions: Any) -> None:
                 break
             call_idx, fn, args, kwargs, arena = item
             try:
-                if arena is not None:
-                    args[1] = _buckets_from_arena(arena, args[1])
+                args[1] = _buckets_from_arena(arena, args[1])
                 fn(*args, **kwargs)
                 completions.put((call_idx, None))
             except BaseException as exc:  # reported to the training process
