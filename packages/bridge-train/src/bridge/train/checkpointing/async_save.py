@@ -56,13 +56,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # One queue per process: a forked child (a rank started from a parent that had one, a
-# writer process) must not reuse its parent's, nor megatron's write-results queue.
+# writer process) must not reuse its parent's, nor megatron's write-results queue or
+# persistent writer.
 _QUEUE: dict[str, Any] = {"queue": None}
 
 
 def _forget_parent_queues() -> None:
     _QUEUE["queue"] = None
     filesystem_async._results_queue = None
+    AsyncCallsQueue._persistent_caller = None
 
 
 os.register_at_fork(after_in_child=_forget_parent_queues)
@@ -78,10 +80,8 @@ def ensure_write_results_queue() -> None:
     each other's results), so a forked child forgets the one it inherited. Only done
     without CUDA: forking a process that initialised CUDA is not safe.
     """
-    if torch.cuda.is_available():
-        return
-
-    filesystem_async.get_write_results_queue(mp_mode="fork")  # made only when there is none
+    if not torch.cuda.is_available():
+        filesystem_async.get_write_results_queue(mp_mode="fork")  # made only when there is none
 
 
 _ALIGN = 64  # bytes; keeps every tensor in the arena aligned for any dtype
@@ -157,8 +157,7 @@ def _writer_loop(requests: Any, completions: Any) -> None:
                 break
             call_idx, fn, args, kwargs, arena = item
             try:
-                if arena is not None:
-                    args[1] = _buckets_from_arena(arena, args[1])
+                args[1] = _buckets_from_arena(arena, args[1])
                 fn(*args, **kwargs)
                 completions.put((call_idx, None))
             except BaseException as exc:  # reported to the training process
@@ -234,8 +233,7 @@ class CpuPersistentAsyncCaller(AsyncCaller):
         more are reported; a writer that died finishes ``current``."""
         while current not in self._finished:
             try:
-                get = self._completions.get
-                idx, error = get(timeout=0.1) if blocking else get(block=False)
+                idx, error = self._completions.get(block=blocking, timeout=0.1)
             except queue_module.Empty:
                 if not self._process.is_alive():
                     self._finish(current, f"writer exited with code {self._process.exitcode}")
@@ -286,30 +284,18 @@ class BridgeAsyncCallsQueue(AsyncCallsQueue):
             CUDA, :class:`CpuPersistentAsyncCaller` without) instead of a fork per save.
     """
 
-    def __init__(self, persistent: bool = False) -> None:
-        super().__init__(persistent=persistent)
-        self.cpu_caller: CpuPersistentAsyncCaller | None = None
-
     def _get_async_caller(self) -> Any:
         if self.persistent and not torch.cuda.is_available():
-            if self.cpu_caller is None:
-                self.cpu_caller = CpuPersistentAsyncCaller()
-            return self.cpu_caller
+            # megatron's slot for its persistent writer: its close() finalizes and stops it.
+            if AsyncCallsQueue._persistent_caller is None:
+                AsyncCallsQueue._persistent_caller = CpuPersistentAsyncCaller()
+            return AsyncCallsQueue._persistent_caller
         return super()._get_async_caller()
 
     def warmup(self) -> None:
         """Start the CPU persistent writer now, while the process is still small to fork."""
         if self.persistent and not torch.cuda.is_available():
             self._get_async_caller().warmup()
-
-    def close(self, abort: bool = False) -> None:
-        """Finalize pending saves (unless ``abort``) and stop the writer."""
-        try:
-            super().close(abort=abort)
-        finally:
-            if self.cpu_caller is not None:
-                self.cpu_caller.close(abort=abort)
-                self.cpu_caller = None
 
 
 def get_async_calls_queue(persistent: bool) -> Any:
@@ -379,10 +365,8 @@ def finalize_async_saves(
         try:
             with cpu_cuda_compat():
                 if terminate:
-                    try:
-                        current.close()
-                    finally:
-                        _QUEUE["queue"] = None
+                    _QUEUE["queue"] = None  # discarded however its close ends
+                    current.close()
                 else:
                     current.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
         except CheckpointError:
@@ -390,11 +374,9 @@ def finalize_async_saves(
         except (CheckpointException, Exception) as exc:  # torch's is a BaseException
             # Drop the failed queue, stopping its writer without finalizing anything.
             current.async_calls.clear()
-            try:
-                with cpu_cuda_compat():
-                    current.close(abort=True)
-            finally:
-                _QUEUE["queue"] = None
+            _QUEUE["queue"] = None
+            with cpu_cuda_compat():
+                current.close(abort=True)
             raise CheckpointError(
                 f"an asynchronous checkpoint save failed: {exc}; the previous checkpoint "
                 "remains the newest one (its tracker was not updated)"

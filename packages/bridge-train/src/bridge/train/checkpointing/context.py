@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from bridge.config import CheckpointConfig, ConfigError
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
     get_async_calls_queue,
 )
+from bridge.train.checkpointing.errors import run_on_rank0
 from bridge.train.checkpointing.layout import NON_PERSISTENT_SUBDIR, validate_save_dir
 from bridge.train.checkpointing.lock import hold_save_dir_lock
+from core_utils.distributed import dist_ready
 
 __all__ = [
     "check_checkpoint_config",
@@ -129,14 +130,13 @@ def init_checkpointing_context(checkpoint_config: CheckpointConfig) -> dict[str,
             if directory:
                 validate_save_dir(directory, "checkpoint.non_persistent_global_ckpt_dir")
                 if checkpoint_config.non_persistent_global_ckpt_dir:
-                    field = "checkpoint.non_persistent_global_ckpt_dir"
-                    hold_save_dir_lock(directory, field)
+                    hold_save_dir_lock(directory, "checkpoint.non_persistent_global_ckpt_dir")
 
-    _dist.run_on_rank0(validate)
+    run_on_rank0(validate)
     saves = bool(checkpoint_config.save) or checkpoint_config.non_persistent_ckpt_type == "global"
     # Per-rank helpers exist only once the ranks do (a parent process that forks ranks
     # later must not create them: each rank needs its own). Saving creates them otherwise.
-    if saves and _dist.ready():
+    if saves and dist_ready():
         ensure_write_results_queue()
         if checkpoint_config.async_save and checkpoint_config.use_persistent_ckpt_worker:
             get_async_calls_queue(persistent=True).warmup()

@@ -33,9 +33,8 @@ from typing import Any
 
 import xxhash
 
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.layout import MARKER_FILENAME, read_marker
-from core_utils.distributed import gather_from_every_rank
+from core_utils.distributed import gather_from_every_rank, global_rank, global_world_size
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -63,13 +62,6 @@ def _crc32(path: str | os.PathLike[str]) -> tuple[int, str]:
     return size, f"{value:08x}"
 
 
-def _feed(hasher: Any, fd: int, start: int, end: int) -> None:
-    """Feed bytes ``start:end`` of ``fd`` to ``hasher``."""
-    while start < end and (chunk := os.pread(fd, min(_CHUNK, end - start), start)):
-        hasher.update(chunk)
-        start += len(chunk)
-
-
 def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
     with open(path, "rb") as handle:
         fd = handle.fileno()
@@ -86,16 +78,16 @@ def _tree_hash(path: str | os.PathLike[str]) -> tuple[int, str]:
             if view is not None:
                 return xxhash.xxh3_64(view[start : start + _SEGMENT]).digest()
             hasher = xxhash.xxh3_64()
-            _feed(hasher, fd, start, min(start + _SEGMENT, size))
+            end = min(start + _SEGMENT, size)
+            while start < end and (chunk := os.pread(fd, min(_CHUNK, end - start), start)):
+                hasher.update(chunk)
+                start += len(chunk)
             return hasher.digest()
 
         try:
             starts = range(0, max(size, 1), _SEGMENT)
-            if len(starts) == 1:
-                digests = [segment(0)]
-            else:
-                with ThreadPoolExecutor(min(len(starts), _THREADS), "checkpoint-hash") as pool:
-                    digests = list(pool.map(segment, starts))
+            with ThreadPoolExecutor(min(len(starts), _THREADS), "checkpoint-hash") as pool:
+                digests = list(pool.map(segment, starts))
         finally:
             if view is not None:
                 view.release()
@@ -128,7 +120,7 @@ def checksum_file(
 
 def _my_share(names: Iterable[str]) -> list[str]:
     """The names this rank handles when a sorted list is split round-robin over the ranks."""
-    rank, world = _dist.rank(), _dist.world_size()
+    rank, world = global_rank(), global_world_size()
     return [name for index, name in enumerate(sorted(names)) if index % world == rank]
 
 
@@ -233,7 +225,7 @@ def checkpoint_problems(
             problem = _problem(base / name, expected if isinstance(expected, dict) else {})
             if problem is not None:
                 part[name] = problem
-        if not share or _dist.rank() == 0:
+        if not share or global_rank() == 0:
             # An extra file is damage too: megatron reads e.g. a stray common.pt if present.
             for entry in base.iterdir():
                 if entry.name not in files and entry.name != MARKER_FILENAME and entry.is_file():

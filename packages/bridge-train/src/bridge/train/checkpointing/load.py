@@ -44,14 +44,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge.config import CheckpointConfig, ModelConfigProtocol
 from bridge.config.notices import held_notices, log_held_notices
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.architecture import check_same_architecture
 from bridge.train.checkpointing.context import (
     check_checkpoint_config,
     non_persistent_dir,
     required_checkpoint_section,
 )
-from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.errors import CheckpointError, run_on_rank0
 from bridge.train.checkpointing.integrity import checkpoint_problems, gather_problems
 from bridge.train.checkpointing.layout import (
     TRACKER_FILENAME,
@@ -81,6 +80,7 @@ from bridge.train.checkpointing.state_dict import (
     unwrapped_chunks,
 )
 from bridge.train.engine.initialize import resume_seed
+from core_utils.distributed import dist_ready, global_rank
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -227,7 +227,7 @@ def planned_load(checkpoint_config: CheckpointConfig) -> PlannedLoad | None:
 def _gather_damage(path: str, part: dict[str, str] | None) -> list[str]:
     """Every rank's ``checkpoint_problems`` of ``path`` (collective; empty if intact)."""
     if part is None:
-        if _dist.rank() == 0:
+        if global_rank() == 0:
             logger.warning(
                 "%s was saved without content checksums (by an older bridge-train); loading it "
                 "unverified",
@@ -251,7 +251,7 @@ def _verified_plan(plan: PlannedLoad, problems: list[str]) -> PlannedLoad:
     )
     for skipped, candidate in enumerate(plan.fallbacks):
         if not _gather_damage(candidate.path, checkpoint_problems(candidate.path)):
-            if _dist.rank() == 0:
+            if global_rank() == 0:
                 logger.error(  # a data-loss event: not hidden by filter_warnings
                     "checkpoint %s is damaged (%s%s); loading iteration %d (%s), the newest "
                     "older checkpoint whose files verify, instead (nothing was deleted)",
@@ -276,26 +276,6 @@ def _verified_plan(plan: PlannedLoad, problems: list[str]) -> PlannedLoad:
         "restore the directory from a copy, or point checkpoint.load / checkpoint.ckpt_step "
         "at another checkpoint (nothing was deleted)"
     )
-
-
-def _read_common(path: str) -> dict[str, Any]:
-    # A single-process read on each rank: its warnings are held by restore_checkpoint.
-    try:
-        common = load_common_state_dict(path)
-    except (CheckpointException, CheckpointingException, OSError) as exc:
-        raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
-    meta = common.get(META_KEY)
-    if not isinstance(meta, dict):
-        raise CheckpointError(
-            f"{path} is a dist_checkpointing checkpoint but not one saved by bridge-train "
-            f"(no {META_KEY!r} entry)"
-        )
-    if int(meta.get("version", -1)) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} was saved in checkpoint format {meta.get('version')}, newer than this "
-            f"bridge-train reads ({FORMAT_VERSION}); upgrade bridge-train"
-        )
-    return common
 
 
 def _layout_sizes(layout: dict[str, Any]) -> str:
@@ -365,8 +345,7 @@ def _check_reshardable(
     if optimizer is None or saved_fmt is None:
         return False
     saved_parts = meta.get("optimizer_parts")
-    this_parts = len(optimizer_parts(optimizer))
-    other_parts = saved_parts is not None and saved_parts != this_parts
+    other_parts = saved_parts is not None and saved_parts != len(optimizer_parts(optimizer))
     if saved_fmt == "distributed:dp_reshardable":
         model_parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
         if not (this_fmt or "").startswith("distributed:") or other_parts:
@@ -393,7 +372,6 @@ def _check_reshardable(
 
 
 def _sharded_tensors(tree: Any) -> list[Any]:
-
     return [value for value in nested_values(tree) if isinstance(value, ShardedTensor)]
 
 
@@ -461,7 +439,6 @@ def _check_against_checkpoint(
 
 
 def _dist_load(template: dict[str, Any], path: str, cfg: CheckpointConfig) -> dict[str, Any]:
-
     strategy: Any = TorchDistLoadShardedStrategy()
     if cfg.fully_parallel_load and parallel_state.model_parallel_is_initialized():
         strategy = FullyParallelLoadStrategyWrapper(
@@ -490,7 +467,6 @@ def _load_main_params(
             "fp32 main parameters (the model is not bf16/fp16); unset load_main_params_from_ckpt"
         )
     template = {"bridge_main_params": groups}
-
     saved = load_tensors_metadata(path)
     absent = [t.key for t in _sharded_tensors(template) if t.key not in saved]
     if absent:
@@ -525,8 +501,22 @@ def _read_checkpoint(
         optimizer state is of another format or number of parts; ``layout_changed`` when
         ``load_rng`` asked for RNG state the layout change makes another rank's (not read).
     """
-    common = _read_common(path)
-    meta = common[META_KEY]
+    # A single-process read on each rank: its warnings are held by restore_checkpoint.
+    try:
+        common = load_common_state_dict(path)
+    except (CheckpointException, CheckpointingException, OSError) as exc:
+        raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
+    meta = common.get(META_KEY)
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"{path} is a dist_checkpointing checkpoint but not one saved by bridge-train "
+            f"(no {META_KEY!r} entry)"
+        )
+    if int(meta.get("version", -1)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} was saved in checkpoint format {meta.get('version')}, newer than this "
+            f"bridge-train reads ({FORMAT_VERSION}); upgrade bridge-train"
+        )
     if optimizer is not None and not meta.get("optimizer"):
         raise CheckpointError(
             f"{path} was saved without optimizer state (checkpoint.save_optim=False); "
@@ -655,9 +645,9 @@ def restore_checkpoint(
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     context = checkpointing_context if checkpointing_context is not None else {}
     context["loaded_checkpoint"] = None
-    plan: PlannedLoad | None = _dist.run_on_rank0(planned_load, cfg)
+    plan: PlannedLoad | None = run_on_rank0(planned_load, cfg)
     if plan is None:
-        if cfg.load and _dist.rank() == 0:
+        if cfg.load and global_rank() == 0:
             logger.warning(
                 "no checkpoint found in checkpoint.load=%s; starting from a random initialisation",
                 cfg.load,
@@ -695,7 +685,7 @@ def restore_checkpoint(
             result = read(plan.path)
         elif isinstance(result, Exception):
             raise result
-    if _dist.rank() == 0:
+    if global_rank() == 0:
         log_held_notices(held, logger)
     common, loaded, conversion, layout_changed = result
     context["loaded_checkpoint"] = plan.path
@@ -708,8 +698,7 @@ def restore_checkpoint(
         check_scheduler_settings(opt_param_scheduler, saved_schedule, plan.path)
 
     if not skip_load_to_model_and_opt:
-        keys = model_state_keys(len(model))
-        for key, chunk in zip(keys, unwrapped_chunks(model), strict=True):
+        for key, chunk in zip(model_state_keys(len(model)), unwrapped_chunks(model), strict=True):
             chunk.load_state_dict(loaded[key], strict=strict)
         if load_optim:
             state = loaded["optimizer" if conversion is None else CONVERTED_OPTIMIZER_KEY]
@@ -729,7 +718,7 @@ def restore_checkpoint(
     elif layout_changed:
         iteration = int(common["iteration"])
         seed = None if reseed is None else reseed(iteration)
-        if _dist.rank() == 0:
+        if global_rank() == 0:
             logger.warning(
                 "resuming iteration %d of %s under another parallel layout (%s -> %s): its "
                 "RNG states are per rank and not restored; %s",
@@ -755,9 +744,9 @@ def restore_checkpoint(
         train_state.load_state_dict(common["train_state"])
         iteration = int(common["iteration"])
         flops = float(common["num_floating_point_operations_so_far"])
-    if _dist.ready():
+    if dist_ready():
         torch.distributed.barrier()
-    if _dist.rank() == 0:
+    if global_rank() == 0:
         logger.info(
             "loaded %s checkpoint of iteration %d from %s (%s; %.2f s)",
             plan.source,

@@ -69,10 +69,9 @@ def hold_save_dir_lock(directory: str | os.PathLike[str], field: str = "checkpoi
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
+        holder = ""
+        with contextlib.suppress(OSError):
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
-        except OSError:
-            holder = ""
         os.close(fd)
         raise CheckpointError(
             f"{field}={str(directory)!r} is in use by another run "
@@ -88,8 +87,7 @@ def hold_save_dir_lock(directory: str | os.PathLike[str], field: str = "checkpoi
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     record = f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n"
     try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(record)
+        path.write_text(record, encoding="utf-8")
     except OSError as exc:
         os.close(fd)
         raise CheckpointError(

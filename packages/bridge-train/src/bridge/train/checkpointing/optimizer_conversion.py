@@ -80,11 +80,8 @@ def _main_param_alternative(key: str, saved_keys: Any) -> str | None:
     """The checkpoint's key of the main parameter ``key`` names, or None if it has none."""
     for prefix in _MAIN_PARAM_PREFIXES:
         if key.startswith(prefix):
-            rest = key[len(prefix) :]
-            for other in _MAIN_PARAM_PREFIXES:
-                if other + rest in saved_keys:
-                    return other + rest
-            return None
+            names = (other + key.removeprefix(prefix) for other in _MAIN_PARAM_PREFIXES)
+            return next((name for name in names if name in saved_keys), None)
     return key  # not a main parameter: loaded under its own key
 
 
@@ -141,14 +138,6 @@ def saved_param_groups(tree: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _steps(tree: Any) -> set[float]:
-    """Every Adam step a saved optimizer's common state records (``common_step`` of the
-    per-parameter optimizers, ``step`` of the distributed optimizer's parameter groups)."""
-    return {float(v) for v in _values_under(tree, "common_step") if v is not None} | {
-        float(g["step"]) for g in saved_param_groups(tree) if g.get("step") is not None
-    }
-
-
 def converted_optimizer_state(
     optimizer: Any,
     conversion: OptimizerConversion,
@@ -171,7 +160,11 @@ def converted_optimizer_state(
     Raises:
         CheckpointError: The checkpoint records no step, or differing steps.
     """
-    steps = _steps(saved_common)
+    # Every Adam step it records: common_step of the per-parameter optimizers, step of the
+    # distributed optimizer's parameter groups.
+    steps = {float(v) for v in _values_under(saved_common, "common_step") if v is not None} | {
+        float(g["step"]) for g in saved_param_groups(saved_common) if g.get("step") is not None
+    }
     if len(steps) != 1:
         raise CheckpointError(
             f"{path}: its optimizer state records "

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.errors import CheckpointError
 from bridge.train.checkpointing.optimizer_conversion import (
     OptimizerConversion,
@@ -30,6 +29,7 @@ from bridge.train.checkpointing.state_dict import (
     optimizer_format,
     optimizer_parts,
 )
+from core_utils.distributed import global_rank
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -87,7 +87,7 @@ def check_scheduler_settings(
         # length would jump the learning rate back up, so that is left to an explicit
         # scheduler.override_opt_param_scheduler=true.
         # INFO: extending a run is what the user asked for, not a problem.
-        log = logger.info if _dist.rank() == 0 else logger.debug
+        log = logger.info if global_rank() == 0 else logger.debug
         log(
             "the schedule lengths differ from %s (%s): keeping the checkpoint's schedule "
             "(the learning rate stays at min_lr once its decay ends); set "
@@ -253,7 +253,7 @@ def load_optimizer(
     if conversion.main_params_from_model:
         # Saved from an fp32 model: its (now loaded) weights are the main parameters.
         optimizer.reload_model_params()
-    if _dist.rank() == 0:
+    if global_rank() == 0:
         saved_parts = common[META_KEY].get("optimizer_parts")
         logger.info(
             "%s holds %s optimizer state%s; converted to this run's %s optimizer (%d part(s))",
@@ -286,13 +286,12 @@ def _distributed_optimizer_steps(optimizer: MegatronOptimizer) -> Iterator[None]
     """
     parts = distributed_parts(optimizer)
     for inner in parts:
-        original = inner._set_main_param_and_optimizer_states
 
         def keep_step(
             model_param: Any,
             tensors: dict[str, Any],
             _inner: Any = inner,
-            _original: Any = original,
+            _original: Any = inner._set_main_param_and_optimizer_states,
         ) -> Any:
             group_index, group_order = _inner.model_param_group_index_map[model_param]
             main = _inner.optimizer.param_groups[group_index]["params"][group_order]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import random
-import sys
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from bridge.train.checkpointing import _dist
+from core_utils.distributed import global_rank, global_world_size
 
 __all__ = ["RNG_STATE_KEY", "capture_rng_state", "restore_rng_state", "rng_sharded_object"]
 
@@ -50,14 +49,12 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
-    tracker = _initialized_rng_tracker()
-    if tracker is not None:
+    tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    if tracker_states:  # megatron's tensor-parallel RNG tracker, once seeded
         # Also without CUDA: under core-utils' CUDA emulation (the megatron engine on CPU)
         # the tracker holds CPU generator states, which dropout in tensor-parallel regions
         # draws from, so a resume is exact only with them.
-        state["rng_tracker_states"] = {
-            name: value.cpu() for name, value in tracker.get_states().items()
-        }
+        state["rng_tracker_states"] = {name: value.cpu() for name, value in tracker_states.items()}
         state["rng_tracker_device"] = _tracker_device()
     return state
 
@@ -65,19 +62,6 @@ def capture_rng_state() -> dict[str, Any]:
 def _tracker_device() -> str:
     """Which generators the tracker's states belong to: CUDA's (Philox) or the CPU's."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _initialized_rng_tracker() -> Any:
-    """megatron's tensor-parallel RNG tracker when it has states, else None."""
-
-    if "megatron.core.tensor_parallel.random" not in sys.modules:
-        return None  # never imported: nothing seeded it
-
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    is_initialized = getattr(tracker, "is_initialized", None)
-    if callable(is_initialized) and not is_initialized():
-        return None
-    return tracker if tracker.get_states() else None
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -119,13 +103,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                 saved_device.upper(),
                 _tracker_device().upper(),
             )
-            return
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker_states))
+        else:
+            tensor_parallel.get_cuda_rng_tracker().set_states(dict(tracker_states))
 
 
 def rng_sharded_object(state: dict[str, Any] | None) -> Any:
     """A ``ShardedObject`` holding this rank's generator state (``None`` for loading), one
     per global rank."""
-    rank, world_size = _dist.rank(), _dist.world_size()
+    rank, world_size = global_rank(), global_world_size()
     return ShardedObject(RNG_STATE_KEY, state, (world_size,), (rank,), replica_id=0)

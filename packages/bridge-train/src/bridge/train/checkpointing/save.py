@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge.config import CheckpointConfig, ConfigError
 from bridge.config.atomic_files import fsync_directory
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.async_save import (
     ensure_write_results_queue,
     finalize_async_saves,
@@ -58,7 +57,7 @@ from bridge.train.checkpointing.context import (
     non_persistent_dir,
     required_checkpoint_section,
 )
-from bridge.train.checkpointing.errors import CheckpointError
+from bridge.train.checkpointing.errors import CheckpointError, run_on_rank0
 from bridge.train.checkpointing.integrity import (
     CHECKSUM_ALGORITHM,
     checkpoint_problems,
@@ -85,7 +84,7 @@ from bridge.train.checkpointing.state_dict import (
     build_save_state_dict,
 )
 from core_utils import cpu_cuda_compat
-from core_utils.distributed import collective_device
+from core_utils.distributed import collective_device, global_rank, global_world_size
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -209,12 +208,11 @@ def _prepare_staging(root: str, iteration: int) -> str:
     base = Path(root)
     try:
         base.mkdir(parents=True, exist_ok=True)
-        pending = _PENDING
         for entry in list(base.iterdir()):
             name = entry.name
             if not entry.is_dir() or not name.startswith("iter_"):
                 continue
-            if name.endswith(STAGING_SUFFIX) and str(entry) not in pending:
+            if name.endswith(STAGING_SUFFIX) and str(entry) not in _PENDING:
                 _remove_tree(entry)
             elif name.endswith(RETIRED_SUFFIX):
                 old = parse_iteration(name.removesuffix(RETIRED_SUFFIX))
@@ -272,10 +270,9 @@ def _write_run_config(config: RunConfigFile | None, directory: Path) -> None:
 
 def intact_note(root: str | os.PathLike[str]) -> str:
     """What a failed save left: which checkpoint of ``root`` is still the newest complete one."""
-    try:
+    tracked = None
+    with contextlib.suppress(CheckpointError):  # an unreadable tracker names none
         tracked = read_tracker(root)
-    except CheckpointError:
-        tracked = None
     if tracked is not None:
         path = Path(root) / checkpoint_dir_name(tracked)
         if is_complete_checkpoint(path):
@@ -321,9 +318,8 @@ def _commit_on_rank0(commit: _Commit, files: dict[str, Any]) -> None:
             f"{_os_reason(exc)}; {intact_note(root)}"
         ) from None
     if commit.non_persistent:
-        for entry in list(root.iterdir()):
-            iteration = parse_iteration(entry.name)
-            if iteration is not None and iteration != commit.iteration and entry.is_dir():
+        for entry in list(root.iterdir()):  # _remove_tree leaves files alone
+            if parse_iteration(entry.name) not in (None, commit.iteration):
                 _remove_tree(entry)
 
 
@@ -337,10 +333,10 @@ def _commit(commit: _Commit) -> None:
                 f"cannot read back the checkpoint of iteration {commit.iteration}: "
                 f"{unreadable[0]}; {intact_note(commit.root)}"
             )
-        _dist.run_on_rank0(_commit_on_rank0, commit, files)
+        run_on_rank0(_commit_on_rank0, commit, files)
     finally:
         _PENDING.discard(commit.staging)
-    if _dist.rank() == 0:
+    if global_rank() == 0:
         kind = "non-persistent checkpoint" if commit.non_persistent else "checkpoint"
         logger.info(
             "saved %s of iteration %d to %s (%.2f s)",
@@ -358,7 +354,6 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     every sharded object's key; values do not matter. Collective over the world, so every
     rank takes the same decision.
     """
-
     items: list[Any] = []
     for value in nested_values(sharded):
         if isinstance(value, ShardedTensor):
@@ -381,7 +376,7 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     fingerprint = hash(tuple(repr(item) for item in items))
     changed = fingerprint != context.get("structure")
     context["structure"] = fingerprint
-    if _dist.world_size() > 1:
+    if global_world_size() > 1:
         flag = torch.tensor([int(changed)], device=collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         changed = bool(flag.item())
@@ -404,7 +399,6 @@ def _save_strategy(
     cached = context.get("save_strategy")
     if cached is not None and constant and not changed:
         return cached
-
     strategy: Any = TorchDistSaveShardedStrategy(cached_metadata=constant)
     if checkpoint_config.fully_parallel_save and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -514,9 +508,8 @@ def write_checkpoint(
         CheckpointError: The directory cannot be written, or dist_checkpointing failed.
     """
     check_checkpoint_config(checkpoint_config)
-    context = checkpointing_context
-    if context is None:
-        context = init_checkpointing_context(checkpoint_config)
+    if checkpointing_context is None:
+        checkpointing_context = init_checkpointing_context(checkpoint_config)
     root = _save_root(checkpoint_config, non_persistent)
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     iteration = int(train_state.step)
@@ -529,7 +522,7 @@ def write_checkpoint(
         in_flight = str(staging_path(root, iteration)) in _PENDING
         finalize_async_saves(fault_tolerance, blocking=in_flight)
 
-    staging = _dist.run_on_rank0(_prepare_staging, root, iteration)
+    staging = run_on_rank0(_prepare_staging, root, iteration)
     _PENDING.add(staging)
     sharded = build_save_state_dict(
         model,
@@ -547,9 +540,7 @@ def write_checkpoint(
         "bridge_checkpoint_version": FORMAT_VERSION,
         "non_persistent": bool(non_persistent),
         "async_save": bool(checkpoint_config.async_save),
-        "parallel_layout": meta["parallel_layout"],
-        "optimizer": meta["optimizer"],
-        "rng": meta["rng"],
+        **{key: meta[key] for key in ("parallel_layout", "optimizer", "rng")},
         "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     commit = _Commit(
@@ -563,8 +554,8 @@ def write_checkpoint(
     )
     # Sharding integrity is checked (a collective) whenever the structure is new; a save of
     # an unchanged structure skips it, as megatron does with a constant structure.
-    changed = _structure_changed(sharded, context)
-    strategy = _save_strategy(checkpoint_config, context, changed)
+    changed = _structure_changed(sharded, checkpointing_context)
+    strategy = _save_strategy(checkpoint_config, checkpointing_context, changed)
 
     try:
         with cpu_cuda_compat():
@@ -589,5 +580,5 @@ def write_checkpoint(
         ) from None
     if request is None:
         _commit(commit)
-    elif _dist.rank() == 0:
+    elif global_rank() == 0:
         logger.info("scheduled asynchronous save of iteration %d to %s", iteration, root)

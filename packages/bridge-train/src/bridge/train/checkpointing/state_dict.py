@@ -23,9 +23,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
-from bridge.train.checkpointing import _dist
 from bridge.train.checkpointing.rng import RNG_STATE_KEY, capture_rng_state, rng_sharded_object
 from bridge.train.state import TrainState
+from core_utils.distributed import global_world_size
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -75,8 +75,7 @@ def parallel_layout(model: list[torch.nn.Module] | None = None) -> dict[str, Any
     one grid per module) describes itself through a ``checkpoint_parallel_layout()`` method
     returning JSON-able entries, which are added.
     """
-
-    layout: dict[str, Any] = {"world_size": _dist.world_size()}
+    layout: dict[str, Any] = {"world_size": global_world_size()}
     if parallel_state.model_parallel_is_initialized():
         layout.update({name: size() for _, name, size in LAYOUT_SIZES})
     for chunk in unwrapped_chunks(model or []):
@@ -94,15 +93,12 @@ def unwrapped_chunks(model: list[torch.nn.Module]) -> list[torch.nn.Module]:
     forwards to the wrapped module, so checkpoints read and write the unwrapped chunks, as
     Megatron-LM does. Other wrappers are left as they are.
     """
-
     return [unwrap_model(chunk) for chunk in model]
 
 
 def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     """``{"model": chunk.sharded_state_dict()}`` (one key per chunk with several chunks)."""
-
     model = unwrapped_chunks(model)
-
     keys = model_state_keys(len(model))
     result: dict[str, Any] = {}
     for index, (key, chunk) in enumerate(zip(keys, model, strict=True)):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bridge.config import PEFTProtocol
+from bridge.train.peft.checkpoint import install_adapter_checkpointing
 
 __all__ = ["PEFT", "apply_peft", "global_module_paths"]
 
@@ -48,8 +49,7 @@ class PEFT(ABC):
 
     def __call__(self, model: torch.nn.Module, training: bool = True) -> Any:
         """Freeze ``model`` (a module or a list of chunks) and adapt its submodules."""
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        for chunk in chunks:
+        for chunk in model if isinstance(model, (list, tuple)) else [model]:
             for param in chunk.parameters():
                 param.requires_grad_(False)
             for module in chunk.modules():
@@ -59,11 +59,9 @@ class PEFT(ABC):
                 if hasattr(module, "frozen_expert_bias"):
                     module.frozen_expert_bias = True
             global_paths = global_module_paths(chunk)
-            for prefix, module in list(chunk.named_modules()):
-                if not prefix:
-                    continue
+            for prefix, module in list(chunk.named_modules())[1:]:  # [0] is the chunk itself
                 parent_name, _, name = prefix.rpartition(".")
-                parent = chunk.get_submodule(parent_name) if parent_name else chunk
+                parent = chunk.get_submodule(parent_name)
                 replacement = self.transform(module, name, global_paths[prefix])
                 if replacement is not module:
                     setattr(parent, name, replacement)
@@ -120,20 +118,17 @@ def apply_peft(peft: PEFTProtocol, chunks: list[torch.nn.Module]) -> list[torch.
         result = peft(chunk, training=True)
         chunk = result if isinstance(result, torch.nn.Module) else chunk
         names = [n for n, p in chunk.named_parameters() if p.requires_grad]
-        total = sum(1 for _ in chunk.parameters())
         if not names:
             raise ValueError(
                 f"peft: {type(peft).__qualname__} left no trainable parameter in model chunk "
                 f"{index}; check its target_modules"
             )
-        if len(names) == total:
+        if len(names) == len(list(chunk.parameters())):
             raise ValueError(
                 f"peft: {type(peft).__qualname__} froze no parameter of model chunk {index}; a "
                 "PEFT transform trains adapters on a frozen base (remove peft for full "
                 "finetuning)"
             )
-        from bridge.train.peft.checkpoint import install_adapter_checkpointing
-
         install_adapter_checkpointing(chunk, frozenset(names))
         out.append(chunk)
     return out

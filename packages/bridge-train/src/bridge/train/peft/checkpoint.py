@@ -13,6 +13,7 @@ optimizer, scheduler, RNG and train state from that adapter-only checkpoint.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -34,10 +35,6 @@ __all__ = ["install_adapter_checkpointing", "load_peft_checkpoints", "peft_check
 
 _MODE_ATTR = "_bridge_peft_checkpoint_mode"
 _AVAILABLE_ATTR = "_bridge_peft_base_keys"
-
-
-def _strip(key: str, prefix: str) -> str:
-    return key[len(prefix) :] if prefix and key.startswith(prefix) else key
 
 
 def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozenset[str]) -> None:
@@ -62,16 +59,15 @@ def install_adapter_checkpointing(chunk: torch.nn.Module, adapter_names: frozens
         prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
     ) -> dict[str, Any]:
         full = cls.sharded_state_dict(chunk, prefix, sharded_offsets, metadata)  # type: ignore[attr-defined]
-        mode = getattr(chunk, _MODE_ATTR)
-        if mode == "adapters":
-            return {k: v for k, v in full.items() if is_adapter(_strip(k, prefix))}
+        if getattr(chunk, _MODE_ATTR) == "adapters":
+            return {k: v for k, v in full.items() if is_adapter(k.removeprefix(prefix))}
         # Base: every base tensor, and those adapter tensors the base checkpoint holds (a
         # transform may train parameters the base has, such as norms).
         available: frozenset[str] = getattr(chunk, _AVAILABLE_ATTR, frozenset())
         return {
             k: v
             for k, v in full.items()
-            if not is_adapter(_strip(k, prefix)) or getattr(v, "key", None) in available
+            if not is_adapter(k.removeprefix(prefix)) or getattr(v, "key", None) in available
         }
 
     def load_state_dict(state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -123,18 +119,6 @@ def peft_checkpoint_mode(
             del chunk.__dict__[_AVAILABLE_ATTR]  # only this block reads the base keys
 
 
-@contextlib.contextmanager
-def _checkpoint_fields(checkpoint: CheckpointConfig, **values: Any) -> Iterator[None]:
-    old = {name: getattr(checkpoint, name) for name in values}
-    for name, value in values.items():
-        setattr(checkpoint, name, value)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            setattr(checkpoint, name, value)
-
-
 def load_peft_checkpoints(
     checkpoint: CheckpointConfig,
     train_state: TrainState,
@@ -170,30 +154,28 @@ def load_peft_checkpoints(
         bridge.train.checkpointing.CheckpointError: The base checkpoint lacks a tensor of
             the model or holds one of another shape (another architecture).
     """
-
     base = find_latest_checkpoint(checkpoint.pretrained_checkpoint)
     base_keys = frozenset(load_tensors_metadata(base.path)) if base is not None else frozenset()
     restore = functools.partial(
         restore_checkpoint,
-        checkpoint,
-        train_state,
-        model,
-        optimizer,
-        scheduler,
+        train_state=train_state,
+        model=model,
+        optimizer=optimizer,
+        opt_param_scheduler=scheduler,
         model_config=model_config,
         checkpointing_context=checkpointing_context,
         reseed=reseed,
     )
-    with (
-        peft_checkpoint_mode(model, "base", base_keys),
-        _checkpoint_fields(checkpoint, load=None, ckpt_step=None, non_persistent_ckpt_type=None),
-    ):
-        restore()
+    # Each load reads a copy of the section naming only its checkpoint (the run's is kept).
+    base_only = copy.copy(checkpoint)
+    base_only.load = None
+    base_only.ckpt_step = None
+    base_only.non_persistent_ckpt_type = None
+    with peft_checkpoint_mode(model, "base", base_keys):
+        restore(base_only)
     if checkpoint.load is None:
         return 0, 0.0
-    with (
-        peft_checkpoint_mode(model, "adapters"),
-        _checkpoint_fields(checkpoint, pretrained_checkpoint=None),
-    ):
-        iteration, flops = restore()
-    return int(iteration), float(flops)
+    adapters_only = copy.copy(checkpoint)
+    adapters_only.pretrained_checkpoint = None
+    with peft_checkpoint_mode(model, "adapters"):
+        return restore(adapters_only)

@@ -93,7 +93,6 @@ class LoRAAdapter(torch.nn.Module):
         seed: int,
         prefix: str,
     ) -> None:
-
         super().__init__()
         # Checked first: a module that is no parallel linear has no config to read either.
         if not isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
@@ -109,18 +108,16 @@ class LoRAAdapter(torch.nn.Module):
                 "model.sequence_parallel=false"
             )
         tp_group = base.tp_group
-        tp_size, tp_rank = tp_group.size(), tp_group.rank()
         in_size, out_size = int(base.input_size), int(base.output_size)
         self.kind: Literal["column", "row"]
         # An expert's adapter is an expert parameter too: split over the expert
         # tensor-parallel group like its layer, its gradient reduced over the expert
         # data-parallel group (allreduce=False), communication left to the token dispatcher.
-        is_expert = bool(getattr(base, "is_expert", False))
         common: dict[str, Any] = {
             "config": config,
             "init_method": _no_init,
             "bias": False,
-            "is_expert": is_expert,
+            "is_expert": bool(getattr(base, "is_expert", False)),
         }
         if isinstance(base, ColumnParallelLinear):
             if base.gather_output:
@@ -156,12 +153,9 @@ class LoRAAdapter(torch.nn.Module):
         else:
             torch.nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
-            weight_in = self.linear_in.weight
-            if self.kind == "column":
-                weight_in.copy_(full_a)
-            else:
-                part = in_size // tp_size
-                weight_in.copy_(full_a[:, tp_rank * part : (tp_rank + 1) * part])
+            if self.kind == "row":  # A is split over its input like the layer's weight
+                full_a = full_a.chunk(tp_group.size(), dim=1)[tp_group.rank()]
+            self.linear_in.weight.copy_(full_a)
             self.linear_out.weight.zero_()
         self.scale = float(alpha) / float(dim)
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
@@ -186,7 +180,6 @@ class LoRAAdapter(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
     ) -> dict[str, Any]:
         """megatron sharded tensors of ``A`` and ``B`` (TP-sharded as their layers are)."""
-
         # The parallel layer of the pair maps its own sharding; the plain one is replicated.
         parallel, plain = (
             ("linear_out", "linear_in") if self.kind == "column" else ("linear_in", "linear_out")
