@@ -30,11 +30,11 @@ from bridge.resiliency import (
     StragglerTiming,
     WatchdogTimeouts,
 )
-from bridge.train.engine.base import build_engine
+from bridge.train.engine.megatron import build_engine
 from core_utils import Timers
 
 if TYPE_CHECKING:
-    from bridge.train.engine.base import Engine
+    from bridge.train.engine.megatron import Engine
 
 __all__ = ["ForwardStepCallable", "GlobalState", "TrainState"]
 

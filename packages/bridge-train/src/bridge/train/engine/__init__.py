@@ -9,7 +9,10 @@ from typing import TYPE_CHECKING
 from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # the exports: the lookup below is derived from this block
-    from bridge.train.engine.base import Engine as Engine, build_engine as build_engine
-    from bridge.train.engine.megatron import MegatronEngine as MegatronEngine
+    from bridge.train.engine.megatron import (
+        Engine as Engine,
+        MegatronEngine as MegatronEngine,
+        build_engine as build_engine,
+    )
 
 lazy_exports(globals())

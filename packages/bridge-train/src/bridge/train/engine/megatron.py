@@ -7,7 +7,7 @@ assumes CUDA: without a GPU, :meth:`MegatronEngine.initialize_distributed` enter
 :func:`core_utils.cuda_emulation` for the run (:mod:`~bridge.train.engine.initialize`) and
 the same code path runs on the CPU with gloo and the portable layer spec (SDPA core
 attention). See ``docs/engines.md`` for what the emulation covers and the layouts verified
-on CPU.
+on CPU. It is the one engine: the loop holds it as :data:`Engine`, from :func:`build_engine`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,13 @@ if TYPE_CHECKING:
         TrainingConfig,
     )
 
-__all__ = ["MegatronEngine", "skip_non_finite_updates", "use_sync_free_grad_norm"]
+__all__ = [
+    "Engine",
+    "MegatronEngine",
+    "build_engine",
+    "skip_non_finite_updates",
+    "use_sync_free_grad_norm",
+]
 
 
 class MegatronEngine:
@@ -243,6 +249,16 @@ class MegatronEngine:
             return schedule(data_iterator=data_iterator, **kwargs)
 
         return forward_backward_per_chunk
+
+
+Engine = MegatronEngine
+"""The type of the engine the loop holds (megatron-core's is the only one)."""
+
+
+def build_engine() -> Engine:
+    """Create the engine: megatron-core's (:class:`MegatronEngine`); building it changes no
+    process state (without CUDA the emulation starts in ``initialize_distributed``)."""
+    return MegatronEngine()
 
 
 def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:

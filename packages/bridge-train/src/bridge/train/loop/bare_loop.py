@@ -21,7 +21,7 @@ import torch
 from megatron.core import parallel_state
 
 from bridge.config import RNGConfig
-from bridge.train.engine.base import Engine, build_engine
+from bridge.train.engine.megatron import Engine, build_engine
 from bridge.train.loop.losses import sum_loss_pairs, zero_grad_buffers
 from bridge.train.loop.state_injection import prepare_forward_step_func
 from bridge.train.models.gpt_step import forward_step
