@@ -75,9 +75,7 @@ def shared_store_restart_notice(environ: Mapping[str, str]) -> str | None:
 def _writable_directory(directory: Path, what: str) -> None:
     """Require that ``directory`` exists as a writable directory or can be created."""
     probe = directory
-    while not probe.exists():
-        if probe.parent == probe:
-            break
+    while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(
