@@ -112,10 +112,8 @@ class MegatronEngine:
         """
 
         data_parallel_size(model_provider, torch.distributed.get_world_size())
-        if ddp_config is None:
-            ddp_config = DistributedDataParallelConfig()
-        elif not isinstance(ddp_config, DistributedDataParallelConfig):
-            # bridge.config's DDP section mirrors megatron's field names.
+        if not isinstance(ddp_config, DistributedDataParallelConfig):
+            # bridge.config's DDP section mirrors megatron's field names (None: the defaults).
             ddp_config = convert_dataclass(ddp_config, DistributedDataParallelConfig)
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
         if layout_independent_seed is not None and data_parallel_random_init:
