@@ -126,12 +126,11 @@ class LaunchEnvironment:
     def sources(self) -> str:
         """Where the values came from, as ``WORLD_SIZE=4 from SLURM_STEP_NUM_TASKS, ...``."""
         values = self.variables()
-        parts = []
-        for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            if name in values:
-                origin = self.origins.get(name, "the environment")
-                parts.append(f"{name}={values[name]} from {origin}")
-        return ", ".join(parts)
+        return ", ".join(
+            f"{name}={values[name]} from {self.origins.get(name, 'the environment')}"
+            for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            if name in values
+        )
 
 
 class RendezvousTimeout(ConfigError):
