@@ -113,9 +113,7 @@ def tiny_optimizer_config(**overrides: Any) -> Any:
 
 def tiny_scheduler_config(**overrides: Any) -> SchedulerConfig:
     """Cosine decay with one warm-up iteration."""
-    values: dict[str, Any] = {"lr_decay_style": "cosine", "lr_warmup_iters": 1}
-    values.update(overrides)
-    return SchedulerConfig(**values)
+    return SchedulerConfig(**{"lr_decay_style": "cosine", "lr_warmup_iters": 1, **overrides})
 
 
 def tiny_train_config(**overrides: Any) -> TrainingConfig:
@@ -173,9 +171,8 @@ def tiny_mock_iterator(
     assert train_config.train_iters is not None and train_config.global_batch_size is not None
     samples = train_config.train_iters * train_config.global_batch_size
     datasets = build_train_valid_test_datasets(dataset_config, tokenizer, (samples, 0, 0))
-    state = train_state if train_state is not None else TrainState()
     train_it, _, _ = build_train_valid_test_data_iterators(
-        datasets, dataset_config, train_config, state
+        datasets, dataset_config, train_config, train_state or TrainState()
     )
     assert train_it is not None
     return train_it
