@@ -162,7 +162,6 @@ def import_hf_checkpoint(
             "outside the embedding: use the tokenizer this model was trained with"
         )
     mappings = source.mappings(target.padded_vocab_size)
-    prefix = source.prefix
     skipped = source.skipped()
     if skipped:
         report(
@@ -214,7 +213,7 @@ def import_hf_checkpoint(
             "source": str(hf.resolve()),
             "model_type": config["model_type"],
             "family": source.family.name,
-            "prefix": prefix,
+            "prefix": source.prefix,
             "dtype": str(dtype).removeprefix("torch."),
             "tensor_names": tensor_names,
             "tensor_model_parallel_size": tensor_model_parallel_size,
