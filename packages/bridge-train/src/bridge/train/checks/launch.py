@@ -169,11 +169,7 @@ def interrupt_handlers() -> Iterator[None]:
     try:
         yield
     finally:
-        if stopping:
-            # The process is on its way out after a signal: more SIGTERMs of the same burst
-            # must not kill it before it reports and exits with its own code.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        else:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        # After a signal the process is on its way out: more SIGTERMs of the same burst must
+        # not kill it before it reports and exits with its own code.
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)
