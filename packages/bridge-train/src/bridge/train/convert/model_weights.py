@@ -276,8 +276,7 @@ def full_parameters(
     for holder, held in enumerate(gather_from_every_rank(local)):
         for name, (shape, dtype) in held.items():
             owner.setdefault(name, holder)  # the lowest rank holding it sends it
-            if name not in metas:
-                metas[name] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            metas.setdefault(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
     missing = [name for name in names if name not in owner]
     if missing:
         raise ConversionError(
