@@ -30,6 +30,7 @@ Nothing here imports torch: the CLI reads the launcher's view before deciding to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -208,7 +209,7 @@ def first_host(nodelist: str) -> str:
     """
     scontrol = shutil.which("scontrol")
     if scontrol is not None:
-        try:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             result = subprocess.run(
                 [scontrol, "show", "hostnames", nodelist],
                 capture_output=True,
@@ -216,11 +217,8 @@ def first_host(nodelist: str) -> str:
                 timeout=20,
                 check=False,
             )
-        except (OSError, subprocess.TimeoutExpired):
-            result = None
-        if result is not None and result.returncode == 0:
             hosts = result.stdout.split()
-            if hosts and "Invalid" not in result.stdout + result.stderr:
+            if result.returncode == 0 and hosts and "Invalid" not in result.stdout + result.stderr:
                 return hosts[0]
     hosts = expand_hostlist(nodelist)
     if not hosts:
