@@ -173,8 +173,7 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
 def padded_vocab_of(model: ModelOrChunks) -> int:
     """Rows of the whole (unsplit) embedding / output layer of ``model``."""
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-    config = _unwrap(chunks[0]).config
-    padded = getattr(config, "padded_vocab_size", None)
+    padded = getattr(_unwrap(chunks[0]).config, "padded_vocab_size", None)
     if isinstance(padded, int):
         return padded
     for entry in local_parameters(chunks):
