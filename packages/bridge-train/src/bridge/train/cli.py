@@ -420,11 +420,8 @@ def raised_as(exc: BaseException, types: Sequence[tuple[str, str]]) -> bool:
     an instance of a class whose module was never loaded, and importing them would cost the
     start-up time.
     """
-    for module_name, name in types:
-        cls = getattr(sys.modules.get(module_name), name, None)
-        if isinstance(cls, type) and isinstance(exc, cls):
-            return True
-    return False
+    classes = (getattr(sys.modules.get(module_name), name, None) for module_name, name in types)
+    return any(isinstance(cls, type) and isinstance(exc, cls) for cls in classes)
 
 
 def _report_notices(held: Any, level: int, rank: int) -> None:
