@@ -522,12 +522,11 @@ def guarded_rendezvous(
         connect()
         return
     start = time.monotonic()
-    speaks = launch.rank == 0 or launch.local_rank == 0
     notice = threading.Timer(
         notice_after, lambda: _announce(launch, time.monotonic() - start, timeout)
     )
     notice.daemon = True
-    if speaks:
+    if launch.rank == 0 or launch.local_rank == 0:  # the ones that say what they wait for
         notice.start()
     variables = "WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
     try:
