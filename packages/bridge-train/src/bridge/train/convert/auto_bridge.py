@@ -166,8 +166,7 @@ class AutoBridge:
         """The model's weights under their Hugging Face names, one at a time, on rank 0
         (``None`` on the other ranks, which must iterate too: they send their pieces)."""
 
-        mappings = self._mappings(model)
-        by_name = {mapping.megatron: mapping for mapping in mappings}
+        by_name = {mapping.megatron: mapping for mapping in self._mappings(model)}
         pieces: dict[str, list[torch.Tensor]] = {}  # of tensors stacking several parameters
         for name, full in full_parameters(model, list(by_name))[1]:
             mapping = by_name[name]

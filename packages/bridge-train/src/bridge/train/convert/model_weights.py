@@ -203,8 +203,7 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
             mapping no rank had a parameter for.
     """
     entries = local_parameters(model)
-    mappings = source.mappings(padded_vocab_of(model))
-    by_name = {mapping.megatron: mapping for mapping in mappings}
+    by_name = {mapping.megatron: mapping for mapping in source.mappings(padded_vocab_of(model))}
     config = _unwrap(model[0] if isinstance(model, (list, tuple)) else model).config
     tied = bool(getattr(config, "share_embeddings_and_output_weights", False))
     loaded: set[str] = set()
