@@ -252,8 +252,7 @@ def _int_variable(environ: Mapping[str, str], name: str) -> int | None:
 
 def _srun_task(environ: Mapping[str, str]) -> bool:
     """Whether ``srun`` started this process (it runs inside a job step)."""
-    in_step = "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
-    return in_step and "SLURM_PROCID" in environ
+    return ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ) and "SLURM_PROCID" in environ
 
 
 def _torch_launch(environ: Mapping[str, str], torchrun: bool) -> LaunchEnvironment:
