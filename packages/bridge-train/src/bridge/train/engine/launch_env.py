@@ -108,9 +108,7 @@ class LaunchEnvironment:
     @property
     def address(self) -> str:
         """``host:port`` of the rendezvous (``"-"`` for one process)."""
-        if not self.distributed:
-            return "-"
-        return f"{self.master_addr}:{self.master_port}"
+        return f"{self.master_addr}:{self.master_port}" if self.distributed else "-"
 
     def variables(self) -> dict[str, str]:
         """torch's variables for this launch (what :func:`adopt_launch_environment` exports)."""
