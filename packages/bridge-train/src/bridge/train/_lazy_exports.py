@@ -40,15 +40,15 @@ def type_checked_imports(init_file: str) -> dict[str, str]:
 
 
 def lazy_exports(namespace: dict[str, Any]) -> dict[str, str]:
-    """Set a package's ``__getattr__``, ``__dir__`` and ``__all__`` so that its exports,
-    the :func:`type_checked_imports` of its ``__init__.py``, load on first use.
+    """Set a package's ``__getattr__`` and ``__dir__`` so that its exports, the
+    :func:`type_checked_imports` of its ``__init__.py``, load on first use.
 
     Args:
         namespace: The package's ``globals()``; a loaded name is stored there, so it is
             looked up only once.
 
     Returns:
-        Exported name -> the module that defines it.
+        Exported name -> the module that defines it (the package's ``__all__``).
     """
     package = namespace["__name__"]
     module_of = type_checked_imports(namespace["__file__"])
@@ -68,5 +68,5 @@ def lazy_exports(namespace: dict[str, Any]) -> dict[str, str]:
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(module_of))
 
-    namespace.update(__getattr__=__getattr__, __dir__=__dir__, __all__=sorted(module_of))
+    namespace.update(__getattr__=__getattr__, __dir__=__dir__)
     return module_of

@@ -35,4 +35,4 @@ if TYPE_CHECKING:
 # Loaded on first use: ``bridge-convert --help`` (this package's cli module) must not pay for
 # torch and megatron-core, which the converters import. The TYPE_CHECKING block above is the
 # one table of the exports (name -> module).
-lazy_exports(globals())
+__all__ = sorted(lazy_exports(globals()))

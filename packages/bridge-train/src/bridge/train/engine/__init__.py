@@ -15,4 +15,4 @@ if TYPE_CHECKING:  # the exports: the lookup below is derived from this block
         build_engine as build_engine,
     )
 
-lazy_exports(globals())
+__all__ = sorted(lazy_exports(globals()))

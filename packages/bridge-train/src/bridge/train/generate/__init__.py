@@ -30,4 +30,4 @@ if TYPE_CHECKING:
     from bridge.train.generate.options import SamplingOptions as SamplingOptions
 
 # The TYPE_CHECKING block above is the one table of the exports (name -> module).
-lazy_exports(globals())
+__all__ = sorted(lazy_exports(globals()))

@@ -24,4 +24,4 @@ if TYPE_CHECKING:
     from bridge.train.models.t5_provider import T5ModelProvider as T5ModelProvider
 
 # The TYPE_CHECKING block above is the one table of the exports (name -> module).
-lazy_exports(globals())
+__all__ = sorted(lazy_exports(globals()))
