@@ -4,7 +4,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from bridge.config import register_moved_import
-from bridge.train._lazy_exports import lazy_exports, type_checked_imports
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # the exports (type checkers read them; _MODULE_OF below is derived)
     from bridge.logging import (
@@ -101,10 +101,7 @@ if TYPE_CHECKING:  # the exports (type checkers read them; _MODULE_OF below is d
 # megatron-core (about ten seconds), and ``import bridge.train`` stays cheap. The
 # TYPE_CHECKING block above is the one table (name -> module); __all__ and the lookup are
 # derived from it.
-_MODULE_OF: dict[str, str] = type_checked_imports(__file__)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())
+_MODULE_OF = lazy_exports(globals())
 
 
 # Modules that moved in the one-engine redesign (Nov 2026): configs saved before it

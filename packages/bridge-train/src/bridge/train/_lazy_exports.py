@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import importlib
 import logging
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +39,19 @@ def type_checked_imports(init_file: str) -> dict[str, str]:
     }
 
 
-def lazy_exports(
-    package: str, module_of: Mapping[str, str], namespace: dict[str, Any]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for a package whose names load from ``module_of`` on use.
+def lazy_exports(namespace: dict[str, Any]) -> dict[str, str]:
+    """Set a package's ``__getattr__`` and ``__dir__`` so that its exports, the
+    :func:`type_checked_imports` of its ``__init__.py``, load on first use.
 
     Args:
-        package: The package's ``__name__`` (for the error message).
-        module_of: Exported name -> the module that defines it.
         namespace: The package's ``globals()``; a loaded name is stored there, so it is
             looked up only once.
 
     Returns:
-        The two module-level functions to assign in the package's ``__init__``.
+        Exported name -> the module that defines it (the package's ``__all__``).
     """
+    package = namespace["__name__"]
+    module_of = type_checked_imports(namespace["__file__"])
 
     def __getattr__(name: str) -> Any:
         module = module_of.get(name)
@@ -70,4 +68,5 @@ def lazy_exports(
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(module_of))
 
-    return __getattr__, __dir__
+    namespace.update(__getattr__=__getattr__, __dir__=__dir__)
+    return module_of

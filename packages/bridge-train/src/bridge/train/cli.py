@@ -334,17 +334,13 @@ def _overrides_of(
         section = next((r for r in replaced if key.startswith(r + ".")), None)
         old, new = before.get(key, "<unset>"), after.get(key, "<unset>")
         if section is not None and key == f"{section}._target_":
-            left_out = sorted(
-                k.removeprefix(section + ".")
-                for k in before
-                if k.startswith(section + ".") and k not in after
-            )
-            dropped = f" ({len(left_out)} fields of the recipe's class left out)"
+            left_out = sum(1 for k in before if k.startswith(section + ".") and k not in after)
+            dropped = f" ({left_out} fields of the recipe's class left out)"
             lines.append(f"  {key}: {old!r} -> {new!r}{dropped if left_out else ''}")
-        elif section is not None and key not in after:
-            continue  # listed with the class change
-        elif section is not None and key not in before:
-            continue  # reported below when it differs from the new class's default
+        elif section is not None and (key not in after or key not in before):
+            # Listed with the class change, or below where it differs from the new class's
+            # default.
+            continue
         elif old != new:
             lines.append(f"  {key}: {old!r} -> {new!r}")
     defaults = {diff.path: diff.default for diff in run_diffs}
@@ -424,11 +420,8 @@ def raised_as(exc: BaseException, types: Sequence[tuple[str, str]]) -> bool:
     an instance of a class whose module was never loaded, and importing them would cost the
     start-up time.
     """
-    for module_name, name in types:
-        cls = getattr(sys.modules.get(module_name), name, None)
-        if isinstance(cls, type) and isinstance(exc, cls):
-            return True
-    return False
+    classes = (getattr(sys.modules.get(module_name), name, None) for module_name, name in types)
+    return any(isinstance(cls, type) and isinstance(exc, cls) for cls in classes)
 
 
 def _report_notices(held: Any, level: int, rank: int) -> None:

@@ -30,11 +30,11 @@ from bridge.resiliency import (
     StragglerTiming,
     WatchdogTimeouts,
 )
-from bridge.train.engine.base import build_engine
+from bridge.train.engine.megatron import build_engine
 from core_utils import Timers
 
 if TYPE_CHECKING:
-    from bridge.train.engine.base import Engine
+    from bridge.train.engine.megatron import Engine
 
 __all__ = ["ForwardStepCallable", "GlobalState", "TrainState"]
 
@@ -175,12 +175,7 @@ class GlobalState:
     @property
     def resiliency(self) -> RunResiliency:
         """The resiliency objects of the run, as one :class:`bridge.resiliency.RunResiliency`."""
-        return RunResiliency(
-            fault_tolerance=self.fault_tolerance,
-            straggler_timing=self.straggler_timing,
-            nvrx_straggler=self.nvrx_straggler,
-            exit_conditions=self.exit_conditions,
-        )
+        return RunResiliency(**{f.name: getattr(self, f.name) for f in fields(RunResiliency)})
 
     def start_resiliency(
         self, hang_timeout: float | WatchdogTimeouts | None = None
@@ -208,10 +203,8 @@ class GlobalState:
             start_time=self.start_time,
             hang_timeout=hang_timeout,
         )
-        self.fault_tolerance = resiliency.fault_tolerance
-        self.straggler_timing = resiliency.straggler_timing
-        self.nvrx_straggler = resiliency.nvrx_straggler
-        self.exit_conditions = resiliency.exit_conditions
+        for f in fields(RunResiliency):  # this state's fields of the same names
+            setattr(self, f.name, getattr(resiliency, f.name))
         resiliency.start_setup()
         return resiliency
 

@@ -92,8 +92,7 @@ def tiny_gpt_provider(**overrides: Any) -> GPTModelProvider:
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
     }
-    values.update(overrides)
-    return GPTModelProvider(**values)
+    return GPTModelProvider(**(values | overrides))
 
 
 def tiny_optimizer_config(**overrides: Any) -> Any:
@@ -107,15 +106,12 @@ def tiny_optimizer_config(**overrides: Any) -> Any:
         "clip_grad": 1.0,
         "log_num_zeros_in_grad": True,
     }
-    values.update(overrides)
-    return OptimizerConfig(**values)
+    return OptimizerConfig(**(values | overrides))
 
 
 def tiny_scheduler_config(**overrides: Any) -> SchedulerConfig:
     """Cosine decay with one warm-up iteration."""
-    values: dict[str, Any] = {"lr_decay_style": "cosine", "lr_warmup_iters": 1}
-    values.update(overrides)
-    return SchedulerConfig(**values)
+    return SchedulerConfig(**{"lr_decay_style": "cosine", "lr_warmup_iters": 1, **overrides})
 
 
 def tiny_train_config(**overrides: Any) -> TrainingConfig:
@@ -127,8 +123,7 @@ def tiny_train_config(**overrides: Any) -> TrainingConfig:
         "eval_iters": 0,
         "eval_interval": None,
     }
-    values.update(overrides)
-    return TrainingConfig(**values)
+    return TrainingConfig(**(values | overrides))
 
 
 def tiny_mock_dataset_config(**overrides: Any) -> MockGPTDatasetConfig:
@@ -143,15 +138,13 @@ def tiny_mock_dataset_config(**overrides: Any) -> MockGPTDatasetConfig:
         "dataloader_type": "single",
         "create_attention_mask": False,
     }
-    values.update(overrides)
-    return MockGPTDatasetConfig(**values)
+    return MockGPTDatasetConfig(**(values | overrides))
 
 
 def tiny_dist_config(**overrides: Any) -> DistributedInitConfig:
     """gloo, 2-minute timeout."""
     values: dict[str, Any] = {"distributed_backend": "gloo", "distributed_timeout_minutes": 2}
-    values.update(overrides)
-    return DistributedInitConfig(**values)
+    return DistributedInitConfig(**(values | overrides))
 
 
 def tiny_rng_config(**overrides: Any) -> RNGConfig:
@@ -173,9 +166,8 @@ def tiny_mock_iterator(
     assert train_config.train_iters is not None and train_config.global_batch_size is not None
     samples = train_config.train_iters * train_config.global_batch_size
     datasets = build_train_valid_test_datasets(dataset_config, tokenizer, (samples, 0, 0))
-    state = train_state if train_state is not None else TrainState()
     train_it, _, _ = build_train_valid_test_data_iterators(
-        datasets, dataset_config, train_config, state
+        datasets, dataset_config, train_config, train_state or TrainState()
     )
     assert train_it is not None
     return train_it
@@ -200,8 +192,7 @@ def tiny_config_container(**sections: Any) -> ConfigContainer:
         "dist": tiny_dist_config(),
         "rng": tiny_rng_config(),
     }
-    values.update(sections)
-    return ConfigContainer(**values)
+    return ConfigContainer(**(values | sections))
 
 
 def write_tiny_sft_task(root: str | Path, train: int = 64, valid: int = 8) -> Path:

@@ -75,9 +75,7 @@ def shared_store_restart_notice(environ: Mapping[str, str]) -> str | None:
 def _writable_directory(directory: Path, what: str) -> None:
     """Require that ``directory`` exists as a writable directory or can be created."""
     probe = directory
-    while not probe.exists():
-        if probe.parent == probe:
-            break
+    while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(
@@ -171,11 +169,7 @@ def interrupt_handlers() -> Iterator[None]:
     try:
         yield
     finally:
-        if stopping:
-            # The process is on its way out after a signal: more SIGTERMs of the same burst
-            # must not kill it before it reports and exits with its own code.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        else:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        # After a signal the process is on its way out: more SIGTERMs of the same burst must
+        # not kill it before it reports and exits with its own code.
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)

@@ -50,11 +50,6 @@ from bridge.config import (
 __all__ = ["check_engine_config", "check_pipeline_p2p"]
 
 
-def _int(section: Any, name: str, default: int) -> int:
-    value = getattr(section, name, None)
-    return default if value is None else int(value)
-
-
 def check_pipeline_p2p(model_config: ModelConfigProtocol) -> None:
     """Refuse pipeline point-to-point settings that megatron-core runs wrongly or not at all.
 
@@ -66,7 +61,7 @@ def check_pipeline_p2p(model_config: ModelConfigProtocol) -> None:
     Raises:
         ConfigError: See the module docstring; the message names the fields and the fix.
     """
-    pp = _int(model_config, "pipeline_model_parallel_size", 1)
+    pp = int(getattr(model_config, "pipeline_model_parallel_size", None) or 1)
     vp = getattr(model_config, "virtual_pipeline_model_parallel_size", None)
     batched = bool(getattr(model_config, "batch_p2p_comm", False))
     overlap = bool(getattr(model_config, "overlap_p2p_comm", False))
@@ -146,7 +141,7 @@ def _check_megatron_on_cpu(
         value = getattr(model_config, name, fine)
         if value is not None and value != fine:
             raise ConfigError(f"model.{name}", f"got {value!r}: {reason}")
-    cp = _int(model_config, "context_parallel_size", 1)
+    cp = int(getattr(model_config, "context_parallel_size", None) or 1)
     if cp > 1:
         raise ConfigError(
             "model.context_parallel_size",

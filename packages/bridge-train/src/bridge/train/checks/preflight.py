@@ -128,9 +128,7 @@ def check_config_before_launch(
     if kind == "gpt":
         cfg.validate(facts["world_size"])
     else:
-        mimo.check_required_sections(
-            {name: getattr(cfg, name) for name in (*mimo.REQUIRED_SECTIONS, "model")}
-        )
+        mimo.check_required_sections(vars(cfg))
     # Built once, after validate() completed the sections: each rule gets what it reads.
     values = {**vars(cfg), **facts}
     problems = [

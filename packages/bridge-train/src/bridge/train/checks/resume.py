@@ -114,13 +114,12 @@ def _section_values(section: Any) -> dict[str, Any]:
         return {}
     if not dataclasses.is_dataclass(section):
         return {"": section}
-    values: dict[str, Any] = {
-        "_target_": f"{type(section).__module__}.{type(section).__qualname__}"
+    target = f"{type(section).__module__}.{type(section).__qualname__}"
+    return {"_target_": target} | {
+        f.name: getattr(section, f.name)
+        for f in dataclasses.fields(section)
+        if f.init and not f.name.startswith("_") and f.name not in LOADER_FIELDS
     }
-    for f in dataclasses.fields(section):
-        if f.init and not f.name.startswith("_") and f.name not in LOADER_FIELDS:
-            values[f.name] = getattr(section, f.name)
-    return values
 
 
 def _changed_sections(saved: Any, sections: dict[str, Any]) -> list[str]:

@@ -111,9 +111,8 @@ def _validation_weight(dataset: Dataset) -> float | None:
     if per_split is not None:
         return 0.0 if len(per_split) < 2 or per_split[1] is None else 1.0
     split = getattr(dataset, "split", None)
-    if split is None:
-        return None
-    return parse_split(split)[1]  # the dataset section refuses a split that does not parse
+    # The dataset section refuses a split that does not parse.
+    return None if split is None else parse_split(split)[1]
 
 
 def evaluation_has_validation_data(train: TrainingConfig, dataset: Dataset) -> None:

@@ -18,7 +18,7 @@ nothing here names one. ``import bridge.train`` does not import this package.
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy_exports import lazy_exports, type_checked_imports
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from bridge.train.convert.auto_bridge import AutoBridge as AutoBridge
@@ -35,8 +35,4 @@ if TYPE_CHECKING:
 # Loaded on first use: ``bridge-convert --help`` (this package's cli module) must not pay for
 # torch and megatron-core, which the converters import. The TYPE_CHECKING block above is the
 # one table of the exports (name -> module).
-_WHERE = type_checked_imports(__file__)
-
-__all__ = sorted(_WHERE)
-
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())
+__all__ = sorted(lazy_exports(globals()))

@@ -92,9 +92,8 @@ class AutoBridge:
         """
 
         source = HFSource(path)
-        bridge = cls(source.family, source.config, source.model_dir)
         provider_from_hf_config(source.config)  # refuse what the family does not honour, now
-        return bridge
+        return cls(source.family, source.config, source.model_dir)
 
     @classmethod
     def from_provider(cls, provider: Any) -> AutoBridge:
@@ -104,8 +103,7 @@ class AutoBridge:
         Raises:
             ConversionError: No family matches; the message names the provider fields.
         """
-        family, config = match_family(provider)
-        return cls(family, config, None)
+        return cls(*match_family(provider))
 
     @classmethod
     def can_handle(cls, path: str | os.PathLike[str]) -> bool:
@@ -168,8 +166,7 @@ class AutoBridge:
         """The model's weights under their Hugging Face names, one at a time, on rank 0
         (``None`` on the other ranks, which must iterate too: they send their pieces)."""
 
-        mappings = self._mappings(model)
-        by_name = {mapping.megatron: mapping for mapping in mappings}
+        by_name = {mapping.megatron: mapping for mapping in self._mappings(model)}
         pieces: dict[str, list[torch.Tensor]] = {}  # of tensors stacking several parameters
         for name, full in full_parameters(model, list(by_name))[1]:
             mapping = by_name[name]

@@ -50,16 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="vocabulary padding per tensor-parallel rank (default 128)",
     )
     imp.add_argument("--seq-length", type=int, default=None, help="training sequence length")
-    imp.add_argument("--quiet", action="store_true", help="no per-tensor progress")
-    imp.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     exp = sub.add_parser("export", help="bridge-train checkpoint -> Hugging Face model directory")
     exp.add_argument("ckpt_dir", help="checkpoint directory (newest checkpoint) or iter_* dir")
     exp.add_argument("hf_dir", help="new output directory")
     exp.add_argument("--hf-config", default=None, help="directory with the HF config.json")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     exp.add_argument("--max-shard-size", type=float, default=5.0, help="GB per shard")
-    exp.add_argument("--quiet", action="store_true", help="no per-tensor progress")
-    exp.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
+    for direction in (imp, exp):
+        direction.add_argument("--quiet", action="store_true", help="no per-tensor progress")
+        direction.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     return parser
 
 

@@ -112,8 +112,7 @@ def _hf_files(
         )
         model = getattr(tokenizer, "tokenizer_model", None)
         hf_tokenizer = getattr(tokenizer, "tokenizer_type", None) == "HuggingFaceTokenizer"
-        files = Path(str(model)) if hf_tokenizer and model else None
-        files = files if files is not None and files.is_dir() else None
+        files = Path(str(model)) if hf_tokenizer and model and Path(str(model)).is_dir() else None
         return family, config, family.hf_prefixes[0], config, files
     source = read_hf_config(side)
     family = family_for(source)

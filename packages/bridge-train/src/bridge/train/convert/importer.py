@@ -135,9 +135,8 @@ def import_hf_checkpoint(
     out = Path(ckpt_dir).resolve()
     report = progress or (lambda message: None)
     source = HFSource(hf)
-    config, dtype = source.config, source.dtype
     target = provider_from_hf_config(
-        config,
+        source.config,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
@@ -162,7 +161,6 @@ def import_hf_checkpoint(
             "outside the embedding: use the tokenizer this model was trained with"
         )
     mappings = source.mappings(target.padded_vocab_size)
-    prefix = source.prefix
     skipped = source.skipped()
     if skipped:
         report(
@@ -212,10 +210,10 @@ def import_hf_checkpoint(
             shutil.copy2(item, staging / HF_SUBDIR / item.name)
         record = {
             "source": str(hf.resolve()),
-            "model_type": config["model_type"],
+            "model_type": source.config["model_type"],
             "family": source.family.name,
-            "prefix": prefix,
-            "dtype": str(dtype).removeprefix("torch."),
+            "prefix": source.prefix,
+            "dtype": str(source.dtype).removeprefix("torch."),
             "tensor_names": tensor_names,
             "tensor_model_parallel_size": tensor_model_parallel_size,
             "pipeline_model_parallel_size": pipeline_model_parallel_size,

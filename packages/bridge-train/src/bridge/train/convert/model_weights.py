@@ -173,8 +173,7 @@ def local_parameters(model: ModelOrChunks) -> list[LocalParameter]:
 def padded_vocab_of(model: ModelOrChunks) -> int:
     """Rows of the whole (unsplit) embedding / output layer of ``model``."""
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-    config = _unwrap(chunks[0]).config
-    padded = getattr(config, "padded_vocab_size", None)
+    padded = getattr(_unwrap(chunks[0]).config, "padded_vocab_size", None)
     if isinstance(padded, int):
         return padded
     for entry in local_parameters(chunks):
@@ -204,8 +203,7 @@ def load_hf_weights(model: ModelOrChunks, source: Any) -> None:
             mapping no rank had a parameter for.
     """
     entries = local_parameters(model)
-    mappings = source.mappings(padded_vocab_of(model))
-    by_name = {mapping.megatron: mapping for mapping in mappings}
+    by_name = {mapping.megatron: mapping for mapping in source.mappings(padded_vocab_of(model))}
     config = _unwrap(model[0] if isinstance(model, (list, tuple)) else model).config
     tied = bool(getattr(config, "share_embeddings_and_output_weights", False))
     loaded: set[str] = set()
@@ -276,8 +274,7 @@ def full_parameters(
     for holder, held in enumerate(gather_from_every_rank(local)):
         for name, (shape, dtype) in held.items():
             owner.setdefault(name, holder)  # the lowest rank holding it sends it
-            if name not in metas:
-                metas[name] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            metas.setdefault(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
     missing = [name for name in names if name not in owner]
     if missing:
         raise ConversionError(

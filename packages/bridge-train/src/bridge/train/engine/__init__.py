@@ -6,13 +6,13 @@ command reads before it decides to import torch) can be imported on its own.
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy_exports import lazy_exports, type_checked_imports
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # the exports: the lookup below is derived from this block
-    from bridge.train.engine.base import Engine as Engine, build_engine as build_engine
-    from bridge.train.engine.megatron import MegatronEngine as MegatronEngine
+    from bridge.train.engine.megatron import (
+        Engine as Engine,
+        MegatronEngine as MegatronEngine,
+        build_engine as build_engine,
+    )
 
-_MODULE_OF = type_checked_imports(__file__)
-__all__ = sorted(_MODULE_OF)
-
-__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, globals())
+__all__ = sorted(lazy_exports(globals()))

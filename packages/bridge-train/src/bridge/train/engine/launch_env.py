@@ -30,6 +30,7 @@ Nothing here imports torch: the CLI reads the launcher's view before deciding to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -107,9 +108,7 @@ class LaunchEnvironment:
     @property
     def address(self) -> str:
         """``host:port`` of the rendezvous (``"-"`` for one process)."""
-        if not self.distributed:
-            return "-"
-        return f"{self.master_addr}:{self.master_port}"
+        return f"{self.master_addr}:{self.master_port}" if self.distributed else "-"
 
     def variables(self) -> dict[str, str]:
         """torch's variables for this launch (what :func:`adopt_launch_environment` exports)."""
@@ -126,12 +125,11 @@ class LaunchEnvironment:
     def sources(self) -> str:
         """Where the values came from, as ``WORLD_SIZE=4 from SLURM_STEP_NUM_TASKS, ...``."""
         values = self.variables()
-        parts = []
-        for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            if name in values:
-                origin = self.origins.get(name, "the environment")
-                parts.append(f"{name}={values[name]} from {origin}")
-        return ", ".join(parts)
+        return ", ".join(
+            f"{name}={values[name]} from {self.origins.get(name, 'the environment')}"
+            for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            if name in values
+        )
 
 
 class RendezvousTimeout(ConfigError):
@@ -209,7 +207,7 @@ def first_host(nodelist: str) -> str:
     """
     scontrol = shutil.which("scontrol")
     if scontrol is not None:
-        try:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             result = subprocess.run(
                 [scontrol, "show", "hostnames", nodelist],
                 capture_output=True,
@@ -217,11 +215,8 @@ def first_host(nodelist: str) -> str:
                 timeout=20,
                 check=False,
             )
-        except (OSError, subprocess.TimeoutExpired):
-            result = None
-        if result is not None and result.returncode == 0:
             hosts = result.stdout.split()
-            if hosts and "Invalid" not in result.stdout + result.stderr:
+            if result.returncode == 0 and hosts and "Invalid" not in result.stdout + result.stderr:
                 return hosts[0]
     hosts = expand_hostlist(nodelist)
     if not hosts:
@@ -255,8 +250,7 @@ def _int_variable(environ: Mapping[str, str], name: str) -> int | None:
 
 def _srun_task(environ: Mapping[str, str]) -> bool:
     """Whether ``srun`` started this process (it runs inside a job step)."""
-    in_step = "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
-    return in_step and "SLURM_PROCID" in environ
+    return ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ) and "SLURM_PROCID" in environ
 
 
 def _torch_launch(environ: Mapping[str, str], torchrun: bool) -> LaunchEnvironment:
@@ -525,12 +519,11 @@ def guarded_rendezvous(
         connect()
         return
     start = time.monotonic()
-    speaks = launch.rank == 0 or launch.local_rank == 0
     notice = threading.Timer(
         notice_after, lambda: _announce(launch, time.monotonic() - start, timeout)
     )
     notice.daemon = True
-    if speaks:
+    if launch.rank == 0 or launch.local_rank == 0:  # the ones that say what they wait for
         notice.start()
     variables = "WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
     try:

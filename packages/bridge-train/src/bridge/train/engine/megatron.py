@@ -7,7 +7,7 @@ assumes CUDA: without a GPU, :meth:`MegatronEngine.initialize_distributed` enter
 :func:`core_utils.cuda_emulation` for the run (:mod:`~bridge.train.engine.initialize`) and
 the same code path runs on the CPU with gloo and the portable layer spec (SDPA core
 attention). See ``docs/engines.md`` for what the emulation covers and the layouts verified
-on CPU.
+on CPU. It is the one engine: the loop holds it as :data:`Engine`, from :func:`build_engine`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,13 @@ if TYPE_CHECKING:
         TrainingConfig,
     )
 
-__all__ = ["MegatronEngine", "skip_non_finite_updates", "use_sync_free_grad_norm"]
+__all__ = [
+    "Engine",
+    "MegatronEngine",
+    "build_engine",
+    "skip_non_finite_updates",
+    "use_sync_free_grad_norm",
+]
 
 
 class MegatronEngine:
@@ -106,10 +112,8 @@ class MegatronEngine:
         """
 
         data_parallel_size(model_provider, torch.distributed.get_world_size())
-        if ddp_config is None:
-            ddp_config = DistributedDataParallelConfig()
-        elif not isinstance(ddp_config, DistributedDataParallelConfig):
-            # bridge.config's DDP section mirrors megatron's field names.
+        if not isinstance(ddp_config, DistributedDataParallelConfig):
+            # bridge.config's DDP section mirrors megatron's field names (None: the defaults).
             ddp_config = convert_dataclass(ddp_config, DistributedDataParallelConfig)
         vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
         if layout_independent_seed is not None and data_parallel_random_init:
@@ -243,6 +247,16 @@ class MegatronEngine:
             return schedule(data_iterator=data_iterator, **kwargs)
 
         return forward_backward_per_chunk
+
+
+Engine = MegatronEngine
+"""The type of the engine the loop holds (megatron-core's is the only one)."""
+
+
+def build_engine() -> Engine:
+    """Create the engine: megatron-core's (:class:`MegatronEngine`); building it changes no
+    process state (without CUDA the emulation starts in ``initialize_distributed``)."""
+    return MegatronEngine()
 
 
 def skip_non_finite_updates(optimizer: MegatronOptimizer) -> None:

@@ -71,7 +71,6 @@ def build_optimizer_param_scheduler(
     steps = scheduler_steps(scheduler_config, train_config)
     # The launch checks refused learning rates megatron cannot schedule
     # (bridge.config.check_learning_rates) and a WSD decay without its length (the section).
-    min_lr = optimizer_config.min_lr if optimizer_config.min_lr is not None else 0.0
     start_wd, end_wd = scheduler_config.start_weight_decay, scheduler_config.end_weight_decay
     start_wd = optimizer_config.weight_decay if start_wd is None else start_wd
     end_wd = optimizer_config.weight_decay if end_wd is None else end_wd
@@ -79,16 +78,13 @@ def build_optimizer_param_scheduler(
         optimizer,
         init_lr=float(scheduler_config.lr_warmup_init or 0.0),
         max_lr=optimizer_config.lr,
-        min_lr=min_lr,
-        lr_warmup_steps=steps["lr_warmup_steps"],
-        lr_decay_steps=steps["lr_decay_steps"],
+        min_lr=optimizer_config.min_lr or 0.0,
         lr_decay_style=scheduler_config.lr_decay_style,
         start_wd=start_wd,
         end_wd=end_wd,
-        wd_incr_steps=steps["wd_incr_steps"],
         wd_incr_style=scheduler_config.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=scheduler_config.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=scheduler_config.override_opt_param_scheduler,
-        wsd_decay_steps=steps["wsd_decay_steps"],
         lr_wsd_decay_style=scheduler_config.lr_wsd_decay_style,
+        **steps,  # lr_warmup_steps, lr_decay_steps, wd_incr_steps, wsd_decay_steps
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy_exports import lazy_exports, type_checked_imports
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from bridge.train.generate.errors import GenerationError as GenerationError
@@ -30,9 +30,4 @@ if TYPE_CHECKING:
     from bridge.train.generate.options import SamplingOptions as SamplingOptions
 
 # The TYPE_CHECKING block above is the one table of the exports (name -> module).
-_WHERE = type_checked_imports(__file__)
-
-__all__ = sorted(_WHERE)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())
+__all__ = sorted(lazy_exports(globals()))

@@ -41,9 +41,9 @@ from bridge.train.checkpointing.layout import (
     one_lookup_per_launch,
 )
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
-from bridge.train.engine.base import build_engine
 from bridge.train.engine.initialize import destroy_distributed
 from bridge.train.engine.launch_env import adopt_launch_environment
+from bridge.train.engine.megatron import build_engine
 from bridge.train.generate.errors import GenerationError
 from bridge.train.generate.generator import TextGenerator
 from bridge.train.loop.run_ends import load_run_checkpoint

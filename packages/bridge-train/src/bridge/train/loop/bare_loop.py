@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bridge.config import RNGConfig
-from bridge.train.engine.base import Engine, build_engine
+from bridge.train.engine.megatron import Engine, build_engine
 from bridge.train.loop.losses import sum_loss_pairs, zero_grad_buffers
 from bridge.train.loop.state_injection import prepare_forward_step_func
 from bridge.train.loop.step import data_parallel_layout

@@ -50,12 +50,12 @@ from bridge.train.data.datasets import train_valid_test_num_samples
 from bridge.train.data.loaders import build_train_valid_test_data_iterators
 from bridge.train.data.tokenizers import NullTokenizer, Tokenizer, build_tokenizer
 from bridge.train.data.validation_sets import ValidationSets
-from bridge.train.engine.base import Engine, build_engine
 from bridge.train.engine.initialize import (
     destroy_distributed,
     seed_from_rng_config,
 )
 from bridge.train.engine.launch_env import adopt_launch_environment
+from bridge.train.engine.megatron import Engine, build_engine
 from bridge.train.loop.batch_size import ensure_num_microbatches_calculator
 from bridge.train.loop.eval import Evaluation
 from bridge.train.loop.progress_log import record_starting_job

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bridge.train._lazy_exports import lazy_exports, type_checked_imports
+from bridge.train._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from bridge.train.models.gpt_provider import (
@@ -24,9 +24,4 @@ if TYPE_CHECKING:
     from bridge.train.models.t5_provider import T5ModelProvider as T5ModelProvider
 
 # The TYPE_CHECKING block above is the one table of the exports (name -> module).
-_WHERE = type_checked_imports(__file__)
-
-__all__ = sorted(_WHERE)
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())
+__all__ = sorted(lazy_exports(globals()))
