@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,12 +91,9 @@ def build_run_metric_writers(
 def checkpointing_context_for(checkpoint: CheckpointConfig) -> dict[str, Any]:
     """The checkpointing context of the ``checkpoint`` section (empty when the run neither
     saves nor loads; else checked, locked and ready, see ``init_checkpointing_context``)."""
-    if all(
-        path is None
-        for path in (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
-    ):
+    paths = (checkpoint.save, checkpoint.load, checkpoint.pretrained_checkpoint)
+    if all(path is None for path in paths):
         return {}
-
     return init_checkpointing_context(checkpoint)
 
 
@@ -209,16 +207,15 @@ def run_teardown_steps(
     """
     steps: list[TeardownStep] = []
     if checkpoint is not None and checkpoint.save is not None:
-
-        def finalize() -> None:
-            finalize_async_saves(resiliency.fault_tolerance, blocking=True, terminate=True)
-
+        finalize = partial(
+            finalize_async_saves, resiliency.fault_tolerance, blocking=True, terminate=True
+        )
         steps.append(("finishing asynchronous checkpoint saves", finalize))
     steps += resiliency.teardown_steps(clean)
-    writers = (
-        ("closing", metric_writers.close) if close_writers else ("flushing", metric_writers.flush)
-    )
-    steps.append((f"{writers[0]} the metric writers", writers[1]))
+    if close_writers:
+        steps.append(("closing the metric writers", metric_writers.close))
+    else:
+        steps.append(("flushing the metric writers", metric_writers.flush))
     return steps
 
 

@@ -118,17 +118,12 @@ def num_floating_point_operations(
         padded_vocab = model.vocab_size
 
     mtp_layers = getattr(model, "mtp_num_layers", None) or 0
-    if getattr(model, "num_moe_experts", None) is None:
-        num_moe_layers, routed_experts, last_is_moe = 0, 0, 0
-    else:
-        pattern = _moe_layer_pattern(model)
-        num_moe_layers = sum(pattern)
-        routed_experts = getattr(model, "moe_router_topk", 1)
-        last_is_moe = pattern[-1]
-    num_dense_layers = model.num_layers - num_moe_layers
-    num_moe_layers += last_is_moe * mtp_layers
-    num_dense_layers += (1 - last_is_moe) * mtp_layers
-    num_layers = model.num_layers + mtp_layers
+    moe = getattr(model, "num_moe_experts", None) is not None
+    pattern = _moe_layer_pattern(model) if moe else [0] * model.num_layers
+    pattern += [pattern[-1] if moe else 0] * mtp_layers  # MTP layers: like the last layer
+    num_layers, num_moe_layers = len(pattern), sum(pattern)
+    num_dense_layers = num_layers - num_moe_layers
+    routed_experts = getattr(model, "moe_router_topk", 1) if moe else 0
 
     projections = 3 if getattr(model, "gated_linear_unit", False) else 2
     moe_ffn = getattr(model, "moe_ffn_hidden_size", None) or ffn
