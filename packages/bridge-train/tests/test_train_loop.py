@@ -71,6 +71,14 @@ class _HookedChunk:
         self.calls.append(("copy", None))
 
 
+class _HookedOptimizer(_HookedChunk):
+    def zero_grad(self) -> None:
+        pass
+
+    def step(self) -> tuple[bool, None, None]:
+        return True, None, None
+
+
 def test_forward_pre_hook_helpers() -> None:
     assert should_disable_forward_pre_hook(False, True, True)
     for flags in [(True, True, True), (False, False, True), (False, True, False)]:
@@ -80,9 +88,8 @@ def test_forward_pre_hook_helpers() -> None:
     enable_forward_pre_hook([chunk, plain])  # chunks without megatron's DDP have no hooks
     assert chunk.calls == [("disable", False), ("enable", None)]
     # The step refills an mxfp8 parameter buffer that reuses the gradient buffer (overlapped
-    # gather only); ``chunk`` stands in for the distributed optimizer.
-    chunk.zero_grad = lambda: None
-    chunk.step = lambda: (True, None, None)
+    # gather only).
+    optimizer = _HookedOptimizer()
     scheduler = type("Scheduler", (), {"step": lambda self, increment: None})()
     owns = ensure_num_microbatches_calculator(tiny_train_config(), 1)
     try:
@@ -95,11 +102,11 @@ def test_forward_pre_hook_helpers() -> None:
                 ddp_config=SimpleNamespace(
                     reuse_grad_buf_for_mxfp8_param_ag=True, overlap_param_gather=overlap
                 ),
-            ).run(iter(()), [], chunk, scheduler)
+            ).run(iter(()), [], optimizer, scheduler)
     finally:
         if owns:
             destroy_num_microbatches_calculator()
-    assert chunk.calls[-1] == ("copy", None) and len(chunk.calls) == 3
+    assert optimizer.calls == [("copy", None)]  # with the overlapped gather only
 
 
 def test_rampup_becomes_megatron_step_schedule() -> None:
