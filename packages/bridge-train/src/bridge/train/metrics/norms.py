@@ -138,8 +138,9 @@ def calc_dtensor_params_l2_norm(params: Iterable[Any]) -> float:
     total = 0.0
     for spec, local_tensors in by_spec.items():
         mesh = spec.device_mesh
-        index = torch.cuda.current_device() if mesh.device_type == "cuda" else None
-        device = torch.device(mesh.device_type, index)
+        device = torch.device(mesh.device_type) if mesh.device_type != "cuda" else None
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         norm_2 = _sum_of_squares(local_tensors, device)
         for dim, placement in enumerate(spec.placements):
             if placement.is_shard():
