@@ -144,11 +144,9 @@ def checksum_files(
     """
     base = Path(directory)
     skip = set(exclude)
-    names = sorted(
-        entry.name for entry in base.iterdir() if entry.is_file() and entry.name not in skip
-    )
+    names = [e.name for e in base.iterdir() if e.is_file() and e.name not in skip]
     part: dict[str, Any] = {}
-    for name in _my_share(names):
+    for name in _my_share(names):  # sorted there
         try:
             part[name] = checksum_file(base / name)
         except OSError as exc:

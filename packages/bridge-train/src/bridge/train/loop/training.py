@@ -198,7 +198,7 @@ class RunComponents:
             train=train,
             log_interval=logger_cfg.log_interval,
             checkpoint=checkpoint,
-            save=self.checkpoint_writer or _no_save,
+            save=self.checkpoint_writer,
             resiliency=state.resiliency,
             profiling=cfg.profiling,
             profile_trace_dir=profile_trace_dir(logger_cfg, checkpoint),
@@ -279,8 +279,3 @@ def run_training(
         state.last_evaluated_iteration = next(evaluated, None)
         state.last_saved_iteration = next(saved, None)
     return exit_code
-
-
-def _no_save(context: LoopContext, non_persistent: bool) -> None:
-    """The save of a run without a ``checkpoint`` section (never called: nothing saves)."""
-    raise AssertionError("no checkpoint section: the checkpointer never saves")

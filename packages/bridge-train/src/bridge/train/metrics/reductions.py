@@ -42,9 +42,7 @@ def logical_and_across_model_parallel_group(input: bool, mp_group: Any) -> bool:
     Returns:
         True only if ``input`` is true on every rank of the group.
     """
-    tensor = torch.tensor(
-        [1 if input else 0], dtype=torch.int32, device=collective_device(mp_group)
-    )
+    tensor = torch.tensor([int(input)], dtype=torch.int32, device=collective_device(mp_group))
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=mp_group)
     return bool(tensor.item())

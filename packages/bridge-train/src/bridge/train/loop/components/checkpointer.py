@@ -42,7 +42,7 @@ class Checkpointer(Callback):
     asynchronous save: once it is committed).
 
     Args:
-        save: Writes one checkpoint.
+        save: Writes one checkpoint (``None``: a run without a ``checkpoint`` section).
         checkpoint_config: The run's ``checkpoint`` section (``None``: never save).
         exit_conditions: Signal / duration / interval / stop-request exit conditions
             (``None``: only the run's length ends the loop).
@@ -56,7 +56,7 @@ class Checkpointer(Callback):
 
     def __init__(
         self,
-        save: SaveFunction,
+        save: SaveFunction | None,
         checkpoint_config: CheckpointConfig | None,
         exit_conditions: ExitConditions | None = None,
         finalize: FinalizeFunction | None = None,
@@ -76,7 +76,7 @@ class Checkpointer(Callback):
     def from_config(
         cls,
         checkpoint: CheckpointConfig | None,
-        save: SaveFunction,
+        save: SaveFunction | None,
         *,
         exit_conditions: ExitConditions | None = None,
         fault_tolerance: FaultTolerance | None = None,
@@ -87,7 +87,7 @@ class Checkpointer(Callback):
 
         Args:
             checkpoint: The ``checkpoint`` section (``None``: never save).
-            save: Writes one checkpoint.
+            save: Writes one checkpoint (``None``: never saves).
             exit_conditions: The run's exit conditions.
             fault_tolerance: The run's fault-tolerance hooks (for finalizing saves).
         """
@@ -112,6 +112,7 @@ class Checkpointer(Callback):
             context: The loop's context.
             non_persistent: A non-persistent (local) checkpoint.
         """
+        assert self.save_function is not None, "no checkpoint section: nothing saves"
         self.save_function(context, non_persistent)
         if not non_persistent:
             self.last_saved_iteration = context.iteration

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from bridge.train.loop.components.maintenance import _completed
 from core_utils import Timers
 from core_utils.callbacks import Callback
 from core_utils.loop import LoopContext
@@ -43,8 +44,7 @@ class Evaluator(Callback):
 
     def on_step_end(self, context: LoopContext) -> None:
         """Evaluate on the interval."""
-        result = context.step_result
-        if result is None or not result.completed or not self.eval_interval:
+        if not _completed(context) or not self.eval_interval:
             return
         iteration = context.iteration
         if iteration % self.eval_interval != 0 or context.valid_data_iterator is None:

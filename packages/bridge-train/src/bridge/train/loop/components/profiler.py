@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from bridge.config import ProfilingConfig
+from bridge.train.loop.components.maintenance import _completed
 from bridge.train.loop.profiling import (
     TNvtxContext,
     start_profiler,
@@ -72,11 +73,8 @@ class Profiler(Callback):
 
     def on_step_end(self, context: LoopContext) -> None:
         """Step the profiler; stop it after the last profiled iteration."""
-        result = context.step_result
-        if (
-            result is not None
-            and result.completed
-            and step_profiler(self.prof, self.nsys_context, context.iteration, self.profiling)
+        if _completed(context) and step_profiler(
+            self.prof, self.nsys_context, context.iteration, self.profiling
         ):
             self.prof, self.nsys_context = None, None
 

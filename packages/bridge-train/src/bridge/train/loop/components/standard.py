@@ -36,7 +36,7 @@ def standard_components(
     train: TrainingConfig,
     log_interval: int,
     checkpoint: CheckpointConfig | None,
-    save: SaveFunction,
+    save: SaveFunction | None,
     resiliency: RunResiliency,
     profiling: ProfilingConfig | None = None,
     profile_trace_dir: Path | None = None,
@@ -65,7 +65,7 @@ def standard_components(
         train: The ``train`` section (sync, weight-hash, GC and evaluation intervals).
         log_interval: ``logger.log_interval`` (straggler reports).
         checkpoint: The ``checkpoint`` section (``None``: never save).
-        save: Writes a checkpoint (see :data:`SaveFunction`).
+        save: Writes a checkpoint (see :data:`SaveFunction`; ``None``: never saves).
         resiliency: The run's fault tolerance, straggler detection and exit conditions.
         profiling: The ``profiling`` section (``None``: no profiler).
         profile_trace_dir: Where the torch profiler writes.
