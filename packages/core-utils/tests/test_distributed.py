@@ -143,6 +143,7 @@ def _logging_and_cp(rank: int, out: dict[str, Any]) -> None:
 
 def _on_ranks(rank: int, world_size: int) -> dict[str, Any]:
     from core_utils.distributed import (
+        any_rank,
         broadcast_from_rank0,
         gather_from_every_rank,
         global_rank,
@@ -153,6 +154,7 @@ def _on_ranks(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {"global": (global_rank(), global_world_size())}
     out["broadcast"] = broadcast_from_rank0({"from": rank, "prompts": ["a", None]})
     out["gathered"] = gather_from_every_rank({"from": rank})
+    out["any"] = (any_rank(rank == 1), any_rank(False), any_rank(True))
     out["global_launcher"] = (
         global_rank(launcher_fallback=True),
         global_world_size(launcher_fallback=True),
@@ -174,6 +176,7 @@ def test_distributed_helpers_on_two_gloo_ranks() -> None:
         assert out["pg"] == (2, rank, 0, 1, 0)
         assert out["broadcast"] == {"from": 0, "prompts": ["a", None]}
         assert out["gathered"] == [{"from": 0}, {"from": 1}]
+        assert out["any"] == (True, False, True)  # rank 1's flag reaches rank 0
         # Identical replicas match; a drifted replica is detected.
         assert out["same"] is True and out["same_cross"] is True
         assert out["diverged_cross"] is False
@@ -195,8 +198,9 @@ def test_distributed_helpers_on_two_gloo_ranks() -> None:
 
 
 def test_broadcast_from_rank0_without_a_process_group_returns_the_value() -> None:
-    from core_utils.distributed import broadcast_from_rank0, gather_from_every_rank
+    from core_utils.distributed import any_rank, broadcast_from_rank0, gather_from_every_rank
 
     value = {"prompts": ["a"]}
     assert broadcast_from_rank0(value) is value
     assert gather_from_every_rank(value) == [value]
+    assert any_rank(True) is True and any_rank(False) is False

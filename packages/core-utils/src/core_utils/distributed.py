@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_into",
+    "any_rank",
     "broadcast_from_rank0",
     "collective_device",
     "dist_ready",
@@ -38,6 +39,20 @@ def broadcast_from_rank0[T](value: T) -> T:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank of the default group (a MAX all-reduce), so that
+    every rank takes the same decision.
+
+    Without a process group, or in a group of one, ``flag``. A collective: every rank of
+    the group must call it.
+    """
+    if not dist_ready() or dist.get_world_size() == 1:
+        return bool(flag)
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def gather_from_every_rank[T](value: T) -> list[T]:

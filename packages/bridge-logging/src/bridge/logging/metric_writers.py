@@ -10,7 +10,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-import torch
 import torch.distributed as dist
 
 from bridge.config import LoggerConfig
@@ -37,7 +36,7 @@ from bridge.logging.settings import (
     backend_settings_for,
     report_settings_for,
 )
-from core_utils.distributed import collective_device, dist_ready
+from core_utils.distributed import any_rank, dist_ready
 
 __all__ = ["MetricWriters", "build_metric_writers", "tensorboard_only"]
 
@@ -523,11 +522,9 @@ def _build_backends(
 
 def _agree_on_failure(failed: bool, world_size: int) -> bool:
     """Whether any rank failed (a MAX all-reduce), so that every rank raises together."""
-    if not dist_ready() or dist.get_world_size() != world_size or world_size == 1:
+    if not dist_ready() or dist.get_world_size() != world_size:
         return failed
-    flag = torch.tensor([1.0 if failed else 0.0], device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return any_rank(failed)
 
 
 def build_metric_writers(

@@ -55,6 +55,7 @@ from bridge.mimo.parallel_utils import (
     zero_grad_buffer_for_multimodule,
 )
 from core_utils.callbacks import Callback, CallbackList
+from core_utils.distributed import any_rank
 from core_utils.loop import LoopContext, StepResult, run_loop
 
 if TYPE_CHECKING:
@@ -812,12 +813,11 @@ class _StopWhenAsked(Callback):
     """Stops the loop after the first iteration for which any rank's ``should_stop`` holds
     (one all-reduce per iteration, so a rank-local clock cannot make ranks disagree)."""
 
-    def __init__(self, should_stop: ShouldStop | Callable[[int], bool], device: torch.device):
+    def __init__(self, should_stop: ShouldStop | Callable[[int], bool]):
         self.should_stop = should_stop
-        self.device = device
 
     def on_step_end(self, context: LoopContext) -> None:
-        if _any_rank(self.should_stop(context.iteration), self.device):
+        if any_rank(self.should_stop(context.iteration)):
             context.request_stop("should_stop asked to stop")
 
 
@@ -866,12 +866,6 @@ class MimoLoopContext(LoopContext):
             skipped_iterations=step.skipped_iterations,
             stopped_early=self.stop_requested and iteration < self.train_iters,
         )
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def train_mimo(
@@ -937,7 +931,7 @@ def train_mimo(
     step_function = MimoStepFunction(step, data, scheduler)
     components: list[Callback] = []
     if should_stop is not None:
-        components.append(_StopWhenAsked(should_stop, step.device))
+        components.append(_StopWhenAsked(should_stop))
     if log_fn is not None:
         components.append(MimoLogger(step_function, log_fn, log_interval, train_iters))
     hooks = CallbackList(components, list(callbacks or ()))

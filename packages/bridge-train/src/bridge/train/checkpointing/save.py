@@ -84,7 +84,7 @@ from bridge.train.checkpointing.state_dict import (
     build_save_state_dict,
 )
 from core_utils import cpu_cuda_compat
-from core_utils.distributed import collective_device, global_rank, global_world_size
+from core_utils.distributed import any_rank, global_rank
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -376,11 +376,7 @@ def _structure_changed(sharded: dict[str, Any], context: dict[str, Any]) -> bool
     fingerprint = hash(tuple(repr(item) for item in items))
     changed = fingerprint != context.get("structure")
     context["structure"] = fingerprint
-    if global_world_size() > 1:
-        flag = torch.tensor([int(changed)], device=collective_device())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        changed = bool(flag.item())
-    return changed
+    return any_rank(changed)
 
 
 def _save_strategy(
