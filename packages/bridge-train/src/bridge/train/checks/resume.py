@@ -189,8 +189,7 @@ def resume_matches_run(
 
 
 def _is_within(path: str, directory: str) -> bool:
-    inner, outer = Path(path).resolve(), Path(directory).resolve()
-    return inner == outer or outer in inner.parents
+    return Path(path).resolve().is_relative_to(Path(directory).resolve())
 
 
 def run_plan_notices(

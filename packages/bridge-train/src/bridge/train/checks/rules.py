@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from bridge.config import (
+    TOKENIZER_REQUIRED_FIELDS,
     CheckpointConfig,
     ConfigError,
     DistributedInitConfig,
@@ -271,13 +272,6 @@ def nvrx_needs_cuda(
 
 # ------------------------------------------------------------------------------- tokenizer
 
-# The files each file-based tokenizer type reads (all must exist before the run starts).
-_TOKENIZER_FILES: dict[str, tuple[str, ...]] = {
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "TikTokenizer": ("tokenizer_model",),
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-}
-
 
 def tokenizer_can_be_built(tokenizer: Tokenizer) -> None:
     """A ``tokenizer.tokenizer_type`` this installation can build (its optional package and
@@ -296,7 +290,10 @@ def tokenizer_can_be_built(tokenizer: Tokenizer) -> None:
     message = missing_tokenizer_package(kind)
     if message is not None:
         raise ConfigError("tokenizer.tokenizer_type", message)
-    for name in _TOKENIZER_FILES.get(kind, ()):
+    # The files a file-based type reads must exist before the run starts (the null
+    # tokenizer reads none; a Hugging Face directory is hf_tokenizer_files_exist's).
+    skip = kind in ("NullTokenizer", "HuggingFaceTokenizer")
+    for name in () if skip else TOKENIZER_REQUIRED_FIELDS.get(kind, ()):
         path = getattr(tokenizer, name, None)
         if path is not None and not Path(path).is_file():
             raise ConfigError(

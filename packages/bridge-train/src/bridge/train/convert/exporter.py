@@ -36,13 +36,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge.config import (
     CheckpointConfig,
-    ConfigContainer,
     ConfigError,
     PEFTProtocol,
     TokenizerConfig,
     TokenizerConfigProtocol,
 )
 from bridge.train.checkpointing import CheckpointError, restore_checkpoint
+from bridge.train.checkpointing.architecture import saved_run_config
 from bridge.train.checkpointing.integrity import checkpoint_problems
 from bridge.train.checkpointing.layout import (
     MARKER_FILENAME,
@@ -352,15 +352,14 @@ def export_hf_checkpoint(
         root, iteration_dir = locate_checkpoint(Path(ckpt_dir))
     except CheckpointError as exc:
         raise ConversionError(str(exc)) from None
-    run_config_file = iteration_dir / RUN_CONFIG_FILENAME
-    if not run_config_file.is_file():
+    try:
+        run_config = saved_run_config(iteration_dir)
+    except ConfigError as exc:
+        raise ConversionError(f"{iteration_dir / RUN_CONFIG_FILENAME}: {exc}") from None
+    if run_config is None:
         raise ConversionError(
             f"{iteration_dir} has no {RUN_CONFIG_FILENAME}; the model's shape cannot be known"
         )
-    try:
-        run_config = ConfigContainer.from_yaml(run_config_file)
-    except ConfigError as exc:
-        raise ConversionError(f"{run_config_file}: {exc}") from None
     provider = run_config.model
     pretrained = run_config.checkpoint.pretrained_checkpoint if run_config.checkpoint else None
     family, config, prefix, written, files_dir = _hf_files(

@@ -15,6 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bridge.train.data.tokenizers import Tokenizer
+from bridge.train.models.architecture import same_setting
 from bridge.train.models.cpu_rotary import keep_rotary_on_cpu
 from bridge.train.models.layer_specs import (
     LayerSpecBackend,
@@ -53,13 +54,6 @@ def calculate_padded_vocab_size(
             raise ValueError(f"calculate_padded_vocab_size: {name} must be >= 1, got {value!r}")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # tensors and other objects without a boolean equality
-        return False
 
 
 def _divisors(n: int) -> list[int]:
@@ -269,7 +263,7 @@ class GPTModelProvider(TransformerConfig):
         return frozenset(
             name
             for name, derived in getattr(self, "_derived_values", {}).items()
-            if getattr(self, name) is derived or _same_value(getattr(self, name), derived)
+            if getattr(self, name) is derived or same_setting(getattr(self, name), derived)
         )
 
     def apply_tokenizer(self, tokenizer: Tokenizer) -> GPTModelProvider:

@@ -171,7 +171,7 @@ class GptOssFamily(LlamaFamily):
         return [
             direct(f"{m}mlp.router.weight", f"{h}mlp.router.weight"),
             direct(f"{m}mlp.router.bias", f"{h}mlp.router.bias"),
-            *_stacked_experts(m, f"{h}mlp.experts.", int(config["num_local_experts"])),
+            *_stacked_experts(m, f"{h}mlp.experts.", kwargs["num_moe_experts"]),
         ]
 
     def hf_config(self, provider: Any) -> dict[str, Any]:

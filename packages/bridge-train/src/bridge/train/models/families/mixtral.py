@@ -48,7 +48,7 @@ class MixtralFamily(MistralFamily):
     ) -> list[ParamMapping]:
         """The router (``block_sparse_moe.gate``) and the experts (``w1``, ``w3``, ``w2``)."""
         moe = f"{h}block_sparse_moe."
-        count = int(config["num_local_experts"])
+        count = int(kwargs["num_moe_experts"])
         return routed_experts(m, f"{moe}gate.weight", f"{moe}experts.", count, ("w1", "w3", "w2"))
 
     def hf_extra(self, provider: Any) -> dict[str, Any]:
